@@ -1,0 +1,168 @@
+"""Deterministic data: which samples make up step s, and how they are split among workers.
+
+Invariant (DESIGN.md): the G samples of step s depend only on (seed, s, G) and the dataset
+length. Positions ``s*G .. s*G+G-1`` of an endless stream are drawn from per-epoch random
+permutations, each seeded by (seed, epoch). Any plan splits exactly those G samples into
+contiguous, disjoint shares in rank order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+__all__ = [
+    "StepSampler",
+    "even_shares",
+    "share_bounds",
+    "fetch_batch",
+    "ParquetDataset",
+]
+
+
+class StepSampler:
+    """Maps a step to the dataset indices of its global batch.
+
+    Thread-compatible (not thread-safe): keeps one cached epoch permutation.
+    """
+
+    def __init__(self, dataset_len: int, global_batch_size: int, seed: int) -> None:
+        if dataset_len < global_batch_size:
+            raise ValueError(
+                f"dataset has {dataset_len} samples, fewer than one global batch "
+                f"({global_batch_size})"
+            )
+        self.n = dataset_len
+        self.g = global_batch_size
+        self.seed = seed
+        self._epoch = -1
+        self._perm = torch.empty(0, dtype=torch.long)
+
+    def _permutation(self, epoch: int) -> torch.Tensor:
+        if epoch != self._epoch:
+            gen = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) & 0x7FFF_FFFF_FFFF)
+            self._perm = torch.randperm(self.n, generator=gen)
+            self._epoch = epoch
+        return self._perm
+
+    def indices(self, step: int) -> torch.Tensor:
+        """The G dataset indices of ``step`` (a LongTensor), in global order."""
+        start = step * self.g
+        out = torch.empty(self.g, dtype=torch.long)
+        filled = 0
+        while filled < self.g:
+            pos = start + filled
+            epoch, off = divmod(pos, self.n)
+            take = min(self.g - filled, self.n - off)
+            out[filled : filled + take] = self._permutation(epoch)[off : off + take]
+            filled += take
+        return out
+
+    def epoch_of(self, step: int) -> float:
+        return step * self.g / self.n
+
+
+def even_shares(global_batch_size: int, world_size: int) -> tuple[int, ...]:
+    """Split G as evenly as possible; the first ``G % W`` ranks take one more sample."""
+    base, extra = divmod(global_batch_size, world_size)
+    return tuple(base + (1 if r < extra else 0) for r in range(world_size))
+
+
+def share_bounds(shares: Sequence[int], rank: int) -> tuple[int, int]:
+    lo = sum(shares[:rank])
+    return lo, lo + shares[rank]
+
+
+def fetch_batch(dataset: Any, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather ``indices`` from a map-style dataset of (input, target) pairs into two tensors.
+
+    A dataset may offer ``get_batch(indices)`` for a vectorised path (ParquetDataset and the
+    built-in datasets do); otherwise items are fetched one by one and stacked.
+    """
+    if hasattr(dataset, "get_batch"):
+        return dataset.get_batch(indices)
+    xs, ys = zip(*(dataset[int(i)] for i in indices), strict=True)
+    return _stack(xs), _stack(ys)
+
+
+def _stack(items: Sequence[Any]) -> torch.Tensor:
+    if isinstance(items[0], torch.Tensor):
+        return torch.stack(list(items))
+    return torch.as_tensor(items)
+
+
+class ParquetDataset:
+    """A Parquet dataset (file or directory, any pyarrow.fs URI) of (input, target) rows.
+
+    ``input_column`` and ``target_column`` hold numbers or fixed-length lists of numbers.
+    The table is read once per process, lazily, on first use.
+    """
+
+    def __init__(
+        self,
+        uri: str,
+        input_column: str = "x",
+        target_column: str = "y",
+        input_dtype: str = "float32",
+        target_dtype: str = "float32",
+    ) -> None:
+        self.uri = uri
+        self.input_column = input_column
+        self.target_column = target_column
+        self.input_dtype = input_dtype
+        self.target_dtype = target_dtype
+        self._x: torch.Tensor | None = None
+        self._y: torch.Tensor | None = None
+        self._len: int | None = None
+
+    def __getstate__(self) -> dict[str, Any]:  # ship the URI, never the loaded table
+        d = dict(self.__dict__)
+        d["_x"] = d["_y"] = None
+        return d
+
+    def __len__(self) -> int:
+        if self._len is None:
+            import pyarrow.dataset as pads
+
+            ds = pads.dataset(self.uri, format="parquet")
+            missing = {self.input_column, self.target_column} - set(ds.schema.names)
+            if missing:
+                raise ValueError(
+                    f"Parquet dataset {self.uri} has no column(s) {sorted(missing)}; "
+                    f"it has {ds.schema.names}. Set input_column/target_column."
+                )
+            self._len = ds.count_rows()
+        return self._len
+
+    def _load(self) -> None:
+        import numpy as np
+        import pyarrow.dataset as pads
+
+        table = pads.dataset(self.uri, format="parquet").to_table(
+            columns=[self.input_column, self.target_column]
+        )
+
+        def col(name: str, dtype: str) -> torch.Tensor:
+            c = table.column(name).combine_chunks()
+            if hasattr(c, "flatten") and str(c.type).startswith(("list", "fixed_size_list")):
+                flat = np.asarray(c.flatten().to_numpy(zero_copy_only=False))
+                arr = flat.reshape(len(c), -1)
+            else:
+                arr = np.asarray(c.to_numpy(zero_copy_only=False))
+            return torch.from_numpy(arr.astype(dtype, copy=False).copy())
+
+        self._x = col(self.input_column, self.input_dtype)
+        self._y = col(self.target_column, self.target_dtype)
+        self._len = len(self._x)
+
+    def get_batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._x is None:
+            self._load()
+        assert self._x is not None and self._y is not None
+        return self._x[indices], self._y[indices]
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = self.get_batch(torch.tensor([i]))
+        return x[0], y[0]

@@ -1,0 +1,221 @@
+"""The Strategy contract: how a model, its optimizer and a batch are laid out on a group.
+
+A strategy knows PyTorch, not Ray. It is built on every rank of an already initialised
+``torch.distributed`` default group, from a *full* model that is identical on every rank
+(same seed, same factory), and it must be able to export and import the training state in one
+canonical, layout-independent form:
+
+``CanonicalState`` is a flat ``dict[str, Tensor]`` of CPU tensors:
+  - ``"model/<fqn>"``: every parameter and buffer of the full model, by its fully qualified
+    name in the *original* model (pipeline stages keep these names);
+  - ``"optim/<fqn>/<key>"``: each per-parameter optimizer state entry (``exp_avg``,
+    ``momentum_buffer``, ``step``...), full-sized, keyed by the parameter's FQN.
+Any strategy's ``full_state()`` loads into any other strategy's ``load_full_state()`` on any
+world size; that is what makes live switches and resharding checkpoints possible.
+
+Loss normalisation: each rank gets a *share* of the global batch of size G (shares may be
+unequal). ``train_step`` scales the local mean loss by ``share / G`` (times whatever factor
+the layout's gradient reduction divides by), so the reduced gradient is exactly the mean over
+the G samples, whatever the split.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = [
+    "StrategyError",
+    "StrategySpec",
+    "Runtime",
+    "Strategy",
+    "CanonicalState",
+    "LossFn",
+    "OptimizerFactory",
+    "optimizer_state_to_canonical",
+    "optimizer_state_from_canonical",
+    "model_state_to_canonical",
+    "state_hash",
+]
+
+CanonicalState = dict[str, torch.Tensor]
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+class StrategyError(ValueError):
+    """A strategy cannot run with this spec, world size or model; the message says why."""
+
+
+@dataclass(frozen=True)
+class StrategySpec:
+    """What a strategy needs to lay itself out. Built by the controller from a plan.
+
+    ``shares[r]`` is rank r's number of samples of the global batch (sum = global batch).
+    Pipeline fields are ignored by non-pipeline strategies.
+    """
+
+    name: str
+    world_size: int
+    shares: tuple[int, ...]
+    pp_degree: int = 1
+    micro_batches: int = 1
+    schedule: str = "gpipe"
+    stage_split: tuple[int, ...] | None = None
+    dp_mode: str = "dp"  # inner data-parallel flavour of a hybrid (dp or zero1/2/3)
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def global_batch_size(self) -> int:
+        return sum(self.shares)
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Where this rank runs: rank, world size and torch device of the current group."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+
+    @staticmethod
+    def current(device: torch.device | str = "cpu") -> Runtime:
+        return Runtime(dist.get_rank(), dist.get_world_size(), torch.device(device))
+
+
+class Strategy(ABC):
+    """One parallel layout. Subclasses register themselves in ``strategies.registry``.
+
+    Ownership: the strategy owns the model and optimizer it builds; ``close()`` releases
+    them and any sub-groups. Not thread-safe: one caller drives a strategy at a time, and all
+    ranks call collective methods (``train_step``, ``full_state``, ``load_full_state``) in the
+    same order.
+    """
+
+    name: ClassVar[str]
+
+    @classmethod
+    def validate(cls, spec: StrategySpec, model: nn.Module) -> None:
+        """Raise ``StrategyError`` if this strategy cannot run with ``spec`` on ``model``."""
+        if len(spec.shares) != spec.world_size:
+            raise StrategyError(
+                f"{len(spec.shares)} batch shares for {spec.world_size} workers; "
+                "give one share per worker"
+            )
+        if any(s < 1 for s in spec.shares):
+            raise StrategyError(
+                f"every worker needs at least one sample per step, shares are {list(spec.shares)}; "
+                "raise global_batch_size or use fewer workers"
+            )
+
+    def __init__(
+        self,
+        spec: StrategySpec,
+        rt: Runtime,
+        model: nn.Module,
+        optimizer_factory: OptimizerFactory,
+        loss_fn: LossFn,
+    ) -> None:
+        self.spec = spec
+        self.rt = rt
+        self.loss_fn = loss_fn
+        self.optimizer_factory = optimizer_factory
+
+    @property
+    def share(self) -> int:
+        return self.spec.shares[self.rt.rank]
+
+    @abstractmethod
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        """Run one optimizer step on this rank's share; return ``local_mean_loss * share / G``
+        (summing the returns of all ranks gives the global mean loss)."""
+
+    @abstractmethod
+    def full_state(self) -> CanonicalState:
+        """Collective. Return the full canonical state on every rank (CPU tensors)."""
+
+    @abstractmethod
+    def load_full_state(self, state: CanonicalState) -> None:
+        """Collective. Replace model and optimizer state with ``state`` (canonical form)."""
+
+    @abstractmethod
+    def memory_counts(self) -> dict[str, int]:
+        """Elements this rank actually holds: ``params``, ``grads``, ``optim``."""
+
+    def local_model(self) -> nn.Module:
+        """The module this rank runs (wrapped or not); for inspection and tests."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release the model, optimizer and any sub-groups this strategy created."""
+
+
+# --------------------------------------------------------------------------- canonical helpers
+
+
+def model_state_to_canonical(named: Iterable[tuple[str, torch.Tensor]]) -> CanonicalState:
+    return {f"model/{k}": v.detach().to("cpu", copy=True) for k, v in named}
+
+
+def optimizer_state_to_canonical(
+    optimizer: torch.optim.Optimizer, fqn_of: dict[int, str]
+) -> CanonicalState:
+    """Per-parameter optimizer state keyed by the parameter's FQN. ``fqn_of`` maps
+    ``id(param)`` to its FQN; parameters without state are skipped."""
+    out: CanonicalState = {}
+    for p, st in optimizer.state.items():
+        fqn = fqn_of[id(p)]
+        for k, v in st.items():
+            t = v if isinstance(v, torch.Tensor) else torch.tensor(v)
+            out[f"optim/{fqn}/{k}"] = t.detach().to("cpu", copy=True)
+    return out
+
+
+def optimizer_state_from_canonical(
+    optimizer: torch.optim.Optimizer,
+    params_by_fqn: dict[str, nn.Parameter],
+    state: CanonicalState,
+    slicer: Callable[[str, torch.Tensor, nn.Parameter], torch.Tensor] | None = None,
+) -> None:
+    """Fill ``optimizer.state`` for the given parameters from canonical entries.
+
+    ``slicer(fqn, full_tensor, param)`` cuts the full entry down to what this rank holds
+    (identity by default). Scalar entries (such as Adam's ``step``) are copied as they are.
+    """
+    optimizer.state.clear()
+    by_param: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in state.items():
+        if not key.startswith("optim/"):
+            continue
+        fqn, _, k = key[len("optim/"):].rpartition("/")
+        if fqn in params_by_fqn:
+            by_param.setdefault(fqn, {})[k] = t
+    for fqn, entries in by_param.items():
+        p = params_by_fqn[fqn]
+        st: dict[str, Any] = {}
+        for k, t in entries.items():
+            if t.dim() == 0:  # scalar entries (Adam's step) stay as they are, on the CPU
+                st[k] = t.clone()
+            else:
+                st[k] = (slicer(fqn, t, p) if slicer else t).clone().to(p.device)
+        optimizer.state[p] = st
+
+
+def state_hash(state: CanonicalState) -> str:
+    """A short, order-independent digest of a canonical state (bit-exact comparison)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for k in sorted(state):
+        t = state[k].detach().contiguous().cpu()
+        h.update(k.encode())
+        h.update(str(t.dtype).encode())
+        h.update(str(tuple(t.shape)).encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()[:16]

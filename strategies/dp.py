@@ -1,0 +1,81 @@
+"""Data parallel: a full replica per rank, gradients all-reduced by DDP (bucketed, overlapped)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from .base import (
+    CanonicalState,
+    LossFn,
+    OptimizerFactory,
+    Runtime,
+    Strategy,
+    StrategySpec,
+    model_state_to_canonical,
+    optimizer_state_from_canonical,
+    optimizer_state_to_canonical,
+)
+from .registry import register
+
+__all__ = ["DataParallel"]
+
+
+@register
+class DataParallel(Strategy):
+    name = "dp"
+
+    def __init__(
+        self,
+        spec: StrategySpec,
+        rt: Runtime,
+        model: nn.Module,
+        optimizer_factory: OptimizerFactory,
+        loss_fn: LossFn,
+    ) -> None:
+        super().__init__(spec, rt, model, optimizer_factory, loss_fn)
+        self.model = model.to(rt.device)
+        self.params_by_fqn = dict(self.model.named_parameters())
+        self.fqn_of = {id(p): n for n, p in self.params_by_fqn.items()}
+        ids = [rt.device.index] if rt.device.type == "cuda" else None
+        self.ddp = DDP(self.model, device_ids=ids, broadcast_buffers=False)
+        self.optimizer = optimizer_factory(self.model.parameters())
+        # DDP averages gradients over world size; scale so the result is the mean over G.
+        self._scale = self.share * rt.world_size / spec.global_batch_size
+
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        dev = self.rt.device
+        inputs, targets = inputs.to(dev, non_blocking=True), targets.to(dev, non_blocking=True)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.loss_fn(self.ddp(inputs), targets)
+        (loss * self._scale).backward()
+        self.optimizer.step()
+        return float(loss.detach()) * self.share / self.spec.global_batch_size
+
+    def full_state(self) -> CanonicalState:
+        out = model_state_to_canonical(self.model.state_dict().items())
+        out.update(optimizer_state_to_canonical(self.optimizer, self.fqn_of))
+        return out
+
+    def load_full_state(self, state: CanonicalState) -> None:
+        msd = {k[len("model/"):]: v for k, v in state.items() if k.startswith("model/")}
+        self.model.load_state_dict(msd)
+        optimizer_state_from_canonical(self.optimizer, self.params_by_fqn, state)
+
+    def memory_counts(self) -> dict[str, int]:
+        params = sum(p.numel() for p in self.model.parameters())
+        grads = sum(p.grad.numel() for p in self.model.parameters() if p.grad is not None)
+        optim = sum(
+            v.numel()
+            for st in self.optimizer.state.values()
+            for v in st.values()
+            if isinstance(v, torch.Tensor) and v.dim() > 0
+        )
+        return {"params": params, "grads": grads, "optim": optim}
+
+    def local_model(self) -> nn.Module:
+        return self.model
+
+    def close(self) -> None:
+        del self.ddp, self.optimizer, self.model
