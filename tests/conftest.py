@@ -1,0 +1,19 @@
+"""Shared fixtures. Fixture modules live beside this file and are pulled in here."""
+
+import os
+import tempfile
+
+import pytest
+
+pytest_plugins = [m for m in ("tests.s3_server", "tests.ray_fixtures") if os.path.exists(
+    os.path.join(os.path.dirname(__file__), m.split(".")[1] + ".py"))]
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_ray_tmpdir():
+    """Each test run gets its own RAY_TMPDIR so it never attaches to someone else's cluster."""
+    if "RAY_TMPDIR" not in os.environ:
+        d = tempfile.mkdtemp(prefix="ray-elastic-", dir="/tmp")
+        os.environ["RAY_TMPDIR"] = d
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    yield
