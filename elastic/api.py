@@ -1,0 +1,100 @@
+"""The public SDK: ``fit`` runs a job to completion; ``submit`` returns a handle to a running one."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Any
+
+from .config import JobConfig
+from .controller import Controller, FitResult, Request
+from .view import View, make_view
+
+__all__ = ["fit", "submit", "JobHandle"]
+
+
+def _config(config: JobConfig | dict[str, Any] | str | None, overrides: dict[str, Any]) -> JobConfig:
+    if config is None:
+        return JobConfig.from_dict(overrides)
+    if isinstance(config, str):
+        cfg = JobConfig.from_yaml(config)
+    elif isinstance(config, dict):
+        cfg = JobConfig.from_dict({**config, **overrides})
+        overrides = {}
+    else:
+        cfg = config
+    for k, v in overrides.items():
+        if not hasattr(cfg, k):
+            JobConfig.from_dict({**overrides})  # raises the ConfigError naming the field
+        setattr(cfg, k, v)
+    return cfg
+
+
+def fit(config: JobConfig | dict[str, Any] | str | None = None, *, display: View | None = None,
+        **fields: Any) -> FitResult:
+    """Train a job to completion and return its result.
+
+    ``config`` is a ``JobConfig``, a dict of its fields, or a YAML path; keyword arguments
+    set or override fields (``fit(model=..., optimizer=..., ...)`` works without a config).
+    Raises ``ConfigError`` before any worker starts for bad settings, ``WorkerError`` with the
+    worker's rank and traceback when user code fails, ``ClusterError`` when Ray cannot host it.
+    """
+    cfg = _config(config, fields)
+    ctl = Controller(cfg, display or make_view(cfg.view, cfg.log_every))
+    return ctl.run()
+
+
+class JobHandle:
+    """A job running in a background thread of this process. Thread-safe."""
+
+    def __init__(self, controller: Controller) -> None:
+        self.controller = controller
+        self._result: FitResult | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._main, name="elastic-controller", daemon=True)
+        self._thread.start()
+
+    def _main(self) -> None:
+        try:
+            self._result = self.controller.run()
+        except BaseException as e:
+            self._error = e
+
+    def _ask(self, req: Request, timeout: float | None) -> Any:
+        req.reply = queue.Queue()
+        self.controller.post(req)
+        out = req.reply.get(timeout=timeout)
+        if isinstance(out, BaseException):
+            raise out
+        return out
+
+    def switch(self, strategy: str, reason: str = "requested by the SDK",
+               timeout: float | None = 300) -> str:
+        """Switch the running job to ``strategy`` at the next step boundary; returns its name.
+        Raises ``SwitchError`` if refused (the job keeps running in its old layout)."""
+        return self._ask(Request("switch", strategy, reason), timeout)
+
+    def stop(self, timeout: float | None = 300) -> Any:
+        return self._ask(Request("stop", reason="requested by the SDK"), timeout)
+
+    def status(self) -> dict[str, Any]:
+        return self.controller.status()
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def result(self, timeout: float | None = None) -> FitResult:
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError("the job is still running")
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
+
+
+def submit(config: JobConfig | dict[str, Any] | str | None = None, *, display: View | None = None,
+           **fields: Any) -> JobHandle:
+    """Start a job in the background and return a ``JobHandle`` (switch, stop, status, result)."""
+    cfg = _config(config, fields)
+    return JobHandle(Controller(cfg, display or make_view(cfg.view, cfg.log_every)))

@@ -1,0 +1,322 @@
+"""Job configuration: one dataclass, built in Python or loaded from YAML, validated up front.
+
+In YAML, code is named by import strings (``"package.module:attr"``); a mapping with a
+``target`` key calls that target with the remaining keys as keyword arguments::
+
+    model: {target: elastic.models:gpt, n_layer: 2}
+    optimizer: {name: adamw, lr: 3.0e-4}
+    loss: cross_entropy
+    dataset: {target: elastic.models:demo_dataset, block_size: 64}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import ConfigError
+
+__all__ = ["JobConfig", "resolve_callable", "optimizer_factory", "loss_function"]
+
+_OPTIMIZERS = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD", "rmsprop": "RMSprop", "adagrad": "Adagrad"}
+_LOSSES = {"cross_entropy": "_cross_entropy", "mse": "_mse"}
+
+
+@dataclass
+class JobConfig:
+    """Everything a job needs. Fields that hold code accept a callable or an import string.
+
+    ``dataset`` is a map-style dataset of (input, target) pairs, a zero-argument factory of
+    one, an import string, or a Parquet URI (``*.parquet`` / ``parquet://...`` / a directory
+    given with ``dataset_format: parquet``).
+    """
+
+    model: Any
+    optimizer: Any
+    loss: Any
+    dataset: Any
+    global_batch_size: int
+    max_steps: int
+    seed: int = 0
+    strategy: str = "dp"
+    num_workers: int = 2
+    min_workers: int | None = None
+    max_workers: int | None = None
+    resources_per_worker: dict[str, float] = field(default_factory=lambda: {"CPU": 1})
+    use_gpu: bool | None = None  # None: use GPUs when the cluster has them
+    name: str | None = None
+    run_dir: str | None = None  # default: ./runs/<name>
+    ray_address: str | None = None  # default: $RAY_ADDRESS, else a local cluster
+    # strategy details (see strategies.StrategySpec)
+    pp_degree: int = 1
+    micro_batches: int = 1
+    schedule: str = "gpipe"
+    dp_mode: str = "dp"
+    switch_at: dict[int, str] = field(default_factory=dict)
+    # failure handling
+    max_failures: int = 3
+    hang_timeout_s: float = 60.0
+    placement_timeout_s: float = 60.0
+    # checkpoints
+    checkpoint_uri: str | None = None
+    checkpoint_every: int = 0  # 0: no periodic checkpoints
+    checkpoint_options: dict[str, Any] = field(default_factory=dict)
+    keep_last: int = 3
+    keep_every: int = 0
+    resume: str | None = None  # "latest" or a checkpoint URI
+    # parquet datasets
+    input_column: str = "x"
+    target_column: str = "y"
+    dataset_format: str | None = None
+    # output
+    log_every: int = 1
+    view: str = "auto"  # auto | rich | plain | none
+    sample_prompt: str | None = None  # demo: print a generated sample at the end
+
+    # ------------------------------------------------------------------ loading
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> JobConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ConfigError(
+                unknown[0], "is not a job setting.", f"use one of: {', '.join(sorted(names))}"
+            )
+        missing = [
+            f.name
+            for f in dataclasses.fields(cls)
+            if f.default is dataclasses.MISSING
+            and f.default_factory is dataclasses.MISSING
+            and f.name not in data
+        ]
+        if missing:
+            raise ConfigError(missing[0], "is required.", "add it to the job file")
+        data = dict(data)
+        if "switch_at" in data and data["switch_at"]:
+            data["switch_at"] = {int(k): str(v) for k, v in data["switch_at"].items()}
+        return cls(**data)
+
+    @classmethod
+    def from_yaml(cls, path: str) -> JobConfig:
+        import yaml
+
+        try:
+            with open(path) as f:
+                data = yaml.safe_load(f)
+        except FileNotFoundError:
+            raise ConfigError("job file", f"{path} does not exist.", "check the path") from None
+        except yaml.YAMLError as e:
+            raise ConfigError("job file", f"{path} is not valid YAML: {e}", "fix the syntax") from None
+        if not isinstance(data, dict):
+            raise ConfigError("job file", f"{path} must hold a mapping of settings.", "see README")
+        return cls.from_dict(data)
+
+    # ------------------------------------------------------------------ derived
+
+    @property
+    def job_name(self) -> str:
+        if self.name:
+            return self.name
+        import time
+
+        self.name = f"job-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid() % 10000:04d}"
+        return self.name
+
+    @property
+    def run_path(self) -> str:
+        return self.run_dir or os.path.join(os.getcwd(), "runs", self.job_name)
+
+    @property
+    def min_world(self) -> int:
+        return self.min_workers if self.min_workers is not None else self.num_workers
+
+    @property
+    def max_world(self) -> int:
+        return self.max_workers if self.max_workers is not None else self.num_workers
+
+    def validate(self) -> None:
+        """Check every field that can be checked without Ray; raise ConfigError naming it."""
+        from strategies import names as strategy_names
+
+        known = strategy_names()
+        for fld, value in [("strategy", self.strategy), *[
+            (f"switch_at[{k}]", v) for k, v in self.switch_at.items()
+        ]]:
+            if value not in known and value != "auto":
+                raise ConfigError(
+                    fld, f"unknown strategy {value!r}.", f"use one of: {', '.join(known)}"
+                )
+        for fld in ("global_batch_size", "max_steps", "num_workers", "micro_batches", "pp_degree"):
+            v = getattr(self, fld)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(fld, f"must be a positive integer, got {v!r}.", f"set {fld}: 1 or more")
+        if self.global_batch_size < self.num_workers:
+            raise ConfigError(
+                "global_batch_size",
+                f"{self.global_batch_size} is smaller than num_workers={self.num_workers}, so "
+                "some worker would get no sample.",
+                f"use global_batch_size >= {self.num_workers} or fewer workers",
+            )
+        if not 1 <= self.min_world <= self.num_workers <= self.max_world:
+            raise ConfigError(
+                "num_workers",
+                f"needs min_workers <= num_workers <= max_workers, got "
+                f"{self.min_world} <= {self.num_workers} <= {self.max_world}.",
+                "adjust min_workers/max_workers",
+            )
+        if self.seed < 0:
+            raise ConfigError("seed", "must be >= 0.", "use a non-negative seed")
+        for k in self.switch_at:
+            if not 0 < k < self.max_steps:
+                raise ConfigError(
+                    f"switch_at[{k}]", f"step {k} is outside 1..{self.max_steps - 1}.",
+                    "switch at a step inside the run",
+                )
+        if self.view not in ("auto", "rich", "plain", "none"):
+            raise ConfigError("view", f"unknown view {self.view!r}.", "use auto, rich, plain or none")
+        for fld in ("resources_per_worker",):
+            res = getattr(self, fld)
+            if not isinstance(res, dict) or any(
+                not isinstance(v, (int, float)) or v < 0 for v in res.values()
+            ):
+                raise ConfigError(fld, f"must map resource names to non-negative numbers, got {res!r}.",
+                                  'e.g. {"CPU": 1} or {"GPU": 1}')
+        if self.checkpoint_every < 0:
+            raise ConfigError("checkpoint_every", "must be >= 0.", "0 disables periodic checkpoints")
+
+    # ------------------------------------------------------------------ code resolution
+
+    def model_factory(self) -> Callable[[], Any]:
+        return _as_factory(self.model, "model")
+
+    def optimizer_factory(self) -> Callable[[Any], Any]:
+        return optimizer_factory(self.optimizer)
+
+    def loss_fn(self) -> Callable[[Any, Any], Any]:
+        return loss_function(self.loss)
+
+    def dataset_object(self) -> Any:
+        return _dataset(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able summary (code shown as names); used in manifests and run logs."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.name == "checkpoint_options":
+                v = {k: ("***" if "key" in k or "secret" in k or "token" in k else val)
+                     for k, val in v.items()}
+            out[f.name] = v if isinstance(v, (str, int, float, bool, type(None), dict, list)) else _describe(v)
+        return out
+
+
+def _describe(obj: Any) -> str:
+    if isinstance(obj, functools.partial):
+        return f"partial({_describe(obj.func)})"
+    mod = getattr(obj, "__module__", None)
+    qual = getattr(obj, "__qualname__", None)
+    if mod and qual:
+        return f"{mod}:{qual}"
+    return type(obj).__name__
+
+
+def resolve_callable(spec: Any, field_name: str) -> Any:
+    """Turn an import string or a {target: ..., **kwargs} mapping into a callable."""
+    if callable(spec):
+        return spec
+    if isinstance(spec, dict) and "target" in spec:
+        kwargs = {k: v for k, v in spec.items() if k != "target"}
+        return functools.partial(resolve_callable(spec["target"], field_name), **kwargs)
+    if isinstance(spec, str) and ":" in spec:
+        mod_name, _, attr = spec.partition(":")
+        try:
+            obj: Any = importlib.import_module(mod_name)
+            for part in attr.split("."):
+                obj = getattr(obj, part)
+        except (ImportError, AttributeError) as e:
+            raise ConfigError(
+                field_name, f"cannot import {spec!r} ({e}).",
+                "use 'package.module:name' of an importable callable",
+            ) from None
+        return obj
+    raise ConfigError(
+        field_name, f"{spec!r} is neither a callable nor an import string 'module:name'.",
+        "pass a callable, 'package.module:name', or {target: 'package.module:name', ...}",
+    )
+
+
+def _as_factory(spec: Any, field_name: str) -> Callable[[], Any]:
+    return resolve_callable(spec, field_name)
+
+
+def optimizer_factory(spec: Any) -> Callable[[Any], Any]:
+    """``{name: adam, lr: 1e-3}``, ``"adam"``, an import string or a ``params -> Optimizer``."""
+    if isinstance(spec, str) and spec.lower() in _OPTIMIZERS:
+        spec = {"name": spec}
+    if isinstance(spec, dict) and "name" in spec:
+        name = str(spec["name"]).lower()
+        if name not in _OPTIMIZERS:
+            raise ConfigError(
+                "optimizer", f"unknown optimizer {spec['name']!r}.",
+                f"use one of {', '.join(_OPTIMIZERS)} or an import string",
+            )
+        kwargs = {k: v for k, v in spec.items() if k != "name"}
+        return functools.partial(_make_optimizer, _OPTIMIZERS[name], kwargs)
+    return resolve_callable(spec, "optimizer")
+
+
+def _make_optimizer(cls_name: str, kwargs: dict[str, Any], params: Any) -> Any:
+    import torch
+
+    return getattr(torch.optim, cls_name)(params, **kwargs)
+
+
+def loss_function(spec: Any) -> Callable[[Any, Any], Any]:
+    if isinstance(spec, str) and spec in _LOSSES:
+        return globals()[_LOSSES[spec]]
+    return resolve_callable(spec, "loss")
+
+
+def _cross_entropy(outputs: Any, targets: Any) -> Any:
+    import torch.nn.functional as F
+
+    if outputs.dim() > 2:
+        return F.cross_entropy(outputs.reshape(-1, outputs.size(-1)), targets.reshape(-1))
+    return F.cross_entropy(outputs, targets)
+
+
+def _mse(outputs: Any, targets: Any) -> Any:
+    import torch.nn.functional as F
+
+    return F.mse_loss(outputs, targets)
+
+
+def _is_parquet_uri(spec: Any, fmt: str | None) -> bool:
+    return isinstance(spec, str) and (
+        fmt == "parquet" or spec.endswith(".parquet") or spec.startswith("parquet://")
+    )
+
+
+def _dataset(cfg: JobConfig) -> Any:
+    from .data import ParquetDataset
+
+    spec = cfg.dataset
+    if _is_parquet_uri(spec, cfg.dataset_format):
+        uri = spec[len("parquet://"):] if spec.startswith("parquet://") else spec
+        return ParquetDataset(uri, cfg.input_column, cfg.target_column)
+    if isinstance(spec, (str, dict)):
+        spec = resolve_callable(spec, "dataset")
+    if hasattr(spec, "__getitem__") and hasattr(spec, "__len__"):
+        return spec
+    if callable(spec):
+        return spec()
+    raise ConfigError(
+        "dataset", f"{type(spec).__name__} is not a map-style dataset.",
+        "pass an object with __len__ and __getitem__, a factory of one, or a Parquet URI",
+    )

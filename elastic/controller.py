@@ -1,0 +1,489 @@
+"""The controller: an explicit state machine that places workers, forms the group, lays out the
+strategy, lets the workers train, and acts at step boundaries (switches, checkpoints, failures).
+
+It is not in the step path: workers run whole segments of steps; the controller polls their
+metrics a few times a second and feeds the view and the run log.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import queue
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from strategies import StrategySpec
+from strategies import get as get_strategy
+from strategies.base import StrategyError
+
+from .config import JobConfig
+from .data import even_shares
+from .errors import (
+    ClusterError,
+    ConfigError,
+    ElasticError,
+    InfrastructureError,
+    SwitchError,
+    WorkerError,
+)
+from .events import Event, RunLog
+from .reference import build_model
+from .view import View
+
+__all__ = ["Controller", "ControllerState", "FitResult", "Request"]
+
+_POLL_S = 0.25
+
+
+class ControllerState(enum.Enum):
+    STARTING = "starting"
+    PLACING = "placing"
+    FORMING = "forming"
+    RUNNING = "running"
+    SWITCHING = "switching"
+    RECOVERING = "recovering"
+    FINISHED = "finished"
+    FAILED = "failed"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (ControllerState.FINISHED, ControllerState.FAILED)
+
+
+@dataclass
+class Request:
+    """A request posted to a running controller (from the SDK handle, CLI or planner)."""
+
+    kind: str  # "switch" | "stop" | "scale"
+    value: Any = None
+    reason: str = "requested"
+    reply: queue.Queue[Any] | None = None
+
+
+@dataclass
+class FitResult:
+    """What ``fit`` returns: final state, per-step history, events, and where logs are."""
+
+    final_state: dict[str, Any]
+    history: list[dict[str, Any]]
+    events: list[Event]
+    run_dir: str
+    status: str = "finished"
+
+    def state_dict(self) -> dict[str, Any]:
+        """The final model parameters and buffers: FQN -> CPU tensor (plain PyTorch)."""
+        return {k[len("model/"):]: v for k, v in self.final_state.items() if k.startswith("model/")}
+
+    @property
+    def final_loss(self) -> float:
+        return self.history[-1]["loss"] if self.history else float("nan")
+
+
+@dataclass
+class _WorkerRec:
+    handle: Any
+    worker_id: int
+    info: dict[str, Any] = field(default_factory=dict)
+    rank: int = -1
+    pg: Any = None
+
+
+class Controller:
+    """Runs one job to completion. Owns its Ray workers and placement groups; owns Ray itself
+    only when it started a local cluster. Not thread-safe except ``post``."""
+
+    def __init__(self, config: JobConfig, view: View | None = None) -> None:
+        config.validate()
+        self.cfg = config
+        self.view = view or View()
+        self.state = ControllerState.STARTING
+        self.requests: queue.Queue[Request] = queue.Queue()
+        self.events: list[Event] = []
+        self.history: list[dict[str, Any]] = []
+        self.workers: list[_WorkerRec] = []
+        self.generation = 0
+        self.spec: StrategySpec | None = None
+        self.step = 0
+        self._started_ray = False
+        self._next_worker_id = 0
+        self._log: RunLog | None = None
+        self._probe_model: Any = None
+        self._use_gpu = False
+
+    # ------------------------------------------------------------------ public
+
+    def post(self, req: Request) -> None:
+        """Thread-safe: queue a request for the next step boundary."""
+        self.requests.put(req)
+
+    def run(self) -> FitResult:
+        cfg = self.cfg
+        self._preflight()
+        self._log = RunLog(cfg.run_path)
+        self._log.write_config(cfg.to_dict())
+        self.view.start(cfg.job_name, cfg.max_steps)
+        try:
+            self._connect()
+            self._emit("start", f"job {cfg.job_name}: {cfg.max_steps} steps, global batch "
+                       f"{cfg.global_batch_size}, {cfg.num_workers} workers, strategy {cfg.strategy}")
+            self._place(cfg.num_workers)
+            self._form_group()
+            self._layout(self._make_spec(cfg.strategy, len(self.workers)), reason="start")
+            self.state = ControllerState.RUNNING
+            while self.step < cfg.max_steps:
+                end = self._segment_end()
+                self.step = self._run_segment(self.step, end)
+                self._at_boundary()
+            final = self._final_state()
+            self.state = ControllerState.FINISHED
+            last = self.history[-1]["loss"] if self.history else float("nan")
+            self._emit("finished", f"{cfg.max_steps} steps, final loss {last:.4f}")
+            return FitResult(final, self.history, self.events, cfg.run_path)
+        except BaseException as e:
+            self.state = ControllerState.FAILED
+            if isinstance(e, ElasticError):
+                self._emit("failed", str(e).splitlines()[0])
+            raise
+        finally:
+            self._cleanup()
+            self.view.close()
+            if self._log:
+                self._log.close()
+
+    # ------------------------------------------------------------------ start-up
+
+    def _preflight(self) -> None:
+        """Everything that can fail without Ray: build the model, look at the dataset."""
+        cfg = self.cfg
+        try:
+            self._probe_model = build_model(cfg.model_factory(), cfg.seed)
+        except ConfigError:
+            raise
+        except Exception as e:
+            raise ConfigError("model", f"the model factory raised {type(e).__name__}: {e}",
+                              "fix the factory; it must return an nn.Module") from e
+        ds = cfg.dataset_object()
+        try:
+            n = len(ds)
+        except Exception as e:
+            raise ConfigError("dataset", f"cannot read the dataset's length ({e}).",
+                              "check the dataset URI or object") from e
+        if n < cfg.global_batch_size:
+            raise ConfigError(
+                "dataset", f"has {n} samples, fewer than one global batch ({cfg.global_batch_size}).",
+                f"use global_batch_size <= {n} or a larger dataset",
+            )
+        cfg.optimizer_factory()
+        cfg.loss_fn()
+        spec = self._make_spec(cfg.strategy, cfg.num_workers)
+        self._validate_spec(spec, field_name="strategy")
+
+    def _connect(self) -> None:
+        import ray
+
+        if ray.is_initialized():
+            return
+        addr = self.cfg.ray_address or os.environ.get("RAY_ADDRESS")
+        if addr and addr not in ("local", "auto"):
+            _check_reachable(addr)
+            try:
+                ray.init(address=addr, logging_level="ERROR", log_to_driver=False)
+            except Exception as e:
+                raise ClusterError(
+                    f"cannot connect to the Ray cluster at {addr}: {e}. Fix: check the address "
+                    "or start a cluster with `ray start --head`, or unset RAY_ADDRESS for a "
+                    "local one."
+                ) from e
+        elif addr == "auto":
+            ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
+        else:
+            need = self.cfg.max_world * float(self.cfg.resources_per_worker.get("CPU", 1))
+            ray.init(address="local", num_cpus=max(int(need + 0.999), os.cpu_count() or 1),
+                     include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+            self._started_ray = True
+
+    def _bundle(self) -> dict[str, float]:
+        import ray
+
+        res = dict(self.cfg.resources_per_worker)
+        if self.cfg.use_gpu is None:
+            self._use_gpu = res.get("GPU", 0) > 0 or ray.cluster_resources().get("GPU", 0) > 0
+        else:
+            self._use_gpu = bool(self.cfg.use_gpu)
+        if self._use_gpu:
+            res["GPU"] = max(1.0, res.get("GPU", 1.0))
+        else:
+            res.pop("GPU", None)
+        res.setdefault("CPU", 1)
+        return res
+
+    def _place(self, n: int) -> list[_WorkerRec]:
+        """Reserve ``n`` bundles in one placement group and start one worker in each."""
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from .worker import Worker
+
+        self.state = ControllerState.PLACING
+        bundle = self._bundle()
+        pg = placement_group([dict(bundle) for _ in range(n)], strategy="PACK")
+        ready, _ = ray.wait([pg.ready()], timeout=self.cfg.placement_timeout_s)
+        if not ready:
+            ray.util.remove_placement_group(pg)
+            raise ClusterError(
+                f"the cluster cannot host {n} workers of {bundle} within "
+                f"{self.cfg.placement_timeout_s:.0f}s (it has {ray.available_resources()}). "
+                "Fix: lower num_workers or resources_per_worker, or add nodes."
+            )
+        remote_cls = ray.remote(Worker)
+        new = []
+        for i in range(n):
+            wid = self._next_worker_id
+            self._next_worker_id += 1
+            h = remote_cls.options(
+                num_cpus=bundle.get("CPU", 1),
+                num_gpus=bundle.get("GPU", 0),
+                resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU")},
+                max_concurrency=2,
+                max_restarts=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
+            ).remote(self.cfg, wid, self._use_gpu, int(bundle.get("CPU", 1)))
+            new.append(_WorkerRec(h, wid, pg=pg))
+        infos = ray.get([w.handle.info.remote() for w in new])
+        for w, info in zip(new, infos, strict=True):
+            w.info = info
+        self.workers.extend(new)
+        nodes = len({i["node_id"] for i in infos})
+        self._emit("placed", f"{n} workers on {nodes} node(s), devices "
+                   f"{sorted({i['device_name'] for i in infos})}")
+        return new
+
+    def _form_group(self) -> None:
+        import ray
+
+        self.state = ControllerState.FORMING
+        self.generation += 1
+        for r, w in enumerate(self.workers):
+            w.rank = r
+            w.info["rank"] = r
+        head = self.workers[0]
+        port = ray.get(head.handle.free_port.remote())
+        addr = head.info["ip"]
+        t0 = time.perf_counter()
+        ray.get([
+            w.handle.join.remote(addr, port, w.rank, len(self.workers), self.generation,
+                                 self.cfg.hang_timeout_s)
+            for w in self.workers
+        ])
+        self._emit("group", f"generation {self.generation}: {len(self.workers)} ranks via "
+                   f"{addr}:{port} in {time.perf_counter() - t0:.2f}s")
+        self.view.workers([w.info for w in self.workers])
+
+    # ------------------------------------------------------------------ layout
+
+    def _make_spec(self, name: str, world: int) -> StrategySpec:
+        cfg = self.cfg
+        pp = cfg.pp_degree
+        if name == "pipeline" and pp == 1:
+            pp = world
+        return StrategySpec(
+            name=name, world_size=world, shares=even_shares(cfg.global_batch_size, world),
+            pp_degree=pp, micro_batches=cfg.micro_batches, schedule=cfg.schedule,
+            dp_mode=cfg.dp_mode,
+        )
+
+    def _validate_spec(self, spec: StrategySpec, field_name: str) -> None:
+        try:
+            get_strategy(spec.name).validate(spec, self._probe_model)
+        except StrategyError as e:
+            raise ConfigError(field_name, f"{spec.name} cannot run here: {e}",
+                              "choose another strategy, world size or batch settings") from None
+
+    def _layout(self, spec: StrategySpec, reason: str) -> None:
+        """Lay the workers out as ``spec`` (first build, or a live in-memory switch)."""
+        import ray
+
+        old = self.spec
+        first = old is None
+        self.state = ControllerState.RUNNING if first else ControllerState.SWITCHING
+        t0 = time.perf_counter()
+        try:
+            outs = ray.get([w.handle.build.remote(spec) for w in self.workers])
+        except Exception as e:
+            cause = _unwrap(e)
+            if first:
+                raise cause from None
+            raise SwitchError(f"switch to {spec.name} failed: {cause}") from None
+        self.spec = spec
+        dt = time.perf_counter() - t0
+        if first:
+            self._emit("layout", f"{spec.name} on {spec.world_size} workers, shares "
+                       f"{list(spec.shares)} ({dt:.2f}s)", data={"strategy": spec.name})
+            return
+        hashes = {(o["hash_before"], o["hash_after"]) for o in outs}
+        same = all(b == a for b, a in hashes)
+        self._emit("switch", f"{old.name if old else '-'} -> {spec.name} ({reason}) in {dt:.2f}s, "
+                   f"state hash {'unchanged' if same else 'CHANGED'}",
+                   data={"from": old.name if old else None, "to": spec.name, "reason": reason,
+                         "seconds": dt, "hashes": sorted(hashes), "state_preserved": same})
+        if not same:
+            raise SwitchError(f"state changed during the switch to {spec.name}: {hashes}")
+
+    def switch(self, name: str, reason: str) -> None:
+        spec = self._make_spec(name, len(self.workers))
+        try:
+            get_strategy(name).validate(spec, self._probe_model)
+        except StrategyError as e:
+            self._emit("switch_refused", f"{name}: {e}")
+            raise SwitchError(f"cannot switch to {name}: {e}") from None
+        self._layout(spec, reason)
+
+    # ------------------------------------------------------------------ steady state
+
+    def _segment_end(self) -> int:
+        ends = [self.cfg.max_steps]
+        ends += [s for s in self.cfg.switch_at if s > self.step]
+        return min(ends)
+
+    def _run_segment(self, start: int, end: int) -> int:
+        import ray
+
+        self.state = ControllerState.RUNNING
+        futs = [w.handle.run.remote(start, end) for w in self.workers]
+        stop_sent = False
+        while True:
+            done, _ = ray.wait(futs, num_returns=len(futs), timeout=_POLL_S)
+            self._drain()
+            if len(done) == len(futs):
+                break
+            if not stop_sent and not self.requests.empty():
+                for w in self.workers:
+                    w.handle.request_stop.remote()
+                stop_sent = True
+        try:
+            results = ray.get(futs)
+        except Exception as e:
+            raise _unwrap(e) from None
+        self._drain()
+        return int(results[0]["next_step"])
+
+    def _drain(self) -> None:
+        import ray
+
+        batches = ray.get([w.handle.drain.remote() for w in self.workers])
+        spec = self.spec
+        assert spec is not None and self._log is not None
+        per_step: dict[int, dict[str, Any]] = {}
+        for w, batch in zip(self.workers, batches, strict=True):
+            for m in batch:
+                self._log.data({"step": m["step"], "rank": m["rank"], "range": m["range"],
+                                "generation": m["generation"]})
+                w.info["samples_per_s"] = m["samples"] / m["step_time"] if m["step_time"] else 0
+                w.info["share"] = m["samples"]
+                if m["rank"] == 0:
+                    per_step[m["step"]] = m
+        for s in sorted(per_step):
+            m = per_step[s]
+            entry = {"step": s, "loss": m["loss"], "samples_per_s": m["samples_per_s"],
+                     "step_time": m["step_time"], "world_size": spec.world_size,
+                     "strategy": spec.name, "time": m["time"], "generation": m["generation"]}
+            self.history.append(entry)
+            self._log.metric(entry)
+            self.view.step(entry)
+        if per_step:
+            self.view.workers([w.info for w in self.workers])
+
+    def _at_boundary(self) -> None:
+        if self.step >= self.cfg.max_steps:
+            return
+        if self.step in self.cfg.switch_at:
+            self.switch(self.cfg.switch_at[self.step], reason=f"switch_at {self.step}")
+        while not self.requests.empty():
+            req = self.requests.get_nowait()
+            result: Any = None
+            try:
+                if req.kind == "switch":
+                    self.switch(str(req.value), reason=req.reason)
+                    result = self.spec.name if self.spec else None
+                elif req.kind == "stop":
+                    self._emit("stopped", f"stopped on request at step {self.step}")
+                    self.cfg.max_steps = self.step
+                    result = "stopped"
+                else:
+                    result = SwitchError(f"unknown request {req.kind!r}")
+            except SwitchError as e:
+                result = e
+            if req.reply is not None:
+                req.reply.put(result)
+
+    def _final_state(self) -> dict[str, Any]:
+        import ray
+
+        outs = ray.get([w.handle.full_state.remote(want=(w.rank == 0)) for w in self.workers])
+        return outs[0]
+
+    # ------------------------------------------------------------------ events and cleanup
+
+    def _emit(self, kind: str, message: str, data: dict[str, Any] | None = None) -> None:
+        ev = Event(kind, message, step=self.step, data=data or {})
+        self.events.append(ev)
+        if self._log:
+            self._log.event(ev)
+        self.view.event(ev)
+
+    def status(self) -> dict[str, Any]:
+        last = self.history[-1] if self.history else {}
+        return {"job": self.cfg.job_name, "state": self.state.value, "step": self.step,
+                "max_steps": self.cfg.max_steps, "strategy": self.spec.name if self.spec else None,
+                "world_size": len(self.workers), "loss": last.get("loss"),
+                "samples_per_s": last.get("samples_per_s")}
+
+    def _cleanup(self) -> None:
+        import ray
+
+        if not ray.is_initialized():
+            return
+        for w in self.workers:
+            try:
+                ray.kill(w.handle)
+            except Exception:
+                pass
+        for pg in {id(w.pg): w.pg for w in self.workers if w.pg is not None}.values():
+            try:
+                ray.util.remove_placement_group(pg)
+            except Exception:
+                pass
+        self.workers = []
+        if self._started_ray:
+            ray.shutdown()
+
+
+def _unwrap(e: BaseException) -> BaseException:
+    """Turn Ray's wrapper exceptions into ours: user errors stay WorkerError, the rest are
+    InfrastructureError."""
+    from ray.exceptions import RayActorError, RayTaskError
+
+    if isinstance(e, RayTaskError):
+        cause = e.cause if hasattr(e, "cause") else None
+        if isinstance(cause, (WorkerError, InfrastructureError, ElasticError)):
+            return cause
+        return InfrastructureError(str(e))
+    if isinstance(e, RayActorError):
+        return InfrastructureError(f"a worker died: {e}")
+    return e
+
+
+def _check_reachable(addr: str) -> None:
+    host, _, port = addr.replace("ray://", "").rpartition(":")
+    try:
+        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=3):
+            pass
+    except (OSError, ValueError) as e:
+        raise ClusterError(
+            f"cannot reach the Ray cluster at {addr} ({e}). Fix: start one with "
+            "`ray start --head`, correct ray_address / RAY_ADDRESS, or unset it to run locally."
+        ) from None

@@ -1,0 +1,262 @@
+"""The worker: one Ray actor per device, one rank of the current process group.
+
+The actor is threaded (``max_concurrency=2``): ``run`` executes the training loop while the
+controller drains metrics and posts stop requests through the second thread. The controller
+is not in the step path: a worker runs steps on its own and only agrees with its peers, in one
+tiny all-reduce per step, on the global loss and on whether anyone was asked to stop.
+
+Group lifecycle: ``join`` forms a group (a TCPStore rendezvous at the address the controller
+names, a new port per generation); ``leave`` tears it down. The model, optimizer and data
+position survive ``leave``/``join``, which is what lets survivors keep their memory when a
+node is lost.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+import traceback
+from collections import deque
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from strategies import Runtime, StrategySpec, state_hash
+from strategies import get as get_strategy
+
+from .config import JobConfig
+from .data import StepSampler, fetch_batch, share_bounds
+from .errors import InfrastructureError, WorkerError
+from .reference import build_model
+
+__all__ = ["Worker", "is_infrastructure_error"]
+
+_INFRA_MARKERS = (
+    "connection closed by peer",
+    "connection reset",
+    "broken pipe",
+    "gloo",
+    "nccl",
+    "timed out",
+    "timeout",
+    "socket",
+    "store",
+    "no route to host",
+    "connection refused",
+)
+
+
+def is_infrastructure_error(exc: BaseException) -> bool:
+    """True when ``exc`` comes from the group (a lost peer, a broken socket, a timeout)."""
+    if isinstance(exc, (InfrastructureError, ConnectionError, TimeoutError)):
+        return True
+    dist_error = getattr(dist, "DistError", None)
+    if dist_error is not None and isinstance(exc, dist_error):
+        return True
+    if isinstance(exc, RuntimeError):
+        msg = str(exc).lower()
+        return any(m in msg for m in _INFRA_MARKERS)
+    return False
+
+
+class Worker:
+    """Body of the worker actor (wrapped with ``ray.remote`` by the controller)."""
+
+    def __init__(self, config: JobConfig, worker_id: int, use_gpu: bool, num_threads: int) -> None:
+        self.config = config
+        self.worker_id = worker_id
+        self.use_gpu = use_gpu
+        torch.set_num_threads(max(1, num_threads))
+        self.device = torch.device("cuda", 0) if use_gpu else torch.device("cpu")
+        if use_gpu:
+            torch.cuda.set_device(self.device)
+        self.backend = "nccl" if use_gpu else "gloo"
+        self.rank = -1
+        self.world = 0
+        self.generation = 0
+        self.strategy: Any = None
+        self.spec: StrategySpec | None = None
+        self._model_factory = config.model_factory()
+        self._optimizer_factory = config.optimizer_factory()
+        self._loss_fn = config.loss_fn()
+        self._dataset: Any = None
+        self._sampler: StepSampler | None = None
+        self._metrics: deque[dict[str, Any]] = deque()
+        self._stop = threading.Event()
+        self._emulated_slowdown = 1.0
+
+    # ------------------------------------------------------------------ identity and group
+
+    def info(self) -> dict[str, Any]:
+        import ray
+
+        ctx = ray.get_runtime_context()
+        dev = self.device
+        name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+        return {
+            "worker_id": self.worker_id,
+            "node_id": ctx.get_node_id(),
+            "ip": ray.util.get_node_ip_address(),
+            "hostname": socket.gethostname(),
+            "pid": os.getpid(),
+            "device": str(dev),
+            "device_name": name,
+            "threads": torch.get_num_threads(),
+        }
+
+    def free_port(self) -> int:
+        import ray
+
+        with socket.socket() as s:
+            s.bind((ray.util.get_node_ip_address(), 0))
+            return int(s.getsockname()[1])
+
+    def join(self, addr: str, port: int, rank: int, world: int, generation: int,
+             timeout_s: float) -> float:
+        """Form generation ``generation`` of the group; returns seconds taken."""
+        t0 = time.perf_counter()
+        self.leave()
+        dist.init_process_group(
+            self.backend,
+            init_method=f"tcp://{addr}:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=timeout_s),
+        )
+        self.rank, self.world, self.generation = rank, world, generation
+        return time.perf_counter() - t0
+
+    def leave(self) -> None:
+        """Tear down the current group, if any; model and optimizer stay in memory."""
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # a group whose peers died may fail to close cleanly
+                pass
+
+    # ------------------------------------------------------------------ layout
+
+    def _runtime(self) -> Runtime:
+        return Runtime(self.rank, self.world, self.device)
+
+    def _ensure_data(self) -> None:
+        if self._dataset is None:
+            self._dataset = self.config.dataset_object()
+            self._sampler = StepSampler(len(self._dataset), self.config.global_batch_size,
+                                        self.config.seed)
+
+    def build(self, spec: StrategySpec, state: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
+        """Lay the job out as ``spec``: from the live state when a strategy already runs
+        (an in-memory switch), else from a fresh seeded model, then ``state`` if given."""
+        return self._guard(self._build, spec, state)
+
+    def _build(self, spec: StrategySpec, state: dict[str, torch.Tensor] | None) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        self._ensure_data()
+        cls = get_strategy(spec.name)
+        before = None
+        if state is None and self.strategy is not None:
+            state = self.strategy.full_state()
+            before = state_hash(state)
+            self.strategy.close()
+            self.strategy = None
+        model = build_model(self._model_factory, self.config.seed)
+        cls.validate(spec, model)
+        strat = cls(spec, self._runtime(), model, self._optimizer_factory, self._loss_fn)
+        if state is not None:
+            strat.load_full_state(state)
+        self.strategy, self.spec = strat, spec
+        after = state_hash(strat.full_state()) if before is not None else None
+        return {"seconds": time.perf_counter() - t0, "hash_before": before, "hash_after": after}
+
+    # ------------------------------------------------------------------ training loop
+
+    def run(self, start: int, end: int) -> dict[str, Any]:
+        """Train steps ``start..end-1``; stop early at a step boundary if any rank was asked.
+
+        Returns ``{"status": "done"|"stopped", "next_step": n}``. Raises ``WorkerError`` for
+        user-code failures and ``InfrastructureError`` for group failures.
+        """
+        return self._guard(self._run, start, end)
+
+    def _run(self, start: int, end: int) -> dict[str, Any]:
+        assert self.strategy is not None and self.spec is not None and self._sampler is not None
+        self._stop.clear()
+        lo, hi = share_bounds(self.spec.shares, self.rank)
+        g = self.config.global_batch_size
+        dev = self.device
+        step = start
+        while step < end:
+            t0 = time.perf_counter()
+            idx = self._sampler.indices(step)[lo:hi]
+            x, y = fetch_batch(self._dataset, idx)
+            local = self.strategy.train_step(x, y)
+            if self._emulated_slowdown > 1.0:
+                time.sleep((time.perf_counter() - t0) * (self._emulated_slowdown - 1.0))
+            ctrl = torch.tensor([local, 1.0 if self._stop.is_set() else 0.0],
+                                dtype=torch.float64, device=dev)
+            dist.all_reduce(ctrl)
+            dt = time.perf_counter() - t0
+            loss, stop = float(ctrl[0]), float(ctrl[1]) > 0
+            self._metrics.append({
+                "step": step, "rank": self.rank, "loss": loss, "step_time": dt,
+                "samples": hi - lo, "samples_per_s": g / dt if dt > 0 else 0.0,
+                "range": [lo, hi], "time": time.time(), "generation": self.generation,
+            })
+            step += 1
+            if stop and step < end:
+                return {"status": "stopped", "next_step": step}
+        return {"status": "done", "next_step": step}
+
+    def request_stop(self) -> None:
+        """Ask the loop to stop after the current step (all ranks agree on the same step)."""
+        self._stop.set()
+
+    def drain(self) -> list[dict[str, Any]]:
+        out = []
+        while self._metrics:
+            out.append(self._metrics.popleft())
+        return out
+
+    # ------------------------------------------------------------------ state
+
+    def full_state(self, want: bool = True) -> dict[str, torch.Tensor] | None:
+        """Collective: every rank must call. Returns the canonical state if ``want``."""
+        assert self.strategy is not None
+        st = self._guard(self.strategy.full_state)
+        return st if want else None
+
+    def state_hash(self) -> str:
+        assert self.strategy is not None
+        return state_hash(self._guard(self.strategy.full_state))
+
+    def memory_counts(self) -> dict[str, int]:
+        assert self.strategy is not None
+        return self.strategy.memory_counts()
+
+    def set_emulation(self, slowdown: float) -> None:
+        """Test and demo aid: make this worker ``slowdown`` times slower (emulated device)."""
+        self._emulated_slowdown = max(1.0, float(slowdown))
+
+    def shutdown(self) -> None:
+        self.leave()
+
+    # ------------------------------------------------------------------ errors
+
+    def _guard(self, fn: Any, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except (WorkerError, InfrastructureError):
+            raise
+        except Exception as e:
+            if is_infrastructure_error(e):
+                raise InfrastructureError(
+                    f"rank {self.rank}: the process group failed ({type(e).__name__}: {e})"
+                ) from None
+            node = socket.gethostname()
+            raise WorkerError(self.rank, node, f"{type(e).__name__}: {e}",
+                              traceback.format_exc()) from None
