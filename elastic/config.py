@@ -312,7 +312,7 @@ def _dataset(cfg: JobConfig) -> Any:
         return ParquetDataset(uri, cfg.input_column, cfg.target_column)
     if isinstance(spec, (str, dict)):
         spec = resolve_callable(spec, "dataset")
-    if hasattr(spec, "__getitem__") and hasattr(spec, "__len__"):
+    if not isinstance(spec, type) and hasattr(spec, "__getitem__") and hasattr(spec, "__len__"):
         return spec
     if callable(spec):
         return spec()

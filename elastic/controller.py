@@ -178,6 +178,9 @@ class Controller:
             )
         cfg.optimizer_factory()
         cfg.loss_fn()
+        addr = cfg.ray_address or os.environ.get("RAY_ADDRESS")
+        if addr and addr not in ("local", "auto"):
+            _check_reachable(addr)
         spec = self._make_spec(cfg.strategy, cfg.num_workers)
         self._validate_spec(spec, field_name="strategy")
 
@@ -356,9 +359,11 @@ class Controller:
         futs = [w.handle.run.remote(start, end) for w in self.workers]
         stop_sent = False
         while True:
-            done, _ = ray.wait(futs, num_returns=len(futs), timeout=_POLL_S)
+            done, pending = ray.wait(futs, num_returns=len(futs), timeout=_POLL_S)
+            if done and pending:
+                self._raise_if_failed(done, pending)
             self._drain()
-            if len(done) == len(futs):
+            if not pending:
                 break
             if not stop_sent and not self.requests.empty():
                 for w in self.workers:
@@ -366,10 +371,35 @@ class Controller:
                 stop_sent = True
         try:
             results = ray.get(futs)
-        except Exception as e:
-            raise _unwrap(e) from None
+        except Exception:
+            self._raise_if_failed(futs, [])
+            raise
         self._drain()
         return int(results[0]["next_step"])
+
+    def _raise_if_failed(self, done: list[Any], pending: list[Any]) -> None:
+        """If a finished segment failed, raise its root cause at once: a user error on one
+        rank leaves its peers blocked in a collective, so waiting for them would only wait
+        out the hang timeout."""
+        import ray
+
+        errors: list[BaseException] = []
+        for f in done:
+            try:
+                ray.get(f)
+            except Exception as e:
+                errors.append(_unwrap(e))
+        if not errors:
+            return
+        if pending:  # give peers a moment to report a more specific cause
+            more, _ = ray.wait(pending, num_returns=len(pending), timeout=1.0)
+            for f in more:
+                try:
+                    ray.get(f)
+                except Exception as e:
+                    errors.append(_unwrap(e))
+        user = [e for e in errors if isinstance(e, WorkerError)]
+        raise (user[0] if user else errors[0])
 
     def _drain(self) -> None:
         import ray

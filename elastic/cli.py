@@ -1,0 +1,87 @@
+"""The ``elastic`` command line. Each sub-command is a thin layer over the SDK."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from .errors import ElasticError
+
+__all__ = ["main"]
+
+
+def _parse_sets(pairs: list[str]) -> dict[str, Any]:
+    import yaml
+
+    out: dict[str, Any] = {}
+    for p in pairs:
+        if "=" not in p:
+            raise SystemExit(f"--set expects key=value, got {p!r}")
+        k, _, v = p.partition("=")
+        out[k.strip()] = yaml.safe_load(v)
+    return out
+
+
+def _cmd_run(a: argparse.Namespace) -> int:
+    from .api import fit
+    from .config import JobConfig
+
+    cfg = JobConfig.from_yaml(a.job)
+    for k, v in _parse_sets(a.set or []).items():
+        if not hasattr(cfg, k):
+            JobConfig.from_dict({k: v})  # raises a ConfigError naming the field
+        setattr(cfg, k, v)
+    if a.view:
+        cfg.view = a.view
+    result = fit(cfg)
+    print(f"[elastic] done: {len(result.history)} steps, final loss {result.final_loss:.4f}, "
+          f"run directory {result.run_dir}")
+    if cfg.sample_prompt:
+        from .demo import sample_text
+
+        print("\nsample:\n" + sample_text(cfg, result.state_dict(), cfg.sample_prompt))
+    return 0
+
+
+def _cmd_demo(a: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(max_steps=a.steps, num_workers=a.workers, strategy=a.strategy, view=a.view,
+                    run_dir=a.run_dir)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="elastic", description="Elastic training on Ray.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    r = sub.add_parser("run", help="run a job file (also under `ray job submit ... -- elastic run`)")
+    r.add_argument("job", help="job YAML file")
+    r.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a job setting")
+    r.add_argument("--view", choices=["auto", "rich", "plain", "none"])
+    r.set_defaults(fn=_cmd_run)
+
+    d = sub.add_parser("demo", help="train the built-in GPT demo on a local Ray cluster")
+    d.add_argument("--steps", type=int)
+    d.add_argument("--workers", type=int)
+    d.add_argument("--strategy")
+    d.add_argument("--run-dir")
+    d.add_argument("--view", choices=["auto", "rich", "plain", "none"])
+    d.set_defaults(fn=_cmd_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.fn(args) or 0)
+    except ElasticError as e:
+        print(f"elastic: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("elastic: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""Small models, datasets and factories shared by the tests (top level, so Ray can pickle them)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RegressionData:
+    """n samples of (x in R^8, y in R^2), deterministic."""
+
+    def __init__(self, n: int = 256, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, 8, generator=g)
+        w = torch.randn(8, 2, generator=g)
+        self.y = self.x @ w + 0.1 * torch.randn(n, 2, generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[i], self.y[i]
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 2))
+
+
+def adam(params) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, lr=1e-2)
+
+
+def mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(out, y)
+
+
+def failing_model() -> nn.Module:
+    raise RuntimeError("the factory is broken on purpose")
+
+
+class ExplodingLoss:
+    """A loss that raises on one rank's first call: user code failing on a worker."""
+
+    def __call__(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        if dist.is_initialized() and dist.get_rank() == 1:
+            raise ValueError("bad loss on purpose")
+        return nn.functional.mse_loss(out, y)
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)

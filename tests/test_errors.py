@@ -1,0 +1,62 @@
+"""Bad input gets one clear error naming the field and the fix, before any worker starts;
+user code failing on a worker surfaces with that worker's rank and traceback."""
+
+from __future__ import annotations
+
+import pytest
+
+import elastic
+from elastic import ClusterError, ConfigError, WorkerError
+from tests.helpers import ExplodingLoss, RegressionData, adam, failing_model, mlp, mse
+
+
+def _cfg(**kw):
+    base = dict(model=mlp, optimizer=adam, loss=mse, dataset=RegressionData(64),
+                global_batch_size=8, max_steps=3, num_workers=2, view="none")
+    base.update(kw)
+    return base
+
+
+@pytest.mark.parametrize(
+    "kw, field, words",
+    [
+        ({"strategy": "turbo"}, "strategy", "unknown strategy"),
+        ({"global_batch_size": 0}, "global_batch_size", "positive integer"),
+        ({"global_batch_size": -4}, "global_batch_size", "positive integer"),
+        ({"global_batch_size": 1}, "global_batch_size", "smaller than num_workers"),
+        ({"dataset": RegressionData(5)}, "dataset", "fewer than one global batch"),
+        ({"model": failing_model}, "model", "broken on purpose"),
+        ({"max_steps": 0}, "max_steps", "positive integer"),
+        ({"model": "no.such.module:thing"}, "model", "cannot import"),
+        ({"optimizer": {"name": "adamx"}}, "optimizer", "unknown optimizer"),
+        ({"switch_at": {2: "nope"}}, "switch_at[2]", "unknown strategy"),
+    ],
+)
+def test_bad_config_is_refused_before_workers_start(tmp_path, kw, field, words):
+    with pytest.raises(ConfigError) as ei:
+        elastic.fit(**_cfg(run_dir=str(tmp_path), **kw))
+    assert ei.value.field == field
+    assert words in str(ei.value)
+    assert "Fix:" in str(ei.value)
+
+
+def test_unknown_setting_in_yaml(tmp_path):
+    p = tmp_path / "job.yaml"
+    p.write_text("model: tests.helpers:mlp\nglobal_batchsize: 8\n")
+    with pytest.raises(ConfigError) as ei:
+        elastic.JobConfig.from_yaml(str(p))
+    assert ei.value.field == "global_batchsize"
+
+
+def test_unreachable_ray_address(tmp_path):
+    with pytest.raises(ClusterError, match="cannot reach the Ray cluster"):
+        elastic.fit(**_cfg(ray_address="127.0.0.1:1", run_dir=str(tmp_path)))
+
+
+def test_user_error_on_worker_has_rank_and_traceback(ray_local, tmp_path):
+    with pytest.raises(WorkerError) as ei:
+        elastic.fit(**_cfg(loss=ExplodingLoss(), run_dir=str(tmp_path)))
+    err = ei.value
+    assert err.rank == 1
+    assert "bad loss on purpose" in str(err)
+    assert "Traceback" in err.traceback_text and "helpers.py" in err.traceback_text
