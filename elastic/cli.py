@@ -51,6 +51,57 @@ def _cmd_demo(a: argparse.Namespace) -> int:
                     run_dir=a.run_dir)
 
 
+def _attach(address: str | None) -> None:
+    import os
+
+    import ray
+
+    from .controller import _check_reachable
+
+    addr = address or os.environ.get("RAY_ADDRESS") or "auto"
+    if addr not in ("auto", "local"):
+        _check_reachable(addr)
+    try:
+        ray.init(address=addr, logging_level="ERROR", log_to_driver=False, namespace="elastic")
+    except ConnectionError as e:
+        from .errors import ClusterError
+
+        raise ClusterError(f"no Ray cluster to attach to ({e}). Fix: pass --address or set "
+                           "RAY_ADDRESS to the cluster that runs the job.") from None
+
+
+def _cmd_status(a: argparse.Namespace) -> int:
+    import json
+
+    import ray
+
+    from . import control
+
+    _attach(a.address)
+    if not a.job:
+        jobs = control.list_jobs()
+        print("\n".join(jobs) if jobs else "no elastic job is running")
+        return 0
+    st = ray.get(control.lookup(a.job).get_status.remote())
+    print(json.dumps(st, indent=2, default=str))
+    return 0
+
+
+def _cmd_request(kind: str):
+    def run(a: argparse.Namespace) -> int:
+        import json
+
+        from . import control
+
+        _attach(a.address)
+        value = getattr(a, "value", None)
+        out = control.ask(a.job, kind, value, reason=f"{kind} requested from the CLI")
+        print(json.dumps(out, indent=2, default=str))
+        return 0
+
+    return run
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="elastic", description="Elastic training on Ray.")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -68,6 +119,20 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--run-dir")
     d.add_argument("--view", choices=["auto", "rich", "plain", "none"])
     d.set_defaults(fn=_cmd_demo)
+
+    st = sub.add_parser("status", help="status of a running job (or list running jobs)")
+    st.add_argument("job", nargs="?")
+    st.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS or auto)")
+    st.set_defaults(fn=_cmd_status)
+    for kind, helptext, arg in (("switch", "switch a running job to another strategy", "strategy"),
+                                ("scale", "change a running job's number of workers", "workers"),
+                                ("stop", "stop a running job at the next step boundary", None)):
+        c = sub.add_parser(kind, help=helptext)
+        c.add_argument("job")
+        if arg:
+            c.add_argument("value", metavar=arg.upper(), type=int if arg == "workers" else str)
+        c.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS or auto)")
+        c.set_defaults(fn=_cmd_request(kind))
     return p
 
 

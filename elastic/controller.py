@@ -61,6 +61,7 @@ class Request:
     value: Any = None
     reason: str = "requested"
     reply: queue.Queue[Any] | None = None
+    remote_id: int | None = None  # set when the request came through the control actor
 
 
 @dataclass
@@ -112,6 +113,7 @@ class Controller:
         self._log: RunLog | None = None
         self._probe_model: Any = None
         self._use_gpu = False
+        self._control: Any = None
 
     # ------------------------------------------------------------------ public
 
@@ -127,6 +129,9 @@ class Controller:
         self.view.start(cfg.job_name, cfg.max_steps)
         try:
             self._connect()
+            from . import control
+
+            self._control = control.create(cfg.job_name)
             self._emit("start", f"job {cfg.job_name}: {cfg.max_steps} steps, global batch "
                        f"{cfg.global_batch_size}, {cfg.num_workers} workers, strategy {cfg.strategy}")
             self._place(cfg.num_workers)
@@ -363,6 +368,7 @@ class Controller:
             if done and pending:
                 self._raise_if_failed(done, pending)
             self._drain()
+            self._poll_control()
             if not pending:
                 break
             if not stop_sent and not self.requests.empty():
@@ -427,6 +433,17 @@ class Controller:
         if per_step:
             self.view.workers([w.info for w in self.workers])
 
+    def _poll_control(self) -> None:
+        """Publish status and take requests posted through the control actor."""
+        if self._control is None:
+            return
+        import ray
+
+        self._control.set_status.remote(self.status())
+        for r in ray.get(self._control.take.remote()):
+            self.post(Request(r["kind"], r["value"], r["reason"] or "requested remotely",
+                              remote_id=r["id"]))
+
     def _at_boundary(self) -> None:
         if self.step >= self.cfg.max_steps:
             return
@@ -449,6 +466,10 @@ class Controller:
                 result = e
             if req.reply is not None:
                 req.reply.put(result)
+            if req.remote_id is not None and self._control is not None:
+                out = {"error": str(result)} if isinstance(result, BaseException) else {
+                    "ok": True, "result": result, "status": self.status()}
+                self._control.reply.remote(req.remote_id, out)
 
     def _final_state(self) -> dict[str, Any]:
         import ray
@@ -467,7 +488,8 @@ class Controller:
 
     def status(self) -> dict[str, Any]:
         last = self.history[-1] if self.history else {}
-        return {"job": self.cfg.job_name, "state": self.state.value, "step": self.step,
+        done = last["step"] + 1 if last else self.step
+        return {"job": self.cfg.job_name, "state": self.state.value, "step": done,
                 "max_steps": self.cfg.max_steps, "strategy": self.spec.name if self.spec else None,
                 "world_size": len(self.workers), "loss": last.get("loss"),
                 "samples_per_s": last.get("samples_per_s")}
@@ -488,6 +510,23 @@ class Controller:
             except Exception:
                 pass
         self.workers = []
+        while not self.requests.empty():  # nobody is left to act on these
+            req = self.requests.get_nowait()
+            gone = SwitchError(f"the job ended ({self.state.value}) before the request was handled")
+            if req.reply is not None:
+                req.reply.put(gone)
+            if req.remote_id is not None and self._control is not None:
+                self._control.reply.remote(req.remote_id, {"error": str(gone)})
+        if self._control is not None:
+            try:  # let askers collect their replies (bounded) before the mailbox goes away
+                self._control.set_status.remote(self.status())
+                deadline = time.monotonic() + 3.0
+                while ray.get(self._control.unread_replies.remote()) and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                ray.kill(self._control)
+            except Exception:
+                pass
+            self._control = None
         if self._started_ray:
             ray.shutdown()
 

@@ -1,0 +1,120 @@
+"""Live control of a running job from anywhere that reaches its Ray cluster.
+
+Each job registers a small named actor, ``elastic-job:<name>`` in the ``elastic`` namespace. It
+holds the job's latest status and a mailbox of requests (switch, stop, scale). The controller
+pushes its status and takes requests a few times a second; the CLI (``elastic status|switch|
+stop|scale JOB``) posts requests and waits for the controller's reply. The actor lives and
+dies with the job's driver.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any
+
+from .errors import ElasticError, JobNotFoundError
+
+__all__ = ["NAMESPACE", "actor_name", "JobControl", "create", "lookup", "list_jobs", "ask"]
+
+NAMESPACE = "elastic"
+_PREFIX = "elastic-job:"
+
+
+def actor_name(job: str) -> str:
+    return _PREFIX + job
+
+
+class JobControl:
+    """Mailbox and status board of one job (the body of a Ray actor)."""
+
+    def __init__(self, job: str) -> None:
+        self.job = job
+        self.status: dict[str, Any] = {"job": job, "state": "starting"}
+        self.inbox: list[dict[str, Any]] = []
+        self.replies: dict[int, Any] = {}
+        self._ids = itertools.count(1)
+
+    def set_status(self, status: dict[str, Any]) -> None:
+        self.status = status
+
+    def get_status(self) -> dict[str, Any]:
+        return self.status
+
+    def post(self, kind: str, value: Any = None, reason: str = "") -> int:
+        rid = next(self._ids)
+        self.inbox.append({"id": rid, "kind": kind, "value": value, "reason": reason})
+        return rid
+
+    def take(self) -> list[dict[str, Any]]:
+        out, self.inbox = self.inbox, []
+        return out
+
+    def reply(self, rid: int, value: Any) -> None:
+        self.replies[rid] = value
+
+    def get_reply(self, rid: int) -> Any:
+        return self.replies.pop(rid, None)
+
+    def unread_replies(self) -> int:
+        return len(self.replies)
+
+
+def create(job: str) -> Any:
+    """Start the job's control actor; refuse a name that a running job already uses."""
+    import ray
+
+    try:
+        ray.get_actor(actor_name(job), namespace=NAMESPACE)
+    except ValueError:
+        pass
+    else:
+        raise ElasticError(
+            f"a job named {job!r} is already running on this cluster. Fix: pick another name "
+            "or stop it with `elastic stop {job}`."
+        )
+    return ray.remote(JobControl).options(
+        name=actor_name(job), namespace=NAMESPACE, num_cpus=0, max_concurrency=1
+    ).remote(job)
+
+
+def list_jobs() -> list[str]:
+    import ray
+
+    names = ray.util.list_named_actors(all_namespaces=True)
+    return sorted(
+        a["name"][len(_PREFIX):] for a in names
+        if a.get("namespace") == NAMESPACE and a["name"].startswith(_PREFIX)
+    )
+
+
+def lookup(job: str) -> Any:
+    import ray
+
+    try:
+        return ray.get_actor(actor_name(job), namespace=NAMESPACE)
+    except ValueError:
+        running = list_jobs()
+        hint = f"running jobs: {', '.join(running)}" if running else "no elastic job is running"
+        raise JobNotFoundError(
+            f"no running elastic job named {job!r} on this cluster ({hint}). Fix: check the name "
+            "with `elastic status` or the address in RAY_ADDRESS."
+        ) from None
+
+
+def ask(job: str, kind: str, value: Any = None, reason: str = "requested from the CLI",
+        timeout_s: float = 300.0) -> Any:
+    """Post a request to a running job and wait for its controller's reply."""
+    import ray
+
+    h = lookup(job)
+    rid = ray.get(h.post.remote(kind, value, reason))
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        out = ray.get(h.get_reply.remote(rid))
+        if out is not None:
+            if isinstance(out, dict) and out.get("error"):
+                raise ElasticError(out["error"])
+            return out
+        time.sleep(0.2)
+    raise ElasticError(f"job {job!r} did not answer within {timeout_s:.0f}s")
