@@ -1,0 +1,199 @@
+"""The balancer: batch shares by speed, pipeline stage splits by cost, and when to re-balance.
+
+Pure functions on numbers; the planner and the live controller feed them measured speeds
+(samples per second per device) and per-block costs. The drift rule returns a decision and
+does nothing itself: the controller decides when to apply it (at a step boundary).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .errors import BalanceError
+
+__all__ = ["proportional_shares", "stage_split", "RebalanceDecision", "rebalance_decision"]
+
+
+def proportional_shares(
+    total: int,
+    speeds: Sequence[float],
+    caps: Sequence[int | None] | None = None,
+    min_share: int = 1,
+) -> tuple[int, ...]:
+    """Split ``total`` samples into integers proportional to ``speeds``.
+
+    Guarantees: the shares sum to ``total`` exactly, each is >= ``min_share`` and <= its cap
+    (``caps[i]`` = most samples device i can hold, ``None`` = no cap). Caps are met by
+    water-filling (a capped device keeps its cap, the rest is re-split among the others),
+    then largest-remainder rounding (ties to the lower index). Raises ``BalanceError`` when
+    ``total`` is too small for ``min_share`` each or the caps cannot hold ``total``.
+    """
+    n = len(speeds)
+    if n == 0:
+        raise BalanceError("no devices to share the batch among")
+    if any(not (s > 0 and math.isfinite(s)) for s in speeds):
+        raise BalanceError(f"speeds must be positive and finite, got {list(speeds)}")
+    cap = [math.inf if c is None else c for c in (caps or [None] * n)]
+    if len(cap) != n:
+        raise BalanceError(f"{len(cap)} caps for {n} devices")
+    if total < n * min_share:
+        raise BalanceError(
+            f"global batch {total} < {n} devices x {min_share} sample(s) each; "
+            "use fewer devices or a larger batch"
+        )
+    low = [i for i, c in enumerate(cap) if c < min_share]
+    if low:
+        raise BalanceError(
+            f"devices {low} cannot hold even {min_share} sample(s) "
+            "(memory cap); drop them from the plan"
+        )
+    if sum(cap) < total:
+        raise BalanceError(
+            f"the devices hold at most {sum(cap):g} samples together, the batch is "
+            f"{total}; add devices, use gradient accumulation or shard more"
+        )
+    fixed: dict[int, int] = {}
+    quota: dict[int, float] = {}
+    while True:
+        free = [i for i in range(n) if i not in fixed]
+        rest = total - sum(fixed.values())
+        if not free:
+            quota = {}
+            break
+        wsum = sum(speeds[i] for i in free)
+        quota = {i: rest * speeds[i] / wsum for i in free}
+        over = [i for i in free if quota[i] > cap[i]]
+        under = [i for i in free if quota[i] < min_share]
+        if not over and not under:
+            break
+        for i in over or under:
+            fixed[i] = int(cap[i]) if over else min_share
+    shares = [0] * n
+    for i, v in fixed.items():
+        shares[i] = v
+    for i, q in quota.items():
+        shares[i] = int(math.floor(q))
+    left = total - sum(shares)
+    order = sorted(quota, key=lambda i: (-(quota[i] - math.floor(quota[i])), i)) or list(range(n))
+    k = 0
+    while left > 0:
+        i = order[k % len(order)]
+        if shares[i] < cap[i]:
+            shares[i] += 1
+            left -= 1
+        k += 1
+    return tuple(shares)
+
+
+def stage_split(
+    block_costs: Sequence[float],
+    stage_speeds: Sequence[float],
+    *,
+    block_memory: Sequence[float] | None = None,
+    stage_memory: Sequence[float] | None = None,
+) -> tuple[int, ...]:
+    """Contiguous blocks per stage minimizing the slowest stage's time, by dynamic programming.
+
+    Stage s takes ``sum(cost of its blocks) / stage_speeds[s]``. With ``block_memory`` and
+    ``stage_memory`` a stage may hold only blocks whose memory sums to its budget. Every stage
+    gets >= 1 block. O(stages x blocks^2). Raises ``BalanceError`` if no split is feasible.
+    """
+    nb, ns = len(block_costs), len(stage_speeds)
+    if ns == 0 or nb < ns:
+        raise BalanceError(f"{nb} blocks cannot fill {ns} stages (each needs >= 1 block)")
+    if any(s <= 0 for s in stage_speeds):
+        raise BalanceError("stage speeds must be positive")
+    pre = [0.0]
+    for c in block_costs:
+        pre.append(pre[-1] + c)
+    mpre = [0.0]
+    for mb in block_memory or [0.0] * nb:
+        mpre.append(mpre[-1] + mb)
+    budget = list(stage_memory) if stage_memory is not None else [math.inf] * ns
+    inf = math.inf
+    # best[s][i]: min over splits of blocks [0, i) into stages 0..s-1 of the max stage time.
+    best = [[inf] * (nb + 1) for _ in range(ns + 1)]
+    cut = [[0] * (nb + 1) for _ in range(ns + 1)]
+    best[0][0] = 0.0
+    for s in range(1, ns + 1):
+        for i in range(s, nb - (ns - s) + 1):
+            for j in range(s - 1, i):
+                if best[s - 1][j] == inf or mpre[i] - mpre[j] > budget[s - 1]:
+                    continue
+                t = max(best[s - 1][j], (pre[i] - pre[j]) / stage_speeds[s - 1])
+                if t < best[s][i]:
+                    best[s][i], cut[s][i] = t, j
+    if best[ns][nb] == inf:
+        raise BalanceError("no contiguous split fits the stages' memory; add stages or memory")
+    sizes, i = [], nb
+    for s in range(ns, 0, -1):
+        j = cut[s][i]
+        sizes.append(i - j)
+        i = j
+    return tuple(reversed(sizes))
+
+
+@dataclass(frozen=True)
+class RebalanceDecision:
+    """Whether to re-balance, why, and the shares to use if so (``shares`` == current if not)."""
+
+    rebalance: bool
+    reason: str
+    drift: float
+    gain: float
+    shares: tuple[int, ...]
+
+
+def rebalance_decision(
+    shares: Sequence[int],
+    used_speeds: Sequence[float],
+    measured_speeds: Sequence[float],
+    *,
+    threshold: float = 0.1,
+    min_gain: float = 0.05,
+    caps: Sequence[int | None] | None = None,
+) -> RebalanceDecision:
+    """Re-balance when the measured relative speeds drift from the ones the shares were cut for.
+
+    Speeds are compared after normalising each vector to sum 1, so a uniformly slower
+    cluster does not trigger. Drift = max_i |measured_i / used_i - 1|. Re-balance only if
+    drift > ``threshold`` AND the predicted step (max_i share_i / speed_i) improves by at
+    least ``min_gain``. Returns a decision; does not act.
+    """
+    n = len(shares)
+    if not (len(used_speeds) == len(measured_speeds) == n):
+        raise BalanceError("shares, used_speeds and measured_speeds must have equal lengths")
+    su, sm = sum(used_speeds), sum(measured_speeds)
+    drift = max(
+        abs((m / sm) / (u / su) - 1.0) for u, m in zip(used_speeds, measured_speeds, strict=True)
+    )
+    now = tuple(shares)
+    if drift <= threshold:
+        return RebalanceDecision(
+            False,
+            f"relative speeds within {threshold:.0%} of the ones used (drift {drift:.1%})",
+            drift,
+            0.0,
+            now,
+        )
+    new = proportional_shares(sum(shares), measured_speeds, caps)
+    t_now = max(s / v for s, v in zip(now, measured_speeds, strict=True))
+    t_new = max(s / v for s, v in zip(new, measured_speeds, strict=True))
+    gain = 1.0 - t_new / t_now
+    if gain < min_gain:
+        return RebalanceDecision(
+            False,
+            f"drift {drift:.1%} but re-balancing would gain only {gain:.1%} (< {min_gain:.0%})",
+            drift,
+            gain,
+            now,
+        )
+    return RebalanceDecision(
+        True,
+        f"drift {drift:.1%} > {threshold:.0%}; new shares cut the step by {gain:.1%}",
+        drift,
+        gain,
+        new,
+    )
