@@ -33,7 +33,17 @@ from .plan import DP_MODES, SCHEDULES, STRATEGIES, Plan
 from .planner import Candidate, PlanResult, plan
 from .profile import ModelProfile, optimizer_state_bytes, profile_from_dict, transformer_profile
 from .report import format_plan_table, plan_main
-from .simulator import ElasticInPlace, FailureEvent, PolicyResult, RestartAll, SimConfig, simulate
+from .simulator import (
+    ElasticInPlace,
+    FailureEvent,
+    PolicyResult,
+    Recovery,
+    RestartAll,
+    SimConfig,
+    failure_trace,
+    format_sim_table,
+    simulate,
+)
 from .topology import Cluster, Device, Emulation, Node, NodePool, Path
 
 __all__ = [
@@ -64,6 +74,7 @@ __all__ = [
     "PolicyResult",
     "ProfileError",
     "RebalanceDecision",
+    "Recovery",
     "RestartAll",
     "SCHEDULES",
     "STRATEGIES",
@@ -77,7 +88,9 @@ __all__ = [
     "device_type",
     "device_types",
     "example_path",
+    "failure_trace",
     "format_plan_table",
+    "format_sim_table",
     "link_type",
     "link_types",
     "load_cluster",
