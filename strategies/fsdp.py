@@ -1,0 +1,220 @@
+"""ZeRO-3 via FSDP2 (``torch.distributed.fsdp.fully_shard``): parameters, gradients and
+optimizer state all sharded (dim-0 chunks) over a 1-D DeviceMesh.
+
+Design
+------
+* **Wrapping.** If the model is pipeline-ready (an ``nn.Sequential`` or a module with
+  ``pipeline_blocks()``, see ``strategies.pipeline``), each block that has parameters becomes
+  its own FSDP unit (its parameters are all-gathered just before it runs and freed after), then
+  the root is wrapped to catch the rest. Otherwise only the root is wrapped. FSDP2 keeps the
+  module's FQNs.
+* **Gradients.** FSDP2 reduce-scatters and divides by the mesh size, so each rank scales its
+  local mean loss by ``share * N / G``: the result is the mean over the G samples of the step.
+* **Canonical state, our own all-gather.** ``full_state`` calls ``DTensor.full_tensor()`` on
+  each parameter and each optimizer state entry, in FQN order; ``load_full_state`` cuts each
+  full tensor to this rank's shard locally (``distribute_tensor(..., src_data_rank=None)``, no
+  communication). ``torch.distributed.checkpoint.state_dict.get_state_dict`` is deliberately
+  *not* used: on an optimizer without state it runs a zero-gradient ``step()`` to create one
+  (Adam's ``step`` becomes 1), which would make a checkpoint taken before the first step change
+  the training trajectory.
+* ``options``: ``reshard_after_forward`` (bool, default True).
+
+The helpers ``shard_module``, ``sharded_full_state``, ``load_sharded_state`` and
+``sharded_counts`` are reused by the pipeline x zero3 hybrid (one FSDP mesh per stage).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ._gather import global_ranks
+from .base import (
+    CanonicalState,
+    LossFn,
+    OptimizerFactory,
+    Runtime,
+    Strategy,
+    StrategySpec,
+    optimizer_state_from_canonical,
+)
+from .registry import register
+
+__all__ = [
+    "FullyShardedDataParallel",
+    "shard_module",
+    "sharded_full_state",
+    "load_sharded_state",
+    "sharded_counts",
+]
+
+
+_MESH_IDS = itertools.count()
+
+
+def shard_module(
+    module: nn.Module,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    units: Iterable[nn.Module] = (),
+    reshard_after_forward: bool = True,
+) -> None:
+    """Apply ``fully_shard`` in place: each module of ``units`` (that has parameters), then
+    ``module`` itself, on a 1-D mesh over ``group`` (``None``: the default group)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    pg = group if group is not None else dist.group.WORLD
+    # A fresh dim name per mesh: DeviceMesh equality ignores the process group, so DTensor's
+    # sharding-propagation cache would otherwise hand a mesh from an earlier group generation
+    # (same ranks, a destroyed group whose name now resolves to another group) to this one.
+    name = f"fsdp{next(_MESH_IDS)}"
+    mesh = DeviceMesh.from_group(pg, device.type, mesh=global_ranks(group), mesh_dim_names=(name,))
+    for unit in units:
+        if unit is not module and any(True for _ in unit.parameters()):
+            fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def sharded_full_state(
+    modules: Sequence[nn.Module], optimizer: torch.optim.Optimizer | None
+) -> CanonicalState:
+    """Collective over the modules' mesh: full canonical model and optimizer state of
+    ``modules`` (FQNs as each module names them)."""
+    out: CanonicalState = {}
+    for module in modules:
+        for k, v in module.state_dict().items():
+            out[f"model/{k}"] = _full(v).detach().to("cpu", copy=True)
+    if optimizer is None:
+        return out
+    for module in modules:
+        for name, p in module.named_parameters():
+            st = optimizer.state.get(p, {})
+            for k in sorted(st):
+                v = st[k]
+                t = v if isinstance(v, torch.Tensor) else torch.tensor(v)
+                out[f"optim/{name}/{k}"] = _full(t).detach().to("cpu", copy=True)
+    return out
+
+
+def load_sharded_state(
+    modules: Sequence[nn.Module], optimizer: torch.optim.Optimizer | None, state: CanonicalState
+) -> None:
+    """Keep this rank's shard of every full canonical entry (local slicing, no communication).
+
+    Raises ``KeyError`` naming the first model entry that ``state`` lacks.
+    """
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    def shard_of(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        full = full.to(device=_local(like).device, dtype=like.dtype)
+        if isinstance(like, DTensor):
+            return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
+        return full
+
+    with torch.no_grad():
+        for module in modules:
+            for k, v in module.state_dict().items():
+                key = f"model/{k}"
+                if key not in state:
+                    raise KeyError(f"canonical state has no entry {key!r}")
+                v.copy_(shard_of(state[key], v))
+    if optimizer is not None:
+        params = {n: p for m in modules for n, p in m.named_parameters()}
+        optimizer_state_from_canonical(
+            optimizer, params, state, slicer=lambda _fqn, full, p: shard_of(full, p)
+        )
+
+
+def sharded_counts(
+    modules: Sequence[nn.Module], optimizer: torch.optim.Optimizer | None
+) -> dict[str, int]:
+    """Elements of the local shards: parameters, gradients and optimizer state."""
+    ps = [p for m in modules for p in m.parameters()]
+    params = sum(_local(p).numel() for p in ps)
+    grads = sum(_local(p.grad).numel() for p in ps if p.grad is not None)
+    optim = 0
+    if optimizer is not None:
+        optim = sum(
+            _local(v).numel()
+            for st in optimizer.state.values()
+            for v in st.values()
+            if isinstance(v, torch.Tensor) and v.dim() > 0
+        )
+    return {"params": params, "grads": grads, "optim": optim}
+
+
+@register
+class FullyShardedDataParallel(Strategy):
+    """ZeRO-3: FSDP2 over all ranks (see the module docstring)."""
+
+    name = "zero3"
+
+    def __init__(
+        self,
+        spec: StrategySpec,
+        rt: Runtime,
+        model: nn.Module,
+        optimizer_factory: OptimizerFactory,
+        loss_fn: LossFn,
+    ) -> None:
+        super().__init__(spec, rt, model, optimizer_factory, loss_fn)
+        from .pipeline import pipeline_blocks_or_none
+
+        self.model = model.to(rt.device)
+        blocks = pipeline_blocks_or_none(self.model) or []
+        shard_module(
+            self.model,
+            None,
+            rt.device,
+            units=[m for _, m in blocks],
+            reshard_after_forward=bool(spec.options.get("reshard_after_forward", True)),
+        )
+        self.optimizer = optimizer_factory(self.model.parameters())
+        # FSDP divides the summed gradient by the world size; undo that, then take the mean over G.
+        self._scale = self.share * rt.world_size / spec.global_batch_size
+
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        dev = self.rt.device
+        inputs, targets = inputs.to(dev, non_blocking=True), targets.to(dev, non_blocking=True)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.loss_fn(self.model(inputs), targets)
+        (loss * self._scale).backward()
+        self.optimizer.step()
+        return float(loss.detach()) * self.share / self.spec.global_batch_size
+
+    def full_state(self) -> CanonicalState:
+        return sharded_full_state([self.model], self.optimizer)
+
+    def held_state(self) -> CanonicalState:
+        """Local, no collective: nothing, since a rank holds only shards of every tensor."""
+        return {}
+
+    def load_full_state(self, state: CanonicalState) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        load_sharded_state([self.model], self.optimizer, state)
+
+    def memory_counts(self) -> dict[str, int]:
+        return sharded_counts([self.model], self.optimizer)
+
+    def local_model(self) -> nn.Module:
+        return self.model
+
+    def close(self) -> None:
+        del self.optimizer, self.model

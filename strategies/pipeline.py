@@ -1,0 +1,471 @@
+"""Pipeline parallelism (``torch.distributed.pipelining``) and pipeline x data-parallel hybrids.
+
+Pipeline-ready models (the protocol)
+------------------------------------
+A model can be pipelined if it is either
+
+* an ``nn.Sequential`` (its children are the blocks), or
+* any module with a method ``pipeline_blocks() -> list[tuple[str, nn.Module]]`` returning its
+  blocks in order: each name is the block's FQN in the model (dotted names such as
+  ``"layers.0"`` are fine), and ``forward(x)`` must equal applying the blocks one after the
+  other to a single tensor ``x``; the last block's output goes to ``loss_fn``.
+
+Every parameter and buffer must belong to exactly one block (no tied weights across blocks,
+nothing outside the blocks); anything else is a ``StrategyError`` naming the culprit. A stage
+is a module that registers its blocks under their *original* names (``layers.0.weight`` stays
+``layers.0.weight``), so canonical states match every other layout.
+
+Layout (``spec.pp_degree = P``, ``D = world_size // P`` replicas)
+-----------------------------------------------------------------
+Ranks are stage-major on a (pp, dp) mesh: rank ``r = s * D + j`` runs pipeline stage ``s`` of
+replica ``j``. The P ranks ``{s * D + j : s < P}`` of replica ``j`` form its pipeline group; the
+D ranks ``{s * D + j : j < D}`` of stage ``s`` form its data-parallel group (sub-groups are
+created only when D > 1 and destroyed by ``close()``). With ``schedule="interleaved"``
+there are ``2 P`` stages and rank ``s * D + j`` runs stages ``s`` and ``s + P``. ``P == world_size``
+is a pure pipeline (D = 1, ``dp_mode`` ignored); ``P < world_size`` is a hybrid.
+
+``spec.stage_split`` gives the number of blocks per stage (one entry per stage); ``None``
+splits contiguously, minimising the largest stage's parameter count. ``spec.dp_mode`` picks the
+data parallelism inside each stage's dp group: ``dp`` (all-reduce), ``zero1``/``zero2``
+(``strategies.zero.ShardedUpdate``) or ``zero3`` (FSDP2 over the dp group).
+
+Shares, micro-batches, loss
+---------------------------
+Feeding is the same as for every other strategy: ``sum(shares) == G`` and rank ``r`` is given
+its own contiguous slice of ``shares[r]`` samples of the step's G samples. The batch of
+replica ``j`` is the union of its ranks' slices, ``B_j = sum(shares[s * D + j] for s)``: at each
+step the replica's ranks all-gather their slices (inputs and targets, in stage order) over the
+pipeline group, so the first stage sees all B_j inputs and the last stage all B_j targets. Only
+the sums B_j decide the work; how they are split among the ranks of a replica is free (a
+balancer should balance the B_j across replicas). ``spec.micro_batches = M`` splits each B_j
+into M equal micro-batches, so M must divide every B_j; 1F1B needs ``M >= P``; interleaved
+needs ``M`` to be a multiple of ``max(1, M // P)`` (torch's rule).
+
+Each micro-batch loss is scaled by ``B_j / (M * G)`` (with ``scale_grads=False``), so a stage's
+accumulated gradient is its replica's part of the mean over the G samples; the dp group then
+sums (dp/zero1/zero2; FSDP's mean is undone by a further factor D). ``train_step`` returns
+``replica_mean_loss * B_j / G`` on ranks that hold the last stage and ``0.0`` on all others,
+so the sum over all ranks is the global mean loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ._gather import gather_union, new_subgroups
+from .base import (
+    CanonicalState,
+    LossFn,
+    OptimizerFactory,
+    Runtime,
+    Strategy,
+    StrategyError,
+    StrategySpec,
+    model_state_to_canonical,
+)
+from .registry import register
+
+__all__ = [
+    "Pipeline",
+    "pipeline_blocks",
+    "pipeline_blocks_or_none",
+    "balanced_split",
+    "replica_batches",
+    "SCHEDULES",
+    "DP_MODES",
+]
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+DP_MODES = ("dp", "zero1", "zero2", "zero3")
+
+
+def pipeline_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The model's ordered ``(fqn, block)`` list (see the protocol in the module docstring).
+
+    Raises ``StrategyError`` if the model is not pipeline-ready, naming why.
+    """
+    kind = type(model).__name__
+    if callable(getattr(model, "pipeline_blocks", None)):
+        blocks = [(str(n), m) for n, m in model.pipeline_blocks()]
+    elif isinstance(model, nn.Sequential):
+        blocks = list(model.named_children())
+    else:
+        raise StrategyError(
+            f"{kind} cannot be pipelined: it is neither an nn.Sequential nor has a "
+            "pipeline_blocks() method; add pipeline_blocks() returning the ordered "
+            "(name, module) blocks whose composition is forward()"
+        )
+    if not blocks:
+        raise StrategyError(f"{kind} cannot be pipelined: it has no blocks")
+    names = [n for n, _ in blocks]
+    if len(set(names)) != len(names):
+        raise StrategyError(f"{kind}.pipeline_blocks() names a block twice: {names}")
+    for name, block in blocks:
+        try:
+            found = model.get_submodule(name)
+        except AttributeError:
+            found = None
+        if found is not block:
+            raise StrategyError(
+                f"{kind}.pipeline_blocks(): {name!r} is not the FQN of that block in the model; "
+                "return the blocks under their names in the model"
+            )
+    for a in names:
+        for b in names:
+            if a != b and b.startswith(a + "."):
+                raise StrategyError(f"{kind}: block {b!r} is nested inside block {a!r}")
+    owner: dict[int, str] = {}
+    for name, block in blocks:
+        for t in [*block.parameters(), *block.buffers()]:
+            if id(t) in owner:
+                raise StrategyError(
+                    f"{kind}: blocks {owner[id(t)]!r} and {name!r} share a tensor (tied "
+                    "weights); untie them or keep them in one block"
+                )
+            owner[id(t)] = name
+    outside = [
+        fqn
+        for fqn, _ in [
+            *model.named_parameters(remove_duplicate=False),
+            *model.named_buffers(remove_duplicate=False),
+        ]
+        if not any(fqn.startswith(n + ".") for n in names)
+    ]
+    if outside:
+        raise StrategyError(
+            f"{kind} cannot be pipelined: {outside[:5]} belong to no pipeline block; "
+            "move them into a block"
+        )
+    return blocks
+
+
+def pipeline_blocks_or_none(model: nn.Module) -> list[tuple[str, nn.Module]] | None:
+    """Like ``pipeline_blocks`` but ``None`` for a model that is not pipeline-ready."""
+    try:
+        return pipeline_blocks(model)
+    except StrategyError:
+        return None
+
+
+def balanced_split(weights: Sequence[int], stages: int) -> tuple[int, ...]:
+    """Blocks per stage: a contiguous split into ``stages`` non-empty parts that minimises the
+    heaviest part; ties are broken deterministically."""
+    n = len(weights)
+    if not 1 <= stages <= n:
+        raise StrategyError(f"cannot split {n} blocks into {stages} stages")
+    prefix = [0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    inf = float("inf")
+    # best[k][i]: the smallest heaviest part when splitting the first i blocks into k parts.
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0
+    for k in range(1, stages + 1):
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):
+                c = max(best[k - 1][j], prefix[i] - prefix[j])
+                if c < best[k][i]:
+                    best[k][i], cut[k][i] = c, j
+    sizes = []
+    i = n
+    for k in range(stages, 0, -1):
+        j = cut[k][i]
+        sizes.append(i - j)
+        i = j
+    return tuple(reversed(sizes))
+
+
+def replica_batches(spec: StrategySpec) -> list[int]:
+    """``B_j``: samples per step of each data-parallel replica ``j`` (the sum of the shares of
+    its ranks ``j, D + j, 2 D + j, ...``), assuming ``pp_degree`` divides the world size."""
+    d = spec.world_size // spec.pp_degree
+    return [sum(spec.shares[j::d]) for j in range(d)]
+
+
+class _Stage(nn.Module):
+    """Some consecutive blocks of a pipeline-ready model, under their original FQNs."""
+
+    def __init__(self, blocks: Sequence[tuple[str, nn.Module]]) -> None:
+        super().__init__()
+        for name, block in blocks:
+            parent: nn.Module = self
+            *path, leaf = name.split(".")
+            for part in path:
+                if part not in parent._modules:
+                    parent.add_module(part, nn.Module())
+                parent = parent._modules[part]  # type: ignore[assignment]
+            parent.add_module(leaf, block)
+        self.blocks = [block for _, block in blocks]  # a plain list: not registered twice
+        self.block_names = [name for name, _ in blocks]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _stages_per_rank(schedule: str) -> int:
+    return 2 if schedule == "interleaved" else 1
+
+
+def _resolve_split(spec: StrategySpec, blocks: Sequence[tuple[str, nn.Module]]) -> tuple[int, ...]:
+    n_stages = spec.pp_degree * _stages_per_rank(spec.schedule)
+    if n_stages > len(blocks):
+        raise StrategyError(
+            f"{n_stages} pipeline stages but the model has only {len(blocks)} blocks; "
+            "lower pp_degree (or use a non-interleaved schedule)"
+        )
+    if spec.stage_split is None:
+        weights = [sum(p.numel() for p in b.parameters()) + 1 for _, b in blocks]
+        return balanced_split(weights, n_stages)
+    split = tuple(spec.stage_split)
+    if len(split) != n_stages or any(s < 1 for s in split) or sum(split) != len(blocks):
+        raise StrategyError(
+            f"stage_split {list(split)} must have {n_stages} entries >= 1 that sum to the "
+            f"model's {len(blocks)} blocks"
+        )
+    return split
+
+
+@register
+class Pipeline(Strategy):
+    """Pipeline parallelism, alone or x dp/zero on a 2-D mesh (see the module docstring).
+
+    Ownership: the stages take this rank's blocks out of the given model (the same module
+    objects, moved to the device); the strategy keeps no reference to the rest, so a caller
+    that drops the full model holds only its stage. ``local_model()`` is this rank's first
+    stage.
+    """
+
+    name = "pipeline"
+
+    @classmethod
+    def validate(cls, spec: StrategySpec, model: nn.Module) -> None:
+        super().validate(spec, model)
+        pp, world = spec.pp_degree, spec.world_size
+        if pp < 2:
+            raise StrategyError(
+                f"pipeline needs pp_degree >= 2 (got {pp}); for one stage use dp or zero1/2/3"
+            )
+        if world % pp:
+            raise StrategyError(
+                f"pp_degree {pp} x dp degree must equal the world size {world}: "
+                f"choose a pp_degree that divides {world}"
+            )
+        d = world // pp
+        dp_degree = spec.options.get("dp_degree")
+        if dp_degree is not None and dp_degree * pp != world:
+            raise StrategyError(
+                f"pp_degree {pp} x dp_degree {dp_degree} = {pp * dp_degree}, not the world "
+                f"size {world}"
+            )
+        if spec.schedule not in SCHEDULES:
+            raise StrategyError(
+                f"unknown pipeline schedule {spec.schedule!r}; choose one of {SCHEDULES}"
+            )
+        if spec.dp_mode not in DP_MODES:
+            raise StrategyError(f"unknown dp_mode {spec.dp_mode!r}; choose one of {DP_MODES}")
+        _resolve_split(spec, pipeline_blocks(model))
+        m = spec.micro_batches
+        if m < 1:
+            raise StrategyError(f"micro_batches must be >= 1, got {m}")
+        for j, b in enumerate(replica_batches(spec)):
+            if b % m:
+                raise StrategyError(
+                    f"{m} micro-batches do not divide replica {j}'s batch of {b} samples (the "
+                    f"sum of the shares of ranks {list(range(j, world, d))}); make every "
+                    "replica's batch a multiple of micro_batches"
+                )
+        if spec.schedule == "1f1b" and m < pp:
+            raise StrategyError(f"1f1b needs micro_batches >= pp_degree ({pp}), got {m}")
+        if spec.schedule == "interleaved" and m % max(1, m // pp):
+            raise StrategyError(
+                f"interleaved needs micro_batches to be a multiple of max(1, micro_batches "
+                f"// pp_degree) = {max(1, m // pp)}, got {m}; use a multiple of {pp}"
+            )
+
+    def __init__(
+        self,
+        spec: StrategySpec,
+        rt: Runtime,
+        model: nn.Module,
+        optimizer_factory: OptimizerFactory,
+        loss_fn: LossFn,
+    ) -> None:
+        super().__init__(spec, rt, model, optimizer_factory, loss_fn)
+        self.validate(spec, model)
+        from torch.distributed.pipelining import (
+            PipelineStage,
+            Schedule1F1B,
+            ScheduleGPipe,
+            ScheduleInterleaved1F1B,
+        )
+
+        from .fsdp import shard_module
+        from .zero import ShardedUpdate
+
+        pp = spec.pp_degree
+        d = rt.world_size // pp
+        self.stage_rank, self.replica = divmod(rt.rank, d)
+        self._own_groups: list[dist.ProcessGroup] = []
+        if d > 1:  # every rank creates every group, in the same order
+            dp_groups = new_subgroups([[s * d + j for j in range(d)] for s in range(pp)])
+            pp_groups = new_subgroups([[s * d + j for s in range(pp)] for j in range(d)])
+            self.dp_group = dp_groups[self.stage_rank]
+            self.pp_group = pp_groups[self.replica]
+            self._own_groups = [g for g in (self.dp_group, self.pp_group) if g is not None]
+        else:
+            self.dp_group, self.pp_group = None, None
+        dp_ranks = [self.stage_rank * d + j for j in range(d)]
+
+        blocks = pipeline_blocks(model)
+        split = _resolve_split(spec, blocks)
+        self.n_stages = len(split)
+        starts = [sum(split[:i]) for i in range(self.n_stages)]
+        self.stage_ids = [self.stage_rank + k * pp for k in range(_stages_per_rank(spec.schedule))]
+        self.stages = [
+            _Stage(blocks[starts[i] : starts[i] + split[i]]).to(rt.device) for i in self.stage_ids
+        ]
+        self.mode = spec.dp_mode if d > 1 else "dp"
+        reshard = bool(spec.options.get("reshard_after_forward", True))
+        if self.mode == "zero3":
+            for st in self.stages:
+                shard_module(st, self.dp_group, rt.device, st.blocks, reshard)
+            params = [p for st in self.stages for p in st.parameters()]
+            self.optimizer: torch.optim.Optimizer | None = optimizer_factory(params)
+            self.update = None
+            fsdp_factor = d  # FSDP averages over the dp group; undo that
+        else:
+            named = [np for st in self.stages for np in st.named_parameters()]
+            self.update = ShardedUpdate(
+                named,
+                optimizer_factory,
+                self.mode,
+                group=self.dp_group,
+                ranks=dp_ranks if d > 1 else [rt.rank],
+            )
+            self.optimizer = None
+            fsdp_factor = 1
+        g, m = spec.global_batch_size, spec.micro_batches
+        self._slices = [spec.shares[s * d + self.replica] for s in range(pp)]
+        self._mb_scale = sum(self._slices) * fsdp_factor / (m * g)
+        self._report = 1.0 / fsdp_factor
+        pstages = [
+            PipelineStage(st, i, self.n_stages, rt.device, group=self.pp_group)
+            for st, i in zip(self.stages, self.stage_ids, strict=True)
+        ]
+        self.is_first = 0 in self.stage_ids
+        self.is_last = self.n_stages - 1 in self.stage_ids
+        if spec.schedule == "interleaved":
+            self.schedule = ScheduleInterleaved1F1B(
+                pstages, m, loss_fn=self._mb_loss, scale_grads=False
+            )
+        else:
+            cls = ScheduleGPipe if spec.schedule == "gpipe" else Schedule1F1B
+            self.schedule = cls(pstages[0], m, loss_fn=self._mb_loss, scale_grads=False)
+
+    def _mb_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(output, target) * self._mb_scale
+
+    def _zero_grad(self) -> None:
+        for st in self.stages:
+            for p in st.parameters():
+                p.grad = None
+
+    def _replica_batch(self, t: torch.Tensor) -> torch.Tensor:
+        """All-gather the replica's slices over the pipeline group, in stage order."""
+        t = t.to(self.rt.device)
+        if t.shape[0] != self.share:
+            raise ValueError(
+                f"rank {self.rt.rank} was fed {t.shape[0]} samples, its share is {self.share}"
+            )
+        top = max(self._slices)
+        padded = t.new_zeros((top, *t.shape[1:]))
+        padded[: t.shape[0]] = t
+        parts = [torch.empty_like(padded) for _ in self._slices]
+        dist.all_gather(parts, padded, group=self.pp_group)
+        return torch.cat([p[:n] for p, n in zip(parts, self._slices, strict=True)])
+
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        """Feed this rank's own share; see the module docstring for the loss it returns."""
+        self._zero_grad()
+        inputs, targets = self._replica_batch(inputs), self._replica_batch(targets)
+        args = (inputs,) if self.is_first else ()
+        target = targets if self.is_last else None
+        losses: list[torch.Tensor] = []
+        self.schedule.step(
+            *args, target=target, losses=losses if self.is_last else None, return_outputs=False
+        )
+        if self.update is not None:
+            self.update.reduce_grads()
+            self.update.step()
+        else:
+            assert self.optimizer is not None
+            self.optimizer.step()
+        if not self.is_last:
+            return 0.0
+        return float(sum(float(x.detach()) for x in losses)) * self._report
+
+    def full_state(self) -> CanonicalState:
+        from .fsdp import sharded_full_state
+
+        if self.update is None:  # zero3 inside: all-gather the stage within its dp group first
+            partial = sharded_full_state(self.stages, self.optimizer)
+        else:
+            partial = self.held_state()
+        return gather_union(partial, self.rt.device)
+
+    def held_state(self) -> CanonicalState:
+        """Local, no collective: this rank's stage model and the optimizer entries it holds
+        whole (all of the stage's for dp, its owned ones for zero1/2, none for zero3)."""
+        if self.update is None:
+            return {}
+        out: CanonicalState = {}
+        for st in self.stages:
+            out.update(model_state_to_canonical(st.state_dict().items()))
+        out.update(self.update.optim_state())
+        return out
+
+    def load_full_state(self, state: CanonicalState) -> None:
+        from .fsdp import load_sharded_state
+
+        self._zero_grad()
+        if self.update is None:
+            load_sharded_state(self.stages, self.optimizer, state)
+            return
+        for st in self.stages:
+            keys = list(st.state_dict())
+            missing = [k for k in keys if f"model/{k}" not in state]
+            if missing:
+                raise KeyError(f"canonical state lacks model entries {missing[:5]}")
+            st.load_state_dict({k: state[f"model/{k}"] for k in keys})
+        self.update.load_optim_state(state)
+
+    def memory_counts(self) -> dict[str, int]:
+        from .fsdp import sharded_counts
+
+        if self.update is None:
+            return sharded_counts(self.stages, self.optimizer)
+        params = [p for st in self.stages for p in st.parameters()]
+        return {
+            "params": sum(p.numel() for p in params),
+            "grads": self.update.grad_count(),
+            "optim": self.update.optim_count(),
+        }
+
+    def local_model(self) -> nn.Module:
+        """This rank's stage (the first of its two stages when interleaved)."""
+        return self.stages[0]
+
+    def close(self) -> None:
+        if self.update is not None:
+            self.update.close()
+        del self.schedule, self.stages, self.optimizer, self.update
+        for g in self._own_groups:
+            dist.destroy_process_group(g)
+        self._own_groups = []

@@ -1,0 +1,311 @@
+"""ZeRO-1 and ZeRO-2: every rank holds the full model; optimizer state (and, for ZeRO-2,
+gradients at rest) are split among the ranks by parameter ownership.
+
+Design
+------
+* **Ownership.** Each parameter is owned by exactly one rank of the data-parallel group,
+  assigned greedily by size (largest first, to the least loaded rank; ties by position and rank
+  index), so every rank derives the same map with no communication. Parameters are never split,
+  so the balance is only as fine as the largest parameter.
+* **Optimizer.** Each rank builds the user's optimizer with ``optimizer_factory`` over *only* the
+  parameters it owns (a rank that owns none has no optimizer). Any per-parameter optimizer
+  (Adam, SGD, ...) therefore works unchanged and computes exactly what it computes unsharded.
+* **ZeRO-1 gradients.** Every gradient is summed over the group with an asynchronous
+  ``all_reduce`` launched from a post-accumulate-grad hook, so communication overlaps the rest
+  of backward. Every rank holds full gradients, as with DDP.
+* **ZeRO-2 gradients.** Each gradient is summed onto its owner only (``reduce`` to the owner,
+  launched from the same hook); the other ranks drop it (``p.grad = None``) once the reduction
+  is done, so gradients held at rest are about 1/N.
+* **Update.** Owners step their optimizer, then the updated parameters are broadcast from their
+  owners, one flat buffer per (owner, dtype).
+* **Loss scaling.** Reductions are sums, and each rank scales its local mean loss by
+  ``share / G``, so the summed gradient is exactly the mean over the G samples of the step,
+  whatever the split. Only the order of the floating-point additions differs from the
+  single-process reference.
+
+``ShardedUpdate`` implements the gradient reduction and the update for one data-parallel group
+and is reused by the pipeline hybrids (``dp``, ``zero1``, ``zero2`` inside each stage); there the
+reduction runs explicitly after the pipeline schedule's last backward instead of from hooks.
+
+Canonical state: the model comes from the local replica; optimizer entries are gathered from
+their owners (``full_state`` is a collective on the default group).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ._gather import assign_owners, gather_union, global_ranks
+from .base import (
+    CanonicalState,
+    LossFn,
+    OptimizerFactory,
+    Runtime,
+    Strategy,
+    StrategySpec,
+    model_state_to_canonical,
+    optimizer_state_from_canonical,
+    optimizer_state_to_canonical,
+)
+from .registry import register
+
+__all__ = ["ShardedUpdate", "Zero1", "Zero2", "UPDATE_MODES"]
+
+UPDATE_MODES = ("dp", "zero1", "zero2")
+
+
+class ShardedUpdate:
+    """Gradient reduction and optimizer update of one data-parallel group.
+
+    ``mode`` is ``"dp"`` (all-reduce, every rank steps a full optimizer), ``"zero1"``
+    (all-reduce, owners step, owners broadcast) or ``"zero2"`` (reduce to owner, owners step,
+    owners broadcast; non-owners keep no gradient). Gradient reductions are sums: the caller
+    scales its loss so that the sum is the wanted mean. ``group=None`` is the default group;
+    ``ranks`` overrides the group's global ranks (``[own rank]``: a group of one, no
+    communication at all).
+
+    Every rank of ``group`` must construct it with the same parameters in the same order and
+    call the collective methods (``reduce_grads``/``wait``, ``step``, ``optim_state`` through
+    ``gather_union``) in the same order. Ownership: it owns the optimizer it builds; the
+    parameters belong to the caller's module.
+    """
+
+    def __init__(
+        self,
+        named_params: Sequence[tuple[str, nn.Parameter]],
+        optimizer_factory: OptimizerFactory,
+        mode: str,
+        group: dist.ProcessGroup | None = None,
+        ranks: Sequence[int] | None = None,
+    ) -> None:
+        if mode not in UPDATE_MODES:
+            raise ValueError(f"unknown update mode {mode!r}; choose one of {UPDATE_MODES}")
+        self.mode = mode
+        self.group = group
+        self.ranks = list(ranks) if ranks is not None else global_ranks(group)
+        self.index = self.ranks.index(dist.get_rank())
+        self.named = [(n, p) for n, p in named_params if p.requires_grad]
+        n = len(self.ranks)
+        if mode == "dp":
+            self.owner = [self.index] * len(self.named)
+        else:
+            self.owner = assign_owners([p.numel() for _, p in self.named], n)
+        self.owned = {
+            name: p for (name, p), o in zip(self.named, self.owner, strict=True) if o == self.index
+        }
+        self.fqn_of = {id(p): name for name, p in self.owned.items()}
+        self.optimizer = optimizer_factory(list(self.owned.values())) if self.owned else None
+        self._pending: list[tuple[dist.Work, nn.Parameter, int]] = []
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+
+    # ------------------------------------------------------------------ gradients
+
+    def attach_hooks(self) -> None:
+        """Launch each parameter's reduction from a post-accumulate-grad hook (overlap).
+
+        Use only when each step runs exactly one backward; call ``wait()`` after it.
+        """
+        for (_, p), o in zip(self.named, self.owner, strict=True):
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(o)))
+
+    def _make_hook(self, owner: int) -> Callable[[torch.Tensor], None]:
+        def hook(p: torch.Tensor) -> None:
+            if len(self.ranks) == 1:
+                return
+            if self.mode == "zero2":
+                work = dist.reduce(p.grad, dst=self.ranks[owner], group=self.group, async_op=True)
+            else:
+                work = dist.all_reduce(p.grad, group=self.group, async_op=True)
+            self._pending.append((work, p, owner))  # type: ignore[arg-type]
+
+        return hook
+
+    def wait(self) -> None:
+        """Finish the reductions launched by the hooks; ZeRO-2 non-owners drop their grads."""
+        for work, p, owner in self._pending:
+            work.wait()
+            if self.mode == "zero2" and owner != self.index:
+                p.grad = None
+        self._pending.clear()
+
+    def reduce_grads(self) -> None:
+        """Reduce all present gradients now (no hooks): one flat collective per dtype (per owner
+        for ZeRO-2). Every rank of the group must have gradients for the same parameters."""
+        if len(self.ranks) == 1:
+            return
+        if self.mode == "zero2":
+            for o in range(len(self.ranks)):
+                ps = [p for (_, p), ow in zip(self.named, self.owner, strict=True) if ow == o]
+                for bucket in _by_dtype([p for p in ps if p.grad is not None]):
+                    flat = torch.cat([p.grad.reshape(-1) for p in bucket])
+                    dist.reduce(flat, dst=self.ranks[o], group=self.group)
+                    if o == self.index:
+                        _unflatten_into([p.grad for p in bucket], flat)
+                    else:
+                        for p in bucket:
+                            p.grad = None
+        else:
+            for bucket in _by_dtype([p for _, p in self.named if p.grad is not None]):
+                flat = torch.cat([p.grad.reshape(-1) for p in bucket])
+                dist.all_reduce(flat, group=self.group)
+                _unflatten_into([p.grad for p in bucket], flat)
+
+    def zero_grad(self) -> None:
+        for _, p in self.named:
+            p.grad = None
+
+    # ------------------------------------------------------------------ update
+
+    def step(self) -> None:
+        """Owners step their optimizer; updated parameters go out from their owners."""
+        if self.optimizer is not None:
+            self.optimizer.step()
+        if self.mode == "dp" or len(self.ranks) == 1:
+            return
+        with torch.no_grad():
+            for o in range(len(self.ranks)):
+                ps = [p for (_, p), ow in zip(self.named, self.owner, strict=True) if ow == o]
+                for bucket in _by_dtype(ps):
+                    if o == self.index:
+                        flat = torch.cat([p.detach().reshape(-1) for p in bucket])
+                    else:
+                        flat = torch.empty(
+                            sum(p.numel() for p in bucket),
+                            dtype=bucket[0].dtype,
+                            device=bucket[0].device,
+                        )
+                    dist.broadcast(flat, src=self.ranks[o], group=self.group)
+                    if o != self.index:
+                        _unflatten_into([p.detach() for p in bucket], flat)
+
+    # ------------------------------------------------------------------ state
+
+    def optim_state(self) -> CanonicalState:
+        """This rank's part of the canonical optimizer state (its owned parameters only)."""
+        if self.optimizer is None:
+            return {}
+        return optimizer_state_to_canonical(self.optimizer, self.fqn_of)
+
+    def load_optim_state(self, state: CanonicalState) -> None:
+        """Keep the canonical optimizer entries of the owned parameters (no communication)."""
+        if self.optimizer is not None:
+            optimizer_state_from_canonical(self.optimizer, self.owned, state)
+
+    def grad_count(self) -> int:
+        return sum(p.grad.numel() for _, p in self.named if p.grad is not None)
+
+    def optim_count(self) -> int:
+        if self.optimizer is None:
+            return 0
+        return sum(
+            v.numel()
+            for st in self.optimizer.state.values()
+            for v in st.values()
+            if isinstance(v, torch.Tensor) and v.dim() > 0
+        )
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        self._pending.clear()
+        self.optimizer = None
+
+
+def _by_dtype(params: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+    buckets: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in params:
+        buckets.setdefault(p.dtype, []).append(p)
+    return [buckets[d] for d in sorted(buckets, key=str)]
+
+
+def _unflatten_into(tensors: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
+    off = 0
+    for t in tensors:
+        n = t.numel()
+        t.copy_(flat[off : off + n].view_as(t))
+        off += n
+
+
+class _Zero(Strategy):
+    """Shared body of ZeRO-1 and ZeRO-2 over the default group (see the module docstring)."""
+
+    mode: ClassVar[str]
+
+    def __init__(
+        self,
+        spec: StrategySpec,
+        rt: Runtime,
+        model: nn.Module,
+        optimizer_factory: OptimizerFactory,
+        loss_fn: LossFn,
+    ) -> None:
+        super().__init__(spec, rt, model, optimizer_factory, loss_fn)
+        self.model = model.to(rt.device)
+        self.update = ShardedUpdate(
+            list(self.model.named_parameters()), optimizer_factory, self.mode
+        )
+        self.update.attach_hooks()
+        self._scale = self.share / spec.global_batch_size
+
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        dev = self.rt.device
+        inputs, targets = inputs.to(dev, non_blocking=True), targets.to(dev, non_blocking=True)
+        self.update.zero_grad()
+        loss = self.loss_fn(self.model(inputs), targets)
+        (loss * self._scale).backward()
+        self.update.wait()
+        self.update.step()
+        return float(loss.detach()) * self._scale
+
+    def full_state(self) -> CanonicalState:
+        out = model_state_to_canonical(self.model.state_dict().items())
+        out.update(gather_union(self.update.optim_state(), self.rt.device))
+        return out
+
+    def held_state(self) -> CanonicalState:
+        """Local, no collective: the whole model and the optimizer entries this rank owns."""
+        out = model_state_to_canonical(self.model.state_dict().items())
+        out.update(self.update.optim_state())
+        return out
+
+    def load_full_state(self, state: CanonicalState) -> None:
+        msd = {k[len("model/") :]: v for k, v in state.items() if k.startswith("model/")}
+        self.model.load_state_dict(msd)
+        self.update.zero_grad()
+        self.update.load_optim_state(state)
+
+    def memory_counts(self) -> dict[str, int]:
+        return {
+            "params": sum(p.numel() for p in self.model.parameters()),
+            "grads": self.update.grad_count(),
+            "optim": self.update.optim_count(),
+        }
+
+    def local_model(self) -> nn.Module:
+        return self.model
+
+    def close(self) -> None:
+        self.update.close()
+        del self.update, self.model
+
+
+@register
+class Zero1(_Zero):
+    """ZeRO-1: optimizer state sharded by parameter ownership; gradients all-reduced."""
+
+    name = "zero1"
+    mode = "zero1"
+
+
+@register
+class Zero2(_Zero):
+    """ZeRO-2: optimizer state and gradients at rest sharded by parameter ownership."""
+
+    name = "zero2"
+    mode = "zero2"

@@ -1,0 +1,401 @@
+"""Every strategy against the single-process reference, memory layout, live switches, validation.
+
+Why ``ATOL = 1e-5`` holds: every layout computes the same per-sample gradients and the same
+mean over the G samples of a step (losses scaled by share/G, sums across ranks); only the order
+of floating-point additions differs (per-rank partial sums, reduction trees, micro-batches),
+which moves float32 results by ~1e-7 per step. Adam's normalisation keeps that from growing
+much over 10-15 steps (measured diffs are ~1e-7); 1e-5 leaves two orders of margin while still
+catching any real scaling or ownership bug (those are > 1e-3 after one step at lr 1e-2).
+
+Processes: one pool of 4 spawned gloo workers for the whole module (``tests/mp_harness.py``);
+each run re-forms a group of the size it needs.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from elastic.data import StepSampler, fetch_batch, share_bounds
+from elastic.reference import build_model, reference_train
+from strategies import Runtime, StrategyError, StrategySpec, registry, state_hash
+from tests.mp_harness import ProcessPool
+
+SEED = 7
+ATOL = 1e-5
+STEPS = 10
+
+
+def make_mlp() -> nn.Sequential:
+    return nn.Sequential(
+        nn.Linear(8, 16),
+        nn.Tanh(),
+        nn.Linear(16, 16),
+        nn.Tanh(),
+        nn.Linear(16, 16),
+        nn.Tanh(),
+        nn.Linear(16, 4),
+    )
+
+
+def make_adam(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, lr=1e-2)
+
+
+class Synthetic:
+    """A fixed regression data set (the same in every process)."""
+
+    def __init__(self, n: int = 96) -> None:
+        g = torch.Generator().manual_seed(1234)
+        self.x = torch.randn(n, 8, generator=g)
+        self.y = torch.sin(self.x @ torch.randn(8, 4, generator=g))
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def get_batch(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[idx], self.y[idx]
+
+
+DATA = Synthetic()
+N_PARAMS = sum(p.numel() for p in make_mlp().parameters())
+
+
+# --------------------------------------------------------------------------- worker side
+
+
+def _train(
+    name: str,
+    spec_kw: dict[str, Any],
+    steps: int,
+    start_step: int = 0,
+    state: Any = None,
+    device: str = "cpu",
+) -> dict[str, Any]:
+    """Runs on every rank: build, (load), train ``steps`` steps, report. ``device="cuda"``
+    puts rank r on ``cuda:r``."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    spec = StrategySpec(name=name, world_size=world, **spec_kw)
+    model = build_model(make_mlp, SEED)
+    cls = registry.get(name)
+    cls.validate(spec, model)
+    dev = f"cuda:{rank}" if device == "cuda" else device
+    strat = cls(spec, Runtime.current(dev), model, make_adam, F.mse_loss)
+    loaded_hash = None
+    if state is not None:
+        strat.load_full_state(state)
+        loaded_hash = state_hash(strat.full_state())
+    sampler = StepSampler(len(DATA), spec.global_batch_size, SEED)
+    lo, hi = share_bounds(spec.shares, rank)
+    losses = []
+    for s in range(start_step, start_step + steps):
+        x, y = fetch_batch(DATA, sampler.indices(s))
+        losses.append(strat.train_step(x[lo:hi], y[lo:hi]))
+    out = strat.full_state()
+    # held_state() is optional in the contract (dp.py's may come separately).
+    held = strat.held_state() if hasattr(strat, "held_state") else None
+    assert held is None or all(torch.equal(v, out[k]) for k, v in held.items())
+    counts = strat.memory_counts()
+    stage_params = sum(p.numel() for p in strat.local_model().parameters())
+    strat.close()
+    return {
+        "losses": losses,
+        "hash": state_hash(out),
+        "state": out if rank == 0 else None,
+        "counts": counts,
+        "loaded_hash": loaded_hash,
+        "held_keys": None if held is None else sorted(held),
+        "local_params": stage_params,
+    }
+
+
+# --------------------------------------------------------------------------- parent side
+
+
+class _Pool:
+    """The module's worker pool; a failed run breaks it, so the next run starts a fresh one."""
+
+    def __init__(self) -> None:
+        self._pool: _Pool | None = None
+
+    def run(self, *args: Any, **kw: Any) -> list[Any]:
+        if self._pool is None or self._pool.broken:
+            self._pool = ProcessPool(4)
+        return self._pool.run(*args, **kw)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = _Pool()
+    yield p
+    p.close()
+
+
+_REF: dict[tuple[int, int], tuple[dict[str, torch.Tensor], list[float]]] = {}
+
+
+def reference(g: int, steps: int) -> tuple[dict[str, torch.Tensor], list[float]]:
+    if (g, steps) not in _REF:
+        _REF[(g, steps)] = reference_train(make_mlp, make_adam, F.mse_loss, DATA, g, steps, SEED)
+    return _REF[(g, steps)]
+
+
+def max_param_diff(state: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
+    assert {f"model/{k}" for k in ref} == {k for k in state if k.startswith("model/")}
+    return max(float((state[f"model/{k}"] - v).abs().max()) for k, v in ref.items())
+
+
+def pp(pp_degree: int, shares: tuple[int, ...], m: int, schedule: str, dp_mode: str = "dp"):
+    return dict(
+        shares=shares, pp_degree=pp_degree, micro_batches=m, schedule=schedule, dp_mode=dp_mode
+    )
+
+
+# (id, strategy, world size, spec fields). Unequal shares wherever the layout allows them.
+CASES = {
+    "dp-2": ("dp", 2, dict(shares=(5, 3))),
+    "zero1-2": ("zero1", 2, dict(shares=(5, 3))),
+    "zero1-3": ("zero1", 3, dict(shares=(3, 3, 2))),
+    "zero2-2": ("zero2", 2, dict(shares=(5, 3))),
+    "zero2-3": ("zero2", 3, dict(shares=(2, 3, 3))),
+    "zero3-2": ("zero3", 2, dict(shares=(5, 3))),
+    "zero3-3": ("zero3", 3, dict(shares=(3, 3, 2))),
+    # Pipelines: rank r = stage * D + replica; replica j's batch is the sum of its ranks' shares
+    # (pp x dp with shares (4, 1, 2, 1): replica 0 = ranks 0, 2 -> 6 samples; replica 1 -> 2).
+    "pp2-gpipe": ("pipeline", 2, pp(2, (5, 3), 2, "gpipe")),
+    "pp3-1f1b": ("pipeline", 3, pp(3, (3, 3, 2), 4, "1f1b")),
+    "pp2-interleaved": ("pipeline", 2, pp(2, (4, 4), 4, "interleaved")),
+    "pp2xdp2": ("pipeline", 4, pp(2, (4, 1, 2, 1), 2, "gpipe", "dp")),
+    "pp2xzero1": ("pipeline", 4, pp(2, (4, 1, 2, 1), 2, "1f1b", "zero1")),
+    "pp2xzero2": ("pipeline", 4, pp(2, (2, 2, 2, 2), 2, "gpipe", "zero2")),
+    "pp2xzero3": ("pipeline", 4, pp(2, (4, 1, 2, 1), 2, "gpipe", "zero3")),
+    "pp2xzero3-interleaved": ("pipeline", 4, pp(2, (2, 2, 2, 2), 2, "interleaved", "zero3")),
+    "pp2xzero2-interleaved": ("pipeline", 4, pp(2, (2, 2, 2, 2), 4, "interleaved", "zero2")),
+}
+_RUNS: dict[str, list[dict[str, Any]]] = {}
+
+
+def run_case(pool: _Pool, case: str) -> list[dict[str, Any]]:
+    if case not in _RUNS:
+        name, world, kw = CASES[case]
+        _RUNS[case] = pool.run(_train, name, kw, STEPS, world_size=world)
+    return _RUNS[case]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_reference(pool: _Pool, case: str) -> None:
+    name, world, kw = CASES[case]
+    spec = StrategySpec(name=name, world_size=world, **kw)
+    results = run_case(pool, case)
+    assert len({r["hash"] for r in results}) == 1, "full_state() differs between ranks"
+    ref_state, ref_losses = reference(spec.global_batch_size, STEPS)
+    assert max_param_diff(results[0]["state"], ref_state) < ATOL
+    # The returned contributions sum to the global mean loss (pipelines: last stage only).
+    summed = [sum(r["losses"][s] for r in results) for s in range(STEPS)]
+    assert summed == pytest.approx(ref_losses, abs=ATOL)
+    # Adam state is complete: every parameter has exp_avg, exp_avg_sq and step.
+    optim_keys = {k for k in results[0]["state"] if k.startswith("optim/")}
+    assert len(optim_keys) == 3 * len(ref_state)
+    # held_state() (local, no collective): the ranks together hold every entry whole, except
+    # under ZeRO-3, where no rank holds a whole tensor.
+    if results[0]["held_keys"] is None:
+        return
+    held = set().union(*(r["held_keys"] for r in results))
+    if name == "zero3" or kw.get("dp_mode") == "zero3":
+        assert held == set()
+    else:
+        assert held == set(results[0]["state"])
+
+
+def test_memory_counts(pool: _Pool) -> None:
+    total = N_PARAMS
+    dp = run_case(pool, "dp-2")
+    for r in dp:
+        assert r["counts"] == {"params": total, "grads": total, "optim": 2 * total}
+    for case, sharded in [
+        ("zero1-3", {"optim"}),
+        ("zero2-3", {"optim", "grads"}),
+        ("zero3-3", {"optim", "grads", "params"}),
+    ]:
+        counts = [r["counts"] for r in run_case(pool, case)]
+        for key, full in [("params", total), ("grads", total), ("optim", 2 * total)]:
+            per_rank = [c[key] for c in counts]
+            if key in sharded:  # about 1/N each, nothing lost or duplicated
+                assert sum(per_rank) == full, (case, key, per_rank)
+                assert max(per_rank) <= 0.45 * full, (case, key, per_rank)
+            else:
+                assert per_rank == [full] * 3, (case, key, per_rank)
+    # A pipeline stage holds only its own layers (and their grads and Adam state).
+    for case in ("pp2-gpipe", "pp3-1f1b"):
+        results = run_case(pool, case)
+        per_rank = [r["counts"]["params"] for r in results]
+        assert per_rank == [r["local_params"] for r in results]
+        assert sum(per_rank) == total and max(per_rank) < total
+        for r in results:
+            c = r["counts"]
+            assert c["grads"] == c["params"] and c["optim"] == 2 * c["params"]
+    # pp x zero2: a stage's grads and optimizer state are split across its dp pair.
+    results = run_case(pool, "pp2xzero2")
+    for s in range(2):
+        pair = [results[s * 2 + j]["counts"] for j in range(2)]
+        stage = pair[0]["params"]
+        assert pair[1]["params"] == stage
+        assert sum(c["grads"] for c in pair) == stage
+        assert sum(c["optim"] for c in pair) == 2 * stage
+
+
+def test_switch_round_trip(pool: _Pool) -> None:
+    """dp -> zero3 -> pipeline -> zero1 -> pp x zero2 -> dp, in memory, across world sizes.
+
+    Each hop loads the previous hop's full_state() (bit-exact: the loaded layout re-exports the
+    same hash) and trains on from the same step; the end matches the 15-step reference."""
+    g = 12
+    chain = [
+        ("dp", 2, dict(shares=(7, 5)), 5),
+        ("zero3", 3, dict(shares=(5, 4, 3)), 2),
+        ("pipeline", 3, pp(3, (5, 4, 3), 4, "1f1b"), 2),
+        ("zero1", 2, dict(shares=(3, 9)), 2),
+        ("pipeline", 4, pp(2, (4, 2, 4, 2), 4, "gpipe", "zero2"), 2),
+        ("dp", 3, dict(shares=(4, 4, 4)), 2),
+    ]
+    state, step = None, 0
+    for name, world, kw, steps in chain:
+        results = pool.run(_train, name, kw, steps, step, state, world_size=world)
+        if state is not None:
+            assert {r["loaded_hash"] for r in results} == {state_hash(state)}, name
+        assert len({r["hash"] for r in results}) == 1
+        state, step = results[0]["state"], step + steps
+    ref_state, _ = reference(g, step)
+    assert step == 15
+    assert max_param_diff(state, ref_state) < ATOL
+
+
+# --------------------------------------------------------------------------- no processes
+
+
+def _spec(**kw: Any) -> StrategySpec:
+    kw.setdefault("name", "pipeline")
+    kw.setdefault("world_size", len(kw["shares"]))
+    return StrategySpec(**kw)
+
+
+class _NotSequential(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x)
+
+
+class _WithBlocks(nn.Module):
+    """Pipeline-ready through the protocol, with dotted block names."""
+
+    def __init__(self, extra: bool = False) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(4, 4) for _ in range(3)])
+        if extra:
+            self.scale = nn.Parameter(torch.ones(1))
+
+    def pipeline_blocks(self) -> list[tuple[str, nn.Module]]:
+        return [(f"layers.{i}", m) for i, m in enumerate(self.layers)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for m in self.layers:
+            x = m(x)
+        return x
+
+
+@pytest.mark.parametrize(
+    "spec, model, match",
+    [
+        (_spec(shares=(8, 8, 8), pp_degree=2), make_mlp(), "divides 3"),
+        (
+            _spec(shares=(8, 8), pp_degree=2, options={"dp_degree": 2}),
+            make_mlp(),
+            "not the world size",
+        ),
+        (_spec(shares=(8, 8), pp_degree=1, world_size=2), make_mlp(), "pp_degree >= 2"),
+        (_spec(shares=(8,) * 8, pp_degree=8), make_mlp(), "only 7 blocks"),
+        (_spec(shares=(8, 8), pp_degree=2, schedule="interleaved"), _WithBlocks(), "only 3"),
+        (_spec(shares=(8, 8), pp_degree=2, micro_batches=3), make_mlp(), "do not divide"),
+        (
+            _spec(shares=(8, 8, 8), pp_degree=3, schedule="1f1b", micro_batches=2),
+            make_mlp(),
+            "1f1b needs",
+        ),
+        (_spec(shares=(5, 2, 2, 1), pp_degree=2, micro_batches=2), make_mlp(), "replica 0's"),
+        (_spec(shares=(8, 8), pp_degree=2, stage_split=(3, 3)), make_mlp(), "stage_split"),
+        (_spec(shares=(8, 8), pp_degree=2, schedule="zigzag"), make_mlp(), "unknown pipeline"),
+        (_spec(shares=(8, 8, 8, 8), pp_degree=2, dp_mode="zero9"), make_mlp(), "dp_mode"),
+        (_spec(shares=(8, 8), pp_degree=2), _NotSequential(), "cannot be pipelined"),
+        (_spec(shares=(8, 8), pp_degree=2), _WithBlocks(extra=True), "belong to no pipeline"),
+        (_spec(shares=(8, 0), pp_degree=2), make_mlp(), "at least one sample"),
+    ],
+)
+def test_pipeline_validation(spec: StrategySpec, model: nn.Module, match: str) -> None:
+    with pytest.raises(StrategyError, match=match):
+        registry.get("pipeline").validate(spec, model)
+
+
+def test_pipeline_protocol_and_split() -> None:
+    from strategies.pipeline import _Stage, balanced_split, pipeline_blocks
+
+    model = _WithBlocks()
+    blocks = pipeline_blocks(model)
+    stage = _Stage(blocks[1:])
+    assert list(stage.state_dict()) == [
+        "layers.1.weight",
+        "layers.1.bias",
+        "layers.2.weight",
+        "layers.2.bias",
+    ]
+    x = torch.randn(3, 4)
+    assert torch.equal(stage(model.layers[0](x)), model(x))
+    assert balanced_split([10, 1, 10, 1, 10], 3) == (1, 2, 2)
+    assert balanced_split([1, 1, 1, 1], 4) == (1, 1, 1, 1)
+    registry.get("pipeline").validate(_spec(shares=(4, 4, 4), pp_degree=3), model)
+
+
+def test_replica_batches() -> None:
+    from strategies.pipeline import replica_batches
+
+    assert replica_batches(_spec(shares=(4, 1, 2, 1), pp_degree=2)) == [6, 2]
+    assert replica_batches(_spec(shares=(5, 3), pp_degree=2)) == [8]
+    assert replica_batches(_spec(shares=(1, 2, 3, 4, 5, 6), pp_degree=3)) == [1 + 3 + 5, 2 + 4 + 6]
+
+
+def test_registry_names() -> None:
+    assert {"dp", "zero1", "zero2", "zero3", "pipeline"} <= set(registry.names())
+    with pytest.raises(StrategyError, match="unknown strategy"):
+        registry.get("zero4")
+
+
+def test_strategies_import_neither_ray_nor_elastic() -> None:
+    pkg = pathlib.Path(__file__).resolve().parent.parent / "strategies"
+    bad = re.compile(r"^\s*(import|from)\s+(ray|elastic)\b", re.M)
+    offenders = [p.name for p in pkg.glob("*.py") if bad.search(p.read_text())]
+    assert offenders == []
+
+
+def test_zero3_after_group_regeneration(pool: _Pool) -> None:
+    """Regression: a new group generation in the same processes (as elastic re-forms its group)
+    must not reuse a DeviceMesh of the previous one. ZeRO-3 on ranks [0, 1] of a 2-rank world,
+    then pp x zero3 whose stage-0 dp group is again ranks [0, 1] of a 4-rank world, used to
+    all-gather over the new 4-rank default group (DTensor's cache matched the old, equal mesh)."""
+    _, world, kw = CASES["pp2xzero3"]
+    pool.run(_train, "zero3", dict(shares=(5, 3)), 1, world_size=2)
+    results = pool.run(_train, "pipeline", kw, 2, world_size=world)
+    ref_state, _ = reference(8, 2)
+    assert max_param_diff(results[0]["state"], ref_state) < ATOL
