@@ -62,6 +62,9 @@ class JobConfig:
     max_failures: int = 3
     hang_timeout_s: float = 60.0
     placement_timeout_s: float = 60.0
+    replacement_timeout_s: float = 5.0  # after a loss: wait this long for replacement workers
+    min_workers_timeout_s: float = 60.0  # below min_workers: wait this long, then fail
+    scale_check_s: float = 5.0  # how often to look for room for more workers (up to max)
     # checkpoints
     checkpoint_uri: str | None = None
     checkpoint_every: int = 0  # 0: no periodic checkpoints

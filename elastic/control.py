@@ -73,8 +73,13 @@ def create(job: str) -> Any:
             f"a job named {job!r} is already running on this cluster. Fix: pick another name "
             "or stop it with `elastic stop {job}`."
         )
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    # Pinned to the driver's node: the mailbox must not die with a worker node.
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
     return ray.remote(JobControl).options(
-        name=actor_name(job), namespace=NAMESPACE, num_cpus=0, max_concurrency=1
+        name=actor_name(job), namespace=NAMESPACE, num_cpus=0, max_concurrency=1,
+        scheduling_strategy=here,
     ).remote(job)
 
 

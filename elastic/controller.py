@@ -20,7 +20,7 @@ from strategies import get as get_strategy
 from strategies.base import StrategyError
 
 from .config import JobConfig
-from .data import even_shares
+from .data import even_shares, share_bounds
 from .errors import (
     ClusterError,
     ConfigError,
@@ -90,6 +90,7 @@ class _WorkerRec:
     info: dict[str, Any] = field(default_factory=dict)
     rank: int = -1
     pg: Any = None
+    slot: int = 0  # bundle index in ``pg``
 
 
 class Controller:
@@ -114,6 +115,8 @@ class Controller:
         self._probe_model: Any = None
         self._use_gpu = False
         self._control: Any = None
+        self.failures = 0
+        self._free_slots: list[tuple[Any, int]] = []  # reserved bundles without a worker
 
     # ------------------------------------------------------------------ public
 
@@ -140,8 +143,11 @@ class Controller:
             self.state = ControllerState.RUNNING
             while self.step < cfg.max_steps:
                 end = self._segment_end()
-                self.step = self._run_segment(self.step, end)
-                self._at_boundary()
+                try:
+                    self.step = self._run_segment(self.step, end)
+                    self._at_boundary()
+                except InfrastructureError as e:
+                    self._recover(e)
             final = self._final_state()
             self.state = ControllerState.FINISHED
             last = self.history[-1]["loss"] if self.history else float("nan")
@@ -232,9 +238,6 @@ class Controller:
         """Reserve ``n`` bundles in one placement group and start one worker in each."""
         import ray
         from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        from .worker import Worker
 
         self.state = ControllerState.PLACING
         bundle = self._bundle()
@@ -247,9 +250,25 @@ class Controller:
                 f"{self.cfg.placement_timeout_s:.0f}s (it has {ray.available_resources()}). "
                 "Fix: lower num_workers or resources_per_worker, or add nodes."
             )
+        new = self._start_workers(pg, list(range(n)), bundle)
+        infos = [w.info for w in new]
+        nodes = len({i["node_id"] for i in infos})
+        self._emit("placed", f"{n} workers on {nodes} node(s), devices "
+                   f"{sorted({i['device_name'] for i in infos})}")
+        return new
+
+    def _start_workers(self, pg: Any, slots: list[int], bundle: dict[str, float],
+                       wait_s: float | None = None) -> list[_WorkerRec]:
+        """Start one worker in each bundle ``slots`` of ``pg``. With ``wait_s``, workers that
+        are not up by then are given up (their slot stays free) instead of waited for."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from .worker import Worker
+
         remote_cls = ray.remote(Worker)
         new = []
-        for i in range(n):
+        for i in slots:
             wid = self._next_worker_id
             self._next_worker_id += 1
             h = remote_cls.options(
@@ -258,17 +277,23 @@ class Controller:
                 resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU")},
                 max_concurrency=2,
                 max_restarts=0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    pg, placement_group_bundle_index=i),
             ).remote(self.cfg, wid, self._use_gpu, int(bundle.get("CPU", 1)))
-            new.append(_WorkerRec(h, wid, pg=pg))
-        infos = ray.get([w.handle.info.remote() for w in new])
-        for w, info in zip(new, infos, strict=True):
-            w.info = info
-        self.workers.extend(new)
-        nodes = len({i["node_id"] for i in infos})
-        self._emit("placed", f"{n} workers on {nodes} node(s), devices "
-                   f"{sorted({i['device_name'] for i in infos})}")
-        return new
+            new.append(_WorkerRec(h, wid, pg=pg, slot=i))
+        refs = [w.handle.info.remote() for w in new]
+        if wait_s is not None:
+            ray.wait(refs, num_returns=len(refs), timeout=wait_s)
+        up = []
+        for w, ref in zip(new, refs, strict=True):
+            try:
+                w.info = ray.get(ref, timeout=0 if wait_s is not None else None)
+                up.append(w)
+            except Exception:
+                ray.kill(w.handle)
+                self._free_slots.append((pg, w.slot))
+        self.workers.extend(up)
+        return up
 
     def _form_group(self) -> None:
         import ray
@@ -410,28 +435,48 @@ class Controller:
     def _drain(self) -> None:
         import ray
 
-        batches = ray.get([w.handle.drain.remote() for w in self.workers])
-        spec = self.spec
-        assert spec is not None and self._log is not None
+        batches = []
+        for w, ref in [(w, w.handle.drain.remote()) for w in self.workers]:
+            try:
+                batches.append(ray.get(ref, timeout=30))
+            except Exception as e:  # a dead worker: the segment's failure handling takes over
+                if isinstance(_unwrap(e), WorkerError):
+                    raise _unwrap(e) from None
+                batches.append([])
         per_step: dict[int, dict[str, Any]] = {}
         for w, batch in zip(self.workers, batches, strict=True):
             for m in batch:
-                self._log.data({"step": m["step"], "rank": m["rank"], "range": m["range"],
-                                "generation": m["generation"]})
                 w.info["samples_per_s"] = m["samples"] / m["step_time"] if m["step_time"] else 0
                 w.info["share"] = m["samples"]
-                if m["rank"] == 0:
+                if m["step"] not in per_step or m["rank"] == 0:
                     per_step[m["step"]] = m
-        for s in sorted(per_step):
-            m = per_step[s]
-            entry = {"step": s, "loss": m["loss"], "samples_per_s": m["samples_per_s"],
-                     "step_time": m["step_time"], "world_size": spec.world_size,
-                     "strategy": spec.name, "time": m["time"], "generation": m["generation"]}
-            self.history.append(entry)
-            self._log.metric(entry)
-            self.view.step(entry)
+        for st in sorted(per_step):
+            self._record_step(st, per_step[st])
         if per_step:
             self.view.workers([w.info for w in self.workers])
+
+    def _record_step(self, step: int, m: dict[str, Any] | None, spec: StrategySpec | None = None,
+                     generation: int | None = None) -> None:
+        """Record a completed step once: history, metrics log, view, and the data log line
+        saying which rank trained which sample range of it (from the plan in force)."""
+        spec = spec or self.spec
+        assert spec is not None and self._log is not None
+        if self.history and step <= self.history[-1]["step"]:
+            return
+        gen = m["generation"] if m else (generation or self.generation)
+        entry = {"step": step, "loss": m["loss"] if m else float("nan"),
+                 "samples_per_s": m["samples_per_s"] if m else 0.0,
+                 "step_time": m["step_time"] if m else 0.0, "world_size": spec.world_size,
+                 "strategy": spec.name, "time": m["time"] if m else time.time(),
+                 "generation": gen}
+        if m is None:
+            entry["note"] = "completed while a worker was lost; its loss was not reported"
+        self.history.append(entry)
+        self._log.metric(entry)
+        bounds = [share_bounds(spec.shares, r) for r in range(spec.world_size)]
+        self._log.data({"step": step, "generation": gen, "ranges": bounds,
+                        "global_samples": m["global_samples"] if m else None})
+        self.view.step(entry)
 
     def _poll_control(self) -> None:
         """Publish status and take requests posted through the control actor."""
@@ -440,7 +485,14 @@ class Controller:
         import ray
 
         self._control.set_status.remote(self.status())
-        for r in ray.get(self._control.take.remote()):
+        try:
+            taken = ray.get(self._control.take.remote(), timeout=10)
+        except Exception as e:  # the mailbox is a convenience: losing it must not stop training
+            self._emit("control_lost", f"the job's control actor failed ({type(e).__name__}); "
+                       "remote control is off for this job, the SDK handle still works")
+            self._control = None
+            return
+        for r in taken:
             self.post(Request(r["kind"], r["value"], r["reason"] or "requested remotely",
                               remote_id=r["id"]))
 
@@ -477,6 +529,174 @@ class Controller:
         outs = ray.get([w.handle.full_state.remote(want=(w.rank == 0)) for w in self.workers])
         return outs[0]
 
+    # ------------------------------------------------------------------ failures
+
+    def _recover(self, error: BaseException) -> None:
+        """Survive the loss of workers: keep the survivors' processes and memory, re-plan for
+        the workers there are (taking replacements if they come within a bounded wait),
+        restore state from surviving replicas if every entry still has a live copy, else from
+        the last committed checkpoint, and go on from the restored step."""
+        import ray
+
+        t_fail = time.time()
+        self.failures += 1
+        self.state = ControllerState.RECOVERING
+        before = self.history[-1]["step"] + 1 if self.history else self.step
+        survivors, dead = self._survivors()
+        t_detect = time.time()
+        lost_nodes = sorted({str(w.info.get("node_id", ""))[:8] for w in dead})
+        self._emit("failure", f"{len(dead)} worker(s) lost (ranks {[w.rank for w in dead]}, "
+                   f"node(s) {lost_nodes}); {len(survivors)} survive: {str(error).splitlines()[0][:200]}",
+                      data={"dead_ranks": [w.rank for w in dead], "nodes": lost_nodes,
+                         "detect_s": t_detect - t_fail,
+                         "survivor_pids": [w.info.get("pid") for w in survivors]})
+        budget = self.cfg.max_failures
+        if budget >= 0 and self.failures > budget:
+            raise InfrastructureError(
+                f"giving up after {self.failures} failures (max_failures={budget}): {error}. "
+                "Fix: raise max_failures (-1 for unlimited) or fix the cluster."
+            )
+        for w in dead:
+            try:
+                ray.kill(w.handle)
+            except Exception:
+                pass
+            self._free_slots.append((w.pg, w.slot))
+        self.workers = survivors
+        ray.get([w.handle.leave.remote() for w in self.workers])
+        progress = ray.get([w.handle.progress.remote() for w in self.workers])
+        held = ray.get([w.handle.held_keys.remote() for w in self.workers])
+        old_spec, old_gen = self.spec, self.generation
+        self._drain()
+        # take replacements within a bounded wait; below min_workers wait longer, then fail
+        want = max(self.cfg.num_workers, len(self.workers))
+        want = min(want, self.cfg.max_world)
+        if len(self.workers) < want:
+            self._try_place(want - len(self.workers), self.cfg.replacement_timeout_s)
+        if len(self.workers) < self.cfg.min_world:
+            self._emit("waiting", f"{len(self.workers)} workers < min_workers="
+                       f"{self.cfg.min_world}; waiting up to {self.cfg.min_workers_timeout_s:.0f}s")
+            self._try_place(self.cfg.min_world - len(self.workers), self.cfg.min_workers_timeout_s)
+            if len(self.workers) < self.cfg.min_world:
+                raise InfrastructureError(
+                    f"only {len(self.workers)} workers are left, fewer than min_workers="
+                    f"{self.cfg.min_world}, and no replacement came within "
+                    f"{self.cfg.min_workers_timeout_s:.0f}s. Fix: add nodes or lower min_workers."
+                )
+        self._form_group()
+        spec = self._make_spec(self._target_strategy(), len(self.workers))
+        source, step, detail = self._restore(spec, progress, held)
+        self.step = step
+        # metrics of steps after the restored position are void (they will run again) ...
+        self.history = [h for h in self.history if h["step"] < step]
+        # ... and steps the restored state contains but nobody could report are recorded now
+        done = self.history[-1]["step"] + 1 if self.history else 0
+        for st in range(done, step):
+            self._record_step(st, None, spec=old_spec, generation=old_gen)
+        self.spec = spec
+        took = time.time() - t_fail
+        lost = max(0, before - step)
+        pids = [w.info.get("pid") for w in self.workers]
+        self._emit("recovered", f"from {source} in {took:.2f}s at step {step} on "
+                   f"{len(self.workers)} workers ({spec.name}); {lost} step(s) lost{detail}",
+                   data={"source": source, "seconds": took, "steps_lost": lost,
+                         "detect_s": t_detect - t_fail, "world_size": len(self.workers),
+                         "strategy": spec.name, "pids": pids})
+
+    def _survivors(self) -> tuple[list[_WorkerRec], list[_WorkerRec]]:
+        """Ping every worker (its second thread answers even while the first is busy)."""
+        import ray
+
+        refs = [(w, w.handle.progress.remote()) for w in self.workers]
+        alive, dead = [], []
+        for w, ref in refs:
+            try:
+                ray.get(ref, timeout=10)
+                alive.append(w)
+            except Exception:
+                dead.append(w)
+        return alive, dead
+
+    def _try_place(self, n: int, timeout_s: float) -> None:
+        """Place up to ``n`` more workers within ``timeout_s``; keep what could be placed.
+
+        First the job's own free slots: a bundle whose node died is re-reserved by Ray on
+        another node when one has room, so a replacement node lands there. Then new
+        single-bundle placement groups, for growth beyond the original reservation."""
+        import ray
+        from ray.util.placement_group import placement_group
+
+        if n <= 0:
+            return
+        deadline = time.monotonic() + timeout_s
+        bundle = self._bundle()
+        placed: list[_WorkerRec] = []
+        reuse, self._free_slots = self._free_slots[:n], self._free_slots[n:]
+        by_pg: dict[int, tuple[Any, list[int]]] = {}
+        for pg, idx in reuse:
+            by_pg.setdefault(id(pg), (pg, []))[1].append(idx)
+        for pg, idxs in by_pg.values():
+            placed += self._start_workers(pg, idxs, bundle,
+                                          wait_s=max(0.5, deadline - time.monotonic()))
+        need = n - len(placed)
+        if need > 0:
+            pgs = [placement_group([dict(bundle)]) for _ in range(need)]
+            ray.wait([pg.ready() for pg in pgs], num_returns=need,
+                     timeout=max(0.1, deadline - time.monotonic()))
+            for pg in pgs:
+                if _pg_ready(pg):
+                    placed += self._start_workers(pg, [0], bundle, wait_s=30)
+                else:
+                    ray.util.remove_placement_group(pg)
+        if placed:
+            self._emit("joined", f"{len(placed)} worker(s) placed on node(s) "
+                       f"{sorted({str(w.info.get('node_id'))[:8] for w in placed})}")
+
+    def _target_strategy(self) -> str:
+        return self.spec.name if self.spec else self.cfg.strategy
+
+    def _restore(self, spec: StrategySpec, progress: list[dict[str, Any]],
+                 held: list[dict[str, Any]]) -> tuple[str, int, str]:
+        """Restore the state into the new group; returns (source, step, detail)."""
+        import ray
+
+        n_old = len(progress)
+        steps = [p["next_step"] for p in progress if p["has_state"]]
+        step = max(steps) if steps else 0
+        required = self._required_keys(held)
+        plan: list[tuple[str, int, tuple[int, ...], str]] = []
+        if required:
+            for key in sorted(required):
+                src = next((r for r in range(n_old)
+                            if key in held[r] and progress[r]["next_step"] == step), None)
+                if src is None:
+                    plan = []
+                    break
+                shape, dtype = held[src][key]
+                plan.append((key, src, tuple(shape), dtype))
+        if plan:
+            outs = ray.get([w.handle.restore_from_peers.remote(spec, plan, step)
+                            for w in self.workers])
+            mb = outs[0]["bytes"] / 1e6
+            return "peers", step, f", {mb:.1f} MB from surviving replicas"
+        ck = self._checkpoint_restore(spec)
+        if ck is not None:
+            return ck
+        ray.get([w.handle.restart_fresh.remote(spec, None, 0) for w in self.workers])
+        return "scratch", 0, " (no live replica of every entry and no checkpoint: restarted)"
+
+    def _required_keys(self, held: list[dict[str, Any]]) -> set[str]:
+        """Every canonical key the state must have: the model's, plus each optimizer entry
+        name seen on a survivor for every parameter (optimizers keep the same entries for
+        all parameters once they have stepped)."""
+        model_keys = {f"model/{k}" for k in self._probe_model.state_dict()}
+        entry_names = {k.rpartition("/")[2] for h in held for k in h if k.startswith("optim/")}
+        params = [n for n, _ in self._probe_model.named_parameters()]
+        return model_keys | {f"optim/{p}/{e}" for p in params for e in entry_names}
+
+    def _checkpoint_restore(self, spec: StrategySpec) -> tuple[str, int, str] | None:
+        return None
+
     # ------------------------------------------------------------------ events and cleanup
 
     def _emit(self, kind: str, message: str, data: dict[str, Any] | None = None) -> None:
@@ -504,7 +724,8 @@ class Controller:
                 ray.kill(w.handle)
             except Exception:
                 pass
-        for pg in {id(w.pg): w.pg for w in self.workers if w.pg is not None}.values():
+        pgs = [w.pg for w in self.workers] + [pg for pg, _ in self._free_slots]
+        for pg in {id(pg): pg for pg in pgs if pg is not None}.values():
             try:
                 ray.util.remove_placement_group(pg)
             except Exception:
@@ -529,6 +750,16 @@ class Controller:
             self._control = None
         if self._started_ray:
             ray.shutdown()
+
+
+def _pg_ready(pg: Any) -> bool:
+    import ray
+
+    try:
+        ray.get(pg.ready(), timeout=0)
+        return True
+    except Exception:
+        return False
 
 
 def _unwrap(e: BaseException) -> BaseException:

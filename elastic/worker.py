@@ -88,6 +88,7 @@ class Worker:
         self._metrics: deque[dict[str, Any]] = deque()
         self._stop = threading.Event()
         self._emulated_slowdown = 1.0
+        self.next_step = 0  # data position: the first step not yet applied to this state
 
     # ------------------------------------------------------------------ identity and group
 
@@ -195,22 +196,94 @@ class Worker:
             idx = self._sampler.indices(step)[lo:hi]
             x, y = fetch_batch(self._dataset, idx)
             local = self.strategy.train_step(x, y)
+            self.next_step = step + 1
             if self._emulated_slowdown > 1.0:
                 time.sleep((time.perf_counter() - t0) * (self._emulated_slowdown - 1.0))
-            ctrl = torch.tensor([local, 1.0 if self._stop.is_set() else 0.0],
+            ctrl = torch.tensor([local, 1.0 if self._stop.is_set() else 0.0, float(hi - lo)],
                                 dtype=torch.float64, device=dev)
             dist.all_reduce(ctrl)
             dt = time.perf_counter() - t0
-            loss, stop = float(ctrl[0]), float(ctrl[1]) > 0
+            vals = ctrl.tolist()
+            loss, stop, trained = vals[0], vals[1] > 0, int(vals[2])
             self._metrics.append({
                 "step": step, "rank": self.rank, "loss": loss, "step_time": dt,
                 "samples": hi - lo, "samples_per_s": g / dt if dt > 0 else 0.0,
                 "range": [lo, hi], "time": time.time(), "generation": self.generation,
+                "global_samples": trained,
             })
             step += 1
             if stop and step < end:
                 return {"status": "stopped", "next_step": step}
         return {"status": "done", "next_step": step}
+
+    # ------------------------------------------------------------------ recovery
+
+    def progress(self) -> dict[str, Any]:
+        """Local: where this worker's state stands (no collective)."""
+        return {"next_step": self.next_step, "has_state": self.strategy is not None,
+                "strategy": self.spec.name if self.spec else None}
+
+    def held_keys(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """Local: canonical keys this rank holds in full, with shape and dtype."""
+        held = self._held()
+        return {k: (tuple(v.shape), str(v.dtype).replace("torch.", "")) for k, v in held.items()}
+
+    def _held(self) -> dict[str, torch.Tensor]:
+        fn = getattr(self.strategy, "held_state", None)
+        return fn() if fn is not None else {}
+
+    def restore_from_peers(self, spec: StrategySpec, plan: list[tuple[str, int, tuple[int, ...], str]],
+                           next_step: int) -> dict[str, Any]:
+        """Collective over the new group: every key is broadcast from the rank that holds it
+        (``plan`` = [(key, source rank, shape, dtype)]), then the job is laid out as ``spec``.
+        """
+        return self._guard(self._restore_from_peers, spec, plan, next_step)
+
+    def _restore_from_peers(self, spec: StrategySpec, plan: list[tuple[str, int, tuple[int, ...], str]],
+                            next_step: int) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        held = self._held() if self.strategy is not None else {}
+        state: dict[str, torch.Tensor] = {}
+        nbytes = 0
+        comm_dev = self.device  # NCCL needs device tensors; gloo takes CPU tensors
+        for key, src, shape, dtype in plan:
+            if self.rank == src:
+                t = held[key].to(comm_dev).contiguous()
+            else:
+                t = torch.empty(shape, dtype=getattr(torch, dtype), device=comm_dev)
+            dist.broadcast(t, src=src)
+            state[key] = t.cpu()
+            nbytes += t.numel() * t.element_size()
+        if self.strategy is not None:
+            self.strategy.close()
+            self.strategy = None
+        self._build_fresh(spec, state)
+        self.next_step = next_step
+        return {"seconds": time.perf_counter() - t0, "bytes": nbytes}
+
+    def restart_fresh(self, spec: StrategySpec, state: dict[str, torch.Tensor] | None,
+                      next_step: int) -> dict[str, Any]:
+        """Drop any live state and lay out ``spec`` from ``state`` (a checkpoint's canonical
+        state) or, if None, from the seeded initial model."""
+        def go() -> dict[str, Any]:
+            t0 = time.perf_counter()
+            if self.strategy is not None:
+                self.strategy.close()
+                self.strategy = None
+            self._build_fresh(spec, state)
+            self.next_step = next_step
+            return {"seconds": time.perf_counter() - t0}
+        return self._guard(go)
+
+    def _build_fresh(self, spec: StrategySpec, state: dict[str, torch.Tensor] | None) -> None:
+        self._ensure_data()
+        cls = get_strategy(spec.name)
+        model = build_model(self._model_factory, self.config.seed)
+        cls.validate(spec, model)
+        strat = cls(spec, self._runtime(), model, self._optimizer_factory, self._loss_fn)
+        if state is not None:
+            strat.load_full_state(state)
+        self.strategy, self.spec = strat, spec
 
     def request_stop(self) -> None:
         """Ask the loop to stop after the current step (all ranks agree on the same step)."""

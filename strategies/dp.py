@@ -58,6 +58,10 @@ class DataParallel(Strategy):
         out.update(optimizer_state_to_canonical(self.optimizer, self.fqn_of))
         return out
 
+    def held_state(self) -> CanonicalState:
+        """Local, no collective: a replica holds the whole canonical state."""
+        return self.full_state()
+
     def load_full_state(self, state: CanonicalState) -> None:
         msd = {k[len("model/"):]: v for k, v in state.items() if k.startswith("model/")}
         self.model.load_state_dict(msd)
