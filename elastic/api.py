@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from .config import JobConfig
@@ -31,7 +32,7 @@ def _config(config: JobConfig | dict[str, Any] | str | None, overrides: dict[str
 
 
 def fit(config: JobConfig | dict[str, Any] | str | None = None, *, display: View | None = None,
-        **fields: Any) -> FitResult:
+        on_step: Callable[[dict[str, Any]], Any] | None = None, **fields: Any) -> FitResult:
     """Train a job to completion and return its result.
 
     ``config`` is a ``JobConfig``, a dict of its fields, or a YAML path; keyword arguments
@@ -40,7 +41,7 @@ def fit(config: JobConfig | dict[str, Any] | str | None = None, *, display: View
     worker's rank and traceback when user code fails, ``ClusterError`` when Ray cannot host it.
     """
     cfg = _config(config, fields)
-    ctl = Controller(cfg, display or make_view(cfg.view, cfg.log_every))
+    ctl = Controller(cfg, display or make_view(cfg.view, cfg.log_every), on_step=on_step)
     return ctl.run()
 
 
@@ -94,7 +95,8 @@ class JobHandle:
 
 
 def submit(config: JobConfig | dict[str, Any] | str | None = None, *, display: View | None = None,
-           **fields: Any) -> JobHandle:
+           on_step: Callable[[dict[str, Any]], Any] | None = None, **fields: Any) -> JobHandle:
     """Start a job in the background and return a ``JobHandle`` (switch, stop, status, result)."""
     cfg = _config(config, fields)
-    return JobHandle(Controller(cfg, display or make_view(cfg.view, cfg.log_every)))
+    return JobHandle(Controller(cfg, display or make_view(cfg.view, cfg.log_every),
+                                on_step=on_step))

@@ -13,6 +13,7 @@ import queue
 import socket
 import time
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 from strategies import StrategySpec
@@ -97,8 +98,13 @@ class Controller:
     """Runs one job to completion. Owns its Ray workers and placement groups; owns Ray itself
     only when it started a local cluster. Not thread-safe except ``post``."""
 
-    def __init__(self, config: JobConfig, view: View | None = None) -> None:
+    def __init__(self, config: JobConfig, view: View | None = None,
+                 on_step: Callable[[dict[str, Any]], Any] | None = None) -> None:
+        """``on_step(entry)`` is called in the controller's thread for every completed step
+        (the history entry); if it returns True the job stops at the next step boundary
+        (an Optuna pruner uses this)."""
         config.validate()
+        self.on_step = on_step
         self.cfg = config
         self.view = view or View()
         self.state = ControllerState.STARTING
@@ -477,6 +483,9 @@ class Controller:
         self._log.data({"step": step, "generation": gen, "ranges": bounds,
                         "global_samples": m["global_samples"] if m else None})
         self.view.step(entry)
+        if self.on_step is not None and m is not None and self.on_step(entry) is True:
+            if not any(r.kind == "stop" for r in list(self.requests.queue)):
+                self.post(Request("stop", reason="the on_step callback asked to stop"))
 
     def _poll_control(self) -> None:
         """Publish status and take requests posted through the control actor."""
