@@ -81,6 +81,11 @@ class JobHandle:
     def status(self) -> dict[str, Any]:
         return self.controller.status()
 
+    def controller_memory(self, timeout: float | None = 300) -> list[dict[str, int]]:
+        """Per rank, the elements each worker actually holds (params, grads, optim), read at
+        the next step boundary."""
+        return self._ask(Request("memory", reason="memory query"), timeout)
+
     def done(self) -> bool:
         return not self._thread.is_alive()
 

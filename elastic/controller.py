@@ -517,6 +517,10 @@ class Controller:
                 if req.kind == "switch":
                     self.switch(str(req.value), reason=req.reason)
                     result = self.spec.name if self.spec else None
+                elif req.kind == "memory":
+                    import ray
+
+                    result = ray.get([w.handle.memory_counts.remote() for w in self.workers])
                 elif req.kind == "stop":
                     self._emit("stopped", f"stopped on request at step {self.step}")
                     self.cfg.max_steps = self.step

@@ -157,21 +157,23 @@ class Worker:
 
     def _build(self, spec: StrategySpec, state: dict[str, torch.Tensor] | None) -> dict[str, Any]:
         t0 = time.perf_counter()
-        self._ensure_data()
-        cls = get_strategy(spec.name)
-        before = None
-        if state is None and self.strategy is not None:
-            state = self.strategy.full_state()
-            before = state_hash(state)
-            self.strategy.close()
-            self.strategy = None
-        model = build_model(self._model_factory, self.config.seed)
-        cls.validate(spec, model)
-        strat = cls(spec, self._runtime(), model, self._optimizer_factory, self._loss_fn)
-        if state is not None:
-            strat.load_full_state(state)
-        self.strategy, self.spec = strat, spec
-        after = state_hash(strat.full_state()) if before is not None else None
+        if state is not None or self.strategy is None:
+            self._build_fresh(spec, state)
+            return {"seconds": time.perf_counter() - t0, "hash_before": None, "hash_after": None}
+        # live switch: the full canonical state moves in memory into the new layout
+        old_spec = self.spec
+        state = self.strategy.full_state()
+        before = state_hash(state)
+        self.strategy.close()
+        self.strategy = None
+        try:
+            self._build_fresh(spec, state)
+        except Exception:
+            # a failed switch leaves the job in its old layout, with the same state
+            assert old_spec is not None
+            self._build_fresh(old_spec, state)
+            raise
+        after = state_hash(self.strategy.full_state())
         return {"seconds": time.perf_counter() - t0, "hash_before": before, "hash_after": after}
 
     # ------------------------------------------------------------------ training loop
