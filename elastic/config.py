@@ -58,6 +58,9 @@ class JobConfig:
     schedule: str = "gpipe"
     dp_mode: str = "dp"
     switch_at: dict[int, str] = field(default_factory=dict)
+    # heterogeneity: balance "auto" balances when workers differ (device type or emulation)
+    balance: str = "auto"  # auto | on | off
+    emulate: list[dict[str, Any]] | None = None  # per worker: {slowdown, memory_gb, stands_for}
     # failure handling
     max_failures: int = 3
     hang_timeout_s: float = 60.0
@@ -181,6 +184,13 @@ class JobConfig:
                     f"switch_at[{k}]", f"step {k} is outside 1..{self.max_steps - 1}.",
                     "switch at a step inside the run",
                 )
+        if self.balance not in ("auto", "on", "off"):
+            raise ConfigError("balance", f"unknown value {self.balance!r}.", "use auto, on or off")
+        for i, emu in enumerate(self.emulate or []):
+            if not isinstance(emu, dict) or set(emu) - {"slowdown", "memory_gb", "stands_for"} or \
+                    float(emu.get("slowdown", 1.0)) < 1.0:
+                raise ConfigError(f"emulate[{i}]", f"{emu!r} is not an emulation.",
+                                  "give {slowdown: >= 1, memory_gb: budget, stands_for: name}")
         if self.view not in ("auto", "rich", "plain", "none"):
             raise ConfigError("view", f"unknown view {self.view!r}.", "use auto, rich, plain or none")
         for fld in ("resources_per_worker",):

@@ -123,6 +123,7 @@ class Controller:
         self._control: Any = None
         self.failures = 0
         self._free_slots: list[tuple[Any, int]] = []  # reserved bundles without a worker
+        self._speed: dict[int, float] = {}  # worker_id -> measured samples/s
 
     # ------------------------------------------------------------------ public
 
@@ -198,8 +199,8 @@ class Controller:
         addr = cfg.ray_address or os.environ.get("RAY_ADDRESS")
         if addr and addr not in ("local", "auto"):
             _check_reachable(addr)
-        spec = self._make_spec(cfg.strategy, cfg.num_workers)
-        self._validate_spec(spec, field_name="strategy")
+        if cfg.strategy != "auto":
+            self._validate_spec(self._make_spec(cfg.strategy, cfg.num_workers), "strategy")
 
     def _connect(self) -> None:
         import ray
@@ -298,6 +299,12 @@ class Controller:
             except Exception:
                 ray.kill(w.handle)
                 self._free_slots.append((pg, w.slot))
+        if self.cfg.emulate:
+            emus = self.cfg.emulate
+            infos = ray.get([w.handle.set_emulation.remote(emus[w.worker_id % len(emus)])
+                             for w in up])
+            for w, info in zip(up, infos, strict=True):
+                w.info = info
         self.workers.extend(up)
         return up
 
@@ -325,15 +332,67 @@ class Controller:
     # ------------------------------------------------------------------ layout
 
     def _make_spec(self, name: str, world: int) -> StrategySpec:
+        """The layout for ``name`` on ``world`` workers: batch shares follow measured speeds
+        when balancing (dp and ZeRO), pipeline stages follow layer costs and stage speeds,
+        and ``auto`` asks the planner."""
+        from .planning import auto_spec, balanced_shares, speed_stage_split
+
         cfg = self.cfg
+        g = cfg.global_batch_size
+        placed = bool(self.workers) and len(self.workers) == world
+        if name == "auto":
+            if not placed:  # before placement: validated again once workers exist
+                return StrategySpec("dp", world, even_shares(g, world))
+            speeds = self._speeds()
+            spec, why = auto_spec(self._probe_model, cfg.optimizer, [w.info for w in self.workers],
+                                  speeds, g)
+            self._emit("plan", why.splitlines()[0], data={"explanation": why,
+                                                          "speeds": speeds})
+            return spec
         pp = cfg.pp_degree
         if name == "pipeline" and pp == 1:
             pp = world
+        shares = even_shares(g, world)
+        split = None
+        if placed and self._balancing():
+            speeds = self._speeds()
+            if name in ("dp", "zero1", "zero2", "zero3"):
+                shares = balanced_shares(g, speeds)
+            elif name == "pipeline" and cfg.schedule != "interleaved" and world % pp == 0:
+                d = world // pp
+                try:
+                    split = speed_stage_split(self._probe_model,
+                                              [min(speeds[s * d:(s + 1) * d]) for s in range(pp)])
+                except Exception:  # fewer blocks than stages: the strategy's check says so
+                    split = None
         return StrategySpec(
-            name=name, world_size=world, shares=even_shares(cfg.global_batch_size, world),
-            pp_degree=pp, micro_batches=cfg.micro_batches, schedule=cfg.schedule,
-            dp_mode=cfg.dp_mode,
+            name=name, world_size=world, shares=shares, pp_degree=pp,
+            micro_batches=cfg.micro_batches, schedule=cfg.schedule, dp_mode=cfg.dp_mode,
+            stage_split=split,
         )
+
+    def _balancing(self) -> bool:
+        if self.cfg.balance == "on":
+            return True
+        if self.cfg.balance == "off":
+            return False
+        kinds = {(w.info.get("device_name"), w.info.get("emulated")) for w in self.workers}
+        return len(kinds) > 1 or any(w.info.get("emulated") for w in self.workers)
+
+    def _speeds(self) -> list[float]:
+        """Measured samples/s of each worker, in rank order (profiled once per worker)."""
+        import ray
+
+        todo = [w for w in self.workers if w.worker_id not in self._speed]
+        if todo:
+            batch = max(1, self.cfg.global_batch_size // max(1, len(self.workers)))
+            outs = ray.get([w.handle.profile.remote(batch) for w in todo])
+            for w, o in zip(todo, outs, strict=True):
+                self._speed[w.worker_id] = o["samples_per_s"]
+                w.info["profiled_samples_per_s"] = o["samples_per_s"]
+            self._emit("profiled", "samples/s per worker: " + ", ".join(
+                f"{w.worker_id}:{self._speed[w.worker_id]:.0f}" for w in self.workers))
+        return [self._speed[w.worker_id] for w in self.workers]
 
     def _validate_spec(self, spec: StrategySpec, field_name: str) -> None:
         try:
@@ -666,6 +725,8 @@ class Controller:
                        f"{sorted({str(w.info.get('node_id'))[:8] for w in placed})}")
 
     def _target_strategy(self) -> str:
+        if self.cfg.strategy == "auto":
+            return "auto"  # re-plan for the new membership
         return self.spec.name if self.spec else self.cfg.strategy
 
     def _restore(self, spec: StrategySpec, progress: list[dict[str, Any]],

@@ -88,6 +88,8 @@ class Worker:
         self._metrics: deque[dict[str, Any]] = deque()
         self._stop = threading.Event()
         self._emulated_slowdown = 1.0
+        self._emulation: dict[str, Any] = {}
+        self._sec_per_sample: float | None = None
         self.next_step = 0  # data position: the first step not yet applied to this state
 
     # ------------------------------------------------------------------ identity and group
@@ -107,7 +109,10 @@ class Worker:
             "device": str(dev),
             "device_name": name,
             "threads": torch.get_num_threads(),
-        }
+            "emulation": dict(self._emulation),
+            "emulated": bool(self._emulation),
+        } | ({"device_name": f"{self._emulation.get('stands_for') or name} (emulated on {name}, "
+                              f"x{self._emulated_slowdown:g})"} if self._emulation else {})
 
     def free_port(self) -> int:
         import ray
@@ -197,10 +202,13 @@ class Worker:
             t0 = time.perf_counter()
             idx = self._sampler.indices(step)[lo:hi]
             x, y = fetch_batch(self._dataset, idx)
+            if self._emulated_slowdown > 1.0:  # emulated slow device: its compute takes longer
+                if self._sec_per_sample is None:
+                    self._profile_base(max(1, hi - lo))
+                assert self._sec_per_sample is not None
+                time.sleep(self._sec_per_sample * (hi - lo) * (self._emulated_slowdown - 1.0))
             local = self.strategy.train_step(x, y)
             self.next_step = step + 1
-            if self._emulated_slowdown > 1.0:
-                time.sleep((time.perf_counter() - t0) * (self._emulated_slowdown - 1.0))
             ctrl = torch.tensor([local, 1.0 if self._stop.is_set() else 0.0, float(hi - lo)],
                                 dtype=torch.float64, device=dev)
             dist.all_reduce(ctrl)
@@ -313,9 +321,38 @@ class Worker:
         assert self.strategy is not None
         return self.strategy.memory_counts()
 
-    def set_emulation(self, slowdown: float) -> None:
-        """Test and demo aid: make this worker ``slowdown`` times slower (emulated device)."""
-        self._emulated_slowdown = max(1.0, float(slowdown))
+    def set_emulation(self, emulation: dict[str, Any] | None) -> dict[str, Any]:
+        """Test and demo aid: emulate a slower device (``slowdown`` x compute time, a
+        ``memory_gb`` budget for the planner, ``stands_for`` a display name). Returns info()."""
+        self._emulation = dict(emulation or {})
+        self._emulated_slowdown = max(1.0, float(self._emulation.get("slowdown", 1.0)))
+        return self.info()
+
+    def _profile_base(self, batch: int, iters: int = 3) -> float:
+        """Seconds per sample of forward+backward of a private copy of the model (no
+        collective), before any emulated slowdown."""
+        self._ensure_data()
+        assert self._sampler is not None
+        model = build_model(self._model_factory, self.config.seed).to(self.device)
+        idx = self._sampler.indices(0)[:batch]
+        x, y = fetch_batch(self._dataset, idx)
+        x, y = x.to(self.device), y.to(self.device)
+        times = []
+        for _ in range(iters + 1):
+            t0 = time.perf_counter()
+            self._loss_fn(model(x), y).backward()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+            model.zero_grad(set_to_none=True)
+        self._sec_per_sample = sorted(times[1:])[len(times[1:]) // 2] / batch
+        return self._sec_per_sample
+
+    def profile(self, batch: int) -> dict[str, float]:
+        """Measure this worker's speed for the job's model: samples/s of forward+backward,
+        including its emulated slowdown (an emulated device reports what it emulates)."""
+        base = self._guard(self._profile_base, batch)
+        return {"samples_per_s": 1.0 / (base * self._emulated_slowdown), "base_s_per_sample": base}
 
     def shutdown(self) -> None:
         self.leave()

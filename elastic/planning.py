@@ -1,0 +1,98 @@
+"""Glue between the live job and ``clusters/``: the live workers as a ``Cluster``, the model
+as a ``ModelProfile``, measured speeds, and the planner's choice as a ``StrategySpec``.
+
+Emulation (a test and demo aid, labelled as such everywhere it shows): a worker can carry a
+``slowdown`` (its compute takes that many times longer: it sleeps the difference) and a
+``memory_gb`` budget the planner must respect.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from torch import nn
+
+from clusters import Cluster, ModelProfile, load_cluster, plan, proportional_shares
+from clusters import stage_split as split_stages
+from strategies import StrategySpec
+
+__all__ = ["live_cluster", "model_profile", "auto_spec", "balanced_shares", "block_params"]
+
+_OPT_BYTES = {"adam": 8, "adamw": 8, "sgd": 0, "rmsprop": 4, "adagrad": 4}
+
+
+def block_params(model: nn.Module) -> list[int]:
+    """Parameters per pipeline block (top-level children of a Sequential, or the
+    ``pipeline_blocks()`` protocol); one block for anything else."""
+    if hasattr(model, "pipeline_blocks"):
+        blocks = [m for _, m in model.pipeline_blocks()]
+    elif isinstance(model, nn.Sequential):
+        blocks = list(model.children())
+    else:
+        return [sum(p.numel() for p in model.parameters())]
+    return [sum(p.numel() for p in b.parameters()) for b in blocks]
+
+
+def model_profile(model: nn.Module, optimizer: Any) -> ModelProfile:
+    opt = optimizer.get("name", "adam") if isinstance(optimizer, dict) else str(optimizer)
+    opt_bytes = _OPT_BYTES.get(str(opt).lower(), 8)
+    return ModelProfile(name=type(model).__name__, block_params=tuple(block_params(model)),
+                        bytes_per_param=4, grad_bytes_per_param=4,
+                        optimizer_bytes_per_param=opt_bytes, precision="fp32")
+
+
+def live_cluster(infos: Sequence[dict[str, Any]]) -> tuple[Cluster, list[str]]:
+    """One pool per worker (its device, emulation and memory), so each rank maps to one
+    device id. Returns the cluster and the device id of each rank, in rank order."""
+    pools = []
+    for i in infos:
+        emu = i.get("emulation") or {}
+        pool: dict[str, Any] = {
+            "name": f"rank{i['rank']}", "nodes": 1, "devices_per_node": 1, "network": "loopback",
+            "device": i.get("catalog_type") or ("CPU" if i["device"] == "cpu" else "A100-80GB"),
+        }
+        if emu:
+            pool["emulation"] = {k: v for k, v in emu.items()
+                                 if k in ("slowdown", "memory_gb", "stands_for")}
+        pools.append(pool)
+    cluster = load_cluster({"name": "live", "pools": pools})
+    ids = [d.id for d in cluster.devices]
+    return cluster, ids
+
+
+def balanced_shares(global_batch: int, speeds: Sequence[float]) -> tuple[int, ...]:
+    """Each worker's share of the global batch follows its measured samples/s."""
+    return tuple(proportional_shares(global_batch, list(speeds)))
+
+
+def pipeline_rank_shares(replica_batches: Sequence[int], pp: int) -> tuple[int, ...]:
+    """Per-rank shares from per-replica batches (ranks are stage-major: r = stage*D + j):
+    replica j's batch is split evenly over its ``pp`` ranks, which all-gather it."""
+    d = len(replica_batches)
+    shares = [0] * (d * pp)
+    for j, b in enumerate(replica_batches):
+        base, extra = divmod(b, pp)
+        for stage in range(pp):
+            shares[stage * d + j] = base + (1 if stage < extra else 0)
+    return tuple(shares)
+
+
+def auto_spec(model: nn.Module, optimizer: Any, infos: Sequence[dict[str, Any]],
+              speeds: Sequence[float], global_batch: int) -> tuple[StrategySpec, str]:
+    """Ask the planner for the fastest plan that fits every worker's memory, using all
+    workers; returns the spec and the planner's explanation."""
+    cluster, ids = live_cluster(infos)
+    result = plan(cluster, model_profile(model, optimizer), global_batch,
+                  speeds={ids[r]: s for r, s in enumerate(speeds)}, subsets=False)
+    p = result.plan
+    kw = p.spec_kwargs()
+    if p.strategy == "pipeline":
+        kw["shares"] = pipeline_rank_shares(p.shares, p.pp_degree)
+    return StrategySpec(**kw), result.explanation
+
+
+def speed_stage_split(model: nn.Module, stage_speeds: Sequence[float]) -> tuple[int, ...]:
+    """Pipeline stages from layer costs (parameters as the cost proxy) and device speeds."""
+    costs = [max(1, p) for p in block_params(model)]
+    return split_stages(costs, list(stage_speeds))
