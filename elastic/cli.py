@@ -102,6 +102,33 @@ def _cmd_request(kind: str):
     return run
 
 
+def _cmd_plan(a: argparse.Namespace) -> int:
+    """Ranked plans for a cluster file (or the live Ray cluster) and a job's model."""
+    import os
+
+    from clusters import example_path, format_plan_table, load_cluster, plan
+    from clusters.inventory import cluster_from_ray_nodes
+
+    from .config import JobConfig
+    from .planning import model_profile, tokens_per_sample
+    from .reference import build_model
+
+    cfg = JobConfig.from_yaml(a.job)
+    model = build_model(cfg.model_factory(), cfg.seed)
+    if a.cluster == "live":
+        import ray
+
+        _attach(a.address)
+        cluster = cluster_from_ray_nodes(ray.nodes())
+    else:
+        path = a.cluster if os.path.exists(a.cluster) else example_path(a.cluster)
+        cluster = load_cluster(path)
+    profile = model_profile(model, cfg.optimizer, tokens_per_sample(cfg.dataset_object()))
+    result = plan(cluster, profile, a.global_batch or cfg.global_batch_size)
+    print(format_plan_table(result))
+    return 0 if result.choice is not None else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="elastic", description="Elastic training on Ray.")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -119,6 +146,14 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--run-dir")
     d.add_argument("--view", choices=["auto", "rich", "plain", "none"])
     d.set_defaults(fn=_cmd_demo)
+
+    pl = sub.add_parser("plan", help="rank the plans for a cluster and a job's model")
+    pl.add_argument("job", help="job YAML file (its model, optimizer and global batch)")
+    pl.add_argument("--cluster", default="live",
+                    help="cluster file, an example name (a100-t4, h100x8, ...) or 'live'")
+    pl.add_argument("--global-batch", type=int)
+    pl.add_argument("--address", help="Ray cluster address for --cluster live")
+    pl.set_defaults(fn=_cmd_plan)
 
     st = sub.add_parser("status", help="status of a running job (or list running jobs)")
     st.add_argument("job", nargs="?")
@@ -141,6 +176,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.fn(args) or 0)
     except ElasticError as e:
+        print(f"elastic: error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # the planner's own errors (clusters/ knows no elastic)
+        from clusters import ClustersError
+
+        if not isinstance(e, ClustersError):
+            raise
         print(f"elastic: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

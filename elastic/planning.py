@@ -34,12 +34,28 @@ def block_params(model: nn.Module) -> list[int]:
     return [sum(p.numel() for p in b.parameters()) for b in blocks]
 
 
-def model_profile(model: nn.Module, optimizer: Any) -> ModelProfile:
+def model_profile(model: nn.Module, optimizer: Any, tokens_per_sample: int = 1) -> ModelProfile:
+    """fp32 weights and grads; optimizer bytes from its name; forward+backward FLOPs per
+    sample estimated as 6 x parameters x tokens per sample (the usual dense-model rule), which
+    the planner replaces with measured speeds whenever it has them."""
     opt = optimizer.get("name", "adam") if isinstance(optimizer, dict) else str(optimizer)
     opt_bytes = _OPT_BYTES.get(str(opt).lower(), 8)
-    return ModelProfile(name=type(model).__name__, block_params=tuple(block_params(model)),
+    params = tuple(block_params(model))
+    flops = tuple(6.0 * p * max(1, tokens_per_sample) for p in params)
+    return ModelProfile(name=type(model).__name__, block_params=params, block_flops=flops,
                         bytes_per_param=4, grad_bytes_per_param=4,
                         optimizer_bytes_per_param=opt_bytes, precision="fp32")
+
+
+def tokens_per_sample(dataset: Any) -> int:
+    """Sequence length of a token-id sample (integer inputs), else 1."""
+    try:
+        x, _ = dataset[0]
+    except Exception:
+        return 1
+    if hasattr(x, "dtype") and not x.dtype.is_floating_point and getattr(x, "dim", lambda: 0)() >= 1:
+        return int(x.shape[0])
+    return 1
 
 
 def live_cluster(infos: Sequence[dict[str, Any]]) -> tuple[Cluster, list[str]]:
