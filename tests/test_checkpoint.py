@@ -203,6 +203,23 @@ def test_writer_one_checkpoint_at_a_time(tmp_path) -> None:
     assert torch.equal(load(store, m)[FSDP_KEY], expected)
 
 
+def test_parallel_host_copy_and_checksums(tmp_path, monkeypatch) -> None:
+    import elastic.checkpoint.writer as writer_mod
+
+    monkeypatch.setattr(writer_mod, "_COPY_SPLIT", 4096)  # split even small tensors
+    store = CheckpointStore(str(tmp_path))
+    state = make_state(seed=5)
+    state["model/strided"] = torch.randn(64, 40)[:, ::2]  # non-contiguous source
+    w = ShardWriter(
+        store, 0, chunk_bytes=1024, block_bytes=8192, copy_threads=3, checksum_threads=3
+    )
+    w.begin(1, state)
+    m = commit(store, 1, [w.wait(30)])
+    w.close()
+    assert state_hash(load(store, m)) == state_hash(state)
+    assert verify(store).exit_code == 0
+
+
 def test_abandon_cancels_upload_and_empty_shard(tmp_path) -> None:
     store = CheckpointStore(str(tmp_path))
     started, go = threading.Event(), threading.Event()

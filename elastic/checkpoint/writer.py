@@ -26,12 +26,13 @@ The time an upload can take is bounded by the store's timeouts and retries (S3 o
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
 import zlib
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -107,6 +108,9 @@ class ShardWriter:
     ``on_progress(bytes_written, total)`` is called on the upload thread after each write; an
     exception it raises aborts the upload like a storage error would (a fault-injection hook
     for tests, and a place for metrics). ``block_bytes`` is the size of each sequential write.
+    ``checksum_threads`` compute chunk CRCs beside the writing thread, and ``copy_threads``
+    share the host copy of CPU tensors in ``begin()`` (each defaults to half the cores, 1 to
+    4; GPU tensors are copied asynchronously by the copy engine instead).
     """
 
     def __init__(
@@ -117,6 +121,8 @@ class ShardWriter:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         block_bytes: int = 8 << 20,
         on_progress: ProgressFn | None = None,
+        checksum_threads: int | None = None,
+        copy_threads: int | None = None,
     ) -> None:
         if chunk_bytes < 64 or chunk_bytes % 64:
             raise CheckpointError(f"chunk_bytes must be a multiple of 64, got {chunk_bytes}")
@@ -124,6 +130,10 @@ class ShardWriter:
         self.rank = int(rank)
         self.chunk_bytes = chunk_bytes
         self.block_bytes = max(block_bytes, chunk_bytes)
+        helpers = max(1, min(4, (os.cpu_count() or 2) // 2))
+        self.checksum_threads = checksum_threads or helpers
+        self.copy_threads = copy_threads or helpers
+        self._copy_pool: ThreadPoolExecutor | None = None
         self.on_progress = on_progress
         self.last_blocked_s = 0.0
         self._staging: torch.Tensor | None = None
@@ -188,6 +198,7 @@ class ShardWriter:
             placed, total = layout(plist)
             cuda = any(p.tensor.is_cuda for p in plist)
             buf = self._ensure_staging(total, cuda and torch.cuda.is_available())
+            copies: list[tuple[torch.Tensor, torch.Tensor]] = []
             end = 0
             for p, off in placed:
                 if off > end:
@@ -195,12 +206,23 @@ class ShardWriter:
                 n = p.nbytes
                 if n:
                     dst = buf[off : off + n].view(p.tensor.dtype).view(p.tensor.shape)
-                    dst.copy_(p.tensor.detach(), non_blocking=cuda)
+                    copies.extend(_split_copy(dst, p.tensor.detach()))
                 end = off + n
             if total > end:
                 buf[end:total].zero_()
             if cuda:
+                for dst, src in copies:
+                    dst.copy_(src, non_blocking=True)
                 torch.cuda.synchronize()
+            elif self.copy_threads > 1 and total >= 4 * _COPY_SPLIT:
+                if self._copy_pool is None:
+                    self._copy_pool = ThreadPoolExecutor(
+                        self.copy_threads, thread_name_prefix=f"elastic-ckpt-copy-r{self.rank}"
+                    )
+                list(self._copy_pool.map(lambda c: c[0].copy_(c[1]), copies))
+            else:
+                for dst, src in copies:
+                    dst.copy_(src)
             items = [
                 ItemEntry(
                     p.key,
@@ -302,6 +324,9 @@ class ShardWriter:
             self._jobs.put(None)
             self._thread.join(10.0)
             self._thread = None
+        if self._copy_pool is not None:
+            self._copy_pool.shutdown()
+            self._copy_pool = None
         self._staging = None
 
     # ------------------------------------------------------------------ upload thread
@@ -324,6 +349,7 @@ class ShardWriter:
                 self.block_bytes,
                 self.on_progress,
                 self._cancel,
+                self.checksum_threads,
             )
         except _Abandoned:
             pass
@@ -351,6 +377,18 @@ class ShardWriter:
             self._cv.notify_all()
 
 
+_COPY_SPLIT = 16 << 20
+
+
+def _split_copy(dst: torch.Tensor, src: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(dst, src) pairs of at most ~16 MiB, cut along dim 0, so copies can share threads."""
+    nbytes = src.numel() * src.element_size()
+    if src.dim() == 0 or nbytes <= _COPY_SPLIT or src.shape[0] < 2:
+        return [(dst, src)]
+    rows = max(1, src.shape[0] * _COPY_SPLIT // nbytes)
+    return [(dst[i : i + rows], src[i : i + rows]) for i in range(0, src.shape[0], rows)]
+
+
 def _upload(
     store: CheckpointStore,
     step: int,
@@ -362,10 +400,11 @@ def _upload(
     block: int,
     on_progress: ProgressFn | None,
     cancel: threading.Event,
+    threads: int,
 ) -> ShardInfo:
     """Write ``buf[:total]`` then the index and footer to the shard path in ``block``-sized
-    sequential writes, while a helper thread computes the chunk CRCs of the same (immutable)
-    buffer; both release the GIL, so on a spare core checksums cost no upload time. Deletes
+    sequential writes, while ``threads`` helper threads compute the chunk CRCs of the same
+    (immutable) buffer; all release the GIL, so on spare cores checksums cost no upload time. Deletes
     the partial file and raises on any failure."""
     t0 = time.perf_counter()
     name = shard_file_name(rank)
@@ -374,8 +413,18 @@ def _upload(
     stop = threading.Event()
     written = 0
     try:
-        with ThreadPoolExecutor(1, thread_name_prefix=f"elastic-ckpt-crc-r{rank}") as pool:
-            crcs = pool.submit(_chunk_crcs, data, items, chunk, stop, cancel)
+        # CRCs of every chunk, in batches of ~one write block, over `threads` helper threads
+        ranges = [
+            (a, min(a + chunk, it.offset + it.length))
+            for it in items
+            for a in range(it.offset, it.offset + it.length, chunk)
+        ]
+        per = max(1, block // chunk)
+        with ThreadPoolExecutor(threads, thread_name_prefix=f"elastic-ckpt-crc-r{rank}") as pool:
+            batches = [
+                pool.submit(_crc_batch, data, ranges[i : i + per], stop, cancel)
+                for i in range(0, len(ranges), per)
+            ]
             try:
                 store.ensure_dir(store.step_dir(step))
                 with store.fs.open_output_stream(path) as out:
@@ -403,7 +452,7 @@ def _upload(
                                 it.length,
                                 c,
                             )
-                            for it, c in zip(items, crcs.result(), strict=True)
+                            for it, c in zip(items, _per_item(items, chunk, batches), strict=True)
                         ),
                     )
                     raw = index.to_bytes()
@@ -435,23 +484,27 @@ def _upload(
     )
 
 
-def _chunk_crcs(
+def _per_item(
+    items: list[ItemEntry], chunk: int, batches: list[Future[list[int]]]
+) -> list[tuple[int, ...]]:
+    flat = [c for f in batches for c in f.result()]
+    out, i = [], 0
+    for it in items:
+        n = -(-it.length // chunk)
+        out.append(tuple(flat[i : i + n]))
+        i += n
+    return out
+
+
+def _crc_batch(
     data: memoryview,
-    items: list[ItemEntry],
-    chunk: int,
+    ranges: list[tuple[int, int]],
     stop: threading.Event,
     cancel: threading.Event,
-) -> list[tuple[int, ...]]:
-    """CRC-32 of every ``chunk`` of every item, counted from the item's start."""
-    out = []
-    for it in items:
-        if stop.is_set() or cancel.is_set():
-            raise _Abandoned
-        end = it.offset + it.length
-        out.append(
-            tuple(zlib.crc32(data[a : min(a + chunk, end)]) for a in range(it.offset, end, chunk))
-        )
-    return out
+) -> list[int]:
+    if stop.is_set() or cancel.is_set():
+        raise _Abandoned
+    return [zlib.crc32(data[a:e]) for a, e in ranges]
 
 
 def _delete_quietly(store: CheckpointStore, path: str) -> None:
