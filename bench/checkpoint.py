@@ -1,21 +1,25 @@
 """Benchmark of elastic.checkpoint (not a test).
 
-For each state size (canonical random tensors split over 2 "ranks", run as threads) and each
-backend (local disk; an S3 server on moto that this script starts), it measures:
+For each state size (canonical random tensors split over 2 "ranks", run as spawned processes
+like Ray worker processes) and each backend (local disk; an S3 server on moto that this script
+starts), it measures:
 
 - blocked: the time training is blocked per checkpoint, i.e. ``ShardWriter.begin()`` (host
   copy only), the slower of the 2 ranks, cold (first checkpoint: fresh host buffer) and warm
   (median of the next ones);
 - sync save: a synchronous ``torch.save`` of the same whole state to the same backend (to a
   new file each time: what a rank-0 save in the training loop costs);
-- upload: the shard upload of both ranks (bytes / wall time until both are done) against a raw
+- upload: the shard upload of both ranks (bytes / the slower rank's upload time) against a raw
   pyarrow write of the same bytes from both ranks (same block size, no checksums, no index).
+
+Each configuration also loads its first checkpoint back and asserts it is bit-exact.
 
 Optionally (``--ray-train``) the same state through Ray Train's
 ``ray.train.report(checkpoint=...)`` in a 1-worker TorchTrainer with a local storage_path.
 That starts a Ray cluster, so it is off by default.
 
 Usage: python bench/checkpoint.py [--sizes-mb 50 500] [--backends local s3] [--repeats 4]
+       [--device cpu|cuda] [--ray-train]
 """
 
 from __future__ import annotations
