@@ -129,6 +129,12 @@ def _cmd_plan(a: argparse.Namespace) -> int:
     return 0 if result.choice is not None else 1
 
 
+def _cmd_sweep(a: argparse.Namespace) -> int:
+    from .sweep import cli
+
+    return cli(a.sweep, n_trials=a.n_trials)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="elastic", description="Elastic training on Ray.")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -154,6 +160,11 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--global-batch", type=int)
     pl.add_argument("--address", help="Ray cluster address for --cluster live")
     pl.set_defaults(fn=_cmd_plan)
+
+    sw = sub.add_parser("sweep", help="run or resume an Optuna sweep; every trial is a job")
+    sw.add_argument("sweep", help="sweep YAML file (see docs/sweeps.md)")
+    sw.add_argument("--n-trials", type=int, help="finished trials to reach (overrides the file)")
+    sw.set_defaults(fn=_cmd_sweep)
 
     st = sub.add_parser("status", help="status of a running job (or list running jobs)")
     st.add_argument("job", nargs="?")
