@@ -135,6 +135,14 @@ def _cmd_sweep(a: argparse.Namespace) -> int:
     return cli(a.sweep, n_trials=a.n_trials)
 
 
+def _cmd_report(a: argparse.Namespace) -> int:
+    from .report import write_report
+
+    files = write_report(a.run_dir, a.out, x_axis=a.x)
+    print(f"[elastic] report: {files.png}\n[elastic] report: {files.html}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="elastic", description="Elastic training on Ray.")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -165,6 +173,12 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("sweep", help="sweep YAML file (see docs/sweeps.md)")
     sw.add_argument("--n-trials", type=int, help="finished trials to reach (overrides the file)")
     sw.set_defaults(fn=_cmd_sweep)
+
+    rp = sub.add_parser("report", help="plot a run directory: PNG and HTML with events marked")
+    rp.add_argument("run_dir", help="the job's run directory (default ./runs/<job name>)")
+    rp.add_argument("--out", help="where to write the report (default: the run directory)")
+    rp.add_argument("--x", choices=["step", "time"], default="step", help="x axis")
+    rp.set_defaults(fn=_cmd_report)
 
     st = sub.add_parser("status", help="status of a running job (or list running jobs)")
     st.add_argument("job", nargs="?")
