@@ -73,6 +73,7 @@ class JobConfig:
     checkpoint_every: int = 0  # 0: no periodic checkpoints
     checkpoint_options: dict[str, Any] = field(default_factory=dict)
     keep_last: int = 3
+    checkpoint_wait_s: float = 30.0  # a due checkpoint waits this long for the previous commit
     keep_every: int = 0
     resume: str | None = None  # "latest" or a checkpoint URI
     # parquet datasets

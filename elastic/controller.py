@@ -124,6 +124,9 @@ class Controller:
         self.failures = 0
         self._free_slots: list[tuple[Any, int]] = []  # reserved bundles without a worker
         self._speed: dict[int, float] = {}  # worker_id -> measured samples/s
+        self._store: Any = None
+        self._resume: tuple[Any, int] | None = None  # (store, step) to start from
+        self._ckpt: dict[str, Any] | None = None  # the checkpoint in flight
 
     # ------------------------------------------------------------------ public
 
@@ -147,6 +150,8 @@ class Controller:
             self._place(cfg.num_workers)
             self._form_group()
             self._layout(self._make_spec(cfg.strategy, len(self.workers)), reason="start")
+            if self._resume is not None:
+                self._restore_from(*self._resume, reason="resume")
             self.state = ControllerState.RUNNING
             while self.step < cfg.max_steps:
                 end = self._segment_end()
@@ -155,6 +160,7 @@ class Controller:
                     self._at_boundary()
                 except InfrastructureError as e:
                     self._recover(e)
+            self._finish_checkpoint()
             final = self._final_state()
             self.state = ControllerState.FINISHED
             last = self.history[-1]["loss"] if self.history else float("nan")
@@ -201,6 +207,13 @@ class Controller:
             _check_reachable(addr)
         if cfg.strategy != "auto":
             self._validate_spec(self._make_spec(cfg.strategy, cfg.num_workers), "strategy")
+        if cfg.checkpoint_every > 0 or cfg.checkpoint_uri:
+            from .checkpoint_io import job_store
+
+            self._store = job_store(cfg)
+            self._store.check_writable()
+        if cfg.resume:
+            self._resume = self._find_resume(cfg.resume)
 
     def _connect(self) -> None:
         import ray
@@ -459,6 +472,7 @@ class Controller:
                 self._raise_if_failed(done, pending)
             self._drain()
             self._poll_control()
+            self._checkpoint_tick()
             if not pending:
                 break
             if not stop_sent and not self.requests.empty():
@@ -471,6 +485,7 @@ class Controller:
             self._raise_if_failed(futs, [])
             raise
         self._drain()
+        self._checkpoint_tick()
         return int(results[0]["next_step"])
 
     def _raise_if_failed(self, done: list[Any], pending: list[Any]) -> None:
@@ -515,6 +530,15 @@ class Controller:
                 w.info["share"] = m["samples"]
                 if m["step"] not in per_step or m["rank"] == 0:
                     per_step[m["step"]] = m
+                if "checkpoint_begun" in m:
+                    ck = self._ckpt
+                    if ck is None or ck["step"] != m["checkpoint_begun"]:
+                        ck = self._ckpt = {"step": m["checkpoint_begun"], "blocked_s": 0.0,
+                                           "spec": self.spec, "t0": time.time()}
+                    ck["blocked_s"] = max(ck["blocked_s"], m["checkpoint_blocked_s"])
+                if m.get("checkpoint_skipped") and m["rank"] == 0:
+                    self._emit("checkpoint_skipped", f"step {m['checkpoint_skipped']}: the "
+                               "previous checkpoint is still uploading")
         for st in sorted(per_step):
             self._record_step(st, per_step[st])
         if per_step:
@@ -601,6 +625,119 @@ class Controller:
         outs = ray.get([w.handle.full_state.remote(want=(w.rank == 0)) for w in self.workers])
         return outs[0]
 
+    # ------------------------------------------------------------------ checkpoints
+
+    def _checkpoint_tick(self) -> None:
+        """Commit the checkpoint in flight once every rank's shard is in; abandon it (and
+        say so) if any upload failed. Training is never stopped by a checkpoint."""
+        import ray
+
+        ck = self._ckpt
+        if ck is None:
+            return
+        from .checkpoint import CheckpointMeta, apply_retention, commit
+        from .errors import CheckpointError
+
+        outs = []
+        for w in self.workers:
+            try:
+                outs.append(ray.get(w.handle.checkpoint_poll.remote(), timeout=30))
+            except Exception:
+                outs.append({"error": f"worker {w.rank} did not answer"})
+        errors = [o["error"] for o in outs if o and "error" in o]
+        if not errors and not all(o and "info" in o for o in outs):
+            return  # still uploading
+        step, spec = ck["step"], ck["spec"]
+        self._ckpt = None
+        manifest = None
+        if not errors:
+            infos = sorted((o["info"] for o in outs if o), key=lambda i: i["rank"])
+            meta = CheckpointMeta(
+                plan=_spec_dict(spec), world_size=spec.world_size, data_position=step,
+                rng={"seed": self.cfg.seed}, strategy=spec.name,
+                extra={"job": self.cfg.job_name, "global_batch_size": self.cfg.global_batch_size})
+            try:
+                manifest = commit(self._store, step, infos, meta)
+            except CheckpointError as e:
+                errors.append(str(e))
+        for w in self.workers:
+            w.handle.checkpoint_done.remote(step, manifest is not None)
+        if manifest is None:
+            self._emit("checkpoint_failed", f"step {step} not committed, training goes on: "
+                       f"{errors[0][:300]}", data={"step": step, "errors": errors})
+            return
+        size = sum(sh.size for sh in manifest.shards)
+        up = time.time() - ck["t0"]
+        self._emit("checkpoint", f"step {step} committed: {size / 1e6:.1f} MB in "
+                   f"{len(manifest.shards)} shards, training blocked {ck['blocked_s'] * 1e3:.0f} ms, "
+                   f"upload+commit {up:.2f}s", data={"step": step, "bytes": size,
+                                                     "blocked_s": ck["blocked_s"], "seconds": up,
+                                                     "uri": self._store.uri})
+        try:
+            apply_retention(self._store, keep_last=max(1, self.cfg.keep_last),
+                            keep_every=self.cfg.keep_every)
+        except CheckpointError as e:
+            self._emit("retention_failed", str(e)[:300])
+
+    def _finish_checkpoint(self, timeout_s: float = 300.0) -> None:
+        """At the end of the run, wait (bounded) for the checkpoint in flight to commit."""
+        deadline = time.monotonic() + timeout_s
+        while self._ckpt is not None and time.monotonic() < deadline:
+            self._checkpoint_tick()
+            if self._ckpt is not None:
+                time.sleep(0.1)
+        if self._ckpt is not None:
+            self._emit("checkpoint_failed", f"step {self._ckpt['step']} did not finish uploading "
+                       f"within {timeout_s:.0f}s of the end of the run")
+            self._ckpt = None
+
+    def _find_resume(self, resume: str) -> tuple[Any, int]:
+        """``latest``: the job's newest valid checkpoint; a URI: a checkpoint root (its newest
+        valid one) or one step directory (``.../step-000000000100``)."""
+        import re
+
+        from .checkpoint import CheckpointStore, find_latest_valid
+        from .errors import CheckpointError
+
+        if resume == "latest":
+            from .checkpoint_io import job_store
+
+            store = self._store or job_store(self.cfg)
+            step = None
+        else:
+            m = re.match(r"^(.*?)/?step-(\d+)/?$", resume)
+            root = m.group(1) if m else resume
+            store = CheckpointStore(root, dict(self.cfg.checkpoint_options))
+            step = int(m.group(2)) if m else None
+        manifest, notes = find_latest_valid(store, exclude=())
+        if step is not None:
+            from .checkpoint import read_manifest
+
+            manifest = read_manifest(store, step)
+        if manifest is None:
+            raise CheckpointError(
+                f"resume={resume!r}: no committed checkpoint under {store.uri}"
+                + (f" ({'; '.join(notes)})" if notes else "")
+                + ". Fix: check the URI, or drop resume to start fresh.")
+        for n in notes:
+            self._emit("checkpoint_skipped", n)
+        return store, manifest.step
+
+    def _restore_from(self, store: Any, step: int, reason: str) -> None:
+        import ray
+
+        assert self.spec is not None
+        t0 = time.time()
+        try:
+            ray.get([w.handle.restore_checkpoint.remote(self.spec, step, store)
+                     for w in self.workers])
+        except Exception as e:
+            raise _unwrap(e) from None
+        self.step = step
+        self._emit("resumed" if reason == "resume" else "restored",
+                   f"from checkpoint step {step} at {store.uri} in {time.time() - t0:.2f}s",
+                   data={"step": step, "uri": store.uri})
+
     # ------------------------------------------------------------------ failures
 
     def _recover(self, error: BaseException) -> None:
@@ -635,6 +772,12 @@ class Controller:
                 pass
             self._free_slots.append((w.pg, w.slot))
         self.workers = survivors
+        if self._ckpt is not None:  # a checkpoint in flight cannot complete without the dead
+            for w in self.workers:
+                w.handle.checkpoint_done.remote(self._ckpt["step"], False)
+            self._emit("checkpoint_failed", f"step {self._ckpt['step']} abandoned: a worker "
+                       "was lost during its upload")
+            self._ckpt = None
         ray.get([w.handle.leave.remote() for w in self.workers])
         progress = ray.get([w.handle.progress.remote() for w in self.workers])
         held = ray.get([w.handle.held_keys.remote() for w in self.workers])
@@ -769,7 +912,22 @@ class Controller:
         return model_keys | {f"optim/{p}/{e}" for p in params for e in entry_names}
 
     def _checkpoint_restore(self, spec: StrategySpec) -> tuple[str, int, str] | None:
-        return None
+        """Fall back to the newest valid committed checkpoint (None if there is none)."""
+        import ray
+
+        if self._store is None:
+            return None
+        from .checkpoint import find_latest_valid
+
+        manifest, notes = find_latest_valid(self._store)
+        for n in notes:
+            self._emit("checkpoint_skipped", n)
+        if manifest is None:
+            return None
+        outs = ray.get([w.handle.restore_checkpoint.remote(spec, manifest.step)
+                        for w in self.workers])
+        took = max(o["seconds"] for o in outs)
+        return "checkpoint", manifest.step, f", checkpoint step {manifest.step} read in {took:.2f}s"
 
     # ------------------------------------------------------------------ events and cleanup
 
@@ -824,6 +982,14 @@ class Controller:
             self._control = None
         if self._started_ray:
             ray.shutdown()
+
+
+def _spec_dict(spec: StrategySpec) -> dict[str, Any]:
+    import dataclasses
+
+    d = dataclasses.asdict(spec)
+    d["shares"] = list(spec.shares)
+    return d
 
 
 def _pg_ready(pg: Any) -> bool:

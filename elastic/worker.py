@@ -91,6 +91,13 @@ class Worker:
         self._emulation: dict[str, Any] = {}
         self._sec_per_sample: float | None = None
         self.next_step = 0  # data position: the first step not yet applied to this state
+        self._store: Any = None  # CheckpointStore when checkpoints are on
+        self._writer: Any = None  # ShardWriter for (store, rank)
+        self._writer_rank = -1
+        if config.checkpoint_every > 0 or config.checkpoint_uri:
+            from .checkpoint_io import job_store
+
+            self._store = job_store(config)
 
     # ------------------------------------------------------------------ identity and group
 
@@ -209,17 +216,28 @@ class Worker:
                 time.sleep(self._sec_per_sample * (hi - lo) * (self._emulated_slowdown - 1.0))
             local = self.strategy.train_step(x, y)
             self.next_step = step + 1
-            ctrl = torch.tensor([local, 1.0 if self._stop.is_set() else 0.0, float(hi - lo)],
+            busy = 1.0 if self._writer is not None and self._writer.state != "idle" else 0.0
+            ctrl = torch.tensor([local, 1.0 if self._stop.is_set() else 0.0, float(hi - lo), busy],
                                 dtype=torch.float64, device=dev)
             dist.all_reduce(ctrl)
             dt = time.perf_counter() - t0
             vals = ctrl.tolist()
             loss, stop, trained = vals[0], vals[1] > 0, int(vals[2])
+            ckpt: dict[str, Any] = {}
+            every = self.config.checkpoint_every
+            last = step + 1 == self.config.max_steps
+            if every > 0 and ((step + 1) % every == 0 or last):
+                if vals[3] > 0 and not self._wait_writer_idle():
+                    # the previous checkpoint is still not committed: all ranks skip this one
+                    ckpt = {"checkpoint_skipped": step + 1}
+                else:
+                    ckpt = {"checkpoint_begun": step + 1,
+                            "checkpoint_blocked_s": self._checkpoint_begin(step + 1)}
             self._metrics.append({
                 "step": step, "rank": self.rank, "loss": loss, "step_time": dt,
                 "samples": hi - lo, "samples_per_s": g / dt if dt > 0 else 0.0,
                 "range": [lo, hi], "time": time.time(), "generation": self.generation,
-                "global_samples": trained,
+                "global_samples": trained, **ckpt,
             })
             step += 1
             if stop and step < end:
@@ -295,6 +313,83 @@ class Worker:
             strat.load_full_state(state)
         self.strategy, self.spec = strat, spec
 
+    # ------------------------------------------------------------------ checkpoints
+
+    def _checkpoint_begin(self, step: int) -> float:
+        """Collective at a step boundary: decide which rank writes what, copy it to host
+        memory and start the background upload. Returns the seconds training was blocked."""
+        from .checkpoint_io import checkpoint_pieces
+
+        t0 = time.perf_counter()
+        writer = self._ensure_writer()
+        pieces = checkpoint_pieces(self.strategy, self._held(), self.rank, self.world)
+        writer.begin(step, pieces)
+        return time.perf_counter() - t0
+
+    def _wait_writer_idle(self) -> bool:
+        """Collective: wait (bounded by ``checkpoint_wait_s``) until this rank's previous
+        checkpoint is committed or abandoned; True on every rank iff all are ready."""
+        deadline = time.monotonic() + self.config.checkpoint_wait_s
+        while self._writer is not None and self._writer.state != "idle":
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.005)
+        ready = self._writer is None or self._writer.state == "idle"
+        flag = torch.tensor([0.0 if ready else 1.0], device=self.device)
+        dist.all_reduce(flag)
+        return flag.item() == 0
+
+    def _ensure_writer(self) -> Any:
+        from .checkpoint import ShardWriter
+
+        if self._writer is None or self._writer_rank != self.rank:
+            if self._writer is not None:
+                self._writer.abandon()
+                self._writer.close()
+            self._writer = ShardWriter(self._store, self.rank)
+            self._writer_rank = self.rank
+        return self._writer
+
+    def checkpoint_poll(self) -> dict[str, Any] | None:
+        """The upload's outcome: None while uploading or idle, else {"info": ShardInfo dict}
+        or {"error": message} (the upload is then abandoned)."""
+        w = self._writer
+        if w is None or w.state in ("idle", "uploading"):
+            return None
+        try:
+            info = w.poll()
+        except Exception as e:  # a failed upload: report it, training goes on
+            return {"error": str(e), "step": w.step}
+        return {"info": info.to_dict()} if info is not None else None
+
+    def checkpoint_done(self, step: int, committed: bool) -> None:
+        if self._writer is None:
+            return
+        if committed:
+            self._writer.committed(step)
+        else:
+            self._writer.abandon()
+
+    def restore_checkpoint(self, spec: StrategySpec, step: int, store: Any = None) -> dict[str, Any]:
+        """Lay out ``spec`` from committed checkpoint ``step`` of ``store`` (default: the
+        job's), checksums verified."""
+        def go() -> dict[str, Any]:
+            from .checkpoint import load
+
+            t0 = time.perf_counter()
+            state = load(store or self._store, step)
+            rng = state.pop(f"rng/rank{self.rank}/torch", None)
+            state = {k: v for k, v in state.items() if not k.startswith("rng/")}
+            if self.strategy is not None:
+                self.strategy.close()
+                self.strategy = None
+            self._build_fresh(spec, state)
+            if rng is not None:
+                torch.set_rng_state(rng)
+            self.next_step = step
+            return {"seconds": time.perf_counter() - t0}
+        return self._guard(go)
+
     def request_stop(self) -> None:
         """Ask the loop to stop after the current step (all ranks agree on the same step)."""
         self._stop.set()
@@ -355,6 +450,8 @@ class Worker:
         return {"samples_per_s": 1.0 / (base * self._emulated_slowdown), "base_s_per_sample": base}
 
     def shutdown(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
         self.leave()
 
     # ------------------------------------------------------------------ errors
