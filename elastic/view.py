@@ -113,6 +113,7 @@ class RichView(View):
 
     def render(self) -> Any:
         from rich.console import Group
+        from rich.markup import escape
         from rich.panel import Panel
         from rich.progress_bar import ProgressBar
         from rich.table import Table
@@ -121,10 +122,10 @@ class RichView(View):
         done = (e.get("step", -1) + 1) if e else 0
         head = Table.grid(padding=(0, 2))
         head.add_row(
-            f"[bold]{self.job}[/]", f"step {done}/{self.max_steps}",
+            f"[bold]{escape(self.job)}[/]", f"step {done}/{self.max_steps}",
             f"loss [cyan]{e.get('loss', float('nan')):.4f}[/]",
             f"{e.get('samples_per_s', 0.0):,.0f} samples/s",
-            f"strategy [magenta]{e.get('strategy', '-')}[/]",
+            f"strategy [magenta]{escape(str(e.get('strategy', '-')))}[/]",
             f"world {e.get('world_size', len(self.infos))}",
             f"{self.clock() - self.t0:,.0f}s",
         )
@@ -133,9 +134,11 @@ class RichView(View):
         for col in ("rank", "node", "device", "share", "samples/s", "memory"):
             wt.add_column(col)
         for i in self.infos:
+            # worker and event text is data, not markup: a gloo error reads "[/pytorch/...]"
             emu = " [yellow](emulated)[/]" if i.get("emulated") else ""
-            wt.add_row(str(i.get("rank")), f"{i.get('hostname', '')} {str(i.get('node_id', ''))[:6]}",
-                       f"{i.get('device_name', '')}{emu}", str(i.get("share", "")),
+            wt.add_row(str(i.get("rank")),
+                       escape(f"{i.get('hostname', '')} {str(i.get('node_id', ''))[:6]}"),
+                       f"{escape(str(i.get('device_name', '')))}{emu}", escape(str(i.get("share", ""))),
                        f"{i.get('samples_per_s', 0):,.0f}" if i.get("samples_per_s") else "",
                        _fmt_mem(i.get("memory")))
         et = Table(title="events", expand=False, show_edge=False, show_header=False)
@@ -143,7 +146,8 @@ class RichView(View):
         et.add_column("what")
         for ev in self.events:
             at = f"@{ev.step}" if ev.step is not None else ""
-            et.add_row(f"{ev.time - self.t0:6.1f}s", f"[bold]{ev.kind}[/]{at} {ev.message}")
+            et.add_row(f"{ev.time - self.t0:6.1f}s",
+                       f"[bold]{escape(ev.kind)}[/]{at} {escape(ev.message)}")
         return Panel(Group(head, bar, wt, et), title="elastic", border_style="blue")
 
     def close(self) -> None:
