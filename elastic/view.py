@@ -52,7 +52,7 @@ class PlainView(View):
             return
         self._shown = key
         for i in infos:
-            emu = " (emulated)" if i.get("emulated") else ""
+            emu = _emulated_mark(i, " (emulated)")
             self._p(f"[elastic] worker rank {i.get('rank')} on {i.get('hostname')} "
                     f"node {str(i.get('node_id'))[:8]} device {i.get('device_name')}{emu}")
 
@@ -135,7 +135,7 @@ class RichView(View):
             wt.add_column(col)
         for i in self.infos:
             # worker and event text is data, not markup: a gloo error reads "[/pytorch/...]"
-            emu = " [yellow](emulated)[/]" if i.get("emulated") else ""
+            emu = _emulated_mark(i, " [yellow](emulated)[/]")
             wt.add_row(str(i.get("rank")),
                        escape(f"{i.get('hostname', '')} {str(i.get('node_id', ''))[:6]}"),
                        f"{escape(str(i.get('device_name', '')))}{emu}", escape(str(i.get("share", ""))),
@@ -155,6 +155,14 @@ class RichView(View):
             self._live.update(self.render())
             self._live.stop()
             self._live = None
+
+
+def _emulated_mark(info: dict[str, Any], mark: str) -> str:
+    """The "(emulated)" mark for an emulated worker, unless its device name already says so
+    (workers name emulated devices "T4 (emulated on cpu, x3)")."""
+    if not info.get("emulated") or "emulated" in str(info.get("device_name", "")):
+        return ""
+    return mark
 
 
 def _fmt_mem(m: Any) -> str:
