@@ -20,7 +20,6 @@ RUNNING are failed (heartbeat) and retried with the same parameters. See docs/sw
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 import os
@@ -62,8 +61,8 @@ class Param:
 
     name: str
     type: str
-    low: float | None = None
-    high: float | None = None
+    low: float = 0.0  # float and int
+    high: float = 0.0
     log: bool = False
     step: float | None = None
     choices: tuple[Any, ...] = ()
@@ -93,7 +92,6 @@ class Param:
                                   "stores only None, bool, int, float and str choices.",
                                   "search a scalar (e.g. optimizer.name) instead of a mapping")
             return cls(name, kind, choices=tuple(choices))
-        num = int if kind == "int" else float
         vals: dict[str, Any] = {}
         for key in ("low", "high", "step"):
             v = spec.get(key)
@@ -101,12 +99,15 @@ class Param:
                 if key != "step":
                     raise ConfigError(f"{where}.{key}", "is required.", f"add {key}: <number>")
                 continue
-            try:  # YAML reads 1e-4 (no dot) as a string
-                vals[key] = num(float(v)) if num is int and float(v) == int(float(v)) else num(v)
+            try:  # YAML reads 1e-4 (no dot) as a string: accept it
+                x = float(v)
             except (TypeError, ValueError):
-                raise ConfigError(f"{where}.{key}", f"{v!r} is not a{'n' if kind == 'int' else ''} "
-                                  f"{kind}.", "write a number (in YAML, 1.0e-4 rather than 1e-4)"
-                                  ) from None
+                raise ConfigError(f"{where}.{key}", f"{v!r} is not a number.",
+                                  "write a number, e.g. 1.0e-4") from None
+            if kind == "int" and x != int(x):
+                raise ConfigError(f"{where}.{key}", f"{v!r} is not an integer.",
+                                  "use whole numbers, or type: float")
+            vals[key] = int(x) if kind == "int" else x
         if vals["low"] > vals["high"]:
             raise ConfigError(where, f"low {vals['low']} is above high {vals['high']}.",
                               "swap them")
@@ -122,10 +123,9 @@ class Param:
         if self.type == "categorical":
             return trial.suggest_categorical(self.name, list(self.choices))
         if self.type == "int":
-            return trial.suggest_int(self.name, int(self.low), int(self.high),  # type: ignore[arg-type]
+            return trial.suggest_int(self.name, int(self.low), int(self.high),
                                      step=int(self.step or 1), log=self.log)
-        return trial.suggest_float(self.name, float(self.low), float(self.high),  # type: ignore[arg-type]
-                                   step=self.step, log=self.log)
+        return trial.suggest_float(self.name, self.low, self.high, step=self.step, log=self.log)
 
     def probes(self) -> list[Any]:
         """Values that stand for the whole range when the base job is validated up front."""
@@ -135,10 +135,10 @@ class Param:
         if self.type == "categorical":
             return list(self.choices)
         if self.type == "int" and not self.log:
-            return list(range(int(self.low), int(self.high) + 1, int(self.step or 1)))  # type: ignore[arg-type]
+            return list(range(int(self.low), int(self.high) + 1, int(self.step or 1)))
         if self.type == "float" and self.step and not self.log:
-            n = int(round((self.high - self.low) / self.step))  # type: ignore[operator]
-            return [self.low + i * self.step for i in range(n + 1)]  # type: ignore[operator]
+            n = int(round((self.high - self.low) / self.step))
+            return [self.low + i * self.step for i in range(n + 1)]
         raise ConfigError(f"params.{self.name}", "the grid sampler needs a finite set of values.",
                           "make it categorical, a non-log int, or a float with a step; or use "
                           "sampler: tpe/random")
@@ -197,7 +197,8 @@ class SweepConfig:
             raise ConfigError("sweep file", "must hold a mapping.", "see docs/sweeps.md")
         unknown = sorted(set(data) - set(_TOP))
         if unknown:
-            raise ConfigError(unknown[0], "is not a sweep setting.", f"use one of: {', '.join(_TOP)}")
+            raise ConfigError(unknown[0], "is not a sweep setting.",
+                              f"use one of: {', '.join(_TOP)}")
         study = data.get("study") or {}
         if not isinstance(study, dict):
             raise ConfigError("study", "must be a mapping.", "e.g. study: {name: my-sweep}")
@@ -268,7 +269,7 @@ class SweepConfig:
 
     def job_fields(self, values: dict[str, Any]) -> dict[str, Any]:
         """The base job with ``values`` (param name -> value) set; the base is not changed."""
-        fields = copy.deepcopy(self.base) if _deep_copyable(self.base) else dict(self.base)
+        fields = dict(self.base)  # _set_path copies each mapping it changes
         for name, value in values.items():
             _set_path(fields, name, value)
         return fields
@@ -286,7 +287,8 @@ class SweepConfig:
                     cfg.validate()
                 except ConfigError as e:
                     if e.field == n.split(".")[0]:
-                        raise ConfigError(f"params.{n}", f"value {v!r}: {e.problem}", e.fix) from None
+                        raise ConfigError(f"params.{n}", f"value {v!r}: {e.problem}",
+                                          e.fix) from None
                     raise ConfigError(f"base.{e.field}", e.problem, e.fix) from None
                 _check_arguments(n, fields)
                 out.append(cfg)
@@ -297,7 +299,8 @@ class SweepConfig:
         for key in ("n_trials", "heartbeat_interval"):
             v = getattr(self, key)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ConfigError(key, f"must be a positive integer, got {v!r}.", f"set {key}: 1 or more")
+                raise ConfigError(key, f"must be a positive integer, got {v!r}.",
+                                  f"set {key}: 1 or more")
         for key in ("max_concurrent", "grace_period"):
             v = getattr(self, key)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
@@ -312,16 +315,18 @@ class SweepConfig:
         if not (callable(self.objective) or self.objective in _OBJECTIVES or (
                 isinstance(self.objective, str) and ":" in self.objective)):
             raise ConfigError("objective", f"unknown objective {self.objective!r}.",
-                              f"use {' or '.join(_OBJECTIVES)}, or 'module:fn' taking the FitResult")
+                              f"use {' or '.join(_OBJECTIVES)}, or 'module:fn' taking the "
+                              "FitResult")
         self.objective_fn()
+        job_fields = [f.name for f in dataclasses.fields(JobConfig)]
         for name in self.params:
             top = name.split(".")[0]
             if top in _OWNED:
                 raise ConfigError(f"params.{name}", f"{top} is set by the sweep for each trial.",
                                   "search another field")
-            if top not in {f.name for f in dataclasses.fields(JobConfig)}:
+            if top not in job_fields:
                 raise ConfigError(f"params.{name}", f"{top} is not a job field.",
-                                  f"use one of: {', '.join(f.name for f in dataclasses.fields(JobConfig))}")
+                                  f"use one of: {', '.join(job_fields)}")
         for i, point in enumerate(self.enqueue):
             extra = sorted(set(point) - set(self.params)) if isinstance(point, dict) else ["?"]
             if extra:
@@ -356,7 +361,8 @@ class SweepConfig:
             return _build("study.sampler", optuna.samplers.GridSampler, space, **spec)
         classes = {"tpe": optuna.samplers.TPESampler, "random": optuna.samplers.RandomSampler}
         if kind not in classes:
-            raise ConfigError("study.sampler", f"unknown sampler {kind!r}.", "use tpe, random or grid")
+            raise ConfigError("study.sampler", f"unknown sampler {kind!r}.",
+                              "use tpe, random or grid")
         return _build("study.sampler", classes[kind], **spec)
 
     def make_pruner(self) -> optuna.pruners.BasePruner:
@@ -425,6 +431,12 @@ class SweepConfig:
                               "use the same direction or another study name")
         for point in self.enqueue:
             study.enqueue_trial(point, skip_if_exists=True)
+        # Fail (and re-queue) what a dead sweep left RUNNING now, in one thread: Optuna also
+        # does it as each trial starts, but concurrent trial threads can both fail the same
+        # trial on SQLite (no row locks) and queue it twice.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            optuna.storages.fail_stale_trials(study)
         return study
 
 
@@ -456,14 +468,6 @@ def _build(where: str, cls: Any, *args: Any, **kwargs: Any) -> Any:
     except (TypeError, ValueError) as e:
         raise ConfigError(where, f"{cls.__name__} rejects {kwargs}: {e}",
                           "see the Optuna documentation of that class for its settings") from None
-
-
-def _deep_copyable(d: dict[str, Any]) -> bool:
-    try:
-        copy.deepcopy(d)
-        return True
-    except Exception:
-        return False
 
 
 def _load_yaml(path: str, what: str) -> dict[str, Any]:
