@@ -75,6 +75,11 @@ class JobHandle:
         Raises ``SwitchError`` if refused (the job keeps running in its old layout)."""
         return self._ask(Request("switch", strategy, reason), timeout)
 
+    def scale(self, workers: int, timeout: float | None = 300) -> int:
+        """Grow or shrink the running job to ``workers`` (within min..max workers) at the
+        next step boundary; new workers get the state from their peers. Returns the count."""
+        return self._ask(Request("scale", workers, reason="requested by the SDK"), timeout)
+
     def stop(self, timeout: float | None = 300) -> Any:
         return self._ask(Request("stop", reason="requested by the SDK"), timeout)
 

@@ -7,6 +7,7 @@ metrics a few times a second and feeds the view and the run log.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import os
 import queue
@@ -127,6 +128,8 @@ class Controller:
         self._store: Any = None
         self._resume: tuple[Any, int] | None = None  # (store, step) to start from
         self._ckpt: dict[str, Any] | None = None  # the checkpoint in flight
+        self._target_world = config.max_workers if config.max_workers is not None else \
+            config.num_workers
 
     # ------------------------------------------------------------------ public
 
@@ -384,6 +387,30 @@ class Controller:
             stage_split=split,
         )
 
+    def _fit_spec(self, name: str, world: int) -> StrategySpec:
+        """A valid layout for ``name`` on ``world`` workers after a membership change: the
+        same strategy if it can run there (a pipeline keeps its degree when it divides the
+        world, else takes the nearest degree that does), else the planner's choice."""
+        candidates = [self._make_spec(name, world)]
+        if name == "pipeline":
+            want = candidates[0].pp_degree
+            degrees = sorted((d for d in range(2, world + 1) if world % d == 0),
+                             key=lambda d: (abs(d - want), d))
+            candidates += [dataclasses.replace(candidates[0], pp_degree=d) for d in degrees]
+        for spec in candidates:
+            try:
+                get_strategy(spec.name).validate(spec, self._probe_model)
+                if spec is not candidates[0]:
+                    self._emit("replanned", f"{name} with pp_degree {spec.pp_degree} on {world} "
+                               f"workers (pp_degree {candidates[0].pp_degree} does not fit)")
+                return spec
+            except StrategyError:
+                continue
+        spec = self._make_spec("auto", world)
+        self._emit("replanned", f"{name} cannot run on {world} workers; the planner chose "
+                   f"{spec.name}")
+        return spec
+
     def _balancing(self) -> bool:
         if self.cfg.balance == "on":
             return True
@@ -466,6 +493,7 @@ class Controller:
         self.state = ControllerState.RUNNING
         futs = [w.handle.run.remote(start, end) for w in self.workers]
         stop_sent = False
+        next_check = time.monotonic() + self.cfg.scale_check_s
         while True:
             done, pending = ray.wait(futs, num_returns=len(futs), timeout=_POLL_S)
             if done and pending:
@@ -475,6 +503,10 @@ class Controller:
             self._checkpoint_tick()
             if not pending:
                 break
+            if time.monotonic() >= next_check:
+                next_check = time.monotonic() + self.cfg.scale_check_s
+                if self._room_to_grow():
+                    self.post(Request("grow", reason="a node with room joined"))
             if not stop_sent and not self.requests.empty():
                 for w in self.workers:
                     w.handle.request_stop.remote()
@@ -600,6 +632,18 @@ class Controller:
                 if req.kind == "switch":
                     self.switch(str(req.value), reason=req.reason)
                     result = self.spec.name if self.spec else None
+                elif req.kind == "grow":
+                    self._resize(self._target_world, reason=req.reason)
+                    result = len(self.workers)
+                elif req.kind == "scale":
+                    n = int(req.value)
+                    if not self.cfg.min_world <= n <= self.cfg.max_world:
+                        raise SwitchError(
+                            f"cannot scale to {n} workers: outside min_workers..max_workers = "
+                            f"{self.cfg.min_world}..{self.cfg.max_world}")
+                    self._target_world = n
+                    self._resize(n, reason=req.reason)
+                    result = len(self.workers)
                 elif req.kind == "memory":
                     import ray
 
@@ -738,6 +782,55 @@ class Controller:
                    f"from checkpoint step {step} at {store.uri} in {time.time() - t0:.2f}s",
                    data={"step": step, "uri": store.uri})
 
+    # ------------------------------------------------------------------ scaling
+
+    def _room_to_grow(self) -> bool:
+        """Cheap check: fewer workers than the target, and a free reserved slot or enough
+        free resources for one more worker somewhere."""
+        import ray
+
+        if len(self.workers) >= self._target_world:
+            return False
+        if self._free_slots:
+            return any(_pg_ready(pg) for pg, _ in self._free_slots)
+        need = self._bundle()
+        free = ray.available_resources()
+        return all(free.get(k, 0.0) >= v for k, v in need.items() if v > 0)
+
+    def _resize(self, n: int, reason: str) -> None:
+        """At a step boundary: grow (take in new workers; they get the state from their
+        peers, not from storage) or shrink to ``n`` workers, keeping the trajectory."""
+        import ray
+
+        t0 = time.time()
+        old = list(self.workers)
+        if n == len(old):
+            return
+        self.state = ControllerState.RECOVERING
+        ray.get([w.handle.snapshot_full.remote() for w in old])  # every old rank holds it all
+        progress = ray.get([w.handle.progress.remote() for w in old])
+        held = ray.get([w.handle.held_keys.remote() for w in old])
+        if n > len(old):
+            self._try_place(n - len(old), timeout_s=5.0)
+            if len(self.workers) == len(old):
+                self._emit("scale_failed", f"no room for more workers ({reason})")
+                return
+        else:
+            for w in self.workers[n:]:
+                ray.kill(w.handle)
+            self.workers = self.workers[:n]
+            progress, held = progress[:n], held[:n]
+        ray.get([w.handle.leave.remote() for w in self.workers if w in old])
+        self._form_group()
+        spec = self._fit_spec(self._target_strategy(), len(self.workers))
+        source, step, detail = self._restore(spec, progress, held)
+        self.spec = spec
+        self.step = step
+        self._emit("scaled", f"{len(old)} -> {len(self.workers)} workers ({reason}) in "
+                   f"{time.time() - t0:.2f}s, state from {source}{detail}",
+                   data={"from": len(old), "to": len(self.workers), "source": source,
+                         "seconds": time.time() - t0, "strategy": spec.name})
+
     # ------------------------------------------------------------------ failures
 
     def _recover(self, error: BaseException) -> None:
@@ -799,7 +892,7 @@ class Controller:
                     f"{self.cfg.min_workers_timeout_s:.0f}s. Fix: add nodes or lower min_workers."
                 )
         self._form_group()
-        spec = self._make_spec(self._target_strategy(), len(self.workers))
+        spec = self._fit_spec(self._target_strategy(), len(self.workers))
         source, step, detail = self._restore(spec, progress, held)
         self.step = step
         # metrics of steps after the restored position are void (they will run again) ...

@@ -91,6 +91,7 @@ class Worker:
         self._emulation: dict[str, Any] = {}
         self._sec_per_sample: float | None = None
         self.next_step = 0  # data position: the first step not yet applied to this state
+        self._snapshot: dict[str, torch.Tensor] | None = None
         self._store: Any = None  # CheckpointStore when checkpoints are on
         self._writer: Any = None  # ShardWriter for (store, rank)
         self._writer_rank = -1
@@ -257,8 +258,20 @@ class Worker:
         return {k: (tuple(v.shape), str(v.dtype).replace("torch.", "")) for k, v in held.items()}
 
     def _held(self) -> dict[str, torch.Tensor]:
+        if self._snapshot is not None:
+            return self._snapshot
         fn = getattr(self.strategy, "held_state", None)
         return fn() if fn is not None else {}
+
+    def snapshot_full(self) -> int:
+        """Collective over the current (healthy) group: keep the full canonical state in
+        memory, so that a planned membership change can hand every entry to the new group
+        from any old rank. Returns the bytes held."""
+        def go() -> int:
+            assert self.strategy is not None
+            self._snapshot = self.strategy.full_state()
+            return sum(t.numel() * t.element_size() for t in self._snapshot.values())
+        return self._guard(go)
 
     def restore_from_peers(self, spec: StrategySpec, plan: list[tuple[str, int, tuple[int, ...], str]],
                            next_step: int) -> dict[str, Any]:
@@ -285,6 +298,7 @@ class Worker:
         if self.strategy is not None:
             self.strategy.close()
             self.strategy = None
+        self._snapshot = None
         self._build_fresh(spec, state)
         self.next_step = next_step
         return {"seconds": time.perf_counter() - t0, "bytes": nbytes}

@@ -467,5 +467,8 @@ class Pipeline(Strategy):
             self.update.close()
         del self.schedule, self.stages, self.optimizer, self.update
         for g in self._own_groups:
-            dist.destroy_process_group(g)
+            try:
+                dist.destroy_process_group(g)
+            except (ValueError, RuntimeError):
+                pass  # already gone: the default group was torn down first (after a loss)
         self._own_groups = []
