@@ -143,6 +143,47 @@ def _cmd_report(a: argparse.Namespace) -> int:
     return 0
 
 
+def _store_of(a: argparse.Namespace) -> Any:
+    import json
+
+    from .checkpoint import CheckpointStore
+
+    opts: dict[str, Any] = json.loads(a.options) if a.options else {}
+    if a.endpoint:
+        opts["endpoint_override"] = a.endpoint
+    return CheckpointStore(a.uri, opts)
+
+
+def _which(w: str) -> Any:
+    return int(w) if w.isdigit() else w
+
+
+def _cmd_checkpoints(a: argparse.Namespace) -> int:
+    import json
+
+    from .checkpoint import export, format_inspect, format_list, inspect, list_checkpoints, verify
+
+    store = _store_of(a)
+    if a.action == "list":
+        print(format_list(list_checkpoints(store)))
+        return 0
+    if a.action == "inspect":
+        info = inspect(store, _which(a.which or "latest"))
+        print(json.dumps(info, indent=2, default=str) if a.json else format_inspect(info))
+        return 0
+    if a.action == "verify":
+        report = verify(store, _which(a.which or "all"))
+        for step in report.steps:
+            probs = report.problems.get(step, [])
+            print(f"step {step}: " + ("OK" if not probs else "BAD: " + "; ".join(probs)))
+        return report.exit_code
+    if not a.out:
+        raise SystemExit("elastic checkpoints export needs --out FILE")
+    export(store, a.out, _which(a.which or "latest"), include_optimizer=a.optimizer)
+    print(f"wrote {a.out} (load it with torch.load(path, weights_only=True))")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="elastic", description="Elastic training on Ray.")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -160,6 +201,17 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--run-dir")
     d.add_argument("--view", choices=["auto", "rich", "plain", "none"])
     d.set_defaults(fn=_cmd_demo)
+
+    ck = sub.add_parser("checkpoints", help="list, inspect, verify or export checkpoints")
+    ck.add_argument("action", choices=["list", "inspect", "verify", "export"])
+    ck.add_argument("uri", help="checkpoint root: a path, s3://bucket/prefix, gs://...")
+    ck.add_argument("--which", help="a step or 'latest' (the default; verify: all checkpoints)")
+    ck.add_argument("--out", help="export: the .pt file to write (plain PyTorch state dict)")
+    ck.add_argument("--optimizer", action="store_true", help="export: include optimizer state")
+    ck.add_argument("--endpoint", help="S3-compatible endpoint, e.g. http://127.0.0.1:9000")
+    ck.add_argument("--options", help="store options as JSON (region, retries, ...)")
+    ck.add_argument("--json", action="store_true", help="inspect: machine-readable output")
+    ck.set_defaults(fn=_cmd_checkpoints)
 
     pl = sub.add_parser("plan", help="rank the plans for a cluster and a job's model")
     pl.add_argument("job", help="job YAML file (its model, optimizer and global batch)")

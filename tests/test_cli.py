@@ -1,0 +1,55 @@
+"""The command line as a user runs it: checkpoint tools on a real job's checkpoints, and the
+planner's table for a cluster file."""
+
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import sys
+
+import torch
+
+import elastic
+from tests.helpers import RegressionData, adam, max_diff, mlp, mse
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "elastic.cli", *args], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT)
+
+
+def test_checkpoint_tools(ray_local, tmp_path):
+    uri = str(tmp_path / "ckpt")
+    result = elastic.fit(model=mlp, optimizer=adam, loss=mse, dataset=RegressionData(),
+                         global_batch_size=8, max_steps=6, num_workers=2, view="none",
+                         checkpoint_uri=uri, checkpoint_every=3, run_dir=str(tmp_path / "run"))
+    out = _cli("checkpoints", "list", uri)
+    assert out.returncode == 0 and "3" in out.stdout and "6" in out.stdout, out.stderr
+    out = _cli("checkpoints", "inspect", uri)
+    assert out.returncode == 0 and "model/0.weight" in out.stdout and "dp" in out.stdout
+    out = _cli("checkpoints", "verify", uri)
+    assert out.returncode == 0 and out.stdout.count("OK") == 2
+    dest = tmp_path / "model.pt"
+    out = _cli("checkpoints", "export", uri, "--out", str(dest))
+    assert out.returncode == 0, out.stderr
+    assert max_diff(torch.load(dest, weights_only=True), result.state_dict()) == 0.0
+    # flip bytes in one shard of the newest checkpoint: verify names it and exits 1
+    shard = sorted(glob.glob(os.path.join(uri, "step-*6", "shard-*.bin")))[0]
+    with open(shard, "r+b") as f:
+        f.seek(64)
+        f.write(b"\xff" * 16)
+    out = _cli("checkpoints", "verify", uri)
+    assert out.returncode == 1 and "BAD" in out.stdout
+    out = _cli("checkpoints", "list", str(tmp_path / "nothing-here"))
+    assert out.returncode == 0
+
+
+def test_plan_prints_a_ranked_table_with_reasons():
+    out = _cli("plan", "examples/gpt.yaml", "--cluster", "a100-t4", "--global-batch", "256")
+    assert out.returncode == 0, out.stderr
+    assert "chose" in out.stdout and "Rejected" in out.stdout and "step s" in out.stdout
+    out = _cli("plan", "examples/gpt.yaml", "--cluster", "no-such-cluster")
+    assert out.returncode != 0 and "no-such-cluster" in out.stderr
