@@ -128,16 +128,28 @@ class JobConfig:
 
     @property
     def job_name(self) -> str:
+        """The ``name`` given, else the Ray job's submission id (under ``ray job submit``),
+        else a time-stamped name."""
         if self.name:
             return self.name
-        import time
+        sub = _ray_submission_id()
+        if sub:
+            self.name = sub
+        else:
+            import time
 
-        self.name = f"job-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid() % 10000:04d}"
+            self.name = f"job-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid() % 10000:04d}"
         return self.name
 
     @property
     def run_path(self) -> str:
-        return self.run_dir or os.path.join(os.getcwd(), "runs", self.job_name)
+        """``run_dir``, else ``./runs/<name>``; under ``ray job submit`` the working directory
+        is a temporary copy, so the default is ``~/elastic-runs/<name>`` on the driver's node."""
+        if self.run_dir:
+            return self.run_dir
+        if _ray_submission_id():
+            return os.path.join(os.path.expanduser("~"), "elastic-runs", self.job_name)
+        return os.path.join(os.getcwd(), "runs", self.job_name)
 
     @property
     def min_world(self) -> int:
@@ -228,6 +240,19 @@ class JobConfig:
                      for k, val in v.items()}
             out[f.name] = v if isinstance(v, (str, int, float, bool, type(None), dict, list)) else _describe(v)
         return out
+
+
+def _ray_submission_id() -> str | None:
+    """The submission id of the Ray job this driver runs in, if any."""
+    import json
+
+    raw = os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR")
+    if not raw:
+        return None
+    try:
+        return json.loads(raw).get("metadata", {}).get("job_submission_id")
+    except (ValueError, AttributeError):
+        return None
 
 
 def _describe(obj: Any) -> str:
