@@ -54,13 +54,13 @@ def _wait_step(handle, step, timeout=120):
         time.sleep(0.05)
 
 
-def _check_data_log(run_dir, history):
+def _check_data_log(run_dir, history, steps=STEPS):
     """Every sample of every completed step was trained exactly once: each step is recorded
     once, by the generation whose metrics were kept, with disjoint ranges covering 0..G-1;
     where the ranks could report it, the all-reduced count of samples in its gradient is G.
     (A step whose gradient was applied just as a node died is recorded from the plan.)"""
     data = [json.loads(x) for x in open(os.path.join(run_dir, "data_log.jsonl"))]
-    assert [h["step"] for h in history] == list(range(STEPS))
+    assert [h["step"] for h in history] == list(range(steps))
     for h in history:
         rows = [d for d in data if d["step"] == h["step"] and d["generation"] == h["generation"]]
         assert len(rows) == 1, rows
@@ -116,17 +116,26 @@ def test_below_min_workers_fails_clearly(ray_cluster, tmp_path):
         handle.result(timeout=120)
 
 
-def test_scale_up_when_a_node_joins(ray_cluster, tmp_path, reference):
+def test_scale_up_when_a_node_joins(ray_cluster, tmp_path):
     cluster = ray_cluster(2)
-    handle = _submit(tmp_path, num_workers=2, min_workers=1, max_workers=3, scale_check_s=0.5)
+    steps = 400  # long enough that the new node surely joins mid-run; stopped once it has
+    handle = _submit(tmp_path, num_workers=2, min_workers=1, max_workers=3, scale_check_s=0.5,
+                     max_steps=steps)
     _wait_step(handle, 5)
     cluster.add_node()
+    t0 = time.time()
+    while not any(e.kind == "scaled" for e in handle.controller.events):
+        assert not handle.done() and time.time() - t0 < 120, handle.controller.events
+        time.sleep(0.05)
+    handle.stop()
     result = handle.result(timeout=180)
     scaled = [e for e in result.events if e.kind == "scaled"]
-    assert scaled and scaled[0].data["to"] == 3 and scaled[0].data["source"] == "peers"
+    assert scaled[0].data["to"] == 3 and scaled[0].data["source"] == "peers"
     assert result.history[-1]["world_size"] == 3
-    assert max_diff(result.state_dict(), reference[0]) < TOL
-    _check_data_log(result.run_dir, result.history)
+    n = len(result.history)
+    ref, _ = reference_train(mlp, adam, mse, RegressionData(), G, n, seed=0)
+    assert max_diff(result.state_dict(), ref) < TOL
+    _check_data_log(result.run_dir, result.history, n)
 
 
 def test_zero3_loss_restores_from_checkpoint_and_replays(ray_cluster, tmp_path, reference):

@@ -58,9 +58,9 @@ def test_run_dir_logs_and_data_coverage(ray_local, tmp_path):
     assert events[-1]["kind"] == "finished"
     # every sample of every step exactly once, across the workers' disjoint shares
     data = [json.loads(x) for x in open(os.path.join(run, "data_log.jsonl"))]
-    for step in range(STEPS):
-        ranges = sorted(tuple(d["range"]) for d in data if d["step"] == step)
-        assert ranges == [(0, 4), (4, 7), (7, 10)]
+    assert [d["step"] for d in data] == list(range(STEPS))
+    for d in data:
+        assert d["ranges"] == [[0, 4], [4, 7], [7, 10]] and d["global_samples"] == G
 
 
 def test_result_state_dict_is_plain_pytorch(ray_local, tmp_path):
