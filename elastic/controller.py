@@ -125,6 +125,7 @@ class Controller:
         self.failures = 0
         self._free_slots: list[tuple[Any, int]] = []  # reserved bundles without a worker
         self._speed: dict[int, float] = {}  # worker_id -> measured samples/s
+        self._mem_at = 0.0
         self._store: Any = None
         self._resume: tuple[Any, int] | None = None  # (store, step) to start from
         self._ckpt: dict[str, Any] | None = None  # the checkpoint in flight
@@ -573,6 +574,15 @@ class Controller:
                                "previous checkpoint is still uploading")
         for st in sorted(per_step):
             self._record_step(st, per_step[st])
+        if per_step and time.monotonic() - self._mem_at > 2.0:  # memory column of the view
+            self._mem_at = time.monotonic()
+            refs = [w.handle.memory_counts.remote() for w in self.workers]
+            for w, ref in zip(self.workers, refs, strict=True):
+                try:
+                    counts = ray.get(ref, timeout=10)
+                    w.info["memory"] = {k: v * 4 for k, v in counts.items()}  # fp32 bytes
+                except Exception:
+                    pass
         if per_step:
             self.view.workers([w.info for w in self.workers])
 

@@ -53,3 +53,16 @@ def test_plan_prints_a_ranked_table_with_reasons():
     assert "chose" in out.stdout and "Rejected" in out.stdout and "step s" in out.stdout
     out = _cli("plan", "examples/gpt.yaml", "--cluster", "no-such-cluster")
     assert out.returncode != 0 and "no-such-cluster" in out.stderr
+
+
+def test_entry_script_runs_like_ray_submit_would(tmp_path):
+    """`ray submit CLUSTER.yaml scripts/elastic_entry.py ARGS` copies the file to the head
+    and runs `python elastic_entry.py ARGS` there: the same, from another directory."""
+    import shutil
+
+    script = tmp_path / "elastic_entry.py"
+    shutil.copy(os.path.join(ROOT, "scripts", "elastic_entry.py"), script)
+    out = subprocess.run([sys.executable, str(script), "plan", os.path.join(ROOT, "examples",
+                          "gpt.yaml"), "--cluster", "h100x8"], capture_output=True, text=True,
+                         timeout=120, cwd=tmp_path)
+    assert out.returncode == 0 and "chose" in out.stdout, out.stderr

@@ -83,3 +83,17 @@ def test_yaml_job_equals_sdk_job(ray_local, tmp_path, reference):
     result = elastic.fit(str(job))
     assert max_diff(result.state_dict(), reference[0]) < TOL
     assert loss_function("mse") is not None
+
+
+def test_parquet_dataset_uri(ray_local, tmp_path, reference):
+    """A Parquet dataset read through pyarrow trains exactly what the in-memory one does."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    data = RegressionData()
+    table = pa.table({"x": pa.array(data.x.tolist(), type=pa.list_(pa.float32())),
+                      "y": pa.array(data.y.tolist(), type=pa.list_(pa.float32()))})
+    path = tmp_path / "train.parquet"
+    pq.write_table(table, path)
+    result = _fit(tmp_path, dataset=str(path))
+    assert max_diff(result.state_dict(), reference[0]) < TOL
