@@ -13,8 +13,8 @@ import os
 import queue
 import socket
 import time
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from strategies import StrategySpec
@@ -549,7 +549,7 @@ class Controller:
         import ray
 
         batches = []
-        for w, ref in [(w, w.handle.drain.remote()) for w in self.workers]:
+        for ref in [w.handle.drain.remote() for w in self.workers]:
             try:
                 batches.append(ray.get(ref, timeout=30))
             except Exception as e:  # a dead worker: the segment's failure handling takes over

@@ -275,7 +275,7 @@ def write_report(run_dir: str, out_dir: str | None = None, x_axis: str = "step")
 
     seen: dict[float, int] = {}
     shifts = []
-    for ev, x, color in drawn:
+    for _ev, x, color in drawn:
         k = seen.get(x, 0)
         seen[x] = k + 1
         shifts.append(k * _SHIFT_PX)

@@ -152,7 +152,7 @@ class Strategy(ABC):
         """The module this rank runs (wrapped or not); for inspection and tests."""
         raise NotImplementedError
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - a no-op default is right for most layouts
         """Release the model, optimizer and any sub-groups this strategy created."""
 
 

@@ -111,9 +111,9 @@ def test_strategy_is_a_search_dimension(pruned):
 
 
 def test_study_reopens_from_a_new_process(pruned):
-    code = ("import json, optuna; s = optuna.load_study(study_name='prune', storage=%r); "
-            "print(json.dumps([[t.state.name, t.params['strategy']] for t in s.trials]))"
-            % pruned["storage"])
+    code = (f"import json, optuna; s = optuna.load_study(study_name='prune', "
+            f"storage={pruned['storage']!r}); "
+            "print(json.dumps([[t.state.name, t.params['strategy']] for t in s.trials]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, check=True).stdout
     assert json.loads(out.strip().splitlines()[-1]) == [["COMPLETE", "dp"], ["PRUNED", "zero1"]]
