@@ -718,7 +718,7 @@ class Controller:
             w.handle.checkpoint_done.remote(step, manifest is not None)
         if manifest is None:
             self._emit("checkpoint_failed", f"step {step} not committed, training goes on: "
-                       f"{errors[0][:300]}", data={"step": step, "errors": errors})
+                       f"{errors[0][:300]}", data={"step": step, "errors": errors}, step=step)
             return
         size = sum(sh.size for sh in manifest.shards)
         up = time.time() - ck["t0"]
@@ -726,7 +726,7 @@ class Controller:
                    f"{len(manifest.shards)} shards, training blocked {ck['blocked_s'] * 1e3:.0f} ms, "
                    f"upload+commit {up:.2f}s", data={"step": step, "bytes": size,
                                                      "blocked_s": ck["blocked_s"], "seconds": up,
-                                                     "uri": self._store.uri})
+                                                     "uri": self._store.uri}, step=step)
         try:
             apply_retention(self._store, keep_last=max(1, self.cfg.keep_last),
                             keep_every=self.cfg.keep_every)
@@ -1034,8 +1034,9 @@ class Controller:
 
     # ------------------------------------------------------------------ events and cleanup
 
-    def _emit(self, kind: str, message: str, data: dict[str, Any] | None = None) -> None:
-        ev = Event(kind, message, step=self.step, data=data or {})
+    def _emit(self, kind: str, message: str, data: dict[str, Any] | None = None,
+              step: int | None = None) -> None:
+        ev = Event(kind, message, step=self.step if step is None else step, data=data or {})
         self.events.append(ev)
         if self._log:
             self._log.event(ev)

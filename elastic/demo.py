@@ -22,10 +22,14 @@ def demo_config(**overrides: Any) -> JobConfig:
         "max_steps": 200,
         "num_workers": 2,
         "strategy": "dp",
+        "switch_at": {100: "zero2"},  # a live switch half-way: same trajectory, sharded state
+        "checkpoint_every": 50,  # asynchronous sharded checkpoints under <run dir>/checkpoints
         "log_every": 20,
         "sample_prompt": "Shall I compare thee",
     }
     fields.update({k: v for k, v in overrides.items() if v is not None})
+    if fields["max_steps"] <= 100 or fields["strategy"] != "dp":
+        fields["switch_at"] = {}
     return JobConfig.from_dict(fields)
 
 
@@ -47,6 +51,9 @@ def run_demo(**overrides: Any) -> int:
     first, last = result.history[0]["loss"], result.history[-1]["loss"]
     print(f"\nloss {first:.3f} -> {last:.3f} over {len(result.history)} steps "
           f"(run directory {result.run_dir})")
+    for e in result.events:
+        if e.kind in ("switch", "checkpoint", "recovered", "scaled"):
+            print(f"  {e.kind} at step {e.step}: {e.message}")
     if cfg.sample_prompt:
         print("\nsample:\n" + sample_text(cfg, result.state_dict(), cfg.sample_prompt))
     return 0
