@@ -61,6 +61,8 @@ class JobConfig:
     # heterogeneity: balance "auto" balances when workers differ (device type or emulation)
     balance: str = "auto"  # auto | on | off
     emulate: list[dict[str, Any]] | None = None  # per worker: {slowdown, memory_gb, stands_for}
+    rebalance_every: int = 200  # while balancing: re-measure speeds every N steps (0: never)
+    profile_cache: bool = True  # reuse measured speeds per (device, model, batch) across runs
     # failure handling
     max_failures: int = 3
     hang_timeout_s: float = 60.0

@@ -126,6 +126,7 @@ class Controller:
         self._free_slots: list[tuple[Any, int]] = []  # reserved bundles without a worker
         self._speed: dict[int, float] = {}  # worker_id -> measured samples/s
         self._mem_at = 0.0
+        self._used_speeds: list[float] | None = None  # the speeds the current shares follow
         self._store: Any = None
         self._resume: tuple[Any, int] | None = None  # (store, step) to start from
         self._ckpt: dict[str, Any] | None = None  # the checkpoint in flight
@@ -375,6 +376,7 @@ class Controller:
             speeds = self._speeds()
             if name in ("dp", "zero1", "zero2", "zero3"):
                 shares = balanced_shares(g, speeds)
+                self._used_speeds = speeds
             elif name == "pipeline" and cfg.schedule != "interleaved" and world % pp == 0:
                 d = world // pp
                 try:
@@ -420,20 +422,60 @@ class Controller:
         kinds = {(w.info.get("device_name"), w.info.get("emulated")) for w in self.workers}
         return len(kinds) > 1 or any(w.info.get("emulated") for w in self.workers)
 
-    def _speeds(self) -> list[float]:
-        """Measured samples/s of each worker, in rank order (profiled once per worker)."""
+    def _speeds(self, force: bool = False) -> list[float]:
+        """Measured samples/s of each worker, in rank order. Profiled once per worker (or
+        taken from the profile cache, keyed by device, emulation, model and batch); ``force``
+        measures again (drift checks)."""
         import ray
 
-        todo = [w for w in self.workers if w.worker_id not in self._speed]
+        from .profiles import ProfileCache
+
+        batch = max(1, self.cfg.global_batch_size // max(1, len(self.workers)))
+        cache = ProfileCache() if self.cfg.profile_cache else None
+        todo = []
+        for w in self.workers:
+            if w.worker_id in self._speed and not force:
+                continue
+            key = ProfileCache.key(w.info, self._probe_model, batch)
+            hit = cache.get(key) if cache is not None and not force else None
+            if hit is not None:
+                self._speed[w.worker_id] = hit
+                w.info["profiled_samples_per_s"] = hit
+            else:
+                todo.append((w, key))
         if todo:
-            batch = max(1, self.cfg.global_batch_size // max(1, len(self.workers)))
-            outs = ray.get([w.handle.profile.remote(batch) for w in todo])
-            for w, o in zip(todo, outs, strict=True):
+            outs = ray.get([w.handle.profile.remote(batch) for w, _ in todo])
+            for (w, key), o in zip(todo, outs, strict=True):
                 self._speed[w.worker_id] = o["samples_per_s"]
                 w.info["profiled_samples_per_s"] = o["samples_per_s"]
+                if cache is not None:
+                    cache.put(key, o["samples_per_s"])
             self._emit("profiled", "samples/s per worker: " + ", ".join(
                 f"{w.worker_id}:{self._speed[w.worker_id]:.0f}" for w in self.workers))
         return [self._speed[w.worker_id] for w in self.workers]
+
+    def _maybe_rebalance(self) -> None:
+        """Every ``rebalance_every`` steps while balancing dp/ZeRO shares: measure the speeds
+        again and re-cut the shares if they drifted (``clusters.rebalance_decision``)."""
+        from clusters import rebalance_decision
+
+        spec = self.spec
+        every = self.cfg.rebalance_every
+        if (spec is None or every <= 0 or self.step % every or not self._balancing()
+                or spec.name not in ("dp", "zero1", "zero2", "zero3")):
+            return
+        used = self._used_speeds or [1.0] * spec.world_size
+        measured = self._speeds(force=True)
+        decision = rebalance_decision(spec.shares, used, measured)
+        if not decision.rebalance:
+            return
+        self._used_speeds = measured
+        self._layout(dataclasses.replace(spec, shares=decision.shares),
+                     reason=f"rebalance: {decision.reason}")
+        self._emit("rebalanced", f"shares {list(spec.shares)} -> {list(decision.shares)}: "
+                   f"{decision.reason}", data={"from": list(spec.shares),
+                                               "to": list(decision.shares),
+                                               "drift": decision.drift, "gain": decision.gain})
 
     def _validate_spec(self, spec: StrategySpec, field_name: str) -> None:
         try:
@@ -486,6 +528,9 @@ class Controller:
     def _segment_end(self) -> int:
         ends = [self.cfg.max_steps]
         ends += [s for s in self.cfg.switch_at if s > self.step]
+        every = self.cfg.rebalance_every
+        if every > 0 and self.workers and self._balancing():
+            ends.append((self.step // every + 1) * every)
         return min(ends)
 
     def _run_segment(self, start: int, end: int) -> int:
@@ -635,6 +680,8 @@ class Controller:
             return
         if self.step in self.cfg.switch_at:
             self.switch(self.cfg.switch_at[self.step], reason=f"switch_at {self.step}")
+        else:
+            self._maybe_rebalance()
         while not self.requests.empty():
             req = self.requests.get_nowait()
             result: Any = None

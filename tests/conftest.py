@@ -16,4 +16,6 @@ def _private_ray_tmpdir():
         d = tempfile.mkdtemp(prefix="ray-elastic-", dir="/tmp")
         os.environ["RAY_TMPDIR"] = d
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    # measured speeds are cached per machine; tests start from an empty cache
+    os.environ["ELASTIC_CACHE_DIR"] = tempfile.mkdtemp(prefix="elastic-cache-", dir="/tmp")
     yield

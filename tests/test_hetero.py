@@ -42,3 +42,29 @@ def test_auto_strategy_respects_memory_budgets(ray_local, tmp_path):
     assert "dp" in plan.data["explanation"] and "rejected" in plan.data["explanation"].lower()
     ref, _ = reference_train(mlp, adam, mse, RegressionData(), G, 10, seed=0)
     assert max_diff(result.state_dict(), ref) < TOL
+
+
+def test_shares_rebalance_when_speeds_drift(ray_local, tmp_path):
+    """A worker that becomes 4x slower mid-run gets a smaller share at the next check; the
+    trained parameters do not change."""
+    import time
+
+    steps = 300
+    handle = elastic.submit(**_cfg(tmp_path, max_steps=steps, balance="on", rebalance_every=10,
+                                   profile_cache=False, emulate=[{"slowdown": 1}] * 3))
+    t0 = time.time()
+    while handle.status()["step"] < 5:
+        assert not handle.done() and time.time() - t0 < 60
+        time.sleep(0.05)
+    ctl = handle.controller
+    ray_local.get(ctl.workers[2].handle.set_emulation.remote({"slowdown": 6}))
+    while not any(e.kind == "rebalanced" for e in ctl.events):
+        assert not handle.done() and time.time() - t0 < 120, [e.message for e in ctl.events]
+        time.sleep(0.05)
+    handle.stop()
+    result = handle.result(timeout=60)
+    ev = [e for e in result.events if e.kind == "rebalanced"][-1]
+    assert ev.data["to"][2] < ev.data["from"][2] and sum(ev.data["to"]) == G
+    n = len(result.history)
+    ref, _ = reference_train(mlp, adam, mse, RegressionData(), G, n, seed=0)
+    assert max_diff(result.state_dict(), ref) < TOL
