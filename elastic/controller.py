@@ -127,6 +127,7 @@ class Controller:
         self._speed: dict[int, float] = {}  # worker_id -> measured samples/s
         self._mem_at = 0.0
         self._used_speeds: list[float] | None = None  # the speeds the current shares follow
+        self._running: list[tuple[_WorkerRec, Any]] = []  # the segment's (worker, future)
         self._store: Any = None
         self._resume: tuple[Any, int] | None = None  # (store, step) to start from
         self._ckpt: dict[str, Any] | None = None  # the checkpoint in flight
@@ -538,6 +539,7 @@ class Controller:
 
         self.state = ControllerState.RUNNING
         futs = [w.handle.run.remote(start, end) for w in self.workers]
+        self._running = list(zip(self.workers, futs, strict=True))
         stop_sent = False
         next_check = time.monotonic() + self.cfg.scale_check_s
         while True:
@@ -901,7 +903,8 @@ class Controller:
         self.failures += 1
         self.state = ControllerState.RECOVERING
         before = self.history[-1]["step"] + 1 if self.history else self.step
-        survivors, dead = self._survivors()
+        hung = self._hung_workers()
+        survivors, dead = self._survivors(exclude=hung)
         t_detect = time.time()
         lost_nodes = sorted({str(w.info.get("node_id", ""))[:8] for w in dead})
         self._emit("failure", f"{len(dead)} worker(s) lost (ranks {[w.rank for w in dead]}, "
@@ -968,12 +971,36 @@ class Controller:
                          "detect_s": t_detect - t_fail, "world_size": len(self.workers),
                          "strategy": spec.name, "pids": pids})
 
-    def _survivors(self) -> tuple[list[_WorkerRec], list[_WorkerRec]]:
+    def _hung_workers(self) -> list[_WorkerRec]:
+        """The hang watchdog. After a failure every live rank's segment ends within the group
+        timeout (its collectives fail); a rank still inside its segment after that is hung
+        (stuck in a collective or in code that never returns) and is treated as lost."""
+        import ray
+
+        pending = [(w, f) for w, f in self._running if f is not None]
+        self._running = []
+        if not pending:
+            return []
+        refs = [f for _, f in pending]
+        ray.wait(refs, num_returns=len(refs), timeout=self.cfg.hang_timeout_s + 5.0)
+        hung = []
+        for w, f in pending:
+            done, _ = ray.wait([f], timeout=0)
+            if not done:
+                hung.append(w)
+        if hung:
+            self._emit("hang", f"rank(s) {[w.rank for w in hung]} did not leave their step "
+                       f"within the group timeout ({self.cfg.hang_timeout_s:.0f}s): treated "
+                       "as lost", data={"ranks": [w.rank for w in hung]})
+        return hung
+
+    def _survivors(self, exclude: list[_WorkerRec] = ()) -> tuple[list[_WorkerRec],
+                                                                  list[_WorkerRec]]:
         """Ping every worker (its second thread answers even while the first is busy)."""
         import ray
 
-        refs = [(w, w.handle.progress.remote()) for w in self.workers]
-        alive, dead = [], []
+        refs = [(w, w.handle.progress.remote()) for w in self.workers if w not in exclude]
+        alive, dead = [], list(exclude)
         for w, ref in refs:
             try:
                 ray.get(ref, timeout=10)

@@ -193,3 +193,33 @@ def test_two_losses_in_a_row_and_one_during_a_checkpoint_upload(ray_cluster, tmp
     assert result.history[-1]["world_size"] == 2
     assert max_diff(result.state_dict(), reference[0]) < TOL
     _check_data_log(result.run_dir, result.history)
+
+
+class _HangOnce:
+    """Rank 1 stops answering (sleeps) at its 6th step, once per run: a hung worker."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+        self.calls = 0
+
+    def __call__(self, out, y):
+        import torch.distributed as dist
+
+        self.calls += 1
+        if dist.get_rank() == 1 and self.calls == 6 and not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            time.sleep(3600)
+        return mse(out, y)
+
+
+def test_hung_worker_is_cut_off_by_the_watchdog(ray_local, tmp_path, reference):
+    result = elastic.fit(model=mlp, optimizer=adam, loss=_HangOnce(str(tmp_path / "hung")),
+                         dataset=RegressionData(), global_batch_size=G, max_steps=STEPS,
+                         num_workers=3, min_workers=1, view="none", hang_timeout_s=4,
+                         replacement_timeout_s=1, run_dir=str(tmp_path / "run"))
+    kinds = [e.kind for e in result.events]
+    assert "hang" in kinds and "recovered" in kinds
+    rec = next(e for e in result.events if e.kind == "recovered")
+    # the hung rank's bundle is free again: a replacement may or may not start within 1 s
+    assert rec.data["source"] == "peers" and rec.data["world_size"] in (2, 3)
+    assert max_diff(result.state_dict(), reference[0]) < TOL
