@@ -185,7 +185,8 @@ class SweepConfig:
     sampler: dict[str, Any] = field(default_factory=lambda: {"type": "tpe"})
     pruner: dict[str, Any] = field(default_factory=lambda: {"type": "median"})
     heartbeat_interval: int = 10
-    grace_period: int | None = None  # default: 3 x heartbeat_interval
+    grace_period: int | None = None  # default: 6 x heartbeat_interval (a loaded host can
+    # starve the heartbeat thread; a shorter grace failed live trials in tests)
     max_retry: int = 3
     run_dir: str | None = None  # default: ./runs/<study name>
     enqueue: list[dict[str, Any]] = field(default_factory=list)
@@ -412,7 +413,7 @@ class SweepConfig:
                              max_retry=self.max_retry)})
                 return optuna.storages.RDBStorage(
                     url, engine_kwargs=engine_kwargs, heartbeat_interval=self.heartbeat_interval,
-                    grace_period=self.grace_period or 3 * self.heartbeat_interval, **retry)
+                    grace_period=self.grace_period or 6 * self.heartbeat_interval, **retry)
         except Exception as e:
             cause = str(e).strip().splitlines()[0] if str(e).strip() else ""
             raise ConfigError("study.storage", f"cannot open {shown}: {type(e).__name__}: {cause}",

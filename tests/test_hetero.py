@@ -58,13 +58,19 @@ def test_shares_rebalance_when_speeds_drift(ray_local, tmp_path):
         time.sleep(0.05)
     ctl = handle.controller
     ray_local.get(ctl.workers[2].handle.set_emulation.remote({"slowdown": 6}))
-    while not any(e.kind == "rebalanced" for e in ctl.events):
-        assert not handle.done() and time.time() - t0 < 120, [e.message for e in ctl.events]
+
+    def slow_rank_shrunk() -> bool:
+        # (noise on a loaded machine may re-balance earlier too: wait for the one that matters)
+        evs = [e for e in ctl.events if e.kind == "rebalanced"]
+        return bool(evs) and 2 * evs[-1].data["to"][2] <= min(evs[-1].data["to"][:2])
+
+    while not slow_rank_shrunk():
+        assert not handle.done() and time.time() - t0 < 150, [e.message for e in ctl.events]
         time.sleep(0.05)
     handle.stop()
     result = handle.result(timeout=60)
     ev = [e for e in result.events if e.kind == "rebalanced"][-1]
-    assert ev.data["to"][2] < ev.data["from"][2] and sum(ev.data["to"]) == G
+    assert sum(ev.data["to"]) == G
     n = len(result.history)
     ref, _ = reference_train(mlp, adam, mse, RegressionData(), G, n, seed=0)
     assert max_diff(result.state_dict(), ref) < TOL
