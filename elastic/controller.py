@@ -363,10 +363,11 @@ class Controller:
             if not placed:  # before placement: validated again once workers exist
                 return StrategySpec("dp", world, even_shares(g, world))
             speeds = self._speeds()
+            details, links = self._measure_details()
             spec, why = auto_spec(self._probe_model, cfg.optimizer, [w.info for w in self.workers],
-                                  speeds, g)
+                                  speeds, g, details=details, links=links)
             self._emit("plan", why.splitlines()[0], data={"explanation": why,
-                                                          "speeds": speeds})
+                                                          "speeds": speeds, "links": links})
             return spec
         pp = cfg.pp_degree
         if name == "pipeline" and pp == 1:
@@ -454,6 +455,22 @@ class Controller:
             self._emit("profiled", "samples/s per worker: " + ", ".join(
                 f"{w.worker_id}:{self._speed[w.worker_id]:.0f}" for w in self.workers))
         return [self._speed[w.worker_id] for w in self.workers]
+
+    def _measure_details(self) -> tuple[list[dict[str, Any]], list[tuple[int, float]]]:
+        """For the planner: per-block timings and activation sizes on every worker, and the
+        all-reduce time between them for a few sizes (alpha-beta fit of the live links)."""
+        import ray
+
+        batch = max(1, self.cfg.global_batch_size // max(1, len(self.workers)))
+        details = ray.get([w.handle.profile.remote(batch, True) for w in self.workers])
+        links: list[tuple[int, float]] = []
+        if len(self.workers) > 1:
+            sizes = [4 << 10, 256 << 10, 4 << 20]
+            outs = ray.get([w.handle.measure_collectives.remote(sizes) for w in self.workers])
+            links = [(n, max(o[i][1] for o in outs)) for i, (n, _) in enumerate(outs[0])]
+            self._emit("links", "all-reduce " + ", ".join(
+                f"{n >> 10} KiB {t * 1e3:.2f} ms" for n, t in links), data={"points": links})
+        return details, links
 
     def _maybe_rebalance(self) -> None:
         """Every ``rebalance_every`` steps while balancing dp/ZeRO shares: measure the speeds

@@ -13,7 +13,18 @@ from typing import Any
 
 from torch import nn
 
-from clusters import Cluster, ModelProfile, load_cluster, plan, proportional_shares
+from dataclasses import replace
+
+from clusters import (
+    Cluster,
+    CostModel,
+    Measurement,
+    ModelProfile,
+    calibrate,
+    load_cluster,
+    plan,
+    proportional_shares,
+)
 from clusters import stage_split as split_stages
 from strategies import StrategySpec
 
@@ -22,16 +33,19 @@ __all__ = ["live_cluster", "model_profile", "auto_spec", "balanced_shares", "blo
 _OPT_BYTES = {"adam": 8, "adamw": 8, "sgd": 0, "rmsprop": 4, "adagrad": 4}
 
 
-def block_params(model: nn.Module) -> list[int]:
-    """Parameters per pipeline block (top-level children of a Sequential, or the
-    ``pipeline_blocks()`` protocol); one block for anything else."""
+def blocks_of(model: nn.Module) -> list[nn.Module]:
+    """The pipeline blocks (top-level children of a Sequential, or the ``pipeline_blocks()``
+    protocol); the whole model as one block for anything else."""
     if hasattr(model, "pipeline_blocks"):
-        blocks = [m for _, m in model.pipeline_blocks()]
-    elif isinstance(model, nn.Sequential):
-        blocks = list(model.children())
-    else:
-        return [sum(p.numel() for p in model.parameters())]
-    return [sum(p.numel() for p in b.parameters()) for b in blocks]
+        return [m for _, m in model.pipeline_blocks()]
+    if isinstance(model, nn.Sequential):
+        return list(model.children())
+    return [model]
+
+
+def block_params(model: nn.Module) -> list[int]:
+    """Parameters per pipeline block."""
+    return [sum(p.numel() for p in b.parameters()) for b in blocks_of(model)]
 
 
 def model_profile(model: nn.Module, optimizer: Any, tokens_per_sample: int = 1) -> ModelProfile:
@@ -94,12 +108,40 @@ def pipeline_rank_shares(replica_batches: Sequence[int], pp: int) -> tuple[int, 
     return tuple(shares)
 
 
+def measured_profile(model: nn.Module, optimizer: Any, ids: Sequence[str],
+                     details: Sequence[dict[str, Any]]) -> ModelProfile:
+    """The model's profile with what the workers measured: per-block forward+backward
+    seconds per sample on each device, and the activation bytes per sample between blocks."""
+    base = model_profile(model, optimizer)
+    secs = {ids[r]: tuple(d["block_seconds"]) for r, d in enumerate(details)
+            if len(d.get("block_seconds", ())) == len(base.block_params)}
+    bounds = details[0].get("boundary_bytes") if details else None
+    kw: dict[str, Any] = {"block_seconds": secs}
+    if bounds and len(bounds) == len(base.block_params):
+        kw["boundary_bytes"] = tuple(float(b) for b in bounds)
+    return replace(base, **kw)
+
+
+def link_model(points: Sequence[tuple[int, float]], world: int) -> CostModel:
+    """A cost model whose links are fitted (alpha, beta) from timed all-reduces between the
+    live workers (``points`` = (bytes, seconds))."""
+    ms = [Measurement(device="*", samples=0, step_time=t, world_size=world, comm_bytes=n,
+                      collective="all_reduce", link="*") for n, t in points if t > 0]
+    return calibrate(ms) if ms and world > 1 else CostModel()
+
+
 def auto_spec(model: nn.Module, optimizer: Any, infos: Sequence[dict[str, Any]],
-              speeds: Sequence[float], global_batch: int) -> tuple[StrategySpec, str]:
+              speeds: Sequence[float], global_batch: int,
+              details: Sequence[dict[str, Any]] | None = None,
+              links: Sequence[tuple[int, float]] | None = None) -> tuple[StrategySpec, str]:
     """Ask the planner for the fastest plan that fits every worker's memory, using all
-    workers; returns the spec and the planner's explanation."""
+    workers, measured speeds, per-block timings and the measured links; returns the spec and
+    the planner's explanation."""
     cluster, ids = live_cluster(infos)
-    result = plan(cluster, model_profile(model, optimizer), global_batch,
+    profile = (measured_profile(model, optimizer, ids, details) if details
+               else model_profile(model, optimizer))
+    cost = link_model(links, len(infos)) if links else None
+    result = plan(cluster, profile, global_batch, model=cost,
                   speeds={ids[r]: s for r, s in enumerate(speeds)}, subsets=False)
     p = result.plan
     kw = p.spec_kwargs()

@@ -437,31 +437,83 @@ class Worker:
         self._emulated_slowdown = max(1.0, float(self._emulation.get("slowdown", 1.0)))
         return self.info()
 
-    def _profile_base(self, batch: int, iters: int = 3) -> float:
+    def _profile_base(self, batch: int, min_s: float = 0.05, max_iters: int = 50) -> float:
         """Seconds per sample of forward+backward of a private copy of the model (no
-        collective), before any emulated slowdown."""
+        collective), before any emulated slowdown: the median of at least 5 timed iterations
+        and at least ``min_s`` seconds of them (tiny models are noisy on a busy host)."""
         self._ensure_data()
         assert self._sampler is not None
         model = build_model(self._model_factory, self.config.seed).to(self.device)
         idx = self._sampler.indices(0)[:batch]
         x, y = fetch_batch(self._dataset, idx)
         x, y = x.to(self.device), y.to(self.device)
-        times = []
-        for _ in range(iters + 1):
+        times: list[float] = []
+        for i in range(max_iters + 1):
             t0 = time.perf_counter()
             self._loss_fn(model(x), y).backward()
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
+            if i:  # the first iteration warms up
+                times.append(time.perf_counter() - t0)
             model.zero_grad(set_to_none=True)
-        self._sec_per_sample = sorted(times[1:])[len(times[1:]) // 2] / batch
+            if len(times) >= 5 and sum(times) >= min_s:
+                break
+        self._sec_per_sample = sorted(times)[len(times) // 2] / batch
         return self._sec_per_sample
 
-    def profile(self, batch: int) -> dict[str, float]:
+    def profile(self, batch: int, detail: bool = False) -> dict[str, Any]:
         """Measure this worker's speed for the job's model: samples/s of forward+backward,
-        including its emulated slowdown (an emulated device reports what it emulates)."""
+        including its emulated slowdown (an emulated device reports what it emulates). With
+        ``detail``: per-block forward+backward seconds per sample and the activation bytes
+        per sample each block hands on (what a pipeline split needs)."""
         base = self._guard(self._profile_base, batch)
-        return {"samples_per_s": 1.0 / (base * self._emulated_slowdown), "base_s_per_sample": base}
+        out: dict[str, Any] = {"samples_per_s": 1.0 / (base * self._emulated_slowdown),
+                               "base_s_per_sample": base}
+        if detail:
+            out.update(self._guard(self._profile_blocks, batch))
+        return out
+
+    def _profile_blocks(self, batch: int, iters: int = 3) -> dict[str, Any]:
+        from .planning import blocks_of
+
+        assert self._sampler is not None
+        model = build_model(self._model_factory, self.config.seed).to(self.device)
+        x, _ = fetch_batch(self._dataset, self._sampler.indices(0)[:batch])
+        h = x.to(self.device)
+        secs, bounds = [], []
+        for block in blocks_of(model):
+            inp = h.detach().requires_grad_(h.is_floating_point())
+            times = []
+            for _ in range(iters):
+                t0 = time.perf_counter()
+                out = block(inp)
+                out.backward(torch.ones_like(out))
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+                block.zero_grad(set_to_none=True)
+            secs.append(sorted(times)[iters // 2] / batch * self._emulated_slowdown)
+            bounds.append(out.numel() * out.element_size() / batch)
+            h = out.detach()
+        return {"block_seconds": secs, "boundary_bytes": bounds}
+
+    def measure_collectives(self, sizes: list[int], repeats: int = 3) -> list[tuple[int, float]]:
+        """Collective: time all-reduces of ``sizes`` bytes in the current group (median)."""
+        def go() -> list[tuple[int, float]]:
+            out = []
+            for n in sizes:
+                t = torch.zeros(max(1, n // 4), dtype=torch.float32, device=self.device)
+                times = []
+                for _ in range(repeats):
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    dist.all_reduce(t)
+                    if self.device.type == "cuda":
+                        torch.cuda.synchronize()
+                    times.append(time.perf_counter() - t0)
+                out.append((n, sorted(times)[repeats // 2]))
+            return out
+        return self._guard(go)
 
     def shutdown(self) -> None:
         if self._writer is not None:

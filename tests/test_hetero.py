@@ -37,6 +37,9 @@ def test_auto_strategy_respects_memory_budgets(ray_local, tmp_path):
     budget = {"memory_gb": 7e-6, "stands_for": "tiny"}
     result = elastic.fit(**_cfg(tmp_path, strategy="auto", emulate=[budget] * 3))
     plan = next(e for e in result.events if e.kind == "plan")
+    # the planner got measured links (timed all-reduces of 3 sizes between the workers)
+    assert len(plan.data["links"]) == 3 and all(t > 0 for _, t in plan.data["links"])
+    assert any(e.kind == "links" for e in result.events)
     chosen = result.history[-1]["strategy"]
     assert chosen in ("zero2", "zero3", "pipeline"), plan.data["explanation"]
     assert "dp" in plan.data["explanation"] and "rejected" in plan.data["explanation"].lower()
@@ -74,3 +77,20 @@ def test_shares_rebalance_when_speeds_drift(ray_local, tmp_path):
     n = len(result.history)
     ref, _ = reference_train(mlp, adam, mse, RegressionData(), G, n, seed=0)
     assert max_diff(result.state_dict(), ref) < TOL
+
+
+def test_measured_profile_and_link_fit_feed_the_planner():
+    """Per-block timings and activation sizes become the planner's profile; timed all-reduces
+    become an alpha-beta link fit (no Ray: the pieces the controller composes)."""
+    from elastic.planning import link_model, measured_profile
+
+    model = mlp()
+    details = [{"block_seconds": [1e-5, 1e-6, 2e-5, 1e-6, 3e-6],
+                "boundary_bytes": [64, 64, 64, 64, 8]}] * 2
+    prof = measured_profile(model, {"name": "adam"}, ["a", "b"], details)
+    assert prof.block_seconds["a"] == (1e-5, 1e-6, 2e-5, 1e-6, 3e-6)
+    assert prof.boundary_bytes == (64.0, 64.0, 64.0, 64.0, 8.0)
+    alpha, beta = 50e-6, 1 / 2e9  # 50 us + 2 GB/s
+    pts = [(n, 2 * (alpha + n * beta)) for n in (4 << 10, 256 << 10, 4 << 20)]
+    fit = link_model(pts, 2).links["*"]
+    assert fit[0] > 0 and fit[1] > 0
