@@ -887,7 +887,7 @@ class Controller:
         progress = ray.get([w.handle.progress.remote() for w in old])
         held = ray.get([w.handle.held_keys.remote() for w in old])
         if n > len(old):
-            self._try_place(n - len(old), timeout_s=5.0)
+            self._try_place(n - len(old), timeout_s=max(30.0, self.cfg.replacement_timeout_s))
             if len(self.workers) == len(old):
                 self._emit("scale_failed", f"no room for more workers ({reason})")
                 return
@@ -1188,11 +1188,12 @@ def _spec_dict(spec: StrategySpec) -> dict[str, Any]:
 
 
 def _pg_ready(pg: Any) -> bool:
+    """Whether every bundle of ``pg`` is reserved now (no task is started to find out:
+    ``pg.ready()`` makes a new task each call, which a zero timeout never sees finish)."""
     import ray
 
     try:
-        ray.get(pg.ready(), timeout=0)
-        return True
+        return ray.util.placement_group_table(pg).get("state") == "CREATED"
     except Exception:
         return False
 

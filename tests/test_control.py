@@ -43,3 +43,31 @@ def test_status_and_stop_through_named_actor_and_cli(ray_local, tmp_path):
     assert any(e.kind == "stopped" for e in result.events)
     with pytest.raises(JobNotFoundError):
         control.lookup("ctl-test")
+
+
+def test_scale_through_cli_and_sdk_keeps_the_trajectory(ray_local, tmp_path):
+    from elastic.reference import reference_train
+    from tests.helpers import max_diff
+
+    handle = elastic.submit(model=mlp, optimizer=adam, loss=mse, dataset=RegressionData(),
+                            global_batch_size=12, max_steps=100_000, num_workers=2,
+                            min_workers=1, max_workers=3, view="none", name="scaly",
+                            run_dir=str(tmp_path), scale_check_s=3600)
+    _wait_running(handle)
+    address = ray_local.get_runtime_context().gcs_address
+    out = subprocess.run([sys.executable, "-m", "elastic.cli", "scale", "scaly", "3",
+                          "--address", address], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert handle.status()["world_size"] == 3, (out.stdout, [e.message for e in
+                                                             handle.controller.events])
+    assert handle.scale(1) == 1
+    out = subprocess.run([sys.executable, "-m", "elastic.cli", "scale", "scaly", "7",
+                          "--address", address], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "outside min_workers..max_workers" in out.stderr
+    handle.stop()
+    result = handle.result(timeout=60)
+    scaled = [(e.data["from"], e.data["to"], e.data["source"]) for e in result.events
+              if e.kind == "scaled"]
+    assert scaled == [(2, 3, "peers"), (3, 1, "peers")]
+    ref, _ = reference_train(mlp, adam, mse, RegressionData(), 12, len(result.history), seed=0)
+    assert max_diff(result.state_dict(), ref) < 1e-5
