@@ -140,7 +140,7 @@ def test_scale_up_when_a_node_joins(ray_cluster, tmp_path):
 
 def test_zero3_loss_restores_from_checkpoint_and_replays(ray_cluster, tmp_path, reference):
     """No rank holds a whole tensor under zero3: a loss falls back to the last committed
-    checkpoint; the lost steps are trained again and the result is unchanged."""
+    checkpoint; the steps since are trained again and the result is unchanged."""
     cluster = ray_cluster(3)
     handle = _submit(tmp_path, strategy="zero3", checkpoint_every=5,
                      checkpoint_uri=str(tmp_path / "ckpt"))
@@ -152,7 +152,8 @@ def test_zero3_loss_restores_from_checkpoint_and_replays(ray_cluster, tmp_path, 
     cluster.remove(handle.controller.workers[2].info["node_id"])
     result = handle.result(timeout=180)
     rec = [e for e in result.events if e.kind == "recovered"]
-    assert rec and rec[0].data["source"] == "checkpoint" and rec[0].data["steps_lost"] > 0
+    # (0 steps are lost when the node goes right after a checkpoint committed)
+    assert rec and rec[0].data["source"] == "checkpoint" and rec[0].data["steps_lost"] >= 0
     assert max_diff(result.state_dict(), reference[0]) < TOL
     _check_data_log(result.run_dir, result.history)
 
