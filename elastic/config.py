@@ -58,6 +58,7 @@ class JobConfig:
     schedule: str = "gpipe"
     dp_mode: str = "dp"
     switch_at: dict[int, str] = field(default_factory=dict)
+    verify_switch: bool = True  # hash the state before and after a switch (one more gather)
     # heterogeneity: balance "auto" balances when workers differ (device type or emulation)
     balance: str = "auto"  # auto | on | off
     emulate: list[dict[str, Any]] | None = None  # per worker: {slowdown, memory_gb, stands_for}

@@ -525,8 +525,10 @@ class Controller:
             return
         hashes = {(o["hash_before"], o["hash_after"]) for o in outs}
         same = all(b == a for b, a in hashes)
+        verified = all(o.get("verified", True) for o in outs)
+        check = ("unchanged" if same else "CHANGED") if verified else "not re-checked"
         self._emit("switch", f"{old.name if old else '-'} -> {spec.name} ({reason}) in {dt:.2f}s, "
-                   f"state hash {'unchanged' if same else 'CHANGED'}",
+                   f"state hash {check}",
                    data={"from": old.name if old else None, "to": spec.name, "reason": reason,
                          "seconds": dt, "hashes": sorted(hashes), "state_preserved": same})
         if not same:

@@ -217,5 +217,6 @@ def state_hash(state: CanonicalState) -> str:
         h.update(k.encode())
         h.update(str(t.dtype).encode())
         h.update(str(tuple(t.shape)).encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        if t.numel():  # the tensor's own buffer, no copy
+            h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
     return h.hexdigest()[:16]

@@ -39,7 +39,10 @@ class DataParallel(Strategy):
         self.params_by_fqn = dict(self.model.named_parameters())
         self.fqn_of = {id(p): n for n, p in self.params_by_fqn.items()}
         ids = [rt.device.index] if rt.device.type == "cuda" else None
-        self.ddp = DDP(self.model, device_ids=ids, broadcast_buffers=False)
+        # init_sync=False when the caller loads a full state right after (a switch, a restore):
+        # DDP's parameter broadcast at construction would only be overwritten
+        self.ddp = DDP(self.model, device_ids=ids, broadcast_buffers=False,
+                       init_sync=bool(spec.options.get("init_sync", True)))
         self.optimizer = optimizer_factory(self.model.parameters())
         # DDP averages gradients over world size; scale so the result is the mean over G.
         self._scale = self.share * rt.world_size / spec.global_batch_size
