@@ -615,10 +615,16 @@ class Controller:
         import ray
 
         batches = []
-        for ref in [w.handle.drain.remote() for w in self.workers]:
+        refs = [w.handle.drain.remote() for w in self.workers]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=5.0)
+        answered = set(ready)
+        for ref in refs:
+            if ref not in answered:  # a dead or stuck worker: failure handling takes over
+                batches.append([])
+                continue
             try:
-                batches.append(ray.get(ref, timeout=30))
-            except Exception as e:  # a dead worker: the segment's failure handling takes over
+                batches.append(ray.get(ref))
+            except Exception as e:
                 if isinstance(_unwrap(e), WorkerError):
                     raise _unwrap(e) from None
                 batches.append([])
@@ -996,8 +1002,15 @@ class Controller:
         (stuck in a collective or in code that never returns) and is treated as lost."""
         import ray
 
-        pending = [(w, f) for w, f in self._running if f is not None]
-        self._running = []
+        running, self._running = self._running, []
+        if not running:
+            return []
+        finished, _ = ray.wait([f for _, f in running], num_returns=len(running), timeout=0)
+        done = set(finished)
+        for w, f in running:  # ranks out of their segment close their group first, so that
+            if f in done:     # peers blocked on them fail now instead of at the group timeout
+                w.handle.leave.remote()
+        pending = [(w, f) for w, f in running if f not in done]
         if not pending:
             return []
         refs = [f for _, f in pending]
@@ -1037,7 +1050,7 @@ class Controller:
         import ray
         from ray.util.placement_group import placement_group
 
-        if n <= 0:
+        if n <= 0 or timeout_s <= 0:
             return
         deadline = time.monotonic() + timeout_s
         bundle = self._bundle()
