@@ -9,11 +9,10 @@ Emulation (a test and demo aid, labelled as such everywhere it shows): a worker 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from torch import nn
-
-from dataclasses import replace
 
 from clusters import (
     Cluster,
