@@ -77,10 +77,16 @@ def create(job: str) -> Any:
 
     # Pinned to the driver's node: the mailbox must not die with a worker node.
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
-    return ray.remote(JobControl).options(
-        name=actor_name(job), namespace=NAMESPACE, num_cpus=0, max_concurrency=1,
-        scheduling_strategy=here,
-    ).remote(job)
+    try:
+        return ray.remote(JobControl).options(
+            name=actor_name(job), namespace=NAMESPACE, num_cpus=0, max_concurrency=1,
+            scheduling_strategy=here,
+        ).remote(job)
+    except ValueError as e:  # another driver registered the same name between check and create
+        raise ElasticError(
+            f"a job named {job!r} is already running on this cluster ({e}). Fix: pick another "
+            "name."
+        ) from None
 
 
 def list_jobs() -> list[str]:

@@ -161,6 +161,9 @@ def test_resume_counts_finished_trials_and_retries_a_dead_trial(ray_local, tmp_p
                           "WHERE trial_id = :id"), {"id": trial_id})
     dead_number = storage.get_trial(trial_id).number
 
+    # one trial at a time here: with 2, a re-queued stale trial can, rarely, be taken by two
+    # threads at once on SQLite (a known limit, docs/sweeps.md); resume is what this checks
+    path = _write(tmp_path / "sweep.yaml", {**data, "max_concurrent": 1})
     err = io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         assert cli.main(["sweep", path, "--n-trials", "4"]) == 0
