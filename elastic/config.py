@@ -222,7 +222,7 @@ class JobConfig:
     # ------------------------------------------------------------------ code resolution
 
     def model_factory(self) -> Callable[[], Any]:
-        return _as_factory(self.model, "model")
+        return resolve_callable(self.model, "model")
 
     def optimizer_factory(self) -> Callable[[Any], Any]:
         return optimizer_factory(self.optimizer)
@@ -291,10 +291,6 @@ def resolve_callable(spec: Any, field_name: str) -> Any:
         field_name, f"{spec!r} is neither a callable nor an import string 'module:name'.",
         "pass a callable, 'package.module:name', or {target: 'package.module:name', ...}",
     )
-
-
-def _as_factory(spec: Any, field_name: str) -> Callable[[], Any]:
-    return resolve_callable(spec, field_name)
 
 
 def optimizer_factory(spec: Any) -> Callable[[Any], Any]:

@@ -148,6 +148,18 @@ class Strategy(ABC):
     def memory_counts(self) -> dict[str, int]:
         """Elements this rank actually holds: ``params``, ``grads``, ``optim``."""
 
+    def _wrapped_step(self, module: nn.Module, optimizer: torch.optim.Optimizer,
+                      inputs: torch.Tensor, targets: torch.Tensor, scale: float) -> float:
+        """One step through a wrapper that averages gradients over the world (DDP, FSDP2):
+        ``scale`` turns that average into the mean over G. Returns ``mean_loss * share / G``."""
+        dev = self.rt.device
+        inputs, targets = inputs.to(dev, non_blocking=True), targets.to(dev, non_blocking=True)
+        optimizer.zero_grad(set_to_none=True)
+        loss = self.loss_fn(module(inputs), targets)
+        (loss * scale).backward()
+        optimizer.step()
+        return float(loss.detach()) * self.share / self.spec.global_batch_size
+
     def local_model(self) -> nn.Module:
         """The module this rank runs (wrapped or not); for inspection and tests."""
         raise NotImplementedError

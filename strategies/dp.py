@@ -48,13 +48,7 @@ class DataParallel(Strategy):
         self._scale = self.share * rt.world_size / spec.global_batch_size
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
-        dev = self.rt.device
-        inputs, targets = inputs.to(dev, non_blocking=True), targets.to(dev, non_blocking=True)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss = self.loss_fn(self.ddp(inputs), targets)
-        (loss * self._scale).backward()
-        self.optimizer.step()
-        return float(loss.detach()) * self.share / self.spec.global_batch_size
+        return self._wrapped_step(self.ddp, self.optimizer, inputs, targets, self._scale)
 
     def full_state(self) -> CanonicalState:
         out = model_state_to_canonical(self.model.state_dict().items())
