@@ -75,8 +75,9 @@ def create(job: str) -> Any:
         )
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    # Pinned to the driver's node: the mailbox must not die with a worker node.
-    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+    # Pinned to the driver's node: the mailbox must not die with a worker node. Hard
+    # affinity: with soft=True Ray may spread it to a worker node (seen with a 0-CPU head).
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     try:
         return ray.remote(JobControl).options(
             name=actor_name(job), namespace=NAMESPACE, num_cpus=0, max_concurrency=1,

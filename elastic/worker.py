@@ -14,6 +14,7 @@ node is lost.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import socket
 import threading
@@ -92,7 +93,9 @@ class Worker:
         self._emulation: dict[str, Any] = {}
         self._sec_per_sample: float | None = None
         self.next_step = 0  # data position: the first step not yet applied to this state
-        self._snapshot: dict[str, torch.Tensor] | None = None
+        self._snapshot: dict[str, torch.Tensor] | None = None  # full (planned change) or
+        # held (parked at leave) canonical state, kept until the next layout
+        self._leave_lock = threading.Lock()
         self._store: Any = None  # CheckpointStore when checkpoints are on
         self._writer: Any = None  # ShardWriter for (store, rank)
         self._writer_rank = -1
@@ -100,6 +103,8 @@ class Worker:
             from .checkpoint_io import job_store
 
             self._store = job_store(config)
+        gc.freeze()  # start-up objects (torch, ray, the job's modules) skip later collections,
+        # which keeps the one in leave() short
 
     # ------------------------------------------------------------------ identity and group
 
@@ -146,12 +151,30 @@ class Worker:
         return time.perf_counter() - t0
 
     def leave(self) -> None:
-        """Tear down the current group, if any; model and optimizer stay in memory."""
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # a group whose peers died may fail to close cleanly
-                pass
+        """Tear down the current group, if any. The state this rank holds stays in memory,
+        parked as canonical CPU tensors, and the strategy is dropped with every reference it
+        had to the group (sub-groups, the DDP reducer, FSDP meshes): a gloo group closes its
+        sockets only when its last reference goes, and only then do peers blocked on this
+        rank fail at once instead of at the group timeout. Every path after a leave lays the
+        job out again from parked, peer or checkpoint state."""
+        with self._leave_lock:
+            dropped = self.strategy is not None
+            if dropped:
+                if self._snapshot is None:
+                    self._snapshot = self._held()
+                self._drop_strategy()
+            if dist.is_initialized():
+                try:
+                    dist.destroy_process_group()
+                except Exception:  # a group whose peers died may fail to close cleanly
+                    pass
+            if dropped:  # reference cycles (hooks, schedules) hold groups too
+                gc.collect()
+
+    def _drop_strategy(self) -> None:
+        if self.strategy is not None:
+            self.strategy.close()
+            self.strategy = None
 
     # ------------------------------------------------------------------ layout
 
@@ -252,7 +275,8 @@ class Worker:
 
     def progress(self) -> dict[str, Any]:
         """Local: where this worker's state stands (no collective)."""
-        return {"next_step": self.next_step, "has_state": self.strategy is not None,
+        return {"next_step": self.next_step,
+                "has_state": self.strategy is not None or self._snapshot is not None,
                 "strategy": self.spec.name if self.spec else None}
 
     def held_keys(self) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -286,7 +310,7 @@ class Worker:
     def _restore_from_peers(self, spec: StrategySpec, plan: list[tuple[str, int, tuple[int, ...], str]],
                             next_step: int) -> dict[str, Any]:
         t0 = time.perf_counter()
-        held = self._held() if self.strategy is not None else {}
+        held = self._held()
         state: dict[str, torch.Tensor] = {}
         nbytes = 0
         comm_dev = self.device  # NCCL needs device tensors; gloo takes CPU tensors
@@ -298,10 +322,6 @@ class Worker:
             dist.broadcast(t, src=src)
             state[key] = t.cpu()
             nbytes += t.numel() * t.element_size()
-        if self.strategy is not None:
-            self.strategy.close()
-            self.strategy = None
-        self._snapshot = None
         self._build_fresh(spec, state)
         self.next_step = next_step
         return {"seconds": time.perf_counter() - t0, "bytes": nbytes}
@@ -312,15 +332,16 @@ class Worker:
         state) or, if None, from the seeded initial model."""
         def go() -> dict[str, Any]:
             t0 = time.perf_counter()
-            if self.strategy is not None:
-                self.strategy.close()
-                self.strategy = None
             self._build_fresh(spec, state)
             self.next_step = next_step
             return {"seconds": time.perf_counter() - t0}
         return self._guard(go)
 
     def _build_fresh(self, spec: StrategySpec, state: dict[str, torch.Tensor] | None) -> None:
+        """Lay out ``spec`` from ``state`` (else the seeded model), replacing any live or
+        parked state."""
+        self._drop_strategy()
+        self._snapshot = None
         self._ensure_data()
         cls = get_strategy(spec.name)
         model = build_model(self._model_factory, self.config.seed)
@@ -400,9 +421,6 @@ class Worker:
             state = load(store or self._store, step)
             rng = state.pop(f"rng/rank{self.rank}/torch", None)
             state = {k: v for k, v in state.items() if not k.startswith("rng/")}
-            if self.strategy is not None:
-                self.strategy.close()
-                self.strategy = None
             self._build_fresh(spec, state)
             if rng is not None:
                 torch.set_rng_state(rng)

@@ -7,6 +7,7 @@ format, nothing about any one strategy.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -46,13 +47,27 @@ def new_subgroups(rank_lists: Sequence[Sequence[int]]) -> list[dist.ProcessGroup
     never destroyed). Returns the groups in the order given (non-members get a placeholder).
     """
     world = dist.get_world_size()
+    timeout = group_timeout()
     out: list[dist.ProcessGroup | None] = []
     for ranks in rank_lists:
         if list(ranks) == list(range(world)):
             out.append(None)
         else:
-            out.append(dist.new_group(ranks=list(ranks)))
+            out.append(dist.new_group(ranks=list(ranks), timeout=timeout))
     return out
+
+
+def group_timeout() -> timedelta | None:
+    """The default group's timeout. ``new_group`` would otherwise give a sub-group the
+    backend default (30 min for gloo): a rank blocked there on a failed peer would outwait
+    the job's hang timeout by far."""
+    pg = dist.distributed_c10d._get_default_group()
+    for dev in pg._device_types:
+        try:
+            return pg._get_backend(dev).options._timeout
+        except Exception:  # a backend without readable options: keep the default
+            continue
+    return None
 
 
 def gather_union(

@@ -169,6 +169,10 @@ def test_pipeline_x_dp_loss_restores_from_surviving_stage_replicas(ray_cluster, 
     result = handle.result(timeout=180)
     rec = [e for e in result.events if e.kind == "recovered"]
     assert rec and rec[0].data["source"] == "peers" and rec[0].data["steps_lost"] == 0
+    # a survivor blocked on another survivor's sub-group (stage 0's dp all-reduce) fails as
+    # soon as that one leaves: nobody waits out the group timeout (hang_timeout_s=30)
+    assert not [e for e in result.events if e.kind == "hang"]
+    assert rec[0].data["seconds"] < 20, rec[0].message
     assert max_diff(result.state_dict(), reference[0]) < TOL
 
 
