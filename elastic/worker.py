@@ -547,15 +547,21 @@ class Worker:
     # ------------------------------------------------------------------ errors
 
     def _guard(self, fn: Any, *args: Any) -> Any:
+        """Run ``fn``; turn a failure into ``InfrastructureError`` (the group broke) or
+        ``WorkerError`` (user code failed). The failed call's frames are cleared and the new
+        error is raised outside the handler (no ``__context__``): a frame of a failed
+        collective holds its gloo work and with it the group's sockets, so peers blocked on
+        this rank would otherwise wait out the group timeout even after ``leave()``."""
         try:
             return fn(*args)
         except (WorkerError, InfrastructureError):
             raise
         except Exception as e:
             if is_infrastructure_error(e):
-                raise InfrastructureError(
-                    f"rank {self.rank}: the process group failed ({type(e).__name__}: {e})"
-                ) from None
-            node = socket.gethostname()
-            raise WorkerError(self.rank, node, f"{type(e).__name__}: {e}",
-                              traceback.format_exc()) from None
+                err: Exception = InfrastructureError(
+                    f"rank {self.rank}: the process group failed ({type(e).__name__}: {e})")
+            else:
+                err = WorkerError(self.rank, socket.gethostname(), f"{type(e).__name__}: {e}",
+                                  traceback.format_exc())
+            traceback.clear_frames(e.__traceback__)
+        raise err

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -62,9 +63,10 @@ def shard_module(
     device: torch.device,
     units: Iterable[nn.Module] = (),
     reshard_after_forward: bool = True,
-) -> None:
+) -> Any:
     """Apply ``fully_shard`` in place: each module of ``units`` (that has parameters), then
-    ``module`` itself, on a 1-D mesh over ``group`` (``None``: the default group)."""
+    ``module`` itself, on a 1-D mesh over ``group`` (``None``: the default group). Returns
+    the mesh, for ``release_mesh`` when the layout closes."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
@@ -78,6 +80,18 @@ def shard_module(
         if unit is not module and any(True for _ in unit.parameters()):
             fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward)
     fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    return mesh
+
+
+def release_mesh(mesh: Any) -> None:
+    """Drop the mesh's reference to its process group. DTensor specs cached by torch's
+    sharding propagation outlive the layout and keep its mesh, and a gloo group closes its
+    sockets only when its last reference goes: without this, after a node loss, peers
+    blocked on a rank that has left wait out the group timeout instead of failing at once.
+    (``_pg_registry`` is private; if a torch version lacks it there is nothing to drop.)"""
+    registry = getattr(mesh, "_pg_registry", None)
+    if isinstance(registry, dict):
+        registry.clear()
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -179,7 +193,7 @@ class FullyShardedDataParallel(Strategy):
 
         self.model = model.to(rt.device)
         blocks = pipeline_blocks_or_none(self.model) or []
-        shard_module(
+        self._mesh = shard_module(
             self.model,
             None,
             rt.device,
@@ -211,4 +225,5 @@ class FullyShardedDataParallel(Strategy):
         return self.model
 
     def close(self) -> None:
+        release_mesh(self._mesh)
         del self.optimizer, self.model

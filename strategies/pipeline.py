@@ -309,6 +309,7 @@ class Pipeline(Strategy):
         from .fsdp import shard_module
         from .zero import ShardedUpdate
 
+        self._meshes: list[object] = []  # FSDP meshes (zero3 mode), released at close
         pp = spec.pp_degree
         d = rt.world_size // pp
         self.stage_rank, self.replica = divmod(rt.rank, d)
@@ -335,7 +336,7 @@ class Pipeline(Strategy):
         reshard = bool(spec.options.get("reshard_after_forward", True))
         if self.mode == "zero3":
             for st in self.stages:
-                shard_module(st, self.dp_group, rt.device, st.blocks, reshard)
+                self._meshes.append(shard_module(st, self.dp_group, rt.device, st.blocks, reshard))
             params = [p for st in self.stages for p in st.parameters()]
             self.optimizer: torch.optim.Optimizer | None = optimizer_factory(params)
             self.update = None
@@ -465,7 +466,11 @@ class Pipeline(Strategy):
     def close(self) -> None:
         if self.update is not None:
             self.update.close()
-        del self.schedule, self.stages, self.optimizer, self.update
+        from .fsdp import release_mesh
+
+        for mesh in self._meshes:
+            release_mesh(mesh)
+        del self.schedule, self.stages, self.optimizer, self.update, self._meshes
         for g in self._own_groups:
             try:
                 dist.destroy_process_group(g)
