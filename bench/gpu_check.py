@@ -18,6 +18,7 @@ import socket
 import sys
 import tempfile
 import time
+from datetime import timedelta
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -69,6 +70,10 @@ def main() -> int:
     w.join("127.0.0.1", _port(), 0, 1, 1, 60)
     check("group", torch.distributed.get_backend() == ("nccl" if gpu else "gloo"),
           f"backend {torch.distributed.get_backend()} in {time.perf_counter() - t0:.2f}s")
+    from strategies._gather import group_timeout
+
+    check("sub-groups take the job's timeout", group_timeout() == timedelta(seconds=60),
+          str(group_timeout()))
     spec = lambda name: StrategySpec(name, 1, (G,))  # noqa: E731
     w.build(spec("dp"))
     dev = next(w.strategy.local_model().parameters()).device
@@ -97,6 +102,17 @@ def main() -> int:
     diff = max(float((final[f"model/{k}"].cpu() - v).abs().max()) for k, v in ref.items())
     check("matches CPU reference", diff < 1e-4, f"max |diff| {diff:.2e} after 20 Adam steps")
     print(f"INFO median step {sorted(steps)[len(steps) // 2] * 1e3:.2f} ms", flush=True)
+    w.leave()  # parks the live state as CPU tensors and drops the device layout
+    held = w.held_keys()
+    check("leave parks the state", w.strategy is None and w.progress()["has_state"]
+          and len(held) > 0, f"{len(held)} entries parked")
+    w.join("127.0.0.1", _port(), 0, 1, 3, 60)
+    plan = [(k, 0, tuple(shape), dtype) for k, (shape, dtype) in sorted(held.items())]
+    w.restore_from_peers(spec("zero3"), plan, 20)
+    st = w.full_state()
+    diff3 = max(float((st[f"model/{k}"].cpu() - v).abs().max()) for k, v in ref.items())
+    check("restore parked state into zero3 on the device", diff3 < 1e-4,
+          f"max |diff| {diff3:.2e}")
     w.leave()
     w2 = Worker(cfg, 1, use_gpu=gpu, num_threads=4)
     w2.join("127.0.0.1", _port(), 0, 1, 2, 60)
