@@ -11,9 +11,10 @@ after (a fixed-size Ray Train job cannot continue without one).
 Systems (``--systems``):
 
 - ``elastic``: ``num_workers=3, min_workers=2, max_workers=3``, checkpoints every K steps
-  to local storage, default ``replacement_timeout_s=5`` (waits up to 5 s for a replacement);
+  to local storage, ``replacement_timeout_s=5`` (waits up to 5 s for a replacement);
 - ``elastic-nowait``: the same with ``replacement_timeout_s=0`` (goes on with the survivors
-  at once, takes the new node in later through a scale-up);
+  at once, starts the replacement in the background and takes it in at a step boundary once
+  it is up: the default since 2026-11-30);
 - ``raytrain``: ``ScalingConfig(num_workers=3)``, ``FailureConfig(max_failures=3)``, rank 0
   reports a checkpoint (model, optimizer, next step) every K steps with
   ``ray.train.report``, resume from ``ray.train.get_checkpoint()``;

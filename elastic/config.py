@@ -68,7 +68,9 @@ class JobConfig:
     max_failures: int = 3
     hang_timeout_s: float = 60.0
     placement_timeout_s: float = 60.0
-    replacement_timeout_s: float = 5.0  # after a loss: wait this long for replacement workers
+    # after a loss: wait this long for replacement workers before going on. 0: go on with the
+    # survivors at once; replacements start in the background and join at a step boundary
+    replacement_timeout_s: float = 0.0
     min_workers_timeout_s: float = 60.0  # below min_workers: wait this long, then fail
     scale_check_s: float = 5.0  # how often to look for room for more workers (up to max)
     # checkpoints

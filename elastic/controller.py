@@ -124,6 +124,9 @@ class Controller:
         self._control: Any = None
         self.failures = 0
         self._free_slots: list[tuple[Any, int]] = []  # reserved bundles without a worker
+        # workers starting in the background for room that appeared (warm spares): taken in
+        # once up, so a scale-up pauses training only to form the group and hand over state
+        self._warming: list[tuple[_WorkerRec, Any]] = []
         self._speed: dict[int, float] = {}  # worker_id -> measured samples/s
         self._mem_at = 0.0
         self._used_speeds: list[float] | None = None  # the speeds the current shares follow
@@ -287,6 +290,11 @@ class Controller:
                        wait_s: float | None = None) -> list[_WorkerRec]:
         """Start one worker in each bundle ``slots`` of ``pg``. With ``wait_s``, workers that
         are not up by then are given up (their slot stays free) instead of waited for."""
+        return self._collect(self._launch(pg, slots, bundle), wait_s)
+
+    def _launch(self, pg: Any, slots: list[int], bundle: dict[str, float]
+                ) -> list[tuple[_WorkerRec, Any]]:
+        """Create the worker actors (non-blocking); returns (worker, ref of its info)."""
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -306,18 +314,30 @@ class Controller:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     pg, placement_group_bundle_index=i),
             ).remote(self.cfg, wid, self._use_gpu, int(bundle.get("CPU", 1)))
-            new.append(_WorkerRec(h, wid, pg=pg, slot=i))
-        refs = [w.handle.info.remote() for w in new]
-        if wait_s is not None:
+            rec = _WorkerRec(h, wid, pg=pg, slot=i)
+            new.append((rec, h.info.remote()))
+        return new
+
+    def _collect(self, launched: list[tuple[_WorkerRec, Any]], wait_s: float | None
+                 ) -> list[_WorkerRec]:
+        """Take launched workers that are up (within ``wait_s``; None: wait for all) into
+        the job; the others are killed and their slots freed."""
+        import ray
+
+        refs = [ref for _, ref in launched]
+        if wait_s is not None and refs:
             ray.wait(refs, num_returns=len(refs), timeout=wait_s)
         up = []
-        for w, ref in zip(new, refs, strict=True):
+        for w, ref in launched:
             try:
                 w.info = ray.get(ref, timeout=0 if wait_s is not None else None)
                 up.append(w)
             except Exception:
-                ray.kill(w.handle)
-                self._free_slots.append((pg, w.slot))
+                try:
+                    ray.kill(w.handle)
+                except Exception:
+                    pass
+                self._free_slots.append((w.pg, w.slot))
         if self.cfg.emulate:
             emus = self.cfg.emulate
             infos = ray.get([w.handle.set_emulation.remote(emus[w.worker_id % len(emus)])
@@ -325,6 +345,60 @@ class Controller:
             for w, info in zip(up, infos, strict=True):
                 w.info = info
         self.workers.extend(up)
+        return up
+
+    def _warm_up(self) -> None:
+        """Room appeared (a free reserved slot became placeable, or free resources for one
+        more worker): start workers there in the background, up to the target size. Their
+        start-up (process, imports, the job's factories) overlaps training."""
+        import ray
+        from ray.util.placement_group import placement_group
+
+        need = self._target_world - len(self.workers) - len(self._warming)
+        if need <= 0:
+            return
+        bundle = self._bundle()
+        ready_slots = [(pg, i) for pg, i in self._free_slots if _pg_ready(pg)][:need]
+        for pg, i in ready_slots:
+            self._free_slots.remove((pg, i))
+            self._warming += self._launch(pg, [i], bundle)
+        need -= len(ready_slots)
+        if need > 0 and not ready_slots:
+            free = ray.available_resources()
+            if all(free.get(k, 0.0) >= v for k, v in bundle.items() if v > 0):
+                pg = placement_group([dict(bundle)])
+                ok, _ = ray.wait([pg.ready()], timeout=1.0)
+                if ok:
+                    self._warming += self._launch(pg, [0], bundle)
+                else:
+                    ray.util.remove_placement_group(pg)
+
+    def _warm_ready(self) -> bool:
+        """Whether a warm spare is up (its info answered)."""
+        import ray
+
+        if not self._warming:
+            return False
+        done, _ = ray.wait([ref for _, ref in self._warming], timeout=0)
+        return bool(done)
+
+    def _take_warm(self, n: int) -> list[_WorkerRec]:
+        """Take up to ``n`` warm spares that are up into the job (spares that failed to
+        start are dropped, their slots freed); the rest keep warming."""
+        import ray
+
+        if n <= 0 or not self._warming:
+            return []
+        refs = [ref for _, ref in self._warming]
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        done_ids = {id(r) for r in done}
+        finished = [(w, r) for w, r in self._warming if id(r) in done_ids][:n]
+        taken_ids = {id(w) for w, _ in finished}
+        self._warming = [(w, r) for w, r in self._warming if id(w) not in taken_ids]
+        up = self._collect(finished, wait_s=0)
+        if up:
+            self._emit("joined", f"{len(up)} warm worker(s) taken in on node(s) "
+                       f"{sorted({str(w.info.get('node_id'))[:8] for w in up})}")
         return up
 
     def _form_group(self) -> None:
@@ -572,8 +646,10 @@ class Controller:
                 break
             if time.monotonic() >= next_check:
                 next_check = time.monotonic() + self.cfg.scale_check_s
-                if self._room_to_grow():
+                if self._warm_ready() and len(self.workers) < self._target_world:
                     self.post(Request("grow", reason="a node with room joined"))
+                elif self._room_to_grow():
+                    self._warm_up()
             if not stop_sent and not self.requests.empty():
                 for w in self.workers:
                     w.handle.request_stop.remote()
@@ -717,7 +793,7 @@ class Controller:
                     self.switch(str(req.value), reason=req.reason)
                     result = self.spec.name if self.spec else None
                 elif req.kind == "grow":
-                    self._resize(self._target_world, reason=req.reason)
+                    self._resize(self._target_world, reason=req.reason, warm_only=True)
                     result = len(self.workers)
                 elif req.kind == "scale":
                     n = int(req.value)
@@ -873,7 +949,7 @@ class Controller:
         free resources for one more worker somewhere."""
         import ray
 
-        if len(self.workers) >= self._target_world:
+        if len(self.workers) + len(self._warming) >= self._target_world:
             return False
         if self._free_slots:
             return any(_pg_ready(pg) for pg, _ in self._free_slots)
@@ -881,23 +957,30 @@ class Controller:
         free = ray.available_resources()
         return all(free.get(k, 0.0) >= v for k, v in need.items() if v > 0)
 
-    def _resize(self, n: int, reason: str) -> None:
+    def _resize(self, n: int, reason: str, warm_only: bool = False) -> None:
         """At a step boundary: grow (take in new workers; they get the state from their
-        peers, not from storage) or shrink to ``n`` workers, keeping the trajectory."""
+        peers, not from storage) or shrink to ``n`` workers, keeping the trajectory.
+        ``warm_only``: grow only by warm spares that are already up (never wait)."""
         import ray
 
         t0 = time.time()
         old = list(self.workers)
         if n == len(old):
             return
+        if warm_only and n > len(old) and not self._warm_ready():
+            return
         self.state = ControllerState.RECOVERING
         ray.get([w.handle.snapshot_full.remote() for w in old])  # every old rank holds it all
         progress = ray.get([w.handle.progress.remote() for w in old])
         held = ray.get([w.handle.held_keys.remote() for w in old])
         if n > len(old):
-            self._try_place(n - len(old), timeout_s=max(30.0, self.cfg.replacement_timeout_s))
+            self._take_warm(n - len(old))
+            if not warm_only:
+                self._try_place(n - len(self.workers),
+                                timeout_s=max(30.0, self.cfg.replacement_timeout_s))
             if len(self.workers) == len(old):
-                self._emit("scale_failed", f"no room for more workers ({reason})")
+                if not warm_only:
+                    self._emit("scale_failed", f"no room for more workers ({reason})")
                 return
         else:
             for w in self.workers[n:]:
@@ -964,6 +1047,7 @@ class Controller:
         # take replacements within a bounded wait; below min_workers wait longer, then fail
         want = max(self.cfg.num_workers, len(self.workers))
         want = min(want, self.cfg.max_world)
+        self._take_warm(want - len(self.workers))
         if len(self.workers) < want:
             self._try_place(want - len(self.workers), self.cfg.replacement_timeout_s)
         if len(self.workers) < self.cfg.min_world:
@@ -995,6 +1079,8 @@ class Controller:
                    data={"source": source, "seconds": took, "steps_lost": lost,
                          "detect_s": t_detect - t_fail, "world_size": len(self.workers),
                          "strategy": spec.name, "pids": pids})
+        if self._room_to_grow():  # replacements start now, in the background
+            self._warm_up()
 
     def _hung_workers(self) -> list[_WorkerRec]:
         """The hang watchdog. After a failure every live rank's segment ends within the group
@@ -1161,12 +1247,14 @@ class Controller:
 
         if not ray.is_initialized():
             return
-        for w in self.workers:
+        warm = [w for w, _ in self._warming]
+        self._warming = []
+        for w in self.workers + warm:
             try:
                 ray.kill(w.handle)
             except Exception:
                 pass
-        pgs = [w.pg for w in self.workers] + [pg for pg, _ in self._free_slots]
+        pgs = [w.pg for w in self.workers + warm] + [pg for pg, _ in self._free_slots]
         for pg in {id(pg): pg for pg in pgs if pg is not None}.values():
             try:
                 ray.util.remove_placement_group(pg)
