@@ -634,7 +634,7 @@ class Controller:
         futs = [w.handle.run.remote(start, end) for w in self.workers]
         self._running = list(zip(self.workers, futs, strict=True))
         stop_sent = False
-        next_check = time.monotonic() + self.cfg.scale_check_s
+        next_check = time.monotonic() + self._scale_interval()
         while True:
             done, pending = ray.wait(futs, num_returns=len(futs), timeout=_POLL_S)
             if done and pending:
@@ -645,7 +645,7 @@ class Controller:
             if not pending:
                 break
             if time.monotonic() >= next_check:
-                next_check = time.monotonic() + self.cfg.scale_check_s
+                next_check = time.monotonic() + self._scale_interval()
                 if self._warm_ready() and len(self.workers) < self._target_world:
                     self.post(Request("grow", reason="a node with room joined"))
                 elif self._room_to_grow():
@@ -943,6 +943,14 @@ class Controller:
                    data={"step": step, "uri": store.uri})
 
     # ------------------------------------------------------------------ scaling
+
+    def _scale_interval(self) -> float:
+        """Seconds between checks for room: ``scale_check_s``, but at most 1 s while the job
+        is below its target size (after a loss the replacement node usually comes within
+        seconds; the check is one GCS call)."""
+        if len(self.workers) < self._target_world:
+            return min(1.0, self.cfg.scale_check_s)
+        return self.cfg.scale_check_s
 
     def _room_to_grow(self) -> bool:
         """Cheap check: fewer workers than the target, and a free reserved slot or enough
