@@ -27,7 +27,6 @@ Prints per-phase medians (slower rank per switch) and writes JSON with every swi
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import socket
