@@ -37,7 +37,8 @@ from .view import View
 
 __all__ = ["Controller", "ControllerState", "FitResult", "Request"]
 
-_POLL_S = 0.25
+_POLL_S = 0.25  # while the controller has work at hand (see Controller._poll_interval)
+_IDLE_POLL_S = 1.0  # otherwise: each poll is an RPC every worker answers, taking the GIL
 
 
 class ControllerState(enum.Enum):
@@ -636,7 +637,8 @@ class Controller:
         stop_sent = False
         next_check = time.monotonic() + self._scale_interval()
         while True:
-            done, pending = ray.wait(futs, num_returns=len(futs), timeout=_POLL_S)
+            done, pending = ray.wait(futs, num_returns=len(futs),
+                                     timeout=self._poll_interval())
             if done and pending:
                 self._raise_if_failed(done, pending)
             self._drain()
@@ -943,6 +945,24 @@ class Controller:
                    data={"step": step, "uri": store.uri})
 
     # ------------------------------------------------------------------ scaling
+
+    def _poll_interval(self) -> float:
+        """Seconds between polls of a running segment. Each poll drains every worker's metrics
+        by an RPC its second thread answers, taking the GIL from the training thread: at 4
+        polls/s that cost ~7 % of a 2-core host's throughput (docs/benchmarks.md). So poll fast
+        only while it matters: a checkpoint in flight (its commit rides on the poll), frequent
+        checkpoints (under 5 s apart: a late commit would make the next one skip), a waiting
+        request, the job below its target size, or before the first step is seen. Failures do
+        not wait for a poll: ``ray.wait`` returns as soon as a segment ends."""
+        if self._ckpt is not None or not self.requests.empty() or not self.history:
+            return _POLL_S
+        if len(self.workers) < self._target_world:
+            return _POLL_S
+        every = self.cfg.checkpoint_every
+        step_s = float(self.history[-1].get("step_time") or 0.0)
+        if every > 0 and every * step_s < 5.0:
+            return _POLL_S
+        return _IDLE_POLL_S
 
     def _scale_interval(self) -> float:
         """Seconds between checks for room: ``scale_check_s``, but at most 1 s while the job

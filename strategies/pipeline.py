@@ -404,6 +404,11 @@ class Pipeline(Strategy):
         )
         if self.update is not None:
             self.update.reduce_grads()
+        # Every rank's gradients are complete: step everywhere or nowhere. Without this, a
+        # node lost between two stages' dp reductions leaves stage 0 at step s+1 and stage 1
+        # at s, and no step has a live holder of every entry (docs/architecture.md).
+        dist.all_reduce(torch.ones(1, device=self.rt.device))
+        if self.update is not None:
             self.update.step()
         else:
             assert self.optimizer is not None
