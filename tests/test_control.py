@@ -68,6 +68,7 @@ def test_scale_through_cli_and_sdk_keeps_the_trajectory(ray_local, tmp_path):
     result = handle.result(timeout=60)
     scaled = [(e.data["from"], e.data["to"], e.data["source"]) for e in result.events
               if e.kind == "scaled"]
-    assert scaled == [(2, 3, "peers"), (3, 1, "peers")]
+    assert scaled == [(2, 3, "peers"), (3, 1, "peers")], [
+        (e.kind, e.message) for e in result.events]
     ref, _ = reference_train(mlp, adam, mse, RegressionData(), 12, len(result.history), seed=0)
     assert max_diff(result.state_dict(), ref) < 1e-5
