@@ -41,6 +41,15 @@ _POLL_S = 0.25  # while the controller has work at hand (see Controller._poll_in
 _IDLE_POLL_S = 1.0  # otherwise: each poll is an RPC every worker answers, taking the GIL
 
 
+def _read_detail(outs: list[dict[str, Any]]) -> str:
+    """What each worker read of a checkpoint: only its new shard's part of the state."""
+    if not outs:
+        return ""
+    mb = [o["bytes"] / 1e6 for o in outs]
+    total = outs[0]["total_bytes"] / 1e6
+    return f" (each worker read {min(mb):.1f}-{max(mb):.1f} of {total:.1f} MB)"
+
+
 class ControllerState(enum.Enum):
     STARTING = "starting"
     PLACING = "placing"
@@ -935,14 +944,17 @@ class Controller:
         assert self.spec is not None
         t0 = time.time()
         try:
-            ray.get([w.handle.restore_checkpoint.remote(self.spec, step, store)
-                     for w in self.workers])
+            outs = ray.get([w.handle.restore_checkpoint.remote(self.spec, step, store)
+                            for w in self.workers])
         except Exception as e:
             raise _unwrap(e) from None
         self.step = step
         self._emit("resumed" if reason == "resume" else "restored",
-                   f"from checkpoint step {step} at {store.uri} in {time.time() - t0:.2f}s",
-                   data={"step": step, "uri": store.uri})
+                   f"from checkpoint step {step} at {store.uri} in {time.time() - t0:.2f}s"
+                   f"{_read_detail(outs)}",
+                   data={"step": step, "uri": store.uri,
+                         "bytes_read": [o["bytes"] for o in outs],
+                         "state_bytes": outs[0]["total_bytes"] if outs else 0})
 
     # ------------------------------------------------------------------ scaling
 
@@ -1250,7 +1262,8 @@ class Controller:
         outs = ray.get([w.handle.restore_checkpoint.remote(spec, manifest.step)
                         for w in self.workers])
         took = max(o["seconds"] for o in outs)
-        return "checkpoint", manifest.step, f", checkpoint step {manifest.step} read in {took:.2f}s"
+        return ("checkpoint", manifest.step,
+                f", checkpoint step {manifest.step} read in {took:.2f}s{_read_detail(outs)}")
 
     # ------------------------------------------------------------------ events and cleanup
 

@@ -144,6 +144,20 @@ class Strategy(ABC):
     def load_full_state(self, state: CanonicalState) -> None:
         """Collective. Replace model and optimizer state with ``state`` (canonical form)."""
 
+    def needs(self, key: str, shape: tuple[int, ...]) -> bool | tuple[int, int]:
+        """What ``load_state`` reads of canonical entry ``key`` (full shape ``shape``):
+        ``False`` nothing, ``True`` all of it, ``(a, b)`` rows ``a:b`` of dim 0. A restore
+        from a checkpoint reads only that, so a rank reads its shard, not the whole state.
+        Valid once the strategy is built. Default: every entry, whole."""
+        return True
+
+    def load_state(self, state: CanonicalState) -> None:
+        """Collective. Like ``load_full_state``, but ``state`` holds only what ``needs``
+        asked for: whole entries, and for a row range only those rows (shape
+        ``(b - a, *shape[1:])``). Default: ``load_full_state`` (for layouts that need
+        every entry whole)."""
+        self.load_full_state(state)
+
     @abstractmethod
     def memory_counts(self) -> dict[str, int]:
         """Elements this rank actually holds: ``params``, ``grads``, ``optim``."""

@@ -127,10 +127,55 @@ def sharded_full_state(
     return out
 
 
+def _rows_of(like: torch.Tensor, shape: tuple[int, ...]) -> bool | tuple[int, int]:
+    """The dim-0 rows of a full entry of ``shape`` that this rank's shard ``like`` holds
+    (True: the whole entry, for unsharded tensors and shardings other than dim 0)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if not isinstance(like, DTensor) or not shape or tuple(like.shape) != tuple(shape):
+        return True
+    local, offset = compute_local_shape_and_global_offset(
+        like.shape, like.device_mesh, like.placements)
+    if any(offset[1:]) or tuple(local[1:]) != tuple(shape[1:]):
+        return True
+    a = min(int(offset[0]), shape[0])
+    return (a, min(a + int(local[0]), shape[0]))
+
+
+class ShardIndex:
+    """Where each canonical entry of FSDP-sharded ``modules`` lives on this rank: built once
+    per layout, it answers ``Strategy.needs`` with the rows of each entry this rank's shard
+    holds (0-dim optimizer entries such as Adam's ``step``: whole)."""
+
+    def __init__(self, modules: Sequence[nn.Module]) -> None:
+        self.entries: dict[str, torch.Tensor] = {}
+        self.params: dict[str, torch.Tensor] = {}
+        for m in modules:
+            self.entries.update(m.state_dict(keep_vars=True))
+            self.params.update(m.named_parameters())
+
+    def needs(self, key: str, shape: tuple[int, ...]) -> bool | tuple[int, int]:
+        if key.startswith("model/"):
+            like = self.entries.get(key[len("model/"):])
+            return False if like is None else _rows_of(like, shape)
+        if key.startswith("optim/"):
+            p = self.params.get(key[len("optim/"):].rpartition("/")[0])
+            if p is None:
+                return False
+            return True if not shape else _rows_of(p, shape)
+        return False
+
+
 def load_sharded_state(
-    modules: Sequence[nn.Module], optimizer: torch.optim.Optimizer | None, state: CanonicalState
+    modules: Sequence[nn.Module],
+    optimizer: torch.optim.Optimizer | None,
+    state: CanonicalState,
+    *,
+    sliced: bool = False,
 ) -> None:
     """Keep this rank's shard of every full canonical entry (local slicing, no communication).
+    With ``sliced``, ``state`` holds only the rows ``sharded_needs`` asked for.
 
     Raises ``KeyError`` naming the first model entry that ``state`` lacks.
     """
@@ -138,9 +183,12 @@ def load_sharded_state(
 
     def shard_of(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         full = full.to(device=_local(like).device, dtype=like.dtype)
-        if isinstance(like, DTensor):
-            return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
-        return full
+        if not isinstance(like, DTensor):
+            return full
+        if sliced and full.dim() and _rows_of(like, tuple(like.shape)) is not True:
+            return DTensor.from_local(full, like.device_mesh, like.placements, run_check=False,
+                                      shape=like.shape, stride=like.stride())
+        return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
 
     with torch.no_grad():
         for module in modules:
@@ -201,6 +249,7 @@ class FullyShardedDataParallel(Strategy):
             reshard_after_forward=bool(spec.options.get("reshard_after_forward", True)),
         )
         self.optimizer = optimizer_factory(self.model.parameters())
+        self._index: ShardIndex | None = None  # built on the first needs()
         # FSDP divides the summed gradient by the world size; undo that, then take the mean over G.
         self._scale = self.share * rt.world_size / spec.global_batch_size
 
@@ -218,6 +267,15 @@ class FullyShardedDataParallel(Strategy):
         self.optimizer.zero_grad(set_to_none=True)
         load_sharded_state([self.model], self.optimizer, state)
 
+    def needs(self, key: str, shape: tuple[int, ...]) -> bool | tuple[int, int]:
+        if self._index is None:
+            self._index = ShardIndex([self.model])
+        return self._index.needs(key, shape)
+
+    def load_state(self, state: CanonicalState) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        load_sharded_state([self.model], self.optimizer, state, sliced=True)
+
     def memory_counts(self) -> dict[str, int]:
         return sharded_counts([self.model], self.optimizer)
 
@@ -226,4 +284,5 @@ class FullyShardedDataParallel(Strategy):
 
     def close(self) -> None:
         release_mesh(self._mesh)
+        self._index = None
         del self.optimizer, self.model

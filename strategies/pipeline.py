@@ -51,12 +51,16 @@ so the sum over all ranks is the global mean loss.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ._gather import gather_union, new_subgroups
+
+if TYPE_CHECKING:
+    from .fsdp import ShardIndex
 from .base import (
     CanonicalState,
     LossFn,
@@ -310,6 +314,8 @@ class Pipeline(Strategy):
         from .zero import ShardedUpdate
 
         self._meshes: list[object] = []  # FSDP meshes (zero3 mode), released at close
+        self._stage_keys: set[str] | None = None  # model entries of this rank's stages
+        self._index: ShardIndex | None = None  # zero3 inside: where its shards lie
         pp = spec.pp_degree
         d = rt.world_size // pp
         self.stage_rank, self.replica = divmod(rt.rank, d)
@@ -452,6 +458,29 @@ class Pipeline(Strategy):
             st.load_state_dict({k: state[f"model/{k}"] for k in keys})
         self.update.load_optim_state(state)
 
+    def needs(self, key: str, shape: tuple[int, ...]) -> bool | tuple[int, int]:
+        """This rank's stages only: their model entries, and the optimizer entries it steps
+        (all of its stages' under dp, the owned ones under zero1/2, its rows under zero3)."""
+        from .fsdp import ShardIndex
+        from .zero import owned_needs
+
+        if self.update is None:
+            if self._index is None:
+                self._index = ShardIndex(self.stages)
+            return self._index.needs(key, shape)
+        if self._stage_keys is None:
+            self._stage_keys = {k for st in self.stages for k in st.state_dict()}
+        return owned_needs(key, self.update.owned, self._stage_keys)
+
+    def load_state(self, state: CanonicalState) -> None:
+        from .fsdp import load_sharded_state
+
+        if self.update is not None:
+            self.load_full_state(state)  # it takes its stages' entries and ignores the rest
+            return
+        self._zero_grad()
+        load_sharded_state(self.stages, self.optimizer, state, sliced=True)
+
     def memory_counts(self) -> dict[str, int]:
         from .fsdp import sharded_counts
 
@@ -475,6 +504,7 @@ class Pipeline(Strategy):
 
         for mesh in self._meshes:
             release_mesh(mesh)
+        self._index = None  # it holds the stages' DTensors (and so their mesh's group)
         del self.schedule, self.stages, self.optimizer, self.update, self._meshes
         for g in self._own_groups:
             try:

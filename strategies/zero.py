@@ -33,7 +33,7 @@ their owners (``full_state`` is a collective on the default group).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 from typing import ClassVar
 
 import torch
@@ -217,6 +217,17 @@ class ShardedUpdate:
         self.optimizer = None
 
 
+def owned_needs(key: str, owned: Mapping[str, object], model_keys: Container[str] | None = None
+                ) -> bool:
+    """``Strategy.needs`` of a layout that holds ``model_keys`` (None: every model entry)
+    whole and the optimizer entries of the parameters in ``owned`` whole."""
+    if key.startswith("model/"):
+        return model_keys is None or key[len("model/"):] in model_keys
+    if key.startswith("optim/"):
+        return key[len("optim/"):].rpartition("/")[0] in owned
+    return False
+
+
 def _by_dtype(params: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
     buckets: dict[torch.dtype, list[torch.Tensor]] = {}
     for p in params:
@@ -279,6 +290,13 @@ class _Zero(Strategy):
         self.model.load_state_dict(msd)
         self.update.zero_grad()
         self.update.load_optim_state(state)
+
+    def needs(self, key: str, shape: tuple[int, ...]) -> bool | tuple[int, int]:
+        """The whole model, and the optimizer entries of the owned parameters only."""
+        return owned_needs(key, self.update.owned)
+
+    def load_state(self, state: CanonicalState) -> None:
+        self.load_full_state(state)  # it keeps the owned entries and ignores the rest
 
     def memory_counts(self) -> dict[str, int]:
         return {
