@@ -25,6 +25,7 @@ __all__ = ["JobConfig", "resolve_callable", "optimizer_factory", "loss_function"
 
 _OPTIMIZERS = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD", "rmsprop": "RMSprop", "adagrad": "Adagrad"}
 _LOSSES = {"cross_entropy": "_cross_entropy", "mse": "_mse"}
+SWITCH_CHECKS = ("pieces", "rehash", "off")
 
 
 @dataclass
@@ -58,7 +59,9 @@ class JobConfig:
     schedule: str = "gpipe"
     dp_mode: str = "dp"
     switch_at: dict[int, str] = field(default_factory=dict)
-    verify_switch: bool = True  # hash the state before and after a switch (one more gather)
+    # how a switch proves the state unchanged: "pieces" (each rank's new pieces bit-equal to
+    # the hashed state, no gather), "rehash" (gather and hash again), "off"
+    switch_check: str = "pieces"
     # heterogeneity: balance "auto" balances when workers differ (device type or emulation)
     balance: str = "auto"  # auto | on | off
     emulate: list[dict[str, Any]] | None = None  # per worker: {slowdown, memory_gb, stands_for}
@@ -196,6 +199,9 @@ class JobConfig:
             )
         if self.seed < 0:
             raise ConfigError("seed", "must be >= 0.", "use a non-negative seed")
+        if self.switch_check not in SWITCH_CHECKS:
+            raise ConfigError("switch_check", f"unknown check {self.switch_check!r}.",
+                              f"use one of: {', '.join(SWITCH_CHECKS)}")
         for k in self.switch_at:
             if not 0 < k < self.max_steps:
                 raise ConfigError(

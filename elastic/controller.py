@@ -601,22 +601,29 @@ class Controller:
             if first:
                 raise cause from None
             raise SwitchError(f"switch to {spec.name} failed: {cause}") from None
-        self.spec = spec
         dt = time.perf_counter() - t0
         if first:
+            self.spec = spec
             self._emit("layout", f"{spec.name} on {spec.world_size} workers, shares "
                        f"{list(spec.shares)} ({dt:.2f}s)", data={"strategy": spec.name})
             return
         hashes = {(o["hash_before"], o["hash_after"]) for o in outs}
-        same = all(b == a for b, a in hashes)
-        verified = all(o.get("verified", True) for o in outs)
-        check = ("unchanged" if same else "CHANGED") if verified else "not re-checked"
+        same = all(b == a for b, a in hashes) and len({b for b, _ in hashes}) == 1
+        mode = outs[0].get("check", "rehash")
+        how = {"pieces": "every rank's new pieces bit-equal to it",
+               "rehash": "gathered and hashed again"}.get(mode)
+        check = ((f"unchanged ({how})" if same else "CHANGED") if how
+                 else "not re-checked (switch_check: off)")
+        problems = sorted({p for o in outs for p in o.get("problems", [])})
         self._emit("switch", f"{old.name if old else '-'} -> {spec.name} ({reason}) in {dt:.2f}s, "
-                   f"state hash {check}",
+                   f"state hash {sorted(hashes)[0][0]} {check}",
                    data={"from": old.name if old else None, "to": spec.name, "reason": reason,
-                         "seconds": dt, "hashes": sorted(hashes), "state_preserved": same})
-        if not same:
-            raise SwitchError(f"state changed during the switch to {spec.name}: {hashes}")
+                         "seconds": dt, "hashes": sorted(hashes), "state_preserved": same,
+                         "check": mode, "problems": problems[:10]})
+        if not same:  # the workers went back to the old layout from the hashed state
+            raise SwitchError(f"state changed during the switch to {spec.name}: "
+                              f"{problems[:3] or sorted(hashes)}; the job stays on {old.name}")
+        self.spec = spec
 
     def switch(self, name: str, reason: str) -> None:
         spec = self._make_spec(name, len(self.workers))

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from strategies import Runtime, Strategy, StrategySpec, state_hash
+from strategies import Runtime, Strategy, StrategySpec, check_layout, state_hash
 from strategies import get as get_strategy
 
 from .config import JobConfig
@@ -227,10 +227,21 @@ class Worker:
             assert old_spec is not None
             self._build_fresh(old_spec, state)
             raise
-        # the proof that nothing changed costs a second gather; verify_switch=False skips it
-        after = state_hash(self.strategy.full_state()) if self.config.verify_switch else before
+        # the proof that nothing changed (docs/architecture.md, Switches)
+        mode = self.config.switch_check
+        problems: list[str] = []
+        if mode == "rehash":  # a second gather and hash of the whole state
+            after = state_hash(self.strategy.full_state())
+        elif mode == "pieces":  # each rank's pieces bit-equal to the hashed state, no gather
+            problems = check_layout(self.strategy, state)
+            after = before if not problems else f"differs: {problems[0]}"
+        else:
+            after = before
+        if after != before:  # keep the job on its old layout, from the state hashed before
+            assert old_spec is not None
+            self._build_fresh(old_spec, state)
         return {"seconds": time.perf_counter() - t0, "hash_before": before, "hash_after": after,
-                "verified": self.config.verify_switch}
+                "verified": mode != "off", "check": mode, "problems": problems[:10]}
 
     # ------------------------------------------------------------------ training loop
 

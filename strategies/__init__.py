@@ -13,6 +13,7 @@ from .base import (
     Strategy,
     StrategyError,
     StrategySpec,
+    check_layout,
     state_hash,
 )
 from .registry import get, names, register
@@ -24,6 +25,7 @@ __all__ = [
     "StrategyError",
     "StrategySpec",
     "state_hash",
+    "check_layout",
     "get",
     "names",
     "register",

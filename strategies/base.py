@@ -42,6 +42,7 @@ __all__ = [
     "optimizer_state_from_canonical",
     "model_state_to_canonical",
     "state_hash",
+    "check_layout",
 ]
 
 CanonicalState = dict[str, torch.Tensor]
@@ -158,6 +159,18 @@ class Strategy(ABC):
         every entry whole)."""
         self.load_full_state(state)
 
+    def local_state(self) -> CanonicalState:
+        """Local, no collective: what this rank holds, in the form ``needs`` describes
+        (whole entries, and for a row range only those rows), as CPU tensors that may share
+        memory with the live state (read them, do not keep them). With ``needs`` it lets a
+        caller check a layout piece by piece against a canonical state without a gather.
+        Default: ``held_state()`` (layouts that hold their entries whole)."""
+        fn = getattr(self, "held_state", None)
+        if fn is None:
+            raise NotImplementedError(f"{type(self).__name__} has neither local_state nor "
+                                      "held_state")
+        return fn()
+
     @abstractmethod
     def memory_counts(self) -> dict[str, int]:
         """Elements this rank actually holds: ``params``, ``grads``, ``optim``."""
@@ -246,3 +259,50 @@ def state_hash(state: CanonicalState) -> str:
         if t.numel():  # the tensor's own buffer, no copy
             h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
     return h.hexdigest()[:16]
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or tuple(a.shape) != tuple(b.shape):
+        return False
+    a, b = a.detach().contiguous().reshape(-1), b.detach().contiguous().reshape(-1)
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))  # NaN-safe, bit for bit
+
+
+def check_layout(strategy: Strategy, state: CanonicalState) -> list[str]:
+    """Collective over the default group: check, piece by piece and without gathering the
+    state, that ``strategy`` holds exactly ``state``: every rank's ``local_state`` pieces are
+    bit-equal to the cuts of ``state`` its ``needs`` names, it holds nothing else, and the
+    ranks' pieces together cover every row of every entry. Returns the problems found on any
+    rank (the same list on every rank; empty: the layout holds ``state`` exactly)."""
+    local = strategy.local_state()
+    problems: list[str] = []
+    cover: dict[str, tuple[int, int] | None] = {}
+    for key, full in state.items():
+        need = strategy.needs(key, tuple(full.shape))
+        if need is False:
+            continue
+        cover[key] = None if need is True else (int(need[0]), int(need[1]))
+        piece = local.get(key)
+        want = full if need is True else full[need[0]:need[1]]
+        if piece is None:
+            problems.append(f"rank {strategy.rt.rank} lacks {key}")
+        elif not _same_bits(piece.cpu(), want):
+            problems.append(f"rank {strategy.rt.rank} holds a different {key}")
+    problems += [f"rank {strategy.rt.rank} holds {k}, which the state has not"
+                 for k in sorted(set(local) - set(state))]
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (cover, problems))
+    problems = [p for _, probs in everyone for p in probs]
+    for key, full in state.items():
+        rows = [c[key] for c, _ in everyone if key in c]
+        if not rows:
+            problems.append(f"no rank holds {key}")
+        elif None not in rows:
+            at = 0
+            for a, b in sorted(rows):
+                if a > at:
+                    break
+                at = max(at, b)
+            if at < (full.shape[0] if full.dim() else 1):
+                problems.append(f"rows {at}: of {key} are held by no rank")
+    return problems

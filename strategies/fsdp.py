@@ -155,6 +155,21 @@ class ShardIndex:
             self.entries.update(m.state_dict(keep_vars=True))
             self.params.update(m.named_parameters())
 
+    def local(self, optimizer: torch.optim.Optimizer | None) -> CanonicalState:
+        """This rank's pieces: the local shard of every entry (rows ``needs`` names), whole
+        0-dim optimizer entries; no copies on CPU."""
+        out: CanonicalState = {}
+        for k, v in self.entries.items():
+            out[f"model/{k}"] = _local(v).detach().cpu()
+        if optimizer is not None:
+            for name, p in self.params.items():
+                st = optimizer.state.get(p, {})
+                for k in sorted(st):
+                    v = st[k]
+                    t = v if isinstance(v, torch.Tensor) else torch.tensor(v)
+                    out[f"optim/{name}/{k}"] = _local(t).detach().cpu()
+        return out
+
     def needs(self, key: str, shape: tuple[int, ...]) -> bool | tuple[int, int]:
         if key.startswith("model/"):
             like = self.entries.get(key[len("model/"):])
@@ -267,10 +282,16 @@ class FullyShardedDataParallel(Strategy):
         self.optimizer.zero_grad(set_to_none=True)
         load_sharded_state([self.model], self.optimizer, state)
 
-    def needs(self, key: str, shape: tuple[int, ...]) -> bool | tuple[int, int]:
+    def _shards(self) -> ShardIndex:
         if self._index is None:
             self._index = ShardIndex([self.model])
-        return self._index.needs(key, shape)
+        return self._index
+
+    def needs(self, key: str, shape: tuple[int, ...]) -> bool | tuple[int, int]:
+        return self._shards().needs(key, shape)
+
+    def local_state(self) -> CanonicalState:
+        return self._shards().local(self.optimizer)
 
     def load_state(self, state: CanonicalState) -> None:
         self.optimizer.zero_grad(set_to_none=True)

@@ -461,16 +461,25 @@ class Pipeline(Strategy):
     def needs(self, key: str, shape: tuple[int, ...]) -> bool | tuple[int, int]:
         """This rank's stages only: their model entries, and the optimizer entries it steps
         (all of its stages' under dp, the owned ones under zero1/2, its rows under zero3)."""
-        from .fsdp import ShardIndex
         from .zero import owned_needs
 
         if self.update is None:
-            if self._index is None:
-                self._index = ShardIndex(self.stages)
-            return self._index.needs(key, shape)
+            return self._shards().needs(key, shape)
         if self._stage_keys is None:
             self._stage_keys = {k for st in self.stages for k in st.state_dict()}
         return owned_needs(key, self.update.owned, self._stage_keys)
+
+    def _shards(self) -> ShardIndex:
+        from .fsdp import ShardIndex
+
+        if self._index is None:
+            self._index = ShardIndex(self.stages)
+        return self._index
+
+    def local_state(self) -> CanonicalState:
+        if self.update is None:
+            return self._shards().local(self.optimizer)
+        return self.held_state()
 
     def load_state(self, state: CanonicalState) -> None:
         from .fsdp import load_sharded_state

@@ -25,7 +25,7 @@ from torch import nn
 
 from elastic.data import StepSampler, fetch_batch, share_bounds
 from elastic.reference import build_model, reference_train
-from strategies import Runtime, StrategyError, StrategySpec, registry, state_hash
+from strategies import Runtime, StrategyError, StrategySpec, check_layout, registry, state_hash
 from tests.mp_harness import ProcessPool
 
 SEED = 7
@@ -298,8 +298,15 @@ def _partial_load(name: str, spec_kw: dict[str, Any], state: dict[str, torch.Ten
             part[k] = t[need[0]:need[1]].clone()
     strat.load_state(part)
     out = strat.full_state()
+    clean = check_layout(strat, state)
+    if dist.get_rank() == world - 1:  # one element of one rank's pieces changes
+        with torch.no_grad():
+            p = next(strat.local_model().parameters())
+            (p.to_local() if hasattr(p, "to_local") else p).view(-1)[0] += 1.0
+    dirty = check_layout(strat, state)
     strat.close()
-    return {"hash": state_hash(out), "read": sum(v.numel() for v in part.values())}
+    return {"hash": state_hash(out), "read": sum(v.numel() for v in part.values()),
+            "clean": clean, "dirty": dirty}
 
 
 @pytest.mark.parametrize("case", ["dp-2", "zero1-3", "zero2-2", "zero3-3", "pp3-1f1b",
@@ -307,13 +314,18 @@ def _partial_load(name: str, spec_kw: dict[str, Any], state: dict[str, torch.Ten
 def test_partial_load_reads_only_the_shard(pool: _Pool, case: str) -> None:
     """``needs`` + ``load_state`` (what a checkpoint restore reads) rebuild the exact state,
     and a sharded layout's rank reads only its part: zero3 ranks their rows, pipeline stages
-    their layers, zero1/2 the owned optimizer entries."""
+    their layers, zero1/2 the owned optimizer entries. ``check_layout`` (a switch's proof)
+    passes, and fails on every rank once one element on one rank differs."""
     state = run_case(pool, "dp-2")[0]["state"]  # 10 Adam steps: every optimizer entry exists
     total = sum(v.numel() for v in state.values())
     scalars = sum(1 for v in state.values() if v.dim() == 0)
     name, world, kw = CASES[case]
     results = pool.run(_partial_load, name, kw, state, world_size=world)
     assert {r["hash"] for r in results} == {state_hash(state)}
+    # the switch check: clean everywhere, and one changed element is seen by every rank
+    assert all(r["clean"] == [] for r in results)
+    assert all(r["dirty"] == results[0]["dirty"] != [] for r in results)
+    assert f"rank {world - 1} holds a different model/" in results[0]["dirty"][0]
     reads = [r["read"] for r in results]
     if name == "dp":
         assert reads == [total] * world

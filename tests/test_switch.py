@@ -38,6 +38,7 @@ def test_switch_schedule_dp_zero3_pipeline_zero1_dp(ray_local, tmp_path):
         ("dp", "zero3"), ("zero3", "pipeline"), ("pipeline", "zero1"), ("zero1", "dp")]
     for e in switches:
         assert e.data["state_preserved"] and e.data["seconds"] > 0 and e.data["reason"]
+        assert e.data["check"] == "pieces" and e.data["problems"] == []
     strategies = [h["strategy"] for h in result.history]
     assert strategies == ["dp"] * 3 + ["zero3"] * 3 + ["pipeline"] * 3 + ["zero1"] * 3 + ["dp"] * 3
 
