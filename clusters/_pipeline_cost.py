@@ -98,7 +98,9 @@ def estimate_pipeline(
         for j in range(p):
             group = [dev(j, r) for r in range(dp)]
             # zero2/zero3 reduce-scatter (zero3 also gathers) once per micro-batch.
-            t_sync, name = model.sync_time(plan.dp_mode, pos_params[j], group, cluster, profile, m)
+            units = sum(len(stages[k]) for k in chunks[j])  # zero3: one FSDP unit per block
+            t_sync, name = model.sync_time(plan.dp_mode, pos_params[j], group, cluster, profile, m,
+                                           units=units)
             if t_sync >= comm:
                 comm, link = t_sync, name
     exposed = max(0.0, comm - model.overlap * (2 / 3) * compute)

@@ -224,8 +224,12 @@ class CostModel:
         cluster: Cluster,
         profile: ModelProfile,
         micro_batches: int = 1,
+        units: int = 1,
     ) -> tuple[float, str]:
-        """Seconds of gradient/parameter collectives per step for one data-parallel group."""
+        """Seconds of gradient/parameter collectives per step for one data-parallel group.
+        ``units``: zero3's FSDP units (elastic wraps every block as one): each gathers its
+        parameters in forward and again in backward and reduce-scatters its gradient, so
+        the latency term counts per unit while the bytes are the same in total."""
         n = len(group)
         path = cluster.path(group)
         a, b = self.alpha_beta(path)
@@ -233,11 +237,12 @@ class CostModel:
         ar = collective_time("all_reduce", sg, n, a, b)
         ag = collective_time("all_gather", sp, n, a, b)
         rs = collective_time("reduce_scatter", sg, n, a, b)
+        per_unit = (max(1, units) - 1) * (n - 1) * a if n > 1 else 0.0  # latency, per extra unit
         t = {
             "dp": ar,
             "zero1": ar + ag,
             "zero2": ag + micro_batches * rs,
-            "zero3": micro_batches * (2 * ag + rs),
+            "zero3": micro_batches * (2 * ag + rs + 3 * per_unit),
         }[mode]
         return t, path.name if path else "-"
 
@@ -255,7 +260,8 @@ class CostModel:
             s * memo[self.device_key(d, profile)] + passes * d.slowdown
             for s, d in zip(plan.shares, devs, strict=True)
         ]
-        comm, link = self.sync_time(plan.strategy, p_all, devs, cluster, profile, m)
+        comm, link = self.sync_time(plan.strategy, p_all, devs, cluster, profile, m,
+                                    units=profile.n_blocks)
         exposed = max(0.0, comm - self.overlap * (2 / 3) * max(comp))
         local_params = p_all / n if plan.strategy != "dp" else p_all
         opt = max(

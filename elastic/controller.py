@@ -150,8 +150,15 @@ class Controller:
     # ------------------------------------------------------------------ public
 
     def post(self, req: Request) -> None:
-        """Thread-safe: queue a request for the next step boundary."""
+        """Thread-safe: queue a request for the next step boundary, and ask the workers to
+        stop there now rather than at the controller's next poll (up to 1 s away when idle)."""
         self.requests.put(req)
+        if self.state is ControllerState.RUNNING:
+            for w in list(self.workers):
+                try:
+                    w.handle.request_stop.remote()
+                except Exception:  # a dead worker: failure handling sees it
+                    pass
 
     def run(self) -> FitResult:
         cfg = self.cfg

@@ -68,6 +68,19 @@ def is_infrastructure_error(exc: BaseException) -> bool:
 
 
 
+def _compute_blocks(strategy: Any) -> list[torch.nn.Module]:
+    """The modules whose forward is this rank's compute, finest first: the blocks of its
+    pipeline stages, else the model's pipeline blocks, else the whole local model."""
+    from strategies.pipeline import pipeline_blocks_or_none
+
+    stages = getattr(strategy, "stages", None)
+    if stages:
+        return [b for st in stages for b in st.blocks]
+    model = strategy.local_model()
+    blocks = pipeline_blocks_or_none(model)
+    return [b for _, b in blocks] if blocks else [model]
+
+
 @dataclasses.dataclass
 class _Pending:
     """A finished step whose control all-reduce is in flight."""
@@ -109,6 +122,9 @@ class Worker:
         self._emulated_slowdown = 1.0
         self._emulation: dict[str, Any] = {}
         self._sec_per_sample: float | None = None
+        self._bwd_ratio = 2.0  # backward / forward time of the model (profiled)
+        self._slow_hooks: list[Any] = []  # the emulated slowdown's forward hooks
+        self._slow_dirty = False
         self.next_step = 0  # data position: the first step not yet applied to this state
         self._snapshot: dict[str, torch.Tensor] | None = None  # full (planned change) or
         # held (parked at leave) canonical state, kept until the next layout
@@ -269,13 +285,10 @@ class Worker:
         step = start
         while step < end:
             t0 = time.perf_counter()
+            if self._slow_dirty:
+                self._install_slowdown()
             idx = self._sampler.indices(step)[lo:hi]
             x, y = fetch_batch(self._dataset, idx)
-            if self._emulated_slowdown > 1.0:  # emulated slow device: its compute takes longer
-                if self._sec_per_sample is None:
-                    self._profile_base(max(1, hi - lo))
-                assert self._sec_per_sample is not None
-                time.sleep(self._sec_per_sample * (hi - lo) * (self._emulated_slowdown - 1.0))
             local = self.strategy.train_step(x, y)
             self.next_step = step + 1
             busy = 1.0 if self._writer is not None and self._writer.state != "idle" else 0.0
@@ -410,6 +423,7 @@ class Worker:
             strat.close()
             raise
         self.strategy, self.spec = strat, spec
+        self._install_slowdown()
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -540,7 +554,38 @@ class Worker:
         ``memory_gb`` budget for the planner, ``stands_for`` a display name). Returns info()."""
         self._emulation = dict(emulation or {})
         self._emulated_slowdown = max(1.0, float(self._emulation.get("slowdown", 1.0)))
+        self._slow_dirty = True  # the step loop re-installs the hooks (this may run mid-step)
         return self.info()
+
+    def _install_slowdown(self) -> None:
+        """Emulate a slower device inside the compute: every block this rank runs (each
+        pipeline stage's blocks, else the model's blocks, else the whole model) sleeps after
+        each forward ``(slowdown - 1) x`` that forward's time x ``(1 + backward/forward)``,
+        so a slow pipeline stage is slow on every micro-batch and collectives between
+        blocks (FSDP's gathers) are not slowed. The ratio comes from ``_profile_base``."""
+        for h in self._slow_hooks:
+            h.remove()
+        self._slow_hooks = []
+        self._slow_dirty = False
+        k = self._emulated_slowdown
+        if k <= 1.0 or self.strategy is None:
+            return
+        if self._sec_per_sample is None:
+            self._profile_base(8)
+        extra = (k - 1.0) * (1.0 + self._bwd_ratio)
+        started: dict[int, float] = {}
+
+        def pre(mod: Any, _args: Any) -> None:
+            started[id(mod)] = time.perf_counter()
+
+        def post(mod: Any, _args: Any, _out: Any) -> None:
+            t = started.pop(id(mod), None)
+            if t is not None:
+                time.sleep(extra * (time.perf_counter() - t))
+
+        for m in _compute_blocks(self.strategy):
+            self._slow_hooks += [m.register_forward_pre_hook(pre),
+                                 m.register_forward_hook(post)]
 
     def _profile_base(self, batch: int, min_s: float = 0.05, max_iters: int = 50) -> float:
         """Seconds per sample of forward+backward of a private copy of the model (no
@@ -553,17 +598,24 @@ class Worker:
         x, y = fetch_batch(self._dataset, idx)
         x, y = x.to(self.device), y.to(self.device)
         times: list[float] = []
+        fwd: list[float] = []
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
         for i in range(max_iters + 1):
             t0 = time.perf_counter()
-            self._loss_fn(model(x), y).backward()
-            if self.device.type == "cuda":
-                torch.cuda.synchronize()
+            loss = self._loss_fn(model(x), y)
+            sync()
+            t1 = time.perf_counter()
+            loss.backward()
+            sync()
             if i:  # the first iteration warms up
                 times.append(time.perf_counter() - t0)
+                fwd.append(t1 - t0)
             model.zero_grad(set_to_none=True)
             if len(times) >= 5 and sum(times) >= min_s:
                 break
-        self._sec_per_sample = sorted(times)[len(times) // 2] / batch
+        med, med_f = sorted(times)[len(times) // 2], sorted(fwd)[len(fwd) // 2]
+        self._sec_per_sample = med / batch
+        self._bwd_ratio = max(0.0, med - med_f) / med_f if med_f > 0 else 2.0
         return self._sec_per_sample
 
     def profile(self, batch: int, detail: bool = False) -> dict[str, Any]:
