@@ -1,8 +1,8 @@
 """The job's side of checkpoints: which store, which rank writes which pieces.
 
-Every rank writes a shard; replicated entries are written once, by one of the ranks that hold
-them (balanced by bytes). A layout in which no rank holds whole tensors (zero3) first gathers
-the full state, then splits the writing the same way.
+Every rank writes a shard of what it holds; replicated entries are written once, by one of the
+ranks that hold them (balanced by bytes); sharded entries (zero3) are written as each rank's
+rows, with no gather.
 """
 
 from __future__ import annotations
@@ -43,20 +43,29 @@ def assign_writers(holdings: list[dict[str, int]]) -> dict[str, int]:
     return owner
 
 
-def checkpoint_pieces(strategy: Any, held: dict[str, torch.Tensor], rank: int,
-                      world: int) -> list[Piece]:
-    """Collective. The pieces this rank writes for the current layout."""
-    flag = torch.tensor([0.0 if held else 1.0])
-    dist.all_reduce(flag, group=_cpu_group())
-    if flag.item() > 0:  # some rank holds no whole tensor: gather the full state everywhere
-        held = strategy.full_state()
-    held = dict(held)
-    held[f"rng/rank{rank}/torch"] = torch.get_rng_state()
-    mine = {k: t.numel() * t.element_size() for k, t in held.items()}
+def checkpoint_pieces(strategy: Any, rank: int, world: int) -> list[Piece]:
+    """Collective. The pieces this rank writes for the current layout: what it holds itself
+    (``Strategy.local_state``: whole entries, or its rows of sharded ones, so no layout
+    gathers), each written once: a piece several ranks hold alike (a replica) by the least
+    loaded of them. The tensors are the live ones where the layout allows (no copy here;
+    ``ShardWriter.begin`` copies)."""
+    local = strategy.local_state()
+    rows = strategy.local_rows()
+    ids: dict[str, tuple[str, torch.Tensor, int, tuple[int, ...] | None]] = {}
+    for k, t in local.items():
+        shape, r = rows.get(k, (tuple(t.shape), None))
+        if r is None:
+            ids[k] = (k, t, 0, None)
+        else:
+            ids[f"{k}@{r[0]}:{r[1]}"] = (k, t, int(r[0]), tuple(shape))
+    rng = f"rng/rank{rank}/torch"
+    ids[rng] = (rng, torch.get_rng_state(), 0, None)
+    mine = {i: v[1].numel() * v[1].element_size() for i, v in ids.items()}
     holdings: list[Any] = [None] * world
     dist.all_gather_object(holdings, mine, group=_cpu_group())
     owner = assign_writers(holdings)
-    return [Piece(k, t) for k, t in held.items() if owner[k] == rank]
+    return [Piece(k, t, start=a, full_shape=full) for i, (k, t, a, full) in ids.items()
+            if owner[i] == rank]
 
 
 _GLOO: dict[int, Any] = {}

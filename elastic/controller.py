@@ -144,6 +144,7 @@ class Controller:
         self._store: Any = None
         self._resume: tuple[Any, int] | None = None  # (store, step) to start from
         self._ckpt: dict[str, Any] | None = None  # the checkpoint in flight
+        self._start_error = ""  # why the last worker that failed to start failed
         self._target_world = config.max_workers if config.max_workers is not None else \
             config.num_workers
 
@@ -297,6 +298,11 @@ class Controller:
                 "Fix: lower num_workers or resources_per_worker, or add nodes."
             )
         new = self._start_workers(pg, list(range(n)), bundle)
+        if len(new) < self.cfg.min_world:
+            raise ClusterError(
+                f"only {len(new)} of {n} workers started (min_workers={self.cfg.min_world}); "
+                f"a worker failed to start: {self._start_error}. Fix: check that the job's "
+                "code imports and its factories run on the cluster's nodes.")
         infos = [w.info for w in new]
         nodes = len({i["node_id"] for i in infos})
         self._emit("placed", f"{n} workers on {nodes} node(s), devices "
@@ -349,7 +355,9 @@ class Controller:
             try:
                 w.info = ray.get(ref, timeout=0 if wait_s is not None else None)
                 up.append(w)
-            except Exception:
+            except Exception as e:
+                self._start_error = str(_unwrap(e)).strip().splitlines()[-1][:500] if str(e) \
+                    else type(e).__name__
                 try:
                     ray.kill(w.handle)
                 except Exception:
@@ -741,7 +749,10 @@ class Controller:
                     if ck is None or ck["step"] != m["checkpoint_begun"]:
                         ck = self._ckpt = {"step": m["checkpoint_begun"], "blocked_s": 0.0,
                                            "spec": self.spec, "t0": time.time()}
-                    ck["blocked_s"] = max(ck["blocked_s"], m["checkpoint_blocked_s"])
+                    ck.setdefault("by_rank", {})[m["rank"]] = m["checkpoint_blocked_s"]
+                    ck["blocked_s"] = max(ck["by_rank"].values())
+                if m.get("checkpoint_wait_s"):  # the next update waited for the host copy
+                    self._checkpoint_wait(m["rank"], float(m["checkpoint_wait_s"]))
                 if m.get("checkpoint_skipped") and m["rank"] == 0:
                     self._emit("checkpoint_skipped", f"step {m['checkpoint_skipped']}: the "
                                "previous checkpoint is still uploading")
@@ -758,6 +769,19 @@ class Controller:
                     pass
         if per_step:
             self.view.workers([w.info for w in self.workers])
+
+    def _checkpoint_wait(self, rank: int, wait_s: float) -> None:
+        """Count a rank's wait for the deferred host copy as blocked time of its checkpoint:
+        the one in flight, else (its commit came first) the last committed one's event."""
+        ck = self._ckpt
+        if ck is not None:
+            by = ck.setdefault("by_rank", {})
+            by[rank] = by.get(rank, 0.0) + wait_s
+            ck["blocked_s"] = max(by.values())
+            return
+        ev = next((e for e in reversed(self.events) if e.kind == "checkpoint"), None)
+        if ev is not None:
+            ev.data["update_wait_s"] = max(ev.data.get("update_wait_s", 0.0), wait_s)
 
     def _record_step(self, step: int, m: dict[str, Any] | None, spec: StrategySpec | None = None,
                      generation: int | None = None) -> None:

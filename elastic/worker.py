@@ -29,7 +29,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from strategies import Runtime, Strategy, StrategySpec, check_layout, state_hash
+from strategies import (
+    Runtime,
+    Strategy,
+    StrategySpec,
+    check_layout,
+    on_before_update,
+    state_hash,
+)
 from strategies import get as get_strategy
 
 from .config import JobConfig
@@ -125,6 +132,9 @@ class Worker:
         self._bwd_ratio = 2.0  # backward / forward time of the model (profiled)
         self._slow_hooks: list[Any] = []  # the emulated slowdown's forward hooks
         self._slow_dirty = False
+        self._param_keys: set[str] = set()  # "model/<fqn>" of parameters (not buffers)
+        self._unhook_update: Callable[[], None] | None = None
+        self._staged_wait_s = 0.0  # waits for a checkpoint's deferred copy, not yet reported
         self.next_step = 0  # data position: the first step not yet applied to this state
         self._snapshot: dict[str, torch.Tensor] | None = None  # full (planned change) or
         # held (parked at leave) canonical state, kept until the next layout
@@ -323,6 +333,9 @@ class Worker:
             else:
                 ckpt = {"checkpoint_begun": step + 1,
                         "checkpoint_blocked_s": self._checkpoint_begin(step + 1)}
+        if self._staged_wait_s > 0:  # an earlier checkpoint's copy held this step's update
+            ckpt["checkpoint_wait_s"] = self._staged_wait_s
+            self._staged_wait_s = 0.0
         dt = p.t_end - p.t0
         self._metrics.append({
             "step": step, "rank": self.rank, "loss": loss, "step_time": dt,
@@ -409,6 +422,7 @@ class Worker:
         self._ensure_data()
         cls = get_strategy(spec.name)
         model = build_model(self._model_factory, self.config.seed)
+        self._param_keys = {f"model/{n}" for n, _ in model.named_parameters()}
         cls.validate(spec, model)
         build = spec
         if state is not None or read is not None:  # a state is loaded next: no init broadcast
@@ -434,9 +448,21 @@ class Worker:
 
         t0 = time.perf_counter()
         writer = self._ensure_writer()
-        pieces = checkpoint_pieces(self.strategy, self._held(), self.rank, self.world)
-        writer.begin(step, pieces)
+        pieces = checkpoint_pieces(self.strategy, self.rank, self.world)
+        if self._unhook_update is None:
+            self._unhook_update = on_before_update(self._before_update)
+        params = self._param_keys
+        # parameters and optimizer state change only in a step's update: their host copy runs
+        # beside the next step's forward and backward, and the update waits for it; buffers
+        # (changed by forward) and everything else are copied now
+        writer.begin(step, pieces, later=lambda k: k.startswith("optim/") or k in params)
         return time.perf_counter() - t0
+
+    def _before_update(self) -> None:
+        """Runs before any strategy changes parameters or optimizer state: the deferred host
+        copy of a checkpoint must be done by then (time waited counts as blocked)."""
+        if self._writer is not None:
+            self._staged_wait_s += self._writer.staged()
 
     def _wait_writer_idle(self) -> bool:
         """Collective: wait (bounded by ``checkpoint_wait_s``) until this rank's previous

@@ -13,7 +13,9 @@ from .base import (
     Strategy,
     StrategyError,
     StrategySpec,
+    before_update,
     check_layout,
+    on_before_update,
     state_hash,
 )
 from .registry import get, names, register
@@ -26,6 +28,8 @@ __all__ = [
     "StrategySpec",
     "state_hash",
     "check_layout",
+    "on_before_update",
+    "before_update",
     "get",
     "names",
     "register",

@@ -43,11 +43,35 @@ __all__ = [
     "model_state_to_canonical",
     "state_hash",
     "check_layout",
+    "on_before_update",
+    "before_update",
 ]
 
 CanonicalState = dict[str, torch.Tensor]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+_BEFORE_UPDATE: list[Callable[[], None]] = []
+
+
+def on_before_update(fn: Callable[[], None]) -> Callable[[], None]:
+    """Call ``fn()`` right before any strategy in this process changes parameters or
+    optimizer state in a step (an optimizer step, or ZeRO's parameter broadcast). Forward and
+    backward do not change them, so a caller may read them until then: an asynchronous
+    checkpoint copies them while the next step computes. Returns a function that removes it."""
+    _BEFORE_UPDATE.append(fn)
+
+    def remove() -> None:
+        if fn in _BEFORE_UPDATE:
+            _BEFORE_UPDATE.remove(fn)
+    return remove
+
+
+def before_update() -> None:
+    """Strategies call this before they update parameters or optimizer state."""
+    for fn in list(_BEFORE_UPDATE):
+        fn()
 
 
 class StrategyError(ValueError):
@@ -171,6 +195,11 @@ class Strategy(ABC):
                                       "held_state")
         return fn()
 
+    def local_rows(self) -> dict[str, tuple[tuple[int, ...], tuple[int, int] | None]]:
+        """Local: for each ``local_state`` key, the entry's full shape and the dim-0 rows
+        this rank holds (None: the whole entry). Default: layouts holding entries whole."""
+        return {k: (tuple(v.shape), None) for k, v in self.local_state().items()}
+
     @abstractmethod
     def memory_counts(self) -> dict[str, int]:
         """Elements this rank actually holds: ``params``, ``grads``, ``optim``."""
@@ -184,6 +213,7 @@ class Strategy(ABC):
         optimizer.zero_grad(set_to_none=True)
         loss = self.loss_fn(module(inputs), targets)
         (loss * scale).backward()
+        before_update()
         optimizer.step()
         return float(loss.detach()) * self.share / self.spec.global_batch_size
 
@@ -198,21 +228,24 @@ class Strategy(ABC):
 # --------------------------------------------------------------------------- canonical helpers
 
 
-def model_state_to_canonical(named: Iterable[tuple[str, torch.Tensor]]) -> CanonicalState:
-    return {f"model/{k}": v.detach().to("cpu", copy=True) for k, v in named}
+def model_state_to_canonical(named: Iterable[tuple[str, torch.Tensor]],
+                             copy: bool = True) -> CanonicalState:
+    """``copy=False``: CPU tensors are the live ones (views), not copies."""
+    return {f"model/{k}": v.detach().to("cpu", copy=copy) for k, v in named}
 
 
 def optimizer_state_to_canonical(
-    optimizer: torch.optim.Optimizer, fqn_of: dict[int, str]
+    optimizer: torch.optim.Optimizer, fqn_of: dict[int, str], copy: bool = True
 ) -> CanonicalState:
     """Per-parameter optimizer state keyed by the parameter's FQN. ``fqn_of`` maps
-    ``id(param)`` to its FQN; parameters without state are skipped."""
+    ``id(param)`` to its FQN; parameters without state are skipped. ``copy=False``: CPU
+    tensors are the live ones."""
     out: CanonicalState = {}
     for p, st in optimizer.state.items():
         fqn = fqn_of[id(p)]
         for k, v in st.items():
             t = v if isinstance(v, torch.Tensor) else torch.tensor(v)
-            out[f"optim/{fqn}/{k}"] = t.detach().to("cpu", copy=True)
+            out[f"optim/{fqn}/{k}"] = t.detach().to("cpu", copy=copy)
     return out
 
 

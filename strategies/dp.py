@@ -59,6 +59,12 @@ class DataParallel(Strategy):
         """Local, no collective: a replica holds the whole canonical state."""
         return self.full_state()
 
+    def local_state(self) -> CanonicalState:
+        """Local, no copies on CPU: the live model and optimizer tensors."""
+        out = model_state_to_canonical(self.model.state_dict().items(), copy=False)
+        out.update(optimizer_state_to_canonical(self.optimizer, self.fqn_of, copy=False))
+        return out
+
     def load_full_state(self, state: CanonicalState) -> None:
         msd = {k[len("model/"):]: v for k, v in state.items() if k.startswith("model/")}
         self.model.load_state_dict(msd)

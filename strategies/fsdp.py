@@ -170,6 +170,26 @@ class ShardIndex:
                     out[f"optim/{name}/{k}"] = _local(t).detach().cpu()
         return out
 
+    def rows(self, optimizer: torch.optim.Optimizer | None
+             ) -> dict[str, tuple[tuple[int, ...], tuple[int, int] | None]]:
+        """For each key of ``local``: the full shape and this rank's rows (None: whole)."""
+        out: dict[str, tuple[tuple[int, ...], tuple[int, int] | None]] = {}
+
+        def one(key: str, like: torch.Tensor) -> None:
+            shape = tuple(like.shape)
+            need = self.needs(key, shape)
+            out[key] = (shape, None if need is True or need is False else need)
+
+        for k, v in self.entries.items():
+            one(f"model/{k}", v)
+        if optimizer is not None:
+            for name, p in self.params.items():
+                st = optimizer.state.get(p, {})
+                for k in sorted(st):
+                    v = st[k]
+                    one(f"optim/{name}/{k}", v if isinstance(v, torch.Tensor) else torch.tensor(v))
+        return out
+
     def needs(self, key: str, shape: tuple[int, ...]) -> bool | tuple[int, int]:
         if key.startswith("model/"):
             like = self.entries.get(key[len("model/"):])
@@ -292,6 +312,9 @@ class FullyShardedDataParallel(Strategy):
 
     def local_state(self) -> CanonicalState:
         return self._shards().local(self.optimizer)
+
+    def local_rows(self) -> dict[str, tuple[tuple[int, ...], tuple[int, int] | None]]:
+        return self._shards().rows(self.optimizer)
 
     def load_state(self, state: CanonicalState) -> None:
         self.optimizer.zero_grad(set_to_none=True)

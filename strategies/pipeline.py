@@ -69,6 +69,7 @@ from .base import (
     Strategy,
     StrategyError,
     StrategySpec,
+    before_update,
     model_state_to_canonical,
 )
 from .registry import register
@@ -418,6 +419,7 @@ class Pipeline(Strategy):
             self.update.step()
         else:
             assert self.optimizer is not None
+            before_update()
             self.optimizer.step()
         if not self.is_last:
             return 0.0
@@ -480,6 +482,11 @@ class Pipeline(Strategy):
         if self.update is None:
             return self._shards().local(self.optimizer)
         return self.held_state()
+
+    def local_rows(self) -> dict[str, tuple[tuple[int, ...], tuple[int, int] | None]]:
+        if self.update is None:
+            return self._shards().rows(self.optimizer)
+        return super().local_rows()
 
     def load_state(self, state: CanonicalState) -> None:
         from .fsdp import load_sharded_state

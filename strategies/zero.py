@@ -48,6 +48,7 @@ from .base import (
     Runtime,
     Strategy,
     StrategySpec,
+    before_update,
     model_state_to_canonical,
     optimizer_state_from_canonical,
     optimizer_state_to_canonical,
@@ -163,6 +164,7 @@ class ShardedUpdate:
 
     def step(self) -> None:
         """Owners step their optimizer; updated parameters go out from their owners."""
+        before_update()
         if self.optimizer is not None:
             self.optimizer.step()
         if self.mode == "dp" or len(self.ranks) == 1:
@@ -185,11 +187,11 @@ class ShardedUpdate:
 
     # ------------------------------------------------------------------ state
 
-    def optim_state(self) -> CanonicalState:
+    def optim_state(self, copy: bool = True) -> CanonicalState:
         """This rank's part of the canonical optimizer state (its owned parameters only)."""
         if self.optimizer is None:
             return {}
-        return optimizer_state_to_canonical(self.optimizer, self.fqn_of)
+        return optimizer_state_to_canonical(self.optimizer, self.fqn_of, copy=copy)
 
     def load_optim_state(self, state: CanonicalState) -> None:
         """Keep the canonical optimizer entries of the owned parameters (no communication)."""
@@ -294,6 +296,11 @@ class _Zero(Strategy):
     def needs(self, key: str, shape: tuple[int, ...]) -> bool | tuple[int, int]:
         """The whole model, and the optimizer entries of the owned parameters only."""
         return owned_needs(key, self.update.owned)
+
+    def local_state(self) -> CanonicalState:
+        out = model_state_to_canonical(self.model.state_dict().items(), copy=False)
+        out.update(self.update.optim_state(copy=False))
+        return out
 
     def load_state(self, state: CanonicalState) -> None:
         self.load_full_state(state)  # it keeps the owned entries and ignores the rest

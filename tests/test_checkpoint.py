@@ -203,6 +203,29 @@ def test_writer_one_checkpoint_at_a_time(tmp_path) -> None:
     assert torch.equal(load(store, m)[FSDP_KEY], expected)
 
 
+def test_deferred_host_copy_runs_beside_the_caller(tmp_path) -> None:
+    """``begin(later=...)``: the chosen pieces are copied on the upload thread; after
+    ``staged()`` the caller may change them and the shard still holds the old values; the
+    others may change as soon as ``begin`` returns."""
+    store = CheckpointStore(str(tmp_path))
+    state = make_state(rows=256, seed=3)
+    keys = sorted(state)
+    deferred = set(keys[: len(keys) // 2])
+    expected = {k: v.clone() for k, v in state.items()}
+    w = ShardWriter(store, 0, copy_threads=2)
+    w.begin(1, state, later=lambda k: k in deferred)
+    for k in set(keys) - deferred:
+        state[k].zero_()  # copied already
+    assert w.staged(timeout=30) >= 0.0
+    for k in deferred:
+        state[k].zero_()
+    m = commit(store, 1, [w.wait(timeout=30)])
+    w.committed(1)
+    assert w.staged() == 0.0  # nothing pending
+    w.close()
+    assert state_hash(load(store, m)) == state_hash(expected)
+
+
 def test_parallel_host_copy_and_checksums(tmp_path, monkeypatch) -> None:
     import elastic.checkpoint.writer as writer_mod
 

@@ -10,7 +10,7 @@ import time
 import torch
 
 import elastic
-from elastic.checkpoint import CheckpointStore, committed_steps, export, load
+from elastic.checkpoint import CheckpointReader, CheckpointStore, committed_steps, export, load
 from elastic.reference import reference_train
 from tests.helpers import RegressionData, adam, max_diff, mlp, mse
 
@@ -35,7 +35,13 @@ def test_periodic_checkpoints_then_resume_resharded(ray_local, tmp_path):
     saved = load(CheckpointStore(uri), 12)
     assert max_diff({k[6:]: v for k, v in saved.items() if k.startswith("model/")},
                     r1.state_dict()) == 0.0
-    # resume on 3 workers under zero3: same trajectory as 16 uninterrupted steps
+    # step 8's parameters were copied beside step 9's compute (asynchronous host copy): the
+    # checkpoint still holds step 8, not a later state
+    ref8, _ = reference_train(mlp, adam, mse, RegressionData(), G, 8, seed=0)
+    assert max_diff(_model(load(CheckpointStore(uri), 8)), ref8) < TOL
+    # resume on 3 workers under zero3: same trajectory as 16 uninterrupted steps; it writes
+    # its own checkpoints as each rank's rows of every entry (no gather)
+    uri2 = str(tmp_path / "ckpt-zero3")
     r2 = elastic.fit(**_cfg(tmp_path, max_steps=16, checkpoint_uri=uri, resume="latest",
                             num_workers=3, strategy="zero3", run_dir=str(tmp_path / "run2")))
     assert [h["step"] for h in r2.history] == [12, 13, 14, 15]
@@ -46,6 +52,14 @@ def test_periodic_checkpoints_then_resume_resharded(ray_local, tmp_path):
     assert total <= sum(reads) <= total + 3 * 64, (reads, total)  # Adam's 0-dim steps: each rank
     ref, _ = reference_train(mlp, adam, mse, RegressionData(), G, 16, seed=0)
     assert max_diff(r2.state_dict(), ref) < TOL
+    r3 = elastic.fit(**_cfg(tmp_path, max_steps=6, checkpoint_uri=uri2, checkpoint_every=3,
+                            num_workers=3, strategy="zero3", run_dir=str(tmp_path / "run3")))
+    st = CheckpointStore(uri2)
+    ref3, _ = reference_train(mlp, adam, mse, RegressionData(), G, 3, seed=0)
+    assert max_diff(_model(load(st, 3)), ref3) < TOL
+    assert max_diff(_model(load(st, 6)), r3.state_dict()) == 0.0
+    with CheckpointReader(st, 6) as rd:
+        assert sum(len(ix.items) for ix in rd.indices()) > len(rd.tensors())  # row pieces
     # export: one plain PyTorch file, loadable without elastic
     out = tmp_path / "model.pt"
     export(CheckpointStore(uri), str(out), "latest")  # step 12: the resumed run saved none
@@ -72,6 +86,10 @@ def test_s3_server_dies_mid_run_job_keeps_training(ray_local, tmp_path, s3_serve
     assert max_diff(result.state_dict(), ref) < TOL
     text = " ".join(e.message for e in result.events)
     assert s3_server.options()["secret_key"] not in text
+
+
+def _model(state):
+    return {k[len("model/"):]: v for k, v in state.items() if k.startswith("model/")}
 
 
 def _slow_mse(out, y):

@@ -143,8 +143,9 @@ class ShardWriter:
         self._info: ShardInfo | None = None
         self._error: CheckpointError | None = None
         self._thread: threading.Thread | None = None
-        self._jobs: queue.SimpleQueue[tuple[int, torch.Tensor, list[ItemEntry], int] | None]
-        self._jobs = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._staged = threading.Event()  # set: no deferred host copy pending
+        self._staged.set()
         self._cancel = threading.Event()
 
     # ------------------------------------------------------------------ status
@@ -183,12 +184,16 @@ class ShardWriter:
         pieces: Mapping[str, torch.Tensor] | Iterable[Piece],
         *,
         wait_s: float = 0.0,
+        later: Callable[[str], bool] | None = None,
     ) -> float:
         """Copy ``pieces`` to host memory, start uploading them as this rank's shard of
         ``step``, and return the seconds the caller was blocked.
 
-        After this returns the caller may modify its tensors. Raises ``CheckpointError`` if the
-        previous checkpoint is not released within ``wait_s`` seconds, or a piece is invalid.
+        After this returns the caller may modify its tensors, except the CPU pieces whose key
+        ``later(key)`` accepts: those are copied on the upload thread, before it uploads, and
+        the caller must call ``staged()`` before it modifies them (training overlaps that copy
+        with the next step's forward and backward). Raises ``CheckpointError`` if the previous
+        checkpoint is not released within ``wait_s`` seconds, or a piece is invalid.
         """
         t0 = time.perf_counter()
         plist = as_pieces(pieces)
@@ -199,6 +204,7 @@ class ShardWriter:
             cuda = any(p.tensor.is_cuda for p in plist)
             buf = self._ensure_staging(total, cuda and torch.cuda.is_available())
             copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+            deferred: list[tuple[torch.Tensor, torch.Tensor]] = []
             end = 0
             for p, off in placed:
                 if off > end:
@@ -206,7 +212,8 @@ class ShardWriter:
                 n = p.nbytes
                 if n:
                     dst = buf[off : off + n].view(p.tensor.dtype).view(p.tensor.shape)
-                    copies.extend(_split_copy(dst, p.tensor.detach()))
+                    defer = later is not None and not p.tensor.is_cuda and later(p.key)
+                    (deferred if defer else copies).extend(_split_copy(dst, p.tensor.detach()))
                 end = off + n
             if total > end:
                 buf[end:total].zero_()
@@ -238,15 +245,30 @@ class ShardWriter:
             ]
             self._state, self._step = _UPLOADING, int(step)
             self._info, self._error = None, None
+            self._staged = threading.Event()
+            if not deferred:
+                self._staged.set()
             self._cancel.clear()
             if self._thread is None:  # one long-lived thread: no thread start per checkpoint
                 self._thread = threading.Thread(
                     target=self._serve, daemon=True, name=f"elastic-ckpt-upload-r{self.rank}"
                 )
                 self._thread.start()
-            self._jobs.put((int(step), buf, items, total))
+            self._jobs.put((int(step), buf, items, total, deferred, self._staged))
         self.last_blocked_s = time.perf_counter() - t0
         return self.last_blocked_s
+
+    def staged(self, timeout: float | None = None) -> float:
+        """Block until the copies ``begin(..., later=...)`` deferred are done (at once if
+        none are pending); return the seconds waited. Call it before changing those tensors."""
+        ev = self._staged
+        if ev.is_set():
+            return 0.0
+        t0 = time.perf_counter()
+        if not ev.wait(timeout):
+            raise CheckpointError(f"rank {self.rank}: host copy of step {self._step} not done "
+                                  f"after {timeout} s")
+        return time.perf_counter() - t0
 
     def _busy_message(self, step: int) -> str:
         if self._state == _FAILED:
@@ -334,10 +356,21 @@ class ShardWriter:
         while (job := self._jobs.get()) is not None:
             self._run(*job)
 
-    def _run(self, step: int, buf: torch.Tensor, items: list[ItemEntry], total: int) -> None:
+    def _run(self, step: int, buf: torch.Tensor, items: list[ItemEntry], total: int,
+             deferred: list[tuple[torch.Tensor, torch.Tensor]], staged: threading.Event
+             ) -> None:
         info: ShardInfo | None = None
         err: CheckpointError | None = None
         try:
+            try:  # the host copies begin() left to this thread, before anything is uploaded
+                if self._copy_pool is not None and len(deferred) > 1:
+                    list(self._copy_pool.map(lambda c: c[0].copy_(c[1]), deferred))
+                else:
+                    for dst, src in deferred:
+                        dst.copy_(src)
+            finally:
+                deferred.clear()  # drop the references to the caller's tensors
+                staged.set()
             info = _upload(
                 self.store,
                 step,
