@@ -600,13 +600,17 @@ class Worker:
             self._profile_base(8)
         extra = (k - 1.0) * (1.0 + self._bwd_ratio)
         started: dict[int, float] = {}
+        # on a GPU a forward only queues kernels: time it to their end
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
 
         def pre(mod: Any, _args: Any) -> None:
+            sync()
             started[id(mod)] = time.perf_counter()
 
         def post(mod: Any, _args: Any, _out: Any) -> None:
             t = started.pop(id(mod), None)
             if t is not None:
+                sync()
                 time.sleep(extra * (time.perf_counter() - t))
 
         for m in _compute_blocks(self.strategy):
