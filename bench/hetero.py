@@ -240,6 +240,15 @@ def part_strategies(tmp: str, args: argparse.Namespace, balance_rounds: list[dic
                                     "optimizer": p2.optimizer, "bubble": p2.bubble},
                "step_times": m["step_times"]}
         out["rows"].append(row)
+    # profiled + the job's own per-step overhead: what the model leaves out (control,
+    # optimizer bookkeeping, the wait for the slowest rank's jitter) measured on the first
+    # layout the job ran (dp: measured - predicted), then added to every other prediction
+    first = out["rows"][0] if out["rows"] else None
+    over = max(0.0, first["measured_s"] - first["profiled_s"]) if first else 0.0
+    out["live_overhead_s"] = over
+    for row in out["rows"]:
+        row["live_s"] = row["profiled_s"] + over
+        row["live_err"] = row["live_s"] / row["measured_s"] - 1
     return out
 
 
@@ -278,17 +287,22 @@ def tables(by_g: dict[int, list[dict[str, Any]]], strat: dict[str, Any] | None) 
     lines = [balance_table(rs) + "\n" for rs in by_g.values()]
     if strat:
         lines += ["", "| strategy | plan | measured median step (ms) | predicted, profiled (ms) "
-                  "| error | predicted, calibrated (ms) | error | calibrated parts (compute / "
-                  "comm / optimizer ms, bubble) |", "|---|---|---|---|---|---|---|---|"]
+                  "| error | profiled + live overhead (ms) | error "
+                  "| predicted, calibrated (ms) | error | calibrated parts (compute / "
+                  "comm / optimizer ms, bubble) |", "|---|---|---|---|---|---|---|---|---|---|"]
         for r in strat["rows"]:
             p = r["calibrated_parts"]
             lines.append(
                 f"| {r['strategy']} | {r['plan']} | {r['measured_s'] * 1e3:.1f} | "
                 f"{r['profiled_s'] * 1e3:.1f} | {r['profiled_err']:+.0%} | "
+                f"{r['live_s'] * 1e3:.1f} | {r['live_err']:+.0%} | "
                 f"{r['calibrated_s'] * 1e3:.1f} | {r['calibrated_err']:+.0%} | "
                 f"{p['compute'] * 1e3:.1f} / {p['comm'] * 1e3:.1f} / {p['optimizer'] * 1e3:.2f}, "
                 f"{p['bubble']:.2f} |")
         c = strat["calibrated"]
+        lines += ["", f"live overhead (fitted on the job's first layout, "
+                  f"{strat['rows'][0]['strategy']}): {strat['live_overhead_s'] * 1e3:.1f} ms",
+                  f"profiled links (alpha s, beta s/byte): {strat.get('profiled_links')}"]
         lines += ["", f"profiled speeds (samples/s): "
                   f"{', '.join(f'{s:.0f}' for s in strat['speeds'])}",
                   f"calibrated: seconds/sample {c['seconds_per_sample']}, links {c['links']}, "
