@@ -226,6 +226,34 @@ def test_deferred_host_copy_runs_beside_the_caller(tmp_path) -> None:
     assert state_hash(load(store, m)) == state_hash(expected)
 
 
+def test_checksum_versions(tmp_path, monkeypatch) -> None:
+    """Shards carry CRC-32C (version 2); a version-1 index (zlib CRC-32 under "crc32") still
+    parses, and a shard checksummed with CRC-32 reads back and verifies."""
+    import json
+    import zlib
+
+    import elastic.checkpoint.writer as writer_mod
+    from elastic.checkpoint.shard_format import ShardIndex, checksum_fn
+
+    v1 = {"format": "elastic-shard", "version": 1, "step": 3, "rank": 0, "byteorder": "little",
+          "chunk_bytes": 64, "items": [{"key": "model/w", "dtype": "float32", "shape": [4],
+                                        "full_shape": [4], "start": 0, "stop": 4, "offset": 0,
+                                        "length": 16, "crc32": [zlib.crc32(bytes(16))]}]}
+    idx = ShardIndex.from_bytes(json.dumps(v1).encode(), "test")
+    assert idx.checksum == "crc32" and checksum_fn("crc32") is zlib.crc32
+    assert json.loads(idx.to_bytes())["version"] == 2  # what is written now
+    state = make_state(rows=64, seed=9)
+    for algo in ("crc32", "crc32c"):
+        monkeypatch.setattr(writer_mod, "CHECKSUM", algo)
+        store = CheckpointStore(str(tmp_path / algo))
+        w = ShardWriter(store, 0)
+        w.begin(1, state)
+        m = commit(store, 1, [w.wait(30)])
+        w.close()
+        assert state_hash(load(store, m)) == state_hash(state)
+        assert verify(store).exit_code == 0
+
+
 def test_parallel_host_copy_and_checksums(tmp_path, monkeypatch) -> None:
     import elastic.checkpoint.writer as writer_mod
 

@@ -29,7 +29,6 @@ import hashlib
 import logging
 import threading
 import warnings
-import zlib
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -39,7 +38,14 @@ import torch
 
 from elastic.checkpoint.manifest import Manifest, ShardRecord, committed_steps, read_manifest
 from elastic.checkpoint.manifest import resolve_step as _resolve
-from elastic.checkpoint.shard_format import FOOTER, MAGIC, ItemEntry, ShardIndex, dtype_from_name
+from elastic.checkpoint.shard_format import (
+    FOOTER,
+    MAGIC,
+    ItemEntry,
+    ShardIndex,
+    checksum_fn,
+    dtype_from_name,
+)
 from elastic.checkpoint.store import CheckpointStore
 from elastic.errors import CheckpointError
 
@@ -336,14 +342,16 @@ class CheckpointReader:
         buf = self._read(rank, start, end - start)
         view = memoryview(buf)
         data = torch.frombuffer(buf, dtype=torch.uint8)
-        chunk = self.index(rank).chunk_bytes
+        index = self.index(rank)
+        chunk = index.chunk_bytes
+        crc = checksum_fn(index.checksum)
         rec = self._records[rank]
         for s in group:
             it = s.item
             for pos in range(s.lo, s.hi, chunk):
                 ci = (pos - it.offset) // chunk
                 stop = min(pos + chunk, it.offset + it.length)
-                if zlib.crc32(view[pos - start : stop - start]) != it.crc32[ci]:
+                if crc(view[pos - start : stop - start]) != it.crc32[ci]:
                     raise self.store.error(
                         f"{self._where(rec)}: checksum mismatch in {it.key!r} (bytes "
                         f"{pos - it.offset}..{stop - it.offset} of the item); the shard is "

@@ -30,7 +30,6 @@ import os
 import queue
 import threading
 import time
-import zlib
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -39,6 +38,7 @@ from typing import Any
 import torch
 
 from elastic.checkpoint.shard_format import (
+    CHECKSUM,
     DEFAULT_CHUNK_BYTES,
     FOOTER,
     MAGIC,
@@ -46,6 +46,7 @@ from elastic.checkpoint.shard_format import (
     Piece,
     ShardIndex,
     as_pieces,
+    checksum_fn,
     dtype_name,
     index_checksum,
     layout,
@@ -487,6 +488,7 @@ def _upload(
                             )
                             for it, c in zip(items, _per_item(items, chunk, batches), strict=True)
                         ),
+                        CHECKSUM,
                     )
                     raw = index.to_bytes()
                     out.write(raw)
@@ -537,7 +539,8 @@ def _crc_batch(
 ) -> list[int]:
     if stop.is_set() or cancel.is_set():
         raise _Abandoned
-    return [zlib.crc32(data[a:e]) for a, e in ranges]
+    crc = checksum_fn(CHECKSUM)
+    return [crc(data[a:e]) for a, e in ranges]
 
 
 def _delete_quietly(store: CheckpointStore, path: str) -> None:
