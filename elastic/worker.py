@@ -42,7 +42,7 @@ from strategies import get as get_strategy
 from .config import JobConfig
 from .data import StepSampler, fetch_batch, share_bounds
 from .errors import InfrastructureError, WorkerError
-from .reference import build_model
+from .reference import build_model, build_model_for_load
 
 __all__ = ["Worker", "is_infrastructure_error"]
 
@@ -86,6 +86,42 @@ def _compute_blocks(strategy: Any) -> list[torch.nn.Module]:
     model = strategy.local_model()
     blocks = pipeline_blocks_or_none(model)
     return [b for _, b in blocks] if blocks else [model]
+
+
+def _control_group(rank: int, world: int, generation: int, timeout_s: float) -> Any:
+    """A gloo group of the same ranks for the per-step control all-reduce, kept out of
+    torch's group registry. That all-reduce runs asynchronously behind the next step; if a
+    peer dies, it can stay blocked on a *live* peer until the group timeout, and tearing down
+    a registered group (``destroy_process_group`` shuts every group down) waits for its
+    in-flight work: two survivors leaving would each wait out the timeout (measured: 30 s of
+    a pipeline recovery). ``leave`` hands this group to a thread that lets it end instead.
+    None if it cannot be made (then the control all-reduce is synchronous)."""
+    try:
+        from torch._C._distributed_c10d import ProcessGroupGloo
+
+        store = dist.PrefixStore(f"elastic-ctrl/{generation}",
+                                 dist.distributed_c10d._get_default_store())
+        return ProcessGroupGloo(store, rank, world, timedelta(seconds=timeout_s))
+    except Exception:  # noqa: BLE001 - a torch without these internals: synchronous control
+        return None
+
+
+def _retire(pg: Any, work: Any) -> None:
+    """Let a control group's last operation end (at once, or at its timeout after a
+    failure), then drop it: its destructor joins its threads, so not on a caller's thread."""
+    try:
+        if work is not None:
+            work.wait()
+    except Exception:  # noqa: BLE001 - a failed peer: the error is expected
+        pass
+    del pg, work
+
+
+class _Done:
+    """A finished operation (the synchronous fallback of the control all-reduce)."""
+
+    def wait(self) -> bool:
+        return True
 
 
 @dataclasses.dataclass
@@ -135,6 +171,8 @@ class Worker:
         self._param_keys: set[str] = set()  # "model/<fqn>" of parameters (not buffers)
         self._unhook_update: Callable[[], None] | None = None
         self._staged_wait_s = 0.0  # waits for a checkpoint's deferred copy, not yet reported
+        self._ctrl_pg: Any = None  # the control all-reduce's own gloo group (_control_group)
+        self._ctrl_work: Any = None  # its last operation
         self.next_step = 0  # data position: the first step not yet applied to this state
         self._snapshot: dict[str, torch.Tensor] | None = None  # full (planned change) or
         # held (parked at leave) canonical state, kept until the next layout
@@ -190,6 +228,7 @@ class Worker:
             world_size=world,
             timeout=timedelta(seconds=timeout_s),
         )
+        self._ctrl_pg = _control_group(rank, world, generation, timeout_s)
         self.rank, self.world, self.generation = rank, world, generation
         return time.perf_counter() - t0
 
@@ -206,6 +245,12 @@ class Worker:
                 if self._snapshot is None:
                     self._snapshot = self._held()
                 self._drop_strategy()
+            pg, work = self._ctrl_pg, self._ctrl_work
+            self._ctrl_pg = self._ctrl_work = None
+            if pg is not None:  # see _control_group: never joined here
+                threading.Thread(target=_retire, args=(pg, work), daemon=True,
+                                 name="elastic-retire-ctrl").start()
+                del pg, work
             if dist.is_initialized():
                 try:
                     dist.destroy_process_group()
@@ -289,7 +334,6 @@ class Worker:
         assert self.strategy is not None and self.spec is not None and self._sampler is not None
         self._stop.clear()
         lo, hi = share_bounds(self.spec.shares, self.rank)
-        dev = self.device
         every = self.config.checkpoint_every
         pending: _Pending | None = None
         step = start
@@ -303,8 +347,8 @@ class Worker:
             self.next_step = step + 1
             busy = 1.0 if self._writer is not None and self._writer.state != "idle" else 0.0
             ctrl = torch.tensor([local, 1.0 if self._stop.is_set() else 0.0, float(hi - lo), busy],
-                                dtype=torch.float64, device=dev)
-            work = dist.all_reduce(ctrl, async_op=True)
+                                dtype=torch.float64)
+            work = self._ctrl_allreduce(ctrl)
             stop = False
             if pending is not None:  # the previous step's values, reduced meanwhile
                 stop = self._finish_step(pending)
@@ -318,10 +362,20 @@ class Worker:
                 return {"status": "stopped", "next_step": step}
         return {"status": "done", "next_step": step}
 
+    def _ctrl_allreduce(self, ctrl: torch.Tensor) -> Any:
+        """Start the control all-reduce on the control group (CPU, gloo); returns a waitable."""
+        if self._ctrl_pg is None:  # no separate group (see _control_group): synchronous
+            dist.all_reduce(ctrl)
+            return _Done()
+        work = self._ctrl_pg.allreduce([ctrl])
+        self._ctrl_work = work
+        return work
+
     def _finish_step(self, p: _Pending) -> bool:
         """Wait for step ``p.step``'s agreed values; record its metrics and take (or skip) a
         checkpoint due after it. Returns whether any rank asked to stop."""
         p.work.wait()
+        p.work = None
         loss, stop, trained, busy = p.ctrl.tolist()
         step = p.step
         ckpt: dict[str, Any] = {}
@@ -421,7 +475,10 @@ class Worker:
         self._snapshot = None
         self._ensure_data()
         cls = get_strategy(spec.name)
-        model = build_model(self._model_factory, self.config.seed)
+        if state is not None or read is not None:  # every entry is overwritten next
+            model = build_model_for_load(self._model_factory, self.config.seed)
+        else:
+            model = build_model(self._model_factory, self.config.seed)
         self._param_keys = {f"model/{n}" for n, _ in model.named_parameters()}
         cls.validate(spec, model)
         build = spec
