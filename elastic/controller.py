@@ -1078,6 +1078,27 @@ class Controller:
 
     # ------------------------------------------------------------------ failures
 
+    def _roll_forward(self) -> None:
+        """A step's final all-reduce can complete on some ranks and fail on others, so
+        survivors may straddle two steps. If any survivor applied step s, every rank had
+        complete gradients for it (each entered that all-reduce only then): the survivors
+        still at s that can apply theirs without communication do so, and every entry has a
+        live holder at s + 1 again."""
+        import ray
+
+        try:
+            progress = ray.get([w.handle.progress.remote() for w in self.workers], timeout=30)
+        except Exception:  # a survivor that cannot answer: failure handling sees it later
+            return
+        top = max((p["next_step"] for p in progress), default=0)
+        behind = [w for w, p in zip(self.workers, progress, strict=True)
+                  if p["next_step"] == top - 1 and p.get("pending_update")]
+        if behind:
+            ray.get([w.handle.finish_pending_step.remote() for w in behind])
+            self._emit("rolled_forward", f"rank(s) {[w.rank for w in behind]} applied step "
+                       f"{top - 1}'s update, which peers had applied when the node was lost",
+                       data={"ranks": [w.rank for w in behind], "step": top - 1})
+
     def _recover(self, error: BaseException) -> None:
         """Survive the loss of workers: keep the survivors' processes and memory, re-plan for
         the workers there are (taking replacements if they come within a bounded wait),
@@ -1117,6 +1138,7 @@ class Controller:
             self._emit("checkpoint_failed", f"step {self._ckpt['step']} abandoned: a worker "
                        "was lost during its upload")
             self._ckpt = None
+        self._roll_forward()
         ray.get([w.handle.leave.remote() for w in self.workers])
         progress = ray.get([w.handle.progress.remote() for w in self.workers])
         held = ray.get([w.handle.held_keys.remote() for w in self.workers])

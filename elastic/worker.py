@@ -406,7 +406,18 @@ class Worker:
         """Local: where this worker's state stands (no collective)."""
         return {"next_step": self.next_step,
                 "has_state": self.strategy is not None or self._snapshot is not None,
-                "strategy": self.spec.name if self.spec else None}
+                "strategy": self.spec.name if self.spec else None,
+                "pending_update": bool(getattr(self.strategy, "pending_update", False))}
+
+    def finish_pending_step(self) -> int:
+        """Local, after a failure and before ``leave``: apply a step whose gradients were
+        complete when its final all-reduce failed here (a peer is known to have applied it).
+        Returns the next step."""
+        fn = getattr(self.strategy, "finish_pending_step", None)
+        with self._leave_lock:
+            if fn is not None and fn():
+                self.next_step += 1
+        return self.next_step
 
     def held_keys(self) -> dict[str, tuple[tuple[int, ...], str]]:
         """Local: canonical keys this rank holds in full, with shape and dtype."""

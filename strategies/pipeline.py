@@ -316,6 +316,7 @@ class Pipeline(Strategy):
 
         self._meshes: list[object] = []  # FSDP meshes (zero3 mode), released at close
         self._stage_keys: set[str] | None = None  # model entries of this rank's stages
+        self.pending_update = False  # gradients complete, update not applied (see train_step)
         self._index: ShardIndex | None = None  # zero3 inside: where its shards lie
         pp = spec.pp_degree
         d = rt.world_size // pp
@@ -413,8 +414,12 @@ class Pipeline(Strategy):
             self.update.reduce_grads()
         # Every rank's gradients are complete: step everywhere or nowhere. Without this, a
         # node lost between two stages' dp reductions leaves stage 0 at step s+1 and stage 1
-        # at s, and no step has a live holder of every entry (docs/architecture.md).
+        # at s, and no step has a live holder of every entry (docs/architecture.md). The
+        # all-reduce can still complete on some ranks and fail on others; a rank that got
+        # this far can then finish its step later (``finish_pending_step``).
+        self.pending_update = self.update is not None and self.update.mode == "dp"
         dist.all_reduce(torch.ones(1, device=self.rt.device))
+        self.pending_update = False
         if self.update is not None:
             self.update.step()
         else:
@@ -424,6 +429,17 @@ class Pipeline(Strategy):
         if not self.is_last:
             return 0.0
         return float(sum(float(x.detach()) for x in losses)) * self._report
+
+    def finish_pending_step(self) -> bool:
+        """After a failure inside the step's final all-reduce: apply this rank's update (its
+        gradients were complete and reduced) without any communication, if its layout allows
+        (dp inside the pipeline: every rank steps its own full optimizer). True if stepped.
+        The caller decides: only when a peer is known to have applied the same step."""
+        if not self.pending_update or self.update is None:
+            return False
+        self.update.step()  # mode "dp": a local optimizer step, no collective
+        self.pending_update = False
+        return True
 
     def full_state(self) -> CanonicalState:
         from .fsdp import sharded_full_state
