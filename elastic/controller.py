@@ -356,8 +356,8 @@ class Controller:
                 w.info = ray.get(ref, timeout=0 if wait_s is not None else None)
                 up.append(w)
             except Exception as e:
-                self._start_error = str(_unwrap(e)).strip().splitlines()[-1][:500] if str(e) \
-                    else type(e).__name__
+                lines = str(_unwrap(e)).strip().splitlines()
+                self._start_error = lines[-1][:500] if lines else type(e).__name__
                 try:
                     ray.kill(w.handle)
                 except Exception:
