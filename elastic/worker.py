@@ -334,7 +334,6 @@ class Worker:
         assert self.strategy is not None and self.spec is not None and self._sampler is not None
         self._stop.clear()
         lo, hi = share_bounds(self.spec.shares, self.rank)
-        every = self.config.checkpoint_every
         pending: _Pending | None = None
         step = start
         while step < end:
@@ -353,14 +352,18 @@ class Worker:
             if pending is not None:  # the previous step's values, reduced meanwhile
                 stop = self._finish_step(pending)
             pending = _Pending(step, work, ctrl, t0, time.perf_counter(), time.time(), lo, hi)
-            at_ckpt = every > 0 and ((step + 1) % every == 0 or step + 1 == self.config.max_steps)
-            if at_ckpt or step + 1 == end or stop:
+            if self._checkpoint_due(step) or step + 1 == end or stop:
                 stop = self._finish_step(pending) or stop
                 pending = None
             step += 1
             if stop and step < end:
                 return {"status": "stopped", "next_step": step}
         return {"status": "done", "next_step": step}
+
+    def _checkpoint_due(self, step: int) -> bool:
+        """Whether a checkpoint is taken after ``step`` (every K steps, and after the last)."""
+        every = self.config.checkpoint_every
+        return every > 0 and ((step + 1) % every == 0 or step + 1 == self.config.max_steps)
 
     def _ctrl_allreduce(self, ctrl: torch.Tensor) -> Any:
         """Start the control all-reduce on the control group (CPU, gloo); returns a waitable."""
@@ -379,8 +382,7 @@ class Worker:
         loss, stop, trained, busy = p.ctrl.tolist()
         step = p.step
         ckpt: dict[str, Any] = {}
-        every = self.config.checkpoint_every
-        if every > 0 and ((step + 1) % every == 0 or step + 1 == self.config.max_steps):
+        if self._checkpoint_due(step):
             if busy > 0 and not self._wait_writer_idle():
                 # the previous checkpoint is still not committed: all ranks skip this one
                 ckpt = {"checkpoint_skipped": step + 1}

@@ -188,12 +188,15 @@ class Strategy(ABC):
         (whole entries, and for a row range only those rows), as CPU tensors that may share
         memory with the live state (read them, do not keep them). With ``needs`` it lets a
         caller check a layout piece by piece against a canonical state without a gather.
-        Default: ``held_state()`` (layouts that hold their entries whole)."""
-        fn = getattr(self, "held_state", None)
-        if fn is None:
-            raise NotImplementedError(f"{type(self).__name__} has neither local_state nor "
-                                      "held_state")
-        return fn()
+        Every strategy implements it."""
+        raise NotImplementedError(f"{type(self).__name__} does not say what it holds")
+
+    def held_state(self) -> CanonicalState:
+        """Local, no collective: the entries this rank holds whole, as CPU copies (what a
+        survivor can hand to a new group after a loss). Derived from ``local_state``."""
+        rows = self.local_rows()
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.local_state().items()
+                if rows.get(k, ((), None))[1] is None}
 
     def local_rows(self) -> dict[str, tuple[tuple[int, ...], tuple[int, int] | None]]:
         """Local: for each ``local_state`` key, the entry's full shape and the dim-0 rows

@@ -55,10 +55,6 @@ class DataParallel(Strategy):
         out.update(optimizer_state_to_canonical(self.optimizer, self.fqn_of))
         return out
 
-    def held_state(self) -> CanonicalState:
-        """Local, no collective: a replica holds the whole canonical state."""
-        return self.full_state()
-
     def local_state(self) -> CanonicalState:
         """Local, no copies on CPU: the live model and optimizer tensors."""
         out = model_state_to_canonical(self.model.state_dict().items(), copy=False)

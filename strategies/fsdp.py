@@ -146,7 +146,7 @@ def _rows_of(like: torch.Tensor, shape: tuple[int, ...]) -> bool | tuple[int, in
     return (a, min(a + int(local[0]), shape[0]))
 
 
-class ShardIndex:
+class ShardMap:
     """Where each canonical entry of FSDP-sharded ``modules`` lives on this rank: built once
     per layout, it answers ``Strategy.needs`` with the rows of each entry this rank's shard
     holds (0-dim optimizer entries such as Adam's ``step``: whole)."""
@@ -287,7 +287,7 @@ class FullyShardedDataParallel(Strategy):
             reshard_after_forward=bool(spec.options.get("reshard_after_forward", True)),
         )
         self.optimizer = optimizer_factory(self.model.parameters())
-        self._index: ShardIndex | None = None  # built on the first needs()
+        self._index: ShardMap | None = None  # built on the first needs()
         # FSDP divides the summed gradient by the world size; undo that, then take the mean over G.
         self._scale = self.share * rt.world_size / spec.global_batch_size
 
@@ -297,17 +297,13 @@ class FullyShardedDataParallel(Strategy):
     def full_state(self) -> CanonicalState:
         return sharded_full_state([self.model], self.optimizer)
 
-    def held_state(self) -> CanonicalState:
-        """Local, no collective: nothing, since a rank holds only shards of every tensor."""
-        return {}
-
     def load_full_state(self, state: CanonicalState) -> None:
         self.optimizer.zero_grad(set_to_none=True)
         load_sharded_state([self.model], self.optimizer, state)
 
-    def _shards(self) -> ShardIndex:
+    def _shards(self) -> ShardMap:
         if self._index is None:
-            self._index = ShardIndex([self.model])
+            self._index = ShardMap([self.model])
         return self._index
 
     def needs(self, key: str, shape: tuple[int, ...]) -> bool | tuple[int, int]:

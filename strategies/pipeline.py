@@ -60,7 +60,7 @@ from torch import nn
 from ._gather import gather_union, new_subgroups
 
 if TYPE_CHECKING:
-    from .fsdp import ShardIndex
+    from .fsdp import ShardMap
 from .base import (
     CanonicalState,
     LossFn,
@@ -317,7 +317,7 @@ class Pipeline(Strategy):
         self._meshes: list[object] = []  # FSDP meshes (zero3 mode), released at close
         self._stage_keys: set[str] | None = None  # model entries of this rank's stages
         self.pending_update = False  # gradients complete, update not applied (see train_step)
-        self._index: ShardIndex | None = None  # zero3 inside: where its shards lie
+        self._index: ShardMap | None = None  # zero3 inside: where its shards lie
         pp = spec.pp_degree
         d = rt.world_size // pp
         self.stage_rank, self.replica = divmod(rt.rank, d)
@@ -450,17 +450,6 @@ class Pipeline(Strategy):
             partial = self.held_state()
         return gather_union(partial, self.rt.device)
 
-    def held_state(self) -> CanonicalState:
-        """Local, no collective: this rank's stage model and the optimizer entries it holds
-        whole (all of the stage's for dp, its owned ones for zero1/2, none for zero3)."""
-        if self.update is None:
-            return {}
-        out: CanonicalState = {}
-        for st in self.stages:
-            out.update(model_state_to_canonical(st.state_dict().items()))
-        out.update(self.update.optim_state())
-        return out
-
     def load_full_state(self, state: CanonicalState) -> None:
         from .fsdp import load_sharded_state
 
@@ -487,17 +476,23 @@ class Pipeline(Strategy):
             self._stage_keys = {k for st in self.stages for k in st.state_dict()}
         return owned_needs(key, self.update.owned, self._stage_keys)
 
-    def _shards(self) -> ShardIndex:
-        from .fsdp import ShardIndex
+    def _shards(self) -> ShardMap:
+        from .fsdp import ShardMap
 
         if self._index is None:
-            self._index = ShardIndex(self.stages)
+            self._index = ShardMap(self.stages)
         return self._index
 
     def local_state(self) -> CanonicalState:
+        """Its stages' model entries and the optimizer entries it steps (zero3: its rows);
+        no copies on CPU."""
         if self.update is None:
             return self._shards().local(self.optimizer)
-        return self.held_state()
+        out: CanonicalState = {}
+        for st in self.stages:
+            out.update(model_state_to_canonical(st.state_dict().items(), copy=False))
+        out.update(self.update.optim_state(copy=False))
+        return out
 
     def local_rows(self) -> dict[str, tuple[tuple[int, ...], tuple[int, int] | None]]:
         if self.update is None:

@@ -281,12 +281,6 @@ class _Zero(Strategy):
         out.update(gather_union(self.update.optim_state(), self.rt.device))
         return out
 
-    def held_state(self) -> CanonicalState:
-        """Local, no collective: the whole model and the optimizer entries this rank owns."""
-        out = model_state_to_canonical(self.model.state_dict().items())
-        out.update(self.update.optim_state())
-        return out
-
     def load_full_state(self, state: CanonicalState) -> None:
         msd = {k[len("model/") :]: v for k, v in state.items() if k.startswith("model/")}
         self.model.load_state_dict(msd)
