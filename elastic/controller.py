@@ -1189,23 +1189,20 @@ class Controller:
         import ray
 
         running, self._running = self._running, []
-        if not running:
-            return []
-        finished, _ = ray.wait([f for _, f in running], num_returns=len(running), timeout=0)
-        done = set(finished)
-        for w, f in running:  # ranks out of their segment close their group first, so that
-            if f in done:     # peers blocked on them fail now instead of at the group timeout
-                w.handle.leave.remote()
-        pending = [(w, f) for w, f in running if f not in done]
-        if not pending:
-            return []
-        refs = [f for _, f in pending]
-        ray.wait(refs, num_returns=len(refs), timeout=self.cfg.hang_timeout_s + 5.0)
-        hung = []
-        for w, f in pending:
-            done, _ = ray.wait([f], timeout=0)
-            if not done:
-                hung.append(w)
+        deadline = time.monotonic() + self.cfg.hang_timeout_s + 5.0
+        pending = list(running)
+        while pending:
+            finished, _ = ray.wait([f for _, f in pending], num_returns=len(pending), timeout=0)
+            done = set(finished)
+            for w, f in pending:  # a rank out of its segment closes its group at once, so
+                if f in done:     # that peers blocked on it fail now, not at the group timeout
+                    w.handle.leave.remote()
+            pending = [(w, f) for w, f in pending if f not in done]
+            left = deadline - time.monotonic()
+            if not pending or left <= 0:
+                break
+            ray.wait([f for _, f in pending], num_returns=1, timeout=left)
+        hung = [w for w, _ in pending]
         if hung:
             self._emit("hang", f"rank(s) {[w.rank for w in hung]} did not leave their step "
                        f"within the group timeout ({self.cfg.hang_timeout_s:.0f}s): treated "

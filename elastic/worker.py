@@ -176,6 +176,7 @@ class Worker:
         self.next_step = 0  # data position: the first step not yet applied to this state
         self._snapshot: dict[str, torch.Tensor] | None = None  # full (planned change) or
         # held (parked at leave) canonical state, kept until the next layout
+        self._rolled: dict[str, torch.Tensor] | None = None  # parked state one step on (leave)
         self._leave_lock = threading.Lock()
         self._store: Any = None  # CheckpointStore when checkpoints are on
         self._writer: Any = None  # ShardWriter for (store, rank)
@@ -244,6 +245,12 @@ class Worker:
             if dropped:
                 if self._snapshot is None:
                     self._snapshot = self._held()
+                    if getattr(self.strategy, "pending_update", False):
+                        # the step's final all-reduce failed here after the gradients were
+                        # complete: keep the state after the update too, so that a roll-forward
+                        # (finish_pending_step) still works once the strategy is gone
+                        if self.strategy.finish_pending_step():
+                            self._rolled = self._held_live()
                 self._drop_strategy()
             pg, work = self._ctrl_pg, self._ctrl_work
             self._ctrl_pg = self._ctrl_work = None
@@ -406,18 +413,24 @@ class Worker:
 
     def progress(self) -> dict[str, Any]:
         """Local: where this worker's state stands (no collective)."""
+        pending = (self._rolled is not None if self.strategy is None
+                   else bool(getattr(self.strategy, "pending_update", False)))
         return {"next_step": self.next_step,
                 "has_state": self.strategy is not None or self._snapshot is not None,
                 "strategy": self.spec.name if self.spec else None,
-                "pending_update": bool(getattr(self.strategy, "pending_update", False))}
+                "pending_update": pending}
 
     def finish_pending_step(self) -> int:
-        """Local, after a failure and before ``leave``: apply a step whose gradients were
-        complete when its final all-reduce failed here (a peer is known to have applied it).
-        Returns the next step."""
-        fn = getattr(self.strategy, "finish_pending_step", None)
+        """Local, after a failure: apply a step whose gradients were complete when its final
+        all-reduce failed here (the caller knows a peer applied it), on the live strategy or,
+        after ``leave``, by taking the parked state with that update applied. Returns the
+        next step."""
         with self._leave_lock:
-            if fn is not None and fn():
+            if self.strategy is None:
+                if self._rolled is not None:
+                    self._snapshot, self._rolled = self._rolled, None
+                    self.next_step += 1
+            elif getattr(self.strategy, "finish_pending_step", lambda: False)():
                 self.next_step += 1
         return self.next_step
 
@@ -429,6 +442,9 @@ class Worker:
     def _held(self) -> dict[str, torch.Tensor]:
         if self._snapshot is not None:
             return self._snapshot
+        return self._held_live()
+
+    def _held_live(self) -> dict[str, torch.Tensor]:
         fn = getattr(self.strategy, "held_state", None)
         return fn() if fn is not None else {}
 
@@ -485,7 +501,7 @@ class Worker:
         (only what the built layout ``needs``: a checkpoint restore), else from the seeded
         model, replacing any live or parked state."""
         self._drop_strategy()
-        self._snapshot = None
+        self._snapshot = self._rolled = None
         self._ensure_data()
         cls = get_strategy(spec.name)
         if state is not None or read is not None:  # every entry is overwritten next

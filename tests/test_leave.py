@@ -82,3 +82,76 @@ def test_survivors_fail_fast_after_a_peer_leaves(layout):
     # without the fixes one survivor fails only at the group timeout (30 s)
     assert max(late.values()) < 5.0, late
     assert sorted(got) == [0, 2, 3]
+
+
+class _FailingWorldAllReduce:
+    """``torch.distributed`` as the pipeline strategy sees it, except that the step's final
+    world-wide all-reduce fails as a lost peer makes it fail (gloo's error text)."""
+
+    def __init__(self, real) -> None:
+        self._real = real
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def all_reduce(self, tensor, *args, **kwargs):
+        raise RuntimeError("[gloo/transport/tcp/pair.cc] Connection closed by peer")
+
+
+def _pending_rank(port: int, steps: int) -> dict:
+    import torch.distributed as dist
+
+    import strategies.pipeline as pipeline_mod
+    from elastic.config import JobConfig
+    from elastic.errors import InfrastructureError
+    from elastic.models import SyntheticRegression, mlp_loss, tiny_mlp
+    from elastic.worker import Worker
+    from strategies import StrategySpec
+
+    rank, world = dist.get_rank(), dist.get_world_size()  # the harness's group; join replaces it
+    cfg = JobConfig(model=tiny_mlp, optimizer=_adam, loss=mlp_loss, dataset=SyntheticRegression,
+                    global_batch_size=8 * world, max_steps=100, num_workers=world)
+    w = Worker(cfg, rank, False, 1)
+    w.join("127.0.0.1", port, rank, world, 1, GROUP_TIMEOUT_S)
+    w.build(StrategySpec("pipeline", world, shares=(8,) * world, pp_degree=world,
+                         micro_batches=2))
+    w.run(0, steps)
+    # step `steps` computes its gradients completely, then its final all-reduce fails here
+    pipeline_mod.dist = _FailingWorldAllReduce(pipeline_mod.dist)
+    try:
+        w.run(steps, steps + 1)
+        raise AssertionError("the step should have failed")
+    except InfrastructureError:
+        pass
+    finally:
+        pipeline_mod.dist = pipeline_mod.dist._real
+    w.leave()  # as the controller makes a finished rank leave at once (strategy dropped)
+    before = w.progress()
+    parked = {k: v.clone() for k, v in w._snapshot.items() if k.startswith("model/")}
+    after = w.finish_pending_step()  # a peer applied the step: roll forward, no group needed
+    rolled = {k: v.clone() for k, v in w._snapshot.items() if k.startswith("model/")}
+    return {"before": before, "after": after, "parked": parked, "rolled": rolled}
+
+
+def test_a_step_whose_final_all_reduce_failed_rolls_forward_after_leave():
+    """A pipeline rank whose gradients were complete when the step's final all-reduce failed
+    keeps, after ``leave`` dropped its strategy, both its state at the step and the state with
+    the update applied; ``finish_pending_step`` takes the latter. Checked against the
+    single-process reference at both steps."""
+    from elastic.models import SyntheticRegression, mlp_loss, tiny_mlp
+    from elastic.reference import reference_train
+    from tests.mp_harness import run_distributed
+
+    world, steps = 2, 3
+    out = run_distributed(_pending_rank, world, free_port(), steps)
+    data = SyntheticRegression()
+    at_s, _ = reference_train(tiny_mlp, _adam, mlp_loss, data, 8 * world, steps, seed=0)
+    at_s1, _ = reference_train(tiny_mlp, _adam, mlp_loss, data, 8 * world, steps + 1, seed=0)
+    parked = {k: v for o in out for k, v in o["parked"].items()}
+    rolled = {k: v for o in out for k, v in o["rolled"].items()}
+    assert sorted(parked) == sorted(f"model/{k}" for k in at_s)  # the stages cover the model
+    for o in out:
+        assert o["before"]["pending_update"] and o["before"]["next_step"] == steps
+        assert o["after"] == steps + 1
+    assert max((parked[f"model/{k}"] - v).abs().max().item() for k, v in at_s.items()) < 1e-6
+    assert max((rolled[f"model/{k}"] - v).abs().max().item() for k, v in at_s1.items()) < 1e-6
