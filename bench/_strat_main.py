@@ -48,7 +48,8 @@ def _switch(handle: Any, lay: tuple[str, str]) -> dict[str, Any]:
     wall = time.time() - t0
     ev = [e for e in ctl.events[n_ev:] if e.kind == "switch"][-1]
     return {"seconds": ev.data["seconds"], "state_preserved": ev.data["state_preserved"],
-            "call_wall_s": wall, "hist_at_switch": ev.step, "step": ev.step}
+            "call_wall_s": wall, "hist_at_switch": ev.step, "step": ev.step,
+            "bytes_moved": ev.data.get("bytes_moved", 0)}
 
 
 def _steady(history: list[dict[str, Any]], lo: int, hi: int) -> dict[str, float]:
@@ -98,6 +99,35 @@ def fresh_peaks(world: int, args: argparse.Namespace, tmp: str) -> list[dict[str
               f"{', '.join(f'{x:.0f}' for x in rec['hwm_mb'])} MB after {len(hist)} steps",
               flush=True)
     return out
+
+
+def pair_walk(handle: Any, world: int, rounds: int, cur: int, move: str
+              ) -> tuple[list[dict[str, Any]], int]:
+    """Every ordered pair of layouts once per round (an Euler cycle from layout ``cur``);
+    returns the switches and the layout the job ends in."""
+    ctl = handle.controller
+    lays = layouts()
+    switches: list[dict[str, Any]] = []
+    walk = euler_cycle(len(lays))
+    k = walk.index(cur)  # rotate the closed walk so that it starts where the job is
+    walk = walk[k:-1] + walk[:k] + [cur]
+    for rnd in range(rounds):
+        for nxt in walk[1:]:
+            frm = cur
+            sw = _switch(handle, lays[nxt])
+            cur = nxt
+            lo = sw["hist_at_switch"]
+            _wait(lambda n=lo: len(ctl.history) >= n + 1, handle, 300, "a step after a switch")
+            first = ctl.history[lo]
+            rec = {"world": world, "round": rnd, "move": move, "from": label(lays[frm]),
+                   "to": label(lays[nxt]), **sw, "first_step_s": first["step_time"],
+                   "first_step_strategy": first["strategy"]}
+            switches.append(rec)
+            print(f"[w={world} {move}] switch {rec['from']:>15s} -> {rec['to']:15s} "
+                  f"{sw['seconds']:6.3f}s (call {sw['call_wall_s']:6.3f}s, first step "
+                  f"{rec['first_step_s']:6.3f}s, {sw['bytes_moved'] / 1e6:6.1f} MB moved, "
+                  f"state preserved {sw['state_preserved']})", flush=True)
+    return switches, cur
 
 
 def bench_world(world: int, args: argparse.Namespace, sampler: common.Sampler,
@@ -155,32 +185,24 @@ def bench_world(world: int, args: argparse.Namespace, sampler: common.Sampler,
                       f"  peak RSS {', '.join(f'{x:.0f}' for x in rec['peak_rss_mb'])} MB"
                       f"  machine {rec['machine_cores'] or float('nan'):.2f} cores, workers "
                       f"{rec['workers_cores'] or float('nan'):.2f}", flush=True)
-        switches: list[dict[str, Any]] = []
-        walk = euler_cycle(len(lays))
-        # rotate the closed walk so that it starts where the job is
-        k = walk.index(cur)
-        walk = walk[k:-1] + walk[:k] + [cur]
-        for rnd in range(args.pair_rounds):
-            for nxt in walk[1:]:
-                frm = cur
-                sw = _switch(handle, lays[nxt])
-                cur = nxt
-                lo = sw["hist_at_switch"]
-                _wait(lambda n=lo: len(ctl.history) >= n + 1, handle, 300, "a step after a switch")
-                first = ctl.history[lo]
-                rec = {"world": world, "round": rnd, "from": label(lays[frm]),
-                       "to": label(lays[nxt]), **sw, "first_step_s": first["step_time"],
-                       "first_step_strategy": first["strategy"]}
-                switches.append(rec)
-                print(f"[w={world}] switch {rec['from']:>15s} -> {rec['to']:15s} "
-                      f"{sw['seconds']:6.3f}s (call {sw['call_wall_s']:6.3f}s, first step "
-                      f"{rec['first_step_s']:6.3f}s, state preserved {sw['state_preserved']})",
-                      flush=True)
+        switches, cur = pair_walk(handle, world, args.pair_rounds, cur, "reshard")
         hwm = [common.proc_mem_mb(p)["hwm_mb"] for p in pids]
         handle.stop(timeout=300)
         res = handle.result(timeout=300)
+        handle = None
+        compare = {}
+        for move in args.compare_moves:  # the same walk in a fresh job that moves otherwise
+            handle = _job(world, tmp, f"strat-w{world}-{move}", switch_move=move)
+            _wait(lambda h=handle: len(h.controller.history) >= 2, handle, 600, "first steps")
+            walk_pids = [w.info["pid"] for w in handle.controller.workers]
+            sws, _ = pair_walk(handle, world, args.pair_rounds, 0, move)
+            compare[move] = {"switches": sws,
+                             "hwm_mb": [common.proc_mem_mb(p)["hwm_mb"] for p in walk_pids]}
+            handle.stop(timeout=300)
+            handle.result(timeout=300)
+            handle = None
         return {"world": world, "steady": steady, "switches": switches,
-                "steps": len(res.history), "hwm_mb": hwm, "fresh": fresh}
+                "steps": len(res.history), "hwm_mb": hwm, "fresh": fresh, "compare": compare}
     finally:
         if handle is not None and not handle.done():
             try:
@@ -229,10 +251,10 @@ def steady_table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def switch_matrix(res: dict[str, Any]) -> str:
+def switch_matrix(switches: list[dict[str, Any]]) -> str:
     names = [label(x) for x in layouts()]
     cell: dict[tuple[str, str], list[float]] = {}
-    for s in res["switches"]:
+    for s in switches:
         cell.setdefault((s["from"], s["to"]), []).append(s["seconds"])
     lines = ["| from \\ to | " + " | ".join(names) + " |",
              "|---|" + "---|" * len(names)]
@@ -245,8 +267,7 @@ def switch_matrix(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def switch_summary(res: dict[str, Any]) -> str:
-    sw = res["switches"]
+def switch_summary(world: int, sw: list[dict[str, Any]], hwm: list[float], move: str) -> str:
     if not sw:
         return "no switches"
     secs = [s["seconds"] for s in sw]
@@ -254,10 +275,13 @@ def switch_summary(res: dict[str, Any]) -> str:
     first = [s["first_step_s"] for s in sw]
     under = sum(x < 1.0 for x in secs)
     ok = all(s["state_preserved"] for s in sw)
-    return (f"{len(sw)} switches on {res['world']} workers: switch event seconds median "
+    moved = [s.get("bytes_moved", 0) / 1e6 for s in sw]
+    return (f"{move}: {len(sw)} switches on {world} workers: switch event seconds median "
             f"{_med(secs):.2f}, min {min(secs):.2f}, max {max(secs):.2f}; {under}/{len(sw)} "
             f"under 1 s; handle.switch() wall median {_med(calls):.2f}; first step after a "
-            f"switch median {_med(first):.2f}s; state hash unchanged in all: {ok}")
+            f"switch median {_med(first):.2f}s; MB moved between ranks median {_med(moved):.1f}; "
+            f"peak RSS per worker (VmHWM) {', '.join(f'{x:.0f}' for x in hwm)} MB; "
+            f"state unchanged in all: {ok}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -273,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
                     help="also run bench/_strat_profile.py (phases of a switch, fixes)")
     ap.add_argument("--profile-workers", type=int, default=2)
+    ap.add_argument("--compare-moves", nargs="*", default=["reshard", "gather"],
+                    help="also walk every pair in a fresh job with these switch_move values")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     tmp = common.private_ray_env("rs-")
@@ -307,9 +333,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\ntotal {time.time() - t0:.0f}s, loadavg now {os.getloadavg()[0]:.1f}\n")
     print(steady_table(results))
     for res in results:
-        print(f"\nswitch latency (s, switch event data['seconds']), {res['world']} workers:\n")
-        print(switch_matrix(res))
-        print("\n" + switch_summary(res))
+        runs = [("reshard", res["switches"], res["hwm_mb"])] + [
+            (m, c["switches"], c["hwm_mb"]) for m, c in res.get("compare", {}).items()]
+        for move, sws, hwm in runs:
+            print(f"\nswitch latency (s, switch event data['seconds']), {res['world']} workers, "
+                  f"switch_move={move}:\n")
+            print(switch_matrix(sws))
+            print("\n" + switch_summary(res["world"], sws, hwm, move))
     if prof is not None:
         print(f"\n_build phases, {args.profile_workers} ranks, slower rank per switch:\n")
         print(summarize(prof))

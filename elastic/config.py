@@ -26,6 +26,7 @@ __all__ = ["JobConfig", "resolve_callable", "optimizer_factory", "loss_function"
 _OPTIMIZERS = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD", "rmsprop": "RMSprop", "adagrad": "Adagrad"}
 _LOSSES = {"cross_entropy": "_cross_entropy", "mse": "_mse"}
 SWITCH_CHECKS = ("pieces", "rehash", "off")
+SWITCH_MOVES = ("reshard", "gather")
 
 
 @dataclass
@@ -62,6 +63,9 @@ class JobConfig:
     # how a switch proves the state unchanged: "pieces" (each rank's new pieces bit-equal to
     # the hashed state, no gather), "rehash" (gather and hash again), "off"
     switch_check: str = "pieces"
+    # how a switch moves the state: "reshard" (each rank receives only the pieces its new
+    # layout keeps; strategies.reshard) or "gather" (the full state on every rank first)
+    switch_move: str = "reshard"
     # heterogeneity: balance "auto" balances when workers differ (device type or emulation)
     balance: str = "auto"  # auto | on | off
     emulate: list[dict[str, Any]] | None = None  # per worker: {slowdown, memory_gb, stands_for}
@@ -202,6 +206,9 @@ class JobConfig:
         if self.switch_check not in SWITCH_CHECKS:
             raise ConfigError("switch_check", f"unknown check {self.switch_check!r}.",
                               f"use one of: {', '.join(SWITCH_CHECKS)}")
+        if self.switch_move not in SWITCH_MOVES:
+            raise ConfigError("switch_move", f"unknown way {self.switch_move!r}.",
+                              f"use one of: {', '.join(SWITCH_MOVES)}")
         for k in self.switch_at:
             if not 0 < k < self.max_steps:
                 raise ConfigError(

@@ -630,12 +630,17 @@ class Controller:
         check = ((f"unchanged ({how})" if same else "CHANGED") if how
                  else "not re-checked (switch_check: off)")
         problems = sorted({p for o in outs for p in o.get("problems", [])})
-        self._emit("switch", f"{old.name if old else '-'} -> {spec.name} ({reason}) in {dt:.2f}s, "
-                   f"state hash {sorted(hashes)[0][0]} {check}",
+        move = outs[0].get("move", "gather")
+        sent = sum(int(o.get("bytes_sent", 0)) for o in outs)
+        moved = (f", {sent / 1e6:.1f} MB moved between ranks" if move == "reshard"
+                 else ", full state gathered on every rank")
+        self._emit("switch", f"{old.name if old else '-'} -> {spec.name} ({reason}) in {dt:.2f}s"
+                   f"{moved}, state digest {sorted(hashes)[0][0]} {check}",
                    data={"from": old.name if old else None, "to": spec.name, "reason": reason,
                          "seconds": dt, "hashes": sorted(hashes), "state_preserved": same,
-                         "check": mode, "problems": problems[:10]})
-        if not same:  # the workers went back to the old layout from the hashed state
+                         "check": mode, "move": move, "bytes_moved": sent,
+                         "problems": problems[:10]})
+        if not same:  # the workers kept (or went back to) the old layout
             raise SwitchError(f"state changed during the switch to {spec.name}: "
                               f"{problems[:3] or sorted(hashes)}; the job stays on {old.name}")
         self.spec = spec

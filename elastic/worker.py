@@ -35,6 +35,7 @@ from strategies import (
     StrategySpec,
     check_layout,
     on_before_update,
+    reshard,
     state_hash,
 )
 from strategies import get as get_strategy
@@ -292,7 +293,11 @@ class Worker:
         if state is not None or self.strategy is None:
             self._build_fresh(spec, state)
             return {"seconds": time.perf_counter() - t0, "hash_before": None, "hash_after": None}
-        # live switch: the full canonical state moves in memory into the new layout
+        mode = self.config.switch_check
+        if self.config.switch_move == "reshard" and mode != "rehash":
+            return self._reshard_to(spec, t0)
+        # live switch through a gather: the full canonical state on every rank, then the new
+        # layout keeps its part
         old_spec = self.spec
         state = self.strategy.full_state()
         before = state_hash(state)
@@ -306,7 +311,6 @@ class Worker:
             self._build_fresh(old_spec, state)
             raise
         # the proof that nothing changed (docs/architecture.md, Switches)
-        mode = self.config.switch_check
         problems: list[str] = []
         if mode == "rehash":  # a second gather and hash of the whole state
             after = state_hash(self.strategy.full_state())
@@ -320,6 +324,33 @@ class Worker:
             self._build_fresh(old_spec, state)
         return {"seconds": time.perf_counter() - t0, "hash_before": before, "hash_after": after,
                 "verified": mode != "off", "check": mode, "problems": problems[:10]}
+
+    def _reshard_to(self, spec: StrategySpec, t0: float) -> dict[str, Any]:
+        """Live switch by moving pieces (``strategies.reshard``): the new layout is built
+        beside the old one, each rank receives only what its new layout keeps, and the old
+        layout is dropped only once every piece has been checked; if anything fails the job
+        stays on the old layout, untouched."""
+        assert self.strategy is not None
+        old = self.strategy
+        new = self._new_strategy(spec, for_load=True)
+        try:
+            res = reshard(old, new, check=self.config.switch_check != "off")
+        except BaseException:
+            new.close()
+            raise
+        if res.problems:  # the old layout still runs, unchanged
+            new.close()
+            after = f"differs: {res.problems[0]}"
+        else:
+            old.close()
+            self.strategy, self.spec = new, spec
+            self._install_slowdown()
+            after = res.hash_after
+        return {"seconds": time.perf_counter() - t0, "hash_before": res.hash_before,
+                "hash_after": after, "verified": self.config.switch_check != "off",
+                "check": self.config.switch_check, "move": "reshard",
+                "problems": res.problems[:10], "bytes_sent": res.bytes_sent,
+                "bytes_kept": res.bytes_kept}
 
     # ------------------------------------------------------------------ training loop
 
@@ -502,18 +533,7 @@ class Worker:
         model, replacing any live or parked state."""
         self._drop_strategy()
         self._snapshot = self._rolled = None
-        self._ensure_data()
-        cls = get_strategy(spec.name)
-        if state is not None or read is not None:  # every entry is overwritten next
-            model = build_model_for_load(self._model_factory, self.config.seed)
-        else:
-            model = build_model(self._model_factory, self.config.seed)
-        self._param_keys = {f"model/{n}" for n, _ in model.named_parameters()}
-        cls.validate(spec, model)
-        build = spec
-        if state is not None or read is not None:  # a state is loaded next: no init broadcast
-            build = dataclasses.replace(spec, options={**spec.options, "init_sync": False})
-        strat = cls(build, self._runtime(), model, self._optimizer_factory, self._loss_fn)
+        strat = self._new_strategy(spec, for_load=state is not None or read is not None)
         try:
             if state is not None:
                 strat.load_full_state(state)
@@ -524,6 +544,21 @@ class Worker:
             raise
         self.strategy, self.spec = strat, spec
         self._install_slowdown()
+
+    def _new_strategy(self, spec: StrategySpec, for_load: bool) -> Strategy:
+        """A new layout ``spec`` of a fresh model: seeded, or (``for_load``: every entry is
+        overwritten next) built without initializing and with no init broadcast."""
+        self._ensure_data()
+        cls = get_strategy(spec.name)
+        if for_load:
+            model = build_model_for_load(self._model_factory, self.config.seed)
+        else:
+            model = build_model(self._model_factory, self.config.seed)
+        self._param_keys = {f"model/{n}" for n, _ in model.named_parameters()}
+        cls.validate(spec, model)
+        if for_load:
+            spec = dataclasses.replace(spec, options={**spec.options, "init_sync": False})
+        return cls(spec, self._runtime(), model, self._optimizer_factory, self._loss_fn)
 
     # ------------------------------------------------------------------ checkpoints
 

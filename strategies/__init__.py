@@ -19,6 +19,7 @@ from .base import (
     state_hash,
 )
 from .registry import get, names, register
+from .reshard import ReshardResult, reshard
 
 __all__ = [
     "CanonicalState",
@@ -28,6 +29,8 @@ __all__ = [
     "StrategySpec",
     "state_hash",
     "check_layout",
+    "reshard",
+    "ReshardResult",
     "on_before_update",
     "before_update",
     "get",

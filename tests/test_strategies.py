@@ -452,3 +452,146 @@ def test_zero3_after_group_regeneration(pool: _Pool) -> None:
     results = pool.run(_train, "pipeline", kw, 2, world_size=world)
     ref_state, _ = reference(8, 2)
     assert max_param_diff(results[0]["state"], ref_state) < ATOL
+
+
+# --------------------------------------------------------------------------- live reshard
+
+
+def _reshard_chain(chain: list[tuple[str, dict[str, Any]]], state: dict[str, torch.Tensor],
+                   start: int, steps: int, corrupt_hop: int = -1) -> dict[str, Any]:
+    """Runs on every rank: lay out ``chain[0]`` from ``state``, then train ``steps`` steps
+    and ``reshard`` into the next layout, hop by hop; train ``steps`` more at the end. At
+    ``corrupt_hop`` the last rank's new layout gets one element wrong after its load: the
+    check must refuse that hop (the old layout goes on)."""
+    from elastic.reference import build_model_for_load
+    from strategies import reshard
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    sampler = StepSampler(len(DATA), 8, SEED)
+
+    def make(name: str, kw: dict[str, Any]) -> Any:
+        spec = StrategySpec(name=name, world_size=world, **kw)
+        model = build_model_for_load(make_mlp, SEED)
+        return registry.get(name)(spec, Runtime.current("cpu"), model, make_adam, F.mse_loss)
+
+    def train(strat: Any, step: int) -> int:
+        lo, hi = share_bounds(strat.spec.shares, rank)
+        for s in range(step, step + steps):
+            x, y = fetch_batch(DATA, sampler.indices(s))
+            strat.train_step(x[lo:hi], y[lo:hi])
+        return step + steps
+
+    cur = make(*chain[0])
+    cur.load_full_state(state)
+    step, hops = start, []
+    for hop, (name, kw) in enumerate(chain[1:]):
+        step = train(cur, step)
+        before = state_hash(cur.full_state())
+        new = make(name, kw)
+        if hop == corrupt_hop and rank == world - 1:
+            load = new.load_state
+
+            def load_wrong(st: dict[str, torch.Tensor], load: Any = load, strat: Any = new
+                           ) -> None:
+                load(st)
+                with torch.no_grad():
+                    p = next(strat.local_model().parameters())
+                    (p.to_local() if hasattr(p, "to_local") else p).view(-1)[0] += 1.0
+            new.load_state = load_wrong
+        res = reshard(cur, new)
+        hops.append({"to": name, "problems": res.problems, "sent": res.bytes_sent,
+                     "digests_equal": res.hash_before == res.hash_after})
+        if res.problems:
+            new.close()
+            hops[-1]["old_unchanged"] = state_hash(cur.full_state()) == before
+            continue
+        hops[-1]["full_hash_equal"] = state_hash(new.full_state()) == before
+        cur.close()
+        cur = new
+    step = train(cur, step)
+    out = cur.full_state()
+    cur.close()
+    return {"hops": hops, "state": out if rank == 0 else None, "step": step}
+
+
+def _total_bytes(state: dict[str, torch.Tensor]) -> int:
+    return sum(v.numel() * v.element_size() for v in state.values())
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_live_reshard_moves_only_what_each_rank_keeps(pool: _Pool, world: int) -> None:
+    """A chain of live reshards through every layout of a world size, training between hops:
+    each hop is checked piece by piece (every received piece bit-equal to what its sender
+    held), re-gathered to the same full hash, and the run ends on the single-process
+    reference. dp -> zero3 moves no byte (every rank cuts its rows from its own replica);
+    zero3 -> dp moves each rank's missing rows only."""
+    state = run_case(pool, "dp-2")[0]["state"]  # 10 Adam steps at G = 8
+    by_world: dict[int, list[tuple[str, dict[str, Any]]]] = {
+        2: [("dp", dict(shares=(5, 3))), ("zero3", dict(shares=(5, 3))),
+            ("dp", dict(shares=(4, 4))), ("zero1", dict(shares=(5, 3))),
+            ("pipeline", pp(2, (5, 3), 2, "gpipe")), ("zero2", dict(shares=(3, 5))),
+            ("zero3", dict(shares=(4, 4))), ("pipeline", pp(2, (4, 4), 4, "interleaved"))],
+        3: [("dp", dict(shares=(3, 3, 2))), ("zero3", dict(shares=(3, 3, 2))),
+            ("dp", dict(shares=(2, 3, 3))), ("pipeline", pp(3, (3, 3, 2), 4, "1f1b")),
+            ("zero1", dict(shares=(3, 3, 2))), ("zero2", dict(shares=(2, 3, 3))),
+            ("zero3", dict(shares=(3, 3, 2)))],
+        4: [("pipeline", CASES["pp2xdp2"][2]), ("pipeline", CASES["pp2xzero3"][2]),
+            ("pipeline", CASES["pp2xzero1"][2]), ("zero3", dict(shares=(2, 2, 2, 2))),
+            ("pipeline", CASES["pp2xzero2"][2]), ("dp", dict(shares=(2, 2, 2, 2)))],
+    }
+    chain = by_world[world]
+    results = pool.run(_reshard_chain, chain, state, STEPS, 1, world_size=world)
+    for r in results:
+        assert [h["to"] for h in r["hops"]] == [name for name, _ in chain[1:]]
+        for h in r["hops"]:
+            assert h["problems"] == [] and h["digests_equal"] and h["full_hash_equal"], h
+    total = _total_bytes(state)
+    for i, (name, _) in enumerate(chain[1:]):
+        sent = [r["hops"][i]["sent"] for r in results]
+        if chain[i][0] == "dp" and name in ("zero1", "zero2", "zero3", "pipeline"):
+            assert sent == [0] * world, (chain[i][0], name, sent)  # cut from own replica
+        if chain[i][0] == "zero3" and name == "dp":  # each rank sends its rows to the others
+            assert sum(sent) <= total * (world - 1) + 4096, sent
+            assert min(sent) > 0
+    ref_state, _ = reference(8, results[0]["step"])
+    assert max_param_diff(results[0]["state"], ref_state) < ATOL
+
+
+def test_live_reshard_refuses_a_piece_that_differs(pool: _Pool) -> None:
+    """One element wrong on one rank after the load: every rank reports the problem, the
+    old layout is unchanged and training on it still ends on the reference."""
+    state = run_case(pool, "dp-2")[0]["state"]
+    chain = [("zero3", dict(shares=(3, 3, 2))), ("dp", dict(shares=(3, 3, 2))),
+             ("zero2", dict(shares=(3, 3, 2)))]
+    results = pool.run(_reshard_chain, chain, state, STEPS, 1, 0, world_size=3)
+    for r in results:
+        bad, good = r["hops"]
+        assert bad["to"] == "dp" and bad["old_unchanged"] and not bad["digests_equal"]
+        assert bad["problems"] == results[0]["hops"][0]["problems"]
+        assert any("rank 2 holds rows" in p for p in bad["problems"]), bad["problems"]
+        assert good["to"] == "zero2" and good["problems"] == [] and good["full_hash_equal"]
+    ref_state, _ = reference(8, results[0]["step"])
+    assert max_param_diff(results[0]["state"], ref_state) < ATOL
+
+
+def test_reshard_plan_prefers_own_rows_and_spreads_replicas() -> None:
+    from strategies.reshard import plan_moves
+
+    whole = {"w": ((6, 2), "float32", None)}
+    # dp (3 replicas) -> rows of 2 each: every rank cuts its own rows, nothing moves
+    moves, problems = plan_moves([whole] * 3, [{"w": (0, 2)}, {"w": (2, 4)}, {"w": (4, 6)}])
+    assert problems == [] and all(m.src == m.dst for m in moves)
+    # rows held by 3 ranks -> a full replica on each: each takes the others' rows
+    rows = [{"w": ((6, 2), "float32", (2 * r, 2 * r + 2))} for r in range(3)]
+    moves, problems = plan_moves(rows, [{"w": (0, 6)}] * 3)
+    assert problems == [] and len(moves) == 9
+    assert sorted((m.src, m.dst) for m in moves if m.src != m.dst) == sorted(
+        (s, d) for d in range(3) for s in range(3) if s != d)
+    # two replicas, two ranks that hold nothing: the senders share the load
+    moves, _ = plan_moves([whole, whole, {}, {}], [{}, {}, {"w": (0, 6)}, {"w": (0, 6)}])
+    assert sorted(m.src for m in moves) == [0, 1]
+    # rows nobody holds, and rows nobody keeps, are problems
+    _, problems = plan_moves([{"w": ((6, 2), "float32", (0, 3))}], [{"w": (0, 6)}])
+    assert any("held by no rank" in p for p in problems)
+    _, problems = plan_moves([whole], [{"w": (0, 3)}])
+    assert any("kept by no rank" in p for p in problems)
