@@ -19,7 +19,7 @@ from .base import (
     state_hash,
 )
 from .registry import get, names, register
-from .reshard import ReshardResult, reshard
+from .resharding import ReshardResult, reshard
 
 __all__ = [
     "CanonicalState",

@@ -575,7 +575,7 @@ def test_live_reshard_refuses_a_piece_that_differs(pool: _Pool) -> None:
 
 
 def test_reshard_plan_prefers_own_rows_and_spreads_replicas() -> None:
-    from strategies.reshard import plan_moves
+    from strategies.resharding import plan_moves
 
     whole = {"w": ((6, 2), "float32", None)}
     # dp (3 replicas) -> rows of 2 each: every rank cuts its own rows, nothing moves

@@ -8,9 +8,10 @@ rank for a moment. Here the new layout is built first, beside the old one, and a
 holds (``local_rows``). From the two maps, known on every rank after one small
 ``all_gather_object``, every rank derives the same transfer plan: for each new piece, which old
 rank sends which rows, preferring the rank itself (no communication at all, e.g. dp -> zero3)
-and spreading replicated entries over their holders. The bytes then travel in one
-``all_to_all_single`` (bytes, every dtype at once), and each rank loads what it received with
-``load_state``.
+and spreading replicated entries over their holders. The bytes then travel point to point
+(``batch_isend_irecv``), each piece read straight from the old layout's tensor and written
+straight into its place in the new piece (no send or receive buffers), and each rank loads
+what it assembled with ``load_state``.
 
 The proof that the move changed nothing (``check=True``) needs no gather either: every sender
 takes the CRC-32C of each piece it sends, read from the *old* layout; after the load, every
@@ -37,8 +38,6 @@ import torch.distributed as dist
 from .base import CanonicalState, Strategy
 
 __all__ = ["ReshardResult", "reshard", "plan_moves", "Move"]
-
-_ALIGN = 16  # every piece starts on a 16-byte boundary of the byte buffers (any dtype views)
 
 
 @dataclass(frozen=True)
@@ -149,10 +148,6 @@ def _crc(t: torch.Tensor) -> int:
     return int(crc32c.crc32c(memoryview(t.reshape(-1).view(torch.uint8).numpy())))
 
 
-def _padded(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
-
-
 def _digest(moves: Sequence[Move], crcs: dict[int, int]) -> str:
     h = hashlib.sha256()
     for i, m in enumerate(moves):
@@ -191,40 +186,23 @@ def reshard(old: Strategy, new: Strategy, check: bool = True) -> ReshardResult:
         shape, dtype = meta[m.key]
         return (m.hi - m.lo) * _row_bytes(shape, dtype.itemsize)
 
-    # the bytes: one buffer per direction, grouped by peer, pieces in plan order, each padded
-    send_sizes, recv_sizes = [0] * world, [0] * world
-    outgoing: list[list[torch.Tensor]] = [[] for _ in range(world)]
+    # this rank's new pieces: its own rows are cut from its old pieces, the others' arrive
+    # point to point straight into place (row ranges of a contiguous tensor are contiguous)
+    device = new.rt.device  # NCCL moves device tensors; gloo CPU ones
+    state: CanonicalState = {}
+    ops: list[dist.P2POp] = []
+    landing: list[tuple[torch.Tensor, torch.Tensor]] = []  # (device buffer, CPU place)
     sent_crcs: dict[int, int] = {}
+    sent = kept = 0
     for i, m in enumerate(moves):
         if m.src == rank:
             t = old_piece(m)
             if check:
                 sent_crcs[i] = _crc(t)
             if m.dst != rank:
-                b = t.detach().contiguous().reshape(-1).view(torch.uint8)
-                outgoing[m.dst].append(b)
-                if _padded(b.numel()) > b.numel():
-                    outgoing[m.dst].append(torch.zeros(_padded(b.numel()) - b.numel(),
-                                                       dtype=torch.uint8))
-                send_sizes[m.dst] += _padded(b.numel())
-        elif m.dst == rank:
-            recv_sizes[m.src] += _padded(nbytes(m))
-    device = new.rt.device  # NCCL moves device tensors; gloo CPU ones
-    parts = [p for peer in outgoing for p in peer]
-    send = (torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)).to(device)
-    recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=device)
-    if any(m.src != m.dst for m in moves):  # every rank knows the plan: the same decision
-        dist.all_to_all_single(recv, send, output_split_sizes=recv_sizes,
-                               input_split_sizes=send_sizes)
-    recv = recv.cpu()
-    del send, parts, outgoing
-    # assemble this rank's new pieces from its own old pieces and what arrived
-    cursor, at = [0] * world, 0
-    for s in range(world):
-        cursor[s], at = at, at + recv_sizes[s]
-    state: CanonicalState = {}
-    kept = 0
-    for m in moves:
+                t = t.detach().contiguous().to(device).reshape(-1).view(torch.uint8)
+                ops.append(dist.P2POp(dist.isend, t, m.dst, tag=i))
+                sent += t.numel()
         if m.dst != rank:
             continue
         shape, dtype = meta[m.key]
@@ -241,19 +219,26 @@ def reshard(old: Strategy, new: Strategy, check: bool = True) -> ReshardResult:
         if m.src == rank:
             dest.copy_(old_piece(m).reshape(dest.shape))
             kept += nbytes(m)
-        else:
-            n = nbytes(m)
-            raw = recv[cursor[m.src]: cursor[m.src] + n]
-            cursor[m.src] += _padded(n)
-            dest.copy_(raw.view(dtype).reshape(dest.shape))
+            continue
+        buf = dest.reshape(-1).view(torch.uint8)
+        if device.type != "cpu":
+            landing.append((torch.empty_like(buf, device=device), buf))
+            buf = landing[-1][0]
+        ops.append(dist.P2POp(dist.irecv, buf, m.src, tag=i))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    for dev_buf, place in landing:
+        place.copy_(dev_buf)
+    del ops, landing
     for key, (lo, hi) in wanteds[rank].items():  # entries with no rows
         if key not in state and key in meta:
             shape, dtype = meta[key]
             state[key] = torch.empty((hi - lo, *shape[1:]), dtype=dtype)
     new.load_state(state)
-    del state, recv
+    del state
     if not check:
-        return ReshardResult(len(moves), sum(send_sizes), kept, "", "", problems)
+        return ReshardResult(len(moves), sent, kept, "", "", problems)
     # read every piece back from the new layout and compare it with what its sender held
     now, now_rows = new.local_state(), new.local_rows()
     got_crcs: dict[int, int] = {}
@@ -280,7 +265,7 @@ def reshard(old: Strategy, new: Strategy, check: bool = True) -> ReshardResult:
             problems.append(f"rank {m.dst} holds rows {m.lo}:{m.hi} of {m.key} different from "
                             f"what rank {m.src} held")
     before, after = _digest(moves, sent_all), _digest(moves, got_all)
-    return ReshardResult(len(moves), sum(send_sizes), kept, before, after, problems)
+    return ReshardResult(len(moves), sent, kept, before, after, problems)
 
 
 def _all_gather(obj: Any, world: int) -> list[Any]:
