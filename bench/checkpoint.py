@@ -20,7 +20,10 @@ Each configuration also loads its first checkpoint back and asserts it is bit-ex
   as the state has "model/" floats, batch 32, one thread), and the update waits for them
   (``staged()``). Blocked = ``begin()`` + that wait. Also reported: how much slower that
   forward+backward was than the same one with no copy beside it (on 2 cores the copy
-  thread competes with the other rank).
+  thread competes with the other rank). The deferred copy takes each chunk's CRC right after
+  copying it (in cache), so the upload after it only writes: **upload, overlapped** is
+  bytes / the slower rank's upload, and **host copy + CRC + upload** adds the deferred copy
+  (``ShardInfo.copy_seconds``), the whole background path.
 
 Optionally (``--ray-train``) the same state through Ray Train's
 ``ray.train.report(checkpoint=...)`` in a 1-worker TorchTrainer with a local storage_path.
@@ -209,6 +212,8 @@ def bench_backend(
     ranks_over = Ranks(mb, device, uri, options) if overlap and device == "cpu" else None
     over: list[float] = []
     extra: list[float] = []
+    over_upload: list[float] = []  # bytes / the slower rank's upload (after the host copy)
+    over_e2e: list[float] = []  # bytes / the slower rank's deferred copy + CRCs + upload
     if ranks_over is not None:
         try:
             for step in range(repeats + 1, 2 * repeats + 2):
@@ -224,6 +229,9 @@ def bench_backend(
                 apply_retention(store, keep_last=1)
                 over.append(max(b for b, _, _ in res))
                 extra.append(max(d["during"] - d["plain"] for _, _, d in res))
+                nbytes = sum(i.size for i in infos)
+                over_upload.append(nbytes / max(i.seconds for i in infos))
+                over_e2e.append(nbytes / max(i.seconds + i.copy_seconds for i in infos))
                 print(f"  overlapped step {step}: " + "; ".join(
                     f"begin {d['begin'] * 1e3:.1f} ms wait {d['wait'] * 1e3:.1f} ms, fwd+bwd "
                     f"{d['plain'] * 1e3:.0f} -> {d['during'] * 1e3:.0f} ms" for _, _, d in res),
@@ -241,6 +249,8 @@ def bench_backend(
         "sync_save": warm(sync),
         "upload": warm(upload_rate),
         "raw": warm(raw_rate),
+        "upload_overlap": warm(over_upload) if len(over_upload) > 1 else float("nan"),
+        "e2e_overlap": warm(over_e2e) if len(over_e2e) > 1 else float("nan"),
         "commit": warm(commit_s),
     }
 
@@ -344,14 +354,15 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     head = (
         "| state | backend | sync torch.save (s) | blocked cold (s) | blocked warm (s) "
         "| warm/sync | blocked warm, overlapped (s) | overlapped/sync | fwd+bwd slower by (s) "
-        "| upload (MB/s) | raw write (MB/s) | upload/raw | commit (s) |"
+        "| upload (MB/s) | raw write (MB/s) | upload/raw | upload, overlapped (MB/s) "
+        "| overlapped/raw | host copy + CRC + upload, overlapped (MB/s) | commit (s) |"
     )
     print(head)
-    print("|---" * 13 + "|")
+    print("|---" * 16 + "|")
     for r in rows:
         if "ray_report" in r:
             print(f"| {r['size_mb']} MB | Ray Train torch.save + report | {r['ray_report']:.3f} "
-                  "| | | | | | | | | | |")
+                  "| | | | | | | | | | | | | |")
             continue
         print(
             f"| {r['size_mb']} MB | {r['backend']} | {r['sync_save']:.3f} "
@@ -359,7 +370,9 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             f"| {r['blocked_warm'] / r['sync_save']:.1%} | {r['blocked_overlap_warm']:.4f} "
             f"| {r['blocked_overlap_warm'] / r['sync_save']:.1%} | {r['step_extra']:.3f} "
             f"| {r['upload'] / 1e6:.0f} "
-            f"| {r['raw'] / 1e6:.0f} | {r['upload'] / r['raw']:.0%} | {r['commit']:.3f} |"
+            f"| {r['raw'] / 1e6:.0f} | {r['upload'] / r['raw']:.0%} "
+            f"| {r['upload_overlap'] / 1e6:.0f} | {r['upload_overlap'] / r['raw']:.0%} "
+            f"| {r['e2e_overlap'] / 1e6:.0f} | {r['commit']:.3f} |"
         )
 
 

@@ -209,21 +209,28 @@ def test_deferred_host_copy_runs_beside_the_caller(tmp_path) -> None:
     others may change as soon as ``begin`` returns."""
     store = CheckpointStore(str(tmp_path))
     state = make_state(rows=256, seed=3)
+    state["model/transposed"] = torch.randn(40, 30).t()  # not contiguous: copied whole
     keys = sorted(state)
-    deferred = set(keys[: len(keys) // 2])
+    deferred = set(keys[: len(keys) // 2]) | {"model/transposed"}
     expected = {k: v.clone() for k, v in state.items()}
-    w = ShardWriter(store, 0, copy_threads=2)
-    w.begin(1, state, later=lambda k: k in deferred)
-    for k in set(keys) - deferred:
-        state[k].zero_()  # copied already
-    assert w.staged(timeout=30) >= 0.0
-    for k in deferred:
-        state[k].zero_()
-    m = commit(store, 1, [w.wait(timeout=30)])
-    w.committed(1)
-    assert w.staged() == 0.0  # nothing pending
-    w.close()
-    assert state_hash(load(store, m)) == state_hash(expected)
+    # small chunks: each deferred piece is copied and checksummed chunk by chunk
+    for threads in (1, 2):
+        w = ShardWriter(store, 0, copy_threads=threads, chunk_bytes=4096)
+        w.begin(threads, state, later=lambda k: k in deferred)
+        for k in set(keys) - deferred:
+            state[k].zero_()  # copied already
+        assert w.staged(timeout=30) >= 0.0
+        for k in deferred:
+            state[k].zero_()
+        info = w.wait(timeout=30)
+        assert info.copy_seconds > 0
+        m = commit(store, threads, [info])
+        w.committed(threads)
+        assert w.staged() == 0.0  # nothing pending
+        w.close()
+        assert verify(store, threads).exit_code == 0  # every chunk's CRC, fused or not, is right
+        assert state_hash(load(store, m)) == state_hash(expected)
+        state = {k: v.clone() for k, v in expected.items()}
 
 
 def test_checksum_versions(tmp_path, monkeypatch) -> None:

@@ -25,6 +25,7 @@ The time an upload can take is bounded by the store's timeouts and retries (S3 o
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import queue
@@ -82,6 +83,7 @@ class ShardInfo:
     items: int
     data_bytes: int
     seconds: float = 0.0
+    copy_seconds: float = 0.0  # the deferred host copy (and its CRCs) on the upload thread
 
     @property
     def throughput(self) -> float:
@@ -205,7 +207,7 @@ class ShardWriter:
             cuda = any(p.tensor.is_cuda for p in plist)
             buf = self._ensure_staging(total, cuda and torch.cuda.is_available())
             copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-            deferred: list[tuple[torch.Tensor, torch.Tensor]] = []
+            deferred: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (offset, dst, src)
             end = 0
             for p, off in placed:
                 if off > end:
@@ -213,8 +215,10 @@ class ShardWriter:
                 n = p.nbytes
                 if n:
                     dst = buf[off : off + n].view(p.tensor.dtype).view(p.tensor.shape)
-                    defer = later is not None and not p.tensor.is_cuda and later(p.key)
-                    (deferred if defer else copies).extend(_split_copy(dst, p.tensor.detach()))
+                    if later is not None and not p.tensor.is_cuda and later(p.key):
+                        deferred.append((off, dst, p.tensor.detach()))
+                    else:
+                        copies.extend(_split_copy(dst, p.tensor.detach()))
                 end = off + n
             if total > end:
                 buf[end:total].zero_()
@@ -358,20 +362,19 @@ class ShardWriter:
             self._run(*job)
 
     def _run(self, step: int, buf: torch.Tensor, items: list[ItemEntry], total: int,
-             deferred: list[tuple[torch.Tensor, torch.Tensor]], staged: threading.Event
+             deferred: list[tuple[int, torch.Tensor, torch.Tensor]], staged: threading.Event
              ) -> None:
         info: ShardInfo | None = None
         err: CheckpointError | None = None
         try:
+            t_copy = time.perf_counter()
             try:  # the host copies begin() left to this thread, before anything is uploaded
-                if self._copy_pool is not None and len(deferred) > 1:
-                    list(self._copy_pool.map(lambda c: c[0].copy_(c[1]), deferred))
-                else:
-                    for dst, src in deferred:
-                        dst.copy_(src)
+                known = _copy_with_crcs(buf, deferred, self.chunk_bytes, self.block_bytes,
+                                        self._copy_pool)
             finally:
                 deferred.clear()  # drop the references to the caller's tensors
                 staged.set()
+            t_copy = time.perf_counter() - t_copy
             info = _upload(
                 self.store,
                 step,
@@ -384,7 +387,9 @@ class ShardWriter:
                 self.on_progress,
                 self._cancel,
                 self.checksum_threads,
+                known,
             )
+            info = dataclasses.replace(info, copy_seconds=t_copy)
         except _Abandoned:
             pass
         except CheckpointError as e:
@@ -423,6 +428,40 @@ def _split_copy(dst: torch.Tensor, src: torch.Tensor) -> list[tuple[torch.Tensor
     return [(dst[i : i + rows], src[i : i + rows]) for i in range(0, src.shape[0], rows)]
 
 
+def _copy_with_crcs(buf: torch.Tensor, deferred: list[tuple[int, torch.Tensor, torch.Tensor]],
+                    chunk: int, block: int, pool: ThreadPoolExecutor | None) -> dict[int, int]:
+    """Copy each deferred piece (byte offset, typed view of ``buf``, source) into ``buf`` one
+    checksum chunk at a time and take each chunk's CRC right after its copy, while it is in
+    cache: the upload then reads those bytes only to write them. Returns {chunk start: CRC}.
+    A non-contiguous source is copied whole; its chunks are checksummed at upload."""
+    data = memoryview(buf.numpy()).cast("B") if buf.numel() else memoryview(b"")  # type: ignore[arg-type]
+    crc = checksum_fn(CHECKSUM)
+    flat = buf.view(torch.uint8)
+    tasks: list[tuple[int, int, torch.Tensor, int]] = []  # (chunk start, end, source bytes, at)
+    for off, dst, src in deferred:
+        if not src.is_contiguous() or src.dim() == 0:
+            dst.copy_(src)
+            continue
+        sb = src.reshape(-1).view(torch.uint8)
+        n = sb.numel()
+        tasks += [(off + a, off + min(a + chunk, n), sb, a) for a in range(0, n, chunk)]
+
+    def run(batch: list[tuple[int, int, torch.Tensor, int]]) -> list[tuple[int, int]]:
+        out = []
+        for a, e, sb, at in batch:
+            flat[a:e].copy_(sb[at: at + (e - a)])
+            out.append((a, crc(data[a:e])))
+        return out
+
+    per = max(1, block // chunk)
+    batches = [tasks[i: i + per] for i in range(0, len(tasks), per)]
+    if pool is not None and len(batches) > 1:
+        results = list(pool.map(run, batches))
+    else:
+        results = [run(b) for b in batches]
+    return {a: c for r in results for a, c in r}
+
+
 def _upload(
     store: CheckpointStore,
     step: int,
@@ -435,10 +474,12 @@ def _upload(
     on_progress: ProgressFn | None,
     cancel: threading.Event,
     threads: int,
+    known: dict[int, int] | None = None,
 ) -> ShardInfo:
     """Write ``buf[:total]`` then the index and footer to the shard path in ``block``-sized
     sequential writes, while ``threads`` helper threads compute the chunk CRCs of the same
-    (immutable) buffer; all release the GIL, so on spare cores checksums cost no upload time. Deletes
+    (immutable) buffer that ``known`` (chunk start -> CRC, taken during the host copy) does
+    not hold; all release the GIL, so on spare cores checksums cost no upload time. Deletes
     the partial file and raises on any failure."""
     t0 = time.perf_counter()
     name = shard_file_name(rank)
@@ -448,10 +489,12 @@ def _upload(
     written = 0
     try:
         # CRCs of every chunk, in batches of ~one write block, over `threads` helper threads
+        known = known or {}
         ranges = [
             (a, min(a + chunk, it.offset + it.length))
             for it in items
             for a in range(it.offset, it.offset + it.length, chunk)
+            if a not in known
         ]
         per = max(1, block // chunk)
         with ThreadPoolExecutor(threads, thread_name_prefix=f"elastic-ckpt-crc-r{rank}") as pool:
@@ -486,7 +529,8 @@ def _upload(
                                 it.length,
                                 c,
                             )
-                            for it, c in zip(items, _per_item(items, chunk, batches), strict=True)
+                            for it, c in zip(items, _per_item(items, chunk, ranges, batches,
+                                                              known), strict=True)
                         ),
                         CHECKSUM,
                     )
@@ -520,15 +564,14 @@ def _upload(
 
 
 def _per_item(
-    items: list[ItemEntry], chunk: int, batches: list[Future[list[int]]]
+    items: list[ItemEntry], chunk: int, ranges: list[tuple[int, int]],
+    batches: list[Future[list[int]]], known: dict[int, int],
 ) -> list[tuple[int, ...]]:
-    flat = [c for f in batches for c in f.result()]
-    out, i = [], 0
-    for it in items:
-        n = -(-it.length // chunk)
-        out.append(tuple(flat[i : i + n]))
-        i += n
-    return out
+    crcs = dict(known)
+    crcs.update(zip((a for a, _ in ranges), (c for f in batches for c in f.result()),
+                    strict=True))
+    return [tuple(crcs[a] for a in range(it.offset, it.offset + it.length, chunk))
+            for it in items]
 
 
 def _crc_batch(
