@@ -23,7 +23,10 @@ Each configuration also loads its first checkpoint back and asserts it is bit-ex
   thread competes with the other rank). The deferred copy takes each chunk's CRC right after
   copying it (in cache), so the upload after it only writes: **upload, overlapped** is
   bytes / the slower rank's upload, and **host copy + CRC + upload** adds the deferred copy
-  (``ShardInfo.copy_seconds``), the whole background path.
+  (``ShardInfo.copy_seconds``), the whole background path. Because the overlapped upload
+  competes with the compute for the cores, **upload after a fused copy** takes the same
+  deferred checkpoint with nothing computing beside it (``staged()`` at once), like the raw
+  write it is compared with.
 
 Optionally (``--ray-train``) the same state through Ray Train's
 ``ray.train.report(checkpoint=...)`` in a 1-worker TorchTrainer with a local storage_path.
@@ -116,6 +119,10 @@ def _rank_main(
             wait = writer.staged()
             conn.send((blocked + wait, writer.wait().to_dict(),
                        {"begin": blocked, "wait": wait, "plain": plain, "during": during}))
+        elif cmd == "ckpt_deferred":  # as a job copies (fused CRCs), nothing computing beside
+            blocked = writer.begin(step, pieces, later=lambda _k: True)
+            wait = writer.staged()
+            conn.send((blocked + wait, writer.wait().to_dict()))
         elif cmd == "committed":
             writer.committed(step)
             conn.send(None)
@@ -176,6 +183,8 @@ def bench_backend(
     raw_rate: list[float] = []
     sync: list[float] = []
     commit_s: list[float] = []
+    deferred_rate: list[float] = []  # upload after a deferred copy with fused CRCs
+    deferred_copy: list[float] = []  # that copy's seconds (slower rank)
     total = 0
     try:
         for step in range(repeats + 1):
@@ -196,6 +205,15 @@ def bench_backend(
 
             raw = ranks.all("raw", step)
             raw_rate.append(sum(n for n, _ in raw) / max(t for _, t in raw))
+
+            # the same checkpoint as a job takes it (deferred copy, CRCs fused into it), alone
+            res = ranks.all("ckpt_deferred", 1000 + step)
+            infos = [ShardInfo.from_dict(d) for _, d in res]
+            commit(store, 1000 + step, infos)
+            ranks.all("committed", 1000 + step)
+            apply_retention(store, keep_last=1)
+            deferred_rate.append(sum(i.size for i in infos) / max(i.seconds for i in infos))
+            deferred_copy.append(max(i.copy_seconds for i in infos))
 
             # synchronous torch.save of the whole state to the same backend, new file each time
             path = sync_path(step)
@@ -249,6 +267,8 @@ def bench_backend(
         "sync_save": warm(sync),
         "upload": warm(upload_rate),
         "raw": warm(raw_rate),
+        "upload_deferred": warm(deferred_rate),
+        "copy_deferred": warm(deferred_copy),
         "upload_overlap": warm(over_upload) if len(over_upload) > 1 else float("nan"),
         "e2e_overlap": warm(over_e2e) if len(over_e2e) > 1 else float("nan"),
         "commit": warm(commit_s),
@@ -354,15 +374,16 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     head = (
         "| state | backend | sync torch.save (s) | blocked cold (s) | blocked warm (s) "
         "| warm/sync | blocked warm, overlapped (s) | overlapped/sync | fwd+bwd slower by (s) "
-        "| upload (MB/s) | raw write (MB/s) | upload/raw | upload, overlapped (MB/s) "
-        "| overlapped/raw | host copy + CRC + upload, overlapped (MB/s) | commit (s) |"
+        "| upload (MB/s) | raw write (MB/s) | upload/raw | upload after a fused copy (MB/s) "
+        "| fused/raw | fused copy + CRC (s) | upload, overlapped (MB/s) | overlapped/raw "
+        "| host copy + CRC + upload, overlapped (MB/s) | commit (s) |"
     )
     print(head)
-    print("|---" * 16 + "|")
+    print("|---" * 19 + "|")
     for r in rows:
         if "ray_report" in r:
             print(f"| {r['size_mb']} MB | Ray Train torch.save + report | {r['ray_report']:.3f} "
-                  "| | | | | | | | | | | | | |")
+                  "| | | | | | | | | | | | | | | | |")
             continue
         print(
             f"| {r['size_mb']} MB | {r['backend']} | {r['sync_save']:.3f} "
@@ -371,6 +392,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             f"| {r['blocked_overlap_warm'] / r['sync_save']:.1%} | {r['step_extra']:.3f} "
             f"| {r['upload'] / 1e6:.0f} "
             f"| {r['raw'] / 1e6:.0f} | {r['upload'] / r['raw']:.0%} "
+            f"| {r['upload_deferred'] / 1e6:.0f} | {r['upload_deferred'] / r['raw']:.0%} "
+            f"| {r['copy_deferred']:.3f} "
             f"| {r['upload_overlap'] / 1e6:.0f} | {r['upload_overlap'] / r['raw']:.0%} "
             f"| {r['e2e_overlap'] / 1e6:.0f} | {r['commit']:.3f} |"
         )

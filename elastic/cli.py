@@ -56,7 +56,7 @@ def _attach(address: str | None) -> None:
 
     import ray
 
-    from .controller import _check_reachable
+    from ._ctl_base import check_reachable as _check_reachable
 
     addr = address or os.environ.get("RAY_ADDRESS") or "auto"
     if addr not in ("auto", "local"):

@@ -588,7 +588,7 @@ def _connect(probes: list[JobConfig]) -> bool:
 
     if ray.is_initialized():
         return False
-    from .controller import _check_reachable
+    from ._ctl_base import check_reachable as _check_reachable
 
     base = probes[0]
     addr = base.ray_address or os.environ.get("RAY_ADDRESS")
