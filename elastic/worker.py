@@ -165,8 +165,6 @@ class Worker:
         self._stop = threading.Event()
         self._emulated_slowdown = 1.0
         self._emulation: dict[str, Any] = {}
-        self._sec_per_sample: float | None = None
-        self._bwd_ratio = 2.0  # backward / forward time of the model (profiled)
         self._slow_hooks: list[Any] = []  # the emulated slowdown's forward hooks
         self._slow_dirty = False
         self._param_keys: set[str] = set()  # "model/<fqn>" of parameters (not buffers)
@@ -706,10 +704,17 @@ class Worker:
 
     def _install_slowdown(self) -> None:
         """Emulate a slower device inside the compute: every block this rank runs (each
-        pipeline stage's blocks, else the model's blocks, else the whole model) sleeps after
-        each forward ``(slowdown - 1) x`` that forward's time x ``(1 + backward/forward)``,
-        so a slow pipeline stage is slow on every micro-batch and collectives between
-        blocks (FSDP's gathers) are not slowed. The ratio comes from ``_profile_base``."""
+        pipeline stage's blocks, else the model's blocks, else the whole model) sleeps
+        ``(slowdown - 1) x`` its forward's time right after its forward, and ``(slowdown - 1)
+        x`` its backward's time right after its backward (module backward hooks). So each
+        phase is slow where it happens: a slow pipeline stage on every micro-batch, a slow
+        zero3 rank in each block's forward *and* backward (whose gathers and reduce-scatters
+        synchronize the ranks block by block), and collectives between blocks are not
+        slowed. (Until 2026-12-01 the whole ``(slowdown - 1) x (forward + backward)`` sleep
+        came after the forward: with per-block synchronization a slow rank was far slower in
+        forward and faster than its peers in backward, so zero3 emulated a worse device.)"""
+        import warnings
+
         for h in self._slow_hooks:
             h.remove()
         self._slow_hooks = []
@@ -717,26 +722,33 @@ class Worker:
         k = self._emulated_slowdown
         if k <= 1.0 or self.strategy is None:
             return
-        if self._sec_per_sample is None:
-            self._profile_base(8)
-        extra = (k - 1.0) * (1.0 + self._bwd_ratio)
-        started: dict[int, float] = {}
+        extra = k - 1.0
+        started: dict[tuple[int, str], float] = {}
         # on a GPU a forward only queues kernels: time it to their end
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
 
-        def pre(mod: Any, _args: Any) -> None:
-            sync()
-            started[id(mod)] = time.perf_counter()
-
-        def post(mod: Any, _args: Any, _out: Any) -> None:
-            t = started.pop(id(mod), None)
-            if t is not None:
+        def start(phase: str) -> Callable[..., None]:
+            def hook(mod: Any, *_args: Any) -> None:
                 sync()
-                time.sleep(extra * (time.perf_counter() - t))
+                started[(id(mod), phase)] = time.perf_counter()
+            return hook
 
+        def stop(phase: str) -> Callable[..., None]:
+            def hook(mod: Any, *_args: Any) -> None:
+                t = started.pop((id(mod), phase), None)
+                if t is not None:
+                    sync()
+                    time.sleep(extra * (time.perf_counter() - t))
+            return hook
+
+        # the first block's inputs need no gradient: its backward hook then fires on the
+        # gradients of its outputs, which torch warns about; that timing is what we want
+        warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients")
         for m in _compute_blocks(self.strategy):
-            self._slow_hooks += [m.register_forward_pre_hook(pre),
-                                 m.register_forward_hook(post)]
+            self._slow_hooks += [m.register_forward_pre_hook(start("fwd")),
+                                 m.register_forward_hook(stop("fwd")),
+                                 m.register_full_backward_pre_hook(start("bwd")),
+                                 m.register_full_backward_hook(stop("bwd"))]
 
     def _profile_base(self, batch: int, min_s: float = 0.05, max_iters: int = 50) -> float:
         """Seconds per sample of forward+backward of a private copy of the model (no
@@ -749,25 +761,17 @@ class Worker:
         x, y = fetch_batch(self._dataset, idx)
         x, y = x.to(self.device), y.to(self.device)
         times: list[float] = []
-        fwd: list[float] = []
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
         for i in range(max_iters + 1):
             t0 = time.perf_counter()
-            loss = self._loss_fn(model(x), y)
-            sync()
-            t1 = time.perf_counter()
-            loss.backward()
+            self._loss_fn(model(x), y).backward()
             sync()
             if i:  # the first iteration warms up
                 times.append(time.perf_counter() - t0)
-                fwd.append(t1 - t0)
             model.zero_grad(set_to_none=True)
             if len(times) >= 5 and sum(times) >= min_s:
                 break
-        med, med_f = sorted(times)[len(times) // 2], sorted(fwd)[len(fwd) // 2]
-        self._sec_per_sample = med / batch
-        self._bwd_ratio = max(0.0, med - med_f) / med_f if med_f > 0 else 2.0
-        return self._sec_per_sample
+        return sorted(times)[len(times) // 2] / batch
 
     def profile(self, batch: int, detail: bool = False) -> dict[str, Any]:
         """Measure this worker's speed for the job's model: samples/s of forward+backward,

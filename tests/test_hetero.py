@@ -94,3 +94,15 @@ def test_measured_profile_and_link_fit_feed_the_planner():
     pts = [(n, 2 * (alpha + n * beta)) for n in (4 << 10, 256 << 10, 4 << 20)]
     fit = link_model(pts, 2).links["*"]
     assert fit[0] > 0 and fit[1] > 0
+
+
+def test_emulated_slowdown_inside_sharded_and_pipelined_compute(ray_local, tmp_path):
+    """The emulation's hooks (a sleep after each block's forward and after its backward) sit
+    inside FSDP2's per-block collectives and inside a pipeline stage's micro-batches; they
+    change the timing only, never what is trained."""
+    ref, _ = reference_train(mlp, adam, mse, RegressionData(), G, 10, seed=0)
+    for strategy, kw in [("zero3", {}), ("pipeline", {"pp_degree": 2, "micro_batches": 2})]:
+        result = elastic.fit(**_cfg(tmp_path / strategy, strategy=strategy, num_workers=2,
+                                    balance="off", emulate=[{"slowdown": 1}, {"slowdown": 3}],
+                                    **kw))
+        assert max_diff(result.state_dict(), ref) < TOL, strategy
