@@ -118,9 +118,10 @@ def _kill_leftovers(proc: subprocess.Popen[bytes], tmp: str) -> int:
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
-def _cpu_times(session: int, tmp: str) -> dict[int, tuple[str, float]]:
-    """CPU seconds (user+sys) of every process of a run: its session, or naming its temp dir."""
-    out: dict[int, tuple[str, float]] = {}
+def _cpu_times(session: int, tmp: str) -> dict[int, tuple[str, float, int]]:
+    """CPU seconds (user+sys) and minor page faults of every process of a run: its session,
+    or naming its temp dir."""
+    out: dict[int, tuple[str, float, int]] = {}
     for d in os.listdir("/proc"):
         if not d.isdigit():
             continue
@@ -134,7 +135,8 @@ def _cpu_times(session: int, tmp: str) -> dict[int, tuple[str, float]]:
                     mine = tmp.encode() in f.read()
             if mine:
                 name = st[st.index("(") + 1:st.rindex(")")]
-                out[int(d)] = (name, (int(fields[11]) + int(fields[12])) / _TICK)
+                out[int(d)] = (name, (int(fields[11]) + int(fields[12])) / _TICK,
+                               int(fields[7]))
         except (OSError, ValueError, IndexError):
             continue
     return out
@@ -170,7 +172,8 @@ def _wait_quiet(max_wait_s: float, threshold: float) -> float:
     return busy
 
 
-Sample = tuple[float, dict[int, tuple[str, float]], float]  # time, {pid: (name, cpu s)}, busy s
+Sample = tuple[float, dict[int, tuple[str, float, int]], float]  # time, {pid: (name, cpu s,
+# minor faults)}, machine busy s
 
 
 def _window_cpu(samples: list[Sample], t_a: float, t_b: float) -> dict[str, Any] | None:
@@ -184,15 +187,17 @@ def _window_cpu(samples: list[Sample], t_a: float, t_b: float) -> dict[str, Any]
     dt = b[0] - a[0]
     if dt <= 0.5:
         return None
-    use = sorted(((b[1][p][1] - a[1].get(p, (n, 0.0))[1], n) for p, (n, _) in b[1].items()),
-                 reverse=True)
+    use = sorted(((b[1][p][1] - a[1].get(p, (n, 0.0, 0))[1], n, p) for p, (n, _, _) in
+                  b[1].items()), reverse=True)
+    faults = sum(b[1][p][2] - a[1].get(p, ("", 0.0, b[1][p][2]))[2] for _, _, p in use[:2]) / dt
+    use = [(c, n) for c, n, _ in use]
     ranks = use[:2]
     rest = use[2:]
     top = ", ".join(f"{n} {c / dt:.2f}" for c, n in rest[:4] if c / dt >= 0.01)
     ranks_c, rest_c = sum(c for c, _ in ranks) / dt, sum(c for c, _ in rest) / dt
     others = max(0.0, (b[2] - a[2]) / dt - ranks_c - rest_c)
     return {"ranks_cores": ranks_c, "other_cores": rest_c, "others_cores": others,
-            "other_top": top, "seconds": dt}
+            "other_top": top, "seconds": dt, "rank_faults_per_s": faults}
 
 
 def _command(system: str, out: str, tmp: str, args: argparse.Namespace) -> list[str]:
@@ -281,7 +286,10 @@ def run_one(system: str, rnd: int, args: argparse.Namespace) -> Run:
     if cpu:
         r.ranks_cores, r.other_cores = cpu["ranks_cores"], cpu["other_cores"]
         r.others_cores = cpu["others_cores"]
+    steps_per_s = (len(window) - 1) / (window[-1] - window[0])
     r.extra = {"max_step_ms": 1000 * max(gaps), "t_launch": t_launch,
+               "rank_faults_per_step": (cpu["rank_faults_per_s"] / steps_per_s / 2
+                                        if cpu else float("nan")),
                "other_top": cpu["other_top"] if cpu else "", "tmp": tmp if args.keep else None}
     if not args.keep:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -426,7 +434,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"{r.extra['max_step_ms']:7.1f} ms  wall {r.wall_s:6.1f}s  loss "
                       f"{r.final_loss:.4f}  others' load before {r.background_cores:.2f} during "
                       f"{r.others_cores:.2f} cores  cpu ranks {r.ranks_cores:.2f} rest "
-                      f"{r.other_cores:.2f} ({r.extra['other_top']})"
+                      f"{r.other_cores:.2f} ({r.extra['other_top']})  minor faults per rank-step "
+                      f"{r.extra['rank_faults_per_step']:.0f}"
                       + (f"  [killed {r.leftovers_killed} stray]"
                                                 if r.leftovers_killed else ""), flush=True)
             else:
