@@ -82,7 +82,8 @@ def main() -> int:
     for name, (s0, s1) in (("zero3", (5, 10)), ("zero1", (10, 15)), ("dp", (15, 20))):
         out = w.build(spec(name))
         check(f"switch to {name}", out["hash_before"] == out["hash_after"],
-              f"{out['seconds'] * 1e3:.0f} ms, state hash {out['hash_after']}")
+              f"{out['seconds'] * 1e3:.0f} ms ({out.get('move', 'gather')}), state digest "
+              f"{out['hash_after']}")
         r = w.run(s0, s1)
         if name == "zero3":  # the step-10 checkpoint was taken under zero3
             info = None

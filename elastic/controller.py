@@ -374,7 +374,11 @@ class Controller(PlacementMixin, LayoutMixin, CheckpointMixin, RecoveryMixin):
         if self.step >= self.cfg.max_steps:
             return
         if self.step in self.cfg.switch_at:
-            self.switch(self.cfg.switch_at[self.step], reason=f"switch_at {self.step}")
+            try:
+                self.switch(self.cfg.switch_at[self.step], reason=f"switch_at {self.step}")
+            except SwitchError as e:  # the job goes on in the layout it has (see switch())
+                self._emit("switch_failed", f"{e}; training goes on as {self.spec.name}"
+                           if self.spec else str(e), data={"reason": f"switch_at {self.step}"})
         else:
             self._maybe_rebalance()
         while not self.requests.empty():

@@ -42,7 +42,7 @@ from strategies import get as get_strategy
 
 from .config import JobConfig
 from .data import StepSampler, fetch_batch, share_bounds
-from .errors import InfrastructureError, WorkerError
+from .errors import InfrastructureError, SwitchError, WorkerError
 from .reference import build_model, build_model_for_load
 
 __all__ = ["Worker", "is_infrastructure_error"]
@@ -105,6 +105,13 @@ def _control_group(rank: int, world: int, generation: int, timeout_s: float) -> 
         return ProcessGroupGloo(store, rank, world, timedelta(seconds=timeout_s))
     except Exception:  # noqa: BLE001 - a torch without these internals: synchronous control
         return None
+
+
+def _all_ranks(ok: bool, device: torch.device) -> bool:
+    """Collective over the default group: True on every rank iff ``ok`` on every rank."""
+    flag = torch.tensor([0.0 if ok else 1.0], device=device)
+    dist.all_reduce(flag)
+    return flag.item() == 0
 
 
 def _retire(pg: Any, work: Any) -> None:
@@ -330,7 +337,19 @@ class Worker:
         stays on the old layout, untouched."""
         assert self.strategy is not None
         old = self.strategy
-        new = self._new_strategy(spec, for_load=True)
+        try:
+            new: Strategy | None = self._new_strategy(spec, for_load=True)
+            built = None
+        except Exception as e:  # said to every rank below: none may wait in the move for it
+            new, built = None, e
+        if not _all_ranks(built is None, self.device):
+            if new is not None:
+                new.close()
+            if built is not None:
+                raise built
+            raise SwitchError(f"another rank could not build {spec.name}; the job stays on "
+                              f"{self.spec.name if self.spec else 'its old layout'}")
+        assert new is not None
         try:
             res = reshard(old, new, check=self.config.switch_check != "off")
         except BaseException:
@@ -591,10 +610,7 @@ class Worker:
             if time.monotonic() > deadline:
                 break
             time.sleep(0.005)
-        ready = self._writer is None or self._writer.state == "idle"
-        flag = torch.tensor([0.0 if ready else 1.0], device=self.device)
-        dist.all_reduce(flag)
-        return flag.item() == 0
+        return _all_ranks(self._writer is None or self._writer.state == "idle", self.device)
 
     def _ensure_writer(self) -> Any:
         from .checkpoint import ShardWriter
@@ -842,7 +858,7 @@ class Worker:
         this rank would otherwise wait out the group timeout even after ``leave()``."""
         try:
             return fn(*args)
-        except (WorkerError, InfrastructureError):
+        except (WorkerError, InfrastructureError, SwitchError):
             raise
         except Exception as e:
             if is_infrastructure_error(e):

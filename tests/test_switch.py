@@ -74,3 +74,19 @@ def test_sdk_and_cli_switch_on_a_running_job_and_memory_is_real(ray_local, tmp_p
     steps = len(result.history)
     ref, _ = reference_train(mlp, adam, mse, RegressionData(), G, steps, seed=0)
     assert max_diff(result.state_dict(), ref) < TOL
+
+
+def test_a_scheduled_switch_that_cannot_run_leaves_the_job_on_its_layout(ray_local, tmp_path):
+    """switch_at names a layout this world cannot run (5 micro-batches do not divide a
+    replica's 12 samples): the switch is refused before anything changes, the job says so and
+    trains on in dp to the same parameters as the reference."""
+    steps = 8
+    result = elastic.fit(**_cfg(tmp_path, max_steps=steps, micro_batches=5,
+                                switch_at={4: "pipeline"}))
+    kinds = [e.kind for e in result.events]
+    assert "switch_refused" in kinds and "switch_failed" in kinds and "switch" not in kinds
+    failed = next(e for e in result.events if e.kind == "switch_failed")
+    assert "micro-batches" in failed.message and "goes on as dp" in failed.message
+    assert [h["strategy"] for h in result.history] == ["dp"] * steps
+    ref, _ = reference_train(mlp, adam, mse, RegressionData(), G, steps, seed=0)
+    assert max_diff(result.state_dict(), ref) < TOL
