@@ -177,6 +177,8 @@ def reshard(old: Strategy, new: Strategy, check: bool = True) -> ReshardResult:
             wanted[key] = (int(need[0]), int(need[1]))
     wanteds = _all_gather(wanted, world)
     moves, problems = plan_moves(helds, wanteds)
+    if problems:  # the same plan, so the same decision, on every rank: move nothing
+        return ReshardResult(len(moves), 0, 0, "", "", problems)
 
     def old_piece(m: Move) -> torch.Tensor:  # rows m.lo:m.hi of this rank's old piece
         start = (rows_of[m.key][1] or (0, 0))[0]
