@@ -16,7 +16,7 @@ import queue
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from strategies import StrategySpec
 
@@ -91,6 +91,27 @@ class ControllerBase:
     def _emit(self, kind: str, message: str, data: dict[str, Any] | None = None,
               step: int | None = None) -> None:
         raise NotImplementedError
+
+    if TYPE_CHECKING:  # what the sections call across modules (defined in the section named)
+        # controller.py
+        def _drain(self) -> None: ...
+        def _record_step(self, step: int, m: dict[str, Any] | None,
+                         spec: StrategySpec | None = None,
+                         generation: int | None = None) -> None: ...
+        # _ctl_placement.py
+        def _form_group(self) -> None: ...
+        def _try_place(self, n: int, timeout_s: float) -> None: ...
+        def _warm_up(self) -> None: ...
+        def _take_warm(self, n: int) -> list[WorkerRec]: ...
+        def _room_to_grow(self) -> bool: ...
+        # _ctl_layout.py
+        def _fit_spec(self, name: str, world: int) -> StrategySpec: ...
+        # _ctl_checkpoints.py
+        def _checkpoint_restore(self, spec: StrategySpec) -> tuple[str, int, str] | None: ...
+        # _ctl_recovery.py
+        def _target_strategy(self) -> str: ...
+        def _restore(self, spec: StrategySpec, progress: list[dict[str, Any]],
+                     held: list[dict[str, Any]]) -> tuple[str, int, str]: ...
 
 
 def read_detail(outs: list[dict[str, Any]]) -> str:

@@ -218,6 +218,7 @@ class LayoutMixin(ControllerBase):
                          "check": mode, "move": move, "bytes_moved": sent,
                          "problems": problems[:10]})
         if not same:  # the workers kept (or went back to) the old layout
+            assert old is not None
             raise SwitchError(f"state changed during the switch to {spec.name}: "
                               f"{problems[:3] or sorted(hashes)}; the job stays on {old.name}")
         self.spec = spec

@@ -4,6 +4,7 @@ and grow or shrink the job at a step boundary."""
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from typing import Any
@@ -33,7 +34,7 @@ class PlacementMixin(ControllerBase):
         if addr and addr not in ("local", "auto"):
             check_reachable(addr)
             try:
-                ray.init(address=addr, logging_level="ERROR", log_to_driver=False)
+                ray.init(address=addr, logging_level=logging.ERROR, log_to_driver=False)
             except Exception as e:
                 raise ClusterError(
                     f"cannot connect to the Ray cluster at {addr}: {e}. Fix: check the address "
@@ -41,11 +42,11 @@ class PlacementMixin(ControllerBase):
                     "local one."
                 ) from e
         elif addr == "auto":
-            ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
+            ray.init(address="auto", logging_level=logging.ERROR, log_to_driver=False)
         else:
             need = self.cfg.max_world * float(self.cfg.resources_per_worker.get("CPU", 1))
             ray.init(address="local", num_cpus=max(int(need + 0.999), os.cpu_count() or 1),
-                     include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+                     include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False)
             self._started_ray = True
 
     def _bundle(self) -> dict[str, float]:
@@ -105,7 +106,7 @@ class PlacementMixin(ControllerBase):
 
         from .worker import Worker
 
-        remote_cls = ray.remote(Worker)
+        remote_cls: Any = ray.remote(Worker)
         new = []
         for i in slots:
             wid = self._next_worker_id

@@ -5,6 +5,7 @@ replicas or the last committed checkpoint (docs/architecture.md, Node loss)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from strategies import StrategySpec
@@ -153,8 +154,8 @@ class RecoveryMixin(ControllerBase):
                        "as lost", data={"ranks": [w.rank for w in hung]})
         return hung
 
-    def _survivors(self, exclude: list[WorkerRec] = ()) -> tuple[list[WorkerRec],
-                                                                  list[WorkerRec]]:
+    def _survivors(self, exclude: Sequence[WorkerRec] = ()) -> tuple[list[WorkerRec],
+                                                                      list[WorkerRec]]:
         """Ping every worker (its second thread answers even while the first is busy)."""
         import ray
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from typing import Any
 
@@ -62,7 +63,7 @@ def _attach(address: str | None) -> None:
     if addr not in ("auto", "local"):
         _check_reachable(addr)
     try:
-        ray.init(address=addr, logging_level="ERROR", log_to_driver=False, namespace="elastic")
+        ray.init(address=addr, logging_level=logging.ERROR, log_to_driver=False, namespace="elastic")
     except ConnectionError as e:
         from .errors import ClusterError
 

@@ -279,7 +279,7 @@ class Controller(PlacementMixin, LayoutMixin, CheckpointMixin, RecoveryMixin):
     def _drain(self) -> None:
         import ray
 
-        batches = []
+        batches: list[list[dict[str, Any]]] = []
         refs = [w.handle.drain.remote() for w in self.workers]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=5.0)
         answered = set(ready)

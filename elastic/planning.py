@@ -35,8 +35,9 @@ _OPT_BYTES = {"adam": 8, "adamw": 8, "sgd": 0, "rmsprop": 4, "adagrad": 4}
 def blocks_of(model: nn.Module) -> list[nn.Module]:
     """The pipeline blocks (top-level children of a Sequential, or the ``pipeline_blocks()``
     protocol); the whole model as one block for anything else."""
-    if hasattr(model, "pipeline_blocks"):
-        return [m for _, m in model.pipeline_blocks()]
+    blocks = getattr(model, "pipeline_blocks", None)
+    if callable(blocks):
+        return [m for _, m in blocks()]
     if isinstance(model, nn.Sequential):
         return list(model.children())
     return [model]

@@ -217,7 +217,7 @@ def write_report(run_dir: str, out_dir: str | None = None, x_axis: str = "step")
         xlabel = "wall time since start (s)"
     loss = [m["loss"] if _num(m.get("loss")) else float("nan") for m in ms]
     speed = [m["samples_per_s"] if _num(m.get("samples_per_s")) else float("nan") for m in ms]
-    world = [m.get("world_size") if _num(m.get("world_size")) else float("nan") for m in ms]
+    world = [float(m["world_size"]) if _num(m.get("world_size")) else float("nan") for m in ms]
 
     fig, (ax_loss, ax_speed, ax_world) = plt.subplots(
         3, 1, sharex=True, figsize=_FIGSIZE, dpi=_DPI,
@@ -350,10 +350,11 @@ def _html(run: RunData, png: str, xlabel: str) -> str:
     for ev in run.events:
         kind = str(ev.get("kind", ""))
         color = event_color(kind)
-        t = ev.get("time")
+        raw_t = ev.get("time")
+        t = float(raw_t) if raw_t is not None and _num(raw_t) else None
         rows.append(
             "<tr><td>{}</td><td>{}</td><td style=\"color:{}\"><b>{}</b></td><td>{}</td></tr>".format(
-                f"{t - run.t0:.1f}s" if _num(t) else "",
+                f"{t - run.t0:.1f}s" if t is not None else "",
                 e(str(ev.get("step"))) if ev.get("step") is not None else "",
                 color or "#606060", e(kind), e(str(ev.get("message", "")))))
     return f"""<!DOCTYPE html>

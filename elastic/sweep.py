@@ -21,6 +21,7 @@ RUNNING are failed (heartbeat) and retried with the same parameters. See docs/sw
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 import sys
@@ -425,7 +426,9 @@ class SweepConfig:
         """Create the study, or load it if the storage has it (a resumed sweep)."""
         study = optuna.create_study(
             study_name=self.study_name, storage=self.make_storage(), sampler=self.make_sampler(),
-            pruner=self.make_pruner(), direction=self.direction, load_if_exists=True)
+            pruner=self.make_pruner(),
+            direction="maximize" if self.direction == "maximize" else "minimize",
+            load_if_exists=True)
         if study.direction.name.lower() != self.direction:
             raise ConfigError("study.direction", f"the stored study {self.study_name!r} was "
                               f"created to {study.direction.name.lower()}.",
@@ -595,16 +598,16 @@ def _connect(probes: list[JobConfig]) -> bool:
     if addr and addr not in ("local", "auto"):
         _check_reachable(addr)
         try:
-            ray.init(address=addr, logging_level="ERROR", log_to_driver=False)
+            ray.init(address=addr, logging_level=logging.ERROR, log_to_driver=False)
         except Exception as e:
             raise ClusterError(f"cannot connect to the Ray cluster at {addr}: {e}. Fix: check "
                                "the address, or unset RAY_ADDRESS for a local one.") from e
     elif addr == "auto":
-        ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
+        ray.init(address="auto", logging_level=logging.ERROR, log_to_driver=False)
     else:
         need = max(c.max_world * float(c.resources_per_worker.get("CPU", 1)) for c in probes)
         ray.init(address="local", num_cpus=max(int(need + 0.999), os.cpu_count() or 1),
-                 include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+                 include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False)
     return True
 
 

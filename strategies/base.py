@@ -293,7 +293,7 @@ def state_hash(state: CanonicalState) -> str:
         h.update(str(t.dtype).encode())
         h.update(str(tuple(t.shape)).encode())
         if t.numel():  # the tensor's own buffer, no copy
-            h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+            h.update(t.reshape(-1).view(torch.uint8).numpy().data)
     return h.hexdigest()[:16]
 
 

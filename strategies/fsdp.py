@@ -75,6 +75,7 @@ def shard_module(
     # sharding-propagation cache would otherwise hand a mesh from an earlier group generation
     # (same ranks, a destroyed group whose name now resolves to another group) to this one.
     name = f"fsdp{next(_MESH_IDS)}"
+    assert pg is not None
     mesh = DeviceMesh.from_group(pg, device.type, mesh=global_ranks(group), mesh_dim_names=(name,))
     for unit in units:
         if unit is not module and any(True for _ in unit.parameters()):

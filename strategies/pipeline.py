@@ -51,7 +51,7 @@ so the sum over all ranks is the global mean loss.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -94,8 +94,9 @@ def pipeline_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     Raises ``StrategyError`` if the model is not pipeline-ready, naming why.
     """
     kind = type(model).__name__
-    if callable(getattr(model, "pipeline_blocks", None)):
-        blocks = [(str(n), m) for n, m in model.pipeline_blocks()]
+    protocol = getattr(model, "pipeline_blocks", None)
+    if callable(protocol):
+        blocks = [(str(n), m) for n, m in protocol()]
     elif isinstance(model, nn.Sequential):
         blocks = list(model.named_children())
     else:
@@ -370,9 +371,10 @@ class Pipeline(Strategy):
         ]
         self.is_first = 0 in self.stage_ids
         self.is_last = self.n_stages - 1 in self.stage_ids
+        self.schedule: Any
         if spec.schedule == "interleaved":
             self.schedule = ScheduleInterleaved1F1B(
-                pstages, m, loss_fn=self._mb_loss, scale_grads=False
+                list(pstages), m, loss_fn=self._mb_loss, scale_grads=False  # type: ignore[arg-type]
             )
         else:
             cls = ScheduleGPipe if spec.schedule == "gpipe" else Schedule1F1B

@@ -145,7 +145,7 @@ def _crc(t: torch.Tensor) -> int:
     t = t.detach().contiguous().cpu()
     if t.numel() == 0:
         return 0
-    return int(crc32c.crc32c(memoryview(t.reshape(-1).view(torch.uint8).numpy())))
+    return int(crc32c.crc32c(t.reshape(-1).view(torch.uint8).numpy().data))
 
 
 def _digest(moves: Sequence[Move], crcs: dict[int, int]) -> str:
@@ -248,12 +248,12 @@ def reshard(old: Strategy, new: Strategy, check: bool = True) -> ReshardResult:
     for i, m in enumerate(moves):
         if m.dst != rank:
             continue
-        t = now.get(m.key)
-        if t is None:
+        piece = now.get(m.key)
+        if piece is None:
             mine.append(f"rank {rank}'s new layout lacks {m.key}")
             continue
         start = (now_rows.get(m.key, ((), None))[1] or (0, 0))[0]
-        got_crcs[i] = _crc(_rows(t, m.lo - start, m.hi - start))
+        got_crcs[i] = _crc(_rows(piece, m.lo - start, m.hi - start))
     mine += [f"rank {rank}'s new layout holds {k}, which the old state has not"
              for k in sorted(set(now) - set(meta))]
     sent_all: dict[int, int] = {}

@@ -118,10 +118,12 @@ class ShardedUpdate:
         def hook(p: torch.Tensor) -> None:
             if len(self.ranks) == 1:
                 return
+            grad = p.grad
+            assert grad is not None  # a post-accumulate-grad hook runs once it exists
             if self.mode == "zero2":
-                work = dist.reduce(p.grad, dst=self.ranks[owner], group=self.group, async_op=True)
+                work = dist.reduce(grad, dst=self.ranks[owner], group=self.group, async_op=True)
             else:
-                work = dist.all_reduce(p.grad, group=self.group, async_op=True)
+                work = dist.all_reduce(grad, group=self.group, async_op=True)
             self._pending.append((work, p, owner))  # type: ignore[arg-type]
 
         return hook
@@ -143,18 +145,20 @@ class ShardedUpdate:
             for o in range(len(self.ranks)):
                 ps = [p for (_, p), ow in zip(self.named, self.owner, strict=True) if ow == o]
                 for bucket in _by_dtype([p for p in ps if p.grad is not None]):
-                    flat = torch.cat([p.grad.reshape(-1) for p in bucket])
+                    grads = _grads(bucket)
+                    flat = torch.cat([g.reshape(-1) for g in grads])
                     dist.reduce(flat, dst=self.ranks[o], group=self.group)
                     if o == self.index:
-                        _unflatten_into([p.grad for p in bucket], flat)
+                        _unflatten_into(grads, flat)
                     else:
                         for p in bucket:
                             p.grad = None
         else:
             for bucket in _by_dtype([p for _, p in self.named if p.grad is not None]):
-                flat = torch.cat([p.grad.reshape(-1) for p in bucket])
+                grads = _grads(bucket)
+                flat = torch.cat([g.reshape(-1) for g in grads])
                 dist.all_reduce(flat, group=self.group)
-                _unflatten_into([p.grad for p in bucket], flat)
+                _unflatten_into(grads, flat)
 
     def zero_grad(self) -> None:
         for _, p in self.named:
@@ -228,6 +232,13 @@ def owned_needs(key: str, owned: Mapping[str, object], model_keys: Container[str
     if key.startswith("optim/"):
         return key[len("optim/"):].rpartition("/")[0] in owned
     return False
+
+
+def _grads(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The gradients of ``params``, all present (the callers filtered out the others)."""
+    out = [p.grad for p in params]
+    assert all(g is not None for g in out)
+    return out  # type: ignore[return-value]
 
 
 def _by_dtype(params: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
