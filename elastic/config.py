@@ -27,6 +27,11 @@ _OPTIMIZERS = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD", "rmsprop": "RMSpr
 _LOSSES = {"cross_entropy": "_cross_entropy", "mse": "_mse"}
 SWITCH_CHECKS = ("pieces", "rehash", "off")
 SWITCH_MOVES = ("reshard", "gather")
+# settings of earlier releases: name -> how to say it now
+_RENAMED = {
+    "verify_switch": "use switch_check: pieces (verify_switch: true) or off (verify_switch: "
+                     "false); rehash also gathers and hashes the state again",
+}
 
 
 @dataclass
@@ -102,6 +107,9 @@ class JobConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> JobConfig:
         names = {f.name for f in dataclasses.fields(cls)}
+        for old, fix in _RENAMED.items():
+            if old in data:
+                raise ConfigError(old, "was renamed.", fix)
         unknown = sorted(set(data) - names)
         if unknown:
             raise ConfigError(

@@ -48,6 +48,23 @@ def test_unknown_setting_in_yaml(tmp_path):
     assert ei.value.field == "global_batchsize"
 
 
+def test_renamed_setting_says_its_new_name(tmp_path):
+    p = tmp_path / "job.yaml"
+    p.write_text("model: tests.helpers:mlp\nverify_switch: false\n")
+    with pytest.raises(ConfigError) as ei:
+        elastic.JobConfig.from_yaml(str(p))
+    assert ei.value.field == "verify_switch" and "switch_check: pieces" in str(ei.value)
+
+
+def test_workers_that_cannot_start_fail_clearly(ray_local, tmp_path):
+    """The job's code imports on the driver but not on the workers: placement fails with a
+    ClusterError naming why, not an IndexError."""
+    cfg = _cfg(run_dir=str(tmp_path))
+    cfg["model"] = "tests._fails_in_actors:mlp"
+    with pytest.raises(ClusterError, match="failed to start.*cannot be imported on the workers"):
+        elastic.fit(**cfg)
+
+
 def test_unreachable_ray_address(tmp_path):
     with pytest.raises(ClusterError, match="cannot reach the Ray cluster"):
         elastic.fit(**_cfg(ray_address="127.0.0.1:1", run_dir=str(tmp_path)))
