@@ -50,6 +50,12 @@ class JobConfig:
     global_batch_size: int
     max_steps: int
     seed: int = 0
+    # optimization: clip the gradient to this global L2 norm before each update (None: off),
+    # as torch.nn.utils.clip_grad_norm_ over the full model, under every strategy
+    max_grad_norm: float | None = None
+    # step -> multiplier of the optimizer's lr (elastic.schedules): a callable, an import
+    # string, {target: ...}, or a built-in {name: cosine|linear|constant, warmup_steps, ...}
+    lr_schedule: Any = None
     strategy: str = "dp"
     num_workers: int = 2
     min_workers: int | None = None
@@ -239,6 +245,25 @@ class JobConfig:
             ):
                 raise ConfigError(fld, f"must map resource names to non-negative numbers, got {res!r}.",
                                   'e.g. {"CPU": 1} or {"GPU": 1}')
+        if self.max_grad_norm is not None and (
+                isinstance(self.max_grad_norm, bool)
+                or not isinstance(self.max_grad_norm, (int, float))
+                or not 0 < self.max_grad_norm < float("inf")):
+            raise ConfigError("max_grad_norm", f"must be a positive number, got "
+                              f"{self.max_grad_norm!r}.", "e.g. max_grad_norm: 1.0, or leave it out")
+        if self.lr_schedule is not None:
+            fn = self.lr_schedule_fn()
+            assert fn is not None
+            for step in sorted({0, self.max_steps // 2, self.max_steps - 1}):
+                try:
+                    m = float(fn(step))
+                except Exception as e:  # noqa: BLE001 - the user's function: say what it did
+                    raise ConfigError("lr_schedule", f"raised {type(e).__name__}: {e} at step "
+                                      f"{step}.", "it is called as f(step) -> multiplier of "
+                                      "the optimizer's lr") from None
+                if not 0.0 <= m < float("inf"):
+                    raise ConfigError("lr_schedule", f"gave {m!r} at step {step}.",
+                                      "return a finite multiplier >= 0 of the optimizer's lr")
         if self.checkpoint_every < 0:
             raise ConfigError("checkpoint_every", "must be >= 0.", "0 disables periodic checkpoints")
 
@@ -252,6 +277,23 @@ class JobConfig:
 
     def loss_fn(self) -> Callable[[Any, Any], Any]:
         return loss_function(self.loss)
+
+    def lr_schedule_fn(self) -> Callable[[int], float] | None:
+        """``step -> multiplier`` of the optimizer's lr, or None (elastic.schedules)."""
+        spec = self.lr_schedule
+        if spec is None:
+            return None
+        from .schedules import BUILT_IN, make_schedule
+
+        if isinstance(spec, str) and spec.lower() in BUILT_IN:
+            spec = {"name": spec}
+        if isinstance(spec, dict) and "name" in spec and "target" not in spec:
+            try:
+                return make_schedule(spec, self.max_steps)
+            except ValueError as e:
+                raise ConfigError("lr_schedule", f"{e}.",
+                                  "e.g. {name: cosine, warmup_steps: 100, min_ratio: 0.1}") from None
+        return resolve_callable(spec, "lr_schedule")  # type: ignore[no-any-return]
 
     def dataset_object(self) -> Any:
         return _dataset(self)

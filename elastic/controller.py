@@ -340,6 +340,9 @@ class Controller(PlacementMixin, LayoutMixin, CheckpointMixin, RecoveryMixin):
                  "step_time": m["step_time"] if m else 0.0, "world_size": spec.world_size,
                  "strategy": spec.name, "time": m["time"] if m else time.time(),
                  "generation": gen}
+        for key in ("lr", "grad_norm"):  # with an lr_schedule, with max_grad_norm
+            if m is not None and key in m:
+                entry[key] = m[key]
         if m is None:
             entry["note"] = "completed while a worker was lost; its loss was not reported"
         self.history.append(entry)

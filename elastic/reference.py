@@ -66,10 +66,19 @@ def reference_train(
     global_batch_size: int,
     steps: int,
     seed: int,
+    max_grad_norm: float | None = None,
+    lr_schedule: Callable[[int], float] | None = None,
+    grad_norms: list[float] | None = None,
 ) -> tuple[dict[str, torch.Tensor], list[float]]:
-    """Train ``steps`` steps in one process; return (model state_dict, per-step losses)."""
+    """Train ``steps`` steps in one process; return (model state_dict, per-step losses).
+
+    ``max_grad_norm``: ``torch.nn.utils.clip_grad_norm_`` before each update;
+    ``lr_schedule``: ``torch.optim.lr_scheduler.LambdaLR`` stepped after each update (the
+    update of step s uses ``lr * lr_schedule(s)``). ``grad_norms``: if given, each step's
+    gradient norm (before clipping) is appended to it."""
     model = build_model(model_factory, seed)
     opt = optimizer_factory(model.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_schedule) if lr_schedule else None
     sampler = StepSampler(len(dataset), global_batch_size, seed)
     losses = []
     for step in range(steps):
@@ -77,6 +86,13 @@ def reference_train(
         opt.zero_grad(set_to_none=True)
         loss = loss_fn(model(x), y)
         loss.backward()
+        if max_grad_norm is not None or grad_norms is not None:
+            norm = torch.nn.utils.clip_grad_norm_(
+                model.parameters(), max_grad_norm if max_grad_norm is not None else float("inf"))
+            if grad_norms is not None:
+                grad_norms.append(float(norm))
         opt.step()
+        if sched is not None:
+            sched.step()
         losses.append(float(loss.detach()))
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses

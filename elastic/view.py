@@ -61,7 +61,7 @@ class PlainView(View):
         if s % self.log_every == 0 or s == self.max_steps:
             self._p(f"[elastic] step {s}/{self.max_steps} loss {e['loss']:.4f} "
                     f"{e['samples_per_s']:.0f} samples/s world {e['world_size']} "
-                    f"strategy {e['strategy']}")
+                    f"strategy {e['strategy']}{_optim_line(e)}")
 
     def event(self, ev: Event) -> None:
         at = f" at step {ev.step}" if ev.step is not None else ""
@@ -128,6 +128,7 @@ class RichView(View):
             f"strategy [magenta]{escape(str(e.get('strategy', '-')))}[/]",
             f"world {e.get('world_size', len(self.infos))}",
             f"{self.clock() - self.t0:,.0f}s",
+            *([escape(_optim_line(e).strip())] if _optim_line(e) else []),
         )
         bar = ProgressBar(total=max(1, self.max_steps), completed=done, width=60)
         wt = Table(title="workers", expand=False, show_edge=False)
@@ -178,3 +179,13 @@ def make_view(mode: str, log_every: int = 1) -> View:
     if mode == "rich" or (mode == "auto" and sys.stdout.isatty()):
         return RichView()
     return PlainView(log_every=log_every)
+
+
+def _optim_line(e: dict[str, Any]) -> str:
+    """`` lr 3.0e-04 grad norm 0.82`` for a step that has them (lr_schedule, max_grad_norm)."""
+    out = ""
+    if e.get("lr") is not None:
+        out += f" lr {e['lr']:.2e}"
+    if e.get("grad_norm") is not None:
+        out += f" grad norm {e['grad_norm']:.3g}"
+    return out

@@ -21,6 +21,7 @@ import socket
 import threading
 import time
 import traceback
+import weakref
 from collections import deque
 from collections.abc import Callable
 from datetime import timedelta
@@ -144,6 +145,8 @@ class _Pending:
     wall_end: float
     lo: int
     hi: int
+    lr: float | None = None  # the lr of the step's update (with an lr_schedule)
+    grad_norm: float | None = None  # the global gradient norm before clipping (max_grad_norm)
 
 
 class Worker:
@@ -164,7 +167,11 @@ class Worker:
         self.strategy: Any = None
         self.spec: StrategySpec | None = None
         self._model_factory = config.model_factory()
-        self._optimizer_factory = config.optimizer_factory()
+        self._lr_fn = config.lr_schedule_fn()
+        # optimizers the strategies built, with their factory-set lr per param group (the
+        # schedule multiplies those); weak: a strategy that closes drops its optimizer
+        self._base_lrs: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
+        self._optimizer_factory = self._scheduled_factory(config.optimizer_factory())
         self._loss_fn = config.loss_fn()
         self._dataset: Any = None
         self._sampler: StepSampler | None = None
@@ -193,6 +200,33 @@ class Worker:
             self._store = job_store(config)
         gc.freeze()  # start-up objects (torch, ray, the job's modules) skip later collections,
         # which keeps the one in leave() short
+
+    def _scheduled_factory(self, factory: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        """The job's optimizer factory, recording each optimizer's base lrs when the job has
+        an ``lr_schedule`` (``_set_lr`` applies it before every step)."""
+        if self._lr_fn is None:
+            return factory
+        base_lrs = self._base_lrs
+
+        def build(params: Any) -> Any:
+            opt = factory(params)
+            base_lrs[opt] = [g["lr"] for g in opt.param_groups]
+            return opt
+        return build
+
+    def _set_lr(self, step: int) -> float | None:
+        """Set every live optimizer's lr for the update of ``step``: base lr x schedule(step),
+        from the step alone, so a switch, a recovery or a resume continues the schedule.
+        Returns the first param group's lr (None without a schedule)."""
+        if self._lr_fn is None:
+            return None
+        mult = float(self._lr_fn(step))
+        lr = None
+        for opt, bases in list(self._base_lrs.items()):
+            for group, base in zip(opt.param_groups, bases, strict=True):
+                group["lr"] = base * mult
+            lr = float(bases[0]) * mult if lr is None else lr
+        return lr  # None on a rank with no optimizer (a ZeRO rank that owns nothing)
 
     # ------------------------------------------------------------------ identity and group
 
@@ -397,7 +431,9 @@ class Worker:
                 self._install_slowdown()
             idx = self._sampler.indices(step)[lo:hi]
             x, y = fetch_batch(self._dataset, idx)
+            lr = self._set_lr(step)
             local = self.strategy.train_step(x, y)
+            norm = self.strategy.last_grad_norm
             self.next_step = step + 1
             busy = 1.0 if self._writer is not None and self._writer.state != "idle" else 0.0
             ctrl = torch.tensor([local, 1.0 if self._stop.is_set() else 0.0, float(hi - lo), busy],
@@ -406,7 +442,8 @@ class Worker:
             stop = False
             if pending is not None:  # the previous step's values, reduced meanwhile
                 stop = self._finish_step(pending)
-            pending = _Pending(step, work, ctrl, t0, time.perf_counter(), time.time(), lo, hi)
+            pending = _Pending(step, work, ctrl, t0, time.perf_counter(), time.time(), lo, hi,
+                               lr, norm)
             if self._checkpoint_due(step) or step + 1 == end or stop:
                 stop = self._finish_step(pending) or stop
                 pending = None
@@ -454,6 +491,8 @@ class Worker:
             "samples_per_s": self.config.global_batch_size / dt if dt > 0 else 0.0,
             "time": p.wall_end, "generation": self.generation,
             "global_samples": int(trained), **ckpt,
+            **({"lr": p.lr} if p.lr is not None else {}),
+            **({"grad_norm": p.grad_norm} if p.grad_norm is not None else {}),
         })
         return stop > 0
 
@@ -575,6 +614,9 @@ class Worker:
         cls.validate(spec, model)
         if for_load:
             spec = dataclasses.replace(spec, options={**spec.options, "init_sync": False})
+        if self.config.max_grad_norm is not None:
+            spec = dataclasses.replace(spec, options={**spec.options,
+                                                      "max_grad_norm": self.config.max_grad_norm})
         return cls(spec, self._runtime(), model, self._optimizer_factory, self._loss_fn)
 
     # ------------------------------------------------------------------ checkpoints

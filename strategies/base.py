@@ -45,6 +45,8 @@ __all__ = [
     "check_layout",
     "on_before_update",
     "before_update",
+    "grad_sq_sum",
+    "clip_coefficient",
 ]
 
 CanonicalState = dict[str, torch.Tensor]
@@ -72,6 +74,26 @@ def before_update() -> None:
     """Strategies call this before they update parameters or optimizer state."""
     for fn in list(_BEFORE_UPDATE):
         fn()
+
+
+def grad_sq_sum(grads: Iterable[torch.Tensor | None], device: torch.device) -> torch.Tensor:
+    """The sum of squares of ``grads`` (DTensors count their local shard), as a 0-dim float64
+    tensor on ``device``. Gradient clipping sums these over a cover of the full gradient in
+    which every element appears exactly once, then takes the square root."""
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for g in grads:
+        if g is None:
+            continue
+        local = g.to_local() if hasattr(g, "to_local") else g
+        if local.numel():
+            total += torch.linalg.vector_norm(local.detach(), 2, dtype=torch.float64) ** 2
+    return total
+
+
+def clip_coefficient(total_norm: float, max_norm: float) -> float:
+    """What ``torch.nn.utils.clip_grad_norm_`` multiplies every gradient by: 1 unless the
+    norm exceeds ``max_norm`` (the same ``1e-6`` guard)."""
+    return min(1.0, max_norm / (total_norm + 1e-6))
 
 
 class StrategyError(ValueError):
@@ -151,6 +173,10 @@ class Strategy(ABC):
         self.rt = rt
         self.loss_fn = loss_fn
         self.optimizer_factory = optimizer_factory
+        # gradient clipping by the global norm (spec option ``max_grad_norm``; None: off)
+        clip = spec.options.get("max_grad_norm")
+        self.max_grad_norm: float | None = float(clip) if clip else None
+        self.last_grad_norm: float | None = None  # the norm of the last step, before clipping
 
     @property
     def share(self) -> int:
@@ -216,9 +242,32 @@ class Strategy(ABC):
         optimizer.zero_grad(set_to_none=True)
         loss = self.loss_fn(module(inputs), targets)
         (loss * scale).backward()
+        if self.max_grad_norm is not None:
+            self.clip_grads()
         before_update()
         optimizer.step()
         return float(loss.detach()) * self.share / self.spec.global_batch_size
+
+    def clip_grads(self) -> None:
+        """Scale this rank's gradients as ``clip_grad_norm_(model.parameters(), max_norm)``
+        would scale the full model's, and record the global norm in ``last_grad_norm``.
+        Collective where the layout splits the gradient. Layouts that support
+        ``max_grad_norm`` override it."""
+        raise StrategyError(f"{self.name} does not support max_grad_norm")
+
+    def _clip_by(self, sq: torch.Tensor, grads: Iterable[torch.Tensor | None],
+                 group: dist.ProcessGroup | None = None, reduce: bool = True) -> None:
+        """Sum ``sq`` (this rank's part of the squared global norm) over ``group`` unless
+        ``reduce`` is False, then scale ``grads`` (those this rank's optimizer steps)."""
+        if reduce:
+            dist.all_reduce(sq, group=group)
+        norm = float(sq.sqrt())
+        self.last_grad_norm = norm
+        coef = clip_coefficient(norm, self.max_grad_norm or float("inf"))
+        if coef < 1.0:
+            for g in grads:
+                if g is not None:
+                    (g.to_local() if hasattr(g, "to_local") else g).mul_(coef)
 
     def local_model(self) -> nn.Module:
         """The module this rank runs (wrapped or not); for inspection and tests."""

@@ -13,6 +13,7 @@ from .base import (
     Runtime,
     Strategy,
     StrategySpec,
+    grad_sq_sum,
     model_state_to_canonical,
     optimizer_state_from_canonical,
     optimizer_state_to_canonical,
@@ -53,6 +54,11 @@ class DataParallel(Strategy):
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         return self._wrapped_step(self.ddp, self.optimizer, inputs, targets, self._scale)
+
+    def clip_grads(self) -> None:
+        """DDP leaves every rank the full averaged gradient: the norm needs no communication."""
+        grads = [p.grad for p in self.model.parameters()]
+        self._clip_by(grad_sq_sum(grads, self.rt.device), grads, reduce=False)
 
     def full_state(self) -> CanonicalState:
         out = model_state_to_canonical(self.model.state_dict().items())

@@ -41,6 +41,7 @@ from .base import (
     Runtime,
     Strategy,
     StrategySpec,
+    grad_sq_sum,
     optimizer_state_from_canonical,
 )
 from .registry import register
@@ -294,6 +295,11 @@ class FullyShardedDataParallel(Strategy):
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         return self._wrapped_step(self.model, self.optimizer, inputs, targets, self._scale)
+
+    def clip_grads(self) -> None:
+        """Each rank holds dim-0 shards of every gradient: sum their squares over the world."""
+        grads = [p.grad for p in self.model.parameters()]
+        self._clip_by(grad_sq_sum(grads, self.rt.device), grads)
 
     def full_state(self) -> CanonicalState:
         return sharded_full_state([self.model], self.optimizer)

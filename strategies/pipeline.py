@@ -70,6 +70,7 @@ from .base import (
     StrategyError,
     StrategySpec,
     before_update,
+    grad_sq_sum,
     model_state_to_canonical,
 )
 from .registry import register
@@ -414,6 +415,8 @@ class Pipeline(Strategy):
         )
         if self.update is not None:
             self.update.reduce_grads()
+        if self.max_grad_norm is not None:  # before the commit below: see clip_grads
+            self.clip_grads()
         # Every rank's gradients are complete: step everywhere or nowhere. Without this, a
         # node lost between two stages' dp reductions leaves stage 0 at step s+1 and stage 1
         # at s, and no step has a live holder of every entry (docs/architecture.md). The
@@ -431,6 +434,21 @@ class Pipeline(Strategy):
         if not self.is_last:
             return 0.0
         return float(sum(float(x.detach()) for x in losses)) * self._report
+
+    def clip_grads(self) -> None:
+        """Stages hold disjoint parameters: each rank adds its part of its stage's squared
+        norm (zero3 inside: its shards; dp, zero1, zero2 inside: each element once per
+        stage, see ``ShardedUpdate.grad_sq_part``) and one world all-reduce sums them. It
+        runs before the step's commit all-reduce, so a rank left with a pending update has
+        its gradients clipped already and ``finish_pending_step`` needs no communication."""
+        if self.update is None:
+            grads: list[torch.Tensor | None] = [p.grad for st in self.stages
+                                                 for p in st.parameters()]
+            sq = grad_sq_sum(grads, self.rt.device)
+        else:
+            grads = self.update.stepped_grads()
+            sq = self.update.grad_sq_part(self.rt.device, once=True)
+        self._clip_by(sq, grads)
 
     def finish_pending_step(self) -> bool:
         """After a failure inside the step's final all-reduce: apply this rank's update (its

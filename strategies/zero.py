@@ -49,6 +49,7 @@ from .base import (
     Strategy,
     StrategySpec,
     before_update,
+    grad_sq_sum,
     model_state_to_canonical,
     optimizer_state_from_canonical,
     optimizer_state_to_canonical,
@@ -163,6 +164,27 @@ class ShardedUpdate:
     def zero_grad(self) -> None:
         for _, p in self.named:
             p.grad = None
+
+    def stepped_grads(self) -> list[torch.Tensor | None]:
+        """The gradients this rank's optimizer steps (all of them in mode ``dp``, else the
+        owned parameters'): what gradient clipping scales."""
+        if self.mode == "dp":
+            return [p.grad for _, p in self.named]
+        return [p.grad for p in self.owned.values()]
+
+    def grad_sq_part(self, device: torch.device, once: bool = False) -> torch.Tensor:
+        """This rank's part of the squared norm of the group's gradient, after the reduction:
+        summed over the group's ranks it counts every element once. Modes ``dp`` and
+        ``zero1`` leave every rank the full gradient: the owners' parts (``dp``: all of
+        rank 0's). ``once=False`` in those modes: the whole local gradient (the group's
+        total, no sum needed)."""
+        if self.mode == "zero2":
+            return grad_sq_sum([p.grad for p in self.owned.values()], device)
+        if not once:
+            return grad_sq_sum([p.grad for _, p in self.named], device)
+        if self.mode == "zero1":
+            return grad_sq_sum([p.grad for p in self.owned.values()], device)
+        return grad_sq_sum([p.grad for _, p in self.named] if self.index == 0 else [], device)
 
     # ------------------------------------------------------------------ update
 
@@ -284,8 +306,16 @@ class _Zero(Strategy):
         loss = self.loss_fn(self.model(inputs), targets)
         (loss * self._scale).backward()
         self.update.wait()
+        if self.max_grad_norm is not None:
+            self.clip_grads()
         self.update.step()
         return float(loss.detach()) * self._scale
+
+    def clip_grads(self) -> None:
+        """ZeRO-1: every rank has the full gradient (no communication); ZeRO-2: each owner
+        has its parameters' gradients, summed over the world."""
+        sq = self.update.grad_sq_part(self.rt.device)
+        self._clip_by(sq, self.update.stepped_grads(), reduce=self.mode == "zero2")
 
     def full_state(self) -> CanonicalState:
         out = model_state_to_canonical(self.model.state_dict().items())

@@ -97,3 +97,49 @@ def test_parquet_dataset_uri(ray_local, tmp_path, reference):
     pq.write_table(table, path)
     result = _fit(tmp_path, dataset=str(path))
     assert max_diff(result.state_dict(), reference[0]) < TOL
+
+
+def test_lr_schedule_and_clipping_follow_torch_through_switches_and_a_resharded_resume(
+        ray_local, tmp_path):
+    """``lr_schedule`` and ``max_grad_norm`` give what LambdaLR and clip_grad_norm_ give in
+    one process, under dp, zero2 and zero3 (switched live) and after a resume from a
+    checkpoint onto 3 workers and another layout: the schedule follows the step, which is
+    part of the state. History reports each step's lr and gradient norm."""
+    import functools
+
+    from elastic.schedules import cosine
+
+    clip, sched = 3.0, {"name": "cosine", "warmup_steps": 3, "min_ratio": 0.1}
+    fn = functools.partial(cosine, total_steps=STEPS, warmup_steps=3, min_ratio=0.1)
+    norms: list[float] = []
+    ref, _ = reference_train(mlp, adam, mse, RegressionData(), G, STEPS, seed=0,
+                             max_grad_norm=clip, lr_schedule=fn, grad_norms=norms)
+    assert 0 < sum(n > clip for n in norms) < STEPS  # both branches of the clip
+    plain, _ = reference_train(mlp, adam, mse, RegressionData(), G, STEPS, seed=0)
+    assert max_diff(ref, plain) > 100 * TOL  # schedule and clipping change the result
+
+    ckpt = str(tmp_path / "ckpt")
+    result = _fit(tmp_path, lr_schedule=sched, max_grad_norm=clip, switch_at={4: "zero2", 8: "zero3"},
+                  checkpoint_uri=ckpt, checkpoint_every=6)
+    assert max_diff(result.state_dict(), ref) < TOL
+    assert [h["strategy"] for h in result.history][3:5] == ["dp", "zero2"]
+    assert [h["lr"] for h in result.history] == pytest.approx([1e-2 * fn(s) for s in range(STEPS)])
+    assert [h["grad_norm"] for h in result.history] == pytest.approx(norms, rel=1e-5)
+
+    resumed = _fit(tmp_path, lr_schedule=sched, max_grad_norm=clip, num_workers=3, strategy="zero1",
+                   checkpoint_uri=ckpt, resume=f"{ckpt}/step-{6:012d}", run_dir=str(tmp_path / "r2"))
+    assert [h["step"] for h in resumed.history] == list(range(6, STEPS))
+    assert max_diff(resumed.state_dict(), ref) < TOL
+
+
+def test_bad_lr_schedule_and_clip_are_refused_before_any_worker_starts(tmp_path):
+    from elastic.errors import ConfigError
+
+    for kw, field in [({"max_grad_norm": 0}, "max_grad_norm"),
+                      ({"max_grad_norm": "1"}, "max_grad_norm"),
+                      ({"lr_schedule": {"name": "cosine", "warmup": 3}}, "lr_schedule"),
+                      ({"lr_schedule": {"name": "exp"}}, "lr_schedule"),
+                      ({"lr_schedule": lambda s: 1 / (s - 6)}, "lr_schedule"),
+                      ({"lr_schedule": lambda s: -1.0}, "lr_schedule")]:
+        with pytest.raises(ConfigError, match=field):
+            _fit(tmp_path, ray_address="127.0.0.1:1", **kw)

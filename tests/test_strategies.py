@@ -94,10 +94,11 @@ def _train(
         loaded_hash = state_hash(strat.full_state())
     sampler = StepSampler(len(DATA), spec.global_batch_size, SEED)
     lo, hi = share_bounds(spec.shares, rank)
-    losses = []
+    losses, norms = [], []
     for s in range(start_step, start_step + steps):
         x, y = fetch_batch(DATA, sampler.indices(s))
         losses.append(strat.train_step(x[lo:hi], y[lo:hi]))
+        norms.append(strat.last_grad_norm)
     out = strat.full_state()
     held = strat.held_state()
     assert all(torch.equal(v, out[k]) for k, v in held.items())
@@ -112,6 +113,7 @@ def _train(
         "loaded_hash": loaded_hash,
         "held_keys": sorted(held),
         "local_params": stage_params,
+        "grad_norms": norms,
     }
 
 
@@ -213,6 +215,36 @@ def test_matches_reference(pool: _Pool, case: str) -> None:
         assert held and all(k.endswith("/step") for k in held), held
     else:
         assert held == set(results[0]["state"])
+
+
+CLIP = 0.4  # the reference's gradient norms here are 0.24-0.62: about half the steps clip
+CLIP_CASES = ["dp-2", "zero1-3", "zero2-3", "zero3-3", "pp3-1f1b", "pp2-interleaved",
+              "pp2xdp2", "pp2xzero1", "pp2xzero2", "pp2xzero3"]
+
+
+@pytest.mark.parametrize("case", CLIP_CASES)
+def test_gradient_clipping_matches_clip_grad_norm(pool: _Pool, case: str) -> None:
+    """``max_grad_norm``: every layout scales its gradient pieces by the coefficient that
+    ``torch.nn.utils.clip_grad_norm_`` computes from the full model's gradient. The norms each
+    rank reports match the reference's to float32 rounding (1e-5 relative: the per-rank
+    partial sums are added in another order, in float64); the parameters stay within ATOL."""
+    name, world, kw = CASES[case]
+    spec = StrategySpec(name=name, world_size=world, **kw)
+    kw = {**kw, "options": {"max_grad_norm": CLIP}}
+    results = pool.run(_train, name, kw, STEPS, world_size=world)
+    g = spec.global_batch_size
+    norms: list[float] = []
+    ref_state, ref_losses = reference_train(make_mlp, make_adam, F.mse_loss, DATA, g, STEPS,
+                                            SEED, max_grad_norm=CLIP, grad_norms=norms)
+    clipped = sum(n > CLIP for n in norms)
+    assert 0 < clipped < STEPS, norms  # the test exercises both branches
+    for r in results:  # every rank knows the global norm
+        assert r["grad_norms"] == pytest.approx(norms, rel=1e-5)
+    assert max_param_diff(results[0]["state"], ref_state) < ATOL
+    unclipped, _ = reference(g, STEPS)
+    assert max_param_diff(results[0]["state"], unclipped) > 100 * ATOL  # clipping changed it
+    summed = [sum(r["losses"][s] for r in results) for s in range(STEPS)]
+    assert summed == pytest.approx(ref_losses, abs=ATOL)
 
 
 def test_memory_counts(pool: _Pool) -> None:
