@@ -98,7 +98,7 @@ class _FailingWorldAllReduce:
         raise RuntimeError("[gloo/transport/tcp/pair.cc] Connection closed by peer")
 
 
-def _pending_rank(port: int, steps: int) -> dict:
+def _pending_rank(port: int, steps: int, clip: float | None = None) -> dict:
     import torch.distributed as dist
 
     import strategies.pipeline as pipeline_mod
@@ -110,7 +110,8 @@ def _pending_rank(port: int, steps: int) -> dict:
 
     rank, world = dist.get_rank(), dist.get_world_size()  # the harness's group; join replaces it
     cfg = JobConfig(model=tiny_mlp, optimizer=_adam, loss=mlp_loss, dataset=SyntheticRegression,
-                    global_batch_size=8 * world, max_steps=100, num_workers=world)
+                    global_batch_size=8 * world, max_steps=100, num_workers=world,
+                    max_grad_norm=clip)
     w = Worker(cfg, rank, False, 1)
     w.join("127.0.0.1", port, rank, world, 1, GROUP_TIMEOUT_S)
     w.build(StrategySpec("pipeline", world, shares=(8,) * world, pp_degree=world,
@@ -133,20 +134,25 @@ def _pending_rank(port: int, steps: int) -> dict:
     return {"before": before, "after": after, "parked": parked, "rolled": rolled}
 
 
-def test_a_step_whose_final_all_reduce_failed_rolls_forward_after_leave():
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_a_step_whose_final_all_reduce_failed_rolls_forward_after_leave(clip):
     """A pipeline rank whose gradients were complete when the step's final all-reduce failed
     keeps, after ``leave`` dropped its strategy, both its state at the step and the state with
     the update applied; ``finish_pending_step`` takes the latter. Checked against the
-    single-process reference at both steps."""
+    single-process reference at both steps. With ``max_grad_norm`` (0.5: the reference's
+    norms are 0.44-0.71, so the rolled step clips) the norm's all-reduce ran before the
+    failed one: the rolled update is the clipped one."""
     from elastic.models import SyntheticRegression, mlp_loss, tiny_mlp
     from elastic.reference import reference_train
     from tests.mp_harness import run_distributed
 
     world, steps = 2, 3
-    out = run_distributed(_pending_rank, world, free_port(), steps)
+    out = run_distributed(_pending_rank, world, free_port(), steps, clip)
     data = SyntheticRegression()
-    at_s, _ = reference_train(tiny_mlp, _adam, mlp_loss, data, 8 * world, steps, seed=0)
-    at_s1, _ = reference_train(tiny_mlp, _adam, mlp_loss, data, 8 * world, steps + 1, seed=0)
+    at_s, _ = reference_train(tiny_mlp, _adam, mlp_loss, data, 8 * world, steps, seed=0,
+                              max_grad_norm=clip)
+    at_s1, _ = reference_train(tiny_mlp, _adam, mlp_loss, data, 8 * world, steps + 1, seed=0,
+                               max_grad_norm=clip)
     parked = {k: v for o in out for k, v in o["parked"].items()}
     rolled = {k: v for o in out for k, v in o["rolled"].items()}
     assert sorted(parked) == sorted(f"model/{k}" for k in at_s)  # the stages cover the model
