@@ -41,7 +41,8 @@ class LayoutMixin(ControllerBase):
             speeds = self._speeds()
             details, links = self._measure_details()
             spec, why = auto_spec(self._probe_model, cfg.optimizer, [w.info for w in self.workers],
-                                  speeds, g, details=details, links=links)
+                                  speeds, g, details=details, links=links,
+                                  precision=cfg.precision)
             self._emit("plan", why.splitlines()[0], data={"explanation": why,
                                                           "speeds": speeds, "links": links})
             return spec

@@ -124,7 +124,8 @@ def _cmd_plan(a: argparse.Namespace) -> int:
     else:
         path = a.cluster if os.path.exists(a.cluster) else example_path(a.cluster)
         cluster = load_cluster(path)
-    profile = model_profile(model, cfg.optimizer, tokens_per_sample(cfg.dataset_object()))
+    profile = model_profile(model, cfg.optimizer, tokens_per_sample(cfg.dataset_object()),
+                            precision=cfg.precision)
     result = plan(cluster, profile, a.global_batch or cfg.global_batch_size)
     print(format_plan_table(result))
     return 0 if result.choice is not None else 1

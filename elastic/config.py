@@ -56,6 +56,9 @@ class JobConfig:
     # step -> multiplier of the optimizer's lr (elastic.schedules): a callable, an import
     # string, {target: ...}, or a built-in {name: cosine|linear|constant, warmup_steps, ...}
     lr_schedule: Any = None
+    # compute precision: fp32, or bf16 (forward and loss under torch.autocast to bfloat16;
+    # weights, gradients and optimizer state stay fp32)
+    precision: str = "fp32"
     strategy: str = "dp"
     num_workers: int = 2
     min_workers: int | None = None
@@ -251,6 +254,11 @@ class JobConfig:
                 or not 0 < self.max_grad_norm < float("inf")):
             raise ConfigError("max_grad_norm", f"must be a positive number, got "
                               f"{self.max_grad_norm!r}.", "e.g. max_grad_norm: 1.0, or leave it out")
+        if self.precision not in ("fp32", "bf16"):
+            fix = ("fp16 needs loss scaling, which elastic does not do: use bf16 (A100, H100, "
+                   "L4, MI300X, CPUs) or fp32 (T4, V100)" if self.precision == "fp16"
+                   else "use fp32 or bf16")
+            raise ConfigError("precision", f"unknown precision {self.precision!r}.", fix)
         if self.lr_schedule is not None:
             fn = self.lr_schedule_fn()
             assert fn is not None

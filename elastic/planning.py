@@ -48,17 +48,20 @@ def block_params(model: nn.Module) -> list[int]:
     return [sum(p.numel() for p in b.parameters()) for b in blocks_of(model)]
 
 
-def model_profile(model: nn.Module, optimizer: Any, tokens_per_sample: int = 1) -> ModelProfile:
+def model_profile(model: nn.Module, optimizer: Any, tokens_per_sample: int = 1,
+                  precision: str = "fp32") -> ModelProfile:
     """fp32 weights and grads; optimizer bytes from its name; forward+backward FLOPs per
     sample estimated as 6 x parameters x tokens per sample (the usual dense-model rule), which
-    the planner replaces with measured speeds whenever it has them."""
+    the planner replaces with measured speeds whenever it has them. ``precision`` is the
+    compute precision (the job's ``precision``: bf16 autocast keeps fp32 weights, gradients
+    and optimizer state, and computes at the device's bf16 rate)."""
     opt = optimizer.get("name", "adam") if isinstance(optimizer, dict) else str(optimizer)
     opt_bytes = _OPT_BYTES.get(str(opt).lower(), 8)
     params = tuple(block_params(model))
     flops = tuple(6.0 * p * max(1, tokens_per_sample) for p in params)
     return ModelProfile(name=type(model).__name__, block_params=params, block_flops=flops,
                         bytes_per_param=4, grad_bytes_per_param=4,
-                        optimizer_bytes_per_param=opt_bytes, precision="fp32")
+                        optimizer_bytes_per_param=opt_bytes, precision=precision)
 
 
 def tokens_per_sample(dataset: Any) -> int:
@@ -109,10 +112,10 @@ def pipeline_rank_shares(replica_batches: Sequence[int], pp: int) -> tuple[int, 
 
 
 def measured_profile(model: nn.Module, optimizer: Any, ids: Sequence[str],
-                     details: Sequence[dict[str, Any]]) -> ModelProfile:
+                     details: Sequence[dict[str, Any]], precision: str = "fp32") -> ModelProfile:
     """The model's profile with what the workers measured: per-block forward+backward
     seconds per sample on each device, and the activation bytes per sample between blocks."""
-    base = model_profile(model, optimizer)
+    base = model_profile(model, optimizer, precision=precision)
     secs = {ids[r]: tuple(d["block_seconds"]) for r, d in enumerate(details)
             if len(d.get("block_seconds", ())) == len(base.block_params)}
     bounds = details[0].get("boundary_bytes") if details else None
@@ -133,13 +136,14 @@ def link_model(points: Sequence[tuple[int, float]], world: int) -> CostModel:
 def auto_spec(model: nn.Module, optimizer: Any, infos: Sequence[dict[str, Any]],
               speeds: Sequence[float], global_batch: int,
               details: Sequence[dict[str, Any]] | None = None,
-              links: Sequence[tuple[int, float]] | None = None) -> tuple[StrategySpec, str]:
+              links: Sequence[tuple[int, float]] | None = None,
+              precision: str = "fp32") -> tuple[StrategySpec, str]:
     """Ask the planner for the fastest plan that fits every worker's memory, using all
     workers, measured speeds, per-block timings and the measured links; returns the spec and
     the planner's explanation."""
     cluster, ids = live_cluster(infos)
-    profile = (measured_profile(model, optimizer, ids, details) if details
-               else model_profile(model, optimizer))
+    profile = (measured_profile(model, optimizer, ids, details, precision) if details
+               else model_profile(model, optimizer, precision=precision))
     cost = link_model(links, len(infos)) if links else None
     result = plan(cluster, profile, global_batch, model=cost,
                   speeds={ids[r]: s for r, s in enumerate(speeds)}, subsets=False)

@@ -69,13 +69,15 @@ def reference_train(
     max_grad_norm: float | None = None,
     lr_schedule: Callable[[int], float] | None = None,
     grad_norms: list[float] | None = None,
+    precision: str = "fp32",
 ) -> tuple[dict[str, torch.Tensor], list[float]]:
     """Train ``steps`` steps in one process; return (model state_dict, per-step losses).
 
     ``max_grad_norm``: ``torch.nn.utils.clip_grad_norm_`` before each update;
     ``lr_schedule``: ``torch.optim.lr_scheduler.LambdaLR`` stepped after each update (the
     update of step s uses ``lr * lr_schedule(s)``). ``grad_norms``: if given, each step's
-    gradient norm (before clipping) is appended to it."""
+    gradient norm (before clipping) is appended to it. ``precision="bf16"``: forward and loss
+    under ``torch.autocast(dtype=torch.bfloat16)``, weights and optimizer in fp32."""
     model = build_model(model_factory, seed)
     opt = optimizer_factory(model.parameters())
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_schedule) if lr_schedule else None
@@ -84,7 +86,8 @@ def reference_train(
     for step in range(steps):
         x, y = fetch_batch(dataset, sampler.indices(step))
         opt.zero_grad(set_to_none=True)
-        loss = loss_fn(model(x), y)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            loss = loss_fn(model(x), y)
         loss.backward()
         if max_grad_norm is not None or grad_norms is not None:
             norm = torch.nn.utils.clip_grad_norm_(

@@ -160,6 +160,11 @@ class Worker:
         self.device = torch.device("cuda", 0) if use_gpu else torch.device("cpu")
         if use_gpu:
             torch.cuda.set_device(self.device)
+            if config.precision == "bf16" and not torch.cuda.is_bf16_supported():
+                raise ValueError(
+                    f"precision: bf16 is not supported by {torch.cuda.get_device_name()} "
+                    "(bf16 needs compute capability 8.0+: A100, H100, L4...); fix: use "
+                    "precision: fp32 for this cluster, or place the job on bf16 devices")
         self.backend = "nccl" if use_gpu else "gloo"
         self.rank = -1
         self.world = 0
@@ -614,9 +619,13 @@ class Worker:
         cls.validate(spec, model)
         if for_load:
             spec = dataclasses.replace(spec, options={**spec.options, "init_sync": False})
+        job_opts: dict[str, Any] = {}  # job settings the layouts apply themselves
         if self.config.max_grad_norm is not None:
-            spec = dataclasses.replace(spec, options={**spec.options,
-                                                      "max_grad_norm": self.config.max_grad_norm})
+            job_opts["max_grad_norm"] = self.config.max_grad_norm
+        if self.config.precision != "fp32":
+            job_opts["precision"] = self.config.precision
+        if job_opts:
+            spec = dataclasses.replace(spec, options={**spec.options, **job_opts})
         return cls(spec, self._runtime(), model, self._optimizer_factory, self._loss_fn)
 
     # ------------------------------------------------------------------ checkpoints
@@ -808,6 +817,11 @@ class Worker:
                                  m.register_full_backward_pre_hook(start("bwd")),
                                  m.register_full_backward_hook(stop("bwd"))]
 
+    def _autocast(self) -> Any:
+        """The job's compute precision for the profiler's private forward passes."""
+        return torch.autocast(self.device.type, dtype=torch.bfloat16,
+                              enabled=self.config.precision == "bf16")
+
     def _profile_base(self, batch: int, min_s: float = 0.05, max_iters: int = 50) -> float:
         """Seconds per sample of forward+backward of a private copy of the model (no
         collective), before any emulated slowdown: the median of at least 5 timed iterations
@@ -822,7 +836,9 @@ class Worker:
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
         for i in range(max_iters + 1):
             t0 = time.perf_counter()
-            self._loss_fn(model(x), y).backward()
+            with self._autocast():
+                loss = self._loss_fn(model(x), y)
+            loss.backward()
             sync()
             if i:  # the first iteration warms up
                 times.append(time.perf_counter() - t0)
@@ -856,7 +872,8 @@ class Worker:
             times = []
             for _ in range(iters):
                 t0 = time.perf_counter()
-                out = block(inp)
+                with self._autocast():
+                    out = block(inp)
                 out.backward(torch.ones_like(out))
                 if self.device.type == "cuda":
                     torch.cuda.synchronize()

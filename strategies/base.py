@@ -21,6 +21,7 @@ the G samples, whatever the split.
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -47,7 +48,10 @@ __all__ = [
     "before_update",
     "grad_sq_sum",
     "clip_coefficient",
+    "PRECISIONS",
 ]
+
+PRECISIONS = ("fp32", "bf16")
 
 CanonicalState = dict[str, torch.Tensor]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -177,6 +181,18 @@ class Strategy(ABC):
         clip = spec.options.get("max_grad_norm")
         self.max_grad_norm: float | None = float(clip) if clip else None
         self.last_grad_norm: float | None = None  # the norm of the last step, before clipping
+        self.precision = str(spec.options.get("precision", "fp32"))
+        if self.precision not in PRECISIONS:
+            raise StrategyError(f"unknown precision {self.precision!r}; use one of "
+                                f"{', '.join(PRECISIONS)}")
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """The forward's (and loss's) precision context: ``torch.autocast`` to bfloat16 for
+        ``precision: bf16`` (weights, gradients and optimizer state stay fp32, as with
+        ``torch.autocast`` in a plain loop), else nothing."""
+        if self.precision == "bf16":
+            return torch.autocast(self.rt.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
 
     @property
     def share(self) -> int:
@@ -240,7 +256,8 @@ class Strategy(ABC):
         dev = self.rt.device
         inputs, targets = inputs.to(dev, non_blocking=True), targets.to(dev, non_blocking=True)
         optimizer.zero_grad(set_to_none=True)
-        loss = self.loss_fn(module(inputs), targets)
+        with self.autocast():
+            loss = self.loss_fn(module(inputs), targets)
         (loss * scale).backward()
         if self.max_grad_norm is not None:
             self.clip_grads()

@@ -50,7 +50,9 @@ so the sum over all ranks is the global mean loss.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import functools
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -197,8 +199,11 @@ def replica_batches(spec: StrategySpec) -> list[int]:
 class _Stage(nn.Module):
     """Some consecutive blocks of a pipeline-ready model, under their original FQNs."""
 
-    def __init__(self, blocks: Sequence[tuple[str, nn.Module]]) -> None:
+    def __init__(self, blocks: Sequence[tuple[str, nn.Module]],
+                 autocast: Callable[[], contextlib.AbstractContextManager[Any]] | None = None
+                 ) -> None:
         super().__init__()
+        self._autocast = autocast or contextlib.nullcontext
         for name, block in blocks:
             parent: nn.Module = self
             *path, leaf = name.split(".")
@@ -211,8 +216,9 @@ class _Stage(nn.Module):
         self.block_names = [name for name, _ in blocks]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
+        with self._autocast():
+            for block in self.blocks:
+                x = block(x)
         return x
 
 
@@ -339,8 +345,11 @@ class Pipeline(Strategy):
         self.n_stages = len(split)
         starts = [sum(split[:i]) for i in range(self.n_stages)]
         self.stage_ids = [self.stage_rank + k * pp for k in range(_stages_per_rank(spec.schedule))]
+        cast = (functools.partial(torch.autocast, rt.device.type, dtype=torch.bfloat16)
+                if self.precision == "bf16" else None)  # no reference back to the strategy
         self.stages = [
-            _Stage(blocks[starts[i] : starts[i] + split[i]]).to(rt.device) for i in self.stage_ids
+            _Stage(blocks[starts[i] : starts[i] + split[i]], cast).to(rt.device)
+            for i in self.stage_ids
         ]
         self.mode = spec.dp_mode if d > 1 else "dp"
         reshard = bool(spec.options.get("reshard_after_forward", True))
@@ -382,7 +391,8 @@ class Pipeline(Strategy):
             self.schedule = cls(pstages[0], m, loss_fn=self._mb_loss, scale_grads=False)
 
     def _mb_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return self.loss_fn(output, target) * self._mb_scale
+        with self.autocast():
+            return self.loss_fn(output, target) * self._mb_scale
 
     def _zero_grad(self) -> None:
         for st in self.stages:

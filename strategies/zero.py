@@ -303,7 +303,8 @@ class _Zero(Strategy):
         dev = self.rt.device
         inputs, targets = inputs.to(dev, non_blocking=True), targets.to(dev, non_blocking=True)
         self.update.zero_grad()
-        loss = self.loss_fn(self.model(inputs), targets)
+        with self.autocast():
+            loss = self.loss_fn(self.model(inputs), targets)
         (loss * self._scale).backward()
         self.update.wait()
         if self.max_grad_norm is not None:

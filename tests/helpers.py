@@ -26,6 +26,22 @@ def mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 2))
 
 
+class _NeedsAutocast(nn.Tanh):
+    """A Tanh that fails unless it runs under bf16 autocast (proves a job's precision
+    reaches the workers' forward passes in every layout)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.is_autocast_enabled(x.device.type) or x.dtype != torch.bfloat16:
+            raise RuntimeError(f"forward not under bf16 autocast (input {x.dtype})")
+        return super().forward(x)
+
+
+def bf16_mlp() -> nn.Module:
+    """``mlp`` (same parameter names and initialization) that runs only under bf16 autocast."""
+    return nn.Sequential(nn.Linear(8, 16), _NeedsAutocast(), nn.Linear(16, 16), _NeedsAutocast(),
+                         nn.Linear(16, 2))
+
+
 def adam(params) -> torch.optim.Optimizer:
     return torch.optim.Adam(params, lr=1e-2)
 

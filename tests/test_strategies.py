@@ -71,6 +71,10 @@ N_PARAMS = sum(p.numel() for p in make_mlp().parameters())
 # --------------------------------------------------------------------------- worker side
 
 
+def make_sgd(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.1)
+
+
 def _train(
     name: str,
     spec_kw: dict[str, Any],
@@ -78,6 +82,7 @@ def _train(
     start_step: int = 0,
     state: Any = None,
     device: str = "cpu",
+    optimizer: Any = make_adam,
 ) -> dict[str, Any]:
     """Runs on every rank: build, (load), train ``steps`` steps, report. ``device="cuda"``
     puts rank r on ``cuda:r``."""
@@ -87,23 +92,29 @@ def _train(
     cls = registry.get(name)
     cls.validate(spec, model)
     dev = f"cuda:{rank}" if device == "cuda" else device
-    strat = cls(spec, Runtime.current(dev), model, make_adam, F.mse_loss)
+    strat = cls(spec, Runtime.current(dev), model, optimizer, F.mse_loss)
     loaded_hash = None
     if state is not None:
         strat.load_full_state(state)
         loaded_hash = state_hash(strat.full_state())
     sampler = StepSampler(len(DATA), spec.global_batch_size, SEED)
     lo, hi = share_bounds(spec.shares, rank)
+    out_dtypes: set[str] = set()  # what the Linear layers computed in (precision)
+    hooks = [m.register_forward_hook(lambda _m, _i, o: out_dtypes.add(str(o.dtype)))
+             for m in strat.local_model().modules() if isinstance(m, nn.Linear)]
     losses, norms = [], []
     for s in range(start_step, start_step + steps):
         x, y = fetch_batch(DATA, sampler.indices(s))
         losses.append(strat.train_step(x[lo:hi], y[lo:hi]))
         norms.append(strat.last_grad_norm)
+    for h in hooks:
+        h.remove()
     out = strat.full_state()
     held = strat.held_state()
     assert all(torch.equal(v, out[k]) for k, v in held.items())
     counts = strat.memory_counts()
     stage_params = sum(p.numel() for p in strat.local_model().parameters())
+    param_dtypes = sorted({str(p.dtype) for p in strat.local_model().parameters()})
     strat.close()
     return {
         "losses": losses,
@@ -114,6 +125,8 @@ def _train(
         "held_keys": sorted(held),
         "local_params": stage_params,
         "grad_norms": norms,
+        "out_dtypes": sorted(out_dtypes),
+        "param_dtypes": param_dtypes,
     }
 
 
@@ -245,6 +258,33 @@ def test_gradient_clipping_matches_clip_grad_norm(pool: _Pool, case: str) -> Non
     assert max_param_diff(results[0]["state"], unclipped) > 100 * ATOL  # clipping changed it
     summed = [sum(r["losses"][s] for r in results) for s in range(STEPS)]
     assert summed == pytest.approx(ref_losses, abs=ATOL)
+
+
+BF16_TOL = 1e-3
+
+
+@pytest.mark.parametrize("case", CLIP_CASES)
+def test_bf16_autocast_matches_the_autocast_reference(pool: _Pool, case: str) -> None:
+    """``precision: bf16``: every layout computes its Linear layers in bfloat16 under
+    autocast, keeps fp32 weights, and ends within ``BF16_TOL`` of the single-process autocast
+    run. Why 1e-3 and SGD: bf16 keeps 8 mantissa bits, and a rank's smaller matmul may round
+    an activation one bf16 ulp (~4e-3 relative) differently from the whole batch's. With
+    SGD at lr 0.1 that moves the parameters by at most ~2e-4 over 10 steps here (Adam's
+    near-sign updates would turn a flipped tiny gradient into a 2 x lr jump and hide every
+    other difference); a loss-scaling or ownership bug moves them by > 1e-2."""
+    name, world, kw = CASES[case]
+    spec = StrategySpec(name=name, world_size=world, **kw)
+    kw = {**kw, "options": {"precision": "bf16"}}
+    results = pool.run(_train, name, kw, STEPS, 0, None, "cpu", make_sgd, world_size=world)
+    g = spec.global_batch_size
+    ref_state, ref_losses = reference_train(make_mlp, make_sgd, F.mse_loss, DATA, g, STEPS,
+                                            SEED, precision="bf16")
+    for r in results:
+        assert r["out_dtypes"] == ["torch.bfloat16"] and r["param_dtypes"] == ["torch.float32"]
+    assert max_param_diff(results[0]["state"], ref_state) < BF16_TOL
+    summed = [sum(r["losses"][s] for r in results) for s in range(STEPS)]
+    assert summed == pytest.approx(ref_losses, abs=BF16_TOL)
+    assert all(r["out_dtypes"] == ["torch.float32"] for r in run_case(pool, case))  # default
 
 
 def test_memory_counts(pool: _Pool) -> None:
