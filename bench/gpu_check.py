@@ -4,7 +4,9 @@ Exercises elastic's worker on a real device without Ray (the device machine has 
 NCCL group formation, the per-step control all-reduce on device tensors, live switches
 dp -> zero3 -> zero1 -> dp moving CUDA state in memory, an asynchronous checkpoint of CUDA
 tensors (pinned host copy), commit, and a restore into a fresh worker; parameters are compared
-with the single-process CPU reference. Prints one line per check and exits non-zero on failure.
+with the single-process CPU reference; then bf16 autocast with gradient clipping and an lr
+schedule on the device through a switch. Prints one line per check and exits non-zero on
+failure.
 
     python bench/gpu_check.py            # on the GPU machine
     python bench/gpu_check.py --device cpu
@@ -42,6 +44,10 @@ def _port() -> int:
 
 def _adam(params):
     return torch.optim.Adam(params, lr=1e-2)
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.1)
 
 
 def main() -> int:
@@ -124,6 +130,31 @@ def main() -> int:
     diff2 = max(float((st[f"model/{k}"].cpu() - v).abs().max()) for k, v in ref.items())
     check("restore from checkpoint then train", diff2 < 1e-4, f"max |diff| {diff2:.2e}")
     w2.leave()
+    # bf16 autocast, gradient clipping and an lr schedule on the device, through a switch
+    from elastic.schedules import cosine
+
+    sched = {"name": "cosine", "warmup_steps": 2}
+    cfg3 = JobConfig(model=tiny_mlp, optimizer=_sgd, loss=mlp_loss, dataset=SyntheticRegression,
+                     global_batch_size=G, max_steps=10, num_workers=1, precision="bf16",
+                     max_grad_norm=0.5, lr_schedule=sched)
+    w3 = Worker(cfg3, 2, use_gpu=gpu, num_threads=4)
+    w3.join("127.0.0.1", _port(), 0, 1, 4, 60)
+    w3.build(spec("dp"))
+    w3.run(0, 5)
+    w3.build(spec("zero3"))
+    w3.run(5, 10)
+    st = w3.full_state()
+    norms = [m.get("grad_norm") for m in w3.drain()]
+    fn = lambda s: cosine(s, total_steps=10, warmup_steps=2)  # noqa: E731
+    ref_norms: list[float] = []
+    ref3, _ = reference_train(tiny_mlp, _sgd, mlp_loss, SyntheticRegression(), G, 10, seed=0,
+                              max_grad_norm=0.5, lr_schedule=fn, grad_norms=ref_norms,
+                              precision="bf16")
+    diff4 = max(float((st[f"model/{k}"].cpu() - v).abs().max()) for k, v in ref3.items())
+    check("bf16 + clip + schedule match the CPU autocast reference", diff4 < 5e-3,
+          f"max |diff| {diff4:.2e}; norms {[round(n or 0, 3) for n in norms][:4]} vs "
+          f"{[round(n, 3) for n in ref_norms][:4]}")
+    w3.leave()
     print("ALL PASS" if ok else "SOME FAILED", flush=True)
     return 0 if ok else 1
 
