@@ -49,6 +49,7 @@ __all__ = [
     "grad_sq_sum",
     "clip_coefficient",
     "PRECISIONS",
+    "micro_batch_count",
 ]
 
 PRECISIONS = ("fp32", "bf16")
@@ -98,6 +99,12 @@ def clip_coefficient(total_norm: float, max_norm: float) -> float:
     """What ``torch.nn.utils.clip_grad_norm_`` multiplies every gradient by: 1 unless the
     norm exceeds ``max_norm`` (the same ``1e-6`` guard)."""
     return min(1.0, max_norm / (total_norm + 1e-6))
+
+
+def micro_batch_count(spec: StrategySpec, n: int) -> int:
+    """How many micro-batches ``n`` samples take under the spec's ``micro_batch_size``."""
+    cap = spec.options.get("micro_batch_size")
+    return max(1, -(-n // int(cap))) if cap else 1
 
 
 class StrategyError(ValueError):
@@ -249,21 +256,51 @@ class Strategy(ABC):
     def memory_counts(self) -> dict[str, int]:
         """Elements this rank actually holds: ``params``, ``grads``, ``optim``."""
 
+    def chunks(self, n: int, count: int | None = None) -> list[tuple[int, int]]:
+        """Micro-batches of this rank's ``n`` samples (gradient accumulation): contiguous,
+        near-equal ranges of at most ``micro_batch_size`` samples (spec option; None: one
+        range), ``count`` of them if given (layouts whose every forward is a collective)."""
+        k = count if count is not None else micro_batch_count(self.spec, n)
+        base, extra = divmod(n, k)
+        out, at = [], 0
+        for i in range(k):
+            size = base + (1 if i < extra else 0)
+            out.append((at, at + size))
+            at += size
+        return out
+
+    def accumulate(self, module: nn.Module) -> contextlib.AbstractContextManager[Any]:
+        """The context of a micro-batch's backward that is not the step's last: gradients
+        accumulate locally and are not reduced. Default: nothing (the layout reduces each)."""
+        return contextlib.nullcontext()
+
     def _wrapped_step(self, module: nn.Module, optimizer: torch.optim.Optimizer,
-                      inputs: torch.Tensor, targets: torch.Tensor, scale: float) -> float:
+                      inputs: torch.Tensor, targets: torch.Tensor, scale: float,
+                      count: int | None = None) -> float:
         """One step through a wrapper that averages gradients over the world (DDP, FSDP2):
-        ``scale`` turns that average into the mean over G. Returns ``mean_loss * share / G``."""
+        ``scale`` turns that average into the mean over G. Each micro-batch's mean loss is
+        weighted by its part of the share, so the accumulated gradient is the same as one
+        pass over the whole share. Returns ``mean_loss * share / G``."""
         dev = self.rt.device
         inputs, targets = inputs.to(dev, non_blocking=True), targets.to(dev, non_blocking=True)
         optimizer.zero_grad(set_to_none=True)
-        with self.autocast():
-            loss = self.loss_fn(module(inputs), targets)
-        (loss * scale).backward()
+        n = len(inputs)
+        parts = self.chunks(n, count)
+        total = 0.0
+        for i, (a, b) in enumerate(parts):
+            weight = (b - a) / n
+            with contextlib.ExitStack() as stack:
+                if i < len(parts) - 1:
+                    stack.enter_context(self.accumulate(module))
+                with self.autocast():
+                    loss = self.loss_fn(module(inputs[a:b]), targets[a:b])
+                (loss * (scale * weight)).backward()
+            total += float(loss.detach()) * weight
         if self.max_grad_norm is not None:
             self.clip_grads()
         before_update()
         optimizer.step()
-        return float(loss.detach()) * self.share / self.spec.global_batch_size
+        return total * self.share / self.spec.global_batch_size
 
     def clip_grads(self) -> None:
         """Scale this rank's gradients as ``clip_grad_norm_(model.parameters(), max_norm)``

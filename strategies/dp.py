@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from typing import Any
+
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -54,6 +57,9 @@ class DataParallel(Strategy):
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         return self._wrapped_step(self.ddp, self.optimizer, inputs, targets, self._scale)
+
+    def accumulate(self, module: nn.Module) -> contextlib.AbstractContextManager[Any]:
+        return self.ddp.no_sync()  # the last micro-batch's backward all-reduces the sum
 
     def clip_grads(self) -> None:
         """DDP leaves every rank the full averaged gradient: the norm needs no communication."""

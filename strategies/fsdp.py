@@ -40,8 +40,10 @@ from .base import (
     OptimizerFactory,
     Runtime,
     Strategy,
+    StrategyError,
     StrategySpec,
     grad_sq_sum,
+    micro_batch_count,
     optimizer_state_from_canonical,
 )
 from .registry import register
@@ -268,6 +270,17 @@ class FullyShardedDataParallel(Strategy):
 
     name = "zero3"
 
+    @classmethod
+    def validate(cls, spec: StrategySpec, model: nn.Module) -> None:
+        super().validate(spec, model)
+        k = micro_batch_count(spec, max(spec.shares))
+        if k > min(spec.shares):  # every forward all-gathers: all ranks run k micro-batches
+            raise StrategyError(
+                f"micro_batch_size {spec.options.get('micro_batch_size')} makes {k} micro-batches "
+                f"per step, and under zero3 every rank runs as many, but the smallest share is "
+                f"{min(spec.shares)} samples; raise micro_batch_size to at least "
+                f"{-(-max(spec.shares) // min(spec.shares))}")
+
     def __init__(
         self,
         spec: StrategySpec,
@@ -294,7 +307,10 @@ class FullyShardedDataParallel(Strategy):
         self._scale = self.share * rt.world_size / spec.global_batch_size
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
-        return self._wrapped_step(self.model, self.optimizer, inputs, targets, self._scale)
+        # every micro-batch's backward reduce-scatters into the sharded gradients (FSDP2
+        # accumulates them), so all ranks run the same number of micro-batches
+        k = micro_batch_count(self.spec, max(self.spec.shares))
+        return self._wrapped_step(self.model, self.optimizer, inputs, targets, self._scale, k)
 
     def clip_grads(self) -> None:
         """Each rank holds dim-0 shards of every gradient: sum their squares over the world."""

@@ -104,6 +104,7 @@ class ShardedUpdate:
         self.optimizer = optimizer_factory(list(self.owned.values())) if self.owned else None
         self._pending: list[tuple[dist.Work, nn.Parameter, int]] = []
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self.sync = True  # False: the hooks let gradients accumulate (not the last micro-batch)
 
     # ------------------------------------------------------------------ gradients
 
@@ -117,7 +118,7 @@ class ShardedUpdate:
 
     def _make_hook(self, owner: int) -> Callable[[torch.Tensor], None]:
         def hook(p: torch.Tensor) -> None:
-            if len(self.ranks) == 1:
+            if len(self.ranks) == 1 or not self.sync:
                 return
             grad = p.grad
             assert grad is not None  # a post-accumulate-grad hook runs once it exists
@@ -303,14 +304,21 @@ class _Zero(Strategy):
         dev = self.rt.device
         inputs, targets = inputs.to(dev, non_blocking=True), targets.to(dev, non_blocking=True)
         self.update.zero_grad()
-        with self.autocast():
-            loss = self.loss_fn(self.model(inputs), targets)
-        (loss * self._scale).backward()
+        n = len(inputs)
+        parts = self.chunks(n)
+        total = 0.0
+        for i, (a, b) in enumerate(parts):  # micro-batches: only the last one reduces
+            self.update.sync = i == len(parts) - 1
+            with self.autocast():
+                loss = self.loss_fn(self.model(inputs[a:b]), targets[a:b])
+            (loss * (self._scale * (b - a) / n)).backward()
+            total += float(loss.detach()) * (b - a) / n
+        self.update.sync = True
         self.update.wait()
         if self.max_grad_norm is not None:
             self.clip_grads()
         self.update.step()
-        return float(loss.detach()) * self._scale
+        return total * self._scale
 
     def clip_grads(self) -> None:
         """ZeRO-1: every rank has the full gradient (no communication); ZeRO-2: each owner

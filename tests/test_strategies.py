@@ -100,8 +100,11 @@ def _train(
     sampler = StepSampler(len(DATA), spec.global_batch_size, SEED)
     lo, hi = share_bounds(spec.shares, rank)
     out_dtypes: set[str] = set()  # what the Linear layers computed in (precision)
+    rows: list[int] = []  # the batch sizes the first Linear of this rank saw (micro-batches)
+    linears = [m for m in strat.local_model().modules() if isinstance(m, nn.Linear)]
     hooks = [m.register_forward_hook(lambda _m, _i, o: out_dtypes.add(str(o.dtype)))
-             for m in strat.local_model().modules() if isinstance(m, nn.Linear)]
+             for m in linears]
+    hooks.append(linears[0].register_forward_hook(lambda _m, i, _o: rows.append(len(i[0]))))
     losses, norms = [], []
     for s in range(start_step, start_step + steps):
         x, y = fetch_batch(DATA, sampler.indices(s))
@@ -126,6 +129,7 @@ def _train(
         "local_params": stage_params,
         "grad_norms": norms,
         "out_dtypes": sorted(out_dtypes),
+        "rows": rows,
         "param_dtypes": param_dtypes,
     }
 
@@ -285,6 +289,37 @@ def test_bf16_autocast_matches_the_autocast_reference(pool: _Pool, case: str) ->
     summed = [sum(r["losses"][s] for r in results) for s in range(STEPS)]
     assert summed == pytest.approx(ref_losses, abs=BF16_TOL)
     assert all(r["out_dtypes"] == ["torch.float32"] for r in run_case(pool, case))  # default
+
+
+# (case, micro_batch_size, the micro-batches each rank runs per step)
+ACCUMULATION = [("dp-2", 2, [[2, 2, 1], [2, 1]]), ("zero1-3", 2, [[2, 1], [2, 1], [2]]),
+                ("zero2-3", 1, [[1, 1], [1, 1, 1], [1, 1, 1]]),
+                ("zero3-3", 2, [[2, 1], [2, 1], [1, 1]])]
+
+
+@pytest.mark.parametrize("case,mbs,expect", ACCUMULATION, ids=[c[0] for c in ACCUMULATION])
+def test_gradient_accumulation_matches_one_pass(pool: _Pool, case: str, mbs: int,
+                                                expect: list[list[int]]) -> None:
+    """``micro_batch_size``: a rank runs its share as micro-batches of at most that many
+    samples and reduces once (dp, zero1/2) or accumulates FSDP's reduce-scattered shards
+    (zero3: every rank runs as many micro-batches, since every forward is a collective); the
+    step is the same mean over G (same ATOL as the one-pass runs)."""
+    name, world, kw = CASES[case]
+    spec = StrategySpec(name=name, world_size=world, **kw)
+    kw = {**kw, "options": {"micro_batch_size": mbs}}
+    results = pool.run(_train, name, kw, STEPS, world_size=world)
+    for r, want in zip(results, expect, strict=True):
+        assert r["rows"] == want * STEPS
+    ref_state, ref_losses = reference(spec.global_batch_size, STEPS)
+    assert max_param_diff(results[0]["state"], ref_state) < ATOL
+    summed = [sum(r["losses"][s] for r in results) for s in range(STEPS)]
+    assert summed == pytest.approx(ref_losses, abs=ATOL)
+
+
+def test_zero3_refuses_micro_batches_a_small_share_cannot_fill() -> None:
+    spec = StrategySpec("zero3", 3, (3, 3, 2), options={"micro_batch_size": 1})
+    with pytest.raises(StrategyError, match="raise micro_batch_size to at least 2"):
+        registry.get("zero3").validate(spec, make_mlp())
 
 
 def test_memory_counts(pool: _Pool) -> None:
