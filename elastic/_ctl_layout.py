@@ -15,6 +15,7 @@ from strategies.base import StrategyError
 from ._ctl_base import (
     ControllerBase,
     ControllerState,
+    spec_dict,
     unwrap,
 )
 from .data import even_shares
@@ -29,7 +30,13 @@ class LayoutMixin(ControllerBase):
     def _make_spec(self, name: str, world: int) -> StrategySpec:
         """The layout for ``name`` on ``world`` workers: batch shares follow measured speeds
         when balancing (dp and ZeRO), pipeline stages follow layer costs and stage speeds,
-        and ``auto`` asks the planner."""
+        and ``auto`` asks the planner. It carries the job's settings that every layout
+        applies (``JobConfig.strategy_options``: clipping, precision, micro-batch size), so
+        validating it validates them too."""
+        spec = self._plan_spec(name, world)
+        return dataclasses.replace(spec, options={**self.cfg.strategy_options(), **spec.options})
+
+    def _plan_spec(self, name: str, world: int) -> StrategySpec:
         from .planning import auto_spec, balanced_shares, speed_stage_split
 
         cfg = self.cfg
@@ -198,7 +205,8 @@ class LayoutMixin(ControllerBase):
         if first:
             self.spec = spec
             self._emit("layout", f"{spec.name} on {spec.world_size} workers, shares "
-                       f"{list(spec.shares)} ({dt:.2f}s)", data={"strategy": spec.name})
+                       f"{list(spec.shares)} ({dt:.2f}s)",
+                       data={"strategy": spec.name, "spec": spec_dict(spec)})
             return
         hashes = {(o["hash_before"], o["hash_after"]) for o in outs}
         same = all(b == a for b, a in hashes) and len({b for b, _ in hashes}) == 1

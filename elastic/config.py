@@ -59,6 +59,10 @@ class JobConfig:
     # compute precision: fp32, or bf16 (forward and loss under torch.autocast to bfloat16;
     # weights, gradients and optimizer state stay fp32)
     precision: str = "fp32"
+    # gradient accumulation under dp and ZeRO: a worker runs its share of each step in
+    # micro-batches of at most this many samples (None: one pass); the step is unchanged.
+    # Pipelines split each step into `micro_batches` instead.
+    micro_batch_size: int | None = None
     strategy: str = "dp"
     num_workers: int = 2
     min_workers: int | None = None
@@ -254,6 +258,11 @@ class JobConfig:
                 or not 0 < self.max_grad_norm < float("inf")):
             raise ConfigError("max_grad_norm", f"must be a positive number, got "
                               f"{self.max_grad_norm!r}.", "e.g. max_grad_norm: 1.0, or leave it out")
+        if self.micro_batch_size is not None and (
+                not isinstance(self.micro_batch_size, int) or isinstance(self.micro_batch_size, bool)
+                or self.micro_batch_size < 1):
+            raise ConfigError("micro_batch_size", f"must be a positive integer, got "
+                              f"{self.micro_batch_size!r}.", "e.g. micro_batch_size: 8, or leave it out")
         if self.precision not in ("fp32", "bf16"):
             fix = ("fp16 needs loss scaling, which elastic does not do: use bf16 (A100, H100, "
                    "L4, MI300X, CPUs) or fp32 (T4, V100)" if self.precision == "fp16"
@@ -285,6 +294,17 @@ class JobConfig:
 
     def loss_fn(self) -> Callable[[Any, Any], Any]:
         return loss_function(self.loss)
+
+    def strategy_options(self) -> dict[str, Any]:
+        """Job settings that every layout applies itself (``StrategySpec.options``)."""
+        out: dict[str, Any] = {}
+        if self.max_grad_norm is not None:
+            out["max_grad_norm"] = float(self.max_grad_norm)
+        if self.precision != "fp32":
+            out["precision"] = self.precision
+        if self.micro_batch_size is not None:
+            out["micro_batch_size"] = self.micro_batch_size
+        return out
 
     def lr_schedule_fn(self) -> Callable[[int], float] | None:
         """``step -> multiplier`` of the optimizer's lr, or None (elastic.schedules)."""

@@ -19,6 +19,7 @@ from clusters import (
     CostModel,
     Measurement,
     ModelProfile,
+    Plan,
     calibrate,
     load_cluster,
     plan,
@@ -27,7 +28,8 @@ from clusters import (
 from clusters import stage_split as split_stages
 from strategies import StrategySpec
 
-__all__ = ["live_cluster", "model_profile", "auto_spec", "balanced_shares", "block_params"]
+__all__ = ["live_cluster", "model_profile", "auto_spec", "plan_spec", "balanced_shares",
+           "block_params"]
 
 _OPT_BYTES = {"adam": 8, "adamw": 8, "sgd": 0, "rmsprop": 4, "adagrad": 4}
 
@@ -147,11 +149,19 @@ def auto_spec(model: nn.Module, optimizer: Any, infos: Sequence[dict[str, Any]],
     cost = link_model(links, len(infos)) if links else None
     result = plan(cluster, profile, global_batch, model=cost,
                   speeds={ids[r]: s for r, s in enumerate(speeds)}, subsets=False)
-    p = result.plan
+    return plan_spec(result.plan), result.explanation
+
+
+def plan_spec(p: Plan) -> StrategySpec:
+    """The ``StrategySpec`` that carries out plan ``p``: a pipeline's shares per rank, and
+    for dp and ZeRO the plan's micro-batches as gradient accumulation passes."""
     kw = p.spec_kwargs()
     if p.strategy == "pipeline":
         kw["shares"] = pipeline_rank_shares(p.shares, p.pp_degree)
-    return StrategySpec(**kw), result.explanation
+    elif p.micro_batches > 1:  # dp/ZeRO: the plan's accumulation passes (activations)
+        kw["options"] = {**kw["options"], "accumulation_steps": p.micro_batches}
+        kw["micro_batches"] = 1
+    return StrategySpec(**kw)
 
 
 def speed_stage_split(model: nn.Module, stage_speeds: Sequence[float]) -> tuple[int, ...]:

@@ -616,16 +616,12 @@ class Worker:
         else:
             model = build_model(self._model_factory, self.config.seed)
         self._param_keys = {f"model/{n}" for n, _ in model.named_parameters()}
-        cls.validate(spec, model)
+        # the job's settings every layout applies (the controller's specs carry them already)
+        opts = {**self.config.strategy_options(), **spec.options}
         if for_load:
-            spec = dataclasses.replace(spec, options={**spec.options, "init_sync": False})
-        job_opts: dict[str, Any] = {}  # job settings the layouts apply themselves
-        if self.config.max_grad_norm is not None:
-            job_opts["max_grad_norm"] = self.config.max_grad_norm
-        if self.config.precision != "fp32":
-            job_opts["precision"] = self.config.precision
-        if job_opts:
-            spec = dataclasses.replace(spec, options={**spec.options, **job_opts})
+            opts["init_sync"] = False
+        spec = dataclasses.replace(spec, options=opts)
+        cls.validate(spec, model)
         return cls(spec, self._runtime(), model, self._optimizer_factory, self._loss_fn)
 
     # ------------------------------------------------------------------ checkpoints

@@ -102,9 +102,15 @@ def clip_coefficient(total_norm: float, max_norm: float) -> float:
 
 
 def micro_batch_count(spec: StrategySpec, n: int) -> int:
-    """How many micro-batches ``n`` samples take under the spec's ``micro_batch_size``."""
+    """How many micro-batches (gradient accumulation passes) a dp or ZeRO rank runs its
+    ``n`` samples in: at least the spec option ``accumulation_steps`` (the planner's, when
+    activations do not fit), enough for at most ``micro_batch_size`` samples each (the
+    job's), never more than ``n``."""
+    k = int(spec.options.get("accumulation_steps", 1))
     cap = spec.options.get("micro_batch_size")
-    return max(1, -(-n // int(cap))) if cap else 1
+    if cap:
+        k = max(k, -(-n // int(cap)))
+    return max(1, min(k, n))
 
 
 class StrategyError(ValueError):

@@ -316,6 +316,20 @@ def test_gradient_accumulation_matches_one_pass(pool: _Pool, case: str, mbs: int
     assert summed == pytest.approx(ref_losses, abs=ATOL)
 
 
+def test_the_planners_accumulation_steps_are_carried_out(pool: _Pool) -> None:
+    """A plan whose activations need m accumulation passes (clusters.planner) becomes a spec
+    whose ranks run m micro-batches each, and trains the same model."""
+    from clusters import Plan
+    from elastic.planning import plan_spec
+
+    spec = plan_spec(Plan(strategy="zero1", world_size=3, shares=(3, 3, 2), micro_batches=2))
+    assert spec.options == {"accumulation_steps": 2} and spec.micro_batches == 1
+    kw = {"shares": spec.shares, "options": spec.options}
+    results = pool.run(_train, "zero1", kw, STEPS, world_size=3)
+    assert [r["rows"][:2] for r in results] == [[2, 1], [2, 1], [1, 1]]
+    assert max_param_diff(results[0]["state"], reference(8, STEPS)[0]) < ATOL
+
+
 def test_zero3_refuses_micro_batches_a_small_share_cannot_fill() -> None:
     spec = StrategySpec("zero3", 3, (3, 3, 2), options={"micro_batch_size": 1})
     with pytest.raises(StrategyError, match="raise micro_batch_size to at least 2"):
