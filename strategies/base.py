@@ -316,11 +316,11 @@ class Strategy(ABC):
         raise StrategyError(f"{self.name} does not support max_grad_norm")
 
     def _clip_by(self, sq: torch.Tensor, grads: Iterable[torch.Tensor | None],
-                 group: dist.ProcessGroup | None = None, reduce: bool = True) -> None:
-        """Sum ``sq`` (this rank's part of the squared global norm) over ``group`` unless
+                 reduce: bool = True) -> None:
+        """Sum ``sq`` (this rank's part of the squared global norm) over the world unless
         ``reduce`` is False, then scale ``grads`` (those this rank's optimizer steps)."""
         if reduce:
-            dist.all_reduce(sq, group=group)
+            dist.all_reduce(sq)
         norm = float(sq.sqrt())
         self.last_grad_norm = norm
         coef = clip_coefficient(norm, self.max_grad_norm or float("inf"))
