@@ -63,6 +63,9 @@ class JobConfig:
     # micro-batches of at most this many samples (None: one pass); the step is unchanged.
     # Pipelines split each step into `micro_batches` instead.
     micro_batch_size: int | None = None
+    # recompute each block's activations in backward instead of keeping them (memory for
+    # compute; the model must name its blocks: an nn.Sequential or pipeline_blocks())
+    activation_checkpointing: bool = False
     strategy: str = "dp"
     num_workers: int = 2
     min_workers: int | None = None
@@ -304,6 +307,8 @@ class JobConfig:
             out["precision"] = self.precision
         if self.micro_batch_size is not None:
             out["micro_batch_size"] = self.micro_batch_size
+        if self.activation_checkpointing:
+            out["activation_checkpointing"] = True
         return out
 
     def lr_schedule_fn(self) -> Callable[[int], float] | None:

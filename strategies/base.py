@@ -50,6 +50,7 @@ __all__ = [
     "clip_coefficient",
     "PRECISIONS",
     "micro_batch_count",
+    "checkpoint_blocks",
 ]
 
 PRECISIONS = ("fp32", "bf16")
@@ -117,6 +118,33 @@ class StrategyError(ValueError):
     """A strategy cannot run with this spec, world size or model; the message says why."""
 
 
+def checkpoint_blocks(model: nn.Module) -> int:
+    """Activation checkpointing: each block of a pipeline-ready model keeps only its input
+    for backward and recomputes the rest (``torch.utils.checkpoint``, non-reentrant, RNG
+    state preserved, so dropout recomputes the same mask). The block's ``forward`` is
+    replaced on the instance, so parameter names stay those of the model (a
+    ``checkpoint_wrapper`` would add a prefix) and hooks of DDP and FSDP2 stay on the block.
+    Returns the number of blocks; raises ``StrategyError`` for a model without blocks."""
+    from torch.utils.checkpoint import checkpoint
+
+    from .pipeline import pipeline_blocks
+
+    try:
+        blocks = pipeline_blocks(model)
+    except StrategyError as e:
+        raise StrategyError(f"activation checkpointing works block by block: {e}") from None
+    for _, block in blocks:
+        inner = block.forward
+
+        def forward(*args: Any, _inner: Callable[..., Any] = inner, **kwargs: Any) -> Any:
+            if not torch.is_grad_enabled():  # nothing to save: no recompute either
+                return _inner(*args, **kwargs)
+            return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+
+        block.forward = forward  # type: ignore[method-assign]
+    return len(blocks)
+
+
 @dataclass(frozen=True)
 class StrategySpec:
     """What a strategy needs to lay itself out. Built by the controller from a plan.
@@ -172,6 +200,14 @@ class Strategy(ABC):
                 f"{len(spec.shares)} batch shares for {spec.world_size} workers; "
                 "give one share per worker"
             )
+        if spec.options.get("activation_checkpointing"):
+            from .pipeline import pipeline_blocks_or_none
+
+            if pipeline_blocks_or_none(model) is None:
+                raise StrategyError(
+                    f"activation checkpointing works block by block, and "
+                    f"{type(model).__name__} names no blocks; make it an nn.Sequential or give "
+                    "it pipeline_blocks() (strategies/pipeline.py)")
         if any(s < 1 for s in spec.shares):
             raise StrategyError(
                 f"every worker needs at least one sample per step, shares are {list(spec.shares)}; "
@@ -194,6 +230,8 @@ class Strategy(ABC):
         clip = spec.options.get("max_grad_norm")
         self.max_grad_norm: float | None = float(clip) if clip else None
         self.last_grad_norm: float | None = None  # the norm of the last step, before clipping
+        if spec.options.get("activation_checkpointing"):
+            checkpoint_blocks(model)  # before any wrapper sees the model
         self.precision = str(spec.options.get("precision", "fp32"))
         if self.precision not in PRECISIONS:
             raise StrategyError(f"unknown precision {self.precision!r}; use one of "

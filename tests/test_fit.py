@@ -169,17 +169,20 @@ def test_bf16_job_matches_the_autocast_reference_through_switches(ray_local, tmp
     assert all(v.dtype == torch.float32 for v in result.state_dict().values())
 
 
-def test_gradient_accumulation_keeps_the_trajectory_through_switches(ray_local, tmp_path,
-                                                                     reference):
-    """``micro_batch_size``: each worker runs its share in micro-batches of at most that many
-    samples (dp under no_sync, zero2 reducing once, zero3 accumulating shards); the run is
-    the same as one pass over the share (TOL); tests/test_strategies.py checks the passes
-    each rank runs."""
-    result = _fit(tmp_path, micro_batch_size=2, switch_at={4: "zero2", 8: "zero3"})
+def test_accumulation_and_activation_checkpointing_keep_the_trajectory(ray_local, tmp_path,
+                                                                      reference):
+    """``micro_batch_size`` and ``activation_checkpointing`` together, through live switches:
+    each worker runs its share in micro-batches of at most that many samples (dp under
+    no_sync, zero2 reducing once, zero3 accumulating shards) and recomputes its blocks in
+    backward; the run is the same as one pass over the share (TOL).
+    tests/test_strategies.py checks the passes and the recomputation on each rank."""
+    result = _fit(tmp_path, micro_batch_size=2, activation_checkpointing=True,
+                  switch_at={4: "zero2", 8: "zero3"})
     assert max_diff(result.state_dict(), reference[0]) < TOL
     assert [h["strategy"] for h in result.history][::4] == ["dp", "zero2", "zero3"]
     layout = next(e for e in result.events if e.kind == "layout")
-    assert layout.data["spec"]["options"]["micro_batch_size"] == 2
+    assert layout.data["spec"]["options"] == {"micro_batch_size": 2,
+                                              "activation_checkpointing": True}
 
 
 def test_zero3_micro_batches_a_share_cannot_fill_are_refused_before_training(ray_local,

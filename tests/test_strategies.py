@@ -75,6 +75,13 @@ def make_sgd(params: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.1)
 
 
+def _counting(forward: Any, calls: list[int]) -> Any:
+    def run(x: torch.Tensor) -> torch.Tensor:
+        calls.append(len(x))
+        return forward(x)
+    return run
+
+
 def _train(
     name: str,
     spec_kw: dict[str, Any],
@@ -89,6 +96,10 @@ def _train(
     rank, world = dist.get_rank(), dist.get_world_size()
     spec = StrategySpec(name=name, world_size=world, **spec_kw)
     model = build_model(make_mlp, SEED)
+    calls: dict[int, list[int]] = {}  # per Linear: the batch size of every run of its forward
+    for m in model.modules():  # (activation checkpointing re-runs forward inside backward)
+        if isinstance(m, nn.Linear):
+            m.forward = _counting(m.forward, calls.setdefault(id(m), []))  # type: ignore[method-assign]
     cls = registry.get(name)
     cls.validate(spec, model)
     dev = f"cuda:{rank}" if device == "cuda" else device
@@ -100,11 +111,11 @@ def _train(
     sampler = StepSampler(len(DATA), spec.global_batch_size, SEED)
     lo, hi = share_bounds(spec.shares, rank)
     out_dtypes: set[str] = set()  # what the Linear layers computed in (precision)
-    rows: list[int] = []  # the batch sizes the first Linear of this rank saw (micro-batches)
     linears = [m for m in strat.local_model().modules() if isinstance(m, nn.Linear)]
+    rows = calls[id(linears[0])]  # the batch sizes this rank's first Linear ran (micro-batches)
+    rows.clear()
     hooks = [m.register_forward_hook(lambda _m, _i, o: out_dtypes.add(str(o.dtype)))
              for m in linears]
-    hooks.append(linears[0].register_forward_hook(lambda _m, i, _o: rows.append(len(i[0]))))
     losses, norms = [], []
     for s in range(start_step, start_step + steps):
         x, y = fetch_batch(DATA, sampler.indices(s))
@@ -314,6 +325,33 @@ def test_gradient_accumulation_matches_one_pass(pool: _Pool, case: str, mbs: int
     assert max_param_diff(results[0]["state"], ref_state) < ATOL
     summed = [sum(r["losses"][s] for r in results) for s in range(STEPS)]
     assert summed == pytest.approx(ref_losses, abs=ATOL)
+
+
+@pytest.mark.parametrize("case", CLIP_CASES)
+def test_activation_checkpointing_recomputes_and_trains_the_same(pool: _Pool, case: str) -> None:
+    """``activation_checkpointing``: every block's forward runs again in backward (each
+    Linear runs twice per training forward) and the result is the reference's (ATOL: the
+    recompute is the same float32 arithmetic)."""
+    name, world, kw = CASES[case]
+    spec = StrategySpec(name=name, world_size=world, **kw)
+    kw = {**kw, "options": {"activation_checkpointing": True}}
+    results = pool.run(_train, name, kw, STEPS, world_size=world)
+    plain = run_case(pool, case)
+    for r, p in zip(results, plain, strict=True):
+        runs, plain_runs = len(r["rows"]), len(p["rows"])
+        if name == "pipeline":  # its first step's shape inference may run forward without grad
+            assert 2 * (plain_runs - 1) <= runs <= 2 * plain_runs, (runs, plain_runs)
+        else:
+            assert runs == 2 * plain_runs > 0
+        assert r["held_keys"] == p["held_keys"]  # same names, same layout
+    ref_state, _ = reference(spec.global_batch_size, STEPS)
+    assert max_param_diff(results[0]["state"], ref_state) < ATOL
+
+
+def test_activation_checkpointing_needs_blocks() -> None:
+    spec = StrategySpec("dp", 1, (4,), options={"activation_checkpointing": True})
+    with pytest.raises(StrategyError, match="names no blocks"):
+        registry.get("dp").validate(spec, nn.Linear(2, 2))
 
 
 def test_the_planners_accumulation_steps_are_carried_out(pool: _Pool) -> None:
