@@ -109,6 +109,12 @@ class JobConfig:
     checkpoint_wait_s: float = 30.0  # a due checkpoint waits this long for the previous commit
     keep_every: int = 0
     resume: str | None = None  # "latest" or a checkpoint URI
+    # evaluation: the mean loss over eval_dataset (same forms as dataset), forward only, in
+    # eval mode, every eval_every steps (0: after the last step only); in batches of
+    # eval_batch_size samples (default: global_batch_size) split across the workers
+    eval_dataset: Any = None
+    eval_every: int = 0
+    eval_batch_size: int | None = None
     # parquet datasets
     input_column: str = "x"
     target_column: str = "y"
@@ -284,6 +290,18 @@ class JobConfig:
                 if not 0.0 <= m < float("inf"):
                     raise ConfigError("lr_schedule", f"gave {m!r} at step {step}.",
                                       "return a finite multiplier >= 0 of the optimizer's lr")
+        if not isinstance(self.eval_every, int) or isinstance(self.eval_every, bool) or \
+                self.eval_every < 0:
+            raise ConfigError("eval_every", f"must be an integer >= 0, got {self.eval_every!r}.",
+                              "0 evaluates after the last step only")
+        if self.eval_every > 0 and self.eval_dataset is None:
+            raise ConfigError("eval_every", "is set but eval_dataset is not.",
+                              "give eval_dataset (same forms as dataset), or drop eval_every")
+        if self.eval_batch_size is not None and (
+                not isinstance(self.eval_batch_size, int) or isinstance(self.eval_batch_size, bool)
+                or self.eval_batch_size < 1):
+            raise ConfigError("eval_batch_size", f"must be a positive integer, got "
+                              f"{self.eval_batch_size!r}.", "or leave it out (global_batch_size)")
         if self.checkpoint_every < 0:
             raise ConfigError("checkpoint_every", "must be >= 0.", "0 disables periodic checkpoints")
 
@@ -329,7 +347,13 @@ class JobConfig:
         return resolve_callable(spec, "lr_schedule")  # type: ignore[no-any-return]
 
     def dataset_object(self) -> Any:
-        return _dataset(self)
+        return _dataset(self, self.dataset, "dataset")
+
+    def eval_dataset_object(self) -> Any:
+        """The evaluation dataset, or None."""
+        if self.eval_dataset is None:
+            return None
+        return _dataset(self, self.eval_dataset, "eval_dataset")
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able summary (code shown as names); used in manifests and run logs."""
@@ -439,20 +463,19 @@ def _is_parquet_uri(spec: Any, fmt: str | None) -> bool:
     )
 
 
-def _dataset(cfg: JobConfig) -> Any:
+def _dataset(cfg: JobConfig, spec: Any, field_name: str) -> Any:
     from .data import ParquetDataset
 
-    spec = cfg.dataset
     if _is_parquet_uri(spec, cfg.dataset_format):
         uri = spec[len("parquet://"):] if spec.startswith("parquet://") else spec
         return ParquetDataset(uri, cfg.input_column, cfg.target_column)
     if isinstance(spec, (str, dict)):
-        spec = resolve_callable(spec, "dataset")
+        spec = resolve_callable(spec, field_name)
     if not isinstance(spec, type) and hasattr(spec, "__getitem__") and hasattr(spec, "__len__"):
         return spec
     if callable(spec):
         return spec()
     raise ConfigError(
-        "dataset", f"{type(spec).__name__} is not a map-style dataset.",
+        field_name, f"{type(spec).__name__} is not a map-style dataset.",
         "pass an object with __len__ and __getitem__, a factory of one, or a Parquet URI",
     )

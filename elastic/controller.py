@@ -192,6 +192,16 @@ class Controller(PlacementMixin, LayoutMixin, CheckpointMixin, RecoveryMixin):
                 "dataset", f"has {n} samples, fewer than one global batch ({cfg.global_batch_size}).",
                 f"use global_batch_size <= {n} or a larger dataset",
             )
+        if cfg.eval_dataset is not None:
+            try:
+                n_eval = len(cfg.eval_dataset_object())
+            except ConfigError:
+                raise
+            except Exception as e:
+                raise ConfigError("eval_dataset", f"cannot read its length ({e}).",
+                                  "check the dataset URI or object") from e
+            if n_eval < 1:
+                raise ConfigError("eval_dataset", "is empty.", "give it samples, or drop it")
         cfg.optimizer_factory()
         cfg.loss_fn()
         addr = cfg.ray_address or os.environ.get("RAY_ADDRESS")
@@ -340,7 +350,7 @@ class Controller(PlacementMixin, LayoutMixin, CheckpointMixin, RecoveryMixin):
                  "step_time": m["step_time"] if m else 0.0, "world_size": spec.world_size,
                  "strategy": spec.name, "time": m["time"] if m else time.time(),
                  "generation": gen}
-        for key in ("lr", "grad_norm"):  # with an lr_schedule, with max_grad_norm
+        for key in ("lr", "grad_norm", "eval_loss"):  # lr_schedule, max_grad_norm, eval
             if m is not None and key in m:
                 entry[key] = m[key]
         if m is None:

@@ -85,16 +85,20 @@ class SyntheticRegression:
     """
 
     def __init__(
-        self, n: int = 1024, in_features: int = 16, out_features: int = 4, seed: int = 0
+        self, n: int = 1024, in_features: int = 16, out_features: int = 4, seed: int = 0,
+        sample_seed: int | None = None,
     ) -> None:
         self.n = n
         self.in_features = in_features
         self.out_features = out_features
         self.seed = seed
+        self.sample_seed = sample_seed
         gen = torch.Generator().manual_seed(seed)
         k = 2 * in_features
         a = torch.randn(in_features, k, generator=gen) / math.sqrt(in_features)
         b = torch.randn(k, out_features, generator=gen) / math.sqrt(k)
+        if sample_seed is not None:  # other samples of the same function: a held-out set
+            gen = torch.Generator().manual_seed(10_000 + sample_seed)
         self.x = torch.randn(n, in_features, generator=gen)
         noise = torch.randn(n, out_features, generator=gen)
         self.y = torch.sin(self.x @ a) @ b + 0.05 * noise

@@ -9,7 +9,8 @@ A sweep file names a study (RDB storage, sampler, pruner), a base job and a sear
     params:
       optimizer.lr: {type: float, low: 1.0e-4, high: 1.0e-1, log: true}
       strategy: {type: categorical, choices: [dp, zero1]}
-    objective: final_loss   # or min_loss, or 'module:fn' taking the FitResult
+    objective: final_loss   # or min_loss, final_eval_loss, min_eval_loss (need eval_dataset),
+                            # or 'module:fn' taking the FitResult
 
 Trials run concurrently, one thread each, as many as the cluster holds (or ``max_concurrent``).
 Each reports its loss every step; when the pruner says so the job stops at the next step
@@ -48,7 +49,7 @@ _STUDY = ("name", "storage", "direction", "sampler", "pruner", "heartbeat_interv
 _PARAM_KEYS = {"float": ("low", "high", "log", "step"), "int": ("low", "high", "log", "step"),
                "categorical": ("choices",)}
 _OWNED = ("name", "run_dir", "view")  # set by the sweep for each trial
-_OBJECTIVES = ("final_loss", "min_loss")
+_OBJECTIVES = ("final_loss", "min_loss", "final_eval_loss", "min_eval_loss")
 _FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
 
 
@@ -319,6 +320,10 @@ class SweepConfig:
             raise ConfigError("objective", f"unknown objective {self.objective!r}.",
                               f"use {' or '.join(_OBJECTIVES)}, or 'module:fn' taking the "
                               "FitResult")
+        if self.objective in ("final_eval_loss", "min_eval_loss") and \
+                not self.base.get("eval_dataset") and "eval_dataset" not in self.params:
+            raise ConfigError("objective", f"{self.objective} needs an evaluation set.",
+                              "set base.eval_dataset (and eval_every), or use final_loss")
         self.objective_fn()
         job_fields = [f.name for f in dataclasses.fields(JobConfig)]
         for name in self.params:
@@ -353,6 +358,10 @@ class SweepConfig:
         if self.objective == "min_loss":
             return lambda r: min((h["loss"] for h in r.history if math.isfinite(h["loss"])),
                                  default=float("nan"))
+        if self.objective in ("final_eval_loss", "min_eval_loss"):
+            pick = min if self.objective == "min_eval_loss" else (lambda xs: xs[-1])
+            return lambda r: pick([h["eval_loss"] for h in r.history if "eval_loss" in h]
+                                  or [float("nan")])
         return resolve_callable(self.objective, "objective")
 
     def make_sampler(self) -> optuna.samplers.BaseSampler:

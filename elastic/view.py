@@ -182,10 +182,13 @@ def make_view(mode: str, log_every: int = 1) -> View:
 
 
 def _optim_line(e: dict[str, Any]) -> str:
-    """`` lr 3.0e-04 grad norm 0.82`` for a step that has them (lr_schedule, max_grad_norm)."""
+    """`` lr 3.0e-04 grad norm 0.82 eval loss 1.234`` for a step that has them
+    (lr_schedule, max_grad_norm, an evaluation after it)."""
     out = ""
     if e.get("lr") is not None:
         out += f" lr {e['lr']:.2e}"
     if e.get("grad_norm") is not None:
         out += f" grad norm {e['grad_norm']:.3g}"
+    if e.get("eval_loss") is not None:
+        out += f" eval loss {e['eval_loss']:.4f}"
     return out

@@ -23,7 +23,7 @@ import time
 import traceback
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -42,7 +42,7 @@ from strategies import (
 from strategies import get as get_strategy
 
 from .config import JobConfig
-from .data import StepSampler, fetch_batch, share_bounds
+from .data import StepSampler, even_shares, fetch_batch, share_bounds
 from .errors import InfrastructureError, SwitchError, WorkerError
 from .reference import build_model, build_model_for_load
 
@@ -147,6 +147,7 @@ class _Pending:
     hi: int
     lr: float | None = None  # the lr of the step's update (with an lr_schedule)
     grad_norm: float | None = None  # the global gradient norm before clipping (max_grad_norm)
+    eval_loss: float | None = None  # the mean loss over eval_dataset after this step
 
 
 class Worker:
@@ -179,6 +180,7 @@ class Worker:
         self._optimizer_factory = self._scheduled_factory(config.optimizer_factory())
         self._loss_fn = config.loss_fn()
         self._dataset: Any = None
+        self._eval_ds: Any = None  # eval_dataset, read on the first evaluation
         self._sampler: StepSampler | None = None
         self._metrics: deque[dict[str, Any]] = deque()
         self._stop = threading.Event()
@@ -449,6 +451,8 @@ class Worker:
                 stop = self._finish_step(pending)
             pending = _Pending(step, work, ctrl, t0, time.perf_counter(), time.time(), lo, hi,
                                lr, norm)
+            if self._eval_due(step):  # between steps: its time counts in neither
+                pending.eval_loss = self._evaluate()
             if self._checkpoint_due(step) or step + 1 == end or stop:
                 stop = self._finish_step(pending) or stop
                 pending = None
@@ -456,6 +460,56 @@ class Worker:
             if stop and step < end:
                 return {"status": "stopped", "next_step": step}
         return {"status": "done", "next_step": step}
+
+    def _eval_due(self, step: int) -> bool:
+        """Whether the model is evaluated after ``step`` (every N steps, and after the last)."""
+        if self.config.eval_dataset is None:
+            return False
+        every = self.config.eval_every
+        return (every > 0 and (step + 1) % every == 0) or step + 1 == self.config.max_steps
+
+    def _evaluate(self) -> float:
+        """Collective: the mean loss over the whole eval dataset, in order, in batches of
+        ``eval_batch_size`` split evenly across the ranks (every rank takes part in every
+        batch, with an empty part if it must: a zero3 forward is a collective). A pipeline's
+        stages have training shapes, so it scores batches of G split like training, and
+        a last partial batch is padded with its last sample, whose loss a batch of only that
+        sample then takes back out (exact when a sample's loss does not depend on the rest
+        of its batch, as in eval mode without batch statistics)."""
+        assert self.strategy is not None and self.spec is not None
+        if self._eval_ds is None:
+            self._eval_ds = self.config.eval_dataset_object()
+        ds, spec = self._eval_ds, self.spec
+        n = len(ds)
+        pipeline = spec.name == "pipeline"
+        e = spec.global_batch_size if pipeline else (
+            self.config.eval_batch_size or self.config.global_batch_size)
+        total = torch.zeros(2, dtype=torch.float64)
+        for start in range(0, n, e):
+            idx = torch.arange(start, min(start + e, n))
+            if not pipeline:
+                total += self._eval_part(ds, idx, even_shares(len(idx), self.world))
+                continue
+            pad = e - len(idx)
+            if pad:
+                last = idx[-1:]
+                total += self._eval_part(ds, torch.cat([idx, last.repeat(pad)]), spec.shares)
+                total -= self._eval_part(ds, last.repeat(e), spec.shares) * (pad / e)
+            else:
+                total += self._eval_part(ds, idx, spec.shares)
+        total = total.to(self.device)
+        dist.all_reduce(total)
+        return float(total[0] / total[1])
+
+    def _eval_part(self, ds: Any, idx: torch.Tensor, shares: Sequence[int]) -> torch.Tensor:
+        """This rank's ``(loss x samples, samples)`` of one evaluation batch."""
+        lo, hi = share_bounds(shares, self.rank)
+        if hi > lo:
+            x, y = fetch_batch(ds, idx[lo:hi])
+        else:  # an empty part with the right trailing shapes
+            x, y = fetch_batch(ds, idx[:1])
+            x, y = x[:0], y[:0]
+        return torch.tensor(self.strategy.eval_step(x, y), dtype=torch.float64)
 
     def _checkpoint_due(self, step: int) -> bool:
         """Whether a checkpoint is taken after ``step`` (every K steps, and after the last)."""
@@ -498,6 +552,7 @@ class Worker:
             "global_samples": int(trained), **ckpt,
             **({"lr": p.lr} if p.lr is not None else {}),
             **({"grad_norm": p.grad_norm} if p.grad_norm is not None else {}),
+            **({"eval_loss": p.eval_loss} if p.eval_loss is not None else {}),
         })
         return stop > 0
 

@@ -346,6 +346,31 @@ class Strategy(ABC):
         optimizer.step()
         return total * self.share / self.spec.global_batch_size
 
+    def eval_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, int]:
+        """Forward only, in eval mode and without gradients, on this rank's part of an
+        evaluation batch: ``(mean loss x samples, samples)`` of what this rank scored (the
+        sums over the world give the mean over the batch). Collective where the layout's
+        forward is (every rank calls it once per evaluation batch, with 0 samples if its
+        part is empty). Default: the local module, no communication."""
+        n = len(inputs)
+        if n == 0:
+            return 0.0, 0
+        return self._scored(self.local_model(), inputs, targets)
+
+    def _scored(self, module: nn.Module, inputs: torch.Tensor, targets: torch.Tensor
+                ) -> tuple[float, int]:
+        dev = self.rt.device
+        was = module.training
+        module.eval()
+        try:
+            with torch.no_grad(), self.autocast():
+                out = module(inputs.to(dev))
+                n = len(inputs)
+                loss = float(self.loss_fn(out, targets.to(dev))) if n else 0.0
+        finally:
+            module.train(was)
+        return loss * n, n
+
     def clip_grads(self) -> None:
         """Scale this rank's gradients as ``clip_grad_norm_(model.parameters(), max_norm)``
         would scale the full model's, and record the global norm in ``last_grad_norm``.

@@ -312,6 +312,11 @@ class FullyShardedDataParallel(Strategy):
         k = micro_batch_count(self.spec, max(self.spec.shares))
         return self._wrapped_step(self.model, self.optimizer, inputs, targets, self._scale, k)
 
+    def eval_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, int]:
+        """Every rank runs the forward (it all-gathers each unit's parameters), an empty
+        part included."""
+        return self._scored(self.model, inputs, targets)
+
     def clip_grads(self) -> None:
         """Each rank holds dim-0 shards of every gradient: sum their squares over the world."""
         grads = [p.grad for p in self.model.parameters()]

@@ -445,6 +445,29 @@ class Pipeline(Strategy):
             return 0.0
         return float(sum(float(x.detach()) for x in losses)) * self._report
 
+    def eval_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, int]:
+        """Forward only through the schedule (``eval``), in eval mode and without gradients,
+        on an evaluation batch split like a training batch (each rank its share: the
+        stages' buffers have the training shapes). The last stage of each replica scores
+        it; every other rank returns ``(0.0, 0)``."""
+        inputs, targets = self._replica_batch(inputs), self._replica_batch(targets)
+        args = (inputs,) if self.is_first else ()
+        losses: list[torch.Tensor] = []
+        for st in self.stages:
+            st.eval()
+        try:
+            with torch.no_grad():
+                self.schedule.eval(*args, target=targets if self.is_last else None,
+                                   losses=losses if self.is_last else None)
+        finally:
+            for st in self.stages:
+                st.train()
+        if not self.is_last:
+            return 0.0, 0
+        n = len(targets)
+        per_mb = n / self.spec.micro_batches  # micro-batches are equal (validate)
+        return sum(float(x) for x in losses) / self._mb_scale * per_mb, n
+
     def clip_grads(self) -> None:
         """Stages hold disjoint parameters: each rank adds its part of its stage's squared
         norm (zero3 inside: its shards; dp, zero1, zero2 inside: each element once per

@@ -193,3 +193,49 @@ def test_zero3_micro_batches_a_share_cannot_fill_are_refused_before_training(ray
         _fit(tmp_path, strategy="zero3", num_workers=3, micro_batch_size=1)
     with pytest.raises(ConfigError, match="micro_batch_size"):
         _fit(tmp_path, micro_batch_size=0)
+
+
+def test_evaluation_scores_the_reference_models_under_every_layout(ray_local, tmp_path):
+    """``eval_dataset``: every ``eval_every`` steps (and after the last) the mean loss over
+    the whole evaluation set, here under dp, zero3 (3-sample batches on 2 workers) and a
+    pipeline (batches of G, its last partial batch padded and corrected), equals the loss of
+    the single-process model after the same steps (TOL)."""
+    import torch.nn.functional as F
+
+    evalset = RegressionData(n=37, seed=1)
+    result = _fit(tmp_path, eval_dataset=evalset, eval_every=4, eval_batch_size=3,
+                  switch_at={4: "zero3", 8: "pipeline"})
+    scored = {h["step"]: (h["strategy"], h["eval_loss"]) for h in result.history
+              if "eval_loss" in h}
+    assert sorted(scored) == [3, 7, 11]
+    assert [scored[s][0] for s in (3, 7, 11)] == ["dp", "zero3", "pipeline"]
+    for step in (3, 7, 11):
+        ref, _ = reference_train(mlp, adam, mse, RegressionData(), G, step + 1, seed=0)
+        model = mlp()
+        model.load_state_dict(ref)
+        with torch.no_grad():
+            want = float(F.mse_loss(model(evalset.x), evalset.y))
+        assert scored[step][1] == pytest.approx(want, abs=TOL), step
+
+
+def test_eval_settings_are_checked(tmp_path):
+    from elastic.errors import ConfigError
+    from elastic.sweep import SweepConfig
+
+    with pytest.raises(ConfigError, match="eval_every"):
+        _fit(tmp_path, eval_every=5, ray_address="127.0.0.1:1")
+    with pytest.raises(ConfigError, match="eval_batch_size"):
+        _fit(tmp_path, eval_dataset=RegressionData(n=8), eval_batch_size=0,
+             ray_address="127.0.0.1:1")
+    base = {"model": "tests.helpers:mlp", "optimizer": {"name": "adam", "lr": 0.01},
+            "loss": "mse", "dataset": "tests.helpers:RegressionData",
+            "global_batch_size": G, "max_steps": 2}
+    space = {"optimizer.lr": {"type": "float", "low": 1e-3, "high": 1e-2}}
+    with pytest.raises(ConfigError, match="needs an evaluation set"):
+        SweepConfig.from_dict({"study": {"name": "s", "storage": f"sqlite:///{tmp_path}/s.db"},
+                               "base": base, "params": space,
+                               "objective": "final_eval_loss"}).validate()
+    ok = SweepConfig.from_dict({"base": {**base, "eval_dataset": "tests.helpers:RegressionData"},
+                                "params": space, "objective": "min_eval_loss"})
+    history = [{"loss": 1.0}, {"loss": 0.9, "eval_loss": 0.7}, {"loss": 0.8, "eval_loss": 0.75}]
+    assert ok.objective_fn()(type("R", (), {"history": history})()) == 0.7

@@ -354,6 +354,55 @@ def test_activation_checkpointing_needs_blocks() -> None:
         registry.get("dp").validate(spec, nn.Linear(2, 2))
 
 
+def _eval_run(name: str, spec_kw: dict[str, Any], steps: int) -> list[float]:
+    """Train ``steps`` steps, then score all of DATA: in training-shaped batches (every
+    layout), then (not pipelines) in a 2-sample batch that leaves rank 2 an empty part."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    spec = StrategySpec(name=name, world_size=world, **spec_kw)
+    strat = registry.get(name)(spec, Runtime.current("cpu"), build_model(make_mlp, SEED),
+                               make_adam, F.mse_loss)
+    sampler = StepSampler(len(DATA), spec.global_batch_size, SEED)
+    lo, hi = share_bounds(spec.shares, rank)
+    for s in range(steps):
+        x, y = fetch_batch(DATA, sampler.indices(s))
+        strat.train_step(x[lo:hi], y[lo:hi])
+    g = spec.global_batch_size
+    total = torch.zeros(2, dtype=torch.float64)
+    for start in range(0, len(DATA), g):
+        x, y = fetch_batch(DATA, torch.arange(start, start + g))
+        total += torch.tensor(strat.eval_step(x[lo:hi], y[lo:hi]), dtype=torch.float64)
+    dist.all_reduce(total)
+    out = [float(total[0] / total[1])]
+    if name != "pipeline":
+        x, y = fetch_batch(DATA, torch.arange(0, 2))
+        part = slice(min(rank, 2), min(rank + 1, 2))  # ranks 0 and 1 one sample, rank 2 none
+        small = torch.tensor(strat.eval_step(x[part], y[part]), dtype=torch.float64)
+        dist.all_reduce(small)
+        out.append(float(small[0] / small[1]))
+    strat.close()
+    return out
+
+
+@pytest.mark.parametrize("case", ["dp-2", "zero1-3", "zero2-3", "zero3-3", "pp3-1f1b",
+                                  "pp2xzero3", "pp2xzero2-interleaved"])
+def test_eval_step_scores_what_one_process_scores(pool: _Pool, case: str) -> None:
+    """``eval_step`` on every layout gives the single-process model's loss on the same
+    samples (ATOL), an empty part on a zero3 rank included (its forward still all-gathers)."""
+    name, world, kw = CASES[case]
+    spec = StrategySpec(name=name, world_size=world, **kw)
+    results = pool.run(_eval_run, name, kw, 3, world_size=world)
+    ref, _ = reference(spec.global_batch_size, 3)
+    model = make_mlp()
+    model.load_state_dict(ref)
+    with torch.no_grad():
+        whole = float(F.mse_loss(model(DATA.x), DATA.y))
+        two = float(F.mse_loss(model(DATA.x[:2]), DATA.y[:2]))
+    for r in results:  # every rank has the same summed result
+        assert r[0] == pytest.approx(whole, abs=ATOL)
+        if name != "pipeline":
+            assert r[1] == pytest.approx(two, abs=ATOL)
+
+
 def test_the_planners_accumulation_steps_are_carried_out(pool: _Pool) -> None:
     """A plan whose activations need m accumulation passes (clusters.planner) becomes a spec
     whose ranks run m micro-batches each, and trains the same model."""
