@@ -111,7 +111,8 @@ class JobConfig:
     resume: str | None = None  # "latest" or a checkpoint URI
     # evaluation: the mean loss over eval_dataset (same forms as dataset), forward only, in
     # eval mode, every eval_every steps (0: after the last step only); in batches of
-    # eval_batch_size samples (default: global_batch_size) split across the workers
+    # eval_batch_size samples (default: global_batch_size; pipelines: always the global
+    # batch, split like training) split across the workers
     eval_dataset: Any = None
     eval_every: int = 0
     eval_batch_size: int | None = None
