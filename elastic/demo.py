@@ -17,7 +17,15 @@ def demo_config(**overrides: Any) -> JobConfig:
                   "n_head": 4},
         "optimizer": {"name": "adamw", "lr": 3e-3, "weight_decay": 0.0},
         "loss": "elastic.models:gpt_loss",
-        "dataset": {"target": "elastic.models:demo_dataset", "block_size": 64},
+        "dataset": {"target": "elastic.models:demo_dataset", "block_size": 64, "split": "train"},
+        # held-out loss on the corpus's last 10 % every 50 steps, and the usual GPT recipe:
+        # warm-up then cosine decay, gradients clipped to norm 1
+        "eval_dataset": {"target": "elastic.models:demo_dataset", "block_size": 64,
+                         "split": "eval"},
+        "eval_every": 50,
+        "eval_batch_size": 256,
+        "lr_schedule": {"name": "cosine", "warmup_steps": 20, "min_ratio": 0.1},
+        "max_grad_norm": 1.0,
         "global_batch_size": 32,
         "max_steps": 200,
         "num_workers": 2,
@@ -51,6 +59,9 @@ def run_demo(**overrides: Any) -> int:
     first, last = result.history[0]["loss"], result.history[-1]["loss"]
     print(f"\nloss {first:.3f} -> {last:.3f} over {len(result.history)} steps "
           f"(run directory {result.run_dir})")
+    evals = [(h["step"] + 1, h["eval_loss"]) for h in result.history if "eval_loss" in h]
+    if evals:
+        print("held-out loss: " + ", ".join(f"{v:.3f} (step {s})" for s, v in evals))
     for e in result.events:
         if e.kind in ("switch", "checkpoint", "recovered", "scaled"):
             print(f"  {e.kind} at step {e.step}: {e.message}")

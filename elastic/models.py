@@ -369,9 +369,18 @@ def _demo_vocab() -> tuple[str, ...]:
     return tuple(sorted(set(demo_text())))
 
 
-def demo_dataset(block_size: int = 64) -> CharDataset:
-    """A ``CharDataset`` over the shipped public-domain corpus (see demo_data/README.md)."""
-    return CharDataset(demo_text(), block_size, vocab=_demo_vocab())
+DEMO_EVAL_FRACTION = 0.1
+
+
+def demo_dataset(block_size: int = 64, split: str = "all") -> CharDataset:
+    """A ``CharDataset`` over the shipped public-domain corpus (see demo_data/README.md):
+    ``split="train"`` its first 90 %, ``"eval"`` the last 10 % (held out), ``"all"`` both."""
+    text = demo_text()
+    cut = int(len(text) * (1 - DEMO_EVAL_FRACTION))
+    parts = {"all": text, "train": text[:cut], "eval": text[cut:]}
+    if split not in parts:
+        raise ValueError(f"split must be one of {', '.join(parts)}, got {split!r}")
+    return CharDataset(parts[split], block_size, vocab=_demo_vocab())
 
 
 # --------------------------------------------------------------------------------------------

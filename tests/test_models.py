@@ -198,3 +198,13 @@ def test_generate(demo):
     assert len(greedy) == 53  # prompt longer than block_size is cropped, not rejected
     with pytest.raises(ValueError):
         m.generate(model, demo, "")
+
+
+def test_demo_dataset_splits_hold_out_the_corpus_end():
+    train, held = m.demo_dataset(block_size=32, split="train"), m.demo_dataset(32, split="eval")
+    whole = m.demo_dataset(block_size=32)
+    assert train.vocab == held.vocab == whole.vocab  # one vocabulary: the model fits all three
+    assert train.text + held.text == whole.text
+    assert abs(len(held.text) / len(whole.text) - m.DEMO_EVAL_FRACTION) < 1e-3
+    with pytest.raises(ValueError, match="split"):
+        m.demo_dataset(split="test")
