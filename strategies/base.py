@@ -51,6 +51,7 @@ __all__ = [
     "PRECISIONS",
     "micro_batch_count",
     "checkpoint_blocks",
+    "lockstep_micro_batches",
 ]
 
 PRECISIONS = ("fp32", "bf16")
@@ -116,6 +117,20 @@ def micro_batch_count(spec: StrategySpec, n: int) -> int:
 
 class StrategyError(ValueError):
     """A strategy cannot run with this spec, world size or model; the message says why."""
+
+
+def lockstep_micro_batches(spec: StrategySpec) -> int:
+    """The micro-batch count of a layout whose every micro-batch is a collective on every
+    rank (zero3: each forward all-gathers; zero2: each backward reduces to the owners): the
+    largest share's, on every rank. Raises ``StrategyError`` when a share cannot fill it."""
+    k = micro_batch_count(spec, max(spec.shares))
+    if k > min(spec.shares):
+        raise StrategyError(
+            f"micro_batch_size {spec.options.get('micro_batch_size')} makes {k} micro-batches "
+            f"per step, and under {spec.name} every rank runs as many, but the smallest share "
+            f"is {min(spec.shares)} samples; raise micro_batch_size to at least "
+            f"{-(-max(spec.shares) // min(spec.shares))}")
+    return k
 
 
 def checkpoint_blocks(model: nn.Module) -> int:

@@ -40,10 +40,9 @@ from .base import (
     OptimizerFactory,
     Runtime,
     Strategy,
-    StrategyError,
     StrategySpec,
     grad_sq_sum,
-    micro_batch_count,
+    lockstep_micro_batches,
     optimizer_state_from_canonical,
 )
 from .registry import register
@@ -273,13 +272,7 @@ class FullyShardedDataParallel(Strategy):
     @classmethod
     def validate(cls, spec: StrategySpec, model: nn.Module) -> None:
         super().validate(spec, model)
-        k = micro_batch_count(spec, max(spec.shares))
-        if k > min(spec.shares):  # every forward all-gathers: all ranks run k micro-batches
-            raise StrategyError(
-                f"micro_batch_size {spec.options.get('micro_batch_size')} makes {k} micro-batches "
-                f"per step, and under zero3 every rank runs as many, but the smallest share is "
-                f"{min(spec.shares)} samples; raise micro_batch_size to at least "
-                f"{-(-max(spec.shares) // min(spec.shares))}")
+        lockstep_micro_batches(spec)  # every forward all-gathers: all ranks run as many
 
     def __init__(
         self,
@@ -309,7 +302,7 @@ class FullyShardedDataParallel(Strategy):
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         # every micro-batch's backward reduce-scatters into the sharded gradients (FSDP2
         # accumulates them), so all ranks run the same number of micro-batches
-        k = micro_batch_count(self.spec, max(self.spec.shares))
+        k = lockstep_micro_batches(self.spec)
         return self._wrapped_step(self.model, self.optimizer, inputs, targets, self._scale, k)
 
     def eval_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, int]:

@@ -50,6 +50,7 @@ from .base import (
     StrategySpec,
     before_update,
     grad_sq_sum,
+    lockstep_micro_batches,
     model_state_to_canonical,
     optimizer_state_from_canonical,
     optimizer_state_to_canonical,
@@ -305,14 +306,19 @@ class _Zero(Strategy):
         inputs, targets = inputs.to(dev, non_blocking=True), targets.to(dev, non_blocking=True)
         self.update.zero_grad()
         n = len(inputs)
-        parts = self.chunks(n)
+        # micro-batches: ZeRO-1 reduces after the last one only; ZeRO-2 reduces each to the
+        # owners (whose gradients accumulate the sums; the others drop theirs each time, so
+        # gradients stay about 1/N between micro-batches), hence the same count on every rank
+        parts = self.chunks(n, lockstep_micro_batches(self.spec) if self.mode == "zero2" else None)
         total = 0.0
-        for i, (a, b) in enumerate(parts):  # micro-batches: only the last one reduces
-            self.update.sync = i == len(parts) - 1
+        for i, (a, b) in enumerate(parts):
+            self.update.sync = self.mode == "zero2" or i == len(parts) - 1
             with self.autocast():
                 loss = self.loss_fn(self.model(inputs[a:b]), targets[a:b])
             (loss * (self._scale * (b - a) / n)).backward()
             total += float(loss.detach()) * (b - a) / n
+            if self.update.sync and i < len(parts) - 1:
+                self.update.wait()
         self.update.sync = True
         self.update.wait()
         if self.max_grad_norm is not None:
@@ -378,3 +384,8 @@ class Zero2(_Zero):
 
     name = "zero2"
     mode = "zero2"
+
+    @classmethod
+    def validate(cls, spec: StrategySpec, model: nn.Module) -> None:
+        super().validate(spec, model)
+        lockstep_micro_batches(spec)  # each micro-batch reduces: all ranks run as many

@@ -304,7 +304,7 @@ def test_bf16_autocast_matches_the_autocast_reference(pool: _Pool, case: str) ->
 
 # (case, micro_batch_size, the micro-batches each rank runs per step)
 ACCUMULATION = [("dp-2", 2, [[2, 2, 1], [2, 1]]), ("zero1-3", 2, [[2, 1], [2, 1], [2]]),
-                ("zero2-3", 1, [[1, 1], [1, 1, 1], [1, 1, 1]]),
+                ("zero2-3", 2, [[1, 1], [2, 1], [2, 1]]),
                 ("zero3-3", 2, [[2, 1], [2, 1], [1, 1]])]
 
 
@@ -312,15 +312,19 @@ ACCUMULATION = [("dp-2", 2, [[2, 2, 1], [2, 1]]), ("zero1-3", 2, [[2, 1], [2, 1]
 def test_gradient_accumulation_matches_one_pass(pool: _Pool, case: str, mbs: int,
                                                 expect: list[list[int]]) -> None:
     """``micro_batch_size``: a rank runs its share as micro-batches of at most that many
-    samples and reduces once (dp, zero1/2) or accumulates FSDP's reduce-scattered shards
-    (zero3: every rank runs as many micro-batches, since every forward is a collective); the
-    step is the same mean over G (same ATOL as the one-pass runs)."""
+    samples and reduces once (dp, zero1), reduces each micro-batch to the owners (zero2) or
+    accumulates FSDP's reduce-scattered shards (zero3); zero2 and zero3 run as many
+    micro-batches on every rank, since each is a collective there. The step is the same mean
+    over G (same ATOL as the one-pass runs), and zero2's non-owners hold no gradient after
+    it."""
     name, world, kw = CASES[case]
     spec = StrategySpec(name=name, world_size=world, **kw)
     kw = {**kw, "options": {"micro_batch_size": mbs}}
     results = pool.run(_train, name, kw, STEPS, world_size=world)
     for r, want in zip(results, expect, strict=True):
         assert r["rows"] == want * STEPS
+    if name == "zero2":  # gradients at rest: each rank its owned parameters' only
+        assert sum(r["counts"]["grads"] for r in results) == N_PARAMS
     ref_state, ref_losses = reference(spec.global_batch_size, STEPS)
     assert max_param_diff(results[0]["state"], ref_state) < ATOL
     summed = [sum(r["losses"][s] for r in results) for s in range(STEPS)]
@@ -417,10 +421,11 @@ def test_the_planners_accumulation_steps_are_carried_out(pool: _Pool) -> None:
     assert max_param_diff(results[0]["state"], reference(8, STEPS)[0]) < ATOL
 
 
-def test_zero3_refuses_micro_batches_a_small_share_cannot_fill() -> None:
-    spec = StrategySpec("zero3", 3, (3, 3, 2), options={"micro_batch_size": 1})
+@pytest.mark.parametrize("name", ["zero2", "zero3"])
+def test_lockstep_layouts_refuse_micro_batches_a_small_share_cannot_fill(name: str) -> None:
+    spec = StrategySpec(name, 3, (3, 3, 2), options={"micro_batch_size": 1})
     with pytest.raises(StrategyError, match="raise micro_batch_size to at least 2"):
-        registry.get("zero3").validate(spec, make_mlp())
+        registry.get(name).validate(spec, make_mlp())
 
 
 def test_memory_counts(pool: _Pool) -> None:
