@@ -252,6 +252,15 @@ def _data_parallel(ctx: _Ctx, strategy: str, devs: list[Device], subset: str) ->
             f"{strategy}: activations do not fit even with {tried} accumulation steps ({err})",
             subset,
         )
+    if m > 1 and strategy in ("zero2", "zero3") and min(shares) < m:
+        # each of their micro-batches is a collective on every rank: all ranks run m of them
+        return Candidate(
+            stub,
+            None,
+            f"{strategy}: {m} accumulation steps run on every rank, but the slowest device's "
+            f"share is {min(shares)} samples",
+            subset,
+        )
     p = Plan(
         strategy=strategy,
         world_size=n,

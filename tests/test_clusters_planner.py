@@ -237,3 +237,19 @@ def test_plan_table_and_plan_main():
     rows = [ln for ln in text.splitlines() if re.match(r"\s+\d+\s", ln)]
     assert len(rows) == 5
     assert "more fitting plan" in text
+
+
+def test_lockstep_accumulation_needs_every_share_to_fill_it():
+    """zero2/zero3 run as many micro-batches on every rank (each is a collective there), so
+    a plan whose slowest device gets fewer samples than the accumulation steps is rejected
+    with the reason; dp accumulates per rank and still plans."""
+    c = load_cluster(example_path("h100x8"))
+    prof = ModelProfile.uniform(n_params=1e6, n_blocks=4, flops_per_sample=1e12,
+                                activation_bytes=1e9)  # 4 GB a sample: accumulation needed
+    ids = [d.id for d in c.devices]
+    speeds = {i: 100.0 for i in ids}
+    speeds[ids[0]] = 2.0  # one device 50x slower: a 1-sample share
+    r = plan(c, prof, 200, speeds=speeds, strategies=("dp", "zero3"), subsets=False)
+    assert r.plan.strategy == "dp" and r.plan.micro_batches == 2 and min(r.plan.shares) == 1
+    assert any(re.match(r"zero3: 2 accumulation steps run on every rank, but the slowest "
+                        r"device's share is 1 samples", x.rejection or "") for x in r.rejected)
