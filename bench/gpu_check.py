@@ -42,6 +42,11 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
+def _diff(state: dict, ref: dict) -> float:
+    """Largest absolute difference of a canonical state's parameters from a state dict."""
+    return max(float((state[f"model/{k}"].cpu() - v).abs().max()) for k, v in ref.items())
+
+
 def _adam(params):
     return torch.optim.Adam(params, lr=1e-2)
 
@@ -106,7 +111,7 @@ def main() -> int:
     steps = [m["step_time"] for m in w.drain()]
     final = w.full_state()
     ref, _ = reference_train(tiny_mlp, _adam, mlp_loss, SyntheticRegression(), G, 20, seed=0)
-    diff = max(float((final[f"model/{k}"].cpu() - v).abs().max()) for k, v in ref.items())
+    diff = _diff(final, ref)
     check("matches CPU reference", diff < 1e-4, f"max |diff| {diff:.2e} after 20 Adam steps")
     print(f"INFO median step {sorted(steps)[len(steps) // 2] * 1e3:.2f} ms", flush=True)
     w.leave()  # parks the live state as CPU tensors and drops the device layout
@@ -117,7 +122,7 @@ def main() -> int:
     plan = [(k, 0, tuple(shape), dtype) for k, (shape, dtype) in sorted(held.items())]
     w.restore_from_peers(spec("zero3"), plan, 20)
     st = w.full_state()
-    diff3 = max(float((st[f"model/{k}"].cpu() - v).abs().max()) for k, v in ref.items())
+    diff3 = _diff(st, ref)
     check("restore parked state into zero3 on the device", diff3 < 1e-4,
           f"max |diff| {diff3:.2e}")
     w.leave()
@@ -127,7 +132,7 @@ def main() -> int:
     w2.restore_checkpoint(spec("zero3"), 10)
     w2.run(10, 20)
     st = w2.full_state()
-    diff2 = max(float((st[f"model/{k}"].cpu() - v).abs().max()) for k, v in ref.items())
+    diff2 = _diff(st, ref)
     check("restore from checkpoint then train", diff2 < 1e-4, f"max |diff| {diff2:.2e}")
     w2.leave()
     # bf16 autocast, gradient clipping and an lr schedule on the device, through a switch
@@ -150,7 +155,7 @@ def main() -> int:
     ref3, _ = reference_train(tiny_mlp, _sgd, mlp_loss, SyntheticRegression(), G, 10, seed=0,
                               max_grad_norm=0.5, lr_schedule=fn, grad_norms=ref_norms,
                               precision="bf16")
-    diff4 = max(float((st[f"model/{k}"].cpu() - v).abs().max()) for k, v in ref3.items())
+    diff4 = _diff(st, ref3)
     check("bf16 + clip + schedule match the CPU autocast reference", diff4 < 5e-3,
           f"max |diff| {diff4:.2e}; norms {[round(n or 0, 3) for n in norms][:4]} vs "
           f"{[round(n, 3) for n in ref_norms][:4]}")

@@ -268,11 +268,12 @@ class JobConfig:
                 or not 0 < self.max_grad_norm < float("inf")):
             raise ConfigError("max_grad_norm", f"must be a positive number, got "
                               f"{self.max_grad_norm!r}.", "e.g. max_grad_norm: 1.0, or leave it out")
-        if self.micro_batch_size is not None and (
-                not isinstance(self.micro_batch_size, int) or isinstance(self.micro_batch_size, bool)
-                or self.micro_batch_size < 1):
-            raise ConfigError("micro_batch_size", f"must be a positive integer, got "
-                              f"{self.micro_batch_size!r}.", "e.g. micro_batch_size: 8, or leave it out")
+        for fld, default in (("micro_batch_size", "one pass per share"),
+                             ("eval_batch_size", "global_batch_size")):
+            v = getattr(self, fld)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ConfigError(fld, f"must be a positive integer, got {v!r}.",
+                                  f"e.g. {fld}: 8, or leave it out ({default})")
         if self.precision not in ("fp32", "bf16"):
             fix = ("fp16 needs loss scaling, which elastic does not do: use bf16 (A100, H100, "
                    "L4, MI300X, CPUs) or fp32 (T4, V100)" if self.precision == "fp16"
@@ -298,11 +299,6 @@ class JobConfig:
         if self.eval_every > 0 and self.eval_dataset is None:
             raise ConfigError("eval_every", "is set but eval_dataset is not.",
                               "give eval_dataset (same forms as dataset), or drop eval_every")
-        if self.eval_batch_size is not None and (
-                not isinstance(self.eval_batch_size, int) or isinstance(self.eval_batch_size, bool)
-                or self.eval_batch_size < 1):
-            raise ConfigError("eval_batch_size", f"must be a positive integer, got "
-                              f"{self.eval_batch_size!r}.", "or leave it out (global_batch_size)")
         if self.checkpoint_every < 0:
             raise ConfigError("checkpoint_every", "must be >= 0.", "0 disables periodic checkpoints")
 

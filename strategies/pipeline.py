@@ -480,7 +480,7 @@ class Pipeline(Strategy):
             sq = grad_sq_sum(grads, self.rt.device)
         else:
             grads = self.update.stepped_grads()
-            sq = self.update.grad_sq_part(self.rt.device, once=True)
+            sq = self.update.grad_sq_part(self.rt.device)
         self._clip_by(sq, grads)
 
     def finish_pending_step(self) -> bool:

@@ -174,19 +174,12 @@ class ShardedUpdate:
             return [p.grad for _, p in self.named]
         return [p.grad for p in self.owned.values()]
 
-    def grad_sq_part(self, device: torch.device, once: bool = False) -> torch.Tensor:
+    def grad_sq_part(self, device: torch.device) -> torch.Tensor:
         """This rank's part of the squared norm of the group's gradient, after the reduction:
-        summed over the group's ranks it counts every element once. Modes ``dp`` and
-        ``zero1`` leave every rank the full gradient: the owners' parts (``dp``: all of
-        rank 0's). ``once=False`` in those modes: the whole local gradient (the group's
-        total, no sum needed)."""
-        if self.mode == "zero2":
-            return grad_sq_sum([p.grad for p in self.owned.values()], device)
-        if not once:
-            return grad_sq_sum([p.grad for _, p in self.named], device)
-        if self.mode == "zero1":
-            return grad_sq_sum([p.grad for p in self.owned.values()], device)
-        return grad_sq_sum([p.grad for _, p in self.named] if self.index == 0 else [], device)
+        summed over the group's ranks it counts every element once (zero1, zero2: the owned
+        parameters' gradients; dp, where every rank steps everything: all of rank 0's)."""
+        mine = self.mode != "dp" or self.index == 0
+        return grad_sq_sum(self.stepped_grads() if mine else [], device)
 
     # ------------------------------------------------------------------ update
 
@@ -327,10 +320,8 @@ class _Zero(Strategy):
         return total * self._scale
 
     def clip_grads(self) -> None:
-        """ZeRO-1: every rank has the full gradient (no communication); ZeRO-2: each owner
-        has its parameters' gradients, summed over the world."""
-        sq = self.update.grad_sq_part(self.rt.device)
-        self._clip_by(sq, self.update.stepped_grads(), reduce=self.mode == "zero2")
+        """Each owner's part of the squared norm, summed over the world (one scalar)."""
+        self._clip_by(self.update.grad_sq_part(self.rt.device), self.update.stepped_grads())
 
     def full_state(self) -> CanonicalState:
         out = model_state_to_canonical(self.model.state_dict().items())
