@@ -1,6 +1,13 @@
-"""One error hierarchy for elastic. Every error is picklable across Ray actors and names its fix."""
+"""One error hierarchy for elastic. Every error is picklable across Ray actors and names its fix.
+
+The classes say what went wrong, not where it was noticed: ``elastic.failures`` turns them
+into failure kinds for the policies, and a user sees the same class (a corrupt checkpoint is a
+``CheckpointCorruptError``, never "user code failed").
+"""
 
 from __future__ import annotations
+
+from typing import Any
 
 __all__ = [
     "ElasticError",
@@ -8,9 +15,16 @@ __all__ = [
     "ClusterError",
     "WorkerError",
     "InfrastructureError",
+    "GroupError",
+    "WorkerLostError",
+    "HangError",
     "CheckpointError",
+    "CheckpointCorruptError",
+    "StorageError",
+    "NonFiniteError",
     "SwitchError",
     "JobNotFoundError",
+    "InterruptedJobError",
 ]
 
 
@@ -33,7 +47,7 @@ class ConfigError(ElasticError, ValueError):
             msg += f" Fix: {fix}"
         super().__init__(msg)
 
-    def __reduce__(self):  # keep the three fields through pickling
+    def __reduce__(self) -> tuple[Any, ...]:  # keep the three fields through pickling
         return (type(self), (self.field, self.problem, self.fix))
 
 
@@ -54,16 +68,58 @@ class WorkerError(ElasticError):
             f"--- worker traceback (rank {rank}) ---\n{traceback_text}"
         )
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.rank, self.node, self.message, self.traceback_text))
 
 
 class InfrastructureError(ElasticError):
-    """A worker, node or collective failed for reasons outside user code."""
+    """A worker, node or collective failed for reasons outside user code (recoverable
+    within the job's failure budget)."""
+
+
+class GroupError(InfrastructureError):
+    """A collective of the process group failed on this rank: a peer was lost, closed its
+    connection or timed out. Usually the consequence of another rank's failure."""
+
+
+class WorkerLostError(InfrastructureError):
+    """A worker's process is gone (``node_lost``: with its node)."""
+
+    def __init__(self, message: str, rank: int | None = None, node_lost: bool = False) -> None:
+        self.rank = rank
+        self.node_lost = node_lost
+        super().__init__(message)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (str(self), self.rank, self.node_lost))
+
+
+class HangError(InfrastructureError):
+    """A rank stayed inside its step longer than the group timeout after its peers failed."""
 
 
 class CheckpointError(ElasticError):
     """A checkpoint cannot be written, found, verified or loaded."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """A committed checkpoint's bytes do not match its manifest (checksum, size, index)."""
+
+
+class StorageError(CheckpointError):
+    """The checkpoint storage failed (unreachable, permission, I/O)."""
+
+
+class NonFiniteError(ElasticError):
+    """A step's loss or gradient norm was not finite (NaN or inf)."""
+
+    def __init__(self, message: str, step: int | None = None, rank: int | None = None) -> None:
+        self.step = step
+        self.rank = rank
+        super().__init__(message)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (str(self), self.step, self.rank))
 
 
 class SwitchError(ElasticError):
@@ -72,3 +128,7 @@ class SwitchError(ElasticError):
 
 class JobNotFoundError(ElasticError):
     """No running elastic job has that name."""
+
+
+class InterruptedJobError(ElasticError):
+    """The job was stopped by a signal (SIGINT, SIGTERM) at a step boundary."""
