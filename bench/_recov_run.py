@@ -141,7 +141,7 @@ def _trace_controller(spans: list[tuple[str, float, float]]) -> None:
     process only; nothing in elastic/ is changed)."""
     import functools
 
-    from elastic.controller import Controller
+    from elastic.control import Controller
 
     for name in _TRACED:
         orig = getattr(Controller, name)

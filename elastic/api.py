@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .config import JobConfig
-from .controller import Controller, FitResult, Request
+from .control import Controller, FitResult, Request
 from .view import View, make_view
 
 __all__ = ["fit", "submit", "JobHandle"]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from typing import Any
 
@@ -55,18 +54,15 @@ def _cmd_demo(a: argparse.Namespace) -> int:
 def _attach(address: str | None) -> None:
     import os
 
-    import ray
-
-    from ._ctl_base import check_reachable as _check_reachable
+    from .errors import ClusterError
+    from .ray_connect import attach
 
     addr = address or os.environ.get("RAY_ADDRESS") or "auto"
-    if addr not in ("auto", "local"):
-        _check_reachable(addr)
     try:
-        ray.init(address=addr, logging_level=logging.ERROR, log_to_driver=False, namespace="elastic")
-    except ConnectionError as e:
-        from .errors import ClusterError
-
+        attach(addr, namespace="elastic")
+    except ClusterError as e:
+        if addr != "auto":
+            raise
         raise ClusterError(f"no Ray cluster to attach to ({e}). Fix: pass --address or set "
                            "RAY_ADDRESS to the cluster that runs the job.") from None
 

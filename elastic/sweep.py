@@ -22,7 +22,6 @@ RUNNING are failed (heartbeat) and retried with the same parameters. See docs/sw
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 import os
 import sys
@@ -596,29 +595,10 @@ def trial_counts(study: optuna.Study) -> dict[str, int]:
 
 def _connect(probes: list[JobConfig]) -> bool:
     """Attach to the job's Ray cluster (or start a local one); True if this call started Ray."""
-    import ray
+    from .ray_connect import connect
 
-    if ray.is_initialized():
-        return False
-    from ._ctl_base import check_reachable as _check_reachable
-
-    base = probes[0]
-    addr = base.ray_address or os.environ.get("RAY_ADDRESS")
-    if addr and addr not in ("local", "auto"):
-        _check_reachable(addr)
-        try:
-            ray.init(address=addr, logging_level=logging.ERROR, log_to_driver=False)
-        except Exception as e:
-            raise ClusterError(f"cannot connect to the Ray cluster at {addr}: {e}. Fix: check "
-                               "the address, or unset RAY_ADDRESS for a local one.") from e
-    elif addr == "auto":
-        ray.init(address="auto", logging_level=logging.ERROR, log_to_driver=False)
-    else:
-        need = max(c.max_world * float(c.resources_per_worker.get("CPU", 1)) for c in probes)
-        ray.init(address="local", num_cpus=max(int(need + 0.999), os.cpu_count() or 1),
-                 include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False)
-    return True
-
+    need = max(c.max_world * float(c.resources_per_worker.get("CPU", 1)) for c in probes)
+    return connect(probes[0].ray_address, need)
 
 def _concurrency(cfg: SweepConfig, probes: list[JobConfig]) -> int:
     """How many trials the cluster holds at once (each at its largest), capped by max_concurrent."""

@@ -27,7 +27,7 @@ import math
 import re
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
@@ -442,22 +442,26 @@ def discard(store: CheckpointStore, step: int) -> None:
 
 
 def apply_retention(
-    store: CheckpointStore, keep_last: int, keep_every: int = 0, *, remove_orphans: bool = True
+    store: CheckpointStore, keep_last: int, keep_every: int = 0, *, remove_orphans: bool = True,
+    bad: Iterable[int] = (),
 ) -> list[int]:
-    """Keep the newest ``keep_last`` committed checkpoints and every one whose step is a
-    multiple of ``keep_every`` (0: none); delete the others (manifest first). With
+    """Carry out ``clusters.policy.RetentionPolicy``: keep the newest ``keep_last`` committed
+    checkpoints, every one whose step is a multiple of ``keep_every`` (0: none), and the newest
+    one not in ``bad`` (steps known non-finite or unverified), so that a run whose last
+    checkpoints went bad keeps its last good one; delete the others (manifest first). With
     ``remove_orphans``, also delete uncommitted step directories older than the newest
     committed one (abandoned uploads); newer ones may still be uploading and are kept.
     Returns the deleted steps. ``CheckpointError`` if ``keep_last < 1``."""
+    from clusters.policy import CheckpointRecord, RetentionPolicy
+
     if keep_last < 1:
         raise CheckpointError(
             f"keep_last must be >= 1 (got {keep_last}); the newest checkpoint is never deleted"
         )
     steps = committed_steps(store)
-    keep = set(steps[-keep_last:])
-    if keep_every > 0:
-        keep.update(s for s in steps if s % keep_every == 0)
-    doomed = [s for s in steps if s not in keep]
+    bad_steps = set(bad)
+    records = [CheckpointRecord(s, finite=s not in bad_steps) for s in steps]
+    doomed = list(RetentionPolicy(keep_last, keep_every).decide(records))
     if remove_orphans and steps:
         committed = set(steps)
         doomed += [s for s in _step_dirs(store) if s not in committed and s < steps[-1]]

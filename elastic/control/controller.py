@@ -1,0 +1,550 @@
+"""The controller: a loop over explicit states that runs one job to its end.
+
+``run()`` is ``while not state.terminal: state = step(state)``. ``step`` is the transition
+function: one handler per state record (``elastic.control.states``), each returning the next
+state, every transition emitted as a ``state`` event. The controller is not in the step
+path: workers train whole segments on their own, and the controller polls their metrics,
+its mailbox and the checkpoint in flight while they do. Its decisions are policies
+(``clusters.policy``); its work with the workers goes through a worker group
+(``WorkerGroup`` on Ray, or any object with the same methods: the unit tests drive the loop
+over a fake one).
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections.abc import Callable
+from typing import Any
+
+from clusters.policy import GiveUp, Proceed, Resize, ScalingObservation, ScalingPolicy, StartSpares
+from strategies import StrategySpec
+
+from ..config import JobConfig
+from ..errors import ElasticError, InfrastructureError, SwitchError
+from ..events import Event, RunLog
+from ..failures import classify, root_cause
+from ..view import View
+from .checkpoints import CheckpointTracker
+from .layouts import Layouts
+from .preflight import preflight, run_directory
+from .regroup import Regroup
+from .requests import Request, RequestError, parse
+from .states import (
+    AtBoundary,
+    ControllerState,
+    Failed,
+    Finished,
+    Finishing,
+    FitResult,
+    Forming,
+    Placing,
+    Recovering,
+    Resizing,
+    Running,
+    Starting,
+    State,
+    Switching,
+)
+from .steps import StepLog
+
+__all__ = ["Controller"]
+
+_POLL_S = 0.25  # while the controller has work at hand (see Controller._poll_interval)
+_IDLE_POLL_S = 1.0  # otherwise: each poll is an RPC every worker answers, taking the GIL
+_SCALE_WAIT_S = 30.0  # a requested growth that no room meets is refused after this
+
+
+class Controller:
+    """Runs one job to completion. Owns its workers (through its worker group) and, when it
+    started one, the local Ray. Thread-safe: ``post`` and ``status`` only."""
+
+    def __init__(self, config: JobConfig, view: View | None = None,
+                 on_step: Callable[[dict[str, Any]], Any] | None = None, *,
+                 group_factory: Callable[[JobConfig], Any] | None = None,
+                 mailbox_factory: Callable[[str], Any] | None = None) -> None:
+        """``on_step(entry)`` is called in the controller's thread for every completed step
+        (the history entry); if it returns True the job stops at the next step boundary (an
+        Optuna pruner uses this). ``group_factory``/``mailbox_factory`` replace Ray (tests):
+        without them the controller connects to Ray and uses ``WorkerGroup`` and the job's
+        control actor."""
+        config.validate()
+        self.cfg = config
+        self.view = view or View()
+        self.requests: queue.Queue[Request] = queue.Queue()
+        self.events: list[Event] = []
+        self.spec: StrategySpec | None = None
+        self.step = 0
+        self.failures = 0
+        self.phase = ControllerState.STARTING
+        self._group_factory = group_factory
+        self._mailbox_factory = mailbox_factory
+        self.group: Any = None
+        self._mailbox: Any = None
+        self._started_ray = False
+        self._log: RunLog | None = None
+        self.steps = StepLog(None, self.view, on_step)
+        self.tracker: CheckpointTracker = CheckpointTracker(config, None, self._emit)
+        self.layouts: Layouts | None = None
+        self.regroup: Regroup | None = None
+        self._resume: tuple[Any, int] | None = None
+        self._segment: Any = None
+        self._stop_at: int | None = None  # a stop asked for: the job ends at this step
+        self._switch_done = -1  # the boundary whose scheduled switch has run
+        self._scale_asks: list[tuple[Request, float]] = []  # growth asked for, not met yet
+        self._target = config.max_workers if config.max_workers is not None else config.num_workers
+        self._mem_at = 0.0
+
+    # ------------------------------------------------------------------ compatibility
+
+    @property
+    def history(self) -> list[dict[str, Any]]:
+        return self.steps.history
+
+    @property
+    def workers(self) -> list[Any]:
+        return self.group.workers if self.group is not None else []
+
+    @property
+    def generation(self) -> int:
+        return self.group.generation if self.group is not None else 0
+
+    @property
+    def state(self) -> ControllerState:
+        return self.phase
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self) -> FitResult:
+        state: State = Starting()
+        try:
+            while not state.terminal:
+                nxt = self.step_state(state)
+                self._transition(state, nxt)
+                state = nxt
+        finally:
+            self._cleanup()
+            self.view.close()
+            if self._log:
+                self._log.close()
+        if isinstance(state, Failed):
+            raise state.error
+        assert isinstance(state, Finished)
+        return state.result
+
+    def step_state(self, state: State) -> State:
+        """The transition function: the next state after ``state``. Infrastructure errors
+        while the group runs become a recovery; any other error ends the job."""
+        handlers: dict[type[State], Callable[[Any], State]] = {
+            Starting: self._start, Placing: self._place, Forming: self._form,
+            Running: self._run, AtBoundary: self._boundary, Switching: self._switch,
+            Resizing: self._resize, Recovering: self._recover, Finishing: self._finish,
+        }
+        try:
+            return handlers[type(state)](state)
+        except InfrastructureError as e:
+            if isinstance(state, (Running, AtBoundary, Switching, Resizing, Recovering)):
+                return Recovering(classify(e))
+            return Failed(e)
+        except BaseException as e:  # noqa: BLE001 - every error ends the job, typed
+            return Failed(e)
+
+    def _transition(self, old: State, new: State) -> None:
+        self.phase = new.phase
+        if type(old) is not type(new) or old != new:
+            self._emit("state", f"{old.describe()} -> {new.describe()}",
+                       data={"from": old.phase.value, "to": new.phase.value})
+        if isinstance(new, Failed) and isinstance(new.error, ElasticError):
+            self._emit("failed", str(new.error).splitlines()[0] if str(new.error) else
+                       type(new.error).__name__)
+        if isinstance(new, Finished):
+            self._emit("finished", new.message)
+
+    # ------------------------------------------------------------------ states
+
+    def _start(self, _: Starting) -> State:
+        cfg = self.cfg
+        pre = preflight(cfg, self._emit)
+        self.layouts = Layouts(cfg, pre.model, self._emit)
+        self.tracker.store = pre.store
+        if cfg.strategy != "auto":
+            self.layouts.validate(self.layouts.make(cfg.strategy, cfg.num_workers), "strategy")
+        if cfg.resume:
+            self._resume = self.tracker.find_resume(cfg.resume)
+        self._connect()
+        self._mailbox = (self._mailbox_factory or _ray_mailbox)(cfg.job_name)  # claims the name
+        run_dir = run_directory(cfg)
+        self._log = RunLog(run_dir)
+        self.steps.log = self._log
+        for ev in self.events:  # what preflight said before the log existed
+            self._log.event(ev)
+        self._log.write_config(cfg.to_dict())
+        self.view.start(cfg.job_name, cfg.max_steps)
+        self._emit("start", f"job {cfg.job_name}: {cfg.max_steps} steps, global batch "
+                   f"{cfg.global_batch_size}, {cfg.num_workers} workers, strategy {cfg.strategy}")
+        self.group = (self._group_factory or _ray_group)(cfg)
+        self.regroup = Regroup(cfg, self.group, self.layouts, self.tracker, self.steps,
+                               self._emit, self._drain)
+        return Placing(cfg.num_workers)
+
+    def _place(self, st: Placing) -> State:
+        new = self.group.place(st.n, self.cfg.min_world)
+        infos = [w.info for w in new]
+        self._emit("placed", f"{len(new)} workers on {len({i['node_id'] for i in infos})} "
+                   f"node(s), devices {sorted({i['device_name'] for i in infos})}")
+        return Forming()
+
+    def _form(self, _: Forming) -> State:
+        assert self.layouts is not None
+        addr, port, secs = self.group.form()
+        self._emit("group", f"generation {self.group.generation}: {len(self.workers)} ranks "
+                   f"via {addr}:{port} in {secs:.2f}s")
+        self.view.workers([w.info for w in self.workers])
+        spec = self.layouts.make(self.cfg.strategy, len(self.workers), self.group)
+        self.layouts.apply(self.group, spec, None, reason="start")
+        self.spec = spec
+        if self._resume is not None:
+            store, step = self._resume
+            self.tracker.restore(self.group, spec, store, step, reason="resume")
+            self.step = step
+        return self._next_segment()
+
+    def _run(self, st: Running) -> State:
+        """Train a segment; poll metrics, the mailbox, the checkpoint in flight and the
+        room to grow while it runs."""
+        seg = self._segment = self.group.start_segment(st.start, st.end)
+        stop_sent = False
+        next_check = time.monotonic() + self._scale_interval()
+        while True:
+            poll = self.group.poll_segment(seg, self._poll_interval())
+            if poll.failures:
+                return Recovering(root_cause(poll.failures))
+            self._drain()
+            self._poll_mailbox()
+            self.tracker.tick(self.group)
+            if poll.done:
+                break
+            if time.monotonic() >= next_check:
+                next_check = time.monotonic() + self._scale_interval()
+                self._scale_check()
+            if not stop_sent and not self.requests.empty():
+                self.group.request_stop()
+                stop_sent = True
+        self._segment = None
+        self._drain()
+        self.tracker.tick(self.group)
+        assert poll.next_step is not None
+        self.step = poll.next_step
+        return AtBoundary(self.step)
+
+    def _boundary(self, st: AtBoundary) -> State:
+        """Scheduled switches, re-balancing, growth asked for, then requests one by one."""
+        assert self.spec is not None and self.layouts is not None
+        self._answer_scale_asks()
+        if self.step >= self._end():
+            return Finishing("stopped on request" if self._stop_at is not None else
+                             "max_steps reached")
+        if self._switch_done != self.step:
+            self._switch_done = self.step
+            target = self.cfg.switch_at.get(self.step)
+            if target is not None and target != self.spec.name:
+                return Switching(target, f"switch_at {self.step}")
+            if target is None:
+                new = self.layouts.rebalanced(self.spec, self.step, self.group)
+                if new is not None:
+                    self.layouts.apply(self.group, new, self.spec, reason="rebalance")
+                    self.spec = new
+        while not self.requests.empty():
+            req = self.requests.get_nowait()
+            nxt = self._request(req)
+            if nxt is not None:
+                return nxt
+        return self._next_segment()
+
+    def _request(self, req: Request) -> State | None:
+        """Act on a request at a boundary: a state to carry it out, or None (answered)."""
+        if req.kind == "switch":
+            return Switching(str(req.value), req.reason, req)
+        if req.kind == "grow":
+            return Resizing(self._target, req.reason, warm_only=True, request=req)
+        if req.kind == "scale":
+            check = ScalingPolicy.check_request(int(req.value), self.cfg.min_world,
+                                                self.cfg.max_world)
+            if not isinstance(check, Resize):
+                self._answer(req, SwitchError(check.reason))
+                return None
+            self._target = check.n
+            if check.n < len(self.workers):
+                return Resizing(check.n, req.reason, request=req)
+            if check.n == len(self.workers):
+                self._answer(req, len(self.workers))
+                return None
+            self._scale_asks.append((req, time.monotonic() + _SCALE_WAIT_S))
+            self.group.start_spares(check.n - len(self.workers) - self.group.spares_starting())
+            if self.group.spares_ready():
+                return Resizing(check.n, req.reason, warm_only=True)
+            return None
+        if req.kind == "memory":
+            self._answer(req, self.group.memory_counts(timeout_s=10))
+        elif req.kind == "stop":
+            self._emit("stopped", f"stopped on request at step {self.step}")
+            self._stop_at = self.step
+            self._answer(req, "stopped")
+        return None
+
+    def _switch(self, st: Switching) -> State:
+        assert self.spec is not None and self.layouts is not None
+        from strategies.base import StrategyError
+
+        try:
+            spec = self.layouts.make(st.target, len(self.workers), self.group)
+            try:
+                self.layouts.check(spec)
+            except StrategyError as e:
+                self._emit("switch_refused", f"{st.target}: {e}")
+                raise SwitchError(f"cannot switch to {st.target}: {e}") from None
+            self.layouts.apply(self.group, spec, self.spec, st.reason)
+            self.spec = spec
+            self._answer(st.request, spec.name)
+        except SwitchError as e:  # the job goes on in the layout it has
+            if st.request is None:
+                self._emit("switch_failed", f"{e}; training goes on as {self.spec.name}",
+                           data={"reason": st.reason})
+            self._answer(st.request, e)
+        return AtBoundary(self.step)
+
+    def _resize(self, st: Resizing) -> State:
+        assert self.regroup is not None
+        out = self.regroup.resize(st.n, self._target_strategy(), st.warm_only, st.reason)
+        if out is not None:
+            self.spec, self.step = out.spec, out.step
+        self._answer(st.request, len(self.workers))
+        self._answer_scale_asks()
+        return AtBoundary(self.step)
+
+    def _recover(self, st: Recovering) -> State:
+        assert self.regroup is not None and self.spec is not None
+        self.failures += 1
+        seg, self._segment = self._segment, None
+        out = self.regroup.recover(st.failure, self.failures, seg, self.spec,
+                                   self._target_strategy(), max(self.cfg.num_workers,
+                                                                len(self.workers)))
+        if isinstance(out, GiveUp):
+            err = st.failure.error
+            if st.failure.recoverable or not isinstance(err, BaseException):
+                err = InfrastructureError(out.reason)
+            return Failed(err)
+        self.spec, self.step = out.spec, out.step
+        self._scale_check()  # replacements start now, in the background
+        return AtBoundary(self.step)
+
+    def _finish(self, st: Finishing) -> State:
+        self.tracker.finish(self.group)
+        final = self.group.final_state()
+        last = self.history[-1]["loss"] if self.history else float("nan")
+        done = self.history[-1]["step"] + 1 if self.history else 0
+        return Finished(FitResult(final, self.history, self.events, self._log.run_dir
+                                  if self._log else self.cfg.run_path),
+                        f"{done} steps ({st.reason}), final loss {last:.4f}")
+
+    # ------------------------------------------------------------------ helpers
+
+    def _end(self) -> int:
+        return self.cfg.max_steps if self._stop_at is None else min(self._stop_at,
+                                                                    self.cfg.max_steps)
+
+    def _next_segment(self) -> State:
+        if self.step >= self._end():
+            return AtBoundary(self.step)
+        ends = [self._end()] + [s for s in self.cfg.switch_at if s > self.step]
+        every = self.cfg.rebalance_every
+        if every > 0 and self.layouts is not None and self.layouts.balancing(self.group):
+            ends.append((self.step // every + 1) * every)
+        return Running(self.step, min(ends))
+
+    def _target_strategy(self) -> str:
+        if self.cfg.strategy == "auto":
+            return "auto"  # re-plan for the new membership
+        return self.spec.name if self.spec else self.cfg.strategy
+
+    def _scale_check(self) -> None:
+        """The scaling policy's running check: take ready spares in at the next boundary,
+        start spares where there is room."""
+        g = self.group
+        d = ScalingPolicy().decide(ScalingObservation(
+            "running", len(g.workers), self._target, self.cfg.min_world, self.cfg.max_world,
+            spares_ready=g.spares_ready(), spares_starting=g.spares_starting(),
+            room=len(g.workers) + g.spares_starting() < self._target and g.room()))
+        if isinstance(d, Resize):
+            if not any(r.kind == "grow" for r in list(self.requests.queue)):
+                self.post(Request("grow", reason=d.reason))
+        elif isinstance(d, StartSpares):
+            g.start_spares(d.n)
+        else:
+            assert isinstance(d, Proceed)
+
+    def _answer_scale_asks(self) -> None:
+        """Reply to growth asked for once the job reached it, or, after a bounded wait, that
+        no room met it (the target goes back to the size the job has)."""
+        keep = []
+        for req, deadline in self._scale_asks:
+            n = int(req.value)
+            if len(self.workers) >= n:
+                self._answer(req, len(self.workers))
+            elif time.monotonic() > deadline:
+                self._target = len(self.workers)
+                self._answer(req, SwitchError(
+                    f"cannot scale to {n} workers: the cluster had room for "
+                    f"{len(self.workers)} within {_SCALE_WAIT_S:.0f}s; the job goes on with "
+                    f"{len(self.workers)}. Fix: add nodes or free resources, then ask again"))
+            else:
+                keep.append((req, deadline))
+        self._scale_asks = keep
+
+    def _drain(self) -> None:
+        """Take the workers' metrics: worker info for the view, checkpoint notices, and each
+        completed step recorded once (rank 0's metrics)."""
+        batches = self.group.drain()
+        per_step: dict[int, dict[str, Any]] = {}
+        for w, batch in zip(self.workers, batches, strict=True):
+            for m in batch:
+                w.info["samples_per_s"] = m["samples"] / m["step_time"] if m["step_time"] else 0
+                w.info["share"] = m["samples"]
+                if m["step"] not in per_step or m["rank"] == 0:
+                    per_step[m["step"]] = m
+                self.tracker.on_metric(m, self.spec)
+        assert self.spec is not None or not per_step
+        for step in sorted(per_step):
+            assert self.spec is not None
+            if self.steps.record(step, per_step[step], self.spec, self.generation):
+                if not any(r.kind == "stop" for r in list(self.requests.queue)):
+                    self.post(Request("stop", reason="the on_step callback asked to stop"))
+        if per_step and time.monotonic() - self._mem_at > 2.0:  # memory column of the view
+            self._mem_at = time.monotonic()
+            try:
+                counts = self.group.memory_counts(timeout_s=10)
+                for w, c in zip(self.workers, counts, strict=True):
+                    w.info["memory"] = {k: v * 4 for k, v in c.items()}  # fp32 bytes
+            except ElasticError:
+                pass
+        if per_step:
+            self.view.workers([w.info for w in self.workers])
+
+    def _poll_mailbox(self) -> None:
+        """Publish status and take requests posted through the job's mailbox."""
+        if self._mailbox is None:
+            return
+        taken = self._mailbox.exchange(self.status())
+        if taken is None:  # the mailbox is a convenience: losing it must not stop training
+            self._emit("control_lost", "the job's control actor failed; remote control is "
+                       "off for this job, the SDK handle still works")
+            self._mailbox = None
+            return
+        for r in taken:
+            self.post(Request(r["kind"], r["value"], r["reason"] or "requested remotely",
+                              remote_id=r["id"]))
+
+    def _poll_interval(self) -> float:
+        """Seconds between polls of a running segment. Each poll drains every worker's
+        metrics by an RPC its second thread answers, taking the GIL from the training thread
+        (at 4 polls/s ~7 % of a 2-core host's throughput, docs/benchmarks.md), so poll fast
+        only while it matters: a checkpoint in flight or frequent, a waiting request, the job
+        below its target size, or before the first step is seen. Failures do not wait for a
+        poll."""
+        if (self.tracker.in_flight is not None or not self.requests.empty() or not self.history
+                or len(self.workers) < self._target or self._scale_asks):
+            return _POLL_S
+        every = self.cfg.checkpoint_every
+        step_s = float(self.history[-1].get("step_time") or 0.0)
+        if every > 0 and every * step_s < 5.0:
+            return _POLL_S
+        return _IDLE_POLL_S
+
+    def _scale_interval(self) -> float:
+        """Seconds between checks for room: ``scale_check_s``, but at most 1 s while the job
+        is below its target size (after a loss the replacement node usually comes within
+        seconds; the check is one GCS call)."""
+        if len(self.workers) < self._target:
+            return min(1.0, self.cfg.scale_check_s)
+        return self.cfg.scale_check_s
+
+    def _connect(self) -> None:
+        if self._group_factory is not None:
+            return
+        from ..ray_connect import connect
+
+        need = self.cfg.max_world * float(self.cfg.resources_per_worker.get("CPU", 1))
+        self._started_ray = connect(self.cfg.ray_address, need)
+
+    # ------------------------------------------------------------------ outside
+
+    def post(self, req: Request) -> None:
+        """Thread-safe: queue a request for the next step boundary (a malformed one is
+        answered at once with its error), and ask the workers to stop there now rather than
+        at the controller's next poll."""
+        try:
+            parse(req.kind, req.value, req.reason, internal=True)
+        except RequestError as e:
+            self._answer(req, e)
+            return
+        self.requests.put(req)
+        if self.phase is ControllerState.RUNNING and self.group is not None:
+            self.group.request_stop()
+
+    def _answer(self, req: Request | None, result: Any) -> None:
+        if req is None:
+            return
+        if req.reply is not None:
+            req.reply.put(result)
+        if req.remote_id is not None and self._mailbox is not None:
+            out = {"error": str(result)} if isinstance(result, BaseException) else {
+                "ok": True, "result": result, "status": self.status()}
+            self._mailbox.reply(req.remote_id, out)
+
+    def _emit(self, kind: str, message: str, data: dict[str, Any] | None = None,
+              step: int | None = None) -> Event:
+        ev = Event(kind, message, step=self.step if step is None else step, data=data or {})
+        self.events.append(ev)
+        if self._log:
+            self._log.event(ev)
+        if kind != "state":
+            self.view.event(ev)
+        return ev
+
+    def status(self) -> dict[str, Any]:
+        last = self.steps.last()
+        done = last["step"] + 1 if last else self.step
+        return {"job": self.cfg.job_name, "state": self.phase.value, "step": done,
+                "max_steps": self.cfg.max_steps, "strategy": self.spec.name if self.spec else None,
+                "world_size": len(self.workers), "loss": last.get("loss"),
+                "samples_per_s": last.get("samples_per_s")}
+
+    def _cleanup(self) -> None:
+        if self.group is not None:
+            self.group.close()
+        while not self.requests.empty():  # nobody is left to act on these
+            self._answer(self.requests.get_nowait(), SwitchError(
+                f"the job ended ({self.phase.value}) before the request was handled"))
+        for req, _ in self._scale_asks:
+            self._answer(req, SwitchError(f"the job ended ({self.phase.value}) first"))
+        self._scale_asks = []
+        if self._mailbox is not None:
+            self._mailbox.close(self.status())
+            self._mailbox = None
+        if self._started_ray:
+            from ..ray_connect import disconnect
+
+            disconnect()
+
+
+def _ray_group(cfg: JobConfig) -> Any:
+    from .worker_group import WorkerGroup
+
+    return WorkerGroup(cfg, cfg.emulate)
+
+
+def _ray_mailbox(job: str) -> Any:
+    from .mailbox import create
+
+    return create(job)
+
