@@ -12,12 +12,11 @@ over a fake one).
 
 from __future__ import annotations
 
-import queue
 import time
 from collections.abc import Callable
 from typing import Any
 
-from clusters.policy import GiveUp, Proceed, Resize, ScalingObservation, ScalingPolicy, StartSpares
+from clusters.policy import GiveUp
 from strategies import StrategySpec
 
 from ..config import JobConfig
@@ -29,7 +28,8 @@ from .checkpoints import CheckpointTracker
 from .layouts import Layouts
 from .preflight import preflight, run_directory
 from .regroup import Regroup
-from .requests import Request, RequestError, parse
+from .requests import Inbox, Request
+from .sizing import Sizing
 from .states import (
     AtBoundary,
     ControllerState,
@@ -52,7 +52,6 @@ __all__ = ["Controller"]
 
 _POLL_S = 0.25  # while the controller has work at hand (see Controller._poll_interval)
 _IDLE_POLL_S = 1.0  # otherwise: each poll is an RPC every worker answers, taking the GIL
-_SCALE_WAIT_S = 30.0  # a requested growth that no room meets is refused after this
 
 
 class Controller:
@@ -71,7 +70,7 @@ class Controller:
         config.validate()
         self.cfg = config
         self.view = view or View()
-        self.requests: queue.Queue[Request] = queue.Queue()
+        self.inbox = Inbox(None, self._emit)
         self.events: list[Event] = []
         self.spec: StrategySpec | None = None
         self.step = 0
@@ -80,7 +79,6 @@ class Controller:
         self._group_factory = group_factory
         self._mailbox_factory = mailbox_factory
         self.group: Any = None
-        self._mailbox: Any = None
         self._started_ray = False
         self._log: RunLog | None = None
         self.steps = StepLog(None, self.view, on_step)
@@ -91,8 +89,7 @@ class Controller:
         self._segment: Any = None
         self._stop_at: int | None = None  # a stop asked for: the job ends at this step
         self._switch_done = -1  # the boundary whose scheduled switch has run
-        self._scale_asks: list[tuple[Request, float]] = []  # growth asked for, not met yet
-        self._target = config.max_workers if config.max_workers is not None else config.num_workers
+        self.sizing = Sizing(config, self.inbox)
         self._mem_at = 0.0
 
     # ------------------------------------------------------------------ compatibility
@@ -172,7 +169,7 @@ class Controller:
         if cfg.resume:
             self._resume = self.tracker.find_resume(cfg.resume)
         self._connect()
-        self._mailbox = (self._mailbox_factory or _ray_mailbox)(cfg.job_name)  # claims the name
+        self.inbox.mailbox = (self._mailbox_factory or _ray_mailbox)(cfg.job_name)  # the name
         run_dir = run_directory(cfg)
         self._log = RunLog(run_dir)
         self.steps.log = self._log
@@ -213,21 +210,23 @@ class Controller:
         """Train a segment; poll metrics, the mailbox, the checkpoint in flight and the
         room to grow while it runs."""
         seg = self._segment = self.group.start_segment(st.start, st.end)
-        stop_sent = False
+        stop_sent = self.inbox.waiting()
+        if stop_sent:  # queued meanwhile: the segment ends after one step
+            self.group.request_stop()
         next_check = time.monotonic() + self._scale_interval()
         while True:
             poll = self.group.poll_segment(seg, self._poll_interval())
             if poll.failures:
                 return Recovering(root_cause(poll.failures))
             self._drain()
-            self._poll_mailbox()
+            self.inbox.poll_mailbox(self.status())
             self.tracker.tick(self.group)
             if poll.done:
                 break
             if time.monotonic() >= next_check:
                 next_check = time.monotonic() + self._scale_interval()
                 self._scale_check()
-            if not stop_sent and not self.requests.empty():
+            if not stop_sent and self.inbox.waiting():
                 self.group.request_stop()
                 stop_sent = True
         self._segment = None
@@ -240,7 +239,7 @@ class Controller:
     def _boundary(self, st: AtBoundary) -> State:
         """Scheduled switches, re-balancing, growth asked for, then requests one by one."""
         assert self.spec is not None and self.layouts is not None
-        self._answer_scale_asks()
+        self.sizing.settle(len(self.workers))
         if self.step >= self._end():
             return Finishing("stopped on request" if self._stop_at is not None else
                              "max_steps reached")
@@ -254,8 +253,7 @@ class Controller:
                 if new is not None:
                     self.layouts.apply(self.group, new, self.spec, reason="rebalance")
                     self.spec = new
-        while not self.requests.empty():
-            req = self.requests.get_nowait()
+        while (req := self.inbox.take()) is not None:
             nxt = self._request(req)
             if nxt is not None:
                 return nxt
@@ -266,24 +264,9 @@ class Controller:
         if req.kind == "switch":
             return Switching(str(req.value), req.reason, req)
         if req.kind == "grow":
-            return Resizing(self._target, req.reason, warm_only=True, request=req)
+            return Resizing(self.sizing.target, req.reason, warm_only=True, request=req)
         if req.kind == "scale":
-            check = ScalingPolicy.check_request(int(req.value), self.cfg.min_world,
-                                                self.cfg.max_world)
-            if not isinstance(check, Resize):
-                self._answer(req, SwitchError(check.reason))
-                return None
-            self._target = check.n
-            if check.n < len(self.workers):
-                return Resizing(check.n, req.reason, request=req)
-            if check.n == len(self.workers):
-                self._answer(req, len(self.workers))
-                return None
-            self._scale_asks.append((req, time.monotonic() + _SCALE_WAIT_S))
-            self.group.start_spares(check.n - len(self.workers) - self.group.spares_starting())
-            if self.group.spares_ready():
-                return Resizing(check.n, req.reason, warm_only=True)
-            return None
+            return self.sizing.ask(req, self.group, self._answer)
         if req.kind == "memory":
             self._answer(req, self.group.memory_counts(timeout_s=10))
         elif req.kind == "stop":
@@ -319,7 +302,7 @@ class Controller:
         if out is not None:
             self.spec, self.step = out.spec, out.step
         self._answer(st.request, len(self.workers))
-        self._answer_scale_asks()
+        self.sizing.settle(len(self.workers))
         return AtBoundary(self.step)
 
     def _recover(self, st: Recovering) -> State:
@@ -368,58 +351,19 @@ class Controller:
         return self.spec.name if self.spec else self.cfg.strategy
 
     def _scale_check(self) -> None:
-        """The scaling policy's running check: take ready spares in at the next boundary,
-        start spares where there is room."""
-        g = self.group
-        d = ScalingPolicy().decide(ScalingObservation(
-            "running", len(g.workers), self._target, self.cfg.min_world, self.cfg.max_world,
-            spares_ready=g.spares_ready(), spares_starting=g.spares_starting(),
-            room=len(g.workers) + g.spares_starting() < self._target and g.room()))
-        if isinstance(d, Resize):
-            if not any(r.kind == "grow" for r in list(self.requests.queue)):
-                self.post(Request("grow", reason=d.reason))
-        elif isinstance(d, StartSpares):
-            g.start_spares(d.n)
-        else:
-            assert isinstance(d, Proceed)
-
-    def _answer_scale_asks(self) -> None:
-        """Reply to growth asked for once the job reached it, or, after a bounded wait, that
-        no room met it (the target goes back to the size the job has)."""
-        keep = []
-        for req, deadline in self._scale_asks:
-            n = int(req.value)
-            if len(self.workers) >= n:
-                self._answer(req, len(self.workers))
-            elif time.monotonic() > deadline:
-                self._target = len(self.workers)
-                self._answer(req, SwitchError(
-                    f"cannot scale to {n} workers: the cluster had room for "
-                    f"{len(self.workers)} within {_SCALE_WAIT_S:.0f}s; the job goes on with "
-                    f"{len(self.workers)}. Fix: add nodes or free resources, then ask again"))
-            else:
-                keep.append((req, deadline))
-        self._scale_asks = keep
+        req = self.sizing.check(self.group)
+        if req is not None:
+            self.post(req)
 
     def _drain(self) -> None:
-        """Take the workers' metrics: worker info for the view, checkpoint notices, and each
-        completed step recorded once (rank 0's metrics)."""
-        batches = self.group.drain()
-        per_step: dict[int, dict[str, Any]] = {}
-        for w, batch in zip(self.workers, batches, strict=True):
-            for m in batch:
-                w.info["samples_per_s"] = m["samples"] / m["step_time"] if m["step_time"] else 0
-                w.info["share"] = m["samples"]
-                if m["step"] not in per_step or m["rank"] == 0:
-                    per_step[m["step"]] = m
-                self.tracker.on_metric(m, self.spec)
-        assert self.spec is not None or not per_step
-        for step in sorted(per_step):
-            assert self.spec is not None
-            if self.steps.record(step, per_step[step], self.spec, self.generation):
-                if not any(r.kind == "stop" for r in list(self.requests.queue)):
-                    self.post(Request("stop", reason="the on_step callback asked to stop"))
-        if per_step and time.monotonic() - self._mem_at > 2.0:  # memory column of the view
+        """Take the workers' metrics into the step log (each completed step once), the
+        checkpoint tracker and the view."""
+        assert self.spec is not None or not self.history
+        stop = self.steps.ingest(self.workers, self.group.drain(), self.spec, self.generation,
+                                 self.tracker.on_metric)
+        if stop and not self.inbox.has("stop"):
+            self.post(Request("stop", reason="the on_step callback asked to stop"))
+        if self.steps.fresh and time.monotonic() - self._mem_at > 2.0:  # memory column
             self._mem_at = time.monotonic()
             try:
                 counts = self.group.memory_counts(timeout_s=10)
@@ -427,22 +371,8 @@ class Controller:
                     w.info["memory"] = {k: v * 4 for k, v in c.items()}  # fp32 bytes
             except ElasticError:
                 pass
-        if per_step:
+        if self.steps.fresh:
             self.view.workers([w.info for w in self.workers])
-
-    def _poll_mailbox(self) -> None:
-        """Publish status and take requests posted through the job's mailbox."""
-        if self._mailbox is None:
-            return
-        taken = self._mailbox.exchange(self.status())
-        if taken is None:  # the mailbox is a convenience: losing it must not stop training
-            self._emit("control_lost", "the job's control actor failed; remote control is "
-                       "off for this job, the SDK handle still works")
-            self._mailbox = None
-            return
-        for r in taken:
-            self.post(Request(r["kind"], r["value"], r["reason"] or "requested remotely",
-                              remote_id=r["id"]))
 
     def _poll_interval(self) -> float:
         """Seconds between polls of a running segment. Each poll drains every worker's
@@ -451,8 +381,8 @@ class Controller:
         only while it matters: a checkpoint in flight or frequent, a waiting request, the job
         below its target size, or before the first step is seen. Failures do not wait for a
         poll."""
-        if (self.tracker.in_flight is not None or not self.requests.empty() or not self.history
-                or len(self.workers) < self._target or self._scale_asks):
+        if (self.tracker.in_flight is not None or self.inbox.waiting() or not self.history
+                or len(self.workers) < self.sizing.target or self.inbox.parked):
             return _POLL_S
         every = self.cfg.checkpoint_every
         step_s = float(self.history[-1].get("step_time") or 0.0)
@@ -464,7 +394,7 @@ class Controller:
         """Seconds between checks for room: ``scale_check_s``, but at most 1 s while the job
         is below its target size (after a loss the replacement node usually comes within
         seconds; the check is one GCS call)."""
-        if len(self.workers) < self._target:
+        if len(self.workers) < self.sizing.target:
             return min(1.0, self.cfg.scale_check_s)
         return self.cfg.scale_check_s
 
@@ -482,24 +412,11 @@ class Controller:
         """Thread-safe: queue a request for the next step boundary (a malformed one is
         answered at once with its error), and ask the workers to stop there now rather than
         at the controller's next poll."""
-        try:
-            parse(req.kind, req.value, req.reason, internal=True)
-        except RequestError as e:
-            self._answer(req, e)
-            return
-        self.requests.put(req)
-        if self.phase is ControllerState.RUNNING and self.group is not None:
+        if self.inbox.post(req) and self.phase is ControllerState.RUNNING and self.group:
             self.group.request_stop()
 
     def _answer(self, req: Request | None, result: Any) -> None:
-        if req is None:
-            return
-        if req.reply is not None:
-            req.reply.put(result)
-        if req.remote_id is not None and self._mailbox is not None:
-            out = {"error": str(result)} if isinstance(result, BaseException) else {
-                "ok": True, "result": result, "status": self.status()}
-            self._mailbox.reply(req.remote_id, out)
+        self.inbox.answer(req, result, self.status())
 
     def _emit(self, kind: str, message: str, data: dict[str, Any] | None = None,
               step: int | None = None) -> Event:
@@ -522,15 +439,8 @@ class Controller:
     def _cleanup(self) -> None:
         if self.group is not None:
             self.group.close()
-        while not self.requests.empty():  # nobody is left to act on these
-            self._answer(self.requests.get_nowait(), SwitchError(
-                f"the job ended ({self.phase.value}) before the request was handled"))
-        for req, _ in self._scale_asks:
-            self._answer(req, SwitchError(f"the job ended ({self.phase.value}) first"))
-        self._scale_asks = []
-        if self._mailbox is not None:
-            self._mailbox.close(self.status())
-            self._mailbox = None
+        self.inbox.close(SwitchError(f"the job ended ({self.phase.value}) before the request "
+                                     "was handled"), self.status())
         if self._started_ray:
             from ..ray_connect import disconnect
 

@@ -11,12 +11,13 @@ refused there, with the job going on.
 from __future__ import annotations
 
 import queue
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ElasticError
 
-__all__ = ["Request", "RequestError", "parse", "KINDS", "PUBLIC_KINDS"]
+__all__ = ["Request", "RequestError", "Inbox", "parse", "KINDS", "PUBLIC_KINDS"]
 
 PUBLIC_KINDS = ("switch", "scale", "stop", "memory")  # what the SDK, CLI and mailbox may ask
 KINDS = PUBLIC_KINDS + ("grow",)  # "grow": the controller's own (a warm spare is up)
@@ -62,3 +63,98 @@ def parse(kind: Any, value: Any = None, reason: str = "requested", *,
     elif value is not None:
         raise RequestError(f"{kind} takes no value, got {value!r}")
     return Request(kind, value, str(reason or "requested"))
+
+
+class Inbox:
+    """The requests a running job has yet to act on, and where their answers go.
+
+    Requests arrive from the SDK (``post``, any thread) and from the job's mailbox actor
+    (``poll_mailbox``, the controller's thread); the controller takes them one at a time at
+    a step boundary (``take``) and answers each (``answer``). Growth that waits for room is
+    parked (``park``) and answered once met or refused after its deadline."""
+
+    def __init__(self, mailbox: Any, emit: Callable[..., Any]) -> None:
+        self.mailbox = mailbox
+        self._emit = emit
+        self._queue: queue.Queue[Request] = queue.Queue()
+        self.parked: list[tuple[Request, float]] = []  # growth asked for, not met yet
+
+    def post(self, req: Request) -> bool:
+        """Queue ``req`` (thread-safe); a malformed one is answered at once with its error.
+        Returns whether it was queued."""
+        try:
+            parse(req.kind, req.value, req.reason, internal=True)
+        except RequestError as e:
+            self.answer(req, e)
+            return False
+        self._queue.put(req)
+        return True
+
+    def waiting(self) -> bool:
+        return not self._queue.empty()
+
+    def has(self, kind: str) -> bool:
+        return any(r.kind == kind for r in list(self._queue.queue))
+
+    def take(self) -> Request | None:
+        try:
+            return self._queue.get_nowait()
+        except queue.Empty:
+            return None
+
+    def answer(self, req: Request | None, result: Any, status: dict[str, Any] | None = None
+               ) -> None:
+        """Send ``result`` (a value, or an exception: a refusal) where ``req`` asked."""
+        if req is None:
+            return
+        if req.reply is not None:
+            req.reply.put(result)
+        if req.remote_id is not None and self.mailbox is not None:
+            out = {"error": str(result)} if isinstance(result, BaseException) else {
+                "ok": True, "result": result, "status": status or {}}
+            self.mailbox.reply(req.remote_id, out)
+
+    def poll_mailbox(self, status: dict[str, Any]) -> None:
+        """Publish ``status`` and queue what was posted to the mailbox. Losing the mailbox
+        does not stop the job: remote control is then off, and the event says so."""
+        if self.mailbox is None:
+            return
+        taken = self.mailbox.exchange(status)
+        if taken is None:
+            self._emit("control_lost", "the job's control actor failed; remote control is off "
+                       "for this job, the SDK handle still works")
+            self.mailbox = None
+            return
+        for r in taken:
+            self.post(Request(r["kind"], r["value"], r["reason"] or "requested remotely",
+                              remote_id=r["id"]))
+
+    def park(self, req: Request, deadline: float) -> None:
+        self.parked.append((req, deadline))
+
+    def settle_parked(self, workers: int, now: float, refuse: Callable[[int], Exception]
+                      ) -> bool:
+        """Answer parked growth that ``workers`` meets; refuse (``refuse(n)``) what is past
+        its deadline. Returns whether any was refused."""
+        keep, refused = [], False
+        for req, deadline in self.parked:
+            if workers >= int(req.value):
+                self.answer(req, workers)
+            elif now > deadline:
+                self.answer(req, refuse(int(req.value)))
+                refused = True
+            else:
+                keep.append((req, deadline))
+        self.parked = keep
+        return refused
+
+    def close(self, why: Exception, status: dict[str, Any]) -> None:
+        """The job ended: answer everything left with ``why``, then close the mailbox."""
+        while (req := self.take()) is not None:
+            self.answer(req, why)
+        for req, _ in self.parked:
+            self.answer(req, why)
+        self.parked = []
+        if self.mailbox is not None:
+            self.mailbox.close(status)
+            self.mailbox = None

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from strategies import StrategySpec
@@ -38,6 +38,7 @@ class StepLog:
         self.view = view
         self.on_step = on_step
         self.history: list[dict[str, Any]] = []
+        self.fresh = False  # whether the last ingest recorded a step
 
     @property
     def next_step(self) -> int:
@@ -74,6 +75,27 @@ class StepLog:
                            "global_samples": m["global_samples"] if m else None})
         self.view.step(entry)
         return bool(self.on_step is not None and m is not None and self.on_step(entry) is True)
+
+    def ingest(self, workers: Sequence[Any], batches: Sequence[Sequence[dict[str, Any]]],
+               spec: StrategySpec | None, generation: int,
+               on_metric: Callable[[dict[str, Any], StrategySpec | None], None]) -> bool:
+        """The metrics each worker drained: update its info (speed, share), pass every
+        metric to ``on_metric`` (checkpoint notices), and record each completed step once
+        (rank 0's metrics). Returns True when ``on_step`` asked to stop."""
+        per_step: dict[int, dict[str, Any]] = {}
+        for w, batch in zip(workers, batches, strict=True):
+            for m in batch:
+                w.info["samples_per_s"] = m["samples"] / m["step_time"] if m["step_time"] else 0
+                w.info["share"] = m["samples"]
+                if m["step"] not in per_step or m["rank"] == 0:
+                    per_step[m["step"]] = m
+                on_metric(m, spec)
+        self.fresh = bool(per_step)
+        stop = False
+        for step in sorted(per_step):
+            assert spec is not None
+            stop = self.record(step, per_step[step], spec, generation) or stop
+        return stop
 
     def truncate(self, step: int) -> None:
         """Forget steps from ``step`` on: they will run again (a restore to ``step``)."""

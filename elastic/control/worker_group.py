@@ -15,47 +15,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from strategies import StrategySpec
 
 from ..errors import ClusterError, ElasticError, InfrastructureError, WorkerError, WorkerLostError
 from ..failures import Failure, classify
+from .group import Segment, SegmentPoll, WorkerRec
 
-__all__ = ["WorkerRec", "Segment", "SegmentPoll", "WorkerGroup"]
-
-
-@dataclass
-class WorkerRec:
-    """One worker actor of the job: its handle, identity, the info it reported, its rank in
-    the current generation and its placement-group bundle."""
-
-    handle: Any
-    worker_id: int
-    info: dict[str, Any] = field(default_factory=dict)
-    rank: int = -1
-    pg: Any = None
-    slot: int = 0  # bundle index in ``pg``
-
-
-@dataclass
-class Segment:
-    """A segment of steps running on every worker (one future each)."""
-
-    start: int
-    end: int
-    running: list[tuple[WorkerRec, Any]]
-
-
-@dataclass(frozen=True)
-class SegmentPoll:
-    """Where a running segment stands: ``done`` (every worker returned ``next_step``), or
-    ``failures`` (what the workers that ended reported, typed), else still running."""
-
-    done: bool = False
-    next_step: int | None = None
-    failures: tuple[Failure, ...] = ()
+__all__ = ["WorkerGroup", "Placement", "WorkerRec", "Segment", "SegmentPoll"]
 
 
 def _typed(e: BaseException, w: WorkerRec | None = None) -> BaseException:
@@ -99,22 +67,20 @@ def pg_ready(pg: Any) -> bool:
         return False
 
 
-class WorkerGroup:
-    """The job's workers on a Ray cluster (Ray must be initialised)."""
+class Placement:
+    """Where the job's workers run: its placement groups, the bundles without a worker
+    (free slots), and the spares starting in the background. Returns the workers it starts;
+    ``WorkerGroup`` takes them in."""
 
     def __init__(self, config: Any, emulate: Sequence[dict[str, Any]] | None = None) -> None:
         self.cfg = config
-        self.workers: list[WorkerRec] = []
-        self.generation = 0
         self.use_gpu = False
         self.start_error = ""  # why the last worker that failed to start failed
         self._emulate = list(emulate or [])
         self._next_id = 0
-        self._free_slots: list[tuple[Any, int]] = []  # reserved bundles without a worker
+        self.free_slots: list[tuple[Any, int]] = []  # reserved bundles without a worker
         self._warming: list[tuple[WorkerRec, Any]] = []  # spares starting: (worker, info ref)
         self._bundle_res: dict[str, float] | None = None
-
-    # ------------------------------------------------------------------ placement
 
     def bundle(self) -> dict[str, float]:
         """One worker's resources (GPU jobs get ``num_gpus=1`` and NCCL)."""
@@ -199,15 +165,14 @@ class WorkerGroup:
             except Exception as e:  # noqa: BLE001 - any start failure frees the slot
                 lines = str(e).strip().splitlines()  # the worker's own error comes last
                 self.start_error = lines[-1][:500] if lines else type(e).__name__
-                self._kill(w)
-                self._free_slots.append((w.pg, w.slot))
+                _kill(w)
+                self.free_slots.append((w.pg, w.slot))
         if self._emulate and up:
             emus = self._emulate
             infos = ray.get([w.handle.set_emulation.remote(emus[w.worker_id % len(emus)])
                              for w in up])
             for w, info in zip(up, infos, strict=True):
                 w.info = info
-        self.workers.extend(up)
         return up
 
     def spares_ready(self) -> int:
@@ -233,9 +198,9 @@ class WorkerGroup:
         if n <= 0:
             return
         bundle = self.bundle()
-        ready_slots = [(pg, i) for pg, i in self._free_slots if pg_ready(pg)][:n]
+        ready_slots = [(pg, i) for pg, i in self.free_slots if pg_ready(pg)][:n]
         for pg, i in ready_slots:
-            self._free_slots.remove((pg, i))
+            self.free_slots.remove((pg, i))
             self._warming += self._launch(pg, [i], bundle)
         if n > len(ready_slots) and not ready_slots and self._free_resources(bundle):
             pg = placement_group([dict(bundle)])
@@ -246,8 +211,8 @@ class WorkerGroup:
                 ray.util.remove_placement_group(pg)
 
     def take_spares(self, n: int) -> list[WorkerRec]:
-        """Take up to ``n`` warm spares that are up into the job (spares that failed to
-        start are dropped, their slots freed); the rest keep warming."""
+        """Up to ``n`` warm spares that are up (spares that failed to start are dropped,
+        their slots freed); the rest keep warming."""
         import ray
 
         if n <= 0 or not self._warming:
@@ -272,7 +237,7 @@ class WorkerGroup:
         deadline = time.monotonic() + timeout_s
         bundle = self.bundle()
         placed: list[WorkerRec] = []
-        reuse, self._free_slots = self._free_slots[:n], self._free_slots[n:]
+        reuse, self.free_slots = self.free_slots[:n], self.free_slots[n:]
         by_pg: dict[int, tuple[Any, list[int]]] = {}
         for pg, idx in reuse:
             by_pg.setdefault(id(pg), (pg, []))[1].append(idx)
@@ -293,18 +258,9 @@ class WorkerGroup:
 
     def room(self) -> bool:
         """A free reserved slot that is placeable, or free resources for one more worker."""
-        if self._free_slots:
-            return any(pg_ready(pg) for pg, _ in self._free_slots)
+        if self.free_slots:
+            return any(pg_ready(pg) for pg, _ in self.free_slots)
         return self._free_resources(self.bundle())
-
-    def free_room(self) -> int:
-        """How many more workers the cluster's free resources hold now (free slots first)."""
-        import ray
-
-        slots = sum(1 for pg, _ in self._free_slots if pg_ready(pg))
-        free = ray.available_resources()
-        fits = [int(free.get(k, 0.0) // v) for k, v in self.bundle().items() if v > 0]
-        return slots + (min(fits) if fits else 0)
 
     @staticmethod
     def _free_resources(bundle: dict[str, float]) -> bool:
@@ -313,13 +269,74 @@ class WorkerGroup:
         free = ray.available_resources()
         return all(free.get(k, 0.0) >= v for k, v in bundle.items() if v > 0)
 
+    def release(self, extra: Sequence[WorkerRec]) -> None:
+        """Kill every spare and release every placement group (``extra``: the job's
+        workers, killed by the caller)."""
+        import ray
+
+        warm = [w for w, _ in self._warming]
+        self._warming = []
+        for w in warm:
+            _kill(w)
+        pgs = [w.pg for w in list(extra) + warm] + [pg for pg, _ in self.free_slots]
+        for pg in {id(pg): pg for pg in pgs if pg is not None}.values():
+            try:
+                ray.util.remove_placement_group(pg)
+            except Exception:  # noqa: BLE001 - already removed
+                pass
+        self.free_slots = []
+
+
+class WorkerGroup:
+    """The job's workers on a Ray cluster (Ray must be initialised): placement (through
+    ``Placement``), membership, and every call to them."""
+
+    def __init__(self, config: Any, emulate: Sequence[dict[str, Any]] | None = None) -> None:
+        self.cfg = config
+        self.workers: list[WorkerRec] = []
+        self.generation = 0
+        self.placement = Placement(config, emulate)
+
+    @property
+    def use_gpu(self) -> bool:
+        return self.placement.use_gpu
+
+    def place(self, n: int, min_workers: int) -> list[WorkerRec]:
+        """Start ``n`` workers in one placement group (``ClusterError`` with the fix if it
+        cannot be reserved in time or fewer than ``min_workers`` start)."""
+        new = self.placement.place(n, min_workers)
+        self.workers += new
+        return new
+
+    def spares_ready(self) -> int:
+        return self.placement.spares_ready()
+
+    def spares_starting(self) -> int:
+        return self.placement.spares_starting()
+
+    def start_spares(self, n: int) -> None:
+        self.placement.start_spares(n)
+
+    def take_spares(self, n: int) -> list[WorkerRec]:
+        """Take up to ``n`` warm spares that are up into the job."""
+        new = self.placement.take_spares(n)
+        self.workers += new
+        return new
+
+    def try_place(self, n: int, timeout_s: float) -> list[WorkerRec]:
+        """Place up to ``n`` more workers within ``timeout_s``; keep what could be placed."""
+        new = self.placement.try_place(n, timeout_s)
+        self.workers += new
+        return new
+
+    def room(self) -> bool:
+        return self.placement.room()
+
     # ------------------------------------------------------------------ membership
 
     def form(self) -> tuple[str, int, float]:
         """Form the next generation of the group over ``workers`` (ranks in list order);
         returns (address, port, seconds)."""
-        import ray
-
         self.generation += 1
         for r, w in enumerate(self.workers):
             w.rank = r
@@ -331,14 +348,13 @@ class WorkerGroup:
         self._get_all([w.handle.join.remote(addr, port, w.rank, len(self.workers),
                                             self.generation, self.cfg.hang_timeout_s)
                        for w in self.workers])
-        del ray
         return addr, port, time.perf_counter() - t0
 
     def remove(self, dead: Sequence[WorkerRec]) -> None:
         """Drop ``dead`` from the job: kill them and remember their bundles as free slots."""
         for w in dead:
-            self._kill(w)
-            self._free_slots.append((w.pg, w.slot))
+            _kill(w)
+            self.placement.free_slots.append((w.pg, w.slot))
         gone = {id(w) for w in dead}
         self.workers = [w for w in self.workers if id(w) not in gone]
 
@@ -347,7 +363,7 @@ class WorkerGroup:
         placement groups at cleanup). Returns the removed."""
         extra = self.workers[n:]
         for w in extra:
-            self._kill(w)
+            _kill(w)
         self.workers = self.workers[:n]
         return extra
 
@@ -559,30 +575,22 @@ class WorkerGroup:
 
     # ------------------------------------------------------------------ teardown
 
-    @staticmethod
-    def _kill(w: WorkerRec) -> None:
-        import ray
-
-        try:
-            ray.kill(w.handle)
-        except Exception:  # noqa: BLE001 - already gone
-            pass
-
     def close(self) -> None:
         """Kill every worker and spare and release every placement group."""
         import ray
 
         if not ray.is_initialized():
             return
-        warm = [w for w, _ in self._warming]
-        self._warming = []
-        for w in self.workers + warm:
-            self._kill(w)
-        pgs = [w.pg for w in self.workers + warm] + [pg for pg, _ in self._free_slots]
-        for pg in {id(pg): pg for pg in pgs if pg is not None}.values():
-            try:
-                ray.util.remove_placement_group(pg)
-            except Exception:  # noqa: BLE001 - already removed
-                pass
+        for w in self.workers:
+            _kill(w)
+        self.placement.release(self.workers)
         self.workers = []
-        self._free_slots = []
+
+
+def _kill(w: WorkerRec) -> None:
+    import ray
+
+    try:
+        ray.kill(w.handle)
+    except Exception:  # noqa: BLE001 - already gone
+        pass
