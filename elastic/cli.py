@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any
 
-from .errors import ElasticError
+from .errors import ElasticError, InterruptedJobError
 
 __all__ = ["main"]
 
@@ -250,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.fn(args) or 0)
+    except InterruptedJobError as e:
+        print(f"elastic: {e}", file=sys.stderr)
+        return e.exit_code
     except ElasticError as e:
         print(f"elastic: error: {e}", file=sys.stderr)
         return 2

@@ -131,4 +131,19 @@ class JobNotFoundError(ElasticError):
 
 
 class InterruptedJobError(ElasticError):
-    """The job was stopped by a signal (SIGINT, SIGTERM) at a step boundary."""
+    """The job was stopped by a signal (SIGINT, SIGTERM) at a step boundary; ``result`` is
+    what it had trained (the ``FitResult``), ``exit_code`` the shell's 128 + signal."""
+
+    def __init__(self, signum: int, result: Any = None) -> None:
+        import signal
+
+        self.signum = signum
+        self.result = result
+        self.exit_code = 128 + int(signum)
+        name = signal.Signals(signum).name
+        done = len(result.history) if result is not None else 0
+        super().__init__(f"interrupted by {name} after {done} steps; the job stopped at a step "
+                         "boundary" + (f" (run directory {result.run_dir})" if result else ""))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.signum, self.result))

@@ -12,15 +12,24 @@ over a fake one).
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from clusters.policy import GiveUp
 from strategies import StrategySpec
 
 from ..config import JobConfig
-from ..errors import ElasticError, InfrastructureError, SwitchError
+from ..errors import (
+    ConfigError,
+    ElasticError,
+    InfrastructureError,
+    InterruptedJobError,
+    SwitchError,
+)
 from ..events import Event, RunLog
 from ..failures import classify, root_cause
 from ..view import View
@@ -88,6 +97,7 @@ class Controller:
         self._resume: tuple[Any, int] | None = None
         self._segment: Any = None
         self._stop_at: int | None = None  # a stop asked for: the job ends at this step
+        self._interrupted: int | None = None  # the signal that asked the job to stop
         self._switch_done = -1  # the boundary whose scheduled switch has run
         self.sizing = Sizing(config, self.inbox)
         self._mem_at = 0.0
@@ -113,12 +123,16 @@ class Controller:
     # ------------------------------------------------------------------ the loop
 
     def run(self) -> FitResult:
+        """Run the job to its end and return its result. Raises the typed error that ended
+        it; ``InterruptedJobError`` (carrying the result) after SIGINT or SIGTERM, which stop
+        the job at the next step boundary (a second signal stops it at once)."""
         state: State = Starting()
         try:
-            while not state.terminal:
-                nxt = self.step_state(state)
-                self._transition(state, nxt)
-                state = nxt
+            with self._signals():
+                while not state.terminal:
+                    nxt = self.step_state(state)
+                    self._transition(state, nxt)
+                    state = nxt
         finally:
             self._cleanup()
             self.view.close()
@@ -127,7 +141,41 @@ class Controller:
         if isinstance(state, Failed):
             raise state.error
         assert isinstance(state, Finished)
+        if self._interrupted is not None:
+            state.result.status = "interrupted"
+            raise InterruptedJobError(self._interrupted, state.result)
         return state.result
+
+    @contextlib.contextmanager
+    def _signals(self) -> Iterator[None]:
+        """SIGINT and SIGTERM (what ``ray job stop`` sends) ask the job to stop at the next
+        step boundary; a second one stops it at once. Only in the main thread (a job run by
+        ``submit`` leaves signals to the program). The handler only records the signal: the
+        controller's loop acts on it within a poll."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def handler(signum: int, frame: Any) -> None:
+            if self._interrupted is not None:
+                raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: stopping now")
+            self._interrupted = signum
+
+        old = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, h in old.items():
+                signal.signal(sig, h)
+
+    def _check_interrupt(self) -> None:
+        if self._interrupted is not None and self._stop_at is None and not self.inbox.has(
+                "stop"):
+            name = signal.Signals(self._interrupted).name
+            self._emit("interrupted", f"{name} received: stopping at the next step boundary"
+                       + (" after a final checkpoint" if self.tracker.store else ""),
+                       data={"signal": name})
+            self.post(Request("stop", reason=f"{name} received"))
 
     def step_state(self, state: State) -> State:
         """The transition function: the next state after ``state``. Infrastructure errors
@@ -168,6 +216,11 @@ class Controller:
             self.layouts.validate(self.layouts.make(cfg.strategy, cfg.num_workers), "strategy")
         if cfg.resume:
             self._resume = self.tracker.find_resume(cfg.resume)
+            if self._resume[1] >= cfg.max_steps:
+                raise ConfigError(
+                    "resume", f"checkpoint step {self._resume[1]} at {self._resume[0].uri} is "
+                    f"already at or past max_steps={cfg.max_steps}: nothing would be trained.",
+                    f"raise max_steps above {self._resume[1]} to train on, or drop resume")
         self._connect()
         self.inbox.mailbox = (self._mailbox_factory or _ray_mailbox)(cfg.job_name)  # the name
         run_dir = run_directory(cfg)
@@ -219,6 +272,7 @@ class Controller:
             if poll.failures:
                 return Recovering(root_cause(poll.failures))
             self._drain()
+            self._check_interrupt()
             self.inbox.poll_mailbox(self.status())
             self.tracker.tick(self.group)
             if poll.done:
@@ -240,6 +294,7 @@ class Controller:
         """Scheduled switches, re-balancing, growth asked for, then requests one by one."""
         assert self.spec is not None and self.layouts is not None
         self.sizing.settle(len(self.workers))
+        self._check_interrupt()
         if self.step >= self._end():
             return Finishing("stopped on request" if self._stop_at is not None else
                              "max_steps reached")

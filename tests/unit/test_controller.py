@@ -200,3 +200,58 @@ def test_scale_down(tmp_path):
     q = _ask(ctl, "scale", 1)
     result = ctl.run()
     assert q.get_nowait() == 1 and result.history[-1]["world_size"] == 1
+
+
+def test_sigterm_stops_at_a_boundary_with_a_record_and_a_distinct_code(tmp_path):
+    import os
+    import signal
+
+    from elastic.errors import InterruptedJobError
+
+    fake = FakeGroup(mlp())
+
+    def on_step(entry):
+        if entry["step"] == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    ctl = Controller(_cfg(tmp_path), group_factory=lambda cfg: fake,
+                     mailbox_factory=lambda job: None, on_step=on_step)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(InterruptedJobError) as info:
+        ctl.run()
+    assert info.value.exit_code == 128 + signal.SIGTERM
+    assert info.value.result.status == "interrupted" and 4 <= len(info.value.result.history) < 8
+    assert "interrupted" in _kinds(ctl) and fake.closed
+    assert signal.getsignal(signal.SIGTERM) is before  # the program's handler is back
+    events = (tmp_path / "run" / "events.jsonl").read_text()
+    assert '"kind": "interrupted"' in events
+
+
+def test_a_second_signal_stops_at_once(tmp_path):
+    import os
+    import signal
+
+    fake = FakeGroup(mlp())
+
+    def on_step(entry):
+        if entry["step"] == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    ctl = Controller(_cfg(tmp_path), group_factory=lambda cfg: fake,
+                     mailbox_factory=lambda job: None, on_step=on_step)
+    with pytest.raises(KeyboardInterrupt):
+        ctl.run()
+    assert fake.closed
+
+
+def test_resume_past_max_steps_says_so(tmp_path, monkeypatch):
+    from elastic.control.checkpoints import CheckpointTracker
+    from elastic.errors import ConfigError
+
+    monkeypatch.setattr(CheckpointTracker, "find_resume",
+                        lambda self, r: (type("S", (), {"uri": "file:///ck"})(), STEPS))
+    ctl, fake = _controller(tmp_path, resume="latest")
+    with pytest.raises(ConfigError, match="past max_steps"):
+        ctl.run()
+    assert not fake.workers and "placed" not in _kinds(ctl)
