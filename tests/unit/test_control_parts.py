@@ -1,0 +1,105 @@
+"""The controller's pure parts: restore planning, requests and the inbox."""
+
+from __future__ import annotations
+
+import queue
+
+import pytest
+
+from elastic.control.regroup import peer_plan, required_keys, roll_forward_ranks
+from elastic.control.requests import Inbox, Request, RequestError, parse
+from elastic.errors import (
+    CheckpointCorruptError,
+    GroupError,
+    HangError,
+    WorkerError,
+    WorkerLostError,
+)
+from elastic.failures import FailureKind, classify, root_cause, worker_error
+
+
+def _held(keys):
+    return {k: ((2,), "float32") for k in keys}
+
+
+def test_required_keys_cover_model_and_every_optimizer_entry_seen():
+    need = required_keys(["w", "b"], ["w", "b"], [_held(["optim/w/exp_avg", "optim/b/step"])])
+    assert need == {"model/w", "model/b", "optim/w/exp_avg", "optim/b/exp_avg", "optim/w/step",
+                    "optim/b/step"}
+
+
+def test_peer_plan_needs_a_holder_of_every_key_at_the_newest_step():
+    need = {"model/w", "optim/w/exp_avg"}
+    prog = [{"next_step": 5, "has_state": True}, {"next_step": 5, "has_state": True}]
+    # a dp replica holds everything: rank 0 is the source of every key
+    step, plan = peer_plan(prog, [_held(need), _held(need)], need)
+    assert step == 5 and {src for _, src, _, _ in plan} == {0}
+    # ZeRO-like: the optimizer entry only on the lost rank -> no plan
+    assert peer_plan(prog, [_held({"model/w"}), _held({"model/w"})], need) is None
+    # the only full holder is behind -> no plan at the newest step
+    behind = [{"next_step": 5, "has_state": True}, {"next_step": 4, "has_state": True}]
+    assert peer_plan(behind, [_held({"model/w"}), _held(need)], need) is None
+
+
+def test_roll_forward_picks_survivors_one_step_behind_with_a_pending_update():
+    prog = [{"next_step": 6}, {"next_step": 5, "pending_update": True},
+            {"next_step": 5, "pending_update": False}]
+    assert roll_forward_ranks(prog) == ([1], 5)
+
+
+@pytest.mark.parametrize("kind,value,ok", [
+    ("scale", 3, 3), ("scale", "4", 4), ("switch", " zero3 ", "zero3"), ("stop", None, None),
+    ("scale", "abc", None), ("scale", None, None), ("scale", 2.9, None), ("scale", True, None),
+    ("scale", 0, None), ("switch", 7, None), ("switch", "", None), ("explode", None, None),
+    ("stop", 5, None), ("grow", None, None)])
+def test_requests_are_checked_where_they_enter(kind, value, ok):
+    if ok is None and not (kind == "stop" and value is None):
+        with pytest.raises(RequestError):
+            parse(kind, value)
+    else:
+        assert parse(kind, value).value == ok
+
+
+def test_inbox_answers_a_malformed_request_at_once():
+    inbox = Inbox(None, lambda *a, **k: None)
+    q: queue.Queue = queue.Queue()
+    assert not inbox.post(Request("scale", "abc", reply=q))
+    assert isinstance(q.get_nowait(), RequestError) and not inbox.waiting()
+    assert inbox.post(Request("grow"))  # the controller's own kind
+    assert inbox.has("grow") and inbox.take().kind == "grow" and inbox.take() is None
+
+
+def test_failures_are_classified_by_type_and_the_root_cause_explains_the_rest():
+    lost = classify(WorkerLostError("gone", rank=2, node_lost=True))
+    group = classify(GroupError("rank 0: peer gone"), rank=0)
+    user = classify(WorkerError(1, "h", "ValueError: x", "tb"))
+    assert lost.kind is FailureKind.NODE_LOST and lost.rank == 2 and lost.recoverable
+    assert user.kind is FailureKind.USER_CODE and not user.recoverable
+    assert classify(HangError("h")).kind is FailureKind.HANG
+    assert classify(CheckpointCorruptError("crc")).kind is FailureKind.CORRUPT_CHECKPOINT
+    assert classify(RuntimeError("store timed out")).kind is FailureKind.INTERNAL  # no text
+    assert root_cause([group, user]) is user
+    assert root_cause([group, user, lost]) is lost
+
+
+def test_the_worker_boundary_types_errors_by_where_they_were_raised():
+    import torch.distributed as dist
+
+    from strategies import health
+
+    try:
+        raise ValueError("a timeout in the user's store")  # words that fooled text matching
+    except ValueError as e:
+        assert isinstance(worker_error(e, 1), WorkerError)
+    try:
+        dist.all_reduce(__import__("torch").ones(1))  # no group: raised inside torch.distributed
+    except Exception as e:  # noqa: BLE001
+        assert isinstance(worker_error(e, 0), GroupError)
+    health.record("all-reduce failed")
+    try:
+        try:
+            raise RuntimeError("Connection closed by peer")
+        except RuntimeError as e:
+            assert isinstance(worker_error(e, 0, health.failed()), GroupError)
+    finally:
+        health.reset()
