@@ -191,7 +191,7 @@ def test_two_losses_in_a_row_and_one_during_a_checkpoint_upload(ray_cluster, tmp
         assert not handle.done() and time.time() - t0 < 120
         time.sleep(0.05)
     # the second loss lands while a checkpoint is being uploaded (or right around it)
-    while ctl._ckpt is None and not handle.done():
+    while ctl.tracker.in_flight is None and not handle.done():
         time.sleep(0.005)
     cluster.remove(ctl.workers[-1].info["node_id"])
     result = handle.result(timeout=180)
