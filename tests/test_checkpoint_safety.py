@@ -30,6 +30,7 @@ from elastic.checkpoint import (
     list_checkpoints,
     load,
     load_latest_valid,
+    plan_resume,
     read_manifest,
     read_owner,
     release,
@@ -40,6 +41,7 @@ from elastic.errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointOwnerError,
+    ConfigError,
     StorageError,
 )
 from strategies.base import state_hash
@@ -313,3 +315,35 @@ def test_s3_without_conditional_put_checks_then_writes(s3_server, monkeypatch) -
     with pytest.raises(CheckpointOwnerError):
         claim(store, "job-b")
     assert not claim(store, "job-a").fresh
+
+
+# --------------------------------------------------------------------------- resume plans
+
+
+def test_plan_resume(store: CheckpointStore, tmp_path) -> None:
+    claim(store, "job-a")
+    for step in (10, 20):
+        _tiny_commit(store, step, owner="job-a")
+    m20 = read_manifest(store, 20)
+    _flip(store, 20, m20.shards[0].path, m20.shards[0].index_offset + 2)
+
+    plan = plan_resume("latest", "job-a", own=store, max_steps=100)
+    assert (plan.step, plan.fork, plan.source_owner) == (10, False, "job-a")
+    assert [(c.step, c.shard) for c in plan.skipped] == [(20, m20.shards[0].path)]
+    assert "index checksum mismatch" in plan.skipped[0].note
+    assert plan_resume("latest", "job-a", own=store, exclude={20}).skipped == ()
+    with pytest.raises(ConfigError, match="max_steps 10"):
+        plan_resume("latest", "job-a", own=store, max_steps=10)
+
+    # job-b writing to its own URI may start from job-a's checkpoints: a fork
+    mine = CheckpointStore(str(tmp_path / "mine"))
+    uri = store.uri
+    plan = plan_resume(uri, "job-b", own=mine, options=store.options)
+    assert (plan.step, plan.fork, plan.source_owner) == (10, True, "job-a")
+    plan = plan_resume(f"{uri}/{store.step_name(10)}", "job-b", own=mine, options=store.options)
+    assert plan.step == 10 and plan.fork
+    # but not resume job-a's URI as its own
+    with pytest.raises(CheckpointOwnerError, match="job-a"):
+        plan_resume("latest", "job-b", own=store)
+    with pytest.raises(CheckpointError, match="does not exist"):
+        plan_resume(str(tmp_path / "typo"), "job-b", own=mine)

@@ -10,11 +10,12 @@ Worker side (each rank, every K steps)::
 Controller side::
 
     store = CheckpointStore(uri, options); store.check_writable()   # before workers start
-    claim(store, job_name)                              # CheckpointOwnerError: another job's
+    claim(store, job_name)               # CheckpointOwnerError: another job writes there
+    plan = plan_resume(resume, job_name, own=store, max_steps=n)    # if resuming: the step,
+                                         # fork or own, the corrupt steps skipped
     manifest = commit(store, step, infos, CheckpointMeta(plan=..., owner=job_name, ...))
     apply_retention(store, keep_last=3, keep_every=1000)
-    manifest, notes = find_latest_valid(store, exclude=bad_steps)   # at (re)start
-    check_resume(store, manifest, job_name, own=own_store)           # own URI: the job's?
+    manifest, notes = find_latest_valid(store, exclude=bad_steps)   # an in-run restore
     state = load(store, manifest, want={key: (start, stop), ...})    # on each rank
 
 Errors: ``CheckpointCorruptError`` (a committed checkpoint does not match its manifest; its
@@ -55,6 +56,7 @@ from elastic.checkpoint.ownership import (
     release,
 )
 from elastic.checkpoint.reader import CheckpointReader, ReadStats, TensorMeta, Want, load
+from elastic.checkpoint.resume import ResumePlan, plan_resume, resume_store
 from elastic.checkpoint.shard_format import Piece, assign_owners, owned_pieces
 from elastic.checkpoint.store import CheckpointStore, resolve_filesystem
 from elastic.checkpoint.tools import (
@@ -86,6 +88,7 @@ __all__ = [
     "Piece",
     "ReadStats",
     "ResumeCheck",
+    "ResumePlan",
     "ShardInfo",
     "ShardRecord",
     "ShardWriter",
@@ -112,11 +115,13 @@ __all__ = [
     "load_latest_valid",
     "nothing_found",
     "owned_pieces",
+    "plan_resume",
     "read_manifest",
     "read_owner",
     "release",
     "resolve_filesystem",
     "resolve_step",
+    "resume_store",
     "verify",
     "write_shard",
 ]
