@@ -74,3 +74,8 @@ def mlp_act(activation: str = "tanh") -> nn.Module:
     """``mlp`` with a chosen activation, looked up by name (a sweep searches it)."""
     acts = {"tanh": nn.Tanh, "relu": nn.ReLU, "gelu": nn.GELU}
     return nn.Sequential(nn.Linear(8, 16), acts[activation](), nn.Linear(16, 2))
+
+
+def worker_only_model(width: int = 16) -> nn.Module:
+    """A factory that needs a file only the workers have (it cannot build on the driver)."""
+    raise FileNotFoundError("/data/on-the-workers/weights.pt")

@@ -272,7 +272,7 @@ def test_resumed_sweep_samples_new_points(ray_local, tmp_path):
     assert len(set(_params(trials))) == 4, _params(trials)
 
 
-def test_a_failing_choice_is_found_before_any_trial(tmp_path):
+def test_a_failing_choice_is_found_before_any_trial(tmp_path, caplog):
     data = _sweep(tmp_path, base={**BASE, "model": "tests.helpers:mlp_act"},
                   params={"optimizer.lr": dict(LR), "model.activation": {
                       "type": "categorical", "choices": ["tanh", "relu", "sigmoidd"]}})
@@ -283,10 +283,17 @@ def test_a_failing_choice_is_found_before_any_trial(tmp_path):
     data["params"]["model.activation"]["choices"] = ["tanh", "relu"]
     assert load_sweep(data).params["model.activation"].choices == ("tanh", "relu")
 
-    bad_base = _sweep(tmp_path, base={**BASE, "model": "tests.helpers:failing_model"})
-    with pytest.raises(ConfigError, match="broken on purpose") as e:
-        load_sweep(bad_base)
-    assert e.value.field == "base.model"
+    # the first choice is the bad one: found by building without it
+    data["params"]["model.activation"]["choices"] = ["sigmoidd", "tanh"]
+    with pytest.raises(ConfigError, match="value 'sigmoidd'") as e:
+        load_sweep(data)
+    assert e.value.field == "params.model.activation"
+    # a factory that cannot build here at all is left to the trials, as before the check
+    elsewhere = _sweep(tmp_path, base={**BASE, "model": "tests.helpers:worker_only_model"},
+                       params={"model.width": {"type": "int", "low": 4, "high": 8}})
+    with caplog.at_level("WARNING", logger="elastic.sweep"):
+        load_sweep(elsewhere)
+    assert "cannot be built on this machine" in caplog.text
     bad_opt = _sweep(tmp_path, params={"optimizer.lr": dict(LR), "optimizer.betas": {
         "type": "categorical", "choices": [0.9]}})
     with pytest.raises(ConfigError) as e:

@@ -243,7 +243,8 @@ def _create_local(store: CheckpointStore, data: bytes) -> Any:
 
 def _s3_client(store: CheckpointStore) -> Any:
     """A boto3 S3 client with the store's endpoint, region, credentials and timeouts; None
-    when boto3 is missing or an option has no boto3 equivalent (an assumed role, a proxy)."""
+    when boto3 is missing, the store's options are unknown (built on a given filesystem), or
+    an option has no boto3 equivalent (an assumed role, a proxy)."""
     try:
         import boto3
         from botocore import UNSIGNED
@@ -251,7 +252,7 @@ def _s3_client(store: CheckpointStore) -> Any:
     except ImportError:
         return None
     opts = store.options
-    if {"role_arn", "session_name", "external_id", "proxy_options"} & set(opts):
+    if opts is None or {"role_arn", "session_name", "external_id", "proxy_options"} & set(opts):
         return None
     cfg: dict[str, Any] = {}
     kw: dict[str, Any] = {}

@@ -342,10 +342,13 @@ class CheckpointStore:
         return self.redact(hint)
 
     @property
-    def options(self) -> dict[str, Any]:
+    def options(self) -> dict[str, Any] | None:
         """The resolved options of an object store URI (``object_store_options``; with
-        secrets: never log them), {} for other stores."""
-        if self._given_fs is not None or self.kind not in _NO_DIRS:
+        secrets: never log them), {} for other stores, None for a store built on a given
+        ``filesystem`` (its options are unknown)."""
+        if self._given_fs is not None:
+            return None
+        if self.kind not in _NO_DIRS:
             return {}
         return object_store_options(self._uri, self._options)
 

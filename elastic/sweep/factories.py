@@ -3,7 +3,7 @@
 A categorical choice that breaks its factory (``model.activation: [tanh, relu, sigmoidd]``
 where the model factory looks the name up) would otherwise fail a whole trial, on a cluster,
 every time the sampler picks it. ``check_factories`` builds, for every value of the search
-space's probes (each choice, each end of a range) and for the base job:
+space's probes (each choice, each end of a range) of a searched factory field:
 
 * the model: on PyTorch's ``meta`` device (no memory, no initialisation cost), or on the CPU
   when the factory cannot build there (it loads weights, say); it must return an
@@ -12,12 +12,14 @@ space's probes (each choice, each end of a range) and for the base job:
 * the loss: resolved (it runs on tensors a trial makes).
 
 Each distinct factory setting is built once. A failure is a ``ConfigError`` naming the
-parameter and the value (``params.model.activation``), or ``base.<field>`` for the base job
-(see ``check_factories`` for how the value to blame is found).
+parameter and the value (``params.model.activation``; see ``check_factories`` for how the
+value to blame is found). A factory nobody searches is the same in every trial and is only
+resolved, as before: building it on the sweep's machine could need what only the workers have.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +28,8 @@ from ..errors import ConfigError
 from .sweep_file import SweepConfig
 
 __all__ = ["check_factories", "FACTORY_FIELDS"]
+
+log = logging.getLogger("elastic.sweep")
 
 FACTORY_FIELDS = ("model", "optimizer", "loss")
 
@@ -86,22 +90,30 @@ def _culprit(cfg: SweepConfig, top: str, names: list[str], first: dict[str, Any]
 
 
 def check_factories(cfg: SweepConfig) -> None:
-    """Build every factory the sweep's trials can meet once (see the module docstring);
-    ``ConfigError`` naming the parameter and value whose factory fails.
+    """Build each searched factory once per value (see the module docstring); ``ConfigError``
+    naming the parameter and value whose factory fails.
 
-    For each factory field, the job with every parameter at its first probe is built first,
-    then each other probe value of each parameter with the rest at their first: a failure
-    there is that value's. When the first job fails, the parameter whose first value is the
-    cause is found by building without it; if none is, the base job's factory is blamed."""
+    For each searched factory field, the job with every parameter at its first probe is
+    built first, then each other probe value of each parameter with the rest at their first:
+    a failure there is that value's. When the first job already fails, the parameter whose
+    first value is the cause is found by building without it. When none is (the factory
+    cannot build on this machine at all: weights or a device only the workers have), the
+    field is not checked here (a warning says so) and the trials tell, as without the check.
+    """
     first = {n: p.probes()[0] for n, p in cfg.params.items()}
     for top in FACTORY_FIELDS:
         names = [n for n in cfg.params if n.split(".")[0] == top]
+        if not names:
+            continue  # not searched: the same in every trial, resolved by SweepConfig.validate
         err = _build(top, cfg.job_fields(first))
         if err is not None:
             n = _culprit(cfg, top, names, first)
-            if n is None:
-                raise _fail(f"base.{top}", "the base job", top, err) from None
-            raise _fail(f"params.{n}", f"value {first[n]!r}", top, err) from None
+            if n is not None:
+                raise _fail(f"params.{n}", f"value {first[n]!r}", top, err) from None
+            log.warning("sweep: the %s cannot be built on this machine (%s: %s); its searched "
+                        "values are not checked before the trials", top, type(err).__name__,
+                        (str(err).strip().splitlines() or [""])[0][:200])
+            continue
         seen = {repr(cfg.job_fields(first).get(top))}
         for n in names:
             for value in cfg.params[n].probes():
