@@ -159,11 +159,20 @@ def _which(w: str) -> Any:
 def _cmd_checkpoints(a: argparse.Namespace) -> int:
     import json
 
-    from .checkpoint import export, format_inspect, format_list, inspect, list_checkpoints, verify
+    from .checkpoint import (
+        export,
+        format_inspect,
+        format_list,
+        inspect,
+        list_checkpoints,
+        nothing_found,
+        verify,
+    )
 
     store = _store_of(a)
     if a.action == "list":
-        print(format_list(list_checkpoints(store)))
+        rows = list_checkpoints(store)
+        print(format_list(rows, None if rows else nothing_found(store)))
         return 0
     if a.action == "inspect":
         info = inspect(store, _which(a.which or "latest"))
@@ -171,6 +180,8 @@ def _cmd_checkpoints(a: argparse.Namespace) -> int:
         return 0
     if a.action == "verify":
         report = verify(store, _which(a.which or "all"))
+        if report.nothing:  # a CI gate on a misspelled path must not pass
+            print(f"elastic: {report.nothing}", file=sys.stderr)
         for step in report.steps:
             probs = report.problems.get(step, [])
             print(f"step {step}: " + ("OK" if not probs else "BAD: " + "; ".join(probs)))
@@ -246,7 +257,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _see_current_folder() -> None:
+    """Put the current folder first on ``sys.path`` as ``python -m elastic`` does: the
+    ``elastic`` console script puts its own ``bin`` folder there instead, so a job file's
+    ``mymodule:factory`` in the folder the command runs in would not import. Ray's workers
+    get the driver's current folder on their path from Ray itself (same machine, or the same
+    layout on every node; ``ray job submit --working-dir`` ships it otherwise)."""
+    import os
+
+    cwd = os.getcwd()
+    if not any(p in ("", ".") or os.path.abspath(p) == cwd for p in sys.path):
+        sys.path.insert(0, cwd)
+
+
 def main(argv: list[str] | None = None) -> int:
+    _see_current_folder()
     args = build_parser().parse_args(argv)
     try:
         return int(args.fn(args) or 0)

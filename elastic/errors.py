@@ -21,6 +21,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointCorruptError",
     "StorageError",
+    "CheckpointOwnerError",
     "NonFiniteError",
     "SwitchError",
     "JobNotFoundError",
@@ -108,6 +109,19 @@ class CheckpointCorruptError(CheckpointError):
 
 class StorageError(CheckpointError):
     """The checkpoint storage failed (unreachable, permission, I/O)."""
+
+
+class CheckpointOwnerError(CheckpointError):
+    """Another job owns the checkpoint URI, or wrote the checkpoint: writing there, or resuming
+    from it as this job's own, is refused before anything is written. ``owner`` names that
+    job; the message names the fix (an own ``checkpoint_uri``, or an explicit fork)."""
+
+    def __init__(self, message: str, owner: str | None = None) -> None:
+        self.owner = owner
+        super().__init__(message)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (str(self), self.owner))
 
 
 class NonFiniteError(ElasticError):

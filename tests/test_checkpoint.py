@@ -233,13 +233,12 @@ def test_deferred_host_copy_runs_beside_the_caller(tmp_path) -> None:
         state = {k: v.clone() for k, v in expected.items()}
 
 
-def test_checksum_versions(tmp_path, monkeypatch) -> None:
+def test_checksum_versions(tmp_path) -> None:
     """Shards carry CRC-32C (version 2); a version-1 index (zlib CRC-32 under "crc32") still
     parses, and a shard checksummed with CRC-32 reads back and verifies."""
     import json
     import zlib
 
-    import elastic.checkpoint.writer as writer_mod
     from elastic.checkpoint.shard_format import ShardIndex, checksum_fn
 
     v1 = {"format": "elastic-shard", "version": 1, "step": 3, "rank": 0, "byteorder": "little",
@@ -251,9 +250,8 @@ def test_checksum_versions(tmp_path, monkeypatch) -> None:
     assert json.loads(idx.to_bytes())["version"] == 2  # what is written now
     state = make_state(rows=64, seed=9)
     for algo in ("crc32", "crc32c"):
-        monkeypatch.setattr(writer_mod, "CHECKSUM", algo)
         store = CheckpointStore(str(tmp_path / algo))
-        w = ShardWriter(store, 0)
+        w = ShardWriter(store, 0, checksum=algo)
         w.begin(1, state)
         m = commit(store, 1, [w.wait(30)])
         w.close()
@@ -262,9 +260,9 @@ def test_checksum_versions(tmp_path, monkeypatch) -> None:
 
 
 def test_parallel_host_copy_and_checksums(tmp_path, monkeypatch) -> None:
-    import elastic.checkpoint.writer as writer_mod
+    import elastic.checkpoint.staging as staging_mod
 
-    monkeypatch.setattr(writer_mod, "_COPY_SPLIT", 4096)  # split even small tensors
+    monkeypatch.setattr(staging_mod, "_COPY_SPLIT", 4096)  # split even small tensors
     store = CheckpointStore(str(tmp_path))
     state = make_state(seed=5)
     state["model/strided"] = torch.randn(64, 40)[:, ::2]  # non-contiguous source

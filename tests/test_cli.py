@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import elastic
@@ -44,7 +45,9 @@ def test_checkpoint_tools(ray_local, tmp_path):
     out = _cli("checkpoints", "verify", uri)
     assert out.returncode == 1 and "BAD" in out.stdout
     out = _cli("checkpoints", "list", str(tmp_path / "nothing-here"))
-    assert out.returncode == 0
+    assert out.returncode == 0 and "does not exist" in out.stdout
+    out = _cli("checkpoints", "verify", str(tmp_path / "nothing-here"))  # a CI gate fails
+    assert out.returncode == 1 and "does not exist" in out.stderr
 
 
 def test_plan_prints_a_ranked_table_with_reasons():
@@ -66,3 +69,58 @@ def test_entry_script_runs_like_ray_submit_would(tmp_path):
                           "gpt.yaml"), "--cluster", "h100x8"], capture_output=True, text=True,
                          timeout=120, cwd=tmp_path)
     assert out.returncode == 0 and "chose" in out.stdout, out.stderr
+
+
+_USER_MODULE = '''
+import torch
+from torch import nn
+
+
+def model(width: int = 16) -> nn.Module:
+    return nn.Sequential(nn.Linear(4, width), nn.Tanh(), nn.Linear(width, 1))
+
+
+class Data:
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(64, 4, generator=g)
+        self.y = self.x.sum(1, keepdim=True)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+'''
+
+
+def test_console_script_imports_modules_of_the_current_folder(tmp_path):
+    """`elastic run job.yaml` from the folder that holds the job's module works like
+    `python -m elastic` does: the driver and Ray's workers import it."""
+    import shutil
+
+    import yaml
+
+    script = shutil.which("elastic", path=os.path.dirname(sys.executable))
+    if script is None:
+        pytest.skip("no elastic console script beside this Python (not installed)")
+    (tmp_path / "my_job_module.py").write_text(_USER_MODULE)
+    job = {"model": "my_job_module:model", "dataset": "my_job_module:Data", "loss": "mse",
+           "optimizer": {"name": "adam", "lr": 0.01}, "global_batch_size": 8, "max_steps": 2,
+           "num_workers": 1, "view": "none", "run_dir": str(tmp_path / "run")}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    sweep = {"base": "job.yaml", "n_trials": 1,
+             "params": {"model.widthh": {"type": "int", "low": 4, "high": 8}}}
+    (tmp_path / "sweep.yaml").write_text(yaml.safe_dump(sweep))
+    env = dict(os.environ, PYTHONPATH=ROOT)
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([script, *args], capture_output=True, text=True, timeout=240,
+                              cwd=tmp_path, env=env)
+
+    out = run("sweep", "sweep.yaml")  # checked before Ray starts: the module was imported
+    assert out.returncode == 2, out.stderr
+    assert "does not take it" in out.stderr and "No module named" not in out.stderr, out.stderr
+    out = run("run", "job.yaml")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "done: 2 steps" in out.stdout

@@ -28,7 +28,8 @@ from sqlalchemy import text
 
 from elastic import cli
 from elastic.errors import ConfigError
-from elastic.sweep import _concurrency, load_sweep, run_sweep, trial_counts
+from elastic.sweep import load_sweep, open_study, run_sweep, trial_counts, trial_line
+from elastic.sweep.cluster import concurrency
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRUNE_STEPS = 200  # with slow_mse, ~2 s: a pruned job is still running when it is stopped
@@ -189,7 +190,7 @@ def test_concurrency_is_what_the_cluster_holds(ray_local, tmp_path, workers, max
     cfg = load_sweep(_sweep(tmp_path, max_concurrent=max_concurrent,
                             base={**BASE, "global_batch_size": 8},
                             params={"optimizer.lr": dict(LR), "num_workers": workers}))
-    assert _concurrency(cfg, cfg.probe_configs()) == expected
+    assert concurrency(cfg, cfg.probe_configs()) == expected
 
 
 @pytest.mark.parametrize("mutate, field", [
@@ -229,3 +230,105 @@ def test_dotted_params_set_nested_job_fields(tmp_path):
     assert fields["optimizer"] == {"name": "adam", "lr": 0.5}
     assert fields["resources_per_worker"] == {"CPU": 2}
     assert BASE["optimizer"]["lr"] == 0.01  # the base is not changed
+
+
+def _params(trials: list[optuna.trial.FrozenTrial]) -> list[tuple]:
+    return [tuple(sorted(t.params.items())) for t in trials]
+
+
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage is supposed to be used")  # ask/tell
+@pytest.mark.parametrize("sampler", ["random", "tpe"])
+def test_resumed_study_samples_new_points(tmp_path, sampler):
+    """A seeded sampler rebuilt with its seed would repeat its start-up draws on resume."""
+    def session(storage: str, n: int) -> None:
+        cfg = load_sweep(_sweep(tmp_path, study={"name": "t", "storage": storage,
+                                                 "sampler": {"type": sampler, "seed": 0},
+                                                 "pruner": "none"}))
+        study = open_study(cfg)  # what a new `elastic sweep` process does
+        for _ in range(n):
+            trial = study.ask()
+            value = cfg.params["optimizer.lr"].suggest(trial)
+            study.tell(trial, value)
+
+    resumed = f"sqlite:///{tmp_path}/resumed.db"
+    session(resumed, 3)
+    session(resumed, 3)
+    session(resumed, 2)
+    trials = _trials(resumed, "t")
+    assert len(set(_params(trials))) == len(trials) == 8
+    once = f"sqlite:///{tmp_path}/once.db"  # the first session is still the seed's
+    session(once, 3)
+    assert _params(_trials(once, "t")) == _params(trials[:3])
+
+
+def test_resumed_sweep_samples_new_points(ray_local, tmp_path):
+    data = _sweep(tmp_path, n_trials=2, max_concurrent=1,
+                  base={**BASE, "max_steps": 2})
+    path = _write(tmp_path / "sweep.yaml", data)
+    run_sweep(path)
+    study = run_sweep(path, n_trials=4)  # `elastic sweep sweep.yaml --n-trials 4`
+    trials = study.get_trials()
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 4
+    assert len(set(_params(trials))) == 4, _params(trials)
+
+
+def test_a_failing_choice_is_found_before_any_trial(tmp_path, caplog):
+    data = _sweep(tmp_path, base={**BASE, "model": "tests.helpers:mlp_act"},
+                  params={"optimizer.lr": dict(LR), "model.activation": {
+                      "type": "categorical", "choices": ["tanh", "relu", "sigmoidd"]}})
+    with pytest.raises(ConfigError) as e:
+        run_sweep(data)  # before Ray: no trial spends a cluster on it
+    assert e.value.field == "params.model.activation"
+    assert "'sigmoidd'" in e.value.problem and "KeyError" in e.value.problem and e.value.fix
+    data["params"]["model.activation"]["choices"] = ["tanh", "relu"]
+    assert load_sweep(data).params["model.activation"].choices == ("tanh", "relu")
+
+    # the first choice is the bad one: found by building without it
+    data["params"]["model.activation"]["choices"] = ["sigmoidd", "tanh"]
+    with pytest.raises(ConfigError, match="value 'sigmoidd'") as e:
+        load_sweep(data)
+    assert e.value.field == "params.model.activation"
+    # a factory that cannot build here at all is left to the trials, as before the check
+    elsewhere = _sweep(tmp_path, base={**BASE, "model": "tests.helpers:worker_only_model"},
+                       params={"model.width": {"type": "int", "low": 4, "high": 8}})
+    with caplog.at_level("WARNING", logger="elastic.sweep"):
+        load_sweep(elsewhere)
+    assert "cannot be built on this machine" in caplog.text
+    bad_opt = _sweep(tmp_path, params={"optimizer.lr": dict(LR), "optimizer.betas": {
+        "type": "categorical", "choices": [0.9]}})
+    with pytest.raises(ConfigError) as e:
+        load_sweep(bad_opt)
+    assert e.value.field == "params.optimizer.betas" and "0.9" in e.value.problem
+
+
+def test_trial_lines_say_what_happened():
+    lr = optuna.distributions.FloatDistribution(1e-5, 0.1, log=True)
+    failed = optuna.trial.create_trial(
+        state=TrialState.FAIL, params={"optimizer.lr": 0.02}, distributions={"optimizer.lr": lr},
+        user_attrs={"error": "WorkerError: user code failed on worker rank 0", "seconds": 3.5,
+                    "run_dir": "runs/t/trial-0003", "job": "t-trial-3"})
+    line = trial_line(failed)
+    assert "None" not in line, line
+    assert line.startswith(f"trial {failed.number} failed: WorkerError: user code failed")
+    assert "after 3.5s" in line
+    assert "optimizer.lr=0.02" in line and "runs/t/trial-0003" in line
+    bare = optuna.trial.create_trial(state=TrialState.FAIL, params={"optimizer.lr": 0.02},
+                                     distributions={"optimizer.lr": lr})
+    assert "None" not in trial_line(bare)
+    done = optuna.trial.create_trial(
+        state=TrialState.COMPLETE, value=0.125, params={"optimizer.lr": 0.02},
+        distributions={"optimizer.lr": lr},
+        user_attrs={"world_size": 2, "strategy": "dp", "seconds": 4.0, "run_dir": "r"})
+    assert trial_line(done) == (f"trial {done.number} complete: 0.125 (optimizer.lr=0.02; "
+                                "world 2, dp, 4.0s, r)")
+
+
+def test_each_trial_gets_its_own_checkpoint_uri(tmp_path):
+    """A checkpoint URI belongs to one job: trials of a base with checkpoint_uri write under
+    it, each to its own."""
+    cfg = load_sweep(_sweep(tmp_path, base={**BASE, "checkpoint_uri": "s3://b/sweep?region=x"}))
+    a, b = (cfg.trial_fields(n, {"optimizer.lr": 0.01}) for n in (3, 4))
+    assert a["checkpoint_uri"] == "s3://b/sweep/trial-0003?region=x"
+    assert b["checkpoint_uri"] == "s3://b/sweep/trial-0004?region=x"
+    assert (a["name"], a["view"]) == ("t-trial-3", "none")
+    assert a["run_dir"] == os.path.join(cfg.run_path, "trial-0003")

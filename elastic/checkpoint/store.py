@@ -27,9 +27,15 @@ from urllib.parse import parse_qsl, quote, unquote, urlsplit
 
 import pyarrow.fs as pafs
 
-from elastic.errors import CheckpointError, ConfigError
+from elastic.errors import CheckpointCorruptError, CheckpointError, ConfigError, StorageError
 
-__all__ = ["CheckpointStore", "resolve_filesystem", "SECRET_OPTIONS"]
+__all__ = [
+    "CheckpointStore",
+    "resolve_filesystem",
+    "object_store_options",
+    "corrupt_error",
+    "SECRET_OPTIONS",
+]
 
 SECRET_OPTIONS = frozenset(
     {
@@ -160,8 +166,7 @@ def resolve_filesystem(
                 f"unknown option(s) {unknown} for {scheme}://",
                 f"use only {sorted(allowed)}",
             )
-        opts = {k: _coerce(k, v) for k, v in opts.items()}
-        _split_endpoint(opts)
+        opts = object_store_options(uri, options)
         if not parts.netloc:
             raise ConfigError(
                 "checkpoint.uri",
@@ -194,6 +199,20 @@ def resolve_filesystem(
             "use a local path, file://, s3:// or gs:// URI",
         ) from None
     return fs, path.rstrip("/")
+
+
+def object_store_options(uri: str, options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The options of an ``s3://``/``gs://`` URI as pyarrow takes them: query parameters and
+    ``KEY:SECRET@`` credentials merged under ``options``, aliases resolved, text coerced,
+    ``endpoint_override="http://host:port"`` split into ``scheme`` and ``host:port``.
+    (``retries`` stays an integer here; ``resolve_filesystem`` turns it into a retry
+    strategy.) Does not check the option names."""
+    parts = urlsplit(uri)
+    query = _normalise(dict(parse_qsl(parts.query)))
+    query.update(_userinfo(parts.netloc))
+    opts = {k: _coerce(k, v) for k, v in {**query, **_normalise(options or {})}.items()}
+    _split_endpoint(opts)
+    return opts
 
 
 def _userinfo(netloc: str) -> dict[str, str]:
@@ -253,11 +272,22 @@ class CheckpointStore:
         return text
 
     def error(self, message: str, exc: BaseException | None = None) -> CheckpointError:
-        """A ``CheckpointError`` for ``message`` (plus a diagnosis of ``exc``), redacted.
-        Callers ``raise store.error(...) from None`` so pyarrow's text is never chained."""
-        if exc is not None:
-            message = f"{message}: {self.explain(exc)}"
-        return CheckpointError(self.redact(message))
+        """The error for ``message``, redacted: a ``StorageError`` (plus a diagnosis) when the
+        filesystem raised ``exc``, else a plain ``CheckpointError`` (a refused operation, say
+        a commit with a rank missing). Callers ``raise store.error(...) from None`` so
+        pyarrow's text is never chained."""
+        if exc is None:
+            return CheckpointError(self.redact(message))
+        return StorageError(self.redact(f"{message}: {self.explain(exc)}"))
+
+    def corrupt(
+        self, message: str, *, step: int | None = None, shard: str | None = None
+    ) -> CheckpointCorruptError:
+        """A ``CheckpointCorruptError``: a committed checkpoint's bytes or files do not match
+        its manifest. ``step`` and ``shard`` (the shard file, relative to the step directory;
+        None for the manifest) name the bad object and travel as attributes of the same
+        names, through pickling too."""
+        return corrupt_error(self.redact(message), step=step, shard=shard)
 
     def explain(self, exc: BaseException) -> str:
         """Say what a storage exception means and how to fix it (redacted)."""
@@ -310,6 +340,22 @@ class CheckpointStore:
         else:
             hint = f"{type(exc).__name__}: {text}"
         return self.redact(hint)
+
+    @property
+    def options(self) -> dict[str, Any] | None:
+        """The resolved options of an object store URI (``object_store_options``; with
+        secrets: never log them), {} for other stores, None for a store built on a given
+        ``filesystem`` (its options are unknown)."""
+        if self._given_fs is not None:
+            return None
+        if self.kind not in _NO_DIRS:
+            return {}
+        return object_store_options(self._uri, self._options)
+
+    def same_place(self, other: CheckpointStore) -> bool:
+        """Whether ``other`` names the same root on the same storage (kind, endpoint,
+        path), whatever the spelling of its URI and options."""
+        return (self.kind, self.endpoint, self.root) == (other.kind, other.endpoint, other.root)
 
     # ------------------------------------------------------------------ paths
     @staticmethod
@@ -372,6 +418,18 @@ def _collect_secrets(uri: str, options: Mapping[str, Any]) -> tuple[str, ...]:
             found.add(v)
     # longest first, so a secret containing another is replaced whole
     return tuple(sorted(found, key=len, reverse=True))
+
+
+def corrupt_error(
+    message: str, *, step: int | None = None, shard: str | None = None
+) -> CheckpointCorruptError:
+    """``CheckpointCorruptError(message)`` with ``step`` and ``shard`` attributes (the bad
+    object; ``shard`` None means the manifest). Exceptions pickle their ``__dict__``, so the
+    attributes survive a trip through a Ray actor."""
+    err = CheckpointCorruptError(message)
+    err.step = step  # type: ignore[attr-defined]
+    err.shard = shard  # type: ignore[attr-defined]
+    return err
 
 
 _STEP_RE = re.compile(r"^step-(\d{12})$")
