@@ -12,11 +12,8 @@ over a fake one).
 
 from __future__ import annotations
 
-import contextlib
-import signal
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from clusters.policy import GiveUp
@@ -33,7 +30,9 @@ from ..errors import (
 from ..events import Event, RunLog
 from ..failures import classify, root_cause
 from ..view import View
+from .cadence import poll_interval, scale_interval
 from .checkpoints import CheckpointTracker
+from .interrupts import Interrupts
 from .layouts import Layouts
 from .preflight import preflight, run_directory
 from .regroup import Regroup
@@ -59,8 +58,6 @@ from .steps import StepLog
 
 __all__ = ["Controller"]
 
-_POLL_S = 0.25  # while the controller has work at hand (see Controller._poll_interval)
-_IDLE_POLL_S = 1.0  # otherwise: each poll is an RPC every worker answers, taking the GIL
 
 
 class Controller:
@@ -97,7 +94,7 @@ class Controller:
         self._resume: tuple[Any, int] | None = None
         self._segment: Any = None
         self._stop_at: int | None = None  # a stop asked for: the job ends at this step
-        self._interrupted: int | None = None  # the signal that asked the job to stop
+        self.interrupts = Interrupts()
         self._switch_done = -1  # the boundary whose scheduled switch has run
         self.sizing = Sizing(config, self.inbox)
         self._mem_at = 0.0
@@ -128,7 +125,7 @@ class Controller:
         the job at the next step boundary (a second signal stops it at once)."""
         state: State = Starting()
         try:
-            with self._signals():
+            with self.interrupts.installed():
                 while not state.terminal:
                     nxt = self.step_state(state)
                     self._transition(state, nxt)
@@ -141,37 +138,15 @@ class Controller:
         if isinstance(state, Failed):
             raise state.error
         assert isinstance(state, Finished)
-        if self._interrupted is not None:
+        if self.interrupts.signum is not None:
             state.result.status = "interrupted"
-            raise InterruptedJobError(self._interrupted, state.result)
+            raise InterruptedJobError(self.interrupts.signum, state.result)
         return state.result
 
-    @contextlib.contextmanager
-    def _signals(self) -> Iterator[None]:
-        """SIGINT and SIGTERM (what ``ray job stop`` sends) ask the job to stop at the next
-        step boundary; a second one stops it at once. Only in the main thread (a job run by
-        ``submit`` leaves signals to the program). The handler only records the signal: the
-        controller's loop acts on it within a poll."""
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-
-        def handler(signum: int, frame: Any) -> None:
-            if self._interrupted is not None:
-                raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: stopping now")
-            self._interrupted = signum
-
-        old = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for sig, h in old.items():
-                signal.signal(sig, h)
-
     def _check_interrupt(self) -> None:
-        if self._interrupted is not None and self._stop_at is None and not self.inbox.has(
-                "stop"):
-            name = signal.Signals(self._interrupted).name
+        if self.interrupts.pending():
+            self.interrupts.acted = True
+            name = self.interrupts.name
             self._emit("interrupted", f"{name} received: stopping at the next step boundary"
                        + (" after a final checkpoint" if self.tracker.store else ""),
                        data={"signal": name})
@@ -221,7 +196,8 @@ class Controller:
                     "resume", f"checkpoint step {self._resume[1]} at {self._resume[0].uri} is "
                     f"already at or past max_steps={cfg.max_steps}: nothing would be trained.",
                     f"raise max_steps above {self._resume[1]} to train on, or drop resume")
-        self._connect()
+        if self._group_factory is None:  # on Ray: attach, or start a local one
+            self._started_ray = _ray_connect(cfg)
         self.inbox.mailbox = (self._mailbox_factory or _ray_mailbox)(cfg.job_name)  # the name
         run_dir = run_directory(cfg)
         self._log = RunLog(run_dir)
@@ -430,36 +406,15 @@ class Controller:
             self.view.workers([w.info for w in self.workers])
 
     def _poll_interval(self) -> float:
-        """Seconds between polls of a running segment. Each poll drains every worker's
-        metrics by an RPC its second thread answers, taking the GIL from the training thread
-        (at 4 polls/s ~7 % of a 2-core host's throughput, docs/benchmarks.md), so poll fast
-        only while it matters: a checkpoint in flight or frequent, a waiting request, the job
-        below its target size, or before the first step is seen. Failures do not wait for a
-        poll."""
-        if (self.tracker.in_flight is not None or self.inbox.waiting() or not self.history
-                or len(self.workers) < self.sizing.target or self.inbox.parked):
-            return _POLL_S
-        every = self.cfg.checkpoint_every
-        step_s = float(self.history[-1].get("step_time") or 0.0)
-        if every > 0 and every * step_s < 5.0:
-            return _POLL_S
-        return _IDLE_POLL_S
+        below = len(self.workers) < self.sizing.target
+        busy = (self.tracker.in_flight is not None or self.inbox.waiting() or below
+                or bool(self.inbox.parked))
+        last = float(self.history[-1].get("step_time") or 0.0) if self.history else None
+        return poll_interval(busy=busy, last_step_s=last,
+                             checkpoint_every=self.cfg.checkpoint_every)
 
     def _scale_interval(self) -> float:
-        """Seconds between checks for room: ``scale_check_s``, but at most 1 s while the job
-        is below its target size (after a loss the replacement node usually comes within
-        seconds; the check is one GCS call)."""
-        if len(self.workers) < self.sizing.target:
-            return min(1.0, self.cfg.scale_check_s)
-        return self.cfg.scale_check_s
-
-    def _connect(self) -> None:
-        if self._group_factory is not None:
-            return
-        from ..ray_connect import connect
-
-        need = self.cfg.max_world * float(self.cfg.resources_per_worker.get("CPU", 1))
-        self._started_ray = connect(self.cfg.ray_address, need)
+        return scale_interval(self.cfg.scale_check_s, len(self.workers) < self.sizing.target)
 
     # ------------------------------------------------------------------ outside
 
@@ -500,6 +455,12 @@ class Controller:
             from ..ray_connect import disconnect
 
             disconnect()
+
+
+def _ray_connect(cfg: JobConfig) -> bool:
+    from ..ray_connect import connect
+
+    return connect(cfg.ray_address, cfg.max_world * float(cfg.resources_per_worker.get("CPU", 1)))
 
 
 def _ray_group(cfg: JobConfig) -> Any:

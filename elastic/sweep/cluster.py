@@ -7,9 +7,6 @@ trials the cluster holds at once.
 
 from __future__ import annotations
 
-import logging
-import os
-
 from ..config import JobConfig
 from ..errors import ClusterError
 from .sweep_file import SweepConfig
@@ -26,23 +23,10 @@ def connect(probes: list[JobConfig]) -> bool:
 
     if ray.is_initialized():
         return False
-    from .._ctl_base import check_reachable
+    from ..ray_connect import connect as attach_or_start
 
-    base = probes[0]
-    addr = base.ray_address or os.environ.get("RAY_ADDRESS")
-    if addr and addr not in ("local", "auto"):
-        check_reachable(addr)
-        try:
-            ray.init(address=addr, logging_level=logging.ERROR, log_to_driver=False)
-        except Exception as e:
-            raise ClusterError(f"cannot connect to the Ray cluster at {addr}: {e}. Fix: check "
-                               "the address, or unset RAY_ADDRESS for a local one.") from e
-    elif addr == "auto":
-        ray.init(address="auto", logging_level=logging.ERROR, log_to_driver=False)
-    else:
-        need = max(c.max_world * float(c.resources_per_worker.get("CPU", 1)) for c in probes)
-        ray.init(address="local", num_cpus=max(int(need + 0.999), os.cpu_count() or 1),
-                 include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False)
+    need = max(c.max_world * float(c.resources_per_worker.get("CPU", 1)) for c in probes)
+    attach_or_start(probes[0].ray_address, need)
     return True
 
 
