@@ -27,6 +27,7 @@ from types import TracebackType
 from .errors import (
     CheckpointCorruptError,
     CheckpointError,
+    CheckpointOwnerError,
     ClusterError,
     ConfigError,
     ElasticError,
@@ -105,6 +106,7 @@ def _kind_of(exc: BaseException) -> FailureKind:
         (WorkerError, FailureKind.USER_CODE),
         (NonFiniteError, FailureKind.NONFINITE),
         (CheckpointCorruptError, FailureKind.CORRUPT_CHECKPOINT),
+        (CheckpointOwnerError, FailureKind.CONFIG),
         (StorageError, FailureKind.STORAGE),
         (CheckpointError, FailureKind.STORAGE),
         (ClusterError, FailureKind.CLUSTER),

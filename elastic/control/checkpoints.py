@@ -11,7 +11,6 @@ with an event naming it.
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -101,7 +100,7 @@ class CheckpointTracker:
             infos = sorted((o["info"] for o in outs if o), key=lambda i: i["rank"])
             meta = CheckpointMeta(
                 plan=spec_dict(spec), world_size=spec.world_size, data_position=step,
-                rng={"seed": self.cfg.seed}, strategy=spec.name,
+                rng={"seed": self.cfg.seed}, strategy=spec.name, owner=self.cfg.job_name,
                 extra={"job": self.cfg.job_name,
                        "global_batch_size": self.cfg.global_batch_size})
             try:
@@ -151,33 +150,40 @@ class CheckpointTracker:
 
     # ------------------------------------------------------------------ restoring
 
+    def claim(self) -> None:
+        """Claim the job's checkpoint URI before anything is written there
+        (``CheckpointOwnerError`` with the fix when another job holds it)."""
+        from ..checkpoint import claim
+
+        if self.store is None:
+            return
+        got = claim(self.store, self.cfg.job_name)
+        if got.fresh:
+            self._emit("claimed", f"checkpoint URI {self.store.uri} claimed for job "
+                       f"{self.cfg.job_name}" + ("" if got.atomic else
+                                                 " (this storage has no atomic create)"),
+                       data={"uri": self.store.uri, "atomic": got.atomic})
+
     def find_resume(self, resume: str) -> tuple[CheckpointStore, int]:
-        """``latest``: the job's newest valid checkpoint; a URI: a checkpoint root (its newest
-        valid one) or one step directory (``.../step-000000000100``)."""
-        from ..checkpoint import find_latest_valid, read_manifest
+        """The checkpoint ``resume`` names (``latest``, a root, or one step's directory),
+        checked: the newest intact one (each newer one passed over is an event naming its
+        bad object), the job's own or an explicit fork, and before ``max_steps``."""
+        from ..checkpoint import plan_resume
         from ..checkpoint_io import job_store
 
-        if resume == "latest":
-            store = self.store or job_store(self.cfg)
-            step = None
-        else:
-            m = re.match(r"^(.*?)/?step-(\d+)/?$", resume)
-            root = m.group(1) if m else resume
-            store = CheckpointStore(root, dict(self.cfg.checkpoint_options))
-            step = int(m.group(2)) if m else None
-        notes: list[str] = []
-        if step is not None:
-            manifest: Any = read_manifest(store, step)
-        else:
-            manifest, notes = find_latest_valid(store, exclude=())
-        if manifest is None:
-            raise CheckpointError(
-                f"resume={resume!r}: no committed checkpoint under {store.uri}"
-                + (f" ({'; '.join(notes)})" if notes else "")
-                + ". Fix: check the URI, or drop resume to start fresh.")
-        for n in notes:
-            self._emit("checkpoint_skipped", n)
-        return store, manifest.step
+        plan = plan_resume(resume, self.cfg.job_name, own=self.store or job_store(self.cfg),
+                           options=self.cfg.checkpoint_options, exclude=self.bad_steps,
+                           max_steps=self.cfg.max_steps)
+        for c in plan.skipped:
+            self.bad_steps.add(c.step)
+            self._emit("checkpoint_skipped", c.note, data={"step": c.step,
+                                                           "object": c.bad_object})
+        if plan.fork:
+            self._emit("forked", f"resuming from another URI, {plan.store.uri} step {plan.step}"
+                       + (f" (written by job {plan.source_owner})" if plan.source_owner else "")
+                       + "; this job writes to its own", data={"uri": plan.store.uri,
+                                                              "step": plan.step})
+        return plan.store, plan.step
 
     def restore(self, group: Any, spec: StrategySpec, store: CheckpointStore, step: int,
                 reason: str) -> None:

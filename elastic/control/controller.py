@@ -21,7 +21,6 @@ from strategies import StrategySpec
 
 from ..config import JobConfig
 from ..errors import (
-    ConfigError,
     ElasticError,
     InfrastructureError,
     InterruptedJobError,
@@ -191,14 +190,10 @@ class Controller:
             self.layouts.validate(self.layouts.make(cfg.strategy, cfg.num_workers), "strategy")
         if cfg.resume:
             self._resume = self.tracker.find_resume(cfg.resume)
-            if self._resume[1] >= cfg.max_steps:
-                raise ConfigError(
-                    "resume", f"checkpoint step {self._resume[1]} at {self._resume[0].uri} is "
-                    f"already at or past max_steps={cfg.max_steps}: nothing would be trained.",
-                    f"raise max_steps above {self._resume[1]} to train on, or drop resume")
         if self._group_factory is None:  # on Ray: attach, or start a local one
             self._started_ray = _ray_connect(cfg)
         self.inbox.mailbox = (self._mailbox_factory or _ray_mailbox)(cfg.job_name)  # the name
+        self.tracker.claim()  # and the checkpoint URI, before anything is written
         run_dir = run_directory(cfg)
         self._log = RunLog(run_dir)
         self.steps.log = self._log

@@ -243,15 +243,3 @@ def test_a_second_signal_stops_at_once(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         ctl.run()
     assert fake.closed
-
-
-def test_resume_past_max_steps_says_so(tmp_path, monkeypatch):
-    from elastic.control.checkpoints import CheckpointTracker
-    from elastic.errors import ConfigError
-
-    monkeypatch.setattr(CheckpointTracker, "find_resume",
-                        lambda self, r: (type("S", (), {"uri": "file:///ck"})(), STEPS))
-    ctl, fake = _controller(tmp_path, resume="latest")
-    with pytest.raises(ConfigError, match="past max_steps"):
-        ctl.run()
-    assert not fake.workers and "placed" not in _kinds(ctl)
