@@ -27,8 +27,9 @@ def _cfg(tmp_path, **kw):
 
 def test_periodic_checkpoints_then_resume_resharded(ray_local, tmp_path):
     uri = str(tmp_path / "ckpt")
+    # one job (a name of its own: the checkpoint URI is claimed for it), run twice
     r1 = elastic.fit(**_cfg(tmp_path, max_steps=12, checkpoint_uri=uri, checkpoint_every=4,
-                            keep_last=2))
+                            keep_last=2, name="ck-job"))
     assert committed_steps(CheckpointStore(uri)) == [8, 12]  # retention: keep the last 2
     ck = [e for e in r1.events if e.kind == "checkpoint"]
     assert [e.data["step"] for e in ck] == [4, 8, 12]
@@ -43,7 +44,8 @@ def test_periodic_checkpoints_then_resume_resharded(ray_local, tmp_path):
     # its own checkpoints as each rank's rows of every entry (no gather)
     uri2 = str(tmp_path / "ckpt-zero3")
     r2 = elastic.fit(**_cfg(tmp_path, max_steps=16, checkpoint_uri=uri, resume="latest",
-                            num_workers=3, strategy="zero3", run_dir=str(tmp_path / "run2")))
+                            num_workers=3, strategy="zero3", run_dir=str(tmp_path / "run2"),
+                            name="ck-job"))
     assert [h["step"] for h in r2.history] == [12, 13, 14, 15]
     resumed = next(e for e in r2.events if e.kind == "resumed")
     # each zero3 rank read only its rows: about a third of the state, every byte once

@@ -121,14 +121,15 @@ def test_lr_schedule_and_clipping_follow_torch_through_switches_and_a_resharded_
 
     ckpt = str(tmp_path / "ckpt")
     result = _fit(tmp_path, lr_schedule=sched, max_grad_norm=clip, switch_at={4: "zero2", 8: "zero3"},
-                  checkpoint_uri=ckpt, checkpoint_every=6)
+                  checkpoint_uri=ckpt, checkpoint_every=6, name="sched-job")
     assert max_diff(result.state_dict(), ref) < TOL
     assert [h["strategy"] for h in result.history][3:5] == ["dp", "zero2"]
     assert [h["lr"] for h in result.history] == pytest.approx([1e-2 * fn(s) for s in range(STEPS)])
     assert [h["grad_norm"] for h in result.history] == pytest.approx(norms, rel=1e-5)
 
     resumed = _fit(tmp_path, lr_schedule=sched, max_grad_norm=clip, num_workers=3, strategy="zero1",
-                   checkpoint_uri=ckpt, resume=f"{ckpt}/step-{6:012d}", run_dir=str(tmp_path / "r2"))
+                   checkpoint_uri=ckpt, resume=f"{ckpt}/step-{6:012d}", run_dir=str(tmp_path / "r2"),
+                   name="sched-job")
     assert [h["step"] for h in resumed.history] == list(range(6, STEPS))
     assert max_diff(resumed.state_dict(), ref) < TOL
 
