@@ -11,14 +11,8 @@ from __future__ import annotations
 from .balance import RebalanceDecision, proportional_shares, rebalance_decision, stage_split
 from .calibrate import Measurement, calibrate
 from .catalog import DeviceType, LinkType, device_type, device_types, link_type, link_types
-from .cost import (
-    CostModel,
-    Estimate,
-    MemoryBreakdown,
-    bubble_fraction,
-    collective_time,
-    model_state_bytes,
-)
+from .collectives import collective_time
+from .cost import CostModel
 from .errors import (
     BalanceError,
     ClusterFileError,
@@ -27,8 +21,11 @@ from .errors import (
     PlanError,
     ProfileError,
 )
+from .estimate import Estimate
 from .inventory import cluster_from_launcher_config, cluster_from_ray_nodes
 from .loader import cluster_to_dict, example_path, load_cluster
+from .memory import MemoryBreakdown, layout_memory, model_state_bytes
+from .pipeline_cost import bubble_fraction
 from .plan import DP_MODES, SCHEDULES, STRATEGIES, Plan
 from .planner import Candidate, PlanResult, plan
 from .profile import ModelProfile, optimizer_state_bytes, profile_from_dict, transformer_profile
@@ -92,6 +89,7 @@ __all__ = [
     "format_plan_table",
     "format_sim_table",
     "link_type",
+    "layout_memory",
     "link_types",
     "load_cluster",
     "model_state_bytes",

@@ -162,7 +162,9 @@ def test_planner_rejects_with_a_reason_naming_the_device():
     r = plan(c, prof, 64)
     reasons = [x.rejection for x in r.rejected if x.subset == "all devices"]
     assert any(
-        re.match(r"zero1: needs [\d.]+ GB per device for model states, T4 has 16 GB", why)
+        re.match(r"zero1: needs [\d.]+ GB per device before any activation = model states "
+                 r"[\d.]+ GB \(params [\d.]+ GB, grads [\d.]+ GB, optimizer [\d.]+ GB\); "
+                 r"T4 has 16 GB", why)
         for why in reasons
     ), reasons
     assert r.choice is not None and r.choice.subset == "only a100"  # T4s cannot hold it
