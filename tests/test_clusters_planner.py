@@ -162,7 +162,9 @@ def test_planner_rejects_with_a_reason_naming_the_device():
     r = plan(c, prof, 64)
     reasons = [x.rejection for x in r.rejected if x.subset == "all devices"]
     assert any(
-        re.match(r"zero1: needs [\d.]+ GB per device for model states, T4 has 16 GB", why)
+        re.match(r"zero1: needs [\d.]+ GB per device before any activation = model states "
+                 r"[\d.]+ GB \(params [\d.]+ GB, grads [\d.]+ GB, optimizer [\d.]+ GB\); "
+                 r"T4 has 16 GB", why)
         for why in reasons
     ), reasons
     assert r.choice is not None and r.choice.subset == "only a100"  # T4s cannot hold it
@@ -253,3 +255,24 @@ def test_lockstep_accumulation_needs_every_share_to_fill_it():
     assert r.plan.strategy == "dp" and r.plan.micro_batches == 2 and min(r.plan.shares) == 1
     assert any(re.match(r"zero3: 2 accumulation steps run on every rank, but the slowest "
                         r"device's share is 1 samples", x.rejection or "") for x in r.rejected)
+
+
+def test_rejections_name_every_counted_part():
+    """Issue 16 point 7: 'needs X GB per device for model states' counted buffers in X. Each
+    part is named now, and the parts add up to the total."""
+    c = load_cluster(example_path("h100x8"))
+    big = ModelProfile.uniform(n_params=4e11, n_blocks=8, flops_per_sample=1e12,
+                               activation_bytes=1e9)
+    r = plan(c, big, 64, strategies=("zero2", "zero3", "pipeline"), subsets=False)
+    num = r"([\d.]+) GB"
+    for strategy in ("zero2", "zero3"):
+        why = next(x.rejection for x in r.rejected if x.plan.strategy == strategy)
+        m = re.match(rf"{strategy}: needs {num} per device before any activation = model states "
+                     rf"{num} \(params {num}, grads {num}, optimizer {num}\) \+ buffers {num}; "
+                     r"H100 has 80 GB \(72.0 GB usable\)$", why)
+        assert m, why
+        total, states, p, g, o, buf = map(float, m.groups())
+        assert states == pytest.approx(p + g + o, abs=0.2)
+        assert total == pytest.approx(states + buf, abs=0.2) and buf > 1.0
+    pipe = [x.rejection for x in r.rejected if x.plan.is_pipeline]
+    assert any(re.search(r"= model states .* \+ activations [\d.]+ GB", w) for w in pipe), pipe
