@@ -27,6 +27,7 @@ _OPTIMIZERS = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD", "rmsprop": "RMSpr
 _LOSSES = {"cross_entropy": "_cross_entropy", "mse": "_mse"}
 SWITCH_CHECKS = ("pieces", "rehash", "off")
 SWITCH_MOVES = ("reshard", "gather")
+FAULT_ACTIONS = ("exit", "pause", "hang", "raise", "nan")  # elastic/worker/faults.py
 # settings of earlier releases: name -> how to say it now
 _RENAMED = {
     "verify_switch": "use switch_check: pieces (verify_switch: true) or off (verify_switch: "
@@ -90,6 +91,10 @@ class JobConfig:
     # heterogeneity: balance "auto" balances when workers differ (device type or emulation)
     balance: str = "auto"  # auto | on | off
     emulate: list[dict[str, Any]] | None = None  # per worker: {slowdown, memory_gb, stands_for}
+    # test aid: inject a failure at the start of a step on a rank, once per job:
+    # [{rank, step, action: exit|pause|hang|raise|nan, dir: marker directory (default
+    # <run_path>/faults)}] (elastic/worker/faults.py, docs/architecture.md, Fault injection)
+    faults: list[dict[str, Any]] | None = None
     rebalance_every: int = 200  # while balancing: re-measure speeds every N steps (0: never)
     profile_cache: bool = True  # reuse measured speeds per (device, model, batch) across runs
     # failure handling
@@ -253,6 +258,7 @@ class JobConfig:
                     float(emu.get("slowdown", 1.0)) < 1.0:
                 raise ConfigError(f"emulate[{i}]", f"{emu!r} is not an emulation.",
                                   "give {slowdown: >= 1, memory_gb: budget, stands_for: name}")
+        self._validate_faults()
         if self.view not in ("auto", "rich", "plain", "none"):
             raise ConfigError("view", f"unknown view {self.view!r}.", "use auto, rich, plain or none")
         for fld in ("resources_per_worker",):
@@ -301,6 +307,28 @@ class JobConfig:
                               "give eval_dataset (same forms as dataset), or drop eval_every")
         if self.checkpoint_every < 0:
             raise ConfigError("checkpoint_every", "must be >= 0.", "0 disables periodic checkpoints")
+
+    def _validate_faults(self) -> None:
+        if self.faults is None:
+            return
+        fix = ("give {rank: int >= 0, step: int >= 0, action: "
+               f"{'|'.join(FAULT_ACTIONS)}, dir: optional directory}}")
+        if not isinstance(self.faults, list):
+            raise ConfigError("faults", f"must be a list of faults, got {self.faults!r}.", fix)
+        for i, f in enumerate(self.faults):
+            fld = f"faults[{i}]"
+            if not isinstance(f, dict) or set(f) - {"rank", "step", "action", "dir"} or \
+                    not {"rank", "step", "action"} <= set(f):
+                raise ConfigError(fld, f"{f!r} is not a fault.", fix)
+            for k in ("rank", "step"):
+                v = f[k]
+                if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                    raise ConfigError(fld, f"{k} must be an integer >= 0, got {v!r}.", fix)
+            if f["action"] not in FAULT_ACTIONS:
+                raise ConfigError(fld, f"unknown action {f['action']!r}.",
+                                  f"use one of: {', '.join(FAULT_ACTIONS)}")
+            if f.get("dir") is not None and not isinstance(f["dir"], str):
+                raise ConfigError(fld, f"dir must be a path, got {f['dir']!r}.", fix)
 
     # ------------------------------------------------------------------ code resolution
 

@@ -6,6 +6,7 @@ import contextlib
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -21,9 +22,33 @@ from .base import (
     optimizer_state_from_canonical,
     optimizer_state_to_canonical,
 )
+from .health import record as record_failure
 from .registry import register
 
 __all__ = ["DataParallel"]
+
+
+def _recorded_allreduce(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP's own gradient all-reduce (as ``default_hooks.allreduce_hook``: divide by the
+    world size, then sum), with its failure recorded in ``strategies.health``: DDP's reducer
+    re-raises it from the autograd engine, where nothing tells it from the job's errors."""
+    group = dist.group.WORLD  # the group DDP was built on, looked up now: the hook holds none
+    tensor = bucket.buffer()
+    tensor.div_(dist.get_world_size(group))
+
+    def done(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+        try:
+            return fut.value()[0]
+        except Exception as e:
+            first = (str(e).strip().splitlines() or [""])[0][:160]
+            record_failure(f"dp gradient all-reduce: {type(e).__name__}: {first}")
+            raise
+    return dist.all_reduce(tensor, group=group, async_op=True).get_future().then(done)
+
+
+# DDP compares a hook's annotations with the classes themselves (here they are strings)
+_recorded_allreduce.__annotations__.update(
+    {"bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]})
 
 
 @register
@@ -51,6 +76,8 @@ class DataParallel(Strategy):
         self.ddp = DDP(self.model, device_ids=ids, broadcast_buffers=False,
                        init_sync=bool(spec.options.get("init_sync", True)),
                        gradient_as_bucket_view=bool(spec.options.get("bucket_view", True)))
+        # state None: the hook resolves the default group when it runs (holds no group)
+        self.ddp.register_comm_hook(None, _recorded_allreduce)
         self.optimizer = optimizer_factory(self.model.parameters())
         # DDP averages gradients over world size; scale so the result is the mean over G.
         self._scale = self.share * rt.world_size / spec.global_batch_size

@@ -55,6 +55,7 @@ from .base import (
     optimizer_state_from_canonical,
     optimizer_state_to_canonical,
 )
+from .health import record as record_failure
 from .registry import register
 
 __all__ = ["ShardedUpdate", "Zero1", "Zero2", "UPDATE_MODES"]
@@ -134,7 +135,11 @@ class ShardedUpdate:
     def wait(self) -> None:
         """Finish the reductions launched by the hooks; ZeRO-2 non-owners drop their grads."""
         for work, p, owner in self._pending:
-            work.wait()
+            try:
+                work.wait()
+            except Exception as e:  # raised here, not in torch.distributed: say the group failed
+                record_failure(f"{self.mode} gradient reduction: {type(e).__name__}")
+                raise
             if self.mode == "zero2" and owner != self.index:
                 p.grad = None
         self._pending.clear()

@@ -74,13 +74,29 @@ def reference():
     return reference_train(mlp, adam, mse, RegressionData(), G, STEPS, seed=0)
 
 
+def _wait_paused(handle, path, timeout=120):
+    """The ``pause`` fault's report (``elastic/worker/faults.py``): the rank is blocked at the
+    start of its step, and the file says on which node."""
+    t0 = time.time()
+    while not os.path.exists(path):
+        assert not handle.done(), handle.result()
+        assert time.time() - t0 < timeout, handle.status()
+        time.sleep(0.02)
+    with open(path) as f:
+        return json.load(f)
+
+
 def test_worker_node_lost_survivors_continue_from_peers(ray_cluster, tmp_path, reference):
+    """Rank 1 pauses at the start of step 8 (a fault, not a timed guess), and its node goes."""
     cluster = ray_cluster(3)
-    handle = _submit(tmp_path)
-    _wait_step(handle, 8)
+    faults = str(tmp_path / "faults")
+    handle = _submit(tmp_path, faults=[{"rank": 1, "step": 8, "action": "pause", "dir": faults}])
+    paused = _wait_paused(handle, os.path.join(faults, "paused-rank1-step8.json"))
     ctl = handle.controller
+    assert paused["rank"] == 1 and paused["step"] == 8 and paused["generation"] == 1
+    assert paused["node_id"] == ctl.workers[1].info["node_id"]
     pids = {w.info["pid"] for w in ctl.workers if w.rank != 1}
-    cluster.remove(ctl.workers[1].info["node_id"])
+    cluster.remove(paused["node_id"])
     result = handle.result(timeout=180)
     assert max_diff(result.state_dict(), reference[0]) < TOL
     rec = [e for e in result.events if e.kind == "recovered"]
@@ -90,6 +106,19 @@ def test_worker_node_lost_survivors_continue_from_peers(ray_cluster, tmp_path, r
     assert set(rec[0].data["pids"]) == pids
     assert [h["step"] for h in result.history] == list(range(STEPS))
     assert result.history[-1]["world_size"] == 2
+    _check_data_log(result.run_dir, result.history)
+
+
+def test_worker_process_exits_and_the_job_recovers(ray_cluster, tmp_path, reference):
+    """Rank 2's process dies at the start of step 5 (``exit``); its node lives. The fault
+    fires once: the recovered job replays no step into it again."""
+    ray_cluster(3)
+    handle = _submit(tmp_path, faults=[{"rank": 2, "step": 5, "action": "exit"}])
+    result = handle.result(timeout=180)
+    assert os.path.exists(os.path.join(result.run_dir, "faults", "fired-rank2-step5"))
+    rec = [e for e in result.events if e.kind == "recovered"]
+    assert len(rec) == 1, [(e.kind, e.message[:120]) for e in result.events]
+    assert max_diff(result.state_dict(), reference[0]) < TOL
     _check_data_log(result.run_dir, result.history)
 
 
@@ -202,28 +231,14 @@ def test_two_losses_in_a_row_and_one_during_a_checkpoint_upload(ray_cluster, tmp
     _check_data_log(result.run_dir, result.history)
 
 
-class _HangOnce:
-    """Rank 1 stops answering (sleeps) at its 6th step, once per run: a hung worker."""
-
-    def __init__(self, marker: str) -> None:
-        self.marker = marker
-        self.calls = 0
-
-    def __call__(self, out, y):
-        import torch.distributed as dist
-
-        self.calls += 1
-        if dist.get_rank() == 1 and self.calls == 6 and not os.path.exists(self.marker):
-            open(self.marker, "w").close()
-            time.sleep(3600)
-        return mse(out, y)
-
-
 def test_hung_worker_is_cut_off_by_the_watchdog(ray_local, tmp_path, reference):
-    result = elastic.fit(model=mlp, optimizer=adam, loss=_HangOnce(str(tmp_path / "hung")),
-                         dataset=RegressionData(), global_batch_size=G, max_steps=STEPS,
-                         num_workers=3, min_workers=1, view="none", hang_timeout_s=4,
-                         replacement_timeout_s=1, run_dir=str(tmp_path / "run"))
+    """Rank 1 stops answering inside step 5 (the ``hang`` fault: once per run)."""
+    result = elastic.fit(model=mlp, optimizer=adam, loss=mse, dataset=RegressionData(),
+                         global_batch_size=G, max_steps=STEPS, num_workers=3, min_workers=1,
+                         view="none", hang_timeout_s=4, replacement_timeout_s=1,
+                         run_dir=str(tmp_path / "run"),
+                         faults=[{"rank": 1, "step": 5, "action": "hang"}])
+    assert os.path.exists(os.path.join(result.run_dir, "faults", "fired-rank1-step5"))
     kinds = [e.kind for e in result.events]
     assert "hang" in kinds and "recovered" in kinds
     rec = next(e for e in result.events if e.kind == "recovered")

@@ -86,7 +86,8 @@ def test_survivors_fail_fast_after_a_peer_leaves(layout):
 
 class _FailingWorldAllReduce:
     """``torch.distributed`` as the pipeline strategy sees it, except that the step's final
-    world-wide all-reduce fails as a lost peer makes it fail (gloo's error text)."""
+    world-wide all-reduce fails as a lost peer makes it fail (torch's typed network error;
+    the worker types errors by class and origin, never by their text)."""
 
     def __init__(self, real) -> None:
         self._real = real
@@ -95,7 +96,7 @@ class _FailingWorldAllReduce:
         return getattr(self._real, name)
 
     def all_reduce(self, tensor, *args, **kwargs):
-        raise RuntimeError("[gloo/transport/tcp/pair.cc] Connection closed by peer")
+        raise self._real.DistNetworkError("[gloo/transport/tcp/pair.cc] Connection closed by peer")
 
 
 def _pending_rank(port: int, steps: int, clip: float | None = None) -> dict:
@@ -128,9 +129,9 @@ def _pending_rank(port: int, steps: int, clip: float | None = None) -> dict:
         pipeline_mod.dist = pipeline_mod.dist._real
     w.leave()  # as the controller makes a finished rank leave at once (strategy dropped)
     before = w.progress()
-    parked = {k: v.clone() for k, v in w._snapshot.items() if k.startswith("model/")}
+    parked = {k: v.clone() for k, v in w.held.snapshot.items() if k.startswith("model/")}
     after = w.finish_pending_step()  # a peer applied the step: roll forward, no group needed
-    rolled = {k: v.clone() for k, v in w._snapshot.items() if k.startswith("model/")}
+    rolled = {k: v.clone() for k, v in w.held.snapshot.items() if k.startswith("model/")}
     return {"before": before, "after": after, "parked": parked, "rolled": rolled}
 
 
