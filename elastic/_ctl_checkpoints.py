@@ -110,7 +110,7 @@ class CheckpointMixin(ControllerBase):
             manifest = read_manifest(store, step)
         if manifest is None:
             raise CheckpointError(
-                f"resume={resume!r}: no committed checkpoint under {store.uri}"
+                f"resume={store.redact(resume)!r}: no committed checkpoint under {store.uri}"
                 + (f" ({'; '.join(notes)})" if notes else "")
                 + ". Fix: check the URI, or drop resume to start fresh.")
         for n in notes:

@@ -7,22 +7,24 @@ rows, with no gather.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from .checkpoint import CheckpointStore, Piece
-from .config import JobConfig
+from .config import JobConfig, WorkerConfig
 
 __all__ = ["job_store", "checkpoint_pieces", "assign_writers"]
 
 
-def job_store(cfg: JobConfig) -> CheckpointStore:
-    """The job's checkpoint store: ``checkpoint_uri`` or ``<run dir>/checkpoints``."""
-    uri = cfg.checkpoint_uri or os.path.join(cfg.run_path, "checkpoints")
-    return CheckpointStore(uri, dict(cfg.checkpoint_options))
+def job_store(cfg: JobConfig | WorkerConfig) -> CheckpointStore:
+    """The job's checkpoint store (``checkpoint_uri`` or ``<run dir>/checkpoints``), over the
+    location the config parsed once: building a store here parses nothing."""
+    location = cfg.checkpoint_location
+    if location is None:
+        raise ValueError("this worker's job writes no checkpoints; there is no store")
+    return CheckpointStore(location)
 
 
 def assign_writers(holdings: list[dict[str, int]]) -> dict[str, int]:

@@ -35,6 +35,7 @@ from .errors import (
     WorkerError,
 )
 from .events import Event, RunLog
+from .preflight import check_sample
 from .reference import build_model
 from .view import View
 
@@ -192,6 +193,7 @@ class Controller(PlacementMixin, LayoutMixin, CheckpointMixin, RecoveryMixin):
                 "dataset", f"has {n} samples, fewer than one global batch ({cfg.global_batch_size}).",
                 f"use global_batch_size <= {n} or a larger dataset",
             )
+        check_sample(cfg, self._probe_model, ds)  # the model and loss on one sample
         if cfg.eval_dataset is not None:
             try:
                 n_eval = len(cfg.eval_dataset_object())
@@ -458,7 +460,8 @@ class Controller(PlacementMixin, LayoutMixin, CheckpointMixin, RecoveryMixin):
 
     def _emit(self, kind: str, message: str, data: dict[str, Any] | None = None,
               step: int | None = None) -> None:
-        ev = Event(kind, message, step=self.step if step is None else step, data=data or {})
+        ev = Event(kind, self.cfg.redact(message), step=self.step if step is None else step,
+                   data=self.cfg.redact_value(data or {}))
         self.events.append(ev)
         if self._log:
             self._log.event(ev)

@@ -213,7 +213,7 @@ class SweepConfig:
         if isinstance(base, str):
             base = _load_yaml(base, "base")
         if isinstance(base, JobConfig):
-            base = {f.name: getattr(base, f.name) for f in dataclasses.fields(JobConfig)}
+            base = base.settings()
         if not isinstance(base, dict):
             raise ConfigError("base", "is required: the job every trial starts from.",
                               "give a mapping of job settings or the path of a job file")
@@ -325,7 +325,7 @@ class SweepConfig:
             raise ConfigError("objective", f"{self.objective} needs an evaluation set.",
                               "set base.eval_dataset (and eval_every), or use final_loss")
         self.objective_fn()
-        job_fields = [f.name for f in dataclasses.fields(JobConfig)]
+        job_fields = JobConfig.setting_names()
         for name in self.params:
             top = name.split(".")[0]
             if top in _OWNED:

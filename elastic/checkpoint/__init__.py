@@ -18,6 +18,7 @@ Controller side::
 No Ray imports here; see docs/checkpoints.md for the format and the commit protocol.
 """
 
+from elastic.checkpoint.location import StorageLocation
 from elastic.checkpoint.manifest import (
     MANIFEST_NAME,
     CheckpointMeta,
@@ -71,6 +72,7 @@ __all__ = [
     "ShardInfo",
     "ShardRecord",
     "ShardWriter",
+    "StorageLocation",
     "TensorMeta",
     "VerifyReport",
     "Want",

@@ -34,7 +34,8 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
-from elastic.checkpoint.store import SECRET_OPTIONS, CheckpointStore, parse_step_name
+from elastic.checkpoint.location import is_secret_key
+from elastic.checkpoint.store import CheckpointStore, parse_step_name
 from elastic.checkpoint.writer import ShardInfo
 from elastic.errors import CheckpointError
 
@@ -57,9 +58,6 @@ MANIFEST_NAME = "manifest.json"
 FORMAT = "elastic-checkpoint"
 VERSION = 1
 _SAFE_PATH = re.compile(r"^[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*$")
-_SECRETISH = re.compile(
-    r"(^|_)(secret|password|passwd|token|credentials?|access_key|secret_key|api_key)$", re.I
-)
 
 
 @dataclass(frozen=True)
@@ -240,7 +238,7 @@ def _scrub(obj: Any) -> Any:
         return {
             str(k): (
                 "***"
-                if (str(k) in SECRET_OPTIONS or _SECRETISH.search(str(k))) and obj[k] is not None
+                if is_secret_key(k) and obj[k] is not None
                 else _scrub(obj[k])
             )
             for k in obj
