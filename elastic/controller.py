@@ -193,7 +193,7 @@ class Controller(PlacementMixin, LayoutMixin, CheckpointMixin, RecoveryMixin):
                 "dataset", f"has {n} samples, fewer than one global batch ({cfg.global_batch_size}).",
                 f"use global_batch_size <= {n} or a larger dataset",
             )
-        check_sample(cfg, self._probe_model, ds)  # the model and loss on one sample
+        check_sample(cfg, self._probe_model, ds)  # the model and the loss on a few samples
         if cfg.eval_dataset is not None:
             try:
                 n_eval = len(cfg.eval_dataset_object())

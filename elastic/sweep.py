@@ -288,9 +288,11 @@ class SweepConfig:
                 try:
                     cfg = JobConfig.from_dict(fields)
                     cfg.validate()
-                except ConfigError as e:
-                    if e.field == n.split(".")[0]:
-                        raise ConfigError(f"params.{n}", f"value {v!r}: {e.problem}",
+                except ConfigError as e:  # a searched value's own error, else the base's
+                    point = {**first, n: v}
+                    hit = e.field if e.field in point else n if e.field == n.split(".")[0] else None
+                    if hit is not None:
+                        raise ConfigError(f"params.{hit}", f"value {point[hit]!r}: {e.problem}",
                                           e.fix) from None
                     raise ConfigError(f"base.{e.field}", e.problem, e.fix) from None
                 _check_arguments(n, fields)

@@ -4,11 +4,11 @@ In YAML, code is named by import strings (``"package.module:attr"``); a mapping 
 ``target`` key calls that target with the remaining keys as keyword arguments. Built-in names
 exist for optimizers (``{name: adamw, lr: 3.0e-4}``) and losses (``cross_entropy``, ``mse``).
 
-Two kinds of check: ``check_*`` and ``code_form`` look at the value only (no import; run when
-a config is built); ``resolve_callable`` and the factories import the code and check the
-keyword arguments against the target's signature, with a "did you mean" for a misspelling.
-A built-in optimizer's arguments are checked against ``torch.optim``'s signature when the
-config is built.
+The ``check_*`` functions run when a config section is built, once: they import code named by
+an import string (so "cannot import" is said then) and check a ``{target: ...}`` mapping's
+keyword arguments, and a built-in optimizer's, against the target's signature, with a "did
+you mean" for a misspelling. ``resolve_callable`` and the factories, used later on the driver
+and on every worker, only import and build; they check nothing again.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from .checks import did_you_mean
 __all__ = [
     "OPTIMIZERS",
     "LOSSES",
-    "code_form",
+    "check_code",
     "check_model",
     "check_optimizer",
     "check_loss",
@@ -44,12 +44,19 @@ LOSSES = ("cross_entropy", "mse")
 _FORMS = "pass a callable, 'package.module:name', or {target: 'package.module:name', ...}"
 
 
-def code_form(spec: Any, field: str) -> None:
-    """``spec`` is a callable, an import string ``module:attr`` or ``{target: ..., **kw}``."""
-    if callable(spec) or (isinstance(spec, str) and ":" in spec):
+def check_code(spec: Any, field: str, *, complete: bool = False) -> None:
+    """``spec`` is a callable, an import string ``module:attr`` that imports, or
+    ``{target: ..., **kw}`` whose keywords the target takes (``check_keywords``; ``complete``:
+    the result is called with no other argument, so every required parameter is given)."""
+    if callable(spec):
+        return
+    if isinstance(spec, str) and ":" in spec:
+        resolve_callable(spec, field)
         return
     if isinstance(spec, Mapping) and "target" in spec:
-        code_form(spec["target"], field)
+        target = resolve_callable(spec["target"], field)
+        check_keywords(field, target, {k: v for k, v in spec.items() if k != "target"},
+                       complete=complete)
         return
     raise ConfigError(field, f"{spec!r} is neither a callable nor an import string "
                       "'module:name'.", _FORMS)
@@ -64,7 +71,7 @@ def check_model(spec: Any) -> None:
                           "each worker builds its own copy.",
                           "pass what builds it: model=MyNet, or "
                           "model=functools.partial(MyNet, width=64)")
-    code_form(spec, "model")
+    check_code(spec, "model", complete=True)
 
 
 def check_optimizer(spec: Any) -> None:
@@ -90,7 +97,7 @@ def check_optimizer(spec: Any) -> None:
         raise ConfigError("optimizer", f"unknown optimizer {spec!r}.",
                           (f"did you mean {near}? " if near else "")
                           + f"use one of {', '.join(OPTIMIZERS)}, or an import string")
-    code_form(spec, "optimizer")
+    check_code(spec, "optimizer")
 
 
 def check_loss(spec: Any) -> None:
@@ -102,7 +109,7 @@ def check_loss(spec: Any) -> None:
                               (f"did you mean {near}? " if near else "")
                               + f"use {' or '.join(LOSSES)}, or an import string")
         return
-    code_form(spec, "loss")
+    check_code(spec, "loss")
 
 
 def check_keywords(field: str, target: Any, kwargs: Mapping[str, Any], *,
@@ -170,16 +177,15 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.numel() == 1
 
 
-def resolve_callable(spec: Any, field_name: str, *, complete: bool = False) -> Any:
+def resolve_callable(spec: Any, field_name: str) -> Any:
     """Turn an import string or a ``{target: ..., **kwargs}`` mapping into a callable (a
-    ``functools.partial`` for a mapping, its keywords checked by ``check_keywords``).
-    Raises ``ConfigError`` naming ``field_name`` if the code cannot be imported."""
+    ``functools.partial`` for a mapping). Raises ``ConfigError`` naming ``field_name`` if the
+    code cannot be imported or ``spec`` is not code."""
     if callable(spec):
         return spec
     if isinstance(spec, Mapping) and "target" in spec:
         target = resolve_callable(spec["target"], field_name)
         kwargs = {k: v for k, v in spec.items() if k != "target"}
-        check_keywords(field_name, target, kwargs, complete=complete)
         return functools.partial(target, **kwargs)
     if isinstance(spec, str) and ":" in spec:
         mod_name, _, attr = spec.partition(":")
@@ -193,13 +199,13 @@ def resolve_callable(spec: Any, field_name: str, *, complete: bool = False) -> A
                 "use 'package.module:name' of an importable callable",
             ) from None
         return obj
-    code_form(spec, field_name)  # raises
-    raise AssertionError("unreachable")
+    raise ConfigError(field_name, f"{spec!r} is neither a callable nor an import string "
+                      "'module:name'.", _FORMS)
 
 
 def model_factory(spec: Any) -> Callable[[], Any]:
     """The model factory; what it builds is checked to be an ``nn.Module``."""
-    return functools.partial(_checked_model, resolve_callable(spec, "model", complete=True))
+    return functools.partial(_checked_model, resolve_callable(spec, "model"))
 
 
 def _checked_model(factory: Callable[[], Any]) -> Any:
@@ -214,13 +220,17 @@ def _checked_model(factory: Callable[[], Any]) -> Any:
 
 
 def optimizer_factory(spec: Any) -> Callable[[Any], Any]:
-    """``{name: adam, lr: 1e-3}``, ``"adam"``, an import string or a ``params -> Optimizer``."""
+    """``{name: adam, lr: 1e-3}``, ``"adam"``, an import string or a ``params -> Optimizer``
+    (its arguments were checked when the config was built: ``check_optimizer``)."""
     if isinstance(spec, str) and spec.lower() in OPTIMIZERS:
         spec = {"name": spec}
     if isinstance(spec, Mapping) and "name" in spec and "target" not in spec:
-        check_optimizer(spec)
+        cls_name = OPTIMIZERS.get(str(spec["name"]).lower())
+        if cls_name is None:  # a config checked it already; a direct caller may not have
+            check_optimizer(spec)
+            raise AssertionError("check_optimizer raises for an unknown name")
         kwargs = {k: v for k, v in spec.items() if k != "name"}
-        return functools.partial(_make_optimizer, OPTIMIZERS[str(spec["name"]).lower()], kwargs)
+        return functools.partial(_make_optimizer, cls_name, kwargs)
     return resolve_callable(spec, "optimizer")  # type: ignore[no-any-return]
 
 

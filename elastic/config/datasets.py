@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 
 from elastic.errors import ConfigError
 
-from .code import code_form, resolve_callable
+from .code import check_code, resolve_callable
 
 __all__ = ["is_parquet", "parquet_uri", "check_dataset", "dataset_object"]
 
@@ -36,7 +36,7 @@ def parquet_uri(spec: str) -> str:
 
 
 def check_dataset(spec: Any, field: str, fmt: str | None) -> None:
-    """The form of a dataset setting, without importing or reading anything."""
+    """The form of a dataset setting (code named by it is imported; no data is read)."""
     if is_parquet(spec, fmt):
         return
     if isinstance(spec, str) and ":" not in spec:
@@ -44,7 +44,7 @@ def check_dataset(spec: Any, field: str, fmt: str | None) -> None:
                           "give a *.parquet file or directory (with dataset_format: parquet "
                           "for a directory), or 'package.module:factory'")
     if isinstance(spec, (str, Mapping)) or callable(spec):
-        code_form(spec, field)
+        check_code(spec, field, complete=True)
         return
     if hasattr(spec, "__getitem__") and hasattr(spec, "__len__"):
         return
@@ -67,7 +67,7 @@ def dataset_object(spec: Any, field: str, fmt: str | None, input_column: str,
         _exists(uri, field)
         return ParquetDataset(uri, input_column, target_column, input_dtype, target_dtype)
     if isinstance(spec, (str, Mapping)):
-        spec = resolve_callable(spec, field, complete=True)
+        spec = resolve_callable(spec, field)
     if not isinstance(spec, type) and hasattr(spec, "__getitem__") and hasattr(spec, "__len__"):
         return spec
     if callable(spec):

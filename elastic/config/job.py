@@ -9,8 +9,8 @@ checks a value again.
 
 ``cfg.<flat name>`` reads a setting (``cfg.checkpoint_every``) and ``cfg.<section>.<field>``
 too (``cfg.checkpoints.every``). Assigning ``cfg.<flat name> = v`` replaces that section by a
-checked copy; the rules between sections are checked again by ``validate()`` (``fit`` calls
-it), and only then. ``replace(**settings)`` returns a new, fully checked config.
+checked copy; the rules between sections are checked again by ``validate()`` (the controller
+calls it), and only then. ``replace(**settings)`` returns a new, fully checked config.
 
 Secrets in the checkpoint or resume URI and options never leave through ``to_dict``,
 ``repr`` or ``redact``. A worker gets ``for_worker()``: only what it reads.

@@ -29,10 +29,10 @@ from .checks import (
     unknown,
 )
 from .code import (
+    check_code,
     check_loss,
     check_model,
     check_optimizer,
-    code_form,
     loss_function,
     model_factory,
     optimizer_factory,
@@ -185,7 +185,7 @@ def _check_schedule_form(spec: Any) -> None:
         raise ConfigError("lr_schedule", f"unknown schedule {spec!r}.",
                           (f"did you mean {near}? " if near else "")
                           + f"use {', '.join(BUILT_IN)}, or an import string")
-    code_form(spec, "lr_schedule")
+    check_code(spec, "lr_schedule")
 
 
 @dataclass(frozen=True)
