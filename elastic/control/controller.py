@@ -425,7 +425,8 @@ class Controller:
 
     def _emit(self, kind: str, message: str, data: dict[str, Any] | None = None,
               step: int | None = None) -> Event:
-        ev = Event(kind, message, step=self.step if step is None else step, data=data or {})
+        ev = Event(kind, self.cfg.redact(message), step=self.step if step is None else step,
+                   data=self.cfg.redact_value(data or {}))
         self.events.append(ev)
         if self._log:
             self._log.event(ev)
