@@ -280,7 +280,9 @@ class JobConfig:
             training=self.training, data=self.data, evaluation=self.evaluation,
             switch_check=self.switch_check, switch_move=self.switch_move,
             checkpoint_every=ck.every, checkpoint_wait_s=ck.wait_s,
-            checkpoint_location=self.checkpoint_location if ck.enabled else None)
+            checkpoint_location=self.checkpoint_location if ck.enabled else None,
+            run_path=self.run_path,
+            faults=tuple(self.faults) if self.faults is not None else None)
 
     # ------------------------------------------------------------------ code
     def model_factory(self) -> Callable[[], Any]:

@@ -33,6 +33,8 @@ class WorkerConfig:
     checkpoint_every: int
     checkpoint_wait_s: float
     checkpoint_location: StorageLocation | None  # None: the job writes no checkpoints
+    run_path: str = ""  # the job's run directory, resolved on the driver
+    faults: tuple[dict[str, Any], ...] | None = None  # test aid (elastic/worker/faults.py)
 
     precision = Setting[str]("training")
     seed = Setting[int]("training")

@@ -81,6 +81,7 @@ class Placement:
         self.free_slots: list[tuple[Any, int]] = []  # reserved bundles without a worker
         self._warming: list[tuple[WorkerRec, Any]] = []  # spares starting: (worker, info ref)
         self._bundle_res: dict[str, float] | None = None
+        self._worker_cfg = config.for_worker()  # what a worker reads, and nothing else
 
     def bundle(self) -> dict[str, float]:
         """One worker's resources (GPU jobs get ``num_gpus=1`` and NCCL)."""
@@ -144,7 +145,7 @@ class Placement:
                 max_concurrency=2, max_restarts=0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     pg, placement_group_bundle_index=i),
-            ).remote(self.cfg, wid, self.use_gpu, int(bundle.get("CPU", 1)))
+            ).remote(self._worker_cfg, wid, self.use_gpu, int(bundle.get("CPU", 1)))
             new.append((WorkerRec(h, wid, pg=pg, slot=i), h.info.remote()))
         return new
 

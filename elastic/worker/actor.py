@@ -24,7 +24,7 @@ import torch
 
 from strategies import StrategySpec, state_hash
 
-from ..config import JobConfig
+from ..config import JobConfig, WorkerConfig
 from .boundary import guarded
 from .checkpointing import Checkpointing
 from .faults import Faults
@@ -51,7 +51,7 @@ def _node_id() -> str | None:
 class Worker:
     """Body of the worker actor (wrapped with ``ray.remote`` by the controller)."""
 
-    def __init__(self, config: JobConfig, worker_id: int, use_gpu: bool, num_threads: int) -> None:
+    def __init__(self, config: JobConfig | WorkerConfig, worker_id: int, use_gpu: bool, num_threads: int) -> None:
         self.config = config
         self.worker_id = worker_id
         torch.set_num_threads(max(1, num_threads))

@@ -21,7 +21,7 @@ from strategies import StrategySpec, on_before_update
 
 from ..checkpoint import CheckpointReader, CheckpointStore, Piece, ShardWriter
 from ..checkpoint_io import job_store
-from ..config import JobConfig
+from ..config import JobConfig, WorkerConfig
 from ..errors import CheckpointError
 from .layout import Layout
 from .membership import Membership
@@ -94,7 +94,7 @@ class Checkpointing:
     (``ShardWriter`` is built for that). Inactive (``store`` None) without checkpoints.
     """
 
-    def __init__(self, config: JobConfig, membership: Membership, layout: Layout) -> None:
+    def __init__(self, config: JobConfig | WorkerConfig, membership: Membership, layout: Layout) -> None:
         self._config = config
         self._membership = membership
         self._layout = layout

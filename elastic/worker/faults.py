@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ..config import JobConfig
+from ..config import JobConfig, WorkerConfig
 
 __all__ = ["Faults", "FaultInjected", "nan_inputs"]
 
@@ -47,7 +47,7 @@ class Faults:
     are what ``pause``/``hang`` and ``exit`` do (tests replace them).
     """
 
-    def __init__(self, config: JobConfig, node_id: Callable[[], str | None] = lambda: None,
+    def __init__(self, config: JobConfig | WorkerConfig, node_id: Callable[[], str | None] = lambda: None,
                  block: Callable[[], None] = _block_forever,
                  exit: Callable[[int], Any] = os._exit) -> None:
         self._at: dict[tuple[int, int], list[dict[str, Any]]] = {}

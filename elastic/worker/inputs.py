@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from ..config import JobConfig
+from ..config import JobConfig, WorkerConfig
 from ..data import StepSampler, fetch_batch
 
 __all__ = ["JobData"]
@@ -19,7 +19,7 @@ class JobData:
     the ``[lo, hi)`` part of them that its share says. Not thread-safe (the step loop's).
     """
 
-    def __init__(self, config: JobConfig) -> None:
+    def __init__(self, config: JobConfig | WorkerConfig) -> None:
         self._config = config
         self._dataset: Any = None
         self._sampler: StepSampler | None = None

@@ -19,7 +19,7 @@ import torch
 from strategies import Strategy, StrategySpec, check_layout, reshard, state_hash
 from strategies import get as get_strategy
 
-from ..config import JobConfig
+from ..config import JobConfig, WorkerConfig
 from ..errors import SwitchError
 from ..reference import build_model, build_model_for_load
 from .held_state import HeldState
@@ -88,7 +88,7 @@ class Layout:
     never change it at once (the controller's protocol).
     """
 
-    def __init__(self, config: JobConfig, membership: Membership, held: HeldState,
+    def __init__(self, config: JobConfig | WorkerConfig, membership: Membership, held: HeldState,
                  data: JobData, model_factory: Callable[[], Any], loss_fn: Callable[..., Any],
                  on_built: Callable[[Strategy], None] = lambda s: None) -> None:
         self._config = config

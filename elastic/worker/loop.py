@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..config import JobConfig
+from ..config import JobConfig, WorkerConfig
 from ..data import even_shares, fetch_batch, share_bounds
 from .checkpointing import Checkpointing
 from .faults import Faults, nan_inputs
@@ -57,7 +57,7 @@ class StepLoop:
     other thread (an ``Event`` and a ``deque``: safe for one writer and one reader).
     """
 
-    def __init__(self, config: JobConfig, membership: Membership, layout: Layout,
+    def __init__(self, config: JobConfig | WorkerConfig, membership: Membership, layout: Layout,
                  data: JobData, checkpoints: Checkpointing, profiler: Profiler,
                  faults: Faults) -> None:
         self._config = config

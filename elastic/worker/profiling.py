@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..config import JobConfig
+from ..config import JobConfig, WorkerConfig
 from ..reference import build_model
 from .inputs import JobData
 from .layout import compute_blocks
@@ -31,7 +31,7 @@ class Profiler:
     the hooks stale, and the step loop re-installs them between steps (``refresh``).
     """
 
-    def __init__(self, config: JobConfig, device: torch.device, data: JobData,
+    def __init__(self, config: JobConfig | WorkerConfig, device: torch.device, data: JobData,
                  model_factory: Callable[[], Any], loss_fn: Callable[..., Any]) -> None:
         self._config = config
         self._device = device
