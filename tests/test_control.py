@@ -10,7 +10,7 @@ import pytest
 
 import elastic
 from elastic import control
-from elastic.errors import JobNotFoundError
+from elastic.errors import ElasticError, JobNotFoundError, SwitchError
 from tests.helpers import RegressionData, adam, mlp, mse
 
 
@@ -72,3 +72,70 @@ def test_scale_through_cli_and_sdk_keeps_the_trajectory(ray_local, tmp_path):
         (e.kind, e.message) for e in result.events]
     ref, _ = reference_train(mlp, adam, mse, RegressionData(), 12, len(result.history), seed=0)
     assert max_diff(result.state_dict(), ref) < 1e-5
+
+
+def test_malformed_and_unmeetable_requests_do_not_touch_the_job(ray_local, tmp_path):
+    """Through the mailbox: 'abc', None and 2.9 workers are refused by the mailbox itself
+    and the job goes on; a growth no room can meet is refused after a bounded wait while
+    training goes on (no pause for the placement timeout)."""
+    from elastic.control import sizing
+
+    handle = elastic.submit(model=mlp, optimizer=adam, loss=mse, dataset=RegressionData(),
+                            global_batch_size=12, max_steps=100_000, num_workers=2,
+                            min_workers=1, max_workers=12, view="none", name="reqs",
+                            run_dir=str(tmp_path), resources_per_worker={"CPU": 1})
+    _wait_running(handle)
+    for bad in ("abc", None, 2.9, True, -1):
+        with pytest.raises(ElasticError, match="scale needs"):
+            control.ask("reqs", "scale", bad, timeout_s=30)
+    with pytest.raises(ElasticError, match="unknown request"):
+        control.ask("reqs", "explode", timeout_s=30)
+    assert handle.status()["state"] == "running" and not handle.done()
+    sizing.SCALE_WAIT_S = 3.0  # this process runs the controller: a short bounded wait
+    try:
+        before = handle.status()["step"]
+        t0 = time.time()
+        with pytest.raises(SwitchError, match="cannot scale to 12 workers"):
+            handle.scale(12, timeout=120)
+        assert time.time() - t0 < 30
+        assert handle.status()["step"] > before and handle.status()["world_size"] <= 4
+    finally:
+        sizing.SCALE_WAIT_S = 30.0
+    handle.stop()
+    handle.result(timeout=60)
+
+
+def test_a_refused_job_does_not_touch_the_running_one(ray_local, tmp_path):
+    """A second job with a running job's name is refused before it writes anything: the
+    running job's config.json and events.jsonl are untouched."""
+    run_dir = tmp_path / "first"
+    handle = elastic.submit(model=mlp, optimizer=adam, loss=mse, dataset=RegressionData(),
+                            global_batch_size=8, max_steps=100_000, num_workers=1,
+                            view="none", name="twin", run_dir=str(run_dir))
+    _wait_running(handle)
+    config_before = (run_dir / "config.json").read_text()
+    events_before = (run_dir / "events.jsonl").read_text().splitlines()
+    with pytest.raises(ElasticError, match="already running") as info:
+        elastic.fit(model=mlp, optimizer=adam, loss=mse, dataset=RegressionData(),
+                    global_batch_size=8, max_steps=3, num_workers=1, view="none",
+                    name="twin", run_dir=str(tmp_path / "second"))
+    assert "{job}" not in str(info.value) and "elastic stop twin" in str(info.value)
+    assert (run_dir / "config.json").read_text() == config_before
+    assert (run_dir / "events.jsonl").read_text().splitlines()[:len(events_before)] == \
+        events_before
+    assert not any('"kind": "failed"' in line
+                   for line in (run_dir / "events.jsonl").read_text().splitlines())
+    handle.stop()
+    handle.result(timeout=60)
+
+
+def test_a_finished_jobs_name_runs_again_in_a_new_directory(ray_local, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    kw = dict(model=mlp, optimizer=adam, loss=mse, dataset=RegressionData(),
+              global_batch_size=8, max_steps=2, num_workers=1, view="none", name="again")
+    r1 = elastic.fit(**kw)
+    r2 = elastic.fit(**kw)
+    assert r1.run_dir != r2.run_dir and r2.run_dir.endswith("again.2")
+    assert len((tmp_path / "runs" / "again" / "metrics.jsonl").read_text().splitlines()) == 2
+    with pytest.raises(elastic.ConfigError, match="run_dir.*holds an earlier run"):
+        elastic.fit(**kw, run_dir=r1.run_dir)

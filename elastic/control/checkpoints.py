@@ -185,6 +185,27 @@ class CheckpointTracker:
                                                               "step": plan.step})
         return plan.store, plan.step
 
+    def resume(self, group: Any, spec: StrategySpec, store: CheckpointStore, step: int) -> int:
+        """Restore the checkpoint a resume planned; when the workers find it corrupt (bytes
+        that do not match the manifest) and ``resume`` names no step, fall back to the next
+        older intact one, an event naming each bad one. Returns the step restored."""
+        from ..checkpoint import resume_store
+        from ..errors import CheckpointCorruptError
+
+        pinned = resume_store(self.cfg.resume, store)[1] is not None
+        while True:
+            try:
+                self.restore(group, spec, store, step, reason="resume")
+                return step
+            except CheckpointCorruptError as e:
+                if pinned:
+                    raise
+                self.bad_steps.add(step)
+                self._emit("checkpoint_corrupt", f"checkpoint step {step} at {store.uri} cannot "
+                           f"be restored: {str(e)[:300]}; resuming from an older one",
+                           data={"step": step, "shard": getattr(e, "shard", None)})
+                store, step = self.find_resume(self.cfg.resume)
+
     def restore(self, group: Any, spec: StrategySpec, store: CheckpointStore, step: int,
                 reason: str) -> None:
         """Lay ``spec`` out from checkpoint ``step`` of ``store`` on every worker."""

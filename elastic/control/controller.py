@@ -225,9 +225,7 @@ class Controller:
         self.layouts.apply(self.group, spec, None, reason="start")
         self.spec = spec
         if self._resume is not None:
-            store, step = self._resume
-            self.tracker.restore(self.group, spec, store, step, reason="resume")
-            self.step = step
+            self.step = self.tracker.resume(self.group, spec, *self._resume)
         return self._next_segment()
 
     def _run(self, st: Running) -> State:
@@ -244,6 +242,7 @@ class Controller:
                 return Recovering(root_cause(poll.failures))
             self._drain()
             self._check_interrupt()
+            self.sizing.settle(len(self.workers))  # growth that waited too long is refused
             self.inbox.poll_mailbox(self.status())
             self.tracker.tick(self.group)
             if poll.done:

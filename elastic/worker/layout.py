@@ -20,7 +20,7 @@ from strategies import Strategy, StrategySpec, check_layout, reshard, state_hash
 from strategies import get as get_strategy
 
 from ..config import JobConfig, WorkerConfig
-from ..errors import SwitchError
+from ..errors import CheckpointCorruptError, SwitchError
 from ..reference import build_model, build_model_for_load
 from .held_state import HeldState
 from .inputs import JobData
@@ -140,12 +140,33 @@ class Layout:
             if state is not None:
                 strat.load_full_state(state)
             elif read is not None:
-                strat.load_state(read(strat))
+                strat.load_state(self._read_agreed(read, strat))
         except BaseException:
             strat.close()
             raise
         self.strategy, self.spec = strat, spec
         self._on_built(strat)
+
+    def _read_agreed(self, read: Callable[[Strategy], dict[str, torch.Tensor]],
+                     strat: Strategy) -> dict[str, torch.Tensor]:
+        """Collective: read this rank's part of a checkpoint, then agree that every rank read
+        its part before any rank starts loading (a load is collective in some layouts: a rank
+        that failed to read would leave its peers blocked there until the group timeout).
+        A rank whose read failed raises its error; the others raise a
+        ``CheckpointCorruptError`` saying a peer could not read, so the controller falls back
+        to an older checkpoint on every rank alike."""
+        try:
+            got: dict[str, torch.Tensor] | None = read(strat)
+            failed: BaseException | None = None
+        except Exception as e:  # noqa: BLE001 - said to every rank first, then raised
+            got, failed = None, e
+        if not self._membership.all_ranks(failed is None):
+            if failed is not None:
+                raise failed
+            raise CheckpointCorruptError("another rank could not read its part of the "
+                                         "checkpoint; none of the ranks loaded it")
+        assert got is not None
+        return got
 
     def drop(self) -> None:
         """Close the live strategy (and every reference it had to the group), if any."""
