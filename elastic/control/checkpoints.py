@@ -136,6 +136,17 @@ class CheckpointTracker:
                    "upload")
         self.in_flight = None
 
+    def final(self, group: Any, spec: StrategySpec, step: int) -> None:
+        """A job stopped before ``max_steps`` (a request, a signal): take a checkpoint of
+        the state it stopped at, unless one of that step is committed or in flight already."""
+        if self.store is None or self.in_flight is not None and self.in_flight["step"] == step:
+            return
+        last = self.last_event.data.get("step") if self.last_event is not None else None
+        if last == step:
+            return
+        for out in group.checkpoint_now():
+            self.on_metric(out, spec)
+
     def finish(self, group: Any, timeout_s: float = 300.0) -> None:
         """At the end of the run, wait (bounded) for the checkpoint in flight to commit."""
         deadline = time.monotonic() + timeout_s

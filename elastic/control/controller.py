@@ -347,6 +347,8 @@ class Controller:
         return AtBoundary(self.step)
 
     def _finish(self, st: Finishing) -> State:
+        if self._stop_at is not None and self.spec is not None:  # stopped early: keep it
+            self.tracker.final(self.group, self.spec, self.step)
         self.tracker.finish(self.group)
         final = self.group.final_state()
         last = self.history[-1]["loss"] if self.history else float("nan")

@@ -346,9 +346,9 @@ class WorkerGroup:
         port = self._get(head.handle.free_port.remote())
         addr = head.info["ip"]
         t0 = time.perf_counter()
-        self._get_all([w.handle.join.remote(addr, port, w.rank, len(self.workers),
+        self._call_each([w.handle.join.remote(addr, port, w.rank, len(self.workers),
                                             self.generation, self.cfg.hang_timeout_s)
-                       for w in self.workers])
+                       for w in self.workers], self.workers)
         return addr, port, time.perf_counter() - t0
 
     def remove(self, dead: Sequence[WorkerRec]) -> None:
@@ -531,6 +531,10 @@ class WorkerGroup:
                 out.append({"error": f"worker {w.rank} did not answer"})
         return out
 
+    def checkpoint_now(self) -> list[dict[str, Any]]:
+        """Every worker begins a checkpoint of the state as it is (collective)."""
+        return self._call("checkpoint_now")
+
     def checkpoint_done(self, step: int, committed: bool) -> None:
         for w in self.workers:
             w.handle.checkpoint_done.remote(step, committed)
@@ -570,9 +574,6 @@ class WorkerGroup:
             return ray.get(ref)
         except Exception as e:  # noqa: BLE001 - typed
             raise _typed(e) from None
-
-    def _get_all(self, refs: list[Any]) -> list[Any]:
-        return self._call_each(refs, self.workers)
 
     # ------------------------------------------------------------------ teardown
 

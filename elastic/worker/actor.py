@@ -245,6 +245,11 @@ class Worker:
 
     # ------------------------------------------------------------------ checkpoints
 
+    def checkpoint_now(self) -> dict[str, Any]:
+        """Collective: take a checkpoint of the state as it is (the step boundary the job
+        stopped at); returns the checkpoint notice the step loop would report."""
+        return self._guard(lambda: self.checkpoints.now(self.layout.next_step))
+
     def restore_checkpoint(self, spec: StrategySpec, step: int, store: Any = None) -> dict[str, Any]:
         """Lay out ``spec`` from committed checkpoint ``step`` of ``store`` (default: the
         job's), checksums verified. A ``CheckpointError`` reaches the controller as it is."""

@@ -268,6 +268,11 @@ class FakeGroup:
     def checkpoint_poll(self) -> list[Any]:
         return [None for _ in self.workers]
 
+    def checkpoint_now(self) -> list[dict[str, Any]]:
+        self.calls.append(("checkpoint_now", self.fw(self.workers[0]).next_step))
+        return [{"checkpoint_skipped": self.fw(w).next_step, "rank": w.rank}
+                for w in self.workers]
+
     def checkpoint_done(self, step: int, committed: bool) -> None:
         pass
 
