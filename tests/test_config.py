@@ -38,12 +38,12 @@ class ReachedRay(Exception):
 @pytest.fixture
 def no_ray(monkeypatch, tmp_path):
     """``elastic.fit`` stops where it would connect to Ray (after the preflight)."""
-    from elastic.controller import Controller
+    from elastic.control import controller
 
-    def guard(self):
+    def guard(cfg):
         raise ReachedRay("the preflight passed")
 
-    monkeypatch.setattr(Controller, "_connect", guard)
+    monkeypatch.setattr(controller, "_ray_connect", guard)
     return tmp_path
 
 
@@ -334,8 +334,8 @@ def _worker_reads() -> set[str]:
         for node in ast.walk(ast.parse(open(path).read())):
             if isinstance(node, ast.Attribute):
                 v = node.value
-                if (isinstance(v, ast.Name) and v.id == "config") or (
-                        isinstance(v, ast.Attribute) and v.attr == "config"):
+                if (isinstance(v, ast.Name) and v.id in ("config", "_config")) or (
+                        isinstance(v, ast.Attribute) and v.attr in ("config", "_config")):
                     names.add(node.attr)
     return names
 

@@ -398,10 +398,14 @@ def _faults(faults: Any) -> None:
                 not {"rank", "step", "action"} <= set(f):
             raise ConfigError(key, f"{f!r} is not a fault.", fix)
         for k in ("rank", "step"):
-            integer(f[k], f"{key}.{k}", 0, fix)
-        one_of(f["action"], f"{key}.action", FAULT_ACTIONS)
-        if f.get("dir") is not None:
-            text(f["dir"], f"{key}.dir", fix=fix)
+            v = f[k]
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ConfigError(key, f"{k} must be an integer >= 0, got {v!r}.", fix)
+        if f["action"] not in FAULT_ACTIONS:
+            raise ConfigError(key, f"unknown action {f['action']!r}.",
+                              f"use one of: {', '.join(FAULT_ACTIONS)}")
+        if f.get("dir") is not None and not isinstance(f["dir"], str):
+            raise ConfigError(key, f"dir must be a path, got {f['dir']!r}.", fix)
 
 
 def _emulation(i: int, emu: Any) -> None:

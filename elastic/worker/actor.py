@@ -103,11 +103,11 @@ class Worker:
         }
 
     def free_port(self) -> int:
+        """A port for the next group's store, listening on this node's address only (this
+        worker will be rank 0)."""
         import ray
 
-        with socket.socket() as s:
-            s.bind((ray.util.get_node_ip_address(), 0))
-            return int(s.getsockname()[1])
+        return self.membership.open_port(ray.util.get_node_ip_address())
 
     def join(self, addr: str, port: int, rank: int, world: int, generation: int,
              timeout_s: float) -> float:
