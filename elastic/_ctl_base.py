@@ -124,11 +124,7 @@ def read_detail(outs: list[dict[str, Any]]) -> str:
 
 
 def spec_dict(spec: StrategySpec) -> dict[str, Any]:
-    import dataclasses
-
-    d = dataclasses.asdict(spec)
-    d["shares"] = list(spec.shares)
-    return d
+    return spec.to_dict()
 
 
 def pg_ready(pg: Any) -> bool:

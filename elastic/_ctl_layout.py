@@ -8,9 +8,8 @@ import dataclasses
 import time
 from typing import Any
 
-from strategies import StrategySpec
+from strategies import StrategyError, StrategySpec
 from strategies import get as get_strategy
-from strategies.base import StrategyError
 
 from ._ctl_base import (
     ControllerBase,
@@ -34,7 +33,7 @@ class LayoutMixin(ControllerBase):
         applies (``JobConfig.strategy_options``: clipping, precision, micro-batch size), so
         validating it validates them too."""
         spec = self._plan_spec(name, world)
-        return dataclasses.replace(spec, options={**self.cfg.strategy_options(), **spec.options})
+        return dataclasses.replace(spec, options=spec.options.over(self.cfg.strategy_options()))
 
     def _plan_spec(self, name: str, world: int) -> StrategySpec:
         from .planning import auto_spec, balanced_shares, speed_stage_split

@@ -17,9 +17,12 @@ import importlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigError
+
+if TYPE_CHECKING:
+    from strategies import StrategyOptions
 
 __all__ = ["JobConfig", "resolve_callable", "optimizer_factory", "loss_function"]
 
@@ -313,18 +316,14 @@ class JobConfig:
     def loss_fn(self) -> Callable[[Any, Any], Any]:
         return loss_function(self.loss)
 
-    def strategy_options(self) -> dict[str, Any]:
+    def strategy_options(self) -> StrategyOptions:
         """Job settings that every layout applies itself (``StrategySpec.options``)."""
-        out: dict[str, Any] = {}
-        if self.max_grad_norm is not None:
-            out["max_grad_norm"] = float(self.max_grad_norm)
-        if self.precision != "fp32":
-            out["precision"] = self.precision
-        if self.micro_batch_size is not None:
-            out["micro_batch_size"] = self.micro_batch_size
-        if self.activation_checkpointing:
-            out["activation_checkpointing"] = True
-        return out
+        from strategies import StrategyOptions
+
+        return StrategyOptions(
+            max_grad_norm=None if self.max_grad_norm is None else float(self.max_grad_norm),
+            precision=self.precision, micro_batch_size=self.micro_batch_size,
+            activation_checkpointing=bool(self.activation_checkpointing))
 
     def lr_schedule_fn(self) -> Callable[[int], float] | None:
         """``step -> multiplier`` of the optimizer's lr, or None (elastic.schedules)."""

@@ -80,7 +80,7 @@ def is_infrastructure_error(exc: BaseException) -> bool:
 def _compute_blocks(strategy: Any) -> list[torch.nn.Module]:
     """The modules whose forward is this rank's compute, finest first: the blocks of its
     pipeline stages, else the model's pipeline blocks, else the whole local model."""
-    from strategies.pipeline import pipeline_blocks_or_none
+    from strategies.blocks import pipeline_blocks_or_none
 
     stages = getattr(strategy, "stages", None)
     if stages:
@@ -672,9 +672,9 @@ class Worker:
             model = build_model(self._model_factory, self.config.seed)
         self._param_keys = {f"model/{n}" for n, _ in model.named_parameters()}
         # the job's settings every layout applies (the controller's specs carry them already)
-        opts = {**self.config.strategy_options(), **spec.options}
+        opts = spec.options.over(self.config.strategy_options())
         if for_load:
-            opts["init_sync"] = False
+            opts = dataclasses.replace(opts, init_sync=False)
         spec = dataclasses.replace(spec, options=opts)
         cls.validate(spec, model)
         return cls(spec, self._runtime(), model, self._optimizer_factory, self._loss_fn)
@@ -911,7 +911,7 @@ class Worker:
         return out
 
     def _profile_blocks(self, batch: int, iters: int = 3) -> dict[str, Any]:
-        from .planning import blocks_of
+        from strategies.blocks import blocks_of
 
         assert self._sampler is not None
         model = build_model(self._model_factory, self.config.seed).to(self.device)

@@ -9,24 +9,18 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .base import (
+from .base import LossFn, OptimizerFactory, Runtime, Strategy, grad_sq_sum
+from .canonical import (
     CanonicalState,
-    LossFn,
-    OptimizerFactory,
-    Runtime,
-    Strategy,
-    StrategySpec,
-    grad_sq_sum,
     model_state_to_canonical,
     optimizer_state_from_canonical,
     optimizer_state_to_canonical,
 )
-from .registry import register
+from .spec import StrategySpec
 
 __all__ = ["DataParallel"]
 
 
-@register
 class DataParallel(Strategy):
     name = "dp"
 
@@ -49,8 +43,8 @@ class DataParallel(Strategy):
         # copied into them and back every step (measured 3-5 % of a step of the overhead
         # benchmark's model on one CPU thread; also one gradient copy less in memory).
         self.ddp = DDP(self.model, device_ids=ids, broadcast_buffers=False,
-                       init_sync=bool(spec.options.get("init_sync", True)),
-                       gradient_as_bucket_view=bool(spec.options.get("bucket_view", True)))
+                       init_sync=spec.options.init_sync,
+                       gradient_as_bucket_view=spec.options.bucket_view)
         self.optimizer = optimizer_factory(self.model.parameters())
         # DDP averages gradients over world size; scale so the result is the mean over G.
         self._scale = self.share * rt.world_size / spec.global_batch_size
