@@ -1,11 +1,19 @@
-"""Data parallel: a full replica per rank, gradients all-reduced by DDP (bucketed, overlapped)."""
+"""Data parallel: a full replica per rank, gradients all-reduced by DDP (bucketed, overlapped).
 
-from __future__ import annotations
+DDP's bucket all-reduce runs through a comm hook of ours that does what DDP's built-in one
+does (scale each bucket by 1 / world size, sum it over the group, in place, so
+``gradient_as_bucket_view`` keeps working) and records a failure in ``strategies.health``
+before it propagates: DDP's reducer re-raises it from the autograd engine, where nothing
+tells it from a user's error.
+"""
 
+# No ``from __future__ import annotations`` here: DDP checks a comm hook's annotations against
+# the real classes (dist.GradBucket, Future[Tensor]), and strings would fail that check.
 import contextlib
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -16,9 +24,41 @@ from .canonical import (
     optimizer_state_from_canonical,
     optimizer_state_to_canonical,
 )
+from .health import record
 from .spec import StrategySpec
 
-__all__ = ["DataParallel"]
+__all__ = ["DataParallel", "recording_allreduce"]
+
+
+def recording_allreduce(state: object, bucket: dist.GradBucket
+                        ) -> torch.futures.Future[torch.Tensor]:
+    """A DDP comm hook: DDP's own averaging all-reduce of one gradient bucket (multiply by
+    1 / world size, then sum over the default group, in place: the same arithmetic as the
+    built-in reducer), recording a failure with ``strategies.health.record`` before it is
+    raised. ``state`` is unused (None): the group is the default group when the hook runs,
+    so the hook keeps no reference to a group."""
+    group = dist.group.WORLD
+    buf = bucket.buffer()
+    buf.mul_(1.0 / dist.get_world_size(group))
+    try:
+        work = dist.all_reduce(buf, group=group, async_op=True)
+    except Exception as e:
+        record(f"DDP gradient all-reduce of bucket {bucket.index()}: {_what(e)}")
+        raise
+
+    def done(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+        try:
+            return fut.value()[0]
+        except Exception as e:
+            record(f"DDP gradient all-reduce of bucket {bucket.index()}: {_what(e)}")
+            raise
+
+    return work.get_future().then(done)  # type: ignore[no-any-return]
+
+
+def _what(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0][:200] if lines else ''}"
 
 
 class DataParallel(Strategy):
@@ -45,6 +85,7 @@ class DataParallel(Strategy):
         self.ddp = DDP(self.model, device_ids=ids, broadcast_buffers=False,
                        init_sync=spec.options.init_sync,
                        gradient_as_bucket_view=spec.options.bucket_view)
+        self.ddp.register_comm_hook(None, recording_allreduce)
         self.optimizer = optimizer_factory(self.model.parameters())
         # DDP averages gradients over world size; scale so the result is the mean over G.
         self._scale = self.share * rt.world_size / spec.global_batch_size
