@@ -37,7 +37,7 @@ from elastic.checkpoint import (
     write_shard,
 )
 from elastic.errors import CheckpointError, ConfigError
-from strategies.base import state_hash
+from strategies.canonical import state_hash
 
 # --------------------------------------------------------------------------- helpers
 

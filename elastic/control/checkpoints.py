@@ -27,11 +27,7 @@ Emit = Callable[..., Any]
 
 def spec_dict(spec: StrategySpec) -> dict[str, Any]:
     """A spec as JSON-able data (events, manifests)."""
-    import dataclasses
-
-    d = dataclasses.asdict(spec)
-    d["shares"] = list(spec.shares)
-    return d
+    return spec.to_dict()
 
 
 def read_detail(outs: list[dict[str, Any]]) -> str:

@@ -302,7 +302,7 @@ class Controller:
 
     def _switch(self, st: Switching) -> State:
         assert self.spec is not None and self.layouts is not None
-        from strategies.base import StrategyError
+        from strategies import StrategyError
 
         try:
             spec = self.layouts.make(st.target, len(self.workers), self.group)

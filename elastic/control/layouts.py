@@ -13,9 +13,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from strategies import StrategySpec
+from strategies import StrategyError, StrategySpec
 from strategies import get as get_strategy
-from strategies.base import StrategyError
 
 from ..data import even_shares
 from ..errors import ConfigError, SwitchError
@@ -45,7 +44,7 @@ class Layouts:
         them too. With the live ``group`` of that size, shares follow measured speeds when
         balancing and ``auto`` asks the planner."""
         spec = self._plan(name, world, group)
-        return dataclasses.replace(spec, options={**self.cfg.strategy_options(), **spec.options})
+        return dataclasses.replace(spec, options=spec.options.over(self.cfg.strategy_options()))
 
     def _plan(self, name: str, world: int, group: Any) -> StrategySpec:
         from ..planning import auto_spec, balanced_shares, speed_stage_split

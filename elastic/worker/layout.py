@@ -32,7 +32,7 @@ __all__ = ["Layout", "LrSchedule", "compute_blocks"]
 def compute_blocks(strategy: Any) -> list[torch.nn.Module]:
     """The modules whose forward is this rank's compute, finest first: the blocks of its
     pipeline stages, else the model's pipeline blocks, else the whole local model."""
-    from strategies.pipeline import pipeline_blocks_or_none
+    from strategies.blocks import pipeline_blocks_or_none
 
     stages = getattr(strategy, "stages", None)
     if stages:
@@ -186,9 +186,9 @@ class Layout:
             model = build_model(self._model_factory, seed)
         self.param_keys = {f"model/{n}" for n, _ in model.named_parameters()}
         # the job's settings every layout applies (the controller's specs carry them already)
-        opts = {**self._config.strategy_options(), **spec.options}
+        opts = spec.options.over(self._config.strategy_options())
         if for_load:
-            opts["init_sync"] = False
+            opts = dataclasses.replace(opts, init_sync=False)
         spec = dataclasses.replace(spec, options=opts)
         cls.validate(spec, model)
         return cls(spec, self._membership.runtime(), model, self._optimizer_factory,
