@@ -15,6 +15,7 @@ from typing import Any
 
 from strategies import StrategyError, StrategySpec
 from strategies import get as get_strategy
+from strategies.traits import DP_MODES, TRAITS, traits_of
 
 from ..data import even_shares
 from ..errors import ConfigError, SwitchError
@@ -22,7 +23,7 @@ from .checkpoints import spec_dict
 
 __all__ = ["Layouts"]
 
-_SHARE_BALANCED = ("dp", "zero1", "zero2", "zero3")
+_SHARE_BALANCED = DP_MODES  # layouts whose ranks each run a share of the batch
 
 
 class Layouts:
@@ -64,7 +65,8 @@ class Layouts:
                                                           "speeds": speeds, "links": links})
             return spec
         pp = cfg.pp_degree
-        if name == "pipeline" and pp == 1:
+        pipeline = name in TRAITS and TRAITS[name].pipeline
+        if pipeline and pp == 1:
             pp = world
         shares = even_shares(g, world)
         split = None
@@ -73,7 +75,7 @@ class Layouts:
             if name in _SHARE_BALANCED:
                 shares = balanced_shares(g, speeds)
                 self.used_speeds = speeds
-            elif name == "pipeline" and cfg.schedule != "interleaved" and world % pp == 0:
+            elif pipeline and cfg.schedule != "interleaved" and world % pp == 0:
                 d = world // pp
                 try:
                     split = speed_stage_split(self.probe_model,
@@ -102,7 +104,7 @@ class Layouts:
         world, else takes the nearest degree that does), else the planner's choice."""
         first = self.make(name, world, group)
         candidates = [first]
-        if name == "pipeline":
+        if traits_of(name).pipeline:
             degrees = sorted((d for d in range(2, world + 1) if world % d == 0),
                              key=lambda d: (abs(d - first.pp_degree), d))
             candidates += [dataclasses.replace(first, pp_degree=d) for d in degrees]

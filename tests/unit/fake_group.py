@@ -138,7 +138,9 @@ class FakeGroup:
     def start_segment(self, start: int, end: int) -> Segment:
         self.calls.append(("segment", (start, end)))
         self.stop_asked = False
-        return Segment(start, end, [(w, None) for w in self.workers])
+        seg = Segment(start, end, [(w, None) for w in self.workers])
+        self._pos = {id(seg): start}  # only this segment runs (ids of dead ones are reused)
+        return seg
 
     def poll_segment(self, seg: Segment, timeout_s: float) -> SegmentPoll:
         """One step per poll (so requests and ``on_step`` act as they would live): a stop
