@@ -92,6 +92,17 @@ class CheckpointTracker:
         step, spec = ck["step"], ck["spec"]
         self.in_flight = None
         manifest = None
+        bad = {o["info"]["rank"]: o["info"].get("nonfinite") for o in outs
+               if o and "info" in o and o["info"].get("nonfinite")}
+        if bad and not errors:  # never a checkpoint of a state with NaN or inf in it
+            group.checkpoint_done(step, False)
+            self._emit("checkpoint_refused", f"step {step} not committed: its state holds "
+                       "non-finite values (" + "; ".join(
+                           f"rank {r}: {', '.join(list(k)[:3])}" for r, k in sorted(bad.items()))
+                       + "); the newest committed checkpoint stays the last good one",
+                       data={"step": step, "nonfinite": {str(r): list(k)
+                                                          for r, k in bad.items()}}, step=step)
+            return
         if not errors:
             infos = sorted((o["info"] for o in outs if o), key=lambda i: i["rank"])
             meta = CheckpointMeta(

@@ -55,6 +55,9 @@ class FakeGroup:
         self.hung: list[WorkerRec] = []
         self.calls: list[tuple[str, Any]] = []  # (method, argument) in order
         self.stop_asked = False
+        self.checkpoint_every = 0  # the job's: steps after which the fake begins a checkpoint
+        self.nonfinite_at: dict[int, list[str]] = {}  # checkpoint step -> keys with NaN
+        self._ckpt: int | None = None  # the checkpoint step uploading
         self._ids = 0
         self._pos: dict[int, int] = {}  # segment -> the step it reached
         self.closed = False
@@ -181,10 +184,14 @@ class FakeGroup:
             if not f.alive:
                 continue
             for s in range(start, end):
-                f.metrics.append({"step": s, "rank": w.rank, "loss": 1.0 / (s + 1),
-                                  "step_time": 0.01, "samples": 4, "samples_per_s": 400.0,
-                                  "time": 0.0, "generation": self.generation,
-                                  "global_samples": 4 * len(self.workers)})
+                m = {"step": s, "rank": w.rank, "loss": 1.0 / (s + 1),
+                     "step_time": 0.01, "samples": 4, "samples_per_s": 400.0,
+                     "time": 0.0, "generation": self.generation,
+                     "global_samples": 4 * len(self.workers)}
+                if self.checkpoint_every and (s + 1) % self.checkpoint_every == 0:
+                    m.update(checkpoint_begun=s + 1, checkpoint_blocked_s=0.001)
+                    self._ckpt = s + 1
+                f.metrics.append(m)
             f.next_step = max(f.next_step, end)
 
     def wind_down(self, seg: Segment, timeout_s: float) -> list[WorkerRec]:
@@ -268,7 +275,15 @@ class FakeGroup:
             f.has_state, f.strategy, f.next_step = True, spec.name, step
 
     def checkpoint_poll(self) -> list[Any]:
-        return [None for _ in self.workers]
+        """Each rank's upload: done at once, naming the keys scripted as non-finite."""
+        if self._ckpt is None:
+            return [None for _ in self.workers]
+        step, bad = self._ckpt, self.nonfinite_at.get(self._ckpt, [])
+        return [{"info": {"step": step, "rank": w.rank, "path": f"shard-{w.rank:05d}.bin",
+                          "size": 1, "checksum": "0" * 64, "index_offset": 0,
+                          "index_length": 0, "items": 0, "data_bytes": 0,
+                          "nonfinite": list(bad) if w.rank == 0 else []}}
+                for w in self.workers]
 
     def checkpoint_now(self) -> list[dict[str, Any]]:
         self.calls.append(("checkpoint_now", self.fw(self.workers[0]).next_step))
@@ -276,7 +291,8 @@ class FakeGroup:
                 for w in self.workers]
 
     def checkpoint_done(self, step: int, committed: bool) -> None:
-        pass
+        self.calls.append(("checkpoint_done", (step, committed)))
+        self._ckpt = None
 
     def final_state(self) -> dict[str, Any]:
         return {"model/final": self.fw(self.workers[0]).next_step}

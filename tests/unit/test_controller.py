@@ -243,3 +243,17 @@ def test_a_second_signal_stops_at_once(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         ctl.run()
     assert fake.closed
+
+
+def test_a_checkpoint_of_non_finite_state_is_never_committed(tmp_path):
+    fake = FakeGroup(mlp())
+    fake.checkpoint_every = 5
+    fake.nonfinite_at = {10: ["model/0.weight"]}
+    ctl = Controller(_cfg(tmp_path, checkpoint_every=5), group_factory=lambda cfg: fake,
+                     mailbox_factory=lambda job: None)
+    ctl.run()
+    refused = [e for e in ctl.events if e.kind == "checkpoint_refused"]
+    assert len(refused) == 1 and refused[0].data["step"] == 10
+    assert "model/0.weight" in refused[0].message
+    assert ("checkpoint_done", (10, False)) in fake.calls
+    assert all(e.data["step"] != 10 for e in ctl.events if e.kind == "checkpoint")
