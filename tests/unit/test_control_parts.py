@@ -103,3 +103,22 @@ def test_the_worker_boundary_types_errors_by_where_they_were_raised():
             assert isinstance(worker_error(e, 0, health.failed()), GroupError)
     finally:
         health.reset()
+
+
+def test_run_logs_are_strict_json(tmp_path):
+    import json
+
+    from elastic.events import Event, RunLog
+
+    log = RunLog(str(tmp_path))
+    log.metric({"step": 0, "loss": float("nan"), "grad_norm": float("inf"), "lr": 0.1})
+    log.event(Event("x", "m", data={"vals": [1.0, float("-inf")], "ok": True}))
+    log.close()
+
+    def strict_loads(text):
+        return json.loads(text, parse_constant=lambda c: pytest.fail(f"bare {c} in the log"))
+
+    m = strict_loads((tmp_path / "metrics.jsonl").read_text())
+    assert m["loss"] is None and m["grad_norm"] is None and m["lr"] == 0.1
+    e = strict_loads((tmp_path / "events.jsonl").read_text())
+    assert e["data"]["vals"] == [1.0, None]
