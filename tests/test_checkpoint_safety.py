@@ -44,7 +44,7 @@ from elastic.errors import (
     ConfigError,
     StorageError,
 )
-from strategies.base import state_hash
+from strategies import state_hash
 from tests.test_checkpoint import make_state, save
 
 
