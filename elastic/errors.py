@@ -127,13 +127,15 @@ class CheckpointOwnerError(CheckpointError):
 class NonFiniteError(ElasticError):
     """A step's loss or gradient norm was not finite (NaN or inf)."""
 
-    def __init__(self, message: str, step: int | None = None, rank: int | None = None) -> None:
+    def __init__(self, message: str, step: int | None = None, rank: int | None = None,
+                 rollback: bool = False) -> None:
         self.step = step
         self.rank = rank
+        self.rollback = rollback  # the job's on_nonfinite asks to restore the last checkpoint
         super().__init__(message)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (str(self), self.step, self.rank))
+        return (type(self), (str(self), self.step, self.rank, self.rollback))
 
 
 class SwitchError(ElasticError):

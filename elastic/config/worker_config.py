@@ -35,6 +35,8 @@ class WorkerConfig:
     checkpoint_location: StorageLocation | None  # None: the job writes no checkpoints
     run_path: str = ""  # the job's run directory, resolved on the driver
     faults: tuple[dict[str, Any], ...] | None = None  # test aid (elastic/worker/faults.py)
+    on_nonfinite: str = "skip"  # what a step with a NaN/inf loss or gradient does
+    max_nonfinite_skips: int = 5
 
     precision = Setting[str]("training")
     seed = Setting[int]("training")
