@@ -130,11 +130,13 @@ _PRECEDENCE = [FailureKind.NODE_LOST, FailureKind.PROCESS_LOST, FailureKind.HANG
 
 def root_cause(failures: Iterable[Failure]) -> Failure:
     """Of the failures the ranks reported for one incident, the one that explains the rest
-    (ties: the lowest rank). ``ValueError`` for none."""
+    (ties: one whose error names the rank that saw it, then the lowest rank). ``ValueError``
+    for none."""
     fs = list(failures)
     if not fs:
         raise ValueError("root_cause needs at least one failure")
     return min(fs, key=lambda f: (_PRECEDENCE.index(f.kind),
+                                  getattr(f.error, "rank", None) is None,
                                   f.rank if f.rank is not None else 1 << 30))
 
 

@@ -237,6 +237,7 @@ class Regroup:
         checkpoint is never committed with non-finite state, so it is finite. The caller
         refuses a second rollback for the same step (the data would bring it back)."""
         bad = failure.step if failure.step is not None else 1 << 62
+        self._drain()  # steps done before the bad one, then void past the checkpoint
         got = self.tracker.restore_newest(self.group, spec,
                                           tuple(s for s in self.tracker.valid_steps() if s <= bad))
         if got is None:
