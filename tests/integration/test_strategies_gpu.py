@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.mp_harness import ProcessPool
-from tests.test_strategies import _train, max_param_diff, reference
+from tests.integration.test_strategies import _train, max_param_diff, reference
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -14,7 +14,7 @@ import torch
 import elastic
 from tests.helpers import RegressionData, adam, max_diff, mlp, mse
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
