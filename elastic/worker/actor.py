@@ -70,8 +70,9 @@ class Worker:
         self.profiler = Profiler(config, self.device, self.data, model_factory, loss_fn)
         self.layout = Layout(config, self.membership, self.held, self.data, model_factory,
                              loss_fn, on_built=self.profiler.install)
-        self.checkpoints = Checkpointing(config, self.membership, self.layout)
         self.faults = Faults(config, node_id=_node_id)
+        self.checkpoints = Checkpointing(config, self.membership, self.layout,
+                                         in_upload=self.faults.in_upload)
         self.loop = StepLoop(config, self.membership, self.layout, self.data, self.checkpoints,
                              self.profiler, self.faults)
         gc.freeze()  # start-up objects (torch, ray, the job's modules) skip later collections,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -94,8 +95,10 @@ class Checkpointing:
     (``ShardWriter`` is built for that). Inactive (``store`` None) without checkpoints.
     """
 
-    def __init__(self, config: JobConfig | WorkerConfig, membership: Membership, layout: Layout) -> None:
+    def __init__(self, config: JobConfig | WorkerConfig, membership: Membership, layout: Layout,
+                 in_upload: Callable[[int, int, int], None] | None = None) -> None:
         self._config = config
+        self._in_upload = in_upload  # (rank, step, generation) on the upload thread: faults
         self._membership = membership
         self._layout = layout
         self.store: CheckpointStore | None = None
@@ -185,9 +188,21 @@ class Checkpointing:
                 self._writer.abandon()
                 self._writer.close()
             assert self.store is not None, "a checkpoint is due but the job has no store"
-            self._writer = ShardWriter(self.store, rank)
+            self._writer = ShardWriter(self.store, rank, on_progress=self._progress())
             self._writer_rank = rank
         return self._writer
+
+    def _progress(self) -> Callable[[int, int], None] | None:
+        """The writer's progress callback: the ``pause_upload`` fault's hook, if any."""
+        hook, m = self._in_upload, self._membership
+        if hook is None:
+            return None
+
+        def progress(written: int, total: int) -> None:
+            step = self._writer.step if self._writer is not None else None
+            if step is not None and written > 0:
+                hook(m.rank, step, m.generation)
+        return progress
 
     def poll(self) -> dict[str, Any] | None:
         """The upload's outcome: None while uploading or idle, else {"info": ShardInfo dict}

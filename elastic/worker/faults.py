@@ -13,7 +13,10 @@ fire it again. Actions:
 * ``hang``: blocks forever inside the step: its peers' collectives time out;
 * ``raise``: ``RuntimeError`` from the job's code path (a user error);
 * ``nan``: this rank's batch inputs are NaN for that step (for integer inputs: the outputs
-  of the blocks it computes), so the loss and gradients are not finite.
+  of the blocks it computes), so the loss and gradients are not finite;
+* ``pause_upload``: as ``pause``, but on the upload thread, once this rank's shard of
+  checkpoint ``step`` (the checkpoint taken after ``step`` steps) has begun to upload and
+  while its training goes on: a node lost in the middle of an upload, on purpose.
 """
 
 from __future__ import annotations
@@ -67,6 +70,8 @@ class Faults:
             return False
         nan = False
         for f in entries:
+            if f["action"] == "pause_upload":
+                continue  # fires on the upload thread (in_upload)
             where = f.get("dir") or self._default_dir
             if not self._claim(where, rank, step, f["action"]):
                 continue
@@ -83,6 +88,17 @@ class Faults:
             elif action == "nan":
                 nan = True
         return nan
+
+    def in_upload(self, rank: int, step: int, generation: int) -> None:
+        """On the upload thread, after bytes of this rank's shard of checkpoint ``step`` were
+        written: fire a due ``pause_upload`` entry (write the report, block the thread)."""
+        for f in self._at.get((rank, step), ()):
+            if f["action"] != "pause_upload":
+                continue
+            where = f.get("dir") or self._default_dir
+            if self._claim(where, rank, step, "pause_upload"):
+                self._write_paused(where, rank, step, generation)
+                self._block()
 
     @staticmethod
     def _claim(where: str, rank: int, step: int, action: str) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 
 import pytest
@@ -74,6 +75,14 @@ def reference():
     return reference_train(mlp, adam, mse, RegressionData(), G, STEPS, seed=0)
 
 
+def _lose_at(tmp_path, rank, step, action="pause"):
+    """A fault entry pausing ``rank`` at ``step`` (or, ``pause_upload``, in its upload of
+    checkpoint ``step``), and the file its report lands in."""
+    faults = str(tmp_path / "faults")
+    return ({"rank": rank, "step": step, "action": action, "dir": faults},
+            os.path.join(faults, f"paused-rank{rank}-step{step}.json"))
+
+
 def _wait_paused(handle, path, timeout=120):
     """The ``pause`` fault's report (``elastic/worker/faults.py``): the rank is blocked at the
     start of its step, and the file says on which node."""
@@ -123,11 +132,11 @@ def test_worker_process_exits_and_the_job_recovers(ray_cluster, tmp_path, refere
 
 
 def test_rank0_node_lost_then_replacement_node_taken_in(ray_cluster, tmp_path, reference):
+    """Rank 0 (the group's store) pauses at step 8 and its node goes; a new node joins."""
     cluster = ray_cluster(3)
-    handle = _submit(tmp_path, replacement_timeout_s=20)
-    _wait_step(handle, 8)
-    ctl = handle.controller
-    cluster.remove(ctl.workers[0].info["node_id"])
+    fault, report = _lose_at(tmp_path, 0, 8)
+    handle = _submit(tmp_path, replacement_timeout_s=20, faults=[fault])
+    cluster.remove(_wait_paused(handle, report)["node_id"])
     cluster.add_node()
     result = handle.result(timeout=180)
     assert max_diff(result.state_dict(), reference[0]) < TOL
@@ -138,9 +147,10 @@ def test_rank0_node_lost_then_replacement_node_taken_in(ray_cluster, tmp_path, r
 
 def test_below_min_workers_fails_clearly(ray_cluster, tmp_path):
     cluster = ray_cluster(2)
-    handle = _submit(tmp_path, num_workers=2, min_workers=2, max_workers=2, min_workers_timeout_s=2)
-    _wait_step(handle, 5)
-    cluster.remove(handle.controller.workers[1].info["node_id"])
+    fault, report = _lose_at(tmp_path, 1, 5)
+    handle = _submit(tmp_path, num_workers=2, min_workers=2, max_workers=2, min_workers_timeout_s=2,
+                     faults=[fault])
+    cluster.remove(_wait_paused(handle, report)["node_id"])
     with pytest.raises(elastic.InfrastructureError, match="fewer than min_workers=2"):
         handle.result(timeout=120)
 
@@ -171,18 +181,17 @@ def test_zero3_loss_restores_from_checkpoint_and_replays(ray_cluster, tmp_path, 
     """No rank holds a whole tensor under zero3: a loss falls back to the last committed
     checkpoint; the steps since are trained again and the result is unchanged."""
     cluster = ray_cluster(3)
+    fault, report = _lose_at(tmp_path, 2, 12)  # checkpoints after steps 5 and 10
     handle = _submit(tmp_path, strategy="zero3", checkpoint_every=5,
-                     checkpoint_uri=str(tmp_path / "ckpt"))
-    t0 = time.time()
-    while not any(e.kind == "checkpoint" for e in handle.controller.events):
-        assert not handle.done() and time.time() - t0 < 120
-        time.sleep(0.05)
-    _wait_step(handle, 12)
-    cluster.remove(handle.controller.workers[2].info["node_id"])
+                     checkpoint_uri=str(tmp_path / "ckpt"), faults=[fault])
+    cluster.remove(_wait_paused(handle, report)["node_id"])
     result = handle.result(timeout=180)
     rec = [e for e in result.events if e.kind == "recovered"]
-    # (0 steps are lost when the node goes right after a checkpoint committed)
-    assert rec and rec[0].data["source"] == "checkpoint" and rec[0].data["steps_lost"] >= 0
+    # restored checkpoint 10 (5 if 10 was still uploading); the steps since, up to the last
+    # one every rank confirmed (11, or 10: step 11's agreement rides on step 12), run again
+    assert rec and rec[0].data["source"] == "checkpoint"
+    restored = int(re.search(r" at step (\d+) ", rec[0].message).group(1))
+    assert restored in (10, 5) and 0 <= rec[0].data["steps_lost"] <= 12 - restored, rec[0]
     assert max_diff(result.state_dict(), reference[0]) < TOL
     _check_data_log(result.run_dir, result.history)
 
@@ -191,10 +200,10 @@ def test_pipeline_x_dp_loss_restores_from_surviving_stage_replicas(ray_cluster, 
                                                                    reference):
     """pp2 x dp2: every stage keeps a live replica after one worker is lost."""
     cluster = ray_cluster(4)
+    fault, report = _lose_at(tmp_path, 3, 6)
     handle = _submit(tmp_path, num_workers=4, min_workers=3, max_workers=4, strategy="pipeline",
-                     pp_degree=2)
-    _wait_step(handle, 6)
-    cluster.remove(handle.controller.workers[3].info["node_id"])
+                     pp_degree=2, faults=[fault])
+    cluster.remove(_wait_paused(handle, report)["node_id"])
     result = handle.result(timeout=180)
     rec = [e for e in result.events if e.kind == "recovered"]
     assert rec and rec[0].data["source"] == "peers" and rec[0].data["steps_lost"] == 0
@@ -209,20 +218,18 @@ def test_pipeline_x_dp_loss_restores_from_surviving_stage_replicas(ray_cluster, 
 
 def test_two_losses_in_a_row_and_one_during_a_checkpoint_upload(ray_cluster, tmp_path,
                                                                  reference):
+    """Rank 1's node goes at step 6; then, in the second generation, rank 2's node goes while
+    its shard of checkpoint 12 is uploading (``pause_upload``: the upload has begun and
+    training goes on)."""
     cluster = ray_cluster(4)
+    first, report1 = _lose_at(tmp_path, 1, 6)
+    second, report2 = _lose_at(tmp_path, 2, 12, action="pause_upload")
     handle = _submit(tmp_path, num_workers=4, min_workers=1, max_workers=4, checkpoint_every=3,
-                     checkpoint_uri=str(tmp_path / "ckpt"))
-    _wait_step(handle, 6)
-    ctl = handle.controller
-    cluster.remove(ctl.workers[1].info["node_id"])
-    t0 = time.time()
-    while not any(e.kind == "recovered" for e in ctl.events):
-        assert not handle.done() and time.time() - t0 < 120
-        time.sleep(0.05)
-    # the second loss lands while a checkpoint is being uploaded (or right around it)
-    while ctl.tracker.in_flight is None and not handle.done():
-        time.sleep(0.005)
-    cluster.remove(ctl.workers[-1].info["node_id"])
+                     checkpoint_uri=str(tmp_path / "ckpt"), faults=[first, second])
+    cluster.remove(_wait_paused(handle, report1)["node_id"])
+    paused = _wait_paused(handle, report2)
+    assert paused["generation"] == 2, paused
+    cluster.remove(paused["node_id"])
     result = handle.result(timeout=180)
     rec = [e for e in result.events if e.kind == "recovered"]
     assert len(rec) == 2 and all(e.data["source"] == "peers" for e in rec)
