@@ -81,6 +81,8 @@ def fresh_peaks(world: int, args: argparse.Namespace, tmp: str) -> list[dict[str
     out = []
     for name, sched in layouts():
         lay = label((name, sched))
+        if args.layouts and lay not in args.layouts:
+            continue
         handle = _job(world, tmp, f"fresh-{lay}-w{world}", strategy=name, schedule=sched)
         try:
             ctl = handle.controller
@@ -146,8 +148,8 @@ def bench_world(world: int, args: argparse.Namespace, sampler: common.Sampler,
         print(f"[w={world}] first steps after {time.time() - t_submit:.1f}s", flush=True)
         pids = [w.info["pid"] for w in ctl.workers]
         sampler.pids = pids
-        lays = layouts()
-        cur = 0  # the job starts in dp
+        lays = [x for x in layouts() if not args.layouts or label(x) in args.layouts]
+        cur = 0  # the job starts in dp (the first layout)
         steady: list[dict[str, Any]] = []
         for rnd in range(args.rounds):
             for i, lay in enumerate(lays):
@@ -185,6 +187,7 @@ def bench_world(world: int, args: argparse.Namespace, sampler: common.Sampler,
                       f"  peak RSS {', '.join(f'{x:.0f}' for x in rec['peak_rss_mb'])} MB"
                       f"  machine {rec['machine_cores'] or float('nan'):.2f} cores, workers "
                       f"{rec['workers_cores'] or float('nan'):.2f}", flush=True)
+        cur = layouts().index(lays[cur])
         switches, cur = pair_walk(handle, world, args.pair_rounds, cur, "reshard")
         hwm = [common.proc_mem_mb(p)["hwm_mb"] for p in pids]
         handle.stop(timeout=300)
@@ -224,14 +227,16 @@ def _med(xs: list[float]) -> float:
 
 def steady_table(results: list[dict[str, Any]]) -> str:
     lines = ["| workers | layout | samples/s (window, median of rounds) | per round | "
+             "x dp (median of the rounds' ratios) | "
              "median step (ms) | model states per rank (MB: params+grads+optim) | "
              "peak RSS per worker in the long job (MB) | peak RSS per worker, fresh job (MB) | "
              "machine busy cores |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for res in results:
         by: dict[str, list[dict[str, Any]]] = {}
         for r in res["steady"]:
             by.setdefault(r["layout"], []).append(r)
+        dp_by_round = {r["round"]: r["samples_per_s"] for r in by.get("dp", [])}
         fresh = {f["layout"]: f for f in res.get("fresh", [])}
         for lay, rs in by.items():
             fr = fresh.get(lay)
@@ -243,9 +248,12 @@ def steady_table(results: list[dict[str, Any]]) -> str:
                 for m in last["memory_elements"])
             rss = " / ".join(f"{max(r['peak_rss_mb'][i] for r in rs):.0f}"
                              for i in range(len(last["peak_rss_mb"])))
+            ratios = [r["samples_per_s"] / dp_by_round[r["round"]] for r in rs
+                      if dp_by_round.get(r["round"])]
             lines.append(
                 f"| {res['world']} | {lay} | {_med(thr):.1f} | "
                 f"{', '.join(f'{x:.1f}' for x in thr)} | "
+                f"{_med(ratios):.3f} ({', '.join(f'{x:.2f}' for x in ratios)}) | "
                 f"{_med([r['median_step_s'] for r in rs]) * 1e3:.0f} | {mem} | {rss} | {frss} | "
                 f"{_med([r['machine_cores'] for r in rs]):.2f} |")
     return "\n".join(lines)
@@ -299,6 +307,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile-workers", type=int, default=2)
     ap.add_argument("--compare-moves", nargs="*", default=["reshard", "gather"],
                     help="also walk every pair in a fresh job with these switch_move values")
+    ap.add_argument("--layouts", nargs="*", default=[],
+                    help="measure only these layouts' throughput (labels: dp zero1 zero2 "
+                         "zero3 pipeline-gpipe pipeline-1f1b; dp first); default all")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     tmp = common.private_ray_env("rs-")

@@ -141,11 +141,13 @@ def main() -> int:
     print(f"{args.workers} gloo workers, {args.rounds} rounds x {args.steps} steps "
           f"({args.warmup} warm-up), {time.time() - t0:.0f} s")
     for model_name, per in results.items():
-        print(f"\nmodel {model_name}: samples/s, median of rounds [per round], ratio to dp")
-        base = statistics.median(per["dp"]) if "dp" in per else None
+        print(f"\nmodel {model_name}: samples/s, median of rounds [per round], x dp")
+        print("  (ratio: the median of the rounds' ratios, each layout against dp's figure "
+              "of the same round)")
         for lay, xs in per.items():
             med = statistics.median(xs)
-            ratio = f"{med / base:.3f}" if base else "-"
+            ratio = (f"{statistics.median(x / d for x, d in zip(xs, per['dp'], strict=True)):.3f}"
+                     if "dp" in per else "-")
             print(f"  {lay:10s} {med:8.1f}  [{', '.join(f'{x:.0f}' for x in xs)}]  {ratio}")
     if args.json:
         with open(args.json, "w") as f:
