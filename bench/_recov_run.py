@@ -132,19 +132,29 @@ def _ask_kill(out: str, meta: dict[str, Any]) -> dict[str, Any]:
     raise TimeoutError("the owner never removed the node")
 
 
-_TRACED = ("_raise_if_failed", "_poll_control", "_recover", "_survivors", "_try_place",
-           "_form_group", "_restore", "_drain", "_checkpoint_restore", "_resize")
+# (module, class, method) of the controller's recovery steps
+_TRACED = (("elastic.control.controller", "Controller", "_drain"),
+           ("elastic.control.regroup", "Regroup", "recover"),
+           ("elastic.control.regroup", "Regroup", "resize"),
+           ("elastic.control.regroup", "Regroup", "restore"),
+           ("elastic.control.regroup", "Regroup", "_form"),
+           ("elastic.control.regroup", "Regroup", "_acquire"),
+           ("elastic.control.regroup", "Regroup", "_roll_forward"),
+           ("elastic.control.worker_group", "WorkerGroup", "wind_down"),
+           ("elastic.control.worker_group", "WorkerGroup", "survivors"),
+           ("elastic.control.worker_group", "WorkerGroup", "try_place"),
+           ("elastic.control.checkpoints", "CheckpointTracker", "restore_newest"))
 
 
 def _trace_controller(spans: list[tuple[str, float, float]]) -> None:
     """Time the controller's recovery steps from the outside (wrappers on the class, in this
     process only; nothing in elastic/ is changed)."""
     import functools
+    import importlib
 
-    from elastic.controller import Controller
-
-    for name in _TRACED:
-        orig = getattr(Controller, name)
+    for mod, cls_name, name in _TRACED:
+        cls = getattr(importlib.import_module(mod), cls_name)
+        orig = getattr(cls, name)
 
         def wrap(orig: Any = orig, name: str = name) -> Any:
             @functools.wraps(orig)
@@ -156,7 +166,7 @@ def _trace_controller(spans: list[tuple[str, float, float]]) -> None:
                     spans.append((name, t0, time.time()))
             return inner
 
-        setattr(Controller, name, wrap())
+        setattr(cls, name, wrap())
 
 
 def run_elastic(args: argparse.Namespace) -> dict[str, Any]:

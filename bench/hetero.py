@@ -169,9 +169,9 @@ def part_strategies(tmp: str, args: argparse.Namespace, balance_rounds: list[dic
                 raise TimeoutError("no step")
             time.sleep(0.05)
         infos = [dict(w.info, rank=w.rank) for w in ctl.workers]
-        speeds = [ctl._speed[w.worker_id] for w in ctl.workers]
+        speeds = [ctl.layouts.speed[w.worker_id] for w in ctl.workers]
         cluster, ids = live_cluster(infos)
-        profile = model_profile(ctl._probe_model, hc.OPTIM)
+        profile = model_profile(ctl.layouts.probe_model, hc.OPTIM)
         measured: dict[str, dict[str, Any]] = {}
         for name in args.strategies:
             if name != ctl.spec.name:

@@ -33,9 +33,9 @@ def proportional_shares(
     n = len(speeds)
     if n == 0:
         raise BalanceError("no devices to share the batch among")
-    if any(not (s > 0 and math.isfinite(s)) for s in speeds):
+    if any(not (s > 0 and math.isfinite(s)) for s in set(speeds)):
         raise BalanceError(f"speeds must be positive and finite, got {list(speeds)}")
-    cap = [math.inf if c is None else c for c in (caps or [None] * n)]
+    cap = [math.inf] * n if caps is None else [math.inf if c is None else c for c in caps]
     if len(cap) != n:
         raise BalanceError(f"{len(cap)} caps for {n} devices")
     if total < n * min_share:
@@ -43,8 +43,8 @@ def proportional_shares(
             f"global batch {total} < {n} devices x {min_share} sample(s) each; "
             "use fewer devices or a larger batch"
         )
-    low = [i for i, c in enumerate(cap) if c < min_share]
-    if low:
+    if min(cap) < min_share:
+        low = [i for i, c in enumerate(cap) if c < min_share]
         raise BalanceError(
             f"devices {low} cannot hold even {min_share} sample(s) "
             "(memory cap); drop them from the plan"
@@ -54,6 +54,11 @@ def proportional_shares(
             f"the devices hold at most {sum(cap):g} samples together, the batch is "
             f"{total}; add devices, use gradient accumulation or shard more"
         )
+    if len(set(speeds)) == 1 and len(set(cap)) == 1:
+        # Alike devices (a big homogeneous cluster): what the general path below gives,
+        # without its O(n log n) Python work: the first total % n get one more.
+        base, extra = divmod(total, n)
+        return (base + 1,) * extra + (base,) * (n - extra)
     fixed: dict[int, int] = {}
     quota: dict[int, float] = {}
     while True:

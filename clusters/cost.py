@@ -1,15 +1,14 @@
 """The cost model: predicted step time and per-device memory of a plan on a cluster.
 
-Compute: seconds per sample per block, from measurement (calibrated or profiled) or from
-FLOPs / (peak x ``compute_efficiency``), times the device's emulation slowdown.
-Communication: alpha-beta per collective on the group's bottleneck link (``Cluster.path``):
-ring all-reduce 2(n-1) alpha + 2(n-1)/n S beta; all-gather / reduce-scatter (n-1) alpha +
-(n-1)/n S beta (S = unsharded bytes); point-to-point alpha + S beta.
-Pipelines: replica time sum_j t_j + (m-1) max_j t_j (uniform: (m+p-1) t, bubble (p-1)/m);
-interleaved with v chunks per rank divides the fill/drain term by v.
-Memory: ZeRO accounting (params / grads / optimizer states sharded by stage) plus activations
-of the micro-batches in flight (GPipe m, 1F1B at most p - stage). GB = 1e9 bytes throughout,
-as in the ZeRO paper. Formulas and their sources: docs/cost-model.md.
+``CostModel`` holds the tunable constants and the per-part costs: compute (seconds per sample
+per block, from measurement or from FLOPs / (peak x ``compute_efficiency``), times the
+device's emulation slowdown), alpha-beta collectives on a group's bottleneck link
+(``collectives``), the optimizer's memory-bound update. ``estimate`` predicts a whole plan:
+data-parallel plans here, pipelines and hybrids in ``pipeline_cost`` (which states what it
+needs from a cost model as a protocol and does not import this module). Memory: ZeRO
+accounting plus buffers (``memory.layout_memory``, the one formula) plus the activations of
+the micro-batches in flight. GB = 1e9 bytes throughout, as in the ZeRO paper. Formulas and
+their sources: docs/cost-model.md.
 """
 
 from __future__ import annotations
@@ -18,7 +17,11 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from .collectives import collective_time, sync_collectives_time
 from .errors import PlanError, ProfileError
+from .estimate import Estimate
+from .memory import MemoryBreakdown, layout_memory, model_state_bytes
+from .pipeline_cost import MeshLayout, bubble_fraction, estimate_pipeline, mesh_layout, stage_blocks
 from .plan import Plan
 from .profile import ModelProfile
 from .topology import Cluster, Device, Path
@@ -32,98 +35,6 @@ __all__ = [
     "model_state_bytes",
     "stage_blocks",
 ]
-
-
-def collective_time(kind: str, nbytes: float, n: int, alpha: float, beta: float) -> float:
-    """Alpha-beta time of one ring collective of ``nbytes`` (unsharded size) over ``n`` ranks.
-
-    ``kind``: all_reduce, all_gather, reduce_scatter or p2p. ``beta`` is seconds per byte.
-    """
-    if kind == "p2p":
-        return alpha + nbytes * beta if nbytes > 0 else 0.0
-    if n <= 1 or nbytes <= 0:
-        return 0.0
-    if kind == "all_reduce":
-        return 2 * (n - 1) * alpha + 2 * (n - 1) / n * nbytes * beta
-    if kind in ("all_gather", "reduce_scatter"):
-        return (n - 1) * alpha + (n - 1) / n * nbytes * beta
-    raise ValueError(f"unknown collective {kind!r}")
-
-
-def bubble_fraction(
-    pp: int, micro_batches: int, schedule: str = "1f1b", virtual_stages: int = 1
-) -> float:
-    """Idle time relative to the ideal m x t: (p-1)/m for GPipe and 1F1B, (p-1)/(v m) interleaved."""
-    v = virtual_stages if schedule == "interleaved" else 1
-    return (pp - 1) / (v * micro_batches)
-
-
-@dataclass(frozen=True)
-class MemoryBreakdown:
-    """Bytes on one device: model states (params, grads, optimizer) + activations + buffers."""
-
-    params: float
-    grads: float
-    optimizer: float
-    activations: float = 0.0
-    buffers: float = 0.0
-
-    @property
-    def model_states(self) -> float:
-        return self.params + self.grads + self.optimizer
-
-    @property
-    def total(self) -> float:
-        return self.model_states + self.activations + self.buffers
-
-
-def model_state_bytes(
-    strategy: str,
-    n_params: float,
-    n: int,
-    *,
-    bytes_per_param: int = 2,
-    grad_bytes: int = 2,
-    optimizer_bytes: int = 12,
-) -> MemoryBreakdown:
-    """Per-device model states under ``strategy`` (dp, zero1, zero2, zero3) over ``n`` ranks.
-
-    ZeRO paper (Rajbhandari et al. 2020), Fig. 1: dp (2+2+K) psi, zero1 2psi + 2psi + K psi/n,
-    zero2 2psi + (2+K) psi/n, zero3 (2+2+K) psi/n.
-    """
-    shard = {"dp": (1, 1, 1), "zero1": (1, 1, n), "zero2": (1, n, n), "zero3": (n, n, n)}
-    if strategy not in shard:
-        raise PlanError(f"no model-state rule for {strategy!r}; use dp or zero1..3")
-    sp, sg, so = shard[strategy]
-    return MemoryBreakdown(
-        n_params * bytes_per_param / sp, n_params * grad_bytes / sg, n_params * optimizer_bytes / so
-    )
-
-
-def stage_blocks(plan: Plan) -> list[range]:
-    """Block ranges of each (virtual) stage, from ``plan.stage_split``."""
-    out, start = [], 0
-    for b in plan.stage_split:
-        out.append(range(start, start + b))
-        start += b
-    return out
-
-
-@dataclass(frozen=True)
-class Estimate:
-    """Predicted step of a plan. Times in seconds, memory per rank (``memory[rank]``)."""
-
-    step_time: float
-    compute: float
-    comm: float
-    optimizer: float
-    bubble: float
-    memory: tuple[MemoryBreakdown, ...]
-    link: str = ""
-
-    @property
-    def peak_memory(self) -> float:
-        return max(m.total for m in self.memory)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -204,17 +115,47 @@ class CostModel:
         return device.memory_bytes * self.usable_memory_fraction
 
     # ---------------------------------------------------------------- whole plan
-    def estimate(self, plan: Plan, cluster: Cluster, profile: ModelProfile) -> Estimate:
-        """Predict ``plan`` (with ``plan.devices`` set) on ``cluster``. Raises ``PlanError``."""
-        plan.validate(profile.n_blocks if plan.is_pipeline else None)
+    def estimate(
+        self,
+        plan: Plan,
+        cluster: Cluster,
+        profile: ModelProfile,
+        *,
+        layout: MeshLayout | None = None,
+    ) -> Estimate:
+        """Predict ``plan`` (with ``plan.devices`` set) on ``cluster``. Raises ``PlanError``.
+
+        ``layout``: for a pipeline, the ``pipeline_cost.mesh_layout`` of ``plan.devices``
+        (the planner builds one per device arrangement and reuses it); built here if None.
+        """
+        known = layout is not None and plan.is_pipeline and layout.matches(plan)
+        plan.validate(profile.n_blocks if plan.is_pipeline else None, distinct_devices=not known)
         if len(plan.devices) != plan.world_size:
             raise PlanError(f"plan {plan.label!r} names no devices; set Plan.devices")
-        devs = [cluster.device(i) for i in plan.devices]
         if plan.is_pipeline:
-            from ._pipeline_cost import estimate_pipeline
+            if layout is None or not known:
+                devs = [cluster.device(i) for i in plan.devices]
+                layout = mesh_layout(self, cluster, profile, devs, plan.pp_degree)
+            return estimate_pipeline(self, plan, profile, layout)
+        return self._estimate_data_parallel(plan, cluster, profile,
+                                            [cluster.device(i) for i in plan.devices])
 
-            return estimate_pipeline(self, plan, cluster, profile, devs)
-        return self._estimate_data_parallel(plan, cluster, profile, devs)
+    def sync_over(
+        self,
+        mode: str,
+        n_params: float,
+        n: int,
+        path: Path | None,
+        profile: ModelProfile,
+        micro_batches: int = 1,
+        units: int = 1,
+    ) -> float:
+        """Seconds of ``mode``'s gradient/parameter collectives per step for a data-parallel
+        group of ``n`` ranks whose bottleneck is ``path`` (``collectives.sync_collectives_time``
+        with this model's alpha and beta)."""
+        a, b = self.alpha_beta(path)
+        return sync_collectives_time(mode, n, n_params * profile.bytes_per_param,
+                                     n_params * profile.grad_bytes, a, b, micro_batches, units)
 
     def sync_time(
         self,
@@ -226,24 +167,10 @@ class CostModel:
         micro_batches: int = 1,
         units: int = 1,
     ) -> tuple[float, str]:
-        """Seconds of gradient/parameter collectives per step for one data-parallel group.
-        ``units``: zero3's FSDP units (elastic wraps every block as one): each gathers its
-        parameters in forward and again in backward and reduce-scatters its gradient, so
-        the latency term counts per unit while the bytes are the same in total."""
-        n = len(group)
+        """Seconds of gradient/parameter collectives per step for one data-parallel group, and
+        the name of its bottleneck link. ``units``: zero3's FSDP units (``sync_over``)."""
         path = cluster.path(group)
-        a, b = self.alpha_beta(path)
-        sg, sp = n_params * profile.grad_bytes, n_params * profile.bytes_per_param
-        ar = collective_time("all_reduce", sg, n, a, b)
-        ag = collective_time("all_gather", sp, n, a, b)
-        rs = collective_time("reduce_scatter", sg, n, a, b)
-        per_unit = (max(1, units) - 1) * (n - 1) * a if n > 1 else 0.0  # latency, per extra unit
-        t = {
-            "dp": ar,
-            "zero1": ar + ag,
-            "zero2": ag + micro_batches * rs,
-            "zero3": micro_batches * (2 * ag + rs + 3 * per_unit),
-        }[mode]
+        t = self.sync_over(mode, n_params, len(group), path, profile, micro_batches, units)
         return t, path.name if path else "-"
 
     def _estimate_data_parallel(
@@ -268,32 +195,31 @@ class CostModel:
             self.optimizer_time(d, local_params, profile)
             for d in {(d.type.name, d.slowdown): d for d in devs}.values()
         )
-        states = model_state_bytes(
-            plan.strategy,
-            p_all,
-            n,
-            bytes_per_param=profile.bytes_per_param,
-            grad_bytes=profile.grad_bytes,
-            optimizer_bytes=profile.optimizer_bytes_per_param,
-        )
         act_per_sample = sum(profile.stored(i) for i in range(profile.n_blocks))
-        big = max(profile.block_params)
-        buf = {
-            "zero2": big * profile.grad_bytes,
-            "zero3": 2 * big * profile.bytes_per_param + big * profile.grad_bytes,
-        }
-        mem = tuple(
-            MemoryBreakdown(
-                states.params,
-                states.grads,
-                states.optimizer,
-                math.ceil(s / m) * act_per_sample,
-                buf.get(plan.strategy, 0.0),
+        by_share = {
+            s: layout_memory(
+                plan.strategy,
+                p_all,
+                n,
+                bytes_per_param=profile.bytes_per_param,
+                grad_bytes=profile.grad_bytes,
+                optimizer_bytes=profile.optimizer_bytes_per_param,
+                biggest_block=max(profile.block_params),
+                activations=math.ceil(s / m) * act_per_sample,
             )
-            for s in plan.shares
-        )
+            for s in set(plan.shares)
+        }
+        mem = tuple(by_share[s] for s in plan.shares)
+        use, tight = -1.0, 0
+        usable: dict[int, float] = {}
+        for rank, (s, d) in enumerate(zip(plan.shares, devs, strict=True)):
+            if d.memory_bytes not in usable:
+                usable[d.memory_bytes] = self.usable_bytes(d)
+            ratio = by_share[s].total / usable[d.memory_bytes]
+            if ratio > use:
+                use, tight = ratio, rank
         step = max(comp) + exposed + opt + self.step_overhead
-        return Estimate(step, max(comp), exposed, opt, 0.0, mem, link)
+        return Estimate(step, max(comp), exposed, opt, 0.0, mem, link, use, tight)
 
 
 def _work_fraction(profile: ModelProfile, idx: Sequence[int]) -> float:

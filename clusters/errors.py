@@ -14,6 +14,8 @@ __all__ = [
     "ProfileError",
     "PlanError",
     "BalanceError",
+    "TraceError",
+    "SimulationError",
 ]
 
 
@@ -57,3 +59,25 @@ class PlanError(ClustersError, ValueError):
 
 class BalanceError(ClustersError, ValueError):
     """Shares or stage splits cannot satisfy the constraints (too few samples, caps too low)."""
+
+
+class TraceError(ClustersError, ValueError):
+    """A failure trace (a file or a list of events) is malformed.
+
+    ``where`` is ``file:line`` (or ``events[i]``), ``problem`` what is wrong and ``fix`` what
+    to write instead.
+    """
+
+    def __init__(self, where: str, problem: str, fix: str = "") -> None:
+        self.where = where
+        self.problem = problem
+        self.fix = fix
+        super().__init__(f"{where}: {problem}" + (f" Fix: {fix}" if fix else ""))
+
+    def __reduce__(self):  # keep every field through pickling
+        return (type(self), (self.where, self.problem, self.fix))
+
+
+class SimulationError(ClustersError, ValueError):
+    """A simulation cannot run as configured (a bad ``SimConfig`` value, a policy without a
+    name); the message names the setting and the fix."""

@@ -17,13 +17,16 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from strategies.traits import DP_MODES as _DP_MODES
+from strategies.traits import TRAITS
+
 from .errors import PlanError
 
 __all__ = ["Plan", "STRATEGIES", "SCHEDULES", "DP_MODES"]
 
-STRATEGIES = ("dp", "zero1", "zero2", "zero3", "pipeline")
+STRATEGIES = tuple(TRAITS)  # the registry's names (strategies/traits.py, torch-free)
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
-DP_MODES = ("dp", "zero1", "zero2", "zero3")
+DP_MODES = _DP_MODES  # what a pipeline stage's data-parallel group can run
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,8 +82,10 @@ class Plan:
         v = f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
         return f"pp{self.pp_degree}{dp} {self.schedule}{v} m={self.micro_batches}"
 
-    def validate(self, n_blocks: int | None = None) -> None:
-        """Raise ``PlanError`` naming the first inconsistency; ``n_blocks`` checks the split."""
+    def validate(self, n_blocks: int | None = None, *, distinct_devices: bool = True) -> None:
+        """Raise ``PlanError`` naming the first inconsistency; ``n_blocks`` checks the split.
+        ``distinct_devices=False`` skips the O(world) check that no device id repeats (for a
+        caller that checked these very ids already)."""
 
         def bad(msg: str) -> PlanError:
             return PlanError(f"plan {self.label!r}: {msg}")
@@ -89,10 +94,11 @@ class Plan:
             raise bad(f"unknown strategy; use one of {', '.join(STRATEGIES)}")
         if self.world_size < 1 or self.pp_degree < 1 or self.micro_batches < 1:
             raise bad("world_size, pp_degree and micro_batches must be >= 1")
-        if any(s < 1 for s in self.shares):
+        if self.shares and min(self.shares) < 1:
             raise bad(f"every share must be >= 1, got {self.shares}")
         if self.devices and (
-            len(self.devices) != self.world_size or len(set(self.devices)) != len(self.devices)
+            len(self.devices) != self.world_size
+            or (distinct_devices and len(set(self.devices)) != len(self.devices))
         ):
             raise bad("devices must list world_size distinct device ids")
         if not self.is_pipeline:
@@ -109,7 +115,7 @@ class Plan:
             raise bad(f"dp_mode must be one of {', '.join(DP_MODES)}")
         if self.schedule not in SCHEDULES:
             raise bad(f"schedule must be one of {', '.join(SCHEDULES)}")
-        if any(s % self.micro_batches for s in self.shares):
+        if any(s % self.micro_batches for s in set(self.shares)):
             raise bad(f"every share must be a multiple of micro_batches={self.micro_batches}")
         if self.schedule == "interleaved":
             if self.virtual_stages < 2 or self.micro_batches % self.pp_degree:

@@ -1,4 +1,4 @@
-"""Text for people: the planner's explanation, the ranked plan table, and ``elastic plan``.
+"""Text for people: the ranked plan table, and ``elastic plan``.
 
 ``plan_main`` is what the CLI calls; it returns the text and prints nothing, so tests (and the
 CLI) decide where it goes.
@@ -13,63 +13,16 @@ from typing import Any
 from .cost import CostModel
 from .loader import load_cluster
 from .plan import STRATEGIES
+from .planner import PlanResult, plan
 from .profile import ModelProfile, profile_from_dict
 from .topology import Cluster
 
-__all__ = ["explain", "format_plan_table", "plan_main"]
+__all__ = ["format_plan_table", "plan_main"]
 
 _GB = 1e9
 
 
-def _devices_summary(cluster: Cluster, ids: Sequence[str]) -> str:
-    counts: dict[str, int] = {}
-    for i in ids:
-        d = cluster.device(i)
-        counts[d.short] = counts.get(d.short, 0) + 1
-    return " + ".join(f"{c} x {k}" for k, c in counts.items())
-
-
-def explain(
-    choice: Any, ranked: Sequence[Any], rejected: Sequence[Any], cluster: Cluster, global_batch: int
-) -> str:
-    """Why the planner chose what it chose (first line: the decision), or why nothing fits."""
-    lines = []
-    if choice is None:
-        lines.append(
-            f"no plan fits cluster {cluster.name} with global batch {global_batch}; "
-            f"{len(rejected)} rejected:"
-        )
-        lines += [f"  - {c.rejection}" for c in rejected[:12]]
-        lines.append("fix: add devices or memory, shrink the batch, or use a smaller model")
-        return "\n".join(lines)
-    e, p = choice.estimate, choice.plan
-    peak = max(e.memory, key=lambda m: m.total)
-    lines.append(
-        f"chose {p.label} on {_devices_summary(cluster, p.devices)} ({choice.subset}): "
-        f"predicted {e.step_time:.4g} s/step (compute {e.compute:.3g}, comm {e.comm:.3g} on "
-        f"{e.link}, optimizer {e.optimizer:.3g}), peak {peak.total / _GB:.1f} GB per device"
-    )
-    if len(ranked) > 1:
-        r = ranked[1]
-        slower = r.estimate.step_time / e.step_time - 1.0
-        line = f"runner-up: {r.plan.label} ({r.subset}), {slower:+.1%} step time"
-        if slower < 0:
-            line += (
-                f"; within the tie tolerance the choice keeps more memory headroom "
-                f"({choice.peak_fraction:.0%} vs {r.peak_fraction:.0%} of usable)"
-            )
-        lines.append(line)
-    if len(set(p.shares)) > 1:
-        lines.append(f"unequal shares by device speed: {list(p.shares)}")
-    if rejected:
-        lines.append(f"{len(rejected)} candidate(s) rejected, e.g. {rejected[0].rejection}")
-    emu = sorted({cluster.device(i).label for i in p.devices if cluster.device(i).emulated})
-    if emu:
-        lines.append("EMULATED devices (test/demo aid, not real GPUs): " + "; ".join(emu))
-    return "\n".join(lines)
-
-
-def format_plan_table(result: Any, top: int | None = 20, show_rejected: int | None = 20) -> str:
+def format_plan_table(result: PlanResult, top: int | None = 20, show_rejected: int | None = 20) -> str:
     """A ranked text table of a ``PlanResult``: predicted step time, memory, rejection reasons."""
     out = [
         f"Plans for cluster {result.cluster_name}, global batch {result.global_batch}"
@@ -83,6 +36,7 @@ def format_plan_table(result: Any, top: int | None = 20, show_rejected: int | No
     rows = result.ranked if top is None else result.ranked[:top]
     for i, c in enumerate(rows, 1):
         e = c.estimate
+        assert e is not None, "ranked candidates are estimated"
         peak, ratio = e.peak_memory, c.peak_fraction
         bubble = f"{e.bubble:.0%}" if c.plan.is_pipeline else "-"
         out.append(
@@ -117,8 +71,6 @@ def plan_main(
 
     Raises ``ClusterFileError`` / ``ProfileError`` for bad input (messages name the fix).
     """
-    from .planner import plan
-
     cluster = (
         cluster_file_or_dict
         if isinstance(cluster_file_or_dict, Cluster)

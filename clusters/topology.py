@@ -13,7 +13,8 @@ so every report can label emulation as such.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Sequence
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from .catalog import DeviceType, LinkType
@@ -147,7 +148,7 @@ class Cluster:
         nodes = tuple(p.make_node(f"{p.name}-{i}") for p in pools for i in range(p.count))
         return cls(name, tuple(pools), nodes, inter_pool_link, source)
 
-    @property
+    @functools.cached_property
     def devices(self) -> tuple[Device, ...]:
         return tuple(d for n in self.nodes for d in n.devices)
 
@@ -186,15 +187,24 @@ class Cluster:
         """
         if len(devices) < 2:
             return None
-        per_node: dict[str, int] = {}
-        for d in devices:
-            per_node[d.node] = per_node.get(d.node, 0) + 1
+        return self.path_over(Counter(d.node for d in devices))
+
+    def path_over(self, per_node: Mapping[str, int]) -> Path | None:
+        """``path`` of a group given as members per node id (``{"a100-0": 8, ...}``)."""
+        if sum(per_node.values()) < 2:
+            return None
         nodes = [self.node(n) for n in per_node]
         if len(nodes) == 1:
             lk = nodes[0].intra_link
             return Path(lk.bandwidth, lk.latency, lk.name)
         bw, lat, name = float("inf"), 0.0, ""
+        seen: set[tuple[object, ...]] = set()
         for n in nodes:
+            # alike nodes (a pool's) add nothing after the first: skip them (big clusters)
+            sig = (n.network.name, n.nics, n.intra_link.name if per_node[n.id] > 1 else "")
+            if sig in seen:
+                continue
+            seen.add(sig)
             cands = [
                 (n.network.bandwidth * n.nics, n.network.latency, f"{n.network.name}x{n.nics}")
             ]

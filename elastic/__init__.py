@@ -6,7 +6,7 @@
 
 from .api import JobHandle, fit, submit
 from .config import JobConfig
-from .controller import FitResult
+from .control import FitResult
 from .errors import (
     CheckpointError,
     ClusterError,

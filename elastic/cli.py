@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from typing import Any
 
-from .errors import ElasticError
+from .errors import ElasticError, InterruptedJobError
 
 __all__ = ["main"]
 
@@ -28,13 +27,10 @@ def _cmd_run(a: argparse.Namespace) -> int:
     from .api import fit
     from .config import JobConfig
 
-    cfg = JobConfig.from_yaml(a.job)
-    for k, v in _parse_sets(a.set or []).items():
-        if not hasattr(cfg, k):
-            JobConfig.from_dict({k: v})  # raises a ConfigError naming the field
-        setattr(cfg, k, v)
+    sets = _parse_sets(a.set or [])
     if a.view:
-        cfg.view = a.view
+        sets["view"] = a.view
+    cfg = JobConfig.from_yaml(a.job, sets)  # checked once, with the overrides
     result = fit(cfg)
     print(f"[elastic] done: {len(result.history)} steps, final loss {result.final_loss:.4f}, "
           f"run directory {result.run_dir}")
@@ -55,18 +51,15 @@ def _cmd_demo(a: argparse.Namespace) -> int:
 def _attach(address: str | None) -> None:
     import os
 
-    import ray
-
-    from ._ctl_base import check_reachable as _check_reachable
+    from .errors import ClusterError
+    from .ray_connect import attach
 
     addr = address or os.environ.get("RAY_ADDRESS") or "auto"
-    if addr not in ("auto", "local"):
-        _check_reachable(addr)
     try:
-        ray.init(address=addr, logging_level=logging.ERROR, log_to_driver=False, namespace="elastic")
-    except ConnectionError as e:
-        from .errors import ClusterError
-
+        attach(addr, namespace="elastic")
+    except ClusterError as e:
+        if addr != "auto":
+            raise
         raise ClusterError(f"no Ray cluster to attach to ({e}). Fix: pass --address or set "
                            "RAY_ADDRESS to the cluster that runs the job.") from None
 
@@ -163,11 +156,20 @@ def _which(w: str) -> Any:
 def _cmd_checkpoints(a: argparse.Namespace) -> int:
     import json
 
-    from .checkpoint import export, format_inspect, format_list, inspect, list_checkpoints, verify
+    from .checkpoint import (
+        export,
+        format_inspect,
+        format_list,
+        inspect,
+        list_checkpoints,
+        nothing_found,
+        verify,
+    )
 
     store = _store_of(a)
     if a.action == "list":
-        print(format_list(list_checkpoints(store)))
+        rows = list_checkpoints(store)
+        print(format_list(rows, None if rows else nothing_found(store)))
         return 0
     if a.action == "inspect":
         info = inspect(store, _which(a.which or "latest"))
@@ -175,6 +177,8 @@ def _cmd_checkpoints(a: argparse.Namespace) -> int:
         return 0
     if a.action == "verify":
         report = verify(store, _which(a.which or "all"))
+        if report.nothing:  # a CI gate on a misspelled path must not pass
+            print(f"elastic: {report.nothing}", file=sys.stderr)
         for step in report.steps:
             probs = report.problems.get(step, [])
             print(f"step {step}: " + ("OK" if not probs else "BAD: " + "; ".join(probs)))
@@ -250,10 +254,27 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _see_current_folder() -> None:
+    """Put the current folder first on ``sys.path`` as ``python -m elastic`` does: the
+    ``elastic`` console script puts its own ``bin`` folder there instead, so a job file's
+    ``mymodule:factory`` in the folder the command runs in would not import. Ray's workers
+    get the driver's current folder on their path from Ray itself (same machine, or the same
+    layout on every node; ``ray job submit --working-dir`` ships it otherwise)."""
+    import os
+
+    cwd = os.getcwd()
+    if not any(p in ("", ".") or os.path.abspath(p) == cwd for p in sys.path):
+        sys.path.insert(0, cwd)
+
+
 def main(argv: list[str] | None = None) -> int:
+    _see_current_folder()
     args = build_parser().parse_args(argv)
     try:
         return int(args.fn(args) or 0)
+    except InterruptedJobError as e:
+        print(f"elastic: {e}", file=sys.stderr)
+        return e.exit_code
     except ElasticError as e:
         print(f"elastic: error: {e}", file=sys.stderr)
         return 2

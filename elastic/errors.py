@@ -20,7 +20,9 @@ __all__ = [
     "HangError",
     "CheckpointError",
     "CheckpointCorruptError",
+    "PeerReadError",
     "StorageError",
+    "CheckpointOwnerError",
     "NonFiniteError",
     "SwitchError",
     "JobNotFoundError",
@@ -106,20 +108,42 @@ class CheckpointCorruptError(CheckpointError):
     """A committed checkpoint's bytes do not match its manifest (checksum, size, index)."""
 
 
+class PeerReadError(CheckpointCorruptError):
+    """This rank read its part of a checkpoint, but another rank could not read its own: an
+    echo of that rank's error, which is the one to report."""
+
+    secondary = True
+
+
 class StorageError(CheckpointError):
     """The checkpoint storage failed (unreachable, permission, I/O)."""
+
+
+class CheckpointOwnerError(CheckpointError):
+    """Another job owns the checkpoint URI, or wrote the checkpoint: writing there, or resuming
+    from it as this job's own, is refused before anything is written. ``owner`` names that
+    job; the message names the fix (an own ``checkpoint_uri``, or an explicit fork)."""
+
+    def __init__(self, message: str, owner: str | None = None) -> None:
+        self.owner = owner
+        super().__init__(message)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (str(self), self.owner))
 
 
 class NonFiniteError(ElasticError):
     """A step's loss or gradient norm was not finite (NaN or inf)."""
 
-    def __init__(self, message: str, step: int | None = None, rank: int | None = None) -> None:
+    def __init__(self, message: str, step: int | None = None, rank: int | None = None,
+                 rollback: bool = False) -> None:
         self.step = step
         self.rank = rank
+        self.rollback = rollback  # the job's on_nonfinite asks to restore the last checkpoint
         super().__init__(message)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (str(self), self.step, self.rank))
+        return (type(self), (str(self), self.step, self.rank, self.rollback))
 
 
 class SwitchError(ElasticError):
@@ -131,4 +155,19 @@ class JobNotFoundError(ElasticError):
 
 
 class InterruptedJobError(ElasticError):
-    """The job was stopped by a signal (SIGINT, SIGTERM) at a step boundary."""
+    """The job was stopped by a signal (SIGINT, SIGTERM) at a step boundary; ``result`` is
+    what it had trained (the ``FitResult``), ``exit_code`` the shell's 128 + signal."""
+
+    def __init__(self, signum: int, result: Any = None) -> None:
+        import signal
+
+        self.signum = signum
+        self.result = result
+        self.exit_code = 128 + int(signum)
+        name = signal.Signals(signum).name
+        done = len(result.history) if result is not None else 0
+        super().__init__(f"interrupted by {name} after {done} steps; the job stopped at a step "
+                         "boundary" + (f" (run directory {result.run_dir})" if result else ""))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.signum, self.result))

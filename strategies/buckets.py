@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .health import record as record_failure
 from .traits import BUCKET_BYTES, FIRST_BUCKET_BYTES
 
 __all__ = ["GradBuckets", "bucket_plan", "FIRST_BUCKET_BYTES", "BUCKET_BYTES"]
@@ -92,7 +93,8 @@ class GradBuckets:
 
     def __init__(self, params: Sequence[nn.Parameter], owner: Sequence[int], mode: str,
                  group: dist.ProcessGroup | None, ranks: Sequence[int], index: int,
-                 cap: int = BUCKET_BYTES, first_cap: int = FIRST_BUCKET_BYTES) -> None:
+                 cap: int = BUCKET_BYTES, first_cap: int = FIRST_BUCKET_BYTES,
+                 label: str = "bucketed") -> None:
         if mode not in ("all_reduce", "reduce"):
             raise ValueError(f"unknown reduction {mode!r}; use all_reduce or reduce")
         self.params = list(params)
@@ -101,6 +103,7 @@ class GradBuckets:
         self.group = group
         self.ranks = list(ranks)
         self.index = index
+        self.label = label  # names the layout in a recorded failure
         plan = bucket_plan([(p.numel() * p.element_size(), p.dtype) for p in self.params],
                            cap, first_cap)
         if mode == "reduce":  # each owner's gradients contiguous in the flat buffer
@@ -227,7 +230,11 @@ class GradBuckets:
 
     def _finish(self, b: _Bucket) -> None:
         for work in b.works:
-            work.wait()
+            try:
+                work.wait()
+            except Exception as e:  # raised here, not in torch.distributed: say the group failed
+                record_failure(f"{self.label} gradient reduction: {type(e).__name__}")
+                raise
         self._in_flight.remove(b)
         flat, staging = b.flat, b.staging
         b.flat, b.staging, b.works = None, None, []

@@ -32,14 +32,14 @@ __all__ = ["DataParallel", "recording_allreduce"]
 
 def recording_allreduce(state: object, bucket: dist.GradBucket
                         ) -> torch.futures.Future[torch.Tensor]:
-    """A DDP comm hook: DDP's own averaging all-reduce of one gradient bucket (multiply by
-    1 / world size, then sum over the default group, in place: the same arithmetic as the
+    """A DDP comm hook: DDP's own averaging all-reduce of one gradient bucket (divide by the
+    world size, then sum over the default group, in place: the same arithmetic as the
     built-in reducer), recording a failure with ``strategies.health.record`` before it is
     raised. ``state`` is unused (None): the group is the default group when the hook runs,
     so the hook keeps no reference to a group."""
     group = dist.group.WORLD
     buf = bucket.buffer()
-    buf.mul_(1.0 / dist.get_world_size(group))
+    buf.div_(dist.get_world_size(group))  # as the built-in reducer: bit-equal results
     try:
         work = dist.all_reduce(buf, group=group, async_op=True)
     except Exception as e:

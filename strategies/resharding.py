@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from .base import Strategy
 from .canonical import CanonicalState
+from .health import record as record_failure
 
 __all__ = ["ReshardResult", "reshard", "plan_moves", "Move"]
 
@@ -230,7 +231,11 @@ def reshard(old: Strategy, new: Strategy, check: bool = True) -> ReshardResult:
         ops.append(dist.P2POp(dist.irecv, buf, m.src, tag=i))
     if ops:
         for work in dist.batch_isend_irecv(ops):
-            work.wait()
+            try:
+                work.wait()
+            except Exception as e:  # raised here, not in torch.distributed: say the group failed
+                record_failure(f"reshard transfer: {type(e).__name__}")
+                raise
     for dev_buf, place in landing:
         place.copy_(dev_buf)
     del ops, landing

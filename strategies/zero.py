@@ -57,6 +57,7 @@ from .canonical import (
     optimizer_state_from_canonical,
     optimizer_state_to_canonical,
 )
+from .health import record as record_failure
 from .spec import StrategySpec, lockstep_micro_batches
 
 __all__ = ["ShardedUpdate", "Zero1", "Zero2", "UPDATE_MODES"]
@@ -108,7 +109,7 @@ class ShardedUpdate:
         self.optimizer = optimizer_factory(list(self.owned.values())) if self.owned else None
         self.buckets = GradBuckets([p for _, p in self.named], self.owner,
                                    "reduce" if mode == "zero2" else "all_reduce", group,
-                                   self.ranks, self.index)
+                                   self.ranks, self.index, label=mode)
         # zero1/zero2: each owner's parameters live in flat chunks (the parameters are views
         # of them), so the update goes out in place: no copy in, no copy out, no allocation
         self._chunks = (_flat_chunks(self.named, self.owner, len(self.ranks))

@@ -68,3 +68,14 @@ class ExplodingLoss:
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys(), (sorted(a), sorted(b))
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+def mlp_act(activation: str = "tanh") -> nn.Module:
+    """``mlp`` with a chosen activation, looked up by name (a sweep searches it)."""
+    acts = {"tanh": nn.Tanh, "relu": nn.ReLU, "gelu": nn.GELU}
+    return nn.Sequential(nn.Linear(8, 16), acts[activation](), nn.Linear(16, 2))
+
+
+def worker_only_model(width: int = 16) -> nn.Module:
+    """A factory that needs a file only the workers have (it cannot build on the driver)."""
+    raise FileNotFoundError("/data/on-the-workers/weights.pt")

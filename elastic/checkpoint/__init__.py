@@ -10,14 +10,30 @@ Worker side (each rank, every K steps)::
 Controller side::
 
     store = CheckpointStore(uri, options); store.check_writable()   # before workers start
-    manifest = commit(store, step, infos, CheckpointMeta(plan=..., data_position=...))
+    claim(store, job_name)               # CheckpointOwnerError: another job writes there
+    plan = plan_resume(resume, job_name, own=store, max_steps=n)    # if resuming: the step,
+                                         # fork or own, the corrupt steps skipped
+    manifest = commit(store, step, infos, CheckpointMeta(plan=..., owner=job_name, ...))
     apply_retention(store, keep_last=3, keep_every=1000)
-    manifest, notes = find_latest_valid(store)          # at (re)start
+    manifest, notes = find_latest_valid(store, exclude=bad_steps)   # an in-run restore
     state = load(store, manifest, want={key: (start, stop), ...})    # on each rank
+
+Errors: ``CheckpointCorruptError`` (a committed checkpoint does not match its manifest; its
+``step`` and ``shard`` name the bad object), ``StorageError`` (the storage failed),
+``CheckpointOwnerError`` (another job's URI or checkpoint), plain ``CheckpointError`` else.
 
 No Ray imports here; see docs/checkpoints.md for the format and the commit protocol.
 """
 
+from elastic.checkpoint.fallback import (
+    CheckpointWarning,
+    LoadResult,
+    StepCheck,
+    check_steps,
+    find_latest_valid,
+    load_latest_valid,
+)
+from elastic.checkpoint.location import StorageLocation
 from elastic.checkpoint.manifest import (
     MANIFEST_NAME,
     CheckpointMeta,
@@ -27,20 +43,21 @@ from elastic.checkpoint.manifest import (
     commit,
     committed_steps,
     discard,
+    nothing_found,
     read_manifest,
     resolve_step,
 )
-from elastic.checkpoint.reader import (
-    CheckpointReader,
-    CheckpointWarning,
-    LoadResult,
-    ReadStats,
-    TensorMeta,
-    Want,
-    find_latest_valid,
-    load,
-    load_latest_valid,
+from elastic.checkpoint.owner_record import OWNER_NAME, OwnerRecord, read_owner
+from elastic.checkpoint.ownership import (
+    Claim,
+    ResumeCheck,
+    check_owner,
+    check_resume,
+    claim,
+    release,
 )
+from elastic.checkpoint.reader import CheckpointReader, ReadStats, TensorMeta, Want, load
+from elastic.checkpoint.resume import ResumePlan, plan_resume, resume_store
 from elastic.checkpoint.shard_format import Piece, assign_owners, owned_pieces
 from elastic.checkpoint.store import CheckpointStore, resolve_filesystem
 from elastic.checkpoint.tools import (
@@ -58,24 +75,35 @@ from elastic.checkpoint.writer import ShardInfo, ShardWriter, write_shard
 
 __all__ = [
     "MANIFEST_NAME",
+    "OWNER_NAME",
     "CheckpointMeta",
     "CheckpointReader",
     "CheckpointStore",
     "CheckpointSummary",
     "CheckpointWarning",
+    "Claim",
     "ExportResult",
     "LoadResult",
     "Manifest",
+    "OwnerRecord",
     "Piece",
     "ReadStats",
+    "ResumeCheck",
+    "ResumePlan",
     "ShardInfo",
     "ShardRecord",
     "ShardWriter",
+    "StepCheck",
+    "StorageLocation",
     "TensorMeta",
     "VerifyReport",
     "Want",
     "apply_retention",
     "assign_owners",
+    "check_owner",
+    "check_resume",
+    "check_steps",
+    "claim",
     "commit",
     "committed_steps",
     "discard",
@@ -87,10 +115,15 @@ __all__ = [
     "list_checkpoints",
     "load",
     "load_latest_valid",
+    "nothing_found",
     "owned_pieces",
+    "plan_resume",
     "read_manifest",
+    "read_owner",
+    "release",
     "resolve_filesystem",
     "resolve_step",
+    "resume_store",
     "verify",
     "write_shard",
 ]

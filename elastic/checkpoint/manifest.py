@@ -10,7 +10,7 @@ half-deleted checkpoint is never visible.
 Manifest (``manifest.json``, UTF-8 JSON)::
 
     {"format": "elastic-checkpoint", "version": 1, "step": 120, "world_size": 2,
-     "created": "2026-11-29T12:00:00Z", "created_unix": 1795000000.0,
+     "created": "2026-11-29T12:00:00Z", "created_unix": 1795000000.0, "owner": "my-job",
      "strategy": "ddp", "plan": {...}, "data_position": {...}, "rng": {...}, "extra": {...},
      "shards": [{"rank": 0, "path": "shard-00000.bin", "size": 123, "checksum": "sha256:..",
                  "index_offset": 64, "index_length": 40, "items": 3, "data_bytes": 64}, ...]}
@@ -27,16 +27,18 @@ import math
 import re
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
 import pyarrow.fs as pafs
 
-from elastic.checkpoint.store import SECRET_OPTIONS, CheckpointStore, parse_step_name
-from elastic.checkpoint.writer import ShardInfo
-from elastic.errors import CheckpointError
+from elastic.checkpoint.location import is_secret_key
+from elastic.checkpoint.owner_record import read_owner
+from elastic.checkpoint.store import CheckpointStore, corrupt_error, parse_step_name
+from elastic.checkpoint.upload import ShardInfo
+from elastic.errors import CheckpointError, CheckpointOwnerError
 
 __all__ = [
     "MANIFEST_NAME",
@@ -47,6 +49,7 @@ __all__ = [
     "committed_steps",
     "read_manifest",
     "resolve_step",
+    "nothing_found",
     "discard",
     "apply_retention",
 ]
@@ -57,9 +60,6 @@ MANIFEST_NAME = "manifest.json"
 FORMAT = "elastic-checkpoint"
 VERSION = 1
 _SAFE_PATH = re.compile(r"^[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*$")
-_SECRETISH = re.compile(
-    r"(^|_)(secret|password|passwd|token|credentials?|access_key|secret_key|api_key)$", re.I
-)
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,8 @@ class CheckpointMeta:
     ``rng`` holds JSON-able RNG states (seeds, counters); large RNG tensors (torch's 5 KB
     generator state) go into a shard under keys such as ``"rng/rank0/cpu"`` instead.
     Values under keys that look like secrets are replaced by ``***`` when written.
+    ``owner`` is the identity of the job that wrote the checkpoint (``ownership.claim``);
+    resume checks it (``ownership.check_owner``).
     """
 
     plan: Mapping[str, Any] = field(default_factory=dict)
@@ -77,6 +79,7 @@ class CheckpointMeta:
     rng: Any = None
     strategy: str | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)
+    owner: str | None = None
 
     @staticmethod
     def of(meta: CheckpointMeta | Mapping[str, Any] | None) -> CheckpointMeta:
@@ -123,11 +126,21 @@ class Manifest:
     data_position: Any = None
     rng: Any = None
     extra: Mapping[str, Any] = field(default_factory=dict)
+    owner: str | None = None
     version: int = VERSION
 
     @property
     def total_bytes(self) -> int:
         return sum(s.size for s in self.shards)
+
+    @property
+    def job(self) -> str | None:
+        """The job that wrote this checkpoint: ``owner``, or for manifests written before
+        owners were recorded, the ``extra["job"]`` the controller has always stored."""
+        if self.owner:
+            return self.owner
+        job = self.extra.get("job") if isinstance(self.extra, Mapping) else None
+        return str(job) if job else None
 
     def to_json(self) -> str:
         doc = {
@@ -137,6 +150,7 @@ class Manifest:
             "world_size": self.world_size,
             "created": self.created,
             "created_unix": self.created_unix,
+            "owner": self.owner,
             "strategy": self.strategy,
             "plan": self.plan,
             "data_position": self.data_position,
@@ -147,20 +161,22 @@ class Manifest:
         return json.dumps(doc, indent=1, allow_nan=False)
 
     @staticmethod
-    def from_json(text: str | bytes, where: str) -> Manifest:
-        """Parse and validate; ``CheckpointError`` naming ``where`` for anything foreign,
-        malformed, or with a shard path that escapes the checkpoint directory."""
+    def from_json(text: str | bytes, where: str, step: int | None = None) -> Manifest:
+        """Parse and validate. ``CheckpointCorruptError`` naming ``where`` (and ``step``) for
+        anything foreign, malformed, or with a shard path that escapes the checkpoint
+        directory; a plain ``CheckpointError`` for a newer format version."""
         try:
             doc = json.loads(text)
         except (ValueError, UnicodeDecodeError) as e:
-            raise CheckpointError(
-                f"{where} is not JSON ({e}); it is not an elastic checkpoint manifest"
+            raise corrupt_error(
+                f"{where} is not JSON ({e}); it is not an elastic checkpoint manifest", step=step
             ) from None
         if not isinstance(doc, dict) or doc.get("format") != FORMAT:
             got = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
-            raise CheckpointError(
+            raise corrupt_error(
                 f"{where} is not an elastic checkpoint manifest (format "
-                f"{got!r}, expected {FORMAT!r})"
+                f"{got!r}, expected {FORMAT!r})",
+                step=step,
             )
         if doc.get("version") != VERSION:
             raise CheckpointError(
@@ -181,19 +197,28 @@ class Manifest:
                 data_position=doc.get("data_position"),
                 rng=doc.get("rng"),
                 extra=doc.get("extra") or {},
+                owner=_owner(doc.get("owner")),
             )
         except CheckpointError as e:
-            raise CheckpointError(f"{where}: {e}") from None
+            raise corrupt_error(f"{where}: {e}", step=step) from None
         except (KeyError, TypeError, ValueError) as e:
-            raise CheckpointError(
-                f"{where}: malformed manifest ({type(e).__name__}: {e})"
+            raise corrupt_error(
+                f"{where}: malformed manifest ({type(e).__name__}: {e})", step=step
             ) from None
         ranks = sorted(s.rank for s in shards)
         if ranks != list(range(len(shards))) or not shards:
-            raise CheckpointError(f"{where}: shard ranks {ranks} are not 0..n-1")
+            raise corrupt_error(f"{where}: shard ranks {ranks} are not 0..n-1", step=step)
         if len(shards) != m.world_size:
-            raise CheckpointError(f"{where}: {len(shards)} shards for world size {m.world_size}")
+            raise corrupt_error(
+                f"{where}: {len(shards)} shards for world size {m.world_size}", step=step
+            )
         return m
+
+
+def _owner(x: Any) -> str | None:
+    if x is None or isinstance(x, str):
+        return x or None
+    raise ValueError(f"owner {x!r} is not a string")
 
 
 def _int(x: Any, low: int = 0) -> int:
@@ -240,7 +265,7 @@ def _scrub(obj: Any) -> Any:
         return {
             str(k): (
                 "***"
-                if (str(k) in SECRET_OPTIONS or _SECRETISH.search(str(k))) and obj[k] is not None
+                if is_secret_key(k) and obj[k] is not None
                 else _scrub(obj[k])
             )
             for k in obj
@@ -274,7 +299,9 @@ def commit(
     ``shards``: one ``ShardInfo`` (or its ``to_dict()``) per rank 0..n-1, as the workers'
     writers reported them. Raises ``CheckpointError`` (nothing is written) if a rank is
     missing or duplicated, a shard belongs to another step, a file is missing or has another
-    size, or ``meta`` is not plain JSON data. Re-committing a step replaces its manifest.
+    size, or ``meta`` is not plain JSON data; ``CheckpointOwnerError`` if ``meta.owner`` is
+    set and the URI's owner record names another job. Re-committing a step replaces its
+    manifest.
     """
     infos = [s if isinstance(s, ShardInfo) else ShardInfo.from_dict(s) for s in shards]
     m = CheckpointMeta.of(meta)
@@ -315,6 +342,18 @@ def commit(
                 f"cannot commit step {step}: shard {r.path} of rank {r.rank} is "
                 f"{have}, expected {r.size} bytes; abandon this checkpoint"
             )
+    if m.owner:
+        held = read_owner(store)
+        if held is not None and held.job != m.owner:
+            raise CheckpointOwnerError(
+                store.redact(
+                    f"cannot commit step {step}: {store.uri} belongs to job {held.job!r} "
+                    f"(claimed {held.created} from host {held.host}), not to job "
+                    f"{m.owner!r}; two jobs started on one URI. Fix: give this job its own "
+                    "checkpoint_uri"
+                ),
+                owner=held.job,
+            )
     now = clock()
     strategy = m.strategy or (m.plan.get("strategy") if isinstance(m.plan, Mapping) else None)
     manifest = Manifest(
@@ -328,10 +367,11 @@ def commit(
         data_position=_scrub(m.data_position),
         rng=_scrub(m.rng),
         extra=_scrub(m.extra),
+        owner=m.owner,
     )
     text = store.redact(manifest.to_json())
     _write_atomic(store, store.path(store.step_name(step), MANIFEST_NAME), text.encode())
-    manifest = Manifest.from_json(text, f"manifest of step {step}")  # exactly what was written
+    manifest = Manifest.from_json(text, f"manifest of step {step}", step)  # what was written
     log.info(
         "committed checkpoint step %d (%d shards, %d bytes) at %s",
         step,
@@ -385,15 +425,17 @@ def committed_steps(store: CheckpointStore) -> list[int]:
 
 
 def read_manifest(store: CheckpointStore, step: int) -> Manifest:
-    """Read and validate the manifest of ``step``. ``CheckpointError`` if it is missing,
-    unreadable, foreign, malformed, for another step, or escapes the checkpoint directory."""
+    """Read and validate the manifest of ``step``. ``CheckpointError`` if it is missing (not
+    committed, or deleted meanwhile); ``StorageError`` if the storage fails;
+    ``CheckpointCorruptError`` if it is foreign, malformed, for another step, or escapes the
+    checkpoint directory."""
     path = store.path(store.step_name(step), MANIFEST_NAME)
     where = f"manifest of step {step} ({store.uri}/{store.step_name(step)}/{MANIFEST_NAME})"
     try:
         with store.fs.open_input_file(path) as f:
             size = f.size()
             if size > 64 << 20:
-                raise CheckpointError(f"{where} is {size} bytes, too large for a manifest")
+                raise store.corrupt(f"{where} is {size} bytes, too large for a manifest", step=step)
             raw = f.read_at(size, 0) if size else b""
     except FileNotFoundError:
         raise CheckpointError(
@@ -401,10 +443,38 @@ def read_manifest(store: CheckpointStore, step: int) -> Manifest:
         ) from None
     except (OSError, ValueError) as e:
         raise store.error(f"reading {where} failed", e) from None
-    m = Manifest.from_json(raw, store.redact(where))
+    m = Manifest.from_json(raw, store.redact(where), step)
     if m.step != step:
-        raise CheckpointError(store.redact(f"{where} says step {m.step}"))
+        raise store.corrupt(f"{where} says step {m.step}", step=step)
     return m
+
+
+def nothing_found(store: CheckpointStore) -> str:
+    """Why ``store`` holds no committed checkpoint, as one sentence with the fix: the path
+    does not exist, is a file, is one checkpoint's own directory, holds no step directory,
+    or holds only uncommitted ones. ``StorageError`` if the storage fails."""
+    uri = store.uri
+    try:
+        kind = store.fs.get_file_info(store.root).type
+        marker = store.fs.get_file_info(store.path(MANIFEST_NAME)).type
+    except (OSError, ValueError) as e:
+        raise store.error(f"looking for checkpoints under {uri} failed", e) from None
+    if marker == pafs.FileType.File:
+        step = parse_step_name(store.root.rsplit("/", 1)[-1])
+        return (f"{uri} is one checkpoint's directory, not a checkpoint root. Fix: pass its "
+                "parent directory" + (f" (and --which {step})" if step is not None else ""))
+    if kind == pafs.FileType.NotFound:
+        return f"nothing found: {uri} does not exist. Fix: check the path or URI"
+    if kind == pafs.FileType.File:
+        return f"{uri} is a file, not a checkpoint directory. Fix: check the path"
+    dirs = sorted(_step_dirs(store))
+    if not dirs:
+        return (f"no checkpoint under {uri}: it holds no step-<12 digits> directory. Fix: "
+                "check the path (the job's checkpoint_uri, or <run dir>/checkpoints)")
+    return (f"no committed checkpoint under {uri}: {len(dirs)} step director"
+            f"{'y' if len(dirs) == 1 else 'ies'} ({', '.join(map(str, dirs[:5]))}"
+            f"{', ...' if len(dirs) > 5 else ''}) without a {MANIFEST_NAME}: uploads that were "
+            "never committed")
 
 
 def resolve_step(store: CheckpointStore, which: int | str | Manifest) -> Manifest:
@@ -414,7 +484,7 @@ def resolve_step(store: CheckpointStore, which: int | str | Manifest) -> Manifes
     if which == "latest":
         steps = committed_steps(store)
         if not steps:
-            raise CheckpointError(f"no committed checkpoint under {store.uri}")
+            raise CheckpointError(nothing_found(store))
         return read_manifest(store, steps[-1])
     if isinstance(which, str) and which.isdigit():
         which = int(which)
@@ -442,22 +512,26 @@ def discard(store: CheckpointStore, step: int) -> None:
 
 
 def apply_retention(
-    store: CheckpointStore, keep_last: int, keep_every: int = 0, *, remove_orphans: bool = True
+    store: CheckpointStore, keep_last: int, keep_every: int = 0, *, remove_orphans: bool = True,
+    bad: Iterable[int] = (),
 ) -> list[int]:
-    """Keep the newest ``keep_last`` committed checkpoints and every one whose step is a
-    multiple of ``keep_every`` (0: none); delete the others (manifest first). With
+    """Carry out ``clusters.policy.RetentionPolicy``: keep the newest ``keep_last`` committed
+    checkpoints, every one whose step is a multiple of ``keep_every`` (0: none), and the newest
+    one not in ``bad`` (steps known non-finite or unverified), so that a run whose last
+    checkpoints went bad keeps its last good one; delete the others (manifest first). With
     ``remove_orphans``, also delete uncommitted step directories older than the newest
     committed one (abandoned uploads); newer ones may still be uploading and are kept.
     Returns the deleted steps. ``CheckpointError`` if ``keep_last < 1``."""
+    from clusters.policy import CheckpointRecord, RetentionPolicy
+
     if keep_last < 1:
         raise CheckpointError(
             f"keep_last must be >= 1 (got {keep_last}); the newest checkpoint is never deleted"
         )
     steps = committed_steps(store)
-    keep = set(steps[-keep_last:])
-    if keep_every > 0:
-        keep.update(s for s in steps if s % keep_every == 0)
-    doomed = [s for s in steps if s not in keep]
+    bad_steps = set(bad)
+    records = [CheckpointRecord(s, finite=s not in bad_steps) for s in steps]
+    doomed = list(RetentionPolicy(keep_last, keep_every).decide(records))
     if remove_orphans and steps:
         committed = set(steps)
         doomed += [s for s in _step_dirs(store) if s not in committed and s < steps[-1]]

@@ -13,11 +13,11 @@ boundaries, so a partial read is still verified; at most two extra chunks per it
 ranged (``open_input_file`` + positional reads), one request per run of nearby items, in
 parallel across shards.
 
-Fallback: ``load_latest_valid`` tries committed checkpoints newest first and skips any whose
-manifest, index or data is bad, with a ``CheckpointWarning``, a log record and a note. With
-several ranks, let the controller choose the step (``find_latest_valid``) and have every rank
-load that manifest; a rank that then fails reports it, and the controller picks again with
-that step excluded, so all ranks restore the same step.
+Errors: a committed checkpoint whose files do not match its manifest (missing or truncated
+shard, bad footer, index or chunk checksum mismatch, rows no shard holds) raises
+``CheckpointCorruptError`` with ``step`` and ``shard`` attributes naming the bad object; the
+storage failing raises ``StorageError``. Choosing which checkpoint to load, and falling back
+past a bad one, is ``fallback.py``'s.
 
 Thread safety: a ``CheckpointReader`` may be used from several threads; it caches indices and
 open files (one lock per shard file).
@@ -26,9 +26,7 @@ open files (one lock per shard file).
 from __future__ import annotations
 
 import hashlib
-import logging
 import threading
-import warnings
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -36,7 +34,7 @@ from typing import Any
 
 import torch
 
-from elastic.checkpoint.manifest import Manifest, ShardRecord, committed_steps, read_manifest
+from elastic.checkpoint.manifest import Manifest, ShardRecord
 from elastic.checkpoint.manifest import resolve_step as _resolve
 from elastic.checkpoint.shard_format import (
     FOOTER,
@@ -47,27 +45,11 @@ from elastic.checkpoint.shard_format import (
     dtype_from_name,
 )
 from elastic.checkpoint.store import CheckpointStore
-from elastic.errors import CheckpointError
+from elastic.errors import CheckpointCorruptError, CheckpointError
 
-__all__ = [
-    "Want",
-    "TensorMeta",
-    "ReadStats",
-    "CheckpointReader",
-    "CheckpointWarning",
-    "LoadResult",
-    "load",
-    "find_latest_valid",
-    "load_latest_valid",
-]
-
-log = logging.getLogger("elastic.checkpoint")
+__all__ = ["Want", "TensorMeta", "ReadStats", "CheckpointReader", "load"]
 
 Want = Iterable[str] | Mapping[str, "tuple[int, int] | None"] | None
-
-
-class CheckpointWarning(UserWarning):
-    """A committed checkpoint was skipped because it is unreadable or corrupt."""
 
 
 @dataclass(frozen=True)
@@ -141,6 +123,9 @@ class CheckpointReader:
     def _where(self, rec: ShardRecord) -> str:
         return f"shard {rec.path} (rank {rec.rank}) of step {self.step}"
 
+    def _corrupt(self, rec: ShardRecord, message: str) -> CheckpointCorruptError:
+        return self.store.corrupt(message, step=self.step, shard=rec.path)
+
     # ------------------------------------------------------------------ files & indices
     def _file(self, rank: int) -> Any:
         with self._lock:
@@ -153,13 +138,14 @@ class CheckpointReader:
             f = self.store.fs.open_input_file(path)
             size = f.size()
         except FileNotFoundError:
-            raise self.store.error(f"{self._where(rec)} is missing") from None
+            raise self._corrupt(rec, f"{self._where(rec)} is missing") from None
         except (OSError, ValueError) as e:
             raise self.store.error(f"opening {self._where(rec)} failed", e) from None
         if size != rec.size:
-            raise self.store.error(
+            raise self._corrupt(
+                rec,
                 f"{self._where(rec)} is {size} bytes but the manifest says "
-                f"{rec.size}: truncated or replaced"
+                f"{rec.size}: truncated or replaced",
             )
         with self._lock:
             self._files.setdefault(rank, f)
@@ -176,9 +162,10 @@ class CheckpointReader:
         except (OSError, ValueError) as e:
             raise self.store.error(f"reading {self._where(rec)} failed", e) from None
         if got != n:
-            raise self.store.error(
+            raise self._corrupt(
+                rec,
                 f"{self._where(rec)}: short read ({got} of {n} bytes at "
-                f"{offset}); the shard is truncated"
+                f"{offset}); the shard is truncated",
             )
         self.stats.add(n, index)
         return buf
@@ -191,19 +178,22 @@ class CheckpointReader:
         rec = self._records[rank]
         where = self._where(rec)
         if rec.index_offset + rec.index_length + FOOTER.size != rec.size:
-            raise self.store.error(f"manifest entry of {where} is inconsistent")
+            raise self._corrupt(rec, f"manifest entry of {where} is inconsistent")
         raw = self._read(rank, rec.index_offset, rec.index_length + FOOTER.size, index=True)
         body, footer = bytes(raw[: rec.index_length]), bytes(raw[rec.index_length :])
         length, magic = FOOTER.unpack(footer)
         if magic != MAGIC or length != rec.index_length:
-            raise self.store.error(f"{where} has a bad footer: not an elastic shard or corrupt")
+            raise self._corrupt(rec, f"{where} has a bad footer: not an elastic shard or corrupt")
         if "sha256:" + hashlib.sha256(body).hexdigest() != rec.checksum:
-            raise self.store.error(f"{where}: index checksum mismatch; the shard is corrupt")
-        idx = ShardIndex.from_bytes(body, self.store.redact(where))
+            raise self._corrupt(rec, f"{where}: index checksum mismatch; the shard is corrupt")
+        try:
+            idx = ShardIndex.from_bytes(body, self.store.redact(where))
+        except CheckpointError as e:
+            raise self._corrupt(rec, str(e)) from None
         if idx.step != self.step or idx.rank != rank:
-            raise self.store.error(f"{where} holds step {idx.step} rank {idx.rank}")
+            raise self._corrupt(rec, f"{where} holds step {idx.step} rank {idx.rank}")
         if idx.data_bytes > rec.index_offset:
-            raise self.store.error(f"{where}: its index points past the data region")
+            raise self._corrupt(rec, f"{where}: its index points past the data region")
         with self._lock:
             self._indices[rank] = idx
         return idx
@@ -231,9 +221,10 @@ class CheckpointReader:
             first = items[0][1]
             for _, it in items[1:]:
                 if it.dtype != first.dtype or it.full_shape != first.full_shape:
-                    raise CheckpointError(
+                    raise self.store.corrupt(
                         f"key {key!r} of step {self.step} has pieces with "
-                        f"different dtypes or full shapes"
+                        f"different dtypes or full shapes",
+                        step=self.step,
                     )
         return by_key
 
@@ -315,10 +306,11 @@ class CheckpointReader:
             covered = r1
         if covered < b:
             have = sorted((it.start, it.stop) for _, it in items)
-            raise CheckpointError(
+            raise self.store.corrupt(
                 f"rows {covered}:{b} of {key!r} are in no shard of step "
                 f"{self.step} (shards hold rows {have}); the checkpoint is "
-                "incomplete"
+                "incomplete",
+                step=self.step,
             )
         return out, segs
 
@@ -352,10 +344,11 @@ class CheckpointReader:
                 ci = (pos - it.offset) // chunk
                 stop = min(pos + chunk, it.offset + it.length)
                 if crc(view[pos - start : stop - start]) != it.crc32[ci]:
-                    raise self.store.error(
+                    raise self._corrupt(
+                        rec,
                         f"{self._where(rec)}: checksum mismatch in {it.key!r} (bytes "
                         f"{pos - it.offset}..{stop - it.offset} of the item); the shard is "
-                        "corrupt"
+                        "corrupt",
                     )
             if s.n:
                 src = data[s.src - start : s.src - start + s.n].view(s.dest.dtype)
@@ -364,7 +357,13 @@ class CheckpointReader:
     def verify(self) -> list[str]:
         """Read every byte of every shard and check every checksum. Returns the problems
         found (empty: all good); never raises for corruption."""
-        problems: list[str] = []
+        return [str(e) for e in self.verify_errors()]
+
+    def verify_errors(self) -> list[CheckpointError]:
+        """``verify()``'s problems as the errors themselves, one per bad shard (a
+        ``CheckpointCorruptError`` names its ``shard``; a ``StorageError`` is the storage
+        failing, not the checkpoint)."""
+        problems: list[CheckpointError] = []
         for rank in sorted(self._records):
             try:
                 idx = self.index(rank)
@@ -375,7 +374,7 @@ class CheckpointReader:
                 ]
                 self._fetch(rank, segs)
             except CheckpointError as e:
-                problems.append(str(e))
+                problems.append(e)
         return problems
 
     def close(self) -> None:
@@ -401,73 +400,3 @@ def load(
     """One call: read ``want`` from checkpoint ``which`` (see ``CheckpointReader.read``)."""
     with CheckpointReader(store, which) as r:
         return r.read(want, strict=strict)
-
-
-@dataclass(frozen=True)
-class LoadResult:
-    state: dict[str, torch.Tensor]
-    manifest: Manifest
-    notes: list[str]
-
-    @property
-    def step(self) -> int:
-        return self.manifest.step
-
-
-def _skip(step: int, err: CheckpointError, notes: list[str]) -> None:
-    note = f"checkpoint step {step} skipped: {err}"
-    notes.append(note)
-    log.warning("%s", note)
-    warnings.warn(note, CheckpointWarning, stacklevel=3)
-
-
-def find_latest_valid(
-    store: CheckpointStore, *, deep: bool = False, exclude: Iterable[int] = ()
-) -> tuple[Manifest | None, list[str]]:
-    """The newest committed checkpoint whose manifest and shard indices are sound (and, with
-    ``deep``, every data checksum), skipping ``exclude``; plus notes on what was skipped.
-    ``(None, notes)`` if there is none."""
-    notes: list[str] = []
-    skip = set(exclude)
-    for step in reversed(committed_steps(store)):
-        if step in skip:
-            continue
-        try:
-            with CheckpointReader(store, read_manifest(store, step)) as r:
-                r.indices()
-                problems = r.verify() if deep else []
-                if problems:
-                    raise CheckpointError("; ".join(problems))
-                return r.manifest, notes
-        except CheckpointError as e:
-            _skip(step, e, notes)
-    return None, notes
-
-
-def load_latest_valid(
-    store: CheckpointStore,
-    want: Want = None,
-    *,
-    strict: bool = True,
-    exclude: Iterable[int] = (),
-) -> LoadResult | None:
-    """Load ``want`` from the newest committed checkpoint that loads cleanly, falling back to
-    older ones (each skip: ``CheckpointWarning``, log warning, a note in the result).
-
-    Returns None if there is no committed checkpoint at all; raises ``CheckpointError`` (with
-    every note) if there are some but none loads. A missing key with ``strict`` counts as a
-    bad checkpoint too.
-    """
-    notes: list[str] = []
-    steps = [s for s in reversed(committed_steps(store)) if s not in set(exclude)]
-    for step in steps:
-        try:
-            with CheckpointReader(store, read_manifest(store, step)) as r:
-                return LoadResult(r.read(want, strict=strict), r.manifest, notes)
-        except CheckpointError as e:
-            _skip(step, e, notes)
-    if not steps:
-        return None
-    raise CheckpointError(
-        f"no committed checkpoint under {store.uri} could be loaded: " + " | ".join(notes)
-    )

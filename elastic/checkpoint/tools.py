@@ -13,7 +13,13 @@ from typing import Any
 
 import torch
 
-from elastic.checkpoint.manifest import Manifest, committed_steps, read_manifest, resolve_step
+from elastic.checkpoint.manifest import (
+    Manifest,
+    committed_steps,
+    nothing_found,
+    read_manifest,
+    resolve_step,
+)
 from elastic.checkpoint.reader import CheckpointReader
 from elastic.checkpoint.store import CheckpointStore
 from elastic.errors import CheckpointError
@@ -61,7 +67,11 @@ def _size(n: float) -> str:
     return f"{n:.1f} TiB"  # pragma: no cover
 
 
-def format_list(rows: list[CheckpointSummary]) -> str:
+def format_list(rows: list[CheckpointSummary], nothing: str | None = None) -> str:
+    """The table of ``list_checkpoints``; with no rows, ``nothing`` (see
+    ``manifest.nothing_found``) instead of an empty table."""
+    if not rows:
+        return nothing or "no committed checkpoint"
     lines = [f"{'step':>10}  {'created':20}  {'size':>10}  {'world':>5}  strategy"]
     for r in rows:
         if r.error:
@@ -120,25 +130,36 @@ def format_inspect(info: Mapping[str, Any]) -> str:
 
 @dataclass
 class VerifyReport:
+    """What ``verify`` found. ``nothing`` says why no checkpoint was checked (the path does
+    not exist, holds no committed checkpoint, ...); a report that checked nothing is not
+    a pass."""
+
     steps: list[int] = field(default_factory=list)
     problems: dict[int, list[str]] = field(default_factory=dict)
     bytes_read: int = 0
+    nothing: str | None = None
 
     @property
     def ok(self) -> bool:
-        return not self.problems
+        """Every checked checkpoint is intact, and at least one was checked."""
+        return not self.problems and bool(self.steps)
 
     @property
     def exit_code(self) -> int:
-        """0 when every checked checkpoint is intact, 1 otherwise (for the CLI)."""
+        """0 when checkpoints were found and every one is intact, 1 otherwise (for the CLI:
+        a CI gate on an empty or misspelled path must not pass)."""
         return 0 if self.ok else 1
 
 
 def verify(store: CheckpointStore, which: int | str = "all") -> VerifyReport:
     """Read every byte of the chosen checkpoints (``"all"``, ``"latest"`` or a step) and check
-    sizes and every checksum. Problems are collected, not raised (except a missing step)."""
+    sizes and every checksum. Problems are collected, not raised (except a missing step, or
+    no checkpoint at all for ``"latest"``). Finding no checkpoint is reported in
+    ``nothing`` and is not ``ok``."""
     report = VerifyReport()
     steps = committed_steps(store) if which == "all" else [resolve_step(store, which).step]
+    if not steps:
+        report.nothing = nothing_found(store)
     for step in steps:
         report.steps.append(step)
         try:

@@ -32,8 +32,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -41,65 +40,26 @@ import torch
 from elastic.checkpoint.shard_format import (
     CHECKSUM,
     DEFAULT_CHUNK_BYTES,
-    FOOTER,
-    MAGIC,
     ItemEntry,
     Piece,
-    ShardIndex,
     as_pieces,
     checksum_fn,
-    dtype_name,
-    index_checksum,
     layout,
 )
+from elastic.checkpoint.staging import Deferred, copy_with_crcs, stage
 from elastic.checkpoint.store import CheckpointStore
+from elastic.checkpoint.upload import (
+    Abandoned,
+    ProgressFn,
+    ShardInfo,
+    shard_file_name,
+    upload_shard,
+)
 from elastic.errors import CheckpointError
 
 __all__ = ["ShardInfo", "ShardWriter", "write_shard", "shard_file_name"]
 
-ProgressFn = Callable[[int, int], None]
 log = logging.getLogger("elastic.checkpoint")
-
-
-def shard_file_name(rank: int) -> str:
-    return f"shard-{int(rank):05d}.bin"
-
-
-@dataclass(frozen=True)
-class ShardInfo:
-    """What a worker reports to the controller for one uploaded shard (plain, picklable).
-
-    ``path`` is relative to the checkpoint directory; ``checksum`` is the SHA-256 of the
-    shard's index, which holds a CRC-32 of every data chunk.
-    """
-
-    step: int
-    rank: int
-    path: str
-    size: int
-    checksum: str
-    index_offset: int
-    index_length: int
-    items: int
-    data_bytes: int
-    seconds: float = 0.0
-    copy_seconds: float = 0.0  # the deferred host copy (and its CRCs) on the upload thread
-
-    @property
-    def throughput(self) -> float:
-        """Upload bytes per second (0 if unknown)."""
-        return self.size / self.seconds if self.seconds > 0 else 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @staticmethod
-    def from_dict(d: Mapping[str, Any]) -> ShardInfo:
-        return ShardInfo(**{k: d[k] for k in ShardInfo.__dataclass_fields__ if k in d})
-
-
-class _Abandoned(Exception):
-    pass
 
 
 _IDLE, _UPLOADING, _UPLOADED, _FAILED = "idle", "uploading", "uploaded", "failed"
@@ -113,7 +73,9 @@ class ShardWriter:
     for tests, and a place for metrics). ``block_bytes`` is the size of each sequential write.
     ``checksum_threads`` compute chunk CRCs beside the writing thread, and ``copy_threads``
     share the host copy of CPU tensors in ``begin()`` (each defaults to half the cores, 1 to
-    4; GPU tensors are copied asynchronously by the copy engine instead).
+    4; GPU tensors are copied asynchronously by the copy engine instead). ``checksum``
+    names the chunk checksum written (``crc32c``; ``crc32`` is format version 1's, still
+    read).
     """
 
     def __init__(
@@ -126,9 +88,12 @@ class ShardWriter:
         on_progress: ProgressFn | None = None,
         checksum_threads: int | None = None,
         copy_threads: int | None = None,
+        checksum: str = CHECKSUM,
     ) -> None:
         if chunk_bytes < 64 or chunk_bytes % 64:
             raise CheckpointError(f"chunk_bytes must be a multiple of 64, got {chunk_bytes}")
+        checksum_fn(checksum)  # ValueError for an unknown name
+        self.checksum = checksum
         self.store = store
         self.rank = int(rank)
         self.chunk_bytes = chunk_bytes
@@ -206,48 +171,7 @@ class ShardWriter:
             placed, total = layout(plist)
             cuda = any(p.tensor.is_cuda for p in plist)
             buf = self._ensure_staging(total, cuda and torch.cuda.is_available())
-            copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-            deferred: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (offset, dst, src)
-            end = 0
-            for p, off in placed:
-                if off > end:
-                    buf[end:off].zero_()  # padding: keep files deterministic
-                n = p.nbytes
-                if n:
-                    dst = buf[off : off + n].view(p.tensor.dtype).view(p.tensor.shape)
-                    if later is not None and not p.tensor.is_cuda and later(p.key):
-                        deferred.append((off, dst, p.tensor.detach()))
-                    else:
-                        copies.extend(_split_copy(dst, p.tensor.detach()))
-                end = off + n
-            if total > end:
-                buf[end:total].zero_()
-            if cuda:
-                for dst, src in copies:
-                    dst.copy_(src, non_blocking=True)
-                torch.cuda.synchronize()
-            elif self.copy_threads > 1 and total >= 4 * _COPY_SPLIT:
-                if self._copy_pool is None:
-                    self._copy_pool = ThreadPoolExecutor(
-                        self.copy_threads, thread_name_prefix=f"elastic-ckpt-copy-r{self.rank}"
-                    )
-                list(self._copy_pool.map(lambda c: c[0].copy_(c[1]), copies))
-            else:
-                for dst, src in copies:
-                    dst.copy_(src)
-            items = [
-                ItemEntry(
-                    p.key,
-                    dtype_name(p.tensor.dtype),
-                    tuple(p.tensor.shape),
-                    tuple(p.full_shape or ()),
-                    p.start,
-                    p.stop,
-                    off,
-                    p.nbytes,
-                )
-                for p, off in placed
-            ]
+            items, deferred = stage(buf, placed, total, later=later, pool=self._pool)
             self._state, self._step = _UPLOADING, int(step)
             self._info, self._error = None, None
             self._staged = threading.Event()
@@ -262,6 +186,17 @@ class ShardWriter:
             self._jobs.put((int(step), buf, items, total, deferred, self._staged))
         self.last_blocked_s = time.perf_counter() - t0
         return self.last_blocked_s
+
+    def _pool(self) -> ThreadPoolExecutor | None:
+        """The thread pool shared by large host copies (created on first use; None with one
+        copy thread)."""
+        if self.copy_threads <= 1:
+            return None
+        if self._copy_pool is None:
+            self._copy_pool = ThreadPoolExecutor(
+                self.copy_threads, thread_name_prefix=f"elastic-ckpt-copy-r{self.rank}"
+            )
+        return self._copy_pool
 
     def staged(self, timeout: float | None = None) -> float:
         """Block until the copies ``begin(..., later=...)`` deferred are done (at once if
@@ -362,20 +297,19 @@ class ShardWriter:
             self._run(*job)
 
     def _run(self, step: int, buf: torch.Tensor, items: list[ItemEntry], total: int,
-             deferred: list[tuple[int, torch.Tensor, torch.Tensor]], staged: threading.Event
-             ) -> None:
+             deferred: list[Deferred], staged: threading.Event) -> None:
         info: ShardInfo | None = None
         err: CheckpointError | None = None
         try:
             t_copy = time.perf_counter()
             try:  # the host copies begin() left to this thread, before anything is uploaded
-                known = _copy_with_crcs(buf, deferred, self.chunk_bytes, self.block_bytes,
-                                        self._copy_pool)
+                known = copy_with_crcs(buf, deferred, self.chunk_bytes, self.block_bytes,
+                                       self._copy_pool, self.checksum)
             finally:
                 deferred.clear()  # drop the references to the caller's tensors
                 staged.set()
             t_copy = time.perf_counter() - t_copy
-            info = _upload(
+            info = upload_shard(
                 self.store,
                 step,
                 self.rank,
@@ -388,9 +322,10 @@ class ShardWriter:
                 self._cancel,
                 self.checksum_threads,
                 known,
+                self.checksum,
             )
             info = dataclasses.replace(info, copy_seconds=t_copy)
-        except _Abandoned:
+        except Abandoned:
             pass
         except CheckpointError as e:
             err = e
@@ -414,183 +349,6 @@ class ShardWriter:
             else:
                 self._state, self._info = _UPLOADED, info
             self._cv.notify_all()
-
-
-_COPY_SPLIT = 16 << 20
-
-
-def _split_copy(dst: torch.Tensor, src: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(dst, src) pairs of at most ~16 MiB, cut along dim 0, so copies can share threads."""
-    nbytes = src.numel() * src.element_size()
-    if src.dim() == 0 or nbytes <= _COPY_SPLIT or src.shape[0] < 2:
-        return [(dst, src)]
-    rows = max(1, src.shape[0] * _COPY_SPLIT // nbytes)
-    return [(dst[i : i + rows], src[i : i + rows]) for i in range(0, src.shape[0], rows)]
-
-
-def _copy_with_crcs(buf: torch.Tensor, deferred: list[tuple[int, torch.Tensor, torch.Tensor]],
-                    chunk: int, block: int, pool: ThreadPoolExecutor | None) -> dict[int, int]:
-    """Copy each deferred piece (byte offset, typed view of ``buf``, source) into ``buf`` one
-    checksum chunk at a time and take each chunk's CRC right after its copy, while it is in
-    cache: the upload then reads those bytes only to write them. Returns {chunk start: CRC}.
-    A non-contiguous source is copied whole; its chunks are checksummed at upload."""
-    data = memoryview(buf.numpy()).cast("B") if buf.numel() else memoryview(b"")  # type: ignore[arg-type]
-    crc = checksum_fn(CHECKSUM)
-    flat = buf.view(torch.uint8)
-    tasks: list[tuple[int, int, torch.Tensor, int]] = []  # (chunk start, end, source bytes, at)
-    for off, dst, src in deferred:
-        if not src.is_contiguous() or src.dim() == 0:
-            dst.copy_(src)
-            continue
-        sb = src.reshape(-1).view(torch.uint8)
-        n = sb.numel()
-        tasks += [(off + a, off + min(a + chunk, n), sb, a) for a in range(0, n, chunk)]
-
-    def run(batch: list[tuple[int, int, torch.Tensor, int]]) -> list[tuple[int, int]]:
-        out = []
-        for a, e, sb, at in batch:
-            flat[a:e].copy_(sb[at: at + (e - a)])
-            out.append((a, crc(data[a:e])))
-        return out
-
-    per = max(1, block // chunk)
-    batches = [tasks[i: i + per] for i in range(0, len(tasks), per)]
-    if pool is not None and len(batches) > 1:
-        results = list(pool.map(run, batches))
-    else:
-        results = [run(b) for b in batches]
-    return {a: c for r in results for a, c in r}
-
-
-def _upload(
-    store: CheckpointStore,
-    step: int,
-    rank: int,
-    buf: torch.Tensor,
-    items: list[ItemEntry],
-    total: int,
-    chunk: int,
-    block: int,
-    on_progress: ProgressFn | None,
-    cancel: threading.Event,
-    threads: int,
-    known: dict[int, int] | None = None,
-) -> ShardInfo:
-    """Write ``buf[:total]`` then the index and footer to the shard path in ``block``-sized
-    sequential writes, while ``threads`` helper threads compute the chunk CRCs of the same
-    (immutable) buffer that ``known`` (chunk start -> CRC, taken during the host copy) does
-    not hold; all release the GIL, so on spare cores checksums cost no upload time. Deletes
-    the partial file and raises on any failure."""
-    t0 = time.perf_counter()
-    name = shard_file_name(rank)
-    path = store.path(store.step_name(step), name)
-    data = memoryview(buf.numpy()).cast("B") if total else memoryview(b"")  # type: ignore[arg-type]
-    stop = threading.Event()
-    written = 0
-    try:
-        # CRCs of every chunk, in batches of ~one write block, over `threads` helper threads
-        known = known or {}
-        ranges = [
-            (a, min(a + chunk, it.offset + it.length))
-            for it in items
-            for a in range(it.offset, it.offset + it.length, chunk)
-            if a not in known
-        ]
-        per = max(1, block // chunk)
-        with ThreadPoolExecutor(threads, thread_name_prefix=f"elastic-ckpt-crc-r{rank}") as pool:
-            batches = [
-                pool.submit(_crc_batch, data, ranges[i : i + per], stop, cancel)
-                for i in range(0, len(ranges), per)
-            ]
-            try:
-                store.ensure_dir(store.step_dir(step))
-                with store.fs.open_output_stream(path) as out:
-                    for pos in range(0, total, block):
-                        if cancel.is_set():
-                            raise _Abandoned
-                        end = min(pos + block, total)
-                        out.write(data[pos:end])
-                        written = end
-                        if on_progress is not None:
-                            on_progress(written, total)
-                    index = ShardIndex(
-                        step,
-                        rank,
-                        chunk,
-                        tuple(
-                            ItemEntry(
-                                it.key,
-                                it.dtype,
-                                it.shape,
-                                it.full_shape,
-                                it.start,
-                                it.stop,
-                                it.offset,
-                                it.length,
-                                c,
-                            )
-                            for it, c in zip(items, _per_item(items, chunk, ranges, batches,
-                                                              known), strict=True)
-                        ),
-                        CHECKSUM,
-                    )
-                    raw = index.to_bytes()
-                    out.write(raw)
-                    out.write(FOOTER.pack(len(raw), MAGIC))
-            finally:
-                stop.set()
-    except Exception as e:
-        _delete_quietly(store, path)
-        if isinstance(e, (_Abandoned, CheckpointError)):
-            raise
-        raise store.error(
-            f"rank {rank}: uploading shard {name} of step {step} to "
-            f"{store.uri} failed after {written} of {total} bytes",
-            e,
-        ) from None
-    size = total + len(raw) + FOOTER.size
-    return ShardInfo(
-        step,
-        rank,
-        name,
-        size,
-        index_checksum(raw),
-        total,
-        len(raw),
-        len(items),
-        total,
-        time.perf_counter() - t0,
-    )
-
-
-def _per_item(
-    items: list[ItemEntry], chunk: int, ranges: list[tuple[int, int]],
-    batches: list[Future[list[int]]], known: dict[int, int],
-) -> list[tuple[int, ...]]:
-    crcs = dict(known)
-    crcs.update(zip((a for a, _ in ranges), (c for f in batches for c in f.result()),
-                    strict=True))
-    return [tuple(crcs[a] for a in range(it.offset, it.offset + it.length, chunk))
-            for it in items]
-
-
-def _crc_batch(
-    data: memoryview,
-    ranges: list[tuple[int, int]],
-    stop: threading.Event,
-    cancel: threading.Event,
-) -> list[int]:
-    if stop.is_set() or cancel.is_set():
-        raise _Abandoned
-    crc = checksum_fn(CHECKSUM)
-    return [crc(data[a:e]) for a, e in ranges]
-
-
-def _delete_quietly(store: CheckpointStore, path: str) -> None:
-    try:
-        store.fs.delete_file(path)
-    except (OSError, ValueError):
-        pass  # best effort: the file is invisible without a manifest; retention removes it
 
 
 def write_shard(

@@ -1,0 +1,69 @@
+"""The planner's explanation: why it chose what it chose, or why nothing fits.
+
+Its first line is the decision (it becomes ``Plan.reason``); then the runner-up, unequal
+shares, one rejection and any emulated devices. Text only: it takes the ranked candidates and
+decides nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .candidates import Candidate
+from .topology import Cluster
+
+__all__ = ["explain"]
+
+_GB = 1e9
+
+
+def _devices_summary(cluster: Cluster, ids: Sequence[str]) -> str:
+    counts: dict[str, int] = {}
+    for i in ids:
+        d = cluster.device(i)
+        counts[d.short] = counts.get(d.short, 0) + 1
+    return " + ".join(f"{c} x {k}" for k, c in counts.items())
+
+
+def explain(
+    choice: Candidate | None,
+    ranked: Sequence[Candidate],
+    rejected: Sequence[Candidate],
+    cluster: Cluster,
+    global_batch: int,
+) -> str:
+    """Why the planner chose what it chose (first line: the decision), or why nothing fits."""
+    lines = []
+    if choice is None or choice.estimate is None:
+        lines.append(
+            f"no plan fits cluster {cluster.name} with global batch {global_batch}; "
+            f"{len(rejected)} rejected:"
+        )
+        lines += [f"  - {c.rejection}" for c in rejected[:12]]
+        lines.append("fix: add devices or memory, shrink the batch, or use a smaller model")
+        return "\n".join(lines)
+    e, p = choice.estimate, choice.plan
+    peak = max(e.memory, key=lambda m: m.total)
+    lines.append(
+        f"chose {p.label} on {_devices_summary(cluster, p.devices)} ({choice.subset}): "
+        f"predicted {e.step_time:.4g} s/step (compute {e.compute:.3g}, comm {e.comm:.3g} on "
+        f"{e.link}, optimizer {e.optimizer:.3g}), peak {peak.total / _GB:.1f} GB per device"
+    )
+    if len(ranked) > 1:
+        r = ranked[1]
+        slower = r.step_time / e.step_time - 1.0
+        line = f"runner-up: {r.plan.label} ({r.subset}), {slower:+.1%} step time"
+        if slower < 0:
+            line += (
+                f"; within the tie tolerance the choice keeps more memory headroom "
+                f"({choice.peak_fraction:.0%} vs {r.peak_fraction:.0%} of usable)"
+            )
+        lines.append(line)
+    if len(set(p.shares)) > 1:
+        lines.append(f"unequal shares by device speed: {list(p.shares)}")
+    if rejected:
+        lines.append(f"{len(rejected)} candidate(s) rejected, e.g. {rejected[0].rejection}")
+    emu = sorted({cluster.device(i).label for i in p.devices if cluster.device(i).emulated})
+    if emu:
+        lines.append("EMULATED devices (test/demo aid, not real GPUs): " + "; ".join(emu))
+    return "\n".join(lines)

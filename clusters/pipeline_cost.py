@@ -1,0 +1,282 @@
+"""The pipeline (and pipeline x data-parallel hybrid) part of the cost model.
+
+Virtual stage k (of pp * v) runs on stage position k % pp. Per replica r with micro-batch
+b = shares[r] / m, position j takes t_j = sum over its chunks of b x seconds-per-sample of the
+chunk's blocks, plus the point-to-point sends of the chunk's boundary activation (forward)
+and its gradient (backward). Replica time m max_j t_j + (sum_j t_j - max_j t_j) / v, which is
+(m + p - 1) t for equal stages and v = 1. Replicas run in parallel; the step waits for the
+slowest, then for the data-parallel sync of each position's parameters (positions in
+parallel; contention between them on shared NICs is not modelled).
+
+A ``MeshLayout`` groups the replicas of a (pp, dp) device arrangement by everything these
+numbers depend on (device speed keys, memory, links), so an estimate costs one computation per
+distinct replica, not per rank: on 10,000 alike GPUs a few classes instead of 10,000 rows. The
+planner builds one layout per arrangement and passes it to every estimate of it.
+
+This module does not import ``cost``: it states what it needs from a cost model as the
+``PartCosts`` protocol, which ``cost.CostModel`` satisfies.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from .collectives import collective_time
+from .errors import PlanError
+from .estimate import Estimate
+from .memory import MemoryBreakdown, layout_memory
+from .plan import Plan
+from .profile import ModelProfile
+from .topology import Cluster, Device, Path
+
+__all__ = ["PartCosts", "MeshLayout", "DeviceClasses", "device_classes", "mesh_layout", "estimate_pipeline",
+           "bubble_fraction", "stage_blocks"]
+
+
+class PartCosts(Protocol):
+    """What a pipeline estimate asks of a cost model (``cost.CostModel`` is one)."""
+
+    @property
+    def pass_overhead_s(self) -> float: ...
+
+    @property
+    def overlap(self) -> float: ...
+
+    @property
+    def step_overhead(self) -> float: ...
+
+    def alpha_beta(self, path: Path | None) -> tuple[float, float]: ...
+
+    def sample_time(self, device: Device, profile: ModelProfile,
+                    blocks: Sequence[int] | None = None) -> float: ...
+
+    def optimizer_time(self, device: Device, n_params: float, profile: ModelProfile) -> float: ...
+
+    def device_key(self, device: Device, profile: ModelProfile) -> object: ...
+
+    def usable_bytes(self, device: Device) -> float: ...
+
+    def sync_over(self, mode: str, n_params: float, n: int, path: Path | None,
+                  profile: ModelProfile, micro_batches: int = 1, units: int = 1) -> float: ...
+
+
+def bubble_fraction(
+    pp: int, micro_batches: int, schedule: str = "1f1b", virtual_stages: int = 1
+) -> float:
+    """Idle time relative to the ideal m x t: (p-1)/m for GPipe and 1F1B, (p-1)/(v m) interleaved."""
+    v = virtual_stages if schedule == "interleaved" else 1
+    return (pp - 1) / (v * micro_batches)
+
+
+def stage_blocks(plan: Plan) -> list[range]:
+    """Block ranges of each (virtual) stage, from ``plan.stage_split``."""
+    out, start = [], 0
+    for b in plan.stage_split:
+        out.append(range(start, start + b))
+        start += b
+    return out
+
+
+@dataclass(frozen=True)
+class MeshLayout:
+    """Devices of a (pp, dp) mesh, rank = stage * dp + replica, with replicas grouped into
+    classes that cost the same: equal device keys, memory and optimizer speed per position,
+    and equal links from each position to the next (the last to the first, for interleaving).
+
+    ``rows[c]`` is one replica of class ``c`` (a device per position), ``links[c][j]`` the
+    point-to-point path from position j to (j + 1) % pp in it, ``group_paths[j]`` the path of
+    position j's data-parallel group, ``position_devices[j]`` one device per distinct
+    (type, slowdown) at position j (the optimizer's speed)."""
+
+    pp: int
+    dp: int
+    ids: tuple[str, ...]
+    devices: tuple[Device, ...]
+    replica_class: tuple[int, ...]
+    rows: tuple[tuple[Device, ...], ...]
+    links: tuple[tuple[Path, ...], ...]
+    group_paths: tuple[Path | None, ...]
+    position_devices: tuple[tuple[Device, ...], ...]
+
+    def matches(self, plan: Plan) -> bool:
+        return self.pp == plan.pp_degree and (self.ids is plan.devices or self.ids == plan.devices)
+
+
+@dataclass(frozen=True)
+class DeviceClasses:
+    """Per device id: ``cls``, equal for devices whose pipeline costs are equal (speed key,
+    memory, optimizer speed, their node's links), and ``node``, its node's id."""
+
+    cls: Mapping[str, int]
+    node: Mapping[str, str]
+
+
+def device_classes(
+    model: PartCosts, profile: ModelProfile, devices: Sequence[Device]
+) -> DeviceClasses:
+    """``DeviceClasses`` of ``devices``: O(devices), once per planning call."""
+    index: dict[object, int] = {}
+    cls: dict[str, int] = {}
+    node: dict[str, str] = {}
+    for d in devices:
+        key = (model.device_key(d, profile), d.type.name, d.slowdown, d.memory_bytes, d.pool)
+        cls[d.id] = index.setdefault(key, len(index))
+        node[d.id] = d.node
+    return DeviceClasses(cls, node)
+
+
+def mesh_layout(
+    model: PartCosts,
+    cluster: Cluster,
+    profile: ModelProfile,
+    devices: Sequence[Device],
+    pp: int,
+    classes: DeviceClasses | None = None,
+) -> MeshLayout:
+    """The layout of ``devices`` (one per rank, rank = stage * dp + replica) as ``pp`` stages.
+    ``classes``: ``device_classes`` of (a superset of) ``devices``, computed here if None.
+    O(ranks) with C-level passes; every estimate on the layout is then O(replicas) or less.
+
+    Point-to-point links are assumed alike for nodes of one pool (as cluster files and the
+    inventory build them): a replica's class records its devices' classes and which
+    consecutive positions share a node, and one representative's links stand for the class.
+    """
+    dp = len(devices) // pp
+    devs = tuple(devices)
+    ids = tuple(d.id for d in devs)
+    if len(set(ids)) != len(ids) or dp * pp != len(ids):
+        raise PlanError(f"a pp={pp} layout needs distinct devices, a multiple of {pp} of them")
+    classes = classes or device_classes(model, profile, devs)
+    cls = list(map(classes.cls.__getitem__, ids))
+    nodes = list(map(classes.node.__getitem__, ids))
+    node_rows = [nodes[j * dp:(j + 1) * dp] for j in range(pp)]
+    same = [list(map(operator.eq, node_rows[j], node_rows[(j + 1) % pp])) for j in range(pp)]
+    sigs = zip(zip(*(cls[j * dp:(j + 1) * dp] for j in range(pp)), strict=True),
+               zip(*same, strict=True), strict=True)
+    index: dict[object, int] = {}
+    replica_class = [index.setdefault(sig, len(index)) for sig in sigs]
+    # class -> its first replica (earlier replicas overwrite later ones when built reversed)
+    first = dict(zip(reversed(replica_class), range(dp - 1, -1, -1), strict=True))
+    rows = tuple(devs[first[c]::dp] for c in range(len(index)))
+    links = tuple(tuple(cluster.p2p_path(row[j], row[(j + 1) % pp]) for j in range(pp))
+                  for row in rows)
+    rep = dict(zip(cls, devs, strict=True))  # a device of each class
+    by_position = [sorted(set(cls[j * dp:(j + 1) * dp])) for j in range(pp)]
+    return MeshLayout(
+        pp=pp,
+        dp=dp,
+        ids=ids,
+        devices=devs,
+        replica_class=tuple(replica_class),
+        rows=rows,
+        links=links,
+        group_paths=tuple(cluster.path_over(Counter(r)) if dp > 1 else None
+                          for r in node_rows),
+        position_devices=tuple(
+            tuple({(rep[c].type.name, rep[c].slowdown): rep[c] for c in cs}.values())
+            for cs in by_position),
+    )
+
+
+def _in_flight(schedule: str, m: int, p: int, v: int, j: int) -> float:
+    """Micro-batches (in units of a whole position's activations) stage position j holds."""
+    if schedule == "gpipe":
+        return float(m)
+    if schedule == "1f1b":
+        return float(min(m, p - j))
+    # Interleaved 1F1B (Narayanan et al. 2021, Megatron's warm-up count), in chunks of 1/v.
+    return min(m * v, 2 * (p - j - 1) + (v - 1) * p + 1) / v
+
+
+def estimate_pipeline(
+    model: PartCosts, plan: Plan, profile: ModelProfile, layout: MeshLayout
+) -> Estimate:
+    """Predict the pipeline ``plan`` laid out as ``layout`` (which must match its devices)."""
+    p, dp, m, v = plan.pp_degree, plan.dp_degree, plan.micro_batches, plan.virtual_stages
+    stages = stage_blocks(plan)
+    n_st = len(stages)
+    chunks = [[k for k in range(n_st) if k % p == j] for j in range(p)]
+
+    # One replica time per distinct (micro-batch size, class): replicas run in parallel.
+    st_memo: dict[tuple[object, int], float] = {}
+    compute = 0.0
+    kinds = set(zip(plan.shares, layout.replica_class, strict=True))
+    for b, c in {(s // m, c) for s, c in kinds}:
+        row, links = layout.rows[c], layout.links[c]
+        t = []
+        for j in range(p):
+            key = model.device_key(row[j], profile)
+            tj = 0.0
+            for k in chunks[j]:
+                if (key, k) not in st_memo:
+                    st_memo[key, k] = model.sample_time(row[j], profile, stages[k])
+                tj += b * st_memo[key, k]
+                tj += len(stages[k]) * model.pass_overhead_s * row[j].slowdown
+                if k < n_st - 1:
+                    a, beta = model.alpha_beta(links[k % p])
+                    nbytes = b * profile.boundary(stages[k][-1])
+                    tj += 2 * collective_time("p2p", nbytes, 2, a, beta)
+            t.append(tj)
+        tmax = max(t)
+        compute = max(compute, m * tmax + (sum(t) - tmax) / v)
+
+    pos_params = [
+        sum(profile.block_params[i] for k in chunks[j] for i in stages[k]) for j in range(p)
+    ]
+    pos_big = [max(profile.block_params[i] for k in chunks[j] for i in stages[k]) for j in range(p)]
+    comm, link = 0.0, "-"
+    if dp > 1:
+        for j in range(p):
+            path = layout.group_paths[j]
+            # zero2/zero3 reduce-scatter (zero3 also gathers) once per micro-batch.
+            units = sum(len(stages[k]) for k in chunks[j])  # zero3: one FSDP unit per block
+            t_sync = model.sync_over(plan.dp_mode, pos_params[j], dp, path, profile, m, units)
+            if t_sync >= comm:
+                comm, link = t_sync, path.name if path else "-"
+    exposed = max(0.0, comm - model.overlap * (2 / 3) * compute)
+
+    stored = [sum(profile.stored(i) for k in chunks[j] for i in stages[k]) for j in range(p)]
+    sizes = sorted(set(plan.shares))
+    mem: list[MemoryBreakdown] = []
+    per_pos: list[dict[int, MemoryBreakdown]] = []
+    for j in range(p):
+        by_share = {
+            s: layout_memory(
+                plan.dp_mode,
+                pos_params[j],
+                dp,
+                bytes_per_param=profile.bytes_per_param,
+                grad_bytes=profile.grad_bytes,
+                optimizer_bytes=profile.optimizer_bytes_per_param,
+                biggest_block=pos_big[j],
+                activations=_in_flight(plan.schedule, m, p, v, j) * (s // m) * stored[j],
+            )
+            for s in sizes
+        }
+        per_pos.append(by_share)
+        mem.extend(map(by_share.__getitem__, plan.shares))
+
+    # The first rank (stage-major) of each distinct (class, share): later duplicates are
+    # overwritten by earlier ones when the dict is built from the reversed pairs.
+    pairs = list(zip(layout.replica_class, plan.shares, strict=True))
+    first = dict(zip(reversed(pairs), range(dp - 1, -1, -1), strict=True))
+    use, tight = -1.0, 0
+    for j in range(p):
+        for (c, s), r in sorted(first.items(), key=lambda kv: kv[1]):
+            ratio = per_pos[j][s].total / model.usable_bytes(layout.rows[c][j])
+            if ratio > use:
+                use, tight = ratio, j * dp + r
+
+    opt = 0.0
+    for j in range(p):
+        local = pos_params[j] if plan.dp_mode == "dp" else pos_params[j] / dp
+        for d in layout.position_devices[j]:
+            opt = max(opt, model.optimizer_time(d, local, profile))
+
+    step = compute + exposed + opt + model.step_overhead
+    return Estimate(step, compute, exposed, opt, bubble_fraction(p, m, plan.schedule, v),
+                            tuple(mem), link, use, tight)

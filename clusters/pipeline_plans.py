@@ -1,0 +1,198 @@
+"""Pipeline and hybrid candidates for the planner.
+
+Per pp (a divisor of the device count, 2 <= pp <= blocks), schedule and dp_mode, every
+micro-batch count m (pp <= m <= max, dividing G, >= dp samples per micro-batch) and two device
+arrangements are predicted; the fastest that fits becomes the candidate, else the attempt
+closest to fitting gives the rejection reason. Arrangements (rank = stage * dp + replica):
+"stages by speed" puts the fastest devices on stage 0 (a stage's replicas are alike, which the
+shared stage split needs), "replicas by node" keeps each replica's stages on few nodes.
+
+Each arrangement's ``MeshLayout`` (replicas grouped into classes that cost the same) is built
+once and shared by every (schedule, dp_mode, m) tried on it, so the work per candidate grows
+with the number of distinct replicas, not with the number of devices.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .balance import proportional_shares, stage_split
+from .candidates import Candidate, PlanContext, memory_rejection
+from .errors import BalanceError
+from .pipeline_cost import DeviceClasses, MeshLayout, device_classes, mesh_layout
+from .plan import Plan
+from .topology import Device
+
+__all__ = ["pipeline_candidates"]
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class _Arrangement:
+    """One device order for a pp: its layout, the fastest device (first in rank order; its
+    per-block costs shape the split) and each position's slowest whole-model time."""
+
+    name: str
+    layout: MeshLayout
+    ref: Device
+    pos_t: tuple[float, ...]
+
+
+def _arrangements(
+    ctx: PlanContext, devs: list[Device], by_speed: list[Device], pp: int,
+    classes: DeviceClasses,
+) -> list[_Arrangement]:
+    """Layouts for "stages by speed" and (when it differs) "replicas by node"."""
+    dp = len(devs) // pp
+    by_node = [devs[r * pp + j] for j in range(pp) for r in range(dp)]
+    orders = [("stages by speed", by_speed)]
+    if any(a is not b for a, b in zip(by_node, by_speed, strict=True)):
+        orders.append(("replicas by node", by_node))
+    out = []
+    for name, ranks in orders:
+        layout = mesh_layout(ctx.model, ctx.cluster, ctx.profile, ranks, pp, classes)
+        pos_t = tuple(max(ctx.t(row[j]) for row in layout.rows) for j in range(pp))
+        # the first rank on a fastest device (what min(ranks, key=ctx.t) gives, without
+        # timing every rank: equal classes time alike)
+        t_min = min(ctx.t(d) for row in layout.rows for d in row)
+        fastest = {classes.cls[d.id] for row in layout.rows for d in row if ctx.t(d) == t_min}
+        ref = next(d for d in ranks if classes.cls[d.id] in fastest)
+        out.append(_Arrangement(name, layout, ref, pos_t))
+    return out
+
+
+def _pipeline_plan(
+    ctx: PlanContext,
+    arr: _Arrangement,
+    schedule: str,
+    mode: str,
+    m: int,
+    splits: dict[tuple[str, int], tuple[int, ...]],
+    subset: str,
+) -> Plan:
+    prof, lay = ctx.profile, arr.layout
+    pp = lay.pp
+    v = 2 if schedule == "interleaved" else 1
+    key = (arr.name, v)
+    if key not in splits:
+        costs = [ctx.model.sample_time(arr.ref, prof, [i]) for i in range(prof.n_blocks)]
+        speeds = [ctx.t(arr.ref) / arr.pos_t[k % pp] for k in range(pp * v)]
+        splits[key] = stage_split(costs, speeds)
+    split = splits[key]
+    starts = [sum(split[:k]) for k in range(len(split))]
+    class_speed = []
+    for row in lay.rows:
+        per_pos = [0.0] * pp
+        for k, b in enumerate(split):
+            per_pos[k % pp] += ctx.model.sample_time(row[k % pp], prof,
+                                                     range(starts[k], starts[k] + b))
+        class_speed.append(1.0 / max(per_pos))
+    units = proportional_shares(ctx.g // m, list(map(class_speed.__getitem__, lay.replica_class)))
+    return Plan(
+        strategy="pipeline",
+        world_size=len(lay.ids),
+        shares=tuple(map(m.__mul__, units)),
+        pp_degree=pp,
+        dp_mode=mode,
+        micro_batches=m,
+        schedule=schedule,
+        virtual_stages=v,
+        stage_split=split,
+        devices=lay.ids,
+        reason=f"{subset}: {arr.name}, split by block cost and stage speed",
+    )
+
+
+def pipeline_candidates(
+    ctx: PlanContext,
+    devs: list[Device],
+    subset: str,
+    schedules: Sequence[str],
+    dp_modes: Sequence[str],
+    max_pp: int | None,
+) -> list[Candidate]:
+    """One candidate (or rejection) per (pp, schedule, dp_mode) on ``devs``."""
+    out: list[Candidate] = []
+    n, nb = len(devs), ctx.profile.n_blocks
+    by_speed = sorted(devs, key=ctx.t)  # stable: node order among equals; stage 0 fastest
+    classes = device_classes(ctx.model, ctx.profile, devs)
+    for pp in _divisors(n):
+        if pp < 2 or pp > nb or (max_pp is not None and pp > max_pp):
+            continue
+        dp = n // pp
+        arrs: list[_Arrangement] | None = None
+        splits: dict[tuple[str, int], tuple[int, ...]] = {}
+        for schedule in schedules:
+            v = 2 if schedule == "interleaved" else 1
+            # m < pp only adds bubble and (1F1B) memory, so it is never considered.
+            ms = [
+                m
+                for m in _divisors(ctx.g)
+                if pp <= m <= ctx.max_m and ctx.g // m >= dp and (v == 1 or m % pp == 0)
+            ]
+            for mode in dp_modes if dp > 1 else ("dp",):
+                stub = Plan(
+                    strategy="pipeline",
+                    world_size=n,
+                    shares=(ctx.g,) * dp,
+                    pp_degree=pp,
+                    dp_mode=mode,
+                    schedule=schedule,
+                    virtual_stages=v,
+                    micro_batches=1,
+                    stage_split=(1,) * (pp * v),
+                )
+                if pp * v > nb or not ms:
+                    why = (
+                        f"{pp * v} stages > {nb} blocks"
+                        if pp * v > nb
+                        else f"no micro-batch count m in [{pp}, {ctx.max_m}] divides G={ctx.g} "
+                        f"leaving >= {dp} samples per micro-batch"
+                        + (f" (interleaved: m % {pp} == 0)" if v > 1 else "")
+                    )
+                    label = stub.label.rsplit(" m=", 1)[0]
+                    out.append(Candidate(stub, None, f"{label}: {why}", subset))
+                    continue
+                if arrs is None:
+                    arrs = _arrangements(ctx, devs, by_speed, pp, classes)
+                out.append(_best(ctx, arrs, stub, schedule, mode, ms, splits, subset))
+    return out
+
+
+def _best(
+    ctx: PlanContext,
+    arrs: list[_Arrangement],
+    stub: Plan,
+    schedule: str,
+    mode: str,
+    ms: list[int],
+    splits: dict[tuple[str, int], tuple[int, ...]],
+    subset: str,
+) -> Candidate:
+    """The fastest fitting (arrangement, m), else the rejection of the attempt closest to
+    fitting (a balance failure counts as farthest)."""
+    best: Candidate | None = None
+    first_reject: tuple[float, str] | None = None
+    for arr in arrs:
+        for m in ms:
+            try:
+                p = _pipeline_plan(ctx, arr, schedule, mode, m, splits, subset)
+            except BalanceError as e:
+                first_reject = first_reject or (math.inf, f"{stub.label}: {e}")
+                continue
+            est = ctx.model.estimate(p, ctx.cluster, ctx.profile, layout=arr.layout)
+            mem_why = memory_rejection(ctx, p.label, est, arr.layout.devices)
+            if mem_why is None:
+                if best is None or est.step_time < best.step_time:
+                    best = Candidate(p, est, None, subset)
+            elif first_reject is None or est.memory_use < first_reject[0]:
+                first_reject = (est.memory_use, mem_why)
+    if best is not None:
+        return best
+    assert first_reject is not None
+    return Candidate(stub, None, first_reject[1], subset)

@@ -1,0 +1,124 @@
+"""The simulator's inputs and outputs: ``SimConfig`` (the job and its environment) and
+``PolicyResult`` (where one policy's time went), with the table that prints results."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from .errors import SimulationError
+
+__all__ = ["SimConfig", "PolicyResult", "format_sim_table"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimConfig:
+    """Job and environment. Mappings by pool name take ``"*"`` for every pool.
+
+    ``node_mtbf_s``: mean time between failures of one node (for generated traces); the
+    default, ~260 days per 8-GPU node, is the order of magnitude of published large runs
+    (Llama 3: 419 unexpected interruptions in 54 days on 16,384 GPUs; ``trace.llama3_trace``).
+    ``repair_s``: a lost node is back (repaired) this long after it failed;
+    ``process_restart_s``: a crashed or hung worker process is running again this long after.
+    ``spare_nodes``: idle nodes per pool that take a lost node's place ``spare_start_s`` after
+    the failure (a repaired node becomes a spare again); without a free spare the place waits
+    for the next repaired node of its pool.
+    Checkpoints: every ``checkpoint_every`` steps, training blocked ``checkpoint_stall_s``,
+    committed once uploaded (``upload_s``, default state bytes / ``storage_bandwidth``).
+    Restores: ``restore_s`` from storage (default state bytes / ``storage_bandwidth``),
+    ``peer_restore_s`` from live peers (default one node's share of the state over its NICs).
+    Raises ``SimulationError`` for a value that cannot be simulated.
+    """
+
+    duration_s: float = 7 * 86400.0
+    checkpoint_every: int = 500
+    checkpoint_stall_s: float = 0.0
+    upload_s: float | None = None
+    restore_s: float | None = None
+    peer_restore_s: float | None = None
+    storage_bandwidth: float = 5e9  # bytes/s, all workers together, object storage
+    repair_s: float = 3600.0
+    process_restart_s: float = 60.0
+    spare_nodes: Mapping[str, int] = field(default_factory=dict)
+    spare_start_s: float = 300.0
+    node_mtbf_s: Mapping[str, float] = field(default_factory=lambda: {"*": 260 * 86400.0})
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        def bad(name: str, want: str) -> SimulationError:
+            return SimulationError(f"SimConfig.{name} must be {want}, got "
+                                   f"{getattr(self, name)!r}. Fix: pass a value that is.")
+
+        if not (math.isfinite(self.duration_s) and self.duration_s > 0):
+            raise bad("duration_s", "a finite number of seconds > 0")
+        if isinstance(self.checkpoint_every, bool) or not isinstance(
+                self.checkpoint_every, int) or self.checkpoint_every < 1:
+            raise bad("checkpoint_every", "an integer >= 1 (steps)")
+        for name in ("checkpoint_stall_s", "repair_s", "process_restart_s", "spare_start_s"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v >= 0):
+                raise bad(name, "a finite number of seconds >= 0")
+        for name in ("upload_s", "restore_s", "peer_restore_s"):
+            v = getattr(self, name)
+            if v is not None and not (math.isfinite(v) and v >= 0):
+                raise bad(name, "None or a finite number of seconds >= 0")
+        if not self.storage_bandwidth > 0:
+            raise bad("storage_bandwidth", "> 0 (bytes/s)")
+        if any(not isinstance(n, int) or n < 0 for n in self.spare_nodes.values()):
+            raise bad("spare_nodes", "a mapping of pool name to an integer >= 0")
+
+    def spares(self, pool: str) -> int:
+        """Spare nodes of ``pool`` (its own entry, else ``"*"``, else 0)."""
+        return self.spare_nodes.get(pool, self.spare_nodes.get("*", 0))
+
+
+@dataclass(frozen=True)
+class PolicyResult:
+    """Outcome of one policy. Times in seconds; ``goodput`` in [0, 1].
+
+    ``rollbacks``: restores that took the state back to a checkpoint (or to step 0);
+    ``lost_steps``: steps computed and then lost (rollbacks, and the step in flight at an
+    in-place failure). ``ended``: why the job stopped early (its failure budget), else ``""``.
+    """
+
+    policy: str
+    duration_s: float
+    steps: float
+    ideal_steps: float
+    failures: int
+    rollbacks: int
+    lost_steps: float
+    downtime_s: float
+    recompute_s: float
+    degraded_s: float
+    checkpoint_s: float
+    ended: str = ""
+
+    @property
+    def goodput(self) -> float:
+        return self.steps / self.ideal_steps if self.ideal_steps else 0.0
+
+    @property
+    def time_lost_s(self) -> float:
+        """Wall time not turned into kept full-speed steps."""
+        return self.downtime_s + self.recompute_s + self.degraded_s + self.checkpoint_s
+
+
+def format_sim_table(results: Sequence[PolicyResult]) -> str:
+    """One row per policy: goodput, steps, failures, and where the time went (hours)."""
+    hdr = (
+        f"{'policy':<14}{'goodput':>8}{'steps':>11}{'failures':>9}{'rollbacks':>10}"
+        f"{'lost steps':>11}{'down h':>8}{'redo h':>8}{'slow h':>8}{'ckpt h':>8}"
+    )
+    rows = [hdr, "-" * len(hdr)]
+    for r in results:
+        rows.append(
+            f"{r.policy:<14}{r.goodput:>8.1%}{r.steps:>11.0f}{r.failures:>9}"
+            f"{r.rollbacks:>10}{r.lost_steps:>11.0f}{r.downtime_s / 3600:>8.2f}"
+            f"{r.recompute_s / 3600:>8.2f}{r.degraded_s / 3600:>8.2f}"
+            f"{r.checkpoint_s / 3600:>8.2f}"
+        )
+        if r.ended:
+            rows.append(f"  {r.policy} stopped early: {r.ended}")
+    return "\n".join(rows)

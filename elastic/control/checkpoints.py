@@ -1,0 +1,272 @@
+"""The controller's checkpoints: the one in flight, its commit, retention, and restores.
+
+``CheckpointTracker`` owns the job's checkpoint store and the checkpoint in flight. The
+workers decide together, at a step boundary, to take one (each writes its shard in the
+background); the tracker learns of it from their metrics, polls the uploads and commits the
+manifest once every shard is in, then applies retention (``clusters.policy.RetentionPolicy``).
+A failed upload is an event, never a crash. Restores (resume, and the fallback of a
+recovery) take the newest committed checkpoint that verifies, falling back past a corrupt one
+with an event naming it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from strategies import StrategySpec
+
+from ..checkpoint import CheckpointMeta, CheckpointStore, apply_retention, commit
+from ..errors import CheckpointError
+
+__all__ = ["CheckpointTracker", "spec_dict", "read_detail"]
+
+Emit = Callable[..., Any]
+
+
+def spec_dict(spec: StrategySpec) -> dict[str, Any]:
+    """A spec as JSON-able data (events, manifests)."""
+    return spec.to_dict()
+
+
+def read_detail(outs: list[dict[str, Any]]) -> str:
+    """What each worker read of a checkpoint: only its new shard's part of the state."""
+    if not outs:
+        return ""
+    mb = [o["bytes"] / 1e6 for o in outs]
+    total = outs[0]["total_bytes"] / 1e6
+    return f" (each worker read {min(mb):.1f}-{max(mb):.1f} of {total:.1f} MB)"
+
+
+class CheckpointTracker:
+    """Checkpoints of one job. ``store`` is None when the job takes none."""
+
+    def __init__(self, cfg: Any, store: CheckpointStore | None, emit: Emit) -> None:
+        self.cfg = cfg
+        self.store = store
+        self._emit = emit
+        self.in_flight: dict[str, Any] | None = None  # step, spec, t0, blocked_s, by_rank
+        self.last_event: Any = None  # the last "checkpoint" event (late waits are added to it)
+        self.bad_steps: set[int] = set()  # committed steps found corrupt (never restored)
+
+    # ------------------------------------------------------------------ taking them
+
+    def on_metric(self, m: dict[str, Any], spec: StrategySpec | None) -> None:
+        """What a worker's step metrics say about checkpoints."""
+        if "checkpoint_begun" in m:
+            ck = self.in_flight
+            if ck is None or ck["step"] != m["checkpoint_begun"]:
+                ck = self.in_flight = {"step": m["checkpoint_begun"], "blocked_s": 0.0,
+                                       "spec": spec, "t0": time.time(), "by_rank": {}}
+            ck["by_rank"][m["rank"]] = m["checkpoint_blocked_s"]
+            ck["blocked_s"] = max(ck["by_rank"].values())
+        if m.get("checkpoint_wait_s"):  # the next update waited for the host copy
+            self._count_wait(m["rank"], float(m["checkpoint_wait_s"]))
+        if m.get("checkpoint_skipped") and m["rank"] == 0:
+            self._emit("checkpoint_skipped", f"step {m['checkpoint_skipped']}: the previous "
+                       "checkpoint is still uploading")
+
+    def _count_wait(self, rank: int, wait_s: float) -> None:
+        """A rank's wait for the deferred host copy counts as blocked time of its checkpoint:
+        the one in flight, else (its commit came first) the last committed one's event."""
+        ck = self.in_flight
+        if ck is not None:
+            by = ck["by_rank"]
+            by[rank] = by.get(rank, 0.0) + wait_s
+            ck["blocked_s"] = max(by.values())
+        elif self.last_event is not None:
+            d = self.last_event.data
+            d["update_wait_s"] = max(d.get("update_wait_s", 0.0), wait_s)
+
+    def tick(self, group: Any) -> None:
+        """Commit the checkpoint in flight once every rank's shard is in; abandon it (and say
+        so) if any upload failed. Training is never stopped by a checkpoint."""
+        ck = self.in_flight
+        if ck is None or self.store is None:
+            return
+        outs = group.checkpoint_poll()
+        errors = [o["error"] for o in outs if o and "error" in o]
+        if not errors and not all(o and "info" in o for o in outs):
+            return  # still uploading
+        step, spec = ck["step"], ck["spec"]
+        self.in_flight = None
+        manifest = None
+        bad = {o["info"]["rank"]: o["info"].get("nonfinite") for o in outs
+               if o and "info" in o and o["info"].get("nonfinite")}
+        if bad and not errors:  # never a checkpoint of a state with NaN or inf in it
+            group.checkpoint_done(step, False)
+            self._emit("checkpoint_refused", f"step {step} not committed: its state holds "
+                       "non-finite values (" + "; ".join(
+                           f"rank {r}: {', '.join(list(k)[:3])}" for r, k in sorted(bad.items()))
+                       + "); the newest committed checkpoint stays the last good one",
+                       data={"step": step, "nonfinite": {str(r): list(k)
+                                                          for r, k in bad.items()}}, step=step)
+            return
+        if not errors:
+            infos = sorted((o["info"] for o in outs if o), key=lambda i: i["rank"])
+            meta = CheckpointMeta(
+                plan=spec_dict(spec), world_size=spec.world_size, data_position=step,
+                rng={"seed": self.cfg.seed}, strategy=spec.name, owner=self.cfg.job_name,
+                extra={"job": self.cfg.job_name,
+                       "global_batch_size": self.cfg.global_batch_size})
+            try:
+                manifest = commit(self.store, step, infos, meta)
+            except CheckpointError as e:
+                errors.append(str(e))
+        group.checkpoint_done(step, manifest is not None)
+        if manifest is None:
+            self._emit("checkpoint_failed", f"step {step} not committed, training goes on: "
+                       f"{errors[0][:300]}", data={"step": step, "errors": errors}, step=step)
+            return
+        size = sum(sh.size for sh in manifest.shards)
+        up = time.time() - ck["t0"]
+        self.last_event = self._emit(
+            "checkpoint", f"step {step} committed: {size / 1e6:.1f} MB in "
+            f"{len(manifest.shards)} shards, training blocked {ck['blocked_s'] * 1e3:.0f} ms, "
+            f"upload+commit {up:.2f}s", data={"step": step, "bytes": size,
+                                              "blocked_s": ck["blocked_s"], "seconds": up,
+                                              "uri": self.store.uri}, step=step)
+        try:
+            apply_retention(self.store, keep_last=self.cfg.keep_last,
+                            keep_every=self.cfg.keep_every, bad=self.bad_steps)
+        except CheckpointError as e:
+            self._emit("retention_failed", str(e)[:300])
+
+    def abandon(self, group: Any) -> None:
+        """A checkpoint in flight cannot complete without the workers that were lost."""
+        if self.in_flight is None:
+            return
+        step = self.in_flight["step"]
+        group.checkpoint_done(step, False)
+        self._emit("checkpoint_failed", f"step {step} abandoned: a worker was lost during its "
+                   "upload")
+        self.in_flight = None
+
+    def final(self, group: Any, spec: StrategySpec, step: int) -> None:
+        """A job stopped before ``max_steps`` (a request, a signal): take a checkpoint of
+        the state it stopped at, unless one of that step is committed or in flight already."""
+        if self.store is None or self.in_flight is not None and self.in_flight["step"] == step:
+            return
+        last = self.last_event.data.get("step") if self.last_event is not None else None
+        if last == step:
+            return
+        for out in group.checkpoint_now():
+            self.on_metric(out, spec)
+
+    def finish(self, group: Any, timeout_s: float = 300.0) -> None:
+        """At the end of the run, wait (bounded) for the checkpoint in flight to commit."""
+        deadline = time.monotonic() + timeout_s
+        while self.in_flight is not None and time.monotonic() < deadline:
+            self.tick(group)
+            if self.in_flight is not None:
+                time.sleep(0.1)
+        if self.in_flight is not None:
+            self._emit("checkpoint_failed", f"step {self.in_flight['step']} did not finish "
+                       f"uploading within {timeout_s:.0f}s of the end of the run")
+            self.in_flight = None
+
+    # ------------------------------------------------------------------ restoring
+
+    def claim(self) -> None:
+        """Claim the job's checkpoint URI before anything is written there
+        (``CheckpointOwnerError`` with the fix when another job holds it)."""
+        from ..checkpoint import claim
+
+        if self.store is None:
+            return
+        got = claim(self.store, self.cfg.job_name)
+        if got.fresh:
+            self._emit("claimed", f"checkpoint URI {self.store.uri} claimed for job "
+                       f"{self.cfg.job_name}" + ("" if got.atomic else
+                                                 " (this storage has no atomic create)"),
+                       data={"uri": self.store.uri, "atomic": got.atomic})
+
+    def find_resume(self, resume: str) -> tuple[CheckpointStore, int]:
+        """The checkpoint ``resume`` names (``latest``, a root, or one step's directory),
+        checked: the newest intact one (each newer one passed over is an event naming its
+        bad object), the job's own or an explicit fork, and before ``max_steps``."""
+        from ..checkpoint import plan_resume
+        from ..checkpoint_io import job_store
+
+        plan = plan_resume(resume, self.cfg.job_name, own=self.store or job_store(self.cfg),
+                           options=self.cfg.checkpoint_options, exclude=self.bad_steps,
+                           max_steps=self.cfg.max_steps)
+        for c in plan.skipped:
+            self.bad_steps.add(c.step)
+            self._emit("checkpoint_skipped", c.note, data={"step": c.step,
+                                                           "object": c.bad_object})
+        if plan.fork:
+            self._emit("forked", f"resuming from another URI, {plan.store.uri} step {plan.step}"
+                       + (f" (written by job {plan.source_owner})" if plan.source_owner else "")
+                       + "; this job writes to its own", data={"uri": plan.store.uri,
+                                                              "step": plan.step})
+        return plan.store, plan.step
+
+    def resume(self, group: Any, spec: StrategySpec, store: CheckpointStore, step: int) -> int:
+        """Restore the checkpoint a resume planned; when the workers find it corrupt (bytes
+        that do not match the manifest) and ``resume`` names no step, fall back to the next
+        older intact one, an event naming each bad one. Returns the step restored."""
+        from ..checkpoint import resume_store
+        from ..errors import CheckpointCorruptError
+
+        pinned = resume_store(self.cfg.resume, store)[1] is not None
+        while True:
+            try:
+                self.restore(group, spec, store, step, reason="resume")
+                return step
+            except CheckpointCorruptError as e:
+                if pinned:
+                    raise
+                self.bad_steps.add(step)
+                self._emit("checkpoint_corrupt", f"checkpoint step {step} at {store.uri} cannot "
+                           f"be restored: {str(e)[:300]}; resuming from an older one",
+                           data={"step": step, "shard": getattr(e, "shard", None)})
+                store, step = self.find_resume(self.cfg.resume)
+
+    def restore(self, group: Any, spec: StrategySpec, store: CheckpointStore, step: int,
+                reason: str) -> None:
+        """Lay ``spec`` out from checkpoint ``step`` of ``store`` on every worker."""
+        t0 = time.time()
+        outs = group.restore_checkpoint(spec, step, store)
+        self._emit("resumed" if reason == "resume" else "restored",
+                   f"from checkpoint step {step} at {store.uri} in {time.time() - t0:.2f}s"
+                   f"{read_detail(outs)}",
+                   data={"step": step, "uri": store.uri,
+                         "bytes_read": [o["bytes"] for o in outs],
+                         "state_bytes": outs[0]["total_bytes"] if outs else 0})
+
+    def valid_steps(self) -> tuple[int, ...]:
+        """Committed steps a restore may use, newest first (found-corrupt ones excluded)."""
+        if self.store is None:
+            return ()
+        from ..checkpoint import committed_steps
+
+        try:
+            steps = committed_steps(self.store)
+        except CheckpointError as e:
+            self._emit("checkpoint_skipped", f"listing checkpoints failed: {str(e)[:300]}")
+            return ()
+        return tuple(s for s in reversed(steps) if s not in self.bad_steps)
+
+    def restore_newest(self, group: Any, spec: StrategySpec, steps: tuple[int, ...]
+                       ) -> tuple[int, str] | None:
+        """Restore the newest of ``steps`` (newest first) that loads. One that does not (a
+        corrupt or missing object) is remembered as bad, said in a ``checkpoint_corrupt``
+        event naming it, and the next older one is tried. Returns (step, detail), or None if
+        none loaded."""
+        for step in steps:
+            if step in self.bad_steps:
+                continue
+            try:
+                outs = group.restore_checkpoint(spec, step)
+            except CheckpointError as e:
+                self.bad_steps.add(step)
+                uri = self.store.uri if self.store is not None else "?"
+                self._emit("checkpoint_corrupt", f"checkpoint step {step} at {uri} cannot be "
+                           f"restored: {str(e)[:300]}; trying an older one",
+                           data={"step": step, "error": str(e)[:500]})
+                continue
+            took = max(o["seconds"] for o in outs)
+            return step, (f", checkpoint step {step} read in {took:.2f}s{read_detail(outs)}")
+        return None

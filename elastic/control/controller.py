@@ -1,0 +1,475 @@
+"""The controller: a loop over explicit states that runs one job to its end.
+
+``run()`` is ``while not state.terminal: state = step(state)``. ``step`` is the transition
+function: one handler per state record (``elastic.control.states``), each returning the next
+state, every transition emitted as a ``state`` event. The controller is not in the step
+path: workers train whole segments on their own, and the controller polls their metrics,
+its mailbox and the checkpoint in flight while they do. Its decisions are policies
+(``clusters.policy``); its work with the workers goes through a worker group
+(``WorkerGroup`` on Ray, or any object with the same methods: the unit tests drive the loop
+over a fake one).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from clusters.policy import GiveUp
+from strategies import StrategySpec
+
+from ..config import JobConfig
+from ..errors import (
+    ElasticError,
+    InfrastructureError,
+    InterruptedJobError,
+    SwitchError,
+)
+from ..events import Event, RunLog
+from ..failures import classify, root_cause
+from ..view import View
+from .cadence import poll_interval, scale_interval
+from .checkpoints import CheckpointTracker
+from .interrupts import Interrupts
+from .layouts import Layouts
+from .preflight import preflight, run_directory
+from .regroup import Regroup
+from .requests import Inbox, Request
+from .sizing import Sizing
+from .states import (
+    AtBoundary,
+    ControllerState,
+    Failed,
+    Finished,
+    Finishing,
+    FitResult,
+    Forming,
+    Placing,
+    Recovering,
+    Resizing,
+    Running,
+    Starting,
+    State,
+    Switching,
+)
+from .steps import StepLog
+
+__all__ = ["Controller"]
+
+
+
+class Controller:
+    """Runs one job to completion. Owns its workers (through its worker group) and, when it
+    started one, the local Ray. Thread-safe: ``post`` and ``status`` only."""
+
+    def __init__(self, config: JobConfig, view: View | None = None,
+                 on_step: Callable[[dict[str, Any]], Any] | None = None, *,
+                 group_factory: Callable[[JobConfig], Any] | None = None,
+                 mailbox_factory: Callable[[str], Any] | None = None) -> None:
+        """``on_step(entry)`` is called in the controller's thread for every completed step
+        (the history entry); if it returns True the job stops at the next step boundary (an
+        Optuna pruner uses this). ``group_factory``/``mailbox_factory`` replace Ray (tests):
+        without them the controller connects to Ray and uses ``WorkerGroup`` and the job's
+        control actor."""
+        config.validate()
+        self.cfg = config
+        self.view = view or View()
+        self.inbox = Inbox(None, self._emit)
+        self.events: list[Event] = []
+        self.spec: StrategySpec | None = None
+        self.step = 0
+        self.failures = 0
+        self.phase = ControllerState.STARTING
+        self._group_factory = group_factory
+        self._mailbox_factory = mailbox_factory
+        self.group: Any = None
+        self._started_ray = False
+        self._log: RunLog | None = None
+        self.steps = StepLog(None, self.view, on_step)
+        self.tracker: CheckpointTracker = CheckpointTracker(config, None, self._emit)
+        self.layouts: Layouts | None = None
+        self.regroup: Regroup | None = None
+        self._resume: tuple[Any, int] | None = None
+        self._segment: Any = None
+        self._stop_at: int | None = None  # a stop asked for: the job ends at this step
+        self.interrupts = Interrupts()
+        self._rolled_back: set[int | None] = set()  # steps a non-finite rollback came from
+        self._switch_done = -1  # the boundary whose scheduled switch has run
+        self.sizing = Sizing(config, self.inbox)
+        self._mem_at = 0.0
+
+    # ------------------------------------------------------------------ compatibility
+
+    @property
+    def history(self) -> list[dict[str, Any]]:
+        return self.steps.history
+
+    @property
+    def workers(self) -> list[Any]:
+        return self.group.workers if self.group is not None else []
+
+    @property
+    def generation(self) -> int:
+        return self.group.generation if self.group is not None else 0
+
+    @property
+    def state(self) -> ControllerState:
+        return self.phase
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self) -> FitResult:
+        """Run the job to its end and return its result. Raises the typed error that ended
+        it; ``InterruptedJobError`` (carrying the result) after SIGINT or SIGTERM, which stop
+        the job at the next step boundary (a second signal stops it at once)."""
+        state: State = Starting()
+        try:
+            with self.interrupts.installed():
+                while not state.terminal:
+                    nxt = self.step_state(state)
+                    self._transition(state, nxt)
+                    state = nxt
+        finally:
+            self._cleanup()
+            self.view.close()
+            if self._log:
+                self._log.close()
+        if isinstance(state, Failed):
+            raise state.error
+        assert isinstance(state, Finished)
+        if self.interrupts.signum is not None:
+            state.result.status = "interrupted"
+            raise InterruptedJobError(self.interrupts.signum, state.result)
+        return state.result
+
+    def _check_interrupt(self) -> None:
+        if self.interrupts.pending():
+            self.interrupts.acted = True
+            name = self.interrupts.name
+            self._emit("interrupted", f"{name} received: stopping at the next step boundary"
+                       + (" after a final checkpoint" if self.tracker.store else ""),
+                       data={"signal": name})
+            self.post(Request("stop", reason=f"{name} received"))
+
+    def step_state(self, state: State) -> State:
+        """The transition function: the next state after ``state``. Infrastructure errors
+        while the group runs become a recovery; any other error ends the job."""
+        handlers: dict[type[State], Callable[[Any], State]] = {
+            Starting: self._start, Placing: self._place, Forming: self._form,
+            Running: self._run, AtBoundary: self._boundary, Switching: self._switch,
+            Resizing: self._resize, Recovering: self._recover, Finishing: self._finish,
+        }
+        try:
+            return handlers[type(state)](state)
+        except InfrastructureError as e:
+            if isinstance(state, (Running, AtBoundary, Switching, Resizing, Recovering)):
+                return Recovering(classify(e))
+            return Failed(e)
+        except BaseException as e:  # noqa: BLE001 - every error ends the job, typed
+            return Failed(e)
+
+    def _transition(self, old: State, new: State) -> None:
+        self.phase = new.phase
+        if type(old) is not type(new) or old != new:
+            self._emit("state", f"{old.describe()} -> {new.describe()}",
+                       data={"from": old.phase.value, "to": new.phase.value})
+        if isinstance(new, Failed) and isinstance(new.error, ElasticError):
+            self._emit("failed", str(new.error).splitlines()[0] if str(new.error) else
+                       type(new.error).__name__)
+        if isinstance(new, Finished):
+            self._emit("finished", new.message)
+
+    # ------------------------------------------------------------------ states
+
+    def _start(self, _: Starting) -> State:
+        cfg = self.cfg
+        pre = preflight(cfg, self._emit)
+        self.layouts = Layouts(cfg, pre.model, self._emit)
+        self.tracker.store = pre.store
+        if cfg.strategy != "auto":
+            self.layouts.validate(self.layouts.make(cfg.strategy, cfg.num_workers), "strategy")
+        if cfg.resume:
+            self._resume = self.tracker.find_resume(cfg.resume)
+        if self._group_factory is None:  # on Ray: attach, or start a local one
+            self._started_ray = _ray_connect(cfg)
+            self.interrupts.reclaim()
+        self.inbox.mailbox = (self._mailbox_factory or _ray_mailbox)(cfg.job_name)  # the name
+        self.tracker.claim()  # and the checkpoint URI, before anything is written
+        run_dir = run_directory(cfg)
+        self._log = RunLog(run_dir)
+        self.steps.log = self._log
+        for ev in self.events:  # what preflight said before the log existed
+            self._log.event(ev)
+        self._log.write_config(cfg.to_dict())
+        self.view.start(cfg.job_name, cfg.max_steps)
+        self._emit("start", f"job {cfg.job_name}: {cfg.max_steps} steps, global batch "
+                   f"{cfg.global_batch_size}, {cfg.num_workers} workers, strategy {cfg.strategy}")
+        self.group = (self._group_factory or _ray_group)(cfg)
+        self.regroup = Regroup(cfg, self.group, self.layouts, self.tracker, self.steps,
+                               self._emit, self._drain)
+        return Placing(cfg.num_workers)
+
+    def _place(self, st: Placing) -> State:
+        new = self.group.place(st.n, self.cfg.min_world)
+        infos = [w.info for w in new]
+        self._emit("placed", f"{len(new)} workers on {len({i['node_id'] for i in infos})} "
+                   f"node(s), devices {sorted({i['device_name'] for i in infos})}")
+        return Forming()
+
+    def _form(self, _: Forming) -> State:
+        assert self.layouts is not None
+        addr, port, secs = self.group.form()
+        self._emit("group", f"generation {self.group.generation}: {len(self.workers)} ranks "
+                   f"via {addr}:{port} in {secs:.2f}s")
+        self.view.workers([w.info for w in self.workers])
+        spec = self.layouts.make(self.cfg.strategy, len(self.workers), self.group)
+        self.layouts.apply(self.group, spec, None, reason="start")
+        self.spec = spec
+        if self._resume is not None:
+            self.step = self.tracker.resume(self.group, spec, *self._resume)
+        return self._next_segment()
+
+    def _run(self, st: Running) -> State:
+        """Train a segment; poll metrics, the mailbox, the checkpoint in flight and the
+        room to grow while it runs."""
+        seg = self._segment = self.group.start_segment(st.start, st.end)
+        stop_sent = self.inbox.waiting()
+        if stop_sent:  # queued meanwhile: the segment ends after one step
+            self.group.request_stop()
+        next_check = time.monotonic() + self._scale_interval()
+        while True:
+            poll = self.group.poll_segment(seg, self._poll_interval())
+            if poll.failures:
+                return Recovering(root_cause(poll.failures))
+            self._drain()
+            self._check_interrupt()
+            self.sizing.settle(len(self.workers))  # growth that waited too long is refused
+            self.inbox.poll_mailbox(self.status())
+            self.tracker.tick(self.group)
+            if poll.done:
+                break
+            if time.monotonic() >= next_check:
+                next_check = time.monotonic() + self._scale_interval()
+                self._scale_check()
+            if not stop_sent and self.inbox.waiting():
+                self.group.request_stop()
+                stop_sent = True
+        self._segment = None
+        self._drain()
+        self.tracker.tick(self.group)
+        assert poll.next_step is not None
+        self.step = poll.next_step
+        return AtBoundary(self.step)
+
+    def _boundary(self, st: AtBoundary) -> State:
+        """Scheduled switches, re-balancing, growth asked for, then requests one by one."""
+        assert self.spec is not None and self.layouts is not None
+        self.sizing.settle(len(self.workers))
+        self._check_interrupt()
+        if self.step >= self._end():
+            return Finishing("stopped on request" if self._stop_at is not None else
+                             "max_steps reached")
+        if self._switch_done != self.step:
+            self._switch_done = self.step
+            target = self.cfg.switch_at.get(self.step)
+            if target is not None and target != self.spec.name:
+                return Switching(target, f"switch_at {self.step}")
+            if target is None:
+                new = self.layouts.rebalanced(self.spec, self.step, self.group)
+                if new is not None:
+                    self.layouts.apply(self.group, new, self.spec, reason="rebalance")
+                    self.spec = new
+        while (req := self.inbox.take()) is not None:
+            nxt = self._request(req)
+            if nxt is not None:
+                return nxt
+        return self._next_segment()
+
+    def _request(self, req: Request) -> State | None:
+        """Act on a request at a boundary: a state to carry it out, or None (answered)."""
+        if req.kind == "switch":
+            return Switching(str(req.value), req.reason, req)
+        if req.kind == "grow":
+            return Resizing(self.sizing.target, req.reason, warm_only=True, request=req)
+        if req.kind == "scale":
+            return self.sizing.ask(req, self.group, self._answer)
+        if req.kind == "memory":
+            self._answer(req, self.group.memory_counts(timeout_s=10))
+        elif req.kind == "stop":
+            self._emit("stopped", f"stopped on request at step {self.step}")
+            self._stop_at = self.step
+            self._answer(req, "stopped")
+        return None
+
+    def _switch(self, st: Switching) -> State:
+        assert self.spec is not None and self.layouts is not None
+        try:
+            self.spec = self.layouts.switch(self.group, st.target, self.spec, st.reason)
+            self._answer(st.request, self.spec.name)
+        except SwitchError as e:  # the job goes on in the layout it has
+            if st.request is None:
+                self._emit("switch_failed", f"{e}; training goes on as {self.spec.name}",
+                           data={"reason": st.reason})
+            self._answer(st.request, e)
+        return AtBoundary(self.step)
+
+    def _resize(self, st: Resizing) -> State:
+        assert self.regroup is not None
+        out = self.regroup.resize(st.n, self._target_strategy(), st.warm_only, st.reason)
+        if out is not None:
+            self.spec, self.step = out.spec, out.step
+        self._answer(st.request, len(self.workers))
+        self.sizing.settle(len(self.workers))
+        return AtBoundary(self.step)
+
+    def _recover(self, st: Recovering) -> State:
+        assert self.regroup is not None and self.spec is not None
+        f = st.failure
+        if getattr(f.error, "rollback", False) and f.step not in self._rolled_back:
+            self._rolled_back.add(f.step)  # the same step again stops the job
+            self._segment = None
+            back = self.regroup.rollback(f, self.spec)
+            if isinstance(back, GiveUp):
+                return Failed(f.error or InfrastructureError(back.reason))
+            self.step = back.step
+            return AtBoundary(self.step)
+        self.failures += 1
+        seg, self._segment = self._segment, None
+        out = self.regroup.recover(st.failure, self.failures, seg, self.spec,
+                                   self._target_strategy(), max(self.cfg.num_workers,
+                                                                len(self.workers)))
+        if isinstance(out, GiveUp):
+            err = st.failure.error
+            if st.failure.recoverable or not isinstance(err, BaseException):
+                err = InfrastructureError(out.reason)
+            return Failed(err)
+        self.spec, self.step = out.spec, out.step
+        self._scale_check()  # replacements start now, in the background
+        return AtBoundary(self.step)
+
+    def _finish(self, st: Finishing) -> State:
+        if self._stop_at is not None and self.spec is not None:  # stopped early: keep it
+            self.tracker.final(self.group, self.spec, self.step)
+        self.tracker.finish(self.group)
+        final = self.group.final_state()
+        last = self.history[-1]["loss"] if self.history else float("nan")
+        done = self.history[-1]["step"] + 1 if self.history else 0
+        return Finished(FitResult(final, self.history, self.events, self._log.run_dir
+                                  if self._log else self.cfg.run_path),
+                        f"{done} steps ({st.reason}), final loss {last:.4f}")
+
+    # ------------------------------------------------------------------ helpers
+
+    def _end(self) -> int:
+        return self.cfg.max_steps if self._stop_at is None else min(self._stop_at,
+                                                                    self.cfg.max_steps)
+
+    def _next_segment(self) -> State:
+        if self.step >= self._end():
+            return AtBoundary(self.step)
+        ends = [self._end()] + [s for s in self.cfg.switch_at if s > self.step]
+        every = self.cfg.rebalance_every
+        if every > 0 and self.layouts is not None and self.layouts.balancing(self.group):
+            ends.append((self.step // every + 1) * every)
+        return Running(self.step, min(ends))
+
+    def _target_strategy(self) -> str:
+        if self.cfg.strategy == "auto":
+            return "auto"  # re-plan for the new membership
+        return self.spec.name if self.spec else self.cfg.strategy
+
+    def _scale_check(self) -> None:
+        req = self.sizing.check(self.group)
+        if req is not None:
+            self.post(req)
+
+    def _drain(self) -> None:
+        """Take the workers' metrics into the step log (each completed step once), the
+        checkpoint tracker and the view."""
+        assert self.spec is not None or not self.history
+        stop = self.steps.ingest(self.workers, self.group.drain(), self.spec, self.generation,
+                                 self.tracker.on_metric)
+        if stop and not self.inbox.has("stop"):
+            self.post(Request("stop", reason="the on_step callback asked to stop"))
+        if self.steps.fresh and time.monotonic() - self._mem_at > 2.0:  # memory column
+            self._mem_at = time.monotonic()
+            try:
+                counts = self.group.memory_counts(timeout_s=10)
+                for w, c in zip(self.workers, counts, strict=True):
+                    w.info["memory"] = {k: v * 4 for k, v in c.items()}  # fp32 bytes
+            except ElasticError:
+                pass
+        if self.steps.fresh:
+            self.view.workers([w.info for w in self.workers])
+
+    def _poll_interval(self) -> float:
+        below = len(self.workers) < self.sizing.target
+        busy = (self.tracker.in_flight is not None or self.inbox.waiting() or below
+                or bool(self.inbox.parked))
+        last = float(self.history[-1].get("step_time") or 0.0) if self.history else None
+        return poll_interval(busy=busy, last_step_s=last,
+                             checkpoint_every=self.cfg.checkpoint_every)
+
+    def _scale_interval(self) -> float:
+        return scale_interval(self.cfg.scale_check_s, len(self.workers) < self.sizing.target)
+
+    # ------------------------------------------------------------------ outside
+
+    def post(self, req: Request) -> None:
+        """Thread-safe: queue a request for the next step boundary (a malformed one is
+        answered at once with its error), and ask the workers to stop there now rather than
+        at the controller's next poll."""
+        if self.inbox.post(req) and self.phase is ControllerState.RUNNING and self.group:
+            self.group.request_stop()
+
+    def _answer(self, req: Request | None, result: Any) -> None:
+        self.inbox.answer(req, result, self.status())
+
+    def _emit(self, kind: str, message: str, data: dict[str, Any] | None = None,
+              step: int | None = None) -> Event:
+        ev = Event(kind, self.cfg.redact(message), step=self.step if step is None else step,
+                   data=self.cfg.redact_value(data or {}))
+        self.events.append(ev)
+        if self._log:
+            self._log.event(ev)
+        if kind != "state":
+            self.view.event(ev)
+        return ev
+
+    def status(self) -> dict[str, Any]:
+        last = self.steps.last()
+        done = last["step"] + 1 if last else self.step
+        return {"job": self.cfg.job_name, "state": self.phase.value, "step": done,
+                "max_steps": self.cfg.max_steps, "strategy": self.spec.name if self.spec else None,
+                "world_size": len(self.workers), "loss": last.get("loss"),
+                "samples_per_s": last.get("samples_per_s")}
+
+    def _cleanup(self) -> None:
+        if self.group is not None:
+            self.group.close()
+        self.inbox.close(SwitchError(f"the job ended ({self.phase.value}) before the request "
+                                     "was handled"), self.status())
+        if self._started_ray:
+            from ..ray_connect import disconnect
+
+            disconnect()
+
+
+def _ray_connect(cfg: JobConfig) -> bool:
+    from ..ray_connect import connect
+
+    return connect(cfg.ray_address, cfg.max_world * float(cfg.resources_per_worker.get("CPU", 1)))
+
+
+def _ray_group(cfg: JobConfig) -> Any:
+    from .worker_group import WorkerGroup
+
+    return WorkerGroup(cfg, cfg.emulate)
+
+
+def _ray_mailbox(job: str) -> Any:
+    from .mailbox import create
+
+    return create(job)
+

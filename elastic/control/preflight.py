@@ -1,0 +1,98 @@
+"""Everything about a job that can be checked before any worker starts (no Ray needed): the
+model builds, the datasets hold enough samples, the code resolves, the checkpoint store is
+writable, and the run directory is the job's own.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..config import JobConfig
+from ..errors import ConfigError
+from ..preflight import check_sample
+from ..reference import build_model
+
+__all__ = ["Preflight", "preflight", "run_directory"]
+
+
+@dataclass
+class Preflight:
+    """What the checks built: the job's model (for validation and planning) and its
+    checkpoint store (None without checkpoints)."""
+
+    model: Any
+    store: Any
+
+
+def preflight(cfg: JobConfig, emit: Callable[..., Any]) -> Preflight:
+    """Check the job; ``ConfigError`` naming the field and the fix for anything wrong."""
+    try:
+        model = build_model(cfg.model_factory(), cfg.seed)
+    except ConfigError:
+        raise
+    except Exception as e:
+        raise ConfigError("model", f"the model factory raised {type(e).__name__}: {e}",
+                          "fix the factory; it must return an nn.Module") from e
+    ds = cfg.dataset_object()
+    try:
+        n = len(ds)
+    except Exception as e:
+        raise ConfigError("dataset", f"cannot read the dataset's length ({e}).",
+                          "check the dataset URI or object") from e
+    if n < cfg.global_batch_size:
+        raise ConfigError(
+            "dataset", f"has {n} samples, fewer than one global batch ({cfg.global_batch_size}).",
+            f"use global_batch_size <= {n} or a larger dataset")
+    check_sample(cfg, model, ds)  # the model and the loss on a few samples, as workers read
+    if cfg.eval_dataset is not None:
+        try:
+            n_eval = len(cfg.eval_dataset_object())
+        except ConfigError:
+            raise
+        except Exception as e:
+            raise ConfigError("eval_dataset", f"cannot read its length ({e}).",
+                              "check the dataset URI or object") from e
+        if n_eval < 1:
+            raise ConfigError("eval_dataset", "is empty.", "give it samples, or drop it")
+    cfg.optimizer_factory()
+    cfg.loss_fn()
+    addr = cfg.ray_address or os.environ.get("RAY_ADDRESS")
+    if addr and addr not in ("local", "auto"):
+        from ..ray_connect import check_reachable
+
+        check_reachable(addr)
+    cfg.run_dir = run_directory(cfg)  # the workers' default checkpoint root follows it
+    store = None
+    if cfg.checkpoint_every > 0 or cfg.checkpoint_uri:
+        from ..checkpoint_io import job_store
+
+        store = job_store(cfg)
+        store.check_writable()
+    return Preflight(model, store)
+
+
+def _holds_run(path: str) -> bool:
+    ev = os.path.join(path, "events.jsonl")
+    return os.path.isfile(ev) and os.path.getsize(ev) > 0
+
+
+def run_directory(cfg: JobConfig) -> str:
+    """The job's run directory, never another run's: ``run_dir`` (or ``./runs/<name>``),
+    which a resumed job continues. A default path that holds an earlier run gets a numbered
+    sibling (``runs/<name>.2``), so two runs never interleave their logs; an explicit
+    ``run_dir`` that holds one is refused with the fix."""
+    path = cfg.run_path
+    if cfg.resume or not _holds_run(path):
+        return path
+    if cfg.run_dir:
+        raise ConfigError(
+            "run_dir", f"{path} holds an earlier run (its events.jsonl).",
+            "resume it with resume: latest, or give a new run_dir (or drop run_dir: a new "
+            "numbered directory under ./runs is then made)")
+    i = 2
+    while _holds_run(f"{path}.{i}"):
+        i += 1
+    return f"{path}.{i}"

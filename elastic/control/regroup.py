@@ -1,0 +1,292 @@
+"""Membership changes: a new group over other workers, with the state carried over.
+
+Two procedures end in the same place, a new generation of the group laid out for the
+workers there are with the state restored: a *resize* at a step boundary (spares taken in,
+or workers let go; every old rank first snapshots the full state, so every entry has a
+holder) and a *recovery* after a failure (survivors keep their processes and memory; the
+dead are dropped; replacements come from ready spares or placements, as
+``clusters.policy.ScalingPolicy`` decides). Where the state comes from is
+``clusters.policy.InPlaceRecovery``'s decision: live peers when every entry has a holder at
+one step (no step lost), else the newest committed checkpoint that loads, else step 0.
+
+``Regroup`` holds the components it drives and no state of its own.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from clusters.policy import (
+    Acquire,
+    FailureBudget,
+    FailureObservation,
+    GiveUp,
+    InPlaceRecovery,
+    Proceed,
+    RestoreObservation,
+    ScalingObservation,
+    ScalingPolicy,
+)
+from strategies import StrategySpec
+
+from ..errors import HangError, InfrastructureError
+from ..failures import Failure, FailureKind
+from .checkpoints import CheckpointTracker
+from .layouts import Layouts
+from .steps import StepLog
+
+__all__ = ["Regroup", "Regrouped", "required_keys", "peer_plan", "roll_forward_ranks"]
+
+PeerPlan = list[tuple[str, int, tuple[int, ...], str]]  # (key, source rank, shape, dtype)
+
+
+# --------------------------------------------------------------------------- pure helpers
+
+
+def required_keys(model_keys: Sequence[str], param_names: Sequence[str],
+                  held: Sequence[dict[str, Any]]) -> set[str]:
+    """Every canonical key the state must have: the model's entries, plus each optimizer
+    entry name seen on any holder for every parameter (optimizers keep the same entries for
+    all parameters once they have stepped)."""
+    entries = {k.rpartition("/")[2] for h in held for k in h if k.startswith("optim/")}
+    return {f"model/{k}" for k in model_keys} | {f"optim/{p}/{e}" for p in param_names
+                                                  for e in entries}
+
+
+def peer_plan(progress: Sequence[dict[str, Any]], held: Sequence[dict[str, Any]],
+              required: set[str]) -> tuple[int, PeerPlan] | None:
+    """The newest step that workers hold state at, and for every required key one holder
+    at that step (lowest rank): ``(step, plan)``, or None when some key has no holder there."""
+    steps = [p["next_step"] for p in progress if p["has_state"]]
+    if not steps or not required:
+        return None
+    step = max(steps)
+    plan: PeerPlan = []
+    for key in sorted(required):
+        src = next((r for r in range(len(progress))
+                    if key in held[r] and progress[r]["next_step"] == step), None)
+        if src is None:
+            return None
+        shape, dtype = held[src][key]
+        plan.append((key, src, tuple(shape), dtype))
+    return step, plan
+
+
+def roll_forward_ranks(progress: Sequence[dict[str, Any]]) -> tuple[list[int], int]:
+    """Survivors that straddle two steps: if any applied step s (next step s + 1), those
+    still at s with a pending update (their gradients were complete) can apply it without
+    communication. Returns (their indices, s)."""
+    top = max((p["next_step"] for p in progress), default=0)
+    return [i for i, p in enumerate(progress)
+            if p["next_step"] == top - 1 and p.get("pending_update")], top - 1
+
+
+# --------------------------------------------------------------------------- procedures
+
+
+@dataclass(frozen=True)
+class Regrouped:
+    """The outcome of a membership change: the new layout, the step training goes on from,
+    where the state came from."""
+
+    spec: StrategySpec
+    step: int
+    source: str
+    detail: str
+
+
+class Regroup:
+    """Resizes and recoveries of one job (see the module docstring)."""
+
+    def __init__(self, cfg: Any, group: Any, layouts: Layouts, tracker: CheckpointTracker,
+                 steps: StepLog, emit: Callable[..., Any], drain: Callable[[], None]) -> None:
+        self.cfg = cfg
+        self.group = group
+        self.layouts = layouts
+        self.tracker = tracker
+        self.steps = steps
+        self._emit = emit
+        self._drain = drain
+        self.restore_policy = InPlaceRecovery()
+        self.budget = FailureBudget(cfg.max_failures)
+        self.scaling = ScalingPolicy(cfg.replacement_timeout_s, cfg.min_workers_timeout_s)
+
+    # ------------------------------------------------------------------ restore
+
+    def restore(self, spec: StrategySpec, progress: list[dict[str, Any]],
+                held: list[dict[str, Any]], cause: str) -> tuple[str, int, str]:
+        """Lay ``spec`` out on the new group with the state from where the restore policy
+        says; returns (source, step, detail)."""
+        model = self.layouts.probe_model
+        need = required_keys(list(model.state_dict()), [n for n, _ in model.named_parameters()],
+                             held)
+        peers = peer_plan(progress, held, need)
+        position = max((p["next_step"] for p in progress if p["has_state"]), default=0)
+        steps = self.tracker.valid_steps()
+        decision = self.restore_policy.decide(RestoreObservation(
+            position, peers[0] if peers else None, steps, cause))
+        if decision.source == "peers" and peers is not None:
+            outs = self.group.restore_from_peers(spec, peers[1], peers[0])
+            return "peers", peers[0], f", {outs[0]['bytes'] / 1e6:.1f} MB from surviving replicas"
+        if decision.source == "checkpoint":
+            got = self.tracker.restore_newest(self.group, spec,
+                                              tuple(s for s in steps if s <= decision.step))
+            if got is not None:
+                return "checkpoint", got[0], got[1]
+        self.group.restart_fresh(spec)
+        return "scratch", 0, " (no live replica of every entry and no checkpoint: restarted)"
+
+    # ------------------------------------------------------------------ resize
+
+    def resize(self, n: int, strategy: str, warm_only: bool, reason: str) -> Regrouped | None:
+        """At a step boundary: grow by spares that are up (they get the state from their
+        peers, never from storage) or shrink to ``n`` workers, keeping the trajectory. None
+        when nothing changed (no spare was up)."""
+        group = self.group
+        t0 = time.time()
+        old = list(group.workers)
+        if n == len(old) or (n > len(old) and not group.spares_ready()):
+            return None
+        group.snapshot_full()  # every old rank holds it all
+        progress, held = group.progress(), group.held_keys()
+        if n > len(old):
+            group.take_spares(n - len(old))
+            if not warm_only and len(group.workers) < n:
+                group.try_place(n - len(group.workers), 30.0)
+            if len(group.workers) == len(old):
+                return None
+        else:
+            group.shrink(n)
+            progress, held = progress[:n], held[:n]
+        group.leave([w for w in group.workers if w in old])
+        self._form()
+        spec = self.layouts.fit(strategy, len(group.workers), group)
+        source, step, detail = self.restore(spec, progress, held, cause="join")
+        self._emit("scaled", f"{len(old)} -> {len(group.workers)} workers ({reason}) in "
+                   f"{time.time() - t0:.2f}s, state from {source}{detail}",
+                   data={"from": len(old), "to": len(group.workers), "source": source,
+                         "seconds": time.time() - t0, "strategy": spec.name})
+        return Regrouped(spec, step, source, detail)
+
+    # ------------------------------------------------------------------ recovery
+
+    def recover(self, failure: Failure, failures: int, segment: Any, spec: StrategySpec,
+                strategy: str, target: int) -> Regrouped | GiveUp:
+        """Survive the loss of workers (``failures``: the job's count, this one included):
+        keep the survivors' processes and memory, re-plan for the workers there are, restore
+        the state, and say where training goes on; or the reason to give up."""
+        group = self.group
+        t_fail = time.time()
+        if not failure.recoverable:  # user code, bad numbers, ...: the same again would fail
+            self._emit("failure", f"{failure.kind.value} on rank {failure.rank}: "
+                       f"{failure.message[:300]}", data={"kind": failure.kind.value,
+                                                         "rank": failure.rank})
+            return GiveUp(f"{failure.kind.value.replace('_', ' ')}: {failure.message}")
+        hung = group.wind_down(segment, self.cfg.hang_timeout_s + 5.0) if segment else []
+        if hung:
+            self._emit("hang", f"rank(s) {[w.rank for w in hung]} did not leave their step "
+                       f"within the group timeout ({self.cfg.hang_timeout_s:.0f}s): treated as "
+                       "lost", data={"ranks": [w.rank for w in hung]})
+            failure = Failure(FailureKind.HANG, f"rank(s) {[w.rank for w in hung]} hung",
+                              rank=hung[0].rank, error=HangError("a rank hung in its step"))
+        survivors, dead = group.survivors(exclude=hung)
+        t_detect = time.time()
+        lost_nodes = sorted({str(w.info.get("node_id", ""))[:8] for w in dead})
+        self._emit("failure", f"{len(dead)} worker(s) lost (ranks {[w.rank for w in dead]}, "
+                   f"node(s) {lost_nodes}); {len(survivors)} survive: {failure.message[:200]}",
+                   data={"kind": failure.kind.value, "dead_ranks": [w.rank for w in dead],
+                         "nodes": lost_nodes, "detect_s": t_detect - t_fail,
+                         "survivor_pids": [w.info.get("pid") for w in survivors]})
+        verdict = self.budget.decide(FailureObservation(
+            failure.kind.value, True, failures, failure.message))
+        if isinstance(verdict, GiveUp):
+            return verdict
+        group.remove(dead)
+        self.tracker.abandon(group)
+        self._roll_forward()
+        group.leave()
+        progress, held = group.progress(), group.held_keys()
+        self._drain()  # metrics the survivors still had: steps done before the loss
+        before = self.steps.next_step
+        got = self._acquire(target)
+        if isinstance(got, GiveUp):
+            return got
+        self._form()
+        new_spec = self.layouts.fit(strategy, len(group.workers), group)
+        source, step, detail = self.restore(new_spec, progress, held, cause="failure")
+        self.steps.truncate(step)  # metrics after the restored position are void: run again
+        for st in range(self.steps.next_step, step):  # steps the state holds but nobody
+            self.steps.record(st, None, spec, group.generation - 1)  # could report
+        took = time.time() - t_fail
+        lost = max(0, before - step)
+        self._emit("recovered", f"from {source} in {took:.2f}s at step {step} on "
+                   f"{len(group.workers)} workers ({new_spec.name}); {lost} step(s) lost{detail}",
+                   data={"source": source, "seconds": took, "steps_lost": lost,
+                         "detect_s": t_detect - t_fail, "world_size": len(group.workers),
+                         "strategy": new_spec.name, "pids": [w.info.get("pid")
+                                                             for w in group.workers]})
+        return Regrouped(new_spec, step, source, detail)
+
+    def rollback(self, failure: Failure, spec: StrategySpec) -> Regrouped | GiveUp:
+        """``on_nonfinite: rollback``: a step's loss or gradient was not finite on the live
+        group (every worker raised at the same step, the group is intact): restore the newest
+        committed checkpoint before that step on the same workers and go on from there. A
+        checkpoint is never committed with non-finite state, so it is finite. The caller
+        refuses a second rollback for the same step (the data would bring it back)."""
+        bad = failure.step if failure.step is not None else 1 << 62
+        self._drain()  # steps done before the bad one, then void past the checkpoint
+        got = self.tracker.restore_newest(self.group, spec,
+                                          tuple(s for s in self.tracker.valid_steps() if s <= bad))
+        if got is None:
+            return GiveUp(f"{failure.message}; no committed checkpoint before step {bad} to "
+                          "roll back to. Fix: take checkpoints (checkpoint_every), or set "
+                          "on_nonfinite: skip")
+        step, detail = got
+        self.steps.truncate(step)
+        self._emit("rolled_back", f"non-finite loss or gradient at step {bad}: back to "
+                   f"checkpoint step {step}{detail}", data={"from": bad, "to": step})
+        return Regrouped(spec, step, "checkpoint", detail)
+
+    def _roll_forward(self) -> None:
+        """A step's final all-reduce can complete on some ranks and fail on others: if any
+        survivor applied step s, those still at s with complete gradients apply theirs, so
+        every entry has a live holder at s + 1 again."""
+        try:
+            progress = self.group.progress(timeout_s=30)
+        except InfrastructureError:  # a survivor that cannot answer: seen when regrouping
+            return
+        idx, s = roll_forward_ranks(progress)
+        if idx:
+            ws = [self.group.workers[i] for i in idx]
+            self.group.finish_pending_step(ws)
+            self._emit("rolled_forward", f"rank(s) {[w.rank for w in ws]} applied step {s}'s "
+                       "update, which peers had applied when the node was lost",
+                       data={"ranks": [w.rank for w in ws], "step": s})
+
+    def _acquire(self, target: int) -> Proceed | GiveUp:
+        """Replacements as the scaling policy decides: ready spares, placements within the
+        replacement timeout, and below ``min_workers`` a bounded wait."""
+        group, cfg = self.group, self.cfg
+        for phase in ("recovery", "recovered", "waited"):
+            d = self.scaling.decide(ScalingObservation(
+                phase, len(group.workers), target, cfg.min_world, cfg.max_world,
+                spares_ready=group.spares_ready(), spares_starting=group.spares_starting()))
+            if isinstance(d, (Proceed, GiveUp)):
+                return d
+            assert isinstance(d, Acquire)
+            if phase == "recovered":
+                self._emit("waiting", f"{len(group.workers)} workers < min_workers="
+                           f"{cfg.min_world}; waiting up to {d.wait_s:.0f}s")
+            joined = group.take_spares(d.take) + group.try_place(d.place, d.wait_s)
+            if joined:
+                self._emit("joined", f"{len(joined)} worker(s) taken in on node(s) "
+                           f"{sorted({str(w.info.get('node_id'))[:8] for w in joined})}")
+        return Proceed()
+
+    def _form(self) -> None:
+        addr, port, secs = self.group.form()
+        self._emit("group", f"generation {self.group.generation}: {len(self.group.workers)} "
+                   f"ranks via {addr}:{port} in {secs:.2f}s")

@@ -1,0 +1,160 @@
+"""Requests to a running job (switch, scale, stop, ...), validated where they enter.
+
+A request comes from the SDK handle (in the driver's process), from the CLI through the job's
+mailbox actor, or from the controller itself (a spare joined, the ``on_step`` callback asked
+to stop). ``parse`` checks its kind and the type of its value before it is queued, so a
+malformed request is refused with the fix and never reaches the controller's loop; what
+depends on the job (the size range, the strategy's fit) is checked at the step boundary and
+refused there, with the job going on.
+"""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import ElasticError
+
+__all__ = ["Request", "RequestError", "Inbox", "parse", "KINDS", "PUBLIC_KINDS"]
+
+PUBLIC_KINDS = ("switch", "scale", "stop", "memory")  # what the SDK, CLI and mailbox may ask
+KINDS = PUBLIC_KINDS + ("grow",)  # "grow": the controller's own (a warm spare is up)
+
+
+class RequestError(ElasticError):
+    """A request that cannot be carried out as given; the job goes on unchanged."""
+
+
+@dataclass
+class Request:
+    """A request posted to a running controller. ``reply`` (SDK) or ``remote_id`` (mailbox)
+    says where the answer goes."""
+
+    kind: str
+    value: Any = None
+    reason: str = "requested"
+    reply: queue.Queue[Any] | None = None
+    remote_id: int | None = None
+
+
+def parse(kind: Any, value: Any = None, reason: str = "requested", *,
+          internal: bool = False) -> Request:
+    """A validated ``Request``; ``RequestError`` naming the fix otherwise. ``internal``
+    admits the controller's own kinds."""
+    kinds = KINDS if internal else PUBLIC_KINDS
+    if not isinstance(kind, str) or kind not in kinds:
+        raise RequestError(f"unknown request {kind!r}. Fix: ask one of {', '.join(PUBLIC_KINDS)}")
+    if kind == "scale":
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, str) and value.strip().lstrip("+").isdigit():
+                value = int(value)
+            else:
+                raise RequestError(f"scale needs a whole number of workers, got {value!r}. "
+                                   "Fix: e.g. `elastic scale JOB 4` or job.scale(4)")
+        if value < 1:
+            raise RequestError(f"scale needs at least 1 worker, got {value}")
+    elif kind == "switch":
+        if not isinstance(value, str) or not value.strip():
+            raise RequestError(f"switch needs a strategy name, got {value!r}. Fix: e.g. "
+                               "`elastic switch JOB zero3`")
+        value = value.strip()
+    elif value is not None:
+        raise RequestError(f"{kind} takes no value, got {value!r}")
+    return Request(kind, value, str(reason or "requested"))
+
+
+class Inbox:
+    """The requests a running job has yet to act on, and where their answers go.
+
+    Requests arrive from the SDK (``post``, any thread) and from the job's mailbox actor
+    (``poll_mailbox``, the controller's thread); the controller takes them one at a time at
+    a step boundary (``take``) and answers each (``answer``). Growth that waits for room is
+    parked (``park``) and answered once met or refused after its deadline."""
+
+    def __init__(self, mailbox: Any, emit: Callable[..., Any]) -> None:
+        self.mailbox = mailbox
+        self._emit = emit
+        self._queue: queue.Queue[Request] = queue.Queue()
+        self.parked: list[tuple[Request, float]] = []  # growth asked for, not met yet
+
+    def post(self, req: Request) -> bool:
+        """Queue ``req`` (thread-safe); a malformed one is answered at once with its error.
+        Returns whether it was queued."""
+        try:
+            parse(req.kind, req.value, req.reason, internal=True)
+        except RequestError as e:
+            self.answer(req, e)
+            return False
+        self._queue.put(req)
+        return True
+
+    def waiting(self) -> bool:
+        return not self._queue.empty()
+
+    def has(self, kind: str) -> bool:
+        return any(r.kind == kind for r in list(self._queue.queue))
+
+    def take(self) -> Request | None:
+        try:
+            return self._queue.get_nowait()
+        except queue.Empty:
+            return None
+
+    def answer(self, req: Request | None, result: Any, status: dict[str, Any] | None = None
+               ) -> None:
+        """Send ``result`` (a value, or an exception: a refusal) where ``req`` asked."""
+        if req is None:
+            return
+        if req.reply is not None:
+            req.reply.put(result)
+        if req.remote_id is not None and self.mailbox is not None:
+            out = {"error": str(result)} if isinstance(result, BaseException) else {
+                "ok": True, "result": result, "status": status or {}}
+            self.mailbox.reply(req.remote_id, out)
+
+    def poll_mailbox(self, status: dict[str, Any]) -> None:
+        """Publish ``status`` and queue what was posted to the mailbox. Losing the mailbox
+        does not stop the job: remote control is then off, and the event says so."""
+        if self.mailbox is None:
+            return
+        taken = self.mailbox.exchange(status)
+        if taken is None:
+            self._emit("control_lost", "the job's control actor failed; remote control is off "
+                       "for this job, the SDK handle still works")
+            self.mailbox = None
+            return
+        for r in taken:
+            self.post(Request(r["kind"], r["value"], r["reason"] or "requested remotely",
+                              remote_id=r["id"]))
+
+    def park(self, req: Request, deadline: float) -> None:
+        self.parked.append((req, deadline))
+
+    def settle_parked(self, workers: int, now: float, refuse: Callable[[int], Exception]
+                      ) -> bool:
+        """Answer parked growth that ``workers`` meets; refuse (``refuse(n)``) what is past
+        its deadline. Returns whether any was refused."""
+        keep, refused = [], False
+        for req, deadline in self.parked:
+            if workers >= int(req.value):
+                self.answer(req, workers)
+            elif now > deadline:
+                self.answer(req, refuse(int(req.value)))
+                refused = True
+            else:
+                keep.append((req, deadline))
+        self.parked = keep
+        return refused
+
+    def close(self, why: Exception, status: dict[str, Any]) -> None:
+        """The job ended: answer everything left with ``why``, then close the mailbox."""
+        while (req := self.take()) is not None:
+            self.answer(req, why)
+        for req, _ in self.parked:
+            self.answer(req, why)
+        self.parked = []
+        if self.mailbox is not None:
+            self.mailbox.close(status)
+            self.mailbox = None

@@ -1,0 +1,602 @@
+"""The worker group: the controller's only Ray-aware code.
+
+``WorkerGroup`` owns the job's worker actors and their placement: it reserves bundles,
+starts workers (in the foreground, or in the background as warm spares), forms each
+generation of the process group, kills workers, and makes every call to them, each as a typed
+method. What Ray raises is turned into elastic's typed errors here (``WorkerLostError`` for a
+dead actor), so the controller above it never sees a Ray exception and can be driven without
+Ray (``tests/unit/fake_group.py`` implements the same methods).
+
+Not thread-safe except ``request_stop`` (the SDK's thread calls it while the controller's
+thread waits on a segment).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from strategies import StrategySpec
+
+from ..errors import ClusterError, ElasticError, InfrastructureError, WorkerError, WorkerLostError
+from ..failures import Failure, classify, first_cause
+from .group import Segment, SegmentPoll, WorkerRec
+
+__all__ = ["WorkerGroup", "Placement", "WorkerRec", "Segment", "SegmentPoll"]
+
+
+def _typed(e: BaseException, w: WorkerRec | None = None) -> BaseException:
+    """Ray's wrappers turned into elastic's errors: a worker's own typed error comes through
+    as it was raised; a dead actor is a ``WorkerLostError``."""
+    from ray.exceptions import RayActorError, RayTaskError
+
+    if isinstance(e, RayTaskError):
+        cause = getattr(e, "cause", None)
+        if isinstance(cause, ElasticError):
+            return cause
+        return InfrastructureError(str(e).strip().splitlines()[-1][:500] if str(e) else
+                                   type(e).__name__)
+    if isinstance(e, RayActorError):
+        rank = w.rank if w is not None else None
+        node = str(w.info.get("node_id", "")) if w is not None else ""
+        lost = bool(getattr(e, "preempted", False)) or (bool(node) and not _node_alive(node))
+        return WorkerLostError(f"worker rank {rank} died{' with its node' if lost else ''}: "
+                               f"{str(e).strip().splitlines()[0][:200] if str(e) else ''}",
+                               rank=rank, node_lost=lost)
+    return e
+
+
+def _node_alive(node_id: str) -> bool:
+    import ray
+
+    try:
+        return any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes())
+    except Exception:  # noqa: BLE001 - the GCS busy: assume the node lives
+        return True
+
+
+def pg_ready(pg: Any) -> bool:
+    """Whether every bundle of ``pg`` is reserved now (no task is started to find out:
+    ``pg.ready()`` makes a new task each call, which a zero timeout never sees finish)."""
+    import ray
+
+    try:
+        return bool(ray.util.placement_group_table(pg).get("state") == "CREATED")
+    except Exception:  # noqa: BLE001 - a removed group
+        return False
+
+
+class Placement:
+    """Where the job's workers run: its placement groups, the bundles without a worker
+    (free slots), and the spares starting in the background. Returns the workers it starts;
+    ``WorkerGroup`` takes them in."""
+
+    def __init__(self, config: Any, emulate: Sequence[dict[str, Any]] | None = None) -> None:
+        self.cfg = config
+        self.use_gpu = False
+        self.start_error = ""  # why the last worker that failed to start failed
+        self._emulate = list(emulate or [])
+        self._next_id = 0
+        self.free_slots: list[tuple[Any, int]] = []  # reserved bundles without a worker
+        self._warming: list[tuple[WorkerRec, Any]] = []  # spares starting: (worker, info ref)
+        self._bundle_res: dict[str, float] | None = None
+        self._worker_cfg = config.for_worker()  # what a worker reads, and nothing else
+
+    def bundle(self) -> dict[str, float]:
+        """One worker's resources (GPU jobs get ``num_gpus=1`` and NCCL)."""
+        import ray
+
+        if self._bundle_res is not None:
+            return dict(self._bundle_res)
+        res = dict(self.cfg.resources_per_worker)
+        if self.cfg.use_gpu is None:
+            self.use_gpu = res.get("GPU", 0) > 0 or ray.cluster_resources().get("GPU", 0) > 0
+        else:
+            self.use_gpu = bool(self.cfg.use_gpu)
+        if self.use_gpu:
+            res["GPU"] = max(1.0, res.get("GPU", 1.0))
+        else:
+            res.pop("GPU", None)
+        res.setdefault("CPU", 1)
+        self._bundle_res = res
+        return dict(res)
+
+    def place(self, n: int, min_workers: int) -> list[WorkerRec]:
+        """Reserve ``n`` bundles in one placement group and start one worker in each;
+        ``ClusterError`` with the fix if they cannot be reserved in time or fewer than
+        ``min_workers`` start."""
+        import ray
+        from ray.util.placement_group import placement_group
+
+        bundle = self.bundle()
+        pg = placement_group([dict(bundle) for _ in range(n)], strategy="PACK")
+        ready, _ = ray.wait([pg.ready()], timeout=self.cfg.placement_timeout_s)
+        if not ready:
+            ray.util.remove_placement_group(pg)
+            raise ClusterError(
+                f"the cluster cannot host {n} workers of {bundle} within "
+                f"{self.cfg.placement_timeout_s:.0f}s (it has {ray.available_resources()}). "
+                "Fix: lower num_workers or resources_per_worker, or add nodes.")
+        new = self._collect(self._launch(pg, list(range(n)), bundle), wait_s=None)
+        if len(new) < min_workers:
+            raise ClusterError(
+                f"only {len(new)} of {n} workers started (min_workers={min_workers}); "
+                f"a worker failed to start: {self.start_error}. Fix: check that the job's "
+                "code imports and its factories run on the cluster's nodes.")
+        return new
+
+    def _launch(self, pg: Any, slots: list[int], bundle: dict[str, float]
+                ) -> list[tuple[WorkerRec, Any]]:
+        """Create worker actors in bundles ``slots`` of ``pg`` (non-blocking)."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from ..worker import Worker
+
+        remote_cls: Any = ray.remote(Worker)
+        new = []
+        for i in slots:
+            wid = self._next_id
+            self._next_id += 1
+            h = remote_cls.options(
+                num_cpus=bundle.get("CPU", 1), num_gpus=bundle.get("GPU", 0),
+                resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU")},
+                max_concurrency=2, max_restarts=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    pg, placement_group_bundle_index=i),
+            ).remote(self._worker_cfg, wid, self.use_gpu, int(bundle.get("CPU", 1)))
+            new.append((WorkerRec(h, wid, pg=pg, slot=i), h.info.remote()))
+        return new
+
+    def _collect(self, launched: list[tuple[WorkerRec, Any]], wait_s: float | None
+                 ) -> list[WorkerRec]:
+        """Take launched workers that are up (within ``wait_s``; None: wait for all) into
+        the job; the others are killed and their slots freed."""
+        import ray
+
+        refs = [ref for _, ref in launched]
+        if wait_s is not None and refs:
+            ray.wait(refs, num_returns=len(refs), timeout=wait_s)
+        up = []
+        for w, ref in launched:
+            try:
+                w.info = ray.get(ref, timeout=0 if wait_s is not None else None)
+                up.append(w)
+            except Exception as e:  # noqa: BLE001 - any start failure frees the slot
+                lines = str(e).strip().splitlines()  # the worker's own error comes last
+                self.start_error = lines[-1][:500] if lines else type(e).__name__
+                _kill(w)
+                self.free_slots.append((w.pg, w.slot))
+        if self._emulate and up:
+            emus = self._emulate
+            infos = ray.get([w.handle.set_emulation.remote(emus[w.worker_id % len(emus)])
+                             for w in up])
+            for w, info in zip(up, infos, strict=True):
+                w.info = info
+        return up
+
+    def spares_ready(self) -> int:
+        """Warm spares that are up (their info answered)."""
+        import ray
+
+        if not self._warming:
+            return 0
+        refs = [ref for _, ref in self._warming]
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        return len(done)
+
+    def spares_starting(self) -> int:
+        return len(self._warming)
+
+    def start_spares(self, n: int) -> None:
+        """Start up to ``n`` workers in the background where there is room (a free reserved
+        slot that Ray re-reserved, or free resources for one more); they join at a step
+        boundary once up (``take_spares``)."""
+        import ray
+        from ray.util.placement_group import placement_group
+
+        if n <= 0:
+            return
+        bundle = self.bundle()
+        ready_slots = [(pg, i) for pg, i in self.free_slots if pg_ready(pg)][:n]
+        for pg, i in ready_slots:
+            self.free_slots.remove((pg, i))
+            self._warming += self._launch(pg, [i], bundle)
+        if n > len(ready_slots) and not ready_slots and self._free_resources(bundle):
+            pg = placement_group([dict(bundle)])
+            ok, _ = ray.wait([pg.ready()], timeout=1.0)
+            if ok:
+                self._warming += self._launch(pg, [0], bundle)
+            else:
+                ray.util.remove_placement_group(pg)
+
+    def take_spares(self, n: int) -> list[WorkerRec]:
+        """Up to ``n`` warm spares that are up (spares that failed to start are dropped,
+        their slots freed); the rest keep warming."""
+        import ray
+
+        if n <= 0 or not self._warming:
+            return []
+        refs = [ref for _, ref in self._warming]
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        done_ids = {id(r) for r in done}
+        finished = [(w, r) for w, r in self._warming if id(r) in done_ids][:n]
+        taken = {id(w) for w, _ in finished}
+        self._warming = [(w, r) for w, r in self._warming if id(w) not in taken]
+        return self._collect(finished, wait_s=0)
+
+    def try_place(self, n: int, timeout_s: float) -> list[WorkerRec]:
+        """Place up to ``n`` more workers within ``timeout_s``; keep what could be placed.
+        First the job's free slots (a bundle whose node died is re-reserved by Ray on a node
+        with room), then new single-bundle placement groups."""
+        import ray
+        from ray.util.placement_group import placement_group
+
+        if n <= 0 or timeout_s <= 0:
+            return []
+        deadline = time.monotonic() + timeout_s
+        bundle = self.bundle()
+        placed: list[WorkerRec] = []
+        reuse, self.free_slots = self.free_slots[:n], self.free_slots[n:]
+        by_pg: dict[int, tuple[Any, list[int]]] = {}
+        for pg, idx in reuse:
+            by_pg.setdefault(id(pg), (pg, []))[1].append(idx)
+        for pg, idxs in by_pg.values():
+            placed += self._collect(self._launch(pg, idxs, bundle),
+                                    wait_s=max(0.5, deadline - time.monotonic()))
+        need = n - len(placed)
+        if need > 0:
+            pgs = [placement_group([dict(bundle)]) for _ in range(need)]
+            ray.wait([pg.ready() for pg in pgs], num_returns=need,
+                     timeout=max(0.1, deadline - time.monotonic()))
+            for pg in pgs:
+                if pg_ready(pg):
+                    placed += self._collect(self._launch(pg, [0], bundle), wait_s=30)
+                else:
+                    ray.util.remove_placement_group(pg)
+        return placed
+
+    def room(self) -> bool:
+        """A free reserved slot that is placeable, or free resources for one more worker."""
+        if self.free_slots:
+            return any(pg_ready(pg) for pg, _ in self.free_slots)
+        return self._free_resources(self.bundle())
+
+    @staticmethod
+    def _free_resources(bundle: dict[str, float]) -> bool:
+        import ray
+
+        free = ray.available_resources()
+        return all(free.get(k, 0.0) >= v for k, v in bundle.items() if v > 0)
+
+    def release(self, extra: Sequence[WorkerRec]) -> None:
+        """Kill every spare and release every placement group (``extra``: the job's
+        workers, killed by the caller)."""
+        import ray
+
+        warm = [w for w, _ in self._warming]
+        self._warming = []
+        for w in warm:
+            _kill(w)
+        pgs = [w.pg for w in list(extra) + warm] + [pg for pg, _ in self.free_slots]
+        for pg in {id(pg): pg for pg in pgs if pg is not None}.values():
+            try:
+                ray.util.remove_placement_group(pg)
+            except Exception:  # noqa: BLE001 - already removed
+                pass
+        self.free_slots = []
+
+
+class WorkerGroup:
+    """The job's workers on a Ray cluster (Ray must be initialised): placement (through
+    ``Placement``), membership, and every call to them."""
+
+    def __init__(self, config: Any, emulate: Sequence[dict[str, Any]] | None = None) -> None:
+        self.cfg = config
+        self.workers: list[WorkerRec] = []
+        self.generation = 0
+        self.placement = Placement(config, emulate)
+
+    @property
+    def use_gpu(self) -> bool:
+        return self.placement.use_gpu
+
+    def place(self, n: int, min_workers: int) -> list[WorkerRec]:
+        """Start ``n`` workers in one placement group (``ClusterError`` with the fix if it
+        cannot be reserved in time or fewer than ``min_workers`` start)."""
+        new = self.placement.place(n, min_workers)
+        self.workers += new
+        return new
+
+    def spares_ready(self) -> int:
+        return self.placement.spares_ready()
+
+    def spares_starting(self) -> int:
+        return self.placement.spares_starting()
+
+    def start_spares(self, n: int) -> None:
+        self.placement.start_spares(n)
+
+    def take_spares(self, n: int) -> list[WorkerRec]:
+        """Take up to ``n`` warm spares that are up into the job."""
+        new = self.placement.take_spares(n)
+        self.workers += new
+        return new
+
+    def try_place(self, n: int, timeout_s: float) -> list[WorkerRec]:
+        """Place up to ``n`` more workers within ``timeout_s``; keep what could be placed."""
+        new = self.placement.try_place(n, timeout_s)
+        self.workers += new
+        return new
+
+    def room(self) -> bool:
+        return self.placement.room()
+
+    # ------------------------------------------------------------------ membership
+
+    def form(self) -> tuple[str, int, float]:
+        """Form the next generation of the group over ``workers`` (ranks in list order);
+        returns (address, port, seconds)."""
+        self.generation += 1
+        for r, w in enumerate(self.workers):
+            w.rank = r
+            w.info["rank"] = r
+        head = self.workers[0]
+        port = self._get(head.handle.free_port.remote())
+        addr = head.info["ip"]
+        t0 = time.perf_counter()
+        self._call_each([w.handle.join.remote(addr, port, w.rank, len(self.workers),
+                                            self.generation, self.cfg.hang_timeout_s)
+                       for w in self.workers], self.workers)
+        return addr, port, time.perf_counter() - t0
+
+    def remove(self, dead: Sequence[WorkerRec]) -> None:
+        """Drop ``dead`` from the job: kill them and remember their bundles as free slots."""
+        for w in dead:
+            _kill(w)
+            self.placement.free_slots.append((w.pg, w.slot))
+        gone = {id(w) for w in dead}
+        self.workers = [w for w in self.workers if id(w) not in gone]
+
+    def shrink(self, n: int) -> list[WorkerRec]:
+        """Keep the first ``n`` workers; kill the rest (their bundles are released with their
+        placement groups at cleanup). Returns the removed."""
+        extra = self.workers[n:]
+        for w in extra:
+            _kill(w)
+        self.workers = self.workers[:n]
+        return extra
+
+    def survivors(self, exclude: Sequence[WorkerRec] = ()) -> tuple[list[WorkerRec],
+                                                                     list[WorkerRec]]:
+        """Ping every worker (its second thread answers even while the first is busy)."""
+        import ray
+
+        skip = {id(w) for w in exclude}
+        refs = [(w, w.handle.progress.remote()) for w in self.workers if id(w) not in skip]
+        alive, dead = [], list(exclude)
+        for w, ref in refs:
+            try:
+                ray.get(ref, timeout=10)
+                alive.append(w)
+            except Exception:  # noqa: BLE001 - dead or unresponsive: lost either way
+                dead.append(w)
+        return alive, dead
+
+    # ------------------------------------------------------------------ segments
+
+    def start_segment(self, start: int, end: int) -> Segment:
+        futs = [w.handle.run.remote(start, end) for w in self.workers]
+        return Segment(start, end, list(zip(self.workers, futs, strict=True)))
+
+    def poll_segment(self, seg: Segment, timeout_s: float) -> SegmentPoll:
+        """Wait up to ``timeout_s`` for the segment. If a worker's segment failed, give its
+        peers a moment (1 s) to report a more specific cause, and return every failure."""
+        import ray
+
+        futs = [f for _, f in seg.running]
+        done, pending = ray.wait(futs, num_returns=len(futs), timeout=timeout_s)
+        failures = self._failures(seg, done)
+        if failures and pending:
+            more, _ = ray.wait(pending, num_returns=len(pending), timeout=1.0)
+            failures += self._failures(seg, more)
+        if failures:
+            return SegmentPoll(failures=tuple(failures))
+        if pending:
+            return SegmentPoll()
+        outs = [ray.get(f) for f in futs]
+        return SegmentPoll(done=True, next_step=int(outs[0]["next_step"]))
+
+    def _failures(self, seg: Segment, refs: Sequence[Any]) -> list[Failure]:
+        import ray
+
+        ids = {id(r) for r in refs}
+        out = []
+        for w, f in seg.running:
+            if id(f) not in ids:
+                continue
+            try:
+                ray.get(f, timeout=0)
+            except Exception as e:  # noqa: BLE001 - typed below
+                out.append(classify(_typed(e, w), rank=w.rank))
+        return out
+
+    def wind_down(self, seg: Segment, timeout_s: float) -> list[WorkerRec]:
+        """After a failure: tell every rank whose segment has ended to leave its group at
+        once (its sockets close, so peers blocked on it fail now rather than at the group
+        timeout), keep doing so as the others end, and return the ranks still inside their
+        segment after ``timeout_s`` (hung)."""
+        import ray
+
+        deadline = time.monotonic() + timeout_s
+        pending = list(seg.running)
+        while pending:
+            finished, _ = ray.wait([f for _, f in pending], num_returns=len(pending), timeout=0)
+            done = {id(f) for f in finished}
+            for w, f in pending:
+                if id(f) in done:
+                    w.handle.leave.remote()
+            pending = [(w, f) for w, f in pending if id(f) not in done]
+            left = deadline - time.monotonic()
+            if not pending or left <= 0:
+                break
+            ray.wait([f for _, f in pending], num_returns=1, timeout=left)
+        return [w for w, _ in pending]
+
+    def request_stop(self) -> None:
+        """Ask every worker to stop at the next step boundary (thread-safe, fire and forget)."""
+        for w in list(self.workers):
+            try:
+                w.handle.request_stop.remote()
+            except Exception:  # noqa: BLE001 - a dead worker: failure handling sees it
+                pass
+
+    def drain(self) -> list[list[dict[str, Any]]]:
+        """Each worker's metrics since the last drain (empty for one that does not answer
+        within 5 s: failure handling takes over). A user error a worker raised while
+        draining is raised."""
+        import ray
+
+        refs = [w.handle.drain.remote() for w in self.workers]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=5.0)
+        answered = {id(r) for r in ready}
+        out: list[list[dict[str, Any]]] = []
+        for w, ref in zip(self.workers, refs, strict=True):
+            if id(ref) not in answered:
+                out.append([])
+                continue
+            try:
+                out.append(ray.get(ref))
+            except Exception as e:  # noqa: BLE001 - typed below
+                err = _typed(e, w)
+                if isinstance(err, WorkerError):
+                    raise err from None
+                out.append([])
+        return out
+
+    # ------------------------------------------------------------------ typed calls
+
+    def build(self, spec: StrategySpec) -> list[dict[str, Any]]:
+        """Lay every worker out as ``spec`` (first build or a live switch)."""
+        return self._call("build", spec)
+
+    def memory_counts(self, timeout_s: float | None = None) -> list[dict[str, int]]:
+        return self._call("memory_counts", timeout_s=timeout_s)
+
+    def profile(self, batch: int, detail: bool = False,
+                workers: Sequence[WorkerRec] | None = None) -> list[dict[str, Any]]:
+        return self._call("profile", batch, detail, workers=workers)
+
+    def measure_collectives(self, sizes: list[int]) -> list[list[tuple[int, float]]]:
+        return self._call("measure_collectives", sizes)
+
+    def progress(self, timeout_s: float | None = None) -> list[dict[str, Any]]:
+        return self._call("progress", timeout_s=timeout_s)
+
+    def held_keys(self) -> list[dict[str, tuple[tuple[int, ...], str]]]:
+        return self._call("held_keys")
+
+    def leave(self, workers: Sequence[WorkerRec] | None = None) -> None:
+        self._call("leave", workers=workers)
+
+    def snapshot_full(self) -> None:
+        self._call("snapshot_full")
+
+    def finish_pending_step(self, workers: Sequence[WorkerRec]) -> None:
+        self._call("finish_pending_step", workers=workers)
+
+    def restore_from_peers(self, spec: StrategySpec, plan: list[tuple[str, int, tuple[int, ...],
+                                                                      str]],
+                           step: int) -> list[dict[str, Any]]:
+        return self._call("restore_from_peers", spec, plan, step)
+
+    def restore_checkpoint(self, spec: StrategySpec, step: int, store: Any = None
+                           ) -> list[dict[str, Any]]:
+        return self._call("restore_checkpoint", spec, step, store)
+
+    def restart_fresh(self, spec: StrategySpec) -> None:
+        self._call("restart_fresh", spec, None, 0)
+
+    def checkpoint_poll(self) -> list[dict[str, Any] | None]:
+        """Each worker's upload outcome; a worker that does not answer within 30 s counts as
+        a failed upload."""
+        import ray
+
+        out: list[dict[str, Any] | None] = []
+        for w in self.workers:
+            try:
+                out.append(ray.get(w.handle.checkpoint_poll.remote(), timeout=30))
+            except Exception:  # noqa: BLE001 - said as a failed upload
+                out.append({"error": f"worker {w.rank} did not answer"})
+        return out
+
+    def checkpoint_now(self) -> list[dict[str, Any]]:
+        """Every worker begins a checkpoint of the state as it is (collective)."""
+        return self._call("checkpoint_now")
+
+    def checkpoint_done(self, step: int, committed: bool) -> None:
+        for w in self.workers:
+            w.handle.checkpoint_done.remote(step, committed)
+
+    def final_state(self) -> dict[str, Any]:
+        """The full canonical state, from rank 0 (collective over the group)."""
+        outs = self._call_each([w.handle.full_state.remote(want=(w.rank == 0))
+                                for w in self.workers], self.workers)
+        return outs[0]
+
+    def _call(self, method: str, *args: Any, workers: Sequence[WorkerRec] | None = None,
+              timeout_s: float | None = None) -> list[Any]:
+        ws = list(self.workers if workers is None else workers)
+        refs = [getattr(w.handle, method).remote(*args) for w in ws]
+        return self._call_each(refs, ws, timeout_s)
+
+    def _call_each(self, refs: list[Any], ws: Sequence[WorkerRec],
+                   timeout_s: float | None = None) -> list[Any]:
+        """Every result, or the typed error of the lowest rank that failed; an error that only
+        echoes a peer's failure (``secondary``) gives way to that peer's own."""
+        import ray
+
+        try:
+            return list(ray.get(refs, timeout=timeout_s))
+        except Exception:  # noqa: BLE001 - find which worker and type it
+            pass
+        errors: list[BaseException] = []
+        for w, ref in zip(ws, refs, strict=True):
+            try:
+                ray.get(ref, timeout=timeout_s)
+            except Exception as e:  # noqa: BLE001 - typed
+                errors.append(_typed(e, w))
+        if errors:
+            raise first_cause(errors) from None
+        raise InfrastructureError("a worker call failed")  # unreachable in practice
+
+    def _get(self, ref: Any) -> Any:
+        import ray
+
+        try:
+            return ray.get(ref)
+        except Exception as e:  # noqa: BLE001 - typed
+            raise _typed(e) from None
+
+    # ------------------------------------------------------------------ teardown
+
+    def close(self) -> None:
+        """Kill every worker and spare and release every placement group."""
+        import ray
+
+        if not ray.is_initialized():
+            return
+        for w in self.workers:
+            _kill(w)
+        self.placement.release(self.workers)
+        self.workers = []
+
+
+def _kill(w: WorkerRec) -> None:
+    import ray
+
+    try:
+        ray.kill(w.handle)
+    except Exception:  # noqa: BLE001 - already gone
+        pass

@@ -1,0 +1,136 @@
+"""Connecting to Ray: attach to the cluster a job names, or start a private local one.
+
+The one place a driver calls ``ray.init``. Errors say what to do: an unreachable address
+names the fix, a cluster that refuses the driver for want of a token (seen in milliseconds
+from the GCS's gRPC status, where ``ray.init`` retries for ~20 s) names ``RAY_AUTH_TOKEN``,
+and a local cluster started for more workers than the machine has cores
+warns once (they would share the cores and every step would crawl).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import warnings
+
+from .errors import ClusterError
+
+__all__ = ["connect", "disconnect", "check_reachable", "address_of", "attach"]
+
+log = logging.getLogger(__name__)
+
+
+
+def address_of(explicit: str | None) -> str | None:
+    """The Ray address a job uses: ``ray_address``, else ``$RAY_ADDRESS``, else None (a
+    private local cluster)."""
+    return explicit or os.environ.get("RAY_ADDRESS") or None
+
+
+def check_reachable(addr: str) -> None:
+    """Fail fast, with the fix, when nothing listens at ``addr`` (``ray.init`` would wait)."""
+    host, _, port = addr.replace("ray://", "").rpartition(":")
+    try:
+        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=3):
+            pass
+    except (OSError, ValueError) as e:
+        raise ClusterError(
+            f"cannot reach the Ray cluster at {addr} ({e}). Fix: start one with "
+            "`ray start --head`, correct ray_address / RAY_ADDRESS, or unset it to run locally."
+        ) from None
+
+
+def _refuses_without_token(addr: str) -> bool:
+    """Whether the cluster's GCS at ``addr`` answers an unauthenticated call with gRPC's
+    UNAUTHENTICATED status (a typed answer, in milliseconds). ``ray.init`` would instead retry
+    for ~20 s and then report that it could not connect at all."""
+    try:
+        import grpc
+        from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+    except ImportError:  # pragma: no cover - both ship with ray
+        return False
+    try:
+        with grpc.insecure_channel(addr) as channel:
+            stub = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel)
+            stub.GetClusterId(gcs_service_pb2.GetClusterIdRequest(),  # type: ignore[attr-defined]
+                              timeout=3)
+    except grpc.RpcError as e:
+        return bool(e.code() == grpc.StatusCode.UNAUTHENTICATED)
+    except Exception:  # noqa: BLE001 - anything else: let ray.init say what is wrong
+        return False
+    return False
+
+
+def _auth_error(addr: str) -> ClusterError:
+    has_token = bool(os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")
+                     or os.path.exists(os.path.expanduser("~/.ray/auth_token")))
+    if has_token and os.environ.get("RAY_AUTH_MODE", "").lower() == "token":
+        why = "it rejected this driver's token"
+        fix = "set RAY_AUTH_TOKEN to the cluster's token (the one its head was started with)"
+    elif has_token:
+        why = "it requires token authentication, which this driver has not turned on"
+        fix = "export RAY_AUTH_MODE=token (the token in RAY_AUTH_TOKEN is then sent)"
+    else:
+        why = "it requires an authentication token"
+        fix = ("export RAY_AUTH_MODE=token and RAY_AUTH_TOKEN=<the cluster's token> (the one "
+               "its head was started with)")
+    return ClusterError(f"the Ray cluster at {addr} refused this driver: {why}. Fix: {fix}, "
+                        "then run the command again.")
+
+
+def attach(addr: str, namespace: str | None = None) -> None:
+    """Attach this process to the running cluster at ``addr`` (``auto`` finds a local head)."""
+    import ray
+
+    gcs = addr if addr != "auto" and not addr.startswith("ray://") else None
+    if gcs is not None:
+        check_reachable(gcs)
+        if _refuses_without_token(gcs) and os.environ.get("RAY_AUTH_MODE", "").lower() != "token":
+            raise _auth_error(gcs)
+    try:
+        ray.init(address=addr, logging_level=logging.ERROR, log_to_driver=False,
+                 namespace=namespace)
+    except Exception as e:
+        from ray.exceptions import AuthenticationError
+
+        if isinstance(e, AuthenticationError) or (gcs and _refuses_without_token(gcs)):
+            raise _auth_error(addr) from None
+        raise ClusterError(
+            f"cannot connect to the Ray cluster at {addr}: {e}. Fix: check the address or start "
+            "a cluster with `ray start --head`, or unset RAY_ADDRESS for a local one."
+        ) from e
+
+
+def connect(address: str | None, local_cpus: float) -> bool:
+    """Attach to ``address`` (or ``$RAY_ADDRESS``), or start a private local cluster with at
+    least ``local_cpus`` logical CPUs. Returns True when this call started Ray (the caller
+    then shuts it down). Does nothing if Ray is already initialised in this process."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    addr = address_of(address)
+    if addr and addr != "local":
+        attach(addr)
+        return False
+    cores = os.cpu_count() or 1
+    need = int(local_cpus + 0.999)
+    if need > cores:
+        warnings.warn(
+            f"starting a local Ray cluster for {need} workers on a machine with {cores} cores: "
+            "they will share the cores and run slower than fewer workers would. Fix: lower "
+            "num_workers/max_workers, or attach to a larger cluster (ray_address).",
+            RuntimeWarning, stacklevel=3)
+        log.warning("%d workers on %d cores: they share the cores", need, cores)
+    ray.init(address="local", num_cpus=max(need, cores), include_dashboard=False,
+             logging_level=logging.ERROR, log_to_driver=False)
+    return True
+
+
+def disconnect() -> None:
+    """Shut down the Ray this process started (``connect`` returned True)."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()

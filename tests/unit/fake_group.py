@@ -1,0 +1,308 @@
+"""A worker group without Ray: the controller's loop driven step by step in one process.
+
+``FakeGroup`` implements the methods of ``elastic.control.worker_group.WorkerGroup`` over
+fake workers that hold no model: each knows its data position and which canonical keys it
+holds whole (all of them under ``dp``; the model and its own share of the optimizer entries
+under the sharded layouts), so the controller's choices (recover from peers or not, which
+step) follow from the same facts as on Ray. Failures are scripted as return values: ``fail``
+makes a segment that reaches a step report a lost worker, a user error or a hang there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from elastic.control.group import Segment, SegmentPoll, WorkerRec
+from elastic.errors import GroupError, NonFiniteError, WorkerError, WorkerLostError
+from elastic.failures import classify
+
+_OPTIM_ENTRIES = ("exp_avg", "exp_avg_sq", "step")
+
+
+@dataclass
+class Fault:
+    step: int
+    rank: int
+    kind: str  # "lost" | "user" | "hang" | "group" | "nonfinite" | "nonfinite-rollback"
+    fired: bool = False
+
+
+@dataclass
+class FakeWorker:
+    """What the controller can ask a worker about its state."""
+
+    next_step: int = 0
+    has_state: bool = False
+    strategy: str | None = None
+    rank: int = -1
+    world: int = 1
+    alive: bool = True
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+
+
+class FakeGroup:
+    """Fake workers for ``Controller(group_factory=...)``; see the module docstring."""
+
+    def __init__(self, model: Any, room: int = 0) -> None:
+        self.model_keys = [f"model/{k}" for k in model.state_dict()]
+        self.params = [n for n, _ in model.named_parameters()]
+        self.workers: list[WorkerRec] = []
+        self.generation = 0
+        self.room_left = room  # workers try_place / start_spares can still add
+        self.spares: list[WorkerRec] = []  # started in the background, ready
+        self.faults: list[Fault] = []
+        self.hung: list[WorkerRec] = []
+        self.calls: list[tuple[str, Any]] = []  # (method, argument) in order
+        self.stop_asked = False
+        self.checkpoint_every = 0  # the job's: steps after which the fake begins a checkpoint
+        self.nonfinite_at: dict[int, list[str]] = {}  # checkpoint step -> keys with NaN
+        self._ckpt: int | None = None  # the checkpoint step uploading
+        self._ids = 0
+        self._pos: dict[int, int] = {}  # segment -> the step it reached
+        self.closed = False
+
+    # ------------------------------------------------------------------ scripting
+
+    def fail(self, step: int, rank: int, kind: str = "lost") -> None:
+        self.faults.append(Fault(step, rank, kind))
+
+    def _new(self) -> WorkerRec:
+        wid = self._ids
+        self._ids += 1
+        return WorkerRec(handle=FakeWorker(), worker_id=wid,
+                         info={"worker_id": wid, "node_id": f"node{wid}", "pid": 1000 + wid,
+                               "device_name": "cpu", "device": "cpu", "ip": "127.0.0.1"})
+
+    @staticmethod
+    def fw(w: WorkerRec) -> FakeWorker:
+        return w.handle  # type: ignore[no-any-return]
+
+    # ------------------------------------------------------------------ placement
+
+    def place(self, n: int, min_workers: int) -> list[WorkerRec]:
+        new = [self._new() for _ in range(n)]
+        self.workers += new
+        return new
+
+    def spares_ready(self) -> int:
+        return len(self.spares)
+
+    def spares_starting(self) -> int:
+        return 0
+
+    def start_spares(self, n: int) -> None:
+        k = max(0, min(n, self.room_left))
+        self.room_left -= k
+        self.spares += [self._new() for _ in range(k)]
+        self.calls.append(("start_spares", k))
+
+    def take_spares(self, n: int) -> list[WorkerRec]:
+        took, self.spares = self.spares[:max(0, n)], self.spares[max(0, n):]
+        self.workers += took
+        return took
+
+    def try_place(self, n: int, timeout_s: float) -> list[WorkerRec]:
+        if n <= 0 or timeout_s <= 0:
+            return []
+        k = min(n, self.room_left)
+        self.room_left -= k
+        new = [self._new() for _ in range(k)]
+        self.workers += new
+        return new
+
+    def room(self) -> bool:
+        return self.room_left > 0
+
+    def form(self) -> tuple[str, int, float]:
+        self.generation += 1
+        for r, w in enumerate(self.workers):
+            w.rank = r
+            w.info["rank"] = r
+            self.fw(w).rank, self.fw(w).world = r, len(self.workers)
+        self.calls.append(("form", len(self.workers)))
+        return "127.0.0.1", 29500 + self.generation, 0.0
+
+    def remove(self, dead: list[WorkerRec]) -> None:
+        gone = {id(w) for w in dead}
+        self.workers = [w for w in self.workers if id(w) not in gone]
+
+    def shrink(self, n: int) -> list[WorkerRec]:
+        extra, self.workers = self.workers[n:], self.workers[:n]
+        return extra
+
+    def survivors(self, exclude: Any = ()) -> tuple[list[WorkerRec], list[WorkerRec]]:
+        skip = {id(w) for w in exclude}
+        alive = [w for w in self.workers if id(w) not in skip and self.fw(w).alive]
+        return alive, [w for w in self.workers if w not in alive]
+
+    # ------------------------------------------------------------------ segments
+
+    def start_segment(self, start: int, end: int) -> Segment:
+        self.calls.append(("segment", (start, end)))
+        self.stop_asked = False
+        seg = Segment(start, end, [(w, None) for w in self.workers])
+        self._pos = {id(seg): start}  # only this segment runs (ids of dead ones are reused)
+        return seg
+
+    def poll_segment(self, seg: Segment, timeout_s: float) -> SegmentPoll:
+        """One step per poll (so requests and ``on_step`` act as they would live): a stop
+        asked ends the segment after the step in progress; a scripted fault at the step
+        reached reports it."""
+        at = self._pos.get(id(seg), seg.start)
+        fault = next((f for f in self.faults if not f.fired and f.step == at
+                      and f.rank < len(self.workers)), None)
+        if fault is not None:
+            return self._fault(fault)
+        self._train(at, at + 1)
+        at += 1
+        self._pos[id(seg)] = at
+        if at >= seg.end or self.stop_asked:
+            return SegmentPoll(done=True, next_step=at)
+        return SegmentPoll()
+
+    def _fault(self, fault: Fault) -> SegmentPoll:
+        fault.fired = True
+        victim = self.workers[fault.rank]
+        if fault.kind == "lost":
+            self.fw(victim).alive = False
+            err: BaseException = WorkerLostError("worker died", rank=fault.rank, node_lost=True)
+        elif fault.kind == "user":
+            err = WorkerError(fault.rank, "host", "ValueError: bad on purpose", "Traceback...")
+        elif fault.kind == "hang":
+            self.hung = [victim]
+            err = GroupError(f"rank {(fault.rank + 1) % len(self.workers)}: timed out")
+        elif fault.kind.startswith("nonfinite"):  # every rank raises at the same step
+            rb = fault.kind.endswith("rollback")
+            return SegmentPoll(failures=tuple(
+                classify(NonFiniteError(f"non-finite loss or gradient at step {fault.step}",
+                                        step=fault.step, rank=w.rank if w is victim else None,
+                                        rollback=rb), w.rank) for w in self.workers))
+        else:
+            err = GroupError(f"rank {fault.rank}: the process group failed")
+        others = [classify(GroupError(f"rank {w.rank}: peer gone"), w.rank)
+                  for w in self.workers if w is not victim]
+        return SegmentPoll(failures=(classify(err, fault.rank), *others))
+
+    def _train(self, start: int, end: int) -> None:
+        for w in self.workers:
+            f = self.fw(w)
+            if not f.alive:
+                continue
+            for s in range(start, end):
+                m = {"step": s, "rank": w.rank, "loss": 1.0 / (s + 1),
+                     "step_time": 0.01, "samples": 4, "samples_per_s": 400.0,
+                     "time": 0.0, "generation": self.generation,
+                     "global_samples": 4 * len(self.workers)}
+                if self.checkpoint_every and (s + 1) % self.checkpoint_every == 0:
+                    m.update(checkpoint_begun=s + 1, checkpoint_blocked_s=0.001)
+                    self._ckpt = s + 1
+                f.metrics.append(m)
+            f.next_step = max(f.next_step, end)
+
+    def wind_down(self, seg: Segment, timeout_s: float) -> list[WorkerRec]:
+        hung, self.hung = self.hung, []
+        return hung
+
+    def request_stop(self) -> None:
+        self.stop_asked = True
+
+    def drain(self) -> list[list[dict[str, Any]]]:
+        out = []
+        for w in self.workers:
+            f = self.fw(w)
+            out.append(f.metrics)
+            f.metrics = []
+        return out
+
+    # ------------------------------------------------------------------ typed calls
+
+    def build(self, spec: Any) -> list[dict[str, Any]]:
+        self.calls.append(("build", spec.name))
+        for w in self.workers:
+            f = self.fw(w)
+            f.has_state, f.strategy = True, spec.name
+        return [{"seconds": 0.0, "hash_before": "h", "hash_after": "h", "check": "pieces",
+                 "move": "reshard", "bytes_sent": 0} for _ in self.workers]
+
+    def memory_counts(self, timeout_s: float | None = None) -> list[dict[str, int]]:
+        return [{"params": 1, "grads": 1, "optim": 1} for _ in self.workers]
+
+    def profile(self, batch: int, detail: bool = False, workers: Any = None) -> list[Any]:
+        return [{"samples_per_s": 100.0} for _ in (workers or self.workers)]
+
+    def measure_collectives(self, sizes: list[int]) -> list[Any]:
+        return [[(n, 1e-4) for n in sizes] for _ in self.workers]
+
+    def progress(self, timeout_s: float | None = None) -> list[dict[str, Any]]:
+        return [{"next_step": self.fw(w).next_step, "has_state": self.fw(w).has_state,
+                 "strategy": self.fw(w).strategy, "pending_update": False}
+                for w in self.workers]
+
+    def held_keys(self) -> list[dict[str, Any]]:
+        out = []
+        for w in self.workers:
+            f = self.fw(w)
+            optim = [f"optim/{p}/{e}" for i, p in enumerate(self.params)
+                     for e in _OPTIM_ENTRIES
+                     if f.strategy == "dp" or f.strategy == "full" or i % f.world == f.rank]
+            keys = (self.model_keys + optim) if f.has_state and f.next_step > 0 else (
+                self.model_keys if f.has_state else [])
+            out.append({k: ((1,), "float32") for k in keys})
+        return out
+
+    def leave(self, workers: Any = None) -> None:
+        self.calls.append(("leave", len(workers) if workers is not None else len(self.workers)))
+
+    def snapshot_full(self) -> None:
+        for w in self.workers:
+            self.fw(w).strategy = "full"
+
+    def finish_pending_step(self, workers: Any) -> None:
+        pass
+
+    def restore_from_peers(self, spec: Any, plan: Any, step: int) -> list[dict[str, Any]]:
+        self.calls.append(("restore_from_peers", step))
+        self._set(spec, step)
+        return [{"bytes": 1000} for _ in self.workers]
+
+    def restore_checkpoint(self, spec: Any, step: int, store: Any = None) -> list[Any]:
+        self.calls.append(("restore_checkpoint", step))
+        self._set(spec, step)
+        return [{"seconds": 0.0, "bytes": 10, "total_bytes": 20} for _ in self.workers]
+
+    def restart_fresh(self, spec: Any) -> None:
+        self.calls.append(("restart_fresh", 0))
+        self._set(spec, 0)
+
+    def _set(self, spec: Any, step: int) -> None:
+        for w in self.workers:
+            f = self.fw(w)
+            f.has_state, f.strategy, f.next_step = True, spec.name, step
+
+    def checkpoint_poll(self) -> list[Any]:
+        """Each rank's upload: done at once, naming the keys scripted as non-finite."""
+        if self._ckpt is None:
+            return [None for _ in self.workers]
+        step, bad = self._ckpt, self.nonfinite_at.get(self._ckpt, [])
+        return [{"info": {"step": step, "rank": w.rank, "path": f"shard-{w.rank:05d}.bin",
+                          "size": 1, "checksum": "0" * 64, "index_offset": 0,
+                          "index_length": 0, "items": 0, "data_bytes": 0,
+                          "nonfinite": list(bad) if w.rank == 0 else []}}
+                for w in self.workers]
+
+    def checkpoint_now(self) -> list[dict[str, Any]]:
+        self.calls.append(("checkpoint_now", self.fw(self.workers[0]).next_step))
+        return [{"checkpoint_skipped": self.fw(w).next_step, "rank": w.rank}
+                for w in self.workers]
+
+    def checkpoint_done(self, step: int, committed: bool) -> None:
+        self.calls.append(("checkpoint_done", (step, committed)))
+        self._ckpt = None
+
+    def final_state(self) -> dict[str, Any]:
+        return {"model/final": self.fw(self.workers[0]).next_step}
+
+    def close(self) -> None:
+        self.closed = True
+        self.workers = []

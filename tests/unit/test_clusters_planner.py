@@ -1,0 +1,278 @@
+"""clusters balancer and planner: shares, stage splits, drift rule, ranked plans, the table."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import re
+
+import pytest
+
+from clusters import (
+    BalanceError,
+    CostModel,
+    ModelProfile,
+    PlanError,
+    example_path,
+    format_plan_table,
+    load_cluster,
+    plan,
+    plan_main,
+    proportional_shares,
+    rebalance_decision,
+    stage_split,
+    transformer_profile,
+)
+
+GPT = {
+    "transformer": {
+        "layers": 24,
+        "d_model": 2048,
+        "n_heads": 16,
+        "seq_len": 1024,
+        "vocab": 50257,
+        "name": "gpt-1.4b",
+    }
+}
+
+
+# ------------------------------------------------------------------ shares
+
+
+def test_shares_sum_exactly_and_follow_speed():
+    assert proportional_shares(100, [3, 1, 1]) == (60, 20, 20)
+    assert proportional_shares(7, [1, 1, 1]) == (3, 2, 2)  # largest remainder, ties to index
+    assert proportional_shares(10, [100, 1, 1]) == (8, 1, 1)  # everyone gets >= 1
+    assert proportional_shares(100, [3, 1, 1], caps=[40, None, None]) == (40, 30, 30)
+
+
+def test_shares_invariants_on_random_cases():
+    rng = random.Random(7)
+    for _ in range(300):
+        n = rng.randint(1, 12)
+        speeds = [rng.uniform(0.1, 10) for _ in range(n)]
+        caps = [rng.choice([None, rng.randint(1, 40)]) for _ in range(n)]
+        room = sum(40 if c is None else c for c in caps)
+        total = rng.randint(n, max(n, room))
+        try:
+            s = proportional_shares(total, speeds, caps)
+        except BalanceError:
+            assert sum(float("inf") if c is None else c for c in caps) < total
+            continue
+        assert sum(s) == total and all(x >= 1 for x in s)
+        assert all(c is None or x <= c for x, c in zip(s, caps, strict=True))
+        if all(c is None for c in caps):  # each within 1 of its exact quota, unless lifted to 1
+            exact = [total * v / sum(speeds) for v in speeds]
+            assert all(x == 1 or abs(x - q) < 1 + 1e-9 for x, q in zip(s, exact, strict=True))
+
+
+def test_share_errors_say_what_to_do():
+    with pytest.raises(BalanceError, match="fewer devices or a larger batch"):
+        proportional_shares(2, [1, 1, 1])
+    with pytest.raises(BalanceError, match="hold at most 4"):
+        proportional_shares(10, [1, 1], caps=[2, 2])
+    with pytest.raises(BalanceError, match="cannot hold even"):
+        proportional_shares(10, [1, 1], caps=[0, 20])
+
+
+# ------------------------------------------------------------------ stage splits
+
+
+def _brute(costs, speeds):
+    nb, ns = len(costs), len(speeds)
+    best = None
+    for cuts in itertools.combinations(range(1, nb), ns - 1):
+        b = (0, *cuts, nb)
+        t = max(sum(costs[b[i] : b[i + 1]]) / speeds[i] for i in range(ns))
+        best = t if best is None else min(best, t)
+    return best
+
+
+def test_stage_split_minimizes_the_slowest_stage():
+    assert stage_split([1] * 8, [1, 1]) == (4, 4)
+    assert stage_split([1] * 12, [2, 1]) == (8, 4)  # twice as fast, twice the blocks
+    rng = random.Random(1)
+    for _ in range(40):
+        nb, ns = rng.randint(3, 9), rng.randint(1, 3)
+        ns = min(ns, nb)
+        costs = [rng.uniform(0.1, 5) for _ in range(nb)]
+        speeds = [rng.uniform(0.5, 2) for _ in range(ns)]
+        split = stage_split(costs, speeds)
+        assert sum(split) == nb and all(b >= 1 for b in split)
+        starts = [sum(split[:i]) for i in range(ns)]
+        got = max(sum(costs[s : s + b]) / v for s, b, v in zip(starts, split, speeds, strict=True))
+        assert got == pytest.approx(_brute(costs, speeds))
+
+
+def test_stage_split_respects_memory_and_reports_impossible():
+    assert stage_split([1] * 8, [1, 1], block_memory=[1] * 8, stage_memory=[3, 10]) == (3, 5)
+    with pytest.raises(BalanceError, match="memory"):
+        stage_split([1] * 8, [1, 1], block_memory=[1] * 8, stage_memory=[3, 3])
+    with pytest.raises(BalanceError, match="cannot fill"):
+        stage_split([1, 1], [1, 1, 1])
+
+
+# ------------------------------------------------------------------ drift rule
+
+
+def test_rebalance_decision():
+    same = rebalance_decision([50, 50], [1, 1], [0.5, 0.5])  # uniformly slower: no trigger
+    assert not same.rebalance and same.drift == pytest.approx(0)
+    moved = rebalance_decision([50, 50], [1, 1], [2, 1])
+    assert moved.rebalance and moved.shares == (67, 33) and sum(moved.shares) == 100
+    assert moved.gain > 0.3
+    small = rebalance_decision([50, 50], [1, 1], [1.05, 1])
+    assert not small.rebalance and "within 10%" in small.reason
+    little_gain = rebalance_decision([2, 1], [1, 1], [1.3, 1], min_gain=0.5)
+    assert not little_gain.rebalance and "gain only" in little_gain.reason
+    with pytest.raises(BalanceError):
+        rebalance_decision([1], [1, 1], [1, 1])
+
+
+# ------------------------------------------------------------------ planner
+
+
+def _check_result(result, cluster, g, n_blocks):
+    for c in result.ranked:
+        c.plan.validate(n_blocks if c.plan.is_pipeline else None)
+        assert c.plan.global_batch == g
+        for m, dev_id in zip(c.estimate.memory, c.plan.devices, strict=True):
+            assert m.total <= cluster.device(dev_id).memory_bytes * 0.9 + 1
+    for c in result.rejected:
+        assert c.rejection
+
+
+def test_planner_on_a_single_h100_node():
+    c = load_cluster(example_path("h100x8"))
+    prof = transformer_profile(**GPT["transformer"])
+    r = plan(c, prof, 256)
+    _check_result(r, c, 256, prof.n_blocks)
+    assert r.choice is not None and r.plan.world_size == 8
+    assert r.plan.reason.startswith("chose ")
+    times = [x.estimate.step_time for x in r.ranked[1:]]
+    assert times == sorted(times)
+    assert r.ranked[0].estimate.step_time <= times[0] * 1.01 + 1e-12
+    assert any(x.plan.is_pipeline for x in r.ranked)
+    assert {x.plan.strategy for x in r.ranked} >= {"dp", "zero1", "zero2", "zero3"}
+
+
+def test_planner_rejects_with_a_reason_naming_the_device():
+    c = load_cluster(example_path("a100-t4"))
+    prof = ModelProfile.uniform(n_params=7.5e9, n_blocks=32, flops_per_sample=1e13)
+    r = plan(c, prof, 64)
+    reasons = [x.rejection for x in r.rejected if x.subset == "all devices"]
+    assert any(
+        re.match(r"zero1: needs [\d.]+ GB per device before any activation = model states "
+                 r"[\d.]+ GB \(params [\d.]+ GB, grads [\d.]+ GB, optimizer [\d.]+ GB\); "
+                 r"T4 has 16 GB", why)
+        for why in reasons
+    ), reasons
+    assert r.choice is not None and r.choice.subset == "only a100"  # T4s cannot hold it
+    _check_result(r, c, 64, prof.n_blocks)
+
+
+def test_planner_gives_fast_devices_larger_shares():
+    c = load_cluster(example_path("a100-t4"))
+    prof = ModelProfile.uniform(n_params=1e6, n_blocks=4, flops_per_sample=1e12, precision="fp16")
+    r = plan(c, prof, 1024, strategies=("dp",), subsets=False)
+    p = r.plan
+    a100 = [
+        s for s, d in zip(p.shares, p.devices, strict=True) if c.device(d).type.name == "A100-80GB"
+    ]
+    t4 = [s for s, d in zip(p.shares, p.devices, strict=True) if c.device(d).type.name == "T4"]
+    assert sum(p.shares) == 1024
+    assert min(a100) / max(t4) == pytest.approx(312 / 65, rel=0.1)  # fp16 peak ratio
+    assert "unequal shares" in r.explanation
+
+
+def test_planner_uses_measured_speeds():
+    c = load_cluster(example_path("h100x8"))
+    prof = ModelProfile.uniform(n_params=1e6, n_blocks=4, flops_per_sample=1e12)
+    ids = [d.id for d in c.devices]
+    speeds = {i: 100.0 for i in ids}
+    speeds[ids[0]] = 300.0
+    r = plan(c, prof, 1000, speeds=speeds, strategies=("dp",))
+    assert r.plan.shares[0] == 3 * r.plan.shares[1]
+
+
+def test_planner_on_emulated_cpu_devices_respects_the_budget():
+    c = load_cluster(example_path("cpu-emulated"))
+    small = ModelProfile.uniform(
+        n_params=1e6,
+        n_blocks=4,
+        flops_per_sample=1e8,
+        bytes_per_param=4,
+        optimizer_bytes_per_param=8,
+    )
+    model = CostModel(pass_overhead_s=0.0)
+    r = plan(c, small, 90, model=model, strategies=("dp",), subsets=False)
+    assert r.emulated and "EMULATED" in r.explanation
+    assert list(r.plan.shares) == [40, 40, 10]  # the x4 slower 'T4' gets a quarter
+    big = ModelProfile.uniform(
+        n_params=5e7,
+        n_blocks=4,
+        flops_per_sample=1e8,
+        bytes_per_param=4,
+        optimizer_bytes_per_param=8,
+    )  # 0.8 GB dp
+    r2 = plan(c, big, 90, model=model, strategies=("dp", "zero2"))
+    assert any("T4 has 0.5 GB (0.45 GB usable)" in (x.rejection or "") for x in r2.rejected)
+    _check_result(r2, c, 90, big.n_blocks)
+
+
+def test_planner_when_nothing_fits():
+    c = load_cluster(example_path("cpu-emulated"))
+    huge = ModelProfile.uniform(n_params=1e10, n_blocks=4, flops_per_sample=1e8)
+    r = plan(c, huge, 8)
+    assert r.choice is None and r.ranked == ()
+    assert "no plan fits" in r.explanation and "fix:" in r.explanation
+    with pytest.raises(PlanError, match="no plan fits"):
+        _ = r.plan
+    assert "no plan fits" in format_plan_table(r)
+
+
+def test_plan_table_and_plan_main():
+    text = plan_main(example_path("mixed-a100-l4-t4"), GPT, 512, optimizer="adamw", top=5)
+    assert text.startswith("cluster mixed-a100-l4-t4")
+    assert "model gpt-1.4b" in text and "step s" in text and "peak GB" in text
+    assert "Rejected (" in text and "chose " in text
+    rows = [ln for ln in text.splitlines() if re.match(r"\s+\d+\s", ln)]
+    assert len(rows) == 5
+    assert "more fitting plan" in text
+
+
+def test_lockstep_accumulation_needs_every_share_to_fill_it():
+    """zero2/zero3 run as many micro-batches on every rank (each is a collective there), so
+    a plan whose slowest device gets fewer samples than the accumulation steps is rejected
+    with the reason; dp accumulates per rank and still plans."""
+    c = load_cluster(example_path("h100x8"))
+    prof = ModelProfile.uniform(n_params=1e6, n_blocks=4, flops_per_sample=1e12,
+                                activation_bytes=1e9)  # 4 GB a sample: accumulation needed
+    ids = [d.id for d in c.devices]
+    speeds = {i: 100.0 for i in ids}
+    speeds[ids[0]] = 2.0  # one device 50x slower: a 1-sample share
+    r = plan(c, prof, 200, speeds=speeds, strategies=("dp", "zero3"), subsets=False)
+    assert r.plan.strategy == "dp" and r.plan.micro_batches == 2 and min(r.plan.shares) == 1
+    assert any(re.match(r"zero3: 2 accumulation steps run on every rank, but the slowest "
+                        r"device's share is 1 samples", x.rejection or "") for x in r.rejected)
+
+
+def test_rejections_name_every_counted_part():
+    """Issue 16 point 7: 'needs X GB per device for model states' counted buffers in X. Each
+    part is named now, and the parts add up to the total."""
+    c = load_cluster(example_path("h100x8"))
+    big = ModelProfile.uniform(n_params=4e11, n_blocks=8, flops_per_sample=1e12,
+                               activation_bytes=1e9)
+    r = plan(c, big, 64, strategies=("zero2", "zero3", "pipeline"), subsets=False)
+    num = r"([\d.]+) GB"
+    for strategy in ("zero2", "zero3"):
+        why = next(x.rejection for x in r.rejected if x.plan.strategy == strategy)
+        m = re.match(rf"{strategy}: needs {num} per device before any activation = model states "
+                     rf"{num} \(params {num}, grads {num}, optimizer {num}\) \+ buffers {num}; "
+                     r"H100 has 80 GB \(72.0 GB usable\)$", why)
+        assert m, why
+        total, states, p, g, o, buf = map(float, m.groups())
+        assert states == pytest.approx(p + g + o, abs=0.2)
+        assert total == pytest.approx(states + buf, abs=0.2) and buf > 1.0
+    pipe = [x.rejection for x in r.rejected if x.plan.is_pipeline]
+    assert any(re.search(r"= model states .* \+ activations [\d.]+ GB", w) for w in pipe), pipe
