@@ -57,7 +57,6 @@ from .canonical import (
     optimizer_state_from_canonical,
     optimizer_state_to_canonical,
 )
-from .health import record as record_failure
 from .spec import StrategySpec, lockstep_micro_batches
 
 __all__ = ["ShardedUpdate", "Zero1", "Zero2", "UPDATE_MODES"]
@@ -305,9 +304,8 @@ class _Zero(Strategy):
                 self.update.wait()
         self.update.sync = True
         self.update.wait()
-        if self.max_grad_norm is not None:
-            self.clip_grads()
-        self.update.step()
+        if self.update_allowed():  # the global norm: one scalar all-reduce, every step
+            self.update.step()
         return total * self._scale
 
     def clip_grads(self) -> None:
