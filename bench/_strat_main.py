@@ -23,6 +23,7 @@ from _strat_profile import euler_cycle, label, layouts  # noqa: E402
 
 G = 32
 MICRO = 4
+WORKLOAD = common.WORKLOADS["mlp"]  # --model sets it
 
 
 def _wait(cond: Any, handle: Any, timeout: float, what: str) -> None:
@@ -66,8 +67,8 @@ def _steady(history: list[dict[str, Any]], lo: int, hi: int) -> dict[str, float]
 def _job(world: int, tmp: str, name: str, **kw: Any) -> Any:
     import elastic
 
-    cfg = dict(model=common.model_factory, optimizer=dict(common.OPTIM), loss=common.LOSS,
-               dataset=common.dataset_factory, global_batch_size=G, max_steps=10_000_000,
+    cfg = dict(model=WORKLOAD["model"], optimizer=dict(common.OPTIM), loss=WORKLOAD["loss"],
+               dataset=WORKLOAD["dataset"], global_batch_size=G, max_steps=10_000_000,
                num_workers=world, strategy="dp", micro_batches=MICRO, schedule="gpipe",
                view="none", run_dir=os.path.join(tmp, name), name=name, hang_timeout_s=300,
                seed=common.SEED)
@@ -310,13 +311,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layouts", nargs="*", default=[],
                     help="measure only these layouts' throughput (labels: dp zero1 zero2 "
                          "zero3 pipeline-gpipe pipeline-1f1b; dp first); default all")
+    ap.add_argument("--model", choices=sorted(common.WORKLOADS), default="mlp",
+                    help="the workload: mlp (the ~50 MB MLP) or gpt (elastic.models' TinyGPT, "
+                         "0.82M parameters); --profile always profiles the mlp")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    global WORKLOAD
+    WORKLOAD = common.WORKLOADS[args.model]
     tmp = common.private_ray_env("rs-")
     import torch
 
-    print(f"strategies benchmark: {common.n_params() / 1e6:.2f}M params "
-          f"({common.n_params() * 4 / 1e6:.1f} MB fp32, Adam), G={G}, micro_batches={MICRO}, "
+    n = sum(p.numel() for p in WORKLOAD["model"]().parameters())
+    print(f"strategies benchmark: model {args.model}, {n / 1e6:.2f}M params "
+          f"({n * 4 / 1e6:.1f} MB fp32, Adam), G={G}, micro_batches={MICRO}, "
           f"workers {args.workers}, {args.steps} steps after {args.warmup} warm-up, "
           f"{args.rounds} rounds, {args.pair_rounds} pair rounds; torch {torch.__version__}, "
           f"{os.cpu_count()} CPUs; code {common.code_version()}; others' load before: {common.busy_cores(2.0):.2f} cores, "
