@@ -65,7 +65,8 @@ def test_a_nan_on_one_rank_skips_the_update_on_every_rank(pool: _Pool, case: str
     if clip is not None:
         kw = {**kw, "options": {"max_grad_norm": clip}}
     bad_rank = world - 1  # one rank only (in a pipeline: a later stage's replica slice)
-    results = pool.run(_train, name, kw, STEPS, world_size=world, nan_at=(bad_rank, NAN_STEP))
+    results = pool.run(_train, name, kw, STEPS, 0, None, "cpu", make_adam, (bad_rank, NAN_STEP),
+                       world_size=world)
     for r in results:  # every rank skipped that step, and only that one
         assert r["skipped"] == [s == NAN_STEP for s in range(STEPS)], r["skipped"]
         assert not math.isfinite(r["grad_norms"][NAN_STEP])
