@@ -14,7 +14,7 @@ import functools
 
 from torch import nn
 
-from elastic.models import SyntheticRegression
+from elastic.models import SyntheticRegression, demo_dataset, gpt, gpt_loss
 
 WIDTH = 1024
 DEPTH = 12
@@ -35,6 +35,21 @@ dataset_factory = functools.partial(SyntheticRegression, n=DATA_N, in_features=W
 
 def n_params(width: int = WIDTH, depth: int = DEPTH) -> int:
     return depth * (width * width + width)
+
+
+def gpt_factory() -> nn.Module:
+    """The second workload (``--model gpt``): elastic.models' TinyGPT, 4 layers, 4 heads,
+    n_embd 128 (0.82M parameters in 53 tensors), on the demo corpus, 64-token blocks."""
+    return gpt(block_size=64, n_layer=4, n_head=4, n_embd=128)
+
+
+gpt_dataset_factory = functools.partial(demo_dataset, 64)
+
+# name -> what a job trains: model and dataset factories, loss
+WORKLOADS = {
+    "mlp": {"model": model_factory, "dataset": dataset_factory, "loss": LOSS},
+    "gpt": {"model": gpt_factory, "dataset": gpt_dataset_factory, "loss": gpt_loss},
+}
 
 
 # ------------------------------------------------------------------ machine helpers

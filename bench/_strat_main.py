@@ -23,6 +23,7 @@ from _strat_profile import euler_cycle, label, layouts  # noqa: E402
 
 G = 32
 MICRO = 4
+WORKLOAD = common.WORKLOADS["mlp"]  # --model sets it
 
 
 def _wait(cond: Any, handle: Any, timeout: float, what: str) -> None:
@@ -66,8 +67,8 @@ def _steady(history: list[dict[str, Any]], lo: int, hi: int) -> dict[str, float]
 def _job(world: int, tmp: str, name: str, **kw: Any) -> Any:
     import elastic
 
-    cfg = dict(model=common.model_factory, optimizer=dict(common.OPTIM), loss=common.LOSS,
-               dataset=common.dataset_factory, global_batch_size=G, max_steps=10_000_000,
+    cfg = dict(model=WORKLOAD["model"], optimizer=dict(common.OPTIM), loss=WORKLOAD["loss"],
+               dataset=WORKLOAD["dataset"], global_batch_size=G, max_steps=10_000_000,
                num_workers=world, strategy="dp", micro_batches=MICRO, schedule="gpipe",
                view="none", run_dir=os.path.join(tmp, name), name=name, hang_timeout_s=300,
                seed=common.SEED)
@@ -81,6 +82,8 @@ def fresh_peaks(world: int, args: argparse.Namespace, tmp: str) -> list[dict[str
     out = []
     for name, sched in layouts():
         lay = label((name, sched))
+        if args.layouts and lay not in args.layouts:
+            continue
         handle = _job(world, tmp, f"fresh-{lay}-w{world}", strategy=name, schedule=sched)
         try:
             ctl = handle.controller
@@ -146,8 +149,8 @@ def bench_world(world: int, args: argparse.Namespace, sampler: common.Sampler,
         print(f"[w={world}] first steps after {time.time() - t_submit:.1f}s", flush=True)
         pids = [w.info["pid"] for w in ctl.workers]
         sampler.pids = pids
-        lays = layouts()
-        cur = 0  # the job starts in dp
+        lays = [x for x in layouts() if not args.layouts or label(x) in args.layouts]
+        cur = 0  # the job starts in dp (the first layout)
         steady: list[dict[str, Any]] = []
         for rnd in range(args.rounds):
             for i, lay in enumerate(lays):
@@ -185,6 +188,7 @@ def bench_world(world: int, args: argparse.Namespace, sampler: common.Sampler,
                       f"  peak RSS {', '.join(f'{x:.0f}' for x in rec['peak_rss_mb'])} MB"
                       f"  machine {rec['machine_cores'] or float('nan'):.2f} cores, workers "
                       f"{rec['workers_cores'] or float('nan'):.2f}", flush=True)
+        cur = layouts().index(lays[cur])
         switches, cur = pair_walk(handle, world, args.pair_rounds, cur, "reshard")
         hwm = [common.proc_mem_mb(p)["hwm_mb"] for p in pids]
         handle.stop(timeout=300)
@@ -224,14 +228,16 @@ def _med(xs: list[float]) -> float:
 
 def steady_table(results: list[dict[str, Any]]) -> str:
     lines = ["| workers | layout | samples/s (window, median of rounds) | per round | "
+             "x dp (median of the rounds' ratios) | "
              "median step (ms) | model states per rank (MB: params+grads+optim) | "
              "peak RSS per worker in the long job (MB) | peak RSS per worker, fresh job (MB) | "
              "machine busy cores |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for res in results:
         by: dict[str, list[dict[str, Any]]] = {}
         for r in res["steady"]:
             by.setdefault(r["layout"], []).append(r)
+        dp_by_round = {r["round"]: r["samples_per_s"] for r in by.get("dp", [])}
         fresh = {f["layout"]: f for f in res.get("fresh", [])}
         for lay, rs in by.items():
             fr = fresh.get(lay)
@@ -243,9 +249,12 @@ def steady_table(results: list[dict[str, Any]]) -> str:
                 for m in last["memory_elements"])
             rss = " / ".join(f"{max(r['peak_rss_mb'][i] for r in rs):.0f}"
                              for i in range(len(last["peak_rss_mb"])))
+            ratios = [r["samples_per_s"] / dp_by_round[r["round"]] for r in rs
+                      if dp_by_round.get(r["round"])]
             lines.append(
                 f"| {res['world']} | {lay} | {_med(thr):.1f} | "
                 f"{', '.join(f'{x:.1f}' for x in thr)} | "
+                f"{_med(ratios):.3f} ({', '.join(f'{x:.2f}' for x in ratios)}) | "
                 f"{_med([r['median_step_s'] for r in rs]) * 1e3:.0f} | {mem} | {rss} | {frss} | "
                 f"{_med([r['machine_cores'] for r in rs]):.2f} |")
     return "\n".join(lines)
@@ -299,13 +308,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile-workers", type=int, default=2)
     ap.add_argument("--compare-moves", nargs="*", default=["reshard", "gather"],
                     help="also walk every pair in a fresh job with these switch_move values")
+    ap.add_argument("--layouts", nargs="*", default=[],
+                    help="measure only these layouts' throughput (labels: dp zero1 zero2 "
+                         "zero3 pipeline-gpipe pipeline-1f1b; dp first); default all")
+    ap.add_argument("--model", choices=sorted(common.WORKLOADS), default="mlp",
+                    help="the workload: mlp (the ~50 MB MLP) or gpt (elastic.models' TinyGPT, "
+                         "0.82M parameters); --profile always profiles the mlp")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    global WORKLOAD
+    WORKLOAD = common.WORKLOADS[args.model]
     tmp = common.private_ray_env("rs-")
     import torch
 
-    print(f"strategies benchmark: {common.n_params() / 1e6:.2f}M params "
-          f"({common.n_params() * 4 / 1e6:.1f} MB fp32, Adam), G={G}, micro_batches={MICRO}, "
+    n = sum(p.numel() for p in WORKLOAD["model"]().parameters())
+    print(f"strategies benchmark: model {args.model}, {n / 1e6:.2f}M params "
+          f"({n * 4 / 1e6:.1f} MB fp32, Adam), G={G}, micro_batches={MICRO}, "
           f"workers {args.workers}, {args.steps} steps after {args.warmup} warm-up, "
           f"{args.rounds} rounds, {args.pair_rounds} pair rounds; torch {torch.__version__}, "
           f"{os.cpu_count()} CPUs; code {common.code_version()}; others' load before: {common.busy_cores(2.0):.2f} cores, "

@@ -8,7 +8,9 @@ Models: ``mlp`` is bench/strategies.py's workload (12 blocks of ``Linear(1024, 1
 12.6M parameters in 24 tensors, global batch 32); ``many`` has many small tensors, like the
 MLP-Mixer of issue 16 (24 blocks of ``LayerNorm(64) + Linear(64, 128) + GELU + Linear(128,
 64)``, 0.4M parameters in 144 tensors, global batch 64), where a layout's per-message cost
-shows. Adam, MSE, seeded synthetic regression data.
+shows. Adam, MSE, seeded synthetic regression data. ``gpt`` is another model family:
+elastic.models' TinyGPT (4 layers, n_embd 128, 0.82M parameters in 53 tensors) on the demo
+corpus, 64-token blocks, global batch 32, cross entropy.
 
 Layouts: any strategy name; ``dp-nohook`` is dp with DDP's built-in all-reduce instead of
 ``strategies.dp.recording_allreduce`` (the health hook), to measure what the hook costs.
@@ -36,6 +38,7 @@ sys.path[:] = [ROOT] + [p for p in sys.path if os.path.abspath(p or ".") != BENC
 MODELS: dict[str, dict[str, Any]] = {
     "mlp": {"global_batch": 32, "width": 1024},
     "many": {"global_batch": 64, "width": 64},
+    "gpt": {"global_batch": 32, "width": 0},
 }
 
 
@@ -46,6 +49,10 @@ def _model(name: str) -> Any:
         import _strat_common
 
         return _strat_common.model_factory()
+    if name == "gpt":
+        import _strat_common
+
+        return _strat_common.gpt_factory()
     w = MODELS[name]["width"]
     return nn.Sequential(*[nn.Sequential(nn.LayerNorm(w), nn.Linear(w, 2 * w), nn.GELU(),
                                          nn.Linear(2 * w, w)) for _ in range(24)])
@@ -58,7 +65,7 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) 
 
     import strategies.dp as dp_mod
     from elastic.data import StepSampler, even_shares, fetch_batch, share_bounds
-    from elastic.models import SyntheticRegression
+    from elastic.models import SyntheticRegression, demo_dataset, gpt_loss
     from elastic.reference import build_model
     from strategies import Runtime, StrategySpec, get
 
@@ -74,7 +81,12 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) 
     for model_name in args.model:
         g = MODELS[model_name]["global_batch"]
         w = MODELS[model_name]["width"]
-        data = SyntheticRegression(n=max(512, 4 * g), in_features=w, out_features=w, seed=0)
+        if model_name == "gpt":
+            data: Any = demo_dataset(64)
+            loss_fn: Any = gpt_loss
+        else:
+            data = SyntheticRegression(n=max(512, 4 * g), in_features=w, out_features=w, seed=0)
+            loss_fn = F.mse_loss
         sampler = StepSampler(len(data), g, 0)
         shares = even_shares(g, world)
         lo, hi = share_bounds(shares, rank)
@@ -90,7 +102,7 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) 
                     spec = StrategySpec(name, world, shares)
                     model = build_model(lambda mn=model_name: _model(mn), 0)
                     strat = get(name)(spec, Runtime.current(), model,
-                                      lambda p: torch.optim.Adam(p, lr=1e-4), F.mse_loss)
+                                      lambda p: torch.optim.Adam(p, lr=1e-4), loss_fn)
                 finally:
                     dp_mod.DDP = real  # type: ignore[misc]
                 for step in range(args.warmup + args.steps):
@@ -141,11 +153,13 @@ def main() -> int:
     print(f"{args.workers} gloo workers, {args.rounds} rounds x {args.steps} steps "
           f"({args.warmup} warm-up), {time.time() - t0:.0f} s")
     for model_name, per in results.items():
-        print(f"\nmodel {model_name}: samples/s, median of rounds [per round], ratio to dp")
-        base = statistics.median(per["dp"]) if "dp" in per else None
+        print(f"\nmodel {model_name}: samples/s, median of rounds [per round], x dp")
+        print("  (ratio: the median of the rounds' ratios, each layout against dp's figure "
+              "of the same round)")
         for lay, xs in per.items():
             med = statistics.median(xs)
-            ratio = f"{med / base:.3f}" if base else "-"
+            ratio = (f"{statistics.median(x / d for x, d in zip(xs, per['dp'], strict=True)):.3f}"
+                     if "dp" in per else "-")
             print(f"  {lay:10s} {med:8.1f}  [{', '.join(f'{x:.0f}' for x in xs)}]  {ratio}")
     if args.json:
         with open(args.json, "w") as f:

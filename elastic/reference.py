@@ -5,7 +5,7 @@ Same seed, same model factory, same step sampler, the whole global batch in one 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -70,6 +70,7 @@ def reference_train(
     lr_schedule: Callable[[int], float] | None = None,
     grad_norms: list[float] | None = None,
     precision: str = "fp32",
+    skip_steps: Collection[int] = (),
 ) -> tuple[dict[str, torch.Tensor], list[float]]:
     """Train ``steps`` steps in one process; return (model state_dict, per-step losses).
 
@@ -77,7 +78,10 @@ def reference_train(
     ``lr_schedule``: ``torch.optim.lr_scheduler.LambdaLR`` stepped after each update (the
     update of step s uses ``lr * lr_schedule(s)``). ``grad_norms``: if given, each step's
     gradient norm (before clipping) is appended to it. ``precision="bf16"``: forward and loss
-    under ``torch.autocast(dtype=torch.bfloat16)``, weights and optimizer in fp32."""
+    under ``torch.autocast(dtype=torch.bfloat16)``, weights and optimizer in fp32.
+    ``skip_steps``: steps whose batch is drawn and whose loss is recorded but whose update
+    is skipped (no optimizer step: what the layouts do with a non-finite gradient); the lr
+    schedule still follows the step number, as the job's does."""
     model = build_model(model_factory, seed)
     opt = optimizer_factory(model.parameters())
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_schedule) if lr_schedule else None
@@ -94,7 +98,8 @@ def reference_train(
                 model.parameters(), max_grad_norm if max_grad_norm is not None else float("inf"))
             if grad_norms is not None:
                 grad_norms.append(float(norm))
-        opt.step()
+        if step not in skip_steps:
+            opt.step()
         if sched is not None:
             sched.step()
         losses.append(float(loss.detach()))

@@ -325,8 +325,10 @@ class Pipeline(Strategy):
         )
         if self.update is not None:
             self.update.reduce_grads()
-        if self.max_grad_norm is not None:  # before the commit below: see clip_grads
-            self.clip_grads()
+        # the global norm (one world all-reduce; clipping with it) before the commit below,
+        # see clip_grads; not finite: no rank commits or updates (all see the same norm)
+        if not self.update_allowed():
+            return self._loss(losses)
         # Every rank's gradients are complete: step everywhere or nowhere. Without this, a
         # node lost between two stages' dp reductions leaves stage 0 at step s+1 and stage 1
         # at s, and no step has a live holder of every entry (docs/architecture.md). The
@@ -341,6 +343,10 @@ class Pipeline(Strategy):
             assert self.optimizer is not None
             before_update()
             self.optimizer.step()
+        return self._loss(losses)
+
+    def _loss(self, losses: list[torch.Tensor]) -> float:
+        """What ``train_step`` returns: the replica's loss share on the last stage, else 0."""
         if not self.is_last:
             return 0.0
         return float(sum(float(x.detach()) for x in losses)) * self._report

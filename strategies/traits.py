@@ -16,10 +16,12 @@ optimizer-state element, and the data-parallel degree N that shards them:
     zero3  p psi/N + g psi/N + k psi / N
 
 A pipeline rank holds its stage's parameters (psi = the stage's), laid out inside the stage by
-its ``dp_mode`` over the dp degree. On top of the states, a layout holds working buffers of
-its largest unit (an FSDP unit, a block): zero2 one unit's gradients while they are reduced to
-their owner, zero3 two units' gathered parameters (the one running and the one prefetched) and
-one unit's unsharded gradients.
+its ``dp_mode`` over the dp degree. On top of the states, a layout holds working buffers:
+zero1 and zero2 the flat buffers of the gradient buckets in flight and then of the parameter
+broadcasts (``strategies.buckets``: two of at most ``BUCKET_BYTES`` each when the link keeps
+up with backward; a single tensor larger than that travels alone), zero3 two units' gathered
+parameters (the one running and the one prefetched) and one unit's unsharded gradients, a
+unit being its largest FSDP unit (a block).
 """
 
 from __future__ import annotations
@@ -30,7 +32,13 @@ from types import MappingProxyType
 
 from .errors import StrategyError
 
-__all__ = ["Traits", "StateBytes", "TRAITS", "traits_of", "DP_MODES"]
+__all__ = ["Traits", "StateBytes", "TRAITS", "traits_of", "DP_MODES", "BUCKET_BYTES",
+           "FIRST_BUCKET_BYTES"]
+
+# Gradient buckets of zero1/zero2 (strategies.buckets): DDP's sizes, 1 MiB for the first
+# bucket (communication starts early in backward), then 25 MiB (bucket_cap_mb).
+FIRST_BUCKET_BYTES = 1 << 20
+BUCKET_BYTES = 25 << 20
 
 
 @dataclass(frozen=True)
@@ -59,7 +67,8 @@ class Traits:
     owners, zero3 gathers in each forward), so every rank runs as many as the largest share
     needs. ``pipeline``: stages over ``pp_degree`` ranks (the spec's pipeline fields apply).
     ``buffer_param_units`` / ``buffer_grad_units``: working buffers, in units of the largest
-    unit's parameters / gradients (see the module docstring).
+    unit's parameters / gradients; ``buffer_buckets``: working buffers, in gradient buckets
+    (see the module docstring).
     """
 
     name: str
@@ -71,6 +80,7 @@ class Traits:
     pipeline: bool = False
     buffer_param_units: int = 0
     buffer_grad_units: int = 0
+    buffer_buckets: int = 0
 
     def survives_loss(self, dp_degree: int, dp_mode: str = "dp") -> bool:
         """Whether every entry still has a live holder after any one rank is lost, with
@@ -88,8 +98,8 @@ class Traits:
         over its dp degree). Defaults: mixed precision with Adam (2 + 2 + 12 bytes)."""
         if self.pipeline:
             return traits_of(dp_mode).state_bytes(n_params, degree, param_bytes=param_bytes,
-                                               grad_bytes=grad_bytes,
-                                               optimizer_bytes=optimizer_bytes)
+                                                  grad_bytes=grad_bytes,
+                                                  optimizer_bytes=optimizer_bytes)
         if degree < 1:
             raise ValueError(f"degree must be >= 1, got {degree}")
 
@@ -101,23 +111,27 @@ class Traits:
                           part(optimizer_bytes, self.shards_optimizer))
 
     def buffer_bytes(self, unit_params: float, *, param_bytes: float = 2,
-                     grad_bytes: float = 2, dp_mode: str = "dp") -> float:
+                     grad_bytes: float = 2, dp_mode: str = "dp",
+                     n_params: float | None = None) -> float:
         """Working-buffer bytes per rank beside the model states, for a largest unit of
-        ``unit_params`` parameters (a pipeline: as its ``dp_mode`` lays out the stage)."""
+        ``unit_params`` parameters among ``n_params`` (default: the unit's) that the rank
+        reduces (a pipeline: its stage's, as its ``dp_mode`` lays them out)."""
         if self.pipeline:
             return traits_of(dp_mode).buffer_bytes(unit_params, param_bytes=param_bytes,
-                                                grad_bytes=grad_bytes)
-        return unit_params * (self.buffer_param_units * param_bytes
-                              + self.buffer_grad_units * grad_bytes)
+                                                   grad_bytes=grad_bytes, n_params=n_params)
+        grads = (unit_params if n_params is None else n_params) * grad_bytes
+        return (unit_params * (self.buffer_param_units * param_bytes
+                               + self.buffer_grad_units * grad_bytes)
+                + self.buffer_buckets * min(grads, BUCKET_BYTES))
 
 
 TRAITS: Mapping[str, Traits] = MappingProxyType({t.name: t for t in (
     Traits(name="dp", shards_params=False, shards_grads=False, shards_optimizer=False,
            replicas_survive_loss=True, lockstep_micro_batches=False),
     Traits(name="zero1", shards_params=False, shards_grads=False, shards_optimizer=True,
-           replicas_survive_loss=False, lockstep_micro_batches=False),
+           replicas_survive_loss=False, lockstep_micro_batches=False, buffer_buckets=2),
     Traits(name="zero2", shards_params=False, shards_grads=True, shards_optimizer=True,
-           replicas_survive_loss=False, lockstep_micro_batches=True, buffer_grad_units=1),
+           replicas_survive_loss=False, lockstep_micro_batches=True, buffer_buckets=2),
     Traits(name="zero3", shards_params=True, shards_grads=True, shards_optimizer=True,
            replicas_survive_loss=False, lockstep_micro_batches=True, buffer_param_units=2,
            buffer_grad_units=1),

@@ -10,14 +10,22 @@ Design
 * **Optimizer.** Each rank builds the user's optimizer with ``optimizer_factory`` over *only* the
   parameters it owns (a rank that owns none has no optimizer). Any per-parameter optimizer
   (Adam, SGD, ...) therefore works unchanged and computes exactly what it computes unsharded.
-* **ZeRO-1 gradients.** Every gradient is summed over the group with an asynchronous
-  ``all_reduce`` launched from a post-accumulate-grad hook, so communication overlaps the rest
-  of backward. Every rank holds full gradients, as with DDP.
-* **ZeRO-2 gradients.** Each gradient is summed onto its owner only (``reduce`` to the owner,
-  launched from the same hook); the other ranks drop it (``p.grad = None``) once the reduction
-  is done, so gradients held at rest are about 1/N.
+* **Gradients travel in buckets** (``strategies.buckets``, as DDP's reducer and DeepSpeed's
+  reduce buckets do): a bucket (1 MiB first, then up to 25 MiB, in backward order) is sent as
+  one flat buffer as soon as backward has produced all its gradients, from post-accumulate-grad
+  hooks, so communication overlaps the rest of backward and costs a few messages per step
+  instead of one per parameter tensor.
+* **ZeRO-1 gradients.** Each bucket is summed over the group with one asynchronous
+  ``all_reduce``. Every rank holds full gradients, as with DDP.
+* **ZeRO-2 gradients.** Each bucket's gradients are ordered by owner and each owner's segment
+  is summed onto that owner only (one ``reduce`` per owner present in the bucket); the other
+  ranks drop their copies as soon as the bucket is sent, so gradients held at rest are about
+  1/N.
 * **Update.** Owners step their optimizer, then the updated parameters are broadcast from their
-  owners, one flat buffer per (owner, dtype).
+  owners in place: each owner's parameters live in flat chunks of at most a bucket (each
+  parameter's ``data`` is a view of its chunk; names, hooks and optimizer keys unchanged), so
+  a chunk is sent and received as it is, all chunks in flight at once, the owners' in turn (a
+  rank sends its own while it receives the others'), with no copy and no buffer.
 * **Loss scaling.** Reductions are sums, and each rank scales its local mean loss by
   ``share / G``, so the summed gradient is exactly the mean over the G samples of the step,
   whatever the split. Only the order of the floating-point additions differs from the
@@ -25,7 +33,7 @@ Design
 
 ``ShardedUpdate`` implements the gradient reduction and the update for one data-parallel group
 and is reused by the pipeline hybrids (``dp``, ``zero1``, ``zero2`` inside each stage); there the
-reduction runs explicitly after the pipeline schedule's last backward instead of from hooks.
+same buckets are sent after the pipeline schedule's last backward instead of from hooks.
 
 Canonical state: the model comes from the local replica; optimizer entries are gathered from
 their owners (``full_state`` is a collective on the default group).
@@ -33,7 +41,7 @@ their owners (``full_state`` is a collective on the default group).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 from typing import ClassVar
 
 import torch
@@ -42,13 +50,13 @@ from torch import nn
 
 from ._gather import assign_owners, gather_union, global_ranks
 from .base import LossFn, OptimizerFactory, Runtime, Strategy, before_update, grad_sq_sum
+from .buckets import BUCKET_BYTES, GradBuckets
 from .canonical import (
     CanonicalState,
     model_state_to_canonical,
     optimizer_state_from_canonical,
     optimizer_state_to_canonical,
 )
-from .health import record as record_failure
 from .spec import StrategySpec, lockstep_micro_batches
 
 __all__ = ["ShardedUpdate", "Zero1", "Zero2", "UPDATE_MODES"]
@@ -61,7 +69,8 @@ class ShardedUpdate:
 
     ``mode`` is ``"dp"`` (all-reduce, every rank steps a full optimizer), ``"zero1"``
     (all-reduce, owners step, owners broadcast) or ``"zero2"`` (reduce to owner, owners step,
-    owners broadcast; non-owners keep no gradient). Gradient reductions are sums: the caller
+    owners broadcast; non-owners keep no gradient), each reduction bucketed
+    (``strategies.buckets.GradBuckets``). Gradient reductions are sums: the caller
     scales its loss so that the sum is the wanted mean. ``group=None`` is the default group;
     ``ranks`` overrides the group's global ranks (``[own rank]``: a group of one, no
     communication at all).
@@ -97,71 +106,42 @@ class ShardedUpdate:
         }
         self.fqn_of = {id(p): name for name, p in self.owned.items()}
         self.optimizer = optimizer_factory(list(self.owned.values())) if self.owned else None
-        self._pending: list[tuple[dist.Work, nn.Parameter, int]] = []
-        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
-        self.sync = True  # False: the hooks let gradients accumulate (not the last micro-batch)
+        self.buckets = GradBuckets([p for _, p in self.named], self.owner,
+                                   "reduce" if mode == "zero2" else "all_reduce", group,
+                                   self.ranks, self.index, label=mode)
+        # zero1/zero2: each owner's parameters live in flat chunks (the parameters are views
+        # of them), so the update goes out in place: no copy in, no copy out, no allocation
+        self._chunks = (_flat_chunks(self.named, self.owner, len(self.ranks))
+                        if mode != "dp" and len(self.ranks) > 1 else [])
 
     # ------------------------------------------------------------------ gradients
 
     def attach_hooks(self) -> None:
-        """Launch each parameter's reduction from a post-accumulate-grad hook (overlap).
+        """Launch each gradient bucket's reduction from the post-accumulate-grad hooks of
+        its parameters, while backward goes on; call ``wait()`` after each backward."""
+        self.buckets.attach_hooks()
 
-        Use only when each step runs exactly one backward; call ``wait()`` after it.
-        """
-        for (_, p), o in zip(self.named, self.owner, strict=True):
-            self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(o)))
+    @property
+    def sync(self) -> bool:
+        """False: the hooks let gradients accumulate (a micro-batch that is not the last)."""
+        return self.buckets.sync
 
-    def _make_hook(self, owner: int) -> Callable[[torch.Tensor], None]:
-        def hook(p: torch.Tensor) -> None:
-            if len(self.ranks) == 1 or not self.sync:
-                return
-            grad = p.grad
-            assert grad is not None  # a post-accumulate-grad hook runs once it exists
-            if self.mode == "zero2":
-                work = dist.reduce(grad, dst=self.ranks[owner], group=self.group, async_op=True)
-            else:
-                work = dist.all_reduce(grad, group=self.group, async_op=True)
-            self._pending.append((work, p, owner))  # type: ignore[arg-type]
-
-        return hook
+    @sync.setter
+    def sync(self, value: bool) -> None:
+        self.buckets.sync = value
 
     def wait(self) -> None:
-        """Finish the reductions launched by the hooks; ZeRO-2 non-owners drop their grads."""
-        for work, p, owner in self._pending:
-            try:
-                work.wait()
-            except Exception as e:  # raised here, not in torch.distributed: say the group failed
-                record_failure(f"{self.mode} gradient reduction: {type(e).__name__}")
-                raise
-            if self.mode == "zero2" and owner != self.index:
-                p.grad = None
-        self._pending.clear()
+        """Finish the reductions (launching the buckets the hooks have not): every rank holds
+        the summed gradients (zero2: only its owned ones; it drops the others)."""
+        self.buckets.flush()
 
     def reduce_grads(self) -> None:
-        """Reduce all present gradients now (no hooks): one flat collective per dtype (per owner
-        for ZeRO-2). Every rank of the group must have gradients for the same parameters."""
-        if len(self.ranks) == 1:
-            return
-        if self.mode == "zero2":
-            for o in range(len(self.ranks)):
-                ps = [p for (_, p), ow in zip(self.named, self.owner, strict=True) if ow == o]
-                for bucket in _by_dtype([p for p in ps if p.grad is not None]):
-                    grads = _grads(bucket)
-                    flat = torch.cat([g.reshape(-1) for g in grads])
-                    dist.reduce(flat, dst=self.ranks[o], group=self.group)
-                    if o == self.index:
-                        _unflatten_into(grads, flat)
-                    else:
-                        for p in bucket:
-                            p.grad = None
-        else:
-            for bucket in _by_dtype([p for _, p in self.named if p.grad is not None]):
-                grads = _grads(bucket)
-                flat = torch.cat([g.reshape(-1) for g in grads])
-                dist.all_reduce(flat, group=self.group)
-                _unflatten_into(grads, flat)
+        """Reduce all present gradients now, bucket by bucket (without hooks). Every rank of
+        the group must have gradients for the same parameters."""
+        self.buckets.flush()
 
     def zero_grad(self) -> None:
+        self.buckets.reset()
         for _, p in self.named:
             p.grad = None
 
@@ -188,21 +168,12 @@ class ShardedUpdate:
             self.optimizer.step()
         if self.mode == "dp" or len(self.ranks) == 1:
             return
-        with torch.no_grad():
-            for o in range(len(self.ranks)):
-                ps = [p for (_, p), ow in zip(self.named, self.owner, strict=True) if ow == o]
-                for bucket in _by_dtype(ps):
-                    if o == self.index:
-                        flat = torch.cat([p.detach().reshape(-1) for p in bucket])
-                    else:
-                        flat = torch.empty(
-                            sum(p.numel() for p in bucket),
-                            dtype=bucket[0].dtype,
-                            device=bucket[0].device,
-                        )
-                    dist.broadcast(flat, src=self.ranks[o], group=self.group)
-                    if o != self.index:
-                        _unflatten_into([p.detach() for p in bucket], flat)
+        # every chunk's broadcast in flight at once, the owners' chunks in turn (a rank sends
+        # its own while it receives the others'); in place, so it needs no buffer
+        works = [dist.broadcast(flat, src=self.ranks[o], group=self.group, async_op=True)
+                 for o, flat in self._chunks]
+        for work in works:
+            work.wait()
 
     # ------------------------------------------------------------------ state
 
@@ -231,10 +202,7 @@ class ShardedUpdate:
         )
 
     def close(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
-        self._pending.clear()
+        self.buckets.close()
         self.optimizer = None
 
 
@@ -249,11 +217,42 @@ def owned_needs(key: str, owned: Mapping[str, object], model_keys: Container[str
     return False
 
 
-def _grads(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """The gradients of ``params``, all present (the callers filtered out the others)."""
-    out = [p.grad for p in params]
-    assert all(g is not None for g in out)
-    return out  # type: ignore[return-value]
+def _flat_chunks(named: Sequence[tuple[str, nn.Parameter]], owner: Sequence[int], n: int
+                 ) -> list[tuple[int, torch.Tensor]]:
+    """Move every parameter into a flat chunk of its owner's (one dtype, at most
+    ``BUCKET_BYTES`` each, a larger tensor alone): ``p.data`` becomes a view of the chunk, so
+    names, modules, hooks and optimizer keys stay those of the parameter. Returns (owner,
+    chunk) in the order the broadcasts go: each owner's first chunk, then each owner's
+    second, ... (the same on every rank)."""
+    per_owner: list[list[list[torch.Tensor]]] = []
+    for o in range(n):
+        runs: list[list[torch.Tensor]] = []
+        for group in _by_dtype([p for (_, p), ow in zip(named, owner, strict=True) if ow == o]):
+            used = 0
+            for p in group:
+                size = p.numel() * p.element_size()
+                if not runs or runs[-1][0].dtype != p.dtype or used + size > BUCKET_BYTES:
+                    runs.append([])
+                    used = 0
+                runs[-1].append(p)
+                used += size
+        per_owner.append(runs)
+    out: list[tuple[int, torch.Tensor]] = []
+    with torch.no_grad():
+        for k in range(max((len(r) for r in per_owner), default=0)):
+            for o, runs in enumerate(per_owner):
+                if k >= len(runs):
+                    continue
+                run = runs[k]
+                flat = torch.empty(sum(p.numel() for p in run), dtype=run[0].dtype,
+                                   device=run[0].device)
+                at = 0
+                for p in run:
+                    flat[at:at + p.numel()].copy_(p.reshape(-1))
+                    p.data = flat[at:at + p.numel()].view_as(p)
+                    at += p.numel()
+                out.append((o, flat))
+    return out
 
 
 def _by_dtype(params: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -261,14 +260,6 @@ def _by_dtype(params: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
     for p in params:
         buckets.setdefault(p.dtype, []).append(p)
     return [buckets[d] for d in sorted(buckets, key=str)]
-
-
-def _unflatten_into(tensors: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
-    off = 0
-    for t in tensors:
-        n = t.numel()
-        t.copy_(flat[off : off + n].view_as(t))
-        off += n
 
 
 class _Zero(Strategy):
@@ -313,9 +304,8 @@ class _Zero(Strategy):
                 self.update.wait()
         self.update.sync = True
         self.update.wait()
-        if self.max_grad_norm is not None:
-            self.clip_grads()
-        self.update.step()
+        if self.update_allowed():  # the global norm: one scalar all-reduce, every step
+            self.update.step()
         return total * self._scale
 
     def clip_grads(self) -> None:

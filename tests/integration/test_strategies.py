@@ -90,9 +90,11 @@ def _train(
     state: Any = None,
     device: str = "cpu",
     optimizer: Any = make_adam,
+    nan_at: tuple[int, int] | None = None,
 ) -> dict[str, Any]:
     """Runs on every rank: build, (load), train ``steps`` steps, report. ``device="cuda"``
-    puts rank r on ``cuda:r``."""
+    puts rank r on ``cuda:r``. ``nan_at=(rank, step)``: that rank's inputs are NaN at that
+    step (its loss and gradients are; the other ranks' are not)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     spec = StrategySpec(name=name, world_size=world, **spec_kw)
     model = build_model(make_mlp, SEED)
@@ -116,11 +118,14 @@ def _train(
     rows.clear()
     hooks = [m.register_forward_hook(lambda _m, _i, o: out_dtypes.add(str(o.dtype)))
              for m in linears]
-    losses, norms = [], []
+    losses, norms, skipped = [], [], []
     for s in range(start_step, start_step + steps):
         x, y = fetch_batch(DATA, sampler.indices(s))
+        if nan_at == (rank, s):
+            x = torch.full_like(x, float("nan"))
         losses.append(strat.train_step(x[lo:hi], y[lo:hi]))
         norms.append(strat.last_grad_norm)
+        skipped.append(strat.skipped)
     for h in hooks:
         h.remove()
     out = strat.full_state()
@@ -139,6 +144,7 @@ def _train(
         "held_keys": sorted(held),
         "local_params": stage_params,
         "grad_norms": norms,
+        "skipped": skipped,
         "out_dtypes": sorted(out_dtypes),
         "rows": rows,
         "param_dtypes": param_dtypes,

@@ -23,7 +23,7 @@ from strategies import (
     names,
 )
 from strategies.blocks import block_params, blocks_of
-from strategies.traits import traits_of
+from strategies.traits import BUCKET_BYTES, traits_of
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent.parent
 
@@ -73,7 +73,9 @@ def test_the_zero_memory_formula_is_the_papers() -> None:
                                              optimizer_bytes=8, dp_mode="zero2")
     assert (stage.params, stage.grads, stage.optimizer) == (4e6, 2e6, 4e6)
     assert traits_of("zero3").buffer_bytes(10, param_bytes=2, grad_bytes=4) == 10 * (2 * 2 + 4)
-    assert traits_of("pipeline").buffer_bytes(10, dp_mode="zero2") == 10 * 2
+    # zero1/zero2: two gradient buckets (or parameter-broadcast chunks) in flight
+    assert traits_of("pipeline").buffer_bytes(10, dp_mode="zero2") == 2 * 10 * 2
+    assert traits_of("zero1").buffer_bytes(1e9, n_params=1e10) == 2 * BUCKET_BYTES
     assert traits_of("dp").buffer_bytes(10) == 0
 
 

@@ -186,14 +186,21 @@ def test_a_raise_fault_is_a_user_error_and_the_replayed_step_runs(tmp_path, grou
     assert p.loop.run(2, 4) == {"status": "done", "next_step": 4}
 
 
-def test_a_nan_fault_makes_that_step_non_finite(tmp_path, group):
+def test_a_nan_fault_makes_that_step_non_finite_and_it_is_skipped(tmp_path, group):
+    """The step's loss is NaN; the layout skips its update (its gradient norm is NaN), the
+    loop records the step as skipped (on_nonfinite: skip, the default), and the parameters
+    are those of the step before, bit for bit."""
     cfg = _cfg(tmp_path, faults=[{"rank": 0, "step": 1, "action": "nan"}])
     p = _parts(cfg, group)
     p.layout.build(_spec())
-    p.loop.run(0, 2)
-    losses = [m["loss"] for m in p.loop.drain()]
-    assert math.isfinite(losses[0]) and math.isnan(losses[1])
-    assert any(not torch.isfinite(v).all() for v in _params(p.layout.strategy.full_state()).values())
+    p.loop.run(0, 1)
+    before = _params(p.layout.strategy.full_state())
+    p.loop.run(1, 2)
+    metrics = p.loop.drain()
+    assert math.isfinite(metrics[0]["loss"]) and math.isnan(metrics[1]["loss"])
+    assert p.layout.strategy.skipped and metrics[1]["skipped"] and "skipped" not in metrics[0]
+    after = _params(p.layout.strategy.full_state())
+    assert all(torch.equal(after[k], v) for k, v in before.items())
 
 
 # ----------------------------------------------------------------------- held state

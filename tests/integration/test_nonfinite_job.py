@@ -1,0 +1,70 @@
+"""A job whose rank 1 sees NaN at one step, under ``on_nonfinite: skip`` (issue 13 point 1).
+
+The job config's ``faults`` hook (``elastic/worker/faults.py``, action ``nan``) makes rank 1's
+inputs NaN at step ``NAN_STEP``. Every rank must skip that step's update alike (the layouts
+skip an update whose global gradient norm is not finite; the loop agrees the step was bad
+and, under ``skip``, goes on), so the job ends where the single-process reference that draws
+that batch and skips its update ends (``reference_train(skip_steps=...)``, within the 1e-5 of
+test_fit.py), and every checkpoint it commits, before and after that step, is finite and is
+the reference's state at its step: a NaN never reaches a committed checkpoint (nor a refused
+one: no ``checkpoint_refused`` event).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+import elastic
+from elastic.checkpoint import CheckpointStore, committed_steps, load
+from elastic.reference import reference_train
+from tests.helpers import RegressionData, adam, max_diff, mlp, mse
+
+G = 12
+STEPS = 8
+NAN_STEP = 3
+TOL = 1e-5
+
+
+def _ref(steps: int, skip: bool = True) -> dict[str, torch.Tensor]:
+    state, _ = reference_train(mlp, adam, mse, RegressionData(), G, steps, seed=0,
+                               skip_steps={NAN_STEP} if skip else ())
+    return state
+
+
+@pytest.mark.parametrize("strategy,workers", [("dp", 2), ("zero2", 3)])
+def test_a_nan_step_is_skipped_everywhere_and_never_checkpointed(ray_local, tmp_path,
+                                                                 strategy, workers):
+    uri = str(tmp_path / "ckpt")
+    faults = str(tmp_path / "faults")
+    result = elastic.fit(
+        model=mlp, optimizer=adam, loss=mse, dataset=RegressionData(), global_batch_size=G,
+        max_steps=STEPS, num_workers=workers, strategy=strategy, view="none",
+        run_dir=str(tmp_path / "run"), checkpoint_uri=uri, checkpoint_every=2, keep_last=10,
+        on_nonfinite="skip", faults=[{"rank": 1, "step": NAN_STEP, "action": "nan",
+                                      "dir": faults}])
+    assert os.listdir(faults) == [f"fired-rank1-step{NAN_STEP}"]  # the fault did fire
+    hist = {h["step"]: h for h in result.history}
+    assert sorted(hist) == list(range(STEPS))
+    assert [s for s, h in hist.items() if h.get("skipped")] == [NAN_STEP]
+    bad_loss = hist[NAN_STEP]["loss"]
+    assert bad_loss is None or not math.isfinite(bad_loss)
+    assert all(math.isfinite(h["loss"]) for s, h in hist.items() if s != NAN_STEP)
+    # the job ends where the reference that skipped that update ends, not where training on
+    # it would (that one is finite here too, but elsewhere)
+    final = result.state_dict()
+    assert max_diff(final, _ref(STEPS)) < TOL
+    assert max_diff(final, _ref(STEPS, skip=False)) > 100 * TOL
+    # every checkpoint committed (steps 2, 4, 6, 8: before and after the NaN) is finite and
+    # is the reference's state at its step; none was refused for non-finite values
+    assert not [e for e in result.events if e.kind == "checkpoint_refused"]
+    steps = committed_steps(CheckpointStore(uri))
+    assert steps == [2, 4, 6, 8]
+    for s in steps:
+        saved = load(CheckpointStore(uri), s)
+        assert all(bool(torch.isfinite(v).all()) for v in saved.values()), s
+        model = {k[len("model/"):]: v for k, v in saved.items() if k.startswith("model/")}
+        assert max_diff(model, _ref(s)) < TOL, s
