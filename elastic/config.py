@@ -91,6 +91,9 @@ class JobConfig:
     balance: str = "auto"  # auto | on | off
     emulate: list[dict[str, Any]] | None = None  # per worker: {slowdown, memory_gb, stands_for}
     rebalance_every: int = 200  # while balancing: re-measure speeds every N steps (0: never)
+    # the closed loop: every N steps re-fit the cost model to the job's own step timings;
+    # strategy auto may switch plans, balanced shares are re-cut around a straggler (0: never)
+    replan_every: int = 50
     profile_cache: bool = True  # reuse measured speeds per (device, model, batch) across runs
     # failure handling
     max_failures: int = 3
@@ -248,6 +251,10 @@ class JobConfig:
                 )
         if self.balance not in ("auto", "on", "off"):
             raise ConfigError("balance", f"unknown value {self.balance!r}.", "use auto, on or off")
+        if not isinstance(self.replan_every, int) or isinstance(self.replan_every, bool) or \
+                self.replan_every < 0:
+            raise ConfigError("replan_every", f"must be an integer >= 0, got "
+                              f"{self.replan_every!r}.", "0 turns the closed loop off")
         for i, emu in enumerate(self.emulate or []):
             if not isinstance(emu, dict) or set(emu) - {"slowdown", "memory_gb", "stands_for"} or \
                     float(emu.get("slowdown", 1.0)) < 1.0:

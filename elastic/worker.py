@@ -44,6 +44,7 @@ from strategies import get as get_strategy
 from .config import JobConfig
 from .data import StepSampler, even_shares, fetch_batch, share_bounds
 from .errors import InfrastructureError, SwitchError, WorkerError
+from .measure import SpanHooks, profile_terms
 from .reference import build_model, build_model_for_load
 
 __all__ = ["Worker", "is_infrastructure_error"]
@@ -148,6 +149,7 @@ class _Pending:
     lr: float | None = None  # the lr of the step's update (with an lr_schedule)
     grad_norm: float | None = None  # the global gradient norm before clipping (max_grad_norm)
     eval_loss: float | None = None  # the mean loss over eval_dataset after this step
+    compute_s: float = 0.0  # seconds inside this rank's blocks' forwards (its own compute)
 
 
 class Worker:
@@ -186,7 +188,7 @@ class Worker:
         self._stop = threading.Event()
         self._emulated_slowdown = 1.0
         self._emulation: dict[str, Any] = {}
-        self._slow_hooks: list[Any] = []  # the emulated slowdown's forward hooks
+        self._spans = SpanHooks()  # per-block timing and the emulated slowdown's sleeps
         self._slow_dirty = False
         self._param_keys: set[str] = set()  # "model/<fqn>" of parameters (not buffers)
         self._unhook_update: Callable[[], None] | None = None
@@ -439,7 +441,9 @@ class Worker:
             idx = self._sampler.indices(step)[lo:hi]
             x, y = fetch_batch(self._dataset, idx)
             lr = self._set_lr(step)
+            self._spans.take()
             local = self.strategy.train_step(x, y)
+            compute_s = self._spans.take()
             norm = self.strategy.last_grad_norm
             self.next_step = step + 1
             busy = 1.0 if self._writer is not None and self._writer.state != "idle" else 0.0
@@ -450,7 +454,7 @@ class Worker:
             if pending is not None:  # the previous step's values, reduced meanwhile
                 stop = self._finish_step(pending)
             pending = _Pending(step, work, ctrl, t0, time.perf_counter(), time.time(), lo, hi,
-                               lr, norm)
+                               lr, norm, compute_s=compute_s)
             if self._eval_due(step):  # between steps: its time counts in neither
                 pending.eval_loss = self._evaluate()
             if self._checkpoint_due(step) or step + 1 == end or stop:
@@ -549,7 +553,7 @@ class Worker:
             "samples": p.hi - p.lo, "range": [p.lo, p.hi],
             "samples_per_s": self.config.global_batch_size / dt if dt > 0 else 0.0,
             "time": p.wall_end, "generation": self.generation,
-            "global_samples": int(trained), **ckpt,
+            "global_samples": int(trained), "compute_s": p.compute_s, **ckpt,
             **({"lr": p.lr} if p.lr is not None else {}),
             **({"grad_norm": p.grad_norm} if p.grad_norm is not None else {}),
             **({"eval_loss": p.eval_loss} if p.eval_loss is not None else {}),
@@ -821,52 +825,21 @@ class Worker:
         return self.info()
 
     def _install_slowdown(self) -> None:
-        """Emulate a slower device inside the compute: every block this rank runs (each
-        pipeline stage's blocks, else the model's blocks, else the whole model) sleeps
-        ``(slowdown - 1) x`` its forward's time right after its forward, and ``(slowdown - 1)
-        x`` its backward's time right after its backward (module backward hooks). So each
-        phase is slow where it happens: a slow pipeline stage on every micro-batch, a slow
-        zero3 rank in each block's forward *and* backward (whose gathers and reduce-scatters
-        synchronize the ranks block by block), and collectives between blocks are not
-        slowed. (Until 2026-12-01 the whole ``(slowdown - 1) x (forward + backward)`` sleep
-        came after the forward: with per-block synchronization a slow rank was far slower in
-        forward and faster than its peers in backward, so zero3 emulated a worse device.)"""
-        import warnings
-
-        for h in self._slow_hooks:
-            h.remove()
-        self._slow_hooks = []
+        """Hooks on every block this rank runs (each pipeline stage's blocks, else the model's
+        blocks, else the whole model): they time the blocks' forwards (this rank's own
+        compute, reported per step as ``compute_s``) and, on an emulated slower device, sleep
+        ``(slowdown - 1) x`` each block's forward time right after its forward and ``(slowdown
+        - 1) x`` its backward time right after its backward. So each phase is slow where it
+        happens: a slow pipeline stage on every micro-batch, a slow zero3 rank in each
+        block's forward *and* backward (whose gathers and reduce-scatters synchronize the
+        ranks block by block), and collectives between blocks are not slowed
+        (``elastic.measure.SpanHooks``)."""
         self._slow_dirty = False
-        k = self._emulated_slowdown
-        if k <= 1.0 or self.strategy is None:
+        if self.strategy is None:
+            self._spans.remove()
             return
-        extra = k - 1.0
-        started: dict[tuple[int, str], float] = {}
-        # on a GPU a forward only queues kernels: time it to their end
-        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
-
-        def start(phase: str) -> Callable[..., None]:
-            def hook(mod: Any, *_args: Any) -> None:
-                sync()
-                started[(id(mod), phase)] = time.perf_counter()
-            return hook
-
-        def stop(phase: str) -> Callable[..., None]:
-            def hook(mod: Any, *_args: Any) -> None:
-                t = started.pop((id(mod), phase), None)
-                if t is not None:
-                    sync()
-                    time.sleep(extra * (time.perf_counter() - t))
-            return hook
-
-        # the first block's inputs need no gradient: its backward hook then fires on the
-        # gradients of its outputs, which torch warns about; that timing is what we want
-        warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients")
-        for m in _compute_blocks(self.strategy):
-            self._slow_hooks += [m.register_forward_pre_hook(start("fwd")),
-                                 m.register_forward_hook(stop("fwd")),
-                                 m.register_full_backward_pre_hook(start("bwd")),
-                                 m.register_full_backward_hook(stop("bwd"))]
+        self._spans.install(_compute_blocks(self.strategy), self._emulated_slowdown,
+                            self.device)
 
     def _autocast(self) -> Any:
         """The job's compute precision for the profiler's private forward passes."""
@@ -951,6 +924,31 @@ class Worker:
                     times.append(time.perf_counter() - t0)
                 out.append((n, sorted(times)[repeats // 2]))
             return out
+        return self._guard(go)
+
+    def profile_terms(self, shares: list[int], rounds: int = 7) -> dict[str, Any]:
+        """Collective: this rank's measurements for the planner's cost model, each repeated
+        ``rounds`` times (``elastic.measure.profile_terms``; trial dp steps under ``shares``)."""
+        from .planning import blocks_of
+
+        def go() -> dict[str, Any]:
+            self._ensure_data()
+            assert self._sampler is not None
+            lo, hi = share_bounds(shares, self.rank)
+            sampler, data = self._sampler, self._dataset
+
+            def batch(step: int) -> Any:
+                return fetch_batch(data, sampler.indices(step)[lo:hi])
+
+            def control() -> None:
+                dist.all_reduce(torch.zeros(4, dtype=torch.float64, device=self.device))
+
+            return profile_terms(
+                model_factory=lambda: build_model(self._model_factory, self.config.seed),
+                loss_fn=self._loss_fn, optimizer_factory=self.config.optimizer_factory(),
+                batch=batch, shares=shares, rank=self.rank, world=self.world,
+                device=self.device, autocast=self._autocast, slowdown=self._emulated_slowdown,
+                rounds=rounds, control=control, blocks_of=blocks_of)
         return self._guard(go)
 
     def shutdown(self) -> None:

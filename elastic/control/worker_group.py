@@ -490,6 +490,10 @@ class WorkerGroup:
     def measure_collectives(self, sizes: list[int]) -> list[list[tuple[int, float]]]:
         return self._call("measure_collectives", sizes)
 
+    def profile_terms(self, shares: list[int], rounds: int = 7) -> list[dict[str, Any]]:
+        """Collective: every rank's measurements for the cost model (``Worker.profile_terms``)."""
+        return self._call("profile_terms", shares, rounds)
+
     def progress(self, timeout_s: float | None = None) -> list[dict[str, Any]]:
         return self._call("progress", timeout_s=timeout_s)
 
