@@ -12,7 +12,7 @@ bench/strategies.py, one training step between switches, twice; each switch is t
 two ways, alternating switch by switch (swapped in the second pass, so every ordered pair gets
 both, close in time on a machine whose load drifts):
 
-- **as-is**: exactly the steps of ``elastic.worker.Worker._build`` (a live switch):
+- **as-is**: exactly the steps of ``elastic.worker.layout.Layout.build`` (a live switch):
   ``full_state()`` -> ``state_hash`` -> ``close()`` -> ``build_model`` (seeded random init)
   -> ``validate`` -> strategy constructor -> ``load_full_state`` -> ``full_state()`` again
   -> ``state_hash`` of it;

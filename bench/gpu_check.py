@@ -87,7 +87,7 @@ def main() -> int:
           str(group_timeout()))
     spec = lambda name: StrategySpec(name, 1, (G,))  # noqa: E731
     w.build(spec("dp"))
-    dev = next(w.strategy.local_model().parameters()).device
+    dev = next(w.layout.strategy.local_model().parameters()).device
     check("device", dev.type == a.device, str(dev))
     w.run(0, 5)
     for name, (s0, s1) in (("zero3", (5, 10)), ("zero1", (10, 15)), ("dp", (15, 20))):
@@ -104,7 +104,7 @@ def main() -> int:
                     break
                 time.sleep(0.05)
             check("checkpoint upload", bool(info and "info" in info), str(info)[:120])
-            m = commit(w._store, 10, [info["info"]], CheckpointMeta(strategy="zero3"))
+            m = commit(w.checkpoints.store, 10, [info["info"]], CheckpointMeta(strategy="zero3"))
             w.checkpoint_done(10, True)
             check("checkpoint commit", m.step == 10, f"{m.total_bytes} bytes")
         check(f"run {name}", r["next_step"] == s1)
@@ -116,7 +116,7 @@ def main() -> int:
     print(f"INFO median step {sorted(steps)[len(steps) // 2] * 1e3:.2f} ms", flush=True)
     w.leave()  # parks the live state as CPU tensors and drops the device layout
     held = w.held_keys()
-    check("leave parks the state", w.strategy is None and w.progress()["has_state"]
+    check("leave parks the state", w.layout.strategy is None and w.progress()["has_state"]
           and len(held) > 0, f"{len(held)} entries parked")
     w.join("127.0.0.1", _port(), 0, 1, 3, 60)
     plan = [(k, 0, tuple(shape), dtype) for k, (shape, dtype) in sorted(held.items())]

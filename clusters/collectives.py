@@ -22,12 +22,14 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from strategies.traits import DP_MODES
+
 __all__ = ["collective_time", "sync_collectives_time", "SYNC_MODES", "KINDS", "Messages",
            "CommConfig", "bucket_sizes", "assign_owners", "owner_loads", "layout_messages",
            "messages_time",
            "latency_hops", "volume_factor"]
 
-SYNC_MODES = ("dp", "zero1", "zero2", "zero3")
+SYNC_MODES = DP_MODES  # layouts whose step ends in a data-parallel gradient sync
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "reduce", "broadcast", "p2p")
 
 _MIB = 1 << 20

@@ -15,20 +15,15 @@ __all__ = ["fit", "submit", "JobHandle"]
 
 
 def _config(config: JobConfig | dict[str, Any] | str | None, overrides: dict[str, Any]) -> JobConfig:
+    """One checked config from ``config`` (a JobConfig, a mapping of settings, or a YAML path)
+    with ``overrides`` winning; either may use the flat or the nested form."""
     if config is None:
         return JobConfig.from_dict(overrides)
     if isinstance(config, str):
-        cfg = JobConfig.from_yaml(config)
-    elif isinstance(config, dict):
-        cfg = JobConfig.from_dict({**config, **overrides})
-        overrides = {}
-    else:
-        cfg = config
-    for k, v in overrides.items():
-        if not hasattr(cfg, k):
-            JobConfig.from_dict({**overrides})  # raises the ConfigError naming the field
-        setattr(cfg, k, v)
-    return cfg
+        return JobConfig.from_yaml(config, overrides)
+    if isinstance(config, dict):
+        return JobConfig.from_dict(config, overrides)
+    return config.replace(**overrides) if overrides else config
 
 
 def fit(config: JobConfig | dict[str, Any] | str | None = None, *, display: View | None = None,

@@ -27,13 +27,10 @@ def _cmd_run(a: argparse.Namespace) -> int:
     from .api import fit
     from .config import JobConfig
 
-    cfg = JobConfig.from_yaml(a.job)
-    for k, v in _parse_sets(a.set or []).items():
-        if not hasattr(cfg, k):
-            JobConfig.from_dict({k: v})  # raises a ConfigError naming the field
-        setattr(cfg, k, v)
+    sets = _parse_sets(a.set or [])
     if a.view:
-        cfg.view = a.view
+        sets["view"] = a.view
+    cfg = JobConfig.from_yaml(a.job, sets)  # checked once, with the overrides
     result = fit(cfg)
     print(f"[elastic] done: {len(result.history)} steps, final loss {result.final_loss:.4f}, "
           f"run directory {result.run_dir}")

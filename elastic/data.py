@@ -137,25 +137,27 @@ class ParquetDataset:
         return self._len
 
     def _load(self) -> None:
-        import numpy as np
         import pyarrow.dataset as pads
 
         table = pads.dataset(self.uri, format="parquet").to_table(
             columns=[self.input_column, self.target_column]
         )
-
-        def col(name: str, dtype: str) -> torch.Tensor:
-            c = table.column(name).combine_chunks()
-            if hasattr(c, "flatten") and str(c.type).startswith(("list", "fixed_size_list")):
-                flat = np.asarray(c.flatten().to_numpy(zero_copy_only=False))
-                arr = flat.reshape(len(c), -1)
-            else:
-                arr = np.asarray(c.to_numpy(zero_copy_only=False))
-            return torch.from_numpy(arr.astype(dtype, copy=False).copy())
-
-        self._x = col(self.input_column, self.input_dtype)
-        self._y = col(self.target_column, self.target_dtype)
+        self._x, self._y = self._tensors(table)
         self._len = len(self._x)
+
+    def head(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``n`` rows, read as ``get_batch`` reads them (same dtypes and shapes),
+        without loading the whole table (the driver's preflight uses it)."""
+        import pyarrow.dataset as pads
+
+        table = pads.dataset(self.uri, format="parquet").head(
+            n, columns=[self.input_column, self.target_column]
+        )
+        return self._tensors(table)
+
+    def _tensors(self, table: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return (_column(table, self.input_column, self.input_dtype),
+                _column(table, self.target_column, self.target_dtype))
 
     def get_batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self._x is None:
@@ -166,3 +168,17 @@ class ParquetDataset:
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = self.get_batch(torch.tensor([i]))
         return x[0], y[0]
+
+
+def _column(table: Any, name: str, dtype: str) -> torch.Tensor:
+    """One column as a tensor of ``dtype``: numbers, or fixed-length lists of numbers (one
+    row per sample)."""
+    import numpy as np
+
+    c = table.column(name).combine_chunks()
+    if hasattr(c, "flatten") and str(c.type).startswith(("list", "fixed_size_list")):
+        flat = np.asarray(c.flatten().to_numpy(zero_copy_only=False))
+        arr = flat.reshape(len(c), -1)
+    else:
+        arr = np.asarray(c.to_numpy(zero_copy_only=False))
+    return torch.from_numpy(arr.astype(dtype, copy=False).copy())

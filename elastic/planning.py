@@ -29,29 +29,14 @@ from clusters import (
 from clusters import stage_split as split_stages
 from clusters.collectives import CommConfig
 from clusters.measured import MeasuredModel, equal_within_noise, terms_model
-from strategies import StrategySpec
+from strategies import StrategyOptions, StrategySpec
+from strategies.blocks import block_params, blocks_of
 
 __all__ = ["live_cluster", "model_profile", "auto_spec", "auto_plan", "plan_spec",
            "balanced_shares", "block_params", "comm_config", "device_kinds", "measured_model",
            "block_stage_split", "spec_plan"]
 
 _OPT_BYTES = {"adam": 8, "adamw": 8, "sgd": 0, "rmsprop": 4, "adagrad": 4}
-
-
-def blocks_of(model: nn.Module) -> list[nn.Module]:
-    """The pipeline blocks (top-level children of a Sequential, or the ``pipeline_blocks()``
-    protocol); the whole model as one block for anything else."""
-    blocks = getattr(model, "pipeline_blocks", None)
-    if callable(blocks):
-        return [m for _, m in blocks()]
-    if isinstance(model, nn.Sequential):
-        return list(model.children())
-    return [model]
-
-
-def block_params(model: nn.Module) -> list[int]:
-    """Parameters per pipeline block."""
-    return [sum(p.numel() for p in b.parameters()) for b in blocks_of(model)]
 
 
 def model_profile(model: nn.Module, optimizer: Any, tokens_per_sample: int = 1,
@@ -205,7 +190,8 @@ def plan_spec(p: Plan) -> StrategySpec:
     if p.strategy == "pipeline":
         kw["shares"] = pipeline_rank_shares(p.shares, p.pp_degree)
     elif p.micro_batches > 1:  # dp/ZeRO: the plan's accumulation passes (activations)
-        kw["options"] = {**kw["options"], "accumulation_steps": p.micro_batches}
+        kw["options"] = replace(StrategyOptions.of(kw["options"]),
+                                accumulation_steps=p.micro_batches)
         kw["micro_batches"] = 1
     return StrategySpec(**kw)
 
@@ -227,7 +213,7 @@ def spec_plan(spec: StrategySpec, ids: Sequence[str], model: nn.Module) -> Plan:
     """The ``Plan`` a running ``spec`` carries out on devices ``ids`` (rank order): what the
     cost model predicts for it (the inverse of ``plan_spec``)."""
     if spec.name != "pipeline":
-        m = max(1, int(spec.options.get("accumulation_steps", 1)))
+        m = max(1, int(spec.options.accumulation_steps))
         return Plan(strategy=spec.name, world_size=spec.world_size, shares=tuple(spec.shares),
                     micro_batches=m, devices=tuple(ids))
     from strategies.pipeline import _resolve_split, pipeline_blocks

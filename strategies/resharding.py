@@ -35,7 +35,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .base import CanonicalState, Strategy
+from .base import Strategy
+from .canonical import CanonicalState
+from .health import record as record_failure
 
 __all__ = ["ReshardResult", "reshard", "plan_moves", "Move"]
 
@@ -229,7 +231,11 @@ def reshard(old: Strategy, new: Strategy, check: bool = True) -> ReshardResult:
         ops.append(dist.P2POp(dist.irecv, buf, m.src, tag=i))
     if ops:
         for work in dist.batch_isend_irecv(ops):
-            work.wait()
+            try:
+                work.wait()
+            except Exception as e:  # raised here, not in torch.distributed: say the group failed
+                record_failure(f"reshard transfer: {type(e).__name__}")
+                raise
     for dev_buf, place in landing:
         place.copy_(dev_buf)
     del ops, landing

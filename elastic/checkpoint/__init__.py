@@ -33,6 +33,7 @@ from elastic.checkpoint.fallback import (
     find_latest_valid,
     load_latest_valid,
 )
+from elastic.checkpoint.location import StorageLocation
 from elastic.checkpoint.manifest import (
     MANIFEST_NAME,
     CheckpointMeta,
@@ -93,6 +94,7 @@ __all__ = [
     "ShardRecord",
     "ShardWriter",
     "StepCheck",
+    "StorageLocation",
     "TensorMeta",
     "VerifyReport",
     "Want",

@@ -34,13 +34,9 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
+from elastic.checkpoint.location import is_secret_key
 from elastic.checkpoint.owner_record import read_owner
-from elastic.checkpoint.store import (
-    SECRET_OPTIONS,
-    CheckpointStore,
-    corrupt_error,
-    parse_step_name,
-)
+from elastic.checkpoint.store import CheckpointStore, corrupt_error, parse_step_name
 from elastic.checkpoint.upload import ShardInfo
 from elastic.errors import CheckpointError, CheckpointOwnerError
 
@@ -64,9 +60,6 @@ MANIFEST_NAME = "manifest.json"
 FORMAT = "elastic-checkpoint"
 VERSION = 1
 _SAFE_PATH = re.compile(r"^[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*$")
-_SECRETISH = re.compile(
-    r"(^|_)(secret|password|passwd|token|credentials?|access_key|secret_key|api_key)$", re.I
-)
 
 
 @dataclass(frozen=True)
@@ -272,7 +265,7 @@ def _scrub(obj: Any) -> Any:
         return {
             str(k): (
                 "***"
-                if (str(k) in SECRET_OPTIONS or _SECRETISH.search(str(k))) and obj[k] is not None
+                if is_secret_key(k) and obj[k] is not None
                 else _scrub(obj[k])
             )
             for k in obj

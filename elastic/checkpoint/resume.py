@@ -83,7 +83,7 @@ def plan_resume(resume: str, job: str, *, own: CheckpointStore | None,
             log.warning("%s", c.note)
         if not good:
             why = ("; ".join(c.note for c in skipped) if skipped else nothing_found(store))
-            raise CheckpointError(f"resume={resume!r}: no intact committed checkpoint under "
+            raise CheckpointError(f"resume={store.redact(resume)!r}: no intact committed checkpoint under "
                                   f"{store.uri}: {why}. Fix: check the URI, or drop resume to "
                                   "start fresh")
         assert good[0].manifest is not None

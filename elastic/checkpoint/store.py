@@ -1,275 +1,100 @@
-"""Where checkpoints live: a pyarrow filesystem plus a path prefix, resolved from a URI.
+"""Where checkpoints live: a pyarrow filesystem plus a path prefix, from a parsed location.
 
-``CheckpointStore(uri, options)`` is the one handle every other module of this package takes.
-It resolves local paths, ``file://``, ``s3://`` (AWS or any S3-compatible store through
-``endpoint_override``), ``gs://`` and whatever else ``pyarrow.fs.FileSystem.from_uri`` knows.
+``CheckpointStore(uri, options)`` (or ``CheckpointStore(location)``, a ``StorageLocation``
+parsed before) is the one handle every other module of this package takes. It resolves local
+paths, ``file://``, ``s3://`` (AWS or any S3-compatible store through ``endpoint_override``),
+``gs://`` and whatever else ``pyarrow.fs.FileSystem.from_uri`` knows.
 
 Secrets: explicit credentials (``access_key``, ``secret_key``, ``session_token``,
-``access_token``) are passed to pyarrow and otherwise kept private. ``repr()``, ``uri``, every
-``CheckpointError`` this package raises and everything it writes go through ``redact()``, which
-replaces their literal values with ``***``. Errors are raised ``from None`` so a pyarrow
-message is never chained unredacted. Without explicit keys, pyarrow uses the usual chain
-(environment, ``~/.aws``, instance metadata).
+``access_token``, ``s3://KEY:SECRET@...``, a proxy's password) are passed to pyarrow and
+otherwise kept private. ``repr()``, ``uri``, every ``CheckpointError`` this package raises and
+everything it writes go through ``redact()`` (``elastic.checkpoint.location``: one
+implementation), which replaces their literal values with ``***``. Errors are raised ``from
+None`` so a pyarrow message is never chained unredacted. Without explicit keys, pyarrow uses the
+usual chain (environment, ``~/.aws``, instance metadata).
 
 Thread safety: a store is immutable after construction; pyarrow filesystems are thread-safe,
 so one store may be shared by a writer thread, reader threads and the caller. A store pickles
-as ``(uri, options)`` and is rebuilt on the other side (a Ray actor, say).
+as its parsed location and builds a filesystem on the other side (a Ray actor, say) without
+parsing the URI again.
 """
 
 from __future__ import annotations
 
-import os
 import re
 import uuid
 from collections.abc import Mapping
 from typing import Any
-from urllib.parse import parse_qsl, quote, unquote, urlsplit
 
 import pyarrow.fs as pafs
 
-from elastic.errors import CheckpointCorruptError, CheckpointError, ConfigError, StorageError
+from elastic.checkpoint.location import (
+    SECRET_OPTIONS,
+    StorageLocation,
+    collect_secrets,
+    resolve_filesystem,
+)
+from elastic.errors import CheckpointCorruptError, CheckpointError, StorageError
 
-__all__ = [
-    "CheckpointStore",
-    "resolve_filesystem",
-    "object_store_options",
-    "corrupt_error",
-    "SECRET_OPTIONS",
-]
+__all__ = ["CheckpointStore", "StorageLocation", "resolve_filesystem", "SECRET_OPTIONS",
+           "corrupt_error"]
 
-SECRET_OPTIONS = frozenset(
-    {
-        "access_key",
-        "secret_key",
-        "session_token",
-        "access_token",
-        "aws_access_key_id",
-        "aws_secret_access_key",
-        "aws_session_token",
-    }
-)
-_ALIASES = {
-    "endpoint": "endpoint_override",
-    "endpoint_url": "endpoint_override",
-    "aws_access_key_id": "access_key",
-    "aws_secret_access_key": "secret_key",
-    "aws_session_token": "session_token",
-    "region_name": "region",
-}
-_S3_OPTIONS = frozenset(
-    {
-        "access_key",
-        "secret_key",
-        "session_token",
-        "anonymous",
-        "role_arn",
-        "session_name",
-        "external_id",
-        "load_frequency",
-        "region",
-        "request_timeout",
-        "connect_timeout",
-        "scheme",
-        "endpoint_override",
-        "background_writes",
-        "proxy_options",
-        "allow_bucket_creation",
-        "force_virtual_addressing",
-        "tls_ca_file_path",
-        "retries",
-    }
-)
-_GCS_OPTIONS = frozenset(
-    {
-        "anonymous",
-        "access_token",
-        "target_service_account",
-        "credential_token_expiration",
-        "default_bucket_location",
-        "scheme",
-        "endpoint_override",
-        "project_id",
-        "retry_time_limit",
-    }
-)
-_FLOAT_OPTIONS = frozenset({"request_timeout", "connect_timeout"})
-_BOOL_OPTIONS = frozenset(
-    {"anonymous", "background_writes", "allow_bucket_creation", "force_virtual_addressing"}
-)
-_ENV_SECRETS = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
 _NO_DIRS = frozenset({"s3", "gcs"})  # object stores: no directory markers needed
-
-
-def _normalise(options: Mapping[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in options.items():
-        if v is None:
-            continue
-        out[_ALIASES.get(k, k)] = v
-    return out
-
-
-def _coerce(name: str, value: Any) -> Any:
-    """Options from a URI query string arrive as text; give pyarrow the types it expects."""
-    if not isinstance(value, str):
-        return value
-    if name in _FLOAT_OPTIONS:
-        return float(value)
-    if name == "retries":
-        return int(value)
-    if name in _BOOL_OPTIONS:
-        return value.lower() in ("1", "true", "yes", "on")
-    return value
-
-
-def _split_endpoint(opts: dict[str, Any]) -> None:
-    ep = opts.get("endpoint_override")
-    if isinstance(ep, str) and "://" in ep:
-        scheme, _, rest = ep.partition("://")
-        opts.setdefault("scheme", scheme)
-        opts["endpoint_override"] = rest.rstrip("/")
-
-
-def resolve_filesystem(
-    uri: str, options: Mapping[str, Any] | None = None
-) -> tuple[pafs.FileSystem, str]:
-    """Resolve ``(uri, options)`` into a pyarrow filesystem and the path prefix inside it.
-
-    ``uri``: a local path, ``file://...``, ``s3://bucket/prefix``, ``gs://bucket/prefix`` or
-    any URI pyarrow resolves. Query parameters of an s3/gs URI are read as options; explicit
-    ``options`` win. S3 options: ``endpoint_override`` (``http://host:port`` also sets the
-    scheme), ``region``, ``scheme``, ``access_key``, ``secret_key``, ``session_token``,
-    ``connect_timeout``/``request_timeout`` (seconds), ``retries`` (max attempts), and the
-    other ``pyarrow.fs.S3FileSystem`` keywords. Nothing touches the network here.
-
-    Raises ``ConfigError`` for an empty URI, an unknown option, or options given for a
-    filesystem that takes none.
-    """
-    if not uri or not isinstance(uri, str):
-        raise ConfigError(
-            "checkpoint.uri",
-            f"{uri!r} is not a storage URI",
-            "give a local path, file://, s3:// or gs:// URI",
-        )
-    parts = urlsplit(uri)
-    scheme = parts.scheme.lower()
-    opts = _normalise(options or {})
-    if scheme in ("s3", "gs", "gcs"):
-        query = _normalise(dict(parse_qsl(parts.query)))
-        query.update(_userinfo(parts.netloc))
-        opts = {**query, **opts}
-        allowed = _S3_OPTIONS if scheme == "s3" else _GCS_OPTIONS
-        unknown = sorted(set(opts) - allowed)
-        if unknown:
-            raise ConfigError(
-                "checkpoint.options",
-                f"unknown option(s) {unknown} for {scheme}://",
-                f"use only {sorted(allowed)}",
-            )
-        opts = object_store_options(uri, options)
-        if not parts.netloc:
-            raise ConfigError(
-                "checkpoint.uri",
-                f"{_strip_query(uri)} names no bucket",
-                f"write {scheme}://<bucket>/<prefix>",
-            )
-        bucket = parts.netloc.rpartition("@")[2]
-        path = (bucket + "/" + parts.path.strip("/")).rstrip("/")
-        if scheme == "s3":
-            retries = opts.pop("retries", None)
-            if retries is not None:
-                opts["retry_strategy"] = pafs.AwsStandardS3RetryStrategy(max_attempts=int(retries))
-            return pafs.S3FileSystem(**opts), path
-        return pafs.GcsFileSystem(**opts), path
-    if opts:
-        raise ConfigError(
-            "checkpoint.options",
-            f"options {sorted(opts)} given for {uri!r}",
-            "options apply to s3:// and gs:// URIs only; remove them",
-        )
-    if scheme in ("", "file"):
-        path = parts.path if scheme == "file" else uri
-        return pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(path)).rstrip("/")
-    try:
-        fs, path = pafs.FileSystem.from_uri(uri)
-    except (ValueError, OSError) as e:
-        raise ConfigError(
-            "checkpoint.uri",
-            f"pyarrow cannot resolve {_strip_query(uri)}: {e}",
-            "use a local path, file://, s3:// or gs:// URI",
-        ) from None
-    return fs, path.rstrip("/")
-
-
-def object_store_options(uri: str, options: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The options of an ``s3://``/``gs://`` URI as pyarrow takes them: query parameters and
-    ``KEY:SECRET@`` credentials merged under ``options``, aliases resolved, text coerced,
-    ``endpoint_override="http://host:port"`` split into ``scheme`` and ``host:port``.
-    (``retries`` stays an integer here; ``resolve_filesystem`` turns it into a retry
-    strategy.) Does not check the option names."""
-    parts = urlsplit(uri)
-    query = _normalise(dict(parse_qsl(parts.query)))
-    query.update(_userinfo(parts.netloc))
-    opts = {k: _coerce(k, v) for k, v in {**query, **_normalise(options or {})}.items()}
-    _split_endpoint(opts)
-    return opts
-
-
-def _userinfo(netloc: str) -> dict[str, str]:
-    """``s3://KEY:SECRET@bucket`` credentials, which pyarrow also accepts."""
-    if "@" not in netloc:
-        return {}
-    key, _, secret = netloc.rpartition("@")[0].partition(":")
-    return {k: unquote(v) for k, v in (("access_key", key), ("secret_key", secret)) if v}
-
-
-def _strip_query(uri: str) -> str:
-    return uri.split("?", 1)[0]
 
 
 class CheckpointStore:
     """A filesystem and a root prefix under which checkpoints are ``step-<12 digits>/``.
 
-    Construct with ``CheckpointStore(uri, options)`` or, for tests, with an existing
-    ``filesystem=`` and ``uri`` as its path. Immutable and thread-safe.
+    Construct with ``CheckpointStore(uri, options)``, ``CheckpointStore(location)`` or, for
+    tests, with an existing ``filesystem=`` and ``uri`` as its path. Immutable and
+    thread-safe.
     """
 
     def __init__(
         self,
-        uri: str,
+        uri: str | StorageLocation,
         options: Mapping[str, Any] | None = None,
         *,
         filesystem: pafs.FileSystem | None = None,
     ) -> None:
-        self._uri = uri
-        self._options = dict(options or {})
-        self._secrets = _collect_secrets(uri, self._options)
-        self._given_fs = filesystem
-        if filesystem is not None:
-            self.fs, self.root = filesystem, uri.rstrip("/")
+        """``uri``: a URI (parsed here, with ``options``) or a ``StorageLocation`` parsed
+        before (not parsed again). ``filesystem``: use this filesystem (tests), with ``uri``
+        as the root path inside it. Raises ``ConfigError`` for a URI or options that cannot
+        be used."""
+        if isinstance(uri, StorageLocation):
+            if options:
+                raise TypeError("options belong to the location; give them to its parse()")
+            self.location = uri
+        elif filesystem is not None:
+            secrets = collect_secrets(uri, options)
+            self.location = StorageLocation(
+                filesystem.type_name, uri.rstrip("/"), uri.split("?", 1)[0], None, secrets
+            )
         else:
-            self.fs, self.root = resolve_filesystem(uri, self._options)
+            self.location = StorageLocation.parse(uri, options)
+        self._given_fs = filesystem
+        self.fs: pafs.FileSystem = (
+            filesystem if filesystem is not None else self.location.filesystem()
+        )
+        self.root: str = self.location.root
         self.kind: str = self.fs.type_name
-        endpoint = _normalise(self._options).get("endpoint_override")
-        self.endpoint: str | None = self.redact(str(endpoint)) if endpoint else None
+        self.endpoint: str | None = self.location.endpoint
 
     # ------------------------------------------------------------------ identity & secrets
     @property
     def uri(self) -> str:
-        """The URI without query string and with secrets redacted (safe to log)."""
-        return self.redact(_strip_query(self._uri))
+        """The URI without query string or user info, secrets redacted (safe to log)."""
+        return self.redact(self.location.shown)
 
     def __repr__(self) -> str:
         return f"CheckpointStore({self.uri!r})"
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild, (self._uri, self._options, self._given_fs))
+        return (_rebuild, (self.location, self._given_fs))
 
     def redact(self, text: str) -> str:
         """``text`` with every known secret value replaced by ``***``."""
-        for s in self._secrets:
-            text = text.replace(s, "***")
-        return text
+        return self.location.redact(text)
 
     def error(self, message: str, exc: BaseException | None = None) -> CheckpointError:
         """The error for ``message``, redacted: a ``StorageError`` (plus a diagnosis) when the
@@ -343,14 +168,12 @@ class CheckpointStore:
 
     @property
     def options(self) -> dict[str, Any] | None:
-        """The resolved options of an object store URI (``object_store_options``; with
-        secrets: never log them), {} for other stores, None for a store built on a given
-        ``filesystem`` (its options are unknown)."""
+        """The parsed options of an object store location (with secrets: never log them),
+        {} for other stores, None for a store built on a given ``filesystem`` (its options
+        are unknown)."""
         if self._given_fs is not None:
             return None
-        if self.kind not in _NO_DIRS:
-            return {}
-        return object_store_options(self._uri, self._options)
+        return dict(self.location.fs_options)
 
     def same_place(self, other: CheckpointStore) -> bool:
         """Whether ``other`` names the same root on the same storage (kind, endpoint,
@@ -395,29 +218,8 @@ class CheckpointStore:
             raise self.error(f"checkpoint storage {self.uri} is not writable", e) from None
 
 
-def _rebuild(
-    uri: str, options: dict[str, Any], filesystem: pafs.FileSystem | None
-) -> CheckpointStore:
-    return CheckpointStore(uri, options, filesystem=filesystem)
-
-
-def _collect_secrets(uri: str, options: Mapping[str, Any]) -> tuple[str, ...]:
-    found: set[str] = set()
-    for k, v in options.items():
-        if k in SECRET_OPTIONS and isinstance(v, str) and v:
-            found.add(v)
-    parts = urlsplit(uri)
-    for k, v in parse_qsl(parts.query):
-        if k in SECRET_OPTIONS and v:
-            found.add(v)
-    for v in _userinfo(parts.netloc).values():
-        found.update({v, quote(v, safe="")})
-    for name in _ENV_SECRETS:
-        v = os.environ.get(name, "")
-        if len(v) >= 8:
-            found.add(v)
-    # longest first, so a secret containing another is replaced whole
-    return tuple(sorted(found, key=len, reverse=True))
+def _rebuild(location: StorageLocation, filesystem: pafs.FileSystem | None) -> CheckpointStore:
+    return CheckpointStore(location, filesystem=filesystem)
 
 
 def corrupt_error(

@@ -12,6 +12,7 @@ from typing import Any
 
 from ..config import JobConfig
 from ..errors import ConfigError
+from ..preflight import check_sample
 from ..reference import build_model
 
 __all__ = ["Preflight", "preflight", "run_directory"]
@@ -45,6 +46,7 @@ def preflight(cfg: JobConfig, emit: Callable[..., Any]) -> Preflight:
         raise ConfigError(
             "dataset", f"has {n} samples, fewer than one global batch ({cfg.global_batch_size}).",
             f"use global_batch_size <= {n} or a larger dataset")
+    check_sample(cfg, model, ds)  # the model and the loss on a few samples, as workers read
     if cfg.eval_dataset is not None:
         try:
             n_eval = len(cfg.eval_dataset_object())

@@ -173,9 +173,8 @@ class Replanner:
         if isinstance(decision, SwitchPlan):
             from ..planning import plan_spec
 
-            target = plans[decision.target]
-            return dataclasses.replace(plan_spec(target), options={
-                **self.cfg.strategy_options(), **plan_spec(target).options})
+            new = plan_spec(plans[decision.target])
+            return dataclasses.replace(new, options=new.options.over(self.cfg.strategy_options()))
         if isinstance(decision, RecutShares):
             return dataclasses.replace(spec, shares=decision.shares)
         return None

@@ -8,7 +8,6 @@ fields of a trial (``trial_fields``) and one probe job per edge of the search sp
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 from collections.abc import Callable
@@ -76,7 +75,7 @@ class SweepConfig:
         if isinstance(base, str):
             base = load_yaml(base, "base")
         if isinstance(base, JobConfig):
-            base = {f.name: getattr(base, f.name) for f in dataclasses.fields(JobConfig)}
+            base = base.settings()
         if not isinstance(base, dict):
             raise ConfigError("base", "is required: the job every trial starts from.",
                               "give a mapping of job settings or the path of a job file")
@@ -169,9 +168,11 @@ class SweepConfig:
                 try:
                     cfg = JobConfig.from_dict(fields)
                     cfg.validate()
-                except ConfigError as e:
-                    if e.field == n.split(".")[0]:
-                        raise ConfigError(f"params.{n}", f"value {v!r}: {e.problem}",
+                except ConfigError as e:  # a searched value's own error, else the base's
+                    point = {**first, n: v}
+                    hit = e.field if e.field in point else n if e.field == n.split(".")[0] else None
+                    if hit is not None:
+                        raise ConfigError(f"params.{hit}", f"value {point[hit]!r}: {e.problem}",
                                           e.fix) from None
                     raise ConfigError(f"base.{e.field}", e.problem, e.fix) from None
                 check_arguments(n, fields)
@@ -208,7 +209,7 @@ class SweepConfig:
             raise ConfigError("objective", f"{self.objective} needs an evaluation set.",
                               "set base.eval_dataset (and eval_every), or use final_loss")
         self.objective_fn()
-        job_fields = [f.name for f in dataclasses.fields(JobConfig)]
+        job_fields = JobConfig.setting_names()
         for name in self.params:
             top = name.split(".")[0]
             if top in OWNED:

@@ -1,0 +1,105 @@
+"""The checkpoints section: where, how often, how many to keep, where to resume from.
+
+The checkpoint URI and the resume URI are parsed here, once, into ``StorageLocation`` values
+that travel with the config (to the workers too): no other code parses them again. The
+secrets both carry (credentials in the URI or its query string, in ``checkpoint_options``, a
+proxy's password) are collected here for ``JobConfig.redact``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from elastic.checkpoint.location import StorageLocation, collect_secrets, scrub
+from elastic.errors import ConfigError
+
+from .checks import integer, mapping, number, text
+from .sections import Section
+
+__all__ = ["Checkpoints"]
+
+_STEP_DIR = re.compile(r"^(.*?)/?step-(\d+)/?$")
+
+
+@dataclass(frozen=True)
+class Checkpoints(Section):
+    """``uri`` (default ``<run dir>/checkpoints``), ``every`` K steps (0: none periodic),
+    ``options`` for the storage (``elastic.checkpoint.location``), retention (``keep_last``
+    newest, plus every ``keep_every``-th step), ``wait_s`` a due checkpoint waits for the
+    previous commit, ``resume``: ``latest`` or a checkpoint URI (a root, or one
+    ``.../step-<n>`` directory).
+
+    Derived when built: ``location`` (the parsed ``uri``, None when it is not given),
+    ``resume_location``/``resume_step`` (the parsed ``resume`` URI) and ``secrets``.
+    """
+
+    NAME: ClassVar[str] = "checkpoints"
+    FLAT: ClassVar[dict[str, str]] = {"uri": "checkpoint_uri", "every": "checkpoint_every",
+                                      "options": "checkpoint_options",
+                                      "wait_s": "checkpoint_wait_s"}
+
+    uri: str | None = None
+    every: int = 0
+    options: dict[str, Any] = field(default_factory=dict)
+    keep_last: int = 3
+    keep_every: int = 0
+    wait_s: float = 30.0
+    resume: str | None = None
+    location: StorageLocation | None = field(default=None, init=False, repr=False,
+                                             compare=False)
+    resume_location: StorageLocation | None = field(default=None, init=False, repr=False,
+                                                    compare=False)
+    resume_step: int | None = field(default=None, init=False, repr=False, compare=False)
+    secrets: tuple[str, ...] = field(default=(), init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        options = mapping(self.options, "checkpoint_options",
+                                 "e.g. checkpoint_options: {endpoint_override: "
+                                 "http://minio:9000, region: us-east-1}")
+        self._put("options", options)
+        secrets = set(collect_secrets(self.uri if isinstance(self.uri, str) else None, options))
+        if isinstance(self.resume, str) and self.resume != "latest":
+            secrets.update(collect_secrets(self.resume, options))
+        self._put("secrets", tuple(sorted(secrets, key=len, reverse=True)))
+        text(self.uri, "checkpoint_uri",
+                    fix="give a local path, file://, s3:// or gs:// URI, or leave it out "
+                        "(<run dir>/checkpoints)")
+        integer(self.every, "checkpoint_every", 0,
+                       "e.g. checkpoint_every: 100; 0 disables periodic checkpoints")
+        integer(self.keep_last, "keep_last", 1,
+                       "set keep_last: 1 or more (the newest checkpoint is always kept); "
+                       "keep_every keeps older ones too")
+        integer(self.keep_every, "keep_every", 0, "0 keeps no extra older checkpoints")
+        number(self.wait_s, "checkpoint_wait_s",
+                      fix="e.g. checkpoint_wait_s: 30 (seconds)")
+        text(self.resume, "resume",
+                    fix="use resume: latest, or the URI of a checkpoint root or step directory")
+        if self.uri is not None:
+            self._put("location", StorageLocation.parse(self.uri, options))
+        elif options and (self.every > 0 or self.resume == "latest"):
+            raise ConfigError("checkpoint_options", "are given but checkpoint_uri is not, and "
+                              "the default (<run dir>/checkpoints) is a local directory, which "
+                              "takes no options.",
+                              "set checkpoint_uri to the s3:// or gs:// URI they are for, or "
+                              "remove checkpoint_options")
+        if self.resume is not None and self.resume != "latest":
+            m = _STEP_DIR.match(self.resume)
+            root = m.group(1) if m else self.resume
+            self._put("resume_step", int(m.group(2)) if m else None)
+            try:
+                self._put("resume_location", StorageLocation.parse(root, options))
+            except ConfigError as e:
+                if e.field != "checkpoint_uri":
+                    raise
+                raise ConfigError("resume", e.problem, e.fix) from None
+
+    def __repr__(self) -> str:
+        shown = {f: getattr(self, f) for f in self.field_names()}
+        return f"Checkpoints({', '.join(f'{k}={v!r}' for k, v in scrub(shown, self.secrets).items())})"
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the job writes checkpoints: periodic ones, or a URI was given."""
+        return self.every > 0 or self.uri is not None

@@ -1,0 +1,149 @@
+"""The flat settings a job file and ``fit(...)`` use, and how they map onto the sections.
+
+Two forms are accepted, also mixed in one file, each setting given once:
+
+    checkpoint_every: 50                 # flat: the name of every setting so far
+    checkpoints: {every: 50}             # nested: a section and its field
+
+``split`` turns either form into the keyword arguments of each section; an unknown key gets a
+"did you mean", a setting given both ways is an error naming both. ``Setting`` is the
+descriptor behind ``JobConfig.<flat name>``: it reads (and, on a ``JobConfig``, writes) one
+field of one section.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Generic, TypeVar, overload
+
+from elastic.errors import ConfigError
+
+from .checkpoints import Checkpoints
+from .checks import unknown
+from .sections import Data, Evaluation, Failures, Output, Parallelism, Scaling, Section, Training
+
+__all__ = ["SECTIONS", "FLAT", "RENAMED", "Setting", "split", "flatten", "merge"]
+
+SECTIONS: dict[str, type[Section]] = {
+    cls.NAME: cls
+    for cls in (Training, Data, Evaluation, Scaling, Parallelism, Failures, Checkpoints, Output)
+}
+# flat setting name -> (section, field)
+FLAT: dict[str, tuple[str, str]] = {
+    cls.flat_name(f): (name, f) for name, cls in SECTIONS.items() for f in cls.field_names()
+}
+# settings of earlier releases: name -> how to say it now
+RENAMED = {
+    "verify_switch": "use switch_check: pieces (verify_switch: true) or off (verify_switch: "
+                     "false); rehash also gathers and hashes the state again",
+}
+
+T = TypeVar("T")
+
+
+class Setting(Generic[T]):
+    """``owner.<flat name>``: the field of section ``section`` whose flat name this is.
+
+    Reading returns the section's value. Writing (``JobConfig`` only) replaces the section by a
+    copy with the new value, which the section checks (``JobConfig._assign``).
+    """
+
+    def __init__(self, section: str) -> None:
+        self.section = section
+        self.name = ""
+        self.field = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        section, field = FLAT[name]
+        if section != self.section:
+            raise TypeError(f"{owner.__name__}.{name} is a field of {section}, not {self.section}")
+        self.name, self.field = name, field
+
+    @overload
+    def __get__(self, obj: None, owner: type) -> Setting[T]: ...
+    @overload
+    def __get__(self, obj: object, owner: type) -> T: ...
+
+    def __get__(self, obj: object | None, owner: type) -> Setting[T] | T:
+        if obj is None:
+            return self
+        return getattr(getattr(obj, self.section), self.field)  # type: ignore[no-any-return]
+
+    def __set__(self, obj: object, value: T) -> None:
+        assign = getattr(obj, "_assign", None)
+        if assign is None:
+            raise AttributeError(f"{type(obj).__name__}.{self.name} is read-only")
+        assign(self.name, value)
+
+
+def _given(settings: Mapping[Any, Any]) -> tuple[dict[tuple[str, str], tuple[str, Any]],
+                                                  dict[str, Section]]:
+    """(section, field) -> (how it was written, value), and the sections given whole."""
+    values: dict[tuple[str, str], tuple[str, Any]] = {}
+    whole: dict[str, Section] = {}
+
+    def put(where: tuple[str, str], how: str, value: Any) -> None:
+        if where in values:
+            first = values[where][0]
+            raise ConfigError(first, f"is also given as {how}.",
+                              f"give it once: either {first} or {how}, not both")
+        values[where] = (how, value)
+
+    for key, value in settings.items():
+        if not isinstance(key, str):
+            raise ConfigError(repr(key), "is not a setting name.", "use the names in the docs")
+        if key in RENAMED:
+            raise ConfigError(key, "was renamed.", RENAMED[key])
+        if key in FLAT:
+            put(FLAT[key], key, value)
+            continue
+        cls = SECTIONS.get(key)
+        if cls is None:
+            raise unknown(key, key, [*FLAT, *SECTIONS], "a job setting")
+        if isinstance(value, cls):
+            whole[key] = value
+            for f in cls.field_names():
+                put((key, f), key, getattr(value, f))
+            continue
+        if not isinstance(value, Mapping):
+            raise ConfigError(key, f"must be a mapping of its settings, got {value!r}.",
+                              f"e.g. {key}: {{{cls.field_names()[0]}: ...}}, or the flat names")
+        for k, v in value.items():
+            if k not in cls.field_names():
+                if FLAT.get(k, ("", ""))[0] == key:
+                    raise ConfigError(f"{key}.{k}", f"is not a setting of {key}.",
+                                      f"did you mean {FLAT[k][1]}? (the flat name is {k})")
+                raise unknown(f"{key}.{k}", str(k), cls.field_names(),
+                                     f"a setting of {key}")
+            put((key, k), f"{key}.{k}", v)
+    return values, whole
+
+
+def split(settings: Mapping[Any, Any]) -> dict[str, Section | dict[str, Any]]:
+    """Per section: the section given whole, or the keyword arguments for building it.
+    Raises ``ConfigError`` for an unknown, renamed or twice-given setting and for a missing
+    required one (named by its flat name)."""
+    values, whole = _given(settings)
+    out: dict[str, Section | dict[str, Any]] = {}
+    for name, cls in SECTIONS.items():
+        if name in whole:  # given whole: a flat key of it would have been a conflict
+            out[name] = whole[name]
+            continue
+        own = {f: v for (s, f), (_, v) in values.items() if s == name}
+        for f in cls.required():
+            if f not in own:
+                raise ConfigError(cls.flat_name(f), "is required.", "add it to the job file")
+        out[name] = own
+    return out
+
+
+def flatten(settings: Mapping[Any, Any]) -> dict[str, Any]:
+    """The same settings, each under its flat name (checked as ``split`` does, except for
+    required ones)."""
+    values, _ = _given(settings)
+    return {SECTIONS[s].flat_name(f): v for (s, f), (_, v) in values.items()}
+
+
+def merge(base: Mapping[Any, Any], overrides: Mapping[Any, Any]) -> dict[str, Any]:
+    """``base`` with ``overrides`` (either form each) winning, as flat settings."""
+    return {**flatten(base), **flatten(overrides)}

@@ -1,0 +1,362 @@
+"""``JobConfig``: a job's configuration, as eight checked sections, read by flat names too.
+
+Built from keyword arguments (``JobConfig(model=..., checkpoint_every=50)``), a mapping
+(``from_dict``) or a YAML file (``from_yaml``), in the flat form, the nested section form
+(``checkpoints: {every: 50}``) or both (each setting once; see ``elastic.config.flat``).
+Building it checks everything that can be checked without running the user's model or reading
+the data: each section its own values, then the rules between sections. Nothing downstream
+checks a value again.
+
+``cfg.<flat name>`` reads a setting (``cfg.checkpoint_every``) and ``cfg.<section>.<field>``
+too (``cfg.checkpoints.every``). Assigning ``cfg.<flat name> = v`` replaces that section by a
+checked copy; the rules between sections are checked again by ``validate()`` (the controller
+calls it), and only then. ``replace(**settings)`` returns a new, fully checked config.
+
+Secrets in the checkpoint or resume URI and options never leave through ``to_dict``,
+``repr`` or ``redact``. A worker gets ``for_worker()``: only what it reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from elastic.checkpoint.location import StorageLocation, redact, scrub
+from elastic.errors import ConfigError
+
+from .checkpoints import Checkpoints
+from .code import describe
+from .flat import FLAT, SECTIONS, Setting, merge, split
+from .sections import Data, Evaluation, Failures, Output, Parallelism, Scaling, Section, Training
+from .worker_config import WorkerConfig
+
+__all__ = ["JobConfig"]
+
+
+class JobConfig:
+    """Everything a job needs (see the module docstring). Not thread-safe for writes."""
+
+    # training
+    model = Setting[Any]("training")
+    optimizer = Setting[Any]("training")
+    loss = Setting[Any]("training")
+    seed = Setting[int]("training")
+    max_grad_norm = Setting[float | None]("training")
+    lr_schedule = Setting[Any]("training")
+    precision = Setting[str]("training")
+    micro_batch_size = Setting[int | None]("training")
+    activation_checkpointing = Setting[bool]("training")
+    # data
+    dataset = Setting[Any]("data")
+    global_batch_size = Setting[int]("data")
+    max_steps = Setting[int]("data")
+    dataset_format = Setting[str | None]("data")
+    input_column = Setting[str]("data")
+    target_column = Setting[str]("data")
+    input_dtype = Setting[str]("data")
+    target_dtype = Setting[str]("data")
+    check_sample = Setting[bool]("data")
+    # evaluation
+    eval_dataset = Setting[Any]("evaluation")
+    eval_every = Setting[int]("evaluation")
+    eval_batch_size = Setting[int | None]("evaluation")
+    # scaling
+    num_workers = Setting[int]("scaling")
+    min_workers = Setting[int | None]("scaling")
+    max_workers = Setting[int | None]("scaling")
+    resources_per_worker = Setting[dict[str, float]]("scaling")
+    use_gpu = Setting[bool | None]("scaling")
+    ray_address = Setting[str | None]("scaling")
+    placement_timeout_s = Setting[float]("scaling")
+    scale_check_s = Setting[float]("scaling")
+    # parallelism
+    strategy = Setting[str]("parallelism")
+    pp_degree = Setting[int]("parallelism")
+    micro_batches = Setting[int]("parallelism")
+    schedule = Setting[str]("parallelism")
+    dp_mode = Setting[str]("parallelism")
+    switch_at = Setting[dict[int, str]]("parallelism")
+    switch_check = Setting[str]("parallelism")
+    switch_move = Setting[str]("parallelism")
+    balance = Setting[str]("parallelism")
+    emulate = Setting[list[dict[str, Any]] | None]("parallelism")
+    rebalance_every = Setting[int]("parallelism")
+    replan_every = Setting[int]("parallelism")
+    profile_cache = Setting[bool]("parallelism")
+    # failures
+    max_failures = Setting[int]("failures")
+    hang_timeout_s = Setting[float]("failures")
+    replacement_timeout_s = Setting[float]("failures")
+    min_workers_timeout_s = Setting[float]("failures")
+    faults = Setting[list[dict[str, Any]] | None]("failures")
+    on_nonfinite = Setting[str]("failures")
+    max_nonfinite_skips = Setting[int]("failures")
+    # checkpoints
+    checkpoint_uri = Setting[str | None]("checkpoints")
+    checkpoint_every = Setting[int]("checkpoints")
+    checkpoint_options = Setting[dict[str, Any]]("checkpoints")
+    keep_last = Setting[int]("checkpoints")
+    keep_every = Setting[int]("checkpoints")
+    checkpoint_wait_s = Setting[float]("checkpoints")
+    resume = Setting[str | None]("checkpoints")
+    # output
+    name = Setting[str | None]("output")
+    run_dir = Setting[str | None]("output")
+    log_every = Setting[int]("output")
+    view = Setting[str]("output")
+    sample_prompt = Setting[str | None]("output")
+
+    def __init__(self, **settings: Any) -> None:
+        """Build and check a config from settings in either form. Raises ``ConfigError``."""
+        self._s: dict[str, Section] = {}
+        for name, part in split(settings).items():
+            self._s[name] = part if isinstance(part, Section) else SECTIONS[name](**part)
+        self._default_location: StorageLocation | None = None
+        self._checked = False
+        self.validate()
+
+    # ------------------------------------------------------------------ sections
+    @property
+    def training(self) -> Training:
+        return self._s["training"]  # type: ignore[return-value]
+
+    @property
+    def data(self) -> Data:
+        return self._s["data"]  # type: ignore[return-value]
+
+    @property
+    def evaluation(self) -> Evaluation:
+        return self._s["evaluation"]  # type: ignore[return-value]
+
+    @property
+    def scaling(self) -> Scaling:
+        return self._s["scaling"]  # type: ignore[return-value]
+
+    @property
+    def parallelism(self) -> Parallelism:
+        return self._s["parallelism"]  # type: ignore[return-value]
+
+    @property
+    def failures(self) -> Failures:
+        return self._s["failures"]  # type: ignore[return-value]
+
+    @property
+    def checkpoints(self) -> Checkpoints:
+        return self._s["checkpoints"]  # type: ignore[return-value]
+
+    @property
+    def output(self) -> Output:
+        return self._s["output"]  # type: ignore[return-value]
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any],
+                  overrides: Mapping[str, Any] | None = None) -> JobConfig:
+        """A config from a mapping of settings (either form), ``overrides`` winning."""
+        if not isinstance(data, Mapping):
+            raise ConfigError("job", f"must be a mapping of settings, got {type(data).__name__}.",
+                              "see README")
+        return cls(**merge(data, overrides or {}))
+
+    @classmethod
+    def from_yaml(cls, path: str, overrides: Mapping[str, Any] | None = None) -> JobConfig:
+        """A config from a YAML job file, ``overrides`` (``--set``) winning."""
+        import yaml
+
+        try:
+            with open(path) as f:
+                data = yaml.safe_load(f)
+        except FileNotFoundError:
+            raise ConfigError("job file", f"{path} does not exist.", "check the path") from None
+        except yaml.YAMLError as e:
+            raise ConfigError("job file", f"{path} is not valid YAML: {e}", "fix the syntax") from None
+        if not isinstance(data, dict):
+            raise ConfigError("job file", f"{path} must hold a mapping of settings.", "see README")
+        return cls.from_dict(data, overrides)
+
+    @staticmethod
+    def setting_names() -> list[str]:
+        """Every flat setting name."""
+        return list(FLAT)
+
+    def settings(self) -> dict[str, Any]:
+        """Every setting's value under its flat name (code and datasets as given)."""
+        return {name: getattr(self._s[s], f) for name, (s, f) in FLAT.items()}
+
+    def replace(self, **settings: Any) -> JobConfig:
+        """A new config: these settings (either form) over this one's. Fully checked."""
+        return JobConfig(**merge(self.settings(), settings))
+
+    # ------------------------------------------------------------------ checks
+    def _assign(self, name: str, value: Any) -> None:
+        """``cfg.<name> = value``: the section is replaced by a checked copy."""
+        section, field = FLAT[name]
+        self._s[section] = self._s[section].set(field, value)
+        self._checked = False
+
+    def validate(self) -> None:
+        """Check the rules between sections, if a setting was assigned since they were last
+        checked (a config is checked when built). Raises ``ConfigError``."""
+        if self._checked:
+            return
+        d, p, n = self.data, self.parallelism, self.scaling.num_workers
+        if d.global_batch_size < n:
+            raise ConfigError(
+                "global_batch_size",
+                f"{d.global_batch_size} is smaller than num_workers={n}, so some worker would "
+                "get no sample.",
+                f"use global_batch_size >= {n} or fewer workers",
+            )
+        for k in p.switch_at:
+            if not 0 < k < d.max_steps:
+                raise ConfigError(f"switch_at[{k}]", f"step {k} is outside 1..{d.max_steps - 1}.",
+                                  "switch at a step inside the run")
+        self._check_schedule()
+        self._checked = True
+
+    def _check_schedule(self) -> None:
+        fn = self.lr_schedule_fn()
+        if fn is None:
+            return
+        for step in sorted({0, self.max_steps // 2, self.max_steps - 1}):
+            try:
+                m = float(fn(step))
+            except Exception as e:  # noqa: BLE001 - the user's function: say what it did
+                raise ConfigError("lr_schedule", f"raised {type(e).__name__}: {e} at step "
+                                  f"{step}.", "it is called as f(step) -> multiplier of "
+                                  "the optimizer's lr") from None
+            if not 0.0 <= m < float("inf"):
+                raise ConfigError("lr_schedule", f"gave {m!r} at step {step}.",
+                                  "return a finite multiplier >= 0 of the optimizer's lr")
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def job_name(self) -> str:
+        """The ``name`` given, else the Ray job's submission id (under ``ray job submit``),
+        else a time-stamped name (chosen once, then kept)."""
+        if self.output.name:
+            return self.output.name
+        name = _ray_submission_id()
+        if not name:
+            import time
+
+            name = f"job-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid() % 10000:04d}"
+        self._s["output"] = self.output.set("name", name)  # no rule between sections reads it
+        return name
+
+    @property
+    def run_path(self) -> str:
+        """``run_dir``, else ``./runs/<name>``; under ``ray job submit`` the working directory
+        is a temporary copy, so the default is ``~/elastic-runs/<name>`` on the driver's node."""
+        if self.run_dir:
+            return self.run_dir
+        if _ray_submission_id():
+            return os.path.join(os.path.expanduser("~"), "elastic-runs", self.job_name)
+        return os.path.join(os.getcwd(), "runs", self.job_name)
+
+    @property
+    def min_world(self) -> int:
+        return self.scaling.min_world
+
+    @property
+    def max_world(self) -> int:
+        return self.scaling.max_world
+
+    @property
+    def checkpoint_location(self) -> StorageLocation:
+        """Where this job's checkpoints live, parsed once: ``checkpoint_uri``, else
+        ``<run dir>/checkpoints`` (resolved on first use, on the driver, and sent to the
+        workers with the config)."""
+        if self.checkpoints.location is not None:
+            return self.checkpoints.location
+        root = os.path.abspath(os.path.join(self.run_path, "checkpoints"))
+        if self._default_location is None or self._default_location.root != root:
+            # a local directory takes no options (any given are for an s3/gs resume URI)
+            self._default_location = StorageLocation.parse(root)
+        return self._default_location
+
+    def for_worker(self) -> WorkerConfig:
+        """What a worker reads, and nothing else (no cluster, failure or output settings)."""
+        ck = self.checkpoints
+        return WorkerConfig(
+            training=self.training, data=self.data, evaluation=self.evaluation,
+            switch_check=self.switch_check, switch_move=self.switch_move,
+            checkpoint_every=ck.every, checkpoint_wait_s=ck.wait_s,
+            checkpoint_location=self.checkpoint_location if ck.enabled else None,
+            run_path=self.run_path, on_nonfinite=self.on_nonfinite,
+            max_nonfinite_skips=self.max_nonfinite_skips,
+            faults=tuple(self.faults) if self.faults is not None else None)
+
+    # ------------------------------------------------------------------ code
+    def model_factory(self) -> Callable[[], Any]:
+        return self.training.model_factory()
+
+    def optimizer_factory(self) -> Callable[[Any], Any]:
+        return self.training.optimizer_factory()
+
+    def loss_fn(self) -> Callable[[Any, Any], Any]:
+        return self.training.loss_fn()
+
+    def lr_schedule_fn(self) -> Callable[[int], float] | None:
+        """``step -> multiplier`` of the optimizer's lr, or None (elastic.schedules)."""
+        return self.training.lr_schedule_fn(self.data.max_steps)
+
+    def strategy_options(self) -> dict[str, Any]:
+        """Job settings that every layout applies itself (``StrategySpec.options``)."""
+        return self.training.strategy_options()
+
+    def dataset_object(self) -> Any:
+        return self.data.dataset_object()
+
+    def eval_dataset_object(self) -> Any:
+        """The evaluation dataset, or None."""
+        return self.evaluation.dataset_object(self.data)
+
+    # ------------------------------------------------------------------ output
+    def redact(self, text: str) -> str:
+        """``text`` with every secret of the checkpoint settings replaced by ``***``."""
+        return redact(text, self.checkpoints.secrets)
+
+    def redact_value(self, value: Any) -> Any:
+        """A JSON-like value with secrets redacted and secret-looking keys masked."""
+        return scrub(value, self.checkpoints.secrets)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able summary under flat names (code shown as names, secrets as ``***``);
+        used in run logs (``config.json``)."""
+        out: dict[str, Any] = {}
+        for name, v in self.settings().items():
+            plain = isinstance(v, (str, int, float, bool, type(None), dict, list))
+            out[name] = self.redact_value(v) if plain else describe(v)
+        return out
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{k}={v!r}" for k, v in self.to_dict().items()
+                          if k in _REQUIRED or v != _DEFAULTS.get(k))
+        return f"JobConfig({shown})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, JobConfig) and self._s == other._s
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+_REQUIRED = {cls.flat_name(f) for cls in SECTIONS.values() for f in cls.required()}
+_DEFAULTS = {cls.flat_name(f.name): f.default for cls in SECTIONS.values()
+             for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+             if f.init and f.default is not dataclasses.MISSING}
+
+
+def _ray_submission_id() -> str | None:
+    """The submission id of the Ray job this driver runs in, if any."""
+    import json
+
+    raw = os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR")
+    if not raw:
+        return None
+    try:
+        return json.loads(raw).get("metadata", {}).get("job_submission_id")
+    except (ValueError, AttributeError):
+        return None

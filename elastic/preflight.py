@@ -1,0 +1,128 @@
+"""Checks on the driver, before any worker starts, that need the user's code and data.
+
+``check_sample`` runs the model's forward and the job's loss on the first samples of the
+dataset, read exactly as a worker reads them (``elastic.data``: the same Parquet columns,
+dtypes and shapes), so a mismatch (a Parquet column of the wrong dtype or width, a loss that
+wants integer class indices) is one ``ConfigError`` naming the setting and the fix, seconds
+after ``fit`` is called, instead of a worker traceback after the cluster is up.
+
+A model that cannot run on the driver's CPU at all (a kernel only an accelerator has) can
+skip it: ``check_sample: false``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+from .config import JobConfig
+from .errors import ConfigError
+
+__all__ = ["check_sample"]
+
+_SKIP = "to skip this check (a model that runs only on an accelerator): check_sample: false"
+
+
+def check_sample(cfg: JobConfig, model: Any, dataset: Any) -> None:
+    """Run ``model`` (in eval mode, without gradients, under the job's precision) and the
+    job's loss on up to 3 samples of ``dataset`` (the object ``cfg.dataset_object()`` gave).
+    The model's training mode is restored; its parameters are not changed.
+
+    Raises ``ConfigError`` naming ``input_column``/``target_column`` (Parquet) or
+    ``dataset`` when reading, the forward or the loss fails, or ``loss`` when it does not
+    return one number.
+    """
+    if not cfg.check_sample:
+        return
+    import torch
+
+    from .data import ParquetDataset, fetch_batch
+
+    parquet = isinstance(dataset, ParquetDataset)
+    n = min(3, len(dataset))  # 3, not 2: fewer widths broadcast against it by chance
+    try:
+        x, y = dataset.head(n) if parquet else fetch_batch(dataset, torch.arange(n))
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the user's data: say what it did
+        raise ConfigError("input_column" if parquet else "dataset",
+                          f"reading {n} sample(s) failed: {_first_line(e)}.",
+                          _read_fix(cfg, parquet)) from None
+    cast: Any = (torch.autocast("cpu", dtype=torch.bfloat16) if cfg.precision == "bf16"
+                 else contextlib.nullcontext())
+    loss_fn = cfg.loss_fn()
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), cast:
+            try:
+                out = model(x)
+            except Exception as e:  # noqa: BLE001 - the user's model: say what it did
+                raise _forward_error(cfg, parquet, x, e) from None
+            try:
+                loss = loss_fn(out, y)
+            except Exception as e:  # noqa: BLE001 - the user's loss: say what it did
+                raise _loss_error(cfg, parquet, out, y, e) from None
+    finally:
+        model.train(was_training)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise ConfigError("loss", f"returned {_describe(loss)}, not one number.",
+                          "return a scalar tensor (e.g. the mean over the batch)")
+
+
+def _forward_error(cfg: JobConfig, parquet: bool, x: Any, e: Exception) -> ConfigError:
+    got = f"inputs {_describe(x)}"
+    if parquet:
+        col = cfg.input_column
+        return ConfigError(
+            "input_column",
+            f"the model's forward failed on a sample of dataset {cfg.redact(str(cfg.dataset))}"
+            f": {_first_line(e)}. It received {got} (column {col!r}, read as {cfg.input_dtype}).",
+            f"make column {col!r} hold what the model takes per sample, point input_column at "
+            "the column that does, or set input_dtype to the dtype the model expects (int64 "
+            f"for token ids); {_SKIP}")
+    return ConfigError(
+        "dataset",
+        f"the model's forward failed on a sample of the dataset: {_first_line(e)}. It received "
+        f"{got}.",
+        f"make the dataset's inputs what the model takes (shape per sample, dtype); {_SKIP}")
+
+
+def _loss_error(cfg: JobConfig, parquet: bool, out: Any, y: Any, e: Exception) -> ConfigError:
+    got = f"the model's output {_describe(out)} and targets {_describe(y)}"
+    if parquet:
+        col = cfg.target_column
+        return ConfigError(
+            "target_column",
+            f"the loss failed on {got} (column {col!r}, read as {cfg.target_dtype}): "
+            f"{_first_line(e)}.",
+            f"make column {col!r} hold what the loss takes with that output, or set "
+            "target_dtype (int64 for class indices with cross_entropy; float32 for mse); "
+            f"{_SKIP}")
+    return ConfigError(
+        "dataset",
+        f"the loss failed on {got}: {_first_line(e)}.",
+        "make the dataset's targets what the loss takes with the model's output (class "
+        f"indices as int64 for cross_entropy, the output's shape for mse); {_SKIP}")
+
+
+def _read_fix(cfg: JobConfig, parquet: bool) -> str:
+    if parquet:
+        return (f"columns {cfg.input_column!r} and {cfg.target_column!r} must hold numbers or "
+                f"fixed-length lists of numbers readable as {cfg.input_dtype}/"
+                f"{cfg.target_dtype}; set input_column/target_column and input_dtype/"
+                "target_dtype")
+    return "the dataset's items must be (input, target) pairs of tensors or numbers"
+
+
+def _describe(t: Any) -> str:
+    import torch
+
+    if isinstance(t, torch.Tensor):
+        return f"of shape {tuple(t.shape)}, {str(t.dtype).replace('torch.', '')}"
+    return f"a {type(t).__name__}"
+
+
+def _first_line(e: BaseException) -> str:
+    text = (str(e).strip().splitlines() or [""])[0][:300]
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__

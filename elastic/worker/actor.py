@@ -1,0 +1,269 @@
+"""The worker actor: one Ray actor per device, one rank of the current process group.
+
+The actor is threaded (``max_concurrency=2``): ``run`` executes the training loop while the
+controller drains metrics and posts stop requests through the second thread. Its methods are
+the RPC surface the controller calls; each delegates to a component that owns its state
+(membership, layout, held state, step loop, checkpointing, profiling, faults), and every call
+that runs the job's code or a collective goes through the error boundary (``guarded``). This
+is the package's only module that imports Ray (``info``, ``free_port``).
+
+Group lifecycle: ``join`` forms a group, ``leave`` tears it down. The model, optimizer and data
+position survive ``leave``/``join`` (parked in ``HeldState``), which is what lets survivors
+keep their memory when a node is lost.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import socket
+import time
+from typing import Any
+
+import torch
+
+from strategies import StrategySpec, state_hash
+
+from ..config import JobConfig, WorkerConfig
+from .boundary import guarded
+from .checkpointing import Checkpointing
+from .faults import Faults
+from .held_state import HeldState, PeerPlan
+from .inputs import JobData
+from .layout import Layout
+from .loop import StepLoop
+from .membership import Membership
+from .profiling import Profiler
+
+__all__ = ["Worker"]
+
+
+def _node_id() -> str | None:
+    """The Ray node this process runs on (None outside Ray)."""
+    try:
+        import ray
+
+        return str(ray.get_runtime_context().get_node_id())
+    except Exception:  # noqa: BLE001 - outside a Ray worker (a test, bench/gpu_check.py)
+        return None
+
+
+class Worker:
+    """Body of the worker actor (wrapped with ``ray.remote`` by the controller)."""
+
+    def __init__(self, config: JobConfig | WorkerConfig, worker_id: int, use_gpu: bool, num_threads: int) -> None:
+        self.config = config
+        self.worker_id = worker_id
+        torch.set_num_threads(max(1, num_threads))
+        self.device = torch.device("cuda", 0) if use_gpu else torch.device("cpu")
+        if use_gpu:
+            torch.cuda.set_device(self.device)
+            if config.precision == "bf16" and not torch.cuda.is_bf16_supported():
+                raise ValueError(
+                    f"precision: bf16 is not supported by {torch.cuda.get_device_name()} "
+                    "(bf16 needs compute capability 8.0+: A100, H100, L4...); fix: use "
+                    "precision: fp32 for this cluster, or place the job on bf16 devices")
+        model_factory, loss_fn = config.model_factory(), config.loss_fn()
+        self.membership = Membership("nccl" if use_gpu else "gloo", self.device)
+        self.data = JobData(config)
+        self.held = HeldState()
+        self.profiler = Profiler(config, self.device, self.data, model_factory, loss_fn)
+        self.layout = Layout(config, self.membership, self.held, self.data, model_factory,
+                             loss_fn, on_built=self.profiler.install)
+        self.checkpoints = Checkpointing(config, self.membership, self.layout)
+        self.faults = Faults(config, node_id=_node_id)
+        self.loop = StepLoop(config, self.membership, self.layout, self.data, self.checkpoints,
+                             self.profiler, self.faults)
+        gc.freeze()  # start-up objects (torch, ray, the job's modules) skip later collections,
+        # which keeps the one in leave() short
+
+    def _guard(self, fn: Any, *args: Any) -> Any:
+        return guarded(self.membership.rank, fn, *args)
+
+    # ------------------------------------------------------------------ identity and group
+
+    def info(self) -> dict[str, Any]:
+        import ray
+
+        ctx = ray.get_runtime_context()
+        dev = self.device
+        name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+        emulation = self.profiler.emulation
+        return {
+            "worker_id": self.worker_id,
+            "node_id": ctx.get_node_id(),
+            "ip": ray.util.get_node_ip_address(),
+            "hostname": socket.gethostname(),
+            "pid": os.getpid(),
+            "device": str(dev),
+            "device_name": self.profiler.display_name(name),
+            "threads": torch.get_num_threads(),
+            "emulation": dict(emulation),
+            "emulated": bool(emulation),
+        }
+
+    def free_port(self) -> int:
+        """A port for the next group's store, listening on this node's address only (this
+        worker will be rank 0)."""
+        import ray
+
+        return self.membership.open_port(ray.util.get_node_ip_address())
+
+    def join(self, addr: str, port: int, rank: int, world: int, generation: int,
+             timeout_s: float) -> float:
+        """Form generation ``generation`` of the group; returns seconds taken."""
+        t0 = time.perf_counter()
+        self.leave()
+        self.membership.join(addr, port, rank, world, generation, timeout_s)
+        return time.perf_counter() - t0
+
+    def leave(self) -> None:
+        """Tear down the current group, if any. The state this rank holds stays in memory,
+        parked as canonical CPU tensors, and the strategy is dropped with every reference it
+        had to the group (sub-groups, the DDP reducer, FSDP meshes): a gloo group closes its
+        sockets only when its last reference goes, and only then do peers blocked on this
+        rank fail at once instead of at the group timeout. Every path after a leave lays the
+        job out again from parked, peer or checkpoint state."""
+        with self.held.lock:
+            dropped = self.layout.strategy is not None
+            if dropped:
+                self.held.park(self.layout.strategy)
+                self.layout.drop()
+            self.membership.leave()
+            if dropped:  # reference cycles (hooks, schedules) hold groups too
+                gc.collect()
+
+    # ------------------------------------------------------------------ layout and training
+
+    def build(self, spec: StrategySpec, state: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
+        """Lay the job out as ``spec``: from the live state when a strategy already runs
+        (an in-memory switch), else from a fresh seeded model, then ``state`` if given."""
+        return self._guard(self.layout.build, spec, state)
+
+    def run(self, start: int, end: int) -> dict[str, Any]:
+        """Train steps ``start..end-1``; stop early at a step boundary if any rank was asked.
+
+        Returns ``{"status": "done"|"stopped", "next_step": n}``. Raises ``WorkerError`` for
+        user-code failures and ``GroupError`` for group failures.
+        """
+        return self._guard(self.loop.run, start, end)
+
+    def request_stop(self) -> None:
+        """Ask the loop to stop after the current step (all ranks agree on the same step)."""
+        self.loop.request_stop()
+
+    def drain(self) -> list[dict[str, Any]]:
+        return self.loop.drain()
+
+    def full_state(self, want: bool = True) -> dict[str, torch.Tensor] | None:
+        """Collective: every rank must call. Returns the canonical state if ``want``."""
+        assert self.layout.strategy is not None
+        st = self._guard(self.layout.strategy.full_state)
+        return st if want else None
+
+    def state_hash(self) -> str:
+        assert self.layout.strategy is not None
+        return state_hash(self._guard(self.layout.strategy.full_state))
+
+    def memory_counts(self) -> dict[str, int]:
+        assert self.layout.strategy is not None
+        return self.layout.strategy.memory_counts()
+
+    # ------------------------------------------------------------------ profiling
+
+    def set_emulation(self, emulation: dict[str, Any] | None) -> dict[str, Any]:
+        """Test and demo aid: emulate a slower device (``slowdown`` x compute time, a
+        ``memory_gb`` budget for the planner, ``stands_for`` a display name). Returns info();
+        the step loop re-installs the hooks (this may run mid-step)."""
+        self.profiler.set_emulation(emulation)
+        return self.info()
+
+    def profile(self, batch: int, detail: bool = False) -> dict[str, Any]:
+        """This worker's speed for the job's model (``Profiler.profile``)."""
+        return self._guard(self.profiler.profile, batch, detail)
+
+    def profile_terms(self, shares: list[int], rounds: int = 7) -> dict[str, Any]:
+        """Collective: this rank's measurements for the planner's cost model, each repeated
+        ``rounds`` times (``Profiler.profile_terms``: trial dp steps under ``shares``)."""
+        def control() -> None:
+            self.membership.ctrl_allreduce(torch.zeros(5, dtype=torch.float64)).wait()
+
+        return self._guard(lambda: self.profiler.profile_terms(
+            list(shares), self.membership.rank, self.membership.world, control, rounds))
+
+    def shutdown(self) -> None:
+        self.checkpoints.close()
+        self.leave()
+
+    # ------------------------------------------------------------------ recovery
+
+    def progress(self) -> dict[str, Any]:
+        """Local: where this worker's state stands (no collective)."""
+        strategy, spec = self.layout.strategy, self.layout.spec
+        return {"next_step": self.layout.next_step,
+                "has_state": strategy is not None or self.held.has_state(),
+                "strategy": spec.name if spec else None,
+                "pending_update": self.held.pending(strategy)}
+
+    def finish_pending_step(self) -> int:
+        """Local, after a failure: apply a step whose gradients were complete when its final
+        all-reduce failed here (the caller knows a peer applied it), on the live strategy or,
+        after ``leave``, by taking the parked state with that update applied. Returns the
+        next step."""
+        if self.held.roll_forward(self.layout.strategy):
+            self.layout.next_step += 1
+        return self.layout.next_step
+
+    def held_keys(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """Local: canonical keys this rank holds in full, with shape and dtype."""
+        return self.held.keys(self.layout.strategy)
+
+    def snapshot_full(self) -> int:
+        """Collective over the current (healthy) group: keep the full canonical state in
+        memory, so that a planned membership change can hand every entry to the new group
+        from any old rank. Returns the bytes held."""
+        assert self.layout.strategy is not None
+        return self._guard(self.held.snapshot_full, self.layout.strategy)
+
+    def restore_from_peers(self, spec: StrategySpec, plan: PeerPlan,
+                           next_step: int) -> dict[str, Any]:
+        """Collective over the new group: every key is broadcast from the rank that holds it
+        (``plan`` = [(key, source rank, shape, dtype)]), then the job is laid out as ``spec``.
+        """
+        def go() -> dict[str, Any]:
+            t0 = time.perf_counter()
+            state, nbytes = self.held.from_peers(plan, self.layout.strategy,
+                                                 self.membership.rank, self.device)
+            self.layout.restart(spec, state, next_step)
+            return {"seconds": time.perf_counter() - t0, "bytes": nbytes}
+        return self._guard(go)
+
+    def restart_fresh(self, spec: StrategySpec, state: dict[str, torch.Tensor] | None,
+                      next_step: int) -> dict[str, Any]:
+        """Drop any live state and lay out ``spec`` from ``state`` (a checkpoint's canonical
+        state) or, if None, from the seeded initial model."""
+        def go() -> dict[str, Any]:
+            t0 = time.perf_counter()
+            self.layout.restart(spec, state, next_step)
+            return {"seconds": time.perf_counter() - t0}
+        return self._guard(go)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def checkpoint_now(self) -> dict[str, Any]:
+        """Collective: take a checkpoint of the state as it is (the step boundary the job
+        stopped at); returns the checkpoint notice the step loop would report."""
+        return self._guard(lambda: self.checkpoints.now(self.layout.next_step))
+
+    def restore_checkpoint(self, spec: StrategySpec, step: int, store: Any = None) -> dict[str, Any]:
+        """Lay out ``spec`` from committed checkpoint ``step`` of ``store`` (default: the
+        job's), checksums verified. A ``CheckpointError`` reaches the controller as it is."""
+        return self._guard(self.checkpoints.restore, spec, step, store)
+
+    def checkpoint_poll(self) -> dict[str, Any] | None:
+        """The upload's outcome: None while uploading or idle, else {"info": ShardInfo dict}
+        or {"error": message} (the upload is then abandoned)."""
+        return self.checkpoints.poll()
+
+    def checkpoint_done(self, step: int, committed: bool) -> None:
+        self.checkpoints.done(step, committed)

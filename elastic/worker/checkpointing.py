@@ -1,0 +1,258 @@
+"""Checkpointing on a worker: which rank writes what, the background writer, restores.
+
+Every rank writes a shard of what it holds; replicated entries are written once, by one of the
+ranks that hold them (balanced by bytes); sharded entries (zero3) are written as each rank's
+rows, with no gather. A checkpoint is begun at a step boundary (``after_step``): buffers and
+small entries are copied to host memory at once, parameters and optimizer state while the
+next step computes (its update waits for that copy), then uploaded in the background. The
+controller polls the upload and commits the manifest (docs/architecture.md, Checkpoints).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from strategies import StrategySpec, on_before_update
+
+from ..checkpoint import CheckpointReader, CheckpointStore, Piece, ShardWriter
+from ..checkpoint_io import job_store
+from ..config import JobConfig, WorkerConfig
+from ..errors import CheckpointError
+from .layout import Layout
+from .membership import Membership
+
+__all__ = ["Checkpointing", "assign_writers", "checkpoint_pieces"]
+
+
+def assign_writers(holdings: list[dict[str, int]]) -> dict[str, int]:
+    """key -> the rank that writes it: among the ranks holding a key, the least loaded so far
+    (largest keys first; ties to the lowest rank). Same answer on every rank."""
+    sizes: dict[str, int] = {}
+    holders: dict[str, list[int]] = {}
+    for r, held in enumerate(holdings):
+        for k, n in held.items():
+            sizes[k] = n
+            holders.setdefault(k, []).append(r)
+    load = [0] * len(holdings)
+    owner: dict[str, int] = {}
+    for k in sorted(sizes, key=lambda k: (-sizes[k], k)):
+        r = min(holders[k], key=lambda r: (load[r], r))
+        owner[k] = r
+        load[r] += sizes[k]
+    return owner
+
+
+def checkpoint_pieces(strategy: Any, rank: int, world: int) -> list[Piece]:
+    """Collective. The pieces this rank writes for the current layout: what it holds itself
+    (``Strategy.local_state``: whole entries, or its rows of sharded ones, so no layout
+    gathers), each written once: a piece several ranks hold alike (a replica) by the least
+    loaded of them. The tensors are the live ones where the layout allows (no copy here;
+    ``ShardWriter.begin`` copies)."""
+    local = strategy.local_state()
+    rows = strategy.local_rows()
+    ids: dict[str, tuple[str, torch.Tensor, int, tuple[int, ...] | None]] = {}
+    for k, t in local.items():
+        shape, r = rows.get(k, (tuple(t.shape), None))
+        if r is None:
+            ids[k] = (k, t, 0, None)
+        else:
+            ids[f"{k}@{r[0]}:{r[1]}"] = (k, t, int(r[0]), tuple(shape))
+    rng = f"rng/rank{rank}/torch"
+    ids[rng] = (rng, torch.get_rng_state(), 0, None)
+    mine = {i: v[1].numel() * v[1].element_size() for i, v in ids.items()}
+    holdings: list[Any] = [None] * world
+    dist.all_gather_object(holdings, mine, group=_cpu_group())
+    owner = assign_writers(holdings)
+    return [Piece(k, t, start=a, full_shape=full) for i, (k, t, a, full) in ids.items()
+            if owner[i] == rank]
+
+
+_GLOO: dict[int, Any] = {}
+
+
+def _cpu_group() -> Any:
+    """A gloo group for small CPU-side agreements (NCCL wants device tensors)."""
+    if dist.get_backend() == "gloo":
+        return None
+    key = id(dist.group.WORLD)
+    if key not in _GLOO:
+        _GLOO.clear()
+        _GLOO[key] = dist.new_group(backend="gloo")
+    return _GLOO[key]
+
+
+class Checkpointing:
+    """This rank's checkpoint store, its writer (one upload at a time), and the time an
+    update waited for a checkpoint's deferred copy (reported with the next step's metrics).
+
+    ``after_step`` runs on the step loop's thread; ``poll``/``done`` on the controller's
+    (``ShardWriter`` is built for that). Inactive (``store`` None) without checkpoints.
+    """
+
+    def __init__(self, config: JobConfig | WorkerConfig, membership: Membership, layout: Layout) -> None:
+        self._config = config
+        self._membership = membership
+        self._layout = layout
+        self.store: CheckpointStore | None = None
+        if config.checkpoint_every > 0 or config.checkpoint_uri:
+            self.store = job_store(config)
+        self._writer: ShardWriter | None = None
+        self._writer_rank = -1
+        self._staged_wait_s = 0.0  # waits for a checkpoint's deferred copy, not yet reported
+        self._unhook_update: Any = None
+
+    def due(self, step: int) -> bool:
+        """Whether a checkpoint is taken after ``step`` (every K steps, and after the last)."""
+        every = self._config.checkpoint_every
+        return every > 0 and ((step + 1) % every == 0 or step + 1 == self._config.max_steps)
+
+    @property
+    def busy(self) -> bool:
+        """Whether this rank's previous checkpoint is not yet committed or abandoned."""
+        return self._writer is not None and self._writer.state != "idle"
+
+    def after_step(self, step: int, busy_anywhere: bool) -> dict[str, Any]:
+        """Collective at the boundary after ``step`` (every rank, the same arguments: what
+        the control all-reduce agreed): take a due checkpoint, or skip it on every rank if
+        a previous one is still not committed anywhere. Returns the metrics to record."""
+        out: dict[str, Any] = {}
+        if self.due(step):
+            if busy_anywhere and not self._wait_idle():
+                out = {"checkpoint_skipped": step + 1}
+            else:
+                out = {"checkpoint_begun": step + 1,
+                       "checkpoint_blocked_s": self._begin(step + 1)}
+        if self._staged_wait_s > 0:  # an earlier checkpoint's copy held this step's update
+            out["checkpoint_wait_s"] = self._staged_wait_s
+            self._staged_wait_s = 0.0
+        return out
+
+    def now(self, step: int) -> dict[str, Any]:
+        """Collective at a step boundary outside the step loop (a job stopped early takes a
+        final checkpoint): begin checkpoint ``step`` now, after the previous one is committed
+        (bounded wait; skipped on every rank if it is not). Returns what ``after_step`` would
+        record."""
+        if self.busy_anywhere() and not self._wait_idle():
+            return {"checkpoint_skipped": step, "rank": self._membership.rank}
+        return {"checkpoint_begun": step, "checkpoint_blocked_s": self._begin(step),
+                "rank": self._membership.rank}
+
+    def busy_anywhere(self) -> bool:
+        """Collective: whether any rank's previous checkpoint is still not committed."""
+        return not self._membership.all_ranks(not self.busy)
+
+    def _begin(self, step: int) -> float:
+        """Collective: decide which rank writes what, copy it to host memory and start the
+        background upload. Returns the seconds training was blocked."""
+        t0 = time.perf_counter()
+        writer = self._ensure_writer()
+        m = self._membership
+        pieces = checkpoint_pieces(self._layout.strategy, m.rank, m.world)
+        if self._unhook_update is None:
+            self._unhook_update = on_before_update(self._before_update)
+        params = self._layout.param_keys
+        # parameters and optimizer state change only in a step's update: their host copy runs
+        # beside the next step's forward and backward, and the update waits for it; buffers
+        # (changed by forward) and everything else are copied now
+        writer.begin(step, pieces, later=lambda k: k.startswith("optim/") or k in params)
+        return time.perf_counter() - t0
+
+    def _before_update(self) -> None:
+        """Runs before any strategy changes parameters or optimizer state: the deferred host
+        copy of a checkpoint must be done by then (time waited counts as blocked)."""
+        if self._writer is not None:
+            self._staged_wait_s += self._writer.staged()
+
+    def _wait_idle(self) -> bool:
+        """Collective: wait (bounded by ``checkpoint_wait_s``) until this rank's previous
+        checkpoint is committed or abandoned; True on every rank iff all are ready."""
+        deadline = time.monotonic() + self._config.checkpoint_wait_s
+        while self.busy:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.005)
+        return self._membership.all_ranks(not self.busy)
+
+    def _ensure_writer(self) -> ShardWriter:
+        rank = self._membership.rank
+        if self._writer is None or self._writer_rank != rank:
+            if self._writer is not None:
+                self._writer.abandon()
+                self._writer.close()
+            assert self.store is not None, "a checkpoint is due but the job has no store"
+            self._writer = ShardWriter(self.store, rank)
+            self._writer_rank = rank
+        return self._writer
+
+    def poll(self) -> dict[str, Any] | None:
+        """The upload's outcome: None while uploading or idle, else {"info": ShardInfo dict}
+        or {"error": message, "step": step} (the upload is then abandoned)."""
+        w = self._writer
+        if w is None or w.state in ("idle", "uploading"):
+            return None
+        try:
+            info = w.poll()
+        except Exception as e:  # noqa: BLE001 - a failed upload: report it, training goes on
+            return {"error": str(e), "step": w.step}
+        return {"info": info.to_dict()} if info is not None else None
+
+    def done(self, step: int, committed: bool) -> None:
+        """The controller committed checkpoint ``step`` (or gave it up)."""
+        if self._writer is None:
+            return
+        if committed:
+            self._writer.committed(step)
+        else:
+            self._writer.abandon()
+
+    def restore(self, spec: StrategySpec, step: int, store: Any = None) -> dict[str, Any]:
+        """Lay out ``spec`` from committed checkpoint ``step`` of ``store`` (default: the
+        job's), checksums verified, each rank reading only what its new layout keeps. The
+        torch RNG state and the data position follow the checkpoint."""
+        t0 = time.perf_counter()
+        out: dict[str, Any] = {}
+        source = store or self.store
+        if source is None:
+            raise CheckpointError("no checkpoint store to restore from: give the store, or "
+                                  "set checkpoint_uri or checkpoint_every for the job")
+        with CheckpointReader(source, step) as reader:
+            metas = reader.tensors()
+            rng_key = f"rng/rank{self._membership.rank}/torch"
+
+            def read(strat: Any) -> dict[str, torch.Tensor]:
+                # only what the new layout keeps on this rank (its shard, its stages)
+                want: dict[str, tuple[int, int] | None] = {}
+                for key, m in metas.items():
+                    if key.startswith("rng/"):
+                        continue
+                    need = strat.needs(key, m.full_shape)
+                    if need is True:
+                        want[key] = None
+                    elif need:
+                        want[key] = (int(need[0]), int(need[1]))
+                if rng_key in metas:
+                    want[rng_key] = None
+                state = reader.read(want)
+                out["rng"] = state.pop(rng_key, None)
+                out["bytes"] = sum(t.numel() * t.element_size() for t in state.values())
+                out["total_bytes"] = sum(
+                    m.dtype.itemsize * math.prod(m.full_shape)
+                    for k, m in metas.items() if not k.startswith("rng/"))
+                return state
+
+            self._layout.build_fresh(spec, None, read=read)
+        if out["rng"] is not None:
+            torch.set_rng_state(out["rng"])
+        self._layout.next_step = step
+        return {"seconds": time.perf_counter() - t0, "bytes": out["bytes"],
+                "total_bytes": out["total_bytes"]}
+
+    def close(self) -> None:
+        """Stop the writer (an upload in flight is abandoned)."""
+        if self._writer is not None:
+            self._writer.close()

@@ -1,0 +1,132 @@
+"""Fault injection: a test aid that makes a chosen rank fail at a chosen step.
+
+``JobConfig.faults`` lists ``{rank, step, action, dir?}``. An entry fires at the start of
+step ``step`` on the worker that is rank ``rank`` then, at most once per job: firing first
+creates the marker ``fired-rank{r}-step{s}`` in the fault directory (``dir``, default
+``<run_path>/faults``) with ``O_EXCL``, so a recovered job that replays the step does not
+fire it again. Actions:
+
+* ``exit``: the process dies at once (``os._exit(1)``);
+* ``pause``: writes ``paused-rank{r}-step{s}.json`` ({node_id, pid, rank, step, generation},
+  atomically), then blocks until the process is killed: a test waits for that file (an event,
+  not a sleep) and removes the node;
+* ``hang``: blocks forever inside the step: its peers' collectives time out;
+* ``raise``: ``RuntimeError`` from the job's code path (a user error);
+* ``nan``: this rank's batch inputs are NaN for that step (for integer inputs: the outputs
+  of the blocks it computes), so the loss and gradients are not finite.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from ..config import JobConfig, WorkerConfig
+
+__all__ = ["Faults", "FaultInjected", "nan_inputs"]
+
+
+class FaultInjected(RuntimeError):
+    """The ``raise`` fault: what user code raising looks like to elastic."""
+
+
+def _block_forever() -> None:
+    threading.Event().wait()
+
+
+class Faults:
+    """The job's fault entries, indexed by (rank, step); a no-op when there are none.
+
+    ``node_id`` says which node this process runs on (for ``pause``); ``block`` and ``exit``
+    are what ``pause``/``hang`` and ``exit`` do (tests replace them).
+    """
+
+    def __init__(self, config: JobConfig | WorkerConfig, node_id: Callable[[], str | None] = lambda: None,
+                 block: Callable[[], None] = _block_forever,
+                 exit: Callable[[int], Any] = os._exit) -> None:
+        self._at: dict[tuple[int, int], list[dict[str, Any]]] = {}
+        for f in config.faults or []:
+            self._at.setdefault((int(f["rank"]), int(f["step"])), []).append(f)
+        self._default_dir = os.path.join(config.run_path, "faults") if self._at else ""
+        self._node_id = node_id
+        self._block = block
+        self._exit = exit
+
+    def at_step(self, rank: int, step: int, generation: int) -> bool:
+        """At the start of ``step`` on ``rank``: fire the entries due there that have not
+        fired yet in this job. Returns whether this step's inputs are to be made NaN
+        (``nan``); the other actions act here (and ``raise`` raises)."""
+        entries = self._at.get((rank, step))
+        if not entries:
+            return False
+        nan = False
+        for f in entries:
+            where = f.get("dir") or self._default_dir
+            if not self._claim(where, rank, step, f["action"]):
+                continue
+            action = f["action"]
+            if action == "exit":
+                self._exit(1)
+            elif action == "pause":
+                self._write_paused(where, rank, step, generation)
+                self._block()
+            elif action == "hang":
+                self._block()
+            elif action == "raise":
+                raise FaultInjected(f"fault injected at rank {rank}, step {step} (faults)")
+            elif action == "nan":
+                nan = True
+        return nan
+
+    @staticmethod
+    def _claim(where: str, rank: int, step: int, action: str) -> bool:
+        """Create the entry's marker atomically; False if it exists (fired before)."""
+        os.makedirs(where, exist_ok=True)
+        try:
+            fd = os.open(os.path.join(where, f"fired-rank{rank}-step{step}"),
+                         os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "w") as f:
+            f.write(f"{action} pid {os.getpid()}\n")
+        return True
+
+    def _write_paused(self, where: str, rank: int, step: int, generation: int) -> None:
+        info = {"node_id": self._node_id(), "pid": os.getpid(), "rank": rank, "step": step,
+                "generation": generation}
+        path = os.path.join(where, f"paused-rank{rank}-step{step}.json")
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(info, f)
+        os.replace(tmp, path)
+
+
+def nan_inputs(x: torch.Tensor, blocks: Callable[[], list[torch.nn.Module]]
+               ) -> tuple[torch.Tensor, contextlib.AbstractContextManager[Any]]:
+    """The ``nan`` fault for one step: NaN inputs when they are floating point; else (token
+    ids) the inputs as they are, and a context in which the outputs of ``blocks()`` (the
+    modules this rank computes) are NaN."""
+    if x.is_floating_point():
+        return torch.full_like(x, float("nan")), contextlib.nullcontext()
+    return x, _nan_outputs(blocks())
+
+
+@contextlib.contextmanager
+def _nan_outputs(blocks: list[torch.nn.Module]) -> Iterator[None]:
+    def hook(_mod: Any, _args: Any, out: Any) -> Any:
+        if isinstance(out, torch.Tensor) and out.is_floating_point():
+            return out * float("nan")
+        return out
+
+    handles = [b.register_forward_hook(hook) for b in blocks]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()

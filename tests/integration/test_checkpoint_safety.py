@@ -1,0 +1,349 @@
+"""Checkpoint safety (issue 13): the right error class for corruption and for storage
+failures, falling back past a corrupt newest checkpoint with notes that name the bad object,
+tools that say when nothing was found, and one job per checkpoint URI (claims, owners in
+manifests, explicit forks). Ray-free; local disk and S3 (moto)."""
+
+from __future__ import annotations
+
+import pickle
+import threading
+from typing import Any
+
+import pyarrow.fs as pafs
+import pytest
+import torch
+
+import elastic.checkpoint.ownership as ownership_mod
+from elastic import cli
+from elastic.checkpoint import (
+    MANIFEST_NAME,
+    OWNER_NAME,
+    CheckpointMeta,
+    CheckpointStore,
+    CheckpointWarning,
+    check_owner,
+    check_resume,
+    check_steps,
+    claim,
+    commit,
+    find_latest_valid,
+    list_checkpoints,
+    load,
+    load_latest_valid,
+    plan_resume,
+    read_manifest,
+    read_owner,
+    release,
+    verify,
+    write_shard,
+)
+from elastic.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointOwnerError,
+    ConfigError,
+    StorageError,
+)
+from strategies import state_hash
+from tests.integration.test_checkpoint import make_state, save
+
+
+@pytest.fixture(params=["local", "s3"])
+def store(request: pytest.FixtureRequest, tmp_path) -> CheckpointStore:
+    if request.param == "local":
+        return CheckpointStore(str(tmp_path / "ckpt"))
+    server = request.getfixturevalue("s3_server")
+    return CheckpointStore(server.uri(), server.options())
+
+
+def _flip(store: CheckpointStore, step: int, shard: str, offset: int) -> None:
+    """Flip the bytes at ``offset`` of a shard file, keeping its size."""
+    path = store.path(store.step_name(step), shard)
+    with store.fs.open_input_file(path) as f:
+        body = bytearray(f.read_at(f.size(), 0))
+    body[offset] ^= 0xFF
+    with store.fs.open_output_stream(path) as f:
+        f.write(bytes(body))
+
+
+class _FlakyReads:
+    """A filesystem whose reads of shard files fail like a dropped connection."""
+
+    def __init__(self, fs: pafs.FileSystem) -> None:
+        self._fs = fs
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._fs, name)
+
+    def open_input_file(self, path: str) -> Any:
+        if "/shard-" in path:
+            raise OSError("injected: connection reset by peer")
+        return self._fs.open_input_file(path)
+
+
+# --------------------------------------------------------------------------- error classes
+
+
+def test_corruption_and_storage_failures_have_their_classes(store: CheckpointStore) -> None:
+    old, new = make_state(seed=1, rows=200), make_state(seed=2, rows=200)
+    save(store, 10, old)
+    m = save(store, 20, new)
+    bad = m.shards[1].path
+    _flip(store, 20, bad, 100)  # inside the data region: the index still verifies
+
+    with pytest.raises(CheckpointCorruptError, match="checksum mismatch") as e:
+        load(store, 20)
+    assert (e.value.step, e.value.shard) == (20, bad)
+    err = pickle.loads(pickle.dumps(e.value))  # as it would cross a Ray actor boundary
+    assert isinstance(err, CheckpointError) and (err.step, err.shard) == (20, bad)
+
+    # a missing shard of a committed checkpoint is corruption too, not a storage failure
+    store.fs.delete_file(store.path(store.step_name(20), bad))
+    with pytest.raises(CheckpointCorruptError, match="missing") as e:
+        load(store, 20)
+    assert e.value.shard == bad
+
+    # a manifest that is not one
+    with store.fs.open_output_stream(store.path(store.step_name(20), MANIFEST_NAME)) as f:
+        f.write(b"[1, 2]")
+    with pytest.raises(CheckpointCorruptError, match="not an elastic checkpoint manifest") as e:
+        read_manifest(store, 20)
+    assert (e.value.step, e.value.shard) == (20, None)
+
+
+def test_storage_failure_is_a_storage_error_and_never_a_fallback(tmp_path) -> None:
+    store = CheckpointStore(str(tmp_path / "ckpt"))
+    save(store, 10, make_state(seed=1, rows=64))
+    save(store, 20, make_state(seed=2, rows=64))
+    store.fs = _FlakyReads(store.fs)
+    with pytest.raises(StorageError, match="connection reset"):
+        load(store, 20)
+    # an outage is not a bad checkpoint: no silent fall back to step 10 (or to scratch)
+    with pytest.raises(StorageError):
+        find_latest_valid(store)
+    with pytest.raises(StorageError):
+        load_latest_valid(store)
+
+
+def test_unreachable_s3_is_a_storage_error(s3_server) -> None:
+    store = CheckpointStore(s3_server.uri(), s3_server.options(
+        endpoint_override="http://127.0.0.1:9", retries=1))
+    with pytest.raises(StorageError, match="cannot reach"):
+        find_latest_valid(store)
+    with pytest.raises(StorageError, match="cannot reach"):
+        store.check_writable()
+
+
+# --------------------------------------------------------------------------- fallback
+
+
+def test_restore_falls_back_past_a_corrupt_newest_checkpoint(store: CheckpointStore) -> None:
+    """The controller's protocol: pick the newest that verifies (shallow), every rank loads
+    it; a rank meeting corruption in its data reports step and shard; pick again without
+    that step."""
+    old, new = make_state(seed=1, rows=200), make_state(seed=2, rows=200)
+    save(store, 10, old)
+    m = save(store, 20, new)
+    _flip(store, 20, m.shards[0].path, 64)
+
+    manifest, notes = find_latest_valid(store)  # indices verify: the data is not read
+    assert manifest is not None and manifest.step == 20 and notes == []
+    with pytest.raises(CheckpointCorruptError) as e:
+        load(store, manifest)
+    manifest, notes = find_latest_valid(store, exclude={e.value.step}, deep=True)
+    assert manifest is not None and manifest.step == 10 and notes == []
+    assert state_hash(load(store, manifest)) == state_hash(old)
+
+    # deep: the census says which steps verify and names the bad object
+    checks = check_steps(store, deep=True)
+    assert [(c.step, c.ok, c.corrupt, c.shard) for c in checks] == [
+        (20, False, True, m.shards[0].path), (10, True, False, None)]
+    assert checks[0].bad_object == f"{store.step_name(20)}/{m.shards[0].path}"
+    with pytest.warns(CheckpointWarning):
+        manifest, notes = find_latest_valid(store, deep=True)
+    assert manifest is not None and manifest.step == 10
+    assert len(notes) == 1 and "step 20" in notes[0] and m.shards[0].path in notes[0]
+
+    # a corrupt index is found without deep, and load_latest_valid names it too
+    _flip(store, 20, m.shards[1].path, m.shards[1].index_offset + 3)
+    with pytest.warns(CheckpointWarning, match="index checksum mismatch"):
+        res = load_latest_valid(store)
+    assert res is not None and res.step == 10
+    assert "step 20" in res.notes[0] and m.shards[1].path in res.notes[0]
+
+
+# --------------------------------------------------------------------------- nothing found
+
+
+@pytest.mark.parametrize("where, says", [
+    ("missing", "does not exist"),
+    ("empty", "holds no step-"),
+    ("uncommitted", "without a manifest.json"),
+    ("step-dir", "one checkpoint's directory"),
+])
+def test_tools_say_when_nothing_is_found(tmp_path, capsys, where: str, says: str) -> None:
+    root = tmp_path / "ckpt"
+    store = CheckpointStore(str(root))
+    uri = str(tmp_path / "misspelled")
+    if where != "missing":
+        uri = str(root)
+        root.mkdir()
+    if where == "uncommitted":
+        write_shard(store, 5, 0, {"model/w": torch.ones(2)})
+    if where == "step-dir":
+        save(store, 5, make_state(rows=16))
+        uri = str(root / store.step_name(5))
+    report = verify(CheckpointStore(uri))
+    assert report.exit_code == 1 and not report.ok and says in (report.nothing or "")
+
+    assert cli.main(["checkpoints", "verify", uri]) == 1
+    out = capsys.readouterr()
+    assert says in out.err and uri in out.err
+    assert cli.main(["checkpoints", "list", uri]) == 0
+    assert says in capsys.readouterr().out
+    assert cli.main(["checkpoints", "inspect", uri]) == 2
+    assert says in capsys.readouterr().err
+
+
+def test_list_and_verify_still_report_checkpoints(tmp_path, capsys) -> None:
+    store = CheckpointStore(str(tmp_path))
+    save(store, 3, make_state(rows=16))
+    assert cli.main(["checkpoints", "verify", str(tmp_path)]) == 0
+    assert "step 3: OK" in capsys.readouterr().out
+    assert [r.step for r in list_checkpoints(store)] == [3]
+
+
+# --------------------------------------------------------------------------- ownership
+
+
+def _tiny_commit(store: CheckpointStore, step: int, owner: str | None = None,
+                 extra: dict[str, Any] | None = None) -> Any:
+    return commit(store, step, [write_shard(store, step, 0, {"model/w": torch.ones(2) * step})],
+                  CheckpointMeta(owner=owner, extra=extra or {}))
+
+
+def test_one_job_per_checkpoint_uri(store: CheckpointStore) -> None:
+    a = claim(store, "job-a")
+    assert a.fresh and a.atomic and a.job == "job-a"  # exclusive create / conditional put
+    assert read_owner(store).job == "job-a"
+
+    with pytest.raises(CheckpointOwnerError) as e:
+        claim(store, "job-b")
+    msg = str(e.value)
+    assert e.value.owner == "job-a" and "job-a" in msg and "job-b" in msg
+    assert "own checkpoint_uri" in msg and "fork" in msg and OWNER_NAME in msg
+    assert read_owner(store).job == "job-a"  # the refused claim wrote nothing
+
+    again = claim(store, "job-a")  # a restart or resume of the same job
+    assert not again.fresh and again.record == a.record
+
+    m = _tiny_commit(store, 1, owner="job-a")
+    assert m.owner == "job-a" and read_manifest(store, 1).job == "job-a"
+    with pytest.raises(CheckpointOwnerError, match="belongs to job 'job-a'"):
+        _tiny_commit(store, 2, owner="job-b")  # a job that lost a claim race cannot commit
+    assert check_owner(store, "job-a") == "job-a"
+    assert check_owner(m, "job-a") == "job-a"
+    with pytest.raises(CheckpointOwnerError, match="fork"):
+        check_owner(m, "job-b")
+
+    with pytest.raises(CheckpointOwnerError):
+        release(store, "job-b")
+    assert release(store, "job-a") and read_owner(store) is None
+    with pytest.raises(CheckpointOwnerError, match="wrote checkpoint step 1"):
+        claim(store, "job-b")  # no record, but job-a's manifests are there
+
+
+def test_uri_written_before_owner_records(tmp_path) -> None:
+    """Old manifests carry the job in ``extra.job``: that job may claim, another may not."""
+    store = CheckpointStore(str(tmp_path))
+    m = _tiny_commit(store, 4, extra={"job": "old-job"})
+    assert m.owner is None and m.job == "old-job"
+    with pytest.raises(CheckpointOwnerError, match="old-job"):
+        claim(store, "new-job")
+    with pytest.raises(CheckpointOwnerError):
+        check_owner(store, "new-job")
+    assert claim(store, "old-job").fresh
+    plain = CheckpointStore(str(tmp_path / "anonymous"))
+    _tiny_commit(plain, 1)  # no owner at all (tests, tools): anyone may claim it
+    assert claim(plain, "someone").fresh and check_owner(read_manifest(plain, 1), "x") is None
+
+
+def test_fork_is_explicit(tmp_path) -> None:
+    theirs = CheckpointStore(str(tmp_path / "a"))
+    mine = CheckpointStore(str(tmp_path / "b"))
+    claim(theirs, "job-a")
+    m = _tiny_commit(theirs, 7, owner="job-a")
+    # resuming job-a's URI as job-b's own: refused; from job-b's own URI: a fork
+    with pytest.raises(CheckpointOwnerError):
+        check_resume(theirs, m, "job-b", own=CheckpointStore(f"file://{tmp_path}/a/"))
+    fork = check_resume(theirs, m, "job-b", own=mine)
+    assert fork.fork and fork.source_owner == "job-a"
+    own = check_resume(theirs, m, "job-a", own=theirs)
+    assert not own.fork and own.source_owner == "job-a"
+    assert claim(mine, "job-b").fresh  # and it writes to its own URI
+
+
+def test_concurrent_claims_one_winner(tmp_path) -> None:
+    store = CheckpointStore(str(tmp_path / "race"))
+    won: list[str] = []
+    refused: list[str] = []
+    go = threading.Barrier(8)
+
+    def run(i: int) -> None:
+        go.wait()
+        try:
+            claim(store, f"job-{i}")
+            won.append(f"job-{i}")
+        except CheckpointOwnerError:
+            refused.append(f"job-{i}")
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert len(won) == 1 and len(refused) == 7 and read_owner(store).job == won[0]
+
+
+def test_s3_without_conditional_put_checks_then_writes(s3_server, monkeypatch) -> None:
+    """Without boto3 (or a store that answers 501) the claim is check-then-write with a
+    read-back: not atomic, but a second job is still refused."""
+    monkeypatch.setattr(ownership_mod, "_s3_client", lambda store: None)
+    store = CheckpointStore(s3_server.uri(), s3_server.options())
+    c = claim(store, "job-a")
+    assert c.fresh and not c.atomic
+    with pytest.raises(CheckpointOwnerError):
+        claim(store, "job-b")
+    assert not claim(store, "job-a").fresh
+
+
+# --------------------------------------------------------------------------- resume plans
+
+
+def test_plan_resume(store: CheckpointStore, tmp_path) -> None:
+    claim(store, "job-a")
+    for step in (10, 20):
+        _tiny_commit(store, step, owner="job-a")
+    m20 = read_manifest(store, 20)
+    _flip(store, 20, m20.shards[0].path, m20.shards[0].index_offset + 2)
+
+    plan = plan_resume("latest", "job-a", own=store, max_steps=100)
+    assert (plan.step, plan.fork, plan.source_owner) == (10, False, "job-a")
+    assert [(c.step, c.shard) for c in plan.skipped] == [(20, m20.shards[0].path)]
+    assert "index checksum mismatch" in plan.skipped[0].note
+    assert plan_resume("latest", "job-a", own=store, exclude={20}).skipped == ()
+    with pytest.raises(ConfigError, match="max_steps 10"):
+        plan_resume("latest", "job-a", own=store, max_steps=10)
+
+    # job-b writing to its own URI may start from job-a's checkpoints: a fork
+    mine = CheckpointStore(str(tmp_path / "mine"))
+    uri = store.uri
+    plan = plan_resume(uri, "job-b", own=mine, options=store.options)
+    assert (plan.step, plan.fork, plan.source_owner) == (10, True, "job-a")
+    plan = plan_resume(f"{uri}/{store.step_name(10)}", "job-b", own=mine, options=store.options)
+    assert plan.step == 10 and plan.fork
+    # but not resume job-a's URI as its own
+    with pytest.raises(CheckpointOwnerError, match="job-a"):
+        plan_resume("latest", "job-b", own=store)
+    with pytest.raises(CheckpointError, match="does not exist"):
+        plan_resume(str(tmp_path / "typo"), "job-b", own=mine)

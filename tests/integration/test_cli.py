@@ -1,0 +1,127 @@
+"""The command line as a user runs it: checkpoint tools on a real job's checkpoints, and the
+planner's table for a cluster file."""
+
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import elastic
+from tests.helpers import RegressionData, adam, max_diff, mlp, mse
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "elastic.cli", *args], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT)
+
+
+def test_checkpoint_tools(ray_local, tmp_path):
+    uri = str(tmp_path / "ckpt")
+    result = elastic.fit(model=mlp, optimizer=adam, loss=mse, dataset=RegressionData(),
+                         global_batch_size=8, max_steps=6, num_workers=2, view="none",
+                         checkpoint_uri=uri, checkpoint_every=3, run_dir=str(tmp_path / "run"))
+    out = _cli("checkpoints", "list", uri)
+    assert out.returncode == 0 and "3" in out.stdout and "6" in out.stdout, out.stderr
+    out = _cli("checkpoints", "inspect", uri)
+    assert out.returncode == 0 and "model/0.weight" in out.stdout and "dp" in out.stdout
+    out = _cli("checkpoints", "verify", uri)
+    assert out.returncode == 0 and out.stdout.count("OK") == 2
+    dest = tmp_path / "model.pt"
+    out = _cli("checkpoints", "export", uri, "--out", str(dest))
+    assert out.returncode == 0, out.stderr
+    assert max_diff(torch.load(dest, weights_only=True), result.state_dict()) == 0.0
+    # flip bytes in one shard of the newest checkpoint: verify names it and exits 1
+    shard = sorted(glob.glob(os.path.join(uri, "step-*6", "shard-*.bin")))[0]
+    with open(shard, "r+b") as f:
+        f.seek(64)
+        f.write(b"\xff" * 16)
+    out = _cli("checkpoints", "verify", uri)
+    assert out.returncode == 1 and "BAD" in out.stdout
+    out = _cli("checkpoints", "list", str(tmp_path / "nothing-here"))
+    assert out.returncode == 0 and "does not exist" in out.stdout
+    out = _cli("checkpoints", "verify", str(tmp_path / "nothing-here"))  # a CI gate fails
+    assert out.returncode == 1 and "does not exist" in out.stderr
+
+
+def test_plan_prints_a_ranked_table_with_reasons():
+    out = _cli("plan", "examples/gpt.yaml", "--cluster", "a100-t4", "--global-batch", "256")
+    assert out.returncode == 0, out.stderr
+    assert "chose" in out.stdout and "Rejected" in out.stdout and "step s" in out.stdout
+    out = _cli("plan", "examples/gpt.yaml", "--cluster", "no-such-cluster")
+    assert out.returncode != 0 and "no-such-cluster" in out.stderr
+
+
+def test_entry_script_runs_like_ray_submit_would(tmp_path):
+    """`ray submit CLUSTER.yaml scripts/elastic_entry.py ARGS` copies the file to the head
+    and runs `python elastic_entry.py ARGS` there: the same, from another directory."""
+    import shutil
+
+    script = tmp_path / "elastic_entry.py"
+    shutil.copy(os.path.join(ROOT, "scripts", "elastic_entry.py"), script)
+    out = subprocess.run([sys.executable, str(script), "plan", os.path.join(ROOT, "examples",
+                          "gpt.yaml"), "--cluster", "h100x8"], capture_output=True, text=True,
+                         timeout=120, cwd=tmp_path)
+    assert out.returncode == 0 and "chose" in out.stdout, out.stderr
+
+
+_USER_MODULE = '''
+import torch
+from torch import nn
+
+
+def model(width: int = 16) -> nn.Module:
+    return nn.Sequential(nn.Linear(4, width), nn.Tanh(), nn.Linear(width, 1))
+
+
+class Data:
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(64, 4, generator=g)
+        self.y = self.x.sum(1, keepdim=True)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+'''
+
+
+def test_console_script_imports_modules_of_the_current_folder(tmp_path):
+    """`elastic run job.yaml` from the folder that holds the job's module works like
+    `python -m elastic` does: the driver and Ray's workers import it."""
+    import shutil
+
+    import yaml
+
+    script = shutil.which("elastic", path=os.path.dirname(sys.executable))
+    if script is None:
+        pytest.skip("no elastic console script beside this Python (not installed)")
+    (tmp_path / "my_job_module.py").write_text(_USER_MODULE)
+    job = {"model": "my_job_module:model", "dataset": "my_job_module:Data", "loss": "mse",
+           "optimizer": {"name": "adam", "lr": 0.01}, "global_batch_size": 8, "max_steps": 2,
+           "num_workers": 1, "view": "none", "run_dir": str(tmp_path / "run")}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    sweep = {"base": "job.yaml", "n_trials": 1,
+             "params": {"model.widthh": {"type": "int", "low": 4, "high": 8}}}
+    (tmp_path / "sweep.yaml").write_text(yaml.safe_dump(sweep))
+    env = dict(os.environ, PYTHONPATH=ROOT)
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([script, *args], capture_output=True, text=True, timeout=240,
+                              cwd=tmp_path, env=env)
+
+    out = run("sweep", "sweep.yaml")  # checked before Ray starts: the module was imported
+    assert out.returncode == 2, out.stderr
+    assert "params.model.widthh" in out.stderr and "did you mean width" in out.stderr, out.stderr
+    assert "No module named" not in out.stderr, out.stderr
+    out = run("run", "job.yaml")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "done: 2 steps" in out.stdout

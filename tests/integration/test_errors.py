@@ -1,0 +1,110 @@
+"""Bad input gets one clear error naming the field and the fix, before any worker starts;
+user code failing on a worker surfaces with that worker's rank and traceback."""
+
+from __future__ import annotations
+
+import pytest
+
+import elastic
+from elastic import ClusterError, ConfigError, WorkerError
+from tests.helpers import ExplodingLoss, RegressionData, adam, failing_model, mlp, mse
+
+
+def _cfg(**kw):
+    base = dict(model=mlp, optimizer=adam, loss=mse, dataset=RegressionData(64),
+                global_batch_size=8, max_steps=3, num_workers=2, view="none")
+    base.update(kw)
+    return base
+
+
+@pytest.mark.parametrize(
+    "kw, field, words",
+    [
+        ({"strategy": "turbo"}, "strategy", "unknown strategy"),
+        ({"global_batch_size": 0}, "global_batch_size", "positive integer"),
+        ({"global_batch_size": -4}, "global_batch_size", "positive integer"),
+        ({"global_batch_size": 1}, "global_batch_size", "smaller than num_workers"),
+        ({"dataset": RegressionData(5)}, "dataset", "fewer than one global batch"),
+        ({"model": failing_model}, "model", "broken on purpose"),
+        ({"max_steps": 0}, "max_steps", "positive integer"),
+        ({"model": "no.such.module:thing"}, "model", "cannot import"),
+        ({"optimizer": {"name": "adamx"}}, "optimizer", "unknown optimizer"),
+        ({"switch_at": {2: "nope"}}, "switch_at[2]", "unknown strategy"),
+    ],
+)
+def test_bad_config_is_refused_before_workers_start(tmp_path, kw, field, words):
+    with pytest.raises(ConfigError) as ei:
+        elastic.fit(**_cfg(run_dir=str(tmp_path), **kw))
+    assert ei.value.field == field
+    assert words in str(ei.value)
+    assert "Fix:" in str(ei.value)
+
+
+def test_unknown_setting_in_yaml(tmp_path):
+    p = tmp_path / "job.yaml"
+    p.write_text("model: tests.helpers:mlp\nglobal_batchsize: 8\n")
+    with pytest.raises(ConfigError) as ei:
+        elastic.JobConfig.from_yaml(str(p))
+    assert ei.value.field == "global_batchsize"
+
+
+def test_renamed_setting_says_its_new_name(tmp_path):
+    p = tmp_path / "job.yaml"
+    p.write_text("model: tests.helpers:mlp\nverify_switch: false\n")
+    with pytest.raises(ConfigError) as ei:
+        elastic.JobConfig.from_yaml(str(p))
+    assert ei.value.field == "verify_switch" and "switch_check: pieces" in str(ei.value)
+
+
+def test_workers_that_cannot_start_fail_clearly(ray_local, tmp_path):
+    """The job's code imports on the driver but not on the workers: placement fails with a
+    ClusterError naming why, not an IndexError."""
+    cfg = _cfg(run_dir=str(tmp_path))
+    cfg["model"] = "tests._fails_in_actors:mlp"
+    with pytest.raises(ClusterError, match="failed to start.*cannot be imported on the workers"):
+        elastic.fit(**cfg)
+
+
+def test_unreachable_ray_address(tmp_path):
+    with pytest.raises(ClusterError, match="cannot reach the Ray cluster"):
+        elastic.fit(**_cfg(ray_address="127.0.0.1:1", run_dir=str(tmp_path)))
+
+
+def test_user_error_on_worker_has_rank_and_traceback(ray_local, tmp_path):
+    with pytest.raises(WorkerError) as ei:
+        elastic.fit(**_cfg(loss=ExplodingLoss(), run_dir=str(tmp_path)))
+    err = ei.value
+    assert err.rank == 1
+    assert "bad loss on purpose" in str(err)
+    assert "Traceback" in err.traceback_text and "helpers.py" in err.traceback_text
+
+
+def test_a_local_cluster_for_more_workers_than_cores_warns_once():
+    """Starting a local Ray for more workers than the machine has cores says so (they would
+    share the cores and crawl); a fresh process, so no Ray is running in it yet."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import os, warnings\n"
+        "from elastic.ray_connect import connect, disconnect\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    warnings.simplefilter('always')\n"
+        "    started = connect(None, os.cpu_count() + 2)\n"
+        "    disconnect()\n"
+        "msgs = [str(x.message) for x in w if issubclass(x.category, RuntimeWarning)]\n"
+        "print(len([m for m in msgs if 'share the cores' in m]), started)\n"
+    )
+    import shutil
+    import tempfile
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="rw-", dir="/tmp")  # short: Ray's sockets
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=180, env=env)
+    finally:
+        shutil.rmtree(env["RAY_TMPDIR"], ignore_errors=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["1", "True"], out.stdout + out.stderr

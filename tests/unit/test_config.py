@@ -1,0 +1,363 @@
+"""The job config without Ray: sections that check themselves once, the flat and the nested
+forms, "did you mean", early errors (issue 13, 9), secrets kept out of what is written
+(issue 13, 6), the URI parsed once per process, and ``WorkerConfig``.
+
+Where a test goes through ``elastic.fit``, the controller's connection to Ray is replaced by a
+guard: the error must come from the preflight, before any worker (or Ray) starts."""
+
+from __future__ import annotations
+
+import ast
+import os
+import pickle
+
+import pytest
+import torch
+
+import elastic
+from elastic.config import Checkpoints, JobConfig
+from elastic.errors import ConfigError
+from tests.helpers import RegressionData, adam, mlp, mse
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SECRET = "Zq9-SECRET-7f3a1c"  # distinctive: searched for in everything written
+ACCESS = "AKIDPROBE4242"
+
+
+def _base(**kw):
+    out = dict(model=mlp, optimizer=adam, loss=mse, dataset=RegressionData(64),
+               global_batch_size=8, max_steps=6, view="none")
+    out.update(kw)
+    return out
+
+
+class ReachedRay(Exception):
+    pass
+
+
+@pytest.fixture
+def no_ray(monkeypatch, tmp_path):
+    """``elastic.fit`` stops where it would connect to Ray (after the preflight)."""
+    from elastic.control import controller
+
+    def guard(cfg):
+        raise ReachedRay("the preflight passed")
+
+    monkeypatch.setattr(controller, "_ray_connect", guard)
+    return tmp_path
+
+
+# ---------------------------------------------------------------------------- the two forms
+
+
+def test_flat_and_nested_forms_build_the_same_config(tmp_path):
+    flat = JobConfig(**_base(checkpoint_every=5, keep_last=2, eval_every=0, num_workers=2,
+                             strategy="zero1", hang_timeout_s=30.0, name="j"))
+    nested = JobConfig.from_dict({
+        **_base(), "checkpoints": {"every": 5, "keep_last": 2},
+        "parallelism": {"strategy": "zero1"}, "failures": {"hang_timeout_s": 30.0},
+        "output": {"name": "j"}, "scaling": {"num_workers": 2}})
+    assert flat.checkpoints == nested.checkpoints and flat.parallelism == nested.parallelism
+    assert nested.checkpoint_every == 5 and nested.checkpoints.every == 5
+    assert nested.strategy == "zero1" and flat.failures.hang_timeout_s == 30.0
+    p = tmp_path / "job.yaml"
+    p.write_text("model: tests.helpers:mlp\noptimizer: {name: adam, lr: 0.01}\nloss: mse\n"
+                 "dataset: tests.helpers:RegressionData\nglobal_batch_size: 8\nmax_steps: 4\n"
+                 "checkpoints: {every: 2, keep_last: 1}\ndata: {input_column: a}\n")
+    cfg = JobConfig.from_yaml(str(p), {"max_steps": 500})  # what --set max_steps=500 does
+    assert (cfg.max_steps, cfg.checkpoint_every, cfg.keep_last, cfg.input_column) == (500, 2, 1, "a")
+    assert cfg.data.max_steps == 500
+
+
+def test_a_section_may_be_given_as_an_object():
+    cfg = JobConfig(**_base(checkpoints=Checkpoints(every=4)))
+    assert cfg.checkpoint_every == 4
+
+
+def test_a_setting_given_both_ways_names_both():
+    with pytest.raises(ConfigError) as ei:
+        JobConfig(**_base(checkpoint_every=50, checkpoints={"every": 10}))
+    assert ei.value.field == "checkpoint_every" and "checkpoints.every" in str(ei.value)
+
+
+@pytest.mark.parametrize("settings, field, near", [
+    ({"global_batchsize": 8}, "global_batchsize", "global_batch_size"),
+    ({"checkpoint_evry": 5}, "checkpoint_evry", "checkpoint_every"),
+    ({"checkpoints": {"evry": 5}}, "checkpoints.evry", "every"),
+    ({"checkpoints": {"checkpoint_every": 5}}, "checkpoints.checkpoint_every", "every"),
+    ({"optimizer": {"name": "adamw", "lrr": 0.1}}, "optimizer.lrr", "lr"),
+    ({"optimizer": {"name": "adamm"}}, "optimizer", "adam"),
+])
+def test_unknown_keys_get_a_did_you_mean(settings, field, near):
+    with pytest.raises(ConfigError) as ei:
+        JobConfig(**_base(**settings))
+    assert ei.value.field == field
+    assert f"did you mean {near}?" in ei.value.fix
+
+
+def test_every_flat_name_reads_its_section_and_the_api_merges_overrides():
+    cfg = JobConfig(**_base(checkpoint_uri="/tmp/x", eval_dataset=RegressionData(16),
+                            eval_every=2, dataset_format=None))
+    for name in JobConfig.setting_names():
+        section, field = __import__("elastic.config.flat", fromlist=["FLAT"]).FLAT[name]
+        assert getattr(cfg, name) is getattr(getattr(cfg, section), field), name
+    assert cfg.settings()["checkpoint_uri"] == "/tmp/x"
+    from elastic.api import _config
+
+    merged = _config({**_base(), "checkpoints": {"every": 5}}, {"checkpoint_every": 7})
+    assert merged.checkpoint_every == 7
+    again = _config(merged, {"max_steps": 9})
+    assert (again.max_steps, merged.max_steps, again.checkpoint_every) == (9, 6, 7)
+
+
+def test_assigning_a_setting_checks_it_and_the_controllers_writes_still_work():
+    cfg = JobConfig(**_base(switch_at={4: "zero2"}))
+    with pytest.raises(ConfigError, match="checkpoint_every"):
+        cfg.checkpoint_every = -1
+    assert cfg.checkpoint_every == 0  # unchanged
+    cfg.max_steps = 3  # Controller: a stop at step 3 ends the run there
+    cfg.view = "plain"
+    assert (cfg.max_steps, cfg.view) == (3, "plain")
+    cfg2 = JobConfig(**_base(num_workers=2))
+    cfg2.num_workers = 16  # each value fine; together not: validate() (fit calls it) says so
+    with pytest.raises(ConfigError, match="smaller than num_workers"):
+        cfg2.validate()
+
+
+# ---------------------------------------------------------------------------- early errors
+
+
+@pytest.mark.parametrize("settings, field, words", [
+    ({"optimizer": {"name": "adam", "lr": "fast"}}, "optimizer.lr", "must be a number"),
+    ({"optimizer": {"name": "adam", "lr": "1e-3"}}, "optimizer.lr", "write 1.0e-3"),
+    ({"optimizer": {"name": "adamw", "betas": 0.9}}, "optimizer.betas", "list of 2 numbers"),
+    ({"optimizer": {"name": "sgd", "nesterov": "yes"}}, "optimizer.nesterov", "true or false"),
+    ({"optimizer": {"name": "adam", "params": []}}, "optimizer.params", "passed by elastic"),
+    ({"checkpoint_every": "abc"}, "checkpoint_every", "integer >= 0"),
+    ({"checkpoint_every": -1}, "checkpoint_every", "integer >= 0"),
+    ({"checkpoint_every": 2.5}, "checkpoint_every", "integer >= 0"),
+    ({"seed": "x"}, "seed", "integer >= 0"),
+    ({"seed": -3}, "seed", "integer >= 0"),
+    ({"seed": True}, "seed", "integer >= 0"),
+    ({"switch_at": {"abc": "zero2"}}, "switch_at['abc']", "not a step number"),
+    ({"switch_at": {0: "zero2"}}, "switch_at[0]", "not a step number"),
+    ({"switch_at": {"3": "zero9"}}, "switch_at[3]", "unknown strategy"),
+    ({"switch_at": {9: "zero2"}}, "switch_at[9]", "outside 1..5"),
+    ({"hang_timeout_s": "abc"}, "hang_timeout_s", "finite number > 0"),
+    ({"hang_timeout_s": 0}, "hang_timeout_s", "finite number > 0"),
+    ({"hang_timeout_s": float("inf")}, "hang_timeout_s", "finite number > 0"),
+    ({"keep_last": 0}, "keep_last", "positive integer"),
+    ({"keep_last": "3"}, "keep_last", "positive integer"),
+    ({"keep_every": -2}, "keep_every", "integer >= 0"),
+    ({"max_failures": -2}, "max_failures", "integer >= -1"),  # -1: unlimited
+    ({"checkpoint_wait_s": "long"}, "checkpoint_wait_s", "finite number"),
+    ({"replacement_timeout_s": -1}, "replacement_timeout_s", "finite number"),
+    ({"placement_timeout_s": None}, "placement_timeout_s", "finite number"),
+    ({"use_gpu": "yes"}, "use_gpu", "true, false"),
+    ({"profile_cache": 1}, "profile_cache", "true or false"),
+    ({"emulate": [{"slowdown": "fast"}]}, "emulate[0].slowdown", "finite number"),
+    ({"emulate": [{"slowdwn": 2}]}, "emulate[0].slowdwn", "did you mean slowdown"),
+    ({"dataset_format": "csv"}, "dataset_format", "unknown value"),
+    ({"target_dtype": "long"}, "target_dtype", "unknown value"),
+    ({"log_every": 0}, "log_every", "positive integer"),
+    ({"loss": "crossentropy"}, "loss", "did you mean cross_entropy"),
+    ({"model": torch.nn.Linear(2, 2)}, "model", "not a factory"),
+    ({"dataset": "train.csv"}, "dataset", "neither a Parquet dataset"),
+    ({"checkpoint_options": {"region": "x"}, "checkpoint_every": 5}, "checkpoint_options",
+     "local directory"),
+    ({"checkpoint_uri": "s3://b/p", "checkpoint_options": {"endpont_override": "h"}},
+     "checkpoint_options", "did you mean endpoint_override"),
+    ({"checkpoint_uri": "s3://b/p?connect_timeout=soon"}, "checkpoint_options.connect_timeout",
+     "not a number"),
+    ({"resume": "s3:///nobucket"}, "resume", "names no bucket"),
+])
+def test_bad_values_are_refused_when_the_config_is_built(settings, field, words):
+    with pytest.raises(ConfigError) as ei:
+        JobConfig(**_base(**settings))
+    assert ei.value.field == field, str(ei.value)
+    assert words in str(ei.value) and ei.value.fix, str(ei.value)
+
+
+def test_target_arguments_are_checked_against_the_signature(no_ray):
+    with pytest.raises(ConfigError) as ei:
+        elastic.fit(**_base(model={"target": "elastic.models:gpt", "n_layr": 2},
+                            run_dir=str(no_ray)))
+    assert ei.value.field == "model.n_layr" and "did you mean n_layer?" in str(ei.value)
+
+
+def test_a_missing_dataset_file_says_not_found(no_ray):
+    missing = str(no_ray / "data" / "train.parquet")
+    with pytest.raises(ConfigError) as ei:
+        elastic.fit(**_base(dataset=missing, run_dir=str(no_ray / "run")))
+    assert ei.value.field == "dataset" and "not found" in str(ei.value)
+    assert not os.path.exists(no_ray / "run")  # nothing written
+
+
+def _returns_a_dict():
+    return {"w": torch.zeros(2)}
+
+
+def test_a_model_factory_must_return_a_module(no_ray):
+    with pytest.raises(ConfigError) as ei:
+        elastic.fit(**_base(model=_returns_a_dict, run_dir=str(no_ray)))
+    assert ei.value.field == "model" and "returned a dict, not a torch.nn.Module" in str(ei.value)
+
+
+def _classifier():
+    return torch.nn.Sequential(torch.nn.Linear(8, 3))
+
+
+def _parquet(path, width=8, labels=True):
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((32, width)).astype("float32")
+    y = rng.integers(0, 3, 32) if labels else rng.standard_normal(32)
+    pq.write_table(pa.table({"x": pa.array(list(x), type=pa.list_(pa.float32(), width)),
+                             "y": pa.array(y)}), path)
+    return str(path)
+
+
+def test_parquet_dtype_and_shape_are_checked_against_the_model_on_one_sample(no_ray):
+    data = _parquet(no_ray / "cls.parquet")
+    job = _base(model=_classifier, loss="cross_entropy", dataset=data, run_dir=str(no_ray))
+    with pytest.raises(ConfigError) as ei:  # labels read as float32: cross_entropy refuses
+        elastic.fit(**job)
+    assert ei.value.field == "target_column" and "target_dtype" in ei.value.fix
+    with pytest.raises(ReachedRay):  # the fix the error names works
+        elastic.fit(**{**job, "target_dtype": "int64"})
+    narrow = _parquet(no_ray / "narrow.parquet", width=4)
+    with pytest.raises(ConfigError) as ei:
+        elastic.fit(**{**job, "dataset": narrow, "target_dtype": "int64"})
+    assert ei.value.field == "input_column" and "(3, 4)" in str(ei.value)
+    with pytest.raises(ReachedRay):  # the way out for a model the driver cannot run
+        elastic.fit(**{**job, "dataset": narrow, "check_sample": False})
+
+
+def test_the_sample_check_leaves_the_model_as_it_was():
+    from elastic.preflight import check_sample
+
+    cfg = JobConfig(**_base())
+    model = mlp()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    check_sample(cfg, model, cfg.dataset_object())
+    assert model.training
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+# ---------------------------------------------------------------------------- secrets
+
+
+def _secret_config(tmp_path, **kw):
+    return JobConfig(**_base(
+        checkpoint_uri=f"s3://{ACCESS}:{SECRET}@bucket/run?endpoint_override=http://h:1",
+        resume=f"s3://bucket/old?access_key={ACCESS}&secret_key={SECRET}x",
+        checkpoint_options={"proxy_options": {"scheme": "http", "host": "p", "port": 3128,
+                                              "username": "u", "password": SECRET + "p"}},
+        run_dir=str(tmp_path), **kw))
+
+
+def test_secrets_never_leave_the_config(tmp_path):
+    cfg = _secret_config(tmp_path)
+    import json
+
+    texts = [json.dumps(cfg.to_dict()), repr(cfg), repr(cfg.checkpoints),
+             cfg.redact(f"failed at {cfg.checkpoint_uri} and {cfg.resume}"),
+             repr(cfg.checkpoint_location), cfg.checkpoint_location.shown,
+             repr(cfg.for_worker())]
+    assert all(SECRET not in t and ACCESS not in t for t in texts), texts
+    assert cfg.checkpoint_location.shown == "s3://bucket/run"
+    proxied = JobConfig(**_base(checkpoint_uri="s3://b/p", checkpoint_options={
+        "proxy_options": f"http://user:{SECRET}@proxy:3128"}))
+    assert SECRET not in json.dumps(proxied.to_dict())
+
+
+@pytest.mark.parametrize("uri", [
+    f"s3://{ACCESS}:{SECRET}@/no-bucket",
+    f"s3://{ACCESS}:{SECRET}@b/p?nonsense=1",
+    f"s3://b/p?secret_key={SECRET}&connect_timeout=soon",
+])
+def test_config_errors_about_a_uri_are_redacted(uri):
+    with pytest.raises(ConfigError) as ei:
+        JobConfig(**_base(checkpoint_uri=uri))
+    assert SECRET not in str(ei.value) and ACCESS not in str(ei.value)
+
+
+# ---------------------------------------------------------------------------- parsed once
+
+
+def test_the_checkpoint_uri_is_parsed_once_per_process(monkeypatch, tmp_path):
+    from elastic.checkpoint import location
+    from elastic.checkpoint_io import job_store
+
+    calls = []
+    real = location.StorageLocation.parse.__func__
+
+    def counting(cls, uri, options=None):
+        calls.append(uri)
+        return real(cls, uri, options)
+
+    monkeypatch.setattr(location.StorageLocation, "parse", classmethod(counting))
+    cfg = JobConfig(**_base(checkpoint_uri="s3://bucket/run", checkpoint_every=2,
+                            checkpoint_options={"endpoint_override": "http://127.0.0.1:1",
+                                                "region": "us-east-1", "retries": 2}))
+    assert len(calls) == 1
+    store = job_store(cfg)  # the controller's preflight
+    job_store(cfg)
+    on_worker = pickle.loads(pickle.dumps(cfg))  # what a worker receives
+    job_store(on_worker)
+    job_store(pickle.loads(pickle.dumps(cfg.for_worker())))
+    pickle.loads(pickle.dumps(store))  # a store sent to a worker for a restore
+    assert len(calls) == 1, calls
+    assert store.root == "bucket/run" and store.kind == "s3"
+    local = JobConfig(**_base(checkpoint_every=2, run_dir=str(tmp_path)))
+    assert job_store(local).root == os.path.join(str(tmp_path), "checkpoints")
+    job_store(pickle.loads(pickle.dumps(local)))
+    assert len(calls) == 2
+
+
+# ---------------------------------------------------------------------------- WorkerConfig
+
+
+def _worker_reads() -> set[str]:
+    """The attributes elastic's worker reads of its config (``config.X``, ``self.config.X``)."""
+    paths = [os.path.join(ROOT, "elastic", "worker.py")]
+    pkg = os.path.join(ROOT, "elastic", "worker")
+    if os.path.isdir(pkg):
+        paths += [os.path.join(pkg, f) for f in os.listdir(pkg) if f.endswith(".py")]
+    names: set[str] = set()
+    for path in paths:
+        if not os.path.exists(path):
+            continue
+        for node in ast.walk(ast.parse(open(path).read())):
+            if isinstance(node, ast.Attribute):
+                v = node.value
+                if (isinstance(v, ast.Name) and v.id in ("config", "_config")) or (
+                        isinstance(v, ast.Attribute) and v.attr in ("config", "_config")):
+                    names.add(node.attr)
+    return names
+
+
+def test_worker_config_holds_exactly_what_the_worker_reads(tmp_path):
+    reads = _worker_reads()
+    assert {"model_factory", "global_batch_size", "switch_check"} <= reads  # the scan works
+    cfg = JobConfig(**_base(checkpoint_every=3, run_dir=str(tmp_path), precision="bf16",
+                            eval_dataset=RegressionData(16), eval_every=2, max_grad_norm=1.0))
+    w = cfg.for_worker()
+    for name in reads:
+        assert hasattr(w, name), f"the worker reads config.{name}; WorkerConfig lacks it"
+        mine, theirs = getattr(w, name), getattr(cfg, name)
+        if callable(theirs) and name != "eval_dataset":
+            assert type(mine()) is type(theirs()) or name.endswith("factory"), name
+        else:
+            assert mine == theirs or name == "checkpoint_uri", name
+    assert w.checkpoint_uri == os.path.join(str(tmp_path), "checkpoints")
+    assert w.strategy_options() == {"max_grad_norm": 1.0, "precision": "bf16"}
+    for other in ("num_workers", "ray_address", "hang_timeout_s", "run_dir", "name", "emulate"):
+        assert not hasattr(w, other), other
+    with pytest.raises(AttributeError):
+        w.max_steps = 1  # type: ignore[misc]
+    assert len(pickle.dumps(w)) < len(pickle.dumps(cfg))
+    assert JobConfig(**_base()).for_worker().checkpoint_uri is None  # no checkpoints

@@ -1,0 +1,332 @@
+"""The worker's components without Ray: the error boundary, fault injection, held state and
+the step loop, in one process over a gloo group of world size 1 (formed on a free localhost
+port by ``Membership.join`` and left after each test)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from elastic.config import JobConfig
+from elastic.errors import CheckpointCorruptError, ConfigError, GroupError, WorkerError
+from elastic.reference import reference_train
+from elastic.worker.boundary import guarded
+from elastic.worker.checkpointing import Checkpointing
+from elastic.worker.faults import FaultInjected, Faults
+from elastic.worker.held_state import HeldState
+from elastic.worker.inputs import JobData
+from elastic.worker.layout import Layout
+from elastic.worker.loop import StepLoop
+from elastic.worker.membership import Membership
+from elastic.worker.profiling import Profiler
+from strategies import StrategySpec, health
+from tests.helpers import RegressionData, adam, mlp, mse
+from tests.mp_harness import free_port
+
+G = 8
+TOL = 1e-6
+
+
+def _cfg(tmp_path: Any, **kw: Any) -> JobConfig:
+    base: dict[str, Any] = dict(model=mlp, optimizer=adam, loss=mse, dataset=RegressionData(),
+                                global_batch_size=G, max_steps=100, num_workers=1,
+                                run_dir=str(tmp_path / "run"))
+    base.update(kw)
+    cfg = JobConfig(**base)
+    cfg.validate()
+    return cfg
+
+
+@pytest.fixture
+def group():
+    """This process as rank 0 of a world of 1 (gloo on localhost), left after the test."""
+    health.record("left over from an earlier group")  # join must forget it
+    m = Membership("gloo", torch.device("cpu"))
+    m.join("127.0.0.1", free_port(), 0, 1, 1, 30.0)
+    assert health.failed() is None
+    yield m
+    m.leave()
+    health.reset()
+
+
+def _parts(cfg: JobConfig, m: Membership, **faults: Any) -> SimpleNamespace:
+    """The components as the actor wires them, without the actor."""
+    data, held = JobData(cfg), HeldState()
+    model_factory, loss_fn = cfg.model_factory(), cfg.loss_fn()
+    profiler = Profiler(cfg, m.device, data, model_factory, loss_fn)
+    layout = Layout(cfg, m, held, data, model_factory, loss_fn, on_built=profiler.install)
+    checkpoints = Checkpointing(cfg, m, layout)
+    loop = StepLoop(cfg, m, layout, data, checkpoints, profiler, Faults(cfg, **faults))
+    return SimpleNamespace(data=data, held=held, layout=layout, loop=loop)
+
+
+def _spec(name: str = "dp") -> StrategySpec:
+    return StrategySpec(name, 1, (G,))
+
+
+def _params(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k[len("model/"):]: v for k, v in state.items() if k.startswith("model/")}
+
+
+def _diff(state: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
+    got = _params(state)
+    assert got.keys() == ref.keys()
+    return max(float((got[k] - v).abs().max()) for k, v in ref.items())
+
+
+# ----------------------------------------------------------------------- the error boundary
+
+def _user_code() -> None:
+    raise ValueError("bad on purpose")
+
+
+def test_a_user_exception_is_a_worker_error_with_its_traceback():
+    with pytest.raises(WorkerError) as ei:
+        guarded(3, _user_code)
+    err = ei.value
+    assert err.rank == 3 and "ValueError: bad on purpose" in str(err)
+    assert "_user_code" in err.traceback_text and "test_worker_components.py" in err.traceback_text
+    # raised outside the handler: nothing holds the failed call's frames
+    assert err.__context__ is None and err.__cause__ is None
+
+
+def test_an_exception_raised_inside_torch_distributed_is_a_group_error(group):
+    with pytest.raises(GroupError, match="rank 0: the process group failed") as ei:
+        guarded(0, dist.broadcast, torch.zeros(1), 1)  # no rank 1 in a world of 1
+    assert ei.value.__context__ is None
+
+
+def test_a_recorded_collective_failure_makes_any_error_a_group_error(group):
+    health.record("dp gradient all-reduce: RuntimeError")
+    with pytest.raises(GroupError, match="dp gradient all-reduce"):
+        guarded(0, _user_code)
+    # a new group starts healthy: the same error is the user's again
+    group.leave()
+    group.join("127.0.0.1", free_port(), 0, 1, 2, 30.0)
+    with pytest.raises(WorkerError):
+        guarded(0, _user_code)
+
+
+def test_elastic_errors_pass_the_boundary_unchanged(group):
+    health.record("a collective failed")
+    corrupt = CheckpointCorruptError("shard-00000.bin: checksum mismatch")
+
+    def read() -> None:
+        raise corrupt
+
+    with pytest.raises(CheckpointCorruptError) as ei:
+        guarded(0, read)
+    assert ei.value is corrupt
+
+
+# ----------------------------------------------------------------------- fault injection
+
+def test_faults_are_validated_naming_the_entry(tmp_path):
+    ok = {"rank": 0, "step": 1, "action": "pause"}
+    for bad, words in [({"rank": 0, "step": 1, "action": "explode"}, "unknown action"),
+                       ({"rank": "0", "step": 1, "action": "exit"}, "rank must be an integer"),
+                       ({"rank": 0, "step": True, "action": "exit"}, "step must be an integer"),
+                       ({"rank": 0, "step": -1, "action": "exit"}, "step must be an integer"),
+                       ({"rank": 0, "action": "exit"}, "is not a fault"),
+                       ({"rank": 0, "step": 1, "action": "exit", "when": 3}, "is not a fault")]:
+        with pytest.raises(ConfigError) as ei:
+            _cfg(tmp_path, faults=[ok, bad])
+        assert ei.value.field == "faults[1]" and words in str(ei.value), str(ei.value)
+    with pytest.raises(ConfigError) as ei:
+        _cfg(tmp_path, faults=ok)
+    assert ei.value.field == "faults"
+
+
+def test_a_fault_fires_once_per_job(tmp_path):
+    cfg = _cfg(tmp_path, faults=[{"rank": 1, "step": 2, "action": "raise"}])
+    faults = Faults(cfg)
+    assert not faults.at_step(0, 2, 1) and not faults.at_step(1, 1, 1)
+    with pytest.raises(FaultInjected, match="rank 1, step 2"):
+        faults.at_step(1, 2, 1)
+    assert os.path.exists(tmp_path / "run" / "faults" / "fired-rank1-step2")
+    assert not faults.at_step(1, 2, 1)
+    # a recovered job replays the step, on a new worker or a new generation: no second fire
+    assert not Faults(cfg).at_step(1, 2, 2)
+
+
+def test_exit_pause_and_hang_act_through_their_hooks(tmp_path):
+    where = str(tmp_path / "chaos")
+    cfg = _cfg(tmp_path, faults=[{"rank": 0, "step": 3, "action": "pause", "dir": where},
+                                 {"rank": 0, "step": 4, "action": "exit", "dir": where},
+                                 {"rank": 2, "step": 4, "action": "hang", "dir": where}])
+    done: list[str] = []
+    faults = Faults(cfg, node_id=lambda: "node-a", block=lambda: done.append("blocked"),
+                    exit=lambda code: done.append(f"exit {code}"))
+    faults.at_step(0, 3, 7)
+    with open(os.path.join(where, "paused-rank0-step3.json")) as f:
+        paused = json.load(f)
+    assert paused == {"node_id": "node-a", "pid": os.getpid(), "rank": 0, "step": 3,
+                      "generation": 7}
+    faults.at_step(0, 4, 7)
+    faults.at_step(2, 4, 7)
+    assert done == ["blocked", "exit 1", "blocked"]
+    assert sorted(os.listdir(where)) == ["fired-rank0-step3", "fired-rank0-step4",
+                                         "fired-rank2-step4", "paused-rank0-step3.json"]
+
+
+def test_a_raise_fault_is_a_user_error_and_the_replayed_step_runs(tmp_path, group):
+    cfg = _cfg(tmp_path, faults=[{"rank": 0, "step": 2, "action": "raise"}])
+    p = _parts(cfg, group)
+    p.layout.build(_spec())
+    with pytest.raises(WorkerError, match="fault injected at rank 0, step 2"):
+        guarded(0, p.loop.run, 0, 4)
+    assert p.layout.next_step == 2
+    assert p.loop.run(2, 4) == {"status": "done", "next_step": 4}
+
+
+def test_a_nan_fault_makes_that_step_non_finite(tmp_path, group):
+    cfg = _cfg(tmp_path, faults=[{"rank": 0, "step": 1, "action": "nan"}])
+    p = _parts(cfg, group)
+    p.layout.build(_spec())
+    p.loop.run(0, 2)
+    losses = [m["loss"] for m in p.loop.drain()]
+    assert math.isfinite(losses[0]) and math.isnan(losses[1])
+    assert any(not torch.isfinite(v).all() for v in _params(p.layout.strategy.full_state()).values())
+
+
+# ----------------------------------------------------------------------- held state
+
+class _PendingLayout:
+    """A layout whose step's final all-reduce failed after its gradients were complete."""
+
+    def __init__(self) -> None:
+        self.w = torch.zeros(3)
+        self.pending_update = True
+
+    def held_state(self) -> dict[str, torch.Tensor]:
+        return {"model/w": self.w.clone()}
+
+    def finish_pending_step(self) -> bool:
+        self.w += 1.0
+        self.pending_update = False
+        return True
+
+
+def test_parking_a_pending_update_keeps_both_states_and_rolls_forward_once():
+    held, layout = HeldState(), _PendingLayout()
+    assert held.pending(layout)
+    with held.lock:
+        held.park(layout)
+    assert held.pending(None) and held.has_state()
+    assert held.snapshot is not None and held.snapshot["model/w"].eq(0).all()
+    assert held.roll_forward(None)
+    assert held.snapshot["model/w"].eq(1).all() and not held.pending(None)
+    assert not held.roll_forward(None)
+    assert held.keys(None) == {"model/w": ((3,), "float32")}
+
+
+def test_a_kept_snapshot_is_not_replaced_at_park():
+    held, layout = HeldState(), _PendingLayout()
+    held.park(layout)
+    layout.w += 5.0
+    held.park(layout)  # a snapshot is kept already (a planned change took it)
+    assert held.snapshot is not None and held.snapshot["model/w"].eq(0).all()
+
+
+def test_parked_state_comes_back_from_peers_into_another_layout(tmp_path, group):
+    """Train, park as at leave, restore from the (one) peer into zero1 and train on: the
+    result is the reference's, and the new layout replaced the parked state."""
+    cfg = _cfg(tmp_path)
+    p = _parts(cfg, group)
+    p.layout.build(_spec())
+    p.loop.run(0, 3)
+    with p.held.lock:  # what Worker.leave does before the group goes
+        p.held.park(p.layout.strategy)
+        p.layout.drop()
+    assert p.layout.strategy is None and not p.held.pending(None)
+    keys = p.held.keys(None)
+    plan = [(k, 0, shape, dtype) for k, (shape, dtype) in sorted(keys.items())]
+    state, nbytes = p.held.from_peers(plan, None, 0, group.device)
+    assert nbytes > 0 and state.keys() == keys.keys()
+    p.layout.restart(_spec("zero1"), state, 3)
+    assert not p.held.has_state()
+    assert p.loop.run(3, 6)["next_step"] == 6
+    ref, _ = reference_train(mlp, adam, mse, RegressionData(), G, 6, seed=0)
+    assert _diff(p.layout.strategy.full_state(), ref) < TOL
+
+
+def test_a_full_snapshot_is_held_until_the_next_layout(tmp_path, group):
+    p = _parts(_cfg(tmp_path), group)
+    p.layout.build(_spec())
+    nbytes = p.held.snapshot_full(p.layout.strategy)
+    assert nbytes == sum(t.numel() * t.element_size() for t in p.held.snapshot.values())
+    assert p.held.held(p.layout.strategy) is p.held.snapshot
+    p.layout.build(_spec("zero1"))  # a live switch: the new layout holds the state now
+    assert not p.held.has_state()
+
+
+# ----------------------------------------------------------------------- the step loop
+
+def test_the_step_loop_trains_like_the_reference(tmp_path, group):
+    steps = 6
+    p = _parts(_cfg(tmp_path), group)
+    p.layout.build(_spec())
+    assert p.loop.run(0, steps) == {"status": "done", "next_step": steps}
+    ref, ref_losses = reference_train(mlp, adam, mse, RegressionData(), G, steps, seed=0)
+    assert _diff(p.layout.strategy.full_state(), ref) < TOL
+    metrics = p.loop.drain()
+    assert [m["step"] for m in metrics] == list(range(steps))
+    assert all(m["global_samples"] == G and m["range"] == [0, G] for m in metrics)
+    assert max(abs(m["loss"] - r) for m, r in zip(metrics, ref_losses, strict=True)) < TOL
+    assert p.loop.drain() == []
+
+
+def test_a_stop_request_ends_the_segment_at_a_step_boundary(tmp_path, group):
+    p = _parts(_cfg(tmp_path), group)
+    p.layout.build(_spec())
+    p.loop.request_stop()  # asked before the segment: run clears it
+    assert p.loop.run(0, 3)["status"] == "done"
+    seen: list[int] = []
+
+    def ask_after_step_1(mod: Any, args: Any) -> None:
+        seen.append(1)
+        if len(seen) == 2:
+            p.loop.request_stop()
+
+    p.layout.strategy.local_model().register_forward_pre_hook(ask_after_step_1)
+    out = p.loop.run(3, 10)
+    # asked during step 4: every rank reads it with step 4's values, after step 5's compute
+    assert out == {"status": "stopped", "next_step": 6}
+
+
+def _listening(port: int) -> set[str]:
+    """The local addresses listening on ``port`` (from /proc/net/tcp and tcp6)."""
+    out = set()
+    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = open(name).read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            local, state = line.split()[1], line.split()[3]
+            addr, _, p = local.rpartition(":")
+            if state == "0A" and int(p, 16) == port:  # 0A: LISTEN
+                out.add(addr)
+    return out
+
+
+def test_rank_0s_store_listens_on_the_nodes_address_only():
+    """The rendezvous store has no authentication: rank 0 hosts it on a socket bound to its
+    node's address, never on every interface (docs/security.md)."""
+    m = Membership("gloo", torch.device("cpu"))
+    port = m.open_port("127.0.0.1")
+    try:
+        m.join("127.0.0.1", port, 0, 1, 1, 30.0)
+        assert _listening(port) == {"0100007F"}  # 127.0.0.1, not 00000000 (0.0.0.0)
+        t = torch.ones(2)
+        torch.distributed.all_reduce(t)
+        assert t.tolist() == [1.0, 1.0]
+    finally:
+        m.leave()
