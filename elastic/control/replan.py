@@ -23,10 +23,11 @@ from clusters.measured import Spread, robust
 from clusters.plan import Plan
 from clusters.policy import KeepPlan, RecutShares, ReplanObservation, ReplanPolicy, SwitchPlan
 from strategies import StrategySpec
+from strategies.traits import DP_MODES
 
 __all__ = ["Replanner"]
 
-_SHARE_BALANCED = ("dp", "zero1", "zero2", "zero3")
+_SHARE_BALANCED = DP_MODES  # layouts whose ranks each run a share of the batch
 _WINDOW = 200  # most recent steps of a layout that count
 _SKIP = 2  # first steps of a layout left out (warm-up: allocations, caches)
 
@@ -190,8 +191,9 @@ class Replanner:
         per_rank = [robust(list(self._ranks[r].values())[_SKIP:] or
                            list(self._ranks[r].values())) for r in ranks]
         frac = self._forward_fraction()
-        rank_s = tuple(s.median / frac for s in per_rank) if len(ranks) == spec.world_size \
-            else ()
+        # ranks compare only where they run the same blocks (a pipeline's stages do not)
+        rank_s = (tuple(s.median / frac for s in per_rank)
+                  if len(ranks) == spec.world_size and spec.name in _SHARE_BALANCED else ())
         rel = tuple(s.rel for s in per_rank) if rank_s else ()
         label = spec.name
         candidates: tuple[tuple[str, float], ...] = ()
