@@ -20,7 +20,9 @@ over its steps) and each rank its own compute time per sample (the seconds insid
 
 ``predictions`` then lists every candidate plan with its predicted step: a layout the job ran
 is predicted by its own measured median (the best figure there is), any other by the re-fitted
-model. Pure: no clock, no torch.
+model. ``observe`` turns a window of the running layout into the ``ReplanObservation`` that
+``clusters.policy.ReplanPolicy`` decides on: the live controller (``elastic.control.replan``)
+and the simulator (``clusters.sim_replan``) both build it here. Pure: no clock, no torch.
 """
 
 from __future__ import annotations
@@ -29,15 +31,17 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from .collectives import KINDS
+from .balance import recut_shares
+from .collectives import KINDS, SYNC_MODES
 from .cost import CostModel
 from .measured import Spread, equal_within_noise
 from .plan import Plan
 from .planner import plan as plan_fn
+from .policy import ReplanObservation
 from .profile import ModelProfile
 from .topology import Cluster
 
-__all__ = ["Observed", "refit", "Prediction", "predictions"]
+__all__ = ["Observed", "refit", "Prediction", "predictions", "Observation", "observe"]
 
 
 @dataclass(frozen=True)
@@ -135,3 +139,58 @@ def predictions(model: CostModel, profile: ModelProfile, cluster: Cluster, globa
 def _key(p: Plan) -> tuple[object, ...]:
     return (p.strategy, p.pp_degree, p.dp_mode, p.schedule, p.micro_batches, p.virtual_stages,
             p.stage_split, p.shares)
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What ``observe`` made of a window: the policy's input, the candidate plans by label
+    (what a ``SwitchPlan`` names), and the re-fitted model (None when not re-planning)."""
+
+    obs: ReplanObservation
+    plans: Mapping[str, Plan]
+    model: CostModel | None
+
+
+def observe(*, model: CostModel | None, profile: ModelProfile | None, cluster: Cluster | None,
+            global_batch: int,
+            current: Plan, step: Spread, observed: Sequence[Observed], remaining: int,
+            switch_s: float, rank_s: Sequence[float] = (), rank_rel_sd: Sequence[float] = (),
+            kinds: Mapping[str, object] | None = None, replan: bool = True,
+            recut: bool = True) -> Observation:
+    """The closed loop's view of the running layout ``current`` (devices set), measured at
+    ``step`` over its window, with the layouts run before it (``observed``).
+
+    ``replan`` (needs ``model``, ``profile`` and ``cluster``): re-fit ``model`` (``refit``: the layouts' medians, and ``rank_s``, each rank's
+    compute seconds per sample, when the layout's ranks each run a share) and rank every
+    candidate (``predictions``); else no candidates. ``recut``: offer shares that follow
+    ``rank_s`` (share-balanced layouts only) and the step they save
+    (``balance.recut_shares``)."""
+    shared = current.strategy in SYNC_MODES and len(rank_s) == len(current.devices)
+    candidates: tuple[tuple[str, float], ...] = ()
+    plans: dict[str, Plan] = {}
+    fitted = None
+    if replan and model is not None and profile is not None and cluster is not None:
+        compute = ({current.devices[r]: Spread(t, 0.0, step.n) for r, t in enumerate(rank_s)}
+                   if shared else None)
+        seen = {_key(o.plan): o for o in observed}
+        seen[_key(current)] = Observed(current, step)
+        obs_all = list(seen.values())
+        fitted = refit(model, profile, cluster, obs_all, compute, kinds if compute else None)
+        preds = predictions(fitted, profile, cluster, global_batch, obs_all)
+        for p in preds:
+            plans.setdefault(p.plan.label, p.plan)
+        best = {lab: min(p.step_s for p in preds if p.plan.label == lab) for lab in plans}
+        best[current.label] = step.median
+        plans[current.label] = current
+        candidates = tuple(sorted(best.items(), key=lambda kv: kv[1]))
+    new: tuple[int, ...] = ()
+    new_s = 0.0
+    if recut and shared and rank_s:
+        new, gain = recut_shares(current.shares, rank_s)
+        new_s = step.median - gain
+    obs = ReplanObservation(
+        current=current.label, step_s=step.median, step_sd=step.sd, steps=step.n,
+        candidates=candidates, remaining=max(0, remaining), switch_s=switch_s,
+        rank_s=tuple(rank_s) if shared else (), rank_rel_sd=tuple(rank_rel_sd) if shared
+        else (), shares=tuple(current.shares), recut=new, recut_step_s=new_s)
+    return Observation(obs, plans, fitted)

@@ -182,76 +182,49 @@ class Replanner:
 
     def _observe(self, step: int, spec: StrategySpec, times: list[float], group: Any
                  ) -> tuple[ReplanObservation, dict[str, Plan], dict[str, Any]]:
-        """The observation for the policy, the candidate plans by label, and the re-fit's
-        figures for the event."""
-        from clusters.balance import recut_shares
+        """The observation for the policy (``clusters.refit.observe``, as the simulator
+        builds it), the candidate plans by label, and the re-fit's figures for the event."""
+        from clusters.refit import Observed, observe
+
+        from ..planning import spec_plan
 
         st = robust(times)
         ranks = sorted(self._ranks)
-        per_rank = [robust(list(self._ranks[r].values())[_SKIP:] or
-                           list(self._ranks[r].values())) for r in ranks]
+        # the ranks as they are now: the last replan_every steps (a straggler that appears
+        # after a long window shows at the next decision)
+        per_rank = [robust([self._ranks[r][k] for k in sorted(self._ranks[r])[_SKIP:]
+                            ][-self.every:] or list(self._ranks[r].values())) for r in ranks]
         frac = self._forward_fraction()
-        # ranks compare only where they run the same blocks (a pipeline's stages do not)
-        rank_s = (tuple(s.median / frac for s in per_rank)
-                  if len(ranks) == spec.world_size and spec.name in _SHARE_BALANCED else ())
-        rel = tuple(s.rel for s in per_rank) if rank_s else ()
-        label = spec.name
-        candidates: tuple[tuple[str, float], ...] = ()
-        plans: dict[str, Plan] = {}
+        full = len(ranks) == spec.world_size
+        rank_s = tuple(s.median / frac for s in per_rank) if full else ()
+        rel = tuple(s.rel for s in per_rank) if full else ()
+        lay = self.layouts
+        switch_s = max(lay.apply_s[1:], default=2 * max(lay.apply_s, default=0.5))
+        remaining = max(0, self.cfg.max_steps - step)
+        planned = lay.measured is not None and len(lay.ids) == spec.world_size
+        ids = lay.ids if planned else [str(r) for r in range(spec.world_size)]
+        current = spec_plan(spec, ids, lay.probe_model)
+        mm = lay.measured if planned else None
+        view = observe(  # without a planned model: the window and the ranks' compute only
+            model=mm.model if mm else None, profile=mm.profile if mm else None,
+            cluster=lay.cluster if mm else None,
+            global_batch=self.cfg.global_batch_size, current=current, step=st,
+            observed=[Observed(p, sp) for p, sp in self.observed.values()],
+            remaining=remaining, switch_s=switch_s, rank_s=rank_s, rank_rel_sd=rel,
+            kinds=dict(zip(ids, lay.kinds, strict=False)),
+            replan=self.cfg.strategy == "auto" and mm is not None, recut=self.cfg.balance != "off")
         parts: dict[str, Any] = {}
-        if self.cfg.strategy == "auto" and self.layouts.measured is not None and \
-                len(self.layouts.ids) == spec.world_size:
-            label, candidates, plans, parts = self._predict(spec, st, rank_s)
-        recut: tuple[int, ...] = ()
-        recut_s = 0.0
-        if rank_s and spec.name in _SHARE_BALANCED and self.cfg.balance != "off":
-            recut, gain = recut_shares(spec.shares, rank_s)
-            recut_s = st.median - gain
-        switch_s = max(self.layouts.apply_s[1:], default=2 * max(self.layouts.apply_s,
-                                                                  default=0.5))
-        obs = ReplanObservation(
-            current=label, step_s=st.median, step_sd=st.sd, steps=st.n,
-            candidates=candidates, remaining=max(0, self.cfg.max_steps - step),
-            switch_s=switch_s, rank_s=rank_s, rank_rel_sd=rel, shares=tuple(spec.shares),
-            recut=recut, recut_step_s=recut_s)
-        return obs, plans, parts
+        if view.model is not None:
+            parts = {"step_overhead_s": view.model.step_overhead,
+                     "observed": sorted({p.label for p, _ in self.observed.values()}
+                                        | {current.label})}
+        return view.obs, dict(view.plans), parts
 
     def _forward_fraction(self) -> float:
         """Forward's part of forward+backward, as the profiler measured it (else 1/3)."""
         mm = self.layouts.measured
         frac = getattr(mm, "spreads", {}).get("forward_fraction") if mm is not None else None
         return float(frac) if frac else 1.0 / 3.0
-
-    def _predict(self, spec: StrategySpec, st: Spread, rank_s: tuple[float, ...]
-                 ) -> tuple[str, tuple[tuple[str, float], ...], dict[str, Plan], dict[str, Any]]:
-        """Re-fit the profiled model to the layouts measured so far (this one included) and
-        the ranks' compute; every candidate's predicted step, by label."""
-        from clusters.refit import Observed, predictions, refit
-
-        from ..planning import spec_plan
-
-        mm, ids = self.layouts.measured, self.layouts.ids
-        current = spec_plan(spec, ids, self.layouts.probe_model)
-        seen = dict(self.observed)
-        seen[_key(current)] = (current, st)
-        observed = [Observed(p, s) for p, s in seen.values()]
-        compute = None
-        if rank_s and spec.name in _SHARE_BALANCED:
-            compute = {ids[r]: Spread(t, 0.0, st.n) for r, t in enumerate(rank_s)}
-        kinds = dict(zip(ids, self.layouts.kinds, strict=False)) if compute else None
-        model = refit(mm.model, mm.profile, self.layouts.cluster, observed, compute, kinds)
-        preds = predictions(model, mm.profile, self.layouts.cluster,
-                            self.cfg.global_batch_size, observed)
-        plans: dict[str, Plan] = {}
-        for p in preds:
-            plans.setdefault(p.plan.label, p.plan)
-        best = {lab: min(p.step_s for p in preds if p.plan.label == lab) for lab in plans}
-        best[current.label] = st.median
-        plans[current.label] = current
-        cands = tuple(sorted(best.items(), key=lambda kv: kv[1]))
-        return current.label, cands, plans, {"step_overhead_s": model.step_overhead,
-                                             "observed": sorted({p.label for p, _ in
-                                                                 seen.values()})}
 
 
 def _key(p: Plan) -> tuple[Any, ...]:
