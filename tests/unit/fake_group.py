@@ -54,6 +54,7 @@ class FakeGroup:
                                         "p2p": 1e-3}
         self.step_times: dict[str, float] = {}  # strategy -> measured step seconds
         self.compute: dict[int, float] = {}  # rank -> compute seconds per sample (forward x 3)
+        self.block_seconds: list[float] | None = None  # profile(detail=True)'s per-block times
         self.spec: Any = None
         self.workers: list[WorkerRec] = []
         self.generation = 0
@@ -243,7 +244,10 @@ class FakeGroup:
         return [{"params": 1, "grads": 1, "optim": 1} for _ in self.workers]
 
     def profile(self, batch: int, detail: bool = False, workers: Any = None) -> list[Any]:
-        return [{"samples_per_s": 100.0} for _ in (workers or self.workers)]
+        out: dict[str, Any] = {"samples_per_s": 100.0}
+        if detail and self.block_seconds is not None:
+            out["block_seconds"] = list(self.block_seconds)
+        return [dict(out) for _ in (workers or self.workers)]
 
     def profile_terms(self, shares: list[int], rounds: int = 7) -> list[dict[str, Any]]:
         """Every rank's report as ``elastic.worker.measure.profile_terms`` gives it, from ``alpha``

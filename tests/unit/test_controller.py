@@ -359,3 +359,20 @@ def test_replan_every_zero_turns_the_loop_off(tmp_path):
     fake.compute = {0: 1e-3, 1: 3e-3}
     ctl.run()
     assert not [e for e in ctl.events if e.kind in ("replan", "straggler", "switch")]
+
+
+# ------------------------------------------------------------------ per-block stage splits
+
+
+def test_a_named_pipeline_cuts_its_stages_by_the_measured_block_times(tmp_path):
+    """Issue 16 point 4: the workers time each block (``profile(detail=True)``); the first
+    block is 5x the others, so it is a stage of its own, whatever the parameter counts say."""
+    ctl, fake = _controller(tmp_path, strategy="pipeline", pp_degree=2, micro_batches=2)
+    fake.block_seconds = [5e-3, 1e-3, 1e-3, 1e-3, 1e-3]
+    ctl.run()
+    assert fake.spec.stage_split == (1, 4)
+    # nothing timed: the strategy's own split (parameters), as before
+    ctl2, fake2 = _controller(tmp_path / "flat", strategy="pipeline", pp_degree=2,
+                              micro_batches=2)
+    ctl2.run()
+    assert fake2.spec.stage_split is None
