@@ -50,6 +50,7 @@ class Replanner:
         self._ranks: dict[int, dict[int, float]] = {}  # rank -> step -> compute s per sample
         self.observed: dict[tuple[Any, ...], tuple[Plan, Spread]] = {}
         self.decisions: list[KeepPlan | SwitchPlan | RecutShares] = []
+        self._named: tuple[int, ...] = ()  # the stragglers the last decision named
 
     # ------------------------------------------------------------------ feeding
 
@@ -161,8 +162,9 @@ class Replanner:
                 "rank_s_per_sample": list(obs.rank_s), "shares": list(obs.shares),
                 "recut": list(obs.recut), **parts}
         self._emit("replan", f"{kind}: {decision.reason}", data=data, step=step)
-        slow = getattr(decision, "stragglers", ())
-        if slow:
+        slow = tuple(getattr(decision, "stragglers", ()))
+        named, self._named = self._named, slow
+        if slow and slow != named:  # named once while it stays one (the replan events repeat)
             ids = [group.workers[r].worker_id for r in slow]
             self._emit("straggler", f"rank(s) {list(slow)} (workers {ids}) compute "
                        + ", ".join(f"{obs.rank_s[r] * 1e3:.2f}" for r in slow)

@@ -335,6 +335,8 @@ def test_a_straggler_is_named_and_its_share_re_cut(tmp_path):
     result = ctl.run()
     strag = [e for e in ctl.events if e.kind == "straggler"]
     assert strag and strag[0].data["ranks"] == [1] and strag[0].step == 12
+    assert len(strag) == 1  # named once while it stays one, though every decision sees it
+    assert len([e for e in ctl.events if e.kind == "replan"]) >= 2
     recut = next(e for e in ctl.events if e.kind == "replan")
     assert recut.data["decision"] == "RecutShares" and recut.data["recut"] == [6, 2]
     assert "rank 1 slower than its peers" in recut.message
