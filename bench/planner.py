@@ -181,6 +181,12 @@ def table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _dump(args: argparse.Namespace, commit: str, results: list[dict[str, Any]]) -> None:
+    with open(args.json, "w") as f:
+        json.dump({"args": vars(args), "commit": commit, "results": results}, f, indent=1,
+                  default=str)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--families", nargs="+", default=list(pm.FAMILIES))
@@ -212,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
                 results.append(res)
                 print(f"  pick {res['pick']}, fastest {res['fastest']}, pick/fastest "
                       f"{res['pick_over_fastest']:.3f}", flush=True)
+                print(table([res]), flush=True)  # each configuration as it ends
+                if args.json:  # what is done survives a run cut short
+                    _dump(args, commit, results)
     finally:
         ray.shutdown()
         killed = common.kill_leftovers(tmp)
@@ -220,9 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\ntotal {time.time() - t0:.0f}s, loadavg now {os.getloadavg()[0]:.1f}\n")
     print(table(results))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "commit": commit, "results": results}, f, indent=1,
-                      default=str)
+        _dump(args, commit, results)
     shutil.rmtree(tmp, ignore_errors=True)
     return 0
 
