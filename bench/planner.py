@@ -213,7 +213,11 @@ def main(argv: list[str] | None = None) -> int:
             for w in args.workers:
                 busy = common.busy_cores(1.0)
                 print(f"{fam} x {w} workers (others' load {busy:.2f} cores)", flush=True)
-                res = run_config(tmp, pm.FAMILIES[fam], w, args)
+                try:
+                    res = run_config(tmp, pm.FAMILIES[fam], w, args)
+                except Exception as e:  # noqa: BLE001 - said, and the next configuration runs
+                    print(f"  {fam} x {w}: FAILED {type(e).__name__}: {e}", flush=True)
+                    continue
                 res["busy_before"] = busy
                 results.append(res)
                 print(f"  pick {res['pick']}, fastest {res['fastest']}, pick/fastest "
