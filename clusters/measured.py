@@ -182,8 +182,10 @@ def _rank_compute(rep: Mapping[str, Any]) -> tuple[float, float, Spread]:
     else:
         f, c = 0.0, pts[0][1] / max(1, pts[0][0])
     b1, ts1 = int(rep["compute"]["batches"][0]), rep["compute"]["seconds"][0]
+    if c <= 0 or f >= robust(ts1).median:  # no per-sample slope (a pass-bound model, noise):
+        f = 0.0  # the whole pass per sample, never a near-zero time (an "infinite" speed)
     per = robust([max(1e-12, t - f) / b1 for t in ts1])
-    return f, c if c > 0 else per.median, per
+    return f, c if c > 0 and f > 0 else per.median, per
 
 
 def terms_model(reports: Sequence[Mapping[str, Any]], ids: Sequence[str], base: ModelProfile,

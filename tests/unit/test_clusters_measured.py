@@ -225,6 +225,18 @@ def test_terms_model_from_reports():
     assert fast.step_overhead == 0 and 0 < fast.overlap <= 1
 
 
+def test_a_pass_bound_model_keeps_a_finite_speed():
+    """dlrm on 3 workers (bench/planner.py): forward+backward took the same at both batch
+    sizes, the fit put it all on the pass, and a rank's speed came out as 8.5e13 samples/s."""
+    cluster, ids = _live()
+    reps = _reports()
+    for r in reps:
+        r["compute"]["seconds"] = [[5e-3] * 9, [5e-3] * 9]
+    mm = terms_model(reps, ids, _base(), cluster=cluster)
+    assert mm.raw_speeds == pytest.approx((32 / 5e-3, 32 / 5e-3))
+    assert mm.model.seconds_per_sample[ids[0]] == pytest.approx(5e-3 / 32)
+
+
 def test_noisy_alike_devices_get_equal_shares_and_a_real_difference_does_not():
     cluster, ids = _live()
     noisy = terms_model(_reports(c=(1e-3, 1.05e-3), noise=0.1), ids, _base(),
