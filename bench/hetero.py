@@ -157,7 +157,7 @@ def part_strategies(tmp: str, args: argparse.Namespace, balance_rounds: list[dic
     # strategy="auto": the job profiles every worker and times all-reduces between them (the
     # "links" event), exactly what the planner predicts with; then it is switched through
     handle = elastic.submit(**_cfg(tmp, "strategies", g, max_steps=10_000_000, emulate=emus,
-                                   balance="on", strategy="auto"))
+                                   balance="on", strategy="auto", replan_every=0))
     out: dict[str, Any] = {"rows": []}
     try:
         ctl = handle.controller
@@ -193,22 +193,16 @@ def part_strategies(tmp: str, args: argparse.Namespace, balance_rounds: list[dic
                   f"median step {med * 1e3:.1f} ms", flush=True)
         out["speeds"] = speeds
         out["ids"] = ids
-        links = next((e.data["points"] for e in ctl.events if e.kind == "links"), None)
-        out["link_points"] = links
+        mm = ctl.layouts.measured  # what strategy="auto" planned with (every term measured)
     finally:
         handle.stop(timeout=300)
         handle.result(timeout=300)
 
-    # profiled: what the planner uses live
-    sps = {i: 1.0 / s for i, s in zip(ids, speeds, strict=True)}
-    if out.get("link_points"):  # the live links' alpha-beta fit, as strategy="auto" uses
-        from elastic.planning import link_model
-
-        fitted = link_model([tuple(p) for p in out["link_points"]], len(ids))
-        prof_model = CostModel(seconds_per_sample=sps, links=dict(fitted.links))
-        out["profiled_links"] = {k: list(v) for k, v in fitted.links.items()}
-    else:
-        prof_model = CostModel(seconds_per_sample=sps)
+    # profiled: the cost model the live planner used (elastic/worker/measure.py's terms)
+    prof_model = mm.model
+    profile = mm.profile
+    out["profiled_collectives"] = {k: list(v) for k, v in prof_model.collectives.items()}
+    out["profiled_step_overhead"] = prof_model.step_overhead
     # calibrated on the dp runs of part 1 (solo + balanced + equal), medians over rounds
     meas = []
     dev_of = {k: [ids[r] for r, kk in enumerate(SLOWDOWNS) if kk == k] for k in set(SLOWDOWNS)}

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 from .errors import BalanceError
 
-__all__ = ["proportional_shares", "stage_split", "RebalanceDecision", "rebalance_decision"]
+__all__ = ["proportional_shares", "stage_split", "RebalanceDecision", "rebalance_decision",
+           "recut_shares"]
 
 
 def proportional_shares(
@@ -27,7 +28,9 @@ def proportional_shares(
     Guarantees: the shares sum to ``total`` exactly, each is >= ``min_share`` and <= its cap
     (``caps[i]`` = most samples device i can hold, ``None`` = no cap). Caps are met by
     water-filling (a capped device keeps its cap, the rest is re-split among the others),
-    then largest-remainder rounding (ties to the lower index). Raises ``BalanceError`` when
+    then each quota is rounded down and the samples left go one each to the devices whose
+    time with one more sample is shortest (ties to the lower index): the rounding within 1
+    of the quotas with the shortest slowest device. Raises ``BalanceError`` when
     ``total`` is too small for ``min_share`` each or the caps cannot hold ``total``.
     """
     n = len(speeds)
@@ -81,7 +84,11 @@ def proportional_shares(
     for i, q in quota.items():
         shares[i] = int(math.floor(q))
     left = total - sum(shares)
-    order = sorted(quota, key=lambda i: (-(quota[i] - math.floor(quota[i])), i)) or list(range(n))
+    # the samples left over (fewer than the free devices) go one each to the devices whose
+    # time with one more is shortest: that minimizes the slowest device's time among roundings
+    # within 1 of the quotas (largest-remainder rounding does not: 7 over speeds 3, 1, 1 gives
+    # it 4, 2, 1, whose slowest device needs 2 where 5, 1, 1 needs 1.67)
+    order = sorted(quota, key=lambda i: ((shares[i] + 1) / speeds[i], i)) or list(range(n))
     k = 0
     while left > 0:
         i = order[k % len(order)]
@@ -202,3 +209,18 @@ def rebalance_decision(
         gain,
         new,
     )
+
+
+def recut_shares(shares: Sequence[int], seconds_per_sample: Sequence[float]
+                 ) -> tuple[tuple[int, ...], float]:
+    """Shares that follow measured compute seconds per sample of each rank, and the seconds
+    per step they save: the slowest rank's compute (max share x seconds per sample) before
+    minus after. Raises ``BalanceError`` on bad input."""
+    if len(shares) != len(seconds_per_sample) or not shares:
+        raise BalanceError("one seconds-per-sample figure per share is needed")
+    if any(not (c > 0 and math.isfinite(c)) for c in seconds_per_sample):
+        raise BalanceError(f"seconds per sample must be positive, got {list(seconds_per_sample)}")
+    new = proportional_shares(sum(shares), [1.0 / c for c in seconds_per_sample])
+    before = max(s * c for s, c in zip(shares, seconds_per_sample, strict=True))
+    after = max(s * c for s, c in zip(new, seconds_per_sample, strict=True))
+    return new, before - after

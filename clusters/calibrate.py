@@ -6,8 +6,8 @@ the step took ``step_time`` seconds, including one collective of ``comm_bytes`` 
 
     step_time = c[device] * samples + alpha[link] * L(n) + beta[link] * V(n, S) (+ overhead)
 
-with L, V the ring latency count and volume of the collective (all_reduce: 2(n-1) and
-2(n-1)/n S). ``calibrate`` solves it by least squares with non-negativity (an active set:
+with L, V the collective's latency hops and volume (``collectives.latency_hops`` and
+``volume_factor``; all_reduce: 2 min(n-1, ceil(log2 n)) and 2(n-1)/n S). ``calibrate`` solves it by least squares with non-negativity (an active set:
 a negative unknown is pinned to 0 and the rest refitted); columns that never vary (no
 collective measured, say) keep the base model's values. The live system measures, per step
 and rank: its samples, its compute time (before the collective) and the step time.
@@ -15,26 +15,18 @@ and rank: its samples, its compute time (before the collective) and the step tim
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from .collectives import KINDS, latency_hops, volume_factor
 from .cost import CostModel
 from .errors import ClustersError
 
 __all__ = ["Measurement", "calibrate"]
 
-_LAT = {
-    "all_reduce": lambda n: 2 * (n - 1),
-    "all_gather": lambda n: n - 1,
-    "reduce_scatter": lambda n: n - 1,
-    "p2p": lambda n: 1,
-}
-_VOL = {
-    "all_reduce": lambda n: 2 * (n - 1) / n,
-    "all_gather": lambda n: (n - 1) / n,
-    "reduce_scatter": lambda n: (n - 1) / n,
-    "p2p": lambda n: 1.0,
-}
+_LAT = {k: functools.partial(latency_hops, k) for k in KINDS}
+_VOL = {k: functools.partial(volume_factor, k) for k in KINDS}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,6 +34,8 @@ class Measurement:
     """One measured step on one device. ``device``: id or type name (``seconds_per_sample`` key).
 
     For a compute-only figure (time before the collective) leave ``comm_bytes`` at 0.
+    ``messages``: how many messages of ``collective`` carried those ``comm_bytes`` (each pays
+    the latency; ``collectives.layout_messages`` says how many a layout sends).
     """
 
     device: str
@@ -51,6 +45,7 @@ class Measurement:
     comm_bytes: float = 0.0
     collective: str = "all_reduce"
     link: str = "*"
+    messages: int = 1
 
 
 def _solve(rows: list[list[float]], y: list[float]) -> list[float]:
@@ -90,10 +85,11 @@ def calibrate(
     if not measurements:
         raise ClustersError("calibrate needs at least one measurement")
     for m in measurements:
-        if m.samples < 0 or m.step_time <= 0 or m.world_size < 1 or m.collective not in _LAT:
+        if (m.samples < 0 or m.step_time <= 0 or m.world_size < 1 or m.collective not in _LAT
+                or m.messages < 1):
             raise ClustersError(
                 f"bad measurement {m}: samples >= 0, step_time > 0, "
-                f"world_size >= 1, collective in {sorted(_LAT)}"
+                f"world_size >= 1, messages >= 1, collective in {sorted(_LAT)}"
             )
     devices = sorted({m.device for m in measurements if m.samples > 0})
     links = sorted({m.link for m in measurements if m.comm_bytes > 0 and m.world_size > 1})
@@ -108,7 +104,7 @@ def calibrate(
             if kind == "c":
                 r.append(float(m.samples) if m.device == key else 0.0)
             elif kind == "alpha":
-                r.append(float(_LAT[m.collective](m.world_size)) if comm else 0.0)
+                r.append(float(m.messages * _LAT[m.collective](m.world_size)) if comm else 0.0)
             elif kind == "beta":
                 r.append(_VOL[m.collective](m.world_size) * m.comm_bytes if comm else 0.0)
             else:

@@ -17,7 +17,13 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from .collectives import collective_time, sync_collectives_time
+from .collectives import (
+    CommConfig,
+    collective_time,
+    layout_messages,
+    messages_time,
+    owner_loads,
+)
 from .errors import PlanError, ProfileError
 from .estimate import Estimate
 from .memory import MemoryBreakdown, layout_memory, model_state_bytes
@@ -27,6 +33,7 @@ from .profile import ModelProfile
 from .topology import Cluster, Device, Path
 
 __all__ = [
+    "CommConfig",
     "CostModel",
     "Estimate",
     "MemoryBreakdown",
@@ -39,50 +46,76 @@ __all__ = [
 
 @dataclass(frozen=True, kw_only=True)
 class CostModel:
-    """Tunable constants of the model; ``calibrate`` fits them from measurements.
+    """Tunable constants of the model; the profiler measures them and ``calibrate`` or
+    ``refit`` fits them from measured steps.
 
     ``seconds_per_sample``: whole-model forward+backward seconds per sample, by device id
     (figure includes emulation) or device type name (slowdown applied on top).
     ``links``: fitted (alpha s, beta s/byte) by path name, ``"*"`` for every path.
+    ``collectives``: measured (alpha s per hop, beta s/byte) by collective kind (all_reduce,
+    reduce, broadcast, all_gather, reduce_scatter, p2p) on the live group, under load; a kind
+    found here wins over ``links`` and the catalog.
+    ``optimizer_fit``: measured optimizer step, by device id or type name: (seconds per
+    tensor, seconds per element, seconds per tensor when sharded as zero3's DTensors); without
+    it the update is charged as memory-bound.
     ``overlap``: fraction of backward compute (2/3 of compute) that hides data-parallel
     communication (0 = none, the conservative default).
     ``pass_overhead_s``: fixed seconds per block per forward+backward pass (kernel launches,
     Python), paid once per micro-batch: what makes very small micro-batches a bad deal.
+    ``step_overhead``: fixed seconds per step beyond its terms (the step loop, the control
+    all-reduce, waiting for the slowest rank's jitter); measured by the profiler's trial steps.
+    ``comm``: how the layouts group their messages (``collectives.CommConfig``).
+    ``comm_scale``: a factor on each collective kind's time (the closed loop's re-fit,
+    ``clusters.refit``: what the running layouts' messages really cost against their
+    profiled alpha and beta); 1 for a kind not in it.
     """
 
     compute_efficiency: float = 0.4
     link_efficiency: float = 0.8
     seconds_per_sample: Mapping[str, float] = field(default_factory=dict)
     links: Mapping[str, tuple[float, float]] = field(default_factory=dict)
+    collectives: Mapping[str, tuple[float, float]] = field(default_factory=dict)
+    optimizer_fit: Mapping[str, tuple[float, float, float]] = field(default_factory=dict)
     step_overhead: float = 0.0
     overlap: float = 0.0
     usable_memory_fraction: float = 0.9
     pass_overhead_s: float = 5e-5
+    comm: CommConfig = field(default_factory=CommConfig)
+    comm_scale: Mapping[str, float] = field(default_factory=dict)
 
     # ---------------------------------------------------------------- parts
-    def alpha_beta(self, path: Path | None) -> tuple[float, float]:
+    def alpha_beta(self, path: Path | None, kind: str | None = None) -> tuple[float, float]:
+        """(alpha, beta) of ``kind``'s messages on ``path``: measured per kind if known, else
+        fitted per path, else the catalog's link; times ``comm_scale[kind]``."""
+        k = self.comm_scale.get(kind, 1.0) if kind is not None else 1.0
+        if kind is not None and kind in self.collectives:
+            a, b = self.collectives[kind]
+            return a * k, b * k
         if path is None:
             return 0.0, 0.0
         fit = self.links.get(path.name) or self.links.get("*")
-        if fit is not None:
-            return fit
-        return path.latency, 1.0 / (path.bandwidth * self.link_efficiency)
+        if fit is None:
+            fit = (path.latency, 1.0 / (path.bandwidth * self.link_efficiency))
+        return fit[0] * k, fit[1] * k
 
     def sample_time(
         self, device: Device, profile: ModelProfile, blocks: Sequence[int] | None = None
     ) -> float:
         """Forward+backward seconds per sample of ``blocks`` (default all) on ``device``.
 
-        Raises ``ProfileError`` when neither a measurement nor FLOPs can time the device.
+        A whole-model figure is split over blocks by the measured per-block times when the
+        profile has any, else by FLOPs, else by parameters. Raises ``ProfileError`` when
+        neither a measurement nor FLOPs can time the device.
         """
         idx = range(profile.n_blocks) if blocks is None else blocks
         if device.id in self.seconds_per_sample:
-            return self.seconds_per_sample[device.id] * _work_fraction(profile, idx)
+            return self.seconds_per_sample[device.id] * _work_fraction(profile, idx, device)
         if device.id in profile.block_seconds:
             return sum(profile.block_seconds[device.id][i] for i in idx)
         tname = device.type.name
         if tname in self.seconds_per_sample:
-            return self.seconds_per_sample[tname] * _work_fraction(profile, idx) * device.slowdown
+            return (self.seconds_per_sample[tname] * _work_fraction(profile, idx, device)
+                    * device.slowdown)
         if tname in profile.block_seconds:
             return sum(profile.block_seconds[tname][i] for i in idx) * device.slowdown
         if profile.block_flops is not None:
@@ -93,14 +126,35 @@ class CostModel:
             "measured seconds for it; pass block_flops or calibrate from measurements"
         )
 
-    def optimizer_time(self, device: Device, n_params: float, profile: ModelProfile) -> float:
-        """Memory-bound optimizer update: read+write states, weights and grads once."""
+    def optimizer_time(self, device: Device, n_params: float, profile: ModelProfile,
+                       tensors: int = 0, sharded: bool = False) -> float:
+        """One optimizer step over ``n_params`` elements in ``tensors`` tensors on ``device``:
+        measured (``optimizer_fit``; ``sharded``: zero3's DTensor shards) or, without a
+        measurement, memory-bound (read+write states, weights and grads once)."""
+        fit = self.optimizer_fit.get(device.id) or self.optimizer_fit.get(device.type.name)
+        if fit is not None:
+            per_tensor, per_elem, per_sharded = fit
+            return (per_sharded if sharded else per_tensor) * tensors + per_elem * n_params
         touched = (
             2
             * n_params
             * (profile.optimizer_bytes_per_param + profile.bytes_per_param + profile.grad_bytes)
         )
         return touched / (device.type.memory_bandwidth_gbps * 1e9) * device.slowdown
+
+    def layout_optimizer_time(self, mode: str, device: Device, blocks: Sequence[int], n: int,
+                              profile: ModelProfile) -> float:
+        """The optimizer step of the slowest rank of a group of ``n`` holding ``blocks`` under
+        ``mode``: dp every tensor; zero1/zero2 the busiest owner's tensors (ownership as the
+        strategies assign it); zero3 every tensor's 1/n shard."""
+        tensors = profile.tensors(blocks)
+        total = float(sum(tensors))
+        if mode == "dp" or n <= 1:
+            return self.optimizer_time(device, total, profile, len(tensors))
+        if mode == "zero3":
+            return self.optimizer_time(device, total / n, profile, len(tensors), sharded=True)
+        return max(self.optimizer_time(device, e, profile, t)
+                   for t, e in owner_loads(tensors, n))
 
     def device_key(self, device: Device, profile: ModelProfile) -> object:
         """Devices with equal keys have equal ``sample_time`` (used to memoize big clusters)."""
@@ -143,34 +197,39 @@ class CostModel:
     def sync_over(
         self,
         mode: str,
-        n_params: float,
+        blocks: Sequence[int],
         n: int,
         path: Path | None,
         profile: ModelProfile,
         micro_batches: int = 1,
-        units: int = 1,
+        hooks: bool = True,
     ) -> float:
-        """Seconds of ``mode``'s gradient/parameter collectives per step for a data-parallel
-        group of ``n`` ranks whose bottleneck is ``path`` (``collectives.sync_collectives_time``
-        with this model's alpha and beta)."""
-        a, b = self.alpha_beta(path)
-        return sync_collectives_time(mode, n, n_params * profile.bytes_per_param,
-                                     n_params * profile.grad_bytes, a, b, micro_batches, units)
+        """Seconds of ``mode``'s collectives per step for a data-parallel group of ``n`` ranks
+        over ``blocks`` whose bottleneck is ``path``: every message the layout sends
+        (``collectives.layout_messages``), each at its kind's alpha and beta. ``hooks``: False
+        for a pipeline stage's reduction after its schedule."""
+        if n <= 1:
+            return 0.0
+        g, p = profile.grad_bytes, profile.bytes_per_param
+        tensors = [t * g for t in profile.tensors(blocks)]
+        units = [profile.block_params[i] * p for i in blocks if profile.block_params[i] > 0]
+        msgs = layout_messages(mode, n, tensors, units, micro_batches=micro_batches,
+                               comm=self.comm, hooks=hooks)
+        return messages_time(msgs, n, {m.kind: self.alpha_beta(path, m.kind) for m in msgs})
 
     def sync_time(
         self,
         mode: str,
-        n_params: float,
         group: Sequence[Device],
         cluster: Cluster,
         profile: ModelProfile,
         micro_batches: int = 1,
-        units: int = 1,
     ) -> tuple[float, str]:
-        """Seconds of gradient/parameter collectives per step for one data-parallel group, and
-        the name of its bottleneck link. ``units``: zero3's FSDP units (``sync_over``)."""
+        """Seconds of gradient/parameter collectives per step for one data-parallel group of
+        the whole model, and the name of its bottleneck link (``sync_over``)."""
         path = cluster.path(group)
-        t = self.sync_over(mode, n_params, len(group), path, profile, micro_batches, units)
+        t = self.sync_over(mode, range(profile.n_blocks), len(group), path, profile,
+                           micro_batches)
         return t, path.name if path else "-"
 
     def _estimate_data_parallel(
@@ -187,13 +246,13 @@ class CostModel:
             s * memo[self.device_key(d, profile)] + passes * d.slowdown
             for s, d in zip(plan.shares, devs, strict=True)
         ]
-        comm, link = self.sync_time(plan.strategy, p_all, devs, cluster, profile, m,
-                                    units=profile.n_blocks)
+        comm, link = self.sync_time(plan.strategy, devs, cluster, profile, m)
         exposed = max(0.0, comm - self.overlap * (2 / 3) * max(comp))
-        local_params = p_all / n if plan.strategy != "dp" else p_all
+        everything = range(profile.n_blocks)
         opt = max(
-            self.optimizer_time(d, local_params, profile)
-            for d in {(d.type.name, d.slowdown): d for d in devs}.values()
+            self.layout_optimizer_time(plan.strategy, d, everything, n, profile)
+            for d in {(d.id if d.id in self.optimizer_fit else d.type.name, d.slowdown): d
+                      for d in devs}.values()
         )
         act_per_sample = sum(profile.stored(i) for i in range(profile.n_blocks))
         by_share = {
@@ -222,10 +281,23 @@ class CostModel:
         return Estimate(step, max(comp), exposed, opt, 0.0, mem, link, use, tight)
 
 
-def _work_fraction(profile: ModelProfile, idx: Sequence[int]) -> float:
-    """Share of the whole model's work in ``idx`` (by FLOPs, else by parameters)."""
+def _work_fraction(profile: ModelProfile, idx: Sequence[int], device: Device | None = None
+                   ) -> float:
+    """Share of the whole model's work in ``idx``: by the per-block times measured on
+    ``device`` (its id, else its type, else any measured device's), else by FLOPs, else by
+    parameters."""
     if len(idx) == profile.n_blocks:
         return 1.0
-    weights = profile.block_flops if profile.block_flops is not None else profile.block_params
+    bs = profile.block_seconds
+    measured = None
+    if bs:
+        if device is not None and device.id in bs:
+            measured = bs[device.id]
+        elif device is not None and device.type.name in bs:
+            measured = bs[device.type.name]
+        else:
+            measured = bs[min(bs)]
+    weights = (measured if measured is not None else
+               profile.block_flops if profile.block_flops is not None else profile.block_params)
     total = sum(weights)
     return sum(weights[i] for i in idx) / total if total else len(idx) / profile.n_blocks

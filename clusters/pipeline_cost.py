@@ -49,19 +49,21 @@ class PartCosts(Protocol):
     @property
     def step_overhead(self) -> float: ...
 
-    def alpha_beta(self, path: Path | None) -> tuple[float, float]: ...
+    def alpha_beta(self, path: Path | None, kind: str | None = None) -> tuple[float, float]: ...
 
     def sample_time(self, device: Device, profile: ModelProfile,
                     blocks: Sequence[int] | None = None) -> float: ...
 
-    def optimizer_time(self, device: Device, n_params: float, profile: ModelProfile) -> float: ...
+    def layout_optimizer_time(self, mode: str, device: Device, blocks: Sequence[int], n: int,
+                              profile: ModelProfile) -> float: ...
 
     def device_key(self, device: Device, profile: ModelProfile) -> object: ...
 
     def usable_bytes(self, device: Device) -> float: ...
 
-    def sync_over(self, mode: str, n_params: float, n: int, path: Path | None,
-                  profile: ModelProfile, micro_batches: int = 1, units: int = 1) -> float: ...
+    def sync_over(self, mode: str, blocks: Sequence[int], n: int, path: Path | None,
+                  profile: ModelProfile, micro_batches: int = 1, hooks: bool = True
+                  ) -> float: ...
 
 
 def bubble_fraction(
@@ -217,24 +219,23 @@ def estimate_pipeline(
                 tj += b * st_memo[key, k]
                 tj += len(stages[k]) * model.pass_overhead_s * row[j].slowdown
                 if k < n_st - 1:
-                    a, beta = model.alpha_beta(links[k % p])
+                    a, beta = model.alpha_beta(links[k % p], "p2p")
                     nbytes = b * profile.boundary(stages[k][-1])
                     tj += 2 * collective_time("p2p", nbytes, 2, a, beta)
             t.append(tj)
         tmax = max(t)
         compute = max(compute, m * tmax + (sum(t) - tmax) / v)
 
-    pos_params = [
-        sum(profile.block_params[i] for k in chunks[j] for i in stages[k]) for j in range(p)
-    ]
+    pos_blocks = [[i for k in chunks[j] for i in stages[k]] for j in range(p)]
+    pos_params = [sum(profile.block_params[i] for i in pos_blocks[j]) for j in range(p)]
     pos_big = [max(profile.block_params[i] for k in chunks[j] for i in stages[k]) for j in range(p)]
     comm, link = 0.0, "-"
     if dp > 1:
         for j in range(p):
             path = layout.group_paths[j]
-            # zero2/zero3 reduce-scatter (zero3 also gathers) once per micro-batch.
-            units = sum(len(stages[k]) for k in chunks[j])  # zero3: one FSDP unit per block
-            t_sync = model.sync_over(plan.dp_mode, pos_params[j], dp, path, profile, m, units)
+            # a stage reduces once after its schedule; zero3's units gather per micro-batch
+            t_sync = model.sync_over(plan.dp_mode, pos_blocks[j], dp, path, profile, m,
+                                     hooks=False)
             if t_sync >= comm:
                 comm, link = t_sync, path.name if path else "-"
     exposed = max(0.0, comm - model.overlap * (2 / 3) * compute)
@@ -273,9 +274,9 @@ def estimate_pipeline(
 
     opt = 0.0
     for j in range(p):
-        local = pos_params[j] if plan.dp_mode == "dp" else pos_params[j] / dp
         for d in layout.position_devices[j]:
-            opt = max(opt, model.optimizer_time(d, local, profile))
+            opt = max(opt, model.layout_optimizer_time(plan.dp_mode, d, pos_blocks[j], dp,
+                                                       profile))
 
     step = compute + exposed + opt + model.step_overhead
     return Estimate(step, compute, exposed, opt, bubble_fraction(p, m, plan.schedule, v),

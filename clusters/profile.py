@@ -43,7 +43,9 @@ class ModelProfile:
     keeps for its backward (default: ``boundary_bytes``, i.e. activation checkpointing per
     block). ``bytes_per_param`` / ``grad_bytes_per_param``: weight and gradient precision.
     ``optimizer_bytes_per_param``: the ZeRO paper's K (Adam with mixed precision: 12).
-    Raises ``ProfileError`` on inconsistent input.
+    ``block_tensors``: each block's parameter tensors (their element counts, in the model's
+    order), which the layouts' message counts and ZeRO's ownership follow; without it a block
+    counts as one tensor. Raises ``ProfileError`` on inconsistent input.
     """
 
     name: str = "model"
@@ -56,6 +58,7 @@ class ModelProfile:
     grad_bytes_per_param: int | None = None
     optimizer_bytes_per_param: int = 12
     precision: str = "bf16"
+    block_tensors: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.block_params)
@@ -72,6 +75,14 @@ class ModelProfile:
         for key, v in self.block_seconds.items():
             if len(v) != n:
                 raise ProfileError(f"block_seconds[{key!r}] has {len(v)} entries, expected {n}")
+        if self.block_tensors is not None:
+            if len(self.block_tensors) != n:
+                raise ProfileError(f"block_tensors has {len(self.block_tensors)} entries, "
+                                   f"block_params has {n}")
+            for i, (ts, p) in enumerate(zip(self.block_tensors, self.block_params, strict=True)):
+                if sum(ts) != p or any(t < 0 for t in ts):
+                    raise ProfileError(f"block_tensors[{i}] sums to {sum(ts)}, block_params[{i}]"
+                                       f" is {p}; list each parameter tensor's element count")
         if self.bytes_per_param <= 0 or self.optimizer_bytes_per_param < 0:
             raise ProfileError("bytes_per_param must be > 0 and optimizer_bytes_per_param >= 0")
 
@@ -87,6 +98,15 @@ class ModelProfile:
     def grad_bytes(self) -> int:
         """Gradient bytes per parameter (defaults to the weight precision)."""
         return self.grad_bytes_per_param or self.bytes_per_param
+
+    def tensors(self, blocks: Sequence[int] | None = None) -> tuple[int, ...]:
+        """Element counts of the parameter tensors of ``blocks`` (default all), in order; a
+        block without ``block_tensors`` counts as one tensor, and one with no parameters as
+        none."""
+        idx = range(self.n_blocks) if blocks is None else blocks
+        if self.block_tensors is not None:
+            return tuple(t for i in idx for t in self.block_tensors[i])
+        return tuple(self.block_params[i] for i in idx if self.block_params[i] > 0)
 
     def boundary(self, i: int) -> float:
         return self.boundary_bytes[i] if self.boundary_bytes is not None else 0.0
@@ -186,6 +206,8 @@ def profile_from_dict(d: Mapping[str, Any]) -> ModelProfile:
     for k, v in d.items():
         if k == "block_seconds":
             kw[k] = {str(dk): tuple(dv) for dk, dv in v.items()}
+        elif k == "block_tensors":
+            kw[k] = tuple(tuple(int(t) for t in ts) for ts in v)
         elif isinstance(v, Sequence) and not isinstance(v, str):
             kw[k] = tuple(v)
         else:

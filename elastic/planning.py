@@ -20,17 +20,21 @@ from clusters import (
     Measurement,
     ModelProfile,
     Plan,
+    PlanResult,
     calibrate,
     load_cluster,
     plan,
     proportional_shares,
 )
 from clusters import stage_split as split_stages
+from clusters.collectives import CommConfig
+from clusters.measured import MeasuredModel, equal_within_noise, terms_model
 from strategies import StrategyOptions, StrategySpec
-from strategies.blocks import block_params
+from strategies.blocks import block_params, blocks_of
 
-__all__ = ["live_cluster", "model_profile", "auto_spec", "plan_spec", "balanced_shares",
-           "block_params"]
+__all__ = ["live_cluster", "model_profile", "auto_spec", "auto_plan", "plan_spec",
+           "balanced_shares", "block_params", "comm_config", "device_kinds", "measured_model",
+           "block_stage_split", "spec_plan"]
 
 _OPT_BYTES = {"adam": 8, "adamw": 8, "sgd": 0, "rmsprop": 4, "adagrad": 4}
 
@@ -44,11 +48,15 @@ def model_profile(model: nn.Module, optimizer: Any, tokens_per_sample: int = 1,
     and optimizer state, and computes at the device's bf16 rate)."""
     opt = optimizer.get("name", "adam") if isinstance(optimizer, dict) else str(optimizer)
     opt_bytes = _OPT_BYTES.get(str(opt).lower(), 8)
-    params = tuple(block_params(model))
+    blocks = blocks_of(model)
+    tensors = tuple(tuple(p.numel() for p in b.parameters() if p.requires_grad)
+                    for b in blocks)
+    params = tuple(sum(t) for t in tensors)
     flops = tuple(6.0 * p * max(1, tokens_per_sample) for p in params)
     return ModelProfile(name=type(model).__name__, block_params=params, block_flops=flops,
                         bytes_per_param=4, grad_bytes_per_param=4,
-                        optimizer_bytes_per_param=opt_bytes, precision=precision)
+                        optimizer_bytes_per_param=opt_bytes, precision=precision,
+                        block_tensors=tensors)
 
 
 def tokens_per_sample(dataset: Any) -> int:
@@ -81,9 +89,42 @@ def live_cluster(infos: Sequence[dict[str, Any]]) -> tuple[Cluster, list[str]]:
     return cluster, ids
 
 
-def balanced_shares(global_batch: int, speeds: Sequence[float]) -> tuple[int, ...]:
-    """Each worker's share of the global batch follows its measured samples/s."""
-    return tuple(proportional_shares(global_batch, list(speeds)))
+def device_kinds(infos: Sequence[dict[str, Any]]) -> list[tuple[Any, ...]]:
+    """What makes two workers alike: their device and their emulation (devices of one kind
+    are treated as equal unless they measure apart beyond the noise)."""
+    return [(i.get("device_name"), tuple(sorted((i.get("emulation") or {}).items())))
+            for i in infos]
+
+
+def balanced_shares(global_batch: int, speeds: Sequence[float],
+                    kinds: Sequence[Any] | None = None) -> tuple[int, ...]:
+    """Each worker's share of the global batch follows its measured samples/s; workers of one
+    kind whose speeds agree within the noise floor get equal shares
+    (``clusters.measured.equal_within_noise``)."""
+    return tuple(proportional_shares(global_batch, list(equal_within_noise(speeds,
+                                                                           kinds=kinds))))
+
+
+def comm_config() -> CommConfig:
+    """How the installed strategies group their messages: ZeRO-1/2 buckets when
+    ``strategies.traits`` defines them, else one message per parameter tensor."""
+    try:
+        from strategies.traits import BUCKET_BYTES, FIRST_BUCKET_BYTES  # type: ignore
+    except ImportError:
+        return CommConfig(zero_bucket_bytes=None)
+    return CommConfig(zero_bucket_bytes=float(BUCKET_BYTES),
+                      first_bucket_bytes=float(FIRST_BUCKET_BYTES))
+
+
+def measured_model(model: nn.Module, optimizer: Any, infos: Sequence[dict[str, Any]],
+                   reports: Sequence[dict[str, Any]], precision: str = "fp32"
+                   ) -> tuple[Cluster, MeasuredModel]:
+    """The live cluster and the cost model the workers' ``profile_terms`` reports measure
+    (every term with its spread; equal devices made equal)."""
+    cluster, ids = live_cluster(infos)
+    base = model_profile(model, optimizer, precision=precision)
+    return cluster, terms_model(reports, ids, base, kinds=device_kinds(infos),
+                                comm=comm_config(), cluster=cluster)
 
 
 def pipeline_rank_shares(replica_batches: Sequence[int], pp: int) -> tuple[int, ...]:
@@ -120,6 +161,11 @@ def link_model(points: Sequence[tuple[int, float]], world: int) -> CostModel:
     return calibrate(ms) if ms and world > 1 else CostModel()
 
 
+def auto_plan(cluster: Cluster, measured: MeasuredModel, global_batch: int) -> PlanResult:
+    """The planner on the live workers with what they measured, every worker used."""
+    return plan(cluster, measured.profile, global_batch, model=measured.model, subsets=False)
+
+
 def auto_spec(model: nn.Module, optimizer: Any, infos: Sequence[dict[str, Any]],
               speeds: Sequence[float], global_batch: int,
               details: Sequence[dict[str, Any]] | None = None,
@@ -154,3 +200,30 @@ def speed_stage_split(model: nn.Module, stage_speeds: Sequence[float]) -> tuple[
     """Pipeline stages from layer costs (parameters as the cost proxy) and device speeds."""
     costs = [max(1, p) for p in block_params(model)]
     return split_stages(costs, list(stage_speeds))
+
+
+def block_stage_split(block_costs: Sequence[float], stage_speeds: Sequence[float]
+                      ) -> tuple[int, ...]:
+    """Pipeline stages from measured per-block seconds and each stage's speed (pass speeds
+    already made equal where they agree within the noise: ``balanced_shares``'s rule)."""
+    return split_stages([max(1e-12, c) for c in block_costs], list(stage_speeds))
+
+
+def spec_plan(spec: StrategySpec, ids: Sequence[str], model: nn.Module) -> Plan:
+    """The ``Plan`` a running ``spec`` carries out on devices ``ids`` (rank order): what the
+    cost model predicts for it (the inverse of ``plan_spec``)."""
+    if spec.name != "pipeline":
+        m = max(1, int(spec.options.accumulation_steps))
+        return Plan(strategy=spec.name, world_size=spec.world_size, shares=tuple(spec.shares),
+                    micro_batches=m, devices=tuple(ids))
+    from strategies.pipeline import _resolve_split, pipeline_blocks
+
+    split = tuple(spec.stage_split or _resolve_split(spec, pipeline_blocks(model)))
+    d = spec.world_size // spec.pp_degree
+    replicas = tuple(sum(spec.shares[s * d + j] for s in range(spec.pp_degree))
+                     for j in range(d))
+    v = 2 if spec.schedule == "interleaved" else 1
+    return Plan(strategy="pipeline", world_size=spec.world_size, shares=replicas,
+                pp_degree=spec.pp_degree, dp_mode=spec.dp_mode,
+                micro_batches=spec.micro_batches, schedule=spec.schedule, virtual_stages=v,
+                stage_split=split, devices=tuple(ids))

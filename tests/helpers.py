@@ -26,6 +26,12 @@ def mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 2))
 
 
+def wide_mlp() -> nn.Module:
+    """``mlp``'s shape at width 256: enough compute per sample that a slower rank shows."""
+    return nn.Sequential(nn.Linear(8, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(),
+                         nn.Linear(256, 2))
+
+
 class _NeedsAutocast(nn.Tanh):
     """A Tanh that fails unless it runs under bf16 autocast (proves a job's precision
     reaches the workers' forward passes in every layout)."""

@@ -83,6 +83,7 @@ class JobConfig:
     balance = Setting[str]("parallelism")
     emulate = Setting[list[dict[str, Any]] | None]("parallelism")
     rebalance_every = Setting[int]("parallelism")
+    replan_every = Setting[int]("parallelism")
     profile_cache = Setting[bool]("parallelism")
     # failures
     max_failures = Setting[int]("failures")

@@ -331,6 +331,9 @@ class Parallelism(Section):
     balance: str = "auto"  # auto | on | off
     emulate: list[dict[str, Any]] | None = None  # per worker: {slowdown, memory_gb, stands_for}
     rebalance_every: int = 200  # while balancing: re-measure speeds every N steps (0: never)
+    # the closed loop: every N steps re-fit the cost model to the job's own step timings;
+    # strategy auto may switch plans, balanced shares are re-cut around a straggler (0: never)
+    replan_every: int = 50
     profile_cache: bool = True  # reuse measured speeds per (device, model, batch) across runs
 
     def __post_init__(self) -> None:
@@ -353,6 +356,7 @@ class Parallelism(Section):
             for i, emu in enumerate(self.emulate):
                 _emulation(i, emu)
         integer(self.rebalance_every, "rebalance_every", 0, "0 never re-measures")
+        integer(self.replan_every, "replan_every", 0, "0 turns the closed loop off")
         flag(self.profile_cache, "profile_cache")
 
 

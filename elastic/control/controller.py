@@ -35,6 +35,7 @@ from .interrupts import Interrupts
 from .layouts import Layouts
 from .preflight import preflight, run_directory
 from .regroup import Regroup
+from .replan import Replanner
 from .requests import Inbox, Request
 from .sizing import Sizing
 from .states import (
@@ -89,6 +90,7 @@ class Controller:
         self.steps = StepLog(None, self.view, on_step)
         self.tracker: CheckpointTracker = CheckpointTracker(config, None, self._emit)
         self.layouts: Layouts | None = None
+        self.replanner = Replanner(config, None, self._emit)  # the closed loop
         self.regroup: Regroup | None = None
         self._resume: tuple[Any, int] | None = None
         self._segment: Any = None
@@ -186,6 +188,7 @@ class Controller:
         cfg = self.cfg
         pre = preflight(cfg, self._emit)
         self.layouts = Layouts(cfg, pre.model, self._emit)
+        self.replanner.layouts = self.layouts
         self.tracker.store = pre.store
         if cfg.strategy != "auto":
             self.layouts.validate(self.layouts.make(cfg.strategy, cfg.num_workers), "strategy")
@@ -249,6 +252,8 @@ class Controller:
             self.tracker.tick(self.group)
             if poll.done:
                 break
+            if self.replanner.poll(self.steps.next_step, self.spec, self.group):
+                self.group.request_stop()  # the closed loop changes the layout there
             if time.monotonic() >= next_check:
                 next_check = time.monotonic() + self._scale_interval()
                 self._scale_check()
@@ -275,11 +280,14 @@ class Controller:
             target = self.cfg.switch_at.get(self.step)
             if target is not None and target != self.spec.name:
                 return Switching(target, f"switch_at {self.step}")
-            if target is None:
-                new = self.layouts.rebalanced(self.spec, self.step, self.group)
-                if new is not None:
-                    self.layouts.apply(self.group, new, self.spec, reason="rebalance")
-                    self.spec = new
+            change = (self.replanner.change(self.step, self.spec, self.group) if target is None
+                      else None)
+            if change is not None:  # re-balanced shares, or the closed loop's new plan
+                try:
+                    self.layouts.apply(self.group, change[0], self.spec, reason=change[1])
+                    self.spec = change[0]
+                except SwitchError as e:
+                    self._emit("switch_failed", f"{e}; training goes on as {self.spec.name}")
         while (req := self.inbox.take()) is not None:
             nxt = self._request(req)
             if nxt is not None:
@@ -369,9 +377,7 @@ class Controller:
         if self.step >= self._end():
             return AtBoundary(self.step)
         ends = [self._end()] + [s for s in self.cfg.switch_at if s > self.step]
-        every = self.cfg.rebalance_every
-        if every > 0 and self.layouts is not None and self.layouts.balancing(self.group):
-            ends.append((self.step // every + 1) * every)
+        ends += self.replanner.boundaries(self.step, self.spec, self.group)  # their cadences
         return Running(self.step, min(ends))
 
     def _target_strategy(self) -> str:
@@ -389,7 +395,7 @@ class Controller:
         checkpoint tracker and the view."""
         assert self.spec is not None or not self.history
         stop = self.steps.ingest(self.workers, self.group.drain(), self.spec, self.generation,
-                                 self.tracker.on_metric)
+                                 self.tracker.on_metric, self.replanner.on_metric)
         if stop and not self.inbox.has("stop"):
             self.post(Request("stop", reason="the on_step callback asked to stop"))
         if self.steps.fresh and time.monotonic() - self._mem_at > 2.0:  # memory column

@@ -3,16 +3,20 @@ shares, speed-aware stage splits, the planner for ``auto``), re-balancing, and l
 workers out as a spec (the first layout, or a live switch whose proof it checks).
 
 ``Layouts`` owns the measured speeds (profiled once per worker, cached per device, model and
-batch) and the speeds the current shares follow.
+batch), the speeds the current shares follow, the per-block costs that cut pipeline stages, and
+what ``auto`` planned with (the measured cost model, the live cluster, the planner's ranking),
+which the closed loop (``replan.Replanner``) re-fits.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
 
+from clusters.measured import equal_within_noise
 from strategies import StrategyError, StrategySpec
 from strategies import get as get_strategy
 from strategies.traits import DP_MODES, TRAITS, traits_of
@@ -36,6 +40,12 @@ class Layouts:
         self._emit = emit
         self.speed: dict[int, float] = {}  # worker_id -> measured samples/s
         self.used_speeds: list[float] | None = None  # the speeds the current shares follow
+        self.block_costs: list[float] | None = None  # seconds per sample of each block
+        self.measured: Any = None  # clusters.measured.MeasuredModel of auto's last plan
+        self.cluster: Any = None  # the live clusters.Cluster it was planned on
+        self.ids: list[str] = []  # its device id per rank
+        self.kinds: list[Any] = []  # what makes its devices alike (planning.device_kinds)
+        self.apply_s: list[float] = []  # seconds of each re-layout (build or switch)
 
     # ------------------------------------------------------------------ specs
 
@@ -48,7 +58,7 @@ class Layouts:
         return dataclasses.replace(spec, options=spec.options.over(self.cfg.strategy_options()))
 
     def _plan(self, name: str, world: int, group: Any) -> StrategySpec:
-        from ..planning import auto_spec, balanced_shares, speed_stage_split
+        from ..planning import balanced_shares, block_stage_split, device_kinds, speed_stage_split
 
         cfg = self.cfg
         g = cfg.global_batch_size
@@ -56,35 +66,84 @@ class Layouts:
         if name == "auto":
             if not placed:  # before placement: validated again once workers exist
                 return StrategySpec("dp", world, even_shares(g, world))
-            speeds = self.speeds(group)
-            details, links = self._measure(group)
-            spec, why = auto_spec(self.probe_model, cfg.optimizer,
-                                  [w.info for w in group.workers], speeds, g, details=details,
-                                  links=links, precision=cfg.precision)
-            self._emit("plan", why.splitlines()[0], data={"explanation": why,
-                                                          "speeds": speeds, "links": links})
-            return spec
+            return self._auto(group)
         pp = cfg.pp_degree
         pipeline = name in TRAITS and TRAITS[name].pipeline
         if pipeline and pp == 1:
             pp = world
         shares = even_shares(g, world)
         split = None
-        if placed and self.balancing(group):
-            speeds = self.speeds(group)
-            if name in _SHARE_BALANCED:
-                shares = balanced_shares(g, speeds)
-                self.used_speeds = speeds
-            elif pipeline and cfg.schedule != "interleaved" and world % pp == 0:
-                d = world // pp
-                try:
-                    split = speed_stage_split(self.probe_model,
-                                              [min(speeds[s * d:(s + 1) * d]) for s in range(pp)])
-                except Exception:  # noqa: BLE001 - fewer blocks than stages: validate says so
-                    split = None
+        balancing = placed and self.balancing(group)
+        kinds = device_kinds([w.info for w in group.workers]) if placed else None
+        if balancing and name in _SHARE_BALANCED:
+            speeds = list(equal_within_noise(self.speeds(group), kinds=kinds))
+            shares = balanced_shares(g, speeds, kinds)
+            self.used_speeds = speeds
+        elif placed and pipeline and world % pp == 0:
+            d = world // pp
+            stage = [1.0] * pp
+            if balancing:
+                speeds = list(equal_within_noise(self.speeds(group), kinds=kinds))
+                stage = [min(speeds[s * d:(s + 1) * d]) for s in range(pp)]
+            v = 2 if cfg.schedule == "interleaved" else 1
+            costs = self._block_costs(group)
+            try:  # measured per-block times when there are any, else parameters
+                split = (block_stage_split(costs, [stage[k % pp] for k in range(pp * v)])
+                         if costs is not None else
+                         speed_stage_split(self.probe_model, stage) if balancing and v == 1
+                         else None)
+            except Exception:  # noqa: BLE001 - fewer blocks than stages: validate says so
+                split = None
         return StrategySpec(name=name, world_size=world, shares=shares, pp_degree=pp,
                             micro_batches=cfg.micro_batches, schedule=cfg.schedule,
                             dp_mode=cfg.dp_mode, stage_split=split)
+
+    def _auto(self, group: Any) -> StrategySpec:
+        """The planner's choice from what the workers measure (``profile_terms``: every term
+        repeated, with its spread; speeds that agree within the noise made equal)."""
+        from ..planning import auto_plan, device_kinds, measured_model, plan_spec
+
+        cfg, world = self.cfg, len(group.workers)
+        g = cfg.global_batch_size
+        infos = [w.info for w in group.workers]
+        reports = group.profile_terms(list(even_shares(g, world)))
+        cluster, mm = measured_model(self.probe_model, cfg.optimizer, infos, reports,
+                                     cfg.precision)
+        result = auto_plan(cluster, mm, g)
+        self.measured, self.cluster, self.ids = mm, cluster, [d.id for d in cluster.devices]
+        self.kinds = device_kinds(infos)
+        for w, v in zip(group.workers, mm.speeds, strict=True):
+            self.speed[w.worker_id] = v
+            w.info["profiled_samples_per_s"] = v
+        spec = plan_spec(result.plan)
+        if spec.name in _SHARE_BALANCED:
+            self.used_speeds = list(mm.speeds)
+        why = result.explanation
+        self._emit("plan", why.splitlines()[0], data={
+            "explanation": why, "speeds": list(mm.speeds), "raw_speeds": list(mm.raw_speeds),
+            "spreads": mm.spreads, "predictions": [
+                {"plan": c.plan.label, "step_s": c.step_time,
+                 "parts": {"compute": c.estimate.compute, "comm": c.estimate.comm,
+                           "optimizer": c.estimate.optimizer} if c.estimate else None}
+                for c in result.ranked]})
+        return spec
+
+    def _block_costs(self, group: Any) -> list[float] | None:
+        """Seconds per sample of each block: measured by ``auto``'s profile, else profiled
+        once on the workers (median over them; None when they cannot time blocks)."""
+        if self.block_costs is not None:
+            return self.block_costs or None
+        secs = self.measured.profile.block_seconds if self.measured is not None else None
+        rows: list[Any] = list(secs.values()) if secs else []
+        if not rows:
+            batch = max(1, self.cfg.global_batch_size // max(1, len(group.workers)))
+            rows = [d.get("block_seconds") for d in group.profile(batch, True)]
+            rows = [r for r in rows if r]
+        if not rows or len({len(r) for r in rows}) != 1:
+            self.block_costs = []  # tried: no block could be timed
+            return None
+        self.block_costs = [statistics.median(col) for col in zip(*rows, strict=True)]
+        return self.block_costs
 
     def check(self, spec: StrategySpec) -> None:
         """``StrategyError`` if ``spec`` cannot run on the job's model."""
@@ -163,20 +222,6 @@ class Layouts:
                 f"{w.worker_id}:{self.speed[w.worker_id]:.0f}" for w in group.workers))
         return [self.speed[w.worker_id] for w in group.workers]
 
-    def _measure(self, group: Any) -> tuple[list[dict[str, Any]], list[tuple[int, float]]]:
-        """For the planner: per-block timings and activation sizes on every worker, and the
-        all-reduce time between them for a few sizes (alpha-beta fit of the live links)."""
-        batch = max(1, self.cfg.global_batch_size // max(1, len(group.workers)))
-        details = group.profile(batch, True)
-        links: list[tuple[int, float]] = []
-        if len(group.workers) > 1:
-            sizes = [4 << 10, 256 << 10, 4 << 20]
-            outs = group.measure_collectives(sizes)
-            links = [(n, max(o[i][1] for o in outs)) for i, (n, _) in enumerate(outs[0])]
-            self._emit("links", "all-reduce " + ", ".join(
-                f"{n >> 10} KiB {t * 1e3:.2f} ms" for n, t in links), data={"points": links})
-        return details, links
-
     def rebalanced(self, spec: StrategySpec, step: int, group: Any) -> StrategySpec | None:
         """Every ``rebalance_every`` steps while balancing dp/ZeRO shares: measure the speeds
         again; a spec with re-cut shares if they drifted (``clusters.rebalance_decision``),
@@ -187,8 +232,11 @@ class Layouts:
         if (every <= 0 or step % every or not self.balancing(group)
                 or spec.name not in _SHARE_BALANCED):
             return None
+        from ..planning import device_kinds
+
         used = self.used_speeds or [1.0] * spec.world_size
-        measured = self.speeds(group, force=True)
+        kinds = device_kinds([w.info for w in group.workers])
+        measured = list(equal_within_noise(self.speeds(group, force=True), kinds=kinds))
         decision = rebalance_decision(spec.shares, used, measured)
         if not decision.rebalance:
             return None
@@ -229,6 +277,7 @@ class Layouts:
                 raise
             raise SwitchError(f"switch to {spec.name} failed: {e}") from None
         dt = time.perf_counter() - t0
+        self.apply_s.append(dt)
         if old is None:
             self._emit("layout", f"{spec.name} on {spec.world_size} workers, shares "
                        f"{list(spec.shares)} ({dt:.2f}s)",

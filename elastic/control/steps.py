@@ -70,9 +70,9 @@ class StepLog:
 
     def ingest(self, workers: Sequence[Any], batches: Sequence[Sequence[dict[str, Any]]],
                spec: StrategySpec | None, generation: int,
-               on_metric: Callable[[dict[str, Any], StrategySpec | None], None]) -> bool:
+               *on_metric: Callable[[dict[str, Any], StrategySpec | None], None]) -> bool:
         """The metrics each worker drained: update its info (speed, share), pass every
-        metric to ``on_metric`` (checkpoint notices), and record each completed step once
+        metric to each ``on_metric`` (checkpoint notices, the closed loop), and record each completed step once
         (rank 0's metrics). Returns True when ``on_step`` asked to stop."""
         per_step: dict[int, dict[str, Any]] = {}
         for w, batch in zip(workers, batches, strict=True):
@@ -81,7 +81,8 @@ class StepLog:
                 w.info["share"] = m["samples"]
                 if m["step"] not in per_step or m["rank"] == 0:
                     per_step[m["step"]] = m
-                on_metric(m, spec)
+                for fn in on_metric:
+                    fn(m, spec)
         self.fresh = bool(per_step)
         stop = False
         for step in sorted(per_step):

@@ -488,8 +488,8 @@ class WorkerGroup:
                 workers: Sequence[WorkerRec] | None = None) -> list[dict[str, Any]]:
         return self._call("profile", batch, detail, workers=workers)
 
-    def measure_collectives(self, sizes: list[int]) -> list[list[tuple[int, float]]]:
-        return self._call("measure_collectives", sizes)
+    def profile_terms(self, shares: list[int], rounds: int = 7) -> list[dict[str, Any]]:
+        return self._call("profile_terms", shares, rounds)
 
     def progress(self, timeout_s: float | None = None) -> list[dict[str, Any]]:
         return self._call("progress", timeout_s=timeout_s)

@@ -183,9 +183,14 @@ class Worker:
         """This worker's speed for the job's model (``Profiler.profile``)."""
         return self._guard(self.profiler.profile, batch, detail)
 
-    def measure_collectives(self, sizes: list[int], repeats: int = 3) -> list[tuple[int, float]]:
-        """Collective: time all-reduces of ``sizes`` bytes in the current group (median)."""
-        return self._guard(self.profiler.measure_collectives, sizes, repeats)
+    def profile_terms(self, shares: list[int], rounds: int = 7) -> dict[str, Any]:
+        """Collective: this rank's measurements for the planner's cost model, each repeated
+        ``rounds`` times (``Profiler.profile_terms``: trial dp steps under ``shares``)."""
+        def control() -> None:
+            self.membership.ctrl_allreduce(torch.zeros(5, dtype=torch.float64)).wait()
+
+        return self._guard(lambda: self.profiler.profile_terms(
+            list(shares), self.membership.rank, self.membership.world, control, rounds))
 
     def shutdown(self) -> None:
         self.checkpoints.close()

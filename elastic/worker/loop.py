@@ -52,6 +52,7 @@ class _Pending:
     grad_norm: float | None = None  # the global gradient norm before clipping (max_grad_norm)
     eval_loss: float | None = None  # the mean loss over eval_dataset after this step
     ctrl_local_bad: bool = False  # this rank saw a NaN/inf loss or skipped the update
+    compute_s: float = 0.0  # seconds inside this rank's blocks' forwards (its own compute)
 
 
 class StepLoop:
@@ -104,12 +105,14 @@ class StepLoop:
             self._profiler.refresh(strategy)
             x, y = self._data.batch(step, lo, hi)
             lr = layout.schedule.apply(step)
+            self._profiler.take_compute()
             if nan:
                 x, poisoned = nan_inputs(x, lambda: compute_blocks(strategy))
                 with poisoned:
                     local = strategy.train_step(x, y)
             else:
                 local = strategy.train_step(x, y)
+            compute_s = self._profiler.take_compute()
             norm = strategy.last_grad_norm
             layout.next_step = step + 1
             busy = 1.0 if self._checkpoints.busy else 0.0
@@ -121,7 +124,7 @@ class StepLoop:
             if pending is not None:  # the previous step's values, reduced meanwhile
                 stop = self._finish_step(pending)
             pending = _Pending(step, work, ctrl, t0, time.perf_counter(), time.time(), lo, hi,
-                               lr, norm, ctrl_local_bad=bad)
+                               lr, norm, ctrl_local_bad=bad, compute_s=compute_s)
             if self._eval_due(step):  # between steps: its time counts in neither
                 pending.eval_loss = self._evaluate()
             if self._checkpoints.due(step) or step + 1 == end or stop:
@@ -147,7 +150,7 @@ class StepLoop:
             "samples": p.hi - p.lo, "range": [p.lo, p.hi],
             "samples_per_s": self._config.global_batch_size / dt if dt > 0 else 0.0,
             "time": p.wall_end, "generation": self._membership.generation,
-            "global_samples": int(trained), **ckpt,
+            "global_samples": int(trained), "compute_s": p.compute_s, **ckpt,
             **({"lr": p.lr} if p.lr is not None else {}),
             **({"grad_norm": p.grad_norm} if p.grad_norm is not None else {}),
             **({"eval_loss": p.eval_loss} if p.eval_loss is not None else {}),

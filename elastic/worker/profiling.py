@@ -8,24 +8,23 @@ what it emulates (docs/architecture.md, Heterogeneous devices).
 from __future__ import annotations
 
 import time
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ..config import JobConfig, WorkerConfig
 from ..reference import build_model
 from .inputs import JobData
 from .layout import compute_blocks
+from .measure import SpanHooks, profile_terms
 
 __all__ = ["Profiler"]
 
 
 class Profiler:
     """This worker's emulation settings and the hooks that carry them out, plus the
-    measurements (``profile``, ``measure_collectives``).
+    measurements (``profile``, ``profile_terms``).
 
     ``set_emulation`` may run on the controller's thread while a step runs: it only marks
     the hooks stale, and the step loop re-installs them between steps (``refresh``).
@@ -40,7 +39,7 @@ class Profiler:
         self._loss_fn = loss_fn
         self.emulation: dict[str, Any] = {}
         self.slowdown = 1.0
-        self._hooks: list[Any] = []  # the emulated slowdown's forward and backward hooks
+        self._spans = SpanHooks()  # per-block timing and the emulated slowdown's sleeps
         self._dirty = False
 
     # ------------------------------------------------------------------ emulation
@@ -66,49 +65,24 @@ class Profiler:
 
     def install(self, strategy: Any) -> None:
         """(Re)install the hooks on ``strategy``, a layout just built (no reference to it is
-        kept: a dropped layout must release its group). Emulate a slower device inside the compute of ``strategy``: every block this rank
-        runs (each pipeline stage's blocks, else the model's blocks, else the whole model)
-        sleeps ``(slowdown - 1) x`` its forward's time right after its forward, and
-        ``(slowdown - 1) x`` its backward's time right after its backward (module backward
-        hooks). So each phase is slow where it happens: a slow pipeline stage on every
-        micro-batch, a slow zero3 rank in each block's forward *and* backward (whose gathers
-        and reduce-scatters synchronize the ranks block by block), and collectives between
-        blocks are not slowed. (Until 2026-12-01 the whole ``(slowdown - 1) x (forward +
-        backward)`` sleep came after the forward: with per-block synchronization a slow rank
-        was far slower in forward and faster than its peers in backward, so zero3 emulated a
-        worse device.)"""
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
+        kept: a dropped layout must release its group): every block this rank runs (each
+        pipeline stage's blocks, else the model's blocks, else the whole model) is timed in
+        its forward (this rank's own compute, ``take_compute``), and on an emulated slower
+        device sleeps ``(slowdown - 1) x`` its forward's time right after its forward and
+        ``(slowdown - 1) x`` its backward's time right after its backward. So each phase is
+        slow where it happens: a slow pipeline stage on every micro-batch, a slow zero3 rank
+        in each block's forward *and* backward (whose gathers and reduce-scatters synchronize
+        the ranks block by block), and collectives between blocks are not slowed
+        (``measure.SpanHooks``)."""
         self._dirty = False
-        if self.slowdown <= 1.0 or strategy is None:
+        if strategy is None:
+            self._spans.remove()
             return
-        extra = self.slowdown - 1.0
-        started: dict[tuple[int, str], float] = {}
-        sync = self._sync()  # on a GPU a forward only queues kernels: time it to their end
+        self._spans.install(compute_blocks(strategy), self.slowdown, self._device)
 
-        def start(phase: str) -> Callable[..., None]:
-            def hook(mod: Any, *_args: Any) -> None:
-                sync()
-                started[(id(mod), phase)] = time.perf_counter()
-            return hook
-
-        def stop(phase: str) -> Callable[..., None]:
-            def hook(mod: Any, *_args: Any) -> None:
-                t = started.pop((id(mod), phase), None)
-                if t is not None:
-                    sync()
-                    time.sleep(extra * (time.perf_counter() - t))
-            return hook
-
-        # the first block's inputs need no gradient: its backward hook then fires on the
-        # gradients of its outputs, which torch warns about; that timing is what we want
-        warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients")
-        for m in compute_blocks(strategy):
-            self._hooks += [m.register_forward_pre_hook(start("fwd")),
-                            m.register_forward_hook(stop("fwd")),
-                            m.register_full_backward_pre_hook(start("bwd")),
-                            m.register_full_backward_hook(stop("bwd"))]
+    def take_compute(self) -> float:
+        """Seconds spent inside this rank's blocks' forwards since the last call."""
+        return self._spans.take()
 
     # ------------------------------------------------------------------ measurements
 
@@ -180,18 +154,16 @@ class Profiler:
             h = out.detach()
         return {"block_seconds": secs, "boundary_bytes": bounds}
 
-    def measure_collectives(self, sizes: list[int], repeats: int = 3) -> list[tuple[int, float]]:
-        """Collective: time all-reduces of ``sizes`` bytes in the current group (median)."""
-        out = []
-        sync = self._sync()
-        for n in sizes:
-            t = torch.zeros(max(1, n // 4), dtype=torch.float32, device=self._device)
-            times = []
-            for _ in range(repeats):
-                dist.barrier()
-                t0 = time.perf_counter()
-                dist.all_reduce(t)
-                sync()
-                times.append(time.perf_counter() - t0)
-            out.append((n, sorted(times)[repeats // 2]))
-        return out
+    def profile_terms(self, shares: list[int], rank: int, world: int,
+                      control: Callable[[], None], rounds: int = 7) -> dict[str, Any]:
+        """Collective: this rank's measurements for the planner's cost model, each repeated
+        ``rounds`` times (``measure.profile_terms``; trial dp steps under ``shares`` with the
+        step loop's data fetch and ``control`` all-reduce)."""
+        lo = sum(shares[:rank])
+        hi = lo + shares[rank]
+        return profile_terms(
+            model_factory=lambda: build_model(self._model_factory, self._config.seed),
+            loss_fn=self._loss_fn, optimizer_factory=self._config.optimizer_factory(),
+            batch=lambda step: self._data.batch(step, lo, hi), shares=shares, rank=rank,
+            world=world, device=self._device, autocast=self._autocast,
+            slowdown=self.slowdown, rounds=rounds, control=control)

@@ -32,16 +32,18 @@ def test_shares_follow_measured_speed_and_training_is_unchanged(ray_local, tmp_p
 
 
 def test_auto_strategy_respects_memory_budgets(ray_local, tmp_path):
-    # ~650 parameters: dp needs ~10 KB per worker for params, grads and Adam state; a 7 KB
-    # budget (6.3 KB usable) rules out dp and zero1, so the planner must shard more.
+    # 450 parameters: dp needs 7.2 KB per worker for params, grads and Adam state; a 7 KB
+    # budget (6.3 KB usable) rules dp out, so the planner must shard (zero1 fits too: its
+    # largest owner keeps 256 parameters' Adam state, 5.6 KB in all; main's planner ranked
+    # it second, and the cost model that counts each layout's messages ranks it first).
     budget = {"memory_gb": 7e-6, "stands_for": "tiny"}
     result = elastic.fit(**_cfg(tmp_path, strategy="auto", emulate=[budget] * 3))
     plan = next(e for e in result.events if e.kind == "plan")
-    # the planner got measured links (timed all-reduces of 3 sizes between the workers)
-    assert len(plan.data["links"]) == 3 and all(t > 0 for _, t in plan.data["links"])
-    assert any(e.kind == "links" for e in result.events)
+    # the planner got every collective kind timed between the workers, 3 sizes each
+    coll = plan.data["spreads"]["collectives"]
+    assert len(coll["all_reduce"]) == 3 and all(r["median"] >= 0 for r in coll["all_reduce"])
     chosen = result.history[-1]["strategy"]
-    assert chosen in ("zero2", "zero3", "pipeline"), plan.data["explanation"]
+    assert chosen in ("zero1", "zero2", "zero3", "pipeline"), plan.data["explanation"]
     assert "dp" in plan.data["explanation"] and "rejected" in plan.data["explanation"].lower()
     ref, _ = reference_train(mlp, adam, mse, RegressionData(), G, 10, seed=0)
     assert max_diff(result.state_dict(), ref) < TOL

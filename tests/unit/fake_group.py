@@ -47,6 +47,15 @@ class FakeGroup:
     def __init__(self, model: Any, room: int = 0) -> None:
         self.model_keys = [f"model/{k}" for k in model.state_dict()]
         self.params = [n for n, _ in model.named_parameters()]
+        self.block_tensors = [[p.numel() for p in b.parameters()] for b in model.children()]
+        # what the workers "measure" (profile_terms) and how long their steps "take"
+        self.alpha: dict[str, float] = {"all_reduce": 1e-3, "reduce": 1e-3, "broadcast": 1e-3,
+                                        "all_gather": 1e-3, "reduce_scatter": 1e-3,
+                                        "p2p": 1e-3}
+        self.step_times: dict[str, float] = {}  # strategy -> measured step seconds
+        self.compute: dict[int, float] = {}  # rank -> compute seconds per sample (forward x 3)
+        self.block_seconds: list[float] | None = None  # profile(detail=True)'s per-block times
+        self.spec: Any = None
         self.workers: list[WorkerRec] = []
         self.generation = 0
         self.room_left = room  # workers try_place / start_spares can still add
@@ -185,15 +194,20 @@ class FakeGroup:
         return SegmentPoll(failures=(classify(err, fault.rank), *others))
 
     def _train(self, start: int, end: int) -> None:
+        name = self.spec.name if self.spec is not None else "dp"
+        dt = self.step_times.get(name, 0.01)
         for w in self.workers:
             f = self.fw(w)
             if not f.alive:
                 continue
+            share = (self.spec.shares[w.rank] if self.spec is not None
+                     and w.rank < len(self.spec.shares) else 4)
             for s in range(start, end):
                 m = {"step": s, "rank": w.rank, "loss": 1.0 / (s + 1),
-                     "step_time": 0.01, "samples": 4, "samples_per_s": 400.0,
+                     "step_time": dt, "samples": share, "samples_per_s": 400.0,
                      "time": 0.0, "generation": self.generation,
-                     "global_samples": 4 * len(self.workers)}
+                     "global_samples": 4 * len(self.workers),
+                     "compute_s": self.compute.get(w.rank, 1e-3) * share / 3}
                 if self.checkpoint_every and (s + 1) % self.checkpoint_every == 0:
                     m.update(checkpoint_begun=s + 1, checkpoint_blocked_s=0.001)
                     self._ckpt = s + 1
@@ -219,6 +233,7 @@ class FakeGroup:
 
     def build(self, spec: Any) -> list[dict[str, Any]]:
         self.calls.append(("build", spec.name))
+        self.spec = spec
         for w in self.workers:
             f = self.fw(w)
             f.has_state, f.strategy = True, spec.name
@@ -229,10 +244,54 @@ class FakeGroup:
         return [{"params": 1, "grads": 1, "optim": 1} for _ in self.workers]
 
     def profile(self, batch: int, detail: bool = False, workers: Any = None) -> list[Any]:
-        return [{"samples_per_s": 100.0} for _ in (workers or self.workers)]
+        out: dict[str, Any] = {"samples_per_s": 100.0}
+        if detail and self.block_seconds is not None:
+            out["block_seconds"] = list(self.block_seconds)
+        return [dict(out) for _ in (workers or self.workers)]
 
-    def measure_collectives(self, sizes: list[int]) -> list[Any]:
-        return [[(n, 1e-4) for n in sizes] for _ in self.workers]
+    def profile_terms(self, shares: list[int], rounds: int = 7) -> list[dict[str, Any]]:
+        """Every rank's report as ``elastic.worker.measure.profile_terms`` gives it, from ``alpha``
+        (per collective kind, beta 1 ns/byte), ``compute`` (per rank; 1 ms per sample) and an
+        optimizer of 10 us per tensor + 10 ns per element; the trial dp step is what that
+        model predicts plus 1 ms."""
+        from clusters.collectives import assign_owners, latency_hops, volume_factor
+
+        n = len(self.workers)
+        tensors = [t for b in self.block_tensors for t in b]
+        owner = assign_owners(tensors, n)
+        out = []
+        for r in range(n):
+            c = self.compute.get(r, 1e-3)
+            b = int(shares[r])
+            own = [t for t, o in zip(tensors, owner, strict=True) if o == r]
+            coll = {k: [[nb, [latency_hops(k, 2 if k == "p2p" else n) * a
+                              + volume_factor(k, 2 if k == "p2p" else n) * nb * 1e-9] * rounds]
+                        for nb in (4 << 10, 256 << 10, 4 << 20)] for k, a in self.alpha.items()}
+            total = sum(tensors)
+            out.append({
+                "rank": r, "world": n,
+                "compute": {"batches": [b, max(1, b // 4)],
+                            "seconds": [[c * b] * rounds, [c * max(1, b // 4)] * rounds],
+                            "forward": [c * b / 3] * rounds},
+                "blocks": {"batch": b, "seconds": [[c * b * sum(t) / total] * rounds
+                                                   for t in self.block_tensors],
+                           "boundary_bytes": [64.0] * len(self.block_tensors),
+                           "tensors": self.block_tensors},
+                "optimizer": {"plain": [[len(tensors), total, [1e-5 * len(tensors)
+                                                               + 1e-8 * total] * rounds],
+                                        [len(own), sum(own), [1e-5 * len(own)
+                                                              + 1e-8 * sum(own)] * rounds]],
+                              "sharded": [len(tensors), total / n,
+                                          [2e-5 * len(tensors) + 1e-8 * total / n] * rounds]},
+                "collectives": coll,
+            })
+        # the trial dp step: the terms of the slowest rank + 1 ms (its per-step overhead)
+        ar = self.alpha["all_reduce"] * 2 * (n - 1) + 8 * sum(tensors) * 1e-9 * (n - 1) / n
+        trial = (max(self.compute.get(r, 1e-3) * int(shares[r]) for r in range(n)) + ar
+                 + 1e-5 * len(tensors) + 1e-8 * sum(tensors) + 1e-3)
+        for rep in out:
+            rep["trial"] = {"shares": list(shares), "seconds": [trial] * rounds}
+        return out
 
     def progress(self, timeout_s: float | None = None) -> list[dict[str, Any]]:
         return [{"next_step": self.fw(w).next_step, "has_state": self.fw(w).has_state,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -24,6 +25,7 @@ from clusters import (
     optimizer_state_bytes,
     transformer_profile,
 )
+from clusters.collectives import layout_messages
 from clusters.topology import NodePool
 
 GB = 1e9
@@ -81,12 +83,19 @@ def test_collective_alpha_beta_formulas():
     assert collective_time("all_gather", s, 4, 0.0, beta) == pytest.approx(3 / 4)
     assert collective_time("reduce_scatter", s, 4, 0.0, beta) == pytest.approx(3 / 4)
     assert collective_time("all_reduce", 0.0, 4, 1e-5, beta) == 0.0
-    assert collective_time("all_reduce", 8.0, 4, 1e-5, 0.0) == pytest.approx(6e-5)
-    assert collective_time("all_gather", 8.0, 4, 1e-5, 0.0) == pytest.approx(3e-5)
+    # latency: the fewer hops of a ring (n-1) and a tree (ceil(log2 n)); equal up to 3 ranks
+    assert collective_time("all_reduce", 8.0, 3, 1e-5, 0.0) == pytest.approx(4e-5)
+    assert collective_time("all_reduce", 8.0, 4, 1e-5, 0.0) == pytest.approx(4e-5)
+    assert collective_time("all_gather", 8.0, 4, 1e-5, 0.0) == pytest.approx(2e-5)
+    assert collective_time("all_gather", 8.0, 3, 1e-5, 0.0) == pytest.approx(2e-5)
+    assert collective_time("all_reduce", 8.0, 10_000, 1e-5, 0.0) == pytest.approx(2 * 14e-5)
     assert collective_time("p2p", s, 2, 1e-5, beta) == pytest.approx(1.0 + 1e-5)
     assert collective_time("all_reduce", s, 1, 1.0, 1.0) == 0.0
+    # reduce and broadcast: a pipelined chain, (n-1) alpha + S beta
+    assert collective_time("broadcast", s, 4, 0.0, beta) == pytest.approx(1.0)
+    assert collective_time("reduce", 8.0, 4, 1e-5, 0.0) == pytest.approx(2e-5)
     with pytest.raises(ValueError):
-        collective_time("broadcast", s, 4, 0, beta)
+        collective_time("gather", s, 4, 0, beta)
 
 
 def test_data_parallel_comm_uses_the_slowest_link():
@@ -101,7 +110,8 @@ def test_data_parallel_comm_uses_the_slowest_link():
         )
         est = model.estimate(p, c, prof)
         lk = link_type(link)
-        want = collective_time("all_reduce", 2e9, n, lk.latency, 1 / lk.bandwidth)
+        # 4 blocks of one 500 MB tensor each: DDP sends each in a bucket of its own
+        want = 4 * collective_time("all_reduce", 5e8, n, lk.latency, 1 / lk.bandwidth)
         assert est.comm == pytest.approx(want)
         assert est.link.startswith(link)
 
@@ -269,7 +279,8 @@ def _synthetic(noise: float = 0.0, seed: int = 0) -> list[Measurement]:
         for n in (2, 4, 8, 16):
             for nbytes in (1e8, 5e8):
                 for samples in (4, 16):
-                    t = c * samples + 2 * (n - 1) * alpha + 2 * (n - 1) / n * nbytes * beta
+                    hops = 2 * min(n - 1, math.ceil(math.log2(n)))  # ring or tree, the fewer
+                    t = c * samples + hops * alpha + 2 * (n - 1) / n * nbytes * beta
                     t *= 1 + rng.uniform(-noise, noise)
                     out.append(
                         Measurement(
@@ -307,20 +318,23 @@ def test_calibrated_model_predicts_the_measured_step():
     )
     ids = tuple(d.id for d in c.devices)
     grad_bytes = 5e7 * 4
+    # DDP sends the 4 blocks' 50 MB tensors in 4 buckets: 4 x 4 latencies per step
+    assert sum(m.count for m in layout_messages("dp", 4, [grad_bytes / 4] * 4)) == 4
     ms = [
         Measurement(
             device="A100-80GB",
             samples=s,
             world_size=4,
             comm_bytes=grad_bytes,
-            step_time=0.02 * s + 6 * 1e-4 + 1.5 * grad_bytes / 2e9,
+            messages=4,
+            step_time=0.02 * s + 4 * 4 * 1e-4 + 1.5 * grad_bytes / 2e9,
             link="nvlink3",
         )
         for s in (1, 2, 4, 8)
     ]
     fit = calibrate(ms, CostModel(pass_overhead_s=0.0))
     est = fit.estimate(Plan(strategy="dp", world_size=4, shares=(8,) * 4, devices=ids), c, prof)
-    assert est.compute + est.comm == pytest.approx(0.02 * 8 + 6e-4 + 1.5 * grad_bytes / 2e9)
+    assert est.compute + est.comm == pytest.approx(0.02 * 8 + 4 * 4e-4 + 1.5 * grad_bytes / 2e9)
 
 
 def test_calibrate_compute_only_and_bad_input():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import random
 import re
 
@@ -41,7 +42,9 @@ GPT = {
 
 def test_shares_sum_exactly_and_follow_speed():
     assert proportional_shares(100, [3, 1, 1]) == (60, 20, 20)
-    assert proportional_shares(7, [1, 1, 1]) == (3, 2, 2)  # largest remainder, ties to index
+    assert proportional_shares(7, [1, 1, 1]) == (3, 2, 2)  # ties to the lower index
+    # the leftover sample goes where it lengthens the slowest device least: 5/3 < 2/1
+    assert proportional_shares(7, [3, 1, 1]) == (5, 1, 1)
     assert proportional_shares(10, [100, 1, 1]) == (8, 1, 1)  # everyone gets >= 1
     assert proportional_shares(100, [3, 1, 1], caps=[40, None, None]) == (40, 30, 30)
 
@@ -64,6 +67,12 @@ def test_shares_invariants_on_random_cases():
         if all(c is None for c in caps):  # each within 1 of its exact quota, unless lifted to 1
             exact = [total * v / sum(speeds) for v in speeds]
             assert all(x == 1 or abs(x - q) < 1 + 1e-9 for x, q in zip(s, exact, strict=True))
+            if n <= 8 and all(x > 1 for x in s):  # no rounding within 1 of the quotas is faster
+                t = max(x / v for x, v in zip(s, speeds, strict=True))
+                floors = [math.floor(q) for q in exact]
+                for ups in itertools.combinations(range(n), total - sum(floors)):
+                    alt = [f + (i in ups) for i, f in enumerate(floors)]
+                    assert t <= max(x / v for x, v in zip(alt, speeds, strict=True)) + 1e-12
 
 
 def test_share_errors_say_what_to_do():

@@ -291,3 +291,90 @@ def test_rollback_restores_the_newest_checkpoint_once_per_step(tmp_path, monkeyp
     with pytest.raises(NonFiniteError):
         ctl2.run()
     assert len([e for e in ctl2.events if e.kind == "rolled_back"]) == 1
+
+
+# ------------------------------------------------------------------ the closed loop
+
+
+def test_auto_replans_to_a_faster_plan_when_the_running_one_measures_slow(tmp_path):
+    """``strategy: auto`` plans zero2 from what the workers measured (reduce and broadcast
+    cheap, all-reduce dear); its steps then measure 5x what dp's take. At the closed loop's
+    cadence the re-fitted model puts the excess on zero2's own messages, predicts dp faster,
+    and the switch is carried out and said with the numbers."""
+    ctl, fake = _controller(tmp_path, strategy="auto", max_steps=60, replan_every=10)
+    fake.alpha.update(all_reduce=3e-3, reduce=1e-5, broadcast=1e-5, all_gather=20e-3,
+                      reduce_scatter=20e-3, p2p=50e-3)
+    fake.step_times = {"zero2": 0.05, "dp": 0.01}
+    result = ctl.run()
+    plan = next(e for e in ctl.events if e.kind == "plan")
+    assert plan.message.startswith("chose zero2")
+    assert [c for c in fake.calls if c[0] == "build"][:2] == [("build", "zero2"), ("build", "dp")]
+    replans = [e for e in ctl.events if e.kind == "replan"]
+    # decided while the segment runs, once 10 steps past the 2 of warm-up are measured
+    switch = replans[0]
+    assert switch.step == 12 and switch.data["decision"] == "SwitchPlan"
+    assert switch.data["current"] == "zero2" and switch.data["step_s"] == pytest.approx(0.05)
+    dp = dict(switch.data["candidates"])["dp"]
+    assert dp < 0.02 and "dp predicted" in switch.message and "> switch" in switch.message
+    sw = next(e for e in ctl.events if e.kind == "switch")
+    assert sw.data["reason"] == "replan" and sw.step == 13  # the workers stopped a step on
+    assert [h["strategy"] for h in result.history][13:] == ["dp"] * 47
+    assert [h["strategy"] for h in result.history][:13] == ["zero2"] * 13
+    # dp measures faster than zero2 did: the loop keeps it
+    later = [e for e in replans if e.step > 13]
+    assert later and all(e.data["decision"] == "KeepPlan" for e in later)
+    assert "zero2" in later[-1].data["observed"]
+
+
+def test_a_straggler_is_named_and_its_share_re_cut(tmp_path):
+    """Rank 1 computes 3x slower per sample than rank 0 on alike devices: the closed loop
+    names it and re-cuts the dp shares by the measured speeds."""
+    ctl, fake = _controller(tmp_path, max_steps=40, replan_every=10)
+    fake.compute = {0: 1e-3, 1: 3e-3}
+    fake.step_times = {"dp": 0.02}
+    result = ctl.run()
+    strag = [e for e in ctl.events if e.kind == "straggler"]
+    assert strag and strag[0].data["ranks"] == [1] and strag[0].step == 12
+    assert len(strag) == 1  # named once while it stays one, though every decision sees it
+    assert len([e for e in ctl.events if e.kind == "replan"]) >= 2
+    recut = next(e for e in ctl.events if e.kind == "replan")
+    assert recut.data["decision"] == "RecutShares" and recut.data["recut"] == [6, 2]
+    assert "rank 1 slower than its peers" in recut.message
+    assert next(e for e in ctl.events if e.kind == "switch").data["reason"] == "replan"
+    assert fake.spec.shares == (6, 2) and result.history[-1]["strategy"] == "dp"
+
+
+def test_the_closed_loop_keeps_a_plan_when_a_change_does_not_pay(tmp_path):
+    """Equal ranks, the running plan the fastest: every decision is to keep it, with why."""
+    ctl, fake = _controller(tmp_path, max_steps=40, replan_every=10)
+    ctl.run()
+    replans = [e for e in ctl.events if e.kind == "replan"]
+    assert [e.step for e in replans] == [12, 22, 32]
+    assert all(e.data["decision"] == "KeepPlan" for e in replans)
+    assert not [e for e in ctl.events if e.kind in ("straggler", "switch")]
+    # decided while the segment runs: keeping the plan costs no boundary
+    assert [c for c in fake.calls if c[0] == "segment"] == [("segment", (0, 40))]
+
+
+def test_replan_every_zero_turns_the_loop_off(tmp_path):
+    ctl, fake = _controller(tmp_path, max_steps=40, replan_every=0)
+    fake.compute = {0: 1e-3, 1: 3e-3}
+    ctl.run()
+    assert not [e for e in ctl.events if e.kind in ("replan", "straggler", "switch")]
+
+
+# ------------------------------------------------------------------ per-block stage splits
+
+
+def test_a_named_pipeline_cuts_its_stages_by_the_measured_block_times(tmp_path):
+    """Issue 16 point 4: the workers time each block (``profile(detail=True)``); the first
+    block is 5x the others, so it is a stage of its own, whatever the parameter counts say."""
+    ctl, fake = _controller(tmp_path, strategy="pipeline", pp_degree=2, micro_batches=2)
+    fake.block_seconds = [5e-3, 1e-3, 1e-3, 1e-3, 1e-3]
+    ctl.run()
+    assert fake.spec.stage_split == (1, 4)
+    # nothing timed: the strategy's own split (parameters), as before
+    ctl2, fake2 = _controller(tmp_path / "flat", strategy="pipeline", pp_degree=2,
+                              micro_batches=2)
+    ctl2.run()
+    assert fake2.spec.stage_split is None

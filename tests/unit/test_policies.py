@@ -11,11 +11,15 @@ from clusters.policy import (
     FailureObservation,
     GiveUp,
     InPlaceRecovery,
+    KeepPlan,
     NonFiniteObservation,
     NonFinitePolicy,
     Proceed,
     Recover,
+    RecutShares,
     Refuse,
+    ReplanObservation,
+    ReplanPolicy,
     Resize,
     RestartAllRecovery,
     Restore,
@@ -27,6 +31,7 @@ from clusters.policy import (
     SkipStep,
     StartSpares,
     Stop,
+    SwitchPlan,
 )
 
 # ------------------------------------------------------------------ failure budget
@@ -224,3 +229,63 @@ def test_nonfinite_policy(policy, consecutive, rank, want, text):
 def test_nonfinite_policy_unknown_mode():
     with pytest.raises(ValueError, match="unknown on_nonfinite mode 'ignore'"):
         NonFinitePolicy("ignore").decide(NonFiniteObservation(1, 1))
+
+
+# ------------------------------------------------------------------ re-planning
+
+
+def _rp(**kw):
+    base = dict(current="dp", step_s=0.100, step_sd=0.004, steps=50,
+                candidates=(("dp", 0.100), ("zero1", 0.120)), remaining=1000, switch_s=1.0)
+    base.update(kw)
+    return ReplanObservation(**base)
+
+
+_FAST = (("zero2", 0.080), ("dp", 0.100))  # a plan 20 ms/step faster than the running one
+
+
+@pytest.mark.parametrize(
+    ("obs", "want", "why"),
+    [
+        (_rp(steps=9), KeepPlan, "10 needed"),
+        (_rp(), KeepPlan, "dp is the fastest plan"),
+        (_rp(candidates=(("zero2", 0.097), ("dp", 0.1))), KeepPlan, "under 5%"),
+        (_rp(candidates=(("zero2", 0.094),), step_sd=0.04, steps=10), KeepPlan, "noise"),
+        (_rp(candidates=_FAST, remaining=40), KeepPlan, "does not pay"),
+        (_rp(candidates=_FAST), SwitchPlan, "zero2 predicted 80.0 ms/step"),
+        (_rp(candidates=_FAST, remaining=60, switch_s=1.0), SwitchPlan, "1.2 s > switch"),
+        (_rp(rank_s=(1e-3, 2e-3), rank_rel_sd=(0.01, 0.01), shares=(32, 32),
+              recut=(43, 21), recut_step_s=0.075), RecutShares, "rank 1 slower"),
+        (_rp(rank_s=(1e-3, 2e-3), rank_rel_sd=(0.01, 0.01), shares=(32, 32),
+              recut=(43, 21), recut_step_s=0.075, remaining=10), KeepPlan, "rank 1 slower"),
+        (_rp(rank_s=(1e-3, 1.05e-3), rank_rel_sd=(0.01, 0.01), shares=(32, 32),
+              recut=(33, 31), recut_step_s=0.099), KeepPlan, "fastest plan"),
+        # a straggler within its own noise is not one
+        (_rp(rank_s=(1e-3, 1.3e-3), rank_rel_sd=(0.01, 0.2), shares=(32, 32),
+              recut=(36, 28), recut_step_s=0.09), KeepPlan, "fastest plan"),
+        # both pay: the larger gain wins
+        (_rp(candidates=_FAST, rank_s=(1e-3, 2e-3), rank_rel_sd=(0.01, 0.01),
+              shares=(32, 32), recut=(43, 21), recut_step_s=0.075), RecutShares, "-> [43, 21]"),
+        (_rp(candidates=(("zero2", 0.050), ("dp", 0.1)), rank_s=(1e-3, 2e-3),
+              rank_rel_sd=(0.01, 0.01), shares=(32, 32), recut=(43, 21), recut_step_s=0.075),
+         SwitchPlan, "rank 1 slower"),
+    ],
+)
+def test_replan_policy(obs, want, why):
+    d = ReplanPolicy().decide(obs)
+    assert isinstance(d, want), d
+    assert why in d.reason
+    if isinstance(d, (SwitchPlan, RecutShares)):
+        assert d.gain_s * obs.remaining > d.cost_s
+    if "rank 1 slower" in why and not isinstance(d, SwitchPlan):
+        assert d.stragglers == (1,)
+
+
+def test_replan_policy_numbers_in_its_reasons():
+    d = ReplanPolicy().decide(_rp(candidates=_FAST))
+    assert isinstance(d, SwitchPlan) and d.target == "zero2"
+    assert d.gain_s == pytest.approx(0.02) and d.cost_s == 1.0
+    assert "100.0 ms (sd 4.0 ms, 50 steps)" in d.reason and "20.0 ms x 1000 steps = 20.0 s" in \
+        d.reason
+    strict = ReplanPolicy(margin=30.0).decide(_rp(candidates=_FAST))
+    assert isinstance(strict, KeepPlan)

@@ -1,0 +1,296 @@
+"""What the profiler measured, turned into cost-model terms, with its noise.
+
+Every figure the live profiler reports is a list of repeated timings; ``robust`` reduces one to
+its median and spread (the median absolute deviation scaled to a standard deviation, and the
+standard error of the median), so a figure can say how sure it is. ``equal_within_noise``
+treats devices whose speeds agree within that noise as equal (identical CPUs on a busy host
+measure 10-40 % apart from one profile; issue 16 saw shares of [41, 23] from it).
+
+``terms_model`` builds the ``CostModel`` a live job plans with from the per-rank reports of
+``elastic``'s ``profile_terms``: each rank's compute (per sample and per pass, from
+forward+backward timed at two batch sizes), its optimizer step (per tensor and per element,
+plain and as zero3's shards), each collective kind's alpha and beta timed between the live
+workers *while they compute* (a collective inside a step waits for busy peers), and the
+per-step overhead: what a trial dp step took beyond its terms. The report format is documented
+on ``terms_model``. Pure: no torch, no clock.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from .collectives import KINDS, CommConfig, latency_hops, volume_factor
+from .cost import CostModel
+from .errors import ClustersError
+from .estimate import Estimate
+from .plan import Plan
+from .profile import ModelProfile
+from .topology import Cluster
+
+__all__ = ["Spread", "robust", "equal_within_noise", "fit_alpha_beta", "fit_optimizer",
+           "fit_pass", "terms_model", "MeasuredModel"]
+
+_MAD_TO_SD = 1.4826
+
+
+@dataclass(frozen=True)
+class Spread:
+    """A repeated measurement: ``median``, ``sd`` (1.4826 x median absolute deviation, a
+    standard deviation robust to outliers), ``n`` repeats; ``se`` the standard error of the
+    median (1.2533 sd / sqrt(n)); ``rel`` = sd / median."""
+
+    median: float
+    sd: float
+    n: int
+
+    @property
+    def se(self) -> float:
+        return 1.2533 * self.sd / math.sqrt(self.n) if self.n else math.inf
+
+    @property
+    def rel(self) -> float:
+        return self.sd / self.median if self.median > 0 else math.inf
+
+    def as_dict(self) -> dict[str, float]:
+        return {"median": self.median, "sd": self.sd, "n": self.n, "rel": self.rel}
+
+
+def robust(xs: Sequence[float]) -> Spread:
+    """Median and robust spread of ``xs``. Raises ``ClustersError`` when empty."""
+    if not xs:
+        raise ClustersError("no measurement to summarise")
+    med = statistics.median(xs)
+    mad = statistics.median(abs(x - med) for x in xs)
+    return Spread(med, _MAD_TO_SD * mad, len(xs))
+
+
+def equal_within_noise(values: Sequence[float], spreads: Sequence[Spread] | None = None,
+                       kinds: Sequence[object] | None = None, *, floor: float = 0.1,
+                       z: float = 3.0) -> tuple[float, ...]:
+    """``values`` (speeds) with those that agree within their noise replaced by their group's
+    median, so equal devices get equal shares and equal stages.
+
+    Two values agree when they differ by at most ``z`` combined standard errors of their
+    medians; devices of one kind (``kinds[i]`` equal: same type, same emulation) also agree
+    within ``floor`` (relative), since they are built alike and a persistent difference is the
+    closed loop's to find (a straggler), not one profile's. Groups are runs of the sorted
+    values in which the smallest and the largest agree. Returns one value per input.
+    """
+    n = len(values)
+    if n <= 1:
+        return tuple(values)
+    ses = [s.se for s in spreads] if spreads is not None else [0.0] * n
+    kind = list(kinds) if kinds is not None else [None] * n
+
+    def agree(i: int, j: int) -> bool:
+        a, b = values[i], values[j]
+        noise = z * math.hypot(ses[i], ses[j])
+        if kinds is not None and kind[i] == kind[j]:
+            noise = max(noise, floor * max(a, b))
+        return abs(a - b) <= noise
+
+    out = list(values)
+    order = sorted(range(n), key=lambda i: values[i])
+    start = 0
+    while start < n:
+        end = start + 1
+        while end < n and all(agree(order[k], order[end]) for k in range(start, end)):
+            end += 1
+        group = order[start:end]
+        if len(group) > 1:
+            mid = statistics.median(values[i] for i in group)
+            for i in group:
+                out[i] = mid
+        start = end
+    return tuple(out)
+
+
+def _nnls2(rows: Sequence[tuple[float, float]], y: Sequence[float]) -> tuple[float, float]:
+    """Least squares of y = a x0 + b x1 with a, b >= 0 (two unknowns, by hand)."""
+    s00 = sum(r[0] * r[0] for r in rows)
+    s01 = sum(r[0] * r[1] for r in rows)
+    s11 = sum(r[1] * r[1] for r in rows)
+    t0 = sum(r[0] * v for r, v in zip(rows, y, strict=True))
+    t1 = sum(r[1] * v for r, v in zip(rows, y, strict=True))
+    det = s00 * s11 - s01 * s01
+    if det > 1e-12 * max(s00 * s11, 1e-300):
+        a = (t0 * s11 - t1 * s01) / det
+        b = (t1 * s00 - t0 * s01) / det
+        if a >= 0 and b >= 0:
+            return a, b
+    a_only = max(0.0, t0 / s00) if s00 > 0 else 0.0
+    b_only = max(0.0, t1 / s11) if s11 > 0 else 0.0
+
+    def err(a: float, b: float) -> float:
+        return sum((a * r[0] + b * r[1] - v) ** 2 for r, v in zip(rows, y, strict=True))
+
+    return min(((a_only, 0.0), (0.0, b_only)), key=lambda ab: err(*ab))
+
+
+def fit_alpha_beta(kind: str, n: int, points: Sequence[tuple[float, float]]
+                   ) -> tuple[float, float]:
+    """(alpha s per hop, beta s per byte) of ``kind`` over ``n`` ranks from (bytes, seconds)
+    points: non-negative least squares on ``collectives``' latency hops and volume."""
+    hops, vol = latency_hops(kind, n), volume_factor(kind, n)
+    rows = [(hops, vol * b) for b, _ in points]
+    return _nnls2(rows, [t for _, t in points])
+
+
+def fit_optimizer(plain: Sequence[tuple[int, float, float]],
+                  sharded: tuple[int, float, float] | None = None
+                  ) -> tuple[float, float, float]:
+    """(seconds per tensor, per element, per tensor of zero3's shards) of an optimizer step
+    from (tensors, elements, seconds) points over plain tensors and one over DTensor shards.
+    With one plain point the step is charged per element only."""
+    a, b = _nnls2([(float(t), float(e)) for t, e, _ in plain], [s for _, _, s in plain])
+    a_sh = a
+    if sharded is not None and sharded[0] > 0:
+        t, e, s = sharded
+        a_sh = max(0.0, (s - b * e) / t)
+    return a, b, a_sh
+
+
+def fit_pass(points: Sequence[tuple[int, float]]) -> tuple[float, float]:
+    """(seconds per pass, seconds per sample) of forward+backward from (batch, seconds) points
+    (non-negative least squares)."""
+    return _nnls2([(1.0, float(b)) for b, _ in points], [t for _, t in points])
+
+
+@dataclass(frozen=True)
+class MeasuredModel:
+    """What ``terms_model`` made of the profiler's reports: the cost model and profile the
+    planner uses, the per-rank speeds before and after ``equal_within_noise``, and every
+    figure's spread (for events and the benchmark)."""
+
+    model: CostModel
+    profile: ModelProfile
+    speeds: tuple[float, ...]
+    raw_speeds: tuple[float, ...]
+    spreads: Mapping[str, Any]
+
+
+def _rank_compute(rep: Mapping[str, Any]) -> tuple[float, float, Spread]:
+    """(seconds per pass, seconds per sample, spread of the per-sample figure) of one rank."""
+    pts = [(int(b), robust(ts).median) for b, ts in zip(rep["compute"]["batches"],
+                                                       rep["compute"]["seconds"], strict=True)]
+    if len({b for b, _ in pts}) > 1:
+        f, c = fit_pass(pts)
+    else:
+        f, c = 0.0, pts[0][1] / max(1, pts[0][0])
+    b1, ts1 = int(rep["compute"]["batches"][0]), rep["compute"]["seconds"][0]
+    if c <= 0 or f >= robust(ts1).median:  # no per-sample slope (a pass-bound model, noise):
+        f = 0.0  # the whole pass per sample, never a near-zero time (an "infinite" speed)
+    per = robust([max(1e-12, t - f) / b1 for t in ts1])
+    return f, c if c > 0 and f > 0 else per.median, per
+
+
+def terms_model(reports: Sequence[Mapping[str, Any]], ids: Sequence[str], base: ModelProfile,
+                *, kinds: Sequence[object] | None = None, comm: CommConfig | None = None,
+                cluster: Cluster | None = None, floor: float = 0.1) -> MeasuredModel:
+    """The cost model and profile of the live group from each rank's ``profile_terms`` report
+    (``reports[r]`` for device ``ids[r]``). A report holds lists of repeated seconds:
+
+    * ``compute``: ``{"batches": [b1, b2], "seconds": [[...], [...]]}``: forward+backward of
+      the whole model (loss included) at two batch sizes;
+    * ``blocks``: ``{"batch": b, "seconds": [[...] per block], "boundary_bytes": [...],
+      "tensors": [[numel, ...] per block]}``;
+    * ``optimizer``: ``{"plain": [[tensors, elements, [...]], ...], "sharded": [tensors,
+      elements, [...]] | None}``;
+    * ``collectives``: ``{kind: [[bytes, [...]], ...]}`` (rank 0's view is used) and
+      ``world``;
+    * ``trial``: seconds of real dp steps (the strategy, the step loop's data fetch and
+      control all-reduce) with ``shares`` (``{"shares": [...], "seconds": [...]}``);
+      optional.
+
+    Speeds that agree within their noise are equalized (``equal_within_noise``; ``kinds``
+    marks devices built alike). The trial dp step sets ``step_overhead`` to what it took
+    beyond the model's terms, or, when the terms already exceed it, the overlap of
+    communication with backward that makes them meet. ``cluster`` (the live one) is needed
+    for that. Raises ``ClustersError`` on a malformed report.
+    """
+    if len(reports) != len(ids) or not reports:
+        raise ClustersError(f"{len(reports)} profile reports for {len(ids)} devices")
+    try:
+        per_rank = [_rank_compute(r) for r in reports]
+    except (KeyError, IndexError, TypeError) as e:
+        raise ClustersError(f"malformed profile report ({e}); expected compute.batches/seconds"
+                            ) from None
+    raw = tuple(1.0 / c for _, c, _ in per_rank)
+    spreads = [Spread(1.0 / s.median, s.sd / s.median ** 2, s.n) for _, _, s in per_rank]
+    speeds = equal_within_noise(raw, spreads, kinds, floor=floor)
+    sps = {i: 1.0 / v for i, v in zip(ids, speeds, strict=True)}
+    nb = base.n_blocks
+    passes = statistics.median(f for f, _, _ in per_rank) / max(1, nb)
+
+    blocks = reports[0].get("blocks") or {}
+    kw: dict[str, Any] = {}
+    secs: dict[str, tuple[float, ...]] = {}
+    for i, r in zip(ids, reports, strict=True):
+        bl = r.get("blocks") or {}
+        if len(bl.get("seconds", ())) == nb:
+            b = max(1, int(bl.get("batch", 1)))
+            secs[i] = tuple(robust(ts).median / b for ts in bl["seconds"])
+    if secs:
+        kw["block_seconds"] = secs
+    if len(blocks.get("boundary_bytes", ())) == nb:
+        kw["boundary_bytes"] = tuple(float(x) for x in blocks["boundary_bytes"])
+    tensors = blocks.get("tensors")
+    if tensors and len(tensors) == nb and all(
+            sum(ts) == p for ts, p in zip(tensors, base.block_params, strict=True)):
+        kw["block_tensors"] = tuple(tuple(int(t) for t in ts) for ts in tensors)
+    profile = replace(base, **kw)
+
+    opt: dict[str, tuple[float, float, float]] = {}
+    for i, r in zip(ids, reports, strict=True):
+        o = r.get("optimizer")
+        if not o or not o.get("plain"):
+            continue
+        plain = [(int(t), float(e), robust(ts).median) for t, e, ts in o["plain"]]
+        sh = o.get("sharded")
+        sharded = (int(sh[0]), float(sh[1]), robust(sh[2]).median) if sh else None
+        opt[i] = fit_optimizer(plain, sharded)
+
+    coll: dict[str, tuple[float, float]] = {}
+    cspread: dict[str, Any] = {}
+    c0 = reports[0].get("collectives") or {}
+    world = int(reports[0].get("world", len(reports)))
+    for kind, pts in c0.items():
+        if kind not in KINDS or not pts:
+            continue
+        med = [(float(b), robust(ts).median) for b, ts in pts]
+        coll[kind] = fit_alpha_beta(kind, world if kind != "p2p" else 2, med)
+        cspread[kind] = [robust(ts).as_dict() | {"bytes": b} for b, ts in pts]
+
+    model = CostModel(seconds_per_sample=sps, collectives=coll, optimizer_fit=opt,
+                      pass_overhead_s=passes, comm=comm or CommConfig())
+    trial = reports[0].get("trial")
+    trial_spread = None
+    if trial and trial.get("seconds") and cluster is not None:  # the ranks step together
+        trial_spread = robust(trial["seconds"])
+        model = _fit_overhead(model, profile, cluster, ids, tuple(trial["shares"]),
+                              trial_spread.median)
+    fwd = [robust(r["compute"]["forward"]).median / robust(r["compute"]["seconds"][0]).median
+           for r in reports if r["compute"].get("forward")]
+    return MeasuredModel(model, profile, speeds, raw, {
+        "compute_s_per_sample": [s.as_dict() for _, _, s in per_rank],
+        "forward_fraction": statistics.median(fwd) if fwd else None,
+        "collectives": cspread,
+        "trial": trial_spread.as_dict() if trial_spread else None,
+        "step_overhead": model.step_overhead, "overlap": model.overlap})
+
+
+def _fit_overhead(model: CostModel, profile: ModelProfile, cluster: Cluster,
+                  ids: Sequence[str], shares: tuple[int, ...], measured: float) -> CostModel:
+    """``model`` with ``step_overhead`` (or, when negative, ``overlap``) set so that the dp
+    plan with ``shares`` predicts the ``measured`` trial step."""
+    plan = Plan(strategy="dp", world_size=len(ids), shares=shares, devices=tuple(ids))
+    est: Estimate = model.estimate(plan, cluster, profile)
+    gap = measured - est.step_time
+    if gap >= 0 or est.comm <= 0:
+        return replace(model, step_overhead=max(0.0, gap))
+    hide = min(est.comm, -gap)  # communication hidden behind backward
+    return replace(model, overlap=min(1.0, hide / max(1e-12, (2 / 3) * est.compute)))

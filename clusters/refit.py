@@ -1,0 +1,196 @@
+"""The closed loop's model: the profiled cost model re-fitted to the running job's own steps.
+
+While a job runs, each layout segment it ran gives a measured step time (median and spread
+over its steps) and each rank its own compute time per sample (the seconds inside its blocks).
+``refit`` folds them into the cost model the planner uses:
+
+1. each rank's seconds per sample become its measured compute (ranks of one kind whose figures
+   agree within the noise made equal, as at profiling);
+2. what each observed layout took beyond the model's terms, re-predicted with those speeds, is
+   put on its messages: a factor per collective kind (``CostModel.comm_scale``), fitted by
+   least squares over the layouts seen, pulled toward 1 where they say little. The profiler
+   measured compute, the optimizer and the per-step overhead (a trial dp step) directly, and
+   the collectives' cost under load is the term it measures least well (it waits on busy
+   peers, issue 16); a layout that is slower than predicted is so in its own messages, which
+   other layouts share only as far as they send the same kinds. So 50 slow steps of zero2
+   raise zero2's reduce and broadcast cost, not dp's all-reduce, and dp can win the next
+   decision;
+3. what is left (a layout without messages, or the factors at 0) becomes the per-step
+   overhead, the median over the layouts seen.
+
+``predictions`` then lists every candidate plan with its predicted step: a layout the job ran
+is predicted by its own measured median (the best figure there is), any other by the re-fitted
+model. ``observe`` turns a window of the running layout into the ``ReplanObservation`` that
+``clusters.policy.ReplanPolicy`` decides on: the live controller (``elastic.control.replan``)
+and the simulator (``clusters.sim_replan``) both build it here. Pure: no clock, no torch.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+
+from .balance import recut_shares
+from .collectives import KINDS, SYNC_MODES
+from .cost import CostModel
+from .measured import Spread, equal_within_noise
+from .plan import Plan
+from .planner import plan as plan_fn
+from .policy import ReplanObservation
+from .profile import ModelProfile
+from .topology import Cluster
+
+__all__ = ["Observed", "refit", "Prediction", "predictions", "Observation", "observe"]
+
+
+@dataclass(frozen=True)
+class Observed:
+    """A layout the job ran: the plan (devices set) and its measured step time."""
+
+    plan: Plan
+    step: Spread
+
+
+def refit(model: CostModel, profile: ModelProfile, cluster: Cluster,
+          observed: Sequence[Observed], compute: Mapping[str, Spread] | None = None,
+          kinds: Mapping[str, object] | None = None) -> CostModel:
+    """``model`` re-fitted to ``observed`` segments and per-device ``compute`` (seconds per
+    sample of the whole model, by device id; see the module docstring)."""
+    out = model
+    if compute:
+        ids = sorted(compute)
+        spreads = [Spread(1.0 / compute[i].median, compute[i].sd / compute[i].median ** 2,
+                          compute[i].n) for i in ids]
+        speeds = equal_within_noise([1.0 / compute[i].median for i in ids], spreads,
+                                    [kinds.get(i) for i in ids] if kinds else None)
+        sps = dict(model.seconds_per_sample)
+        sps.update({i: 1.0 / v for i, v in zip(ids, speeds, strict=True)})
+        out = replace(out, seconds_per_sample=sps)
+    if observed:
+        out = _fit_comm(out, profile, cluster, observed)
+    return out
+
+
+def _fit_comm(model: CostModel, profile: ModelProfile, cluster: Cluster,
+              observed: Sequence[Observed], pull: float = 0.1) -> CostModel:
+    """Per-kind factors on the messages' cost, then the per-step overhead (step 2 and 3 of
+    the module docstring). ``pull``: how strongly a factor is held at 1 (relative to the
+    largest time of its kind)."""
+    from .calibrate import _solve
+
+    rows: list[dict[str, float]] = []
+    resid: list[float] = []
+    for o in observed:
+        full = model.estimate(o.plan, cluster, profile).step_time
+        parts = {}
+        for k in KINDS:
+            without = replace(model, comm_scale={**model.comm_scale, k: 0.0})
+            c = full - without.estimate(o.plan, cluster, profile).step_time
+            if c > 0:
+                parts[k] = c
+        rows.append(parts)
+        resid.append(o.step.median - full)
+    kinds = sorted({k for r in rows for k in r})
+    scale = dict(model.comm_scale)
+    if kinds:
+        a = [[r.get(k, 0.0) for k in kinds] for r in rows]
+        y = list(resid)
+        for j, k in enumerate(kinds):  # ridge rows: delta_k ~ 0 unless the data say so
+            w = pull * max(r.get(k, 0.0) for r in rows)
+            a.append([w if i == j else 0.0 for i in range(len(kinds))])
+            y.append(0.0)
+        delta = _solve(a, y)
+        for k, d in zip(kinds, delta, strict=True):
+            scale[k] = max(0.0, scale.get(k, 1.0) * (1.0 + d))
+    out = replace(model, comm_scale=scale)
+    left = [o.step.median - out.estimate(o.plan, cluster, profile).step_time
+            for o in observed]
+    return replace(out, step_overhead=model.step_overhead + statistics.median(left))
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A candidate plan, its predicted step (seconds) and whether that figure was measured
+    (the job ran this layout) or modelled."""
+
+    plan: Plan
+    step_s: float
+    measured: bool
+
+
+def predictions(model: CostModel, profile: ModelProfile, cluster: Cluster, global_batch: int,
+                observed: Sequence[Observed] = ()) -> tuple[Prediction, ...]:
+    """Every fitting plan the planner ranks for the whole cluster, fastest first, each with
+    its measured median if the job ran it, else the model's prediction."""
+    seen = {_key(o.plan): o.step.median for o in observed}
+    result = plan_fn(cluster, profile, global_batch, model=model, subsets=False,
+                     tie_tolerance=0.0)
+    out = []
+    for c in result.ranked:
+        k = _key(c.plan)
+        out.append(Prediction(c.plan, seen.get(k, c.step_time), k in seen))
+    for o in observed:  # a layout that ran but the planner no longer ranks (shares re-cut)
+        if _key(o.plan) not in {_key(p.plan) for p in out}:
+            out.append(Prediction(o.plan, o.step.median, True))
+    return tuple(sorted(out, key=lambda p: p.step_s))
+
+
+def _key(p: Plan) -> tuple[object, ...]:
+    return (p.strategy, p.pp_degree, p.dp_mode, p.schedule, p.micro_batches, p.virtual_stages,
+            p.stage_split, p.shares)
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What ``observe`` made of a window: the policy's input, the candidate plans by label
+    (what a ``SwitchPlan`` names), and the re-fitted model (None when not re-planning)."""
+
+    obs: ReplanObservation
+    plans: Mapping[str, Plan]
+    model: CostModel | None
+
+
+def observe(*, model: CostModel | None, profile: ModelProfile | None, cluster: Cluster | None,
+            global_batch: int,
+            current: Plan, step: Spread, observed: Sequence[Observed], remaining: int,
+            switch_s: float, rank_s: Sequence[float] = (), rank_rel_sd: Sequence[float] = (),
+            kinds: Mapping[str, object] | None = None, replan: bool = True,
+            recut: bool = True) -> Observation:
+    """The closed loop's view of the running layout ``current`` (devices set), measured at
+    ``step`` over its window, with the layouts run before it (``observed``).
+
+    ``replan`` (needs ``model``, ``profile`` and ``cluster``): re-fit ``model`` (``refit``: the layouts' medians, and ``rank_s``, each rank's
+    compute seconds per sample, when the layout's ranks each run a share) and rank every
+    candidate (``predictions``); else no candidates. ``recut``: offer shares that follow
+    ``rank_s`` (share-balanced layouts only) and the step they save
+    (``balance.recut_shares``)."""
+    shared = current.strategy in SYNC_MODES and len(rank_s) == len(current.devices)
+    candidates: tuple[tuple[str, float], ...] = ()
+    plans: dict[str, Plan] = {}
+    fitted = None
+    if replan and model is not None and profile is not None and cluster is not None:
+        compute = ({current.devices[r]: Spread(t, 0.0, step.n) for r, t in enumerate(rank_s)}
+                   if shared else None)
+        seen = {_key(o.plan): o for o in observed}
+        seen[_key(current)] = Observed(current, step)
+        obs_all = list(seen.values())
+        fitted = refit(model, profile, cluster, obs_all, compute, kinds if compute else None)
+        preds = predictions(fitted, profile, cluster, global_batch, obs_all)
+        for p in preds:
+            plans.setdefault(p.plan.label, p.plan)
+        best = {lab: min(p.step_s for p in preds if p.plan.label == lab) for lab in plans}
+        best[current.label] = step.median
+        plans[current.label] = current
+        candidates = tuple(sorted(best.items(), key=lambda kv: kv[1]))
+    new: tuple[int, ...] = ()
+    new_s = 0.0
+    if recut and shared and rank_s:
+        new, gain = recut_shares(current.shares, rank_s)
+        new_s = step.median - gain
+    obs = ReplanObservation(
+        current=current.label, step_s=step.median, step_sd=step.sd, steps=step.n,
+        candidates=candidates, remaining=max(0, remaining), switch_s=switch_s,
+        rank_s=tuple(rank_s) if shared else (), rank_rel_sd=tuple(rank_rel_sd) if shared
+        else (), shares=tuple(current.shares), recut=new, recut_step_s=new_s)
+    return Observation(obs, plans, fitted)

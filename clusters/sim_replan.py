@@ -1,0 +1,128 @@
+"""The closed loop, simulated step by step: a job plans with a profiled cost model, its steps
+take what a *true* model says (with noise), and ``clusters.policy.ReplanPolicy`` decides every
+``replan_every`` steps on the observation ``clusters.refit.observe`` builds, exactly as the
+live controller (``elastic.control.replan``) does. A device can become slower mid-run (a
+straggler); a switch or a re-cut costs ``switch_s``.
+
+What it answers without a cluster: does the loop leave a mis-predicted plan, re-cut around a
+straggler, and stay put when nothing pays (``LoopResult.seconds`` against ``static_s``, the
+same steps on the first plan throughout). Pure: no clock, no torch; seeded noise.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+
+from .cost import CostModel
+from .measured import robust
+from .plan import Plan
+from .planner import plan as plan_fn
+from .policy import KeepPlan, RecutShares, ReplanPolicy, SwitchPlan
+from .profile import ModelProfile
+from .refit import Observed, observe
+from .topology import Cluster
+
+__all__ = ["LoopEvent", "LoopResult", "simulate_loop"]
+
+_WINDOW = 200  # most recent steps of a layout that count (as live)
+
+
+@dataclass(frozen=True)
+class LoopEvent:
+    """One decision of the loop: at ``step``, ``decision`` (the policy's class name) on
+    ``plan`` (the running plan's label), with the policy's ``reason``."""
+
+    step: int
+    decision: str
+    plan: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class LoopResult:
+    """``seconds``: the job's time (steps and re-layouts); ``static_s``: the same steps on
+    the first plan, without the loop; ``start`` / ``final``: the first and last plans."""
+
+    seconds: float
+    static_s: float
+    start: Plan
+    final: Plan
+    events: tuple[LoopEvent, ...] = field(default_factory=tuple)
+
+    @property
+    def changes(self) -> tuple[LoopEvent, ...]:
+        return tuple(e for e in self.events if e.decision != "KeepPlan")
+
+
+def simulate_loop(cluster: Cluster, profile: ModelProfile, global_batch: int, *,
+                  truth: CostModel, profiled: CostModel, steps: int, replan_every: int = 50,
+                  switch_s: float = 2.0, noise: float = 0.02, seed: int = 0,
+                  slowdowns: Mapping[int, Mapping[str, float]] | None = None,
+                  policy: ReplanPolicy | None = None, warmup: int = 2) -> LoopResult:
+    """Run ``steps`` steps of a job on ``cluster`` that starts on the plan ``profiled``
+    picks. ``truth``: what steps really take (each step's time and each rank's compute get a
+    relative Gaussian ``noise``); ``slowdowns[step][device id]``: from that step on the
+    device's true compute is that many times slower. The first ``warmup`` steps of every
+    layout are left out of its window, as live."""
+    pol = policy or ReplanPolicy()
+    rng = random.Random(seed)
+    slow = {k: dict(v) for k, v in (slowdowns or {}).items()}
+    start = plan_fn(cluster, profile, global_batch, model=profiled, subsets=False).plan
+    cur, true_model = start, truth
+    window: list[float] = []
+    ranks: list[list[float]] = []
+    observed: dict[str, Observed] = {}
+    events: list[LoopEvent] = []
+    cache: dict[tuple[object, ...], float] = {}
+    seconds = static_s = 0.0
+    since = 0
+
+    def true_step(p: Plan) -> float:
+        key = (p.label, p.shares, p.stage_split)
+        if key not in cache:
+            cache[key] = true_model.estimate(p, cluster, profile).step_time
+        return cache[key]
+
+    for step in range(steps):
+        if step in slow:
+            sps = dict(true_model.seconds_per_sample)
+            for dev, k in slow[step].items():
+                sps[dev] = true_model.sample_time(cluster.device(dev), profile) * k
+            true_model = replace(true_model, seconds_per_sample=sps)
+            cache.clear()
+        t = true_step(cur) * max(0.0, 1.0 + rng.gauss(0.0, noise))
+        seconds += t
+        static_s += true_step(start)
+        since += 1
+        if since <= warmup:
+            continue
+        window.append(t)
+        per = [true_model.sample_time(cluster.device(d), profile)
+               * max(1e-9, 1.0 + rng.gauss(0.0, noise)) for d in cur.devices]
+        ranks = ranks or [[] for _ in per]
+        for r, x in enumerate(per):
+            ranks[r].append(x)
+        if since - warmup < replan_every or step + 1 >= steps:
+            continue
+        spreads = [robust(xs[-replan_every:]) for xs in ranks]  # the ranks as they are now
+        view = observe(model=profiled, profile=profile, cluster=cluster,
+                       global_batch=global_batch, current=cur, step=robust(window),
+                       observed=list(observed.values()), remaining=steps - step - 1,
+                       switch_s=switch_s, rank_s=[s.median for s in spreads],
+                       rank_rel_sd=[s.rel for s in spreads])
+        decision = pol.decide(view.obs)
+        events.append(LoopEvent(step + 1, type(decision).__name__, cur.label, decision.reason))
+        if isinstance(decision, KeepPlan):
+            window, ranks = window[-_WINDOW:], [xs[-_WINDOW:] for xs in ranks]
+            since = warmup  # the next decision after another replan_every steps
+            continue
+        observed[cur.label] = Observed(cur, robust(window))
+        if isinstance(decision, SwitchPlan):
+            cur = view.plans[decision.target]
+        elif isinstance(decision, RecutShares):
+            cur = replace(cur, shares=decision.shares)
+        seconds += switch_s
+        window, ranks, since = [], [], 0
+    return LoopResult(seconds, static_s, start, cur, tuple(events))

@@ -1,0 +1,234 @@
+"""The closed loop: the running job's own step timings re-fit the cost model, and at a
+configurable cadence (``replan_every``) ``clusters.policy.ReplanPolicy`` decides whether to
+keep the layout, switch to a faster plan (``strategy: auto``) or re-cut the shares around a
+straggler (share-balanced dp and ZeRO layouts). The decision is an event (``replan``) that
+says why, with the numbers; a straggler is named in an event of its own (``straggler``).
+
+``Replanner`` owns the window of the running layout: rank 0's step times and every rank's own
+compute (``compute_s``: seconds inside its blocks' forwards, reported with each step's
+metrics), the medians of the layouts the job ran before (each a measured point of the
+re-fit), and the measured cost of a re-layout. It decides while the segment runs (the
+controller's poll), so a decision to keep the layout costs no segment boundary; a change asks
+the workers to stop at the next step, and the controller carries the new spec out at that
+boundary (``Layouts.apply``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from clusters.measured import Spread, robust
+from clusters.plan import Plan
+from clusters.policy import KeepPlan, RecutShares, ReplanObservation, ReplanPolicy, SwitchPlan
+from strategies import StrategySpec
+from strategies.traits import DP_MODES
+
+__all__ = ["Replanner"]
+
+_SHARE_BALANCED = DP_MODES  # layouts whose ranks each run a share of the batch
+_WINDOW = 200  # most recent steps of a layout that count
+_SKIP = 2  # first steps of a layout left out (warm-up: allocations, caches)
+
+
+class Replanner:
+    """The closed loop of one job (owned by the controller's thread)."""
+
+    def __init__(self, cfg: Any, layouts: Any, emit: Callable[..., Any],
+                 policy: ReplanPolicy | None = None) -> None:
+        """``layouts``: the job's ``Layouts`` (attached once the controller has built it)."""
+        self.cfg = cfg
+        self.layouts = layouts
+        self._emit = emit
+        self.policy = policy or ReplanPolicy()
+        self.every = int(cfg.replan_every)
+        self._spec: StrategySpec | None = None
+        self._start: int | None = None  # the first step of the current layout (or decision)
+        self.pending: tuple[StrategySpec, StrategySpec] | None = None  # (from, to)
+        self._steps: dict[int, float] = {}  # step -> rank 0's step time, current layout
+        self._ranks: dict[int, dict[int, float]] = {}  # rank -> step -> compute s per sample
+        self.observed: dict[tuple[Any, ...], tuple[Plan, Spread]] = {}
+        self.decisions: list[KeepPlan | SwitchPlan | RecutShares] = []
+        self._named: tuple[int, ...] = ()  # the stragglers the last decision named
+
+    # ------------------------------------------------------------------ feeding
+
+    def active(self, spec: StrategySpec | None) -> bool:
+        """Whether the loop runs for ``spec``: ``auto`` (any layout), or a share-balanced
+        layout while balancing is not off (stragglers)."""
+        if self.every <= 0 or spec is None:
+            return False
+        return self.cfg.strategy == "auto" or (spec.name in _SHARE_BALANCED
+                                               and self.cfg.balance != "off")
+
+    def boundaries(self, step: int, spec: StrategySpec | None, group: Any) -> list[int]:
+        """The next steps at which a boundary is wanted: re-balancing's cadence while
+        balancing (the closed loop decides while segments run and needs none)."""
+        every = self.cfg.rebalance_every
+        if every > 0 and group is not None and self.layouts.balancing(group):
+            return [(step // every + 1) * every]
+        return []
+
+    def change(self, step: int, spec: StrategySpec, group: Any
+               ) -> tuple[StrategySpec, str] | None:
+        """At a step boundary: re-balanced shares (``Layouts.rebalanced``, re-profiled
+        speeds) or the closed loop's pending new plan, with the reason; None to go on."""
+        new = self.layouts.rebalanced(spec, step, group)
+        pending, self.pending = self.pending, None
+        if new is not None:
+            return new, "rebalance"
+        if pending is not None and pending[0] is spec:  # not overtaken by another change
+            return pending[1], "replan"
+        return None
+
+    def poll(self, next_step: int, spec: StrategySpec | None, group: Any) -> bool:
+        """While a segment runs: every ``replan_every`` steps of the current layout, the
+        policy's decision on its window. True when a change is pending: the caller asks the
+        workers to stop at the next step, and ``change`` hands it over at that boundary."""
+        if spec is None or not self.active(spec) or self.pending is not None:
+            return False
+        if spec is not self._spec or self._start is None:
+            return False
+        if next_step - self._start < self.every or next_step >= self.cfg.max_steps:
+            return False
+        new = self.decide(next_step, spec, group)
+        if new is None:
+            return False
+        self.pending = (spec, new)
+        return True
+
+    def on_metric(self, m: dict[str, Any], spec: StrategySpec | None) -> None:
+        """One drained metric of one rank (``StepLog.ingest``'s ``on_metric``)."""
+        if spec is None:
+            return
+        if spec is not self._spec:
+            self._new_layout(spec)
+        step, rank = int(m["step"]), int(m.get("rank", 0))
+        if self._start is None:
+            self._start = step
+        if rank == 0 and m.get("step_time"):
+            self._steps[step] = float(m["step_time"])
+        c, n = m.get("compute_s"), self._samples(spec, rank, m)
+        if c and n:
+            self._ranks.setdefault(rank, {})[step] = float(c) / n
+
+    def _samples(self, spec: StrategySpec, rank: int, m: dict[str, Any]) -> int:
+        """Samples that went through this rank's blocks in the step: its share, or for a
+        pipeline stage the whole replica's batch."""
+        if spec.name != "pipeline":
+            return int(m.get("samples") or 0)
+        d = spec.world_size // spec.pp_degree
+        j = rank % d
+        return sum(spec.shares[s * d + j] for s in range(spec.pp_degree))
+
+    def _new_layout(self, spec: StrategySpec) -> None:
+        """A new layout runs: keep the last one's median as a measured point, start a new
+        window."""
+        if self._spec is not None and self.layouts.ids:
+            self._remember(self._spec)
+        self._spec = spec
+        self._start = None
+        self._steps, self._ranks = {}, {}
+
+    def _window(self) -> list[float]:
+        steps = sorted(self._steps)[_SKIP:][-_WINDOW:]
+        return [self._steps[s] for s in steps]
+
+    def _remember(self, spec: StrategySpec) -> None:
+        from ..planning import spec_plan
+
+        times = self._window()
+        if len(times) >= self.policy.min_steps:
+            p = spec_plan(spec, self.layouts.ids, self.layouts.probe_model)
+            self.observed[_key(p)] = (p, robust(times))
+
+    # ------------------------------------------------------------------ deciding
+
+    def decide(self, step: int, spec: StrategySpec, group: Any) -> StrategySpec | None:
+        """The policy's decision on the current window at ``step`` (an event says it); the
+        spec to change to, or None. Too short a window decides nothing (and says nothing)."""
+        times = self._window()
+        if len(times) < self.policy.min_steps:
+            return None
+        self._start = step  # the next decision after another replan_every steps
+        obs, plans, parts = self._observe(step, spec, times, group)
+        decision = self.policy.decide(obs)
+        self.decisions.append(decision)
+        kind = type(decision).__name__
+        data = {"decision": kind, "current": obs.current, "step_s": obs.step_s,
+                "step_sd": obs.step_sd, "steps": obs.steps, "remaining": obs.remaining,
+                "switch_s": obs.switch_s, "candidates": [list(c) for c in obs.candidates[:8]],
+                "rank_s_per_sample": list(obs.rank_s), "shares": list(obs.shares),
+                "recut": list(obs.recut), **parts}
+        self._emit("replan", f"{kind}: {decision.reason}", data=data, step=step)
+        slow = tuple(getattr(decision, "stragglers", ()))
+        named, self._named = self._named, slow
+        if slow and slow != named:  # named once while it stays one (the replan events repeat)
+            ids = [group.workers[r].worker_id for r in slow]
+            self._emit("straggler", f"rank(s) {list(slow)} (workers {ids}) compute "
+                       + ", ".join(f"{obs.rank_s[r] * 1e3:.2f}" for r in slow)
+                       + " ms/sample against peers' "
+                       + ", ".join(f"{t * 1e3:.2f}" for i, t in enumerate(obs.rank_s)
+                                   if i not in slow) + " ms/sample",
+                       data={"ranks": list(slow), "workers": ids,
+                             "rank_s_per_sample": list(obs.rank_s)}, step=step)
+        if isinstance(decision, SwitchPlan):
+            from ..planning import plan_spec
+
+            new = plan_spec(plans[decision.target])
+            return dataclasses.replace(new, options=new.options.over(self.cfg.strategy_options()))
+        if isinstance(decision, RecutShares):
+            return dataclasses.replace(spec, shares=decision.shares)
+        return None
+
+    def _observe(self, step: int, spec: StrategySpec, times: list[float], group: Any
+                 ) -> tuple[ReplanObservation, dict[str, Plan], dict[str, Any]]:
+        """The observation for the policy (``clusters.refit.observe``, as the simulator
+        builds it), the candidate plans by label, and the re-fit's figures for the event."""
+        from clusters.refit import Observed, observe
+
+        from ..planning import spec_plan
+
+        st = robust(times)
+        ranks = sorted(self._ranks)
+        # the ranks as they are now: the last replan_every steps (a straggler that appears
+        # after a long window shows at the next decision)
+        per_rank = [robust([self._ranks[r][k] for k in sorted(self._ranks[r])[_SKIP:]
+                            ][-self.every:] or list(self._ranks[r].values())) for r in ranks]
+        frac = self._forward_fraction()
+        full = len(ranks) == spec.world_size
+        rank_s = tuple(s.median / frac for s in per_rank) if full else ()
+        rel = tuple(s.rel for s in per_rank) if full else ()
+        lay = self.layouts
+        switch_s = max(lay.apply_s[1:], default=2 * max(lay.apply_s, default=0.5))
+        remaining = max(0, self.cfg.max_steps - step)
+        planned = lay.measured is not None and len(lay.ids) == spec.world_size
+        ids = lay.ids if planned else [str(r) for r in range(spec.world_size)]
+        current = spec_plan(spec, ids, lay.probe_model)
+        mm = lay.measured if planned else None
+        view = observe(  # without a planned model: the window and the ranks' compute only
+            model=mm.model if mm else None, profile=mm.profile if mm else None,
+            cluster=lay.cluster if mm else None,
+            global_batch=self.cfg.global_batch_size, current=current, step=st,
+            observed=[Observed(p, sp) for p, sp in self.observed.values()],
+            remaining=remaining, switch_s=switch_s, rank_s=rank_s, rank_rel_sd=rel,
+            kinds=dict(zip(ids, lay.kinds, strict=False)),
+            replan=self.cfg.strategy == "auto" and mm is not None, recut=self.cfg.balance != "off")
+        parts: dict[str, Any] = {}
+        if view.model is not None:
+            parts = {"step_overhead_s": view.model.step_overhead,
+                     "observed": sorted({p.label for p, _ in self.observed.values()}
+                                        | {current.label})}
+        return view.obs, dict(view.plans), parts
+
+    def _forward_fraction(self) -> float:
+        """Forward's part of forward+backward, as the profiler measured it (else 1/3)."""
+        mm = self.layouts.measured
+        frac = getattr(mm, "spreads", {}).get("forward_fraction") if mm is not None else None
+        return float(frac) if frac else 1.0 / 3.0
+
+
+def _key(p: Plan) -> tuple[Any, ...]:
+    return (p.strategy, p.pp_degree, p.dp_mode, p.schedule, p.micro_batches,
+            p.virtual_stages, p.stage_split, p.shares)

@@ -1,0 +1,370 @@
+"""What a worker measures for the planner, repeated so that each figure knows its noise, and
+the per-block hooks that time (and, for emulated devices, slow) a rank's compute.
+
+``profile_terms`` is collective over the current group (every rank calls it at once, so each
+figure is taken while the peers are as busy as they are in a step): forward+backward of the
+model at two batch sizes (per sample and per pass) and block by block, the optimizer's step
+(every tensor, the tensors ZeRO-1/2 would give this rank, and zero3's DTensor shards), each
+collective kind at three sizes *between bursts of compute* (a collective inside a step waits
+for busy peers; timed between idle workers, zero3's per-block gathers were under-predicted by
+42 %), and a few trial dp steps with the step loop's data fetch and control all-reduce. Each
+figure is a list of repeated seconds; ``clusters.measured.terms_model`` reduces them to
+medians and spreads and builds the cost model.
+
+``SpanHooks`` wraps every compute block of a layout: it sums the seconds spent inside the
+blocks' forwards (this rank's own compute, without the collectives between blocks, which the
+controller's closed loop reads per rank) and, on an emulated slower device, sleeps ``(slowdown
+- 1) x`` each forward's and each backward's time where it happens.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["SpanHooks", "profile_terms", "COLLECTIVE_SIZES"]
+
+COLLECTIVE_SIZES = (4 << 10, 256 << 10, 4 << 20)
+_KINDS = ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter", "p2p")
+
+
+def _sync_fn(device: torch.device) -> Callable[[], None]:
+    return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+
+class SpanHooks:
+    """Forward (and, when slowed, backward) hooks on a layout's compute blocks.
+
+    ``take()`` returns the seconds spent inside the blocks' forwards since the last call
+    (emulated sleep included). Not thread-safe: the step loop owns it."""
+
+    def __init__(self) -> None:
+        self._handles: list[Any] = []
+        self._fwd = 0.0
+
+    def install(self, blocks: Sequence[nn.Module], slowdown: float, device: torch.device,
+                time_forward: bool = True) -> None:
+        """(Re)install on ``blocks`` (no reference to them is kept beyond the hooks)."""
+        self.remove()
+        extra = max(0.0, slowdown - 1.0)
+        if extra <= 0 and not time_forward:
+            return
+        sync = _sync_fn(device)
+        started: dict[tuple[int, str], float] = {}
+
+        def start(phase: str) -> Callable[..., None]:
+            def hook(mod: Any, *_args: Any) -> None:
+                if extra > 0:
+                    sync()
+                started[(id(mod), phase)] = time.perf_counter()
+            return hook
+
+        def stop(phase: str) -> Callable[..., None]:
+            def hook(mod: Any, *_args: Any) -> None:
+                t = started.pop((id(mod), phase), None)
+                if t is None:
+                    return
+                if extra > 0:
+                    sync()
+                    time.sleep(extra * (time.perf_counter() - t))
+                if phase == "fwd":
+                    self._fwd += time.perf_counter() - t
+            return hook
+
+        for m in blocks:
+            self._handles += [m.register_forward_pre_hook(start("fwd")),
+                              m.register_forward_hook(stop("fwd"))]
+            if extra > 0:
+                # the first block's inputs need no gradient: its backward hook then fires on
+                # the gradients of its outputs, which torch warns about; that timing is wanted
+                warnings.filterwarnings("ignore",
+                                        message="Full backward hook is firing when gradients")
+                self._handles += [m.register_full_backward_pre_hook(start("bwd")),
+                                  m.register_full_backward_hook(stop("bwd"))]
+
+    def take(self) -> float:
+        out, self._fwd = self._fwd, 0.0
+        return out
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self._fwd = 0.0
+
+
+def _interleaved(fns: Sequence[Callable[[], float]], rounds: int) -> list[list[float]]:
+    """Each of ``fns`` (returning its own seconds) ``rounds`` times, round-robin, after one
+    warm-up call each: slow phases of a shared host hit every figure alike."""
+    for f in fns:
+        f()
+    out: list[list[float]] = [[] for _ in fns]
+    for _ in range(rounds):
+        for i, f in enumerate(fns):
+            out[i].append(f())
+    return out
+
+
+def _fwd_bwd(model: nn.Module, loss_fn: Any, x: torch.Tensor, y: torch.Tensor,
+             autocast: Callable[[], Any], sync: Callable[[], None], slowdown: float,
+             backward: bool = True) -> Callable[[], float]:
+    def run() -> float:
+        t0 = time.perf_counter()
+        with autocast(), torch.set_grad_enabled(backward):
+            loss = loss_fn(model(x), y)
+        if backward:
+            loss.backward()
+        sync()
+        model.zero_grad(set_to_none=True)
+        return (time.perf_counter() - t0) * slowdown
+    return run
+
+
+def _block_times(blocks: Sequence[nn.Module], x: torch.Tensor, autocast: Callable[[], Any],
+                 sync: Callable[[], None], slowdown: float, rounds: int
+                 ) -> tuple[list[list[float]], list[float]]:
+    """Forward+backward seconds of each block on the activations the previous one hands on,
+    and the bytes per sample each hands on."""
+    inputs, bounds = [], []
+    h = x
+    with torch.no_grad(), autocast():
+        for b in blocks:
+            inputs.append(h)
+            h = b(h)
+            bounds.append(h.numel() * h.element_size() / max(1, len(x)))
+
+    def one(i: int) -> Callable[[], float]:
+        def run() -> float:
+            inp = inputs[i].detach().requires_grad_(inputs[i].is_floating_point())
+            t0 = time.perf_counter()
+            with autocast():
+                out = blocks[i](inp)
+            out.backward(torch.ones_like(out))
+            sync()
+            blocks[i].zero_grad(set_to_none=True)
+            return (time.perf_counter() - t0) * slowdown
+        return run
+
+    return _interleaved([one(i) for i in range(len(blocks))], rounds), bounds
+
+
+def _optimizer_times(model: nn.Module, factory: Callable[[Any], Any], world: int, rank: int,
+                     rounds: int) -> dict[str, Any]:
+    """Seconds of the optimizer's step over every tensor, over the ones ZeRO-1/2 give this
+    rank, and over zero3's DTensor shards (None where a mesh cannot be built)."""
+    from strategies._gather import assign_owners
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    owner = assign_owners([p.numel() for p in params], max(1, world))
+    own = [p for p, o in zip(params, owner, strict=True) if o == rank]
+    sets = [params] + ([own] if own and world > 1 else [])
+    opts = [factory(s) for s in sets]
+
+    def step(opt: Any) -> Callable[[], float]:
+        def run() -> float:
+            t0 = time.perf_counter()
+            opt.step()
+            return time.perf_counter() - t0
+        return run
+
+    times = _interleaved([step(o) for o in opts], rounds)
+    out: dict[str, Any] = {"plain": [[len(s), sum(p.numel() for p in s), t]
+                                     for s, t in zip(sets, times, strict=True)],
+                           "sharded": None}
+    if world > 1 and dist.is_initialized():
+        try:
+            out["sharded"] = _sharded_times(params, factory, rounds)
+        except Exception:  # noqa: BLE001 - no mesh here: zero3 is then charged as plain
+            out["sharded"] = None
+    return out
+
+
+def _sharded_times(params: Sequence[torch.Tensor], factory: Callable[[Any], Any],
+                   rounds: int) -> list[Any]:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dev = params[0].device
+    pg = dist.group.WORLD
+    assert pg is not None
+    mesh = DeviceMesh.from_group(pg, dev.type, mesh=list(range(dist.get_world_size())),
+                                 mesh_dim_names=("profile",))
+    shards = []
+    for p in params:
+        d = nn.Parameter(distribute_tensor(p.detach().clone(), mesh, [Shard(0)],
+                                           src_data_rank=None))
+        d.grad = distribute_tensor(torch.randn_like(p) * 1e-3, mesh, [Shard(0)],
+                                   src_data_rank=None)
+        shards.append(d)
+    opt = factory(shards)
+
+    def run() -> float:
+        t0 = time.perf_counter()
+        opt.step()
+        return time.perf_counter() - t0
+
+    ts = _interleaved([run], rounds)[0]
+    local = 0
+    for d in shards:
+        part: Any = d
+        local += int(part.to_local().numel())
+    return [len(shards), local, ts]
+
+
+def _busy(seconds: float) -> Callable[[], None]:
+    """A fixed piece of compute of about ``seconds`` (matrix products), standing for the
+    work between two collectives of a step."""
+    a = torch.randn(128, 128)
+    t0 = time.perf_counter()
+    reps = 0
+    while time.perf_counter() - t0 < seconds and reps < 10_000:
+        a @ a
+        reps += 1
+    reps = max(1, reps)
+
+    def run() -> None:
+        for _ in range(reps):
+            a @ a
+    return run
+
+
+def _collective(kind: str, nbytes: int, world: int, rank: int, device: torch.device
+                ) -> Callable[[], None]:
+    n = max(1, nbytes // 4)
+    t = torch.zeros(n, device=device)
+    big = torch.zeros(n * world, device=device)
+    recv = torch.zeros(n, device=device)
+
+    def run() -> None:
+        if kind == "all_reduce":
+            dist.all_reduce(t)
+        elif kind == "reduce":
+            dist.reduce(t, dst=0)
+        elif kind == "broadcast":
+            dist.broadcast(t, src=0)
+        elif kind == "all_gather":
+            dist.all_gather_into_tensor(big, t)
+        elif kind == "reduce_scatter":
+            dist.reduce_scatter_tensor(t, big)
+        else:  # p2p: each rank sends to the next and receives from the previous one
+            works = [dist.isend(t, (rank + 1) % world), dist.irecv(recv, (rank - 1) % world)]
+            for w in works:
+                if w is not None:
+                    w.wait()
+    return run
+
+
+def _collective_times(world: int, rank: int, device: torch.device, rounds: int,
+                      busy_s: float, sizes: Sequence[int]) -> dict[str, Any]:
+    """Per kind and size: seconds of one collective right after a burst of compute (the
+    burst's own time, measured alone, taken off)."""
+    sync = _sync_fn(device)
+    busy = _busy(busy_s)
+    alone = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        busy()
+        alone.append(time.perf_counter() - t0)
+    base = sorted(alone)[len(alone) // 2]
+    out: dict[str, Any] = {}
+    for kind in _KINDS:
+        rows = []
+        for nb in sizes:
+            op = _collective(kind, nb, world, rank, device)
+            dist.barrier()
+            op()  # warm-up (buffers, connections)
+            ts = []
+            for _ in range(rounds):
+                t0 = time.perf_counter()
+                busy()
+                op()
+                sync()
+                ts.append(max(0.0, time.perf_counter() - t0 - base))
+            rows.append([nb, ts])
+        out[kind] = rows
+    return out
+
+
+def profile_terms(*, model_factory: Callable[[], nn.Module], loss_fn: Any,
+                  optimizer_factory: Callable[[Any], Any], batch: Callable[[int], Any],
+                  shares: Sequence[int], rank: int, world: int, device: torch.device,
+                  autocast: Callable[[], Any], slowdown: float = 1.0, rounds: int = 7,
+                  trial_steps: int = 6, control: Callable[[], None] | None = None
+                  ) -> dict[str, Any]:
+    """Collective over the current group: this rank's report for
+    ``clusters.measured.terms_model`` (see there for the format).
+
+    ``batch(step)`` returns this rank's (inputs, targets) of ``step`` under ``shares`` (one
+    per rank; the step loop's own data path), which the compute figures and the trial dp
+    steps use;
+    ``control()``: the step loop's per-step control all-reduce; ``slowdown``: an emulated
+    device's factor (its compute figures are scaled by it, and the trial steps run under its
+    hooks). Every rank must call it with the same ``rounds``, ``trial_steps`` and
+    ``shares``."""
+    from strategies import Runtime, StrategySpec
+    from strategies import get as get_strategy
+    from strategies.blocks import blocks_of
+
+    sync = _sync_fn(device)
+    share = max(1, int(shares[rank]))
+    small = max(1, share // 4)
+    torch.manual_seed(0)
+    model = model_factory().to(device)
+    x, y = batch(0)
+    x, y = x.to(device), y.to(device)
+    fns = [_fwd_bwd(model, loss_fn, x, y, autocast, sync, slowdown),
+           _fwd_bwd(model, loss_fn, x, y, autocast, sync, slowdown, backward=False)]
+    if small < share:
+        fns.append(_fwd_bwd(model, loss_fn, x[:small], y[:small], autocast, sync, slowdown))
+    times = _interleaved(fns, rounds)
+    compute = [times[0]] + times[2:]
+    blocks = blocks_of(model)
+    block_secs, bounds = _block_times(blocks, x, autocast, sync, slowdown, rounds)
+    report: dict[str, Any] = {
+        "rank": rank, "world": world,
+        "compute": {"batches": [share, small][:len(compute)], "seconds": compute,
+                    "forward": times[1]},
+        "blocks": {"batch": share, "seconds": block_secs, "boundary_bytes": bounds,
+                   "tensors": [[p.numel() for p in b.parameters()] for b in blocks]},
+        "optimizer": _optimizer_times(model, optimizer_factory, world, rank, rounds),
+    }
+    if world > 1:
+        busy_s = min(0.005, max(0.0005, statistics_median(compute[0]) / max(1, len(blocks))))
+        report["collectives"] = _collective_times(world, rank, device, rounds, busy_s,
+                                                  COLLECTIVE_SIZES)
+    # trial dp steps: the real strategy and the step loop's data fetch and control all-reduce
+    del model
+    spec = StrategySpec("dp", world, tuple(int(s) for s in shares))
+    torch.manual_seed(0)
+    strat = get_strategy("dp")(spec, Runtime(rank, world, device), model_factory(),
+                               optimizer_factory, loss_fn)
+    hooks = SpanHooks()
+    try:
+        hooks.install(blocks_of(strat.local_model()), slowdown, device, time_forward=False)
+        steps: list[float] = []
+        for step in range(trial_steps + 2):
+            t0 = time.perf_counter()
+            xs, ys = batch(step)
+            strat.train_step(xs, ys)
+            if control is not None:
+                control()
+            sync()
+            steps.append(time.perf_counter() - t0)
+        report["trial"] = {"shares": list(spec.shares), "seconds": steps[2:]}
+    finally:
+        hooks.remove()
+        strat.close()
+    return report
+
+
+def statistics_median(xs: Sequence[float]) -> float:
+    s = sorted(xs)
+    return s[len(s) // 2] if s else 0.0

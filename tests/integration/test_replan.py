@@ -1,0 +1,60 @@
+"""The closed loop on a live job (issue 16 point 5): ``strategy="auto"`` re-fits its cost model
+to its own step timings every ``replan_every`` steps and acts on what pays. Here a worker
+becomes 6x slower mid-run: the loop names it a straggler and re-cuts the shares around it, an
+event says why with the numbers, and the trained parameters stay those of one process."""
+
+from __future__ import annotations
+
+import time
+
+import elastic
+from elastic.reference import reference_train
+from tests.helpers import RegressionData, adam, max_diff, mse, wide_mlp
+
+G = 64
+TOL = 1e-5
+
+
+def test_a_live_auto_job_names_a_straggler_and_re_cuts_its_share(ray_local, tmp_path):
+    handle = elastic.submit(
+        model=wide_mlp, optimizer=adam, loss=mse, dataset=RegressionData(), global_batch_size=G,
+        max_steps=3000, num_workers=2, view="none", run_dir=str(tmp_path / "run"),
+        strategy="auto", replan_every=10, rebalance_every=0, profile_cache=False)
+    ctl = handle.controller
+    t0 = time.time()
+    while handle.status()["step"] < 4:
+        assert not handle.done() and time.time() - t0 < 120, [e.message for e in ctl.events]
+        time.sleep(0.05)
+    plan = next(e for e in ctl.events if e.kind == "plan")
+    # every term was measured, repeated, with its spread
+    assert {"all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter"} <= set(
+        plan.data["spreads"]["collectives"])
+    assert plan.data["spreads"]["trial"]["n"] >= 5
+    picked = ctl.spec.name
+    ray_local.get(ctl.workers[1].handle.set_emulation.remote({"slowdown": 6}))
+
+    def recut() -> list:
+        return [e for e in ctl.events if e.kind == "replan"
+                and e.data["decision"] == "RecutShares"]
+
+    while not recut():
+        assert not handle.done() and time.time() - t0 < 240, [e.message for e in ctl.events]
+        time.sleep(0.05)
+    while ctl.spec.shares == tuple(recut()[0].data["shares"]):  # carried out at the next boundary
+        assert not handle.done() and time.time() - t0 < 270
+        time.sleep(0.05)
+    handle.stop()
+    result = handle.result(timeout=120)
+    ev = recut()[0]
+    strag = [e for e in result.events if e.kind == "straggler"]
+    assert strag and strag[0].data["ranks"] == [1] and strag[0].step <= ev.step
+    rank_s = ev.data["rank_s_per_sample"]
+    assert rank_s[1] > 2 * rank_s[0]  # the numbers say why
+    assert ev.data["recut"][1] < ev.data["recut"][0] and sum(ev.data["recut"]) == G
+    assert "rank 1 slower than its peers" in ev.message and "> re-layout" in ev.message
+    sw = next(e for e in result.events if e.kind == "switch" and e.data["reason"] == "replan")
+    assert sw.step >= ev.step and ctl.spec.shares == tuple(ev.data["recut"])
+    assert result.history[-1]["strategy"] == picked
+    n = len(result.history)
+    ref, _ = reference_train(wide_mlp, adam, mse, RegressionData(), G, n, seed=0)
+    assert max_diff(result.state_dict(), ref) < TOL
