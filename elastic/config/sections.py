@@ -383,7 +383,7 @@ def _switch_at(value: Any, known: list[str]) -> dict[int, str]:
     return out
 
 
-FAULT_ACTIONS = ("exit", "pause", "hang", "raise", "nan")  # elastic/worker/faults.py
+FAULT_ACTIONS = ("exit", "pause", "hang", "raise", "nan", "corrupt_copy")  # worker/faults.py
 
 
 def _faults(faults: Any) -> None:
@@ -439,7 +439,7 @@ class Failures(Section):
     replacement_timeout_s: float = 0.0
     min_workers_timeout_s: float = 60.0  # below min_workers: wait this long, then fail
     # test aid: inject a failure at the start of a step on a rank, once per job:
-    # [{rank, step, action: exit|pause|hang|raise|nan, dir: marker directory (default
+    # [{rank, step, action: exit|pause|hang|raise|nan|corrupt_copy, dir: marker directory (default
     # <run_path>/faults)}] (elastic/worker/faults.py, docs/architecture.md, Fault injection)
     faults: list[dict[str, Any]] | None = None
     # a step whose loss or gradient norm is NaN or inf: skip (drop its update on every rank;

@@ -13,7 +13,9 @@ fire it again. Actions:
 * ``hang``: blocks forever inside the step: its peers' collectives time out;
 * ``raise``: ``RuntimeError`` from the job's code path (a user error);
 * ``nan``: this rank's batch inputs are NaN for that step (for integer inputs: the outputs
-  of the blocks it computes), so the loss and gradients are not finite.
+  of the blocks it computes), so the loss and gradients are not finite;
+* ``corrupt_copy``: one byte of a buddy's copy this rank holds is flipped (peer copies), so
+  a restore from it must find the checksum wrong and fall back to storage.
 """
 
 from __future__ import annotations
@@ -43,13 +45,15 @@ def _block_forever() -> None:
 class Faults:
     """The job's fault entries, indexed by (rank, step); a no-op when there are none.
 
-    ``node_id`` says which node this process runs on (for ``pause``); ``block`` and ``exit``
-    are what ``pause``/``hang`` and ``exit`` do (tests replace them).
+    ``node_id`` says which node this process runs on (for ``pause``); ``block``, ``exit`` and
+    ``corrupt`` are what ``pause``/``hang``, ``exit`` and ``corrupt_copy`` do (tests replace
+    them).
     """
 
     def __init__(self, config: JobConfig | WorkerConfig, node_id: Callable[[], str | None] = lambda: None,
                  block: Callable[[], None] = _block_forever,
-                 exit: Callable[[int], Any] = os._exit) -> None:
+                 exit: Callable[[int], Any] = os._exit,
+                 corrupt: Callable[[], Any] = lambda: None) -> None:
         self._at: dict[tuple[int, int], list[dict[str, Any]]] = {}
         for f in config.faults or []:
             self._at.setdefault((int(f["rank"]), int(f["step"])), []).append(f)
@@ -57,6 +61,7 @@ class Faults:
         self._node_id = node_id
         self._block = block
         self._exit = exit
+        self._corrupt = corrupt
 
     def at_step(self, rank: int, step: int, generation: int) -> bool:
         """At the start of ``step`` on ``rank``: fire the entries due there that have not
@@ -82,6 +87,8 @@ class Faults:
                 raise FaultInjected(f"fault injected at rank {rank}, step {step} (faults)")
             elif action == "nan":
                 nan = True
+            elif action == "corrupt_copy":
+                self._corrupt()
         return nan
 
     @staticmethod

@@ -1,0 +1,275 @@
+"""Host-memory state between ranks, without Ray: an evacuation's hand-off and the buddies'
+copies (``elastic/worker/handoff.py``, ``elastic/worker/peer_copies.py``).
+
+The pure parts (plans, buddy rings, which pieces need a copy, buffers and checksums) are
+checked directly. The collective parts run on a pool of 3 spawned gloo processes
+(``tests/mp_harness.py``) whose Python state survives from one run to the next: a first run
+on 3 ranks trains a zero3 layout and hands off (or copies) pieces, a second run on the first
+2 processes, a new group as after the third is gone, loads a new layout from what the
+survivors hold, and the state is the one the 3 ranks had.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from elastic.errors import StateMoveError
+from elastic.worker.handoff import covered, handoff_plan
+from elastic.worker.peer_copies import (
+    FAILED,
+    PeerCopies,
+    _stamp,
+    _stamped,
+    _views,
+    buddies,
+    layout_offsets,
+    unique_pieces,
+)
+from strategies import StrategySpec, state_hash
+from tests.mp_harness import ProcessPool
+
+# --------------------------------------------------------------------------- pure parts
+
+W = ((6, 2), "float32")
+
+
+def _m(key: str, rows: tuple[int, int] | None, shape: tuple[int, ...] = (6, 2)):
+    return (key, shape, "float32", rows)
+
+
+def test_covered():
+    assert covered((0, 6), [(0, 3), (3, 6)]) and covered((2, 4), [(0, 6)])
+    assert not covered((0, 6), [(0, 3), (4, 6)]) and not covered((0, 1), [])
+
+
+def test_handoff_plan_moves_only_what_no_survivor_holds():
+    # zero3-like rows: rank 2 leaves, its rows go to the least loaded survivor
+    rows = [[_m("w", (2 * r, 2 * r + 2)), _m("b", (r, r + 1), (3,))] for r in range(3)]
+    plan = handoff_plan(rows, [2])
+    assert plan == [(2, 0, 0), (2, 1, 1)]
+    # dp-like replicas: nothing moves
+    assert handoff_plan([[_m("w", None)]] * 3, [1]) == []
+    # two leave: each piece once, to survivors only
+    plan = handoff_plan(rows, [1, 2])
+    assert {d for _, _, d in plan} == {0} and len(plan) == 4
+    assert handoff_plan(rows, [0, 1, 2]) == []  # nobody to hand to
+
+
+def test_buddies_are_on_another_node_when_there_is_one():
+    assert buddies(["a", "b", "c"]) == [1, 2, 0]
+    assert buddies(["a", "a", "b"]) == [2, 2, 0]
+    assert buddies(["a", "a"]) == [1, 0]  # one node: the next rank (a process loss only)
+    assert buddies(["a"]) == [0]
+
+
+def test_unique_pieces_skip_replicas_on_other_nodes():
+    whole = [_m("w", None)]
+    assert unique_pieces([whole] * 3, ["a", "b", "c"]) == [[], [], []]  # dp
+    # a replica on the same node does not count (it goes with the node)
+    assert unique_pieces([whole, whole, []], ["a", "a", "b"]) == [[0], [0], []]
+    rows = [[_m("w", (2 * r, 2 * r + 2))] for r in range(3)]
+    assert unique_pieces(rows, ["a", "b", "c"]) == [[0], [0], [0]]  # zero3
+    # zero1/2: params replicated, optimizer entries owned
+    z = [[_m("model/w", None), _m(f"optim/w{r}", None, (2,))] for r in range(2)]
+    assert unique_pieces(z, ["a", "b"]) == [[1], [1]]
+
+
+def test_a_copy_buffer_round_trips_and_its_checksum_catches_a_flipped_byte():
+    metas = [_m("w", (2, 5)), ("s", (), "int64", None), ("h", (4, 3), "bfloat16", None)]
+    offs, size = layout_offsets(metas)
+    assert all(o % 16 == 0 for o in offs) and size == offs[-1] + 32 + 8
+    buf = torch.zeros(size, dtype=torch.uint8)
+    pieces = _views(buf, metas)
+    assert [tuple(p[3].shape) for p in pieces] == [(3, 2), (), (4, 3)]
+    pieces[0][3].copy_(torch.arange(6.0).reshape(3, 2))
+    pieces[1][3].fill_(41)
+    _stamp(buf)
+    assert _stamped(buf)
+    again = _views(buf, metas)
+    assert again[0][3].tolist() == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]
+    assert int(again[1][3]) == 41
+    buf[offs[0] + 1] ^= 0x10
+    assert not _stamped(buf)
+
+
+def test_copies_settle_only_on_every_ranks_word():
+    class _M:
+        rank, world, generation = 0, 3, 1
+
+    c = PeerCopies(5, None, _M(), lambda: "a")  # type: ignore[arg-type]
+    assert not c.due(0) and not c.due(3) and c.due(5) and c.due(10)
+    assert c.flag() == 1.0  # nothing in flight
+    c.settle(3.0, 3)  # nothing pending: no-op
+    assert c.status()["steps"] == {}
+    with pytest.raises(StateMoveError, match="stale"):
+        c.restore_pieces(5)
+    assert PeerCopies(0, None, _M(), lambda: None).due(5) is False  # type: ignore[arg-type]
+    assert FAILED < -3
+
+
+# --------------------------------------------------------------------------- collective parts
+
+SEED = 3
+G = 6
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(SEED)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+
+
+def _data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(G, 4, generator=g), torch.randn(G, 2, generator=g)
+
+
+def _layout(name: str, world: int, load: bool) -> Any:
+    from elastic.reference import build_model_for_load
+    from strategies import Runtime, registry
+
+    spec = StrategySpec(name=name, world_size=world, shares=_shares(world))
+    model = build_model_for_load(_model, SEED) if load else _model()
+    return registry.get(name)(spec, Runtime.current("cpu"), model,
+                              lambda p: torch.optim.Adam(p, lr=1e-2), F.mse_loss)
+
+
+def _shares(world: int) -> tuple[int, ...]:
+    base, extra = divmod(G, world)
+    return tuple(base + (1 if r < extra else 0) for r in range(world))
+
+
+def _train(strat: Any, start: int, end: int) -> None:
+    from elastic.data import share_bounds
+
+    lo, hi = share_bounds(strat.spec.shares, dist.get_rank())
+    for s in range(start, end):
+        x, y = _data(s)
+        strat.train_step(x[lo:hi], y[lo:hi])
+
+
+_KEPT: dict[str, Any] = {}  # survives between runs of the same pool process
+
+
+class _Members:
+    """What ``PeerCopies`` reads of ``Membership``, over the pool's group."""
+
+    def __init__(self, generation: int) -> None:
+        from elastic.worker.membership import control_group
+
+        self.rank, self.world, self.generation = dist.get_rank(), dist.get_world_size(), generation
+        self.copies_group = control_group(self.rank, self.world, generation, 30.0,
+                                          "elastic-copies")
+
+
+def _hand_off_then_leave(steps: int) -> dict[str, Any]:
+    """3 ranks: zero3, train; rank 2 hands its pieces off; everyone parks what it holds."""
+    from elastic.worker.handoff import hand_off
+    from elastic.worker.held_state import HeldState
+
+    strat = _layout("zero3", 3, load=False)
+    _train(strat, 0, steps)
+    full = state_hash(strat.full_state())
+    held = HeldState()
+    got, out = hand_off(held.pieces(strat), [2], torch.device("cpu"))
+    held.carried += got
+    held.park(strat)
+    strat.close()
+    _KEPT["held"] = held
+    return {"hash": full, **out}
+
+
+def _load_from_held(name: str) -> dict[str, Any]:
+    """2 ranks, a new group: load ``name`` from the parked and carried pieces."""
+    from strategies import move_pieces
+
+    strat = _layout(name, 2, load=True)
+    res = move_pieces(_KEPT.pop("held").pieces(None), strat)
+    out = {"hash": state_hash(strat.full_state()), "problems": res.problems}
+    strat.close()
+    return out
+
+
+def _copy_then_lose(every: int, steps: int, corrupt: bool) -> dict[str, Any]:
+    """3 ranks: zero3 with copies every ``every`` steps, settled through a sum as the step
+    loop does; train ``steps``; return the hash of the state at the last copy."""
+    strat = _layout("zero3", 3, load=False)
+    node = f"node{dist.get_rank()}"
+    copies = PeerCopies(every, None, _Members(1), lambda: node)  # type: ignore[arg-type]
+    hashes = {}
+    for s in range(steps):
+        _train(strat, s, s + 1)
+        if copies.due(s + 1):
+            hashes[s + 1] = state_hash(strat.full_state())
+            copies.begin(strat, s + 1)
+            _pending = copies._pending
+            assert _pending is not None
+            _pending.done.wait(30)  # a test: settle at once rather than steps later
+        flag = torch.tensor([copies.flag()], dtype=torch.float64)
+        dist.all_reduce(flag)
+        copies.settle(float(flag), 3)
+    if corrupt and dist.get_rank() == 0:
+        assert copies.corrupt()
+    strat.close()
+    _KEPT["copies"] = copies
+    return {"hashes": hashes, "status": copies.status()}
+
+
+def _load_from_copies(step: int) -> dict[str, Any]:
+    from strategies import move_pieces
+
+    copies = _KEPT.pop("copies")
+    try:
+        pieces, err = copies.restore_pieces(step), ""
+    except StateMoveError as e:
+        pieces, err = [], str(e)
+    ok = torch.tensor([0.0 if err else 1.0])
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    if not ok.item():
+        return {"error": err or "another rank's copy does not match its checksum"}
+    strat = _layout("zero2", 2, load=True)
+    res = move_pieces(pieces, strat)
+    out = {"hash": state_hash(strat.full_state()), "problems": res.problems}
+    strat.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = ProcessPool(3)
+    yield p
+    p.close()
+
+
+def test_a_draining_ranks_shard_is_handed_off_and_the_survivors_load_any_layout(pool):
+    first = pool.run(_hand_off_then_leave, 3, world_size=3)
+    assert len({r["hash"] for r in first}) == 1
+    assert first[2]["bytes_sent"] > 0 and first[0]["bytes_received"] > 0
+    assert first[0]["bytes_sent"] == first[1]["bytes_sent"] == 0
+    second = pool.run(_load_from_held, "zero2", world_size=2)
+    for r in second:
+        assert r["problems"] == [] and r["hash"] == first[0]["hash"]
+
+
+def test_a_lost_ranks_shard_comes_back_from_its_buddys_copy(pool):
+    first = pool.run(_copy_then_lose, 2, 5, False, world_size=3)
+    hashes = first[0]["hashes"]
+    assert sorted(hashes) == [2, 4]
+    # rank 1 keeps rank 0's copy, rank 2 keeps rank 1's, rank 0 keeps rank 2's
+    assert sorted(first[0]["status"]["steps"]) == [4]
+    second = pool.run(_load_from_copies, 4, world_size=2)  # rank 2 is gone
+    for r in second:
+        assert r.get("problems") == [] and r["hash"] == hashes[4], r
+
+
+def test_a_corrupt_copy_is_refused_on_every_rank(pool):
+    pool.run(_copy_then_lose, 2, 3, True, world_size=3)
+    second = pool.run(_load_from_copies, 2, world_size=2)
+    errors = [r.get("error", "") for r in second]
+    assert errors[0].startswith("the copy of rank 2's state (step 2) held by rank 0 does not "
+                                "match its checksum"), errors
+    assert "another rank's copy" in errors[1]
