@@ -86,6 +86,15 @@ class Layouts:
                             micro_batches=cfg.micro_batches, schedule=cfg.schedule,
                             dp_mode=cfg.dp_mode, stage_split=split)
 
+    def segment_end(self, step: int, end: int, group: Any) -> int:
+        """Where a segment from ``step`` stops for the layouts' sake: a scheduled switch,
+        the next re-balancing check while balancing, else ``end``."""
+        ends = [end] + [s for s in self.cfg.switch_at if s > step]
+        every = self.cfg.rebalance_every
+        if every > 0 and self.balancing(group):
+            ends.append((step // every + 1) * every)
+        return min(ends)
+
     def check(self, spec: StrategySpec) -> None:
         """``StrategyError`` if ``spec`` cannot run on the job's model."""
         get_strategy(spec.name).validate(spec, self.probe_model)
@@ -121,6 +130,58 @@ class Layouts:
         self._emit("replanned", f"{name} cannot run on {world} workers; the planner chose "
                    f"{spec.name}")
         return spec
+
+    def survivor_plan(self, name: str, infos: list[dict[str, Any]]) -> tuple[bool, str, str]:
+        """Before a planned shrink to the workers ``infos`` (an evacuation): whether the
+        planner finds a layout of the state that fits their memory, the strategy to use
+        (``name`` when it fits, else the planner's choice) and a few words when it changes.
+        With peer copies on, a worker whose device memory is host memory (CPU) holds them
+        too: its budget is lowered by what they take."""
+        from clusters import plan
+
+        from ..planning import live_cluster, model_profile
+
+        if name == "auto":
+            return True, name, ""
+        cluster, _ = live_cluster(self._budgets(name, infos))
+        profile = model_profile(self.probe_model, self.cfg.optimizer,
+                                precision=self.cfg.precision)
+        g = self.cfg.global_batch_size
+        kinds = ("pipeline",) if traits_of(name).pipeline else (name,)
+        try:
+            if plan(cluster, profile, g, strategies=kinds, subsets=False).choice is not None:
+                return True, name, ""
+            other = plan(cluster, profile, g, subsets=False).choice
+        except Exception as e:  # noqa: BLE001 - a model the planner cannot cut: keep it
+            return True, name, f" (not planned: {e})"
+        if other is None:
+            return False, name, "; no layout fits the survivors' memory"
+        return True, other.plan.strategy, (f"; {name} does not fit the survivors' memory, "
+                                           f"the planner chose {other.plan.strategy}")
+
+    def _budgets(self, name: str, infos: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """``infos`` with each CPU worker's memory budget lowered by the peer copies it
+        keeps (its own snapshot and a buddy's: twice its share of the model state)."""
+        every = getattr(self.cfg, "peer_copies_every", 0)
+        if every <= 0 or not infos:
+            return [dict(i, rank=r) for r, i in enumerate(infos)]
+        from clusters import layout_memory
+
+        n = len(infos)
+        params = sum(p.numel() for p in self.probe_model.parameters())
+        kind = name if name in _SHARE_BALANCED else "zero3"  # a stage's share is ~1/n too
+        m = layout_memory(kind, params, n, bytes_per_param=4, grad_bytes=4, optimizer_bytes=8)
+        copies_gb = 2 * (m.params + m.optimizer) / 1e9
+        out = []
+        for r, i in enumerate(infos):
+            i = dict(i, rank=r)
+            if i.get("device") == "cpu":
+                emu = dict(i.get("emulation") or {})
+                base = float(emu.get("memory_gb", 4.0))
+                emu["memory_gb"] = max(0.001, base - copies_gb)
+                i["emulation"] = emu
+            out.append(i)
+        return out
 
     # ------------------------------------------------------------------ speeds
 

@@ -17,11 +17,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from strategies import StrategySpec
-
 from ..errors import ClusterError, ElasticError, InfrastructureError, WorkerError, WorkerLostError
 from ..failures import Failure, classify
-from .group import Segment, SegmentPoll, WorkerRec
+from .calls import PlacementCalls, WorkerCalls
+from .group import DrainNotice, Segment, SegmentPoll, WorkerRec, drain_notices
 
 __all__ = ["WorkerGroup", "Placement", "WorkerRec", "Segment", "SegmentPoll"]
 
@@ -47,13 +46,17 @@ def _typed(e: BaseException, w: WorkerRec | None = None) -> BaseException:
     return e
 
 
-def _node_alive(node_id: str) -> bool:
+def _node_alive(node_id: str, default: bool = True) -> bool:
     import ray
 
     try:
         return any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes())
     except Exception:  # noqa: BLE001 - the GCS busy: assume the node lives
-        return True
+        return default
+
+
+# gcs_pb2.NodeDeathInfo.Reason: what a draining node's info says it will die of
+_DRAIN_REASONS = {3: "preemption", 4: "idle termination", 1: "expected termination"}
 
 
 def pg_ready(pg: Any) -> bool:
@@ -79,6 +82,8 @@ class Placement:
         self._emulate = list(emulate or [])
         self._next_id = 0
         self.free_slots: list[tuple[Any, int]] = []  # reserved bundles without a worker
+        # bundles of workers released from a draining node: free once that node is gone
+        self.draining: list[tuple[Any, int, str]] = []
         self._warming: list[tuple[WorkerRec, Any]] = []  # spares starting: (worker, info ref)
         self._bundle_res: dict[str, float] | None = None
         self._worker_cfg = config.for_worker()  # what a worker reads, and nothing else
@@ -199,6 +204,7 @@ class Placement:
         if n <= 0:
             return
         bundle = self.bundle()
+        self._revive()
         ready_slots = [(pg, i) for pg, i in self.free_slots if pg_ready(pg)][:n]
         for pg, i in ready_slots:
             self.free_slots.remove((pg, i))
@@ -257,8 +263,18 @@ class Placement:
                     ray.util.remove_placement_group(pg)
         return placed
 
+    def _revive(self) -> None:
+        """Bundles released from a draining node become free slots once the node is gone
+        (Ray then reserves them again where there is room); until then a worker started
+        there would go down with the node."""
+        if self.draining:
+            gone = [d for d in self.draining if not _node_alive(d[2], default=True)]
+            self.draining = [d for d in self.draining if d not in gone]
+            self.free_slots += [(pg, i) for pg, i, _ in gone]
+
     def room(self) -> bool:
         """A free reserved slot that is placeable, or free resources for one more worker."""
+        self._revive()
         if self.free_slots:
             return any(pg_ready(pg) for pg, _ in self.free_slots)
         return self._free_resources(self.bundle())
@@ -279,16 +295,17 @@ class Placement:
         self._warming = []
         for w in warm:
             _kill(w)
-        pgs = [w.pg for w in list(extra) + warm] + [pg for pg, _ in self.free_slots]
+        pgs = ([w.pg for w in list(extra) + warm] + [pg for pg, _ in self.free_slots]
+               + [pg for pg, _, _ in self.draining])
         for pg in {id(pg): pg for pg in pgs if pg is not None}.values():
             try:
                 ray.util.remove_placement_group(pg)
             except Exception:  # noqa: BLE001 - already removed
                 pass
-        self.free_slots = []
+        self.free_slots, self.draining = [], []
 
 
-class WorkerGroup:
+class WorkerGroup(PlacementCalls, WorkerCalls):
     """The job's workers on a Ray cluster (Ray must be initialised): placement (through
     ``Placement``), membership, and every call to them."""
 
@@ -297,41 +314,7 @@ class WorkerGroup:
         self.workers: list[WorkerRec] = []
         self.generation = 0
         self.placement = Placement(config, emulate)
-
-    @property
-    def use_gpu(self) -> bool:
-        return self.placement.use_gpu
-
-    def place(self, n: int, min_workers: int) -> list[WorkerRec]:
-        """Start ``n`` workers in one placement group (``ClusterError`` with the fix if it
-        cannot be reserved in time or fewer than ``min_workers`` start)."""
-        new = self.placement.place(n, min_workers)
-        self.workers += new
-        return new
-
-    def spares_ready(self) -> int:
-        return self.placement.spares_ready()
-
-    def spares_starting(self) -> int:
-        return self.placement.spares_starting()
-
-    def start_spares(self, n: int) -> None:
-        self.placement.start_spares(n)
-
-    def take_spares(self, n: int) -> list[WorkerRec]:
-        """Take up to ``n`` warm spares that are up into the job."""
-        new = self.placement.take_spares(n)
-        self.workers += new
-        return new
-
-    def try_place(self, n: int, timeout_s: float) -> list[WorkerRec]:
-        """Place up to ``n`` more workers within ``timeout_s``; keep what could be placed."""
-        new = self.placement.try_place(n, timeout_s)
-        self.workers += new
-        return new
-
-    def room(self) -> bool:
-        return self.placement.room()
+        self._reasons: dict[str, tuple[str, str]] = {}  # draining node -> (reason, message)
 
     # ------------------------------------------------------------------ membership
 
@@ -358,6 +341,67 @@ class WorkerGroup:
             self.placement.free_slots.append((w.pg, w.slot))
         gone = {id(w) for w in dead}
         self.workers = [w for w in self.workers if id(w) not in gone]
+
+    def release(self, workers: Sequence[WorkerRec]) -> None:
+        """Let workers of a draining node go (killed now); their bundles become free slots
+        only once the node is gone, so no spare starts there."""
+        for w in workers:
+            _kill(w)
+            self.placement.draining.append((w.pg, w.slot, str(w.info.get("node_id", ""))))
+        gone = {id(w) for w in workers}
+        self.workers = [w for w in self.workers if id(w) not in gone]
+
+    # ------------------------------------------------------------------ notices
+
+    def notices(self) -> list[DrainNotice]:
+        """Ray's draining nodes that host this job's workers, with their deadlines (one GCS
+        call, ~1 ms: what Ray Train V2's preemption watcher polls; ``ray.nodes()`` does not
+        show a drain). The reason is read once per node from its GCS node info."""
+        import ray
+
+        try:
+            drained = ray._private.state.state.get_draining_nodes()  # {node hex: deadline ms}
+        except Exception:  # noqa: BLE001 - the GCS busy: no news this time
+            return []
+        return drain_notices(drained or {}, self.workers, self._drain_reason)
+
+    def _drain_reason(self, node: str) -> tuple[str, str]:
+        if node in self._reasons:
+            return self._reasons[node]
+        import ray
+
+        got = ("draining", "")
+        try:
+            gcs = ray._raylet.GcsClient(  # type: ignore[attr-defined]
+                address=ray.get_runtime_context().gcs_address)
+            for nid, info in gcs.get_all_node_info(timeout=5).items():
+                if (nid.hex() if hasattr(nid, "hex") else str(nid)) == node:
+                    why = info.death_info.reason
+                    got = (_DRAIN_REASONS.get(int(why), "draining"),
+                           str(info.death_info.reason_message))
+        except Exception:  # noqa: BLE001 - the reason is a nicety; the deadline is what counts
+            pass
+        self._reasons[node] = got
+        return got
+
+    def drain_node(self, node_id: str, deadline_s: float | None, message: str) -> str:
+        """Ask Ray to drain ``node_id`` (as ``ray drain-node`` does: a preemption-kind drain
+        is the one Ray accepts for a busy node) so that nothing new is placed there; its
+        deadline is in ``deadline_s`` seconds (None: none). Returns "" when accepted, else
+        Ray's reason for refusing."""
+        import ray
+        from ray.core.generated import autoscaler_pb2
+
+        deadline_ms = 0 if deadline_s is None else int((time.time() + deadline_s) * 1000)
+        try:
+            gcs = ray._raylet.GcsClient(  # type: ignore[attr-defined]
+                address=ray.get_runtime_context().gcs_address)
+            reason = autoscaler_pb2.DrainNodeReason.Value(  # type: ignore[attr-defined]
+                "DRAIN_NODE_REASON_PREEMPTION")
+            ok, why = gcs.drain_node(node_id, reason, message, deadline_ms)
+        except Exception as e:  # noqa: BLE001 - said to the asker
+            return f"{type(e).__name__}: {e}"
+        return "" if ok else str(why or "refused")
 
     def shrink(self, n: int) -> list[WorkerRec]:
         """Keep the first ``n`` workers; kill the rest (their bundles are released with their
@@ -476,47 +520,7 @@ class WorkerGroup:
         return out
 
     # ------------------------------------------------------------------ typed calls
-
-    def build(self, spec: StrategySpec) -> list[dict[str, Any]]:
-        """Lay every worker out as ``spec`` (first build or a live switch)."""
-        return self._call("build", spec)
-
-    def memory_counts(self, timeout_s: float | None = None) -> list[dict[str, int]]:
-        return self._call("memory_counts", timeout_s=timeout_s)
-
-    def profile(self, batch: int, detail: bool = False,
-                workers: Sequence[WorkerRec] | None = None) -> list[dict[str, Any]]:
-        return self._call("profile", batch, detail, workers=workers)
-
-    def measure_collectives(self, sizes: list[int]) -> list[list[tuple[int, float]]]:
-        return self._call("measure_collectives", sizes)
-
-    def progress(self, timeout_s: float | None = None) -> list[dict[str, Any]]:
-        return self._call("progress", timeout_s=timeout_s)
-
-    def held_keys(self) -> list[dict[str, tuple[tuple[int, ...], str]]]:
-        return self._call("held_keys")
-
-    def leave(self, workers: Sequence[WorkerRec] | None = None) -> None:
-        self._call("leave", workers=workers)
-
-    def snapshot_full(self) -> None:
-        self._call("snapshot_full")
-
-    def finish_pending_step(self, workers: Sequence[WorkerRec]) -> None:
-        self._call("finish_pending_step", workers=workers)
-
-    def restore_from_peers(self, spec: StrategySpec, plan: list[tuple[str, int, tuple[int, ...],
-                                                                      str]],
-                           step: int) -> list[dict[str, Any]]:
-        return self._call("restore_from_peers", spec, plan, step)
-
-    def restore_checkpoint(self, spec: StrategySpec, step: int, store: Any = None
-                           ) -> list[dict[str, Any]]:
-        return self._call("restore_checkpoint", spec, step, store)
-
-    def restart_fresh(self, spec: StrategySpec) -> None:
-        self._call("restart_fresh", spec, None, 0)
+    # (named in ``WorkerCalls``; here: how they travel, and how their failures come back)
 
     def checkpoint_poll(self) -> list[dict[str, Any] | None]:
         """Each worker's upload outcome; a worker that does not answer within 30 s counts as
@@ -530,10 +534,6 @@ class WorkerGroup:
             except Exception:  # noqa: BLE001 - said as a failed upload
                 out.append({"error": f"worker {w.rank} did not answer"})
         return out
-
-    def checkpoint_now(self) -> list[dict[str, Any]]:
-        """Every worker begins a checkpoint of the state as it is (collective)."""
-        return self._call("checkpoint_now")
 
     def checkpoint_done(self, step: int, committed: bool) -> None:
         for w in self.workers:

@@ -122,3 +122,58 @@ def test_run_logs_are_strict_json(tmp_path):
     assert m["loss"] is None and m["grad_norm"] is None and m["lr"] == 0.1
     e = strict_loads((tmp_path / "events.jsonl").read_text())
     assert e["data"]["vals"] == [1.0, None]
+
+
+# ------------------------------------------------------------------ notices, buddies' copies
+
+
+def test_buddy_step_is_the_newest_step_every_row_is_held_at():
+    from elastic.control.regroup import buddy_step
+
+    def rows(r, n=3):  # zero3: rank r's rows of a (6, 2) entry
+        return ("model/w", (6, 2), (2 * r, 2 * r + 2))
+
+    need = {"model/w", "model/b"}
+    b = ("model/b", (2,), None)
+    # survivors 0 and 1; rank 2's rows come from its buddy (rank 0) at step 10 only
+    s0 = {"steps": {10: [rows(0), b, rows(2)], 15: [rows(0), b]}}
+    s1 = {"steps": {10: [rows(1)], 15: [rows(1), b]}}
+    assert buddy_step([s0, s1], need) == 10
+    # a stale copy (another step) does not count; a lost buddy leaves a hole
+    assert buddy_step([{"steps": {10: [rows(0), b]}}, {"steps": {15: [rows(1), rows(2)]}}],
+                      need) is None
+    assert buddy_step([{"steps": {}}, {"steps": {}}], need) is None
+    assert buddy_step([s0, s1], need | {"optim/w/exp_avg"}) is None
+
+
+def test_drain_notices_name_the_nodes_that_host_workers():
+    from elastic.control.group import WorkerRec, drain_notices
+
+    ws = [WorkerRec(None, i, {"node_id": n}, rank=i) for i, n in enumerate("aab")]
+    got = drain_notices({"a": 5_000, "c": 0, "b": 0}, ws, lambda n: ("preemption", "spot"),
+                        now=1.0)
+    assert [(n.node_id, n.ranks, n.deadline, n.reason) for n in got] == [
+        ("a", (0, 1), 5.0, "preemption"), ("b", (2,), None, "preemption")]
+    assert got[0].left_s(2.0) == 3.0 and got[1].left_s(2.0) is None
+
+
+def test_a_node_is_named_by_a_unique_prefix():
+    from elastic.control.evacuation import resolve_node
+    from elastic.errors import SwitchError
+
+    nodes = ["3f2a9c01aa", "3f2b0000bb", "77"]
+    assert resolve_node("3f2a", nodes) == "3f2a9c01aa"
+    for bad, words in [("3f2", "more than one"), ("zz", "no node"), ("", "no node")]:
+        with pytest.raises(SwitchError, match=words):
+            resolve_node(bad, nodes)
+
+
+def test_evacuate_requests_are_parsed_where_they_enter():
+    assert parse("evacuate", "abc").value == {"node": "abc", "deadline_s": None}
+    assert parse("evacuate", {"node": " ab ", "deadline_s": 3}).value == {
+        "node": "ab", "deadline_s": 3.0}
+    for bad in (None, 3, {"node": ""}, {"node": "a", "deadline_s": True}, {"nod": "a"}):
+        with pytest.raises(RequestError, match="evacuate"):
+            parse("evacuate", bad)
+    with pytest.raises(RequestError, match="unknown request 'notice'"):
+        parse("notice")  # the controller's own
