@@ -240,7 +240,7 @@ class Controller:
         while True:
             poll = self.group.poll_segment(seg, self._poll_interval())
             if poll.failures:
-                return Recovering(root_cause(poll.failures))
+                return Recovering(root_cause(poll.failures), poll.noticed_by)
             self._drain()
             self._check_interrupt()
             self.sizing.settle(len(self.workers))  # growth that waited too long is refused
@@ -342,7 +342,7 @@ class Controller:
         seg, self._segment = self._segment, None
         out = self.regroup.recover(st.failure, self.failures, seg, self.spec,
                                    self._target_strategy(), max(self.cfg.num_workers,
-                                                                len(self.workers)))
+                                                                len(self.workers)), st.noticed_by)
         if isinstance(out, GiveUp):
             err = st.failure.error
             if st.failure.recoverable or not isinstance(err, BaseException):

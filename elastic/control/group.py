@@ -16,7 +16,8 @@ from strategies import StrategySpec
 
 from ..failures import Failure
 
-__all__ = ["WorkerRec", "Segment", "SegmentPoll", "DrainNotice", "drain_notices", "Group"]
+__all__ = ["WorkerRec", "Segment", "SegmentPoll", "DrainNotice", "drain_notices", "drain_reason",
+           "Group"]
 
 
 @dataclass
@@ -49,6 +50,7 @@ class SegmentPoll:
     done: bool = False
     next_step: int | None = None
     failures: tuple[Failure, ...] = ()
+    noticed_by: str = ""  # the first signal of a failure: liveness, collective or actor
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,20 @@ def drain_notices(drained: dict[str, int], workers: Sequence[WorkerRec],
                                    deadline_ms / 1e3 if deadline_ms else None, reason,
                                    message, t))
     return out
+
+
+# gcs_pb2.NodeDeathInfo.Reason: what a draining node's info says it will go for
+_DRAIN_REASONS = {3: "preemption", 4: "idle termination", 1: "expected termination"}
+
+
+def drain_reason(infos: dict[Any, Any], node: str) -> tuple[str, str]:
+    """(reason in words, Ray's message) for draining ``node`` from the GCS's node infos
+    (``GcsClient.get_all_node_info()``: node id -> ``GcsNodeInfo``)."""
+    for nid, info in infos.items():
+        if (nid.hex() if hasattr(nid, "hex") else str(nid)) == node:
+            death = info.death_info
+            return _DRAIN_REASONS.get(int(death.reason), "draining"), str(death.reason_message)
+    return "draining", ""
 
 
 class Group(Protocol):

@@ -220,7 +220,7 @@ class Regroup:
     # ------------------------------------------------------------------ recovery
 
     def recover(self, failure: Failure, failures: int, segment: Any, spec: StrategySpec,
-                strategy: str, target: int) -> Regrouped | GiveUp:
+                strategy: str, target: int, noticed_by: str = "") -> Regrouped | GiveUp:
         """Survive the loss of workers (``failures``: the job's count, this one included):
         keep the survivors' processes and memory, re-plan for the workers there are, restore
         the state, and say where training goes on; or the reason to give up."""
@@ -245,6 +245,7 @@ class Regroup:
                    f"node(s) {lost_nodes}); {len(survivors)} survive: {failure.message[:200]}",
                    data={"kind": failure.kind.value, "dead_ranks": [w.rank for w in dead],
                          "nodes": lost_nodes, "detect_s": t_detect - t_fail,
+                         "noticed_by": noticed_by,
                          "survivor_pids": [w.info.get("pid") for w in survivors]})
         verdict = self.budget.decide(FailureObservation(
             failure.kind.value, True, failures, failure.message))

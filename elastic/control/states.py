@@ -148,6 +148,7 @@ class Recovering(State):
 
     phase: ClassVar[ControllerState] = ControllerState.RECOVERING
     failure: Failure
+    noticed_by: str = ""  # the first signal: liveness, collective or actor
 
     def describe(self) -> str:
         return f"recovering from {self.failure.kind.value}"

@@ -1,11 +1,10 @@
 """The worker group: the controller's only Ray-aware code.
 
 ``WorkerGroup`` owns the job's worker actors and their placement: it reserves bundles,
-starts workers (in the foreground, or in the background as warm spares), forms each
-generation of the process group, kills workers, and makes every call to them, each as a typed
-method. What Ray raises is turned into elastic's typed errors here (``WorkerLostError`` for a
-dead actor), so the controller above it never sees a Ray exception and can be driven without
-Ray (``tests/unit/fake_group.py`` implements the same methods).
+starts workers (in the foreground, or as warm spares), forms each generation of the group,
+kills workers, watches Ray's draining nodes, and makes every call to them (named in
+``calls.py``). What Ray raises is turned into elastic's typed errors here, so the controller
+never sees a Ray exception and runs without Ray over ``tests/unit/fake_group.py``.
 
 Not thread-safe except ``request_stop`` (the SDK's thread calls it while the controller's
 thread waits on a segment).
@@ -20,7 +19,9 @@ from typing import Any
 from ..errors import ClusterError, ElasticError, InfrastructureError, WorkerError, WorkerLostError
 from ..failures import Failure, classify
 from .calls import PlacementCalls, WorkerCalls
-from .group import DrainNotice, Segment, SegmentPoll, WorkerRec, drain_notices
+from .group import DrainNotice, Segment, SegmentPoll, WorkerRec, drain_notices, drain_reason
+from .liveness import Liveness
+from .watch import SegmentWatch
 
 __all__ = ["WorkerGroup", "Placement", "WorkerRec", "Segment", "SegmentPoll"]
 
@@ -55,10 +56,6 @@ def _node_alive(node_id: str, default: bool = True) -> bool:
         return default
 
 
-# gcs_pb2.NodeDeathInfo.Reason: what a draining node's info says it will die of
-_DRAIN_REASONS = {3: "preemption", 4: "idle termination", 1: "expected termination"}
-
-
 def pg_ready(pg: Any) -> bool:
     """Whether every bundle of ``pg`` is reserved now (no task is started to find out:
     ``pg.ready()`` makes a new task each call, which a zero timeout never sees finish)."""
@@ -75,8 +72,10 @@ class Placement:
     (free slots), and the spares starting in the background. Returns the workers it starts;
     ``WorkerGroup`` takes them in."""
 
-    def __init__(self, config: Any, emulate: Sequence[dict[str, Any]] | None = None) -> None:
+    def __init__(self, config: Any, emulate: Sequence[dict[str, Any]] | None = None,
+                 liveness: tuple[str, int, str] | None = None) -> None:
         self.cfg = config
+        self._liveness = liveness  # (host, port, token) each worker connects to
         self.use_gpu = False
         self.start_error = ""  # why the last worker that failed to start failed
         self._emulate = list(emulate or [])
@@ -150,7 +149,8 @@ class Placement:
                 max_concurrency=2, max_restarts=0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     pg, placement_group_bundle_index=i),
-            ).remote(self._worker_cfg, wid, self.use_gpu, int(bundle.get("CPU", 1)))
+            ).remote(self._worker_cfg, wid, self.use_gpu, int(bundle.get("CPU", 1)),
+                     self._liveness)
             new.append((WorkerRec(h, wid, pg=pg, slot=i), h.info.remote()))
         return new
 
@@ -313,8 +313,23 @@ class WorkerGroup(PlacementCalls, WorkerCalls):
         self.cfg = config
         self.workers: list[WorkerRec] = []
         self.generation = 0
-        self.placement = Placement(config, emulate)
+        import ray
+
+        self.liveness = Liveness(ray.util.get_node_ip_address(), config.heartbeat_timeout_s)
+        self.watch = SegmentWatch(self.liveness, self._answers)
+        self.placement = Placement(config, emulate, (*self.liveness.address,
+                                                     self.liveness.token))
         self._reasons: dict[str, tuple[str, str]] = {}  # draining node -> (reason, message)
+
+    def _answers(self, w: WorkerRec) -> bool:
+        """Whether a silent worker answers a ping within 1 s (its second thread)."""
+        import ray
+
+        try:
+            ray.get(w.handle.progress.remote(), timeout=1.0)
+            return True
+        except Exception:  # noqa: BLE001 - dead or unresponsive
+            return False
 
     # ------------------------------------------------------------------ membership
 
@@ -366,23 +381,16 @@ class WorkerGroup(PlacementCalls, WorkerCalls):
         return drain_notices(drained or {}, self.workers, self._drain_reason)
 
     def _drain_reason(self, node: str) -> tuple[str, str]:
-        if node in self._reasons:
-            return self._reasons[node]
-        import ray
+        if node not in self._reasons:
+            import ray
 
-        got = ("draining", "")
-        try:
-            gcs = ray._raylet.GcsClient(  # type: ignore[attr-defined]
-                address=ray.get_runtime_context().gcs_address)
-            for nid, info in gcs.get_all_node_info(timeout=5).items():
-                if (nid.hex() if hasattr(nid, "hex") else str(nid)) == node:
-                    why = info.death_info.reason
-                    got = (_DRAIN_REASONS.get(int(why), "draining"),
-                           str(info.death_info.reason_message))
-        except Exception:  # noqa: BLE001 - the reason is a nicety; the deadline is what counts
-            pass
-        self._reasons[node] = got
-        return got
+            try:
+                gcs = ray._raylet.GcsClient(  # type: ignore[attr-defined]
+                    address=ray.get_runtime_context().gcs_address)
+                self._reasons[node] = drain_reason(gcs.get_all_node_info(timeout=5), node)
+            except Exception:  # noqa: BLE001 - the reason is a nicety; the deadline counts
+                self._reasons[node] = ("draining", "")
+        return self._reasons[node]
 
     def drain_node(self, node_id: str, deadline_s: float | None, message: str) -> str:
         """Ask Ray to drain ``node_id`` (as ``ray drain-node`` does: a preemption-kind drain
@@ -417,9 +425,10 @@ class WorkerGroup(PlacementCalls, WorkerCalls):
         """Ping every worker (its second thread answers even while the first is busy)."""
         import ray
 
-        skip = {id(w) for w in exclude}
+        gone = list(exclude) + [w for w in self.watch.lost(self.workers) if w not in exclude]
+        skip = {id(w) for w in gone}  # known lost (liveness): no 10 s wait on a ping
         refs = [(w, w.handle.progress.remote()) for w in self.workers if id(w) not in skip]
-        alive, dead = [], list(exclude)
+        alive, dead = [], gone
         for w, ref in refs:
             try:
                 ray.get(ref, timeout=10)
@@ -435,22 +444,13 @@ class WorkerGroup(PlacementCalls, WorkerCalls):
         return Segment(start, end, list(zip(self.workers, futs, strict=True)))
 
     def poll_segment(self, seg: Segment, timeout_s: float) -> SegmentPoll:
-        """Wait up to ``timeout_s`` for the segment. If a worker's segment failed, give its
-        peers a moment (1 s) to report a more specific cause, and return every failure."""
+        """Wait up to ``timeout_s`` for the segment, watching its futures and the workers'
+        liveness (``SegmentWatch``); every failure, typed."""
         import ray
 
-        futs = [f for _, f in seg.running]
-        done, pending = ray.wait(futs, num_returns=len(futs), timeout=timeout_s)
-        failures = self._failures(seg, done)
-        if failures and pending:
-            more, _ = ray.wait(pending, num_returns=len(pending), timeout=1.0)
-            failures += self._failures(seg, more)
-        if failures:
-            return SegmentPoll(failures=tuple(failures))
-        if pending:
-            return SegmentPoll()
-        outs = [ray.get(f) for f in futs]
-        return SegmentPoll(done=True, next_step=int(outs[0]["next_step"]))
+        return self.watch.poll(
+            seg, timeout_s, lambda fs, t: ray.wait(fs, num_returns=len(fs), timeout=t),
+            self._failures, lambda fs: int(ray.get(fs[0])["next_step"]))
 
     def _failures(self, seg: Segment, refs: Sequence[Any]) -> list[Failure]:
         import ray
@@ -581,6 +581,7 @@ class WorkerGroup(PlacementCalls, WorkerCalls):
         """Kill every worker and spare and release every placement group."""
         import ray
 
+        self.liveness.close()
         if not ray.is_initialized():
             return
         for w in self.workers:

@@ -29,6 +29,7 @@ from .boundary import guarded
 from .checkpointing import Checkpointing
 from .faults import Faults
 from .handoff import hand_off
+from .heartbeat import Heartbeat
 from .held_state import HeldState, PeerPlan
 from .inputs import JobData
 from .layout import Layout
@@ -53,9 +54,12 @@ def _node_id() -> str | None:
 class Worker:
     """Body of the worker actor (wrapped with ``ray.remote`` by the controller)."""
 
-    def __init__(self, config: JobConfig | WorkerConfig, worker_id: int, use_gpu: bool, num_threads: int) -> None:
+    def __init__(self, config: JobConfig | WorkerConfig, worker_id: int, use_gpu: bool,
+                 num_threads: int, liveness: tuple[str, int, str] | None = None) -> None:
         self.config = config
         self.worker_id = worker_id
+        # the controller learns of this process's end from this connection first
+        self.heartbeat = Heartbeat(*liveness, worker_id, 0.1) if liveness else None
         torch.set_num_threads(max(1, num_threads))
         self.device = torch.device("cuda", 0) if use_gpu else torch.device("cpu")
         if use_gpu:
@@ -194,6 +198,8 @@ class Worker:
     def shutdown(self) -> None:
         self.checkpoints.close()
         self.leave()
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
 
     # ------------------------------------------------------------------ recovery
 
