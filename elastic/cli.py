@@ -44,8 +44,8 @@ def _cmd_run(a: argparse.Namespace) -> int:
 def _cmd_demo(a: argparse.Namespace) -> int:
     from .demo import run_demo
 
-    return run_demo(max_steps=a.steps, num_workers=a.workers, strategy=a.strategy, view=a.view,
-                    run_dir=a.run_dir)
+    return run_demo(chaos=a.chaos, max_steps=a.steps, num_workers=a.workers,
+                    strategy=a.strategy, view=a.view, run_dir=a.run_dir)
 
 
 def _attach(address: str | None) -> None:
@@ -206,6 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--strategy")
     d.add_argument("--run-dir")
     d.add_argument("--view", choices=["auto", "rich", "plain", "none"])
+    d.add_argument("--chaos", action="store_true",
+                   help="on 3 local nodes: a preemption notice half-way (the node is "
+                        "evacuated), then a node lost without notice (restored from peers)")
     d.set_defaults(fn=_cmd_demo)
 
     ck = sub.add_parser("checkpoints", help="list, inspect, verify or export checkpoints")
