@@ -96,6 +96,18 @@ def _cmd_request(kind: str):
     return run
 
 
+def _cmd_drain(a: argparse.Namespace) -> int:
+    import json
+
+    from . import control
+
+    _attach(a.address)
+    out = control.ask(a.job, "evacuate", {"node": a.node, "deadline_s": a.deadline},
+                      reason="maintenance drain requested from the CLI")
+    print(json.dumps(out, indent=2, default=str))
+    return 0
+
+
 def _cmd_plan(a: argparse.Namespace) -> int:
     """Ranked plans for a cluster file (or the live Ray cluster) and a job's model."""
     import os
@@ -254,6 +266,13 @@ def build_parser() -> argparse.ArgumentParser:
             c.add_argument("value", metavar=arg.upper(), type=int if arg == "workers" else str)
         c.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS or auto)")
         c.set_defaults(fn=_cmd_request(kind))
+    dr = sub.add_parser("drain", help="evacuate a node of a running job (maintenance): its "
+                                      "state moves onto the other workers, no step lost")
+    dr.add_argument("job")
+    dr.add_argument("node", help="the node's id (a prefix will do)")
+    dr.add_argument("--deadline", type=float, help="seconds until the node goes (Ray is told)")
+    dr.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS or auto)")
+    dr.set_defaults(fn=_cmd_drain)
     return p
 
 
