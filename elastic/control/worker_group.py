@@ -47,13 +47,13 @@ def _typed(e: BaseException, w: WorkerRec | None = None) -> BaseException:
     return e
 
 
-def _node_alive(node_id: str, default: bool = True) -> bool:
+def _node_alive(node_id: str) -> bool:
     import ray
 
     try:
         return any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes())
     except Exception:  # noqa: BLE001 - the GCS busy: assume the node lives
-        return default
+        return True
 
 
 def pg_ready(pg: Any) -> bool:
@@ -185,11 +185,8 @@ class Placement:
         """Warm spares that are up (their info answered)."""
         import ray
 
-        if not self._warming:
-            return 0
         refs = [ref for _, ref in self._warming]
-        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-        return len(done)
+        return len(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) if refs else 0
 
     def spares_starting(self) -> int:
         return len(self._warming)
@@ -268,7 +265,7 @@ class Placement:
         (Ray then reserves them again where there is room); until then a worker started
         there would go down with the node."""
         if self.draining:
-            gone = [d for d in self.draining if not _node_alive(d[2], default=True)]
+            gone = [d for d in self.draining if not _node_alive(d[2])]
             self.draining = [d for d in self.draining if d not in gone]
             self.free_slots += [(pg, i) for pg, i, _ in gone]
 
@@ -365,6 +362,7 @@ class WorkerGroup(PlacementCalls, WorkerCalls):
             self.placement.draining.append((w.pg, w.slot, str(w.info.get("node_id", ""))))
         gone = {id(w) for w in workers}
         self.workers = [w for w in self.workers if id(w) not in gone]
+        self.liveness.forget([w.worker_id for w in workers])
 
     # ------------------------------------------------------------------ notices
 
