@@ -90,8 +90,10 @@ class WorkerCalls:
     def held_keys(self) -> list[dict[str, tuple[tuple[int, ...], str]]]:
         return self._call("held_keys")
 
-    def leave(self, workers: Sequence[WorkerRec] | None = None) -> None:
-        self._call("leave", workers=workers)
+    def leave(self, workers: Sequence[WorkerRec] | None = None, collect: bool = True) -> None:
+        """Every worker (of ``workers``) leaves its group, parking its state;
+        ``collect=False`` for a planned change (no peer is blocked: skip the collection)."""
+        self._call("leave", collect, workers=workers)
 
     def snapshot_full(self) -> None:
         self._call("snapshot_full")

@@ -126,20 +126,22 @@ class Worker:
         self.membership.join(addr, port, rank, world, generation, timeout_s)
         return time.perf_counter() - t0
 
-    def leave(self) -> None:
+    def leave(self, collect: bool = True) -> None:
         """Tear down the current group, if any. The state this rank holds stays in memory,
         parked as canonical CPU tensors, and the strategy is dropped with every reference it
         had to the group (sub-groups, the DDP reducer, FSDP meshes): a gloo group closes its
         sockets only when its last reference goes, and only then do peers blocked on this
         rank fail at once instead of at the group timeout. Every path after a leave lays the
-        job out again from parked, peer or checkpoint state."""
+        job out again from parked, peer or checkpoint state. ``collect=False`` (a planned
+        leave: no peer is blocked on this rank) skips the collection that frees the group's
+        sockets at once (~0.2 s); they go at the next one."""
         with self.held.lock:
             dropped = self.layout.strategy is not None
             if dropped:
                 self.held.park(self.layout.strategy)
                 self.layout.drop()
             self.membership.leave()
-            if dropped:  # reference cycles (hooks, schedules) hold groups too
+            if dropped and collect:  # reference cycles (hooks, schedules) hold groups too
                 gc.collect()
 
     # ------------------------------------------------------------------ layout and training
