@@ -197,7 +197,7 @@ class Evacuation:
         t_hand = max(o["seconds"] for o in handed)
         if moved and t_hand > 0:
             self.bandwidth = max(1e6, moved / t_hand)
-        group.leave(collect=False)
+        group.leave([w for w in group.workers if w not in leaving], collect=False)
         group.release(leaving)
         released = time.time()
         self.regroup.form()

@@ -319,7 +319,7 @@ def test_a_preemption_notice_moves_the_state_at_the_next_boundary(tmp_path, stra
     assert 6 <= at <= 8 and ev[0].data["world_size"] == 2 and ev[0].data["state_preserved"]
     assert ev[0].data["left_at_release_s"] > 50
     i = fake.calls.index(("hand_off", [2]))
-    assert fake.calls[i + 1:i + 4] == [("leave", 3), ("release", [2]), ("form", 2)]
+    assert fake.calls[i + 1:i + 4] == [("leave", 2), ("release", [2]), ("form", 2)]
     assert ("restore_from_pieces", at) in fake.calls
     assert not [c for c in fake.calls if c[0] in ("restore_checkpoint", "restart_fresh")]
     assert "recovered" not in _kinds(ctl) and ctl.failures == 0
