@@ -137,23 +137,24 @@ class Layouts:
         (``name`` when it fits, else the planner's choice) and a few words when it changes.
         With peer copies on, a worker whose device memory is host memory (CPU) holds them
         too: its budget is lowered by what they take."""
-        from clusters import plan
+        from clusters import layout_memory, plan
 
         from ..planning import live_cluster, model_profile
 
         if name == "auto":
             return True, name, ""
         cluster, _ = live_cluster(self._budgets(name, infos))
-        profile = model_profile(self.probe_model, self.cfg.optimizer,
-                                precision=self.cfg.precision)
-        g = self.cfg.global_batch_size
-        kinds = ("pipeline",) if traits_of(name).pipeline else (name,)
+        prof = model_profile(self.probe_model, self.cfg.optimizer, precision=self.cfg.precision)
+        kind = name if name in _SHARE_BALANCED else "zero3"  # a stage holds ~1/n of it too
+        need = layout_memory(kind, prof.n_params, len(infos), bytes_per_param=prof.bytes_per_param,
+                             grad_bytes=prof.grad_bytes,
+                             optimizer_bytes=prof.optimizer_bytes_per_param).model_states
+        if need <= min(d.memory_bytes for d in cluster.devices):
+            return True, name, ""  # the planner's first check; the layout is validated later
         try:
-            if plan(cluster, profile, g, strategies=kinds, subsets=False).choice is not None:
-                return True, name, ""
-            other = plan(cluster, profile, g, subsets=False).choice
-        except Exception as e:  # noqa: BLE001 - a model the planner cannot cut: keep it
-            return True, name, f" (not planned: {e})"
+            other = plan(cluster, prof, self.cfg.global_batch_size, subsets=False).choice
+        except Exception as e:  # noqa: BLE001 - a model the planner cannot cut
+            return False, name, f"; not planned: {e}"
         if other is None:
             return False, name, "; no layout fits the survivors' memory"
         return True, other.plan.strategy, (f"; {name} does not fit the survivors' memory, "

@@ -177,3 +177,25 @@ def test_evacuate_requests_are_parsed_where_they_enter():
             parse("evacuate", bad)
     with pytest.raises(RequestError, match="unknown request 'notice'"):
         parse("notice")  # the controller's own
+
+
+def test_the_survivor_plan_asks_the_planner_under_the_survivors_memory():
+    from elastic.config import JobConfig
+    from elastic.control.layouts import Layouts
+    from tests.helpers import RegressionData, adam, mlp, mse
+
+    cfg = JobConfig(model=mlp, optimizer=adam, loss=mse, dataset=RegressionData(),
+                    global_batch_size=8, max_steps=4, num_workers=2, view="none")
+    lay = Layouts(cfg, mlp(), lambda *a, **k: None)
+
+    def infos(gb):
+        return [{"device": "cpu", "rank": r, "emulation": {"memory_gb": gb}} for r in range(2)]
+
+    assert lay.survivor_plan("zero3", infos(4.0)) == (True, "zero3", "")
+    fits, name, why = lay.survivor_plan("dp", infos(1e-9))
+    assert not fits and "no layout fits the survivors' memory" in why
+    # peer copies lower a CPU worker's budget by what they keep
+    copies = Layouts(cfg.replace(peer_copies_every=5), mlp(), lambda *a, **k: None)
+    low = copies._budgets("zero3", infos(4.0))
+    assert all(0 < i["emulation"]["memory_gb"] < 4.0 for i in low)
+    assert lay._budgets("zero3", infos(4.0))[0]["emulation"]["memory_gb"] == 4.0
