@@ -191,6 +191,7 @@ class Controller:
             self._resume = self.tracker.find_resume(cfg.resume)
         if self._group_factory is None:  # on Ray: attach, or start a local one
             self._started_ray = _ray_connect(cfg)
+            self.interrupts.reclaim()
         self.inbox.mailbox = (self._mailbox_factory or _ray_mailbox)(cfg.job_name)  # the name
         self.tracker.claim()  # and the checkpoint URI, before anything is written
         run_dir = run_directory(cfg)
@@ -380,8 +381,7 @@ class Controller:
     # ------------------------------------------------------------------ helpers
 
     def _end(self) -> int:
-        return self.cfg.max_steps if self._stop_at is None else min(self._stop_at,
-                                                                    self.cfg.max_steps)
+        return min(self.cfg.max_steps, self._stop_at if self._stop_at is not None else 1 << 62)
 
     def _next_segment(self) -> State:
         if self.step >= self._end():

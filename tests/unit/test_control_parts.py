@@ -199,3 +199,18 @@ def test_the_survivor_plan_asks_the_planner_under_the_survivors_memory():
     low = copies._budgets("zero3", infos(4.0))
     assert all(0 < i["emulation"]["memory_gb"] < 4.0 for i in low)
     assert lay._budgets("zero3", infos(4.0))[0]["emulation"]["memory_gb"] == 4.0
+
+
+def test_a_call_raises_the_rank_that_failed_not_the_peers_that_echo_it():
+    """Restores read then agree: rank 0 read fine but raises a ``PeerReadError`` because rank 1
+    could not read; the call reports rank 1's own error (naming the bad shard)."""
+    from elastic.errors import PeerReadError
+    from elastic.failures import first_cause
+
+    echo = PeerReadError("another rank could not read its part of the checkpoint")
+    own = CheckpointCorruptError("shard shard-00001.bin (rank 1) of step 8: checksum mismatch")
+    assert first_cause([echo, own]) is own
+    assert first_cause([own, echo]) is own
+    assert first_cause([echo]) is echo  # only echoes: still an error to raise
+    other = WorkerLostError("worker rank 0 died")
+    assert first_cause([other, own]) is other  # rank order among real causes

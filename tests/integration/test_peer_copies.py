@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from elastic.control.regroup import buddy_step
 from elastic.errors import StateMoveError
 from elastic.worker.handoff import covered, handoff_plan
 from elastic.worker.peer_copies import (
@@ -120,7 +121,8 @@ G = 6
 
 def _model() -> torch.nn.Module:
     torch.manual_seed(SEED)
-    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8),
+                               torch.nn.Tanh(), torch.nn.Linear(8, 2))
 
 
 def _data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,11 +130,11 @@ def _data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(G, 4, generator=g), torch.randn(G, 2, generator=g)
 
 
-def _layout(name: str, world: int, load: bool) -> Any:
+def _layout(name: str, world: int, load: bool, **kw: Any) -> Any:
     from elastic.reference import build_model_for_load
     from strategies import Runtime, registry
 
-    spec = StrategySpec(name=name, world_size=world, shares=_shares(world))
+    spec = StrategySpec(name=name, world_size=world, shares=_shares(world), **kw)
     model = build_model_for_load(_model, SEED) if load else _model()
     return registry.get(name)(spec, Runtime.current("cpu"), model,
                               lambda p: torch.optim.Adam(p, lr=1e-2), F.mse_loss)
@@ -166,16 +168,18 @@ class _Members:
                                           "elastic-copies")
 
 
-def _hand_off_then_leave(steps: int) -> dict[str, Any]:
-    """3 ranks: zero3, train; rank 2 hands its pieces off; everyone parks what it holds."""
+def _hand_off_then_leave(source: tuple[str, dict[str, Any]], steps: int,
+                         leaving: list[int]) -> dict[str, Any]:
+    """``source`` on every rank: train; the ``leaving`` ranks hand their pieces off; everyone
+    parks what it holds."""
     from elastic.worker.handoff import hand_off
     from elastic.worker.held_state import HeldState
 
-    strat = _layout("zero3", 3, load=False)
+    strat = _layout(source[0], dist.get_world_size(), load=False, **source[1])
     _train(strat, 0, steps)
     full = state_hash(strat.full_state())
     held = HeldState()
-    got, out = hand_off(held.pieces(strat), [2], torch.device("cpu"))
+    got, out = hand_off(held.pieces(strat), leaving, torch.device("cpu"))
     held.carried += got
     held.park(strat)
     strat.close()
@@ -183,11 +187,11 @@ def _hand_off_then_leave(steps: int) -> dict[str, Any]:
     return {"hash": full, **out}
 
 
-def _load_from_held(name: str) -> dict[str, Any]:
-    """2 ranks, a new group: load ``name`` from the parked and carried pieces."""
+def _load_from_held(target: tuple[str, dict[str, Any]]) -> dict[str, Any]:
+    """The survivors, a new group: load ``target`` from the parked and carried pieces."""
     from strategies import move_pieces
 
-    strat = _layout(name, 2, load=True)
+    strat = _layout(target[0], dist.get_world_size(), load=True, **target[1])
     res = move_pieces(_KEPT.pop("held").pieces(None), strat)
     out = {"hash": state_hash(strat.full_state()), "problems": res.problems}
     strat.close()
@@ -240,19 +244,47 @@ def _load_from_copies(step: int) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def pool():
-    p = ProcessPool(3)
+    p = ProcessPool(4)
     yield p
     p.close()
 
 
-def test_a_draining_ranks_shard_is_handed_off_and_the_survivors_load_any_layout(pool):
-    first = pool.run(_hand_off_then_leave, 3, world_size=3)
+def _pp(pp_degree: int, dp_mode: str = "dp") -> dict[str, Any]:
+    return dict(pp_degree=pp_degree, micro_batches=2, schedule="1f1b", dp_mode=dp_mode)
+
+
+# id: (source layout, world, the survivors' layout): every layout's draining rank (the last:
+# the pool's survivors are its first processes) is emptied into the survivors, whatever
+# layout they go on in.
+EVACUATIONS = {
+    "dp": (("dp", {}), 3, ("zero3", {})),
+    "zero1": (("zero1", {}), 3, ("dp", {})),
+    "zero2": (("zero2", {}), 3, ("zero1", {})),
+    "zero3": (("zero3", {}), 3, ("zero2", {})),
+    "pipeline": (("pipeline", _pp(3)), 3, ("pipeline", _pp(2))),
+    "pp2xzero2": (("pipeline", _pp(2, "zero2")), 4, ("zero3", {})),
+    "pp2xzero3": (("pipeline", _pp(2, "zero3")), 4, ("pipeline", _pp(3))),
+}
+
+
+@pytest.mark.parametrize("case", list(EVACUATIONS))
+def test_a_draining_ranks_pieces_are_handed_off_and_the_survivors_load_any_layout(pool, case):
+    """Under every layout: what only the leaving rank holds reaches a survivor (nothing when
+    replicas hold it all), and the survivors' new layout holds the state exactly (hash)."""
+    source, world, target = EVACUATIONS[case]
+    leaving = world - 1
+    first = pool.run(_hand_off_then_leave, source, 3, [leaving], world_size=world)
     assert len({r["hash"] for r in first}) == 1
-    assert first[2]["bytes_sent"] > 0 and first[0]["bytes_received"] > 0
-    assert first[0]["bytes_sent"] == first[1]["bytes_sent"] == 0
-    second = pool.run(_load_from_held, "zero2", world_size=2)
+    sent = [r["bytes_sent"] for r in first]
+    assert sum(r["bytes_received"] for r in first) == sent[leaving]
+    assert all(b == 0 for r, b in enumerate(sent) if r != leaving)
+    if case == "dp":  # every survivor holds a replica of it all
+        assert sent[leaving] == 0
+    else:
+        assert sent[leaving] > 0
+    second = pool.run(_load_from_held, target, world_size=world - 1)
     for r in second:
-        assert r["problems"] == [] and r["hash"] == first[0]["hash"]
+        assert r["problems"] == [] and r["hash"] == first[0]["hash"], r
 
 
 def test_a_lost_ranks_shard_comes_back_from_its_buddys_copy(pool):
@@ -261,6 +293,12 @@ def test_a_lost_ranks_shard_comes_back_from_its_buddys_copy(pool):
     assert sorted(hashes) == [2, 4]
     # rank 1 keeps rank 0's copy, rank 2 keeps rank 1's, rank 0 keeps rank 2's
     assert sorted(first[0]["status"]["steps"]) == [4]
+    # which losses the survivors' memory covers (what the controller asks before a restore)
+    st = [r["status"] for r in first]
+    need = {k for s in st for k, _, _ in s["steps"][4]}
+    assert buddy_step([st[0], st[1]], need) == 4  # rank 2 lost: rank 0 holds its copy
+    assert buddy_step([st[0], st[2]], need) == 4  # rank 1 lost: rank 2 holds its copy
+    assert buddy_step([st[0]], need) is None  # 1 and 2, buddies of each other: storage
     second = pool.run(_load_from_copies, 4, world_size=2)  # rank 2 is gone
     for r in second:
         assert r.get("problems") == [] and r["hash"] == hashes[4], r

@@ -12,8 +12,8 @@ import time
 import pytest
 
 from elastic.reference import reference_train
+from tests.chaos.test_chaos import STEPS, TOL, G, _check_data_log, _submit, _wait_paused, _wait_step
 from tests.helpers import RegressionData, adam, max_diff, mlp, mse
-from tests.test_chaos import STEPS, TOL, G, _check_data_log, _submit, _wait_paused, _wait_step
 
 pytestmark = pytest.mark.chaos
 
