@@ -156,12 +156,18 @@ def run_elastic(args: argparse.Namespace) -> dict[str, Any]:
         handle.switch(target)
         switches.append(time.time() - t0)
     wait_step(args.drain_step)
+    polls = []  # the notice poll the controller runs every drain_poll_s: its cost per call
+    for _ in range(50):
+        t0 = time.perf_counter()
+        ctl.group.notices()
+        polls.append(time.perf_counter() - t0)
     by_rank = {w.rank: w for w in ctl.workers}
     meta: dict[str, Any] = {"system": "elastic", "drain_at_status_step": handle.status()["step"],
                             "drained_rank": 1, "drained_node": by_rank[1].info["node_id"],
                             "survivor_pids_before": [w.info["pid"] for r, w in by_rank.items()
                                                      if r != 1],
-                            "generation_before": ctl.generation, "switch_wall_s": switches}
+                            "generation_before": ctl.generation, "switch_wall_s": switches,
+                            "notice_poll_ms": 1e3 * sorted(polls)[len(polls) // 2]}
     own = _ask_drain(out, meta["drained_node"])
     res = handle.result(timeout=args.timeout)
     evs = [{"kind": e.kind, "message": e.message, "step": e.step, "time": e.time,

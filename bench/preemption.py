@@ -187,6 +187,9 @@ def table(runs: list[dict[str, Any]]) -> str:
             f"{_fmt(m['released_before_deadline_s'])} |")
     out = "\n".join(lines)
     e, rt = meds.get("elastic"), meds.get("raytrain")
+    polls = _med([r.get("notice_poll_ms") for r in runs if r["system"] == "elastic"])
+    if polls is not None:
+        out += f"\n\nelastic's notice poll (Ray's draining nodes, GCS): {polls:.2f} ms per call"
     if e:
         p, sw = e.get("pause_s"), e.get("switch_s")
         if p is not None and sw:

@@ -58,9 +58,9 @@ class Layouts:
                 return StrategySpec("dp", world, even_shares(g, world))
             speeds = self.speeds(group)
             details, links = self._measure(group)
-            spec, why = auto_spec(self.probe_model, cfg.optimizer,
-                                  [w.info for w in group.workers], speeds, g, details=details,
-                                  links=links, precision=cfg.precision)
+            infos = self._budgets("zero3", [w.info for w in group.workers])  # copies' share
+            spec, why = auto_spec(self.probe_model, cfg.optimizer, infos, speeds, g,
+                                  details=details, links=links, precision=cfg.precision)
             self._emit("plan", why.splitlines()[0], data={"explanation": why,
                                                           "speeds": speeds, "links": links})
             return spec
@@ -162,7 +162,8 @@ class Layouts:
 
     def _budgets(self, name: str, infos: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """``infos`` with each CPU worker's memory budget lowered by the peer copies it
-        keeps (its own snapshot and a buddy's: twice its share of the model state)."""
+        keeps (its own snapshot and a buddy's: twice its share of the model state under
+        ``name``): what the planner counts, for ``auto`` and for an evacuation's survivors."""
         every = getattr(self.cfg, "peer_copies_every", 0)
         if every <= 0 or not infos:
             return [dict(i, rank=r) for r, i in enumerate(infos)]

@@ -214,3 +214,27 @@ def test_a_call_raises_the_rank_that_failed_not_the_peers_that_echo_it():
     assert first_cause([echo]) is echo  # only echoes: still an error to raise
     other = WorkerLostError("worker rank 0 died")
     assert first_cause([other, own]) is other  # rank order among real causes
+
+
+def test_the_chaos_demo_says_what_happened_and_what_it_cost():
+    from elastic.demo import _chaos_lines
+    from elastic.events import Event
+
+    evs = [Event("preemption_notice", "", 24,
+                 data={"node": "3f2a9c01aa77", "ranks": [2], "left_s": 14.6}),
+           Event("evacuated", "", 25,
+                 data={"step": 25, "path": "move", "pause_s": 0.31, "steps_lost": 0}),
+           Event("failure", "", 32,
+                 data={"dead_ranks": [1], "noticed_by": "liveness", "detect_s": 0.04}),
+           Event("recovered", "", 30,
+                 data={"source": "buddies", "seconds": 0.9, "steps_lost": 2, "world_size": 1}),
+           Event("evacuated", "", 9, data={"step": 9, "path": "recover", "source": "checkpoint"})]
+    lines = _chaos_lines(evs)
+    assert lines == [
+        "  step 24: node 3f2a9c01 (rank(s) [2]) announced its end, 14.6s ahead",
+        "  step 25: evacuated (moved onto the other workers): training paused 0.31s, 0 step(s) "
+        "lost, no checkpoint read, nobody restarted",
+        "  step 32: rank(s) [1] lost without notice (noticed by liveness in 0.04s)",
+        "  step 30: recovered from buddies in 0.90s, 2 step(s) run again, 1 workers",
+        "  step 9: evacuated (recover), state from checkpoint"]
+    assert _chaos_lines([]) == ["  nothing (the run ended first)"]
