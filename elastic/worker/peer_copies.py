@@ -47,7 +47,7 @@ from .handoff import PieceMeta, covered, crc32c_of
 from .held_state import Piece
 from .membership import Membership
 
-__all__ = ["PeerCopies", "buddies", "unique_pieces", "layout_offsets"]
+__all__ = ["PeerCopies", "buddies", "unique_pieces", "layout_offsets", "copies_memory"]
 
 _ALIGN = 16
 _TAG = 7_700
@@ -93,6 +93,26 @@ def _piece_nbytes(m: PieceMeta) -> int:
     for d in shape[1:]:
         n *= int(d)
     return n
+
+
+def copies_memory(metas: Sequence[Sequence[PieceMeta]], ring: Sequence[int],
+                  uniq: Sequence[Sequence[int]], limit: float | None
+                  ) -> tuple[list[int], bool, str]:
+    """Host bytes the copies take on each rank (its own snapshot of what it holds and its
+    wards' copies of their unique pieces, each kept twice: the committed copy and the one in
+    flight), whether copies are on (some piece has no replica on another node, more than one
+    rank, and no rank over ``limit`` bytes), and why they are off when over the limit."""
+    world = len(metas)
+    need = [2 * (sum(_piece_nbytes(m) for m in metas[r])
+                 + sum(_piece_nbytes(metas[w][i]) for w in range(world)
+                       if ring[w] == r and w != r for i in uniq[w]))
+            for r in range(world)]
+    on = world > 1 and any(uniq)
+    if on and limit is not None and max(need) > limit:
+        return need, False, (f"peer copies off: they need up to {max(need) / 1e9:.2f} GB of "
+                             f"host memory per worker, over peer_copies_memory_gb="
+                             f"{limit / 1e9:g}")
+    return need, on, ""
 
 
 def layout_offsets(metas: Sequence[PieceMeta]) -> tuple[list[int], int]:
@@ -225,15 +245,8 @@ class PeerCopies:
         wards = [r for r in range(world) if ring[r] == rank and r != rank and uniq[r]]
         sends = bool(uniq[rank]) and ring[rank] != rank
         ward_metas = {w: [all_metas[w][i] for i in uniq[w]] for w in wards}
-        need = [2 * (sum(_piece_nbytes(m) for m in all_metas[r])
-                     + sum(_piece_nbytes(all_metas[w][i]) for w in range(world)
-                           if ring[w] == r and w != r for i in uniq[w]))
-                for r in range(world)]
-        on, why = world > 1 and any(uniq), ""
-        if on and self._limit is not None and max(need) > self._limit:
-            on, why = False, (f"peer copies off: they need up to {max(need) / 1e9:.2f} GB of "
-                              f"host memory per worker, over peer_copies_memory_gb="
-                              f"{self._limit / 1e9:g}")
+        _, on, why = copies_memory(all_metas, ring, uniq, self._limit)
+        if why:
             self.note = why
         self._layout = _Layout(key, ring[rank], wards, uniq[rank] if sends else [],
                                ward_metas, on, why)

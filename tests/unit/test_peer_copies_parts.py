@@ -96,3 +96,19 @@ def test_copies_settle_only_on_every_ranks_word():
         c.restore_pieces(5)
     assert PeerCopies(0, None, _M(), lambda: None).due(5) is False  # type: ignore[arg-type]
     assert FAILED < -3
+
+
+def test_copies_memory_counts_own_snapshot_and_wards_and_obeys_the_limit():
+    from elastic.worker.peer_copies import copies_memory
+
+    rows = [[_m("w", (2 * r, 2 * r + 2))] for r in range(3)]  # zero3: 16 bytes per rank
+    nodes = ["a", "b", "c"]
+    ring, uniq = buddies(nodes), unique_pieces(rows, nodes)
+    need, on, why = copies_memory(rows, ring, uniq, None)
+    assert need == [2 * (16 + 16)] * 3 and on and why == ""  # own + one ward's, twice
+    need, on, why = copies_memory(rows, ring, uniq, 63.0)
+    assert not on and "over peer_copies_memory_gb=6.3e-08" in why
+    assert copies_memory(rows, ring, uniq, 64.0)[1]
+    whole = [[_m("w", None)]] * 3  # dp: replicas on other nodes, nothing to copy
+    assert copies_memory(whole, ring, unique_pieces(whole, nodes), 1.0)[1:] == (False, "")
+    assert copies_memory(rows[:1], [0], [[0]], None)[1] is False  # one rank: no buddy
