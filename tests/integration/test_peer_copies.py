@@ -158,7 +158,7 @@ def pool():
 
 
 def _pp(pp_degree: int, dp_mode: str = "dp") -> dict[str, Any]:
-    return dict(pp_degree=pp_degree, micro_batches=2, schedule="1f1b", dp_mode=dp_mode)
+    return dict(pp_degree=pp_degree, micro_batches=3, schedule="1f1b", dp_mode=dp_mode)
 
 
 # id: (source layout, world, the survivors' layout): every layout's draining rank (the last:
