@@ -92,18 +92,21 @@ def drain_notices(drained: dict[str, int], workers: Sequence[WorkerRec],
     return out
 
 
-# gcs_pb2.NodeDeathInfo.Reason: what a draining node's info says it will go for
+# gcs_pb2.NodeDeathInfo.Reason: what a node's info says it went (or will go) for
 _DRAIN_REASONS = {3: "preemption", 4: "idle termination", 1: "expected termination"}
 
 
 def drain_reason(infos: dict[Any, Any], node: str) -> tuple[str, str]:
     """(reason in words, Ray's message) for draining ``node`` from the GCS's node infos
-    (``GcsClient.get_all_node_info()``: node id -> ``GcsNodeInfo``)."""
+    (``GcsClient.get_all_node_info()``: node id -> ``GcsNodeInfo``). Ray 2.60 fills a node's
+    ``death_info`` only once it is gone; while it drains the reason is "preemption": Ray
+    refuses any other kind of drain of a busy node (one hosting this job's workers), and
+    its own SIGTERM drain is of that kind too."""
     for nid, info in infos.items():
         if (nid.hex() if hasattr(nid, "hex") else str(nid)) == node:
             death = info.death_info
-            return _DRAIN_REASONS.get(int(death.reason), "draining"), str(death.reason_message)
-    return "draining", ""
+            return _DRAIN_REASONS.get(int(death.reason), "preemption"), str(death.reason_message)
+    return "preemption", ""
 
 
 class Group(Protocol):

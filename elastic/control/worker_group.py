@@ -387,7 +387,7 @@ class WorkerGroup(PlacementCalls, WorkerCalls):
                     address=ray.get_runtime_context().gcs_address)
                 self._reasons[node] = drain_reason(gcs.get_all_node_info(timeout=5), node)
             except Exception:  # noqa: BLE001 - the reason is a nicety; the deadline counts
-                self._reasons[node] = ("draining", "")
+                self._reasons[node] = ("preemption", "")  # see drain_reason
         return self._reasons[node]
 
     def drain_node(self, node_id: str, deadline_s: float | None, message: str) -> str:

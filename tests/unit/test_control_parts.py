@@ -238,3 +238,22 @@ def test_the_chaos_demo_says_what_happened_and_what_it_cost():
         "  step 30: recovered from buddies in 0.90s, 2 step(s) run again, 1 workers",
         "  step 9: evacuated (recover), state from checkpoint"]
     assert _chaos_lines([]) == ["  nothing (the run ended first)"]
+
+
+def test_a_drains_reason_comes_from_the_node_info_else_it_is_a_preemption():
+    from types import SimpleNamespace as NS
+
+    from elastic.control.group import drain_reason
+
+    def info(reason, msg=""):
+        return NS(death_info=NS(reason=reason, reason_message=msg))
+
+    class Nid(str):
+        def hex(self):
+            return str(self)
+
+    infos = {Nid("a"): info(4, "idle"), Nid("b"): info(0), Nid("c"): info(3, "spot")}
+    assert drain_reason(infos, "a") == ("idle termination", "idle")
+    assert drain_reason(infos, "b") == ("preemption", "")  # alive and draining: no death info
+    assert drain_reason(infos, "c") == ("preemption", "spot")
+    assert drain_reason(infos, "zz") == ("preemption", "")
