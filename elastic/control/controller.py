@@ -207,7 +207,7 @@ class Controller:
         self.regroup = Regroup(cfg, self.group, self.layouts, self.tracker, self.steps,
                                self._emit, self._drain)
         self.evacuation = Evacuation(cfg, self.group, self.layouts, self.tracker, self.regroup,
-                                     self._emit)
+                                     self._emit, lambda: self.steps.next_step)
         return Placing(cfg.num_workers)
 
     def _place(self, st: Placing) -> State:

@@ -66,13 +66,15 @@ class Evacuation:
     the measured transfer bandwidth that prices the next move."""
 
     def __init__(self, cfg: Any, group: Any, layouts: Layouts, tracker: CheckpointTracker,
-                 regroup: Regroup, emit: Callable[..., Any]) -> None:
+                 regroup: Regroup, emit: Callable[..., Any],
+                 steps_done: Callable[[], int] | None = None) -> None:
         self.cfg = cfg
         self.group = group
         self.layouts = layouts
         self.tracker = tracker
         self.regroup = regroup
         self._emit = emit
+        self._steps_done = steps_done  # a notice's event is at the steps done when seen
         self.policy = EvacuationPolicy(cfg.evacuation_margin, cfg.evacuation_slack_s)
         self.pending: dict[str, DrainNotice] = {}  # node -> notice, not acted on yet
         self.done: set[str] = set()  # nodes evacuated (a later sighting means nothing)
@@ -91,17 +93,18 @@ class Evacuation:
         self._next_poll = t + self.cfg.drain_poll_s
         for n in self.group.notices():
             if n.node_id not in self.pending and n.node_id not in self.done:
-                self._take(n)
+                self._take(n, self._steps_done() if self._steps_done else None)
         return bool(self.pending)
 
-    def _take(self, n: DrainNotice) -> None:
+    def _take(self, n: DrainNotice, step: int | None = None) -> None:
         self.pending[n.node_id] = n
         left = n.left_s(time.time())
         when = "no deadline" if left is None else f"{left:.1f}s left"
         self._emit("preemption_notice", f"node {n.node_id[:8]} ({n.reason}) hosting rank(s) "
                    f"{list(n.ranks)} will go: {when}; evacuating at the next step boundary",
                    data={"node": n.node_id, "ranks": list(n.ranks), "reason": n.reason,
-                         "message": n.message, "deadline": n.deadline, "left_s": left})
+                         "message": n.message, "deadline": n.deadline, "left_s": left},
+                   step=step)
 
     def request(self, req: Request) -> bool:
         """``job.evacuate(node)`` / ``elastic drain JOB NODE``: drain the node through Ray

@@ -313,6 +313,7 @@ def test_a_preemption_notice_moves_the_state_at_the_next_boundary(tmp_path, stra
     notice = _events(ctl, "preemption_notice")
     assert len(notice) == 1 and notice[0].data["ranks"] == [2]
     assert 50 < notice[0].data["left_s"] <= 60 and "s left" in notice[0].message
+    assert 6 <= notice[0].step <= 8  # the steps done when it was seen
     ev = _events(ctl, "evacuated")
     assert len(ev) == 1 and ev[0].data["path"] == "move" and ev[0].data["steps_lost"] == 0
     at = ev[0].data["step"]
