@@ -99,3 +99,83 @@ def raytrain_loop(cfg: dict[str, Any]) -> None:
     except BaseException as e:
         _log(prog, {"event": "error", "rank": rank, "msg": f"{type(e).__name__}: {e}"[:300]})
         raise
+
+
+def raytrain_preempt_loop(cfg: dict[str, Any]) -> None:
+    """``raytrain_loop`` with Ray Train V2's preemption handling as its docs advise, at its
+    best: every step asks ``ray.train.get_preemption_info()`` (a barrier over the workers);
+    once a node is announced, training goes on and one just-in-time checkpoint is reported
+    as late as is still safe (when the time left is under twice a checkpoint plus a step),
+    so that the restart Ray Train makes at the deadline runs as few steps again as it can."""
+    import tempfile
+
+    import ray
+    import ray.train
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from elastic.data import StepSampler, even_shares, share_bounds
+
+    torch.set_num_threads(1)
+    prog, steps, every = cfg["prog_dir"], int(cfg["steps"]), int(cfg["every"])
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(SEED)
+    model = model_factory()
+    opt = torch.optim.Adam(model.parameters(), lr=OPTIM["lr"])
+    start = 0
+    ckpt = ray.train.get_checkpoint()
+    if ckpt is not None:
+        with ckpt.as_directory() as d:
+            st = torch.load(os.path.join(d, "state.pt"), weights_only=False)
+        model.load_state_dict(st["model"])
+        opt.load_state_dict(st["optim"])
+        start = int(st["next_step"])
+    ddp = DDP(model, broadcast_buffers=False)
+    ds = dataset_factory()
+    sampler = StepSampler(len(ds), G, SEED)
+    lo, hi = share_bounds(even_shares(G, world), rank)
+    _log(prog, {"event": "start", "rank": rank, "world": world, "resume_step": start,
+                "node_id": ray.get_runtime_context().get_node_id()})
+
+    def report(step: int, loss: float, why: str) -> float:
+        t0 = time.time()
+        with tempfile.TemporaryDirectory() as d:
+            c = None
+            if rank == 0:
+                torch.save({"model": model.state_dict(), "optim": opt.state_dict(),
+                            "next_step": step + 1}, os.path.join(d, "state.pt"))
+                c = ray.train.Checkpoint.from_directory(d)
+            ray.train.report({"step": step, "loss": loss}, checkpoint=c)
+        dt = time.time() - t0
+        _log(prog, {"event": "checkpoint", "rank": rank, "step": step + 1, "seconds": dt,
+                    "why": why})
+        return dt
+
+    ck_s, step_s, jit_done, seen = 0.5, 0.1, False, False
+    try:
+        for step in range(start, steps):
+            t0 = time.time()
+            x, y = ds.get_batch(sampler.indices(step)[lo:hi])
+            opt.zero_grad(set_to_none=True)
+            loss = slow_mse(ddp(x), y) * ((hi - lo) * world / G)
+            loss.backward()
+            opt.step()
+            _log(prog, {"event": "step", "rank": rank, "step": step, "world": world})
+            if (step + 1) % every == 0 or step + 1 == steps:
+                ck_s = report(step, float(loss), "periodic")
+            info = ray.train.get_preemption_info()
+            step_s = time.time() - t0
+            if info is not None and not seen:
+                seen = True
+                _log(prog, {"event": "notice", "rank": rank, "step": step,
+                            "deadline_ms": info.deadline_ms, "ranks": info.preempted_ranks})
+            if info is not None and not jit_done and info.deadline_ms is not None:
+                left = info.deadline_ms / 1e3 - time.time()
+                due = torch.tensor([1.0 if left < 2 * (ck_s + step_s) else 0.0])
+                dist.all_reduce(due, op=dist.ReduceOp.MAX)  # every rank reports, or none
+                if due.item():
+                    report(step, float(loss), "just in time")
+                    jit_done = True
+    except BaseException as e:
+        _log(prog, {"event": "error", "rank": rank, "msg": f"{type(e).__name__}: {e}"[:300]})
+        raise

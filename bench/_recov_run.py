@@ -137,8 +137,8 @@ _TRACED = (("elastic.control.controller", "Controller", "_drain"),
            ("elastic.control.regroup", "Regroup", "recover"),
            ("elastic.control.regroup", "Regroup", "resize"),
            ("elastic.control.regroup", "Regroup", "restore"),
-           ("elastic.control.regroup", "Regroup", "_form"),
-           ("elastic.control.regroup", "Regroup", "_acquire"),
+           ("elastic.control.regroup", "Regroup", "form"),
+           ("elastic.control.regroup", "Regroup", "acquire"),
            ("elastic.control.regroup", "Regroup", "_roll_forward"),
            ("elastic.control.worker_group", "WorkerGroup", "wind_down"),
            ("elastic.control.worker_group", "WorkerGroup", "survivors"),
@@ -197,7 +197,22 @@ def run_elastic(args: argparse.Namespace) -> dict[str, Any]:
     meta["killed_rank"] = 1
     meta["killed_node"] = by_rank[1].info["node_id"]
     meta["survivor_pids_before"] = [w.info["pid"] for r, w in by_rank.items() if r != 1]
+    ray_dead: dict[str, float] = {}
+
+    def watch_ray() -> None:  # Ray's own view: when the GCS marks the node dead
+        import ray
+
+        while "t" not in ray_dead and time.time() - t0 < args.timeout:
+            try:
+                if any(n["NodeID"] == meta["killed_node"] and not n["Alive"]
+                       for n in ray.nodes()):
+                    ray_dead["t"] = time.time()
+            except Exception:  # noqa: BLE001 - the GCS busy
+                pass
+            time.sleep(0.02)
+
     t_rm = _ask_kill(out, meta)["t_remove"]
+    threading.Thread(target=watch_ray, daemon=True).start()
     res = handle.result(timeout=args.timeout)
     hist = res.history
     evs = [{"kind": e.kind, "message": e.message, "step": e.step, "time": e.time,
@@ -209,6 +224,8 @@ def run_elastic(args: argparse.Namespace) -> dict[str, Any]:
     before = [h for h in hist if h["time"] < t_rm and "note" not in h]
     return {**meta, "events": evs, "status": res.status,
             "t_noticed": fail["time"] - fail["data"]["detect_s"],
+            "noticed_by": fail["data"].get("noticed_by", ""),
+            "t_ray_node_dead": ray_dead.get("t"),
             "t_failure_event": fail["time"], "t_recovered": rec["time"],
             "recovered": rec["data"], "failure": fail["data"],
             "t_first_step_after": after[0]["time"] if after else None,

@@ -129,6 +129,8 @@ def figures(r: dict[str, Any]) -> dict[str, Any]:
                          "survivors_restarted": r.get("survivors_restarted")}
     if r["system"].startswith("elastic"):
         f["noticed_s"] = rel("t_noticed")
+        f["noticed_by"] = r.get("noticed_by")
+        f["ray_node_dead_s"] = rel("t_ray_node_dead")
         f["failure_event_s"] = rel("t_failure_event")
         f["recovered_s"] = rel("t_recovered")
         f["first_step_s"] = rel("t_first_step_after")
@@ -189,6 +191,16 @@ def table(runs: list[dict[str, Any]], systems: list[str]) -> str:
                      f" | {mid} | {_fmt(nxt)} | {', '.join(map(str, lost)) or 'n/a'} | "
                      f"{'; '.join(src)} | {', '.join(rest)} | {', '.join(world)} | {per} |")
     out = "\n".join(lines)
+    for s in systems:
+        fs = [figures(r) for r in runs if r["system"] == s and s.startswith("elastic")]
+        if fs:  # which signal came first, against Ray's own view of the node
+            out += (f"\n\n{s}: first signal per round: " + ", ".join(
+                f"{f.get('noticed_by') or '?'} at {_fmt(f['noticed_s'])}s (Ray marked the node "
+                f"dead at {_fmt(f.get('ray_node_dead_s'))}s)" for f in fs))
+            nxt = meds.get(s)
+            if nxt:
+                out += (f"; loss -> next completed step {nxt:.2f}s (goal < 1.5 s: "
+                        f"{'met' if nxt < 1.5 else 'NOT met'})")
     rt = [meds.get(s) for s in ("raytrain", "raytrain-elastic") if meds.get(s)]
     for s in ("elastic", "elastic-nowait"):
         if meds.get(s) and rt:

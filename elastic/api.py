@@ -75,6 +75,16 @@ class JobHandle:
         next step boundary; new workers get the state from their peers. Returns the count."""
         return self._ask(Request("scale", workers, reason="requested by the SDK"), timeout)
 
+    def evacuate(self, node_id: str, deadline_s: float | None = None,
+                 timeout: float | None = 300) -> dict[str, Any]:
+        """Empty node ``node_id`` (a prefix of its id will do) for maintenance: Ray is asked
+        to drain it (nothing new lands there; ``deadline_s``: when it will go, None: no
+        deadline), and at the next step boundary its workers' state moves onto the others
+        and they are released, as for a preemption notice. Returns ``{"workers", "step",
+        "source"}``; raises ``SwitchError`` when no node of the job matches."""
+        return self._ask(Request("evacuate", {"node": node_id, "deadline_s": deadline_s},
+                                 reason="maintenance drain requested by the SDK"), timeout)
+
     def stop(self, timeout: float | None = 300) -> Any:
         return self._ask(Request("stop", reason="requested by the SDK"), timeout)
 

@@ -44,8 +44,8 @@ def _cmd_run(a: argparse.Namespace) -> int:
 def _cmd_demo(a: argparse.Namespace) -> int:
     from .demo import run_demo
 
-    return run_demo(max_steps=a.steps, num_workers=a.workers, strategy=a.strategy, view=a.view,
-                    run_dir=a.run_dir)
+    return run_demo(chaos=a.chaos, max_steps=a.steps, num_workers=a.workers,
+                    strategy=a.strategy, view=a.view, run_dir=a.run_dir)
 
 
 def _attach(address: str | None) -> None:
@@ -94,6 +94,18 @@ def _cmd_request(kind: str):
         return 0
 
     return run
+
+
+def _cmd_drain(a: argparse.Namespace) -> int:
+    import json
+
+    from . import control
+
+    _attach(a.address)
+    out = control.ask(a.job, "evacuate", {"node": a.node, "deadline_s": a.deadline},
+                      reason="maintenance drain requested from the CLI")
+    print(json.dumps(out, indent=2, default=str))
+    return 0
 
 
 def _cmd_plan(a: argparse.Namespace) -> int:
@@ -206,6 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--strategy")
     d.add_argument("--run-dir")
     d.add_argument("--view", choices=["auto", "rich", "plain", "none"])
+    d.add_argument("--chaos", action="store_true",
+                   help="on 3 local nodes: a preemption notice half-way (the node is "
+                        "evacuated), then a node lost without notice (restored from peers)")
     d.set_defaults(fn=_cmd_demo)
 
     ck = sub.add_parser("checkpoints", help="list, inspect, verify or export checkpoints")
@@ -251,6 +266,13 @@ def build_parser() -> argparse.ArgumentParser:
             c.add_argument("value", metavar=arg.upper(), type=int if arg == "workers" else str)
         c.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS or auto)")
         c.set_defaults(fn=_cmd_request(kind))
+    dr = sub.add_parser("drain", help="evacuate a node of a running job (maintenance): its "
+                                      "state moves onto the other workers, no step lost")
+    dr.add_argument("job")
+    dr.add_argument("node", help="the node's id (a prefix will do)")
+    dr.add_argument("--deadline", type=float, help="seconds until the node goes (Ray is told)")
+    dr.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS or auto)")
+    dr.set_defaults(fn=_cmd_drain)
     return p
 
 

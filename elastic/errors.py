@@ -25,6 +25,7 @@ __all__ = [
     "CheckpointOwnerError",
     "NonFiniteError",
     "SwitchError",
+    "StateMoveError",
     "JobNotFoundError",
     "InterruptedJobError",
 ]
@@ -148,6 +149,12 @@ class NonFiniteError(ElasticError):
 
 class SwitchError(ElasticError):
     """A strategy switch was refused or failed; the job keeps its previous layout."""
+
+
+class StateMoveError(ElasticError):
+    """Moving the state from host memory (the pieces a draining node handed over, or the
+    copies buddies keep) failed its check, or found a copy whose checksum does not match;
+    nothing was loaded, and the job restores from storage instead."""
 
 
 class JobNotFoundError(ElasticError):

@@ -16,7 +16,7 @@ import warnings
 
 from .errors import ClusterError
 
-__all__ = ["connect", "disconnect", "check_reachable", "address_of", "attach"]
+__all__ = ["connect", "disconnect", "check_reachable", "address_of", "attach", "LocalNodes"]
 
 log = logging.getLogger(__name__)
 
@@ -134,3 +134,52 @@ def disconnect() -> None:
 
     if ray.is_initialized():
         ray.shutdown()
+
+
+class LocalNodes:
+    """A Ray cluster of separate nodes on this machine (``ray.cluster_utils.Cluster``: a head
+    with no CPUs, which this process attaches to, and ``n`` worker nodes of ``cpus`` each),
+    for the demo's chaos: drain a node as a cloud's preemption does, take it away, add one.
+    Call it from the main thread (Ray's cluster utilities install signal handlers there)."""
+
+    def __init__(self, n: int, cpus: int = 1) -> None:
+        from ray.cluster_utils import Cluster
+
+        self._cluster = Cluster(initialize_head=True, connect=True, head_node_args={
+            "num_cpus": 0, "include_dashboard": False,
+            "_system_config": {"health_check_period_ms": 500,
+                               "health_check_failure_threshold": 3}})
+        self._cpus = cpus
+        self.nodes = [self._cluster.add_node(num_cpus=cpus) for _ in range(n)]
+        self._cluster.wait_for_nodes()
+
+    def drain(self, node_id: str, deadline_s: float, why: str) -> None:
+        """Ray's drain of a preempted node (what ``ray drain-node --reason
+        DRAIN_NODE_REASON_PREEMPTION --deadline-remaining-seconds`` does)."""
+        import time
+
+        import ray
+        from ray.core.generated import autoscaler_pb2
+
+        gcs = ray._raylet.GcsClient(address=self._cluster.address)  # type: ignore[attr-defined]
+        reason = autoscaler_pb2.DrainNodeReason.Value(  # type: ignore[attr-defined]
+            "DRAIN_NODE_REASON_PREEMPTION")
+        ok, msg = gcs.drain_node(node_id, reason, why, int((time.time() + deadline_s) * 1000))
+        if not ok:
+            raise ClusterError(f"Ray refused to drain node {node_id[:8]}: {msg}")
+
+    def remove(self, node_id: str) -> None:
+        """Take a node away at once, as a cloud does at a preemption's deadline."""
+        node = next(n for n in self.nodes if n.node_id == node_id)
+        self._cluster.remove_node(node, allow_graceful=False)
+        self.nodes.remove(node)
+
+    def add(self) -> None:
+        self.nodes.append(self._cluster.add_node(num_cpus=self._cpus))
+
+    def shutdown(self) -> None:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+        self._cluster.shutdown()

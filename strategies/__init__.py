@@ -19,7 +19,7 @@ from .traits import TRAITS, Traits
 if TYPE_CHECKING:
     from .base import Runtime, Strategy, before_update, check_layout, on_before_update
     from .canonical import CanonicalState, state_hash
-    from .resharding import ReshardResult, reshard
+    from .resharding import Piece, ReshardResult, layout_pieces, move_pieces, reshard
 
 __all__ = [
     "CanonicalState",
@@ -35,6 +35,9 @@ __all__ = [
     "check_layout",
     "reshard",
     "ReshardResult",
+    "move_pieces",
+    "layout_pieces",
+    "Piece",
     "on_before_update",
     "before_update",
     "get",
@@ -52,6 +55,9 @@ _LAZY = {
     "state_hash": "canonical",
     "reshard": "resharding",
     "ReshardResult": "resharding",
+    "move_pieces": "resharding",
+    "layout_pieces": "resharding",
+    "Piece": "resharding",
 }
 
 

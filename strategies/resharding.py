@@ -23,6 +23,12 @@ lists (same on every rank; equal iff every piece matched).
 
 Collective over the default group; both layouts must live on the same group (a switch keeps
 its members). Ownership: ``old`` and ``new`` stay the caller's; neither is closed here.
+
+``move_pieces`` is the same move from *pieces* rather than from a live layout: canonical
+rows each rank holds in host memory, any number per entry (what a rank held when it left
+its group, the pieces a draining rank handed it, the copies a buddy keeps for a lost rank),
+into a new layout on a new group. ``reshard`` is ``move_pieces`` of the old layout's own
+pieces (``layout_pieces``).
 """
 
 from __future__ import annotations
@@ -39,7 +45,8 @@ from .base import Strategy
 from .canonical import CanonicalState
 from .health import record as record_failure
 
-__all__ = ["ReshardResult", "reshard", "plan_moves", "Move"]
+__all__ = ["ReshardResult", "reshard", "plan_moves", "Move", "Piece", "layout_pieces",
+           "move_pieces"]
 
 
 @dataclass(frozen=True)
@@ -68,6 +75,8 @@ class ReshardResult:
 
 _Held = dict[str, tuple[tuple[int, ...], str, tuple[int, int] | None]]  # key -> shape, dtype, rows
 _Wanted = dict[str, tuple[int, int]]
+# (canonical key, the entry's full shape, its dim-0 rows held or None for all, those rows)
+Piece = tuple[str, tuple[int, ...], tuple[int, int] | None, torch.Tensor]
 
 
 def _rows_count(shape: Sequence[int]) -> int:
@@ -81,13 +90,17 @@ def _row_bytes(shape: Sequence[int], itemsize: int) -> int:
     return n
 
 
-def plan_moves(held: Sequence[_Held], wanted: Sequence[_Wanted]) -> tuple[list[Move], list[str]]:
+def plan_moves(held: Sequence[_Held], wanted: Sequence[_Wanted],
+               owners: Sequence[int] | None = None) -> tuple[list[Move], list[str]]:
     """The transfer plan, a pure function of every rank's held and wanted pieces (so every
     rank computes the same one). ``held[r]``: what old rank r holds, {key: (full shape,
     dtype, rows or None for whole)}; ``wanted[r]``: what new rank r needs, {key: (lo, hi)}.
-    A rank takes rows from itself when it holds them; otherwise from the holder that has sent
-    the fewest bytes so far (ties: lowest rank). Returns (moves, problems): rows that no old
+    ``owners[i]``: the rank that holds ``held[i]`` (default: ``i``; a rank holding several
+    pieces of one entry appears once per piece). A rank takes rows from itself when it holds
+    them; otherwise from the holder that has sent the fewest bytes so far (ties: lowest
+    rank). A move's ``src`` indexes ``held``. Returns (moves, problems): rows that no old
     rank holds, and old rows that no new rank keeps, are problems."""
+    own = list(owners) if owners is not None else list(range(len(held)))
     meta: dict[str, tuple[tuple[int, ...], str]] = {}
     holders: dict[str, list[tuple[int, int, int]]] = {}
     for r, h in enumerate(held):
@@ -97,7 +110,7 @@ def plan_moves(held: Sequence[_Held], wanted: Sequence[_Wanted]) -> tuple[list[M
             holders.setdefault(key, [])
             if hi > lo:
                 holders[key].append((r, lo, hi))
-    sent = [0] * len(held)
+    sent = [0] * (max(own, default=-1) + 1)
     moves: list[Move] = []
     problems: list[str] = []
     for key in sorted(set(holders) | {k for w in wanted for k in w}):
@@ -119,11 +132,12 @@ def plan_moves(held: Sequence[_Held], wanted: Sequence[_Wanted]) -> tuple[list[M
                     problems.append(f"rows {pos}: of {key} (wanted by rank {dst}) are held by "
                                     "no rank")
                     break
-                mine = [c for c in cands if c[0] == dst]
-                src, _, b = mine[0] if mine else min(cands, key=lambda c: (sent[c[0]], c[0]))
+                mine = [c for c in cands if own[c[0]] == dst]
+                src, _, b = mine[0] if mine else min(
+                    cands, key=lambda c: (sent[own[c[0]]], own[c[0]], c[0]))
                 end = min(hi, b)
-                if src != dst:
-                    sent[src] += (end - pos) * row_bytes
+                if own[src] != dst:
+                    sent[own[src]] += (end - pos) * row_bytes
                 moves.append(Move(key, src, dst, pos, end))
                 pos = end
         at = 0
@@ -157,18 +171,50 @@ def _digest(moves: Sequence[Move], crcs: dict[int, int]) -> str:
     return h.hexdigest()[:16]
 
 
+def layout_pieces(strategy: Strategy) -> list[Piece]:
+    """Local: what a live layout holds on this rank, as pieces (views of the live state)."""
+    local = strategy.local_state()
+    return [(k, tuple(shape), rows, local[k]) for k, (shape, rows) in
+            strategy.local_rows().items()]
+
+
 def reshard(old: Strategy, new: Strategy, check: bool = True) -> ReshardResult:
     """Collective over the default group: load ``new`` with the state ``old`` holds, moving
     only what each rank's new layout needs (see the module docstring). With ``check``, the
     returned ``problems`` list every piece of the new layout that differs from the old state
     (the same list on every rank; empty: the move is exact). Raises what a collective raises
     when the group breaks; the old layout is not changed either way."""
+    return move_pieces(layout_pieces(old), new, check)
+
+
+def move_pieces(pieces: Sequence[Piece], new: Strategy, check: bool = True) -> ReshardResult:
+    """Collective over the default group: load ``new`` from the pieces the ranks hold
+    (``pieces``: this rank's; any number per entry, overlapping or not), moving each row a
+    new rank keeps from one holder: the rank itself when it can, else the holder that sent
+    the fewest bytes so far. With ``check``, every moved piece's CRC-32C as its holder had it
+    is compared with the same rows read back from ``new`` (``problems``, the same on every
+    rank; empty: exact). The pieces are read, never changed."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    local = old.local_state()
-    rows_of = old.local_rows()
-    held: _Held = {k: (tuple(shape), str(local[k].dtype).replace("torch.", ""), rows)
-                   for k, (shape, rows) in rows_of.items()}
-    helds = _all_gather(held, world)
+    mine_meta = [(k, tuple(shape), str(t.dtype).replace("torch.", ""), rows)
+                 for k, shape, rows, t in pieces]
+    metas = _all_gather(mine_meta, world)
+    # one holder per (rank, n-th piece of an entry on that rank), so plan_moves sees at most
+    # one piece of an entry per holder
+    helds: list[_Held] = []
+    owners: list[int] = []
+    where: list[dict[str, int]] = []  # holder -> {key: index into its rank's pieces}
+    for r, ms in enumerate(metas):
+        seen: dict[str, int] = {}
+        first = len(helds)
+        for i, (k, shape, dtype, rows) in enumerate(ms):
+            slot = seen.get(k, 0)
+            seen[k] = slot + 1
+            while len(helds) <= first + slot:
+                helds.append({})
+                owners.append(r)
+                where.append({})
+            helds[first + slot][k] = (shape, dtype, rows)
+            where[first + slot][k] = i
     meta = {k: (shape, getattr(torch, dtype)) for h in helds for k, (shape, dtype, _) in h.items()}
     wanted: _Wanted = {}
     for key, (shape, _dtype) in meta.items():  # what the new layout keeps here, of every entry
@@ -178,13 +224,14 @@ def reshard(old: Strategy, new: Strategy, check: bool = True) -> ReshardResult:
         elif need:
             wanted[key] = (int(need[0]), int(need[1]))
     wanteds = _all_gather(wanted, world)
-    moves, problems = plan_moves(helds, wanteds)
+    moves, problems = plan_moves(helds, wanteds, owners)
     if problems:  # the same plan, so the same decision, on every rank: move nothing
         return ReshardResult(len(moves), 0, 0, "", "", problems)
 
-    def old_piece(m: Move) -> torch.Tensor:  # rows m.lo:m.hi of this rank's old piece
-        start = (rows_of[m.key][1] or (0, 0))[0]
-        return _rows(local[m.key], m.lo - start, m.hi - start)
+    def old_piece(m: Move) -> torch.Tensor:  # rows m.lo:m.hi of the piece this rank holds
+        _, _, rows, t = pieces[where[m.src][m.key]]
+        start = (rows or (0, 0))[0]
+        return _rows(t, m.lo - start, m.hi - start)
 
     def nbytes(m: Move) -> int:
         shape, dtype = meta[m.key]
@@ -199,7 +246,8 @@ def reshard(old: Strategy, new: Strategy, check: bool = True) -> ReshardResult:
     sent_crcs: dict[int, int] = {}
     sent = kept = 0
     for i, m in enumerate(moves):
-        if m.src == rank:
+        src = owners[m.src]
+        if src == rank:
             t = old_piece(m)
             if check:
                 sent_crcs[i] = _crc(t)
@@ -213,14 +261,14 @@ def reshard(old: Strategy, new: Strategy, check: bool = True) -> ReshardResult:
         lo, hi = wanteds[rank][m.key]
         if m.key not in state:
             want_shape = shape if not shape else (hi - lo, *shape[1:])
-            if m.src == rank and (m.lo, m.hi) == (lo, hi):
+            if src == rank and (m.lo, m.hi) == (lo, hi):
                 # a view of the old layout (load_state copies what it keeps)
                 state[m.key] = old_piece(m).reshape(want_shape)
                 kept += nbytes(m)
                 continue
             state[m.key] = torch.empty(want_shape, dtype=dtype)
         dest = _rows(state[m.key], m.lo - lo, m.hi - lo)
-        if m.src == rank:
+        if src == rank:
             dest.copy_(old_piece(m).reshape(dest.shape))
             kept += nbytes(m)
             continue
@@ -228,7 +276,7 @@ def reshard(old: Strategy, new: Strategy, check: bool = True) -> ReshardResult:
         if device.type != "cpu":
             landing.append((torch.empty_like(buf, device=device), buf))
             buf = landing[-1][0]
-        ops.append(dist.P2POp(dist.irecv, buf, m.src, tag=i))
+        ops.append(dist.P2POp(dist.irecv, buf, src, tag=i))
     if ops:
         for work in dist.batch_isend_irecv(ops):
             try:
@@ -271,7 +319,7 @@ def reshard(old: Strategy, new: Strategy, check: bool = True) -> ReshardResult:
     for i, m in enumerate(moves):
         if sent_all.get(i) != got_all.get(i):
             problems.append(f"rank {m.dst} holds rows {m.lo}:{m.hi} of {m.key} different from "
-                            f"what rank {m.src} held")
+                            f"what rank {owners[m.src]} held")
     before, after = _digest(moves, sent_all), _digest(moves, got_all)
     return ReshardResult(len(moves), sent, kept, before, after, problems)
 

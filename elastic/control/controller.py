@@ -31,6 +31,7 @@ from ..failures import classify, root_cause
 from ..view import View
 from .cadence import poll_interval, scale_interval
 from .checkpoints import CheckpointTracker
+from .evacuation import Evacuation
 from .interrupts import Interrupts
 from .layouts import Layouts
 from .preflight import preflight, run_directory
@@ -41,6 +42,7 @@ from .sizing import Sizing
 from .states import (
     AtBoundary,
     ControllerState,
+    Evacuating,
     Failed,
     Finished,
     Finishing,
@@ -92,6 +94,7 @@ class Controller:
         self.layouts: Layouts | None = None
         self.replanner = Replanner(config, None, self._emit)  # the closed loop
         self.regroup: Regroup | None = None
+        self.evacuation: Evacuation | None = None
         self._resume: tuple[Any, int] | None = None
         self._segment: Any = None
         self._stop_at: int | None = None  # a stop asked for: the job ends at this step
@@ -99,7 +102,6 @@ class Controller:
         self._rolled_back: set[int | None] = set()  # steps a non-finite rollback came from
         self._switch_done = -1  # the boundary whose scheduled switch has run
         self.sizing = Sizing(config, self.inbox)
-        self._mem_at = 0.0
 
     # ------------------------------------------------------------------ compatibility
 
@@ -146,13 +148,7 @@ class Controller:
         return state.result
 
     def _check_interrupt(self) -> None:
-        if self.interrupts.pending():
-            self.interrupts.acted = True
-            name = self.interrupts.name
-            self._emit("interrupted", f"{name} received: stopping at the next step boundary"
-                       + (" after a final checkpoint" if self.tracker.store else ""),
-                       data={"signal": name})
-            self.post(Request("stop", reason=f"{name} received"))
+        self.interrupts.act(self._emit, self.post, self.tracker.store is not None)
 
     def step_state(self, state: State) -> State:
         """The transition function: the next state after ``state``. Infrastructure errors
@@ -160,12 +156,14 @@ class Controller:
         handlers: dict[type[State], Callable[[Any], State]] = {
             Starting: self._start, Placing: self._place, Forming: self._form,
             Running: self._run, AtBoundary: self._boundary, Switching: self._switch,
-            Resizing: self._resize, Recovering: self._recover, Finishing: self._finish,
+            Resizing: self._resize, Recovering: self._recover, Evacuating: self._evacuate,
+            Finishing: self._finish,
         }
         try:
             return handlers[type(state)](state)
         except InfrastructureError as e:
-            if isinstance(state, (Running, AtBoundary, Switching, Resizing, Recovering)):
+            if isinstance(state, (Running, AtBoundary, Switching, Resizing, Recovering,
+                                  Evacuating)):
                 return Recovering(classify(e))
             return Failed(e)
         except BaseException as e:  # noqa: BLE001 - every error ends the job, typed
@@ -211,6 +209,8 @@ class Controller:
         self.group = (self._group_factory or _ray_group)(cfg)
         self.regroup = Regroup(cfg, self.group, self.layouts, self.tracker, self.steps,
                                self._emit, self._drain)
+        self.evacuation = Evacuation(cfg, self.group, self.layouts, self.tracker, self.regroup,
+                                     self._emit, lambda: self.steps.next_step)
         return Placing(cfg.num_workers)
 
     def _place(self, st: Placing) -> State:
@@ -244,12 +244,14 @@ class Controller:
         while True:
             poll = self.group.poll_segment(seg, self._poll_interval())
             if poll.failures:
-                return Recovering(root_cause(poll.failures))
+                return Recovering(root_cause(poll.failures), poll.noticed_by)
             self._drain()
             self._check_interrupt()
             self.sizing.settle(len(self.workers))  # growth that waited too long is refused
             self.inbox.poll_mailbox(self.status())
             self.tracker.tick(self.group)
+            if self.evacuation and self.evacuation.watch() and not self.inbox.has("notice"):
+                self.post(Request("notice", reason="a node announced its end"))
             if poll.done:
                 break
             if self.replanner.poll(self.steps.next_step, self.spec, self.group):
@@ -302,6 +304,9 @@ class Controller:
             return Resizing(self.sizing.target, req.reason, warm_only=True, request=req)
         if req.kind == "scale":
             return self.sizing.ask(req, self.group, self._answer)
+        if req.kind in ("notice", "evacuate"):
+            assert self.evacuation is not None
+            return self.evacuation.state_for(req, self._answer)
         if req.kind == "memory":
             self._answer(req, self.group.memory_counts(timeout_s=10))
         elif req.kind == "stop":
@@ -346,14 +351,28 @@ class Controller:
         seg, self._segment = self._segment, None
         out = self.regroup.recover(st.failure, self.failures, seg, self.spec,
                                    self._target_strategy(), max(self.cfg.num_workers,
-                                                                len(self.workers)))
+                                                                len(self.workers)), st.noticed_by)
         if isinstance(out, GiveUp):
             err = st.failure.error
             if st.failure.recoverable or not isinstance(err, BaseException):
                 err = InfrastructureError(out.reason)
             return Failed(err)
         self.spec, self.step = out.spec, out.step
+        if self.evacuation is not None:
+            self.evacuation.forget_gone()  # announced nodes that went before the boundary
         self._scale_check()  # replacements start now, in the background
+        return AtBoundary(self.step)
+
+    def _evacuate(self, st: Evacuating) -> State:
+        assert self.evacuation is not None and self.spec is not None
+        out = self.evacuation.run(self.spec, self.step, self._target_strategy())
+        if isinstance(out, GiveUp):
+            return Failed(InfrastructureError(out.reason))
+        if out is not None:
+            self.spec, self.step = out.spec, out.step
+        self._answer(st.request, {"workers": len(self.workers), "step": self.step,
+                                  "source": out.source if out else "nothing to move"})
+        self._scale_check()  # a replacement, where there is room, joins later
         return AtBoundary(self.step)
 
     def _finish(self, st: Finishing) -> State:
@@ -370,15 +389,13 @@ class Controller:
     # ------------------------------------------------------------------ helpers
 
     def _end(self) -> int:
-        return self.cfg.max_steps if self._stop_at is None else min(self._stop_at,
-                                                                    self.cfg.max_steps)
+        return min(self.cfg.max_steps, self._stop_at if self._stop_at is not None else 1 << 62)
 
     def _next_segment(self) -> State:
         if self.step >= self._end():
             return AtBoundary(self.step)
-        ends = [self._end()] + [s for s in self.cfg.switch_at if s > self.step]
-        ends += self.replanner.boundaries(self.step, self.spec, self.group)  # their cadences
-        return Running(self.step, min(ends))
+        assert self.layouts is not None
+        return Running(self.step, self.layouts.segment_end(self.step, self._end(), self.group))
 
     def _target_strategy(self) -> str:
         if self.cfg.strategy == "auto":
@@ -398,16 +415,8 @@ class Controller:
                                  self.tracker.on_metric, self.replanner.on_metric)
         if stop and not self.inbox.has("stop"):
             self.post(Request("stop", reason="the on_step callback asked to stop"))
-        if self.steps.fresh and time.monotonic() - self._mem_at > 2.0:  # memory column
-            self._mem_at = time.monotonic()
-            try:
-                counts = self.group.memory_counts(timeout_s=10)
-                for w, c in zip(self.workers, counts, strict=True):
-                    w.info["memory"] = {k: v * 4 for k, v in c.items()}  # fp32 bytes
-            except ElasticError:
-                pass
         if self.steps.fresh:
-            self.view.workers([w.info for w in self.workers])
+            self.steps.show_workers(self.group)
 
     def _poll_interval(self) -> float:
         below = len(self.workers) < self.sizing.target

@@ -7,7 +7,8 @@ errors, or ``Failure`` records in a ``SegmentPoll``), never as a Ray exception.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -15,7 +16,8 @@ from strategies import StrategySpec
 
 from ..failures import Failure
 
-__all__ = ["WorkerRec", "Segment", "SegmentPoll", "Group"]
+__all__ = ["WorkerRec", "Segment", "SegmentPoll", "DrainNotice", "drain_notices", "drain_reason",
+           "Group"]
 
 
 @dataclass
@@ -48,7 +50,63 @@ class SegmentPoll:
     done: bool = False
     next_step: int | None = None
     failures: tuple[Failure, ...] = ()
+    noticed_by: str = ""  # the first signal of a failure: liveness, collective or actor
 
+
+@dataclass(frozen=True)
+class DrainNotice:
+    """A node hosting some of the job's workers is draining: it will go away (a cloud's
+    preemption notice, or a drain asked for maintenance). ``deadline`` is when (seconds
+    since the epoch; None: no deadline); ``ranks`` are the job's ranks there when seen;
+    ``reason`` is Ray's drain reason in words (``preemption``, ``idle termination``) or
+    ``maintenance`` for a drain the job was asked for."""
+
+    node_id: str
+    ranks: tuple[int, ...]
+    deadline: float | None
+    reason: str
+    message: str = ""
+    seen: float = 0.0  # when the job saw it (seconds since the epoch)
+
+    def left_s(self, now: float) -> float | None:
+        """Seconds until the deadline (None: no deadline)."""
+        return None if self.deadline is None else self.deadline - now
+
+
+def drain_notices(drained: dict[str, int], workers: Sequence[WorkerRec],
+                  reason_of: Callable[[str], tuple[str, str]],
+                  now: float | None = None) -> list[DrainNotice]:
+    """Notices for the draining nodes (``{node id: deadline in ms since the epoch, 0 for
+    none}``, as Ray's GCS lists them) that host some of ``workers``."""
+    hosts: dict[str, list[int]] = {}
+    for w in workers:
+        hosts.setdefault(str(w.info.get("node_id", "")), []).append(w.rank)
+    t = time.time() if now is None else now
+    out = []
+    for node, deadline_ms in sorted(drained.items()):
+        if node in hosts:
+            reason, message = reason_of(node)
+            out.append(DrainNotice(node, tuple(sorted(hosts[node])),
+                                   deadline_ms / 1e3 if deadline_ms else None, reason,
+                                   message, t))
+    return out
+
+
+# gcs_pb2.NodeDeathInfo.Reason: what a node's info says it went (or will go) for
+_DRAIN_REASONS = {3: "preemption", 4: "idle termination", 1: "expected termination"}
+
+
+def drain_reason(infos: dict[Any, Any], node: str) -> tuple[str, str]:
+    """(reason in words, Ray's message) for draining ``node`` from the GCS's node infos
+    (``GcsClient.get_all_node_info()``: node id -> ``GcsNodeInfo``). Ray 2.60 fills a node's
+    ``death_info`` only once it is gone; while it drains the reason is "preemption": Ray
+    refuses any other kind of drain of a busy node (one hosting this job's workers), and
+    its own SIGTERM drain is of that kind too."""
+    for nid, info in infos.items():
+        if (nid.hex() if hasattr(nid, "hex") else str(nid)) == node:
+            death = info.death_info
+            return _DRAIN_REASONS.get(int(death.reason), "preemption"), str(death.reason_message)
+    return "preemption", ""
 
 
 class Group(Protocol):
@@ -96,6 +154,14 @@ class Group(Protocol):
     def restore_checkpoint(self, spec: StrategySpec, step: int,
                            store: Any = None) -> list[dict[str, Any]]: ...
     def restart_fresh(self, spec: StrategySpec) -> None: ...
+    # notices, evacuation, peer copies
+    def notices(self) -> list[DrainNotice]: ...
+    def drain_node(self, node_id: str, deadline_s: float | None, message: str) -> str: ...
+    def release(self, workers: Sequence[WorkerRec]) -> None: ...
+    def hand_off(self, leaving: Sequence[int]) -> list[dict[str, Any]]: ...
+    def restore_from_pieces(self, spec: StrategySpec, step: int) -> list[dict[str, Any]]: ...
+    def copies_status(self) -> list[dict[str, Any]]: ...
+    def restore_from_copies(self, spec: StrategySpec, step: int) -> list[dict[str, Any]]: ...
     def checkpoint_poll(self) -> list[dict[str, Any] | None]: ...
     def checkpoint_now(self) -> list[dict[str, Any]]: ...
     def checkpoint_done(self, step: int, committed: bool) -> None: ...

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 __all__ = ["Interrupts"]
@@ -33,6 +33,19 @@ class Interrupts:
     def pending(self) -> bool:
         """A signal came and the controller has not acted on it yet."""
         return self.signum is not None and not self.acted
+
+    def act(self, emit: Callable[..., Any], post: Callable[[Any], None],
+            checkpoints: bool) -> None:
+        """If a signal came and nothing was done about it yet: say so and post a stop for
+        the next step boundary (after a final checkpoint when the job takes them)."""
+        if not self.pending():
+            return
+        from .requests import Request
+
+        self.acted = True
+        emit("interrupted", f"{self.name} received: stopping at the next step boundary"
+             + (" after a final checkpoint" if checkpoints else ""), data={"signal": self.name})
+        post(Request("stop", reason=f"{self.name} received"))
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:

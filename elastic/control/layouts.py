@@ -105,7 +105,7 @@ class Layouts:
 
         cfg, world = self.cfg, len(group.workers)
         g = cfg.global_batch_size
-        infos = [w.info for w in group.workers]
+        infos = self._budgets("zero3", [w.info for w in group.workers])  # copies' share
         reports = group.profile_terms(list(even_shares(g, world)))
         cluster, mm = measured_model(self.probe_model, cfg.optimizer, infos, reports,
                                      cfg.precision)
@@ -144,6 +144,14 @@ class Layouts:
             return None
         self.block_costs = [statistics.median(col) for col in zip(*rows, strict=True)]
         return self.block_costs
+    def segment_end(self, step: int, end: int, group: Any) -> int:
+        """Where a segment from ``step`` stops for the layouts' sake: a scheduled switch,
+        the next re-balancing check while balancing, else ``end``."""
+        ends = [end] + [s for s in self.cfg.switch_at if s > step]
+        every = self.cfg.rebalance_every
+        if every > 0 and self.balancing(group):
+            ends.append((step // every + 1) * every)
+        return min(ends)
 
     def check(self, spec: StrategySpec) -> None:
         """``StrategyError`` if ``spec`` cannot run on the job's model."""
@@ -180,6 +188,60 @@ class Layouts:
         self._emit("replanned", f"{name} cannot run on {world} workers; the planner chose "
                    f"{spec.name}")
         return spec
+
+    def survivor_plan(self, name: str, infos: list[dict[str, Any]]) -> tuple[bool, str, str]:
+        """Before a planned shrink to the workers ``infos`` (an evacuation): whether the
+        planner finds a layout of the state that fits their memory, the strategy to use
+        (``name`` when it fits, else the planner's choice) and a few words when it changes.
+        With peer copies on, a worker whose device memory is host memory (CPU) holds them
+        too: its budget is lowered by what they take."""
+        from clusters import layout_memory, plan
+
+        from ..planning import live_cluster, model_profile
+
+        if name == "auto":
+            return True, name, ""
+        cluster, _ = live_cluster(self._budgets(name, infos))
+        prof = model_profile(self.probe_model, self.cfg.optimizer, precision=self.cfg.precision)
+        kind = name if name in _SHARE_BALANCED else "zero3"  # a stage holds ~1/n of it too
+        need = layout_memory(kind, prof.n_params, len(infos), bytes_per_param=prof.bytes_per_param,
+                             grad_bytes=prof.grad_bytes,
+                             optimizer_bytes=prof.optimizer_bytes_per_param).model_states
+        if need <= min(d.memory_bytes for d in cluster.devices):
+            return True, name, ""  # the planner's first check; the layout is validated later
+        try:
+            other = plan(cluster, prof, self.cfg.global_batch_size, subsets=False).choice
+        except Exception as e:  # noqa: BLE001 - a model the planner cannot cut
+            return False, name, f"; not planned: {e}"
+        if other is None:
+            return False, name, "; no layout fits the survivors' memory"
+        return True, other.plan.strategy, (f"; {name} does not fit the survivors' memory, "
+                                           f"the planner chose {other.plan.strategy}")
+
+    def _budgets(self, name: str, infos: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """``infos`` with each CPU worker's memory budget lowered by the peer copies it
+        keeps (its own snapshot and a buddy's: twice its share of the model state under
+        ``name``): what the planner counts, for ``auto`` and for an evacuation's survivors."""
+        every = getattr(self.cfg, "peer_copies_every", 0)
+        if every <= 0 or not infos:
+            return [dict(i, rank=r) for r, i in enumerate(infos)]
+        from clusters import layout_memory
+
+        n = len(infos)
+        params = sum(p.numel() for p in self.probe_model.parameters())
+        kind = name if name in _SHARE_BALANCED else "zero3"  # a stage's share is ~1/n too
+        m = layout_memory(kind, params, n, bytes_per_param=4, grad_bytes=4, optimizer_bytes=8)
+        copies_gb = 2 * (m.params + m.optimizer) / 1e9
+        out = []
+        for r, i in enumerate(infos):
+            i = dict(i, rank=r)
+            if i.get("device") == "cpu":
+                emu = dict(i.get("emulation") or {})
+                base = float(emu.get("memory_gb", 4.0))
+                emu["memory_gb"] = max(0.001, base - copies_gb)
+                i["emulation"] = emu
+            out.append(i)
+        return out
 
     # ------------------------------------------------------------------ speeds
 

@@ -7,13 +7,15 @@ holder) and a *recovery* after a failure (survivors keep their processes and mem
 dead are dropped; replacements come from ready spares or placements, as
 ``clusters.policy.ScalingPolicy`` decides). Where the state comes from is
 ``clusters.policy.InPlaceRecovery``'s decision: live peers when every entry has a holder at
-one step (no step lost), else the newest committed checkpoint that loads, else step 0.
+one step (no step lost), else the buddies' copies in the survivors' memory (a few steps run
+again, no storage read), else the newest committed checkpoint that loads, else step 0.
 
 ``Regroup`` holds the components it drives and no state of its own.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -32,13 +34,14 @@ from clusters.policy import (
 )
 from strategies import StrategySpec
 
-from ..errors import HangError, InfrastructureError
+from ..errors import HangError, InfrastructureError, StateMoveError
 from ..failures import Failure, FailureKind
 from .checkpoints import CheckpointTracker
 from .layouts import Layouts
 from .steps import StepLog
 
-__all__ = ["Regroup", "Regrouped", "required_keys", "peer_plan", "roll_forward_ranks"]
+__all__ = ["Regroup", "Regrouped", "required_keys", "peer_plan", "roll_forward_ranks",
+           "buddy_step"]
 
 PeerPlan = list[tuple[str, int, tuple[int, ...], str]]  # (key, source rank, shape, dtype)
 
@@ -73,6 +76,34 @@ def peer_plan(progress: Sequence[dict[str, Any]], held: Sequence[dict[str, Any]]
         shape, dtype = held[src][key]
         plan.append((key, src, tuple(shape), dtype))
     return step, plan
+
+
+def buddy_step(copies: Sequence[dict[str, Any]], required: set[str]) -> int | None:
+    """The newest step at which the workers' snapshots and buddy copies (``copies``: each
+    worker's ``copies_status``: ``{"steps": {step: [(key, full shape, rows or None)]}}``)
+    hold every row of every ``required`` key; None when no step does (copies off, stale,
+    or a rank lost with its buddy)."""
+    steps = sorted({int(s) for c in copies for s in c.get("steps", {})}, reverse=True)
+    for step in steps:
+        spans: dict[str, list[tuple[int, int]]] = {}
+        size: dict[str, int] = {}
+        for c in copies:
+            for key, shape, rows in c["steps"].get(step, ()):
+                n = int(shape[0]) if len(shape) else 1
+                size[key] = n
+                spans.setdefault(key, []).append(tuple(rows) if rows is not None else (0, n))
+        if required and all(k in size and _covers(spans[k], size[k]) for k in required):
+            return step
+    return None
+
+
+def _covers(spans: list[tuple[int, int]], n: int) -> bool:
+    at = 0
+    for a, b in sorted(spans):
+        if a > at:
+            break
+        at = max(at, b)
+    return at >= n
 
 
 def roll_forward_ranks(progress: Sequence[dict[str, Any]]) -> tuple[list[int], int]:
@@ -126,11 +157,26 @@ class Regroup:
         peers = peer_plan(progress, held, need)
         position = max((p["next_step"] for p in progress if p["has_state"]), default=0)
         steps = self.tracker.valid_steps()
-        decision = self.restore_policy.decide(RestoreObservation(
-            position, peers[0] if peers else None, steps, cause))
+        copies = self._copies() if peers is None and cause == "failure" else []
+        buddy = buddy_step(copies, required_keys(
+            list(model.state_dict()), [n for n, _ in model.named_parameters()],
+            list(held) + [{k: None for k, _, _ in c} for st in copies
+                          for c in st["steps"].values()]))
+        obs = RestoreObservation(position, peers[0] if peers else None, steps, cause, buddy)
+        decision = self.restore_policy.decide(obs)
         if decision.source == "peers" and peers is not None:
             outs = self.group.restore_from_peers(spec, peers[1], peers[0])
             return "peers", peers[0], f", {outs[0]['bytes'] / 1e6:.1f} MB from surviving replicas"
+        if decision.source == "buddies":
+            try:
+                outs = self.group.restore_from_copies(spec, decision.step)
+                mb = sum(o.get("bytes_sent", 0) for o in outs) / 1e6
+                return "buddies", decision.step, (f", the buddies' copies of step "
+                                                  f"{decision.step} ({mb:.1f} MB moved)")
+            except StateMoveError as e:  # a corrupt copy: storage, as without copies
+                self._emit("peer_copies_refused", f"{e}; restoring from storage instead",
+                           data={"step": decision.step})
+                decision = self.restore_policy.decide(dataclasses.replace(obs, buddy_step=None))
         if decision.source == "checkpoint":
             got = self.tracker.restore_newest(self.group, spec,
                                               tuple(s for s in steps if s <= decision.step))
@@ -162,7 +208,7 @@ class Regroup:
             group.shrink(n)
             progress, held = progress[:n], held[:n]
         group.leave([w for w in group.workers if w in old])
-        self._form()
+        self.form()
         spec = self.layouts.fit(strategy, len(group.workers), group)
         source, step, detail = self.restore(spec, progress, held, cause="join")
         self._emit("scaled", f"{len(old)} -> {len(group.workers)} workers ({reason}) in "
@@ -174,7 +220,7 @@ class Regroup:
     # ------------------------------------------------------------------ recovery
 
     def recover(self, failure: Failure, failures: int, segment: Any, spec: StrategySpec,
-                strategy: str, target: int) -> Regrouped | GiveUp:
+                strategy: str, target: int, noticed_by: str = "") -> Regrouped | GiveUp:
         """Survive the loss of workers (``failures``: the job's count, this one included):
         keep the survivors' processes and memory, re-plan for the workers there are, restore
         the state, and say where training goes on; or the reason to give up."""
@@ -199,6 +245,7 @@ class Regroup:
                    f"node(s) {lost_nodes}); {len(survivors)} survive: {failure.message[:200]}",
                    data={"kind": failure.kind.value, "dead_ranks": [w.rank for w in dead],
                          "nodes": lost_nodes, "detect_s": t_detect - t_fail,
+                         "noticed_by": noticed_by,
                          "survivor_pids": [w.info.get("pid") for w in survivors]})
         verdict = self.budget.decide(FailureObservation(
             failure.kind.value, True, failures, failure.message))
@@ -211,10 +258,10 @@ class Regroup:
         progress, held = group.progress(), group.held_keys()
         self._drain()  # metrics the survivors still had: steps done before the loss
         before = self.steps.next_step
-        got = self._acquire(target)
+        got = self.acquire(target)
         if isinstance(got, GiveUp):
             return got
-        self._form()
+        self.form()
         new_spec = self.layouts.fit(strategy, len(group.workers), group)
         source, step, detail = self.restore(new_spec, progress, held, cause="failure")
         self.steps.truncate(step)  # metrics after the restored position are void: run again
@@ -250,6 +297,15 @@ class Regroup:
                    f"checkpoint step {step}{detail}", data={"from": bad, "to": step})
         return Regrouped(spec, step, "checkpoint", detail)
 
+    def _copies(self) -> list[dict[str, Any]]:
+        """The survivors' buddy copies (none when the job keeps none)."""
+        if getattr(self.cfg, "peer_copies_every", 0) <= 0:
+            return []
+        try:
+            return self.group.copies_status()
+        except InfrastructureError:
+            return []
+
     def _roll_forward(self) -> None:
         """A step's final all-reduce can complete on some ranks and fail on others: if any
         survivor applied step s, those still at s with complete gradients apply theirs, so
@@ -266,7 +322,7 @@ class Regroup:
                        "update, which peers had applied when the node was lost",
                        data={"ranks": [w.rank for w in ws], "step": s})
 
-    def _acquire(self, target: int) -> Proceed | GiveUp:
+    def acquire(self, target: int) -> Proceed | GiveUp:
         """Replacements as the scaling policy decides: ready spares, placements within the
         replacement timeout, and below ``min_workers`` a bounded wait."""
         group, cfg = self.group, self.cfg
@@ -286,7 +342,7 @@ class Regroup:
                            f"{sorted({str(w.info.get('node_id'))[:8] for w in joined})}")
         return Proceed()
 
-    def _form(self) -> None:
+    def form(self) -> None:
         addr, port, secs = self.group.form()
         self._emit("group", f"generation {self.group.generation}: {len(self.group.workers)} "
                    f"ranks via {addr}:{port} in {secs:.2f}s")

@@ -19,8 +19,10 @@ from ..errors import ElasticError
 
 __all__ = ["Request", "RequestError", "Inbox", "parse", "KINDS", "PUBLIC_KINDS"]
 
-PUBLIC_KINDS = ("switch", "scale", "stop", "memory")  # what the SDK, CLI and mailbox may ask
-KINDS = PUBLIC_KINDS + ("grow",)  # "grow": the controller's own (a warm spare is up)
+# what the SDK, CLI and mailbox may ask
+PUBLIC_KINDS = ("switch", "scale", "stop", "memory", "evacuate")
+# the controller's own: "grow" (a warm spare is up), "notice" (a node announced its end)
+KINDS = PUBLIC_KINDS + ("grow", "notice")
 
 
 class RequestError(ElasticError):
@@ -60,9 +62,29 @@ def parse(kind: Any, value: Any = None, reason: str = "requested", *,
             raise RequestError(f"switch needs a strategy name, got {value!r}. Fix: e.g. "
                                "`elastic switch JOB zero3`")
         value = value.strip()
+    elif kind == "evacuate":
+        value = _evacuation(value)
     elif value is not None:
         raise RequestError(f"{kind} takes no value, got {value!r}")
     return Request(kind, value, str(reason or "requested"))
+
+
+def _evacuation(value: Any) -> dict[str, Any]:
+    """``{"node": id or prefix, "deadline_s": seconds or None}`` from a node id string or
+    such a mapping."""
+    fix = ("Fix: e.g. `elastic drain JOB 3f2a9c01` or job.evacuate(\"3f2a9c01\", "
+           "deadline_s=120)")
+    if isinstance(value, str):
+        value = {"node": value}
+    if not isinstance(value, dict) or set(value) - {"node", "deadline_s"}:
+        raise RequestError(f"evacuate needs a node id, got {value!r}. {fix}")
+    node, deadline = value.get("node"), value.get("deadline_s")
+    if not isinstance(node, str) or not node.strip():
+        raise RequestError(f"evacuate needs a node id, got {node!r}. {fix}")
+    if deadline is not None and (isinstance(deadline, bool)
+                                 or not isinstance(deadline, (int, float)) or deadline < 0):
+        raise RequestError(f"evacuate's deadline must be seconds >= 0, got {deadline!r}. {fix}")
+    return {"node": node.strip(), "deadline_s": None if deadline is None else float(deadline)}
 
 
 class Inbox:
@@ -83,7 +105,7 @@ class Inbox:
         """Queue ``req`` (thread-safe); a malformed one is answered at once with its error.
         Returns whether it was queued."""
         try:
-            parse(req.kind, req.value, req.reason, internal=True)
+            req.value = parse(req.kind, req.value, req.reason, internal=True).value
         except RequestError as e:
             self.answer(req, e)
             return False

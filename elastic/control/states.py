@@ -26,6 +26,7 @@ __all__ = [
     "Switching",
     "Resizing",
     "Recovering",
+    "Evacuating",
     "Finishing",
     "Finished",
     "Failed",
@@ -44,6 +45,7 @@ class ControllerState(enum.Enum):
     SWITCHING = "switching"
     RESIZING = "resizing"
     RECOVERING = "recovering"
+    EVACUATING = "evacuating"
     FINISHING = "finishing"
     FINISHED = "finished"
     FAILED = "failed"
@@ -146,9 +148,23 @@ class Recovering(State):
 
     phase: ClassVar[ControllerState] = ControllerState.RECOVERING
     failure: Failure
+    noticed_by: str = ""  # the first signal: liveness, collective or actor
 
     def describe(self) -> str:
         return f"recovering from {self.failure.kind.value}"
+
+
+@dataclass(frozen=True)
+class Evacuating(State):
+    """Empty the nodes that announced their end (``Evacuation.pending``) at this step
+    boundary: move their state onto the survivors, or the fastest safe path."""
+
+    phase: ClassVar[ControllerState] = ControllerState.EVACUATING
+    reason: str = "preemption notice"
+    request: Request | None = field(default=None, compare=False)
+
+    def describe(self) -> str:
+        return f"evacuating ({self.reason})"
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,22 @@ class StepLog:
         self.on_step = on_step
         self.history: list[dict[str, Any]] = []
         self.fresh = False  # whether the last ingest recorded a step
+        self._mem_at = 0.0  # when the workers' memory column was read last
+
+    def show_workers(self, group: Any) -> None:
+        """The view's workers, with their memory (read at most every 2 s: each read is a
+        call to every worker)."""
+        from ..errors import ElasticError
+
+        if time.monotonic() - self._mem_at > 2.0:
+            self._mem_at = time.monotonic()
+            try:
+                counts = group.memory_counts(timeout_s=10)
+                for w, c in zip(group.workers, counts, strict=True):
+                    w.info["memory"] = {k: v * 4 for k, v in c.items()}  # fp32 bytes
+            except ElasticError:
+                pass
+        self.view.workers([w.info for w in group.workers])
 
     @property
     def next_step(self) -> int:

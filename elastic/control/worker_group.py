@@ -1,11 +1,10 @@
 """The worker group: the controller's only Ray-aware code.
 
 ``WorkerGroup`` owns the job's worker actors and their placement: it reserves bundles,
-starts workers (in the foreground, or in the background as warm spares), forms each
-generation of the process group, kills workers, and makes every call to them, each as a typed
-method. What Ray raises is turned into elastic's typed errors here (``WorkerLostError`` for a
-dead actor), so the controller above it never sees a Ray exception and can be driven without
-Ray (``tests/unit/fake_group.py`` implements the same methods).
+starts workers (in the foreground, or as warm spares), forms each generation of the group,
+kills workers, watches Ray's draining nodes, and makes every call to them (named in
+``calls.py``). What Ray raises is turned into elastic's typed errors here, so the controller
+never sees a Ray exception and runs without Ray over ``tests/unit/fake_group.py``.
 
 Not thread-safe except ``request_stop`` (the SDK's thread calls it while the controller's
 thread waits on a segment).
@@ -17,11 +16,12 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from strategies import StrategySpec
-
 from ..errors import ClusterError, ElasticError, InfrastructureError, WorkerError, WorkerLostError
 from ..failures import Failure, classify, first_cause
-from .group import Segment, SegmentPoll, WorkerRec
+from .calls import PlacementCalls, WorkerCalls
+from .group import DrainNotice, Segment, SegmentPoll, WorkerRec, drain_notices, drain_reason
+from .liveness import Liveness
+from .watch import SegmentWatch
 
 __all__ = ["WorkerGroup", "Placement", "WorkerRec", "Segment", "SegmentPoll"]
 
@@ -72,13 +72,17 @@ class Placement:
     (free slots), and the spares starting in the background. Returns the workers it starts;
     ``WorkerGroup`` takes them in."""
 
-    def __init__(self, config: Any, emulate: Sequence[dict[str, Any]] | None = None) -> None:
+    def __init__(self, config: Any, emulate: Sequence[dict[str, Any]] | None = None,
+                 liveness: tuple[str, int, str] | None = None) -> None:
         self.cfg = config
+        self._liveness = liveness  # (host, port, token) each worker connects to
         self.use_gpu = False
         self.start_error = ""  # why the last worker that failed to start failed
         self._emulate = list(emulate or [])
         self._next_id = 0
         self.free_slots: list[tuple[Any, int]] = []  # reserved bundles without a worker
+        # bundles of workers released from a draining node: free once that node is gone
+        self.draining: list[tuple[Any, int, str]] = []
         self._warming: list[tuple[WorkerRec, Any]] = []  # spares starting: (worker, info ref)
         self._bundle_res: dict[str, float] | None = None
         self._worker_cfg = config.for_worker()  # what a worker reads, and nothing else
@@ -145,7 +149,8 @@ class Placement:
                 max_concurrency=2, max_restarts=0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     pg, placement_group_bundle_index=i),
-            ).remote(self._worker_cfg, wid, self.use_gpu, int(bundle.get("CPU", 1)))
+            ).remote(self._worker_cfg, wid, self.use_gpu, int(bundle.get("CPU", 1)),
+                     self._liveness)
             new.append((WorkerRec(h, wid, pg=pg, slot=i), h.info.remote()))
         return new
 
@@ -180,11 +185,8 @@ class Placement:
         """Warm spares that are up (their info answered)."""
         import ray
 
-        if not self._warming:
-            return 0
         refs = [ref for _, ref in self._warming]
-        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-        return len(done)
+        return len(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) if refs else 0
 
     def spares_starting(self) -> int:
         return len(self._warming)
@@ -199,6 +201,7 @@ class Placement:
         if n <= 0:
             return
         bundle = self.bundle()
+        self._revive()
         ready_slots = [(pg, i) for pg, i in self.free_slots if pg_ready(pg)][:n]
         for pg, i in ready_slots:
             self.free_slots.remove((pg, i))
@@ -257,8 +260,18 @@ class Placement:
                     ray.util.remove_placement_group(pg)
         return placed
 
+    def _revive(self) -> None:
+        """Bundles released from a draining node become free slots once the node is gone
+        (Ray then reserves them again where there is room); until then a worker started
+        there would go down with the node."""
+        if self.draining:
+            gone = [d for d in self.draining if not _node_alive(d[2])]
+            self.draining = [d for d in self.draining if d not in gone]
+            self.free_slots += [(pg, i) for pg, i, _ in gone]
+
     def room(self) -> bool:
         """A free reserved slot that is placeable, or free resources for one more worker."""
+        self._revive()
         if self.free_slots:
             return any(pg_ready(pg) for pg, _ in self.free_slots)
         return self._free_resources(self.bundle())
@@ -279,16 +292,17 @@ class Placement:
         self._warming = []
         for w in warm:
             _kill(w)
-        pgs = [w.pg for w in list(extra) + warm] + [pg for pg, _ in self.free_slots]
+        pgs = ([w.pg for w in list(extra) + warm] + [pg for pg, _ in self.free_slots]
+               + [pg for pg, _, _ in self.draining])
         for pg in {id(pg): pg for pg in pgs if pg is not None}.values():
             try:
                 ray.util.remove_placement_group(pg)
             except Exception:  # noqa: BLE001 - already removed
                 pass
-        self.free_slots = []
+        self.free_slots, self.draining = [], []
 
 
-class WorkerGroup:
+class WorkerGroup(PlacementCalls, WorkerCalls):
     """The job's workers on a Ray cluster (Ray must be initialised): placement (through
     ``Placement``), membership, and every call to them."""
 
@@ -296,42 +310,23 @@ class WorkerGroup:
         self.cfg = config
         self.workers: list[WorkerRec] = []
         self.generation = 0
-        self.placement = Placement(config, emulate)
+        import ray
 
-    @property
-    def use_gpu(self) -> bool:
-        return self.placement.use_gpu
+        self.liveness = Liveness(ray.util.get_node_ip_address(), config.heartbeat_timeout_s)
+        self.watch = SegmentWatch(self.liveness, self._answers)
+        self.placement = Placement(config, emulate, (*self.liveness.address,
+                                                     self.liveness.token))
+        self._reasons: dict[str, tuple[str, str]] = {}  # draining node -> (reason, message)
 
-    def place(self, n: int, min_workers: int) -> list[WorkerRec]:
-        """Start ``n`` workers in one placement group (``ClusterError`` with the fix if it
-        cannot be reserved in time or fewer than ``min_workers`` start)."""
-        new = self.placement.place(n, min_workers)
-        self.workers += new
-        return new
+    def _answers(self, w: WorkerRec) -> bool:
+        """Whether a silent worker answers a ping within 1 s (its second thread)."""
+        import ray
 
-    def spares_ready(self) -> int:
-        return self.placement.spares_ready()
-
-    def spares_starting(self) -> int:
-        return self.placement.spares_starting()
-
-    def start_spares(self, n: int) -> None:
-        self.placement.start_spares(n)
-
-    def take_spares(self, n: int) -> list[WorkerRec]:
-        """Take up to ``n`` warm spares that are up into the job."""
-        new = self.placement.take_spares(n)
-        self.workers += new
-        return new
-
-    def try_place(self, n: int, timeout_s: float) -> list[WorkerRec]:
-        """Place up to ``n`` more workers within ``timeout_s``; keep what could be placed."""
-        new = self.placement.try_place(n, timeout_s)
-        self.workers += new
-        return new
-
-    def room(self) -> bool:
-        return self.placement.room()
+        try:
+            ray.get(w.handle.progress.remote(), timeout=1.0)
+            return True
+        except Exception:  # noqa: BLE001 - dead or unresponsive
+            return False
 
     # ------------------------------------------------------------------ membership
 
@@ -359,6 +354,61 @@ class WorkerGroup:
         gone = {id(w) for w in dead}
         self.workers = [w for w in self.workers if id(w) not in gone]
 
+    def release(self, workers: Sequence[WorkerRec]) -> None:
+        """Let workers of a draining node go (killed now); their bundles become free slots
+        only once the node is gone, so no spare starts there."""
+        for w in workers:
+            _kill(w)
+            self.placement.draining.append((w.pg, w.slot, str(w.info.get("node_id", ""))))
+        gone = {id(w) for w in workers}
+        self.workers = [w for w in self.workers if id(w) not in gone]
+        self.liveness.forget([w.worker_id for w in workers])
+
+    # ------------------------------------------------------------------ notices
+
+    def notices(self) -> list[DrainNotice]:
+        """Ray's draining nodes that host this job's workers, with their deadlines (one GCS
+        call, ~1 ms: what Ray Train V2's preemption watcher polls; ``ray.nodes()`` does not
+        show a drain). The reason is read once per node from its GCS node info."""
+        import ray
+
+        try:
+            drained = ray._private.state.state.get_draining_nodes()  # {node hex: deadline ms}
+        except Exception:  # noqa: BLE001 - the GCS busy: no news this time
+            return []
+        return drain_notices(drained or {}, self.workers, self._drain_reason)
+
+    def _drain_reason(self, node: str) -> tuple[str, str]:
+        if node not in self._reasons:
+            import ray
+
+            try:
+                gcs = ray._raylet.GcsClient(  # type: ignore[attr-defined]
+                    address=ray.get_runtime_context().gcs_address)
+                self._reasons[node] = drain_reason(gcs.get_all_node_info(timeout=5), node)
+            except Exception:  # noqa: BLE001 - the reason is a nicety; the deadline counts
+                self._reasons[node] = ("preemption", "")  # see drain_reason
+        return self._reasons[node]
+
+    def drain_node(self, node_id: str, deadline_s: float | None, message: str) -> str:
+        """Ask Ray to drain ``node_id`` (as ``ray drain-node`` does: a preemption-kind drain
+        is the one Ray accepts for a busy node) so that nothing new is placed there; its
+        deadline is in ``deadline_s`` seconds (None: none). Returns "" when accepted, else
+        Ray's reason for refusing."""
+        import ray
+        from ray.core.generated import autoscaler_pb2
+
+        deadline_ms = 0 if deadline_s is None else int((time.time() + deadline_s) * 1000)
+        try:
+            gcs = ray._raylet.GcsClient(  # type: ignore[attr-defined]
+                address=ray.get_runtime_context().gcs_address)
+            reason = autoscaler_pb2.DrainNodeReason.Value(  # type: ignore[attr-defined]
+                "DRAIN_NODE_REASON_PREEMPTION")
+            ok, why = gcs.drain_node(node_id, reason, message, deadline_ms)
+        except Exception as e:  # noqa: BLE001 - said to the asker
+            return f"{type(e).__name__}: {e}"
+        return "" if ok else str(why or "refused")
+
     def shrink(self, n: int) -> list[WorkerRec]:
         """Keep the first ``n`` workers; kill the rest (their bundles are released with their
         placement groups at cleanup). Returns the removed."""
@@ -373,9 +423,10 @@ class WorkerGroup:
         """Ping every worker (its second thread answers even while the first is busy)."""
         import ray
 
-        skip = {id(w) for w in exclude}
+        gone = list(exclude) + [w for w in self.watch.lost(self.workers) if w not in exclude]
+        skip = {id(w) for w in gone}  # known lost (liveness): no 10 s wait on a ping
         refs = [(w, w.handle.progress.remote()) for w in self.workers if id(w) not in skip]
-        alive, dead = [], list(exclude)
+        alive, dead = [], gone
         for w, ref in refs:
             try:
                 ray.get(ref, timeout=10)
@@ -391,22 +442,13 @@ class WorkerGroup:
         return Segment(start, end, list(zip(self.workers, futs, strict=True)))
 
     def poll_segment(self, seg: Segment, timeout_s: float) -> SegmentPoll:
-        """Wait up to ``timeout_s`` for the segment. If a worker's segment failed, give its
-        peers a moment (1 s) to report a more specific cause, and return every failure."""
+        """Wait up to ``timeout_s`` for the segment, watching its futures and the workers'
+        liveness (``SegmentWatch``); every failure, typed."""
         import ray
 
-        futs = [f for _, f in seg.running]
-        done, pending = ray.wait(futs, num_returns=len(futs), timeout=timeout_s)
-        failures = self._failures(seg, done)
-        if failures and pending:
-            more, _ = ray.wait(pending, num_returns=len(pending), timeout=1.0)
-            failures += self._failures(seg, more)
-        if failures:
-            return SegmentPoll(failures=tuple(failures))
-        if pending:
-            return SegmentPoll()
-        outs = [ray.get(f) for f in futs]
-        return SegmentPoll(done=True, next_step=int(outs[0]["next_step"]))
+        return self.watch.poll(
+            seg, timeout_s, lambda fs, t: ray.wait(fs, num_returns=len(fs), timeout=t),
+            self._failures, lambda fs: int(ray.get(fs[0])["next_step"]))
 
     def _failures(self, seg: Segment, refs: Sequence[Any]) -> list[Failure]:
         import ray
@@ -476,47 +518,7 @@ class WorkerGroup:
         return out
 
     # ------------------------------------------------------------------ typed calls
-
-    def build(self, spec: StrategySpec) -> list[dict[str, Any]]:
-        """Lay every worker out as ``spec`` (first build or a live switch)."""
-        return self._call("build", spec)
-
-    def memory_counts(self, timeout_s: float | None = None) -> list[dict[str, int]]:
-        return self._call("memory_counts", timeout_s=timeout_s)
-
-    def profile(self, batch: int, detail: bool = False,
-                workers: Sequence[WorkerRec] | None = None) -> list[dict[str, Any]]:
-        return self._call("profile", batch, detail, workers=workers)
-
-    def profile_terms(self, shares: list[int], rounds: int = 7) -> list[dict[str, Any]]:
-        return self._call("profile_terms", shares, rounds)
-
-    def progress(self, timeout_s: float | None = None) -> list[dict[str, Any]]:
-        return self._call("progress", timeout_s=timeout_s)
-
-    def held_keys(self) -> list[dict[str, tuple[tuple[int, ...], str]]]:
-        return self._call("held_keys")
-
-    def leave(self, workers: Sequence[WorkerRec] | None = None) -> None:
-        self._call("leave", workers=workers)
-
-    def snapshot_full(self) -> None:
-        self._call("snapshot_full")
-
-    def finish_pending_step(self, workers: Sequence[WorkerRec]) -> None:
-        self._call("finish_pending_step", workers=workers)
-
-    def restore_from_peers(self, spec: StrategySpec, plan: list[tuple[str, int, tuple[int, ...],
-                                                                      str]],
-                           step: int) -> list[dict[str, Any]]:
-        return self._call("restore_from_peers", spec, plan, step)
-
-    def restore_checkpoint(self, spec: StrategySpec, step: int, store: Any = None
-                           ) -> list[dict[str, Any]]:
-        return self._call("restore_checkpoint", spec, step, store)
-
-    def restart_fresh(self, spec: StrategySpec) -> None:
-        self._call("restart_fresh", spec, None, 0)
+    # (named in ``WorkerCalls``; here: how they travel, and how their failures come back)
 
     def checkpoint_poll(self) -> list[dict[str, Any] | None]:
         """Each worker's upload outcome; a worker that does not answer within 30 s counts as
@@ -530,10 +532,6 @@ class WorkerGroup:
             except Exception:  # noqa: BLE001 - said as a failed upload
                 out.append({"error": f"worker {w.rank} did not answer"})
         return out
-
-    def checkpoint_now(self) -> list[dict[str, Any]]:
-        """Every worker begins a checkpoint of the state as it is (collective)."""
-        return self._call("checkpoint_now")
 
     def checkpoint_done(self, step: int, committed: bool) -> None:
         for w in self.workers:
@@ -567,9 +565,7 @@ class WorkerGroup:
                 ray.get(ref, timeout=timeout_s)
             except Exception as e:  # noqa: BLE001 - typed
                 errors.append(_typed(e, w))
-        if errors:
-            raise first_cause(errors) from None
-        raise InfrastructureError("a worker call failed")  # unreachable in practice
+        raise (first_cause(errors) if errors else InfrastructureError("a worker call failed")) from None
 
     def _get(self, ref: Any) -> Any:
         import ray
@@ -585,6 +581,7 @@ class WorkerGroup:
         """Kill every worker and spare and release every placement group."""
         import ray
 
+        self.liveness.close()
         if not ray.is_initialized():
             return
         for w in self.workers:

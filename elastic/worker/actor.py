@@ -28,11 +28,14 @@ from ..config import JobConfig, WorkerConfig
 from .boundary import guarded
 from .checkpointing import Checkpointing
 from .faults import Faults
+from .handoff import hand_off
+from .heartbeat import Heartbeat
 from .held_state import HeldState, PeerPlan
 from .inputs import JobData
 from .layout import Layout
 from .loop import StepLoop
 from .membership import Membership
+from .peer_copies import PeerCopies
 from .profiling import Profiler
 
 __all__ = ["Worker"]
@@ -51,9 +54,12 @@ def _node_id() -> str | None:
 class Worker:
     """Body of the worker actor (wrapped with ``ray.remote`` by the controller)."""
 
-    def __init__(self, config: JobConfig | WorkerConfig, worker_id: int, use_gpu: bool, num_threads: int) -> None:
+    def __init__(self, config: JobConfig | WorkerConfig, worker_id: int, use_gpu: bool,
+                 num_threads: int, liveness: tuple[str, int, str] | None = None) -> None:
         self.config = config
         self.worker_id = worker_id
+        # the controller learns of this process's end from this connection first
+        self.heartbeat = Heartbeat(*liveness, worker_id, 0.1) if liveness else None
         torch.set_num_threads(max(1, num_threads))
         self.device = torch.device("cuda", 0) if use_gpu else torch.device("cpu")
         if use_gpu:
@@ -64,17 +70,20 @@ class Worker:
                     "(bf16 needs compute capability 8.0+: A100, H100, L4...); fix: use "
                     "precision: fp32 for this cluster, or place the job on bf16 devices")
         model_factory, loss_fn = config.model_factory(), config.loss_fn()
-        self.membership = Membership("nccl" if use_gpu else "gloo", self.device)
+        self.membership = Membership("nccl" if use_gpu else "gloo", self.device,
+                                     copies=config.peer_copies_every > 0)
         self.data = JobData(config)
         self.held = HeldState()
         self.profiler = Profiler(config, self.device, self.data, model_factory, loss_fn)
         self.layout = Layout(config, self.membership, self.held, self.data, model_factory,
                              loss_fn, on_built=self.profiler.install)
-        self.faults = Faults(config, node_id=_node_id)
+        self.copies = PeerCopies(config.peer_copies_every, config.peer_copies_memory_gb,
+                                 self.membership, _node_id)
+        self.faults = Faults(config, node_id=_node_id, corrupt=self.copies.corrupt)
         self.checkpoints = Checkpointing(config, self.membership, self.layout,
                                          in_upload=self.faults.in_upload)
         self.loop = StepLoop(config, self.membership, self.layout, self.data, self.checkpoints,
-                             self.profiler, self.faults)
+                             self.profiler, self.faults, self.copies)
         gc.freeze()  # start-up objects (torch, ray, the job's modules) skip later collections,
         # which keeps the one in leave() short
 
@@ -118,20 +127,22 @@ class Worker:
         self.membership.join(addr, port, rank, world, generation, timeout_s)
         return time.perf_counter() - t0
 
-    def leave(self) -> None:
+    def leave(self, collect: bool = True) -> None:
         """Tear down the current group, if any. The state this rank holds stays in memory,
         parked as canonical CPU tensors, and the strategy is dropped with every reference it
         had to the group (sub-groups, the DDP reducer, FSDP meshes): a gloo group closes its
         sockets only when its last reference goes, and only then do peers blocked on this
         rank fail at once instead of at the group timeout. Every path after a leave lays the
-        job out again from parked, peer or checkpoint state."""
+        job out again from parked, peer or checkpoint state. ``collect=False`` (a planned
+        leave: no peer is blocked on this rank) skips the collection that frees the group's
+        sockets at once (~0.2 s); they go at the next one."""
         with self.held.lock:
             dropped = self.layout.strategy is not None
             if dropped:
                 self.held.park(self.layout.strategy)
                 self.layout.drop()
             self.membership.leave()
-            if dropped:  # reference cycles (hooks, schedules) hold groups too
+            if dropped and collect:  # reference cycles (hooks, schedules) hold groups too
                 gc.collect()
 
     # ------------------------------------------------------------------ layout and training
@@ -195,6 +206,8 @@ class Worker:
     def shutdown(self) -> None:
         self.checkpoints.close()
         self.leave()
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
 
     # ------------------------------------------------------------------ recovery
 
@@ -236,6 +249,7 @@ class Worker:
             state, nbytes = self.held.from_peers(plan, self.layout.strategy,
                                                  self.membership.rank, self.device)
             self.layout.restart(spec, state, next_step)
+            self.copies.reset()
             return {"seconds": time.perf_counter() - t0, "bytes": nbytes}
         return self._guard(go)
 
@@ -246,7 +260,53 @@ class Worker:
         def go() -> dict[str, Any]:
             t0 = time.perf_counter()
             self.layout.restart(spec, state, next_step)
+            self.copies.reset()
             return {"seconds": time.perf_counter() - t0}
+        return self._guard(go)
+
+    # ------------------------------------------------------------------ evacuation, copies
+
+    def hand_off(self, leaving: list[int]) -> dict[str, Any]:
+        """Collective over the current group, at a step boundary: the pieces of the state
+        that only the ``leaving`` ranks hold go to survivors, checked, and are kept there
+        with the state this rank parks at ``leave`` (``elastic.worker.handoff``)."""
+        def go() -> dict[str, Any]:
+            got, out = hand_off(self.held.pieces(self.layout.strategy), leaving, self.device)
+            self.held.carried += got
+            return out
+        return self._guard(go)
+
+    def restore_from_pieces(self, spec: StrategySpec, next_step: int) -> dict[str, Any]:
+        """Collective over the new group: lay out ``spec`` from the pieces the ranks hold
+        (parked at leave, and carried for a draining rank), each rank receiving only what it
+        keeps; checked as a switch is (``StateMoveError``: nothing was loaded)."""
+        def go() -> dict[str, Any]:
+            out = self.layout.from_pieces(spec, self.held.pieces(None), next_step)
+            self.copies.reset()
+            return out
+        return self._guard(go)
+
+    def copies_status(self) -> dict[str, Any]:
+        """Local: the steps at which this rank holds buddy copies and its own snapshot, and
+        which pieces (``elastic.worker.peer_copies``)."""
+        return self.copies.status()
+
+    def restore_from_copies(self, spec: StrategySpec, step: int) -> dict[str, Any]:
+        """Collective over the new group: lay out ``spec`` from the snapshots and buddy
+        copies of ``step`` the ranks hold, every copy's checksum verified first on every
+        rank (``StateMoveError`` on all of them when one does not match: nothing loaded)."""
+        from ..errors import StateMoveError
+
+        def go() -> dict[str, Any]:
+            try:
+                pieces, err = self.copies.restore_pieces(step), None
+            except StateMoveError as e:
+                pieces, err = [], e
+            if not self.membership.all_ranks(err is None):
+                raise err or StateMoveError("another rank's copy does not match its checksum")
+            out = self.layout.from_pieces(spec, pieces, step)
+            self.copies.reset()
+            return out
         return self._guard(go)
 
     # ------------------------------------------------------------------ checkpoints
@@ -259,7 +319,9 @@ class Worker:
     def restore_checkpoint(self, spec: StrategySpec, step: int, store: Any = None) -> dict[str, Any]:
         """Lay out ``spec`` from committed checkpoint ``step`` of ``store`` (default: the
         job's), checksums verified. A ``CheckpointError`` reaches the controller as it is."""
-        return self._guard(self.checkpoints.restore, spec, step, store)
+        out = self._guard(self.checkpoints.restore, spec, step, store)
+        self.copies.reset()
+        return out
 
     def checkpoint_poll(self) -> dict[str, Any] | None:
         """The upload's outcome: None while uploading or idle, else {"info": ShardInfo dict}

@@ -17,6 +17,8 @@ fire it again. Actions:
 * ``pause_upload``: as ``pause``, but on the upload thread, once this rank's shard of
   checkpoint ``step`` (the checkpoint taken after ``step`` steps) has begun to upload and
   while its training goes on: a node lost in the middle of an upload, on purpose.
+* ``corrupt_copy``: one byte of a buddy's copy this rank holds is flipped (peer copies), so
+  a restore from it must find the checksum wrong and fall back to storage.
 """
 
 from __future__ import annotations
@@ -46,13 +48,15 @@ def _block_forever() -> None:
 class Faults:
     """The job's fault entries, indexed by (rank, step); a no-op when there are none.
 
-    ``node_id`` says which node this process runs on (for ``pause``); ``block`` and ``exit``
-    are what ``pause``/``hang`` and ``exit`` do (tests replace them).
+    ``node_id`` says which node this process runs on (for ``pause``); ``block``, ``exit`` and
+    ``corrupt`` are what ``pause``/``hang``, ``exit`` and ``corrupt_copy`` do (tests replace
+    them).
     """
 
     def __init__(self, config: JobConfig | WorkerConfig, node_id: Callable[[], str | None] = lambda: None,
                  block: Callable[[], None] = _block_forever,
-                 exit: Callable[[int], Any] = os._exit) -> None:
+                 exit: Callable[[int], Any] = os._exit,
+                 corrupt: Callable[[], Any] = lambda: None) -> None:
         self._at: dict[tuple[int, int], list[dict[str, Any]]] = {}
         for f in config.faults or []:
             self._at.setdefault((int(f["rank"]), int(f["step"])), []).append(f)
@@ -60,6 +64,7 @@ class Faults:
         self._node_id = node_id
         self._block = block
         self._exit = exit
+        self._corrupt = corrupt
 
     def at_step(self, rank: int, step: int, generation: int) -> bool:
         """At the start of ``step`` on ``rank``: fire the entries due there that have not
@@ -87,6 +92,8 @@ class Faults:
                 raise FaultInjected(f"fault injected at rank {rank}, step {step} (faults)")
             elif action == "nan":
                 nan = True
+            elif action == "corrupt_copy":
+                self._corrupt()
         return nan
 
     def in_upload(self, rank: int, step: int, generation: int) -> None:

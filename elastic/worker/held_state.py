@@ -1,13 +1,16 @@
 """Held state: what this rank keeps of the job's state when no layout holds it live.
 
-Two moments need a copy outside the live layout:
+Three moments need a copy outside the live layout:
 
 * a planned membership change: the old group takes a *full* snapshot (``snapshot_full``), so
   that every entry has a holder on any old rank when the new group is formed;
 * ``leave``: the layout is dropped (its references pin the group's sockets), and the state the
-  rank held is *parked* as canonical CPU tensors (``park``). If the step's final all-reduce
-  failed here after the gradients were complete (``pending_update``), the state with that
-  update applied is parked too, so that a roll-forward works after the layout is gone.
+  rank held is *parked* as canonical CPU pieces (``park``): whole entries, and under sharded
+  layouts its dim-0 rows. If the step's final all-reduce failed here after the gradients were
+  complete (``pending_update``), the state with that update applied is parked too, so that a
+  roll-forward works after the layout is gone;
+* an evacuation: a draining rank hands the pieces only it holds to a survivor before its node
+  goes (``carried``, at the same step as the parked state).
 
 Every path after that lays the job out again from held, peer or checkpoint state: a new
 layout replaces whatever is held (``clear``, called by ``Layout``).
@@ -21,10 +24,34 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["HeldState", "PeerPlan"]
+__all__ = ["HeldState", "PeerPlan", "Piece", "piece_bytes", "whole_entries"]
 
 # [(canonical key, the rank that sends it, shape, dtype name)]: restore_from_peers' plan
 PeerPlan = list[tuple[str, int, tuple[int, ...], str]]
+# (canonical key, the entry's full shape, its dim-0 rows or None for all, those rows)
+Piece = tuple[str, tuple[int, ...], tuple[int, int] | None, torch.Tensor]
+
+
+def piece_bytes(pieces: list[Piece]) -> int:
+    return sum(t.numel() * t.element_size() for _, _, _, t in pieces)
+
+
+def whole_entries(pieces: list[Piece]) -> dict[str, torch.Tensor]:
+    """The pieces that are whole entries, by key."""
+    return {k: t for k, _, rows, t in pieces if rows is None}
+
+
+def _copies(strategy: Any) -> list[Piece]:
+    """CPU copies of what a live layout holds on this rank: its pieces (whole entries and
+    dim-0 rows), or, for a layout that says only what it holds whole, those entries."""
+    if hasattr(strategy, "local_rows"):
+        from strategies import layout_pieces
+
+        return [(k, shape, rows, t.detach().to("cpu", copy=True))
+                for k, shape, rows, t in layout_pieces(strategy)]
+    fn = getattr(strategy, "held_state", None)
+    whole = fn() if fn is not None else {}
+    return [(k, tuple(t.shape), None, t) for k, t in whole.items()]
 
 
 def _live(strategy: Any) -> dict[str, torch.Tensor]:
@@ -34,7 +61,8 @@ def _live(strategy: Any) -> dict[str, torch.Tensor]:
 
 
 class HeldState:
-    """The snapshot or parked state of this rank, and the parked state one step on.
+    """The snapshot or parked pieces of this rank, the parked pieces one step on, and the
+    pieces carried for a draining rank.
 
     ``lock`` serializes ``leave`` (which parks, on the controller's thread) with
     ``roll_forward``; the actor holds it across the whole leave.
@@ -42,41 +70,45 @@ class HeldState:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self._snapshot: dict[str, torch.Tensor] | None = None  # full (planned change) or
-        # parked at leave; kept until the next layout
-        self._rolled: dict[str, torch.Tensor] | None = None  # parked state one step on
+        self._pieces: list[Piece] | None = None  # full (planned change) or parked at leave;
+        # kept until the next layout
+        self._rolled: list[Piece] | None = None  # parked pieces one step on
+        self.carried: list[Piece] = []  # handed over by a draining rank (same step)
 
     @property
     def snapshot(self) -> dict[str, torch.Tensor] | None:
-        """The snapshot or parked state, if any (read-only use)."""
-        return self._snapshot
+        """The whole entries of the snapshot or parked state, if any (read-only use)."""
+        return whole_entries(self._pieces) if self._pieces is not None else None
 
     def has_state(self) -> bool:
-        return self._snapshot is not None
+        return self._pieces is not None
 
     def clear(self) -> None:
-        """A new layout holds the state: drop the snapshot and any rolled copy."""
-        self._snapshot = self._rolled = None
+        """A new layout holds the state: drop the snapshot, any rolled copy and carried
+        pieces."""
+        self._pieces = self._rolled = None
+        self.carried = []
 
     def park(self, strategy: Any) -> None:
         """Before ``strategy`` is dropped (at leave): keep what it holds, unless a snapshot is
         kept already; with a pending update, finish it on the strategy (local, no
         communication) and keep that state too, for ``roll_forward``. The caller holds
         ``lock``."""
-        if self._snapshot is not None:
+        if self._pieces is not None:
             return
-        self._snapshot = _live(strategy)
+        self._pieces = _copies(strategy)
         if getattr(strategy, "pending_update", False):
             # the step's final all-reduce failed here after the gradients were complete
             if strategy.finish_pending_step():
-                self._rolled = _live(strategy)
+                self._rolled = _copies(strategy)
 
     def snapshot_full(self, strategy: Any) -> int:
         """Collective over the current (healthy) group: keep the full canonical state, so
         that a planned membership change can hand every entry to the new group from any old
         rank. Returns the bytes held."""
-        self._snapshot = strategy.full_state()
-        return sum(t.numel() * t.element_size() for t in self._snapshot.values())
+        full = strategy.full_state()
+        self._pieces = [(k, tuple(t.shape), None, t) for k, t in full.items()]
+        return piece_bytes(self._pieces)
 
     def pending(self, strategy: Any) -> bool:
         """Whether a step's update can still be applied here without communication: on the
@@ -94,14 +126,29 @@ class HeldState:
             if strategy is None:
                 if self._rolled is None:
                     return False
-                self._snapshot, self._rolled = self._rolled, None
+                self._pieces, self._rolled = self._rolled, None
                 return True
             return bool(getattr(strategy, "finish_pending_step", lambda: False)())
 
+    def pieces(self, strategy: Any) -> list[Piece]:
+        """Every piece this rank holds at its data position: parked (else the live layout's,
+        as views) plus those carried for a draining rank."""
+        if self._pieces is not None:
+            own = self._pieces
+        elif strategy is not None and hasattr(strategy, "local_rows"):
+            from strategies import layout_pieces
+
+            own = layout_pieces(strategy)
+        else:
+            own = []
+        return list(own) + list(self.carried)
+
     def held(self, strategy: Any) -> dict[str, torch.Tensor]:
-        """Canonical entries this rank holds whole: the snapshot or parked state, else the
-        live layout's."""
-        return self._snapshot if self._snapshot is not None else _live(strategy)
+        """Canonical entries this rank holds whole: the snapshot or parked state (with what
+        it carries), else the live layout's."""
+        if self._pieces is not None:
+            return whole_entries(self._pieces + self.carried)
+        return _live(strategy)
 
     def keys(self, strategy: Any) -> dict[str, tuple[tuple[int, ...], str]]:
         """Local: the canonical keys this rank holds whole, with shape and dtype name."""

@@ -20,7 +20,7 @@ from strategies import Strategy, StrategySpec, check_layout, reshard, state_hash
 from strategies import get as get_strategy
 
 from ..config import JobConfig, WorkerConfig
-from ..errors import PeerReadError, SwitchError
+from ..errors import PeerReadError, StateMoveError, SwitchError
 from ..reference import build_model, build_model_for_load
 from .held_state import HeldState
 from .inputs import JobData
@@ -127,6 +127,33 @@ class Layout:
         canonical state) or, if None, from the seeded model; the state is at ``next_step``."""
         self.build_fresh(spec, state)
         self.next_step = next_step
+
+    def from_pieces(self, spec: StrategySpec, pieces: list[Any], next_step: int
+                    ) -> dict[str, Any]:
+        """Collective over the (new) group: lay out ``spec`` from host-memory pieces the
+        ranks hold (``strategies.move_pieces``: each rank receives only what its new layout
+        keeps, every piece checked as a switch's are); the state is at ``next_step``. On a
+        failed check nothing is kept and the held state stays (``StateMoveError``)."""
+        from strategies import move_pieces
+
+        t0 = time.perf_counter()
+        self.drop()
+        strat = self._new_strategy(spec, for_load=True)
+        try:
+            res = move_pieces(pieces, strat, check=self._config.switch_check != "off")
+        except BaseException:
+            strat.close()
+            raise
+        if res.problems:
+            strat.close()
+            raise StateMoveError(f"moving the state from held pieces into {spec.name} failed "
+                                 f"its check: {res.problems[0]}")
+        self._held.clear()
+        self.strategy, self.spec, self.next_step = strat, spec, next_step
+        self._on_built(strat)
+        return {"seconds": time.perf_counter() - t0, "bytes_sent": res.bytes_sent,
+                "bytes_kept": res.bytes_kept, "hash_before": res.hash_before,
+                "hash_after": res.hash_after, "moves": res.moves}
 
     def build_fresh(self, spec: StrategySpec, state: dict[str, torch.Tensor] | None,
                     read: Callable[[Strategy], dict[str, torch.Tensor]] | None = None) -> None:

@@ -31,6 +31,7 @@ from .faults import Faults, nan_inputs
 from .inputs import JobData
 from .layout import Layout, compute_blocks
 from .membership import Membership, Waitable
+from .peer_copies import PeerCopies
 from .profiling import Profiler
 
 __all__ = ["StepLoop"]
@@ -65,7 +66,7 @@ class StepLoop:
 
     def __init__(self, config: JobConfig | WorkerConfig, membership: Membership, layout: Layout,
                  data: JobData, checkpoints: Checkpointing, profiler: Profiler,
-                 faults: Faults) -> None:
+                 faults: Faults, copies: PeerCopies | None = None) -> None:
         self._config = config
         self._membership = membership
         self._layout = layout
@@ -73,6 +74,7 @@ class StepLoop:
         self._checkpoints = checkpoints
         self._profiler = profiler
         self._faults = faults
+        self._copies = copies
         self._metrics: deque[dict[str, Any]] = deque()
         self._stop = threading.Event()
         self._nonfinite_run = 0  # non-finite steps in a row (agreed by every rank)
@@ -115,10 +117,14 @@ class StepLoop:
             compute_s = self._profiler.take_compute()
             norm = strategy.last_grad_norm
             layout.next_step = step + 1
+            copies = self._copies
+            if copies is not None and copies.due(step + 1):  # a buddy's copy of step + 1
+                copies.begin(strategy, step + 1)
             busy = 1.0 if self._checkpoints.busy else 0.0
             bad = not math.isfinite(local) or bool(getattr(strategy, "skipped", False))
             ctrl = torch.tensor([local, 1.0 if self._stop.is_set() else 0.0, float(hi - lo), busy,
-                                 1.0 if bad else 0.0], dtype=torch.float64)
+                                 1.0 if bad else 0.0, copies.flag() if copies else 1.0],
+                                dtype=torch.float64)
             work = m.ctrl_allreduce(ctrl)
             stop = False
             if pending is not None:  # the previous step's values, reduced meanwhile
@@ -141,8 +147,12 @@ class StepLoop:
         assert p.work is not None
         p.work.wait()
         p.work = None
-        loss, stop, trained, busy, bad = p.ctrl.tolist()
+        loss, stop, trained, busy, bad, copied = p.ctrl.tolist()
         skipped = self._check_finite(p.step, bad, bool(p.ctrl_local_bad))
+        note = None
+        if self._copies is not None:
+            self._copies.settle(copied, self._membership.world)
+            note, self._copies.note = self._copies.note, None
         ckpt = self._checkpoints.after_step(p.step, busy > 0)
         dt = p.t_end - p.t0
         self._metrics.append({
@@ -155,6 +165,7 @@ class StepLoop:
             **({"grad_norm": p.grad_norm} if p.grad_norm is not None else {}),
             **({"eval_loss": p.eval_loss} if p.eval_loss is not None else {}),
             **({"skipped": True} if skipped else {}),
+            **({"peer_copies_off": note} if note else {}),
         })
         return stop > 0
 

@@ -42,7 +42,8 @@ class Waitable(Protocol):
     def wait(self) -> Any: ...
 
 
-def control_group(rank: int, world: int, generation: int, timeout_s: float) -> Any:
+def control_group(rank: int, world: int, generation: int, timeout_s: float,
+                  name: str = "elastic-ctrl") -> Any:
     """A gloo group of the same ranks for the per-step control all-reduce, kept out of
     torch's group registry. That all-reduce runs asynchronously behind the next step; if a
     peer dies, it can stay blocked on a *live* peer until the group timeout, and tearing down
@@ -53,7 +54,7 @@ def control_group(rank: int, world: int, generation: int, timeout_s: float) -> A
     try:
         from torch._C._distributed_c10d import ProcessGroupGloo
 
-        store = dist.PrefixStore(f"elastic-ctrl/{generation}",
+        store = dist.PrefixStore(f"{name}/{generation}",
                                  dist.distributed_c10d._get_default_store())
         return ProcessGroupGloo(store, rank, world, timedelta(seconds=timeout_s))
     except Exception:  # noqa: BLE001 - a torch without these internals: synchronous control
@@ -101,9 +102,11 @@ class Membership:
     and the controller's protocol see to it); ``ctrl_allreduce`` runs on the step loop's.
     """
 
-    def __init__(self, backend: str, device: torch.device) -> None:
+    def __init__(self, backend: str, device: torch.device, copies: bool = False) -> None:
         self.backend = backend
         self.device = device
+        self._copies = copies  # each generation also gets a group for the peer copies
+        self.copies_group: Any = None  # (elastic.worker.peer_copies), outside the registry
         self.rank = -1
         self.world = 0
         self.generation = 0
@@ -138,6 +141,9 @@ class Membership:
         dist.init_process_group(self.backend, store=store, rank=rank, world_size=world,
                                 timeout=timeout)
         self._ctrl_pg = control_group(rank, world, generation, timeout_s)
+        if self._copies and world > 1:
+            self.copies_group = control_group(rank, world, generation, timeout_s,
+                                              "elastic-copies")
         self.rank, self.world, self.generation = rank, world, generation
 
     def leave(self) -> None:
@@ -151,6 +157,10 @@ class Membership:
             threading.Thread(target=_retire, args=(pg, work), daemon=True,
                              name="elastic-retire-ctrl").start()
             del pg, work
+        if self.copies_group is not None:  # an exchange may be blocked on a lost peer
+            threading.Thread(target=_retire, args=(self.copies_group, None), daemon=True,
+                             name="elastic-retire-copies").start()
+            self.copies_group = None
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()

@@ -125,3 +125,22 @@ def test_console_script_imports_modules_of_the_current_folder(tmp_path):
     out = run("run", "job.yaml")
     assert out.returncode == 0, out.stderr[-3000:]
     assert "done: 2 steps" in out.stdout
+
+
+def test_drain_and_demo_chaos_parse(monkeypatch):
+    """``elastic drain JOB NODE [--deadline S]`` asks the job's mailbox to evacuate (the
+    request is checked where it enters); ``elastic demo --chaos`` reaches the chaos demo."""
+    from elastic import cli, control
+
+    asked = []
+    monkeypatch.setattr(cli, "_attach", lambda address: None)
+    monkeypatch.setattr(control, "ask", lambda *a, **kw: asked.append((a, kw)) or {"ok": 1})
+    assert cli.main(["drain", "myjob", "3f2a9c", "--deadline", "30"]) == 0
+    (args, kw), = asked
+    assert args == ("myjob", "evacuate", {"node": "3f2a9c", "deadline_s": 30.0})
+    demo = []
+    import elastic.demo
+
+    monkeypatch.setattr(elastic.demo, "run_chaos_demo", lambda **kw: demo.append(kw) or 0)
+    assert cli.main(["demo", "--chaos", "--steps", "50"]) == 0
+    assert demo and demo[0]["max_steps"] == 50

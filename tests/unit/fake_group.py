@@ -10,11 +10,12 @@ makes a segment that reaches a step report a lost worker, a user error or a hang
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from elastic.control.group import Segment, SegmentPoll, WorkerRec
-from elastic.errors import GroupError, NonFiniteError, WorkerError, WorkerLostError
+from elastic.control.group import DrainNotice, Segment, SegmentPoll, WorkerRec
+from elastic.errors import GroupError, NonFiniteError, StateMoveError, WorkerError, WorkerLostError
 from elastic.failures import classify
 
 _OPTIM_ENTRIES = ("exp_avg", "exp_avg_sq", "step")
@@ -66,6 +67,12 @@ class FakeGroup:
         self.stop_asked = False
         self.checkpoint_every = 0  # the job's: steps after which the fake begins a checkpoint
         self.nonfinite_at: dict[int, list[str]] = {}  # checkpoint step -> keys with NaN
+        # preemption notices: step reached -> (rank whose node drains, seconds left or None)
+        self.announce_at: dict[int, tuple[int, float | None]] = {}
+        self.draining: dict[str, DrainNotice] = {}  # node -> notice, visible to notices()
+        self.copies_every = 0  # the job's peer_copies_every (the fake keeps whole copies)
+        self.corrupt_copies = False  # restore_from_copies finds a checksum wrong
+        self.drain_refused = ""  # what Ray says to drain_node ("": accepted)
         self._ckpt: int | None = None  # the checkpoint step uploading
         self._ids = 0
         self._pos: dict[int, int] = {}  # segment -> the step it reached
@@ -166,6 +173,12 @@ class FakeGroup:
         self._train(at, at + 1)
         at += 1
         self._pos[id(seg)] = at
+        if at in self.announce_at:  # a node announces its end once this step is done
+            rank, left = self.announce_at.pop(at)
+            w = self.workers[rank]
+            node = str(w.info["node_id"])
+            self.draining[node] = DrainNotice(node, (w.rank,), None if left is None else
+                                              time.time() + left, "preemption", "spot", 0.0)
         if at >= seg.end or self.stop_asked:
             return SegmentPoll(done=True, next_step=at)
         return SegmentPoll()
@@ -310,7 +323,7 @@ class FakeGroup:
             out.append({k: ((1,), "float32") for k in keys})
         return out
 
-    def leave(self, workers: Any = None) -> None:
+    def leave(self, workers: Any = None, collect: bool = True) -> None:
         self.calls.append(("leave", len(workers) if workers is not None else len(self.workers)))
 
     def snapshot_full(self) -> None:
@@ -361,6 +374,56 @@ class FakeGroup:
 
     def final_state(self) -> dict[str, Any]:
         return {"model/final": self.fw(self.workers[0]).next_step}
+
+    # ------------------------------------------------------------------ notices, evacuation
+
+    def notices(self) -> list[DrainNotice]:
+        hosts = {str(w.info["node_id"]) for w in self.workers}
+        return [n for node, n in self.draining.items() if node in hosts]
+
+    def drain_node(self, node_id: str, deadline_s: float | None, message: str) -> str:
+        self.calls.append(("drain_node", (node_id, deadline_s)))
+        return self.drain_refused
+
+    def release(self, workers: list[WorkerRec]) -> None:
+        self.calls.append(("release", [w.rank for w in workers]))
+        gone = {id(w) for w in workers}
+        self.workers = [w for w in self.workers if id(w) not in gone]
+
+    def hand_off(self, leaving: list[int]) -> list[dict[str, Any]]:
+        self.calls.append(("hand_off", list(leaving)))
+        return [{"bytes_sent": 100 if w.rank in leaving else 0,
+                 "bytes_received": 0 if w.rank in leaving else 50, "pieces": 1,
+                 "seconds": 0.001} for w in self.workers]
+
+    def restore_from_pieces(self, spec: Any, step: int) -> list[dict[str, Any]]:
+        self.calls.append(("restore_from_pieces", step))
+        self._set(spec, step)
+        return [{"seconds": 0.0, "bytes_sent": 10, "hash_before": "a", "hash_after": "a"}
+                for _ in self.workers]
+
+    def copies_status(self) -> list[dict[str, Any]]:
+        """Every survivor holds a whole copy of the state at the last multiple of k (the
+        real coverage rules are tested on ``buddy_step`` itself)."""
+        out = []
+        for w in self.workers:
+            f = self.fw(w)
+            if not self.copies_every or not f.has_state:
+                out.append({"steps": {}})
+                continue
+            g = f.next_step // self.copies_every * self.copies_every
+            keys = self.model_keys + [f"optim/{p}/{e}" for p in self.params
+                                      for e in _OPTIM_ENTRIES]
+            out.append({"steps": {g: [(k, (1,), None) for k in keys]} if g > 0 else {}})
+        return out
+
+    def restore_from_copies(self, spec: Any, step: int) -> list[dict[str, Any]]:
+        self.calls.append(("restore_from_copies", step))
+        if self.corrupt_copies:
+            raise StateMoveError("the copy of rank 1's state held by rank 0 does not match "
+                                 "its checksum")
+        self._set(spec, step)
+        return [{"bytes_sent": 10} for _ in self.workers]
 
     def close(self) -> None:
         self.closed = True

@@ -172,8 +172,8 @@ def test_planner_rejects_with_a_reason_naming_the_device():
     reasons = [x.rejection for x in r.rejected if x.subset == "all devices"]
     assert any(
         re.match(r"zero1: needs [\d.]+ GB per device before any activation = model states "
-                 r"[\d.]+ GB \(params [\d.]+ GB, grads [\d.]+ GB, optimizer [\d.]+ GB\); "
-                 r"T4 has 16 GB", why)
+                 r"[\d.]+ GB \(params [\d.]+ GB, grads [\d.]+ GB, optimizer [\d.]+ GB\)"
+                 r"( \+ buffers [\d.]+ GB)?; T4 has 16 GB", why)  # zero1/2: bucket buffers
         for why in reasons
     ), reasons
     assert r.choice is not None and r.choice.subset == "only a100"  # T4s cannot hold it
@@ -282,6 +282,8 @@ def test_rejections_name_every_counted_part():
         assert m, why
         total, states, p, g, o, buf = map(float, m.groups())
         assert states == pytest.approx(p + g + o, abs=0.2)
-        assert total == pytest.approx(states + buf, abs=0.2) and buf > 1.0
+        assert total == pytest.approx(states + buf, abs=0.2) and buf > 0
+        # zero3 gathers a whole block (GBs here); zero2 reduces in fixed-size buckets
+        assert (buf > 1.0) if strategy == "zero3" else (buf < 0.5)
     pipe = [x.rejection for x in r.rejected if x.plan.is_pipeline]
     assert any(re.search(r"= model states .* \+ activations [\d.]+ GB", w) for w in pipe), pipe

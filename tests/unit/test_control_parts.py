@@ -124,6 +124,83 @@ def test_run_logs_are_strict_json(tmp_path):
     assert e["data"]["vals"] == [1.0, None]
 
 
+# ------------------------------------------------------------------ notices, buddies' copies
+
+
+def test_buddy_step_is_the_newest_step_every_row_is_held_at():
+    from elastic.control.regroup import buddy_step
+
+    def rows(r, n=3):  # zero3: rank r's rows of a (6, 2) entry
+        return ("model/w", (6, 2), (2 * r, 2 * r + 2))
+
+    need = {"model/w", "model/b"}
+    b = ("model/b", (2,), None)
+    # survivors 0 and 1; rank 2's rows come from its buddy (rank 0) at step 10 only
+    s0 = {"steps": {10: [rows(0), b, rows(2)], 15: [rows(0), b]}}
+    s1 = {"steps": {10: [rows(1)], 15: [rows(1), b]}}
+    assert buddy_step([s0, s1], need) == 10
+    # a stale copy (another step) does not count; a lost buddy leaves a hole
+    assert buddy_step([{"steps": {10: [rows(0), b]}}, {"steps": {15: [rows(1), rows(2)]}}],
+                      need) is None
+    assert buddy_step([{"steps": {}}, {"steps": {}}], need) is None
+    assert buddy_step([s0, s1], need | {"optim/w/exp_avg"}) is None
+
+
+def test_drain_notices_name_the_nodes_that_host_workers():
+    from elastic.control.group import WorkerRec, drain_notices
+
+    ws = [WorkerRec(None, i, {"node_id": n}, rank=i) for i, n in enumerate("aab")]
+    got = drain_notices({"a": 5_000, "c": 0, "b": 0}, ws, lambda n: ("preemption", "spot"),
+                        now=1.0)
+    assert [(n.node_id, n.ranks, n.deadline, n.reason) for n in got] == [
+        ("a", (0, 1), 5.0, "preemption"), ("b", (2,), None, "preemption")]
+    assert got[0].left_s(2.0) == 3.0 and got[1].left_s(2.0) is None
+
+
+def test_a_node_is_named_by_a_unique_prefix():
+    from elastic.control.evacuation import resolve_node
+    from elastic.errors import SwitchError
+
+    nodes = ["3f2a9c01aa", "3f2b0000bb", "77"]
+    assert resolve_node("3f2a", nodes) == "3f2a9c01aa"
+    for bad, words in [("3f2", "more than one"), ("zz", "no node"), ("", "no node")]:
+        with pytest.raises(SwitchError, match=words):
+            resolve_node(bad, nodes)
+
+
+def test_evacuate_requests_are_parsed_where_they_enter():
+    assert parse("evacuate", "abc").value == {"node": "abc", "deadline_s": None}
+    assert parse("evacuate", {"node": " ab ", "deadline_s": 3}).value == {
+        "node": "ab", "deadline_s": 3.0}
+    for bad in (None, 3, {"node": ""}, {"node": "a", "deadline_s": True}, {"nod": "a"}):
+        with pytest.raises(RequestError, match="evacuate"):
+            parse("evacuate", bad)
+    with pytest.raises(RequestError, match="unknown request 'notice'"):
+        parse("notice")  # the controller's own
+
+
+def test_the_survivor_plan_asks_the_planner_under_the_survivors_memory():
+    from elastic.config import JobConfig
+    from elastic.control.layouts import Layouts
+    from tests.helpers import RegressionData, adam, mlp, mse
+
+    cfg = JobConfig(model=mlp, optimizer=adam, loss=mse, dataset=RegressionData(),
+                    global_batch_size=8, max_steps=4, num_workers=2, view="none")
+    lay = Layouts(cfg, mlp(), lambda *a, **k: None)
+
+    def infos(gb):
+        return [{"device": "cpu", "rank": r, "emulation": {"memory_gb": gb}} for r in range(2)]
+
+    assert lay.survivor_plan("zero3", infos(4.0)) == (True, "zero3", "")
+    fits, name, why = lay.survivor_plan("dp", infos(1e-9))
+    assert not fits and "no layout fits the survivors' memory" in why
+    # peer copies lower a CPU worker's budget by what they keep
+    copies = Layouts(cfg.replace(peer_copies_every=5), mlp(), lambda *a, **k: None)
+    low = copies._budgets("zero3", infos(4.0))
+    assert all(0 < i["emulation"]["memory_gb"] < 4.0 for i in low)
+    assert lay._budgets("zero3", infos(4.0))[0]["emulation"]["memory_gb"] == 4.0
+
+
 def test_a_call_raises_the_rank_that_failed_not_the_peers_that_echo_it():
     """Restores read then agree: rank 0 read fine but raises a ``PeerReadError`` because rank 1
     could not read; the call reports rank 1's own error (naming the bad shard)."""
@@ -137,3 +214,46 @@ def test_a_call_raises_the_rank_that_failed_not_the_peers_that_echo_it():
     assert first_cause([echo]) is echo  # only echoes: still an error to raise
     other = WorkerLostError("worker rank 0 died")
     assert first_cause([other, own]) is other  # rank order among real causes
+
+
+def test_the_chaos_demo_says_what_happened_and_what_it_cost():
+    from elastic.demo import _chaos_lines
+    from elastic.events import Event
+
+    evs = [Event("preemption_notice", "", 24,
+                 data={"node": "3f2a9c01aa77", "ranks": [2], "left_s": 14.6}),
+           Event("evacuated", "", 25,
+                 data={"step": 25, "path": "move", "pause_s": 0.31, "steps_lost": 0}),
+           Event("failure", "", 32,
+                 data={"dead_ranks": [1], "noticed_by": "liveness", "detect_s": 0.04}),
+           Event("recovered", "", 30,
+                 data={"source": "buddies", "seconds": 0.9, "steps_lost": 2, "world_size": 1}),
+           Event("evacuated", "", 9, data={"step": 9, "path": "recover", "source": "checkpoint"})]
+    lines = _chaos_lines(evs)
+    assert lines == [
+        "  step 24: node 3f2a9c01 (rank(s) [2]) announced its end, 14.6s ahead",
+        "  step 25: evacuated (moved onto the other workers): training paused 0.31s, 0 step(s) "
+        "lost, no checkpoint read, nobody restarted",
+        "  step 32: rank(s) [1] lost without notice (noticed by liveness in 0.04s)",
+        "  step 30: recovered from buddies in 0.90s, 2 step(s) run again, 1 workers",
+        "  step 9: evacuated (recover), state from checkpoint"]
+    assert _chaos_lines([]) == ["  nothing (the run ended first)"]
+
+
+def test_a_drains_reason_comes_from_the_node_info_else_it_is_a_preemption():
+    from types import SimpleNamespace as NS
+
+    from elastic.control.group import drain_reason
+
+    def info(reason, msg=""):
+        return NS(death_info=NS(reason=reason, reason_message=msg))
+
+    class Nid(str):
+        def hex(self):
+            return str(self)
+
+    infos = {Nid("a"): info(4, "idle"), Nid("b"): info(0), Nid("c"): info(3, "spot")}
+    assert drain_reason(infos, "a") == ("idle termination", "idle")
+    assert drain_reason(infos, "b") == ("preemption", "")  # alive and draining: no death info
+    assert drain_reason(infos, "c") == ("preemption", "spot")
+    assert drain_reason(infos, "zz") == ("preemption", "")

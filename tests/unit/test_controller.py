@@ -378,3 +378,136 @@ def test_a_named_pipeline_cuts_its_stages_by_the_measured_block_times(tmp_path):
                               micro_batches=2)
     ctl2.run()
     assert fake2.spec.stage_split is None
+# ------------------------------------------------------------------ notices and evacuation
+
+
+def _events(ctl: Controller, kind: str) -> list:
+    return [e for e in ctl.events if e.kind == kind]
+
+
+@pytest.mark.parametrize("strategy", ["zero3", "dp", "zero2"])
+def test_a_preemption_notice_moves_the_state_at_the_next_boundary(tmp_path, strategy):
+    """A node announces its end (60 s left): at the next step boundary its ranks hand their
+    pieces off, are released, and the survivors load the layout from pieces: no step lost,
+    no checkpoint read, nobody restarted."""
+    ctl, fake = _controller(tmp_path, strategy=strategy, num_workers=3, min_workers=1,
+                            drain_poll_s=1e-9)
+    fake.announce_at[6] = (2, 60.0)
+    result = ctl.run()
+    assert [h["step"] for h in result.history] == list(range(STEPS))
+    notice = _events(ctl, "preemption_notice")
+    assert len(notice) == 1 and notice[0].data["ranks"] == [2]
+    assert 50 < notice[0].data["left_s"] <= 60 and "s left" in notice[0].message
+    assert 6 <= notice[0].step <= 8  # the steps done when it was seen
+    ev = _events(ctl, "evacuated")
+    assert len(ev) == 1 and ev[0].data["path"] == "move" and ev[0].data["steps_lost"] == 0
+    at = ev[0].data["step"]
+    assert 6 <= at <= 8 and ev[0].data["world_size"] == 2 and ev[0].data["state_preserved"]
+    assert ev[0].data["left_at_release_s"] > 50
+    i = fake.calls.index(("hand_off", [2]))
+    assert fake.calls[i + 1:i + 4] == [("leave", 2), ("release", [2]), ("form", 2)]
+    assert ("restore_from_pieces", at) in fake.calls
+    assert not [c for c in fake.calls if c[0] in ("restore_checkpoint", "restart_fresh")]
+    assert "recovered" not in _kinds(ctl) and ctl.failures == 0
+    moves = [(e.data["from"], e.data["to"]) for e in ctl.events if e.kind == "state"]
+    assert ("at_boundary", "evacuating") in moves and ("evacuating", "at_boundary") in moves
+    assert result.history[-1]["world_size"] == 2
+
+
+def test_a_deadline_too_short_for_the_move_lets_the_node_go_and_says_why(tmp_path):
+    """0.5 s left, 1 s kept in reserve, no checkpoint store: the fastest safe path is to let
+    the node go now and recover (here: zero2 without copies, from scratch: said so)."""
+    ctl, fake = _controller(tmp_path, strategy="zero2", num_workers=3, min_workers=1,
+                            drain_poll_s=1e-9)
+    fake.announce_at[4] = (1, 0.5)
+    result = ctl.run()
+    ev = _events(ctl, "evacuating")
+    assert ev[0].data["path"] == "recover" and "no checkpoint store" in ev[0].message
+    done = _events(ctl, "evacuated")[0]
+    assert done.data["path"] == "recover" and done.data["source"] == "scratch"
+    assert ("hand_off", [1]) not in fake.calls and ("release", [1]) in fake.calls
+    assert [h["step"] for h in result.history] == list(range(STEPS))
+
+
+def test_a_deadline_too_short_recovers_from_the_buddies_copies(tmp_path):
+    ctl, fake = _controller(tmp_path, strategy="zero3", num_workers=3, min_workers=1,
+                            drain_poll_s=1e-9, peer_copies_every=4)
+    fake.copies_every = 4
+    fake.announce_at[6] = (0, 0.2)
+    ctl.run()
+    ev = _events(ctl, "evacuating")[0]
+    assert ev.data["path"] == "recover" and "buddies' copies" in ev.message
+    done = _events(ctl, "evacuated")[0]
+    assert done.data["source"] == "buddies" and done.data["steps_lost"] <= 4
+    assert any(c[0] == "restore_from_copies" for c in fake.calls)
+
+
+def test_evacuate_by_hand_drains_the_node_through_ray_and_answers(tmp_path):
+    ctl, fake = _controller(tmp_path, strategy="zero3", num_workers=3, min_workers=1)
+    q = _ask(ctl, "evacuate", {"node": "node1", "deadline_s": 120})
+    bad = _ask(ctl, "evacuate", "nodeX")
+    result = ctl.run()
+    assert ("drain_node", ("node1", 120.0)) in fake.calls
+    ans = q.get_nowait()
+    assert ans["workers"] == 2 and ans["source"] == "evacuation"
+    err = bad.get_nowait()
+    assert isinstance(err, SwitchError) and "no node of this job matches 'nodeX'" in str(err)
+    notice = _events(ctl, "preemption_notice")[0]
+    assert notice.data["reason"] == "maintenance" and notice.data["ranks"] == [1]
+    assert len(result.history) == STEPS and result.history[-1]["world_size"] == 2
+
+
+def test_malformed_evacuations_are_refused_where_they_enter(tmp_path):
+    ctl, _ = _controller(tmp_path)
+    qs = [_ask(ctl, "evacuate"), _ask(ctl, "evacuate", 7),
+          _ask(ctl, "evacuate", {"node": "n", "deadline_s": -1}),
+          _ask(ctl, "evacuate", {"node": "n", "when": 1})]
+    answers = [q.get_nowait() for q in qs]
+    assert all(isinstance(a, Exception) and "evacuate" in str(a) for a in answers), answers
+
+
+def test_a_node_that_goes_before_the_boundary_is_a_loss_said_as_such(tmp_path):
+    ctl, fake = _controller(tmp_path, num_workers=3, min_workers=1, drain_poll_s=1e-9)
+    fake.announce_at[5] = (2, 30.0)
+    fake.fail(step=5, rank=2, kind="lost")  # gone in the very next step
+    result = ctl.run()
+    assert "recovered" in _kinds(ctl) and "preemption_missed" in _kinds(ctl)
+    assert "evacuated" not in _kinds(ctl)
+    assert [h["step"] for h in result.history] == list(range(STEPS))
+
+
+def test_below_min_workers_the_evacuation_checkpoints_then_recovers(tmp_path, monkeypatch):
+    ctl, fake = _controller(tmp_path, strategy="zero2", num_workers=2, min_workers=2,
+                            drain_poll_s=1e-9, min_workers_timeout_s=0.01,
+                            checkpoint_every=100)
+    fake.announce_at[4] = (1, None)
+    with pytest.raises(InfrastructureError, match="fewer than min_workers=2"):
+        ctl.run()
+    ev = _events(ctl, "evacuating")[0]
+    assert ev.data["path"] == "checkpoint" and "fewer than min_workers=2" in ev.message
+    assert any(c[0] == "checkpoint_now" for c in fake.calls)
+
+
+def test_an_unannounced_zero3_loss_restores_from_the_buddies_copies(tmp_path):
+    ctl, fake = _controller(tmp_path, strategy="zero3", num_workers=3, min_workers=1,
+                            peer_copies_every=5)
+    fake.copies_every = 5
+    fake.fail(step=8, rank=1, kind="lost")
+    result = ctl.run()
+    rec = _events(ctl, "recovered")[0]
+    assert rec.data["source"] == "buddies" and rec.data["steps_lost"] == 3
+    assert ("restore_from_copies", 5) in fake.calls
+    assert [h["step"] for h in result.history] == list(range(STEPS))
+
+
+def test_a_corrupt_copy_falls_back_to_storage(tmp_path, monkeypatch):
+    ctl, fake = _controller(tmp_path, strategy="zero3", num_workers=3, min_workers=1,
+                            peer_copies_every=5)
+    monkeypatch.setattr(type(ctl.tracker), "valid_steps", lambda self: (4,))
+    fake.copies_every = 5
+    fake.corrupt_copies = True
+    fake.fail(step=8, rank=1, kind="lost")
+    ctl.run()
+    assert "peer_copies_refused" in _kinds(ctl)
+    rec = _events(ctl, "recovered")[0]
+    assert rec.data["source"] == "checkpoint" and ("restore_checkpoint", 4) in fake.calls

@@ -269,7 +269,9 @@ def test_a_full_snapshot_is_held_until_the_next_layout(tmp_path, group):
     p.layout.build(_spec())
     nbytes = p.held.snapshot_full(p.layout.strategy)
     assert nbytes == sum(t.numel() * t.element_size() for t in p.held.snapshot.values())
-    assert p.held.held(p.layout.strategy) is p.held.snapshot
+    held, snap = p.held.held(p.layout.strategy), p.held.snapshot
+    assert snap is not None and held.keys() == snap.keys()
+    assert all(held[k] is snap[k] for k in snap)  # the snapshot's own tensors, not new copies
     p.layout.build(_spec("zero1"))  # a live switch: the new layout holds the state now
     assert not p.held.has_state()
 

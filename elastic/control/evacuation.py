@@ -1,0 +1,312 @@
+"""Evacuation: a node that will go away at a known time (a cloud's preemption notice, or a
+drain asked for maintenance) is emptied at the next step boundary, while the job goes on.
+
+Notices: while training, the worker group's ``notices()`` (Ray's draining nodes that host the
+job's workers: one GCS call, every ``drain_poll_s``) are watched; a new one is an
+``preemption_notice`` event naming the node, its ranks and the time left, and the workers are
+asked to stop at the next step boundary. A drain asked through ``job.evacuate(node)`` or
+``elastic drain JOB NODE`` is handed to Ray's own drain (so nothing new lands there) and
+becomes a ``maintenance`` notice at once.
+
+At the boundary, ``clusters.policy.EvacuationPolicy`` decides from the time left, the measured
+cost of moving what only the draining ranks hold, the cost of a checkpoint, and whether the
+survivors can hold the state (the planner, under their memory):
+
+* ``move``: the draining ranks hand their pieces to survivors (``hand_off``, checked), every
+  worker parks its state, the draining workers are released (long before the deadline), the
+  survivors form a new group and load the (re-planned) layout from the pieces with the live
+  reshard's move, checked as a switch is. No step lost, no checkpoint read, no survivor
+  restarted;
+* ``checkpoint``: the state is checkpointed and committed, the draining workers released,
+  and the survivors recover from that checkpoint (no step lost);
+* ``recover``: the draining workers are released now and the job recovers as after a loss
+  (the buddies' copies, or the last checkpoint).
+
+The ``evacuated`` event says which path, why, and what it cost.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from clusters.policy import EvacuationObservation, EvacuationPolicy, GiveUp
+from strategies import StrategySpec
+from strategies.traits import traits_of
+
+from ..errors import CheckpointError, InfrastructureError, StateMoveError, SwitchError
+from .checkpoints import CheckpointTracker
+from .group import DrainNotice, WorkerRec
+from .layouts import Layouts
+from .regroup import Regroup, Regrouped
+from .requests import Request
+from .states import Evacuating
+
+__all__ = ["Evacuation", "resolve_node"]
+
+DEFAULT_BANDWIDTH = 100e6  # bytes/s until a hand-off or a switch measured one
+FIXED_S = 0.05  # a hand-off's fixed part: two small all_gathers and an agreement
+
+
+def resolve_node(wanted: str, nodes: list[str]) -> str:
+    """The node id among ``nodes`` that ``wanted`` names (a prefix of its hex id, as events
+    print it); ``SwitchError`` naming the job's nodes when none or several match."""
+    hits = sorted({n for n in nodes if n.startswith(wanted.strip())}) if wanted.strip() else []
+    if len(hits) == 1:
+        return hits[0]
+    known = ", ".join(sorted({n[:12] for n in nodes})) or "none"
+    raise SwitchError(f"{'no' if not hits else 'more than one'} node of this job matches "
+                      f"{wanted!r} (the job's nodes: {known}). Fix: give a longer prefix of "
+                      "the node id (`elastic status JOB`, or ray list nodes)")
+
+
+class Evacuation:
+    """Notices and evacuations of one job. Owns the notices seen and not yet acted on, and
+    the measured transfer bandwidth that prices the next move."""
+
+    def __init__(self, cfg: Any, group: Any, layouts: Layouts, tracker: CheckpointTracker,
+                 regroup: Regroup, emit: Callable[..., Any],
+                 steps_done: Callable[[], int] | None = None) -> None:
+        self.cfg = cfg
+        self.group = group
+        self.layouts = layouts
+        self.tracker = tracker
+        self.regroup = regroup
+        self._emit = emit
+        self._steps_done = steps_done  # a notice's event is at the steps done when seen
+        self.policy = EvacuationPolicy(cfg.evacuation_margin, cfg.evacuation_slack_s)
+        self.pending: dict[str, DrainNotice] = {}  # node -> notice, not acted on yet
+        self.done: set[str] = set()  # nodes evacuated (a later sighting means nothing)
+        self.bandwidth = DEFAULT_BANDWIDTH
+        self._next_poll = 0.0
+
+    # ------------------------------------------------------------------ notices
+
+    def watch(self, now: float | None = None) -> bool:
+        """While training, at most every ``drain_poll_s``: take new notices of draining
+        nodes hosting the job's workers (each one an event). Returns whether a notice is
+        waiting for the next step boundary."""
+        t = time.monotonic() if now is None else now
+        if not self.cfg.watch_drains or t < self._next_poll:
+            return bool(self.pending)
+        self._next_poll = t + self.cfg.drain_poll_s
+        for n in self.group.notices():
+            if n.node_id not in self.pending and n.node_id not in self.done:
+                self._take(n, self._steps_done() if self._steps_done else None)
+        return bool(self.pending)
+
+    def _take(self, n: DrainNotice, step: int | None = None) -> None:
+        self.pending[n.node_id] = n
+        left = n.left_s(time.time())
+        when = "no deadline" if left is None else f"{left:.1f}s left"
+        self._emit("preemption_notice", f"node {n.node_id[:8]} ({n.reason}) hosting rank(s) "
+                   f"{list(n.ranks)} will go: {when}; evacuating at the next step boundary",
+                   data={"node": n.node_id, "ranks": list(n.ranks), "reason": n.reason,
+                         "message": n.message, "deadline": n.deadline, "left_s": left},
+                   step=step)
+
+    def request(self, req: Request) -> bool:
+        """``job.evacuate(node)`` / ``elastic drain JOB NODE``: drain the node through Ray
+        (nothing new lands there) and evacuate it now. Returns False when refused (answered
+        by the caller with the ``SwitchError`` raised)."""
+        value = req.value or {}
+        nodes = [str(w.info.get("node_id", "")) for w in self.group.workers]
+        node = resolve_node(str(value.get("node", "")), nodes)
+        deadline_s = value.get("deadline_s")
+        why = self.group.drain_node(node, deadline_s, f"maintenance: {req.reason}")
+        if why:
+            self._emit("drain_refused", f"Ray refused to drain node {node[:8]}: {why}; "
+                       "evacuating it anyway", data={"node": node, "why": why})
+        ranks = tuple(w.rank for w in self.group.workers if w.info.get("node_id") == node)
+        self.done.discard(node)
+        self._take(DrainNotice(node, ranks, None if deadline_s is None else
+                               time.time() + float(deadline_s), "maintenance", req.reason,
+                               time.time()))
+        return True
+
+    def state_for(self, req: Request, answer: Callable[[Request, Any], None]
+                  ) -> Evacuating | None:
+        """At a step boundary, a ``notice`` (the watch saw one) or an ``evacuate`` request:
+        the state that carries it out, or None (refused and answered)."""
+        if req.kind == "evacuate":
+            try:
+                self.request(req)
+            except SwitchError as e:
+                answer(req, e)
+                return None
+            return Evacuating(req.reason, req)
+        return Evacuating()
+
+    def forget_gone(self) -> list[DrainNotice]:
+        """After a loss: the notices whose nodes no longer host a worker (the node went
+        before the step boundary came); returned, and dropped."""
+        hosts = {str(w.info.get("node_id", "")) for w in self.group.workers}
+        gone = [n for node, n in self.pending.items() if node not in hosts]
+        for n in gone:
+            self.pending.pop(n.node_id, None)
+            self.done.add(n.node_id)
+            self._emit("preemption_missed", f"node {n.node_id[:8]} went before the next step "
+                       f"boundary ({time.time() - n.seen:.1f}s after its notice); the job "
+                       "recovered as after a loss", data={"node": n.node_id,
+                                                         "ranks": list(n.ranks)})
+        return gone
+
+    # ------------------------------------------------------------------ at the boundary
+
+    def run(self, spec: StrategySpec, step: int, strategy: str) -> Regrouped | GiveUp | None:
+        """Evacuate every pending node (see the module docstring). None when no worker was
+        on them any more."""
+        notices, self.pending = list(self.pending.values()), {}
+        nodes = {n.node_id for n in notices}
+        self.done |= nodes
+        group = self.group
+        leaving = [w for w in group.workers if str(w.info.get("node_id", "")) in nodes]
+        if not leaving:
+            return None
+        stay = [w for w in group.workers if w not in leaving]
+        self.tracker.tick(group)  # an upload still in flight needs the draining workers:
+        self.tracker.abandon(group)  # given up (the next checkpoint comes as usual)
+        now = time.time()
+        lefts = [n.deadline - now for n in notices if n.deadline is not None]
+        left = min(lefts) if lefts else None
+        fits, target, why_plan = self._plan(stay, strategy)
+        decision = self.policy.decide(EvacuationObservation(
+            left, self._move_s(spec, leaving), self._checkpoint_s(), len(stay),
+            self.cfg.min_world, fits, self.cfg.peer_copies_every > 0))
+        ranks = [w.rank for w in leaving]
+        names = sorted(n[:8] for n in nodes)
+        self._emit("evacuating", f"node(s) {names} (rank(s) {ranks}): {decision.path}, "
+                   f"{decision.reason}{why_plan}",
+                   data={"nodes": sorted(nodes), "ranks": ranks, "path": decision.path,
+                         "reason": decision.reason, "left_s": left})
+        t0 = time.time()
+        if decision.path == "move":
+            try:
+                return self._move(spec, step, target, leaving, notices, left, t0)
+            except StateMoveError as e:
+                self._emit("evacuation_failed", f"{e}; letting the node go and recovering")
+                return self._let_go(spec, step, target, leaving, notices, t0, "recover")
+        if decision.path == "checkpoint":
+            return self._checkpoint(spec, step, target, leaving, notices, left, t0)
+        return self._let_go(spec, step, target, leaving, notices, t0, "recover")
+
+    def _move(self, spec: StrategySpec, step: int, strategy: str, leaving: list[WorkerRec],
+              notices: list[DrainNotice], left: float | None, t0: float
+              ) -> Regrouped | GiveUp:
+        group = self.group
+        handed = group.hand_off([w.rank for w in leaving])
+        moved = sum(o["bytes_received"] for o in handed)
+        t_hand = max(o["seconds"] for o in handed)
+        if moved and t_hand > 0:
+            self.bandwidth = max(1e6, moved / t_hand)
+        group.leave([w for w in group.workers if w not in leaving], collect=False)
+        group.release(leaving)
+        released = time.time()
+        self.regroup.form()
+        new_spec = self.layouts.fit(strategy, len(group.workers), group)
+        try:
+            outs = group.restore_from_pieces(new_spec, step)
+        except StateMoveError as e:  # the survivors still hold what they parked
+            self._emit("evacuation_failed", f"{e}; restoring as after a loss")
+            return self._restored(new_spec, step, leaving, notices, t0, "recover")
+        pause = time.time() - t0
+        sent = sum(o.get("bytes_sent", 0) for o in outs)
+        before = {o.get("hash_before") for o in outs}
+        same = before == {o.get("hash_after") for o in outs} and len(before) == 1
+        until = None if left is None else left - (released - t0)
+        self._emit("evacuated", f"node(s) {sorted(n.node_id[:8] for n in notices)} evacuated at "
+                   f"step {step} by moving the state: {moved / 1e6:.2f} MB handed off in "
+                   f"{t_hand:.2f}s, workers released {released - t0:.2f}s after the boundary"
+                   + ("" if until is None else f" ({until:.1f}s before the deadline)")
+                   + f"; training paused {pause:.2f}s; {new_spec.name} on "
+                   f"{len(group.workers)} workers, {sent / 1e6:.2f} MB resharded, "
+                   f"{'state unchanged (every piece checked)' if same else 'CHECK FAILED'}; "
+                   "0 steps lost, no checkpoint read, no survivor restarted",
+                   data={"path": "move", "nodes": sorted(n.node_id for n in notices),
+                         "ranks": [w.rank for w in leaving], "step": step, "steps_lost": 0,
+                         "pause_s": pause, "hand_off_s": t_hand, "handed_bytes": moved,
+                         "released_s": released - t0, "left_at_release_s": until,
+                         "resharded_bytes": sent, "state_preserved": same,
+                         "strategy": new_spec.name, "world_size": len(group.workers),
+                         "pids": [w.info.get("pid") for w in group.workers]})
+        return Regrouped(new_spec, step, "evacuation", "")
+
+    def _checkpoint(self, spec: StrategySpec, step: int, strategy: str,
+                    leaving: list[WorkerRec], notices: list[DrainNotice], left: float | None,
+                    t0: float) -> Regrouped | GiveUp:
+        budget = 300.0 if left is None else max(0.1, left - self.cfg.evacuation_slack_s)
+        try:
+            self.tracker.final(self.group, spec, step)
+            self.tracker.finish(self.group, timeout_s=budget)
+        except (CheckpointError, InfrastructureError) as e:
+            self._emit("evacuation_failed", f"the checkpoint failed ({e}); letting the node go")
+        return self._let_go(spec, step, strategy, leaving, notices, t0, "checkpoint")
+
+    def _let_go(self, spec: StrategySpec, step: int, strategy: str, leaving: list[WorkerRec],
+                notices: list[DrainNotice], t0: float, path: str) -> Regrouped | GiveUp:
+        group = self.group
+        group.leave()
+        group.release(leaving)
+        return self._restored(spec, step, leaving, notices, t0, path, strategy)
+
+    def _restored(self, spec: StrategySpec, step: int, leaving: list[WorkerRec],
+                  notices: list[DrainNotice], t0: float, path: str,
+                  strategy: str | None = None) -> Regrouped | GiveUp:
+        """The draining workers are gone and the survivors have left their group: recover as
+        after a loss (peers, buddies' copies, checkpoint), with replacements as the scaling
+        policy says."""
+        group = self.group
+        progress, held = group.progress(), group.held_keys()
+        got = self.regroup.acquire(max(self.cfg.num_workers, len(group.workers)))
+        if isinstance(got, GiveUp):
+            return got
+        self.regroup.form()
+        new_spec = self.layouts.fit(strategy or spec.name, len(group.workers), group)
+        source, at, detail = self.regroup.restore(new_spec, progress, held, cause="failure")
+        lost = max(0, step - at)
+        self.regroup.steps.truncate(at)
+        self._emit("evacuated", f"node(s) {sorted(n.node_id[:8] for n in notices)} evacuated at "
+                   f"step {step} ({path}): state from {source} at step {at}{detail}; "
+                   f"training paused {time.time() - t0:.2f}s; {lost} step(s) to run again",
+                   data={"path": path, "nodes": sorted(n.node_id for n in notices),
+                         "ranks": [w.rank for w in leaving], "step": step, "source": source,
+                         "steps_lost": lost, "pause_s": time.time() - t0,
+                         "strategy": new_spec.name, "world_size": len(group.workers),
+                         "pids": [w.info.get("pid") for w in group.workers]})
+        return Regrouped(new_spec, at, source, detail)
+
+    # ------------------------------------------------------------------ what it costs
+
+    def _plan(self, stay: list[WorkerRec], strategy: str) -> tuple[bool, str, str]:
+        """Whether the survivors can hold the state (the planner, under their memory), the
+        strategy to lay it out as, and a few words when it changes."""
+        if not stay:
+            return False, strategy, ""
+        return self.layouts.survivor_plan(strategy, [w.info for w in stay])
+
+    def _move_s(self, spec: StrategySpec, leaving: list[WorkerRec]) -> float:
+        """The hand-off's cost: what only the draining ranks hold (nothing when a replica
+        survives every loss of one node), at the measured bandwidth."""
+        t = traits_of(spec.name)
+        dp = spec.world_size // max(1, spec.pp_degree) if t.pipeline else spec.world_size
+        if t.survives_loss(dp, spec.dp_mode) and len(leaving) == 1:
+            return FIXED_S
+        try:
+            counts = self.group.memory_counts(timeout_s=10)
+        except InfrastructureError:
+            return FIXED_S + 1e9 / self.bandwidth
+        idx = {w.rank for w in leaving}
+        elems = sum(c.get("params", 0) + c.get("optim", 0) for r, c in enumerate(counts)
+                    if r in idx)
+        return FIXED_S + 4.0 * elems / self.bandwidth
+
+    def _checkpoint_s(self) -> float | None:
+        """The last committed checkpoint's upload and commit time (None: no store)."""
+        if self.tracker.store is None:
+            return None
+        last = self.tracker.last_event
+        if last is not None and "seconds" in last.data:
+            return float(last.data["seconds"])
+        return 2.0  # none taken yet: a cautious guess
+

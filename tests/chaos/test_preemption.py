@@ -1,0 +1,129 @@
+"""Announced and unannounced node losses on a real multi-node Ray cluster
+(``ray.cluster_utils.Cluster``): a drain through Ray's own drain path (the GCS call ``ray
+drain-node`` makes, a preemption with a deadline), the node removed at its deadline, the job
+evacuated at a step boundary in every layout, and a loss under zero3 restored from the
+buddies' copies. Every run ends with the parameters of the uninterrupted single-process
+reference. Marked ``chaos``; CI runs them."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from elastic.reference import reference_train
+from tests.chaos.test_chaos import STEPS, TOL, G, _check_data_log, _submit, _wait_paused, _wait_step
+from tests.helpers import RegressionData, adam, max_diff, mlp, mse
+
+pytestmark = pytest.mark.chaos
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return reference_train(mlp, adam, mse, RegressionData(), G, STEPS, seed=0)
+
+
+def _drain(node_id: str, deadline_s: float, why: str = "spot instance reclaimed (test)") -> float:
+    """Drain ``node_id`` as a cloud's preemption does, through Ray's own path (the GCS call
+    of ``ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION --deadline-remaining-seconds``).
+    Returns the deadline (seconds since the epoch)."""
+    import ray
+    from ray.core.generated import autoscaler_pb2
+
+    deadline = time.time() + deadline_s
+    gcs = ray._raylet.GcsClient(address=ray.get_runtime_context().gcs_address)
+    ok, msg = gcs.drain_node(node_id, autoscaler_pb2.DrainNodeReason.Value(
+        "DRAIN_NODE_REASON_PREEMPTION"), why, int(deadline * 1000))
+    assert ok, msg
+    return deadline
+
+
+def _remove_at(cluster, handle, node_id: str, deadline: float) -> None:
+    """The cloud takes the node at its deadline (from this, the main thread: cluster_utils
+    installs signal handlers)."""
+    while time.time() < deadline:
+        time.sleep(0.02)
+    cluster.remove(node_id)
+
+
+def _evacuate_and_check(cluster, handle, reference, rank: int, deadline_s: float):
+    _wait_step(handle, 6)
+    ctl = handle.controller
+    node = ctl.workers[rank].info["node_id"]
+    survivors = {w.info["pid"] for w in ctl.workers if w.info["node_id"] != node}
+    deadline = _drain(node, deadline_s)
+    _remove_at(cluster, handle, node, deadline)
+    result = handle.result(timeout=240)
+    kinds = [e.kind for e in result.events]
+    notice = next(e for e in result.events if e.kind == "preemption_notice")
+    assert notice.data["node"] == node and notice.data["ranks"] == [rank]
+    assert notice.data["reason"] == "preemption" and 0 < notice.data["left_s"] <= deadline_s
+    assert max_diff(result.state_dict(), reference[0]) < TOL
+    _check_data_log(result.run_dir, result.history)
+    return result, kinds, survivors
+
+
+def test_zero3_drain_is_evacuated_at_a_step_boundary_without_a_lost_step(ray_cluster, tmp_path,
+                                                                         reference):
+    cluster = ray_cluster(3)
+    handle = _submit(tmp_path, strategy="zero3", max_workers=3)
+    result, kinds, survivors = _evacuate_and_check(cluster, handle, reference, 2, 8.0)
+    ev = next(e for e in result.events if e.kind == "evacuated")
+    assert ev.data["path"] == "move" and ev.data["steps_lost"] == 0, ev.message
+    assert ev.data["state_preserved"] and ev.data["handed_bytes"] > 0
+    assert ev.data["left_at_release_s"] > 4  # released long before the deadline
+    assert set(ev.data["pids"]) == survivors  # nobody restarted
+    # no checkpoint read, no recovery: the node went after it had been emptied
+    assert not {"recovered", "restored", "resumed", "failure"} & set(kinds), kinds
+    assert result.history[-1]["world_size"] == 2
+
+
+def test_pipeline_x_zero2_drain_is_evacuated_without_a_lost_step(ray_cluster, tmp_path,
+                                                                 reference):
+    cluster = ray_cluster(4)
+    handle = _submit(tmp_path, strategy="pipeline", pp_degree=2, dp_mode="zero2",
+                     num_workers=4, min_workers=2, max_workers=4)
+    result, kinds, survivors = _evacuate_and_check(cluster, handle, reference, 3, 8.0)
+    ev = next(e for e in result.events if e.kind == "evacuated")
+    assert ev.data["path"] == "move" and ev.data["steps_lost"] == 0, ev.message
+    assert ev.data["state_preserved"] and set(ev.data["pids"]) == survivors
+    assert not {"recovered", "restored", "resumed", "failure"} & set(kinds), kinds
+    assert result.history[-1]["world_size"] == 3
+
+
+def test_zero3_loss_without_notice_recovers_from_the_buddies_copies(ray_cluster, tmp_path,
+                                                                    reference):
+    """Rank 1 pauses at the start of step 9 and its node goes, unannounced: the survivors'
+    memory holds every entry as of the last copy (every 3 steps); no storage is read."""
+    cluster = ray_cluster(3)
+    faults = str(tmp_path / "faults")
+    handle = _submit(tmp_path, strategy="zero3", peer_copies_every=3,
+                     faults=[{"rank": 1, "step": 9, "action": "pause", "dir": faults}])
+    paused = _wait_paused(handle, f"{faults}/paused-rank1-step9.json")
+    t0 = time.time()
+    cluster.remove(paused["node_id"])
+    result = handle.result(timeout=240)
+    rec = next(e for e in result.events if e.kind == "recovered")
+    assert rec.data["source"] == "buddies" and rec.data["steps_lost"] <= 3, rec.message
+    fail = next(e for e in result.events if e.kind == "failure")
+    assert fail.time - fail.data["detect_s"] - t0 < 3.0  # noticed quickly
+    assert max_diff(result.state_dict(), reference[0]) < TOL
+    _check_data_log(result.run_dir, result.history)
+
+
+def test_a_drain_with_too_short_a_deadline_falls_back_cleanly(ray_cluster, tmp_path, reference):
+    """3 s left, 5 s to be kept in reserve: no move is safe; the node is let go at once and
+    the job recovers from the buddies' copies, saying so; the node is removed at its
+    deadline."""
+    cluster = ray_cluster(3)
+    handle = _submit(tmp_path, strategy="zero3", peer_copies_every=2, drain_poll_s=0.2,
+                     evacuation_slack_s=5.0)
+    result, kinds, _ = _evacuate_and_check(cluster, handle, reference, 1, 3.0)
+    ev = next(e for e in result.events if e.kind in ("evacuating", "preemption_missed"))
+    if ev.kind == "evacuating":  # the boundary came before the deadline
+        assert ev.data["path"] == "recover" and "buddies' copies" in ev.message
+        done = next(e for e in result.events if e.kind == "evacuated")
+        assert done.data["source"] == "buddies" and done.data["steps_lost"] <= 2
+    else:  # the node went first: a loss, recovered the same way
+        rec = next(e for e in result.events if e.kind == "recovered")
+        assert rec.data["source"] == "buddies"

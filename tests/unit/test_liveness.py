@@ -1,0 +1,116 @@
+"""Liveness and the segment watch, without Ray: a worker's connection closing is a loss within
+milliseconds; silence is only a suspicion until a ping fails too (a slow step is no false
+alarm); a failed future is seen within a slice, not at the controller's next poll."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+from elastic.control.group import Segment, WorkerRec
+from elastic.control.liveness import HELLO, Liveness
+from elastic.control.watch import GRACE_S, SegmentWatch
+from elastic.errors import GroupError, WorkerLostError
+from elastic.failures import classify
+from elastic.worker.heartbeat import Heartbeat
+
+
+def _wait_until(cond, timeout=3.0):
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < timeout
+        time.sleep(0.005)
+    return time.monotonic() - t0
+
+
+def test_a_closed_connection_is_a_loss_within_milliseconds():
+    live = Liveness("127.0.0.1", timeout_s=5.0)
+    try:
+        hb = Heartbeat(*live.address, live.token, 7, 0.02)
+        _wait_until(lambda: live.connected(7))
+        assert live.lost([7]) == {} and live.suspect([7]) == []
+        t0 = time.monotonic()
+        hb.stop()  # what a process's death does to its socket
+        took = _wait_until(lambda: bool(live.lost([7])))
+        assert took < 0.5 and live.lost([7])[7] >= t0
+        live.forget([7])
+        assert live.lost([7]) == {}
+    finally:
+        live.close()
+
+
+def test_silence_is_a_suspicion_and_a_wrong_token_is_refused():
+    live = Liveness("127.0.0.1", timeout_s=0.2)
+    try:
+        s = socket.create_connection(live.address)
+        s.sendall(HELLO + live.token.encode() + b" 3\n")  # says hello, then nothing
+        _wait_until(lambda: live.connected(3))
+        _wait_until(lambda: live.suspect([3]) == [3])
+        assert live.lost([3]) == {}
+        bad = socket.create_connection(live.address)
+        bad.sendall(HELLO + b"0" * 32 + b" 4\n")
+        time.sleep(0.2)
+        assert not live.connected(4)
+        s.close()
+        bad.close()
+    finally:
+        live.close()
+
+
+class _Live:
+    timeout_s = 0.1
+
+    def __init__(self):
+        self.closed: dict[int, float] = {}
+        self.silent: list[int] = []
+
+    def lost(self, ids):
+        return {i: t for i, t in self.closed.items() if i in ids}
+
+    def suspect(self, ids, now=None):
+        return [i for i in self.silent if i in ids]
+
+
+def _seg(n=3):
+    ws = [WorkerRec(None, i, {}, rank=i) for i in range(n)]
+    return Segment(0, 10, [(w, f"fut{i}") for i, w in enumerate(ws)])
+
+
+def test_the_watch_reports_a_lost_worker_at_once_and_pings_a_silent_one():
+    live, pings = _Live(), []
+    watch = SegmentWatch(live, lambda w: pings.append(w.rank) or w.rank != 2)
+    seg = _seg()
+    running = lambda fs, t: ([], list(fs))  # noqa: E731 - nothing finishes
+    t0 = time.monotonic()
+    live.closed[1] = t0
+    poll = watch.poll(seg, 5.0, running, lambda s, d: [], lambda fs: 0)
+    assert time.monotonic() - t0 < 0.5 and poll.noticed_by == "liveness"
+    assert [f.rank for f in poll.failures] == [1]
+    assert isinstance(poll.failures[0].error, WorkerLostError)
+    # silent: rank 0 answers its ping (a slow step: no alarm), rank 2 does not
+    live.closed.clear()
+    live.silent = [0, 2]
+    assert [w.rank for w in watch.lost([w for w, _ in seg.running])] == [2]
+    assert sorted(pings) == [0, 2]
+    pings.clear()
+    watch.lost([w for w, _ in seg.running])  # rank 0 cleared a moment ago: not pinged again
+    assert pings == [2]
+
+
+def test_a_failed_future_is_seen_within_a_slice_and_peers_get_a_grace():
+    watch = SegmentWatch(None, lambda w: True)
+    seg = _seg()
+    err = classify(GroupError("rank 0: peer gone"), 0)
+    calls = []
+
+    def wait(fs, t):
+        calls.append(t)
+        return ["fut0"], ["fut1", "fut2"]
+
+    t0 = time.monotonic()
+    poll = watch.poll(seg, 30.0, wait, lambda s, d: [err] if d else [], lambda fs: 0)
+    took = time.monotonic() - t0
+    assert poll.failures == (err,) and poll.noticed_by == "collective"
+    assert GRACE_S - 0.1 < took < GRACE_S + 0.5 and max(calls) <= 0.05 + 1e-9
+    done = watch.poll(seg, 1.0, lambda fs, t: (list(fs), []), lambda s, d: [], lambda fs: 9)
+    assert done.done and done.next_step == 9
