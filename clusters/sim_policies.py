@@ -22,6 +22,16 @@ Two systems, kept under their old names:
 * ``ElasticInPlace()``: this project: survivors keep their processes, the state comes from
   live peers when every entry has one (else the newest checkpoint), the job goes on with the
   survivors, and a returning node joins at a step boundary losing nothing.
+  ``peer_copy_every=k``: each rank also keeps a copy of its shard in a buddy's host memory,
+  refreshed every k steps, so a loss under a sharded layout restores from peers losing at
+  most k steps. ``evacuation=EvacuationPolicy()``: on a preemption notice the draining
+  node's state moves onto the survivors before the deadline (no step lost, a pause of one
+  live switch), or, when the notice is too short, the draining ranks checkpoint and the
+  survivors recover from that.
+
+Preemption notices (``on_notice``) are ignored unless the system has an ``evacuation`` policy
+or ``checkpoint_on_notice`` (Ray Train V2: checkpoint on the notice, then restart the group:
+``RestartAll(checkpoint_on_notice=True)``); an ignored notice leaves the loss at the deadline.
 """
 
 from __future__ import annotations
@@ -29,8 +39,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from .errors import SimulationError
 from .policy import (
     Acquire,
+    CheckpointThenRecover,
+    Evacuate,
+    EvacuationObservation,
+    EvacuationPolicy,
     FailureBudget,
     FailureObservation,
     GiveUp,
@@ -61,7 +76,8 @@ class TimeCosts:
     ``detection_s``: a lost node or process is seen; ``hang_detection_s``: a hung collective
     is seen (the group timeout); ``restart_s``: every worker process restarted and the group
     formed again (a ``restart_all`` decision); ``replan_s``: survivors re-plan and form a new
-    group in place; ``grow_s``: a join taken in place at a step boundary.
+    group in place; ``grow_s``: a join taken in place at a step boundary (and the fixed part
+    of an evacuation's pause, a live switch, to which the move of the node's state adds).
     """
 
     detection_s: float = 1.0
@@ -92,13 +108,16 @@ class JobView:
 
     ``position``: the last step every worker completed; ``checkpoints``: committed checkpoint
     steps; ``workers``: devices in the job after a loss (before a join); ``target``: devices of
-    the whole cluster; ``failures``: the job's failures so far, this one included."""
+    the whole cluster; ``failures``: the job's failures so far, this one included;
+    ``last_change``: the step of the last membership change (peer copies made before it
+    paired ranks that may be gone)."""
 
     position: int
     checkpoints: tuple[int, ...]
     workers: int
     target: int
     failures: int = 0
+    last_change: int = 0
 
 
 @dataclass(frozen=True)
@@ -118,7 +137,10 @@ class SimPolicy:
     """A simulated system: the live policies it runs, and its ``TimeCosts``.
 
     ``fixed_size``: the job runs only on the whole cluster (min_workers = max_workers = all
-    devices); otherwise it goes on with as few as one device.
+    devices); otherwise it goes on with as few as one device. ``peer_copy_every``: steps
+    between refreshes of each rank's shard copy in a buddy's host memory (0: no copies).
+    ``evacuation``: what a preemption notice does (None: nothing, unless
+    ``checkpoint_on_notice``: checkpoint, then recover).
     """
 
     name: str
@@ -127,9 +149,25 @@ class SimPolicy:
     budget: FailureBudget = field(default_factory=lambda: FailureBudget(max_failures=-1))
     fixed_size: bool = False
     costs: TimeCosts = field(default_factory=TimeCosts)
+    peer_copy_every: int = 0
+    evacuation: EvacuationPolicy | None = None
+    checkpoint_on_notice: bool = False
 
     def _min_workers(self, job: JobView) -> int:
         return job.target if self.fixed_size else 1
+
+    def _peer_step(self, job: JobView, replicas_survive: bool) -> int | None:
+        """The step at which every entry of the state has a live holder: now when replicas
+        survive; else the newest buddy copy, if made after the last membership change (the
+        group's new buddies hold no older one; step 0 needs no copy)."""
+        if replicas_survive:
+            return job.position
+        k = self.peer_copy_every
+        if k > 0:
+            copy = job.position // k * k
+            if copy > job.last_change or copy == 0:
+                return copy
+        return None
 
     def on_failure(
         self, kind: str, job: JobView, replicas_survive: bool, replacement_in_s: float,
@@ -138,18 +176,64 @@ class SimPolicy:
         """The job lost a node (or a process, or hung, per ``kind``); every missing node is
         back ``replacement_in_s`` from now. Asks the failure budget, the scaling policy (wait
         for the replacement or not) and the recovery policy (where the state comes from)."""
+        detect = self.costs.detection(kind)
+        return self._recover(kind, job, detect, self._peer_step(job, replicas_survive),
+                             job.checkpoints, replacement_in_s, restore, restore)
+
+    def _recover(
+        self, kind: str, job: JobView, stopped_s: float, peer: int | None,
+        checkpoints: tuple[int, ...], replacement_in_s: float, restore: RestoreTimes,
+        restore_all: RestoreTimes,
+    ) -> Recovery | GiveUp:
+        """The budget, the wait, the restore source; ``stopped_s`` before the wait starts
+        (detection, or a drain's checkpoint); ``restore_all`` when every worker restarts."""
         verdict = self.budget.decide(FailureObservation(kind, True, job.failures, kind))
         if isinstance(verdict, GiveUp):
             return verdict
-        detect = self.costs.detection(kind)
-        waited = self._wait(job, max(0.0, replacement_in_s - detect))
+        waited = self._wait(job, max(0.0, replacement_in_s - stopped_s))
         if isinstance(waited, GiveUp):
             return waited
-        peer = job.position if replicas_survive else None
-        r = self.recovery.decide(RestoreObservation(job.position, peer, job.checkpoints))
+        r = self.recovery.decide(RestoreObservation(job.position, peer, checkpoints))
         again = self.costs.restart_s if r.restart_all else self.costs.replan_s
-        return Recovery(detect + waited + again + restore.of(r.source), r.source != "peers", r,
-                        waited)
+        read = (restore_all if r.restart_all else restore).of(r.source)
+        return Recovery(stopped_s + waited + again + read, r.source != "peers", r, waited)
+
+    def restarts_all(self) -> bool:
+        """Whether this system's recovery restarts every worker (so a drain's checkpoint must
+        hold every rank's state, not only the draining node's)."""
+        return self.recovery.decide(RestoreObservation(1, None, (1,))).restart_all
+
+    def move_s(self, transfer_s: float) -> float:
+        """An evacuation's pause: a live switch (``grow_s``) plus moving the draining node's
+        state (``transfer_s``)."""
+        return self.costs.grow_s + transfer_s
+
+    def on_notice(
+        self, seconds_left: float, transfer_s: float, survivors_fit: bool,
+    ) -> Evacuate | CheckpointThenRecover | None:
+        """A node of the job got a preemption notice; ``seconds_left`` from the next step
+        boundary to its deadline. None: ignore it (the node is lost at the deadline)."""
+        if self.evacuation is not None:
+            return self.evacuation.decide(EvacuationObservation(
+                seconds_left, self.move_s(transfer_s), survivors_fit))
+        if self.checkpoint_on_notice:
+            return CheckpointThenRecover("checkpoint on the notice, then restart")
+        return None
+
+    def on_drain(
+        self, job: JobView, checkpoint_s: float, replicas_survive: bool,
+        replacement_in_s: float, restore_share: RestoreTimes, restore_all: RestoreTimes,
+    ) -> Recovery | GiveUp:
+        """``CheckpointThenRecover`` carried out: the job stopped ``checkpoint_s`` to write the
+        draining ranks' shards (every rank's, when the recovery restarts every worker) at
+        ``job.position``; the node is released; the survivors recover from that checkpoint,
+        reading ``restore_share`` (the draining node's share) or ``restore_all``."""
+        peer = self._peer_step(job, replicas_survive)
+        if peer is not None and peer < job.position:
+            peer = None  # the fresh checkpoint is newer than any copy
+        return self._recover("preempted", job, checkpoint_s, peer,
+                             job.checkpoints + (job.position,), replacement_in_s,
+                             restore_share, restore_all)
 
     def _wait(self, job: JobView, back_in: float) -> float | GiveUp:
         """Seconds the job waits for the missing nodes, as ``ScalingPolicy`` decides: after a
@@ -195,6 +279,7 @@ def RestartAll(
     hang_detection_s: float = 600.0,
     shrink: bool = False,
     max_failures: int = -1,
+    checkpoint_on_notice: bool = False,
 ) -> SimPolicy:
     """Ray Train / torchrun: any membership change restarts every worker from the newest
     checkpoint (``RestartAllRecovery``). Fixed size by default (wait for the whole cluster);
@@ -203,6 +288,8 @@ def RestartAll(
     Detection ~15 s: a dead node shows in ``ray.nodes()`` after 13.6-14.9 s by default
     (shared/notes/measured-here.md); a hang only at the NCCL timeout (torch's default 10 min).
     Restart: group re-creation and start-up (Ray Train ~9-15 s on a toy job; minutes at scale).
+    ``checkpoint_on_notice``: Ray Train V2's preemption handling (checkpoint when a node is
+    draining, then restart the group from it); otherwise notices are ignored (torchrun).
     """
     return SimPolicy(
         name=name,
@@ -212,6 +299,7 @@ def RestartAll(
         fixed_size=not shrink,
         costs=TimeCosts(detection_s=detection_s, hang_detection_s=hang_detection_s,
                         restart_s=restart_s, replan_s=restart_s, grow_s=restart_s),
+        checkpoint_on_notice=checkpoint_on_notice,
     )
 
 
@@ -223,10 +311,18 @@ def ElasticInPlace(
     grow_s: float = 10.0,
     hang_detection_s: float = 60.0,
     max_failures: int = -1,
+    peer_copy_every: int = 0,
+    evacuation: EvacuationPolicy | None = None,
 ) -> SimPolicy:
     """This project (``InPlaceRecovery``, ``ScalingPolicy`` without a replacement wait):
     survivors keep their state; detection ~1 s (survivors blocked in a collective error out
-    0.2-1 s after a node dies), a hang at ``hang_timeout_s`` (60 s by default)."""
+    0.2-1 s after a node dies), a hang at ``hang_timeout_s`` (60 s by default).
+    ``peer_copy_every``, ``evacuation``: see the module docstring. Raises
+    ``SimulationError`` for a ``peer_copy_every`` that is not an integer >= 0."""
+    if isinstance(peer_copy_every, bool) or not isinstance(peer_copy_every, int) or (
+            peer_copy_every < 0):
+        raise SimulationError(f"peer_copy_every must be an integer >= 0 (steps; 0: no copies)"
+                              f", got {peer_copy_every!r}")
     return SimPolicy(
         name=name,
         recovery=InPlaceRecovery(),
@@ -234,4 +330,6 @@ def ElasticInPlace(
         budget=FailureBudget(max_failures=max_failures),
         costs=TimeCosts(detection_s=detection_s, hang_detection_s=hang_detection_s,
                         restart_s=replan_s, replan_s=replan_s, grow_s=grow_s),
+        peer_copy_every=peer_copy_every,
+        evacuation=evacuation,
     )

@@ -9,6 +9,10 @@ Train and torchrun run, ``ElasticInPlace`` as this project does); the loop is in
 ``sim_loop``.
 
 Goodput = steps kept / steps an always-healthy whole cluster would run in the same time.
+Cost = what the nodes held cost at their pools' prices per device-hour (``NodePool.device_price``:
+the cluster file's, else the catalog's for the pool's market), so spot and on-demand pools,
+preemptions with their notices (``trace.preemption_trace``) and the systems that act on them
+(``sim_policies``) compare on goodput and on cost per 1,000 steps.
 """
 
 from __future__ import annotations
@@ -121,6 +125,9 @@ def simulate(
         else state / max(1, len(cluster.nodes)) / net,
     )
     upload = config.upload_s if config.upload_s is not None else state / config.storage_bandwidth
-    setup = SimSetup(plans, events, config, restore, upload)
+    prices = {p.name: p.device_price() for p in cluster.pools}
+    setup = SimSetup(plans, events, config, restore, upload, state,
+                     None if any(v is None for v in prices.values()) else
+                     {k: float(v) for k, v in prices.items() if v is not None})
     return [run_policy(pol, setup) for pol in policies]
 
