@@ -201,6 +201,19 @@ class Layouts:
 
     # ------------------------------------------------------------------ applying
 
+    def switch(self, group: Any, target: str, old: StrategySpec, reason: str) -> StrategySpec:
+        """Move the live job from ``old`` into strategy ``target`` on the same workers;
+        returns the new spec. ``SwitchError`` when it cannot run there (refused, with an
+        event) or the move fails (the workers keep ``old``)."""
+        spec = self.make(target, len(group.workers), group)
+        try:
+            self.check(spec)
+        except StrategyError as e:
+            self._emit("switch_refused", f"{target}: {e}")
+            raise SwitchError(f"cannot switch to {target}: {e}") from None
+        self.apply(group, spec, old, reason)
+        return spec
+
     def apply(self, group: Any, spec: StrategySpec, old: StrategySpec | None,
               reason: str) -> None:
         """Lay the workers out as ``spec``: the first build (``old`` None: errors propagate

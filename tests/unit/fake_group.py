@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from elastic.control.group import Segment, SegmentPoll, WorkerRec
-from elastic.errors import GroupError, WorkerError, WorkerLostError
+from elastic.errors import GroupError, NonFiniteError, WorkerError, WorkerLostError
 from elastic.failures import classify
 
 _OPTIM_ENTRIES = ("exp_avg", "exp_avg_sq", "step")
@@ -24,7 +24,7 @@ _OPTIM_ENTRIES = ("exp_avg", "exp_avg_sq", "step")
 class Fault:
     step: int
     rank: int
-    kind: str  # "lost" | "user" | "hang" | "group"
+    kind: str  # "lost" | "user" | "hang" | "group" | "nonfinite" | "nonfinite-rollback"
     fired: bool = False
 
 
@@ -172,6 +172,12 @@ class FakeGroup:
         elif fault.kind == "hang":
             self.hung = [victim]
             err = GroupError(f"rank {(fault.rank + 1) % len(self.workers)}: timed out")
+        elif fault.kind.startswith("nonfinite"):  # every rank raises at the same step
+            rb = fault.kind.endswith("rollback")
+            return SegmentPoll(failures=tuple(
+                classify(NonFiniteError(f"non-finite loss or gradient at step {fault.step}",
+                                        step=fault.step, rank=w.rank if w is victim else None,
+                                        rollback=rb), w.rank) for w in self.workers))
         else:
             err = GroupError(f"rank {fault.rank}: the process group failed")
         others = [classify(GroupError(f"rank {w.rank}: peer gone"), w.rank)

@@ -19,7 +19,7 @@ from elastic.config import Checkpoints, JobConfig
 from elastic.errors import ConfigError
 from tests.helpers import RegressionData, adam, mlp, mse
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SECRET = "Zq9-SECRET-7f3a1c"  # distinctive: searched for in everything written
 ACCESS = "AKIDPROBE4242"
 
@@ -149,7 +149,7 @@ def test_assigning_a_setting_checks_it_and_the_controllers_writes_still_work():
     ({"keep_last": 0}, "keep_last", "positive integer"),
     ({"keep_last": "3"}, "keep_last", "positive integer"),
     ({"keep_every": -2}, "keep_every", "integer >= 0"),
-    ({"max_failures": -1}, "max_failures", "integer >= 0"),
+    ({"max_failures": -2}, "max_failures", "integer >= -1"),  # -1: unlimited
     ({"checkpoint_wait_s": "long"}, "checkpoint_wait_s", "finite number"),
     ({"replacement_timeout_s": -1}, "replacement_timeout_s", "finite number"),
     ({"placement_timeout_s": None}, "placement_timeout_s", "finite number"),
