@@ -17,8 +17,6 @@ Policies:
   allowed.
 * ``RetentionPolicy``: which committed checkpoints to delete.
 * ``NonFinitePolicy``: what a step whose loss or gradient is not finite does.
-* ``EvacuationPolicy``: on a preemption notice, move the draining node's state onto the
-  survivors while the job runs, or checkpoint the draining ranks and recover.
 """
 
 from __future__ import annotations
@@ -49,10 +47,6 @@ __all__ = [
     "Rollback",
     "Stop",
     "NonFinitePolicy",
-    "EvacuationObservation",
-    "Evacuate",
-    "CheckpointThenRecover",
-    "EvacuationPolicy",
 ]
 
 
@@ -381,59 +375,3 @@ class NonFinitePolicy:
                         f"max_nonfinite_skips={self.max_skips}): the run diverged")
         return SkipStep(f"non-finite loss or gradient at {where}: update skipped "
                         f"({obs.consecutive} in a row)")
-
-
-# --------------------------------------------------------------------------- evacuation
-
-
-@dataclass(frozen=True)
-class EvacuationObservation:
-    """A node of the job is draining (a preemption notice, or a drain by hand).
-
-    ``seconds_left``: from the next step boundary to the node's deadline; ``move_s``: the
-    estimated seconds to move the node's state onto the survivors (the pause of one live
-    switch: re-plan, re-form, reshard); ``survivors_fit``: a plan for the remaining devices
-    fits their memory."""
-
-    seconds_left: float
-    move_s: float
-    survivors_fit: bool
-
-
-@dataclass(frozen=True)
-class Evacuate:
-    """At the next step boundary, move the node's state onto the survivors and release its
-    workers; the job goes on without a lost step."""
-
-    reason: str
-
-
-@dataclass(frozen=True)
-class CheckpointThenRecover:
-    """The fastest safe path when a move cannot finish in time: checkpoint the draining
-    ranks' shards, release the node, and recover the survivors from that checkpoint."""
-
-    reason: str
-
-
-@dataclass(frozen=True)
-class EvacuationPolicy:
-    """Evacuate when the survivors can hold the state and the move, ``safety`` times over,
-    ends before the deadline (so the workers leave well before it); otherwise checkpoint the
-    draining ranks, then recover. ``safety`` must be >= 1."""
-
-    safety: float = 2.0
-
-    def decide(self, obs: EvacuationObservation) -> Evacuate | CheckpointThenRecover:
-        if not self.safety >= 1:
-            raise ValueError(f"EvacuationPolicy.safety must be >= 1, got {self.safety!r}")
-        if not obs.survivors_fit:
-            return CheckpointThenRecover(
-                "the survivors cannot hold the state: checkpoint the draining ranks, then "
-                "recover on a plan that fits")
-        if not obs.move_s * self.safety <= obs.seconds_left:
-            return CheckpointThenRecover(
-                f"the notice is too short to move the state: {obs.seconds_left:.0f}s left, the "
-                f"move takes ~{obs.move_s:.0f}s (x{self.safety:g} margin)")
-        return Evacuate(f"moving the node's state onto the survivors (~{obs.move_s:.0f}s, "
-                        f"{obs.seconds_left:.0f}s before the deadline)")

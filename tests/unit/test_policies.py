@@ -7,10 +7,6 @@ import pytest
 from clusters.policy import (
     Acquire,
     CheckpointRecord,
-    CheckpointThenRecover,
-    Evacuate,
-    EvacuationObservation,
-    EvacuationPolicy,
     FailureBudget,
     FailureObservation,
     GiveUp,
@@ -228,36 +224,3 @@ def test_nonfinite_policy(policy, consecutive, rank, want, text):
 def test_nonfinite_policy_unknown_mode():
     with pytest.raises(ValueError, match="unknown on_nonfinite mode 'ignore'"):
         NonFinitePolicy("ignore").decide(NonFiniteObservation(1, 1))
-
-
-# ------------------------------------------------------------------ evacuation on a notice
-
-
-@pytest.mark.parametrize(
-    ("policy", "left", "move", "fit", "want", "text"),
-    [
-        # the move, twice over, ends before the deadline: evacuate
-        (EvacuationPolicy(), 120.0, 10.0, True, Evacuate, "~10s, 120s before the deadline"),
-        (EvacuationPolicy(), 20.0, 10.0, True, Evacuate, "moving the node's state"),
-        # too short for the margin, or already past: checkpoint the draining ranks
-        (EvacuationPolicy(), 19.9, 10.0, True, CheckpointThenRecover, "notice is too short"),
-        (EvacuationPolicy(), 30.0, 20.0, True, CheckpointThenRecover, "x2 margin"),
-        (EvacuationPolicy(), -1.0, 0.1, True, CheckpointThenRecover, "too short"),
-        (EvacuationPolicy(), 120.0, float("nan"), True, CheckpointThenRecover, "too short"),
-        (EvacuationPolicy(), 120.0, float("inf"), True, CheckpointThenRecover, "too short"),
-        # the margin is a setting
-        (EvacuationPolicy(safety=1.0), 10.0, 10.0, True, Evacuate, "moving"),
-        (EvacuationPolicy(safety=3.0), 29.0, 10.0, True, CheckpointThenRecover, "x3 margin"),
-        # the survivors cannot hold the state: however long the notice
-        (EvacuationPolicy(), 1e9, 1.0, False, CheckpointThenRecover, "cannot hold the state"),
-        (EvacuationPolicy(), 1.0, 10.0, False, CheckpointThenRecover, "cannot hold the state"),
-    ],
-)
-def test_evacuation_policy(policy, left, move, fit, want, text):
-    d = policy.decide(EvacuationObservation(left, move, fit))
-    assert type(d) is want and text in d.reason
-
-
-def test_evacuation_margin_must_be_at_least_one():
-    with pytest.raises(ValueError, match="safety must be >= 1"):
-        EvacuationPolicy(safety=0.5).decide(EvacuationObservation(100.0, 1.0, True))
