@@ -30,6 +30,7 @@ from .sections import (
     Failures,
     Output,
     Parallelism,
+    Preemption,
     Scaling,
     Training,
 )
@@ -44,6 +45,7 @@ __all__ = [
     "Scaling",
     "Parallelism",
     "Failures",
+    "Preemption",
     "Checkpoints",
     "Output",
     "SWITCH_CHECKS",

@@ -20,13 +20,24 @@ from elastic.errors import ConfigError
 
 from .checkpoints import Checkpoints
 from .checks import unknown
-from .sections import Data, Evaluation, Failures, Output, Parallelism, Scaling, Section, Training
+from .sections import (
+    Data,
+    Evaluation,
+    Failures,
+    Output,
+    Parallelism,
+    Preemption,
+    Scaling,
+    Section,
+    Training,
+)
 
 __all__ = ["SECTIONS", "FLAT", "RENAMED", "Setting", "split", "flatten", "merge"]
 
 SECTIONS: dict[str, type[Section]] = {
     cls.NAME: cls
-    for cls in (Training, Data, Evaluation, Scaling, Parallelism, Failures, Checkpoints, Output)
+    for cls in (Training, Data, Evaluation, Scaling, Parallelism, Failures, Preemption, Checkpoints,
+                Output)
 }
 # flat setting name -> (section, field)
 FLAT: dict[str, tuple[str, str]] = {

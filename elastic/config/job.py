@@ -1,4 +1,4 @@
-"""``JobConfig``: a job's configuration, as eight checked sections, read by flat names too.
+"""``JobConfig``: a job's configuration, as nine checked sections, read by flat names too.
 
 Built from keyword arguments (``JobConfig(model=..., checkpoint_every=50)``), a mapping
 (``from_dict``) or a YAML file (``from_yaml``), in the flat form, the nested section form
@@ -29,7 +29,17 @@ from elastic.errors import ConfigError
 from .checkpoints import Checkpoints
 from .code import describe
 from .flat import FLAT, SECTIONS, Setting, merge, split
-from .sections import Data, Evaluation, Failures, Output, Parallelism, Scaling, Section, Training
+from .sections import (
+    Data,
+    Evaluation,
+    Failures,
+    Output,
+    Parallelism,
+    Preemption,
+    Scaling,
+    Section,
+    Training,
+)
 from .worker_config import WorkerConfig
 
 __all__ = ["JobConfig"]
@@ -92,6 +102,14 @@ class JobConfig:
     faults = Setting[list[dict[str, Any]] | None]("failures")
     on_nonfinite = Setting[str]("failures")
     max_nonfinite_skips = Setting[int]("failures")
+    peer_copies_every = Setting[int]("failures")
+    peer_copies_memory_gb = Setting[float | None]("failures")
+    heartbeat_timeout_s = Setting[float]("failures")
+    # preemption
+    watch_drains = Setting[bool]("preemption")
+    drain_poll_s = Setting[float]("preemption")
+    evacuation_margin = Setting[float]("preemption")
+    evacuation_slack_s = Setting[float]("preemption")
     # checkpoints
     checkpoint_uri = Setting[str | None]("checkpoints")
     checkpoint_every = Setting[int]("checkpoints")
@@ -140,6 +158,10 @@ class JobConfig:
     @property
     def failures(self) -> Failures:
         return self._s["failures"]  # type: ignore[return-value]
+
+    @property
+    def preemption(self) -> Preemption:
+        return self._s["preemption"]  # type: ignore[return-value]
 
     @property
     def checkpoints(self) -> Checkpoints:
@@ -286,6 +308,8 @@ class JobConfig:
             checkpoint_location=self.checkpoint_location if ck.enabled else None,
             run_path=self.run_path, on_nonfinite=self.on_nonfinite,
             max_nonfinite_skips=self.max_nonfinite_skips,
+            peer_copies_every=self.peer_copies_every,
+            peer_copies_memory_gb=self.peer_copies_memory_gb,
             faults=tuple(self.faults) if self.faults is not None else None)
 
     # ------------------------------------------------------------------ code

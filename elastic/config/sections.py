@@ -48,6 +48,7 @@ __all__ = [
     "Scaling",
     "Parallelism",
     "Failures",
+    "Preemption",
     "Output",
     "SWITCH_CHECKS",
     "SWITCH_MOVES",
@@ -446,9 +447,25 @@ class Failures(Section):
     # checkpoint and go on; the same step again stops the job) or stop (at once)
     on_nonfinite: str = "skip"
     max_nonfinite_skips: int = 5
+    # peer redundancy: every N steps each rank copies the part of the state only it holds
+    # into a buddy rank's host memory on another node (checksummed), so that a loss under a
+    # sharded layout restores from the survivors' memory, N steps at most run again (0: off)
+    peer_copies_every: int = 0
+    # host memory the copies may use per worker (its own snapshot and its buddy's copy);
+    # a layout that needs more turns the copies off, with an event (None: no limit)
+    peer_copies_memory_gb: float | None = None
+    # a worker whose liveness connection closes, or stays silent this long, is lost
+    heartbeat_timeout_s: float = 1.0
 
     def __post_init__(self) -> None:
         _faults(self.faults)
+        integer(self.peer_copies_every, "peer_copies_every", 0,
+                "e.g. peer_copies_every: 10 (0 turns the copies off)")
+        if self.peer_copies_memory_gb is not None:
+            number(self.peer_copies_memory_gb, "peer_copies_memory_gb", above=True,
+                   fix="e.g. peer_copies_memory_gb: 8, or leave it out (no limit)")
+        number(self.heartbeat_timeout_s, "heartbeat_timeout_s", above=True,
+               fix="e.g. heartbeat_timeout_s: 1.0 (seconds of silence before a worker is lost)")
         integer(self.max_failures, "max_failures", -1,
                 "0 fails at the first loss, -1 recovers without limit")
         one_of(self.on_nonfinite, "on_nonfinite", ("skip", "rollback", "stop"))
@@ -458,6 +475,33 @@ class Failures(Section):
                       fix="e.g. hang_timeout_s: 60 (seconds a collective may take)")
         number(self.replacement_timeout_s, "replacement_timeout_s")
         number(self.min_workers_timeout_s, "min_workers_timeout_s")
+
+
+@dataclass(frozen=True)
+class Preemption(Section):
+    """Nodes that announce their end (a cloud's preemption notice, a maintenance drain):
+    the job watches Ray's draining nodes that host its workers and evacuates them at the
+    next step boundary (``clusters.policy.EvacuationPolicy`` decides how)."""
+
+    NAME: ClassVar[str] = "preemption"
+    FLAT: ClassVar[dict[str, str]] = {"watch": "watch_drains", "poll_s": "drain_poll_s",
+                                      "margin": "evacuation_margin",
+                                      "slack_s": "evacuation_slack_s"}
+
+    watch: bool = True  # poll Ray's draining nodes while training
+    poll_s: float = 1.0  # how often (one GCS call, ~1 ms)
+    # a move must take at most deadline / margin by its measured cost, ending slack_s before
+    # the deadline; otherwise the fastest safe path (a checkpoint, or letting the node go)
+    margin: float = 2.0
+    slack_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        flag(self.watch, "watch_drains")
+        number(self.poll_s, "drain_poll_s", above=True, fix="e.g. drain_poll_s: 1.0")
+        number(self.margin, "evacuation_margin", 1.0,
+               fix="e.g. evacuation_margin: 2 (the move's measured cost taken twice)")
+        number(self.slack_s, "evacuation_slack_s",
+               fix="e.g. evacuation_slack_s: 1.0 (seconds kept before the deadline)")
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,8 @@ class WorkerConfig:
     faults: tuple[dict[str, Any], ...] | None = None  # test aid (elastic/worker/faults.py)
     on_nonfinite: str = "skip"  # what a step with a NaN/inf loss or gradient does
     max_nonfinite_skips: int = 5
+    peer_copies_every: int = 0  # every N steps a buddy keeps a copy of what only I hold
+    peer_copies_memory_gb: float | None = None  # host memory those copies may use per worker
 
     precision = Setting[str]("training")
     seed = Setting[int]("training")

@@ -7,6 +7,9 @@ import pytest
 from clusters.policy import (
     Acquire,
     CheckpointRecord,
+    Evacuate,
+    EvacuationObservation,
+    EvacuationPolicy,
     FailureBudget,
     FailureObservation,
     GiveUp,
@@ -90,6 +93,29 @@ def test_restart_all_recovery_ignores_peers_and_restarts_every_worker(
     pol = RestartAllRecovery()
     assert pol.name == "restart-all"
     assert pol.decide(RestoreObservation(130, peer_step, checkpoints, cause)) == want
+
+
+@pytest.mark.parametrize(
+    ("peer_step", "buddy_step", "checkpoints", "want"),
+    [
+        # live replicas win: nothing is run again
+        (120, 110, (100,), Restore("peers", 120)),
+        # the buddies' copies, when no checkpoint is newer (ties: no storage read)
+        (None, 110, (100, 50), Restore("buddies", 110)),
+        (None, 100, (100,), Restore("buddies", 100)),
+        (None, 110, (), Restore("buddies", 110)),
+        # a newer checkpoint loses fewer steps
+        (None, 90, (100,), Restore("checkpoint", 100)),
+        # copies stale, corrupt or lost with their rank: the checkpoint, as before
+        (None, None, (100,), Restore("checkpoint", 100)),
+        (None, None, (), Restore("scratch", 0)),
+    ],
+)
+def test_in_place_recovery_from_the_buddies_copies(peer_step, buddy_step, checkpoints, want):
+    obs = RestoreObservation(130, peer_step, checkpoints, "failure", buddy_step=buddy_step)
+    assert InPlaceRecovery().decide(obs) == want
+    # restart-all never reads peers' memory
+    assert RestartAllRecovery().decide(obs).source in ("checkpoint", "scratch")
 
 
 def test_restore_observation_defaults_to_a_failure():
@@ -224,3 +250,49 @@ def test_nonfinite_policy(policy, consecutive, rank, want, text):
 def test_nonfinite_policy_unknown_mode():
     with pytest.raises(ValueError, match="unknown on_nonfinite mode 'ignore'"):
         NonFinitePolicy("ignore").decide(NonFiniteObservation(1, 1))
+
+
+# ------------------------------------------------------------------ evacuation
+
+
+def _ev(deadline_s, move_s=0.5, checkpoint_s=None, survivors=2, min_workers=1, fits=True,
+        peer_copies=False):
+    return EvacuationObservation(deadline_s, move_s, checkpoint_s, survivors, min_workers,
+                                 fits, peer_copies)
+
+
+@pytest.mark.parametrize(
+    ("obs", "path", "words"),
+    [
+        # time enough: move (cost x margin 2 + 1 s slack before the deadline)
+        (_ev(None), "move", "no deadline"),
+        (_ev(30.0), "move", "30.0s left"),
+        (_ev(2.0, move_s=0.5), "move", "x2 = 1.00s"),
+        # a replicated layout moves nothing: fine until the slack itself runs out
+        (_ev(1.0, move_s=0.0), "move", "~0.00s"),
+        (_ev(0.5, move_s=0.0), "recover", "no checkpoint store"),
+        # too short for the move: a checkpoint if it ends in time, else let go now
+        (_ev(1.9, move_s=0.5, checkpoint_s=0.4), "checkpoint", "checkpoint, then recover"),
+        (_ev(1.9, move_s=0.5, checkpoint_s=0.5), "recover", "too long"),
+        (_ev(1.9, move_s=0.5), "recover", "no checkpoint store"),
+        (_ev(1.9, move_s=0.5, peer_copies=True), "recover", "from the buddies' copies"),
+        (_ev(0.2, move_s=0.5, checkpoint_s=0.01), "recover", "the last checkpoint"),
+        # the survivors alone cannot go on: checkpoint (recovery waits for replacements)
+        (_ev(None, survivors=1, min_workers=2, checkpoint_s=3.0), "checkpoint",
+         "fewer than min_workers=2"),
+        (_ev(None, survivors=0, min_workers=1), "recover", "0 worker(s) would be left"),
+        (_ev(None, fits=False, checkpoint_s=3.0), "checkpoint", "memory cannot hold"),
+        (_ev(5.0, fits=False, peer_copies=True), "recover", "buddies' copies"),
+    ],
+)
+def test_evacuation_policy(obs, path, words):
+    d = EvacuationPolicy().decide(obs)
+    assert isinstance(d, Evacuate) and d.path == path, d
+    assert words in d.reason, d.reason
+
+
+def test_evacuation_policy_margin_and_slack_are_settings():
+    obs = _ev(3.0, move_s=1.0)
+    assert EvacuationPolicy().decide(obs).path == "move"  # 2.0 <= 3.0 - 1.0
+    assert EvacuationPolicy(margin=3.0).decide(obs).path == "recover"
+    assert EvacuationPolicy(slack_s=1.5).decide(obs).path == "recover"
