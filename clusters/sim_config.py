@@ -97,8 +97,8 @@ class PolicyResult:
     """Outcome of one policy. Times in seconds; ``goodput`` in [0, 1].
 
     ``rollbacks``: restores that took the state back to a checkpoint (or to step 0);
-    ``lost_steps``: steps computed and then lost (rollbacks, and the step in flight at an
-    in-place failure). ``ended``: why the job stopped early (its failure budget), else ``""``.
+    ``lost_steps``: steps computed and then lost (rollbacks, the steps since the buddies'
+    copy a restore from them runs again, and the step in flight at an in-place failure). ``ended``: why the job stopped early (its failure budget), else ``""``.
     ``failures`` counts every loss the job recovered from, preemptions included;
     ``preemptions``: preempted nodes of the job (announced or not, evacuated or not);
     ``evacuations``: those whose state moved onto the survivors before their deadline (not

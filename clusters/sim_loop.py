@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from .errors import SimulationError
-from .policy import CheckpointThenRecover, GiveUp
+from .policy import GiveUp
 from .sim_config import PolicyResult, SimConfig
 from .sim_plans import PlanCache
 from .sim_policies import JobView, Recovery, RestoreTimes, SimPolicy
@@ -136,9 +136,11 @@ class _Job:
                        target, self.failures, self.last_change)
 
     def apply(self, rec: Recovery, cause: str) -> None:
-        """Carry out a membership change (``cause``: failure, join, evacuate or drain): the
-        state goes to its restore step, the job stops a while. After a failure the step in
-        flight is lost even when peers hold the state, and a peer copy is as old as it is."""
+        """Carry out a membership change (``cause``: ``failure``, ``join``, or ``evacuate``,
+        at a step boundary after a notice): the state goes to its restore step, the job
+        stops a while. After a failure the step in flight is lost even when peers hold the
+        state, and a buddy copy is as old as it is. An upload in flight dies with its
+        workers (a failure, a restart) or is given up (an evacuation, as the live one does)."""
         if rec.restore is None or rec.restore.source == "peers":
             target = self.step
             if cause == "failure":
@@ -151,10 +153,8 @@ class _Job:
         self.lost += max(0.0, self.step - target)
         self.step = min(self.step, target)
         restart = rec.restore is not None and rec.restore.restart_all
-        if cause == "failure" or restart:
-            self.pending.clear()  # shards of in-flight uploads died with their workers
-        if cause == "drain" and restart:  # every rank wrote its state on the notice
-            self.committed = max(self.committed, self.position)
+        if cause != "join" or restart:
+            self.pending.clear()
         self.down_until = max(self.down_until, self.t + rec.downtime_s)
         self.last_change = self.position
 
@@ -180,10 +180,17 @@ class _Nodes:
         self._push = push
         prices = setup.prices
         self.per_s: dict[str, float] | None = None
+        self.held = 0.0  # dollars: released nodes still held for a hand-over or a checkpoint
         if prices is not None:  # dollars per second of one node of each pool
             self.per_s = {p.name: p.devices_per_node * prices[p.name] / 3600.0
                           for p in cluster.pools}
             self._full = sum(self.per_s[n.pool] for n in cluster.nodes)
+
+    def hold(self, node: str, seconds: float) -> None:
+        """Bill ``node`` for ``seconds`` after it left the job (released once it has handed
+        its state over or written its checkpoint)."""
+        if self.per_s is not None:
+            self.held += self.per_s[self.plans.pool_of(node)] * max(0.0, seconds)
 
     def rate(self) -> float:
         """Dollars per second now: the nodes up plus the idle spares."""
@@ -265,6 +272,41 @@ def run_policy(policy: SimPolicy, setup: SimSetup) -> PolicyResult:
         share = setup.state_bytes / max(1, len(plans.cluster.nodes) - len(nodes.dead))
         return share / (n.network.bandwidth * n.nics)
 
+    def evacuate(node: str, deadline: float, repair: float) -> None:
+        """At a step boundary, ``deadline - job.t`` before ``node`` goes: the policy's
+        decision carried out (see ``SimPolicy.on_notice``)."""
+        survive = plans.survives(plans.entry(nodes.dead), nodes.dead, node)
+        move_s = 0.0 if survive else transfer_s(node)
+        after = nodes.dead | {node}
+        d = policy.on_notice(job.view(nodes.workers, nodes.target), deadline - job.t, move_s,
+                             setup.upload_s, nodes.workers - nodes.size[node],
+                             math.isfinite(plans.entry(after).step_time))
+        if d is None:
+            return  # ignored: lost at the deadline
+        path = d.path if d.path != "move" or job.t + move_s <= deadline else "recover"
+        write = setup.upload_s if path == "checkpoint" else 0.0
+        if path == "checkpoint" and job.t + write > deadline:
+            path, write = "recover", 0.0
+        busy = move_s if path == "move" else write
+        nodes.hold(node, min(busy, cfg.duration_s - job.t))
+        nodes.lose(node, "preempted", repair, job.t + busy, deadline)
+        nodes.released.add(node)
+        job.set_step_time(plans.entry(nodes.dead).step_time)
+        job.preemptions += 1
+        if path == "move":
+            job.evacuations += 1
+            job.apply(Recovery(policy.move_pause_s(move_s), False), "evacuate")
+            return
+        job.failures += 1
+        if path == "checkpoint":
+            job.committed = max(job.committed, job.position)
+        rec = policy.on_release(path, job.view(nodes.workers, nodes.target), write, survive,
+                                nodes.all_back_in(job.t), setup.restore)
+        if isinstance(rec, GiveUp):
+            job.end(rec.reason)
+        else:
+            job.apply(rec, "evacuate")
+
     while True:
         t_next = min(heap[0][0], cfg.duration_s) if heap else cfg.duration_s
         job.run_to(t_next)
@@ -296,48 +338,18 @@ def run_policy(policy: SimPolicy, setup: SimSetup) -> PolicyResult:
                                       "simulator models jobs that take every node back")
             job.apply(rec, "join")
             continue
-        if what == "notice":  # decide now; act at the step boundary
-            if node in nodes.dead or job.ended:
-                continue
-            at = job.next_boundary()
-            fit = math.isfinite(plans.entry(nodes.dead | {node}).step_time)
-            d = policy.on_notice(deadline - at, transfer_s(node), fit)
-            if d is not None:
-                push(at, "drain", node,
-                     "checkpoint" if isinstance(d, CheckpointThenRecover) else "evacuate",
-                     deadline, repair)
+        if what == "notice":  # acted on at the next step boundary
+            if node not in nodes.dead and not job.ended:
+                push(job.next_boundary(), "drain", node, kind, deadline, repair)
             continue
         if what == "drain":
-            if node in nodes.dead or job.ended:
+            if node in nodes.dead or job.ended or job.t >= deadline:
                 continue
-            alive = len(plans.cluster.nodes) - len(nodes.dead)
-            if kind == "evacuate":
-                move = policy.move_s(transfer_s(node))
-                if job.t + move > deadline:
-                    continue  # too late after all: the node is lost at its deadline
-                nodes.lose(node, "preempted", repair, job.t, deadline)
-                nodes.released.add(node)
-                job.set_step_time(plans.entry(nodes.dead).step_time)
-                job.evacuations += 1
-                job.preemptions += 1
-                job.apply(Recovery(move, False), "evacuate")
+            at = job.next_boundary()
+            if at > job.t + 1e-9:  # the job's pace changed since the notice
+                push(at, "drain", node, kind, deadline, repair)
                 continue
-            write = setup.upload_s if policy.restarts_all() else setup.upload_s / alive
-            if job.t + write > deadline:
-                continue  # the checkpoint would not finish: lost at the deadline
-            survive = plans.survives(plans.entry(nodes.dead), nodes.dead, node)
-            nodes.lose(node, "preempted", repair, job.t, deadline)
-            nodes.released.add(node)
-            job.set_step_time(plans.entry(nodes.dead).step_time)
-            job.failures += 1
-            job.preemptions += 1
-            share = RestoreTimes(setup.restore.storage_s / alive, setup.restore.peers_s)
-            drained = policy.on_drain(job.view(nodes.workers, nodes.target), write, survive,
-                                      nodes.all_back_in(job.t), share, setup.restore)
-            if isinstance(drained, GiveUp):
-                job.end(drained.reason)
-            else:
-                job.apply(drained, "drain")
+            evacuate(node, deadline, repair)
             continue
         if kind == "preempted" and node in nodes.released:  # drained before its deadline
             nodes.released.discard(node)
@@ -373,6 +385,6 @@ def run_policy(policy: SimPolicy, setup: SimSetup) -> PolicyResult:
         ended=job.ended,
         preemptions=job.preemptions,
         evacuations=job.evacuations,
-        cost_usd=cost if setup.prices is not None else None,
+        cost_usd=cost + nodes.held if setup.prices is not None else None,
         reached_target=None if cfg.target_steps is None else job.done,
     )

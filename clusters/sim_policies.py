@@ -24,14 +24,17 @@ Two systems, kept under their old names:
   survivors, and a returning node joins at a step boundary losing nothing.
   ``peer_copy_every=k``: each rank also keeps a copy of its shard in a buddy's host memory,
   refreshed every k steps, so a loss under a sharded layout restores from peers losing at
-  most k steps. ``evacuation=EvacuationPolicy()``: on a preemption notice the draining
-  node's state moves onto the survivors before the deadline (no step lost, a pause of one
-  live switch), or, when the notice is too short, the draining ranks checkpoint and the
-  survivors recover from that.
+  most k steps (``InPlaceRecovery``'s ``buddy_step``; a second loss before the next copy
+  after a change finds none and reads the checkpoint). ``evacuation=EvacuationPolicy()``: at
+  the step boundary after a preemption notice, the live controller's policy decides from the
+  time left: ``move`` the state only the draining node holds onto the survivors (no step
+  lost; a pause of the hand-over plus one live switch), ``checkpoint`` then recover (no
+  step lost), or ``recover`` (release the node now, recover as from a loss).
 
 Preemption notices (``on_notice``) are ignored unless the system has an ``evacuation`` policy
 or ``checkpoint_on_notice`` (Ray Train V2: checkpoint on the notice, then restart the group:
-``RestartAll(checkpoint_on_notice=True)``); an ignored notice leaves the loss at the deadline.
+``RestartAll(checkpoint_on_notice=True)``); an ignored notice leaves the loss at the deadline,
+as an unannounced one.
 """
 
 from __future__ import annotations
@@ -42,7 +45,6 @@ from dataclasses import dataclass, field
 from .errors import SimulationError
 from .policy import (
     Acquire,
-    CheckpointThenRecover,
     Evacuate,
     EvacuationObservation,
     EvacuationPolicy,
@@ -98,8 +100,10 @@ class RestoreTimes:
     peers_s: float
 
     def of(self, source: str) -> float:
-        """Restore time from ``source`` (``"checkpoint"``, ``"peers"`` or ``"scratch"``)."""
-        return {"checkpoint": self.storage_s, "peers": self.peers_s}.get(source, 0.0)
+        """Restore time from ``source`` (``"checkpoint"``; ``"peers"`` or ``"buddies"``: the
+        survivors' memory, one node's share over its network; ``"scratch"``: none)."""
+        return {"checkpoint": self.storage_s, "peers": self.peers_s,
+                "buddies": self.peers_s}.get(source, 0.0)
 
 
 @dataclass(frozen=True)
@@ -156,84 +160,86 @@ class SimPolicy:
     def _min_workers(self, job: JobView) -> int:
         return job.target if self.fixed_size else 1
 
-    def _peer_step(self, job: JobView, replicas_survive: bool) -> int | None:
-        """The step at which every entry of the state has a live holder: now when replicas
-        survive; else the newest buddy copy, if made after the last membership change (the
-        group's new buddies hold no older one; step 0 needs no copy)."""
-        if replicas_survive:
-            return job.position
+    def buddy_step(self, job: JobView) -> int | None:
+        """The step of the newest complete generation of buddy copies (``peer_copy_every``
+        k: the last multiple of k reached), if it was made after the last membership change
+        (a change re-pairs the ranks; the copies of the old ring are not counted); None
+        without copies."""
         k = self.peer_copy_every
-        if k > 0:
-            copy = job.position // k * k
-            if copy > job.last_change or copy == 0:
-                return copy
-        return None
+        if k <= 0:
+            return None
+        copy = job.position // k * k
+        return copy if copy > job.last_change or job.last_change == 0 else None
 
     def on_failure(
         self, kind: str, job: JobView, replicas_survive: bool, replacement_in_s: float,
         restore: RestoreTimes,
     ) -> Recovery | GiveUp:
-        """The job lost a node (or a process, or hung, per ``kind``); every missing node is
-        back ``replacement_in_s`` from now. Asks the failure budget, the scaling policy (wait
-        for the replacement or not) and the recovery policy (where the state comes from)."""
-        detect = self.costs.detection(kind)
-        return self._recover(kind, job, detect, self._peer_step(job, replicas_survive),
-                             job.checkpoints, replacement_in_s, restore, restore)
+        """The job lost a node (or a process, or hung, per ``kind``) without notice; every
+        missing node is back ``replacement_in_s`` from now. Asks the failure budget, the
+        scaling policy (wait for the replacement or not) and the recovery policy (where the
+        state comes from: live replicas when ``replicas_survive``, the buddies' copies, a
+        checkpoint)."""
+        return self._recover(kind, job, self.costs.detection(kind), replicas_survive,
+                             job.checkpoints, replacement_in_s, restore)
 
     def _recover(
-        self, kind: str, job: JobView, stopped_s: float, peer: int | None,
+        self, kind: str, job: JobView, stopped_s: float, replicas_survive: bool,
         checkpoints: tuple[int, ...], replacement_in_s: float, restore: RestoreTimes,
-        restore_all: RestoreTimes,
     ) -> Recovery | GiveUp:
         """The budget, the wait, the restore source; ``stopped_s`` before the wait starts
-        (detection, or a drain's checkpoint); ``restore_all`` when every worker restarts."""
+        (detection, or an evacuation's checkpoint)."""
         verdict = self.budget.decide(FailureObservation(kind, True, job.failures, kind))
         if isinstance(verdict, GiveUp):
             return verdict
         waited = self._wait(job, max(0.0, replacement_in_s - stopped_s))
         if isinstance(waited, GiveUp):
             return waited
-        r = self.recovery.decide(RestoreObservation(job.position, peer, checkpoints))
+        peer = job.position if replicas_survive else None
+        buddy = None if replicas_survive else self.buddy_step(job)
+        r = self.recovery.decide(RestoreObservation(job.position, peer, checkpoints,
+                                                    buddy_step=buddy))
         again = self.costs.restart_s if r.restart_all else self.costs.replan_s
-        read = (restore_all if r.restart_all else restore).of(r.source)
-        return Recovery(stopped_s + waited + again + read, r.source != "peers", r, waited)
-
-    def restarts_all(self) -> bool:
-        """Whether this system's recovery restarts every worker (so a drain's checkpoint must
-        hold every rank's state, not only the draining node's)."""
-        return self.recovery.decide(RestoreObservation(1, None, (1,))).restart_all
-
-    def move_s(self, transfer_s: float) -> float:
-        """An evacuation's pause: a live switch (``grow_s``) plus moving the draining node's
-        state (``transfer_s``)."""
-        return self.costs.grow_s + transfer_s
+        return Recovery(stopped_s + waited + again + restore.of(r.source),
+                        r.source in ("checkpoint", "scratch"), r, waited)
 
     def on_notice(
-        self, seconds_left: float, transfer_s: float, survivors_fit: bool,
-    ) -> Evacuate | CheckpointThenRecover | None:
-        """A node of the job got a preemption notice; ``seconds_left`` from the next step
-        boundary to its deadline. None: ignore it (the node is lost at the deadline)."""
+        self, job: JobView, deadline_s: float, move_s: float, checkpoint_s: float,
+        survivors: int, fits: bool,
+    ) -> Evacuate | None:
+        """At the step boundary after a preemption notice, ``deadline_s`` before the node
+        goes: what the system does (``policy.Evacuate``: ``move``, ``checkpoint`` or
+        ``recover``), or None (the notice is ignored and the node is lost at its deadline).
+        ``move_s``: seconds the node is needed to hand over the state only it holds;
+        ``checkpoint_s``: seconds to write a checkpoint; ``survivors``: devices left;
+        ``fits``: a plan for the survivors fits their memory."""
         if self.evacuation is not None:
             return self.evacuation.decide(EvacuationObservation(
-                seconds_left, self.move_s(transfer_s), survivors_fit))
+                deadline_s, move_s, checkpoint_s, survivors, self._min_workers(job), fits,
+                self.buddy_step(job) is not None))
         if self.checkpoint_on_notice:
-            return CheckpointThenRecover("checkpoint on the notice, then restart")
+            return Evacuate("checkpoint", "Ray Train V2: checkpoint on the notice, then "
+                            "restart the group from it")
         return None
 
-    def on_drain(
-        self, job: JobView, checkpoint_s: float, replicas_survive: bool,
-        replacement_in_s: float, restore_share: RestoreTimes, restore_all: RestoreTimes,
+    def move_pause_s(self, move_s: float) -> float:
+        """An evacuation's pause (``move``): the hand-over (``move_s``) plus a live switch
+        onto the survivors (``grow_s``: re-plan, re-form, reshard)."""
+        return move_s + self.costs.grow_s
+
+    def on_release(
+        self, path: str, job: JobView, checkpoint_s: float, replicas_survive: bool,
+        replacement_in_s: float, restore: RestoreTimes,
     ) -> Recovery | GiveUp:
-        """``CheckpointThenRecover`` carried out: the job stopped ``checkpoint_s`` to write the
-        draining ranks' shards (every rank's, when the recovery restarts every worker) at
-        ``job.position``; the node is released; the survivors recover from that checkpoint,
-        reading ``restore_share`` (the draining node's share) or ``restore_all``."""
-        peer = self._peer_step(job, replicas_survive)
-        if peer is not None and peer < job.position:
-            peer = None  # the fresh checkpoint is newer than any copy
-        return self._recover("preempted", job, checkpoint_s, peer,
-                             job.checkpoints + (job.position,), replacement_in_s,
-                             restore_share, restore_all)
+        """The draining node was released at the step boundary ``job.position`` (its loss
+        needs no detection), after a checkpoint of the whole state (``path`` ``checkpoint``:
+        ``checkpoint_s`` spent, committed at this step) or at once (``recover``); the job
+        recovers as after a loss."""
+        if path == "checkpoint":
+            return self._recover("preempted", job, checkpoint_s, replicas_survive,
+                                 job.checkpoints + (job.position,), replacement_in_s, restore)
+        return self._recover("preempted", job, 0.0, replicas_survive, job.checkpoints,
+                             replacement_in_s, restore)
 
     def _wait(self, job: JobView, back_in: float) -> float | GiveUp:
         """Seconds the job waits for the missing nodes, as ``ScalingPolicy`` decides: after a

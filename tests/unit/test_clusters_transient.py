@@ -159,28 +159,74 @@ def test_restart_all_ignores_the_notice_or_checkpoints_on_it():
     assert ray_v2.cost_usd == pytest.approx(FULL_COST - 2 * (470.5 - 251.0) / 3600)
 
 
-def test_a_notice_too_short_for_the_move_checkpoints_the_draining_ranks():
-    """3 s of notice (367.5 -> 370.5): at the boundary (368) 2.5 s are left, the move needs
-    2 s twice over: the draining ranks checkpoint (instant here) and the survivors recover
-    from step 368 (2 s re-plan), losing nothing: 368 + 100.5 x 0.75 + 527.5 = 970.875."""
-    trace = [FailureEvent(367.5, "spot-1", kind="notice"),
-             FailureEvent(370.5, "spot-1", kind="preempted")]
-    r = _sim(EVAC, trace=trace)
-    assert r.steps == pytest.approx(970.875)
-    assert r.lost_steps == 0 and r.rollbacks == 0
-    assert (r.failures, r.preemptions, r.evacuations) == (1, 1, 0)
-    assert r.cost_usd == pytest.approx(FULL_COST - 2 * (470.5 - 368.0) / 3600)
+# 20 B parameters at 14 B each: 280 GB, 70 GB per node of 4, handed over at 12.5 GB/s (one
+# 100 Gb/s NIC, the default network) in 5.6 s; the policy wants 2 x 5.6 s + 1 s of the time
+# left at the step boundary.
+BIG = ModelProfile.uniform(n_params=20_000_000_000, n_blocks=4, flops_per_sample=1e9)
+MOVE_S = 70e9 / 12.5e9
 
 
-@pytest.mark.parametrize(("lead", "evacuated"), [(120.0, True), (30.0, False)])
-def test_the_notice_lead_time_decides(lead, evacuated):
-    """A 20 s live switch needs 40 s with the 2x margin: AWS's 2 minutes are enough, GCP's
-    30 s are not (then the draining ranks checkpoint)."""
-    slow = ElasticInPlace(grow_s=20.0, replan_s=2.0, evacuation=EvacuationPolicy())
-    trace = [FailureEvent(370.5 - lead, "spot-1", kind="notice"),
-             FailureEvent(370.5, "spot-1", kind="preempted")]
-    r = _sim(slow, trace=trace)
-    assert r.evacuations == int(evacuated) and r.failures == int(not evacuated)
+def _notice(lead: float, at: float = 370.5) -> list[FailureEvent]:
+    return [FailureEvent(at - lead, "spot-1", kind="notice"),
+            FailureEvent(at, "spot-1", kind="preempted")]
+
+
+def _big(policy, trace, upload_s=0.0, evaluate=_zero):
+    (r,) = simulate(_mixed(), BIG, 8, policies=[policy], trace=trace, evaluate=evaluate,
+                    config=replace(CFG, upload_s=upload_s))
+    return r
+
+
+def test_the_move_hands_over_the_nodes_share_then_switches():
+    """Notice at 250.5, boundary 251, 119.5 s left: move. The node hands over 70 GB (5.6 s,
+    billed until then), the survivors switch (2 s): down 7.6 s, then 6/8 speed until the
+    capacity is back at 470.5, a 2 s join, 527.5 steps."""
+    r = _big(EVAC, _notice(120.0))
+    assert (r.evacuations, r.failures, r.lost_steps) == (1, 0, 0)
+    assert r.downtime_s == pytest.approx(MOVE_S + 2.0 + 2.0)
+    assert r.steps == pytest.approx(251 + (470.5 - 251 - MOVE_S - 2.0) * 0.75 + 527.5)
+    assert r.cost_usd == pytest.approx(FULL_COST - 2 * (470.5 - 251.0 - MOVE_S) / 3600)
+    # Under dp the survivors hold every piece: nothing to hand over, 2 s of notice is enough.
+    dp = _big(EVAC, _notice(2.0), evaluate=_linear)
+    assert (dp.evacuations, dp.failures, dp.lost_steps) == (1, 0, 0)
+    assert dp.downtime_s == pytest.approx(2.0 + 2.0)
+
+
+def test_a_notice_too_short_for_the_move_checkpoints_then_recovers():
+    """8 s of notice: at the boundary (363) 7.5 s are left, 1 s kept: the move (2 x 5.6 s)
+    does not fit, a 1 s checkpoint (2 x 1 s) does. The state is written at step 363 (the node
+    billed until 364), the survivors recover from it (2 s re-plan): 0 steps lost."""
+    r = _big(EVAC, _notice(8.0), upload_s=1.0)
+    assert (r.evacuations, r.failures, r.preemptions) == (0, 1, 1)
+    assert r.lost_steps == 0 and r.rollbacks == 0  # read back from storage, at step 363
+    assert r.downtime_s == pytest.approx(1.0 + 2.0 + 2.0)
+    assert r.steps == pytest.approx(363 + (470.5 - 366) * 0.75 + 527.5)
+    assert r.cost_usd == pytest.approx(FULL_COST - 2 * (470.5 - 364.0) / 3600)
+
+
+def test_a_notice_too_short_for_both_lets_the_node_go_and_restores_the_buddies_copies():
+    """The same notice with a 5 s checkpoint: neither fits, the node is released at once
+    (363) and the job restores the buddies' copies of step 350 (every 50 steps): 13 steps
+    run again, no storage read. Without copies it is the checkpoint of step 300."""
+    r = _big(EVAC, _notice(8.0), upload_s=5.0)
+    assert (r.evacuations, r.failures, r.rollbacks) == (0, 1, 0)
+    assert r.lost_steps == pytest.approx(13.0)
+    assert r.steps == pytest.approx(350 + (470.5 - 365) * 0.75 + 527.5)
+    no_copies = replace(EVAC, name="no-copies", peer_copy_every=0)
+    ck = _big(no_copies, _notice(8.0), upload_s=5.0)
+    assert ck.rollbacks == 1 and ck.lost_steps == pytest.approx(63.0)
+
+
+@pytest.mark.parametrize(("lead", "margin", "path"),
+                         [(120.0, 2.0, "move"), (30.0, 2.0, "move"), (12.0, 2.0, "checkpoint"),
+                          (30.0, 10.0, "checkpoint")])
+def test_the_live_evacuation_policy_decides(lead, margin, path):
+    """The simulator asks ``clusters.policy.EvacuationPolicy`` itself: AWS's 2 minutes and
+    GCP's 30 s leave room for a 5.6 s move twice over, 12 s does not (11.5 s left at the
+    boundary, 1 s kept); a margin of 10 makes 30 s too short as well."""
+    pol = replace(EVAC, evacuation=EvacuationPolicy(margin=margin))
+    r = _big(pol, _notice(lead))
+    assert (r.evacuations, r.failures) == ((1, 0) if path == "move" else (0, 1))
     assert r.lost_steps == 0
 
 
