@@ -153,7 +153,7 @@ def format_sim_table(results: Sequence[PolicyResult]) -> str:
         f"{'policy':<{w}}{'goodput':>8}{'steps':>11}{'failures':>9}{'rollbacks':>10}"
         f"{'lost steps':>11}{'down h':>8}{'redo h':>8}{'slow h':>8}{'ckpt h':>8}"
         + (f"{'preempt':>8}{'evac':>6}" if evac else "")
-        + (f"{'cost $':>12}{'$/1k steps':>11}" if cost else "")
+        + (f" {'cost $':>13} {'$/1k steps':>12}" if cost else "")
     )
     rows = [hdr, "-" * len(hdr)]
     for r in results:
@@ -164,8 +164,8 @@ def format_sim_table(results: Sequence[PolicyResult]) -> str:
             f"{r.recompute_s / 3600:>8.2f}{r.degraded_s / 3600:>8.2f}"
             f"{r.checkpoint_s / 3600:>8.2f}"
             + (f"{r.preemptions:>8}{r.evacuations:>6}" if evac else "")
-            + ((f"{r.cost_usd:>12,.0f}{per_k:>11,.2f}" if r.cost_usd is not None and per_k
-                is not None else f"{'-':>12}{'-':>11}") if cost else "")
+            + ((f" {r.cost_usd:>13,.0f} {per_k:>12,.2f}" if r.cost_usd is not None and per_k
+                is not None else f" {'-':>13} {'-':>12}") if cost else "")
         )
         if r.ended:
             rows.append(f"  {r.policy} stopped early: {r.ended}")

@@ -24,14 +24,14 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from .errors import SimulationError
 from .policy import GiveUp
 from .sim_config import PolicyResult, SimConfig
-from .sim_plans import PlanCache
+from .sim_plans import CompositionPlan, PlanCache
 from .sim_policies import JobView, Recovery, RestoreTimes, SimPolicy
 from .trace import FailureEvent
 
@@ -172,6 +172,7 @@ class _Nodes:
         self.size = {n.id: len(n.devices) for n in cluster.nodes}
         self.workers = self.target = sum(self.size.values())
         self.dead: set[str] = set()
+        self.down: Counter[str] = Counter()  # self.dead by pool
         self.released: set[str] = set()  # drained before their deadline
         self.back_at: dict[str, float] = {}
         self.waiting: dict[str, deque[str]] = {p.name: deque() for p in cluster.pools}
@@ -185,6 +186,27 @@ class _Nodes:
             self.per_s = {p.name: p.devices_per_node * prices[p.name] / 3600.0
                           for p in cluster.pools}
             self._full = sum(self.per_s[n.pool] for n in cluster.nodes)
+        self._plan: CompositionPlan | None = None
+
+    def plan(self) -> CompositionPlan:
+        """The plan for the nodes up now."""
+        if self._plan is None:
+            self._plan = self.plans.entry_of(self.down, lambda: self.dead)
+        return self._plan
+
+    def plan_without(self, node: str) -> CompositionPlan:
+        """The plan for the nodes up now but ``node``."""
+        down = self.down.copy()
+        down[self.plans.pool_of(node)] += 1
+        return self.plans.entry_of(down, lambda: self.dead | {node})
+
+    def back(self, node: str) -> None:
+        """``node`` is up again (the job has yet to take it in)."""
+        self.dead.discard(node)
+        self.down[self.plans.pool_of(node)] -= 1
+        self.back_at.pop(node, None)
+        self.workers += self.size[node]
+        self._plan = None
 
     def hold(self, node: str, seconds: float) -> None:
         """Bill ``node`` for ``seconds`` after it left the job (released once it has handed
@@ -196,9 +218,9 @@ class _Nodes:
         """Dollars per second now: the nodes up plus the idle spares."""
         if self.per_s is None:
             return 0.0
-        pool = self.plans.pool_of
-        return (self._full - sum(self.per_s[pool(n)] for n in self.dead)
-                + sum(k * self.per_s[p] for p, k in self.spares.items()))
+        per_s = self.per_s
+        return (self._full - sum(k * per_s[p] for p, k in self.down.items())
+                + sum(k * per_s[p] for p, k in self.spares.items()))
 
     def lose(self, node: str, kind: str, repair: float, now: float, gone_at: float) -> None:
         """``node`` leaves at ``now``; its capacity (a repair, a new spot node) is back
@@ -206,6 +228,8 @@ class _Nodes:
         self.dead.add(node)
         self.workers -= self.size[node]
         pool = self.plans.pool_of(node)
+        self.down[pool] += 1
+        self._plan = None
         if kind in ("node_lost", "preempted"):
             default = self.cfg.repair_s if kind == "node_lost" else self.cfg.preemption_return_s
             done = gone_at + (repair or default)
@@ -275,12 +299,11 @@ def run_policy(policy: SimPolicy, setup: SimSetup) -> PolicyResult:
     def evacuate(node: str, deadline: float, repair: float) -> None:
         """At a step boundary, ``deadline - job.t`` before ``node`` goes: the policy's
         decision carried out (see ``SimPolicy.on_notice``)."""
-        survive = plans.survives(plans.entry(nodes.dead), nodes.dead, node)
+        survive = plans.survives(nodes.plan(), nodes.dead, node)
         move_s = 0.0 if survive else transfer_s(node)
-        after = nodes.dead | {node}
         d = policy.on_notice(job.view(nodes.workers, nodes.target), deadline - job.t, move_s,
                              setup.upload_s, nodes.workers - nodes.size[node],
-                             math.isfinite(plans.entry(after).step_time))
+                             math.isfinite(nodes.plan_without(node).step_time))
         if d is None:
             return  # ignored: lost at the deadline
         path = d.path if d.path != "move" or job.t + move_s <= deadline else "recover"
@@ -291,7 +314,7 @@ def run_policy(policy: SimPolicy, setup: SimSetup) -> PolicyResult:
         nodes.hold(node, min(busy, cfg.duration_s - job.t))
         nodes.lose(node, "preempted", repair, job.t + busy, deadline)
         nodes.released.add(node)
-        job.set_step_time(plans.entry(nodes.dead).step_time)
+        job.set_step_time(nodes.plan().step_time)
         job.preemptions += 1
         if path == "move":
             job.evacuations += 1
@@ -324,11 +347,9 @@ def run_policy(policy: SimPolicy, setup: SimSetup) -> PolicyResult:
                 continue
             node, what = nodes.waiting[pool].popleft(), "back"
         if what == "back":
-            nodes.dead.discard(node)
-            nodes.back_at.pop(node, None)
+            nodes.back(node)
             joining = nodes.size[node]
-            nodes.workers += joining
-            job.set_step_time(plans.entry(nodes.dead).step_time)
+            job.set_step_time(nodes.plan().step_time)
             if job.ended or job.t < job.down_until:
                 continue  # a join during a recovery rides along with it
             rec = policy.on_join(job.view(nodes.workers - joining, nodes.target), joining,
@@ -356,9 +377,9 @@ def run_policy(policy: SimPolicy, setup: SimSetup) -> PolicyResult:
             continue
         if node in nodes.dead:
             continue  # a node that is down cannot fail again
-        survive = plans.survives(plans.entry(nodes.dead), nodes.dead, node)
+        survive = plans.survives(nodes.plan(), nodes.dead, node)
         nodes.lose(node, kind, repair, job.t, job.t)
-        job.set_step_time(plans.entry(nodes.dead).step_time)
+        job.set_step_time(nodes.plan().step_time)
         if job.ended:
             continue
         job.failures += 1
