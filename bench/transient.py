@@ -14,17 +14,25 @@ Clusters (``--od-nodes`` N, ``--mixed-od`` M):
 
 Systems (``clusters.sim_policies``, the live policies plus time costs): restart-all at a fixed
 size (torchrun, Ray Train), restart-all that checkpoints on the notice (Ray Train V2), elastic
-in place from the checkpoint, in place from peers (buddy copies every ``--peer-every``
-steps), and evacuation on notice (peers + ``policy.EvacuationPolicy``).
+in place from the checkpoint, in place from peers (buddy copies every ``--peer-every`` steps:
+``InPlaceRecovery``'s ``buddy_step``), and evacuation on notice (copies, and the live
+controller's ``clusters.policy.EvacuationPolicy``: move, checkpoint then recover, or recover).
 
-Assumptions, all options: preemptions per spot node-hour (``--rate``), the notice (``--notice``
-s: AWS 120, GCP and Azure 30), the time until a preempted node's capacity is back
-(``--return-min``), prices (``clusters/catalog/devices.yaml``: AWS us-east-1 on-demand list
-prices, spot assumed at 40 % of them; ``--spot-discount`` overrides), hardware failures at
-the simulator's default (one per node per ~260 days). ``--sensitivity`` varies each of them
-for the same-budget mixed cluster. Plans come from the full planner (``--strategies`` limits
-it), cached per pool composition. A benchmark, not a test: it checks nothing. Run from the
-repository root: ``python bench/transient.py`` (``--help`` for the options).
+Assumptions, all options: preemptions per spot node-hour (``--rate``, default 0.01: Google
+has said its preemptible VMs saw 5-15 % preempted per day, 0.002-0.006 per node-hour; GPU
+spot capacity at scale is often scarcer, hence the sensitivity up to 0.2), the notice
+(``--notice`` s: AWS 120, GCP and Azure 30), the time until a preempted node's capacity is
+back (``--return-min``), prices (``clusters/catalog/devices.yaml``: AWS us-east-1 on-demand
+list prices, spot assumed at 40 % of them; ``--spot-discount`` overrides), hardware failures
+at the simulator's default (one per node per ~260 days), the time costs of
+``RestartAll()`` / ``ElasticInPlace()`` (detection, 120 s restart, 10 s re-plan, 10 s
+switch). Buddy copies cost no step time here (they are sent in the background; their host
+memory is the live job's setting). ``--sensitivity`` varies each assumption for the
+same-budget mixed cluster. Plans: the planner's, as the live controller re-plans for
+survivors (the whole cluster's layout family where it fits, else the planner's best),
+cached per pool composition. ``--at-scale`` times a simulated month on 10,000 GPUs instead.
+A benchmark, not a test: it checks nothing. Run from the repository root:
+``python bench/transient.py`` (``--help`` for the options).
 """
 
 from __future__ import annotations
@@ -50,8 +58,10 @@ from clusters import (  # noqa: E402 - after the path set-up above
     cluster_cost_per_hour,
     device_type,
     failure_trace,
+    format_sim_table,
     load_cluster,
     plan,
+    plan_cache,
     simulate,
     transformer_profile,
 )
@@ -62,6 +72,9 @@ DEVICE = "A100-80GB"
 
 
 def systems(peer_every: int) -> list[SimPolicy]:
+    """The five systems compared: notices ignored (restart-all, in place from a checkpoint,
+    in place from buddies' copies), Ray Train V2's checkpoint on the notice, and elastic's
+    evacuation (``clusters.policy.EvacuationPolicy``, the live controller's, with copies)."""
     return [
         RestartAll(),
         RestartAll(name="restart-all+ckpt-on-notice", checkpoint_on_notice=True),
@@ -84,27 +97,41 @@ def make_cluster(name: str, od: int, spot: int, od_price: float, spot_price: flo
 
 
 def memo_planner(profile, batch: int, strategies: Sequence[str] | None,
-                 ) -> tuple[Callable[[Cluster], tuple[float, Plan | None]], dict[str, float]]:
-    """The planner's choice per (on-demand, spot) node count, shared by every cluster and
-    price of the same shape; and its call count and seconds."""
-    memo: dict[tuple[tuple[str, int], ...], tuple[float, Plan | None, Cluster]] = {}
+                 ) -> tuple[Callable[[Cluster], Callable[[Cluster], tuple[float, Plan | None]]],
+                            dict[str, float]]:
+    """Plans per (on-demand, spot) node count, as the live controller re-plans for survivors
+    (``plan_cache(replan="keep")``): the whole cluster's layout family where it fits, else the
+    planner's best; shared by every cluster and price of the same shape. Returns a maker of
+    one cluster's evaluator, and the planner's call count and seconds."""
+    memo: dict[tuple[object, ...], tuple[float, Plan | None, Cluster]] = {}
     stats = {"calls": 0.0, "seconds": 0.0}
-    kw = {"strategies": tuple(strategies)} if strategies else {}
+    base = {"strategies": tuple(strategies)} if strategies else {}
 
-    def evaluate(alive: Cluster) -> tuple[float, Plan | None]:
-        key = tuple((p.name, p.count) for p in alive.pools if p.count)
+    def planned(alive: Cluster, family: Plan | None) -> tuple[float, Plan | None]:
+        shape = tuple((p.name, p.count) for p in alive.pools if p.count)
+        fam = None if family is None else (family.strategy, family.dp_mode, family.schedule,
+                                           family.pp_degree)
+        key = (shape, fam)
         if key not in memo:
             t0 = time.perf_counter()
-            res = plan(alive, profile, batch, **kw)  # type: ignore[arg-type]
-            stats["calls"] += 1
+            ch = None
+            if family is not None:
+                kw = {**base, "strategies": (family.strategy,), "dp_modes": (family.dp_mode,),
+                      "schedules": (family.schedule,), "subsets": False}
+                if family.is_pipeline:
+                    kw["max_pp"] = family.pp_degree
+                ch = plan(alive, profile, batch, **kw).choice  # type: ignore[arg-type]
+                stats["calls"] += 1
+            if ch is None or ch.estimate is None:
+                ch = plan(alive, profile, batch, **base).choice  # type: ignore[arg-type]
+                stats["calls"] += 1
             stats["seconds"] += time.perf_counter() - t0
-            ch = res.choice
             memo[key] = ((math.inf, None, alive) if ch is None or ch.estimate is None
                          else (ch.estimate.step_time, ch.plan, alive))
         st, p, seen = memo[key]
         if p is not None and seen is not alive:  # the same plan here, nodes by position
             ids = {}
-            for pool, _ in key:
+            for pool, _ in shape:
                 here = [nd for nd in alive.nodes if nd.pool == pool]
                 there = [nd for nd in seen.nodes if nd.pool == pool]
                 for a_node, b_node in zip(there, here, strict=True):
@@ -113,14 +140,18 @@ def memo_planner(profile, batch: int, strategies: Sequence[str] | None,
             p = replace(p, devices=tuple(ids[d] for d in p.devices))
         return st, p
 
-    return evaluate, stats
+    def for_cluster(whole: Cluster) -> Callable[[Cluster], tuple[float, Plan | None]]:
+        family = planned(whole, None)[1]
+        return lambda alive: planned(alive, None if alive is whole else family)
+
+    return for_cluster, stats
 
 
 def run(cluster: Cluster, profile, batch: int, config: SimConfig, pols: Sequence[SimPolicy],
-        evaluate) -> list[PolicyResult]:
+        evaluators) -> list[PolicyResult]:
     trace = failure_trace(cluster, config)
     return simulate(cluster, profile, batch, policies=pols, config=config, trace=trace,
-                    evaluate=evaluate)
+                    evaluate=evaluators(cluster))
 
 
 def fmt_row(label: str, r: PolicyResult, base: PolicyResult | None) -> str:
@@ -148,7 +179,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--mixed-od", type=int, default=4, help="on-demand nodes in mixed clusters")
     ap.add_argument("--steps", type=int, default=20000, help="steps to train")
     ap.add_argument("--batch", type=int, default=1024, help="global batch (sequences)")
-    ap.add_argument("--rate", type=float, default=0.05, help="preemptions per spot node-hour")
+    ap.add_argument("--rate", type=float, default=0.01, help="preemptions per spot node-hour")
     ap.add_argument("--notice", type=float, default=120.0, help="notice lead time, s")
     ap.add_argument("--return-min", type=float, default=30.0,
                     help="minutes until a preempted node's capacity is back")
@@ -160,7 +191,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sensitivity", action="store_true",
                     help="vary rate, notice, return time and spot price (same-budget mixed)")
+    ap.add_argument("--at-scale", action="store_true",
+                    help="instead: time a simulated month on 10,000 GPUs (250 on-demand + "
+                         "1,000 spot nodes), the five systems, G=20,480")
     a = ap.parse_args(argv)
+    if a.at_scale:
+        at_scale(a)
+        return
 
     dev = device_type(DEVICE)
     od_price = dev.prices["on_demand"]
@@ -168,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
                   else od_price * (1 - a.spot_discount))
     profile = transformer_profile(layers=32, d_model=4096, n_heads=32, seq_len=2048,
                                   vocab=32000, name="llama-7b-like")
-    evaluate, stats = memo_planner(profile, a.batch, a.strategies)
+    evaluators, stats = memo_planner(profile, a.batch, a.strategies)
     config = SimConfig(duration_s=60 * 86400.0, target_steps=a.steps,
                        checkpoint_every=a.checkpoint_every, preemption_per_h={"spot": a.rate},
                        notice_s={"spot": a.notice}, preemption_return_s=a.return_min * 60,
@@ -193,27 +230,27 @@ def main(argv: list[str] | None = None) -> None:
     print("-" * len(HEADER))
     for label, od, spot in clusters:
         c = make_cluster(label, od, spot, od_price, spot_price)
-        st, p = evaluate(c)
+        st, p = evaluators(c)(c)
         per_h = cluster_cost_per_hour(c) or math.nan
         print(f"# {label}: {od} on-demand + {spot} spot nodes ({8 * (od + spot)} GPUs), "
               f"${per_h:,.0f}/h; plan {p.label if p else '-'}, {st:.2f} s/step")
-        for r in run(c, profile, a.batch, config, pols, evaluate):
+        for r in run(c, profile, a.batch, config, pols, evaluators):
             if label == "on-demand only":
                 base[r.policy] = r
             print(fmt_row(label, r, base.get(r.policy)))
     print(f"({time.perf_counter() - w0:.1f} s; planner {stats['calls']:.0f} calls, "
           f"{stats['seconds']:.1f} s)")
     if a.sensitivity:
-        sensitivity(a, profile, evaluate, config, pols, od_price, spot_price, base)
+        sensitivity(a, profile, evaluators, config, pols, od_price, spot_price, base)
 
 
-def sensitivity(a, profile, evaluate, config: SimConfig, pols: Sequence[SimPolicy],
+def sensitivity(a, profile, evaluators, config: SimConfig, pols: Sequence[SimPolicy],
                 od_price: float, spot_price: float, base: dict[str, PolicyResult]) -> None:
     """The same-budget mixed cluster under other assumptions, one changed at a time."""
     m = a.mixed_od
     spot_n = math.floor((a.od_nodes - m) * od_price / spot_price + 1e-9)
     cases: list[tuple[str, SimConfig, float]] = []
-    for rate in (0.01, 0.2, 0.5):
+    for rate in (0.002, 0.05, 0.2):
         cases.append((f"rate {rate:g}/node-h", replace(config, preemption_per_h={"spot": rate}),
                       spot_price))
     for notice in (30.0, 0.0):
@@ -231,8 +268,35 @@ def sensitivity(a, profile, evaluate, config: SimConfig, pols: Sequence[SimPolic
     print("-" * len(HEADER))
     for label, cfg, sp in cases:
         c = make_cluster(label, m, spot_n, od_price, sp)
-        for r in run(c, profile, a.batch, cfg, pols, evaluate):
+        for r in run(c, profile, a.batch, cfg, pols, evaluators):
             print(fmt_row(label, r, base.get(r.policy)))
+
+
+def at_scale(a) -> None:
+    """A simulated month on 250 on-demand + 1,000 spot nodes (10,000 A100s), the five
+    systems over one trace, plans as the live controller re-plans (``replan="keep"``): the
+    simulator's own speed at this size, and the table."""
+    dev = device_type(DEVICE)
+    c = make_cluster("a100-10k-mixed", 250, 1000, dev.prices["on_demand"], dev.prices["spot"])
+    profile = transformer_profile(layers=32, d_model=4096, n_heads=32, seq_len=2048,
+                                  vocab=32000, name="llama-7b-like")
+    config = SimConfig(duration_s=30 * 86400.0, checkpoint_every=a.checkpoint_every,
+                       preemption_per_h={"spot": a.rate}, notice_s={"spot": a.notice},
+                       preemption_return_s=a.return_min * 60, seed=a.seed)
+    t0 = time.perf_counter()
+    trace = failure_trace(c, config)
+    t1 = time.perf_counter()
+    plans = plan_cache(c, profile, 20480, replan="keep")
+    res = simulate(c, profile, 20480, policies=systems(a.peer_every), config=config,
+                   trace=trace, plans=plans)
+    t2 = time.perf_counter()
+    n_pre = sum(e.kind == "preempted" for e in trace)
+    print(f"a simulated month on {len(c.devices):,} GPUs ({c.name}), {len(trace):,} trace events "
+          f"({n_pre:,} preemptions at {a.rate:g} per spot node-hour); full plan "
+          f"{plans.entry(frozenset()).plan.label}")  # type: ignore[union-attr]
+    print(f"wall {t2 - t0:.1f} s: trace {t1 - t0:.2f} s, planner {plans.calls} compositions "
+          f"{plans.seconds:.1f} s, event loop (5 systems) {t2 - t1 - plans.seconds:.1f} s")
+    print(format_sim_table(res))
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from clusters import (
     InventoryError,
     ModelProfile,
     Plan,
+    PlanError,
     RestartAll,
     SimConfig,
     SimulationError,
@@ -29,6 +30,7 @@ from clusters import (
     failure_trace,
     load_cluster,
     load_trace,
+    plan_cache,
     plan_main,
     preemption_trace,
     save_trace,
@@ -44,6 +46,7 @@ from clusters.prices import (
     with_prices,
 )
 from clusters.sim_config import format_sim_table
+from clusters.sim_plans import PlanCache
 
 # ------------------------------------------------------------------ a small mixed cluster
 
@@ -525,3 +528,61 @@ def test_prices_option_forms_and_errors(tmp_path):
         with_prices(_mixed(), {"h100": 3.0})
     with pytest.raises(ClusterFileError, match=">= 0"):
         with_prices(_mixed(), {"spot": -2})
+
+
+# ------------------------------------------------------------------ survivors' plans, speed
+
+
+def test_keep_replans_the_whole_clusters_layout_family_on_the_survivors():
+    """``replan="keep"``: the survivors run the whole cluster's strategy, dp mode and schedule
+    (a pipeline no deeper), as the live controller re-plans; ``"best"`` asks for the best."""
+    c = load_cluster({"name": "k", "pools": [
+        {"name": "a", "device": "A100-80GB", "nodes": 4, "devices_per_node": 4}]})
+    prof = transformer_profile(layers=8, d_model=1024, n_heads=16, seq_len=512, vocab=8000)
+    keep = plan_cache(c, prof, 256, replan="keep")
+    whole = keep.entry(frozenset()).plan
+    assert whole is not None
+    for dead in ({"a-0"}, {"a-0", "a-3"}):
+        p = keep.entry(dead).plan
+        assert p is not None and len(p.devices) == 16 - 4 * len(dead)
+        assert (p.strategy, p.dp_mode, p.schedule) == (whole.strategy, whole.dp_mode,
+                                                       whole.schedule)
+        assert p.pp_degree <= whole.pp_degree
+    best = plan_cache(c, prof, 256)
+    assert best.entry({"a-0"}).step_time <= keep.entry({"a-0"}).step_time + 1e-12
+    with pytest.raises(PlanError, match="replan must be 'best' or 'keep'"):
+        plan_cache(c, prof, 256, replan="fastest")
+
+
+def test_an_event_costs_o_pools_not_o_nodes_down(monkeypatch):
+    """The pool counts and the current plan are kept with the nodes: the O(nodes down) lookup
+    (``PlanCache.entry``) runs once, for the whole cluster, however many preemptions."""
+    c = load_cluster({"name": "big", "pools": [
+        {"name": "od", "device": "A100-80GB", "nodes": 20, "devices_per_node": 8},
+        {"name": "spot", "device": "A100-80GB", "nodes": 200, "devices_per_node": 8,
+         "market": "spot"}]})
+    calls = []
+    orig = PlanCache.entry
+
+    def counting(self, dead):
+        calls.append(len(dead))
+        return orig(self, dead)
+
+    monkeypatch.setattr(PlanCache, "entry", counting)
+    cfg = SimConfig(duration_s=10 * 86400.0, preemption_per_h={"spot": 0.05}, seed=4)
+    (r,) = simulate(c, TINY, 1760, policies=[EVAC], config=cfg, evaluate=_zero)
+    assert r.preemptions > 2000 and r.evacuations > 0.99 * r.preemptions
+    assert calls == [0, 0]  # simulate and the policy ask for the whole cluster
+
+
+def test_a_notice_during_a_recovery_is_acted_on_when_the_job_runs_again():
+    """An unannounced loss at 250.2 (the copy of step 250: 0.2 steps again, down 1 + 2 s to
+    253.2); the notice at 251 waits for that boundary and the node's state moves then (a 2 s
+    switch): nothing more lost."""
+    trace = [FailureEvent(250.2, "od-0", kind="node_lost", repair_s=50.0),
+             FailureEvent(251.0, "spot-1", kind="notice"),
+             FailureEvent(370.5, "spot-1", kind="preempted")]
+    r = _sim(EVAC, trace=trace)
+    assert (r.failures, r.evacuations, r.preemptions) == (1, 1, 1)
+    assert r.lost_steps == pytest.approx(0.2)
+    assert r.downtime_s == pytest.approx(3.0 + 2.0 + 2.0 + 2.0)  # loss, move, two joins
