@@ -114,13 +114,15 @@ def simulate(
     trace: Sequence[FailureEvent] | None = None,
     evaluate: Evaluator | None = None,
     plans: PlanCache | None = None,
+    replan: str = "best",
     **plan_kwargs: object,
 ) -> list[PolicyResult]:
     """Run every policy (default ``RestartAll()`` and ``ElasticInPlace()``) over the same
     failure trace; one ``PolicyResult`` each.
 
     ``evaluate(alive_cluster) -> (step_time, plan)`` replaces the planner (tests inject a
-    closed form); ``plans`` reuses a ``plan_cache`` of this cluster. Raises ``TraceError`` for
+    closed form); ``plans`` reuses a ``plan_cache`` of this cluster; ``replan`` is
+    ``plan_cache``'s. Raises ``TraceError`` for
     a trace event naming no node of ``cluster`` (or a bad time or kind), and ``PlanError``
     when no plan fits the whole cluster (the message has the planner's reasons).
     """
@@ -129,7 +131,8 @@ def simulate(
     events = validate_trace(trace if trace is not None else failure_trace(cluster, config),
                             cluster, "trace")
     if plans is None:
-        plans = plan_cache(cluster, profile, global_batch, evaluate=evaluate, **plan_kwargs)
+        plans = plan_cache(cluster, profile, global_batch, evaluate=evaluate, replan=replan,
+                           **plan_kwargs)
     elif plans.cluster is not cluster:
         raise PlanError("simulate(plans=...) was built for another cluster; build it with "
                         "plan_cache(cluster, ...) for this one")
