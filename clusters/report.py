@@ -23,6 +23,12 @@ __all__ = ["format_plan_table", "plan_main"]
 _GB = 1e9
 
 
+def _usd(v: float) -> str:
+    """Dollars to the cent, or three significant digits below a dollar (a toy model's
+    1,000 steps cost fractions of a cent)."""
+    return f"{v:,.2f}" if v >= 1 or v == 0 else f"{v:.3g}"
+
+
 def format_plan_table(
     result: PlanResult, top: int | None = 20, show_rejected: int | None = 20,
     cluster: Cluster | None = None,
@@ -53,7 +59,7 @@ def format_plan_table(
         if cluster is not None:
             per_h = plan_cost_per_hour(c.plan, cluster)
             cost = (f" {'-':>9} {'-':>10}" if per_h is None else
-                    f" {per_h:>9,.2f} {cost_per_1k_steps(per_h, e.step_time):>10,.2f}")
+                    f" {per_h:>9,.2f} {_usd(cost_per_1k_steps(per_h, e.step_time)):>10}")
         out.append(
             f"{i:>3}  {c.plan.label:<40} {c.subset:<22} {e.step_time:>9.4g} "
             f"{e.compute:>9.3g} {e.comm:>9.3g} {bubble:>7} {peak / _GB:>8.1f} "
