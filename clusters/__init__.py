@@ -1,16 +1,25 @@
 """clusters: hardware and cost, not PyTorch.
 
 The device catalog, cluster files and the live inventory of a Ray cluster (one ``Cluster``
-form for both), the cost model, the planner, the balancer and the failure simulator. Pure
-Python: never imports torch or elastic, and ray only where a test reads Ray's own config
-validation. The failure policies the live controller runs are in ``clusters.policy``. Formulas and decisions: docs/cost-model.md.
+form for both), the cost model, the planner, the balancer, prices (``prices``) and the failure
+and preemption simulator. Pure Python: never imports torch or elastic, and ray only where a
+test reads Ray's own config validation. The failure policies the live controller runs are in
+``clusters.policy``. Formulas and decisions: docs/cost-model.md.
 """
 
 from __future__ import annotations
 
 from .balance import RebalanceDecision, proportional_shares, rebalance_decision, stage_split
 from .calibrate import Measurement, calibrate
-from .catalog import DeviceType, LinkType, device_type, device_types, link_type, link_types
+from .catalog import (
+    MARKETS,
+    DeviceType,
+    LinkType,
+    device_type,
+    device_types,
+    link_type,
+    link_types,
+)
 from .checkpoint_interval import (
     checkpoint_sweep,
     daly_interval_s,
@@ -36,6 +45,13 @@ from .memory import MemoryBreakdown, layout_memory, model_state_bytes
 from .pipeline_cost import bubble_fraction
 from .plan import DP_MODES, SCHEDULES, STRATEGIES, Plan
 from .planner import Candidate, PlanResult, plan
+from .prices import (
+    cluster_cost_per_hour,
+    cost_per_1k_steps,
+    parse_prices,
+    plan_cost_per_hour,
+    with_prices,
+)
 from .profile import ModelProfile, optimizer_state_bytes, profile_from_dict, transformer_profile
 from .report import format_plan_table, plan_main
 from .sim_config import PolicyResult, SimConfig, format_sim_table
@@ -44,11 +60,14 @@ from .simulator import plan_cache, simulate
 from .topology import Cluster, Device, Emulation, Node, NodePool, Path
 from .trace import (
     FAILURE_KINDS,
+    NOTICE_KINDS,
+    TRACE_KINDS,
     FailureEvent,
     failure_trace,
     llama3_trace,
     load_trace,
     poisson_trace,
+    preemption_trace,
     save_trace,
 )
 
@@ -59,12 +78,14 @@ __all__ = [
     "Candidate",
     "checkpoint_sweep",
     "Cluster",
+    "cluster_cost_per_hour",
     "cluster_from_launcher_config",
     "cluster_from_ray_nodes",
     "cluster_to_dict",
     "ClusterFileError",
     "ClustersError",
     "collective_time",
+    "cost_per_1k_steps",
     "CostModel",
     "daly_interval_s",
     "Device",
@@ -87,6 +108,7 @@ __all__ = [
     "link_type",
     "link_types",
     "LinkType",
+    "MARKETS",
     "llama3_trace",
     "load_cluster",
     "load_trace",
@@ -96,15 +118,19 @@ __all__ = [
     "ModelProfile",
     "Node",
     "NodePool",
+    "NOTICE_KINDS",
     "optimizer_state_bytes",
     "Path",
     "Plan",
     "plan",
+    "parse_prices",
     "plan_cache",
+    "plan_cost_per_hour",
     "plan_main",
     "PlanError",
     "PlanResult",
     "poisson_trace",
+    "preemption_trace",
     "PolicyResult",
     "profile_from_dict",
     "ProfileError",
@@ -122,7 +148,9 @@ __all__ = [
     "stage_split",
     "STRATEGIES",
     "TimeCosts",
+    "TRACE_KINDS",
     "TraceError",
     "transformer_profile",
+    "with_prices",
     "young_interval_s",
 ]

@@ -15,16 +15,20 @@ cluster has no GPUs or ``use_gpu=False``. Emulation comes from labels
 ``elastic.io/emulated-slowdown``, ``elastic.io/emulated-memory-gb``,
 ``elastic.io/emulated-type`` or from the ``emulation`` argument (by NodeID). Network: label
 ``elastic.io/network`` (+ ``elastic.io/nics``), else the ``network`` argument, else loopback
-when every node has the same address (one host), else ``eth-100g``. Pools group nodes with
-equal (pool label or ``ray.io/node-group``, device, count, emulation, network).
+when every node has the same address (one host), else ``eth-100g``. Market (what the node
+costs, whether it can be preempted): label ``elastic.io/market``, else Ray's own
+``ray.io/market-type`` (KubeRay sets it), ``spot`` or ``on-demand``; default on-demand. Pools
+group nodes with equal (pool label or ``ray.io/node-group``, device, count, emulation,
+network, market).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
-from .catalog import DeviceType, device_for_ray_accelerator, device_type, link_type
+from .catalog import MARKETS, DeviceType, device_for_ray_accelerator, device_type, link_type
 from .errors import ClusterFileError, InventoryError
 from .loader import DEFAULT_NETWORK
 from .topology import Cluster, Emulation, Node, NodePool
@@ -39,6 +43,7 @@ __all__ = [
     "LABEL_SLOWDOWN",
     "LABEL_MEMORY",
     "LABEL_STANDS_FOR",
+    "LABEL_MARKET",
     "RESOURCE_DEVICE_PREFIX",
 ]
 
@@ -49,9 +54,22 @@ LABEL_NICS = "elastic.io/nics"
 LABEL_SLOWDOWN = "elastic.io/emulated-slowdown"
 LABEL_MEMORY = "elastic.io/emulated-memory-gb"
 LABEL_STANDS_FOR = "elastic.io/emulated-type"
+LABEL_MARKET = "elastic.io/market"
 RESOURCE_DEVICE_PREFIX = "elastic_device:"
 _RAY_ACCEL_LABEL = "ray.io/accelerator-type"
 _RAY_GROUP_LABEL = "ray.io/node-group"
+_RAY_MARKET_LABEL = "ray.io/market-type"
+
+
+def _market(node: Mapping[str, Any]) -> str:
+    labels = node.get("Labels") or {}
+    raw = labels.get(LABEL_MARKET) or labels.get(_RAY_MARKET_LABEL) or "on_demand"
+    market = str(raw).strip().lower().replace("-", "_")
+    if market not in MARKETS:
+        raise InventoryError(
+            f"node {node.get('NodeID')}: unknown market {raw!r} in its labels; use spot or "
+            f"on-demand in {LABEL_MARKET}")
+    return market
 
 
 def _gpu_type(node: Mapping[str, Any], default: str | None) -> DeviceType:
@@ -156,18 +174,17 @@ def cluster_from_ray_nodes(
             or labels.get(_RAY_GROUP_LABEL)
             or (emu.stands_for if emu and emu.stands_for else dev.name).lower()
         )
-        key = (base, dev.name, count, emu, net.name, n_nics, mem_gb)
+        market = _market(n)
+        key = (base, dev.name, count, emu, net.name, n_nics, mem_gb, market)
         if key not in pools:
             pname = base
             k = 2
             while pname in names:
                 pname, k = f"{base}-{k}", k + 1
             names[pname] = key
-            pools[key] = NodePool(pname, dev, count, 0, intra, net, n_nics, mem_gb, emu)
+            pools[key] = NodePool(pname, dev, count, 0, intra, net, n_nics, mem_gb, emu, market)
         pool = pools[key]
-        pools[key] = NodePool(
-            pool.name, dev, count, pool.count + 1, intra, net, n_nics, mem_gb, emu
-        )
+        pools[key] = replace(pool, count=pool.count + 1)
         built.append(pool.make_node(str(n.get("NodeID")), str(n.get("NodeManagerAddress", ""))))
     if not built:
         kind = "GPU" if gpu_mode else f"CPU (>= {cpus_per_device} per device)"

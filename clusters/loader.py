@@ -18,6 +18,8 @@ Format (YAML or an equivalent dict)::
           slowdown: 4.0           #   compute time multiplier, > 0
           memory_gb: 2            #   memory budget per device
           stands_for: T4          #   display name
+        market: spot              # optional: on_demand (default) or spot (preemptible)
+        price_per_device_hour: 1.6  # optional, US$; default: the catalog's for the market
 
 Every error is a ``ClusterFileError`` naming the field (``pools[1].device``), the problem and
 the fix; unknown keys are errors (with a did-you-mean), so typos never pass silently.
@@ -30,7 +32,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from .catalog import device_type, link_type
+from .catalog import MARKETS, device_type, link_type
 from .errors import ClusterFileError
 from .topology import Cluster, Emulation, NodePool
 
@@ -48,6 +50,8 @@ _POOL_KEYS = {
     "nics",
     "memory_gb",
     "emulation",
+    "market",
+    "price_per_device_hour",
 }
 _EMU_KEYS = {"slowdown", "memory_gb", "stands_for"}
 
@@ -189,7 +193,16 @@ def _parse(raw: Any, origin: str) -> Cluster:
             if not isinstance(stands, str):
                 raise ClusterFileError(f"{ew}stands_for", "must be a string.")
             emu = Emulation(slowdown=float(slow or 1.0), memory_gb=emem, stands_for=stands)
-        pools.append(NodePool(pname, dev, per, nodes, intra, net, nics, mem, emu))
+        market = p.get("market", "on_demand")
+        if market not in MARKETS:
+            close = difflib.get_close_matches(str(market), MARKETS, n=1)
+            raise ClusterFileError(f"{where}market", f"unknown market {market!r}.",
+                                   f"did you mean {close[0]!r}?" if close
+                                   else f"use one of {', '.join(MARKETS)}.")
+        price = _number(p, "price_per_device_hour", where, integer=False, minimum=0,
+                        required=False)
+        pools.append(NodePool(pname, dev, per, nodes, intra, net, nics, mem, emu, market,
+                              None if price is None else float(price)))
     if sum(p.count * p.devices_per_node for p in pools) == 0:
         raise ClusterFileError("pools", "hold no devices (every pool has 0 nodes).")
     return Cluster.from_pools(name, pools, inter_lk, origin)
@@ -219,5 +232,9 @@ def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
             }
             if p.emulation.memory_gb is not None:
                 d["emulation"]["memory_gb"] = p.emulation.memory_gb
+        if p.market != "on_demand":
+            d["market"] = p.market
+        if p.price_per_device_hour is not None:
+            d["price_per_device_hour"] = p.price_per_device_hour
         out["pools"].append(d)
     return out

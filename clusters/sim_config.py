@@ -28,6 +28,12 @@ class SimConfig:
     committed once uploaded (``upload_s``, default state bytes / ``storage_bandwidth``).
     Restores: ``restore_s`` from storage (default state bytes / ``storage_bandwidth``),
     ``peer_restore_s`` from live peers (default one node's share of the state over its NICs).
+    Preemptions (generated traces; ``trace.preemption_trace``): ``preemption_per_h``,
+    preemptions per node-hour by pool (spot pools; none by default), each announced
+    ``notice_s`` before (by pool; AWS gives 120 s, GCP and Azure 30 s; 0: unannounced); a
+    preempted node's capacity is back ``preemption_return_s`` after its loss.
+    ``target_steps``: stop once the job has kept that many steps (time to a fixed amount of
+    training; ``duration_s`` is then the longest it may take), None: run ``duration_s``.
     Raises ``SimulationError`` for a value that cannot be simulated.
     """
 
@@ -43,6 +49,10 @@ class SimConfig:
     spare_nodes: Mapping[str, int] = field(default_factory=dict)
     spare_start_s: float = 300.0
     node_mtbf_s: Mapping[str, float] = field(default_factory=lambda: {"*": 260 * 86400.0})
+    preemption_per_h: Mapping[str, float] = field(default_factory=dict)
+    notice_s: Mapping[str, float] = field(default_factory=lambda: {"*": 120.0})
+    preemption_return_s: float = 1800.0
+    target_steps: int | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -55,7 +65,8 @@ class SimConfig:
         if isinstance(self.checkpoint_every, bool) or not isinstance(
                 self.checkpoint_every, int) or self.checkpoint_every < 1:
             raise bad("checkpoint_every", "an integer >= 1 (steps)")
-        for name in ("checkpoint_stall_s", "repair_s", "process_restart_s", "spare_start_s"):
+        for name in ("checkpoint_stall_s", "repair_s", "process_restart_s", "spare_start_s",
+                     "preemption_return_s"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v >= 0):
                 raise bad(name, "a finite number of seconds >= 0")
@@ -67,6 +78,14 @@ class SimConfig:
             raise bad("storage_bandwidth", "> 0 (bytes/s)")
         if any(not isinstance(n, int) or n < 0 for n in self.spare_nodes.values()):
             raise bad("spare_nodes", "a mapping of pool name to an integer >= 0")
+        for name in ("preemption_per_h", "notice_s"):
+            if any(not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0)
+                   for v in getattr(self, name).values()):
+                raise bad(name, "a mapping of pool name to a finite number >= 0")
+        if self.target_steps is not None and (isinstance(self.target_steps, bool) or not
+                                              isinstance(self.target_steps, int)
+                                              or self.target_steps < 1):
+            raise bad("target_steps", "None or an integer >= 1 (steps)")
 
     def spares(self, pool: str) -> int:
         """Spare nodes of ``pool`` (its own entry, else ``"*"``, else 0)."""
@@ -78,8 +97,16 @@ class PolicyResult:
     """Outcome of one policy. Times in seconds; ``goodput`` in [0, 1].
 
     ``rollbacks``: restores that took the state back to a checkpoint (or to step 0);
-    ``lost_steps``: steps computed and then lost (rollbacks, and the step in flight at an
-    in-place failure). ``ended``: why the job stopped early (its failure budget), else ``""``.
+    ``lost_steps``: steps computed and then lost (rollbacks, the steps since the buddies'
+    copy a restore from them runs again, and the step in flight at an in-place failure). ``ended``: why the job stopped early (its failure budget), else ``""``.
+    ``failures`` counts every loss the job recovered from, preemptions included;
+    ``preemptions``: preempted nodes of the job (announced or not, evacuated or not);
+    ``evacuations``: those whose state moved onto the survivors before their deadline (not
+    failures: nothing was lost).
+    ``cost_usd``: what the nodes held cost (every node up, used or idle, spares included, at
+    its pool's price per device-hour; nothing once the job has ended), None when a pool has no
+    price. ``reached_target``: with ``SimConfig.target_steps``, whether the job got there
+    (``duration_s`` is then the time it took); None without a target.
     """
 
     policy: str
@@ -94,10 +121,21 @@ class PolicyResult:
     degraded_s: float
     checkpoint_s: float
     ended: str = ""
+    preemptions: int = 0
+    evacuations: int = 0
+    cost_usd: float | None = None
+    reached_target: bool | None = None
 
     @property
     def goodput(self) -> float:
         return self.steps / self.ideal_steps if self.ideal_steps else 0.0
+
+    @property
+    def cost_per_1k_steps(self) -> float | None:
+        """US dollars per 1,000 kept steps (``math.inf`` with none kept; None without prices)."""
+        if self.cost_usd is None:
+            return None
+        return self.cost_usd / self.steps * 1000.0 if self.steps > 0 else math.inf
 
     @property
     def time_lost_s(self) -> float:
@@ -106,18 +144,28 @@ class PolicyResult:
 
 
 def format_sim_table(results: Sequence[PolicyResult]) -> str:
-    """One row per policy: goodput, steps, failures, and where the time went (hours)."""
+    """One row per policy: goodput, steps, failures, and where the time went (hours); with
+    preemptions, the evacuations; with prices, the cost and the cost per 1,000 steps."""
+    w = max([14] + [len(r.policy) + 2 for r in results])
+    evac = any(r.preemptions or r.evacuations for r in results)
+    cost = any(r.cost_usd is not None for r in results)
     hdr = (
-        f"{'policy':<14}{'goodput':>8}{'steps':>11}{'failures':>9}{'rollbacks':>10}"
+        f"{'policy':<{w}}{'goodput':>8}{'steps':>11}{'failures':>9}{'rollbacks':>10}"
         f"{'lost steps':>11}{'down h':>8}{'redo h':>8}{'slow h':>8}{'ckpt h':>8}"
+        + (f"{'preempt':>8}{'evac':>6}" if evac else "")
+        + (f" {'cost $':>13} {'$/1k steps':>12}" if cost else "")
     )
     rows = [hdr, "-" * len(hdr)]
     for r in results:
+        per_k = r.cost_per_1k_steps
         rows.append(
-            f"{r.policy:<14}{r.goodput:>8.1%}{r.steps:>11.0f}{r.failures:>9}"
+            f"{r.policy:<{w}}{r.goodput:>8.1%}{r.steps:>11.0f}{r.failures:>9}"
             f"{r.rollbacks:>10}{r.lost_steps:>11.0f}{r.downtime_s / 3600:>8.2f}"
             f"{r.recompute_s / 3600:>8.2f}{r.degraded_s / 3600:>8.2f}"
             f"{r.checkpoint_s / 3600:>8.2f}"
+            + (f"{r.preemptions:>8}{r.evacuations:>6}" if evac else "")
+            + ((f" {r.cost_usd:>13,.0f} {per_k:>12,.2f}" if r.cost_usd is not None and per_k
+                is not None else f" {'-':>13} {'-':>12}") if cost else "")
         )
         if r.ended:
             rows.append(f"  {r.policy} stopped early: {r.ended}")

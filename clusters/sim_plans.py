@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
-from collections.abc import Callable, Set
+from collections.abc import Callable, Mapping, Set
 from dataclasses import dataclass
 
 from .plan import Plan
@@ -71,11 +71,16 @@ class PlanCache:
 
     def entry(self, dead: Set[str]) -> CompositionPlan:
         """The plan for the cluster without ``dead``."""
-        down = Counter(self._where[n][0] for n in dead)
-        key = tuple(self._alive0[p] - down[p] for p in self._pools)
+        return self.entry_of(Counter(self._where[n][0] for n in dead), lambda: dead)
+
+    def entry_of(self, down: Mapping[str, int], dead: Callable[[], Set[str]]) -> CompositionPlan:
+        """``entry(dead())`` when the caller keeps ``down``, the count of the dead nodes by
+        pool: O(pools) on a hit; ``dead()`` is called only for a composition not seen yet."""
+        key = tuple(self._alive0[p] - down.get(p, 0) for p in self._pools)
         hit = self._cache.get(key)
         if hit is None:
-            alive = self.cluster.without_nodes(dead) if dead else self.cluster
+            gone = dead()
+            alive = self.cluster.without_nodes(gone) if gone else self.cluster
             t0 = time.perf_counter()
             st, plan = self._evaluate(alive)
             self.seconds += time.perf_counter() - t0

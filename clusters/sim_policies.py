@@ -22,6 +22,19 @@ Two systems, kept under their old names:
 * ``ElasticInPlace()``: this project: survivors keep their processes, the state comes from
   live peers when every entry has one (else the newest checkpoint), the job goes on with the
   survivors, and a returning node joins at a step boundary losing nothing.
+  ``peer_copy_every=k``: each rank also keeps a copy of its shard in a buddy's host memory,
+  refreshed every k steps, so a loss under a sharded layout restores from peers losing at
+  most k steps (``InPlaceRecovery``'s ``buddy_step``; a second loss before the next copy
+  after a change finds none and reads the checkpoint). ``evacuation=EvacuationPolicy()``: at
+  the step boundary after a preemption notice, the live controller's policy decides from the
+  time left: ``move`` the state only the draining node holds onto the survivors (no step
+  lost; a pause of the hand-over plus one live switch), ``checkpoint`` then recover (no
+  step lost), or ``recover`` (release the node now, recover as from a loss).
+
+Preemption notices (``on_notice``) are ignored unless the system has an ``evacuation`` policy
+or ``checkpoint_on_notice`` (Ray Train V2: checkpoint on the notice, then restart the group:
+``RestartAll(checkpoint_on_notice=True)``); an ignored notice leaves the loss at the deadline,
+as an unannounced one.
 """
 
 from __future__ import annotations
@@ -29,8 +42,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from .errors import SimulationError
 from .policy import (
     Acquire,
+    Evacuate,
+    EvacuationObservation,
+    EvacuationPolicy,
     FailureBudget,
     FailureObservation,
     GiveUp,
@@ -61,7 +78,8 @@ class TimeCosts:
     ``detection_s``: a lost node or process is seen; ``hang_detection_s``: a hung collective
     is seen (the group timeout); ``restart_s``: every worker process restarted and the group
     formed again (a ``restart_all`` decision); ``replan_s``: survivors re-plan and form a new
-    group in place; ``grow_s``: a join taken in place at a step boundary.
+    group in place; ``grow_s``: a join taken in place at a step boundary (and the fixed part
+    of an evacuation's pause, a live switch, to which the move of the node's state adds).
     """
 
     detection_s: float = 1.0
@@ -82,8 +100,10 @@ class RestoreTimes:
     peers_s: float
 
     def of(self, source: str) -> float:
-        """Restore time from ``source`` (``"checkpoint"``, ``"peers"`` or ``"scratch"``)."""
-        return {"checkpoint": self.storage_s, "peers": self.peers_s}.get(source, 0.0)
+        """Restore time from ``source`` (``"checkpoint"``; ``"peers"`` or ``"buddies"``: the
+        survivors' memory, one node's share over its network; ``"scratch"``: none)."""
+        return {"checkpoint": self.storage_s, "peers": self.peers_s,
+                "buddies": self.peers_s}.get(source, 0.0)
 
 
 @dataclass(frozen=True)
@@ -92,13 +112,16 @@ class JobView:
 
     ``position``: the last step every worker completed; ``checkpoints``: committed checkpoint
     steps; ``workers``: devices in the job after a loss (before a join); ``target``: devices of
-    the whole cluster; ``failures``: the job's failures so far, this one included."""
+    the whole cluster; ``failures``: the job's failures so far, this one included;
+    ``last_change``: the step of the last membership change (peer copies made before it
+    paired ranks that may be gone)."""
 
     position: int
     checkpoints: tuple[int, ...]
     workers: int
     target: int
     failures: int = 0
+    last_change: int = 0
 
 
 @dataclass(frozen=True)
@@ -118,7 +141,10 @@ class SimPolicy:
     """A simulated system: the live policies it runs, and its ``TimeCosts``.
 
     ``fixed_size``: the job runs only on the whole cluster (min_workers = max_workers = all
-    devices); otherwise it goes on with as few as one device.
+    devices); otherwise it goes on with as few as one device. ``peer_copy_every``: steps
+    between refreshes of each rank's shard copy in a buddy's host memory (0: no copies).
+    ``evacuation``: what a preemption notice does (None: nothing, unless
+    ``checkpoint_on_notice``: checkpoint, then recover).
     """
 
     name: str
@@ -127,29 +153,93 @@ class SimPolicy:
     budget: FailureBudget = field(default_factory=lambda: FailureBudget(max_failures=-1))
     fixed_size: bool = False
     costs: TimeCosts = field(default_factory=TimeCosts)
+    peer_copy_every: int = 0
+    evacuation: EvacuationPolicy | None = None
+    checkpoint_on_notice: bool = False
 
     def _min_workers(self, job: JobView) -> int:
         return job.target if self.fixed_size else 1
+
+    def buddy_step(self, job: JobView) -> int | None:
+        """The step of the newest complete generation of buddy copies (``peer_copy_every``
+        k: the last multiple of k reached), if it was made after the last membership change
+        (a change re-pairs the ranks; the copies of the old ring are not counted); None
+        without copies."""
+        k = self.peer_copy_every
+        if k <= 0:
+            return None
+        copy = job.position // k * k
+        return copy if copy > job.last_change or job.last_change == 0 else None
 
     def on_failure(
         self, kind: str, job: JobView, replicas_survive: bool, replacement_in_s: float,
         restore: RestoreTimes,
     ) -> Recovery | GiveUp:
-        """The job lost a node (or a process, or hung, per ``kind``); every missing node is
-        back ``replacement_in_s`` from now. Asks the failure budget, the scaling policy (wait
-        for the replacement or not) and the recovery policy (where the state comes from)."""
+        """The job lost a node (or a process, or hung, per ``kind``) without notice; every
+        missing node is back ``replacement_in_s`` from now. Asks the failure budget, the
+        scaling policy (wait for the replacement or not) and the recovery policy (where the
+        state comes from: live replicas when ``replicas_survive``, the buddies' copies, a
+        checkpoint)."""
+        return self._recover(kind, job, self.costs.detection(kind), replicas_survive,
+                             job.checkpoints, replacement_in_s, restore)
+
+    def _recover(
+        self, kind: str, job: JobView, stopped_s: float, replicas_survive: bool,
+        checkpoints: tuple[int, ...], replacement_in_s: float, restore: RestoreTimes,
+    ) -> Recovery | GiveUp:
+        """The budget, the wait, the restore source; ``stopped_s`` before the wait starts
+        (detection, or an evacuation's checkpoint)."""
         verdict = self.budget.decide(FailureObservation(kind, True, job.failures, kind))
         if isinstance(verdict, GiveUp):
             return verdict
-        detect = self.costs.detection(kind)
-        waited = self._wait(job, max(0.0, replacement_in_s - detect))
+        waited = self._wait(job, max(0.0, replacement_in_s - stopped_s))
         if isinstance(waited, GiveUp):
             return waited
         peer = job.position if replicas_survive else None
-        r = self.recovery.decide(RestoreObservation(job.position, peer, job.checkpoints))
+        buddy = None if replicas_survive else self.buddy_step(job)
+        r = self.recovery.decide(RestoreObservation(job.position, peer, checkpoints,
+                                                    buddy_step=buddy))
         again = self.costs.restart_s if r.restart_all else self.costs.replan_s
-        return Recovery(detect + waited + again + restore.of(r.source), r.source != "peers", r,
-                        waited)
+        return Recovery(stopped_s + waited + again + restore.of(r.source),
+                        r.source in ("checkpoint", "scratch"), r, waited)
+
+    def on_notice(
+        self, job: JobView, deadline_s: float, move_s: float, checkpoint_s: float,
+        survivors: int, fits: bool,
+    ) -> Evacuate | None:
+        """At the step boundary after a preemption notice, ``deadline_s`` before the node
+        goes: what the system does (``policy.Evacuate``: ``move``, ``checkpoint`` or
+        ``recover``), or None (the notice is ignored and the node is lost at its deadline).
+        ``move_s``: seconds the node is needed to hand over the state only it holds;
+        ``checkpoint_s``: seconds to write a checkpoint; ``survivors``: devices left;
+        ``fits``: a plan for the survivors fits their memory."""
+        if self.evacuation is not None:
+            return self.evacuation.decide(EvacuationObservation(
+                deadline_s, move_s, checkpoint_s, survivors, self._min_workers(job), fits,
+                self.buddy_step(job) is not None))
+        if self.checkpoint_on_notice:
+            return Evacuate("checkpoint", "Ray Train V2: checkpoint on the notice, then "
+                            "restart the group from it")
+        return None
+
+    def move_pause_s(self, move_s: float) -> float:
+        """An evacuation's pause (``move``): the hand-over (``move_s``) plus a live switch
+        onto the survivors (``grow_s``: re-plan, re-form, reshard)."""
+        return move_s + self.costs.grow_s
+
+    def on_release(
+        self, path: str, job: JobView, checkpoint_s: float, replicas_survive: bool,
+        replacement_in_s: float, restore: RestoreTimes,
+    ) -> Recovery | GiveUp:
+        """The draining node was released at the step boundary ``job.position`` (its loss
+        needs no detection), after a checkpoint of the whole state (``path`` ``checkpoint``:
+        ``checkpoint_s`` spent, committed at this step) or at once (``recover``); the job
+        recovers as after a loss."""
+        if path == "checkpoint":
+            return self._recover("preempted", job, checkpoint_s, replicas_survive,
+                                 job.checkpoints + (job.position,), replacement_in_s, restore)
+        return self._recover("preempted", job, 0.0, replicas_survive, job.checkpoints,
+                             replacement_in_s, restore)
 
     def _wait(self, job: JobView, back_in: float) -> float | GiveUp:
         """Seconds the job waits for the missing nodes, as ``ScalingPolicy`` decides: after a
@@ -195,6 +285,7 @@ def RestartAll(
     hang_detection_s: float = 600.0,
     shrink: bool = False,
     max_failures: int = -1,
+    checkpoint_on_notice: bool = False,
 ) -> SimPolicy:
     """Ray Train / torchrun: any membership change restarts every worker from the newest
     checkpoint (``RestartAllRecovery``). Fixed size by default (wait for the whole cluster);
@@ -203,6 +294,8 @@ def RestartAll(
     Detection ~15 s: a dead node shows in ``ray.nodes()`` after 13.6-14.9 s by default
     (shared/notes/measured-here.md); a hang only at the NCCL timeout (torch's default 10 min).
     Restart: group re-creation and start-up (Ray Train ~9-15 s on a toy job; minutes at scale).
+    ``checkpoint_on_notice``: Ray Train V2's preemption handling (checkpoint when a node is
+    draining, then restart the group from it); otherwise notices are ignored (torchrun).
     """
     return SimPolicy(
         name=name,
@@ -212,6 +305,7 @@ def RestartAll(
         fixed_size=not shrink,
         costs=TimeCosts(detection_s=detection_s, hang_detection_s=hang_detection_s,
                         restart_s=restart_s, replan_s=restart_s, grow_s=restart_s),
+        checkpoint_on_notice=checkpoint_on_notice,
     )
 
 
@@ -223,10 +317,18 @@ def ElasticInPlace(
     grow_s: float = 10.0,
     hang_detection_s: float = 60.0,
     max_failures: int = -1,
+    peer_copy_every: int = 0,
+    evacuation: EvacuationPolicy | None = None,
 ) -> SimPolicy:
     """This project (``InPlaceRecovery``, ``ScalingPolicy`` without a replacement wait):
     survivors keep their state; detection ~1 s (survivors blocked in a collective error out
-    0.2-1 s after a node dies), a hang at ``hang_timeout_s`` (60 s by default)."""
+    0.2-1 s after a node dies), a hang at ``hang_timeout_s`` (60 s by default).
+    ``peer_copy_every``, ``evacuation``: see the module docstring. Raises
+    ``SimulationError`` for a ``peer_copy_every`` that is not an integer >= 0."""
+    if isinstance(peer_copy_every, bool) or not isinstance(peer_copy_every, int) or (
+            peer_copy_every < 0):
+        raise SimulationError(f"peer_copy_every must be an integer >= 0 (steps; 0: no copies)"
+                              f", got {peer_copy_every!r}")
     return SimPolicy(
         name=name,
         recovery=InPlaceRecovery(),
@@ -234,4 +336,6 @@ def ElasticInPlace(
         budget=FailureBudget(max_failures=max_failures),
         costs=TimeCosts(detection_s=detection_s, hang_detection_s=hang_detection_s,
                         restart_s=replan_s, replan_s=replan_s, grow_s=grow_s),
+        peer_copy_every=peer_copy_every,
+        evacuation=evacuation,
     )

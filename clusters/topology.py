@@ -80,7 +80,11 @@ class Node:
 
 @dataclass(frozen=True)
 class NodePool:
-    """``count`` identical nodes of ``devices_per_node`` devices of type ``device``."""
+    """``count`` identical nodes of ``devices_per_node`` devices of type ``device``.
+
+    ``market``: ``"on_demand"`` or ``"spot"`` (catalog.MARKETS: spot nodes are cheaper and
+    can be preempted, with a notice); ``price_per_device_hour``: US dollars, None for the
+    catalog's price of the device on that market (``device_price``)."""
 
     name: str
     device: DeviceType
@@ -91,6 +95,15 @@ class NodePool:
     nics: int = 1
     memory_gb: float | None = None  # per-device override (e.g. a 32 GB V100)
     emulation: Emulation | None = None
+    market: str = "on_demand"
+    price_per_device_hour: float | None = None
+
+    def device_price(self) -> float | None:
+        """US dollars per device-hour: the pool's own price, else the catalog's for its
+        market; None when neither has one."""
+        if self.price_per_device_hour is not None:
+            return self.price_per_device_hour
+        return self.device.price_per_hour(self.market)
 
     def device_memory_bytes(self) -> int:
         if self.emulation is not None and self.emulation.memory_gb is not None:

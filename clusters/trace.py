@@ -1,7 +1,7 @@
-"""Failure traces: which node fails when, and how; read from files or generated.
+"""Failure traces: which node fails or is preempted when, and how; read from files or generated.
 
-A trace is a list of ``FailureEvent(time, node, kind, repair_s)``, sorted by time. Kinds (the
-recoverable ``elastic.failures.FailureKind`` values a cluster produces):
+A trace is a list of ``FailureEvent(time, node, kind, repair_s)``, sorted by time. Failure
+kinds (the recoverable ``elastic.failures.FailureKind`` values a cluster produces):
 
 * ``node_lost``: the node is gone until repaired (``repair_s``, default the simulation's
   ``SimConfig.repair_s``) or until a spare node takes its place;
@@ -9,6 +9,13 @@ recoverable ``elastic.failures.FailureKind`` values a cluster produces):
   default ``SimConfig.process_restart_s``);
 * ``hang``: a collective stopped making progress; it is seen only when the group's timeout
   expires (the policy's ``hang_detection_s``), then it is a ``process_lost``.
+
+Preemption kinds (spot or preemptible nodes, which the cloud takes back with a warning):
+
+* ``notice``: the cloud announced that the node goes (AWS: 2 min before, GCP and Azure: 30 s);
+  its deadline is the time of the node's next ``preempted`` event, which must follow;
+* ``preempted``: the node is gone (at the notice's deadline, or unannounced without one)
+  until the capacity comes back (``repair_s``, default ``SimConfig.preemption_return_s``).
 
 File formats (``load_trace`` / ``save_trace``; the extension picks one):
 
@@ -24,10 +31,13 @@ File formats (``load_trace`` / ``save_trace``; the extension picks one):
 
 ``time``: seconds from the job's start, >= 0. ``node``: a node id of the cluster
 (``<pool>-<i>`` in cluster files). ``kind`` (optional, default ``node_lost``) and ``repair_s``
-(optional, seconds > 0) as above. Anything else is a ``TraceError`` naming the file, the line
-and the fix. Generators: ``poisson_trace`` (exponential gaps from per-pool MTBFs),
-``failure_trace`` (the same from a ``SimConfig``) and ``llama3_trace`` (the interruption rate
-of Llama 3's pre-training, scaled to the cluster's GPU count).
+(optional, seconds > 0) as above. A ``notice`` without a later ``preempted`` of its node, a
+second notice before it, or a notice with a ``repair_s`` is an error too. Anything else is a
+``TraceError`` naming the file, the line and the fix. Generators: ``poisson_trace``
+(exponential gaps from per-pool MTBFs), ``preemption_trace`` (preemptions at a rate per pool,
+each announced a lead time before), ``failure_trace`` (both, from a ``SimConfig``) and
+``llama3_trace`` (the interruption rate of Llama 3's pre-training, scaled to the cluster's
+GPU count).
 """
 
 from __future__ import annotations
@@ -51,6 +61,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FAILURE_KINDS",
+    "NOTICE_KINDS",
+    "TRACE_KINDS",
     "FailureEvent",
     "LLAMA3_KINDS",
     "failure_trace",
@@ -59,11 +71,14 @@ __all__ = [
     "llama3_trace",
     "load_trace",
     "poisson_trace",
+    "preemption_trace",
     "save_trace",
     "validate_trace",
 ]
 
 FAILURE_KINDS = ("node_lost", "process_lost", "hang")
+NOTICE_KINDS = ("notice", "preempted")
+TRACE_KINDS = FAILURE_KINDS + NOTICE_KINDS
 
 # Llama 3 (Dubey et al. 2024, sec. 3.3.4): 419 unexpected interruptions in a 54-day snapshot
 # of pre-training on 16,384 H100 GPUs (a job-level MTTF of 3.1 h), about 78 % of them
@@ -79,8 +94,9 @@ _COLUMNS = ("time", "node", "kind", "repair_s")
 
 @dataclass(frozen=True)
 class FailureEvent:
-    """Node ``node`` fails at ``time`` s in the way ``kind`` says and is back ``repair_s``
-    later (None: the simulation's default for that kind)."""
+    """Node ``node`` fails (or is announced to go, or goes) at ``time`` s in the way ``kind``
+    says and is back ``repair_s`` later (None: the simulation's default for that kind; a
+    ``notice`` has none)."""
 
     time: float
     node: str
@@ -119,14 +135,76 @@ def poisson_trace(
             kind = "node_lost" if mix is None else _draw(rng, mix)
             out.append(FailureEvent(t, node.id, kind=kind))
             t += (repair_s if kind == "node_lost" else restart_s) + rng.expovariate(1.0 / mtbf)
-    return sorted(out, key=lambda e: (e.time, e.node))
+    return sorted(out, key=_order)
 
 
 def failure_trace(cluster: Cluster, config: SimConfig) -> list[FailureEvent]:
     """``poisson_trace`` with ``config``'s duration, per-pool MTBFs, repair time and seed
-    (every failure a ``node_lost``)."""
-    return poisson_trace(cluster, config.duration_s, config.node_mtbf_s, seed=config.seed,
-                         repair_s=config.repair_s, restart_s=config.process_restart_s)
+    (every failure a ``node_lost``), merged with ``preemption_trace`` at ``config``'s
+    preemption rates and notice times (none by default)."""
+    out = poisson_trace(cluster, config.duration_s, config.node_mtbf_s, seed=config.seed,
+                        repair_s=config.repair_s, restart_s=config.process_restart_s)
+    if config.preemption_per_h:
+        out += preemption_trace(cluster, config.duration_s, config.preemption_per_h,
+                                notice_s=config.notice_s, return_s=config.preemption_return_s,
+                                seed=config.seed)
+    return sorted(out, key=_order)
+
+
+def preemption_trace(
+    cluster: Cluster,
+    duration_s: float,
+    rate_per_h: Mapping[str, float],
+    *,
+    notice_s: Mapping[str, float] | float = 120.0,
+    return_s: float = 1800.0,
+    seed: int = 0,
+) -> list[FailureEvent]:
+    """Preemptions of spot or preemptible nodes over ``duration_s``.
+
+    ``rate_per_h``: preemptions per node-hour by pool name (``"*"``: every pool; a pool
+    without one is never preempted). Per node, exponential gaps with mean 1 / rate hours,
+    counted from the node's return (``return_s`` after a loss). Each loss is a ``preempted``
+    event, announced by a ``notice`` event ``notice_s`` before it (by pool name or ``"*"``,
+    or one number; 0: unannounced; a notice never comes before the node is back). Raises
+    ``TraceError`` for a negative or non-finite rate or notice time. Deterministic for a
+    given ``seed`` (and independent of ``poisson_trace``'s draws)."""
+    for key, r in rate_per_h.items():
+        if not (math.isfinite(r) and r >= 0):
+            raise TraceError("rate_per_h", f"pool {key!r}: a rate must be a finite number of "
+                             f"preemptions per node-hour >= 0, got {r!r}.")
+    if not (math.isfinite(return_s) and return_s >= 0):
+        raise TraceError("return_s", f"must be a finite number of seconds >= 0, got {return_s!r}.")
+    rng = random.Random(seed * 1_000_003 + 7919)
+    out = []
+    for node in cluster.nodes:
+        rate = rate_per_h.get(node.pool, rate_per_h.get("*", 0.0))
+        if not rate:
+            continue
+        lead = _lead(notice_s, node.pool)
+        back = 0.0
+        t = rng.expovariate(rate / 3600.0)
+        while t < duration_s:
+            if lead > 0:
+                out.append(FailureEvent(max(back, t - lead), node.id, kind="notice"))
+            out.append(FailureEvent(t, node.id, kind="preempted"))
+            back = t + return_s
+            t = back + rng.expovariate(rate / 3600.0)
+    return sorted(out, key=_order)
+
+
+def _lead(notice_s: Mapping[str, float] | float, pool: str) -> float:
+    lead = notice_s if isinstance(notice_s, (int, float)) else notice_s.get(
+        pool, notice_s.get("*", 0.0))
+    if not (math.isfinite(lead) and lead >= 0):
+        raise TraceError("notice_s", f"pool {pool!r}: a notice lead time must be a finite "
+                         f"number of seconds >= 0, got {lead!r}.")
+    return float(lead)
+
+
+def _order(e: FailureEvent) -> tuple[float, str, int]:
+    """Trace order: by time and node; a notice before a loss at the same instant."""
+    return (e.time, e.node, 0 if e.kind == "notice" else 1)
 
 
 def llama3_gpu_mtbf_s(job_mttf_h: float | None = None) -> float:
@@ -197,7 +275,8 @@ def validate_trace(
     events: Iterable[FailureEvent], cluster: Cluster | None = None, source: str = "events"
 ) -> list[FailureEvent]:
     """The events sorted by (time, node), each checked: time finite and >= 0, a known kind,
-    ``repair_s`` None or > 0, and (with ``cluster``) a node of it. Raises ``TraceError``."""
+    ``repair_s`` None or > 0, (with ``cluster``) a node of it, and every notice followed by
+    its node's loss (module docstring). Raises ``TraceError``."""
     nodes = {n.id for n in cluster.nodes} if cluster is not None else None
     out = []
     for i, e in enumerate(events):
@@ -207,14 +286,14 @@ def validate_trace(
         if e.repair_s is not None:
             _check_repair(e.repair_s, where)
         _check_node(e.node, nodes, where)
-        out.append(e)
-    return sorted(out, key=lambda e: (e.time, e.node))
+        out.append((where, e))
+    return _checked_notices(out)
 
 
 def load_trace(path: str | os.PathLike[str], cluster: Cluster | None = None) -> list[FailureEvent]:
     """Read a CSV or JSON Lines trace (module docstring); with ``cluster``, every node must be
-    one of its nodes. Sorted by (time, node). Raises ``TraceError`` (file, line, fix) or
-    ``FileNotFoundError``."""
+    one of its nodes. Sorted by (time, node), a notice before a loss at the same instant.
+    Raises ``TraceError`` (file, line, fix) or ``FileNotFoundError``."""
     name = os.fspath(path)
     fmt = _format_of(name)
     with open(name, encoding="utf-8") as f:
@@ -243,8 +322,35 @@ def load_trace(path: str | os.PathLike[str], cluster: Cluster | None = None) -> 
         rep = None if repair in (None, "") else _number(repair, "repair_s", where)
         if rep is not None:
             _check_repair(rep, where)
-        out.append(FailureEvent(t, node, rep, str(kind)))
-    return sorted(out, key=lambda e: (e.time, e.node))
+        out.append((where, FailureEvent(t, node, rep, str(kind))))
+    return _checked_notices(out)
+
+
+def _checked_notices(rows: list[tuple[str, FailureEvent]]) -> list[FailureEvent]:
+    """The events in trace order, after checking that each ``notice`` is followed by its
+    node's ``preempted`` event with no second notice between, and carries no ``repair_s``."""
+    rows.sort(key=lambda r: _order(r[1]))
+    pending: dict[str, tuple[str, FailureEvent]] = {}
+    for where, e in rows:
+        if e.kind == "notice":
+            if e.repair_s is not None:
+                raise TraceError(where, f"a notice has no repair_s (got {e.repair_s!r}).",
+                                 "put repair_s on the node's 'preempted' event.")
+            if e.node in pending:
+                first = pending[e.node][0]
+                raise TraceError(where, f"a second notice for node {e.node!r} before it is "
+                                 f"preempted (the first is at {first}).",
+                                 "remove one, or add the 'preempted' event between them.")
+            pending[e.node] = (where, e)
+        elif e.kind == "preempted":
+            pending.pop(e.node, None)
+    if pending:
+        where, e = min(pending.values(), key=lambda r: _order(r[1]))
+        raise TraceError(where, f"notice for node {e.node!r} at {e.time:g} s has no "
+                         "'preempted' event of that node after it.",
+                         f"add the loss at the deadline, e.g. {e.time + 120:g},{e.node},"
+                         "preempted (a notice's lead time is the gap to it).")
+    return [e for _, e in rows]
 
 
 def save_trace(events: Sequence[FailureEvent], path: str | os.PathLike[str]) -> None:
@@ -333,9 +439,9 @@ def _check_repair(r: float, where: str) -> None:
 
 
 def _check_kind(kind: object, where: str) -> None:
-    if kind not in FAILURE_KINDS:
-        close = difflib.get_close_matches(str(kind), FAILURE_KINDS, n=1)
-        hint = f"did you mean {close[0]!r}?" if close else f"use one of {', '.join(FAILURE_KINDS)}."
+    if kind not in TRACE_KINDS:
+        close = difflib.get_close_matches(str(kind), TRACE_KINDS, n=1)
+        hint = f"did you mean {close[0]!r}?" if close else f"use one of {', '.join(TRACE_KINDS)}."
         raise TraceError(where, f"unknown kind {kind!r}.", hint)
 
 

@@ -109,11 +109,14 @@ def _cmd_drain(a: argparse.Namespace) -> int:
 
 
 def _cmd_plan(a: argparse.Namespace) -> int:
-    """Ranked plans for a cluster file (or the live Ray cluster) and a job's model."""
+    """Ranked plans for a cluster file (or the live Ray cluster) and a job's model, with what
+    each costs per hour and per 1,000 steps (the cluster file's or catalog's prices, or
+    ``--prices``)."""
     import os
 
     from clusters import example_path, format_plan_table, load_cluster, plan
     from clusters.inventory import cluster_from_ray_nodes
+    from clusters.prices import parse_prices, with_prices
 
     from .config import JobConfig
     from .planning import model_profile, tokens_per_sample
@@ -129,10 +132,12 @@ def _cmd_plan(a: argparse.Namespace) -> int:
     else:
         path = a.cluster if os.path.exists(a.cluster) else example_path(a.cluster)
         cluster = load_cluster(path)
+    if a.prices:
+        cluster = with_prices(cluster, parse_prices(a.prices))
     profile = model_profile(model, cfg.optimizer, tokens_per_sample(cfg.dataset_object()),
                             precision=cfg.precision)
     result = plan(cluster, profile, a.global_batch or cfg.global_batch_size)
-    print(format_plan_table(result))
+    print(format_plan_table(result, cluster=cluster))
     return 0 if result.choice is not None else 1
 
 
@@ -240,6 +245,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="cluster file, an example name (a100-t4, h100x8, ...) or 'live'")
     pl.add_argument("--global-batch", type=int)
     pl.add_argument("--address", help="Ray cluster address for --cluster live")
+    pl.add_argument("--prices", metavar="KEY=USD,...|FILE",
+                    help="US dollars per device-hour by pool, device type or market (spot, "
+                         "on_demand), e.g. a100=4.10,t4=0.39, or a YAML file of them; "
+                         "default: the cluster file's, else the catalog's")
     pl.set_defaults(fn=_cmd_plan)
 
     sw = sub.add_parser("sweep", help="run or resume an Optuna sweep; every trial is a job")

@@ -11,13 +11,14 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ClusterFileError
 
 __all__ = [
     "PRECISIONS",
+    "MARKETS",
     "DeviceType",
     "LinkType",
     "device_type",
@@ -37,11 +38,16 @@ _FALLBACK = {
     "fp32": ("fp32",),
 }
 _GB = 1e9
+# How a node is bought: at the list price, or as spare capacity the cloud can take back
+# (AWS Spot, GCP Spot/preemptible, Azure Spot) with a notice.
+MARKETS = ("on_demand", "spot")
 
 
 @dataclass(frozen=True)
 class DeviceType:
-    """One accelerator model. ``peak_tflops`` maps precision -> dense TFLOPS (no sparsity)."""
+    """One accelerator model. ``peak_tflops`` maps precision -> dense TFLOPS (no sparsity);
+    ``prices`` maps a market (``MARKETS``) -> US dollars per device-hour, with
+    ``price_source`` saying where they come from and when (devices.yaml's header)."""
 
     name: str
     vendor: str
@@ -51,6 +57,12 @@ class DeviceType:
     intra_node_link: str
     ray_accelerator_types: tuple[str, ...] = ()
     source: str = ""
+    prices: Mapping[str, float] = field(default_factory=dict)
+    price_source: str = ""
+
+    def price_per_hour(self, market: str = "on_demand") -> float | None:
+        """US dollars per device-hour on ``market``; None where the catalog has no price."""
+        return self.prices.get(market)
 
     @property
     def memory_bytes(self) -> int:
@@ -111,6 +123,8 @@ def _devices() -> dict[str, DeviceType]:
             intra_node_link=d["intra_node_link"],
             ray_accelerator_types=tuple(d.get("ray_accelerator_types") or ()),
             source=d.get("source", ""),
+            prices={k: float(v) for k, v in (d.get("price_per_hour") or {}).items()},
+            price_source=d.get("price_source", ""),
         )
     return out
 

@@ -58,6 +58,18 @@ def test_plan_prints_a_ranked_table_with_reasons():
     assert out.returncode != 0 and "no-such-cluster" in out.stderr
 
 
+def test_plan_prices_each_plan():
+    out = _cli("plan", "examples/gpt.yaml", "--cluster", "a100-t4", "--global-batch", "256",
+               "--prices", "a100=2,t4=0.5")
+    assert out.returncode == 0, out.stderr
+    assert "$/h" in out.stdout and "$/1k steps" in out.stdout
+    assert "a100 $2 (on_demand, given), t4 $0.5 (on_demand, given)" in out.stdout
+    out = _cli("plan", "examples/gpt.yaml", "--cluster", "a100-spot-mixed")
+    assert out.returncode == 0 and "(spot, catalog)" in out.stdout, out.stderr
+    out = _cli("plan", "examples/gpt.yaml", "--cluster", "a100-t4", "--prices", "h100=3")
+    assert out.returncode == 2 and "names no pool, device type or market" in out.stderr
+
+
 def test_entry_script_runs_like_ray_submit_would(tmp_path):
     """`ray submit CLUSTER.yaml scripts/elastic_entry.py ARGS` copies the file to the head
     and runs `python elastic_entry.py ARGS` there: the same, from another directory."""
