@@ -44,6 +44,8 @@ def _rank(rank: int, port: int, results: Any) -> None:
         import traceback
 
         results.put((clean, health.failed(), traceback.format_exc()))
+    results.close()
+    results.join_thread()  # the put is flushed by a feeder thread: before os._exit, not after
     os._exit(0)
 
 
