@@ -37,9 +37,9 @@ printed over everything in it. Run it in batches under the machine's lock, e.g.:
         --scenarios zero3 zero3-ckpt --reps 0:10 --budget-s 1100 --json /tmp/stress.json
     python bench/stress_node_loss.py --json /tmp/stress.json --summary
 
-``--malloc-check`` runs the workers with ``MALLOC_CHECK_=3 MALLOC_PERTURB_=165`` (glibc
-checks every free and fills freed memory), which turns a late write into freed memory into an
-earlier, louder crash.
+``--malloc-check`` runs the workers with ``MALLOC_CHECK_=3 MALLOC_PERTURB_=165`` and glibc's
+``libc_malloc_debug.so`` preloaded (glibc checks every free and fills freed memory), which
+turns a late write into freed memory into an earlier, louder crash.
 """
 
 from __future__ import annotations
@@ -262,7 +262,8 @@ def _kill_leftovers(tag: str) -> list[int]:
 
 
 def run_one(p: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
-    work = tempfile.mkdtemp(prefix=f"stress-{p['scenario']}-{p['rep']}-", dir=args.tmp)
+    short = "".join(w[0] for w in p["scenario"].split("-"))  # Ray's socket paths are short
+    work = tempfile.mkdtemp(prefix=f"{short}{p['rep']}-", dir=args.tmp)
     ray_tmp = os.path.join(work, "ray")
     os.makedirs(ray_tmp)
     out = os.path.join(work, "record.json")
@@ -272,8 +273,9 @@ def run_one(p: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
                LIBC_FATAL_STDERR_="1", PYTHONFAULTHANDLER="1",
                ELASTIC_CACHE_DIR=os.path.join(work, "elastic-cache"),
                PYTHONPATH=os.pathsep.join([ROOT, env.get("PYTHONPATH", "")]).rstrip(":"))
-    if args.malloc_check:
-        env.update(MALLOC_CHECK_="3", MALLOC_PERTURB_="165")
+    if args.malloc_check:  # glibc >= 2.34 checks only with its debug library preloaded
+        env.update(MALLOC_CHECK_="3", MALLOC_PERTURB_="165",
+                   LD_PRELOAD=" ".join(glob.glob("/usr/lib/*/libc_malloc_debug.so.0")[:1]))
     cmd = [sys.executable, os.path.abspath(__file__), "--child", json.dumps(p), out, work]
     t0 = time.time()
     proc = subprocess.Popen(cmd, env=env, start_new_session=True,
