@@ -134,7 +134,8 @@ def _plan_for(spec: Any, ids: list[str]) -> Any:
     from clusters import Plan
 
     if spec.name == "pipeline":
-        from strategies.pipeline import _resolve_split, pipeline_blocks
+        from strategies.blocks import pipeline_blocks
+        from strategies.pipeline import _resolve_split
 
         split = spec.stage_split or _resolve_split(spec, pipeline_blocks(hc.model_factory()))
         d = spec.world_size // spec.pp_degree

@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from strategies.traits import TRAITS
+
 from .balance import proportional_shares
 from .cost import CostModel
 from .errors import BalanceError
@@ -155,7 +157,7 @@ def data_parallel_candidate(
             f"{strategy}: activations do not fit even with {tried} accumulation steps ({err})",
             subset,
         )
-    if m > 1 and strategy in ("zero2", "zero3") and min(shares) < m:
+    if m > 1 and TRAITS[strategy].lockstep_micro_batches and min(shares) < m:
         # each of their micro-batches is a collective on every rank: all ranks run m of them
         return Candidate(
             stub,

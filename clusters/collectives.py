@@ -9,9 +9,11 @@ all-gather + reduce-scatter), latency counted per unit. docs/cost-model.md has t
 
 from __future__ import annotations
 
+from strategies.traits import DP_MODES
+
 __all__ = ["collective_time", "sync_collectives_time", "SYNC_MODES"]
 
-SYNC_MODES = ("dp", "zero1", "zero2", "zero3")
+SYNC_MODES = DP_MODES  # layouts whose step ends in a data-parallel gradient sync
 
 
 def collective_time(kind: str, nbytes: float, n: int, alpha: float, beta: float) -> float:

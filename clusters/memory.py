@@ -18,9 +18,6 @@ __all__ = ["MemoryBreakdown", "layout_memory", "model_state_bytes", "format_byte
 
 _GB = 1e9
 
-# Divisor of (params, grads, optimizer states) over n data-parallel ranks (ZeRO, Fig. 1).
-_SHARDED = {"dp": (False, False, False), "zero1": (False, False, True),
-            "zero2": (False, True, True), "zero3": (True, True, True)}
 
 
 @dataclass(frozen=True)
@@ -61,16 +58,15 @@ def layout_memory(
     gradients; zero3 two gathered blocks (prefetch) plus one block of unsharded gradients.
     ``activations`` is passed through. Raises ``PlanError`` for an unknown strategy.
     """
-    if strategy not in _SHARDED:
+    from strategies.traits import TRAITS  # torch-free: what each layout shards, once
+
+    t = TRAITS.get(strategy)
+    if t is None or t.pipeline:
         raise PlanError(f"no model-state rule for {strategy!r}; use dp or zero1..3")
-    sp, sg, so = (n if s else 1 for s in _SHARDED[strategy])
-    buffers = 0.0
-    if strategy == "zero2":
-        buffers = biggest_block * grad_bytes
-    elif strategy == "zero3":
-        buffers = 2 * biggest_block * bytes_per_param + biggest_block * grad_bytes
-    return MemoryBreakdown(n_params * bytes_per_param / sp, n_params * grad_bytes / sg,
-                           n_params * optimizer_bytes / so, activations, buffers)
+    st = t.state_bytes(n_params, n, param_bytes=bytes_per_param, grad_bytes=grad_bytes,
+                       optimizer_bytes=optimizer_bytes)
+    buffers = t.buffer_bytes(biggest_block, param_bytes=bytes_per_param, grad_bytes=grad_bytes)
+    return MemoryBreakdown(st.params, st.grads, st.optimizer, activations, buffers)
 
 
 def model_state_bytes(

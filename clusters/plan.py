@@ -17,13 +17,16 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from strategies.traits import DP_MODES as _DP_MODES
+from strategies.traits import TRAITS
+
 from .errors import PlanError
 
 __all__ = ["Plan", "STRATEGIES", "SCHEDULES", "DP_MODES"]
 
-STRATEGIES = ("dp", "zero1", "zero2", "zero3", "pipeline")
+STRATEGIES = tuple(TRAITS)  # the registry's names (strategies/traits.py, torch-free)
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
-DP_MODES = ("dp", "zero1", "zero2", "zero3")
+DP_MODES = _DP_MODES  # what a pipeline stage's data-parallel group can run
 
 
 @dataclass(frozen=True, kw_only=True)

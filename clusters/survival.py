@@ -3,8 +3,9 @@
 Recovery from peers (``policy.InPlaceRecovery``) needs every entry of the training state on a
 worker that survived. Whether it is depends on the layout (which layouts keep whole copies of
 every rank's state on its data-parallel peers) and on where the ranks sit. ``fatal_nodes`` is
-the one place that decides it: the simulator asks it once per cached plan, and the layout
-table it reads (``_REPLICATED``) is what ``strategies.traits`` will later provide.
+the one place that decides it: the simulator asks it once per cached plan; which layouts keep
+replicas is ``strategies.traits`` (torch-free), the table the live controller's layouts
+follow too.
 """
 
 from __future__ import annotations
@@ -15,10 +16,6 @@ from .plan import Plan
 
 __all__ = ["fatal_nodes"]
 
-# Layouts whose data-parallel ranks each hold a whole copy of their position's state (params,
-# grads and optimizer state): plain data parallelism. ZeRO-1 shards the optimizer state,
-# ZeRO-2 also the grads, ZeRO-3 everything: a lost shard has no other holder.
-_REPLICATED = frozenset({"dp"})
 
 
 def fatal_nodes(plan: Plan | None, node_of: Callable[[str], str]) -> frozenset[str]:
@@ -33,9 +30,10 @@ def fatal_nodes(plan: Plan | None, node_of: Callable[[str], str]) -> frozenset[s
     if plan is None:
         return frozenset()
     nodes = [node_of(d) for d in plan.devices]
-    mode = plan.dp_mode if plan.is_pipeline else plan.strategy
-    if mode not in _REPLICATED or (plan.is_pipeline and plan.dp_degree < 2):
-        return frozenset(nodes)
+    from strategies.traits import traits_of
+
     dp = plan.dp_degree if plan.is_pipeline else plan.world_size
+    if not traits_of(plan.strategy).survives_loss(dp, plan.dp_mode):
+        return frozenset(nodes)
     groups = [nodes[j * dp:(j + 1) * dp] for j in range(len(nodes) // dp)]
     return frozenset(g[0] for g in groups if len(set(g)) == 1)

@@ -20,6 +20,7 @@ __all__ = [
     "HangError",
     "CheckpointError",
     "CheckpointCorruptError",
+    "PeerReadError",
     "StorageError",
     "CheckpointOwnerError",
     "NonFiniteError",
@@ -107,6 +108,13 @@ class CheckpointCorruptError(CheckpointError):
     """A committed checkpoint's bytes do not match its manifest (checksum, size, index)."""
 
 
+class PeerReadError(CheckpointCorruptError):
+    """This rank read its part of a checkpoint, but another rank could not read its own: an
+    echo of that rank's error, which is the one to report."""
+
+    secondary = True
+
+
 class StorageError(CheckpointError):
     """The checkpoint storage failed (unreachable, permission, I/O)."""
 
@@ -127,13 +135,15 @@ class CheckpointOwnerError(CheckpointError):
 class NonFiniteError(ElasticError):
     """A step's loss or gradient norm was not finite (NaN or inf)."""
 
-    def __init__(self, message: str, step: int | None = None, rank: int | None = None) -> None:
+    def __init__(self, message: str, step: int | None = None, rank: int | None = None,
+                 rollback: bool = False) -> None:
         self.step = step
         self.rank = rank
+        self.rollback = rollback  # the job's on_nonfinite asks to restore the last checkpoint
         super().__init__(message)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (str(self), self.step, self.rank))
+        return (type(self), (str(self), self.step, self.rank, self.rollback))
 
 
 class SwitchError(ElasticError):

@@ -3,12 +3,24 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["Event", "RunLog"]
+__all__ = ["Event", "RunLog", "strict"]
+
+
+def strict(obj: Any) -> Any:
+    """``obj`` with every non-finite float (NaN, inf) replaced by None, recursively."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: strict(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [strict(v) for v in obj]
+    return obj
 
 
 @dataclass
@@ -55,7 +67,9 @@ class RunLog:
         self._write("data_log", entry)
 
     def _write(self, name: str, obj: dict[str, Any]) -> None:
-        self._files[name].write(json.dumps(obj, default=str) + "\n")
+        """One strict JSON line: NaN and inf become null (``json.loads`` in any language
+        reads the files)."""
+        self._files[name].write(json.dumps(strict(obj), default=str, allow_nan=False) + "\n")
 
     def close(self) -> None:
         for f in self._files.values():

@@ -26,28 +26,13 @@ from clusters import (
     proportional_shares,
 )
 from clusters import stage_split as split_stages
-from strategies import StrategySpec
+from strategies import StrategyOptions, StrategySpec
+from strategies.blocks import block_params
 
 __all__ = ["live_cluster", "model_profile", "auto_spec", "plan_spec", "balanced_shares",
            "block_params"]
 
 _OPT_BYTES = {"adam": 8, "adamw": 8, "sgd": 0, "rmsprop": 4, "adagrad": 4}
-
-
-def blocks_of(model: nn.Module) -> list[nn.Module]:
-    """The pipeline blocks (top-level children of a Sequential, or the ``pipeline_blocks()``
-    protocol); the whole model as one block for anything else."""
-    blocks = getattr(model, "pipeline_blocks", None)
-    if callable(blocks):
-        return [m for _, m in blocks()]
-    if isinstance(model, nn.Sequential):
-        return list(model.children())
-    return [model]
-
-
-def block_params(model: nn.Module) -> list[int]:
-    """Parameters per pipeline block."""
-    return [sum(p.numel() for p in b.parameters()) for b in blocks_of(model)]
 
 
 def model_profile(model: nn.Module, optimizer: Any, tokens_per_sample: int = 1,
@@ -159,7 +144,8 @@ def plan_spec(p: Plan) -> StrategySpec:
     if p.strategy == "pipeline":
         kw["shares"] = pipeline_rank_shares(p.shares, p.pp_degree)
     elif p.micro_batches > 1:  # dp/ZeRO: the plan's accumulation passes (activations)
-        kw["options"] = {**kw["options"], "accumulation_steps": p.micro_batches}
+        kw["options"] = replace(StrategyOptions.of(kw["options"]),
+                                accumulation_steps=p.micro_batches)
         kw["micro_batches"] = 1
     return StrategySpec(**kw)
 

@@ -1,32 +1,36 @@
-"""Parallel layouts (PyTorch only, never Ray): data parallel, ZeRO 1/2/3, pipelines, hybrids."""
+"""Parallel layouts (PyTorch only, never Ray): data parallel, ZeRO 1/2/3, pipelines, hybrids.
 
-# Imported before any process group exists, on purpose: its functions take
-# ``group=group.WORLD`` as a default argument, evaluated at import. Imported later (DDP does it
-# lazily) they would pin the first default group for the life of the process, and a gloo
-# group closes its sockets only when its last reference goes: after a node loss, peers
-# blocked on a rank that has left would wait out the group timeout instead of failing at once.
-import torch.distributed.nn.functional  # noqa: F401
+Importing the package imports no torch: the torch-free names (errors, traits, specs, the
+registry's names) load at once, the torch-backed ones (``Strategy``, ``Runtime``, ``reshard``
+...) on first access (PEP 562). ``strategies.base``, which every torch-backed name comes
+through, imports ``torch.distributed.nn.functional`` first (see its comment).
+"""
 
-from .base import (
-    CanonicalState,
-    Runtime,
-    Strategy,
-    StrategyError,
-    StrategySpec,
-    before_update,
-    check_layout,
-    on_before_update,
-    state_hash,
-)
-from .registry import get, names, register
-from .resharding import ReshardResult, reshard
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from .errors import StrategyError
+from .registry import get, names
+from .spec import Degrees, StrategyOptions, StrategySpec
+from .traits import TRAITS, Traits
+
+if TYPE_CHECKING:
+    from .base import Runtime, Strategy, before_update, check_layout, on_before_update
+    from .canonical import CanonicalState, state_hash
+    from .resharding import ReshardResult, reshard
 
 __all__ = [
     "CanonicalState",
+    "Degrees",
     "Runtime",
     "Strategy",
     "StrategyError",
+    "StrategyOptions",
     "StrategySpec",
+    "TRAITS",
+    "Traits",
     "state_hash",
     "check_layout",
     "reshard",
@@ -35,5 +39,32 @@ __all__ = [
     "before_update",
     "get",
     "names",
-    "register",
 ]
+
+# torch-backed names -> the module that defines them
+_LAZY = {
+    "Runtime": "base",
+    "Strategy": "base",
+    "check_layout": "base",
+    "on_before_update": "base",
+    "before_update": "base",
+    "CanonicalState": "canonical",
+    "state_hash": "canonical",
+    "reshard": "resharding",
+    "ReshardResult": "resharding",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'strategies' has no attribute {name!r}")
+    if module != "base":
+        importlib.import_module(".base", __name__)  # its early import comes first, always
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -12,7 +12,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .base import CanonicalState
+from .canonical import CanonicalState
 
 __all__ = ["assign_owners", "gather_union", "global_ranks", "new_subgroups"]
 

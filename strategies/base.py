@@ -2,16 +2,10 @@
 
 A strategy knows PyTorch, not Ray. It is built on every rank of an already initialised
 ``torch.distributed`` default group, from a *full* model that is identical on every rank
-(same seed, same factory), and it must be able to export and import the training state in one
-canonical, layout-independent form:
-
-``CanonicalState`` is a flat ``dict[str, Tensor]`` of CPU tensors:
-  - ``"model/<fqn>"``: every parameter and buffer of the full model, by its fully qualified
-    name in the *original* model (pipeline stages keep these names);
-  - ``"optim/<fqn>/<key>"``: each per-parameter optimizer state entry (``exp_avg``,
-    ``momentum_buffer``, ``step``...), full-sized, keyed by the parameter's FQN.
-Any strategy's ``full_state()`` loads into any other strategy's ``load_full_state()`` on any
-world size; that is what makes live switches and resharding checkpoints possible.
+(same seed, same factory), from a ``StrategySpec`` (``strategies.spec``), and it must be able
+to export and import the training state in the canonical, layout-independent form
+(``strategies.canonical``): any strategy's ``full_state()`` loads into any other strategy's
+``load_full_state()`` on any world size.
 
 Loss normalisation: each rank gets a *share* of the global batch of size G (shares may be
 unequal). ``train_step`` scales the local mean loss by ``share / G`` (times whatever factor
@@ -24,39 +18,39 @@ from __future__ import annotations
 import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
+
+# Imported before any process group exists, on purpose: its functions take
+# ``group=group.WORLD`` as a default argument, evaluated at import. Imported later (DDP does it
+# lazily) they would pin the first default group for the life of the process, and a gloo
+# group closes its sockets only when its last reference goes: after a node loss, peers
+# blocked on a rank that has left would wait out the group timeout instead of failing at once.
+# Every path that builds a strategy or forms a group for one imports this module first (the
+# worker imports it at module import; tests/test_strategies_import.py checks it).
+import torch.distributed.nn.functional  # noqa: F401
 from torch import nn
 
+from .blocks import checkpoint_blocks, pipeline_blocks_or_none
+from .canonical import CanonicalState
+from .errors import StrategyError
+from .spec import StrategySpec, micro_batch_count
+
 __all__ = [
-    "StrategyError",
-    "StrategySpec",
     "Runtime",
     "Strategy",
-    "CanonicalState",
     "LossFn",
     "OptimizerFactory",
-    "optimizer_state_to_canonical",
-    "optimizer_state_from_canonical",
-    "model_state_to_canonical",
-    "state_hash",
     "check_layout",
     "on_before_update",
     "before_update",
     "grad_sq_sum",
     "clip_coefficient",
-    "PRECISIONS",
-    "micro_batch_count",
-    "checkpoint_blocks",
-    "lockstep_micro_batches",
 ]
 
-PRECISIONS = ("fp32", "bf16")
-
-CanonicalState = dict[str, torch.Tensor]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -103,86 +97,6 @@ def clip_coefficient(total_norm: float, max_norm: float) -> float:
     return min(1.0, max_norm / (total_norm + 1e-6))
 
 
-def micro_batch_count(spec: StrategySpec, n: int) -> int:
-    """How many micro-batches (gradient accumulation passes) a dp or ZeRO rank runs its
-    ``n`` samples in: at least the spec option ``accumulation_steps`` (the planner's, when
-    activations do not fit), enough for at most ``micro_batch_size`` samples each (the
-    job's), never more than ``n``."""
-    k = int(spec.options.get("accumulation_steps", 1))
-    cap = spec.options.get("micro_batch_size")
-    if cap:
-        k = max(k, -(-n // int(cap)))
-    return max(1, min(k, n))
-
-
-class StrategyError(ValueError):
-    """A strategy cannot run with this spec, world size or model; the message says why."""
-
-
-def lockstep_micro_batches(spec: StrategySpec) -> int:
-    """The micro-batch count of a layout whose every micro-batch is a collective on every
-    rank (zero3: each forward all-gathers; zero2: each backward reduces to the owners): the
-    largest share's, on every rank. Raises ``StrategyError`` when a share cannot fill it."""
-    k = micro_batch_count(spec, max(spec.shares))
-    if k > min(spec.shares):
-        raise StrategyError(
-            f"micro_batch_size {spec.options.get('micro_batch_size')} makes {k} micro-batches "
-            f"per step, and under {spec.name} every rank runs as many, but the smallest share "
-            f"is {min(spec.shares)} samples; raise micro_batch_size to at least "
-            f"{-(-max(spec.shares) // min(spec.shares))}")
-    return k
-
-
-def checkpoint_blocks(model: nn.Module) -> int:
-    """Activation checkpointing: each block of a pipeline-ready model keeps only its input
-    for backward and recomputes the rest (``torch.utils.checkpoint``, non-reentrant, RNG
-    state preserved, so dropout recomputes the same mask). The block's ``forward`` is
-    replaced on the instance, so parameter names stay those of the model (a
-    ``checkpoint_wrapper`` would add a prefix) and hooks of DDP and FSDP2 stay on the block.
-    Returns the number of blocks; raises ``StrategyError`` for a model without blocks."""
-    from torch.utils.checkpoint import checkpoint
-
-    from .pipeline import pipeline_blocks
-
-    try:
-        blocks = pipeline_blocks(model)
-    except StrategyError as e:
-        raise StrategyError(f"activation checkpointing works block by block: {e}") from None
-    for _, block in blocks:
-        inner = block.forward
-
-        def forward(*args: Any, _inner: Callable[..., Any] = inner, **kwargs: Any) -> Any:
-            if not torch.is_grad_enabled():  # nothing to save: no recompute either
-                return _inner(*args, **kwargs)
-            return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
-
-        block.forward = forward  # type: ignore[method-assign]
-    return len(blocks)
-
-
-@dataclass(frozen=True)
-class StrategySpec:
-    """What a strategy needs to lay itself out. Built by the controller from a plan.
-
-    ``shares[r]`` is rank r's number of samples of the global batch (sum = global batch).
-    Pipeline fields are ignored by non-pipeline strategies.
-    """
-
-    name: str
-    world_size: int
-    shares: tuple[int, ...]
-    pp_degree: int = 1
-    micro_batches: int = 1
-    schedule: str = "gpipe"
-    stage_split: tuple[int, ...] | None = None
-    dp_mode: str = "dp"  # inner data-parallel flavour of a hybrid (dp or zero1/2/3)
-    options: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def global_batch_size(self) -> int:
-        return sum(self.shares)
-
-
 @dataclass(frozen=True)
 class Runtime:
     """Where this rank runs: rank, world size and torch device of the current group."""
@@ -197,7 +111,8 @@ class Runtime:
 
 
 class Strategy(ABC):
-    """One parallel layout. Subclasses register themselves in ``strategies.registry``.
+    """One parallel layout, registered under ``name`` in ``strategies.registry`` and described
+    by ``strategies.traits.TRAITS[name]``.
 
     Ownership: the strategy owns the model and optimizer it builds; ``close()`` releases
     them and any sub-groups. Not thread-safe: one caller drives a strategy at a time, and all
@@ -209,25 +124,14 @@ class Strategy(ABC):
 
     @classmethod
     def validate(cls, spec: StrategySpec, model: nn.Module) -> None:
-        """Raise ``StrategyError`` if this strategy cannot run with ``spec`` on ``model``."""
-        if len(spec.shares) != spec.world_size:
+        """Raise ``StrategyError`` if this strategy cannot run with ``spec`` on ``model``:
+        the spec's own checks (``StrategySpec.validate``), then what needs the model."""
+        spec.validate()
+        if spec.options.activation_checkpointing and pipeline_blocks_or_none(model) is None:
             raise StrategyError(
-                f"{len(spec.shares)} batch shares for {spec.world_size} workers; "
-                "give one share per worker"
-            )
-        if spec.options.get("activation_checkpointing"):
-            from .pipeline import pipeline_blocks_or_none
-
-            if pipeline_blocks_or_none(model) is None:
-                raise StrategyError(
-                    f"activation checkpointing works block by block, and "
-                    f"{type(model).__name__} names no blocks; make it an nn.Sequential or give "
-                    "it pipeline_blocks() (strategies/pipeline.py)")
-        if any(s < 1 for s in spec.shares):
-            raise StrategyError(
-                f"every worker needs at least one sample per step, shares are {list(spec.shares)}; "
-                "raise global_batch_size or use fewer workers"
-            )
+                f"activation checkpointing works block by block, and "
+                f"{type(model).__name__} names no blocks; make it an nn.Sequential or give "
+                "it pipeline_blocks() (strategies/blocks.py)")
 
     def __init__(
         self,
@@ -241,16 +145,12 @@ class Strategy(ABC):
         self.rt = rt
         self.loss_fn = loss_fn
         self.optimizer_factory = optimizer_factory
-        # gradient clipping by the global norm (spec option ``max_grad_norm``; None: off)
-        clip = spec.options.get("max_grad_norm")
-        self.max_grad_norm: float | None = float(clip) if clip else None
+        # gradient clipping by the global norm (option ``max_grad_norm``; None: off)
+        self.max_grad_norm: float | None = spec.options.max_grad_norm
         self.last_grad_norm: float | None = None  # the norm of the last step, before clipping
-        if spec.options.get("activation_checkpointing"):
+        if spec.options.activation_checkpointing:
             checkpoint_blocks(model)  # before any wrapper sees the model
-        self.precision = str(spec.options.get("precision", "fp32"))
-        if self.precision not in PRECISIONS:
-            raise StrategyError(f"unknown precision {self.precision!r}; use one of "
-                                f"{', '.join(PRECISIONS)}")
+        self.precision = spec.options.precision
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The forward's (and loss's) precision context: ``torch.autocast`` to bfloat16 for
@@ -415,73 +315,7 @@ class Strategy(ABC):
         """Release the model, optimizer and any sub-groups this strategy created."""
 
 
-# --------------------------------------------------------------------------- canonical helpers
-
-
-def model_state_to_canonical(named: Iterable[tuple[str, torch.Tensor]],
-                             copy: bool = True) -> CanonicalState:
-    """``copy=False``: CPU tensors are the live ones (views), not copies."""
-    return {f"model/{k}": v.detach().to("cpu", copy=copy) for k, v in named}
-
-
-def optimizer_state_to_canonical(
-    optimizer: torch.optim.Optimizer, fqn_of: dict[int, str], copy: bool = True
-) -> CanonicalState:
-    """Per-parameter optimizer state keyed by the parameter's FQN. ``fqn_of`` maps
-    ``id(param)`` to its FQN; parameters without state are skipped. ``copy=False``: CPU
-    tensors are the live ones."""
-    out: CanonicalState = {}
-    for p, st in optimizer.state.items():
-        fqn = fqn_of[id(p)]
-        for k, v in st.items():
-            t = v if isinstance(v, torch.Tensor) else torch.tensor(v)
-            out[f"optim/{fqn}/{k}"] = t.detach().to("cpu", copy=copy)
-    return out
-
-
-def optimizer_state_from_canonical(
-    optimizer: torch.optim.Optimizer,
-    params_by_fqn: dict[str, nn.Parameter],
-    state: CanonicalState,
-    slicer: Callable[[str, torch.Tensor, nn.Parameter], torch.Tensor] | None = None,
-) -> None:
-    """Fill ``optimizer.state`` for the given parameters from canonical entries.
-
-    ``slicer(fqn, full_tensor, param)`` cuts the full entry down to what this rank holds
-    (identity by default). Scalar entries (such as Adam's ``step``) are copied as they are.
-    """
-    optimizer.state.clear()
-    by_param: dict[str, dict[str, torch.Tensor]] = {}
-    for key, t in state.items():
-        if not key.startswith("optim/"):
-            continue
-        fqn, _, k = key[len("optim/"):].rpartition("/")
-        if fqn in params_by_fqn:
-            by_param.setdefault(fqn, {})[k] = t
-    for fqn, entries in by_param.items():
-        p = params_by_fqn[fqn]
-        st: dict[str, Any] = {}
-        for k, t in entries.items():
-            if t.dim() == 0:  # scalar entries (Adam's step) stay as they are, on the CPU
-                st[k] = t.clone()
-            else:
-                st[k] = (slicer(fqn, t, p) if slicer else t).clone().to(p.device)
-        optimizer.state[p] = st
-
-
-def state_hash(state: CanonicalState) -> str:
-    """A short, order-independent digest of a canonical state (bit-exact comparison)."""
-    import hashlib
-
-    h = hashlib.sha256()
-    for k in sorted(state):
-        t = state[k].detach().contiguous().cpu()
-        h.update(k.encode())
-        h.update(str(t.dtype).encode())
-        h.update(str(tuple(t.shape)).encode())
-        if t.numel():  # the tensor's own buffer, no copy
-            h.update(t.reshape(-1).view(torch.uint8).numpy().data)
-    return h.hexdigest()[:16]
+# --------------------------------------------------------------------------- layout check
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -1,7 +1,14 @@
-"""Data parallel: a full replica per rank, gradients all-reduced by DDP (bucketed, overlapped)."""
+"""Data parallel: a full replica per rank, gradients all-reduced by DDP (bucketed, overlapped).
 
-from __future__ import annotations
+DDP's bucket all-reduce runs through a comm hook of ours that does what DDP's built-in one
+does (scale each bucket by 1 / world size, sum it over the group, in place, so
+``gradient_as_bucket_view`` keeps working) and records a failure in ``strategies.health``
+before it propagates: DDP's reducer re-raises it from the autograd engine, where nothing
+tells it from a user's error.
+"""
 
+# No ``from __future__ import annotations`` here: DDP checks a comm hook's annotations against
+# the real classes (dist.GradBucket, Future[Tensor]), and strings would fail that check.
 import contextlib
 from typing import Any
 
@@ -10,48 +17,50 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .base import (
+from .base import LossFn, OptimizerFactory, Runtime, Strategy, grad_sq_sum
+from .canonical import (
     CanonicalState,
-    LossFn,
-    OptimizerFactory,
-    Runtime,
-    Strategy,
-    StrategySpec,
-    grad_sq_sum,
     model_state_to_canonical,
     optimizer_state_from_canonical,
     optimizer_state_to_canonical,
 )
-from .health import record as record_failure
-from .registry import register
+from .health import record
+from .spec import StrategySpec
 
-__all__ = ["DataParallel"]
+__all__ = ["DataParallel", "recording_allreduce"]
 
 
-def _recorded_allreduce(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP's own gradient all-reduce (as ``default_hooks.allreduce_hook``: divide by the
-    world size, then sum), with its failure recorded in ``strategies.health``: DDP's reducer
-    re-raises it from the autograd engine, where nothing tells it from the job's errors."""
-    group = dist.group.WORLD  # the group DDP was built on, looked up now: the hook holds none
-    tensor = bucket.buffer()
-    tensor.div_(dist.get_world_size(group))
+def recording_allreduce(state: object, bucket: dist.GradBucket
+                        ) -> torch.futures.Future[torch.Tensor]:
+    """A DDP comm hook: DDP's own averaging all-reduce of one gradient bucket (divide by the
+    world size, then sum over the default group, in place: the same arithmetic as the
+    built-in reducer), recording a failure with ``strategies.health.record`` before it is
+    raised. ``state`` is unused (None): the group is the default group when the hook runs,
+    so the hook keeps no reference to a group."""
+    group = dist.group.WORLD
+    buf = bucket.buffer()
+    buf.div_(dist.get_world_size(group))  # as the built-in reducer: bit-equal results
+    try:
+        work = dist.all_reduce(buf, group=group, async_op=True)
+    except Exception as e:
+        record(f"DDP gradient all-reduce of bucket {bucket.index()}: {_what(e)}")
+        raise
 
     def done(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
         try:
             return fut.value()[0]
         except Exception as e:
-            first = (str(e).strip().splitlines() or [""])[0][:160]
-            record_failure(f"dp gradient all-reduce: {type(e).__name__}: {first}")
+            record(f"DDP gradient all-reduce of bucket {bucket.index()}: {_what(e)}")
             raise
-    return dist.all_reduce(tensor, group=group, async_op=True).get_future().then(done)
+
+    return work.get_future().then(done)  # type: ignore[no-any-return]
 
 
-# DDP compares a hook's annotations with the classes themselves (here they are strings)
-_recorded_allreduce.__annotations__.update(
-    {"bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]})
+def _what(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0][:200] if lines else ''}"
 
 
-@register
 class DataParallel(Strategy):
     name = "dp"
 
@@ -74,10 +83,9 @@ class DataParallel(Strategy):
         # copied into them and back every step (measured 3-5 % of a step of the overhead
         # benchmark's model on one CPU thread; also one gradient copy less in memory).
         self.ddp = DDP(self.model, device_ids=ids, broadcast_buffers=False,
-                       init_sync=bool(spec.options.get("init_sync", True)),
-                       gradient_as_bucket_view=bool(spec.options.get("bucket_view", True)))
-        # state None: the hook resolves the default group when it runs (holds no group)
-        self.ddp.register_comm_hook(None, _recorded_allreduce)
+                       init_sync=spec.options.init_sync,
+                       gradient_as_bucket_view=spec.options.bucket_view)
+        self.ddp.register_comm_hook(None, recording_allreduce)
         self.optimizer = optimizer_factory(self.model.parameters())
         # DDP averages gradients over world size; scale so the result is the mean over G.
         self._scale = self.share * rt.world_size / spec.global_batch_size

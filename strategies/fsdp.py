@@ -4,7 +4,7 @@ optimizer state all sharded (dim-0 chunks) over a 1-D DeviceMesh.
 Design
 ------
 * **Wrapping.** If the model is pipeline-ready (an ``nn.Sequential`` or a module with
-  ``pipeline_blocks()``, see ``strategies.pipeline``), each block that has parameters becomes
+  ``pipeline_blocks()``, see ``strategies.blocks``), each block that has parameters becomes
   its own FSDP unit (its parameters are all-gathered just before it runs and freed after), then
   the root is wrapped to catch the rest. Otherwise only the root is wrapped. FSDP2 keeps the
   module's FQNs.
@@ -34,18 +34,10 @@ import torch.distributed as dist
 from torch import nn
 
 from ._gather import global_ranks
-from .base import (
-    CanonicalState,
-    LossFn,
-    OptimizerFactory,
-    Runtime,
-    Strategy,
-    StrategySpec,
-    grad_sq_sum,
-    lockstep_micro_batches,
-    optimizer_state_from_canonical,
-)
-from .registry import register
+from .base import LossFn, OptimizerFactory, Runtime, Strategy, grad_sq_sum
+from .blocks import pipeline_blocks_or_none
+from .canonical import CanonicalState, optimizer_state_from_canonical
+from .spec import StrategySpec, lockstep_micro_batches
 
 __all__ = [
     "FullyShardedDataParallel",
@@ -263,16 +255,10 @@ def sharded_counts(
     return {"params": params, "grads": grads, "optim": optim}
 
 
-@register
 class FullyShardedDataParallel(Strategy):
     """ZeRO-3: FSDP2 over all ranks (see the module docstring)."""
 
     name = "zero3"
-
-    @classmethod
-    def validate(cls, spec: StrategySpec, model: nn.Module) -> None:
-        super().validate(spec, model)
-        lockstep_micro_batches(spec)  # every forward all-gathers: all ranks run as many
 
     def __init__(
         self,
@@ -283,8 +269,6 @@ class FullyShardedDataParallel(Strategy):
         loss_fn: LossFn,
     ) -> None:
         super().__init__(spec, rt, model, optimizer_factory, loss_fn)
-        from .pipeline import pipeline_blocks_or_none
-
         self.model = model.to(rt.device)
         blocks = pipeline_blocks_or_none(self.model) or []
         self._mesh = shard_module(
@@ -292,7 +276,7 @@ class FullyShardedDataParallel(Strategy):
             None,
             rt.device,
             units=[m for _, m in blocks],
-            reshard_after_forward=bool(spec.options.get("reshard_after_forward", True)),
+            reshard_after_forward=spec.options.reshard_after_forward,
         )
         self.optimizer = optimizer_factory(self.model.parameters())
         self._index: ShardMap | None = None  # built on the first needs()

@@ -1,19 +1,9 @@
 """Pipeline parallelism (``torch.distributed.pipelining``) and pipeline x data-parallel hybrids.
 
-Pipeline-ready models (the protocol)
-------------------------------------
-A model can be pipelined if it is either
-
-* an ``nn.Sequential`` (its children are the blocks), or
-* any module with a method ``pipeline_blocks() -> list[tuple[str, nn.Module]]`` returning its
-  blocks in order: each name is the block's FQN in the model (dotted names such as
-  ``"layers.0"`` are fine), and ``forward(x)`` must equal applying the blocks one after the
-  other to a single tensor ``x``; the last block's output goes to ``loss_fn``.
-
-Every parameter and buffer must belong to exactly one block (no tied weights across blocks,
-nothing outside the blocks); anything else is a ``StrategyError`` naming the culprit. A stage
-is a module that registers its blocks under their *original* names (``layers.0.weight`` stays
-``layers.0.weight``), so canonical states match every other layout.
+The model must be pipeline-ready (``strategies.blocks``: an ``nn.Sequential``, or a module
+with ``pipeline_blocks()``). A stage is a module that registers its blocks under their
+*original* names (``layers.0.weight`` stays ``layers.0.weight``), so canonical states match
+every other layout.
 
 Layout (``spec.pp_degree = P``, ``D = world_size // P`` replicas)
 -----------------------------------------------------------------
@@ -53,111 +43,32 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ._gather import gather_union, new_subgroups
-
-if TYPE_CHECKING:
-    from .fsdp import ShardMap
-from .base import (
-    CanonicalState,
-    LossFn,
-    OptimizerFactory,
-    Runtime,
-    Strategy,
-    StrategyError,
-    StrategySpec,
-    before_update,
-    grad_sq_sum,
-    model_state_to_canonical,
+from .base import LossFn, OptimizerFactory, Runtime, Strategy, before_update, grad_sq_sum
+from .blocks import pipeline_blocks
+from .canonical import CanonicalState, model_state_to_canonical
+from .errors import StrategyError
+from .fsdp import (
+    ShardMap,
+    load_sharded_state,
+    release_mesh,
+    shard_module,
+    sharded_counts,
+    sharded_full_state,
 )
-from .registry import register
+from .spec import StrategySpec
+from .traits import DP_MODES
+from .zero import ShardedUpdate, owned_needs
 
-__all__ = [
-    "Pipeline",
-    "pipeline_blocks",
-    "pipeline_blocks_or_none",
-    "balanced_split",
-    "replica_batches",
-    "SCHEDULES",
-    "DP_MODES",
-]
+__all__ = ["Pipeline", "balanced_split", "replica_batches", "SCHEDULES"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
-DP_MODES = ("dp", "zero1", "zero2", "zero3")
-
-
-def pipeline_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The model's ordered ``(fqn, block)`` list (see the protocol in the module docstring).
-
-    Raises ``StrategyError`` if the model is not pipeline-ready, naming why.
-    """
-    kind = type(model).__name__
-    protocol = getattr(model, "pipeline_blocks", None)
-    if callable(protocol):
-        blocks = [(str(n), m) for n, m in protocol()]
-    elif isinstance(model, nn.Sequential):
-        blocks = list(model.named_children())
-    else:
-        raise StrategyError(
-            f"{kind} cannot be pipelined: it is neither an nn.Sequential nor has a "
-            "pipeline_blocks() method; add pipeline_blocks() returning the ordered "
-            "(name, module) blocks whose composition is forward()"
-        )
-    if not blocks:
-        raise StrategyError(f"{kind} cannot be pipelined: it has no blocks")
-    names = [n for n, _ in blocks]
-    if len(set(names)) != len(names):
-        raise StrategyError(f"{kind}.pipeline_blocks() names a block twice: {names}")
-    for name, block in blocks:
-        try:
-            found = model.get_submodule(name)
-        except AttributeError:
-            found = None
-        if found is not block:
-            raise StrategyError(
-                f"{kind}.pipeline_blocks(): {name!r} is not the FQN of that block in the model; "
-                "return the blocks under their names in the model"
-            )
-    for a in names:
-        for b in names:
-            if a != b and b.startswith(a + "."):
-                raise StrategyError(f"{kind}: block {b!r} is nested inside block {a!r}")
-    owner: dict[int, str] = {}
-    for name, block in blocks:
-        for t in [*block.parameters(), *block.buffers()]:
-            if id(t) in owner:
-                raise StrategyError(
-                    f"{kind}: blocks {owner[id(t)]!r} and {name!r} share a tensor (tied "
-                    "weights); untie them or keep them in one block"
-                )
-            owner[id(t)] = name
-    outside = [
-        fqn
-        for fqn, _ in [
-            *model.named_parameters(remove_duplicate=False),
-            *model.named_buffers(remove_duplicate=False),
-        ]
-        if not any(fqn.startswith(n + ".") for n in names)
-    ]
-    if outside:
-        raise StrategyError(
-            f"{kind} cannot be pipelined: {outside[:5]} belong to no pipeline block; "
-            "move them into a block"
-        )
-    return blocks
-
-
-def pipeline_blocks_or_none(model: nn.Module) -> list[tuple[str, nn.Module]] | None:
-    """Like ``pipeline_blocks`` but ``None`` for a model that is not pipeline-ready."""
-    try:
-        return pipeline_blocks(model)
-    except StrategyError:
-        return None
 
 
 def balanced_split(weights: Sequence[int], stages: int) -> tuple[int, ...]:
@@ -191,8 +102,9 @@ def balanced_split(weights: Sequence[int], stages: int) -> tuple[int, ...]:
 
 def replica_batches(spec: StrategySpec) -> list[int]:
     """``B_j``: samples per step of each data-parallel replica ``j`` (the sum of the shares of
-    its ranks ``j, D + j, 2 D + j, ...``), assuming ``pp_degree`` divides the world size."""
-    d = spec.world_size // spec.pp_degree
+    its ranks ``j, D + j, 2 D + j, ...``). Raises ``StrategyError`` when the degrees do not
+    multiply to the world size."""
+    d = spec.degrees.dp
     return [sum(spec.shares[j::d]) for j in range(d)]
 
 
@@ -245,7 +157,6 @@ def _resolve_split(spec: StrategySpec, blocks: Sequence[tuple[str, nn.Module]]) 
     return split
 
 
-@register
 class Pipeline(Strategy):
     """Pipeline parallelism, alone or x dp/zero on a 2-D mesh (see the module docstring).
 
@@ -260,22 +171,10 @@ class Pipeline(Strategy):
     @classmethod
     def validate(cls, spec: StrategySpec, model: nn.Module) -> None:
         super().validate(spec, model)
-        pp, world = spec.pp_degree, spec.world_size
+        pp, world, d = spec.pp_degree, spec.world_size, spec.degrees.dp
         if pp < 2:
             raise StrategyError(
                 f"pipeline needs pp_degree >= 2 (got {pp}); for one stage use dp or zero1/2/3"
-            )
-        if world % pp:
-            raise StrategyError(
-                f"pp_degree {pp} x dp degree must equal the world size {world}: "
-                f"choose a pp_degree that divides {world}"
-            )
-        d = world // pp
-        dp_degree = spec.options.get("dp_degree")
-        if dp_degree is not None and dp_degree * pp != world:
-            raise StrategyError(
-                f"pp_degree {pp} x dp_degree {dp_degree} = {pp * dp_degree}, not the world "
-                f"size {world}"
             )
         if spec.schedule not in SCHEDULES:
             raise StrategyError(
@@ -283,6 +182,11 @@ class Pipeline(Strategy):
             )
         if spec.dp_mode not in DP_MODES:
             raise StrategyError(f"unknown dp_mode {spec.dp_mode!r}; choose one of {DP_MODES}")
+        v = spec.options.virtual_stages
+        if v != 1 and v != _stages_per_rank(spec.schedule):
+            raise StrategyError(
+                f"virtual_stages {v}: the {spec.schedule} schedule runs "
+                f"{_stages_per_rank(spec.schedule)} stage(s) per rank")
         _resolve_split(spec, pipeline_blocks(model))
         m = spec.micro_batches
         if m < 1:
@@ -319,15 +223,11 @@ class Pipeline(Strategy):
             ScheduleInterleaved1F1B,
         )
 
-        from .fsdp import shard_module
-        from .zero import ShardedUpdate
-
         self._meshes: list[object] = []  # FSDP meshes (zero3 mode), released at close
         self._stage_keys: set[str] | None = None  # model entries of this rank's stages
         self.pending_update = False  # gradients complete, update not applied (see train_step)
         self._index: ShardMap | None = None  # zero3 inside: where its shards lie
-        pp = spec.pp_degree
-        d = rt.world_size // pp
+        pp, d = spec.degrees.pp, spec.degrees.dp
         self.stage_rank, self.replica = divmod(rt.rank, d)
         self._own_groups: list[dist.ProcessGroup] = []
         if d > 1:  # every rank creates every group, in the same order
@@ -352,7 +252,7 @@ class Pipeline(Strategy):
             for i in self.stage_ids
         ]
         self.mode = spec.dp_mode if d > 1 else "dp"
-        reshard = bool(spec.options.get("reshard_after_forward", True))
+        reshard = spec.options.reshard_after_forward
         if self.mode == "zero3":
             for st in self.stages:
                 self._meshes.append(shard_module(st, self.dp_group, rt.device, st.blocks, reshard))
@@ -495,8 +395,6 @@ class Pipeline(Strategy):
         return True
 
     def full_state(self) -> CanonicalState:
-        from .fsdp import sharded_full_state
-
         if self.update is None:  # zero3 inside: all-gather the stage within its dp group first
             partial = sharded_full_state(self.stages, self.optimizer)
         else:
@@ -504,8 +402,6 @@ class Pipeline(Strategy):
         return gather_union(partial, self.rt.device)
 
     def load_full_state(self, state: CanonicalState) -> None:
-        from .fsdp import load_sharded_state
-
         self._zero_grad()
         if self.update is None:
             load_sharded_state(self.stages, self.optimizer, state)
@@ -521,8 +417,6 @@ class Pipeline(Strategy):
     def needs(self, key: str, shape: tuple[int, ...]) -> bool | tuple[int, int]:
         """This rank's stages only: their model entries, and the optimizer entries it steps
         (all of its stages' under dp, the owned ones under zero1/2, its rows under zero3)."""
-        from .zero import owned_needs
-
         if self.update is None:
             return self._shards().needs(key, shape)
         if self._stage_keys is None:
@@ -530,8 +424,6 @@ class Pipeline(Strategy):
         return owned_needs(key, self.update.owned, self._stage_keys)
 
     def _shards(self) -> ShardMap:
-        from .fsdp import ShardMap
-
         if self._index is None:
             self._index = ShardMap(self.stages)
         return self._index
@@ -553,8 +445,6 @@ class Pipeline(Strategy):
         return super().local_rows()
 
     def load_state(self, state: CanonicalState) -> None:
-        from .fsdp import load_sharded_state
-
         if self.update is not None:
             self.load_full_state(state)  # it takes its stages' entries and ignores the rest
             return
@@ -562,8 +452,6 @@ class Pipeline(Strategy):
         load_sharded_state(self.stages, self.optimizer, state, sliced=True)
 
     def memory_counts(self) -> dict[str, int]:
-        from .fsdp import sharded_counts
-
         if self.update is None:
             return sharded_counts(self.stages, self.optimizer)
         params = [p for st in self.stages for p in st.parameters()]
@@ -580,8 +468,6 @@ class Pipeline(Strategy):
     def close(self) -> None:
         if self.update is not None:
             self.update.close()
-        from .fsdp import release_mesh
-
         for mesh in self._meshes:
             release_mesh(mesh)
         self._index = None  # it holds the stages' DTensors (and so their mesh's group)

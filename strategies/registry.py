@@ -1,44 +1,42 @@
-"""Name -> Strategy class. The only place that maps strategy names to code."""
+"""Name -> Strategy class. The only place that maps strategy names to code.
+
+Torch-free until a class is asked for: ``names()`` lists the layouts without importing them,
+and ``get(name)`` imports the one module that implements ``name``. The layouts do not import
+this module (so no import cycle runs through it). A new layout is one entry here and one
+``Traits`` in ``strategies.traits.TRAITS`` (a test checks that the two name the same set).
+"""
 
 from __future__ import annotations
 
-from .base import Strategy, StrategyError
+import importlib
+from typing import TYPE_CHECKING
 
-__all__ = ["register", "get", "names"]
+from .errors import StrategyError
 
-_REGISTRY: dict[str, type[Strategy]] = {}
+if TYPE_CHECKING:
+    from .base import Strategy
 
+__all__ = ["get", "names"]
 
-def register(cls: type[Strategy]) -> type[Strategy]:
-    """Class decorator: make ``cls`` available under ``cls.name``."""
-    if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
-        raise ValueError(f"strategy {cls.name!r} registered twice")
-    _REGISTRY[cls.name] = cls
-    return cls
+# name -> (module, class)
+_LAYOUTS: dict[str, tuple[str, str]] = {
+    "dp": ("strategies.dp", "DataParallel"),
+    "zero1": ("strategies.zero", "Zero1"),
+    "zero2": ("strategies.zero", "Zero2"),
+    "zero3": ("strategies.fsdp", "FullyShardedDataParallel"),
+    "pipeline": ("strategies.pipeline", "Pipeline"),
+}
 
 
 def get(name: str) -> type[Strategy]:
-    _load_builtins()
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise StrategyError(
-            f"unknown strategy {name!r}; choose one of {', '.join(names())}"
-        ) from None
+    """The class of strategy ``name``. Raises ``StrategyError`` naming the known ones."""
+    if name not in _LAYOUTS:
+        raise StrategyError(f"unknown strategy {name!r}; choose one of {', '.join(names())}")
+    module, attr = _LAYOUTS[name]
+    cls: type[Strategy] = getattr(importlib.import_module(module), attr)
+    return cls
 
 
 def names() -> list[str]:
-    _load_builtins()
-    return sorted(_REGISTRY)
-
-
-def _load_builtins() -> None:
-    # Imported lazily so that importing the registry has no side effects.
-    import importlib
-
-    for mod in ("dp", "zero", "fsdp", "pipeline"):
-        try:
-            importlib.import_module(f"strategies.{mod}")
-        except ModuleNotFoundError as e:  # a strategy module not written yet
-            if e.name != f"strategies.{mod}":
-                raise
+    """Every strategy name, sorted (imports no layout)."""
+    return sorted(_LAYOUTS)

@@ -35,7 +35,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .base import CanonicalState, Strategy
+from .base import Strategy
+from .canonical import CanonicalState
 from .health import record as record_failure
 
 __all__ = ["ReshardResult", "reshard", "plan_moves", "Move"]

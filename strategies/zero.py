@@ -41,22 +41,15 @@ import torch.distributed as dist
 from torch import nn
 
 from ._gather import assign_owners, gather_union, global_ranks
-from .base import (
+from .base import LossFn, OptimizerFactory, Runtime, Strategy, before_update, grad_sq_sum
+from .canonical import (
     CanonicalState,
-    LossFn,
-    OptimizerFactory,
-    Runtime,
-    Strategy,
-    StrategySpec,
-    before_update,
-    grad_sq_sum,
-    lockstep_micro_batches,
     model_state_to_canonical,
     optimizer_state_from_canonical,
     optimizer_state_to_canonical,
 )
 from .health import record as record_failure
-from .registry import register
+from .spec import StrategySpec, lockstep_micro_batches
 
 __all__ = ["ShardedUpdate", "Zero1", "Zero2", "UPDATE_MODES"]
 
@@ -307,7 +300,8 @@ class _Zero(Strategy):
         # micro-batches: ZeRO-1 reduces after the last one only; ZeRO-2 reduces each to the
         # owners (whose gradients accumulate the sums; the others drop theirs each time, so
         # gradients stay about 1/N between micro-batches), hence the same count on every rank
-        parts = self.chunks(n, lockstep_micro_batches(self.spec) if self.mode == "zero2" else None)
+        lockstep = self.spec.traits.lockstep_micro_batches
+        parts = self.chunks(n, lockstep_micro_batches(self.spec) if lockstep else None)
         total = 0.0
         for i, (a, b) in enumerate(parts):
             self.update.sync = self.mode == "zero2" or i == len(parts) - 1
@@ -366,7 +360,6 @@ class _Zero(Strategy):
         del self.update, self.model
 
 
-@register
 class Zero1(_Zero):
     """ZeRO-1: optimizer state sharded by parameter ownership; gradients all-reduced."""
 
@@ -374,14 +367,8 @@ class Zero1(_Zero):
     mode = "zero1"
 
 
-@register
 class Zero2(_Zero):
     """ZeRO-2: optimizer state and gradients at rest sharded by parameter ownership."""
 
     name = "zero2"
     mode = "zero2"
-
-    @classmethod
-    def validate(cls, spec: StrategySpec, model: nn.Module) -> None:
-        super().validate(spec, model)
-        lockstep_micro_batches(spec)  # each micro-batch reduces: all ranks run as many

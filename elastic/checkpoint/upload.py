@@ -26,6 +26,7 @@ from elastic.checkpoint.shard_format import (
     ItemEntry,
     ShardIndex,
     checksum_fn,
+    dtype_from_name,
     index_checksum,
 )
 from elastic.checkpoint.store import CheckpointStore
@@ -59,6 +60,9 @@ class ShardInfo:
     data_bytes: int
     seconds: float = 0.0
     copy_seconds: float = 0.0  # the deferred host copy (and its CRCs) on the upload thread
+    # keys of floating-point entries holding NaN or inf (at most 5): the controller never
+    # commits such a checkpoint (its state is not one to resume from)
+    nonfinite: tuple[str, ...] = ()
 
     @property
     def throughput(self) -> float:
@@ -70,7 +74,9 @@ class ShardInfo:
 
     @staticmethod
     def from_dict(d: Mapping[str, Any]) -> ShardInfo:
-        return ShardInfo(**{k: d[k] for k in ShardInfo.__dataclass_fields__ if k in d})
+        kw = {k: d[k] for k in ShardInfo.__dataclass_fields__ if k in d}
+        kw["nonfinite"] = tuple(kw.get("nonfinite", ()))
+        return ShardInfo(**kw)
 
 
 class Abandoned(Exception):
@@ -165,6 +171,7 @@ def upload_shard(
             e,
         ) from None
     size = total + len(raw) + FOOTER.size
+    bad = nonfinite_keys(buf, items)
     return ShardInfo(
         step,
         rank,
@@ -176,7 +183,24 @@ def upload_shard(
         len(items),
         total,
         time.perf_counter() - t0,
+        nonfinite=bad,
     )
+
+
+def nonfinite_keys(buf: torch.Tensor, items: list[ItemEntry], most: int = 5) -> tuple[str, ...]:
+    """Keys of the floating-point items of ``buf`` that hold NaN or inf (at most ``most``).
+    Runs on the upload thread, after the host copy: training never waits for it."""
+    bad: list[str] = []
+    for it in items:
+        dt = dtype_from_name(it.dtype)
+        if not dt.is_floating_point or it.length == 0:
+            continue
+        view = buf[it.offset : it.offset + it.length].view(dt)
+        if not bool(torch.isfinite(view).all()):
+            bad.append(it.key)
+            if len(bad) >= most:
+                break
+    return tuple(bad)
 
 
 def _per_item(

@@ -90,6 +90,8 @@ class JobConfig:
     replacement_timeout_s = Setting[float]("failures")
     min_workers_timeout_s = Setting[float]("failures")
     faults = Setting[list[dict[str, Any]] | None]("failures")
+    on_nonfinite = Setting[str]("failures")
+    max_nonfinite_skips = Setting[int]("failures")
     # checkpoints
     checkpoint_uri = Setting[str | None]("checkpoints")
     checkpoint_every = Setting[int]("checkpoints")
@@ -270,7 +272,8 @@ class JobConfig:
             return self.checkpoints.location
         root = os.path.abspath(os.path.join(self.run_path, "checkpoints"))
         if self._default_location is None or self._default_location.root != root:
-            self._default_location = StorageLocation.parse(root, self.checkpoint_options)
+            # a local directory takes no options (any given are for an s3/gs resume URI)
+            self._default_location = StorageLocation.parse(root)
         return self._default_location
 
     def for_worker(self) -> WorkerConfig:
@@ -281,7 +284,8 @@ class JobConfig:
             switch_check=self.switch_check, switch_move=self.switch_move,
             checkpoint_every=ck.every, checkpoint_wait_s=ck.wait_s,
             checkpoint_location=self.checkpoint_location if ck.enabled else None,
-            run_path=self.run_path,
+            run_path=self.run_path, on_nonfinite=self.on_nonfinite,
+            max_nonfinite_skips=self.max_nonfinite_skips,
             faults=tuple(self.faults) if self.faults is not None else None)
 
     # ------------------------------------------------------------------ code

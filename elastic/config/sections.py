@@ -398,10 +398,14 @@ def _faults(faults: Any) -> None:
                 not {"rank", "step", "action"} <= set(f):
             raise ConfigError(key, f"{f!r} is not a fault.", fix)
         for k in ("rank", "step"):
-            integer(f[k], f"{key}.{k}", 0, fix)
-        one_of(f["action"], f"{key}.action", FAULT_ACTIONS)
-        if f.get("dir") is not None:
-            text(f["dir"], f"{key}.dir", fix=fix)
+            v = f[k]
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ConfigError(key, f"{k} must be an integer >= 0, got {v!r}.", fix)
+        if f["action"] not in FAULT_ACTIONS:
+            raise ConfigError(key, f"unknown action {f['action']!r}.",
+                              f"use one of: {', '.join(FAULT_ACTIONS)}")
+        if f.get("dir") is not None and not isinstance(f["dir"], str):
+            raise ConfigError(key, f"dir must be a path, got {f['dir']!r}.", fix)
 
 
 def _emulation(i: int, emu: Any) -> None:
@@ -437,10 +441,19 @@ class Failures(Section):
     # [{rank, step, action: exit|pause|hang|raise|nan, dir: marker directory (default
     # <run_path>/faults)}] (elastic/worker/faults.py, docs/architecture.md, Fault injection)
     faults: list[dict[str, Any]] | None = None
+    # a step whose loss or gradient norm is NaN or inf: skip (drop its update on every rank;
+    # more than max_nonfinite_skips in a row stop the job), rollback (restore the newest
+    # checkpoint and go on; the same step again stops the job) or stop (at once)
+    on_nonfinite: str = "skip"
+    max_nonfinite_skips: int = 5
 
     def __post_init__(self) -> None:
         _faults(self.faults)
-        integer(self.max_failures, "max_failures", 0, "0 fails at the first loss")
+        integer(self.max_failures, "max_failures", -1,
+                "0 fails at the first loss, -1 recovers without limit")
+        one_of(self.on_nonfinite, "on_nonfinite", ("skip", "rollback", "stop"))
+        integer(self.max_nonfinite_skips, "max_nonfinite_skips", 0,
+                "e.g. max_nonfinite_skips: 5 (0: the first non-finite step stops the job)")
         number(self.hang_timeout_s, "hang_timeout_s", above=True,
                       fix="e.g. hang_timeout_s: 60 (seconds a collective may take)")
         number(self.replacement_timeout_s, "replacement_timeout_s")

@@ -4,7 +4,7 @@
 It holds three checked sections (training, data, evaluation), the switch settings, and the
 checkpoint settings with the location already parsed, so a worker neither checks nor parses
 anything again. Its attribute and method names are the ones ``elastic/worker.py`` reads of a
-``JobConfig`` (``tests/test_config.py`` holds it to that), so the worker can take either.
+``JobConfig`` (``tests/unit/test_config.py`` holds it to that), so the worker can take either.
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ class WorkerConfig:
     checkpoint_location: StorageLocation | None  # None: the job writes no checkpoints
     run_path: str = ""  # the job's run directory, resolved on the driver
     faults: tuple[dict[str, Any], ...] | None = None  # test aid (elastic/worker/faults.py)
+    on_nonfinite: str = "skip"  # what a step with a NaN/inf loss or gradient does
+    max_nonfinite_skips: int = 5
 
     precision = Setting[str]("training")
     seed = Setting[int]("training")

@@ -27,11 +27,7 @@ Emit = Callable[..., Any]
 
 def spec_dict(spec: StrategySpec) -> dict[str, Any]:
     """A spec as JSON-able data (events, manifests)."""
-    import dataclasses
-
-    d = dataclasses.asdict(spec)
-    d["shares"] = list(spec.shares)
-    return d
+    return spec.to_dict()
 
 
 def read_detail(outs: list[dict[str, Any]]) -> str:
@@ -96,6 +92,17 @@ class CheckpointTracker:
         step, spec = ck["step"], ck["spec"]
         self.in_flight = None
         manifest = None
+        bad = {o["info"]["rank"]: o["info"].get("nonfinite") for o in outs
+               if o and "info" in o and o["info"].get("nonfinite")}
+        if bad and not errors:  # never a checkpoint of a state with NaN or inf in it
+            group.checkpoint_done(step, False)
+            self._emit("checkpoint_refused", f"step {step} not committed: its state holds "
+                       "non-finite values (" + "; ".join(
+                           f"rank {r}: {', '.join(list(k)[:3])}" for r, k in sorted(bad.items()))
+                       + "); the newest committed checkpoint stays the last good one",
+                       data={"step": step, "nonfinite": {str(r): list(k)
+                                                          for r, k in bad.items()}}, step=step)
+            return
         if not errors:
             infos = sorted((o["info"] for o in outs if o), key=lambda i: i["rank"])
             meta = CheckpointMeta(
@@ -135,6 +142,17 @@ class CheckpointTracker:
         self._emit("checkpoint_failed", f"step {step} abandoned: a worker was lost during its "
                    "upload")
         self.in_flight = None
+
+    def final(self, group: Any, spec: StrategySpec, step: int) -> None:
+        """A job stopped before ``max_steps`` (a request, a signal): take a checkpoint of
+        the state it stopped at, unless one of that step is committed or in flight already."""
+        if self.store is None or self.in_flight is not None and self.in_flight["step"] == step:
+            return
+        last = self.last_event.data.get("step") if self.last_event is not None else None
+        if last == step:
+            return
+        for out in group.checkpoint_now():
+            self.on_metric(out, spec)
 
     def finish(self, group: Any, timeout_s: float = 300.0) -> None:
         """At the end of the run, wait (bounded) for the checkpoint in flight to commit."""
@@ -184,6 +202,27 @@ class CheckpointTracker:
                        + "; this job writes to its own", data={"uri": plan.store.uri,
                                                               "step": plan.step})
         return plan.store, plan.step
+
+    def resume(self, group: Any, spec: StrategySpec, store: CheckpointStore, step: int) -> int:
+        """Restore the checkpoint a resume planned; when the workers find it corrupt (bytes
+        that do not match the manifest) and ``resume`` names no step, fall back to the next
+        older intact one, an event naming each bad one. Returns the step restored."""
+        from ..checkpoint import resume_store
+        from ..errors import CheckpointCorruptError
+
+        pinned = resume_store(self.cfg.resume, store)[1] is not None
+        while True:
+            try:
+                self.restore(group, spec, store, step, reason="resume")
+                return step
+            except CheckpointCorruptError as e:
+                if pinned:
+                    raise
+                self.bad_steps.add(step)
+                self._emit("checkpoint_corrupt", f"checkpoint step {step} at {store.uri} cannot "
+                           f"be restored: {str(e)[:300]}; resuming from an older one",
+                           data={"step": step, "shard": getattr(e, "shard", None)})
+                store, step = self.find_resume(self.cfg.resume)
 
     def restore(self, group: Any, spec: StrategySpec, store: CheckpointStore, step: int,
                 reason: str) -> None:

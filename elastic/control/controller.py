@@ -94,6 +94,7 @@ class Controller:
         self._segment: Any = None
         self._stop_at: int | None = None  # a stop asked for: the job ends at this step
         self.interrupts = Interrupts()
+        self._rolled_back: set[int | None] = set()  # steps a non-finite rollback came from
         self._switch_done = -1  # the boundary whose scheduled switch has run
         self.sizing = Sizing(config, self.inbox)
         self._mem_at = 0.0
@@ -192,6 +193,7 @@ class Controller:
             self._resume = self.tracker.find_resume(cfg.resume)
         if self._group_factory is None:  # on Ray: attach, or start a local one
             self._started_ray = _ray_connect(cfg)
+            self.interrupts.reclaim()
         self.inbox.mailbox = (self._mailbox_factory or _ray_mailbox)(cfg.job_name)  # the name
         self.tracker.claim()  # and the checkpoint URI, before anything is written
         run_dir = run_directory(cfg)
@@ -225,9 +227,7 @@ class Controller:
         self.layouts.apply(self.group, spec, None, reason="start")
         self.spec = spec
         if self._resume is not None:
-            store, step = self._resume
-            self.tracker.restore(self.group, spec, store, step, reason="resume")
-            self.step = step
+            self.step = self.tracker.resume(self.group, spec, *self._resume)
         return self._next_segment()
 
     def _run(self, st: Running) -> State:
@@ -244,6 +244,7 @@ class Controller:
                 return Recovering(root_cause(poll.failures))
             self._drain()
             self._check_interrupt()
+            self.sizing.settle(len(self.workers))  # growth that waited too long is refused
             self.inbox.poll_mailbox(self.status())
             self.tracker.tick(self.group)
             if poll.done:
@@ -303,18 +304,9 @@ class Controller:
 
     def _switch(self, st: Switching) -> State:
         assert self.spec is not None and self.layouts is not None
-        from strategies.base import StrategyError
-
         try:
-            spec = self.layouts.make(st.target, len(self.workers), self.group)
-            try:
-                self.layouts.check(spec)
-            except StrategyError as e:
-                self._emit("switch_refused", f"{st.target}: {e}")
-                raise SwitchError(f"cannot switch to {st.target}: {e}") from None
-            self.layouts.apply(self.group, spec, self.spec, st.reason)
-            self.spec = spec
-            self._answer(st.request, spec.name)
+            self.spec = self.layouts.switch(self.group, st.target, self.spec, st.reason)
+            self._answer(st.request, self.spec.name)
         except SwitchError as e:  # the job goes on in the layout it has
             if st.request is None:
                 self._emit("switch_failed", f"{e}; training goes on as {self.spec.name}",
@@ -333,6 +325,15 @@ class Controller:
 
     def _recover(self, st: Recovering) -> State:
         assert self.regroup is not None and self.spec is not None
+        f = st.failure
+        if getattr(f.error, "rollback", False) and f.step not in self._rolled_back:
+            self._rolled_back.add(f.step)  # the same step again stops the job
+            self._segment = None
+            back = self.regroup.rollback(f, self.spec)
+            if isinstance(back, GiveUp):
+                return Failed(f.error or InfrastructureError(back.reason))
+            self.step = back.step
+            return AtBoundary(self.step)
         self.failures += 1
         seg, self._segment = self._segment, None
         out = self.regroup.recover(st.failure, self.failures, seg, self.spec,
@@ -348,6 +349,8 @@ class Controller:
         return AtBoundary(self.step)
 
     def _finish(self, st: Finishing) -> State:
+        if self._stop_at is not None and self.spec is not None:  # stopped early: keep it
+            self.tracker.final(self.group, self.spec, self.step)
         self.tracker.finish(self.group)
         final = self.group.final_state()
         last = self.history[-1]["loss"] if self.history else float("nan")

@@ -13,9 +13,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from strategies import StrategySpec
+from strategies import StrategyError, StrategySpec
 from strategies import get as get_strategy
-from strategies.base import StrategyError
+from strategies.traits import DP_MODES, TRAITS, traits_of
 
 from ..data import even_shares
 from ..errors import ConfigError, SwitchError
@@ -23,7 +23,7 @@ from .checkpoints import spec_dict
 
 __all__ = ["Layouts"]
 
-_SHARE_BALANCED = ("dp", "zero1", "zero2", "zero3")
+_SHARE_BALANCED = DP_MODES  # layouts whose ranks each run a share of the batch
 
 
 class Layouts:
@@ -45,7 +45,7 @@ class Layouts:
         them too. With the live ``group`` of that size, shares follow measured speeds when
         balancing and ``auto`` asks the planner."""
         spec = self._plan(name, world, group)
-        return dataclasses.replace(spec, options={**self.cfg.strategy_options(), **spec.options})
+        return dataclasses.replace(spec, options=spec.options.over(self.cfg.strategy_options()))
 
     def _plan(self, name: str, world: int, group: Any) -> StrategySpec:
         from ..planning import auto_spec, balanced_shares, speed_stage_split
@@ -65,7 +65,8 @@ class Layouts:
                                                           "speeds": speeds, "links": links})
             return spec
         pp = cfg.pp_degree
-        if name == "pipeline" and pp == 1:
+        pipeline = name in TRAITS and TRAITS[name].pipeline
+        if pipeline and pp == 1:
             pp = world
         shares = even_shares(g, world)
         split = None
@@ -74,7 +75,7 @@ class Layouts:
             if name in _SHARE_BALANCED:
                 shares = balanced_shares(g, speeds)
                 self.used_speeds = speeds
-            elif name == "pipeline" and cfg.schedule != "interleaved" and world % pp == 0:
+            elif pipeline and cfg.schedule != "interleaved" and world % pp == 0:
                 d = world // pp
                 try:
                     split = speed_stage_split(self.probe_model,
@@ -103,7 +104,7 @@ class Layouts:
         world, else takes the nearest degree that does), else the planner's choice."""
         first = self.make(name, world, group)
         candidates = [first]
-        if name == "pipeline":
+        if traits_of(name).pipeline:
             degrees = sorted((d for d in range(2, world + 1) if world % d == 0),
                              key=lambda d: (abs(d - first.pp_degree), d))
             candidates += [dataclasses.replace(first, pp_degree=d) for d in degrees]
@@ -199,6 +200,19 @@ class Layouts:
         return dataclasses.replace(spec, shares=decision.shares)
 
     # ------------------------------------------------------------------ applying
+
+    def switch(self, group: Any, target: str, old: StrategySpec, reason: str) -> StrategySpec:
+        """Move the live job from ``old`` into strategy ``target`` on the same workers;
+        returns the new spec. ``SwitchError`` when it cannot run there (refused, with an
+        event) or the move fails (the workers keep ``old``)."""
+        spec = self.make(target, len(group.workers), group)
+        try:
+            self.check(spec)
+        except StrategyError as e:
+            self._emit("switch_refused", f"{target}: {e}")
+            raise SwitchError(f"cannot switch to {target}: {e}") from None
+        self.apply(group, spec, old, reason)
+        return spec
 
     def apply(self, group: Any, spec: StrategySpec, old: StrategySpec | None,
               reason: str) -> None:

@@ -230,6 +230,26 @@ class Regroup:
                                                              for w in group.workers]})
         return Regrouped(new_spec, step, source, detail)
 
+    def rollback(self, failure: Failure, spec: StrategySpec) -> Regrouped | GiveUp:
+        """``on_nonfinite: rollback``: a step's loss or gradient was not finite on the live
+        group (every worker raised at the same step, the group is intact): restore the newest
+        committed checkpoint before that step on the same workers and go on from there. A
+        checkpoint is never committed with non-finite state, so it is finite. The caller
+        refuses a second rollback for the same step (the data would bring it back)."""
+        bad = failure.step if failure.step is not None else 1 << 62
+        self._drain()  # steps done before the bad one, then void past the checkpoint
+        got = self.tracker.restore_newest(self.group, spec,
+                                          tuple(s for s in self.tracker.valid_steps() if s <= bad))
+        if got is None:
+            return GiveUp(f"{failure.message}; no committed checkpoint before step {bad} to "
+                          "roll back to. Fix: take checkpoints (checkpoint_every), or set "
+                          "on_nonfinite: skip")
+        step, detail = got
+        self.steps.truncate(step)
+        self._emit("rolled_back", f"non-finite loss or gradient at step {bad}: back to "
+                   f"checkpoint step {step}{detail}", data={"from": bad, "to": step})
+        return Regrouped(spec, step, "checkpoint", detail)
+
     def _roll_forward(self) -> None:
         """A step's final all-reduce can complete on some ranks and fail on others: if any
         survivor applied step s, those still at s with complete gradients apply theirs, so

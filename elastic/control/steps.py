@@ -8,7 +8,6 @@ in force (``record(step, None, ...)``), so ``data_log.jsonl`` shows every comple
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -19,14 +18,7 @@ from ..data import share_bounds
 from ..events import RunLog
 from ..view import View
 
-__all__ = ["StepLog", "finite_or_none"]
-
-
-def finite_or_none(x: Any) -> Any:
-    """A float that JSON can hold: NaN and inf become None (metrics.jsonl stays strict)."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    return x
+__all__ = ["StepLog"]
 
 
 class StepLog:
@@ -69,7 +61,7 @@ class StepLog:
             entry["note"] = "completed while a worker was lost; its loss was not reported"
         self.history.append(entry)
         if self.log is not None:
-            self.log.metric({k: finite_or_none(v) for k, v in entry.items()})
+            self.log.metric(entry)  # strict JSON: NaN written as null
             bounds = [share_bounds(spec.shares, r) for r in range(spec.world_size)]
             self.log.data({"step": step, "generation": gen, "ranges": bounds,
                            "global_samples": m["global_samples"] if m else None})

@@ -20,7 +20,7 @@ from typing import Any
 from strategies import StrategySpec
 
 from ..errors import ClusterError, ElasticError, InfrastructureError, WorkerError, WorkerLostError
-from ..failures import Failure, classify
+from ..failures import Failure, classify, first_cause
 from .group import Segment, SegmentPoll, WorkerRec
 
 __all__ = ["WorkerGroup", "Placement", "WorkerRec", "Segment", "SegmentPoll"]
@@ -346,9 +346,9 @@ class WorkerGroup:
         port = self._get(head.handle.free_port.remote())
         addr = head.info["ip"]
         t0 = time.perf_counter()
-        self._get_all([w.handle.join.remote(addr, port, w.rank, len(self.workers),
+        self._call_each([w.handle.join.remote(addr, port, w.rank, len(self.workers),
                                             self.generation, self.cfg.hang_timeout_s)
-                       for w in self.workers])
+                       for w in self.workers], self.workers)
         return addr, port, time.perf_counter() - t0
 
     def remove(self, dead: Sequence[WorkerRec]) -> None:
@@ -531,6 +531,10 @@ class WorkerGroup:
                 out.append({"error": f"worker {w.rank} did not answer"})
         return out
 
+    def checkpoint_now(self) -> list[dict[str, Any]]:
+        """Every worker begins a checkpoint of the state as it is (collective)."""
+        return self._call("checkpoint_now")
+
     def checkpoint_done(self, step: int, committed: bool) -> None:
         for w in self.workers:
             w.handle.checkpoint_done.remote(step, committed)
@@ -549,18 +553,22 @@ class WorkerGroup:
 
     def _call_each(self, refs: list[Any], ws: Sequence[WorkerRec],
                    timeout_s: float | None = None) -> list[Any]:
-        """Every result, or the typed error of the first worker that failed."""
+        """Every result, or the typed error of the lowest rank that failed; an error that only
+        echoes a peer's failure (``secondary``) gives way to that peer's own."""
         import ray
 
         try:
             return list(ray.get(refs, timeout=timeout_s))
         except Exception:  # noqa: BLE001 - find which worker and type it
             pass
+        errors: list[BaseException] = []
         for w, ref in zip(ws, refs, strict=True):
             try:
                 ray.get(ref, timeout=timeout_s)
             except Exception as e:  # noqa: BLE001 - typed
-                raise _typed(e, w) from None
+                errors.append(_typed(e, w))
+        if errors:
+            raise first_cause(errors) from None
         raise InfrastructureError("a worker call failed")  # unreachable in practice
 
     def _get(self, ref: Any) -> Any:
@@ -570,9 +578,6 @@ class WorkerGroup:
             return ray.get(ref)
         except Exception as e:  # noqa: BLE001 - typed
             raise _typed(e) from None
-
-    def _get_all(self, refs: list[Any]) -> list[Any]:
-        return self._call_each(refs, self.workers)
 
     # ------------------------------------------------------------------ teardown
 

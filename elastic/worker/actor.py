@@ -103,11 +103,11 @@ class Worker:
         }
 
     def free_port(self) -> int:
+        """A port for the next group's store, listening on this node's address only (this
+        worker will be rank 0)."""
         import ray
 
-        with socket.socket() as s:
-            s.bind((ray.util.get_node_ip_address(), 0))
-            return int(s.getsockname()[1])
+        return self.membership.open_port(ray.util.get_node_ip_address())
 
     def join(self, addr: str, port: int, rank: int, world: int, generation: int,
              timeout_s: float) -> float:
@@ -244,6 +244,11 @@ class Worker:
         return self._guard(go)
 
     # ------------------------------------------------------------------ checkpoints
+
+    def checkpoint_now(self) -> dict[str, Any]:
+        """Collective: take a checkpoint of the state as it is (the step boundary the job
+        stopped at); returns the checkpoint notice the step loop would report."""
+        return self._guard(lambda: self.checkpoints.now(self.layout.next_step))
 
     def restore_checkpoint(self, spec: StrategySpec, step: int, store: Any = None) -> dict[str, Any]:
         """Lay out ``spec`` from committed checkpoint ``step`` of ``store`` (default: the

@@ -132,6 +132,20 @@ class Checkpointing:
             self._staged_wait_s = 0.0
         return out
 
+    def now(self, step: int) -> dict[str, Any]:
+        """Collective at a step boundary outside the step loop (a job stopped early takes a
+        final checkpoint): begin checkpoint ``step`` now, after the previous one is committed
+        (bounded wait; skipped on every rank if it is not). Returns what ``after_step`` would
+        record."""
+        if self.busy_anywhere() and not self._wait_idle():
+            return {"checkpoint_skipped": step, "rank": self._membership.rank}
+        return {"checkpoint_begun": step, "checkpoint_blocked_s": self._begin(step),
+                "rank": self._membership.rank}
+
+    def busy_anywhere(self) -> bool:
+        """Collective: whether any rank's previous checkpoint is still not committed."""
+        return not self._membership.all_ranks(not self.busy)
+
     def _begin(self, step: int) -> float:
         """Collective: decide which rank writes what, copy it to host memory and start the
         background upload. Returns the seconds training was blocked."""

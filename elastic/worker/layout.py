@@ -20,7 +20,7 @@ from strategies import Strategy, StrategySpec, check_layout, reshard, state_hash
 from strategies import get as get_strategy
 
 from ..config import JobConfig, WorkerConfig
-from ..errors import SwitchError
+from ..errors import PeerReadError, SwitchError
 from ..reference import build_model, build_model_for_load
 from .held_state import HeldState
 from .inputs import JobData
@@ -32,7 +32,7 @@ __all__ = ["Layout", "LrSchedule", "compute_blocks"]
 def compute_blocks(strategy: Any) -> list[torch.nn.Module]:
     """The modules whose forward is this rank's compute, finest first: the blocks of its
     pipeline stages, else the model's pipeline blocks, else the whole local model."""
-    from strategies.pipeline import pipeline_blocks_or_none
+    from strategies.blocks import pipeline_blocks_or_none
 
     stages = getattr(strategy, "stages", None)
     if stages:
@@ -140,12 +140,33 @@ class Layout:
             if state is not None:
                 strat.load_full_state(state)
             elif read is not None:
-                strat.load_state(read(strat))
+                strat.load_state(self._read_agreed(read, strat))
         except BaseException:
             strat.close()
             raise
         self.strategy, self.spec = strat, spec
         self._on_built(strat)
+
+    def _read_agreed(self, read: Callable[[Strategy], dict[str, torch.Tensor]],
+                     strat: Strategy) -> dict[str, torch.Tensor]:
+        """Collective: read this rank's part of a checkpoint, then agree that every rank read
+        its part before any rank starts loading (a load is collective in some layouts: a rank
+        that failed to read would leave its peers blocked there until the group timeout).
+        A rank whose read failed raises its error; the others raise a ``PeerReadError`` (a
+        ``CheckpointCorruptError`` that gives way to the peer's own error), so the controller
+        falls back to an older checkpoint on every rank alike."""
+        try:
+            got: dict[str, torch.Tensor] | None = read(strat)
+            failed: BaseException | None = None
+        except Exception as e:  # noqa: BLE001 - said to every rank first, then raised
+            got, failed = None, e
+        if not self._membership.all_ranks(failed is None):
+            if failed is not None:
+                raise failed
+            raise PeerReadError("another rank could not read its part of the "
+                                         "checkpoint; none of the ranks loaded it")
+        assert got is not None
+        return got
 
     def drop(self) -> None:
         """Close the live strategy (and every reference it had to the group), if any."""
@@ -165,9 +186,9 @@ class Layout:
             model = build_model(self._model_factory, seed)
         self.param_keys = {f"model/{n}" for n, _ in model.named_parameters()}
         # the job's settings every layout applies (the controller's specs carry them already)
-        opts = {**self._config.strategy_options(), **spec.options}
+        opts = spec.options.over(self._config.strategy_options())
         if for_load:
-            opts["init_sync"] = False
+            opts = dataclasses.replace(opts, init_sync=False)
         spec = dataclasses.replace(spec, options=opts)
         cls.validate(spec, model)
         return cls(spec, self._membership.runtime(), model, self._optimizer_factory,

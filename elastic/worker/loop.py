@@ -11,6 +11,7 @@ waits for its own values at once. Evaluation runs between steps.
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 import time
 from collections import deque
@@ -20,8 +21,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from clusters.policy import NonFiniteObservation, NonFinitePolicy, Rollback, SkipStep
+
 from ..config import JobConfig, WorkerConfig
 from ..data import even_shares, fetch_batch, share_bounds
+from ..errors import NonFiniteError
 from .checkpointing import Checkpointing
 from .faults import Faults, nan_inputs
 from .inputs import JobData
@@ -47,6 +51,7 @@ class _Pending:
     lr: float | None = None  # the lr of the step's update (with an lr_schedule)
     grad_norm: float | None = None  # the global gradient norm before clipping (max_grad_norm)
     eval_loss: float | None = None  # the mean loss over eval_dataset after this step
+    ctrl_local_bad: bool = False  # this rank saw a NaN/inf loss or skipped the update
 
 
 class StepLoop:
@@ -69,6 +74,8 @@ class StepLoop:
         self._faults = faults
         self._metrics: deque[dict[str, Any]] = deque()
         self._stop = threading.Event()
+        self._nonfinite_run = 0  # non-finite steps in a row (agreed by every rank)
+        self._nonfinite = NonFinitePolicy(config.on_nonfinite, config.max_nonfinite_skips)
 
     def request_stop(self) -> None:
         """Ask the loop to stop after the current step (all ranks agree on the same step)."""
@@ -106,14 +113,15 @@ class StepLoop:
             norm = strategy.last_grad_norm
             layout.next_step = step + 1
             busy = 1.0 if self._checkpoints.busy else 0.0
-            ctrl = torch.tensor([local, 1.0 if self._stop.is_set() else 0.0, float(hi - lo), busy],
-                                dtype=torch.float64)
+            bad = not math.isfinite(local) or bool(getattr(strategy, "skipped", False))
+            ctrl = torch.tensor([local, 1.0 if self._stop.is_set() else 0.0, float(hi - lo), busy,
+                                 1.0 if bad else 0.0], dtype=torch.float64)
             work = m.ctrl_allreduce(ctrl)
             stop = False
             if pending is not None:  # the previous step's values, reduced meanwhile
                 stop = self._finish_step(pending)
             pending = _Pending(step, work, ctrl, t0, time.perf_counter(), time.time(), lo, hi,
-                               lr, norm)
+                               lr, norm, ctrl_local_bad=bad)
             if self._eval_due(step):  # between steps: its time counts in neither
                 pending.eval_loss = self._evaluate()
             if self._checkpoints.due(step) or step + 1 == end or stop:
@@ -130,7 +138,8 @@ class StepLoop:
         assert p.work is not None
         p.work.wait()
         p.work = None
-        loss, stop, trained, busy = p.ctrl.tolist()
+        loss, stop, trained, busy, bad = p.ctrl.tolist()
+        skipped = self._check_finite(p.step, bad, bool(p.ctrl_local_bad))
         ckpt = self._checkpoints.after_step(p.step, busy > 0)
         dt = p.t_end - p.t0
         self._metrics.append({
@@ -142,8 +151,31 @@ class StepLoop:
             **({"lr": p.lr} if p.lr is not None else {}),
             **({"grad_norm": p.grad_norm} if p.grad_norm is not None else {}),
             **({"eval_loss": p.eval_loss} if p.eval_loss is not None else {}),
+            **({"skipped": True} if skipped else {}),
         })
         return stop > 0
+
+    def _check_finite(self, step: int, bad_ranks: float, mine: bool) -> bool:
+        """Act on step ``step``'s agreed finiteness (``bad_ranks``: how many ranks saw a NaN
+        or inf loss or skipped the update; the layouts skip an update whose global gradient
+        norm is not finite, on every rank alike). Returns whether the step was skipped;
+        raises ``NonFiniteError`` on every rank when the policy says stop or roll back."""
+        if bad_ranks <= 0:
+            self._nonfinite_run = 0
+            return False
+        self._nonfinite_run += 1
+        rank = self._membership.rank
+        d = self._nonfinite.decide(NonFiniteObservation(step, self._nonfinite_run,
+                                                        rank if mine else None))
+        if isinstance(d, SkipStep):
+            return True
+        raise NonFiniteError(
+            f"{d.reason}" + ("" if mine else f" (on {int(bad_ranks)} other rank(s))")
+            + (": rolling back to the newest checkpoint" if isinstance(d, Rollback) else
+               ". Fix: lower the learning rate, clip gradients (max_grad_norm), check the "
+               "data of that step (elastic checkpoints / data_log.jsonl say which samples), "
+               "or set on_nonfinite: skip with a larger max_nonfinite_skips"),
+            step=step, rank=rank if mine else None, rollback=isinstance(d, Rollback))
 
     # ------------------------------------------------------------------ evaluation
 

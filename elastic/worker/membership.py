@@ -2,12 +2,16 @@
 
 Every membership change is a new *generation* of the group: ``join`` forms it (a TCPStore
 rendezvous at the address the controller names, a new port per generation), ``leave`` tears
-it down. Beside the default group, each generation has a gloo group of its own for the
+it down. Rank 0 hosts the store on a socket it bound to its node's address
+(``listen_socket``), not on every interface as ``init_method="tcp://..."`` would: the store
+has no authentication, so it listens only where the group's peers reach it
+(docs/security.md). Beside the default group, each generation has a gloo group of its own for the
 per-step control all-reduce (``control_group``), kept out of torch's group registry.
 """
 
 from __future__ import annotations
 
+import socket
 import threading
 from datetime import timedelta
 from typing import Any, Protocol
@@ -17,7 +21,19 @@ import torch.distributed as dist
 
 from strategies import Runtime, health
 
-__all__ = ["Membership", "Waitable", "control_group"]
+__all__ = ["Membership", "Waitable", "control_group", "listen_socket"]
+
+
+def listen_socket(ip: str) -> socket.socket:
+    """A listening TCP socket on a free port of ``ip`` only (the node's address): rank 0's
+    store takes it over (``TCPStore(master_listen_fd=...)``), so the port cannot be taken
+    between choosing it and using it, and nothing listens on other interfaces."""
+    family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+    s = socket.socket(family, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind((ip, 0))
+    s.listen(128)
+    return s
 
 
 class Waitable(Protocol):
@@ -93,6 +109,19 @@ class Membership:
         self.generation = 0
         self._ctrl_pg: Any = None  # the control all-reduce's own gloo group (control_group)
         self._ctrl_work: Any = None  # its last operation
+        self._listener: socket.socket | None = None  # rank 0's store socket (listen_socket)
+
+    def open_port(self, ip: str) -> int:
+        """Bind a listening socket on ``ip`` for the next group's store (this worker is to be
+        its rank 0) and return its port."""
+        self.close_port()
+        self._listener = listen_socket(ip)
+        return int(self._listener.getsockname()[1])
+
+    def close_port(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
 
     def join(self, addr: str, port: int, rank: int, world: int, generation: int,
              timeout_s: float) -> None:
@@ -100,13 +129,14 @@ class Membership:
         the caller has left any previous one). Nothing has failed in a new group yet:
         ``strategies.health`` is reset."""
         health.reset()
-        dist.init_process_group(
-            self.backend,
-            init_method=f"tcp://{addr}:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=timedelta(seconds=timeout_s),
-        )
+        timeout = timedelta(seconds=timeout_s)
+        fd = self._listener.fileno() if rank == 0 and self._listener is not None else None
+        store = dist.TCPStore(addr, port, world, rank == 0, timeout, master_listen_fd=fd)
+        if fd is not None and self._listener is not None:  # the store owns the socket now:
+            self._listener.detach()  # closing ours would close its listening socket
+            self._listener = None
+        dist.init_process_group(self.backend, store=store, rank=rank, world_size=world,
+                                timeout=timeout)
         self._ctrl_pg = control_group(rank, world, generation, timeout_s)
         self.rank, self.world, self.generation = rank, world, generation
 

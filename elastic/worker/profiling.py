@@ -157,7 +157,7 @@ class Profiler:
     def _blocks(self, batch: int, iters: int = 3) -> dict[str, Any]:
         """Per block of the model: forward+backward seconds per sample (emulation included)
         and the bytes per sample of the activation it hands on."""
-        from ..planning import blocks_of
+        from strategies.blocks import blocks_of
 
         model = build_model(self._model_factory, self._config.seed).to(self._device)
         x, _ = self._data.first(batch)

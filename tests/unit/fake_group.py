@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from elastic.control.group import Segment, SegmentPoll, WorkerRec
-from elastic.errors import GroupError, WorkerError, WorkerLostError
+from elastic.errors import GroupError, NonFiniteError, WorkerError, WorkerLostError
 from elastic.failures import classify
 
 _OPTIM_ENTRIES = ("exp_avg", "exp_avg_sq", "step")
@@ -24,7 +24,7 @@ _OPTIM_ENTRIES = ("exp_avg", "exp_avg_sq", "step")
 class Fault:
     step: int
     rank: int
-    kind: str  # "lost" | "user" | "hang" | "group"
+    kind: str  # "lost" | "user" | "hang" | "group" | "nonfinite" | "nonfinite-rollback"
     fired: bool = False
 
 
@@ -55,6 +55,9 @@ class FakeGroup:
         self.hung: list[WorkerRec] = []
         self.calls: list[tuple[str, Any]] = []  # (method, argument) in order
         self.stop_asked = False
+        self.checkpoint_every = 0  # the job's: steps after which the fake begins a checkpoint
+        self.nonfinite_at: dict[int, list[str]] = {}  # checkpoint step -> keys with NaN
+        self._ckpt: int | None = None  # the checkpoint step uploading
         self._ids = 0
         self._pos: dict[int, int] = {}  # segment -> the step it reached
         self.closed = False
@@ -138,7 +141,9 @@ class FakeGroup:
     def start_segment(self, start: int, end: int) -> Segment:
         self.calls.append(("segment", (start, end)))
         self.stop_asked = False
-        return Segment(start, end, [(w, None) for w in self.workers])
+        seg = Segment(start, end, [(w, None) for w in self.workers])
+        self._pos = {id(seg): start}  # only this segment runs (ids of dead ones are reused)
+        return seg
 
     def poll_segment(self, seg: Segment, timeout_s: float) -> SegmentPoll:
         """One step per poll (so requests and ``on_step`` act as they would live): a stop
@@ -167,6 +172,12 @@ class FakeGroup:
         elif fault.kind == "hang":
             self.hung = [victim]
             err = GroupError(f"rank {(fault.rank + 1) % len(self.workers)}: timed out")
+        elif fault.kind.startswith("nonfinite"):  # every rank raises at the same step
+            rb = fault.kind.endswith("rollback")
+            return SegmentPoll(failures=tuple(
+                classify(NonFiniteError(f"non-finite loss or gradient at step {fault.step}",
+                                        step=fault.step, rank=w.rank if w is victim else None,
+                                        rollback=rb), w.rank) for w in self.workers))
         else:
             err = GroupError(f"rank {fault.rank}: the process group failed")
         others = [classify(GroupError(f"rank {w.rank}: peer gone"), w.rank)
@@ -179,10 +190,14 @@ class FakeGroup:
             if not f.alive:
                 continue
             for s in range(start, end):
-                f.metrics.append({"step": s, "rank": w.rank, "loss": 1.0 / (s + 1),
-                                  "step_time": 0.01, "samples": 4, "samples_per_s": 400.0,
-                                  "time": 0.0, "generation": self.generation,
-                                  "global_samples": 4 * len(self.workers)})
+                m = {"step": s, "rank": w.rank, "loss": 1.0 / (s + 1),
+                     "step_time": 0.01, "samples": 4, "samples_per_s": 400.0,
+                     "time": 0.0, "generation": self.generation,
+                     "global_samples": 4 * len(self.workers)}
+                if self.checkpoint_every and (s + 1) % self.checkpoint_every == 0:
+                    m.update(checkpoint_begun=s + 1, checkpoint_blocked_s=0.001)
+                    self._ckpt = s + 1
+                f.metrics.append(m)
             f.next_step = max(f.next_step, end)
 
     def wind_down(self, seg: Segment, timeout_s: float) -> list[WorkerRec]:
@@ -266,10 +281,24 @@ class FakeGroup:
             f.has_state, f.strategy, f.next_step = True, spec.name, step
 
     def checkpoint_poll(self) -> list[Any]:
-        return [None for _ in self.workers]
+        """Each rank's upload: done at once, naming the keys scripted as non-finite."""
+        if self._ckpt is None:
+            return [None for _ in self.workers]
+        step, bad = self._ckpt, self.nonfinite_at.get(self._ckpt, [])
+        return [{"info": {"step": step, "rank": w.rank, "path": f"shard-{w.rank:05d}.bin",
+                          "size": 1, "checksum": "0" * 64, "index_offset": 0,
+                          "index_length": 0, "items": 0, "data_bytes": 0,
+                          "nonfinite": list(bad) if w.rank == 0 else []}}
+                for w in self.workers]
+
+    def checkpoint_now(self) -> list[dict[str, Any]]:
+        self.calls.append(("checkpoint_now", self.fw(self.workers[0]).next_step))
+        return [{"checkpoint_skipped": self.fw(w).next_step, "rank": w.rank}
+                for w in self.workers]
 
     def checkpoint_done(self, step: int, committed: bool) -> None:
-        pass
+        self.calls.append(("checkpoint_done", (step, committed)))
+        self._ckpt = None
 
     def final_state(self) -> dict[str, Any]:
         return {"model/final": self.fw(self.workers[0]).next_step}

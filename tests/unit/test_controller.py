@@ -243,3 +243,51 @@ def test_a_second_signal_stops_at_once(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         ctl.run()
     assert fake.closed
+
+
+def test_a_checkpoint_of_non_finite_state_is_never_committed(tmp_path):
+    fake = FakeGroup(mlp())
+    fake.checkpoint_every = 5
+    fake.nonfinite_at = {10: ["model/0.weight"]}
+    ctl = Controller(_cfg(tmp_path, checkpoint_every=5), group_factory=lambda cfg: fake,
+                     mailbox_factory=lambda job: None)
+    ctl.run()
+    refused = [e for e in ctl.events if e.kind == "checkpoint_refused"]
+    assert len(refused) == 1 and refused[0].data["step"] == 10
+    assert "model/0.weight" in refused[0].message
+    assert ("checkpoint_done", (10, False)) in fake.calls
+    assert all(e.data["step"] != 10 for e in ctl.events if e.kind == "checkpoint")
+
+
+def test_a_non_finite_step_stops_the_job_naming_step_and_rank(tmp_path):
+    from elastic.errors import NonFiniteError
+
+    ctl, fake = _controller(tmp_path, on_nonfinite="stop")
+    fake.fail(step=6, rank=1, kind="nonfinite")
+    with pytest.raises(NonFiniteError, match="step 6") as info:
+        ctl.run()
+    assert info.value.rank == 1 and info.value.step == 6
+    assert "recovered" not in _kinds(ctl) and fake.closed
+
+
+def test_rollback_restores_the_newest_checkpoint_once_per_step(tmp_path, monkeypatch):
+    from elastic.errors import NonFiniteError
+
+    ctl, fake = _controller(tmp_path, on_nonfinite="rollback")
+    monkeypatch.setattr(type(ctl.tracker), "valid_steps", lambda self: (10, 5))
+    fake.fail(step=7, rank=0, kind="nonfinite-rollback")
+    fake.fail(step=12, rank=1, kind="nonfinite-rollback")
+    result = ctl.run()
+    back = [e for e in ctl.events if e.kind == "rolled_back"]
+    assert [(e.data["from"], e.data["to"]) for e in back] == [(7, 5), (12, 10)]
+    assert ("restore_checkpoint", 5) in fake.calls and ("restore_checkpoint", 10) in fake.calls
+    assert [h["step"] for h in result.history] == list(range(STEPS))
+    assert ctl.failures == 0  # a rollback is not a lost worker
+    # the same step non-finite again after its rollback: the data brings it back, stop
+    ctl2, fake2 = _controller(tmp_path / "again", on_nonfinite="rollback")
+    monkeypatch.setattr(type(ctl2.tracker), "valid_steps", lambda self: (5,))
+    fake2.fail(step=7, rank=0, kind="nonfinite-rollback")
+    fake2.fail(step=7, rank=0, kind="nonfinite-rollback")
+    with pytest.raises(NonFiniteError):
+        ctl2.run()
+    assert len([e for e in ctl2.events if e.kind == "rolled_back"]) == 1

@@ -27,7 +27,7 @@ from clusters import (
     load_cluster,
 )
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PKG = os.path.join(ROOT, "clusters")
 
 
@@ -327,7 +327,11 @@ def test_launcher_file_gives_the_same_cluster_as_the_example():
 
 
 def test_clusters_imports_no_torch_elastic_or_ray():
+    """clusters/ knows hardware and cost: no torch, Ray or elastic. Of strategies/ it reads
+    only the torch-free traits table (what each layout shards: strategies are described
+    once), never the layouts themselves."""
     banned = {"torch", "elastic", "strategies", "ray"}
+    allowed = {"strategies.traits"}
     for f in glob.glob(os.path.join(PKG, "**", "*.py"), recursive=True):
         with open(f) as fh:
             tree = ast.parse(fh.read(), f)
@@ -339,7 +343,7 @@ def test_clusters_imports_no_torch_elastic_or_ray():
             else:
                 continue
             for m in mods:
-                assert m.split(".")[0] not in banned, f"{f} imports {m}"
+                assert m in allowed or m.split(".")[0] not in banned, f"{f} imports {m}"
     code = (
         "import sys, clusters, clusters.simulator, clusters.planner; "
         "bad = [m for m in ('torch', 'ray', 'elastic') if m in sys.modules]; "

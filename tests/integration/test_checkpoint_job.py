@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 
 import elastic
@@ -97,3 +98,55 @@ def _model(state):
 def _slow_mse(out, y):
     time.sleep(0.02)
     return mse(out, y)
+
+
+def _flip_data_byte(store: CheckpointStore, step: int) -> str:
+    """Flip one byte of the first tensor's data in one shard of ``step`` (the index and the
+    manifest stay sound: only reading the data finds it). Returns the shard's name."""
+    with CheckpointReader(store, step) as rd:
+        rec = rd.manifest.shards[-1]
+        ix = rd.index(rec.rank)
+        item = max(ix.items, key=lambda it: it.length)  # a parameter or an optimizer entry
+    path = store.path(store.step_name(step), rec.path)
+    with store.fs.open_input_file(path) as f:
+        body = bytearray(f.read_at(f.size(), 0))
+    body[item.offset + item.length // 2] ^= 0xFF
+    with store.fs.open_output_stream(path) as f:
+        f.write(bytes(body))
+    return str(rec.path)
+
+
+def test_resume_falls_back_past_a_corrupt_newest_checkpoint(ray_local, tmp_path):
+    """One flipped byte in a shard of the newest checkpoint: resume="latest" restores the
+    next older intact one, an event names the bad object, and the run then trains the
+    single-process trajectory from there."""
+    uri = str(tmp_path / "ckpt")
+    elastic.fit(**_cfg(tmp_path, max_steps=8, checkpoint_uri=uri, checkpoint_every=4,
+                       name="fallback-job"))
+    shard = _flip_data_byte(CheckpointStore(uri), 8)
+    r = elastic.fit(**_cfg(tmp_path, max_steps=12, checkpoint_uri=uri, resume="latest",
+                           name="fallback-job", run_dir=str(tmp_path / "run2")))
+    bad = [e for e in r.events if e.kind == "checkpoint_corrupt"]
+    assert len(bad) == 1 and bad[0].data["step"] == 8 and shard in bad[0].message, bad
+    assert next(e for e in r.events if e.kind == "resumed").data["step"] == 4
+    assert [h["step"] for h in r.history] == list(range(4, 12))
+    ref, _ = reference_train(mlp, adam, mse, RegressionData(), G, 12, seed=0)
+    assert max_diff(r.state_dict(), ref) < TOL
+
+
+def test_a_second_job_on_a_claimed_uri_is_refused_before_writing(ray_local, tmp_path):
+    from elastic.errors import CheckpointOwnerError
+
+    uri = str(tmp_path / "shared")
+    elastic.fit(**_cfg(tmp_path, max_steps=4, checkpoint_uri=uri, checkpoint_every=2,
+                       name="job-a"))
+    before = sorted(p.name for p in (tmp_path / "shared").iterdir())
+    with pytest.raises(CheckpointOwnerError, match="job-a"):
+        elastic.fit(**_cfg(tmp_path, max_steps=4, checkpoint_uri=uri, checkpoint_every=2,
+                           name="job-b", run_dir=str(tmp_path / "run-b")))
+    assert sorted(p.name for p in (tmp_path / "shared").iterdir()) == before
+    # forking is explicit: job b starts from a's checkpoint and writes to its own URI
+    r = elastic.fit(**_cfg(tmp_path, max_steps=6, checkpoint_uri=str(tmp_path / "b"),
+                           resume=uri, name="job-b", run_dir=str(tmp_path / "run-b2")))
+    assert any(e.kind == "forked" for e in r.events)
+    assert [h["step"] for h in r.history] == [4, 5]

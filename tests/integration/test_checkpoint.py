@@ -19,6 +19,7 @@ from elastic.checkpoint import (
     CheckpointStore,
     CheckpointWarning,
     Piece,
+    ShardInfo,
     ShardWriter,
     apply_retention,
     assign_owners,
@@ -37,7 +38,7 @@ from elastic.checkpoint import (
     write_shard,
 )
 from elastic.errors import CheckpointError, ConfigError
-from strategies.base import state_hash
+from strategies.canonical import state_hash
 
 # --------------------------------------------------------------------------- helpers
 
@@ -515,3 +516,26 @@ def test_credentials_never_leak(s3_server, caplog) -> None:
     messages.append(str(e.value))
     assert all(SECRET not in t and ACCESS not in t for t in messages), messages
     assert "***" in raw.decode()
+
+
+def test_a_shard_says_which_entries_hold_nan_or_inf(tmp_path):
+    """The upload notes every floating-point entry holding NaN or inf (off the training
+    thread, after the host copy); integer entries and finite ones are not named. The
+    controller never commits such a checkpoint (tests/unit/test_controller.py)."""
+    store = CheckpointStore(str(tmp_path / "ck"))
+    state = {"model/w": torch.ones(64), "model/b": torch.tensor([1.0, float("nan")]),
+             "optim/w/exp_avg_sq": torch.full((8,), float("inf")),
+             "optim/w/step": torch.tensor(3), "model/ids": torch.arange(4)}
+    w = ShardWriter(store, 0)
+    w.begin(1, state, later=lambda k: k.startswith("optim/"))
+    info = w.wait(timeout=30)
+    assert sorted(info.nonfinite) == ["model/b", "optim/w/exp_avg_sq"]
+    assert ShardInfo.from_dict(info.to_dict()).nonfinite == info.nonfinite
+    w.abandon()
+    w.close()
+    state["model/b"][1] = 0.0
+    state["optim/w/exp_avg_sq"].fill_(1.0)
+    w = ShardWriter(store, 0)
+    w.begin(2, state)
+    assert w.wait(timeout=30).nonfinite == ()
+    w.close()

@@ -19,7 +19,7 @@ from elastic.config import Checkpoints, JobConfig
 from elastic.errors import ConfigError
 from tests.helpers import RegressionData, adam, mlp, mse
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SECRET = "Zq9-SECRET-7f3a1c"  # distinctive: searched for in everything written
 ACCESS = "AKIDPROBE4242"
 
@@ -38,12 +38,12 @@ class ReachedRay(Exception):
 @pytest.fixture
 def no_ray(monkeypatch, tmp_path):
     """``elastic.fit`` stops where it would connect to Ray (after the preflight)."""
-    from elastic.controller import Controller
+    from elastic.control import controller
 
-    def guard(self):
+    def guard(cfg):
         raise ReachedRay("the preflight passed")
 
-    monkeypatch.setattr(Controller, "_connect", guard)
+    monkeypatch.setattr(controller, "_ray_connect", guard)
     return tmp_path
 
 
@@ -149,7 +149,7 @@ def test_assigning_a_setting_checks_it_and_the_controllers_writes_still_work():
     ({"keep_last": 0}, "keep_last", "positive integer"),
     ({"keep_last": "3"}, "keep_last", "positive integer"),
     ({"keep_every": -2}, "keep_every", "integer >= 0"),
-    ({"max_failures": -1}, "max_failures", "integer >= 0"),
+    ({"max_failures": -2}, "max_failures", "integer >= -1"),  # -1: unlimited
     ({"checkpoint_wait_s": "long"}, "checkpoint_wait_s", "finite number"),
     ({"replacement_timeout_s": -1}, "replacement_timeout_s", "finite number"),
     ({"placement_timeout_s": None}, "placement_timeout_s", "finite number"),
@@ -334,8 +334,8 @@ def _worker_reads() -> set[str]:
         for node in ast.walk(ast.parse(open(path).read())):
             if isinstance(node, ast.Attribute):
                 v = node.value
-                if (isinstance(v, ast.Name) and v.id == "config") or (
-                        isinstance(v, ast.Attribute) and v.attr == "config"):
+                if (isinstance(v, ast.Name) and v.id in ("config", "_config")) or (
+                        isinstance(v, ast.Attribute) and v.attr in ("config", "_config")):
                     names.add(node.attr)
     return names
 

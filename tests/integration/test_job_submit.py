@@ -10,6 +10,7 @@ command line names its temp dir, and their descendants: workers, job supervisors
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import secrets
@@ -165,7 +166,10 @@ def ray_head():
     tmp = tempfile.mkdtemp(prefix="rj-", dir="/tmp")  # short: Ray's socket paths live in it
     env = {k: v for k, v in os.environ.items()
            if k not in ("RAY_ADDRESS", "RAY_AUTH_TOKEN_PATH", "RAY_API_SERVER_ADDRESS")}
+    # RAY_JOB_STOP_WAIT_TIME_S: how long `ray job stop` lets a driver end after SIGTERM
+    # before SIGKILL (Ray's default, 3 s, is short of a final checkpoint: docs/ray-jobs.md)
     env.update(RAY_TMPDIR=tmp, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32),
+               RAY_JOB_STOP_WAIT_TIME_S="60",
                PATH=BIN + os.pathsep + env.get("PATH", ""), PYTHONUNBUFFERED="1")
     gcs, dash, client, agent = (_free_port() for _ in range(4))
     head = Head(tmp, env, gcs, dash)
@@ -265,6 +269,37 @@ def test_no_wait_job_is_reached_by_elastic_status_and_stopped(ray_head, tmp_path
     logs = ray_head.ray_job("logs", job_id, timeout=60).stdout
     assert re.search(r"\[elastic\] stopped at step \d+: stopped on request", logs), logs
     assert "[elastic] done:" in logs
+
+
+def test_ray_job_stop_ends_the_job_at_a_boundary_with_a_final_checkpoint(ray_head, tmp_path):
+    """`ray job stop` sends SIGTERM: the driver stops the job at the next step boundary, takes
+    a final checkpoint, writes an `interrupted` event and exits 143 (128 + SIGTERM)."""
+    from elastic.checkpoint import CheckpointStore, committed_steps
+
+    run_dir = tmp_path / "runs" / "js-term"
+    wd = _workdir(tmp_path, "term", f"run_dir: {run_dir}\nname: js-term\n"
+                  "max_steps: 1000000\nlog_every: 100\ncheckpoint_every: 1000000\n")
+    out = ray_head.run(RAY, "job", "submit", "--address", ray_head.api, "--no-wait",
+                       "--working-dir", wd, "--", "elastic", "run", "job.yaml")
+    assert out.returncode == 0, out.stdout + out.stderr
+    job_id = _submitted_id(out.stdout + out.stderr)
+    deadline = time.monotonic() + 120
+    while "[elastic] step 100/" not in ray_head.job_logs(job_id):
+        assert ray_head.job_status(job_id) in ("PENDING", "RUNNING"), ray_head.job_logs(job_id)
+        assert time.monotonic() < deadline, ray_head.job_logs(job_id)
+        time.sleep(1.0)
+    stop = ray_head.ray_job("stop", job_id, timeout=120)
+    assert stop.returncode == 0, stop.stdout + stop.stderr
+    assert ray_head.wait_terminal(job_id) == "STOPPED"
+    events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+    kinds = [e["kind"] for e in events]
+    assert "interrupted" in kinds and "SIGTERM" in events[kinds.index("interrupted")]["message"]
+    stopped_at = max(json.loads(x)["step"] for x in
+                     (run_dir / "metrics.jsonl").read_text().splitlines()) + 1
+    steps = committed_steps(CheckpointStore(str(run_dir / "checkpoints")))
+    assert steps == [stopped_at], (steps, stopped_at, kinds)
+    logs = ray_head.ray_job("logs", job_id, timeout=60).stdout
+    assert "interrupted by SIGTERM" in logs, logs
 
 
 def test_a_bad_job_file_fails_the_ray_job_with_the_clear_error(ray_head, tmp_path):

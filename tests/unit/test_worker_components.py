@@ -299,3 +299,34 @@ def test_a_stop_request_ends_the_segment_at_a_step_boundary(tmp_path, group):
     out = p.loop.run(3, 10)
     # asked during step 4: every rank reads it with step 4's values, after step 5's compute
     assert out == {"status": "stopped", "next_step": 6}
+
+
+def _listening(port: int) -> set[str]:
+    """The local addresses listening on ``port`` (from /proc/net/tcp and tcp6)."""
+    out = set()
+    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = open(name).read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            local, state = line.split()[1], line.split()[3]
+            addr, _, p = local.rpartition(":")
+            if state == "0A" and int(p, 16) == port:  # 0A: LISTEN
+                out.add(addr)
+    return out
+
+
+def test_rank_0s_store_listens_on_the_nodes_address_only():
+    """The rendezvous store has no authentication: rank 0 hosts it on a socket bound to its
+    node's address, never on every interface (docs/security.md)."""
+    m = Membership("gloo", torch.device("cpu"))
+    port = m.open_port("127.0.0.1")
+    try:
+        m.join("127.0.0.1", port, 0, 1, 1, 30.0)
+        assert _listening(port) == {"0100007F"}  # 127.0.0.1, not 00000000 (0.0.0.0)
+        t = torch.ones(2)
+        torch.distributed.all_reduce(t)
+        assert t.tolist() == [1.0, 1.0]
+    finally:
+        m.leave()

@@ -44,8 +44,8 @@ from elastic.errors import (
     ConfigError,
     StorageError,
 )
-from strategies.base import state_hash
-from tests.test_checkpoint import make_state, save
+from strategies import state_hash
+from tests.integration.test_checkpoint import make_state, save
 
 
 @pytest.fixture(params=["local", "s3"])

@@ -1,0 +1,95 @@
+"""The canonical state: one flat, layout-independent form of a job's training state.
+
+``CanonicalState`` is a flat ``dict[str, Tensor]`` of CPU tensors:
+  - ``"model/<fqn>"``: every parameter and buffer of the full model, by its fully qualified
+    name in the *original* model (pipeline stages keep these names);
+  - ``"optim/<fqn>/<key>"``: each per-parameter optimizer state entry (``exp_avg``,
+    ``momentum_buffer``, ``step``...), full-sized, keyed by the parameter's FQN.
+Any strategy's ``full_state()`` loads into any other strategy's ``load_full_state()`` on any
+world size; that is what makes live switches and resharding checkpoints possible. The
+helpers here convert a module's and an optimizer's state to and from that form.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "CanonicalState",
+    "model_state_to_canonical",
+    "optimizer_state_to_canonical",
+    "optimizer_state_from_canonical",
+    "state_hash",
+]
+
+CanonicalState = dict[str, torch.Tensor]
+
+
+def model_state_to_canonical(named: Iterable[tuple[str, torch.Tensor]],
+                             copy: bool = True) -> CanonicalState:
+    """``copy=False``: CPU tensors are the live ones (views), not copies."""
+    return {f"model/{k}": v.detach().to("cpu", copy=copy) for k, v in named}
+
+
+def optimizer_state_to_canonical(
+    optimizer: torch.optim.Optimizer, fqn_of: dict[int, str], copy: bool = True
+) -> CanonicalState:
+    """Per-parameter optimizer state keyed by the parameter's FQN. ``fqn_of`` maps
+    ``id(param)`` to its FQN; parameters without state are skipped. ``copy=False``: CPU
+    tensors are the live ones."""
+    out: CanonicalState = {}
+    for p, st in optimizer.state.items():
+        fqn = fqn_of[id(p)]
+        for k, v in st.items():
+            t = v if isinstance(v, torch.Tensor) else torch.tensor(v)
+            out[f"optim/{fqn}/{k}"] = t.detach().to("cpu", copy=copy)
+    return out
+
+
+def optimizer_state_from_canonical(
+    optimizer: torch.optim.Optimizer,
+    params_by_fqn: dict[str, nn.Parameter],
+    state: CanonicalState,
+    slicer: Callable[[str, torch.Tensor, nn.Parameter], torch.Tensor] | None = None,
+) -> None:
+    """Fill ``optimizer.state`` for the given parameters from canonical entries.
+
+    ``slicer(fqn, full_tensor, param)`` cuts the full entry down to what this rank holds
+    (identity by default). Scalar entries (such as Adam's ``step``) are copied as they are.
+    """
+    optimizer.state.clear()
+    by_param: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in state.items():
+        if not key.startswith("optim/"):
+            continue
+        fqn, _, k = key[len("optim/"):].rpartition("/")
+        if fqn in params_by_fqn:
+            by_param.setdefault(fqn, {})[k] = t
+    for fqn, entries in by_param.items():
+        p = params_by_fqn[fqn]
+        st: dict[str, Any] = {}
+        for k, t in entries.items():
+            if t.dim() == 0:  # scalar entries (Adam's step) stay as they are, on the CPU
+                st[k] = t.clone()
+            else:
+                st[k] = (slicer(fqn, t, p) if slicer else t).clone().to(p.device)
+        optimizer.state[p] = st
+
+
+def state_hash(state: CanonicalState) -> str:
+    """A short, order-independent digest of a canonical state (bit-exact comparison)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for k in sorted(state):
+        t = state[k].detach().contiguous().cpu()
+        h.update(k.encode())
+        h.update(str(t.dtype).encode())
+        h.update(str(tuple(t.shape)).encode())
+        if t.numel():  # the tensor's own buffer, no copy
+            h.update(t.reshape(-1).view(torch.uint8).numpy().data)
+    return h.hexdigest()[:16]

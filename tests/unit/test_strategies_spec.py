@@ -1,0 +1,250 @@
+"""Strategies described once: the traits table, typed spec options, named degrees, the blocks
+protocol, and the package's import contract (torch-free descriptions, the early import of
+``torch.distributed.nn.functional`` before any group). No process group, except one 1-rank
+group in a subprocess."""
+
+from __future__ import annotations
+
+import ast
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+from torch import nn
+
+from strategies import (
+    TRAITS,
+    Degrees,
+    StrategyError,
+    StrategyOptions,
+    StrategySpec,
+    names,
+)
+from strategies.blocks import block_params, blocks_of
+from strategies.traits import traits_of
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent.parent
+
+
+def _python(code: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=240)
+
+
+# --------------------------------------------------------------------------- traits
+
+
+def test_traits_keys_are_the_registry_names() -> None:
+    assert sorted(TRAITS) == names()
+    assert all(t.name == n for n, t in TRAITS.items())
+
+
+def test_traits_import_no_torch() -> None:
+    out = _python("import strategies.traits, sys; assert 'torch' not in sys.modules")
+    assert out.returncode == 0, out.stderr
+
+
+def test_specs_and_names_are_torch_free_too() -> None:
+    """The controller and the planner describe and check layouts without torch."""
+    out = _python(
+        "import sys, strategies\n"
+        "from strategies import StrategySpec, names\n"
+        "assert names() == ['dp', 'pipeline', 'zero1', 'zero2', 'zero3']\n"
+        "StrategySpec('pipeline', 4, (2, 2, 2, 2), pp_degree=2,\n"
+        "             options={'micro_batch_size': 1}).validate()\n"
+        "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)")
+    assert out.returncode == 0, out.stderr
+
+
+def test_the_zero_memory_formula_is_the_papers() -> None:
+    """ZeRO paper, Fig. 1: 7.5B parameters, N = 64, K = 12 (mixed-precision Adam)."""
+    psi, n = 7.5e9, 64
+    gb = {name: traits_of(name).state_bytes(psi, n).total / 1e9
+          for name in ("dp", "zero1", "zero2", "zero3")}
+    assert gb["dp"] == pytest.approx(120.0)
+    assert gb["zero1"] == pytest.approx(31.4, abs=0.05)
+    assert gb["zero2"] == pytest.approx(16.6, abs=0.05)
+    assert gb["zero3"] == pytest.approx(1.9, abs=0.05)
+    # a pipeline rank: its stage's parameters, laid out by its dp_mode over the dp degree
+    stage = traits_of("pipeline").state_bytes(1e6, 2, param_bytes=4, grad_bytes=4,
+                                             optimizer_bytes=8, dp_mode="zero2")
+    assert (stage.params, stage.grads, stage.optimizer) == (4e6, 2e6, 4e6)
+    assert traits_of("zero3").buffer_bytes(10, param_bytes=2, grad_bytes=4) == 10 * (2 * 2 + 4)
+    assert traits_of("pipeline").buffer_bytes(10, dp_mode="zero2") == 10 * 2
+    assert traits_of("dp").buffer_bytes(10) == 0
+
+
+def test_traits_say_what_the_layouts_do() -> None:
+    sharded = {n: (t.shards_params, t.shards_grads, t.shards_optimizer)
+               for n, t in TRAITS.items() if not t.pipeline}
+    assert sharded == {"dp": (False, False, False), "zero1": (False, False, True),
+                       "zero2": (False, True, True), "zero3": (True, True, True)}
+    assert {n for n, t in TRAITS.items() if t.lockstep_micro_batches} == {"zero2", "zero3"}
+    assert [n for n, t in TRAITS.items() if t.pipeline] == ["pipeline"]
+    # a lost rank leaves a live holder of every entry: dp replicas, a pipeline's dp replicas
+    assert traits_of("dp").survives_loss(2) and not traits_of("dp").survives_loss(1)
+    assert not any(traits_of(z).survives_loss(8) for z in ("zero1", "zero2", "zero3"))
+    assert traits_of("pipeline").survives_loss(2, "dp")
+    assert not traits_of("pipeline").survives_loss(1, "dp")
+    assert not traits_of("pipeline").survives_loss(4, "zero1")
+
+
+@pytest.mark.parametrize("name", sorted(TRAITS))
+def test_lockstep_trait_decides_the_micro_batch_check(name: str) -> None:
+    """A share too small for the micro-batch count is refused exactly where every
+    micro-batch is a collective (``lockstep_micro_batches``)."""
+    kw = {"pp_degree": 3} if TRAITS[name].pipeline else {}
+    spec = StrategySpec(name, 3, (3, 3, 2), options={"micro_batch_size": 1}, **kw)
+    if TRAITS[name].lockstep_micro_batches:
+        with pytest.raises(StrategyError, match="raise micro_batch_size to at least 2"):
+            spec.validate()
+    else:
+        spec.validate()
+
+
+def test_unknown_strategy_names_the_known_ones() -> None:
+    with pytest.raises(StrategyError, match="choose one of dp, zero1"):
+        traits_of("zero4")
+    with pytest.raises(StrategyError, match="unknown strategy"):
+        StrategySpec("zero4", 1, (1,)).validate()
+
+
+# --------------------------------------------------------------------------- options
+
+
+def test_options_from_a_mapping_are_typed() -> None:
+    spec = StrategySpec("dp", 2, [3, 5], options={"max_grad_norm": 1, "precision": "bf16"})
+    assert isinstance(spec.options, StrategyOptions)
+    assert spec.options.max_grad_norm == 1.0 and isinstance(spec.options.max_grad_norm, float)
+    assert spec.shares == (3, 5)
+    assert spec.options.to_dict() == {"max_grad_norm": 1.0, "precision": "bf16"}
+    assert spec.to_dict()["options"] == {"max_grad_norm": 1.0, "precision": "bf16"}
+    assert spec.to_dict()["shares"] == [3, 5]
+    assert StrategySpec("dp", 2, (3, 5), options=spec.options) == spec
+
+
+def test_an_unknown_option_is_named() -> None:
+    with pytest.raises(StrategyError, match="unknown strategy option 'max_grad_nrom'.*max_grad_norm"):
+        StrategySpec("dp", 1, (4,), options={"max_grad_nrom": 1.0})
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"precision": "fp16"}, "unknown precision 'fp16'"),
+    ({"micro_batch_size": 0}, "micro_batch_size must be a positive integer"),
+    ({"accumulation_steps": 1.5}, "accumulation_steps must be a positive integer"),
+    ({"max_grad_norm": -1.0}, "max_grad_norm must be a positive number"),
+    ({"init_sync": "no"}, "init_sync must be true or false"),
+])
+def test_option_values_are_checked(bad: dict[str, object], match: str) -> None:
+    with pytest.raises(StrategyError, match=match):
+        StrategyOptions.of(bad)
+
+
+def test_options_set_here_win_over_the_base() -> None:
+    job = StrategyOptions(precision="bf16", max_grad_norm=0.5)
+    spec = StrategyOptions(accumulation_steps=2, max_grad_norm=1.0)
+    merged = spec.over(job)
+    assert merged == StrategyOptions(precision="bf16", max_grad_norm=1.0, accumulation_steps=2)
+    assert StrategyOptions().over({"micro_batch_size": 4}).micro_batch_size == 4
+
+
+def test_every_option_key_in_use_is_a_field() -> None:
+    """Every ``spec.options.<name>`` the packages read is a declared option."""
+    fields = set(StrategyOptions.__dataclass_fields__)
+    used: set[str] = set()
+    for pkg in ("strategies", "elastic"):
+        for path in (ROOT / pkg).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
+                        and node.value.attr == "options"
+                        and isinstance(node.value.value, ast.Name)
+                        and node.value.value.id == "spec"):
+                    used.add(node.attr)
+    assert used and used <= fields | {"over", "to_dict"}, used - fields
+
+
+# --------------------------------------------------------------------------- degrees
+
+
+def test_degrees_are_named_and_multiply_to_the_world_size() -> None:
+    assert StrategySpec("dp", 4, (1,) * 4).degrees == Degrees(dp=4, pp=1, tp=1)
+    assert StrategySpec("zero3", 4, (1,) * 4, pp_degree=2).degrees.pp == 1  # not a pipeline
+    d = StrategySpec("pipeline", 6, (1,) * 6, pp_degree=3).degrees
+    assert (d.dp, d.pp, d.tp, d.world_size) == (2, 3, 1, 6)
+    with pytest.raises(StrategyError, match="choose a pp_degree that divides 6"):
+        _ = StrategySpec("pipeline", 6, (1,) * 6, pp_degree=4).degrees
+    with pytest.raises(StrategyError, match="dp_degree 3 = 6, not the world size 4"):
+        StrategySpec("pipeline", 4, (1,) * 4, pp_degree=2, options={"dp_degree": 3}).validate()
+    StrategySpec("pipeline", 4, (1,) * 4, pp_degree=2, options={"dp_degree": 2}).validate()
+
+
+def test_spec_checks_shares() -> None:
+    with pytest.raises(StrategyError, match="give one share per worker"):
+        StrategySpec("dp", 3, (4, 4)).validate()
+    with pytest.raises(StrategyError, match="at least one sample"):
+        StrategySpec("zero1", 2, (4, 0)).validate()
+
+
+# --------------------------------------------------------------------------- blocks
+
+
+class _Plain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(2, 3)
+
+    def forward(self, x):  # type: ignore[no-untyped-def]
+        return self.a(x)
+
+
+def test_blocks_of_a_model() -> None:
+    seq = nn.Sequential(nn.Linear(2, 3), nn.Tanh(), nn.Linear(3, 1))
+    assert [type(b).__name__ for b in blocks_of(seq)] == ["Linear", "Tanh", "Linear"]
+    assert block_params(seq) == [9, 0, 4]
+    plain = _Plain()
+    assert blocks_of(plain) == [plain] and block_params(plain) == [9]
+
+
+# --------------------------------------------------------------------------- early import
+
+
+def test_building_a_layout_imports_the_collectives_before_any_group() -> None:
+    """``torch.distributed.nn.functional`` evaluates ``group=group.WORLD`` at import: loaded
+    before any group (None, resolved per call) it pins no group. Loaded through the package,
+    a layout built on a group leaves the default unpinned."""
+    out = _python(
+        "import inspect, os, tempfile, sys\n"
+        "from strategies import Runtime, StrategySpec, get\n"
+        "assert 'torch.distributed.nn.functional' in sys.modules\n"
+        "import torch, torch.distributed as dist\n"
+        "from torch import nn\n"
+        "f = tempfile.mktemp()\n"
+        "dist.init_process_group('gloo', init_method='file://' + f, rank=0, world_size=1)\n"
+        "s = get('dp')(StrategySpec('dp', 1, (2,)), Runtime.current(), nn.Linear(2, 1),\n"
+        "              lambda p: torch.optim.SGD(p, lr=0.1), torch.nn.functional.mse_loss)\n"
+        "s.train_step(torch.ones(2, 2), torch.ones(2, 1))\n"
+        "import torch.distributed.nn.functional as fn\n"
+        "assert inspect.signature(fn.all_reduce).parameters['group'].default is None\n"
+        "s.close(); dist.destroy_process_group()\n")
+    assert out.returncode == 0, out.stderr
+
+
+def test_every_module_that_forms_a_group_imports_strategies_first() -> None:
+    """Each elastic module that calls ``init_process_group`` has, once imported (before it can
+    form any group), ``torch.distributed.nn.functional`` loaded."""
+    mods = []
+    for path in sorted((ROOT / "elastic").rglob("*.py")):
+        if "init_process_group(" in path.read_text():
+            rel = path.relative_to(ROOT).with_suffix("")
+            mods.append(".".join(p for p in rel.parts if p != "__init__"))
+    assert mods, "no module forms a group?"
+    code = "import sys, importlib\n" + "".join(
+        f"importlib.import_module({m!r})\n" for m in mods) + (
+        "import torch.distributed as dist\n"
+        "assert not dist.is_initialized()\n"
+        "assert 'torch.distributed.nn.functional' in sys.modules\n")
+    out = _python(code)
+    assert out.returncode == 0, (mods, out.stderr)
