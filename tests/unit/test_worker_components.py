@@ -330,3 +330,27 @@ def test_rank_0s_store_listens_on_the_nodes_address_only():
         assert t.tolist() == [1.0, 1.0]
     finally:
         m.leave()
+
+
+def test_a_failed_store_leaves_no_descriptor_to_close_twice():
+    """Rank 0's store takes over the listening socket and closes it even when forming fails
+    (a peer that never joins). Membership must not close that descriptor number again later
+    (the next ``open_port``): by then it may belong to another socket of the process (a gloo
+    pair's, Ray's), which would be closed under its user."""
+    m = Membership("gloo", torch.device("cpu"))
+    port = m.open_port("127.0.0.1")
+    assert m._listener is not None
+    n = m._listener.fileno()
+    with pytest.raises(Exception, match="(?i)timed out|clients"):
+        m.join("127.0.0.1", port, 0, 2, 1, 1.0)  # world 2: the other rank never comes
+    other = os.open(os.devnull, os.O_RDONLY)
+    try:
+        if other != n:  # make the freed number belong to another file, as it would later
+            os.dup2(other, n)
+            os.close(other)
+            other = n
+        m.open_port("127.0.0.1")  # closes the previous listener, if Membership still has one
+        os.fstat(other)  # still open: nobody closed it under us
+    finally:
+        os.close(other)
+        m.close_port()
