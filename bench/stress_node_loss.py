@@ -17,7 +17,7 @@ left below ``min_workers`` by a crash fails sooner). Scenarios (``--scenarios``)
 
 Where the loss lands: three runs in four pick a (rank, step) and use the fault hook
 ``faults: [{rank, step, action: pause}]`` (the rank blocks at the start of that step and says on
-which node it runs; that node is removed, as tests/test_chaos.py does); the fourth removes a
+which node it runs; that node is removed, as tests/chaos/test_chaos.py does); the fourth removes a
 random worker's node at a random moment (once a random step is done, after a random delay of
 0-100 ms). Choices come from ``--seed`` and the repetition number, so a run can be repeated.
 
@@ -76,7 +76,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
 G = 12
 STEPS = 40
 TOL = 1e-5
-STEP_SLEEP_S = 0.05  # long enough steps to land a loss mid-run (as tests/test_chaos.py)
+STEP_SLEEP_S = 0.05  # long enough steps to land a loss mid-run (as tests/chaos/test_chaos.py)
 # what a crashed worker leaves in its log: glibc's heap checks, faulthandler's report, signals
 CRASH = re.compile(r"free\(\)|corrupted|double free|malloc\(\)|malloc_consolidate|munmap_chunk|"
                    r"invalid pointer|Fatal Python error|Segmentation fault|SIGABRT|SIGSEGV|"
