@@ -166,8 +166,8 @@ class Worker:
         return state_hash(self._guard(self.layout.strategy.full_state))
 
     def memory_counts(self) -> dict[str, int]:
-        assert self.layout.strategy is not None
-        return self.layout.strategy.memory_counts()
+        """Elements of the live state; safe beside a running segment (``StepLoop``)."""
+        return self.loop.memory_counts()
 
     # ------------------------------------------------------------------ profiling
 
