@@ -83,7 +83,7 @@ class StepLoop:
         self._counts_ready = threading.Event()
         self._counts: dict[str, int] = {}
 
-    def memory_counts(self, timeout_s: float = 5.0) -> dict[str, int]:
+    def memory_counts(self, timeout_s: float = 2.0) -> dict[str, int]:
         """Elements of this rank's live state (``Strategy.memory_counts``), from any thread.
 
         Read on the training thread: a running segment answers at its next step boundary;
@@ -91,7 +91,8 @@ class StepLoop:
         step: a step frees and replaces gradients (``zero_grad``) and optimizer state, and a
         read from the actor's other thread meanwhile is a use-after-free that crashed
         survivors (``free(): corrupted unsorted chunks``, SIGSEGV; issue 13, 5). Raises
-        ``TimeoutError`` if no step boundary comes within ``timeout_s``."""
+        ``TimeoutError`` if no step boundary comes within ``timeout_s`` (a rank blocked in a
+        collective: the controller, which asks for the view's memory column, goes on)."""
         deadline = time.monotonic() + timeout_s
         while True:
             if self._running.acquire(blocking=False):
