@@ -1,7 +1,8 @@
 """The worker actor: one Ray actor per device, one rank of the current process group.
 
 The actor is threaded (``max_concurrency=2``): ``run`` executes the training loop while the
-controller drains metrics and posts stop requests through the second thread. Its methods are
+controller drains metrics, asks for memory counts and posts stop requests through the second
+thread (none of which touches the live tensors there: ``StepLoop``). Its methods are
 the RPC surface the controller calls; each delegates to a component that owns its state
 (membership, layout, held state, step loop, checkpointing, profiling, faults), and every call
 that runs the job's code or a collective goes through the error boundary (``guarded``). This
@@ -178,8 +179,8 @@ class Worker:
         return state_hash(self._guard(self.layout.strategy.full_state))
 
     def memory_counts(self) -> dict[str, int]:
-        assert self.layout.strategy is not None
-        return self.layout.strategy.memory_counts()
+        """Elements of the live state; safe beside a running segment (``StepLoop``)."""
+        return self.loop.memory_counts()
 
     # ------------------------------------------------------------------ profiling
 

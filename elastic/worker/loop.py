@@ -60,8 +60,10 @@ class StepLoop:
     """Runs segments of steps on the live layout, and owns what they produce: the metrics
     the controller drains and the stop flag it sets.
 
-    ``run`` runs on the actor's training thread; ``request_stop`` and ``drain`` on its
-    other thread (an ``Event`` and a ``deque``: safe for one writer and one reader).
+    ``run`` runs on the actor's training thread; ``request_stop``, ``drain`` and
+    ``memory_counts`` on its other thread (an ``Event``, a ``deque``, and a request the
+    training thread answers between steps: never a read of the live tensors from the other
+    thread).
     """
 
     def __init__(self, config: JobConfig | WorkerConfig, membership: Membership, layout: Layout,
@@ -79,6 +81,44 @@ class StepLoop:
         self._stop = threading.Event()
         self._nonfinite_run = 0  # non-finite steps in a row (agreed by every rank)
         self._nonfinite = NonFinitePolicy(config.on_nonfinite, config.max_nonfinite_skips)
+        self._running = threading.Lock()  # held by run() for its whole segment
+        self._counts_wanted = threading.Event()  # memory_counts asked during a segment
+        self._counts_ready = threading.Event()
+        self._counts: dict[str, int] = {}
+
+    def memory_counts(self, timeout_s: float = 2.0) -> dict[str, int]:
+        """Elements of this rank's live state (``Strategy.memory_counts``), from any thread.
+
+        Read on the training thread: a running segment answers at its next step boundary;
+        with none running, it is read here while segments are held off. Never read beside a
+        step: a step frees and replaces gradients (``zero_grad``) and optimizer state, and a
+        read from the actor's other thread meanwhile is a use-after-free that crashed
+        survivors (``free(): corrupted unsorted chunks``, SIGSEGV; issue 13, 5). Raises
+        ``TimeoutError`` if no step boundary comes within ``timeout_s`` (a rank blocked in a
+        collective: the controller, which asks for the view's memory column, goes on)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self._running.acquire(blocking=False):
+                try:
+                    strategy = self._layout.strategy
+                    assert strategy is not None
+                    return strategy.memory_counts()
+                finally:
+                    self._running.release()
+            self._counts_ready.clear()
+            self._counts_wanted.set()
+            if self._counts_ready.wait(0.05):
+                return dict(self._counts)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no step boundary within {timeout_s:.0f}s to read the "
+                                   "memory counts at")
+
+    def _answer_counts(self, strategy: Any) -> None:
+        """On the training thread, between steps: answer a pending ``memory_counts``."""
+        if self._counts_wanted.is_set():
+            self._counts_wanted.clear()
+            self._counts = strategy.memory_counts()
+            self._counts_ready.set()
 
     def request_stop(self) -> None:
         """Ask the loop to stop after the current step (all ranks agree on the same step)."""
@@ -94,6 +134,10 @@ class StepLoop:
     def run(self, start: int, end: int) -> dict[str, Any]:
         """Train steps ``start..end-1``; stop early at a step boundary if any rank was asked.
         Collective. Returns ``{"status": "done"|"stopped", "next_step": n}``."""
+        with self._running:
+            return self._run(start, end)
+
+    def _run(self, start: int, end: int) -> dict[str, Any]:
         layout, m = self._layout, self._membership
         strategy, spec = layout.strategy, layout.spec
         assert strategy is not None and spec is not None
@@ -137,6 +181,7 @@ class StepLoop:
                 stop = self._finish_step(pending) or stop
                 pending = None
             step += 1
+            self._answer_counts(strategy)
             if stop and step < end:
                 return {"status": "stopped", "next_step": step}
         return {"status": "done", "next_step": step}

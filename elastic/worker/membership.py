@@ -133,11 +133,15 @@ class Membership:
         ``strategies.health`` is reset."""
         health.reset()
         timeout = timedelta(seconds=timeout_s)
-        fd = self._listener.fileno() if rank == 0 and self._listener is not None else None
-        store = dist.TCPStore(addr, port, world, rank == 0, timeout, master_listen_fd=fd)
-        if fd is not None and self._listener is not None:  # the store owns the socket now:
-            self._listener.detach()  # closing ours would close its listening socket
+        fd = None
+        if rank == 0 and self._listener is not None:
+            # The store owns the socket from here on, and closes it, also when it fails (a
+            # peer that never comes): ours must let go first. Closing it after a failed
+            # store would close whatever reused that descriptor number meanwhile (a gloo
+            # pair's or Ray's socket), under the component that uses it.
+            fd = self._listener.detach()
             self._listener = None
+        store = dist.TCPStore(addr, port, world, rank == 0, timeout, master_listen_fd=fd)
         dist.init_process_group(self.backend, store=store, rank=rank, world_size=world,
                                 timeout=timeout)
         self._ctrl_pg = control_group(rank, world, generation, timeout_s)

@@ -339,3 +339,78 @@ def test_rank_0s_store_listens_on_the_nodes_address_only():
         assert t.tolist() == [1.0, 1.0]
     finally:
         m.leave()
+
+
+def test_a_failed_store_leaves_no_descriptor_to_close_twice():
+    """Rank 0's store takes over the listening socket and closes it even when forming fails
+    (a peer that never joins). Membership must not close that descriptor number again later
+    (the next ``open_port``): by then it may belong to another socket of the process (a gloo
+    pair's, Ray's), which would be closed under its user."""
+    m = Membership("gloo", torch.device("cpu"))
+    port = m.open_port("127.0.0.1")
+    assert m._listener is not None
+    n = m._listener.fileno()
+    with pytest.raises(Exception, match="(?i)timed out|clients"):
+        m.join("127.0.0.1", port, 0, 2, 1, 1.0)  # world 2: the other rank never comes
+    other = os.open(os.devnull, os.O_RDONLY)
+    try:
+        if other != n:  # make the freed number belong to another file, as it would later
+            os.dup2(other, n)
+            os.close(other)
+            other = n
+        m.open_port("127.0.0.1")  # closes the previous listener, if Membership still has one
+        os.fstat(other)  # still open: nobody closed it under us
+    finally:
+        os.close(other)
+        m.close_port()
+
+
+def test_memory_counts_never_read_the_live_state_beside_a_step(tmp_path):
+    """The controller asks for memory counts on the actor's other thread while a segment
+    trains. Reading the parameters, gradients and optimizer state meanwhile raced with the
+    step freeing them (``zero_grad``): survivors died of heap corruption or SIGSEGV (issue
+    13, 5). The counts must be read between steps only, and still come back while a
+    segment runs."""
+    import gc
+    import threading
+    import time
+
+    from elastic.worker import Worker
+
+    w = Worker(_cfg(tmp_path), 0, False, 1)
+    try:
+        w.join("127.0.0.1", free_port(), 0, 1, 1, 30.0)
+        w.restart_fresh(_spec("dp"), None, 0)
+        strategy = w.layout.strategy
+        in_step = threading.Event()
+        seen: list[bool] = []
+        train_step, counts = strategy.train_step, strategy.memory_counts
+
+        def slow_step(x: torch.Tensor, y: torch.Tensor) -> float:
+            in_step.set()
+            try:
+                time.sleep(0.1)
+                return train_step(x, y)
+            finally:
+                in_step.clear()
+
+        def recorded_counts() -> dict[str, int]:
+            seen.append(in_step.is_set())
+            return counts()
+
+        strategy.train_step, strategy.memory_counts = slow_step, recorded_counts
+        out: dict[str, Any] = {}
+        t = threading.Thread(target=lambda: out.update(w.run(0, 6)))
+        t.start()
+        got = []
+        for _ in range(3):
+            assert in_step.wait(10)
+            got.append(w.memory_counts())
+        t.join(30)
+        assert out == {"status": "done", "next_step": 6}
+        assert seen and not any(seen), "memory counts were read in the middle of a step"
+        assert all(g == counts() for g in got) and got[0]["params"] > 0
+    finally:
+        w.leave()
+        health.reset()
+        gc.unfreeze()
