@@ -20,6 +20,7 @@ __all__ = [
     "HangError",
     "CheckpointError",
     "CheckpointCorruptError",
+    "PeerReadError",
     "StorageError",
     "CheckpointOwnerError",
     "NonFiniteError",
@@ -105,6 +106,13 @@ class CheckpointError(ElasticError):
 
 class CheckpointCorruptError(CheckpointError):
     """A committed checkpoint's bytes do not match its manifest (checksum, size, index)."""
+
+
+class PeerReadError(CheckpointCorruptError):
+    """This rank read its part of a checkpoint, but another rank could not read its own: an
+    echo of that rank's error, which is the one to report."""
+
+    secondary = True
 
 
 class StorageError(CheckpointError):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import enum
 import socket
 import traceback
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 
@@ -41,7 +41,7 @@ from .errors import (
     WorkerLostError,
 )
 
-__all__ = ["FailureKind", "Failure", "classify", "root_cause", "worker_error"]
+__all__ = ["FailureKind", "Failure", "classify", "first_cause", "root_cause", "worker_error"]
 
 
 class FailureKind(str, enum.Enum):
@@ -138,6 +138,12 @@ def root_cause(failures: Iterable[Failure]) -> Failure:
     return min(fs, key=lambda f: (_PRECEDENCE.index(f.kind),
                                   getattr(f.error, "rank", None) is None,
                                   f.rank if f.rank is not None else 1 << 30))
+
+
+def first_cause(errors: Sequence[BaseException]) -> BaseException:
+    """Of the errors the ranks raised in one call (rank order), the first that is not an echo
+    of another rank's (``secondary``, e.g. ``PeerReadError``), else the first."""
+    return next((e for e in errors if not getattr(e, "secondary", False)), errors[0])
 
 
 # --------------------------------------------------------------------------- worker boundary

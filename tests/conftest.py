@@ -9,6 +9,17 @@ pytest_plugins = [m for m in ("tests.s3_server", "tests.ray_fixtures") if os.pat
     os.path.join(os.path.dirname(__file__), m.split(".")[1] + ".py"))]
 
 
+_LAYERS = ("unit", "integration", "chaos")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Each test carries its layer's marker (its folder): `pytest -m unit` runs the unit layer."""
+    for item in items:
+        layer = os.path.basename(os.path.dirname(str(item.fspath)))
+        if layer in _LAYERS:
+            item.add_marker(getattr(pytest.mark, layer))
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _private_ray_tmpdir():
     """Each test run gets its own RAY_TMPDIR so it never attaches to someone else's cluster."""

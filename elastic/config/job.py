@@ -272,7 +272,8 @@ class JobConfig:
             return self.checkpoints.location
         root = os.path.abspath(os.path.join(self.run_path, "checkpoints"))
         if self._default_location is None or self._default_location.root != root:
-            self._default_location = StorageLocation.parse(root, self.checkpoint_options)
+            # a local directory takes no options (any given are for an s3/gs resume URI)
+            self._default_location = StorageLocation.parse(root)
         return self._default_location
 
     def for_worker(self) -> WorkerConfig:

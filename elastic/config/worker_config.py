@@ -4,7 +4,7 @@
 It holds three checked sections (training, data, evaluation), the switch settings, and the
 checkpoint settings with the location already parsed, so a worker neither checks nor parses
 anything again. Its attribute and method names are the ones ``elastic/worker.py`` reads of a
-``JobConfig`` (``tests/test_config.py`` holds it to that), so the worker can take either.
+``JobConfig`` (``tests/unit/test_config.py`` holds it to that), so the worker can take either.
 """
 
 from __future__ import annotations

@@ -193,6 +193,7 @@ class Controller:
             self._resume = self.tracker.find_resume(cfg.resume)
         if self._group_factory is None:  # on Ray: attach, or start a local one
             self._started_ray = _ray_connect(cfg)
+            self.interrupts.reclaim()
         self.inbox.mailbox = (self._mailbox_factory or _ray_mailbox)(cfg.job_name)  # the name
         self.tracker.claim()  # and the checkpoint URI, before anything is written
         run_dir = run_directory(cfg)

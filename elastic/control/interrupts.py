@@ -24,6 +24,7 @@ class Interrupts:
     def __init__(self) -> None:
         self.signum: int | None = None
         self.acted = False  # the controller has asked the job to stop for it
+        self._handler: Any = None  # while installed
 
     @property
     def name(self) -> str:
@@ -47,8 +48,17 @@ class Interrupts:
             self.signum = signum
 
         old = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+        self._handler = handler
         try:
             yield
         finally:
+            self._handler = None
             for sig, h in old.items():
                 signal.signal(sig, h)
+
+    def reclaim(self) -> None:
+        """Put the handlers back after something replaced them: connecting to Ray installs
+        Ray's own fatal-signal handler, under which SIGTERM kills the driver outright."""
+        if self._handler is not None and threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, self._handler)

@@ -20,7 +20,7 @@ from typing import Any
 from strategies import StrategySpec
 
 from ..errors import ClusterError, ElasticError, InfrastructureError, WorkerError, WorkerLostError
-from ..failures import Failure, classify
+from ..failures import Failure, classify, first_cause
 from .group import Segment, SegmentPoll, WorkerRec
 
 __all__ = ["WorkerGroup", "Placement", "WorkerRec", "Segment", "SegmentPoll"]
@@ -553,18 +553,22 @@ class WorkerGroup:
 
     def _call_each(self, refs: list[Any], ws: Sequence[WorkerRec],
                    timeout_s: float | None = None) -> list[Any]:
-        """Every result, or the typed error of the first worker that failed."""
+        """Every result, or the typed error of the lowest rank that failed; an error that only
+        echoes a peer's failure (``secondary``) gives way to that peer's own."""
         import ray
 
         try:
             return list(ray.get(refs, timeout=timeout_s))
         except Exception:  # noqa: BLE001 - find which worker and type it
             pass
+        errors: list[BaseException] = []
         for w, ref in zip(ws, refs, strict=True):
             try:
                 ray.get(ref, timeout=timeout_s)
             except Exception as e:  # noqa: BLE001 - typed
-                raise _typed(e, w) from None
+                errors.append(_typed(e, w))
+        if errors:
+            raise first_cause(errors) from None
         raise InfrastructureError("a worker call failed")  # unreachable in practice
 
     def _get(self, ref: Any) -> Any:

@@ -12,7 +12,7 @@
 ``boundary``       the error boundary: typed errors out of every call
 =================  ==========================================================================
 
-Only ``actor`` imports Ray; every component runs without it (tests/test_worker_components.py).
+Only ``actor`` imports Ray; every component runs without it (tests/unit/test_worker_components.py).
 """
 
 from .actor import Worker

@@ -20,7 +20,7 @@ from strategies import Strategy, StrategySpec, check_layout, reshard, state_hash
 from strategies import get as get_strategy
 
 from ..config import JobConfig, WorkerConfig
-from ..errors import CheckpointCorruptError, SwitchError
+from ..errors import PeerReadError, SwitchError
 from ..reference import build_model, build_model_for_load
 from .held_state import HeldState
 from .inputs import JobData
@@ -152,9 +152,9 @@ class Layout:
         """Collective: read this rank's part of a checkpoint, then agree that every rank read
         its part before any rank starts loading (a load is collective in some layouts: a rank
         that failed to read would leave its peers blocked there until the group timeout).
-        A rank whose read failed raises its error; the others raise a
-        ``CheckpointCorruptError`` saying a peer could not read, so the controller falls back
-        to an older checkpoint on every rank alike."""
+        A rank whose read failed raises its error; the others raise a ``PeerReadError`` (a
+        ``CheckpointCorruptError`` that gives way to the peer's own error), so the controller
+        falls back to an older checkpoint on every rank alike."""
         try:
             got: dict[str, torch.Tensor] | None = read(strat)
             failed: BaseException | None = None
@@ -163,7 +163,7 @@ class Layout:
         if not self._membership.all_ranks(failed is None):
             if failed is not None:
                 raise failed
-            raise CheckpointCorruptError("another rank could not read its part of the "
+            raise PeerReadError("another rank could not read its part of the "
                                          "checkpoint; none of the ranks loaded it")
         assert got is not None
         return got

@@ -122,3 +122,18 @@ def test_run_logs_are_strict_json(tmp_path):
     assert m["loss"] is None and m["grad_norm"] is None and m["lr"] == 0.1
     e = strict_loads((tmp_path / "events.jsonl").read_text())
     assert e["data"]["vals"] == [1.0, None]
+
+
+def test_a_call_raises_the_rank_that_failed_not_the_peers_that_echo_it():
+    """Restores read then agree: rank 0 read fine but raises a ``PeerReadError`` because rank 1
+    could not read; the call reports rank 1's own error (naming the bad shard)."""
+    from elastic.errors import PeerReadError
+    from elastic.failures import first_cause
+
+    echo = PeerReadError("another rank could not read its part of the checkpoint")
+    own = CheckpointCorruptError("shard shard-00001.bin (rank 1) of step 8: checksum mismatch")
+    assert first_cause([echo, own]) is own
+    assert first_cause([own, echo]) is own
+    assert first_cause([echo]) is echo  # only echoes: still an error to raise
+    other = WorkerLostError("worker rank 0 died")
+    assert first_cause([other, own]) is other  # rank order among real causes

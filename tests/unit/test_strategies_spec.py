@@ -25,7 +25,7 @@ from strategies import (
 from strategies.blocks import block_params, blocks_of
 from strategies.traits import traits_of
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parent.parent.parent
 
 
 def _python(code: str) -> subprocess.CompletedProcess[str]:

@@ -650,7 +650,7 @@ def test_registry_names() -> None:
 
 
 def test_strategies_import_neither_ray_nor_elastic() -> None:
-    pkg = pathlib.Path(__file__).resolve().parent.parent / "strategies"
+    pkg = pathlib.Path(__file__).resolve().parent.parent.parent / "strategies"
     bad = re.compile(r"^\s*(import|from)\s+(ray|elastic)\b", re.M)
     offenders = [p.name for p in pkg.glob("*.py") if bad.search(p.read_text())]
     assert offenders == []

@@ -14,7 +14,7 @@ import torch
 import elastic
 from tests.helpers import RegressionData, adam, max_diff, mlp, mse
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
@@ -120,7 +120,8 @@ def test_console_script_imports_modules_of_the_current_folder(tmp_path):
 
     out = run("sweep", "sweep.yaml")  # checked before Ray starts: the module was imported
     assert out.returncode == 2, out.stderr
-    assert "does not take it" in out.stderr and "No module named" not in out.stderr, out.stderr
+    assert "params.model.widthh" in out.stderr and "did you mean width" in out.stderr, out.stderr
+    assert "No module named" not in out.stderr, out.stderr
     out = run("run", "job.yaml")
     assert out.returncode == 0, out.stderr[-3000:]
     assert "done: 2 steps" in out.stdout

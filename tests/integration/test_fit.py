@@ -176,7 +176,7 @@ def test_accumulation_and_activation_checkpointing_keep_the_trajectory(ray_local
     each worker runs its share in micro-batches of at most that many samples (dp under
     no_sync, zero2 reducing once, zero3 accumulating shards) and recomputes its blocks in
     backward; the run is the same as one pass over the share (TOL).
-    tests/test_strategies.py checks the passes and the recomputation on each rank."""
+    tests/integration/test_strategies.py checks the passes and the recomputation on each rank."""
     result = _fit(tmp_path, micro_batch_size=2, activation_checkpointing=True,
                   switch_at={4: "zero2", 8: "zero3"})
     assert max_diff(result.state_dict(), reference[0]) < TOL

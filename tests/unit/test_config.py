@@ -19,7 +19,7 @@ from elastic.config import Checkpoints, JobConfig
 from elastic.errors import ConfigError
 from tests.helpers import RegressionData, adam, mlp, mse
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SECRET = "Zq9-SECRET-7f3a1c"  # distinctive: searched for in everything written
 ACCESS = "AKIDPROBE4242"
 

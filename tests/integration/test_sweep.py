@@ -31,7 +31,7 @@ from elastic.errors import ConfigError
 from elastic.sweep import load_sweep, open_study, run_sweep, trial_counts, trial_line
 from elastic.sweep.cluster import concurrency
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PRUNE_STEPS = 200  # with slow_mse, ~2 s: a pruned job is still running when it is stopped
 
 BASE = {"model": "tests.helpers:mlp", "optimizer": {"name": "adam", "lr": 0.01}, "loss": "mse",
@@ -69,7 +69,7 @@ def pruned(ray_local, tmp_path_factory) -> dict[str, str]:
     if not _PRUNED:
         d = tmp_path_factory.mktemp("prune")
         data = _sweep(d, n_trials=2, max_concurrent=1,
-                      base={**BASE, "max_steps": PRUNE_STEPS, "loss": "tests.test_sweep:slow_mse"},
+                      base={**BASE, "max_steps": PRUNE_STEPS, "loss": "tests.integration.test_sweep:slow_mse"},
                       params={"optimizer.lr": dict(LR),
                               "strategy": {"type": "categorical", "choices": ["dp", "zero1"]}},
                       enqueue=[{"optimizer.lr": 0.05, "strategy": "dp"},

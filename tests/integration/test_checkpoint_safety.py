@@ -45,7 +45,7 @@ from elastic.errors import (
     StorageError,
 )
 from strategies import state_hash
-from tests.test_checkpoint import make_state, save
+from tests.integration.test_checkpoint import make_state, save
 
 
 @pytest.fixture(params=["local", "s3"])
