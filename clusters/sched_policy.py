@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -260,8 +259,8 @@ class FifoStatic:
         sizes = {j.job: j.workers for j in obs.jobs if j.running}
         why = {j.job: f"fifo: keeps the {j.workers} workers it started with"
                for j in obs.jobs if j.running}
-        blocked = False
-        for pos, j in enumerate(q for q in obs.jobs if not q.running):
+        blocked, waiting = False, 0
+        for j in (q for q in obs.jobs if not q.running):
             n = j.requested_size()
             if n is None:
                 why[j.job] = "cannot run: no size between min_workers and max_workers fits"
@@ -270,7 +269,8 @@ class FifoStatic:
                 sizes[j.job], free = n, free - n
                 why[j.job] = f"fifo: admitted at the {n} workers it asked for"
             else:
-                why[j.job] = (f"fifo: queued ({pos + 1} in line), needs {n} workers, "
+                waiting += 1
+                why[j.job] = (f"fifo: queued ({waiting} in line), needs {n} workers, "
                               f"{max(free, 0)} free")
                 blocked = blocked or not self.backfill
         return _decision(obs, sizes, why)

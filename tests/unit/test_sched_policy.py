@@ -78,8 +78,10 @@ def test_fifo_takes_the_next_size_that_fits_memory():
 def test_srpt_gives_the_shortest_job_what_it_uses_well():
     obs = Observation(0.0, 6, (job("long", 1000, req=2), job("short", 10, req=2, at=1)))
     d = ShortestRemaining(resize_s=0).decide(obs)
-    # linear scaling: short takes every worker it can, long gets its smallest size
-    assert sizes(d) == {"short": 5, "long": 1}
+    # linear scaling: the short job takes every worker (finishing it first is what lowers
+    # the mean completion time); the long one waits for them
+    assert sizes(d) == {"short": 6, "long": 0}
+    assert d.of("long").reason.startswith("queued: #2 by remaining time")
     assert d.of("short").reason.startswith("#1 by remaining time")
     assert d.allocations[0].job == "long"  # the observation's order
 
