@@ -1,0 +1,239 @@
+"""The live scheduler: a long-lived named Ray actor that runs many elastic jobs on a share of
+a cluster (the one module of the scheduler that imports Ray).
+
+``start(name, workers=...)`` (``elastic scheduler start``) creates the actor
+``elastic-scheduler:<name>`` in the ``elastic`` namespace (detached: it outlives the process
+that started it). It holds a ``SchedulerCore`` (``elastic.sched_core``): a queue and a pure
+policy (``clusters.sched_policy``: fifo-static, srpt or goodput). Jobs arrive with
+``submit_to`` (``elastic queue submit``, ``elastic.submit(..., scheduler=NAME)``); the actor
+runs each admitted job with ``elastic.submit`` in its own process (one controller thread per
+job, its workers Ray actors like any job's) and resizes it in place through the job's
+``scale`` request, at a step boundary. ``elastic queue list|cancel`` read and change the queue.
+
+The scheduler's capacity is a number of workers: each job's ``resources_per_worker`` must be
+what one of those workers is (by default one CPU); the scheduler never hands out more than
+``workers`` at once, whatever else runs on the cluster.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from clusters.sched_policy import POLICIES, policy_named
+
+from .errors import ElasticError
+from .sched_core import QueuedJob, SchedulerCore
+
+__all__ = ["NAMESPACE", "SchedulerActor", "ScheduledJob", "start", "lookup", "shutdown",
+           "submit_to", "list_schedulers"]
+
+NAMESPACE = "elastic"
+_PREFIX = "elastic-scheduler:"
+
+
+class HandleRunner:
+    """Runs each job in this process with ``elastic.submit`` (a controller thread per job)."""
+
+    def start(self, name: str, cfg: Any, workers: int) -> Any:
+        from .api import submit
+
+        return submit(cfg.replace(view="none"))
+
+    def scale(self, handle: Any, workers: int) -> int:
+        return int(handle.scale(workers, timeout=180))
+
+    def status(self, handle: Any) -> dict[str, Any]:
+        return dict(handle.status())
+
+    def done(self, handle: Any) -> bool:
+        return bool(handle.done())
+
+    def result(self, handle: Any) -> Any:
+        return handle.result(timeout=60)
+
+    def stop(self, handle: Any) -> None:
+        handle.stop(timeout=180)
+
+
+class SchedulerActor:
+    """The body of the scheduler's Ray actor: the core, and a thread that ticks it every
+    ``round_s`` (at once when a job arrives or is cancelled)."""
+
+    def __init__(self, name: str, workers: int, policy: str, round_s: float, resize_s: float,
+                 max_wait_s: float | None) -> None:
+        self.name = name
+        self.policy_name = policy
+        self.round_s = round_s
+        self._t0 = time.monotonic()
+        self.core = SchedulerCore(policy_named(policy, resize_s=resize_s, max_wait_s=max_wait_s),
+                                  workers, HandleRunner(), clock=self.now)
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self.errors: list[str] = []
+        self._thread = threading.Thread(target=self._loop, name="elastic-scheduler", daemon=True)
+        self._thread.start()
+
+    def now(self) -> float:
+        """Seconds since the scheduler started (the queue's clock)."""
+        return time.monotonic() - self._t0
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.core.tick()
+            except Exception as e:  # noqa: BLE001 - the loop must outlive one bad round
+                self.errors.append(f"{type(e).__name__}: {e}")
+            self._wake.wait(self.round_s)
+            self._wake.clear()
+
+    def submit(self, cfg: Any) -> str:
+        name = self.core.submit(cfg)
+        self._wake.set()
+        return name
+
+    def cancel(self, job: str) -> str:
+        before = self.core.cancel(job)
+        self._wake.set()
+        return before
+
+    def rows(self) -> list[dict[str, Any]]:
+        return self.core.rows()
+
+    def info(self) -> dict[str, Any]:
+        return {"name": self.name, "policy": self.policy_name, "workers": self.core.capacity,
+                "decisions": self.core.decisions, "now_s": self.now(), "errors": self.errors[-5:]}
+
+    def result(self, job: str) -> dict[str, Any] | None:
+        """A job that ended: its state, error, steps and final parameters; None if it has
+        not ended."""
+        j: QueuedJob | None = self.core.jobs.get(job)
+        if j is None:
+            raise ElasticError(f"no job named {job!r} in scheduler {self.name!r}")
+        if j.state in ("queued", "running"):
+            return None
+        res = j.result
+        return {"state": j.state, "error": j.error, "row": j.row(),
+                "steps": len(res.history) if res is not None else 0,
+                "state_dict": res.state_dict() if res is not None else None,
+                "run_dir": getattr(res, "run_dir", None)}
+
+    def shutdown(self) -> None:
+        """Stop the loop and every running job (each at a step boundary)."""
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=60)
+        for j in list(self.core.jobs.values()):
+            if j.state == "running":
+                try:
+                    j.handle.stop(timeout=120)
+                except Exception:  # noqa: BLE001 - it ended meanwhile
+                    pass
+
+
+def _actor_name(name: str) -> str:
+    return _PREFIX + name
+
+
+def list_schedulers() -> list[str]:
+    import ray
+
+    return sorted(a["name"][len(_PREFIX):] for a in ray.util.list_named_actors(all_namespaces=True)
+                  if a.get("namespace") == NAMESPACE and a["name"].startswith(_PREFIX))
+
+
+def lookup(name: str = "default") -> Any:
+    """The running scheduler's actor handle; ``ElasticError`` naming the fix otherwise."""
+    import ray
+
+    try:
+        return ray.get_actor(_actor_name(name), namespace=NAMESPACE)
+    except ValueError:
+        have = list_schedulers()
+        raise ElasticError(
+            f"no elastic scheduler named {name!r} on this cluster"
+            f" ({'running: ' + ', '.join(have) if have else 'none is running'}). Fix: start one "
+            f"with `elastic scheduler start --name {name}`") from None
+
+
+def start(name: str = "default", *, workers: int, policy: str = "srpt", round_s: float = 2.0,
+          resize_s: float = 10.0, max_wait_s: float | None = 1800.0, detached: bool = True
+          ) -> Any:
+    """Start the scheduler ``name`` owning ``workers`` workers; refuses a name in use or an
+    unknown policy. Returns its actor handle. Ray must be initialised (``ray_connect``)."""
+    import ray
+
+    if policy not in POLICIES:
+        raise ElasticError(f"unknown scheduling policy {policy!r}. Fix: use one of "
+                           f"{', '.join(POLICIES)}")
+    if name in list_schedulers():
+        raise ElasticError(f"a scheduler named {name!r} is already running. Fix: use it, or "
+                           f"`elastic scheduler stop --name {name}` first")
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    opts: dict[str, Any] = {"name": _actor_name(name), "namespace": NAMESPACE, "num_cpus": 0,
+                            "max_concurrency": 16, "scheduling_strategy": here}
+    if detached:
+        opts["lifetime"] = "detached"
+    actor: Any = ray.remote(SchedulerActor)
+    h = actor.options(**opts).remote(name, workers, policy, round_s, resize_s, max_wait_s)
+    ray.get(h.info.remote())
+    return h
+
+
+def shutdown(name: str = "default") -> None:
+    """Stop the scheduler's running jobs at a step boundary, then end its actor."""
+    import ray
+
+    h = lookup(name)
+    ray.get(h.shutdown.remote())
+    ray.kill(h)
+
+
+class ScheduledJob:
+    """The SDK's handle on a job submitted to a scheduler."""
+
+    def __init__(self, scheduler: str, job: str) -> None:
+        self.scheduler = scheduler
+        self.job = job
+
+    def status(self) -> dict[str, Any]:
+        import ray
+
+        rows = ray.get(lookup(self.scheduler).rows.remote())
+        return next(r for r in rows if r["job"] == self.job)
+
+    def cancel(self) -> str:
+        import ray
+
+        return str(ray.get(lookup(self.scheduler).cancel.remote(self.job)))
+
+    def done(self) -> bool:
+        return self.status()["state"] not in ("queued", "running")
+
+    def result(self, timeout: float | None = None) -> dict[str, Any]:
+        """Wait for the job to end: its state, error, steps and final parameters."""
+        import ray
+
+        h = lookup(self.scheduler)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            out = ray.get(h.result.remote(self.job))
+            if out is not None:
+                return dict(out)
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"job {self.job!r} is still {self.status()['state']}")
+            time.sleep(0.5)
+
+
+def submit_to(scheduler: str, cfg: Any) -> ScheduledJob:
+    """Queue ``cfg`` (a ``JobConfig``) in the running scheduler ``scheduler``."""
+    import ray
+
+    try:
+        name = ray.get(lookup(scheduler).submit.remote(cfg))
+    except ray.exceptions.RayTaskError as e:
+        raise ElasticError(str(e.cause) if e.cause is not None else str(e)) from None
+    return ScheduledJob(scheduler, str(name))
