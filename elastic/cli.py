@@ -251,6 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
             c.add_argument("value", metavar=arg.upper(), type=int if arg == "workers" else str)
         c.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS or auto)")
         c.set_defaults(fn=_cmd_request(kind))
+    from .sched_cli import add_parsers
+
+    add_parsers(sub, _attach, _parse_sets)
     return p
 
 

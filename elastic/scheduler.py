@@ -25,36 +25,13 @@ from clusters.sched_policy import POLICIES, policy_named
 
 from .errors import ElasticError
 from .sched_core import QueuedJob, SchedulerCore
+from .sched_runner import ControllerRunner
 
 __all__ = ["NAMESPACE", "SchedulerActor", "ScheduledJob", "start", "lookup", "shutdown",
-           "submit_to", "list_schedulers"]
+           "submit_to", "list_schedulers", "info", "rows"]
 
 NAMESPACE = "elastic"
 _PREFIX = "elastic-scheduler:"
-
-
-class HandleRunner:
-    """Runs each job in this process with ``elastic.submit`` (a controller thread per job)."""
-
-    def start(self, name: str, cfg: Any, workers: int) -> Any:
-        from .api import submit
-
-        return submit(cfg.replace(view="none"))
-
-    def scale(self, handle: Any, workers: int) -> int:
-        return int(handle.scale(workers, timeout=180))
-
-    def status(self, handle: Any) -> dict[str, Any]:
-        return dict(handle.status())
-
-    def done(self, handle: Any) -> bool:
-        return bool(handle.done())
-
-    def result(self, handle: Any) -> Any:
-        return handle.result(timeout=60)
-
-    def stop(self, handle: Any) -> None:
-        handle.stop(timeout=180)
 
 
 class SchedulerActor:
@@ -68,7 +45,7 @@ class SchedulerActor:
         self.round_s = round_s
         self._t0 = time.monotonic()
         self.core = SchedulerCore(policy_named(policy, resize_s=resize_s, max_wait_s=max_wait_s),
-                                  workers, HandleRunner(), clock=self.now)
+                                  workers, ControllerRunner(), clock=self.now)
         self._wake = threading.Event()
         self._stop = threading.Event()
         self.errors: list[str] = []
@@ -127,7 +104,7 @@ class SchedulerActor:
         for j in list(self.core.jobs.values()):
             if j.state == "running":
                 try:
-                    j.handle.stop(timeout=120)
+                    self.core.runner.stop(j.handle)
                 except Exception:  # noqa: BLE001 - it ended meanwhile
                     pass
 
@@ -183,6 +160,20 @@ def start(name: str = "default", *, workers: int, policy: str = "srpt", round_s:
     return h
 
 
+def info(name: str = "default") -> dict[str, Any]:
+    """The scheduler's name, policy, workers, decisions so far and recent loop errors."""
+    import ray
+
+    return dict(ray.get(lookup(name).info.remote()))
+
+
+def rows(name: str = "default") -> list[dict[str, Any]]:
+    """Every job the scheduler holds (``elastic queue list``)."""
+    import ray
+
+    return list(ray.get(lookup(name).rows.remote()))
+
+
 def shutdown(name: str = "default") -> None:
     """Stop the scheduler's running jobs at a step boundary, then end its actor."""
     import ray
@@ -200,10 +191,7 @@ class ScheduledJob:
         self.job = job
 
     def status(self) -> dict[str, Any]:
-        import ray
-
-        rows = ray.get(lookup(self.scheduler).rows.remote())
-        return next(r for r in rows if r["job"] == self.job)
+        return next(r for r in rows(self.scheduler) if r["job"] == self.job)
 
     def cancel(self) -> str:
         import ray
