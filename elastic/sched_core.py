@@ -74,6 +74,14 @@ class QueuedJob:
     result: Any = None
     resizes: int = 0
     resize_s: float = 0.0
+    worker_s: float = 0.0  # workers x seconds held, counted up to ``counted_s``
+    counted_s: float = 0.0
+
+    def hold(self, now: float) -> None:
+        """Count the workers held since the last count (utilisation)."""
+        if self.workers and now > self.counted_s:
+            self.worker_s += self.workers * (now - self.counted_s)
+        self.counted_s = now
 
     def row(self) -> dict[str, Any]:
         """What ``elastic queue list`` shows."""
@@ -83,7 +91,7 @@ class QueuedJob:
                 "submitted_s": self.submitted_s, "started_s": self.started_s,
                 "ended_s": self.ended_s, "remaining_s": self.remaining_s,
                 "reason": self.reason, "error": self.error, "resizes": self.resizes,
-                "resize_s": self.resize_s}
+                "resize_s": self.resize_s, "worker_s": self.worker_s}
 
 
 def live_options(lo: int, hi: int, measured: Mapping[int, float], batch: int,
@@ -238,6 +246,7 @@ class SchedulerCore:
             j.state, j.error, j.ended_s = "failed", f"{type(e).__name__}: {e}", self.clock()
             return
         j.state, j.workers, j.started_s = "running", n, self.clock()
+        j.counted_s = j.started_s
 
     def _resize(self, j: QueuedJob, n: int) -> None:
         t0 = self.clock()
@@ -248,6 +257,7 @@ class SchedulerCore:
             if self.runner.done(j.handle):
                 self._end(j)
             return
+        j.hold(self.clock())
         j.workers = int(got)
         j.resizes += 1
         j.resize_s += self.clock() - t0
@@ -266,7 +276,9 @@ class SchedulerCore:
             j.result = res
             j.state = "cancelled" if j.name in self._cancels else "finished"
             j.step = len(getattr(res, "history", ())) or j.step
-        j.ended_s, j.workers = self.clock(), 0
+        j.ended_s = self.clock()
+        j.hold(j.ended_s)
+        j.workers = 0
         j.reason = j.error or j.state
         self._cancels.discard(j.name)
         self._changed(j)

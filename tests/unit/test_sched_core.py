@@ -114,6 +114,8 @@ def test_admission_shrink_to_make_room_and_grow_when_a_job_ends():
     assert state(c) == {"long": ("running", 4), "short": ("finished", 0)}
     assert s.log[-1] == ("scale", "long", 4)
     assert c.jobs["long"].resizes == 2
+    assert c.jobs["short"].worker_s == pytest.approx(3 * 10)  # 3 workers, t=10..20
+    assert c.jobs["long"].worker_s == pytest.approx(4 * 10 + 1 * 10)  # to its resize at 20
     s.advance(100)
     assert c.tick() is False and state(c)["long"] == ("finished", 0)
 
