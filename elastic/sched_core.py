@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -76,6 +77,7 @@ class QueuedJob:
     resize_s: float = 0.0
     worker_s: float = 0.0  # workers x seconds held, counted up to ``counted_s``
     counted_s: float = 0.0
+    busy: bool = False  # a resize is under way (its workers are reserved)
 
     def hold(self, now: float) -> None:
         """Count the workers held since the last count (utilisation)."""
@@ -134,6 +136,7 @@ class SchedulerCore:
         self.jobs: dict[str, QueuedJob] = {}
         self._lock = threading.Lock()
         self._cancels: set[str] = set()
+        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="elastic-resize")
         self.decisions = 0
 
     # ---------------------------------------------------------------- from any thread
@@ -182,8 +185,15 @@ class SchedulerCore:
     # ---------------------------------------------------------------- the loop
 
     def tick(self) -> bool:
-        """Reap ended jobs, carry out cancels, measure, decide and apply. Returns whether
-        any job is still queued or running."""
+        """Settle finished resizes, reap ended jobs, carry out cancels, measure, decide and
+        apply. Returns whether any job is still queued or running.
+
+        Shrinks are carried out first, together, and waited for (the workers they free are
+        then free); admissions follow, then growth, which is not waited for: a growth
+        reserves its workers at once and the job keeps training while its new workers start
+        (the job's own scale request), the next ticks deciding for the others meanwhile. A
+        job whose resize is under way keeps its reserved size until it is answered; nothing
+        is started or grown beyond the workers actually free."""
         self._reap()
         self._cancel_running()
         with self._lock:
@@ -191,7 +201,7 @@ class SchedulerCore:
         if not active:
             return False
         for j in active:
-            if j.state == "running":
+            if j.state == "running" and not j.busy:
                 self._measure(j)
         prior = self._prior_s_per_sample()
         now = self.clock()
@@ -201,18 +211,38 @@ class SchedulerCore:
         plan = list(zip(active, decision.allocations, strict=True))
         for j, a in plan:
             j.reason, j.remaining_s = a.reason, a.remaining_s
-        for j, a in plan:  # shrinks first: their workers are free before anyone takes them
-            if j.state == "running" and 0 < a.workers < j.workers:
-                self._resize(j, a.workers)
+            if j.busy and a.workers != j.workers:
+                j.reason = f"{a.reason} (waits: a resize to {j.workers} is under way)"
+        shrinks = [self._pool.submit(self._resize, j, a.workers) for j, a in plan
+                   if j.state == "running" and not j.busy and 0 < a.workers < j.workers]
+        for f in shrinks:
+            f.result()
+        free = self.capacity - sum(j.workers for j in active if j.state == "running")
         for j, a in plan:
-            if j.state == "queued" and a.workers > 0:
+            if j.state == "queued" and 0 < a.workers <= free:
                 self._start(j, a.workers)
+                free -= j.workers
         for j, a in plan:
-            if j.state == "running" and a.workers > j.workers:
-                self._resize(j, a.workers)
+            grow = a.workers - j.workers
+            if j.state == "running" and not j.busy and 0 < grow <= free:
+                free -= grow
+                with self._lock:
+                    j.hold(self.clock())
+                    j.workers, j.busy = a.workers, True  # reserved now
+                self._pool.submit(self._resize, j, a.workers)
         for j in active:
             self._changed(j)
         return True
+
+    def wait_resizes(self, timeout: float | None = None) -> None:
+        """Wait for the resizes under way (tests, shutdown)."""
+        import time
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while any(j.busy for j in list(self.jobs.values())):
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError("resizes still under way")
+            time.sleep(0.01)
 
     def _observe(self, j: QueuedJob, prior: float) -> JobState:
         cfg = j.cfg
@@ -229,7 +259,7 @@ class SchedulerCore:
         return sorted(seen)[len(seen) // 2] if seen else 1e-3
 
     def _measure(self, j: QueuedJob) -> None:
-        st = self.runner.status(j.handle)
+        st = self._status(j)
         j.step = int(st.get("step") or j.step)
         sps, world = st.get("samples_per_s"), st.get("world_size")
         if sps and world and world == j.workers and math.isfinite(sps) and sps > 0:
@@ -249,23 +279,40 @@ class SchedulerCore:
         j.counted_s = j.started_s
 
     def _resize(self, j: QueuedJob, n: int) -> None:
+        """Carry out a resize (in the pool's thread): the job's scale request, answered at
+        its next step boundary. A refusal, or the job ending meanwhile, leaves it at the
+        size it has; the job goes on either way."""
         t0 = self.clock()
+        j.busy = True
         try:
-            got = self.runner.scale(j.handle, n)
+            got = int(self.runner.scale(j.handle, n))
         except Exception as e:  # noqa: BLE001 - refused or the job ended: the job goes on
+            got = None
             j.reason = f"{j.reason} (resize to {n} refused: {e})"
-            if self.runner.done(j.handle):
-                self._end(j)
-            return
-        j.hold(self.clock())
-        j.workers = int(got)
-        j.resizes += 1
-        j.resize_s += self.clock() - t0
+        with self._lock:
+            if j.state != "running":  # it ended meanwhile (reaped or cancelled)
+                j.busy = False
+                return
+            j.hold(self.clock())
+            if got is not None:
+                j.workers = got
+                j.resizes += 1
+                j.resize_s += self.clock() - t0
+            else:
+                st = self._status(j)
+                j.workers = int(st.get("world_size") or j.workers)
+            j.busy = False
+
+    def _status(self, j: QueuedJob) -> dict[str, Any]:
+        try:
+            return self.runner.status(j.handle)
+        except Exception:  # noqa: BLE001 - a job that ended has no status: reaped next
+            return {}
 
     def _reap(self) -> None:
         for j in list(self.jobs.values()):
-            if j.state == "running" and self.runner.done(j.handle):
-                self._end(j)
+            if j.state == "running" and not j.busy and self.runner.done(j.handle):
+                self._end(j)  # a job mid-resize is reaped once its request is answered
 
     def _end(self, j: QueuedJob) -> None:
         try:

@@ -101,6 +101,7 @@ def test_admission_shrink_to_make_room_and_grow_when_a_job_ends():
     c, s = core(ShortestRemaining(resize_s=0.0, starvation=StarvationGuard(None)))
     c.submit(cfg("long", 400, n=4))
     c.tick()
+    c.wait_resizes(5)
     assert state(c) == {"long": ("running", 4)}  # alone: grows to all it uses well
     s.advance(10)
     c.submit(cfg("short", 20, n=2))
@@ -111,6 +112,8 @@ def test_admission_shrink_to_make_room_and_grow_when_a_job_ends():
     assert "shrunk 4->1" in c.jobs["long"].reason and math.isfinite(c.jobs["short"].remaining_s)
     s.advance(10)  # short: 20 steps at 3 a second
     c.tick()
+    assert state(c) == {"long": ("running", 4), "short": ("finished", 0)}  # reserved at once
+    c.wait_resizes(5)
     assert state(c) == {"long": ("running", 4), "short": ("finished", 0)}
     assert s.log[-1] == ("scale", "long", 4)
     assert c.jobs["long"].resizes == 2
@@ -166,3 +169,60 @@ def test_refusals_and_a_failing_job_does_not_disturb_the_others():
     c.submit(cfg("a2", 10, n=2))
     c.tick()
     assert state(c)["a2"] == ("running", 2)
+
+
+class SlowGrow(Script):
+    """Growth is answered only when the test says so (new workers starting), or refused."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import threading
+
+        self.release = threading.Event()
+        self.refuse = False
+
+    def scale(self, h: Job, workers: int) -> int:
+        if workers > h.workers:
+            self.log.append(("grow asked", h.name, workers))
+            assert self.release.wait(5)
+            if self.refuse:
+                raise ElasticError(f"cannot scale to {workers} workers")
+        return super().scale(h, workers)
+
+
+def test_growth_reserves_its_workers_and_the_loop_goes_on_meanwhile():
+    s = SlowGrow()
+    c = SchedulerCore(ShortestRemaining(resize_s=0.0, starvation=StarvationGuard(None)), 4, s,
+                      clock=lambda: s.t)
+    c.submit(cfg("a", 400, n=1, hi=1))
+    c.submit(cfg("b", 100_000, n=1, hi=4))
+    c.tick()
+    assert state(c) == {"a": ("running", 1), "b": ("running", 3)}
+    s.advance(400)  # a ends; b is asked to grow to 4 and its new worker takes a while
+    c.tick()
+    assert state(c) == {"a": ("finished", 0), "b": ("running", 4)} and c.jobs["b"].busy
+    c.submit(cfg("x", 5, n=1, hi=1))  # short: srpt would shrink b for it, but b is mid-resize
+    c.tick()
+    assert state(c)["x"] == ("queued", 0), "started beyond the free workers"
+    assert "a resize to 4 is under way" in c.jobs["b"].reason
+    s.release.set()
+    c.wait_resizes(5)
+    assert state(c)["b"] == ("running", 4) and c.jobs["b"].resizes == 1
+    c.tick()  # now b shrinks for x
+    assert state(c)["x"] == ("running", 1) and state(c)["b"] == ("running", 3)
+
+
+def test_a_refused_growth_leaves_the_job_at_the_size_it_has():
+    s = SlowGrow()
+    s.refuse = True
+    s.release.set()
+    c = SchedulerCore(ShortestRemaining(resize_s=0.0), 4, s, clock=lambda: s.t)
+    c.submit(cfg("a", 400, n=2, lo=2, hi=2))
+    c.submit(cfg("b", 100_000, n=1, hi=4))
+    c.tick()
+    assert state(c) == {"a": ("running", 2), "b": ("running", 2)}
+    s.advance(400)
+    c.tick()
+    c.wait_resizes(5)
+    assert state(c)["b"] == ("running", 2) and "refused" in c.jobs["b"].reason
+    assert c.jobs["b"].resizes == 0
