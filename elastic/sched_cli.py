@@ -51,9 +51,16 @@ def _start(a: argparse.Namespace) -> int:
     if not workers:
         raise SystemExit("elastic scheduler start needs --workers, --cpus or --gpus (how many "
                          "workers the scheduler owns)")
+    db = None if a.db == "none" else a.db
+    if db is None and a.db != "none":
+        import os
+
+        os.makedirs(os.path.expanduser("~/.elastic"), exist_ok=True)
+        db = os.path.expanduser(f"~/.elastic/scheduler-{a.name}.sqlite")
     scheduler.start(a.name, workers=int(workers), policy=a.policy, round_s=a.round_s,
-                    resize_s=a.resize_s, max_wait_s=a.max_wait_s)
-    print(f"[elastic] scheduler {a.name!r} started: {workers} workers, policy {a.policy}")
+                    resize_s=a.resize_s, max_wait_s=a.max_wait_s, db=db)
+    print(f"[elastic] scheduler {a.name!r} started: {workers} workers, policy {a.policy}, "
+          f"queue in {db or 'memory'}")
     return 0
 
 
@@ -120,6 +127,8 @@ def add_parsers(sub: Any, attach: Callable[[str | None], None],
                    help="start: what a resize costs a job (hysteresis)")
     s.add_argument("--max-wait-s", type=float, default=1800.0,
                    help="start: a queued job waiting longer goes first (starvation guard)")
+    s.add_argument("--db", help="start: the SQLite file holding the queue (default "
+                   "~/.elastic/scheduler-NAME.sqlite; 'none': memory only)")
     s.set_defaults(fn=lambda a: _cmd({"start": _start, "stop": _stop,
                                       "status": _status}[a.action])(a))
 

@@ -87,9 +87,11 @@ class QueuedJob:
 
     def row(self) -> dict[str, Any]:
         """What ``elastic queue list`` shows."""
+        c = self.cfg
         return {"job": self.name, "state": self.state, "workers": self.workers,
-                "step": self.step, "max_steps": self.cfg.max_steps,
-                "min_workers": self.cfg.min_world, "max_workers": self.cfg.max_world,
+                "step": self.step, "max_steps": c.max_steps if c is not None else None,
+                "min_workers": c.min_world if c is not None else None,
+                "max_workers": c.max_world if c is not None else None,
                 "submitted_s": self.submitted_s, "started_s": self.started_s,
                 "ended_s": self.ended_s, "remaining_s": self.remaining_s,
                 "reason": self.reason, "error": self.error, "resizes": self.resizes,

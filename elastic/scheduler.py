@@ -26,6 +26,7 @@ from clusters.sched_policy import POLICIES, policy_named
 from .errors import ElasticError
 from .sched_core import QueuedJob, SchedulerCore
 from .sched_runner import ControllerRunner
+from .sched_store import QueueStore, restore
 
 __all__ = ["NAMESPACE", "SchedulerActor", "ScheduledJob", "start", "lookup", "shutdown",
            "submit_to", "list_schedulers", "info", "rows"]
@@ -39,13 +40,20 @@ class SchedulerActor:
     ``round_s`` (at once when a job arrives or is cancelled)."""
 
     def __init__(self, name: str, workers: int, policy: str, round_s: float, resize_s: float,
-                 max_wait_s: float | None) -> None:
+                 max_wait_s: float | None, db: str | None = None) -> None:
         self.name = name
         self.policy_name = policy
         self.round_s = round_s
         self._t0 = time.monotonic()
+        self.store = QueueStore(db) if db else None
         self.core = SchedulerCore(policy_named(policy, resize_s=resize_s, max_wait_s=max_wait_s),
-                                  workers, ControllerRunner(), clock=self.now)
+                                  workers, ControllerRunner(), clock=self.now,
+                                  on_change=self._persist)
+        self.restored = 0
+        if self.store is not None:
+            from ray import cloudpickle
+
+            self.restored = restore(self.core, self.store, cloudpickle.loads)
         self._wake = threading.Event()
         self._stop = threading.Event()
         self.errors: list[str] = []
@@ -65,8 +73,16 @@ class SchedulerActor:
             self._wake.wait(self.round_s)
             self._wake.clear()
 
+    def _persist(self, j: QueuedJob) -> None:
+        if self.store is not None:
+            self.store.update(j.name, j.state, j.row())
+
     def submit(self, cfg: Any) -> str:
         name = self.core.submit(cfg)
+        if self.store is not None:
+            from ray import cloudpickle
+
+            self.store.add(name, cloudpickle.dumps(self.core.jobs[name].cfg), time.time())
         self._wake.set()
         return name
 
@@ -80,7 +96,9 @@ class SchedulerActor:
 
     def info(self) -> dict[str, Any]:
         return {"name": self.name, "policy": self.policy_name, "workers": self.core.capacity,
-                "decisions": self.core.decisions, "now_s": self.now(), "errors": self.errors[-5:]}
+                "decisions": self.core.decisions, "now_s": self.now(), "errors": self.errors[-5:],
+                "db": self.store.path if self.store is not None else None,
+                "restored": self.restored}
 
     def result(self, job: str) -> dict[str, Any] | None:
         """A job that ended: its state, error, steps and final parameters; None if it has
@@ -101,6 +119,7 @@ class SchedulerActor:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=60)
+        self.core.wait_resizes(timeout=300)
         for j in list(self.core.jobs.values()):
             if j.state == "running":
                 try:
@@ -135,10 +154,14 @@ def lookup(name: str = "default") -> Any:
 
 
 def start(name: str = "default", *, workers: int, policy: str = "srpt", round_s: float = 2.0,
-          resize_s: float = 10.0, max_wait_s: float | None = 1800.0, detached: bool = True
-          ) -> Any:
+          resize_s: float = 10.0, max_wait_s: float | None = 1800.0, detached: bool = True,
+          db: str | None = None) -> Any:
     """Start the scheduler ``name`` owning ``workers`` workers; refuses a name in use or an
-    unknown policy. Returns its actor handle. Ray must be initialised (``ray_connect``)."""
+    unknown policy. Returns its actor handle. Ray must be initialised (``ray_connect``).
+
+    ``db``: a SQLite file (on the node that starts it) holding the queue: a scheduler started
+    again with the same file takes its jobs back (``elastic.sched_store``); None: in memory
+    only. ``elastic scheduler start`` uses ``~/.elastic/scheduler-<name>.sqlite``."""
     import ray
 
     if policy not in POLICIES:
@@ -155,7 +178,7 @@ def start(name: str = "default", *, workers: int, policy: str = "srpt", round_s:
     if detached:
         opts["lifetime"] = "detached"
     actor: Any = ray.remote(SchedulerActor)
-    h = actor.options(**opts).remote(name, workers, policy, round_s, resize_s, max_wait_s)
+    h = actor.options(**opts).remote(name, workers, policy, round_s, resize_s, max_wait_s, db)
     ray.get(h.info.remote())
     return h
 

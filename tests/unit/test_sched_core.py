@@ -226,3 +226,36 @@ def test_a_refused_growth_leaves_the_job_at_the_size_it_has():
     c.wait_resizes(5)
     assert state(c)["b"] == ("running", 2) and "refused" in c.jobs["b"].reason
     assert c.jobs["b"].resizes == 0
+
+
+def test_the_queue_survives_a_restart_in_sqlite(tmp_path):
+    import pickle
+
+    from elastic.sched_store import QueueStore, restore
+
+    store = QueueStore(str(tmp_path / "q.sqlite"))
+    s = Script()
+    c = SchedulerCore(FifoStatic(), 2, s, clock=lambda: s.t,
+                      on_change=lambda j: store.update(j.name, j.state, j.row()))
+    for name, n in (("ran", 2), ("waits", 2), ("done", 1)):
+        c.submit(cfg(name, 10, n=n))
+        store.add(name, pickle.dumps(c.jobs[name].cfg), 1000.0 + len(c.jobs))
+    c.cancel("done")
+    c.tick()
+    assert state(c) == {"ran": ("running", 2), "waits": ("queued", 0), "done": ("cancelled", 0)}
+    store.close()
+    # the scheduler's process is gone (and the running job's controller with it)
+    again = QueueStore(str(tmp_path / "q.sqlite"))
+    s2 = Script()
+    c2 = SchedulerCore(FifoStatic(), 2, s2, clock=lambda: s2.t)
+    assert restore(c2, again, pickle.loads) == 2
+    assert state(c2) == {"ran": ("queued", 0), "waits": ("queued", 0), "done": ("cancelled", 0)}
+    assert "was running when the scheduler stopped" in c2.jobs["ran"].reason
+    assert c2.jobs["ran"].submitted_s < c2.jobs["waits"].submitted_s  # order kept
+    c2.tick()
+    assert s2.log == [("start", "ran", 2)] and c2.jobs["ran"].cfg.max_steps == 10
+    broken = QueueStore(str(tmp_path / "b.sqlite"))
+    broken.add("x", b"not a pickle", 1.0)
+    c3 = SchedulerCore(FifoStatic(), 2, Script(), clock=lambda: 0.0)
+    assert restore(c3, broken, pickle.loads) == 0
+    assert c3.rows()[0]["state"] == "failed" and "no longer loads" in c3.rows()[0]["error"]
