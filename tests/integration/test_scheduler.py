@@ -78,3 +78,40 @@ def test_admission_shrink_to_make_room_grow_when_a_job_ends(ray_cluster, tmp_pat
         assert not ray.get(sched.info.remote())["errors"]
     finally:
         scheduler.shutdown("t")
+
+
+def test_a_failing_job_leaves_the_others_alone_and_the_queue_survives_a_restart(
+        ray_cluster, tmp_path):
+    import ray
+
+    from tests.helpers import failing_model
+
+    ray_cluster(2)
+    db = str(tmp_path / "queue.sqlite")
+    sched = scheduler.start("r", workers=2, policy="fifo-static", round_s=0.5, detached=False,
+                            db=db)
+    try:
+        bad = elastic.submit(dict(_job("bad", 50, tmp_path, num_workers=1),
+                                  model=failing_model), scheduler="r")
+        good = elastic.submit(_job("good", 400, tmp_path, num_workers=1), scheduler="r")
+        waits = elastic.submit(_job("waits", 30, tmp_path, num_workers=2), scheduler="r")
+        out = bad.result(timeout=180)
+        assert out["state"] == "failed" and out["error"], out
+        _wait(sched, lambda r: r["good"]["state"] == "running" and r["good"]["step"] >= 2,
+              "good running")
+        # the scheduler goes away: its process ran the jobs' controllers
+        ray.kill(sched)
+        time.sleep(2)
+        sched = scheduler.start("r", workers=2, policy="fifo-static", round_s=0.5,
+                                detached=False, db=db)
+        assert ray.get(sched.info.remote())["restored"] >= 1
+        rows = {r["job"]: r for r in ray.get(sched.rows.remote())}
+        assert rows["bad"]["state"] == "failed"
+        assert rows["good"]["state"] in ("queued", "running")
+        for job, steps in ((good, 400), (waits, 30)):
+            out = job.result(timeout=240)
+            assert out["state"] == "finished" and out["steps"] == steps, out
+            ref, _ = reference_train(slow_mlp, adam, mse, RegressionData(), BATCH, steps, seed=0)
+            assert max_diff(out["state_dict"], ref) < 1e-5
+    finally:
+        scheduler.shutdown("r")
