@@ -271,7 +271,8 @@ class SchedulerCore:
 
     def _start(self, j: QueuedJob, n: int) -> None:
         cfg = j.cfg.replace(num_workers=n, min_workers=j.cfg.min_world,
-                            max_workers=j.cfg.max_world, scale_check_s=SCHED_SCALE_CHECK_S)
+                            max_workers=j.cfg.max_world, scale_check_s=SCHED_SCALE_CHECK_S,
+                            placement="per_worker")
         try:
             j.handle = self.runner.start(j.name, cfg, n)
         except Exception as e:  # noqa: BLE001 - a job that cannot start fails alone

@@ -49,6 +49,7 @@ class Script:
         if name in self.refuse_start:
             raise ElasticError("cannot start")
         assert cfg.num_workers == workers and cfg.scale_check_s > 1e6
+        assert cfg.placement == "per_worker"
         self.log.append(("start", name, workers))
         self.jobs[name] = j = Job(name, cfg, workers)
         return j
