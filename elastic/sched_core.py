@@ -95,7 +95,8 @@ class QueuedJob:
                 "submitted_s": self.submitted_s, "started_s": self.started_s,
                 "ended_s": self.ended_s, "remaining_s": self.remaining_s,
                 "reason": self.reason, "error": self.error, "resizes": self.resizes,
-                "resize_s": self.resize_s, "worker_s": self.worker_s}
+                "resize_s": self.resize_s, "worker_s": self.worker_s,
+                "resizing": self.busy}
 
 
 def live_options(lo: int, hi: int, measured: Mapping[int, float], batch: int,

@@ -62,8 +62,9 @@ def test_admission_shrink_to_make_room_grow_when_a_job_ends(ray_cluster, tmp_pat
         assert rows["short"]["workers"] in (3, 0), rows["short"]
         # the short one ends; the long one grows back
         rows = _wait(sched, lambda r: r["short"]["state"] == "finished"
-                     and r["long"]["workers"] == 4, "long grown back after short")
-        assert rows["long"]["resizes"] >= 2  # 4->1, 1->4
+                     and r["long"]["workers"] == 4 and not r["long"]["resizing"],
+                     "long grown back after short")
+        assert rows["long"]["resizes"] == 2, rows["long"]  # 4->1, 1->4, both answered
         out = short.result(timeout=60)
         assert out["state"] == "finished" and out["steps"] == 30
         ref, _ = reference_train(slow_mlp, adam, mse, RegressionData(), BATCH, 30, seed=0)
