@@ -19,13 +19,14 @@ def _fmt_s(s: Any) -> str:
 
 
 def format_queue(rows: list[dict[str, Any]]) -> str:
-    """One line per job: state, workers (min..max), steps, predicted time left, and why."""
+    """One line per job: state, workers (min..max; * while a resize is under way), steps,
+    predicted time left, and why."""
     if not rows:
         return "the queue is empty"
     hdr = f"{'job':<16}{'state':<11}{'workers':>9}{'steps':>14}{'left':>8}  why"
     out = [hdr, "-" * len(hdr)]
     for r in rows:
-        w = f"{r['workers']} ({r['min_workers']}..{r['max_workers']})"
+        w = f"{r['workers']}{'*' if r.get('resizing') else ''} ({r['min_workers']}..{r['max_workers']})"
         steps = f"{r['step']}/{r['max_steps']}"
         left = _fmt_s(r["remaining_s"]) if r["state"] == "running" else "-"
         why = r.get("error") or r["reason"]

@@ -54,11 +54,23 @@ class SchedulerActor:
             from ray import cloudpickle
 
             self.restored = restore(self.core, self.store, cloudpickle.loads)
+            self._wait_for_old_jobs()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self.errors: list[str] = []
         self._thread = threading.Thread(target=self._loop, name="elastic-scheduler", daemon=True)
         self._thread.start()
+
+    def _wait_for_old_jobs(self, timeout_s: float = 30.0) -> None:
+        """Jobs that were running when the previous scheduler died: their controllers died
+        with it, their workers and control actors follow (Ray ends what a dead process
+        owned). Wait for their names to be free before running them again (bounded)."""
+        from .control import list_jobs
+
+        again = {j.name for j in self.core.jobs.values() if j.state == "queued"}
+        deadline = time.monotonic() + timeout_s
+        while again & set(list_jobs()) and time.monotonic() < deadline:
+            time.sleep(0.5)
 
     def now(self) -> float:
         """Seconds since the scheduler started (the queue's clock)."""

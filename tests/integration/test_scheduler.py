@@ -102,7 +102,10 @@ def test_a_failing_job_leaves_the_others_alone_and_the_queue_survives_a_restart(
               "good running")
         # the scheduler goes away: its process ran the jobs' controllers
         ray.kill(sched)
-        time.sleep(2)
+        deadline = time.time() + 30
+        while "r" in scheduler.list_schedulers():  # Ray frees a dead actor's name
+            assert time.time() < deadline
+            time.sleep(0.5)
         sched = scheduler.start("r", workers=2, policy="fifo-static", round_s=0.5,
                                 detached=False, db=db)
         assert ray.get(sched.info.remote())["restored"] >= 1
