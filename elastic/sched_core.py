@@ -214,8 +214,8 @@ class SchedulerCore:
         plan = list(zip(active, decision.allocations, strict=True))
         for j, a in plan:
             j.reason, j.remaining_s = a.reason, a.remaining_s
-            if j.busy and a.workers != j.workers:
-                j.reason = f"{a.reason} (waits: a resize to {j.workers} is under way)"
+            if j.busy:
+                j.reason = f"{a.reason} (a resize to {j.workers} is under way)"
         shrinks = [self._pool.submit(self._resize, j, a.workers) for j, a in plan
                    if j.state == "running" and not j.busy and 0 < a.workers < j.workers]
         for f in shrinks:
@@ -252,8 +252,11 @@ class SchedulerCore:
         layout = str(getattr(cfg, "strategy", None) or "dp")
         opts = live_options(cfg.min_world, cfg.max_world, j.measured, cfg.global_batch_size,
                             prior, layout)
+        lo, hi = cfg.min_world, cfg.max_world
+        if j.busy:  # mid-resize: it cannot be resized again now; the policy plans around it
+            lo = hi = j.workers
         return JobState(j.name, j.submitted_s, max(cfg.max_steps - j.step, 0), opts,
-                        cfg.min_world, cfg.max_world, cfg.num_workers, j.workers,
+                        lo, hi, cfg.num_workers, j.workers,
                         layout if j.workers else None, cfg.global_batch_size)
 
     def _prior_s_per_sample(self) -> float:

@@ -206,6 +206,7 @@ def test_growth_reserves_its_workers_and_the_loop_goes_on_meanwhile():
     c.tick()
     assert state(c)["x"] == ("queued", 0), "started beyond the free workers"
     assert "a resize to 4 is under way" in c.jobs["b"].reason
+    assert c.jobs["x"].reason.startswith("queued")  # the policy saw b pinned at 4
     s.release.set()
     c.wait_resizes(5)
     assert state(c)["b"] == ("running", 4) and c.jobs["b"].resizes == 1
