@@ -5,15 +5,17 @@ serialized config (bytes the caller produced: the scheduler uses Ray's cloudpick
 jobs' model factories and datasets come back as they went in) and the last ``row()`` seen
 (JSON). ``restore`` turns the rows back into queue entries: a job that was queued is queued
 again; one that was running when the scheduler went away lost its controller with it (the
-scheduler's process ran it), so it is queued again too, marked as such, and starts over from
-its newest checkpoint if it has a checkpoint location (``checkpoint_uri``), from step 0
-otherwise; ended jobs come back as history.
+scheduler's process ran it), so it is queued again too, marked as such, and resumes from its
+newest checkpoint if it writes checkpoints (``resume: latest``; with none committed yet it
+fails saying so), else starts over in a new run directory; ended jobs come back as
+history.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import sqlite3
 import threading
 import time
@@ -67,6 +69,22 @@ def _jsonable(row: dict[str, Any]) -> dict[str, Any]:
             for k, v in row.items()}
 
 
+def _rerun(cfg: Any) -> Any:
+    """The config that runs an interrupted job again: with checkpoints configured, it
+    resumes from its newest one (``resume: latest``, same run directory); without, it
+    starts over in a new numbered run directory (``<run dir>.rerun<N>``: the interrupted
+    run's logs stay where they were)."""
+    if cfg.resume:
+        return cfg
+    if cfg.checkpoint_every > 0 or cfg.checkpoint_uri:
+        return cfg.replace(resume="latest")
+    base = cfg.run_path
+    n = 1
+    while os.path.exists(f"{base}.rerun{n}"):
+        n += 1
+    return cfg.replace(run_dir=f"{base}.rerun{n}")
+
+
 def restore(core: SchedulerCore, store: QueueStore, loads: Callable[[bytes], Any]) -> int:
     """Put the stored jobs back into ``core`` (see the module docstring); ``loads`` turns a
     config blob back into a config. Returns how many were queued again. A config that no
@@ -82,6 +100,8 @@ def restore(core: SchedulerCore, store: QueueStore, loads: Callable[[bytes], Any
                           error=f"its config no longer loads after the restart: {e}")
             core.jobs[name] = j
             continue
+        if state == "running":
+            cfg = _rerun(cfg)
         if state in ("queued", "running"):
             j = QueuedJob(name, cfg, submitted)
             j.reason = ("queued again: it was running when the scheduler stopped"

@@ -240,7 +240,7 @@ def test_the_queue_survives_a_restart_in_sqlite(tmp_path):
     c = SchedulerCore(FifoStatic(), 2, s, clock=lambda: s.t,
                       on_change=lambda j: store.update(j.name, j.state, j.row()))
     for name, n in (("ran", 2), ("waits", 2), ("done", 1)):
-        c.submit(cfg(name, 10, n=n))
+        c.submit(cfg(name, 10, n=n).replace(run_dir=str(tmp_path / name)))
         store.add(name, pickle.dumps(c.jobs[name].cfg), 1000.0 + len(c.jobs))
     c.cancel("done")
     c.tick()
@@ -256,8 +256,22 @@ def test_the_queue_survives_a_restart_in_sqlite(tmp_path):
     assert c2.jobs["ran"].submitted_s < c2.jobs["waits"].submitted_s  # order kept
     c2.tick()
     assert s2.log == [("start", "ran", 2)] and c2.jobs["ran"].cfg.max_steps == 10
+    # it starts over in a new run directory (no checkpoints to resume from)
+    assert c2.jobs["ran"].cfg.run_path.endswith("ran.rerun1")
+    assert c2.jobs["waits"].cfg.run_path == c.jobs["waits"].cfg.run_path
     broken = QueueStore(str(tmp_path / "b.sqlite"))
     broken.add("x", b"not a pickle", 1.0)
     c3 = SchedulerCore(FifoStatic(), 2, Script(), clock=lambda: 0.0)
     assert restore(c3, broken, pickle.loads) == 0
     assert c3.rows()[0]["state"] == "failed" and "no longer loads" in c3.rows()[0]["error"]
+
+
+def test_an_interrupted_job_with_checkpoints_resumes_from_its_newest(tmp_path):
+    from elastic.sched_store import _rerun
+
+    ck = cfg("c", 10).replace(run_dir=str(tmp_path / "c"), checkpoint_every=5)
+    again = _rerun(ck)
+    assert again.resume == "latest" and again.run_path == ck.run_path
+    plain = cfg("p", 10).replace(run_dir=str(tmp_path / "p"))
+    (tmp_path / "p.rerun1").mkdir()
+    assert _rerun(plain).run_path == str(tmp_path / "p.rerun2")
