@@ -3,6 +3,8 @@ when a job ends, cancel, and every job's final parameters equal to its solo run.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
 import pytest
@@ -117,5 +119,16 @@ def test_a_failing_job_leaves_the_others_alone_and_the_queue_survives_a_restart(
             assert out["state"] == "finished" and out["steps"] == steps, out
             ref, _ = reference_train(slow_mlp, adam, mse, RegressionData(), BATCH, steps, seed=0)
             assert max_diff(out["state_dict"], ref) < 1e-5
+        # the CLI reads the same queue
+        address = ray.get_runtime_context().gcs_address
+        cli = [sys.executable, "-m", "elastic.cli", "queue"]
+        out = subprocess.run(cli + ["list", "--name", "r", "--address", address],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        lines = {ln.split()[0]: ln for ln in out.stdout.splitlines()[2:]}
+        assert "finished" in lines["good"] and "failed" in lines["bad"], out.stdout
+        out = subprocess.run(cli + ["cancel", "nope", "--name", "r", "--address", address],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2 and "no job named 'nope'" in out.stderr, out.stderr
     finally:
         scheduler.shutdown("r")
