@@ -229,9 +229,9 @@ class ScheduledJob:
         return next(r for r in rows(self.scheduler) if r["job"] == self.job)
 
     def cancel(self) -> str:
-        import ray
-
-        return str(ray.get(lookup(self.scheduler).cancel.remote(self.job)))
+        """Cancel the job (queued: at once; running: stopped at a step boundary). Returns
+        its state before; ``ElasticError`` for a job the scheduler does not hold."""
+        return str(_call(lookup(self.scheduler).cancel, self.job))
 
     def done(self) -> bool:
         return self.status()["state"] not in ("queued", "running")
@@ -251,12 +251,19 @@ class ScheduledJob:
             time.sleep(0.5)
 
 
-def submit_to(scheduler: str, cfg: Any) -> ScheduledJob:
-    """Queue ``cfg`` (a ``JobConfig``) in the running scheduler ``scheduler``."""
+def _call(method: Any, *args: Any) -> Any:
+    """Call an actor method; the scheduler's own refusal comes back as the ``ElasticError``
+    it raised (not wrapped in Ray's task error)."""
     import ray
 
     try:
-        name = ray.get(lookup(scheduler).submit.remote(cfg))
+        return ray.get(method.remote(*args))
     except ray.exceptions.RayTaskError as e:
-        raise ElasticError(str(e.cause) if e.cause is not None else str(e)) from None
-    return ScheduledJob(scheduler, str(name))
+        if isinstance(e.cause, ElasticError):
+            raise ElasticError(str(e.cause)) from None
+        raise
+
+
+def submit_to(scheduler: str, cfg: Any) -> ScheduledJob:
+    """Queue ``cfg`` (a ``JobConfig``) in the running scheduler ``scheduler``."""
+    return ScheduledJob(scheduler, str(_call(lookup(scheduler).submit, cfg)))
