@@ -91,7 +91,9 @@ def test_a_failing_job_leaves_the_others_alone_and_the_queue_survives_a_restart(
 
     ray_cluster(2)
     db = str(tmp_path / "queue.sqlite")
-    sched = scheduler.start("r", workers=2, policy="fifo-static", round_s=0.5, detached=False,
+    # detached, as `elastic scheduler start` runs it: what its jobs reserve (placement groups)
+    # lives and dies with it, not with this driver
+    sched = scheduler.start("r", workers=2, policy="fifo-static", round_s=0.5, detached=True,
                             db=db)
     try:
         bad = elastic.submit(dict(_job("bad", 50, tmp_path, num_workers=1),
@@ -109,7 +111,7 @@ def test_a_failing_job_leaves_the_others_alone_and_the_queue_survives_a_restart(
             assert time.time() < deadline
             time.sleep(0.5)
         sched = scheduler.start("r", workers=2, policy="fifo-static", round_s=0.5,
-                                detached=False, db=db)
+                                detached=True, db=db)
         assert ray.get(sched.info.remote())["restored"] >= 1
         rows = {r["job"]: r for r in ray.get(sched.rows.remote())}
         assert rows["bad"]["state"] == "failed"
