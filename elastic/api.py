@@ -5,7 +5,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, overload
 
 from .config import JobConfig
 from .control import Controller, FitResult, Request
@@ -109,9 +109,33 @@ class JobHandle:
         return self._result
 
 
+@overload
 def submit(config: JobConfig | dict[str, Any] | str | None = None, *, display: View | None = None,
-           on_step: Callable[[dict[str, Any]], Any] | None = None, **fields: Any) -> JobHandle:
-    """Start a job in the background and return a ``JobHandle`` (switch, stop, status, result)."""
+           on_step: Callable[[dict[str, Any]], Any] | None = None, scheduler: None = None,
+           **fields: Any) -> JobHandle: ...
+
+
+@overload
+def submit(config: JobConfig | dict[str, Any] | str | None = None, *, display: View | None = None,
+           on_step: Callable[[dict[str, Any]], Any] | None = None, scheduler: str,
+           **fields: Any) -> Any: ...
+
+
+def submit(config: JobConfig | dict[str, Any] | str | None = None, *, display: View | None = None,
+           on_step: Callable[[dict[str, Any]], Any] | None = None, scheduler: str | None = None,
+           **fields: Any) -> Any:
+    """Start a job in the background and return a ``JobHandle`` (switch, stop, status, result).
+
+    With ``scheduler=NAME`` the job is queued in the running elastic scheduler of that name
+    instead (``elastic scheduler start``): it decides when the job starts and how many workers
+    it has; returns a ``ScheduledJob`` (status, cancel, result)."""
     cfg = _config(config, fields)
+    if scheduler is not None:
+        if display is not None or on_step is not None:
+            raise ValueError("a scheduled job runs in the scheduler's process: display and "
+                             "on_step cannot be given with scheduler=")
+        from .scheduler import submit_to
+
+        return submit_to(scheduler, cfg)
     return JobHandle(Controller(cfg, display or make_view(cfg.view, cfg.log_every),
                                 on_step=on_step))

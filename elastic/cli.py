@@ -282,6 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
     dr.add_argument("--deadline", type=float, help="seconds until the node goes (Ray is told)")
     dr.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS or auto)")
     dr.set_defaults(fn=_cmd_drain)
+    from .sched_cli import add_parsers
+
+    add_parsers(sub, _attach, _parse_sets)
     return p
 
 

@@ -81,6 +81,7 @@ class JobConfig:
     ray_address = Setting[str | None]("scaling")
     placement_timeout_s = Setting[float]("scaling")
     scale_check_s = Setting[float]("scaling")
+    placement = Setting[str]("scaling")
     # parallelism
     strategy = Setting[str]("parallelism")
     pp_degree = Setting[int]("parallelism")

@@ -274,9 +274,14 @@ class Scaling(Section):
     ray_address: str | None = None  # default: $RAY_ADDRESS, else a local cluster
     placement_timeout_s: float = 60.0
     scale_check_s: float = 5.0  # how often to look for room for more workers (up to max)
+    # gang: one placement group for the starting workers (reserved together, packed);
+    # per_worker: one each, so that a shrink gives the bundles back to the cluster (the
+    # scheduler's jobs use it)
+    placement: str = "gang"
 
     def __post_init__(self) -> None:
         integer(self.num_workers, "num_workers")
+        one_of(self.placement, "placement", ("gang", "per_worker"))
         optional_integer(self.min_workers, "min_workers",
                                 fix="set min_workers: 1 or more, or leave it out (num_workers)")
         optional_integer(self.max_workers, "max_workers",

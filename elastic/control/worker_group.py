@@ -114,15 +114,22 @@ class Placement:
         from ray.util.placement_group import placement_group
 
         bundle = self.bundle()
-        pg = placement_group([dict(bundle) for _ in range(n)], strategy="PACK")
-        ready, _ = ray.wait([pg.ready()], timeout=self.cfg.placement_timeout_s)
-        if not ready:
-            ray.util.remove_placement_group(pg)
+        if self.cfg.placement == "per_worker":  # a shrink can give each bundle back
+            pgs = [placement_group([dict(bundle)]) for _ in range(n)]
+        else:
+            pgs = [placement_group([dict(bundle) for _ in range(n)], strategy="PACK")]
+        ready, _ = ray.wait([pg.ready() for pg in pgs], num_returns=len(pgs),
+                            timeout=self.cfg.placement_timeout_s)
+        if len(ready) < len(pgs):
+            for pg in pgs:
+                ray.util.remove_placement_group(pg)
             raise ClusterError(
                 f"the cluster cannot host {n} workers of {bundle} within "
                 f"{self.cfg.placement_timeout_s:.0f}s (it has {ray.available_resources()}). "
                 "Fix: lower num_workers or resources_per_worker, or add nodes.")
-        new = self._collect(self._launch(pg, list(range(n)), bundle), wait_s=None)
+        launched = (self._launch(pgs[0], list(range(n)), bundle) if len(pgs) == 1 else
+                    [x for pg in pgs for x in self._launch(pg, [0], bundle)])
+        new = self._collect(launched, wait_s=None)
         if len(new) < min_workers:
             raise ClusterError(
                 f"only {len(new)} of {n} workers started (min_workers={min_workers}); "
@@ -283,6 +290,27 @@ class Placement:
         free = ray.available_resources()
         return all(free.get(k, 0.0) >= v for k, v in bundle.items() if v > 0)
 
+    def vacate(self, gone: Sequence[WorkerRec], kept: Sequence[WorkerRec]) -> None:
+        """The bundles of workers a shrink removed: a placement group no kept worker or
+        spare uses is removed (its resources go back to the cluster, for other jobs); a
+        bundle of a shared one becomes a free slot (a later growth reuses it)."""
+        import ray
+
+        used = {id(w.pg) for w in kept} | {id(w.pg) for w, _ in self._warming}
+        dropped: set[int] = set()
+        for w in gone:
+            if w.pg is None or id(w.pg) in dropped:
+                continue
+            if id(w.pg) in used:
+                self.free_slots.append((w.pg, w.slot))
+                continue
+            dropped.add(id(w.pg))
+            try:
+                ray.util.remove_placement_group(w.pg)
+            except Exception:  # noqa: BLE001 - already removed
+                pass
+        self.free_slots = [(pg, i) for pg, i in self.free_slots if id(pg) not in dropped]
+
     def release(self, extra: Sequence[WorkerRec]) -> None:
         """Kill every spare and release every placement group (``extra``: the job's
         workers, killed by the caller)."""
@@ -410,12 +438,14 @@ class WorkerGroup(PlacementCalls, WorkerCalls):
         return "" if ok else str(why or "refused")
 
     def shrink(self, n: int) -> list[WorkerRec]:
-        """Keep the first ``n`` workers; kill the rest (their bundles are released with their
-        placement groups at cleanup). Returns the removed."""
+        """Keep the first ``n`` workers; kill the rest (``Placement.vacate``: their bundles
+        go back to the cluster where no kept worker shares their placement group, else
+        become free slots). Returns the removed."""
         extra = self.workers[n:]
         for w in extra:
             _kill(w)
         self.workers = self.workers[:n]
+        self.placement.vacate(extra, self.workers)
         return extra
 
     def survivors(self, exclude: Sequence[WorkerRec] = ()) -> tuple[list[WorkerRec],

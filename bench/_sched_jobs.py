@@ -1,0 +1,55 @@
+"""The scheduler benchmark's jobs: a small regression model whose forward sleeps a fixed time
+per sample inside a worker (so a step divides among the workers as a compute-bound job's
+does), its data, optimizer and loss. Top level, so Ray pickles them by reference."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+
+class Data:
+    """n samples of (x in R^8, y in R^2), deterministic."""
+
+    def __init__(self, n: int = 512, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, 8, generator=g)
+        w = torch.randn(8, 2, generator=g)
+        self.y = self.x @ w + 0.1 * torch.randn(n, 2, generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[i], self.y[i]
+
+
+class PerSampleCost(nn.Module):
+    """Identity that sleeps ``seconds`` per sample when a process group exists (a worker);
+    the single-process reference runs it without sleeping."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            time.sleep(self.seconds * x.shape[0])
+        return x
+
+
+def model(seconds_per_sample: float = 0.01) -> nn.Module:
+    return nn.Sequential(PerSampleCost(seconds_per_sample), nn.Linear(8, 32), nn.Tanh(),
+                         nn.Linear(32, 2))
+
+
+def optimizer(params) -> torch.optim.Optimizer:  # noqa: ANN001 - torch's parameter iterable
+    return torch.optim.Adam(params, lr=1e-2)
+
+
+def loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(out, y)

@@ -1,0 +1,149 @@
+"""``elastic scheduler start|stop|status`` and ``elastic queue submit|list|cancel``: thin
+commands over ``elastic.scheduler`` (which holds the Ray calls)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["add_parsers", "format_queue"]
+
+
+def _fmt_s(s: Any) -> str:
+    if s is None or not isinstance(s, (int, float)) or not math.isfinite(s):
+        return "-"
+    return f"{s:.0f}s" if s < 600 else f"{s / 60:.0f}min"
+
+
+def format_queue(rows: list[dict[str, Any]]) -> str:
+    """One line per job: state, workers (min..max; * while a resize is under way), steps,
+    predicted time left, and why."""
+    if not rows:
+        return "the queue is empty"
+    hdr = f"{'job':<16}{'state':<11}{'workers':>9}{'steps':>14}{'left':>8}  why"
+    out = [hdr, "-" * len(hdr)]
+    for r in rows:
+        w = f"{r['workers']}{'*' if r.get('resizing') else ''} ({r['min_workers']}..{r['max_workers']})"
+        steps = f"{r['step']}/{r['max_steps']}"
+        left = _fmt_s(r["remaining_s"]) if r["state"] == "running" else "-"
+        why = r.get("error") or r["reason"]
+        out.append(f"{r['job']:<16}{r['state']:<11}{w:>9}{steps:>14}{left:>8}  {why}")
+    return "\n".join(out)
+
+
+_HOOKS: dict[str, Callable[..., Any]] = {}  # the CLI's attach and --set parser
+
+
+def _cmd(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    def run(a: argparse.Namespace) -> int:
+        _HOOKS["attach"](a.address)
+        return fn(a)
+
+    return run
+
+
+def _start(a: argparse.Namespace) -> int:
+    from . import scheduler
+
+    workers = a.workers or a.gpus or a.cpus
+    if not workers:
+        raise SystemExit("elastic scheduler start needs --workers, --cpus or --gpus (how many "
+                         "workers the scheduler owns)")
+    db = None if a.db == "none" else a.db
+    if db is None and a.db != "none":
+        import os
+
+        os.makedirs(os.path.expanduser("~/.elastic"), exist_ok=True)
+        db = os.path.expanduser(f"~/.elastic/scheduler-{a.name}.sqlite")
+    scheduler.start(a.name, workers=int(workers), policy=a.policy, round_s=a.round_s,
+                    resize_s=a.resize_s, max_wait_s=a.max_wait_s, db=db)
+    print(f"[elastic] scheduler {a.name!r} started: {workers} workers, policy {a.policy}, "
+          f"queue in {db or 'memory'}")
+    return 0
+
+
+def _stop(a: argparse.Namespace) -> int:
+    from . import scheduler
+
+    scheduler.shutdown(a.name)
+    print(f"[elastic] scheduler {a.name!r} stopped")
+    return 0
+
+
+def _status(a: argparse.Namespace) -> int:
+    from . import scheduler
+
+    print(json.dumps(scheduler.info(a.name), indent=2, default=str))
+    return 0
+
+
+def _submit(a: argparse.Namespace) -> int:
+    from . import scheduler
+    from .config import JobConfig
+
+    cfg = JobConfig.from_yaml(a.job, _HOOKS["parse_sets"](a.set or []))
+    job = scheduler.submit_to(a.name, cfg)
+    print(f"[elastic] queued {job.job!r} in scheduler {a.name!r}")
+    return 0
+
+
+def _list(a: argparse.Namespace) -> int:
+    from . import scheduler
+
+    rows = scheduler.rows(a.name)
+    print(json.dumps(rows, indent=2, default=str) if a.json else format_queue(rows))
+    return 0
+
+
+def _cancel(a: argparse.Namespace) -> int:
+    from . import scheduler
+
+    before = scheduler.ScheduledJob(a.name, a.job).cancel()
+    print(f"[elastic] cancelled {a.job!r} (was {before})")
+    return 0
+
+
+def add_parsers(sub: Any, attach: Callable[[str | None], None],
+                parse_sets: Callable[[list[str]], dict[str, Any]]) -> None:
+    """Add ``scheduler`` and ``queue`` to the ``elastic`` command's sub-parsers; ``attach``
+    connects to the cluster, ``parse_sets`` reads ``--set key=value``."""
+    _HOOKS.update(attach=attach, parse_sets=parse_sets)
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--name", default="default", help="the scheduler's name")
+        p.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS or auto)")
+
+    s = sub.add_parser("scheduler", help="start, stop or show a scheduler that shares a "
+                       "cluster among many elastic jobs")
+    s.add_argument("action", choices=["start", "stop", "status"])
+    common(s)
+    s.add_argument("--workers", type=int, help="start: workers the scheduler owns")
+    s.add_argument("--cpus", type=int, help="start: CPUs it owns (one worker each)")
+    s.add_argument("--gpus", type=int, help="start: GPUs it owns (one worker each)")
+    s.add_argument("--policy", default="srpt", help="start: fifo-static, srpt or goodput")
+    s.add_argument("--round-s", type=float, default=2.0, help="start: seconds between decisions")
+    s.add_argument("--resize-s", type=float, default=10.0,
+                   help="start: what a resize costs a job (hysteresis)")
+    s.add_argument("--max-wait-s", type=float, default=1800.0,
+                   help="start: a queued job waiting longer goes first (starvation guard)")
+    s.add_argument("--db", help="start: the SQLite file holding the queue (default "
+                   "~/.elastic/scheduler-NAME.sqlite; 'none': memory only)")
+    s.set_defaults(fn=lambda a: _cmd({"start": _start, "stop": _stop,
+                                      "status": _status}[a.action])(a))
+
+    q = sub.add_parser("queue", help="submit a job to a scheduler, list or cancel its jobs")
+    q.add_argument("action", choices=["submit", "list", "cancel"])
+    q.add_argument("job", nargs="?", help="submit: the job YAML; cancel: the job's name")
+    q.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a job setting")
+    q.add_argument("--json", action="store_true", help="list: machine-readable output")
+    common(q)
+
+    def queue(a: argparse.Namespace) -> int:
+        if a.action != "list" and not a.job:
+            raise SystemExit(f"elastic queue {a.action} needs a job "
+                             f"({'YAML file' if a.action == 'submit' else 'name'})")
+        return _cmd({"submit": _submit, "list": _list, "cancel": _cancel}[a.action])(a)
+
+    q.set_defaults(fn=queue)

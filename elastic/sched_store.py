@@ -1,0 +1,115 @@
+"""The scheduler's queue on disk (SQLite), so that it survives a scheduler restart.
+
+One row per job: its name, submission order, wall-clock submission time, state, its
+serialized config (bytes the caller produced: the scheduler uses Ray's cloudpickle, so the
+jobs' model factories and datasets come back as they went in) and the last ``row()`` seen
+(JSON). ``restore`` turns the rows back into queue entries: a job that was queued is queued
+again; one that was running when the scheduler went away lost its controller with it (the
+scheduler's process ran it), so it is queued again too, marked as such, and resumes from its
+newest checkpoint if it writes checkpoints (``resume: latest``; with none committed yet it
+fails saying so), else starts over in a new run directory; ended jobs come back as
+history.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sqlite3
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from .sched_core import QueuedJob, SchedulerCore
+
+__all__ = ["QueueStore", "restore"]
+
+_SCHEMA = """CREATE TABLE IF NOT EXISTS jobs (
+    name TEXT PRIMARY KEY, seq INTEGER, submitted_wall REAL, state TEXT, cfg BLOB, row TEXT)"""
+
+
+class QueueStore:
+    """A SQLite file holding the queue; thread-safe (one connection behind a lock)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute(_SCHEMA)
+        self._lock = threading.Lock()
+
+    def add(self, name: str, cfg_blob: bytes, submitted_wall: float) -> None:
+        """A newly submitted job (replaces an ended one of the same name)."""
+        with self._lock:
+            seq = self._db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM jobs").fetchone()[0]
+            self._db.execute("INSERT OR REPLACE INTO jobs VALUES (?, ?, ?, 'queued', ?, '{}')",
+                             (name, seq, submitted_wall, cfg_blob))
+
+    def update(self, name: str, state: str, row: dict[str, Any]) -> None:
+        with self._lock:
+            self._db.execute("UPDATE jobs SET state = ?, row = ? WHERE name = ?",
+                             (state, json.dumps(_jsonable(row)), name))
+
+    def load(self) -> list[tuple[str, float, str, bytes, dict[str, Any]]]:
+        """(name, submitted_wall, state, cfg blob, last row), in submission order."""
+        with self._lock:
+            cur = self._db.execute(
+                "SELECT name, submitted_wall, state, cfg, row FROM jobs ORDER BY seq")
+            return [(n, w, s, bytes(c), json.loads(r or "{}")) for n, w, s, c, r in cur]
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+
+def _jsonable(row: dict[str, Any]) -> dict[str, Any]:
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+            for k, v in row.items()}
+
+
+def _rerun(cfg: Any) -> Any:
+    """The config that runs an interrupted job again: with checkpoints configured, it
+    resumes from its newest one (``resume: latest``, same run directory); without, it
+    starts over in a new numbered run directory (``<run dir>.rerun<N>``: the interrupted
+    run's logs stay where they were)."""
+    if cfg.resume:
+        return cfg
+    if cfg.checkpoint_every > 0 or cfg.checkpoint_uri:
+        return cfg.replace(resume="latest")
+    base = cfg.run_path
+    n = 1
+    while os.path.exists(f"{base}.rerun{n}"):
+        n += 1
+    return cfg.replace(run_dir=f"{base}.rerun{n}")
+
+
+def restore(core: SchedulerCore, store: QueueStore, loads: Callable[[bytes], Any]) -> int:
+    """Put the stored jobs back into ``core`` (see the module docstring); ``loads`` turns a
+    config blob back into a config. Returns how many were queued again. A config that no
+    longer loads (its code moved) comes back as a failed job naming why."""
+    now_wall, now = time.time(), core.clock()
+    queued = 0
+    for name, wall, state, blob, row in store.load():
+        submitted = now - (now_wall - wall)
+        try:
+            cfg = loads(blob)
+        except Exception as e:  # noqa: BLE001 - one bad entry must not lose the queue
+            j = QueuedJob(name, None, submitted, state="failed",
+                          error=f"its config no longer loads after the restart: {e}")
+            core.jobs[name] = j
+            continue
+        if state == "running":
+            cfg = _rerun(cfg)
+        if state in ("queued", "running"):
+            j = QueuedJob(name, cfg, submitted)
+            j.reason = ("queued again: it was running when the scheduler stopped"
+                        if state == "running" else "queued again after a scheduler restart")
+            queued += 1
+        else:
+            j = QueuedJob(name, cfg, submitted, state=state, reason=row.get("reason") or state,
+                          error=row.get("error"), step=int(row.get("step") or 0),
+                          resizes=int(row.get("resizes") or 0))
+        core.jobs[name] = j
+    return queued

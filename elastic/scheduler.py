@@ -1,0 +1,269 @@
+"""The live scheduler: a long-lived named Ray actor that runs many elastic jobs on a share of
+a cluster (the one module of the scheduler that imports Ray).
+
+``start(name, workers=...)`` (``elastic scheduler start``) creates the actor
+``elastic-scheduler:<name>`` in the ``elastic`` namespace (detached: it outlives the process
+that started it). It holds a ``SchedulerCore`` (``elastic.sched_core``): a queue and a pure
+policy (``clusters.sched_policy``: fifo-static, srpt or goodput). Jobs arrive with
+``submit_to`` (``elastic queue submit``, ``elastic.submit(..., scheduler=NAME)``); the actor
+runs each admitted job with ``elastic.submit`` in its own process (one controller thread per
+job, its workers Ray actors like any job's) and resizes it in place through the job's
+``scale`` request, at a step boundary. ``elastic queue list|cancel`` read and change the queue.
+
+The scheduler's capacity is a number of workers: each job's ``resources_per_worker`` must be
+what one of those workers is (by default one CPU); the scheduler never hands out more than
+``workers`` at once, whatever else runs on the cluster.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from clusters.sched_policy import POLICIES, policy_named
+
+from .errors import ElasticError
+from .sched_core import QueuedJob, SchedulerCore
+from .sched_runner import ControllerRunner
+from .sched_store import QueueStore, restore
+
+__all__ = ["NAMESPACE", "SchedulerActor", "ScheduledJob", "start", "lookup", "shutdown",
+           "submit_to", "list_schedulers", "info", "rows"]
+
+NAMESPACE = "elastic"
+_PREFIX = "elastic-scheduler:"
+
+
+class SchedulerActor:
+    """The body of the scheduler's Ray actor: the core, and a thread that ticks it every
+    ``round_s`` (at once when a job arrives or is cancelled)."""
+
+    def __init__(self, name: str, workers: int, policy: str, round_s: float, resize_s: float,
+                 max_wait_s: float | None, db: str | None = None) -> None:
+        self.name = name
+        self.policy_name = policy
+        self.round_s = round_s
+        self._t0 = time.monotonic()
+        self.store = QueueStore(db) if db else None
+        self.core = SchedulerCore(policy_named(policy, resize_s=resize_s, max_wait_s=max_wait_s),
+                                  workers, ControllerRunner(), clock=self.now,
+                                  on_change=self._persist)
+        self.restored = 0
+        if self.store is not None:
+            from ray import cloudpickle
+
+            self.restored = restore(self.core, self.store, cloudpickle.loads)
+            self._wait_for_old_jobs()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self.errors: list[str] = []
+        self._thread = threading.Thread(target=self._loop, name="elastic-scheduler", daemon=True)
+        self._thread.start()
+
+    def _wait_for_old_jobs(self, timeout_s: float = 30.0) -> None:
+        """Jobs that were running when the previous scheduler died: their controllers died
+        with it, their workers and control actors follow (Ray ends what a dead process
+        owned). Wait for their names to be free before running them again (bounded)."""
+        from .control import list_jobs
+
+        again = {j.name for j in self.core.jobs.values() if j.state == "queued"}
+        deadline = time.monotonic() + timeout_s
+        while again & set(list_jobs()) and time.monotonic() < deadline:
+            time.sleep(0.5)
+
+    def now(self) -> float:
+        """Seconds since the scheduler started (the queue's clock)."""
+        return time.monotonic() - self._t0
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.core.tick()
+            except Exception as e:  # noqa: BLE001 - the loop must outlive one bad round
+                self.errors.append(f"{type(e).__name__}: {e}")
+            self._wake.wait(self.round_s)
+            self._wake.clear()
+
+    def _persist(self, j: QueuedJob) -> None:
+        if self.store is not None:
+            self.store.update(j.name, j.state, j.row())
+
+    def submit(self, cfg: Any) -> str:
+        name = self.core.submit(cfg)
+        if self.store is not None:
+            from ray import cloudpickle
+
+            self.store.add(name, cloudpickle.dumps(self.core.jobs[name].cfg), time.time())
+        self._wake.set()
+        return name
+
+    def cancel(self, job: str) -> str:
+        before = self.core.cancel(job)
+        self._wake.set()
+        return before
+
+    def rows(self) -> list[dict[str, Any]]:
+        return self.core.rows()
+
+    def info(self) -> dict[str, Any]:
+        return {"name": self.name, "policy": self.policy_name, "workers": self.core.capacity,
+                "decisions": self.core.decisions, "now_s": self.now(), "errors": self.errors[-5:],
+                "db": self.store.path if self.store is not None else None,
+                "restored": self.restored}
+
+    def result(self, job: str) -> dict[str, Any] | None:
+        """A job that ended: its state, error, steps and final parameters; None if it has
+        not ended."""
+        j: QueuedJob | None = self.core.jobs.get(job)
+        if j is None:
+            raise ElasticError(f"no job named {job!r} in scheduler {self.name!r}")
+        if j.state in ("queued", "running"):
+            return None
+        res = j.result
+        return {"state": j.state, "error": j.error, "row": j.row(),
+                "steps": len(res.history) if res is not None else 0,
+                "state_dict": res.state_dict() if res is not None else None,
+                "run_dir": getattr(res, "run_dir", None)}
+
+    def shutdown(self) -> None:
+        """Stop the loop and every running job (each at a step boundary)."""
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=60)
+        self.core.wait_resizes(timeout=300)
+        for j in list(self.core.jobs.values()):
+            if j.state == "running":
+                try:
+                    self.core.runner.stop(j.handle)
+                except Exception:  # noqa: BLE001 - it ended meanwhile
+                    pass
+
+
+def _actor_name(name: str) -> str:
+    return _PREFIX + name
+
+
+def list_schedulers() -> list[str]:
+    import ray
+
+    return sorted(a["name"][len(_PREFIX):] for a in ray.util.list_named_actors(all_namespaces=True)
+                  if a.get("namespace") == NAMESPACE and a["name"].startswith(_PREFIX))
+
+
+def lookup(name: str = "default") -> Any:
+    """The running scheduler's actor handle; ``ElasticError`` naming the fix otherwise."""
+    import ray
+
+    try:
+        return ray.get_actor(_actor_name(name), namespace=NAMESPACE)
+    except ValueError:
+        have = list_schedulers()
+        raise ElasticError(
+            f"no elastic scheduler named {name!r} on this cluster"
+            f" ({'running: ' + ', '.join(have) if have else 'none is running'}). Fix: start one "
+            f"with `elastic scheduler start --name {name}`") from None
+
+
+def start(name: str = "default", *, workers: int, policy: str = "srpt", round_s: float = 2.0,
+          resize_s: float = 10.0, max_wait_s: float | None = 1800.0, detached: bool = True,
+          db: str | None = None) -> Any:
+    """Start the scheduler ``name`` owning ``workers`` workers; refuses a name in use or an
+    unknown policy. Returns its actor handle. Ray must be initialised (``ray_connect``).
+
+    ``db``: a SQLite file (on the node that starts it) holding the queue: a scheduler started
+    again with the same file takes its jobs back (``elastic.sched_store``); None: in memory
+    only. ``elastic scheduler start`` uses ``~/.elastic/scheduler-<name>.sqlite``."""
+    import ray
+
+    if policy not in POLICIES:
+        raise ElasticError(f"unknown scheduling policy {policy!r}. Fix: use one of "
+                           f"{', '.join(POLICIES)}")
+    if name in list_schedulers():
+        raise ElasticError(f"a scheduler named {name!r} is already running. Fix: use it, or "
+                           f"`elastic scheduler stop --name {name}` first")
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    opts: dict[str, Any] = {"name": _actor_name(name), "namespace": NAMESPACE, "num_cpus": 0,
+                            "max_concurrency": 16, "scheduling_strategy": here}
+    if detached:
+        opts["lifetime"] = "detached"
+    actor: Any = ray.remote(SchedulerActor)
+    h = actor.options(**opts).remote(name, workers, policy, round_s, resize_s, max_wait_s, db)
+    ray.get(h.info.remote())
+    return h
+
+
+def info(name: str = "default") -> dict[str, Any]:
+    """The scheduler's name, policy, workers, decisions so far and recent loop errors."""
+    import ray
+
+    return dict(ray.get(lookup(name).info.remote()))
+
+
+def rows(name: str = "default") -> list[dict[str, Any]]:
+    """Every job the scheduler holds (``elastic queue list``)."""
+    import ray
+
+    return list(ray.get(lookup(name).rows.remote()))
+
+
+def shutdown(name: str = "default") -> None:
+    """Stop the scheduler's running jobs at a step boundary, then end its actor."""
+    import ray
+
+    h = lookup(name)
+    ray.get(h.shutdown.remote())
+    ray.kill(h)
+
+
+class ScheduledJob:
+    """The SDK's handle on a job submitted to a scheduler."""
+
+    def __init__(self, scheduler: str, job: str) -> None:
+        self.scheduler = scheduler
+        self.job = job
+
+    def status(self) -> dict[str, Any]:
+        return next(r for r in rows(self.scheduler) if r["job"] == self.job)
+
+    def cancel(self) -> str:
+        """Cancel the job (queued: at once; running: stopped at a step boundary). Returns
+        its state before; ``ElasticError`` for a job the scheduler does not hold."""
+        return str(_call(lookup(self.scheduler).cancel, self.job))
+
+    def done(self) -> bool:
+        return self.status()["state"] not in ("queued", "running")
+
+    def result(self, timeout: float | None = None) -> dict[str, Any]:
+        """Wait for the job to end: its state, error, steps and final parameters."""
+        import ray
+
+        h = lookup(self.scheduler)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            out = ray.get(h.result.remote(self.job))
+            if out is not None:
+                return dict(out)
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"job {self.job!r} is still {self.status()['state']}")
+            time.sleep(0.5)
+
+
+def _call(method: Any, *args: Any) -> Any:
+    """Call an actor method; the scheduler's own refusal comes back as the ``ElasticError``
+    it raised (not wrapped in Ray's task error)."""
+    import ray
+
+    try:
+        return ray.get(method.remote(*args))
+    except ray.exceptions.RayTaskError as e:
+        if isinstance(e.cause, ElasticError):
+            raise ElasticError(str(e.cause)) from None
+        raise
+
+
+def submit_to(scheduler: str, cfg: Any) -> ScheduledJob:
+    """Queue ``cfg`` (a ``JobConfig``) in the running scheduler ``scheduler``."""
+    return ScheduledJob(scheduler, str(_call(lookup(scheduler).submit, cfg)))

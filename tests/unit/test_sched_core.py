@@ -1,0 +1,277 @@
+"""elastic.sched_core: the live scheduler's loop over a scripted runner (no Ray): admission,
+shrink before anyone takes the workers, grow when a job ends, cancel, a failing job alone."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+
+from clusters.sched_policy import FifoStatic, ShortestRemaining, StarvationGuard
+from elastic.config import JobConfig
+from elastic.errors import ElasticError
+from elastic.sched_core import SchedulerCore, live_options
+from tests.helpers import RegressionData, adam, mlp, mse
+
+
+def cfg(name: str, steps: int, *, n: int = 1, lo: int = 1, hi: int = 4, batch: int = 8
+        ) -> JobConfig:
+    return JobConfig(model=mlp, optimizer=adam, loss=mse, dataset=RegressionData(),
+                     global_batch_size=batch, max_steps=steps, num_workers=n, min_workers=lo,
+                     max_workers=hi, view="none", name=name)
+
+
+class Job:
+    def __init__(self, name: str, cfg: JobConfig, workers: int) -> None:
+        self.name, self.cfg, self.workers, self.step = name, cfg, workers, 0.0
+        self.fail = False
+        self.stopped = False
+
+
+class Script:
+    """A runner whose jobs take ``1 / workers`` seconds a step (linear scaling) and advance
+    only when the test moves the clock; every call is logged."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+        self.log: list[tuple[str, str, int]] = []
+        self.jobs: dict[str, Job] = {}
+        self.refuse_start: set[str] = set()
+
+    def advance(self, dt: float) -> None:
+        self.t += dt
+        for j in self.jobs.values():
+            if not self.done(j):
+                j.step = min(j.cfg.max_steps, j.step + dt * j.workers)
+
+    def start(self, name: str, cfg: Any, workers: int) -> Job:
+        if name in self.refuse_start:
+            raise ElasticError("cannot start")
+        assert cfg.num_workers == workers and cfg.scale_check_s > 1e6
+        assert cfg.placement == "per_worker"
+        self.log.append(("start", name, workers))
+        self.jobs[name] = j = Job(name, cfg, workers)
+        return j
+
+    def scale(self, h: Job, workers: int) -> int:
+        self.log.append(("scale", h.name, workers))
+        h.workers = workers
+        return workers
+
+    def status(self, h: Job) -> dict[str, Any]:
+        return {"step": int(h.step), "world_size": h.workers,
+                "samples_per_s": h.cfg.global_batch_size * h.workers}
+
+    def done(self, h: Job) -> bool:
+        return h.stopped or h.fail or h.step >= h.cfg.max_steps
+
+    def result(self, h: Job) -> Any:
+        if h.fail:
+            raise RuntimeError("boom")
+        return type("R", (), {"history": [0] * int(h.step)})()
+
+    def stop(self, h: Job) -> None:
+        self.log.append(("stop", h.name, h.workers))
+        h.stopped = True
+
+
+def core(policy: Any, capacity: int = 4) -> tuple[SchedulerCore, Script]:
+    s = Script()
+    return SchedulerCore(policy, capacity, s, clock=lambda: s.t), s
+
+
+def state(c: SchedulerCore) -> dict[str, tuple[str, int]]:
+    return {r["job"]: (r["state"], r["workers"]) for r in c.rows()}
+
+
+def test_live_options_fit_the_measured_step_times():
+    # t(n) = 0.2 + 1.6 / n, measured at 1 and 4: recovered at every size
+    opts = live_options(1, 8, {1: 1.8, 4: 0.6}, 8, 1e-3, "dp")
+    assert [o.workers for o in opts] == list(range(1, 9))
+    for o in opts:
+        assert o.step_s == pytest.approx(0.2 + 1.6 / o.workers)
+    # one size measured: a tenth of it fixed; nothing measured: the prior per sample
+    one = {o.workers: o.step_s for o in live_options(1, 4, {2: 1.0}, 8, 1e-3, "dp")}
+    assert one[2] == 1.0 and one[4] == pytest.approx(0.1 + 0.9 * 2 / 4)
+    prior = {o.workers: o.step_s for o in live_options(2, 2, {}, 100, 0.01, "dp")}
+    assert prior[2] == pytest.approx(0.1 + 0.9 / 2)
+
+
+def test_admission_shrink_to_make_room_and_grow_when_a_job_ends():
+    c, s = core(ShortestRemaining(resize_s=0.0, starvation=StarvationGuard(None)))
+    c.submit(cfg("long", 400, n=4))
+    c.tick()
+    c.wait_resizes(5)
+    assert state(c) == {"long": ("running", 4)}  # alone: grows to all it uses well
+    s.advance(10)
+    c.submit(cfg("short", 20, n=2))
+    c.tick()
+    # the short job goes first; the long one shrinks, and before the short one starts
+    assert state(c) == {"long": ("running", 1), "short": ("running", 3)}
+    assert s.log[1:] == [("scale", "long", 1), ("start", "short", 3)]
+    assert "shrunk 4->1" in c.jobs["long"].reason and math.isfinite(c.jobs["short"].remaining_s)
+    s.advance(10)  # short: 20 steps at 3 a second
+    c.tick()
+    assert state(c) == {"long": ("running", 4), "short": ("finished", 0)}  # reserved at once
+    c.wait_resizes(5)
+    assert state(c) == {"long": ("running", 4), "short": ("finished", 0)}
+    assert s.log[-1] == ("scale", "long", 4)
+    assert c.jobs["long"].resizes == 2
+    assert c.jobs["short"].worker_s == pytest.approx(3 * 10)  # 3 workers, t=10..20
+    assert c.jobs["long"].worker_s == pytest.approx(4 * 10 + 1 * 10)  # to its resize at 20
+    s.advance(100)
+    assert c.tick() is False and state(c)["long"] == ("finished", 0)
+
+
+def test_fifo_static_never_resizes():
+    c, s = core(FifoStatic())
+    c.submit(cfg("a", 100, n=3))
+    c.submit(cfg("b", 10, n=2))
+    c.tick()
+    assert state(c) == {"a": ("running", 3), "b": ("queued", 0)}
+    assert "needs 2 workers, 1 free" in c.jobs["b"].reason
+    s.advance(40)
+    c.tick()
+    assert state(c) == {"a": ("finished", 0), "b": ("running", 2)}
+    assert not [e for e in s.log if e[0] == "scale"]
+
+
+def test_cancel_a_queued_and_a_running_job():
+    c, s = core(FifoStatic(), capacity=2)
+    c.submit(cfg("a", 100, n=2))
+    c.submit(cfg("b", 100, n=2))
+    c.tick()
+    assert c.cancel("b") == "queued" and state(c)["b"] == ("cancelled", 0)
+    assert c.cancel("a") == "running"
+    c.tick()
+    assert ("stop", "a", 2) in s.log and state(c)["a"] == ("cancelled", 0)
+    with pytest.raises(ElasticError, match="no job named 'zzz'"):
+        c.cancel("zzz")
+
+
+def test_refusals_and_a_failing_job_does_not_disturb_the_others():
+    c, s = core(FifoStatic(backfill=True), capacity=4)
+    c.submit(cfg("a", 100, n=2))
+    with pytest.raises(ElasticError, match="already queued"):
+        c.submit(cfg("a", 5))
+    with pytest.raises(ElasticError, match="needs at least 6 workers"):
+        c.submit(cfg("huge", 5, n=6, lo=6, hi=6))
+    s.refuse_start.add("bad")
+    c.submit(cfg("bad", 10))
+    c.submit(cfg("c", 100, n=1))
+    c.tick()
+    assert state(c) == {"a": ("running", 2), "bad": ("failed", 0), "c": ("running", 1)}
+    s.jobs["c"].fail = True
+    s.advance(1)
+    c.tick()
+    assert state(c)["c"] == ("failed", 0) and "boom" in (c.jobs["c"].error or "")
+    assert state(c)["a"] == ("running", 2)
+    c.submit(cfg("a2", 10, n=2))
+    c.tick()
+    assert state(c)["a2"] == ("running", 2)
+
+
+class SlowGrow(Script):
+    """Growth is answered only when the test says so (new workers starting), or refused."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import threading
+
+        self.release = threading.Event()
+        self.refuse = False
+
+    def scale(self, h: Job, workers: int) -> int:
+        if workers > h.workers:
+            self.log.append(("grow asked", h.name, workers))
+            assert self.release.wait(5)
+            if self.refuse:
+                raise ElasticError(f"cannot scale to {workers} workers")
+        return super().scale(h, workers)
+
+
+def test_growth_reserves_its_workers_and_the_loop_goes_on_meanwhile():
+    s = SlowGrow()
+    c = SchedulerCore(ShortestRemaining(resize_s=0.0, starvation=StarvationGuard(None)), 4, s,
+                      clock=lambda: s.t)
+    c.submit(cfg("a", 400, n=1, hi=1))
+    c.submit(cfg("b", 100_000, n=1, hi=4))
+    c.tick()
+    assert state(c) == {"a": ("running", 1), "b": ("running", 3)}
+    s.advance(400)  # a ends; b is asked to grow to 4 and its new worker takes a while
+    c.tick()
+    assert state(c) == {"a": ("finished", 0), "b": ("running", 4)} and c.jobs["b"].busy
+    c.submit(cfg("x", 5, n=1, hi=1))  # short: srpt would shrink b for it, but b is mid-resize
+    c.tick()
+    assert state(c)["x"] == ("queued", 0), "started beyond the free workers"
+    assert "a resize to 4 is under way" in c.jobs["b"].reason
+    assert c.jobs["x"].reason.startswith("queued")  # the policy saw b pinned at 4
+    s.release.set()
+    c.wait_resizes(5)
+    assert state(c)["b"] == ("running", 4) and c.jobs["b"].resizes == 1
+    c.tick()  # now b shrinks for x
+    assert state(c)["x"] == ("running", 1) and state(c)["b"] == ("running", 3)
+
+
+def test_a_refused_growth_leaves_the_job_at_the_size_it_has():
+    s = SlowGrow()
+    s.refuse = True
+    s.release.set()
+    c = SchedulerCore(ShortestRemaining(resize_s=0.0), 4, s, clock=lambda: s.t)
+    c.submit(cfg("a", 400, n=2, lo=2, hi=2))
+    c.submit(cfg("b", 100_000, n=1, hi=4))
+    c.tick()
+    assert state(c) == {"a": ("running", 2), "b": ("running", 2)}
+    s.advance(400)
+    c.tick()
+    c.wait_resizes(5)
+    assert state(c)["b"] == ("running", 2) and "refused" in c.jobs["b"].reason
+    assert c.jobs["b"].resizes == 0
+
+
+def test_the_queue_survives_a_restart_in_sqlite(tmp_path):
+    import pickle
+
+    from elastic.sched_store import QueueStore, restore
+
+    store = QueueStore(str(tmp_path / "q.sqlite"))
+    s = Script()
+    c = SchedulerCore(FifoStatic(), 2, s, clock=lambda: s.t,
+                      on_change=lambda j: store.update(j.name, j.state, j.row()))
+    for name, n in (("ran", 2), ("waits", 2), ("done", 1)):
+        c.submit(cfg(name, 10, n=n).replace(run_dir=str(tmp_path / name)))
+        store.add(name, pickle.dumps(c.jobs[name].cfg), 1000.0 + len(c.jobs))
+    c.cancel("done")
+    c.tick()
+    assert state(c) == {"ran": ("running", 2), "waits": ("queued", 0), "done": ("cancelled", 0)}
+    store.close()
+    # the scheduler's process is gone (and the running job's controller with it)
+    again = QueueStore(str(tmp_path / "q.sqlite"))
+    s2 = Script()
+    c2 = SchedulerCore(FifoStatic(), 2, s2, clock=lambda: s2.t)
+    assert restore(c2, again, pickle.loads) == 2
+    assert state(c2) == {"ran": ("queued", 0), "waits": ("queued", 0), "done": ("cancelled", 0)}
+    assert "was running when the scheduler stopped" in c2.jobs["ran"].reason
+    assert c2.jobs["ran"].submitted_s < c2.jobs["waits"].submitted_s  # order kept
+    c2.tick()
+    assert s2.log == [("start", "ran", 2)] and c2.jobs["ran"].cfg.max_steps == 10
+    # it starts over in a new run directory (no checkpoints to resume from)
+    assert c2.jobs["ran"].cfg.run_path.endswith("ran.rerun1")
+    assert c2.jobs["waits"].cfg.run_path == c.jobs["waits"].cfg.run_path
+    broken = QueueStore(str(tmp_path / "b.sqlite"))
+    broken.add("x", b"not a pickle", 1.0)
+    c3 = SchedulerCore(FifoStatic(), 2, Script(), clock=lambda: 0.0)
+    assert restore(c3, broken, pickle.loads) == 0
+    assert c3.rows()[0]["state"] == "failed" and "no longer loads" in c3.rows()[0]["error"]
+
+
+def test_an_interrupted_job_with_checkpoints_resumes_from_its_newest(tmp_path):
+    from elastic.sched_store import _rerun
+
+    ck = cfg("c", 10).replace(run_dir=str(tmp_path / "c"), checkpoint_every=5)
+    again = _rerun(ck)
+    assert again.resume == "latest" and again.run_path == ck.run_path
+    plain = cfg("p", 10).replace(run_dir=str(tmp_path / "p"))
+    (tmp_path / "p.rerun1").mkdir()
+    assert _rerun(plain).run_path == str(tmp_path / "p.rerun2")
