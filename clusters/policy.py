@@ -30,6 +30,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .evacuation import EVACUATION_PATHS, Evacuate, EvacuationObservation, EvacuationPolicy
+
 __all__ = [
     "FailureObservation",
     "Recover",
@@ -541,81 +543,3 @@ class ReplanPolicy:
                    f"switch of {obs.switch_s:.2f} s, or is within the noise "
                    f"({noise * 1e3:.1f} ms) or under {self.min_gain:.0%}")
         return KeepPlan(why + named, slow)
-
-
-# --------------------------------------------------------------------------- evacuation
-
-
-EVACUATION_PATHS = ("move", "checkpoint", "recover")
-
-
-@dataclass(frozen=True)
-class EvacuationObservation:
-    """Nodes hosting some of the job's workers will go away (a preemption notice, or a drain
-    asked for maintenance), seen at a step boundary.
-
-    ``deadline_s``: seconds left until they go (None: no deadline). ``move_s``: how long the
-    draining nodes are still needed to hand their state to the survivors (the measured
-    bandwidth times the bytes only they hold; 0 when every piece they hold has a live replica
-    elsewhere). ``checkpoint_s``: how long writing their shards to the job's checkpoint
-    store takes (measured from the job's uploads; None: the job has no store).
-    ``survivors``: workers on the other nodes; ``fits``: the planner found a layout of the
-    state that the survivors' memory holds. ``peer_copies``: buddies' copies cover the
-    draining ranks (recovering after letting them go reads no storage)."""
-
-    deadline_s: float | None
-    move_s: float
-    checkpoint_s: float | None
-    survivors: int
-    min_workers: int
-    fits: bool = True
-    peer_copies: bool = False
-
-
-@dataclass(frozen=True)
-class Evacuate:
-    """How to evacuate: ``"move"`` the draining ranks' state onto the survivors now (no step
-    lost, no storage); ``"checkpoint"`` the state, release the draining workers, then recover
-    from that checkpoint (no step lost; a storage write and read); ``"recover"``: release them
-    now and recover as from a loss (peers' copies or the last checkpoint: steps may be run
-    again). ``reason`` says why, with the figures compared."""
-
-    path: str
-    reason: str
-
-
-@dataclass(frozen=True)
-class EvacuationPolicy:
-    """Move the state when the survivors can hold it (``fits``, at least ``min_workers``)
-    and the move ends ``slack_s`` before the deadline with its measured cost taken
-    ``margin`` times; else the fastest path that is still safe: a checkpoint when it ends
-    in time (taken ``margin`` times too: nothing lost), else letting the node go now (the
-    job recovers from peers' copies or the last checkpoint, rather than losing the node in
-    the middle of a step at the deadline)."""
-
-    margin: float = 2.0
-    slack_s: float = 1.0
-
-    def decide(self, obs: EvacuationObservation) -> Evacuate:
-        left = float("inf") if obs.deadline_s is None else obs.deadline_s - self.slack_s
-        when = ("no deadline" if obs.deadline_s is None else
-                f"{obs.deadline_s:.1f}s left, {self.slack_s:.1f}s kept in reserve")
-        move_t = obs.move_s * self.margin
-        if obs.survivors < max(1, obs.min_workers):
-            why = (f"{obs.survivors} worker(s) would be left, fewer than min_workers="
-                   f"{obs.min_workers}")
-        elif not obs.fits:
-            why = "the survivors' memory cannot hold the state in any layout the planner knows"
-        elif move_t <= left:
-            return Evacuate("move", f"moving the state takes ~{obs.move_s:.2f}s "
-                            f"(x{self.margin:g} = {move_t:.2f}s; {when})")
-        else:
-            why = f"moving the state takes ~{obs.move_s:.2f}s (x{self.margin:g}), more than {when}"
-        if obs.checkpoint_s is not None and obs.checkpoint_s * self.margin <= left:
-            return Evacuate("checkpoint", f"{why}; a checkpoint takes ~{obs.checkpoint_s:.2f}s "
-                            f"(x{self.margin:g}): checkpoint, then recover from it")
-        source = "the buddies' copies" if obs.peer_copies else "the last checkpoint"
-        ck = ("no checkpoint store" if obs.checkpoint_s is None else
-              f"a checkpoint takes ~{obs.checkpoint_s:.2f}s (x{self.margin:g}), too long")
-        return Evacuate("recover", f"{why}; {ck}: the node is let go now and the job "
-                        f"recovers from {source}")
