@@ -1,6 +1,7 @@
 """Connecting to Ray: attach to the cluster a job names, or start a private local one.
 
-The one place a driver calls ``ray.init``. Errors say what to do: an unreachable address
+The one place a driver calls ``ray.init``, and the driver side's named actors (the
+scheduler's: start, find, call, end) so that their modules stay free of Ray. Errors say what to do: an unreachable address
 names the fix, a cluster that refuses the driver for want of a token (seen in milliseconds
 from the GCS's gRPC status, where ``ray.init`` retries for ~20 s) names ``RAY_AUTH_TOKEN``,
 and a local cluster started for more workers than the machine has cores
@@ -13,10 +14,13 @@ import logging
 import os
 import socket
 import warnings
+from typing import Any
 
 from .errors import ClusterError
 
-__all__ = ["connect", "disconnect", "check_reachable", "address_of", "attach", "LocalNodes"]
+__all__ = ["connect", "disconnect", "check_reachable", "address_of", "attach", "LocalNodes",
+           "named_actors", "named_actor", "start_named", "call", "kill", "dumps", "loads",
+           "draining_nodes", "node_infos", "request_drain", "node_alive", "pg_ready"]
 
 log = logging.getLogger(__name__)
 
@@ -183,3 +187,134 @@ class LocalNodes:
         if ray.is_initialized():
             ray.shutdown()
         self._cluster.shutdown()
+
+
+# --------------------------------------------------------------------------- named actors
+
+
+def named_actors(namespace: str, prefix: str) -> list[str]:
+    """The names (``prefix`` removed) of the live named actors of ``namespace`` that start
+    with ``prefix``, sorted."""
+    import ray
+
+    return sorted(a["name"][len(prefix):] for a in ray.util.list_named_actors(all_namespaces=True)
+                  if a.get("namespace") == namespace and a["name"].startswith(prefix))
+
+
+def named_actor(name: str, namespace: str) -> Any | None:
+    """The handle of the named actor, or None when there is none."""
+    import ray
+
+    try:
+        return ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        return None
+
+
+def start_named(cls: type, name: str, namespace: str, *args: Any, detached: bool,
+                ready: str = "info", max_concurrency: int = 16) -> Any:
+    """Start ``cls(*args)`` as a named actor on this node (0 CPUs; ``detached``: it outlives
+    the driver) and wait until its method ``ready`` answers. Returns its handle."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    opts: dict[str, Any] = {"name": name, "namespace": namespace, "num_cpus": 0,
+                            "max_concurrency": max_concurrency, "scheduling_strategy": here}
+    if detached:
+        opts["lifetime"] = "detached"
+    actor: Any = ray.remote(cls)
+    h = actor.options(**opts).remote(*args)
+    ray.get(getattr(h, ready).remote())
+    return h
+
+
+def call(method: Any, *args: Any) -> Any:
+    """Call an actor method and wait; an ``ElasticError`` the actor raised comes back as
+    itself (not wrapped in Ray's task error)."""
+    import ray
+
+    from .errors import ElasticError
+
+    try:
+        return ray.get(method.remote(*args))
+    except ray.exceptions.RayTaskError as e:
+        if isinstance(e.cause, ElasticError):
+            raise ElasticError(str(e.cause)) from None
+        raise
+
+
+def kill(handle: Any) -> None:
+    import ray
+
+    ray.kill(handle)
+
+
+def dumps(obj: Any) -> bytes:
+    """Ray's cloudpickle (what a job's config travels as)."""
+    from ray import cloudpickle
+
+    return bytes(cloudpickle.dumps(obj))
+
+
+def loads(data: bytes) -> Any:
+    from ray import cloudpickle
+
+    return cloudpickle.loads(data)
+
+
+# --------------------------------------------------------------------------- draining nodes
+
+
+def draining_nodes() -> dict[str, int]:
+    """Ray's draining nodes: {node id hex: deadline, ms since the epoch (0: none)}. What Ray
+    Train V2's preemption watcher polls (a private Ray module: ``ray.nodes()`` does not show
+    a drain); one GCS call, ~1 ms."""
+    import ray
+
+    return dict(ray._private.state.state.get_draining_nodes() or {})
+
+
+def node_infos() -> Any:
+    """Every node's GCS info (its death or drain reason among it)."""
+    import ray
+
+    gcs = ray._raylet.GcsClient(  # type: ignore[attr-defined]
+        address=ray.get_runtime_context().gcs_address)
+    return gcs.get_all_node_info(timeout=5)
+
+
+def request_drain(node_id: str, deadline_ms: int, message: str) -> tuple[bool, str]:
+    """Ask Ray to drain ``node_id`` as ``ray drain-node`` does (a preemption-kind drain: the
+    one Ray accepts for a busy node), so nothing new is placed there. (accepted, Ray's
+    reason for refusing)."""
+    import ray
+    from ray.core.generated import autoscaler_pb2
+
+    gcs = ray._raylet.GcsClient(  # type: ignore[attr-defined]
+        address=ray.get_runtime_context().gcs_address)
+    reason = autoscaler_pb2.DrainNodeReason.Value(  # type: ignore[attr-defined]
+        "DRAIN_NODE_REASON_PREEMPTION")
+    ok, why = gcs.drain_node(node_id, reason, message, deadline_ms)
+    return bool(ok), str(why or "")
+
+
+def node_alive(node_id: str) -> bool:
+    """Whether Ray holds node ``node_id`` alive (True when the GCS cannot say)."""
+    import ray
+
+    try:
+        return any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes())
+    except Exception:  # noqa: BLE001 - the GCS busy: assume the node lives
+        return True
+
+
+def pg_ready(pg: Any) -> bool:
+    """Whether every bundle of ``pg`` is reserved now (no task is started to find out:
+    ``pg.ready()`` makes a new task each call, which a zero timeout never sees finish)."""
+    import ray
+
+    try:
+        return bool(ray.util.placement_group_table(pg).get("state") == "CREATED")
+    except Exception:  # noqa: BLE001 - a removed group
+        return False

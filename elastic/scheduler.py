@@ -24,6 +24,7 @@ from typing import Any
 from clusters.sched_policy import POLICIES, policy_named
 
 from .errors import ElasticError
+from .ray_connect import call, dumps, kill, loads, named_actor, named_actors, start_named
 from .sched_core import QueuedJob, SchedulerCore
 from .sched_runner import ControllerRunner
 from .sched_store import QueueStore, restore
@@ -51,9 +52,7 @@ class SchedulerActor:
                                   on_change=self._persist)
         self.restored = 0
         if self.store is not None:
-            from ray import cloudpickle
-
-            self.restored = restore(self.core, self.store, cloudpickle.loads)
+            self.restored = restore(self.core, self.store, loads)
             self._wait_for_old_jobs()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -92,9 +91,7 @@ class SchedulerActor:
     def submit(self, cfg: Any) -> str:
         name = self.core.submit(cfg)
         if self.store is not None:
-            from ray import cloudpickle
-
-            self.store.add(name, cloudpickle.dumps(self.core.jobs[name].cfg), time.time())
+            self.store.add(name, dumps(self.core.jobs[name].cfg), time.time())
         self._wake.set()
         return name
 
@@ -145,24 +142,19 @@ def _actor_name(name: str) -> str:
 
 
 def list_schedulers() -> list[str]:
-    import ray
-
-    return sorted(a["name"][len(_PREFIX):] for a in ray.util.list_named_actors(all_namespaces=True)
-                  if a.get("namespace") == NAMESPACE and a["name"].startswith(_PREFIX))
+    return named_actors(NAMESPACE, _PREFIX)
 
 
 def lookup(name: str = "default") -> Any:
     """The running scheduler's actor handle; ``ElasticError`` naming the fix otherwise."""
-    import ray
-
-    try:
-        return ray.get_actor(_actor_name(name), namespace=NAMESPACE)
-    except ValueError:
+    h = named_actor(_actor_name(name), NAMESPACE)
+    if h is None:
         have = list_schedulers()
         raise ElasticError(
             f"no elastic scheduler named {name!r} on this cluster"
             f" ({'running: ' + ', '.join(have) if have else 'none is running'}). Fix: start one "
-            f"with `elastic scheduler start --name {name}`") from None
+            f"with `elastic scheduler start --name {name}`")
+    return h
 
 
 def start(name: str = "default", *, workers: int, policy: str = "srpt", round_s: float = 2.0,
@@ -174,48 +166,31 @@ def start(name: str = "default", *, workers: int, policy: str = "srpt", round_s:
     ``db``: a SQLite file (on the node that starts it) holding the queue: a scheduler started
     again with the same file takes its jobs back (``elastic.sched_store``); None: in memory
     only. ``elastic scheduler start`` uses ``~/.elastic/scheduler-<name>.sqlite``."""
-    import ray
-
     if policy not in POLICIES:
         raise ElasticError(f"unknown scheduling policy {policy!r}. Fix: use one of "
                            f"{', '.join(POLICIES)}")
     if name in list_schedulers():
         raise ElasticError(f"a scheduler named {name!r} is already running. Fix: use it, or "
                            f"`elastic scheduler stop --name {name}` first")
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    opts: dict[str, Any] = {"name": _actor_name(name), "namespace": NAMESPACE, "num_cpus": 0,
-                            "max_concurrency": 16, "scheduling_strategy": here}
-    if detached:
-        opts["lifetime"] = "detached"
-    actor: Any = ray.remote(SchedulerActor)
-    h = actor.options(**opts).remote(name, workers, policy, round_s, resize_s, max_wait_s, db)
-    ray.get(h.info.remote())
-    return h
+    return start_named(SchedulerActor, _actor_name(name), NAMESPACE, name, workers, policy,
+                       round_s, resize_s, max_wait_s, db, detached=detached)
 
 
 def info(name: str = "default") -> dict[str, Any]:
     """The scheduler's name, policy, workers, decisions so far and recent loop errors."""
-    import ray
-
-    return dict(ray.get(lookup(name).info.remote()))
+    return dict(call(lookup(name).info))
 
 
 def rows(name: str = "default") -> list[dict[str, Any]]:
     """Every job the scheduler holds (``elastic queue list``)."""
-    import ray
-
-    return list(ray.get(lookup(name).rows.remote()))
+    return list(call(lookup(name).rows))
 
 
 def shutdown(name: str = "default") -> None:
     """Stop the scheduler's running jobs at a step boundary, then end its actor."""
-    import ray
-
     h = lookup(name)
-    ray.get(h.shutdown.remote())
-    ray.kill(h)
+    call(h.shutdown)
+    kill(h)
 
 
 class ScheduledJob:
@@ -231,19 +206,17 @@ class ScheduledJob:
     def cancel(self) -> str:
         """Cancel the job (queued: at once; running: stopped at a step boundary). Returns
         its state before; ``ElasticError`` for a job the scheduler does not hold."""
-        return str(_call(lookup(self.scheduler).cancel, self.job))
+        return str(call(lookup(self.scheduler).cancel, self.job))
 
     def done(self) -> bool:
         return self.status()["state"] not in ("queued", "running")
 
     def result(self, timeout: float | None = None) -> dict[str, Any]:
         """Wait for the job to end: its state, error, steps and final parameters."""
-        import ray
-
         h = lookup(self.scheduler)
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            out = ray.get(h.result.remote(self.job))
+            out = call(h.result, self.job)
             if out is not None:
                 return dict(out)
             if deadline is not None and time.monotonic() > deadline:
@@ -251,19 +224,6 @@ class ScheduledJob:
             time.sleep(0.5)
 
 
-def _call(method: Any, *args: Any) -> Any:
-    """Call an actor method; the scheduler's own refusal comes back as the ``ElasticError``
-    it raised (not wrapped in Ray's task error)."""
-    import ray
-
-    try:
-        return ray.get(method.remote(*args))
-    except ray.exceptions.RayTaskError as e:
-        if isinstance(e.cause, ElasticError):
-            raise ElasticError(str(e.cause)) from None
-        raise
-
-
 def submit_to(scheduler: str, cfg: Any) -> ScheduledJob:
     """Queue ``cfg`` (a ``JobConfig``) in the running scheduler ``scheduler``."""
-    return ScheduledJob(scheduler, str(_call(lookup(scheduler).submit, cfg)))
+    return ScheduledJob(scheduler, str(call(lookup(scheduler).submit, cfg)))

@@ -38,6 +38,7 @@ from .preflight import preflight, run_directory
 from .regroup import Regroup
 from .replan import Replanner
 from .requests import Inbox, Request
+from .sink import EventSink
 from .sizing import Sizing
 from .states import (
     AtBoundary,
@@ -78,8 +79,9 @@ class Controller:
         config.validate()
         self.cfg = config
         self.view = view or View()
+        self.sink = EventSink(config, self.view, lambda: self.step)
+        self._emit = self.sink.emit
         self.inbox = Inbox(None, self._emit)
-        self.events: list[Event] = []
         self.spec: StrategySpec | None = None
         self.step = 0
         self.failures = 0
@@ -88,7 +90,6 @@ class Controller:
         self._mailbox_factory = mailbox_factory
         self.group: Any = None
         self._started_ray = False
-        self._log: RunLog | None = None
         self.steps = StepLog(None, self.view, on_step)
         self.tracker: CheckpointTracker = CheckpointTracker(config, None, self._emit)
         self.layouts: Layouts | None = None
@@ -114,6 +115,10 @@ class Controller:
         return self.group.workers if self.group is not None else []
 
     @property
+    def events(self) -> list[Event]:
+        return self.sink.events
+
+    @property
     def generation(self) -> int:
         return self.group.generation if self.group is not None else 0
 
@@ -137,8 +142,7 @@ class Controller:
         finally:
             self._cleanup()
             self.view.close()
-            if self._log:
-                self._log.close()
+            self.sink.close()
         if isinstance(state, Failed):
             raise state.error
         assert isinstance(state, Finished)
@@ -198,11 +202,10 @@ class Controller:
         self.inbox.mailbox = (self._mailbox_factory or _ray_mailbox)(cfg.job_name)  # the name
         self.tracker.claim()  # and the checkpoint URI, before anything is written
         run_dir = run_directory(cfg)
-        self._log = RunLog(run_dir)
-        self.steps.log = self._log
-        for ev in self.events:  # what preflight said before the log existed
-            self._log.event(ev)
-        self._log.write_config(cfg.to_dict())
+        log = RunLog(run_dir)
+        self.steps.log = log
+        self.sink.open(log)  # what preflight said before the log existed goes first
+        log.write_config(cfg.to_dict())
         self.view.start(cfg.job_name, cfg.max_steps)
         self._emit("start", f"job {cfg.job_name}: {cfg.max_steps} steps, global batch "
                    f"{cfg.global_batch_size}, {cfg.num_workers} workers, strategy {cfg.strategy}")
@@ -382,8 +385,8 @@ class Controller:
         final = self.group.final_state()
         last = self.history[-1]["loss"] if self.history else float("nan")
         done = self.history[-1]["step"] + 1 if self.history else 0
-        return Finished(FitResult(final, self.history, self.events, self._log.run_dir
-                                  if self._log else self.cfg.run_path),
+        return Finished(FitResult(final, self.history, self.events, self.sink.log.run_dir
+                                  if self.sink.log else self.cfg.run_path),
                         f"{done} steps ({st.reason}), final loss {last:.4f}")
 
     # ------------------------------------------------------------------ helpers
@@ -440,17 +443,6 @@ class Controller:
 
     def _answer(self, req: Request | None, result: Any) -> None:
         self.inbox.answer(req, result, self.status())
-
-    def _emit(self, kind: str, message: str, data: dict[str, Any] | None = None,
-              step: int | None = None) -> Event:
-        ev = Event(kind, self.cfg.redact(message), step=self.step if step is None else step,
-                   data=self.cfg.redact_value(data or {}))
-        self.events.append(ev)
-        if self._log:
-            self._log.event(ev)
-        if kind != "state":
-            self.view.event(ev)
-        return ev
 
     def status(self) -> dict[str, Any]:
         last = self.steps.last()

@@ -18,6 +18,7 @@ from typing import Any
 
 from ..errors import ClusterError, ElasticError, InfrastructureError, WorkerError, WorkerLostError
 from ..failures import Failure, classify, first_cause
+from ..ray_connect import draining_nodes, node_alive, node_infos, pg_ready, request_drain
 from .calls import PlacementCalls, WorkerCalls
 from .group import DrainNotice, Segment, SegmentPoll, WorkerRec, drain_notices, drain_reason
 from .liveness import Liveness
@@ -40,31 +41,11 @@ def _typed(e: BaseException, w: WorkerRec | None = None) -> BaseException:
     if isinstance(e, RayActorError):
         rank = w.rank if w is not None else None
         node = str(w.info.get("node_id", "")) if w is not None else ""
-        lost = bool(getattr(e, "preempted", False)) or (bool(node) and not _node_alive(node))
+        lost = bool(getattr(e, "preempted", False)) or (bool(node) and not node_alive(node))
         return WorkerLostError(f"worker rank {rank} died{' with its node' if lost else ''}: "
                                f"{str(e).strip().splitlines()[0][:200] if str(e) else ''}",
                                rank=rank, node_lost=lost)
     return e
-
-
-def _node_alive(node_id: str) -> bool:
-    import ray
-
-    try:
-        return any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes())
-    except Exception:  # noqa: BLE001 - the GCS busy: assume the node lives
-        return True
-
-
-def pg_ready(pg: Any) -> bool:
-    """Whether every bundle of ``pg`` is reserved now (no task is started to find out:
-    ``pg.ready()`` makes a new task each call, which a zero timeout never sees finish)."""
-    import ray
-
-    try:
-        return bool(ray.util.placement_group_table(pg).get("state") == "CREATED")
-    except Exception:  # noqa: BLE001 - a removed group
-        return False
 
 
 class Placement:
@@ -272,7 +253,7 @@ class Placement:
         (Ray then reserves them again where there is room); until then a worker started
         there would go down with the node."""
         if self.draining:
-            gone = [d for d in self.draining if not _node_alive(d[2])]
+            gone = [d for d in self.draining if not node_alive(d[2])]
             self.draining = [d for d in self.draining if d not in gone]
             self.free_slots += [(pg, i) for pg, i, _ in gone]
 
@@ -396,43 +377,27 @@ class WorkerGroup(PlacementCalls, WorkerCalls):
 
     def notices(self) -> list[DrainNotice]:
         """Ray's draining nodes that host this job's workers, with their deadlines (one GCS
-        call, ~1 ms: what Ray Train V2's preemption watcher polls; ``ray.nodes()`` does not
-        show a drain). The reason is read once per node from its GCS node info."""
-        import ray
-
+        call, ~1 ms, ``ray_connect.draining_nodes``). The reason is read once per node."""
         try:
-            drained = ray._private.state.state.get_draining_nodes()  # {node hex: deadline ms}
+            drained = draining_nodes()
         except Exception:  # noqa: BLE001 - the GCS busy: no news this time
             return []
         return drain_notices(drained or {}, self.workers, self._drain_reason)
 
     def _drain_reason(self, node: str) -> tuple[str, str]:
         if node not in self._reasons:
-            import ray
-
             try:
-                gcs = ray._raylet.GcsClient(  # type: ignore[attr-defined]
-                    address=ray.get_runtime_context().gcs_address)
-                self._reasons[node] = drain_reason(gcs.get_all_node_info(timeout=5), node)
+                self._reasons[node] = drain_reason(node_infos(), node)
             except Exception:  # noqa: BLE001 - the reason is a nicety; the deadline counts
                 self._reasons[node] = ("preemption", "")  # see drain_reason
         return self._reasons[node]
 
     def drain_node(self, node_id: str, deadline_s: float | None, message: str) -> str:
-        """Ask Ray to drain ``node_id`` (as ``ray drain-node`` does: a preemption-kind drain
-        is the one Ray accepts for a busy node) so that nothing new is placed there; its
-        deadline is in ``deadline_s`` seconds (None: none). Returns "" when accepted, else
-        Ray's reason for refusing."""
-        import ray
-        from ray.core.generated import autoscaler_pb2
-
+        """Ask Ray to drain ``node_id`` (``ray_connect.request_drain``); its deadline is in
+        ``deadline_s`` seconds (None: none). Returns "" when accepted, else Ray's reason."""
         deadline_ms = 0 if deadline_s is None else int((time.time() + deadline_s) * 1000)
         try:
-            gcs = ray._raylet.GcsClient(  # type: ignore[attr-defined]
-                address=ray.get_runtime_context().gcs_address)
-            reason = autoscaler_pb2.DrainNodeReason.Value(  # type: ignore[attr-defined]
-                "DRAIN_NODE_REASON_PREEMPTION")
-            ok, why = gcs.drain_node(node_id, reason, message, deadline_ms)
+            ok, why = request_drain(node_id, deadline_ms, message)
         except Exception as e:  # noqa: BLE001 - said to the asker
             return f"{type(e).__name__}: {e}"
         return "" if ok else str(why or "refused")
