@@ -356,6 +356,13 @@ class Zero1(_Zero):
     name = "zero1"
     mode = "zero1"
 
+    def clip_grads(self) -> None:
+        """Every rank holds the whole all-reduced gradient (identical bytes on every rank),
+        so the global norm needs no message, as under dp."""
+        grads = [p.grad for _, p in self.update.named]
+        self._clip_by(grad_sq_sum(grads, self.rt.device), self.update.stepped_grads(),
+                      reduce=False)
+
 
 class Zero2(_Zero):
     """ZeRO-2: optimizer state and gradients at rest sharded by parameter ownership."""
