@@ -9,21 +9,12 @@ import time
 import torch
 from torch import nn
 
+from elastic.models import SyntheticRegression
 
-class Data:
-    """n samples of (x in R^8, y in R^2), deterministic."""
 
-    def __init__(self, n: int = 512, seed: int = 0) -> None:
-        g = torch.Generator().manual_seed(seed)
-        self.x = torch.randn(n, 8, generator=g)
-        w = torch.randn(8, 2, generator=g)
-        self.y = self.x @ w + 0.1 * torch.randn(n, 2, generator=g)
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.x[i], self.y[i]
+def Data(n: int = 512, seed: int = 0) -> SyntheticRegression:  # noqa: N802 - a factory
+    """n seeded samples of (x in R^8, y in R^2): the product's own dataset."""
+    return SyntheticRegression(n=n, in_features=8, out_features=2, seed=seed)
 
 
 class PerSampleCost(nn.Module):

@@ -62,14 +62,6 @@ class Replanner:
         return self.cfg.strategy == "auto" or (spec.name in _SHARE_BALANCED
                                                and self.cfg.balance != "off")
 
-    def boundaries(self, step: int, spec: StrategySpec | None, group: Any) -> list[int]:
-        """The next steps at which a boundary is wanted: re-balancing's cadence while
-        balancing (the closed loop decides while segments run and needs none)."""
-        every = self.cfg.rebalance_every
-        if every > 0 and group is not None and self.layouts.balancing(group):
-            return [(step // every + 1) * every]
-        return []
-
     def change(self, step: int, spec: StrategySpec, group: Any
                ) -> tuple[StrategySpec, str] | None:
         """At a step boundary: re-balanced shares (``Layouts.rebalanced``, re-profiled
