@@ -34,8 +34,10 @@ def test_a_live_auto_job_names_a_straggler_and_re_cuts_its_share(ray_local, tmp_
     ray_local.get(ctl.workers[1].handle.set_emulation.remote({"slowdown": 6}))
 
     def recut() -> list:
+        # around rank 1 (on a loaded 2-core machine rank 0 can be named for a while too)
         return [e for e in ctl.events if e.kind == "replan"
-                and e.data["decision"] == "RecutShares"]
+                and e.data["decision"] == "RecutShares"
+                and e.data["recut"][1] < e.data["recut"][0]]
 
     while not recut():
         assert not handle.done() and time.time() - t0 < 240, [e.message for e in ctl.events]
@@ -46,15 +48,20 @@ def test_a_live_auto_job_names_a_straggler_and_re_cuts_its_share(ray_local, tmp_
     handle.stop()
     result = handle.result(timeout=120)
     ev = recut()[0]
-    strag = [e for e in result.events if e.kind == "straggler"]
-    assert strag and strag[0].data["ranks"] == [1] and strag[0].step <= ev.step
+    strag = [e for e in result.events if e.kind == "straggler" and e.data["ranks"] == [1]]
+    assert strag and strag[0].step <= ev.step
     rank_s = ev.data["rank_s_per_sample"]
     assert rank_s[1] > 2 * rank_s[0]  # the numbers say why
     assert ev.data["recut"][1] < ev.data["recut"][0] and sum(ev.data["recut"]) == G
     assert "rank 1 slower than its peers" in ev.message and "> re-layout" in ev.message
-    sw = next(e for e in result.events if e.kind == "switch" and e.data["reason"] == "replan")
-    assert sw.step >= ev.step and ctl.spec.shares == tuple(ev.data["recut"])
-    assert result.history[-1]["strategy"] == picked
+    # the closed loop may also have moved the layout before the straggler appeared (it learns
+    # from the job's own steps); the re-cut is the replan switch at or after its decision, and it
+    # changes the shares, not the layout
+    sw = next(e for e in result.events if e.kind == "switch" and e.data["reason"] == "replan"
+              and e.step >= ev.step)
+    assert sw.data["from"] == sw.data["to"] and ctl.spec.shares == tuple(ev.data["recut"])
+    assert picked in [e.data["from"] for e in result.events if e.kind == "switch"] + [sw.data["to"]]
+    assert result.history[-1]["strategy"] == sw.data["to"]
     n = len(result.history)
     ref, _ = reference_train(wide_mlp, adam, mse, RegressionData(), G, n, seed=0)
     assert max_diff(result.state_dict(), ref) < TOL
