@@ -69,11 +69,15 @@ class Controller:
 
     def __init__(self, config: JobConfig, view: View | None = None,
                  on_step: Callable[[dict[str, Any]], Any] | None = None, *,
+                 pause_after: Callable[[int], int | None] | None = None,
                  group_factory: Callable[[JobConfig], Any] | None = None,
                  mailbox_factory: Callable[[str], Any] | None = None) -> None:
         """``on_step(entry)`` is called in the controller's thread for every completed step
         (the history entry); if it returns True the job stops at the next step boundary (an
-        Optuna pruner uses this). ``group_factory``/``mailbox_factory`` replace Ray (tests):
+        Optuna pruner uses this). ``pause_after(step)``: the first step at or after ``step``
+        whose ``on_step`` must be heard before the workers train on (None: none): a segment
+        ends after it, so a stop it returns costs no further step (a sweep's pruning
+        steps). ``group_factory``/``mailbox_factory`` replace Ray (tests):
         without them the controller connects to Ray and uses ``WorkerGroup`` and the job's
         control actor."""
         config.validate()
@@ -87,6 +91,7 @@ class Controller:
         self.failures = 0
         self.phase = ControllerState.STARTING
         self._group_factory = group_factory
+        self._pause_after = pause_after
         self._mailbox_factory = mailbox_factory
         self.group: Any = None
         self._started_ray = False
@@ -398,7 +403,9 @@ class Controller:
         if self.step >= self._end():
             return AtBoundary(self.step)
         assert self.layouts is not None
-        return Running(self.step, self.layouts.segment_end(self.step, self._end(), self.group))
+        end = self.layouts.segment_end(self.step, self._end(), self.group)
+        pause = self._pause_after(self.step) if self._pause_after is not None else None
+        return Running(self.step, end if pause is None else min(end, pause + 1))
 
     def _target_strategy(self) -> str:
         if self.cfg.strategy == "auto":
