@@ -1,0 +1,126 @@
+"""Sweeps whose pruner's decisions reach the workers, on a real local Ray with studies in real
+SQLite files: a pruned trial trains no step past the decision and its workers are gone right
+after; a trial Hyperband promotes grows by an in-place scale and still trains its
+single-process reference's parameters."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import optuna
+import pytest
+import torch
+from optuna.trial import TrialState
+
+from elastic.reference import reference_train
+from elastic.sweep import load_sweep, open_study
+from elastic.sweep.runner import TrialRunner
+from tests.helpers import RegressionData, adam, max_diff, mlp
+
+STEPS = 300
+FINAL: dict[int, dict[str, torch.Tensor]] = {}  # trial number -> final parameters
+
+
+def slow_mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """MSE that takes 20 ms more: a tiny step is ~1 ms, faster than the controller polls."""
+    time.sleep(0.02)
+    return torch.nn.functional.mse_loss(out, y)
+
+
+def keep_final(result) -> float:
+    """The objective of the promotion test: the final loss, keeping the parameters."""
+    FINAL[int(os.path.basename(result.run_dir).split("-")[-1])] = result.state_dict()
+    return float(result.final_loss)
+
+
+BASE = {"model": "tests.helpers:mlp", "optimizer": {"name": "adam", "lr": 0.01},
+        "loss": "tests.integration.test_sweep_live:slow_mse",
+        "dataset": "tests.helpers:RegressionData", "global_batch_size": 8, "max_steps": STEPS,
+        "num_workers": 1}
+
+
+def _free_cpus(ray) -> float:
+    return ray.available_resources().get("CPU", 0.0)
+
+
+def _metric_steps(run_dir: str) -> list[int]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line)["step"] for line in f if line.strip()]
+
+
+def test_a_pruned_trial_stops_at_the_decision_and_frees_its_workers(ray_local, tmp_path):
+    ray = ray_local
+    total = ray.cluster_resources()["CPU"]
+    cfg = load_sweep({
+        "study": {"name": "p", "storage": f"sqlite:///{tmp_path}/study.db",
+                  "pruner": {"type": "median", "n_startup_trials": 1, "n_warmup_steps": 10,
+                             "interval_steps": 5}},
+        "base": BASE, "params": {"optimizer.lr": {"type": "float", "low": 1.0e-5, "high": 0.1,
+                                                  "log": True}},
+        "enqueue": [{"optimizer.lr": 0.05}, {"optimizer.lr": 1.0e-5}],
+        "n_trials": 2, "max_concurrent": 1, "run_dir": str(tmp_path / "runs")})
+    study = open_study(cfg)
+    runner = TrialRunner(cfg, None)
+    freed: dict[int, float] = {}
+
+    def after(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+        t0 = time.monotonic()  # right after the trial's objective returned
+        while _free_cpus(ray) < total and time.monotonic() - t0 < 5:
+            time.sleep(0.05)
+        freed[trial.number] = time.monotonic() - t0
+
+    study.optimize(runner.objective, n_trials=2, callbacks=[after])
+    good, bad = study.get_trials()
+    assert good.state == TrialState.COMPLETE and good.user_attrs["steps"] == STEPS
+    assert bad.state == TrialState.PRUNED
+    at = bad.user_attrs["pruned_at_step"]
+    assert at >= 10 and (at - 10) % 5 == 0  # a step where the median pruner decides
+    # the first decision step already holds a worse value than the complete trial's: pruned
+    # there, and the workers trained no step past it
+    assert at == 10, at
+    assert bad.user_attrs["steps"] == at + 1
+    assert _metric_steps(bad.user_attrs["run_dir"]) == list(range(at + 1))
+    assert max(bad.intermediate_values) == at
+    # its workers were gone (their CPUs free) right after the trial
+    assert freed[bad.number] < 1.0, freed
+    assert _free_cpus(ray) == total
+    alive = [a for a in ray.util.state.list_actors(filters=[("state", "=", "ALIVE")])
+             if "Worker" in a.class_name]
+    assert not alive, alive
+
+
+def test_a_promoted_trial_grows_and_trains_its_reference(ray_local, tmp_path):
+    cfg = load_sweep({
+        "study": {"name": "h", "storage": f"sqlite:///{tmp_path}/study.db",
+                  "pruner": {"type": "hyperband", "min_resource": 4, "reduction_factor": 2}},
+        "promotion": {"growth": 2},
+        "base": {**BASE, "max_workers": 2},
+        "params": {"optimizer.lr": {"type": "categorical", "choices": [0.01]}},
+        "objective": "tests.integration.test_sweep_live:keep_final",
+        "n_trials": 1, "max_concurrent": 1, "run_dir": str(tmp_path / "runs")})
+    study = open_study(cfg)
+    study.optimize(TrialRunner(cfg, None).objective, n_trials=1)
+    (trial,) = study.get_trials()
+    assert trial.state == TrialState.COMPLETE, trial.user_attrs
+    # the first trial of a rung is always promoted: at rung 1 (step 4) it asks for 2 workers
+    promotions = trial.user_attrs["promotions"]
+    assert promotions[0] == [4, 1, 2], promotions
+    with open(os.path.join(trial.user_attrs["run_dir"], "metrics.jsonl")) as f:
+        worlds = [json.loads(line)["world_size"] for line in f if line.strip()]
+    assert worlds[0] == 1 and worlds[-1] == 2, worlds  # it grew in place, at a boundary
+    grew = worlds.index(2)
+    assert worlds[grew:] == [2] * (len(worlds) - grew) and len(worlds) == STEPS
+    from tests.integration.test_sweep_live import slow_mse as loss
+
+    ref, _ = reference_train(mlp, adam, loss, RegressionData(), 8, STEPS, seed=0)
+    import importlib
+
+    final = importlib.import_module("tests.integration.test_sweep_live").FINAL
+    assert max_diff(final[trial.number], ref) < 1e-5
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
