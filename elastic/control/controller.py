@@ -72,14 +72,10 @@ class Controller:
                  pause_after: Callable[[int], int | None] | None = None,
                  group_factory: Callable[[JobConfig], Any] | None = None,
                  mailbox_factory: Callable[[str], Any] | None = None) -> None:
-        """``on_step(entry)`` is called in the controller's thread for every completed step
-        (the history entry); if it returns True the job stops at the next step boundary (an
-        Optuna pruner uses this). ``pause_after(step)``: the first step at or after ``step``
-        whose ``on_step`` must be heard before the workers train on (None: none): a segment
-        ends after it, so a stop it returns costs no further step (a sweep's pruning
-        steps). ``group_factory``/``mailbox_factory`` replace Ray (tests):
-        without them the controller connects to Ray and uses ``WorkerGroup`` and the job's
-        control actor."""
+        """``on_step(entry)``: called in the controller's thread for each completed step (the
+        history entry); True stops the job at the next step boundary. ``pause_after(step)``:
+        the first step >= ``step`` after which the workers wait for ``on_step`` (a pruner's).
+        ``group_factory``/``mailbox_factory`` replace Ray and ``WorkerGroup`` (tests)."""
         config.validate()
         self.cfg = config
         self.view = view or View()
@@ -91,7 +87,7 @@ class Controller:
         self.failures = 0
         self.phase = ControllerState.STARTING
         self._group_factory = group_factory
-        self._pause_after = pause_after
+        self._pause_after = pause_after or (lambda step: None)
         self._mailbox_factory = mailbox_factory
         self.group: Any = None
         self._started_ray = False
@@ -403,9 +399,8 @@ class Controller:
         if self.step >= self._end():
             return AtBoundary(self.step)
         assert self.layouts is not None
-        end = self.layouts.segment_end(self.step, self._end(), self.group)
-        pause = self._pause_after(self.step) if self._pause_after is not None else None
-        return Running(self.step, end if pause is None else min(end, pause + 1))
+        return Running(self.step, self.layouts.segment_end(self.step, self._end(), self.group,
+                                                           self._pause_after(self.step)))
 
     def _target_strategy(self) -> str:
         if self.cfg.strategy == "auto":

@@ -17,17 +17,21 @@ from __future__ import annotations
 import math
 import threading
 import time
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, TextIO
 
 import optuna
 
-from clusters.sweep_policy import Grow, PromotionObservation, PromotionPolicy
+from clusters.sweep_policy import PromotionPolicy
 
 from ..config import JobConfig
 from ..errors import ElasticError
 from .pruning import PruneSteps
 from .report import trial_line
 from .sweep_file import SweepConfig
+from .trial_steps import ScheduledHook, TrialSteps
+
+if TYPE_CHECKING:
+    from ..control import FitResult
 
 __all__ = ["TrialRunner"]
 
@@ -53,46 +57,16 @@ class TrialRunner:
         """Run trial ``trial`` as a job and return its value. ``optuna.TrialPruned`` when the
         pruner stopped it; an ``ElasticError`` of the job fails the trial (its first line is
         the trial's ``error`` attribute)."""
-        from ..control import Controller, Request
-        from ..view import make_view
-
         cfg = self.cfg
         values = {name: p.suggest(trial) for name, p in cfg.params.items()}
         fields = cfg.trial_fields(trial.number, values)
         trial.set_user_attr("run_dir", fields["run_dir"])
         trial.set_user_attr("job", fields["name"])
-        reported: set[int] = set()
-        pruned_at: list[int] = []
-        promoted: list[list[int]] = []  # [step, rung, workers asked]
-        steps = self.prune_steps
         t0 = time.monotonic()
         try:
             job = JobConfig.from_dict(fields)
-            ctl: Controller | None = None
-
-            def on_step(entry: dict[str, Any]) -> bool:
-                if pruned_at:
-                    return True
-                step = int(entry["step"])
-                if step in reported:  # re-run after a recovery from an older state
-                    return False
-                reported.add(step)
-                trial.report(float(entry["loss"]), step)
-                if not steps.decides_at(step):
-                    return False  # the pruner answers "go on" here whatever the values
-                if trial.should_prune():
-                    pruned_at.append(step)
-                    return True
-                if self.promotion is not None and ctl is not None:
-                    grow = self._promotion(trial, job, entry, promoted)
-                    if grow is not None:
-                        promoted.append([step, grow[0], grow[1].n])
-                        ctl.post(Request("scale", grow[1].n, reason=grow[1].reason))
-                return False
-
-            ctl = Controller(job, make_view(job.view, job.log_every), on_step=on_step,
-                             pause_after=None if steps.kind == "none" else steps.next_at)
-            result = ctl.run()
+            result = (self._scheduled(trial, job) if cfg.scheduler is not None
+                      else self._run(trial, job))
         except ElasticError as e:
             trial.set_user_attr("error", f"{type(e).__name__}: {str(e).splitlines()[0]}"[:1000])
             trial.set_user_attr("seconds", round(time.monotonic() - t0, 2))
@@ -104,26 +78,42 @@ class TrialRunner:
                          ("min_loss", min(finite) if finite else None),
                          ("seconds", round(time.monotonic() - t0, 2))):
             trial.set_user_attr(key, val)
-        if promoted:
-            trial.set_user_attr("promotions", promoted)
-        if pruned_at:
-            trial.set_user_attr("pruned_at_step", pruned_at[0])
-            raise optuna.TrialPruned(f"pruned at step {pruned_at[0]}")
+        pruned_at = trial.storage.get_trial_user_attrs(trial._trial_id).get(  # noqa: SLF001
+            "pruned_at_step")
+        if pruned_at is not None:
+            raise optuna.TrialPruned(f"pruned at step {pruned_at}")
         return float(self.value(result))
 
-    def _promotion(self, trial: optuna.Trial, job: JobConfig, entry: dict[str, Any],
-                   promoted: list[list[int]]) -> tuple[int, Grow] | None:
-        """After a decision step that did not prune: the rungs the trial has passed (the
-        pruner's ``completed_rung_<k>`` marks), and the growth the policy asks for when that
-        is a new promotion."""
-        assert self.promotion is not None
-        attrs = trial.storage.get_trial_system_attrs(trial._trial_id)  # noqa: SLF001 - no public read
-        rung = sum(1 for k in attrs if k.startswith("completed_rung_"))
-        if rung == 0 or (promoted and promoted[-1][1] >= rung):
-            return None
-        d = self.promotion.decide(PromotionObservation(
-            rung, int(entry["world_size"]), job.num_workers, job.min_world, job.max_world))
-        return (rung, d) if isinstance(d, Grow) else None
+    def _run(self, trial: optuna.Trial, job: JobConfig) -> FitResult:
+        """The trial's job in this process: a controller whose ``on_step`` is the trial's."""
+        from ..control import Controller, Request
+        from ..view import make_view
+
+        ctl: list[Controller] = []
+        hook = TrialSteps(trial, self.prune_steps, self.promotion,
+                          (job.num_workers, job.min_world, job.max_world),
+                          lambda kind, value, why: ctl[0].post(Request(kind, value, why)))
+        ctl.append(Controller(job, make_view(job.view, job.log_every), on_step=hook.on_step,
+                              pause_after=hook.pause_after))
+        return ctl[0].run()
+
+    def _scheduled(self, trial: optuna.Trial, job: JobConfig) -> FitResult:
+        """The trial's job queued in the elastic scheduler ``cfg.scheduler``: it starts when
+        the scheduler's policy admits it and runs at the size it decides; the pruner's hook
+        runs beside its controller in the scheduler's process."""
+        from ..control import FitResult
+        from ..scheduler import submit_to
+
+        assert self.cfg.scheduler is not None
+        hook = ScheduledHook(self.cfg.storage_url, self.cfg.study_name,
+                             trial._trial_id, trial.study.pruner,  # noqa: SLF001
+                             self.prune_steps)
+        out = submit_to(self.cfg.scheduler, job, hook=hook).result()
+        if out["state"] != "finished":
+            raise ElasticError(f"the scheduler's job {job.job_name!r} ended {out['state']}: "
+                               f"{out.get('error') or 'cancelled'}")
+        final = {f"model/{k}": v for k, v in (out.get("state_dict") or {}).items()}
+        return FitResult(final, list(out.get("history") or []), [], out.get("run_dir") or "")
 
     def after_trial(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
         self.say(trial_line(trial))

@@ -253,6 +253,10 @@ class SweepConfig:
             raise ConfigError("promotion", f"growth must be a number >= 1, got {g!r}.",
                               "e.g. promotion: {growth: 2} (each rung passed doubles the "
                               "trial's workers, up to max_workers)")
+        if self.scheduler is not None:
+            raise ConfigError("promotion", "cannot be used with a scheduler: the scheduler "
+                              "sizes every job it runs, trials included.",
+                              "drop promotion, or run the sweep without --scheduler")
         if self.pruner.get("type", "median") != "hyperband":
             raise ConfigError("promotion", "needs a pruner that promotes trials.",
                               "set study.pruner: {type: hyperband, ...}, or drop promotion")

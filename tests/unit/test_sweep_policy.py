@@ -145,7 +145,8 @@ def test_promotion_settings_are_checked():
             "promotion"),
            ({**_sweep(promotion=2), "base": {**_sweep()["base"], "max_workers": None}},
             "promotion"),
-           (_sweep(scheduler=""), "scheduler")]
+           (_sweep(scheduler=""), "scheduler"),
+           (_sweep(promotion={"growth": 2}, scheduler="lab"), "promotion")]
     for data, field in bad:
         with pytest.raises(ConfigError) as e:
             load_sweep(data)
