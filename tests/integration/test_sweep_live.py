@@ -124,3 +124,66 @@ def test_a_promoted_trial_grows_and_trains_its_reference(ray_local, tmp_path):
 @pytest.fixture(autouse=True)
 def _quiet():
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+
+def test_a_sweep_shares_a_scheduler_with_an_ordinary_job(ray_local, tmp_path):
+    """`elastic sweep --scheduler`: the trials are jobs in the scheduler's queue, admitted and
+    sized by its policy beside an ordinary job; the pruner's hook runs next to each trial's
+    controller in the scheduler's process and still stops a pruned trial at its decision."""
+    import threading
+
+    import elastic
+    from elastic import scheduler
+
+    sched = scheduler.start("sw", workers=3, policy="fifo-static", round_s=0.3, detached=False)
+    seen: list[list[dict]] = []
+    done = threading.Event()
+
+    def record() -> None:
+        while not done.is_set():
+            seen.append(ray_local.get(sched.rows.remote()))
+            time.sleep(0.2)
+
+    watcher = threading.Thread(target=record, daemon=True)
+    watcher.start()
+    try:
+        other = elastic.submit(dict(model=mlp, optimizer=adam, loss=slow_mse,
+                                    dataset=RegressionData(),
+                                    global_batch_size=8, max_steps=150, num_workers=2,
+                                    view="none", name="other", run_dir=str(tmp_path / "other")),
+                               scheduler="sw")
+        cfg = load_sweep({
+            "study": {"name": "q", "storage": f"sqlite:///{tmp_path}/study.db",
+                      "pruner": {"type": "median", "n_startup_trials": 1, "n_warmup_steps": 10,
+                                 "interval_steps": 5}},
+            "base": {**BASE, "max_steps": 100},
+            "params": {"optimizer.lr": {"type": "float", "low": 1.0e-5, "high": 0.1, "log": True}},
+            "enqueue": [{"optimizer.lr": 0.05}, {"optimizer.lr": 1.0e-5}],
+            "n_trials": 2, "max_concurrent": 1, "run_dir": str(tmp_path / "runs")})
+        from elastic.sweep import run_sweep
+
+        study = run_sweep(cfg, scheduler="sw")
+        out = other.result(timeout=240)
+    finally:
+        done.set()
+        watcher.join(5)
+        scheduler.shutdown("sw")
+    assert out["state"] == "finished" and out["steps"] == 150, out
+    ref, _ = reference_train(mlp, adam, slow_mse, RegressionData(), 8, 150, seed=0)
+    assert max_diff(out["state_dict"], ref) < 1e-5
+    good, bad = study.get_trials()
+    assert good.state == TrialState.COMPLETE and good.user_attrs["steps"] == 100
+    assert bad.state == TrialState.PRUNED
+    at = bad.user_attrs["pruned_at_step"]
+    assert at == 10 and bad.user_attrs["steps"] == at + 1  # decided in the scheduler's process
+    # the trials were the scheduler's jobs, sized by its policy beside the other job
+    names = {good.user_attrs["job"], bad.user_attrs["job"], "other"}
+    assert names <= {r["job"] for rows in seen for r in rows}, seen[-1:]
+    together = False
+    for rows in seen:
+        running = [r for r in rows if r["state"] == "running"]
+        assert sum(r["workers"] for r in running) <= 3, rows  # never over its capacity
+        for r in running:  # fifo-static: each at the size it asked for
+            assert r["workers"] == (2 if r["job"] == "other" else 1) or r["resizing"], r
+        together |= {r["job"] for r in running} >= {"other", good.user_attrs["job"]}
+    assert together, "the sweep's trial and the other job never ran side by side"
