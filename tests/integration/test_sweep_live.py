@@ -94,7 +94,7 @@ def test_a_pruned_trial_stops_at_the_decision_and_frees_its_workers(ray_local, t
 
 def test_a_promoted_trial_grows_and_trains_its_reference(ray_local, tmp_path):
     cfg = load_sweep({
-        "study": {"name": "h", "storage": f"sqlite:///{tmp_path}/study.db",
+        "study": {"name": "hb", "storage": f"sqlite:///{tmp_path}/study.db",
                   "pruner": {"type": "hyperband", "min_resource": 4, "reduction_factor": 2}},
         "promotion": {"growth": 2},
         "base": {**BASE, "max_workers": 2},
@@ -105,7 +105,8 @@ def test_a_promoted_trial_grows_and_trains_its_reference(ray_local, tmp_path):
     study.optimize(TrialRunner(cfg, None).objective, n_trials=1)
     (trial,) = study.get_trials()
     assert trial.state == TrialState.COMPLETE, trial.user_attrs
-    # the first trial of a rung is always promoted: at rung 1 (step 4) it asks for 2 workers
+    # the first trial of a rung is always promoted; study "hb"'s trial 0 is in Hyperband's
+    # bracket 0, whose first rung is at min_resource: at step 4 it asks for 2 workers
     promotions = trial.user_attrs["promotions"]
     assert promotions[0] == [4, 1, 2], promotions
     with open(os.path.join(trial.user_attrs["run_dir"], "metrics.jsonl")) as f:
