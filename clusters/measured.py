@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from .collectives import KINDS, CommConfig, latency_hops, volume_factor
+from .collectives import KINDS, CommConfig, latency_hops, layout_messages, volume_factor
 from .cost import CostModel
 from .errors import ClustersError
 from .estimate import Estimate
@@ -254,19 +254,9 @@ def terms_model(reports: Sequence[Mapping[str, Any]], ids: Sequence[str], base: 
         sharded = (int(sh[0]), float(sh[1]), robust(sh[2]).median) if sh else None
         opt[i] = fit_optimizer(plain, sharded)
 
-    coll: dict[str, tuple[float, float]] = {}
-    cspread: dict[str, Any] = {}
-    c0 = reports[0].get("collectives") or {}
-    world = int(reports[0].get("world", len(reports)))
-    for kind, pts in c0.items():
-        if kind not in KINDS or not pts:
-            continue
-        med = [(float(b), robust(ts).median) for b, ts in pts]
-        coll[kind] = fit_alpha_beta(kind, world if kind != "p2p" else 2, med)
-        cspread[kind] = [robust(ts).as_dict() | {"bytes": b} for b, ts in pts]
-
+    coll, cspread, wait = _collectives(reports[0])
     model = CostModel(seconds_per_sample=sps, collectives=coll, optimizer_fit=opt,
-                      pass_overhead_s=passes, comm=comm or CommConfig())
+                      pass_overhead_s=passes, comm=comm or CommConfig(), sync_wait_s=wait)
     trial = reports[0].get("trial")
     trial_spread = None
     if trial and trial.get("seconds") and cluster is not None:  # the ranks step together
@@ -280,7 +270,38 @@ def terms_model(reports: Sequence[Mapping[str, Any]], ids: Sequence[str], base: 
         "forward_fraction": statistics.median(fwd) if fwd else None,
         "collectives": cspread,
         "trial": trial_spread.as_dict() if trial_spread else None,
+        "sync_wait": model.sync_wait_s,
         "step_overhead": model.step_overhead, "overlap": model.overlap})
+
+
+def _collectives(rep: Mapping[str, Any]) -> tuple[dict[str, tuple[float, float]],
+                                                  dict[str, Any], float]:
+    """(alpha, beta) per kind, the spreads, and the wait at a meeting point from one rank's
+    report. With both series (``collectives`` right after compute, ``collectives_idle`` right
+    after another collective): each kind's alpha-beta from the idle series, point-to-point
+    from the loaded one (every p2p send of a pipeline waits on a stage's compute), and the
+    wait = the median over kinds of (loaded - idle) at the smallest size, where the message
+    itself is nearly all latency. With the loaded series only: its alpha-beta, no wait (the
+    wait is then charged with every message)."""
+    loaded = rep.get("collectives") or {}
+    idle = rep.get("collectives_idle") or {}
+    world = int(rep.get("world", 2))
+    coll: dict[str, tuple[float, float]] = {}
+    cspread: dict[str, Any] = {}
+    waits: list[float] = []
+    for kind, pts in loaded.items():
+        if kind not in KINDS or not pts:
+            continue
+        n = world if kind != "p2p" else 2
+        src = idle.get(kind) if kind != "p2p" else None
+        med = [(float(b), robust(ts).median) for b, ts in (src or pts)]
+        coll[kind] = fit_alpha_beta(kind, n, med)
+        cspread[kind] = [robust(ts).as_dict() | {"bytes": b} for b, ts in pts]
+        if src:
+            cspread[kind + "_idle"] = [robust(ts).as_dict() | {"bytes": b} for b, ts in src]
+            lo, hi = min(src, key=lambda p: p[0])[1], min(pts, key=lambda p: p[0])[1]
+            waits.append(max(0.0, robust(hi).median - robust(lo).median))
+    return coll, cspread, statistics.median(waits) if waits else 0.0
 
 
 def _fit_overhead(model: CostModel, profile: ModelProfile, cluster: Cluster,
@@ -289,6 +310,9 @@ def _fit_overhead(model: CostModel, profile: ModelProfile, cluster: Cluster,
     plan with ``shares`` predicts the ``measured`` trial step."""
     plan = Plan(strategy="dp", world_size=len(ids), shares=shares, devices=tuple(ids))
     est: Estimate = model.estimate(plan, cluster, profile)
+    g, tensors = profile.grad_bytes, profile.tensors(range(profile.n_blocks))
+    sent = layout_messages("dp", len(ids), [t * g for t in tensors], comm=model.comm)
+    model = replace(model, trial_kinds=tuple(sorted({m.kind for m in sent})))
     gap = measured - est.step_time
     if gap >= 0 or est.comm <= 0:
         return replace(model, step_overhead=max(0.0, gap))

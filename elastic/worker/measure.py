@@ -5,9 +5,12 @@ the per-block hooks that time (and, for emulated devices, slow) a rank's compute
 figure is taken while the peers are as busy as they are in a step): forward+backward of the
 model at two batch sizes (per sample and per pass) and block by block, the optimizer's step
 (every tensor, the tensors ZeRO-1/2 would give this rank, and zero3's DTensor shards), each
-collective kind at three sizes *between bursts of compute* (a collective inside a step waits
-for busy peers; timed between idle workers, zero3's per-block gathers were under-predicted by
-42 %), and a few trial dp steps with the step loop's data fetch and control all-reduce. Each
+collective kind at three sizes both *right after a burst of compute* (a collective that
+meets busy peers waits for the slowest; timed between idle workers only, zero3's per-block
+gathers were under-predicted by 42 %) and *right after another collective* (a message that
+follows one in a chain does not wait again; charged the loaded figure per message, zero1 and
+zero2 were over-predicted by up to 3x), and a few trial dp steps with the step loop's data
+fetch and control all-reduce. Each
 figure is a list of repeated seconds; ``clusters.measured.terms_model`` reduces them to
 medians and spreads and builds the cost model.
 
@@ -263,9 +266,14 @@ def _collective(kind: str, nbytes: int, world: int, rank: int, device: torch.dev
 
 
 def _collective_times(world: int, rank: int, device: torch.device, rounds: int,
-                      busy_s: float, sizes: Sequence[int]) -> dict[str, Any]:
-    """Per kind and size: seconds of one collective right after a burst of compute (the
-    burst's own time, measured alone, taken off)."""
+                      busy_s: float, sizes: Sequence[int]) -> tuple[dict[str, Any],
+                                                                   dict[str, Any]]:
+    """Per kind and size, two series: ``loaded``, the seconds of one collective right after
+    a burst of compute (the burst's own time, measured alone, taken off): what a message
+    that waits on the peers' compute pays; and ``idle``, the seconds of one collective right
+    after another one (the ranks already in step): what each further message of a chain
+    pays. Their difference is the wait for the slowest peer's compute, which a step pays
+    once per point where the ranks meet after computing, not once per message."""
     sync = _sync_fn(device)
     busy = _busy(busy_s)
     alone = []
@@ -274,23 +282,30 @@ def _collective_times(world: int, rank: int, device: torch.device, rounds: int,
         busy()
         alone.append(time.perf_counter() - t0)
     base = sorted(alone)[len(alone) // 2]
-    out: dict[str, Any] = {}
+    loaded: dict[str, Any] = {}
+    idle: dict[str, Any] = {}
     for kind in _KINDS:
-        rows = []
+        rows, rows_idle = [], []
         for nb in sizes:
             op = _collective(kind, nb, world, rank, device)
             dist.barrier()
             op()  # warm-up (buffers, connections)
-            ts = []
+            ts, ts_idle = [], []
             for _ in range(rounds):
                 t0 = time.perf_counter()
                 busy()
                 op()
                 sync()
-                ts.append(max(0.0, time.perf_counter() - t0 - base))
+                t1 = time.perf_counter()
+                ts.append(max(0.0, t1 - t0 - base))
+                op()  # right after the first: the ranks are in step
+                sync()
+                ts_idle.append(time.perf_counter() - t1)
             rows.append([nb, ts])
-        out[kind] = rows
-    return out
+            rows_idle.append([nb, ts_idle])
+        loaded[kind] = rows
+        idle[kind] = rows_idle
+    return loaded, idle
 
 
 def profile_terms(*, model_factory: Callable[[], nn.Module], loss_fn: Any,
@@ -338,8 +353,8 @@ def profile_terms(*, model_factory: Callable[[], nn.Module], loss_fn: Any,
     }
     if world > 1:
         busy_s = min(0.005, max(0.0005, statistics_median(compute[0]) / max(1, len(blocks))))
-        report["collectives"] = _collective_times(world, rank, device, rounds, busy_s,
-                                                  COLLECTIVE_SIZES)
+        report["collectives"], report["collectives_idle"] = _collective_times(
+            world, rank, device, rounds, busy_s, COLLECTIVE_SIZES)
     # trial dp steps: the real strategy and the step loop's data fetch and control all-reduce
     del model
     spec = StrategySpec("dp", world, tuple(int(s) for s in shares))
