@@ -312,7 +312,7 @@ def profile_terms(*, model_factory: Callable[[], nn.Module], loss_fn: Any,
                   optimizer_factory: Callable[[Any], Any], batch: Callable[[int], Any],
                   shares: Sequence[int], rank: int, world: int, device: torch.device,
                   autocast: Callable[[], Any], slowdown: float = 1.0, rounds: int = 7,
-                  trial_steps: int = 6, control: Callable[[], None] | None = None
+                  trial_steps: int = 6, control: Callable[[], Any] | None = None
                   ) -> dict[str, Any]:
     """Collective over the current group: this rank's report for
     ``clusters.measured.terms_model`` (see there for the format).
@@ -320,7 +320,9 @@ def profile_terms(*, model_factory: Callable[[], nn.Module], loss_fn: Any,
     ``batch(step)`` returns this rank's (inputs, targets) of ``step`` under ``shares`` (one
     per rank; the step loop's own data path), which the compute figures and the trial dp
     steps use;
-    ``control()``: the step loop's per-step control all-reduce; ``slowdown``: an emulated
+    ``control()``: starts the step loop's per-step control all-reduce and returns something
+    to ``wait()`` on (waited for after the next step, as the loop does); ``slowdown``: an
+    emulated
     device's factor (its compute figures are scaled by it, and the trial steps run under its
     hooks). Every rank must call it with the same ``rounds``, ``trial_steps`` and
     ``shares``."""
@@ -365,14 +367,20 @@ def profile_terms(*, model_factory: Callable[[], nn.Module], loss_fn: Any,
     try:
         hooks.install(blocks_of(strat.local_model()), slowdown, device, time_forward=False)
         steps: list[float] = []
+        pending: Any = None
         for step in range(trial_steps + 2):
             t0 = time.perf_counter()
             xs, ys = batch(step)
             strat.train_step(xs, ys)
-            if control is not None:
-                control()
+            if control is not None:  # as the step loop: issued now, waited for a step on
+                work = control()
+                if pending is not None:
+                    pending.wait()
+                pending = work
             sync()
             steps.append(time.perf_counter() - t0)
+        if pending is not None:
+            pending.wait()
         report["trial"] = {"shares": list(spec.shares), "seconds": steps[2:]}
     finally:
         hooks.remove()
