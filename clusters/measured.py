@@ -306,15 +306,29 @@ def _collectives(rep: Mapping[str, Any]) -> tuple[dict[str, tuple[float, float]]
 
 def _fit_overhead(model: CostModel, profile: ModelProfile, cluster: Cluster,
                   ids: Sequence[str], shares: tuple[int, ...], measured: float) -> CostModel:
-    """``model`` with ``step_overhead`` (or, when negative, ``overlap``) set so that the dp
-    plan with ``shares`` predicts the ``measured`` trial step."""
+    """``model`` with ``step_overhead`` set so that the dp plan with ``shares`` predicts the
+    ``measured`` trial step; when the trial was faster than the terms, ``overlap`` hides
+    communication first, then compute and the optimizer are scaled down to meet it."""
     plan = Plan(strategy="dp", world_size=len(ids), shares=shares, devices=tuple(ids))
     est: Estimate = model.estimate(plan, cluster, profile)
     g, tensors = profile.grad_bytes, profile.tensors(range(profile.n_blocks))
     sent = layout_messages("dp", len(ids), [t * g for t in tensors], comm=model.comm)
     model = replace(model, trial_kinds=tuple(sorted({m.kind for m in sent})))
     gap = measured - est.step_time
-    if gap >= 0 or est.comm <= 0:
-        return replace(model, step_overhead=max(0.0, gap))
+    if gap >= 0:
+        return replace(model, step_overhead=gap)
     hide = min(est.comm, -gap)  # communication hidden behind backward
-    return replace(model, overlap=min(1.0, hide / max(1e-12, (2 / 3) * est.compute)))
+    rest = -gap - hide
+    # still faster than its terms: compute and the optimizer, each timed in a loop of its own,
+    # took less inside a real step; a factor on both (every layout runs them), never a
+    # negative cost, at most halving them
+    f = max(0.5, 1.0 - rest / max(1e-12, est.compute + est.optimizer)) if rest > 0 else 1.0
+    if hide > 0:
+        model = replace(model, overlap=min(1.0, hide / max(1e-12, (2 / 3) * est.compute * f)))
+    if f == 1.0:
+        return model
+    return replace(model, seconds_per_sample={k: v * f for k, v in
+                                              model.seconds_per_sample.items()},
+                   pass_overhead_s=model.pass_overhead_s * f,
+                   optimizer_fit={k: (a * f, b * f, c * f) for k, (a, b, c) in
+                                  model.optimizer_fit.items()})
