@@ -153,7 +153,7 @@ def _pct(x: float) -> str:
 def table(results: list[dict[str, Any]]) -> str:
     lines = ["| config | layout | plan | measured ms (sd) | / dp | profiled ms | error | / dp "
              "predicted | after loop ms | error |", "|---|---|---|---|---|---|---|---|---|---|"]
-    errs_p, errs_l, picks = [], [], []
+    errs_p, errs_l, picks, drift = [], [], [], []
     for res in results:
         rows = res["rows"]
         ref = rows.get("dp") or rows["pick"]
@@ -174,6 +174,8 @@ def table(results: list[dict[str, Any]]) -> str:
                 f"{r['profiled_s'] * 1e3:.1f} | {_pct(ep)} | {r['profiled_s'] / dp_p:.2f} | "
                 f"{r['loop_s'] * 1e3:.1f} | {_pct(el)} |")
         picks.append(res["pick_over_fastest"] <= 1.05)
+        if "dp" in rows and "dp-again" in rows:
+            drift.append(abs(rows["dp-again"]["measured_s"] / rows["dp"]["measured_s"] - 1))
     lines += ["", "| config | pick (auto) | measured fastest | pick / fastest (its row; its "
               "first 50 steps) | speeds (equalized; raw) | trial overhead ms | overlap |",
               "|---|---|---|---|---|---|---|"]
@@ -192,6 +194,9 @@ def table(results: list[dict[str, Any]]) -> str:
                   f"closed loop (out of sample): {sum(e <= 0.05 for e in errs_l)}/{len(errs_l)} "
                   f"within 5 % (median |error| {statistics.median(errs_l) if errs_l else 0:.0%})",
                   f"pick within 5 % of the fastest: {sum(picks)}/{len(picks)} configurations"]
+    if drift:
+        lines.append(f"noise: dp measured twice in one run (dp, dp-again) differs by a median "
+                     f"{statistics.median(drift):.0%} (max {max(drift):.0%})")
     return "\n".join(lines)
 
 
