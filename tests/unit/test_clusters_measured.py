@@ -378,3 +378,22 @@ def test_refit_on_dp_alone_moves_the_overhead_not_the_messages():
     assert fitted.step_overhead == pytest.approx(mm.model.step_overhead + 5e-3)
     after = fitted.estimate(z1, cluster, mm.profile).step_time
     assert after == pytest.approx(before["zero1"] + 5e-3)
+
+
+def test_a_pipeline_step_pays_its_own_messages_and_two_meeting_points():
+    """strategies.pipeline all-gathers the replica's batch and targets over the pipeline
+    group and all-reduces the norm and the commit over the world, every step."""
+    cluster, ids = _live()
+    mm = terms_model(_reports(), ids, _base(), cluster=cluster)
+    pp = Plan(strategy="pipeline", world_size=2, shares=(64,), devices=tuple(ids),
+              pp_degree=2, micro_batches=4, schedule="1f1b", stage_split=(1, 2))
+    free = {k: (0.0, 0.0) for k in ("all_gather", "all_reduce", "p2p")}
+    quiet = replace(mm.model, collectives=free, sync_wait_s=0.0)
+    base = quiet.estimate(pp, cluster, mm.profile).step_time
+    waits = replace(quiet, sync_wait_s=3e-3).estimate(pp, cluster, mm.profile).step_time
+    assert waits - base == pytest.approx(6e-3)
+    msgs = replace(quiet, collectives={**free, "all_gather": (1e-3, 0.0),
+                                       "all_reduce": (2e-3, 0.0)}
+                   ).estimate(pp, cluster, mm.profile).step_time
+    # two all-gathers over 2 ranks (1 hop each), two all-reduces over 2 ranks (2 hops each)
+    assert msgs - base == pytest.approx(2 * 1e-3 + 2 * 2 * 2e-3)
