@@ -23,6 +23,7 @@ each figure is also given as a ratio to dp measured in the same run.
 
     python bench/planner.py --json /tmp/planner.json
     python bench/planner.py --families mlp mixer --workers 2
+    python bench/planner.py --tables /tmp/a.json /tmp/b.json   # runs printed as one table
 """
 
 from __future__ import annotations
@@ -214,7 +215,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=25)
     ap.add_argument("--json")
+    ap.add_argument("--tables", nargs="+", metavar="JSON",
+                    help="print the tables of earlier runs' --json files together, run nothing")
     args = ap.parse_args(argv)
+    if args.tables:
+        merged = []
+        for path in args.tables:
+            with open(path) as f:
+                d = json.load(f)
+            print(f"{path}: code {d['commit']}", flush=True)
+            merged += d["results"]
+        print(table(merged))
+        return 0
     tmp = common.private_ray_env("rpl-")
     import ray
 
