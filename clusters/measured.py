@@ -23,7 +23,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from .collectives import KINDS, CommConfig, latency_hops, layout_messages, volume_factor
+from .collectives import (
+    KINDS,
+    CommConfig,
+    latency_hops,
+    layout_messages,
+    sync_points,
+    volume_factor,
+)
 from .cost import CostModel
 from .errors import ClustersError
 from .estimate import Estimate
@@ -263,6 +270,12 @@ def terms_model(reports: Sequence[Mapping[str, Any]], ids: Sequence[str], base: 
         trial_spread = robust(trial["seconds"])
         model = _fit_overhead(model, profile, cluster, ids, tuple(trial["shares"]),
                               trial_spread.median)
+    z3 = reports[0].get("trial_zero3")
+    z3_spread = None
+    if z3 and z3.get("seconds") and cluster is not None and trial_spread is not None:
+        z3_spread = robust(z3["seconds"])
+        model = _fit_unit_wait(model, profile, cluster, ids, tuple(z3["shares"]),
+                               z3_spread.median)
     fwd = [robust(r["compute"]["forward"]).median / robust(r["compute"]["seconds"][0]).median
            for r in reports if r["compute"].get("forward")]
     return MeasuredModel(model, profile, speeds, raw, {
@@ -270,7 +283,8 @@ def terms_model(reports: Sequence[Mapping[str, Any]], ids: Sequence[str], base: 
         "forward_fraction": statistics.median(fwd) if fwd else None,
         "collectives": cspread,
         "trial": trial_spread.as_dict() if trial_spread else None,
-        "sync_wait": model.sync_wait_s,
+        "sync_wait": model.sync_wait_s, "unit_wait": model.unit_wait_s,
+        "trial_zero3": z3_spread.as_dict() if z3_spread else None,
         "step_overhead": model.step_overhead, "overlap": model.overlap})
 
 
@@ -305,6 +319,23 @@ def _collectives(rep: Mapping[str, Any]) -> tuple[dict[str, tuple[float, float]]
             if kind != "p2p":
                 waits.append(max(0.0, robust(hi).median - robust(lo).median))
     return coll, cspread, statistics.median(waits) if waits else 0.0
+
+
+def _fit_unit_wait(model: CostModel, profile: ModelProfile, cluster: Cluster,
+                   ids: Sequence[str], shares: tuple[int, ...], measured: float) -> CostModel:
+    """``model`` with ``unit_wait_s`` set so that the zero3 plan with ``shares`` predicts the
+    ``measured`` trial step (never below 0): what zero3 took beyond its terms is put on its
+    per-unit meeting points, the term of it the profiler measures least directly."""
+    plan = Plan(strategy="zero3", world_size=len(ids), shares=shares, devices=tuple(ids))
+    units = sum(1 for p in profile.block_params if p > 0)
+    if sync_points("zero3", len(ids), units) <= 0:
+        return model
+    lo, hi = 0.0, max(1e-3, measured)  # the step grows with the wait (bisection, 1e-15 s)
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        t = replace(model, unit_wait_s=mid).estimate(plan, cluster, profile).step_time
+        lo, hi = (mid, hi) if t < measured else (lo, mid)
+    return replace(model, unit_wait_s=lo)
 
 
 def _fit_overhead(model: CostModel, profile: ModelProfile, cluster: Cluster,

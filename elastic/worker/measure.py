@@ -10,7 +10,8 @@ meets busy peers waits for the slowest; timed between idle workers only, zero3's
 gathers were under-predicted by 42 %) and *right after another collective* (a message that
 follows one in a chain does not wait again; charged the loaded figure per message, zero1 and
 zero2 were over-predicted by up to 3x), and a few trial dp steps with the step loop's data
-fetch and control all-reduce. Each
+fetch and control all-reduce, and a few of zero3 (its per-unit gathers meet busy peers:
+what they wait beyond their messages is measured, not assumed). Each
 figure is a list of repeated seconds; ``clusters.measured.terms_model`` reduces them to
 medians and spreads and builds the cost model.
 
@@ -322,12 +323,9 @@ def profile_terms(*, model_factory: Callable[[], nn.Module], loss_fn: Any,
     steps use;
     ``control()``: starts the step loop's per-step control all-reduce and returns something
     to ``wait()`` on (waited for after the next step, as the loop does); ``slowdown``: an
-    emulated
-    device's factor (its compute figures are scaled by it, and the trial steps run under its
-    hooks). Every rank must call it with the same ``rounds``, ``trial_steps`` and
-    ``shares``."""
-    from strategies import Runtime, StrategySpec
-    from strategies import get as get_strategy
+    emulated device's factor (its compute figures are scaled by it, and the trial steps run
+    under its hooks). Trial steps: ``trial_steps`` of dp and half as many of zero3 (world >
+    1). Every rank must call it with the same ``rounds``, ``trial_steps`` and ``shares``."""
     from strategies.blocks import blocks_of
 
     sync = _sync_fn(device)
@@ -357,18 +355,51 @@ def profile_terms(*, model_factory: Callable[[], nn.Module], loss_fn: Any,
         busy_s = min(0.005, max(0.0005, statistics_median(compute[0]) / max(1, len(blocks))))
         report["collectives"], report["collectives_idle"] = _collective_times(
             world, rank, device, rounds, busy_s, COLLECTIVE_SIZES)
-    # trial dp steps: the real strategy and the step loop's data fetch and control all-reduce
+    # trial steps: the real strategy and the step loop's data fetch and control all-reduce;
+    # dp's set the per-step overhead, zero3's its per-unit wait (FSDP's gathers under load)
     del model
-    spec = StrategySpec("dp", world, tuple(int(s) for s in shares))
+    run = {"shares": shares, "world": world, "rank": rank, "device": device,
+           "model_factory": model_factory, "optimizer_factory": optimizer_factory,
+           "loss_fn": loss_fn, "batch": batch, "control": control, "slowdown": slowdown}
+    report["trial"] = {"shares": [int(s) for s in shares],
+                       "seconds": _trial_steps("dp", trial_steps, **run)}
+    if world > 1:
+        secs = _trial_steps("zero3", max(2, trial_steps // 2), **run)
+        if secs:
+            report["trial_zero3"] = {"shares": [int(s) for s in shares], "seconds": secs}
+    return report
+
+
+def _trial_steps(name: str, n: int, *, shares: Sequence[int], world: int, rank: int,
+                 device: torch.device, model_factory: Callable[[], nn.Module],
+                 optimizer_factory: Callable[[Any], Any], loss_fn: Any,
+                 batch: Callable[[int], Any], control: Callable[[], Any] | None,
+                 slowdown: float) -> list[float]:
+    """Seconds of ``n`` steps of layout ``name`` (after 2 warm-up steps) as the step loop
+    runs them: the data fetch, the strategy's step, the control all-reduce issued after it
+    and waited for after the next one. [] when the layout refuses the model (on every rank
+    alike: ``validate`` is deterministic)."""
+    from strategies import Runtime, StrategySpec
+    from strategies import get as get_strategy
+    from strategies.blocks import blocks_of
+    from strategies.errors import StrategyError
+
+    sync = _sync_fn(device)
+    spec = StrategySpec(name, world, tuple(int(s) for s in shares))
     torch.manual_seed(0)
-    strat = get_strategy("dp")(spec, Runtime(rank, world, device), model_factory(),
-                               optimizer_factory, loss_fn)
+    model = model_factory()
+    try:
+        get_strategy(name).validate(spec, model)
+    except StrategyError:
+        return []
+    strat = get_strategy(name)(spec, Runtime(rank, world, device), model, optimizer_factory,
+                               loss_fn)
     hooks = SpanHooks()
     try:
         hooks.install(blocks_of(strat.local_model()), slowdown, device, time_forward=False)
         steps: list[float] = []
         pending: Any = None
-        for step in range(trial_steps + 2):
+        for step in range(n + 2):
             t0 = time.perf_counter()
             xs, ys = batch(step)
             strat.train_step(xs, ys)
@@ -381,11 +412,10 @@ def profile_terms(*, model_factory: Callable[[], nn.Module], loss_fn: Any,
             steps.append(time.perf_counter() - t0)
         if pending is not None:
             pending.wait()
-        report["trial"] = {"shares": list(spec.shares), "seconds": steps[2:]}
+        return steps[2:]
     finally:
         hooks.remove()
         strat.close()
-    return report
 
 
 def statistics_median(xs: Sequence[float]) -> float:
