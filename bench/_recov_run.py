@@ -60,6 +60,15 @@ def _read(path: str) -> dict[str, Any] | None:
 # ---------------------------------------------------------------------------------- owner
 
 
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, ended but not yet reaped, has ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def owner(args: argparse.Namespace) -> None:
     from ray.cluster_utils import Cluster
 
@@ -93,6 +102,12 @@ def owner(args: argparse.Namespace) -> None:
             cluster.remove_node(node, allow_graceful=False)
             info["t_removed"] = time.time()
             _write(os.path.join(out, "owner.json"), info)
+            pid = kill.get("pid")
+            if pid:  # the lost rank's process: when it actually ended (Ray ends it, or itself)
+                t_end = time.time() + 10
+                while _alive(int(pid)) and time.time() < t_end:
+                    time.sleep(0.002)
+                info["t_worker_exit"] = time.time()
             if args.replacement:
                 try:
                     cluster.add_node(num_cpus=1)
@@ -122,7 +137,8 @@ def owner(args: argparse.Namespace) -> None:
 
 def _ask_kill(out: str, meta: dict[str, Any]) -> dict[str, Any]:
     """Ask the owner to remove ``meta["killed_node"]``; wait for its ``t_remove``."""
-    _write(os.path.join(out, "kill.json"), {"node_id": meta["killed_node"], "time": time.time()})
+    _write(os.path.join(out, "kill.json"), {"node_id": meta["killed_node"], "time": time.time(),
+                                            "pid": (meta.get("pids_before") or {}).get(1)})
     deadline = time.time() + 60
     while time.time() < deadline:
         o = _read(os.path.join(out, "owner.json"))
@@ -140,6 +156,10 @@ _TRACED = (("elastic.control.controller", "Controller", "_drain"),
            ("elastic.control.regroup", "Regroup", "form"),
            ("elastic.control.regroup", "Regroup", "acquire"),
            ("elastic.control.regroup", "Regroup", "_roll_forward"),
+           ("elastic.control.layouts", "Layouts", "fit"),
+           ("elastic.control.calls", "WorkerCalls", "leave"),
+           ("elastic.control.calls", "WorkerCalls", "progress"),
+           ("elastic.control.calls", "WorkerCalls", "held_keys"),
            ("elastic.control.worker_group", "WorkerGroup", "wind_down"),
            ("elastic.control.worker_group", "WorkerGroup", "survivors"),
            ("elastic.control.worker_group", "WorkerGroup", "try_place"),

@@ -55,6 +55,12 @@ class SegmentWatch:
                 gone.add(wid)
         return [w for w in workers if w.worker_id in gone]
 
+    def _lost_error(self, w: WorkerRec) -> WorkerLostError:
+        node = bool(getattr(self.liveness, "node_lost", lambda _: False)(w.worker_id))
+        why = ("its node's raylet is gone (the worker saw it and ended)" if node else
+               "its liveness connection to the controller closed or fell silent")
+        return WorkerLostError(f"worker rank {w.rank} lost: {why}", rank=w.rank, node_lost=node)
+
     def poll(self, seg: Segment, timeout_s: float, wait: Wait,
              failures: Callable[[Segment, list[Any]], list[Failure]],
              next_step: Callable[[list[Any]], int]) -> SegmentPoll:
@@ -74,10 +80,8 @@ class SegmentWatch:
             gone = self.lost(workers)
             if gone:
                 return SegmentPoll(failures=tuple(
-                    [classify(WorkerLostError(
-                        f"worker rank {w.rank} lost: its liveness connection to the "
-                        "controller closed or fell silent", rank=w.rank, node_lost=False),
-                        rank=w.rank) for w in gone] + got), noticed_by="liveness")
+                    [classify(self._lost_error(w), rank=w.rank) for w in gone] + got),
+                    noticed_by="liveness")
             if got and pending and grace is None:
                 grace = time.monotonic() + GRACE_S
             if not pending or time.monotonic() >= (grace if grace is not None else end):

@@ -30,7 +30,7 @@ from .boundary import guarded
 from .checkpointing import Checkpointing
 from .faults import Faults
 from .handoff import hand_off
-from .heartbeat import Heartbeat
+from .heartbeat import Heartbeat, raylet_parent
 from .held_state import HeldState, PeerPlan
 from .inputs import JobData
 from .layout import Layout
@@ -59,8 +59,9 @@ class Worker:
                  num_threads: int, liveness: tuple[str, int, str] | None = None) -> None:
         self.config = config
         self.worker_id = worker_id
-        # the controller learns of this process's end from this connection first
-        self.heartbeat = Heartbeat(*liveness, worker_id, 0.1) if liveness else None
+        # the controller learns of this process's end (or its node's) from this connection first
+        self.heartbeat = (Heartbeat(*liveness, worker_id, 0.1, node_pid=raylet_parent())
+                          if liveness else None)
         torch.set_num_threads(max(1, num_threads))
         self.device = torch.device("cuda", 0) if use_gpu else torch.device("cpu")
         if use_gpu:
