@@ -166,9 +166,11 @@ _TRACED = (("elastic.control.controller", "Controller", "_drain"),
            ("elastic.control.checkpoints", "CheckpointTracker", "restore_newest"))
 
 
-def _trace_controller(spans: list[tuple[str, float, float]]) -> None:
+def _trace_controller(spans: list[tuple[str, float, float]],
+                      leaves: list[tuple[float, Any]] | None = None) -> None:
     """Time the controller's recovery steps from the outside (wrappers on the class, in this
-    process only; nothing in elastic/ is changed)."""
+    process only; nothing in elastic/ is changed); ``leaves``: what each ``leave`` returned
+    (the workers' own timings of their leave), with its start."""
     import functools
     import importlib
 
@@ -181,7 +183,10 @@ def _trace_controller(spans: list[tuple[str, float, float]]) -> None:
             def inner(self: Any, *a: Any, **kw: Any) -> Any:
                 t0 = time.time()
                 try:
-                    return orig(self, *a, **kw)
+                    out = orig(self, *a, **kw)
+                    if name == "leave" and leaves is not None:
+                        leaves.append((t0, out))
+                    return out
                 finally:
                     spans.append((name, t0, time.time()))
             return inner
@@ -194,7 +199,8 @@ def run_elastic(args: argparse.Namespace) -> dict[str, Any]:
 
     out = args.out
     spans: list[tuple[str, float, float]] = []
-    _trace_controller(spans)
+    leaves: list[tuple[float, Any]] = []
+    _trace_controller(spans, leaves)
     handle = elastic.submit(
         model=rc.model_factory, optimizer=dict(rc.OPTIM), loss=rc.slow_mse,
         dataset=rc.dataset_factory, global_batch_size=rc.G, max_steps=args.steps, seed=rc.SEED,
@@ -257,6 +263,7 @@ def run_elastic(args: argparse.Namespace) -> dict[str, Any]:
             "survivors_restarted": not set(meta["survivor_pids_before"]) <= set(
                 rec["data"]["pids"]),
             "scaled": [e for e in evs if e["kind"] == "scaled"],
+            "leaves": [(t - t_rm, out) for t, out in leaves if t >= t_rm],
             "spans": [(n, a, b - a) for n, a, b in spans
                       if b >= t_rm - 1 and (b - a > 0.05 or n not in ("_drain", "_poll_control"))]}
 

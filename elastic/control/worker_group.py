@@ -330,10 +330,8 @@ class WorkerGroup(PlacementCalls, WorkerCalls):
     def _answers(self, w: WorkerRec) -> bool:
         """Whether a silent worker answers a ping within 1 s (its second thread)."""
         import ray
-
         try:
-            ray.get(w.handle.progress.remote(), timeout=1.0)
-            return True
+            return ray.get(w.handle.progress.remote(), timeout=1.0) is not None
         except Exception:  # noqa: BLE001 - dead or unresponsive
             return False
 
@@ -441,9 +439,8 @@ class WorkerGroup(PlacementCalls, WorkerCalls):
         liveness (``SegmentWatch``); every failure, typed."""
         import ray
 
-        return self.watch.poll(
-            seg, timeout_s, lambda fs, t: ray.wait(fs, num_returns=len(fs), timeout=t),
-            self._failures, lambda fs: int(ray.get(fs[0])["next_step"]))
+        return self.watch.poll(seg, timeout_s, _wait, self._failures,
+                               lambda fs: int(ray.get(fs[0])["next_step"]))
 
     def _failures(self, seg: Segment, refs: Sequence[Any]) -> list[Failure]:
         import ray
@@ -491,13 +488,11 @@ class WorkerGroup(PlacementCalls, WorkerCalls):
 
     def drain(self) -> list[list[dict[str, Any]]]:
         """Each worker's metrics since the last drain (empty for one that does not answer
-        within 5 s: failure handling takes over). A user error a worker raised while
-        draining is raised."""
+        within 5 s, or lost: failure handling takes over); a worker's user error is raised."""
         import ray
 
         refs = [w.handle.drain.remote() for w in self.workers]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=5.0)
-        answered = {id(r) for r in ready}
+        answered = {id(refs[i]) for i in self.watch.gather(refs, self.workers, 5.0, _wait)}
         out: list[list[dict[str, Any]]] = []
         for w, ref in zip(self.workers, refs, strict=True):
             if id(ref) not in answered:
@@ -520,10 +515,12 @@ class WorkerGroup(PlacementCalls, WorkerCalls):
         a failed upload."""
         import ray
 
+        refs = [w.handle.checkpoint_poll.remote() for w in self.workers]
+        self.watch.gather(refs, self.workers, 30.0, _wait)
         out: list[dict[str, Any] | None] = []
-        for w in self.workers:
-            try:
-                out.append(ray.get(w.handle.checkpoint_poll.remote(), timeout=30))
+        for w, ref in zip(self.workers, refs, strict=True):
+            try:  # (one that has not ended raises at once)
+                out.append(ray.get(ref, timeout=0))
             except Exception:  # noqa: BLE001 - said as a failed upload
                 out.append({"error": f"worker {w.rank} did not answer"})
         return out
@@ -546,21 +543,25 @@ class WorkerGroup(PlacementCalls, WorkerCalls):
 
     def _call_each(self, refs: list[Any], ws: Sequence[WorkerRec],
                    timeout_s: float | None = None) -> list[Any]:
-        """Every result, or the typed error of the lowest rank that failed; an error that only
-        echoes a peer's failure (``secondary``) gives way to that peer's own."""
+        """Every result, or the typed error of the lowest rank that failed (a worker that
+        liveness finds lost is not waited for); an error that only echoes a peer's failure
+        (``secondary``) gives way to that peer's own."""
         import ray
 
-        try:
-            return list(ray.get(refs, timeout=timeout_s))
-        except Exception:  # noqa: BLE001 - find which worker and type it
-            pass
+        ended = self.watch.gather(refs, ws, 1e9 if timeout_s is None else timeout_s, _wait)
         errors: list[BaseException] = []
-        for w, ref in zip(ws, refs, strict=True):
+        for i, (w, ref) in enumerate(zip(ws, refs, strict=True)):
             try:
-                ray.get(ref, timeout=timeout_s)
+                if i not in ended:
+                    raise (self.watch.lost_error(w) if self.watch.lost([w]) else
+                           InfrastructureError(f"worker rank {w.rank} did not answer within "
+                                               f"{timeout_s}s"))
+                ray.get(ref, timeout=0)
             except Exception as e:  # noqa: BLE001 - typed
                 errors.append(_typed(e, w))
-        raise (first_cause(errors) if errors else InfrastructureError("a worker call failed")) from None
+        if not errors:
+            return list(ray.get(refs, timeout=0))
+        raise first_cause(errors) from None
 
     def _get(self, ref: Any) -> Any:
         import ray
@@ -583,6 +584,11 @@ class WorkerGroup(PlacementCalls, WorkerCalls):
             _kill(w)
         self.placement.release(self.workers)
         self.workers = []
+
+
+def _wait(refs: list[Any], timeout_s: float) -> tuple[list[Any], list[Any]]:
+    import ray
+    return ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
 
 
 def _kill(w: WorkerRec) -> None:

@@ -185,3 +185,19 @@ def test_the_watch_names_a_node_loss_as_such():
         _seg(), 5.0, lambda fs, t: ([], list(fs)), lambda s, d: [], lambda fs: 0)
     err = poll.failures[0].error
     assert isinstance(err, WorkerLostError) and err.node_lost and "raylet" in str(err)
+
+
+def test_a_call_on_a_lost_worker_is_not_waited_for():
+    """``gather``: the controller's calls (metrics, checkpoint polls, typed calls) stop
+    waiting for a worker whose connection closed, instead of until Ray declares it dead."""
+    live = _Live()
+    watch = SegmentWatch(live, lambda w: True)
+    ws = [w for w, _ in _seg().running]
+    never = lambda fs, t: ([f for f in fs if f != "r1"], [f for f in fs if f == "r1"])  # noqa: E731
+    t0 = time.monotonic()
+    assert watch.gather(["r0", "r1", "r2"], ws, 0.3, never) == {0, 2}  # not lost: the timeout
+    assert 0.25 < time.monotonic() - t0 < 1.0
+    live.closed[1] = time.monotonic()
+    t0 = time.monotonic()
+    assert watch.gather(["r0", "r1", "r2"], ws, 30.0, never) == {0, 2}
+    assert time.monotonic() - t0 < 0.5
