@@ -157,6 +157,9 @@ _TRACED = (("elastic.control.controller", "Controller", "_drain"),
            ("elastic.control.regroup", "Regroup", "acquire"),
            ("elastic.control.regroup", "Regroup", "_roll_forward"),
            ("elastic.control.layouts", "Layouts", "fit"),
+           ("elastic.control.controller", "Controller", "_boundary"),
+           ("elastic.control.worker_group", "WorkerGroup", "start_segment"),
+           ("elastic.control.worker_group", "WorkerGroup", "restore_from_peers"),
            ("elastic.control.calls", "WorkerCalls", "leave"),
            ("elastic.control.calls", "WorkerCalls", "progress"),
            ("elastic.control.calls", "WorkerCalls", "held_keys"),
@@ -184,8 +187,8 @@ def _trace_controller(spans: list[tuple[str, float, float]],
                 t0 = time.time()
                 try:
                     out = orig(self, *a, **kw)
-                    if name == "leave" and leaves is not None:
-                        leaves.append((t0, out))
+                    if name in ("leave", "restore_from_peers") and leaves is not None:
+                        leaves.append((t0, [dict(o, call=name) for o in out or ()]))
                     return out
                 finally:
                     spans.append((name, t0, time.time()))

@@ -278,10 +278,10 @@ def main(argv: list[str] | None = None) -> int:
                   f", run wall {r['wall_s']:.0f}s, others' load before {r['busy_before']:.2f} "
                   f"cores" + (f" [killed {r['leftovers_killed']} stray]"
                               if r["leftovers_killed"] else ""), flush=True)
-            lv = (r.get("leaves") or [[0, None]])[0][1]
-            if lv:  # the survivors' own leave, part by part
-                print("   survivors' leave (s): " + "; ".join(
-                    ", ".join(f"{k} {v:.2f}" for k, v in x.items()) for x in lv), flush=True)
+            for _, lv in (r.get("leaves") or [])[:2]:  # the survivors' own timings
+                print("   " + "; ".join(", ".join(f"{k} {v:.2f}" if isinstance(v, float) else
+                                                  f"{k} {v}" for k, v in x.items())
+                                        for x in lv), flush=True)
             if f.get("breakdown"):
                 print("   " + ", ".join(f"{k} {v:.2f}s" for k, v in f["breakdown"].items())
                       + f"; first signal {f.get('noticed_by')}, lost rank's process ended at "

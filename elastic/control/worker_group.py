@@ -18,11 +18,11 @@ from typing import Any
 
 from ..errors import ClusterError, ElasticError, InfrastructureError, WorkerError, WorkerLostError
 from ..failures import Failure, classify, first_cause
-from ..ray_connect import draining_nodes, node_alive, node_infos, pg_ready, request_drain
+from ..ray_connect import draining_nodes, node_alive, node_infos, pg_ready, request_drain, wait_all
 from .calls import PlacementCalls, WorkerCalls
 from .group import DrainNotice, Segment, SegmentPoll, WorkerRec, drain_notices, drain_reason
 from .liveness import Liveness
-from .watch import SegmentWatch
+from .watch import SLICE_S, SegmentWatch
 
 __all__ = ["WorkerGroup", "Placement", "WorkerRec", "Segment", "SegmentPoll"]
 
@@ -439,7 +439,7 @@ class WorkerGroup(PlacementCalls, WorkerCalls):
         liveness (``SegmentWatch``); every failure, typed."""
         import ray
 
-        return self.watch.poll(seg, timeout_s, _wait, self._failures,
+        return self.watch.poll(seg, timeout_s, wait_all, self._failures,
                                lambda fs: int(ray.get(fs[0])["next_step"]))
 
     def _failures(self, seg: Segment, refs: Sequence[Any]) -> list[Failure]:
@@ -460,7 +460,8 @@ class WorkerGroup(PlacementCalls, WorkerCalls):
         """After a failure: tell every rank whose segment has ended to leave its group at
         once (its sockets close, so peers blocked on it fail now rather than at the group
         timeout), keep doing so as the others end, and return the ranks still inside their
-        segment after ``timeout_s`` (hung)."""
+        segment after ``timeout_s`` (hung); not for one liveness finds lost (its future ends
+        only when Ray declares it dead)."""
         import ray
 
         deadline = time.monotonic() + timeout_s
@@ -468,14 +469,15 @@ class WorkerGroup(PlacementCalls, WorkerCalls):
         while pending:
             finished, _ = ray.wait([f for _, f in pending], num_returns=len(pending), timeout=0)
             done = {id(f) for f in finished}
+            gone = {id(w) for w in self.watch.lost([w for w, _ in pending])}
             for w, f in pending:
-                if id(f) in done:
+                if id(f) in done and id(w) not in gone:
                     w.handle.leave.remote()
-            pending = [(w, f) for w, f in pending if id(f) not in done]
+            pending = [(w, f) for w, f in pending if id(f) not in done and id(w) not in gone]
             left = deadline - time.monotonic()
             if not pending or left <= 0:
                 break
-            ray.wait([f for _, f in pending], num_returns=1, timeout=left)
+            ray.wait([f for _, f in pending], num_returns=1, timeout=min(left, SLICE_S))
         return [w for w, _ in pending]
 
     def request_stop(self) -> None:
@@ -492,7 +494,7 @@ class WorkerGroup(PlacementCalls, WorkerCalls):
         import ray
 
         refs = [w.handle.drain.remote() for w in self.workers]
-        answered = {id(refs[i]) for i in self.watch.gather(refs, self.workers, 5.0, _wait)}
+        answered = {id(refs[i]) for i in self.watch.gather(refs, self.workers, 5.0, wait_all)}
         out: list[list[dict[str, Any]]] = []
         for w, ref in zip(self.workers, refs, strict=True):
             if id(ref) not in answered:
@@ -516,7 +518,7 @@ class WorkerGroup(PlacementCalls, WorkerCalls):
         import ray
 
         refs = [w.handle.checkpoint_poll.remote() for w in self.workers]
-        self.watch.gather(refs, self.workers, 30.0, _wait)
+        self.watch.gather(refs, self.workers, 30.0, wait_all)
         out: list[dict[str, Any] | None] = []
         for w, ref in zip(self.workers, refs, strict=True):
             try:  # (one that has not ended raises at once)
@@ -548,7 +550,7 @@ class WorkerGroup(PlacementCalls, WorkerCalls):
         (``secondary``) gives way to that peer's own."""
         import ray
 
-        ended = self.watch.gather(refs, ws, 1e9 if timeout_s is None else timeout_s, _wait)
+        ended = self.watch.gather(refs, ws, 1e9 if timeout_s is None else timeout_s, wait_all)
         errors: list[BaseException] = []
         for i, (w, ref) in enumerate(zip(ws, refs, strict=True)):
             try:
@@ -584,11 +586,6 @@ class WorkerGroup(PlacementCalls, WorkerCalls):
             _kill(w)
         self.placement.release(self.workers)
         self.workers = []
-
-
-def _wait(refs: list[Any], timeout_s: float) -> tuple[list[Any], list[Any]]:
-    import ray
-    return ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
 
 
 def _kill(w: WorkerRec) -> None:
