@@ -90,13 +90,12 @@ class WorkerCalls:
     def held_keys(self) -> list[dict[str, tuple[tuple[int, ...], str]]]:
         return self._call("held_keys")
 
-    def leave(self, workers: Sequence[WorkerRec] | None = None, collect: bool = True,
-              abort: bool = False) -> list[dict[str, float]]:
+    def leave(self, workers: Sequence[WorkerRec] | None = None,
+              collect: bool = True) -> list[dict[str, float]]:
         """Every worker (of ``workers``) leaves its group, parking its state;
-        ``collect=False`` for a planned change (no peer is blocked: skip the collection);
-        ``abort`` after a failure (every connection closed first). Returns each worker's
-        timings (``Worker.leave``)."""
-        return self._call("leave", collect, abort, workers=workers)
+        ``collect=False`` for a planned change (no peer is blocked: skip the collection).
+        Returns each worker's timings (``Worker.leave``)."""
+        return self._call("leave", collect, workers=workers)
 
     def snapshot_full(self) -> None:
         self._call("snapshot_full")

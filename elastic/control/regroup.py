@@ -254,7 +254,7 @@ class Regroup:
         group.remove(dead)
         self.tracker.abandon(group)
         self._roll_forward()
-        group.leave(abort=True)
+        group.leave()
         progress, held = group.progress(), group.held_keys()
         self._drain()  # metrics the survivors still had: steps done before the loss
         before = self.steps.next_step

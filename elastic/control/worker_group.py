@@ -472,7 +472,7 @@ class WorkerGroup(PlacementCalls, WorkerCalls):
             gone = {id(w) for w in self.watch.lost([w for w, _ in pending])}
             for w, f in pending:
                 if id(f) in done and id(w) not in gone:
-                    w.handle.leave.remote(True, True)  # collect, abort
+                    w.handle.leave.remote()
             pending = [(w, f) for w, f in pending if id(f) not in done and id(w) not in gone]
             left = deadline - time.monotonic()
             if not pending or left <= 0:

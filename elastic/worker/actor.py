@@ -26,7 +26,6 @@ import torch
 from strategies import StrategySpec, state_hash
 
 from ..config import JobConfig, WorkerConfig
-from ..errors import GroupError
 from .boundary import guarded
 from .checkpointing import Checkpointing
 from .faults import Faults
@@ -92,11 +91,7 @@ class Worker:
         # which keeps the one in leave() short
 
     def _guard(self, fn: Any, *args: Any) -> Any:
-        try:
-            return guarded(self.membership.rank, fn, *args)
-        except GroupError:
-            self.membership.abort()  # peers blocked on this rank fail now (Membership.abort)
-            raise
+        return guarded(self.membership.rank, fn, *args)
 
     # ------------------------------------------------------------------ identity and group
 
@@ -135,7 +130,7 @@ class Worker:
         self.membership.join(addr, port, rank, world, generation, timeout_s)
         return time.perf_counter() - t0
 
-    def leave(self, collect: bool = True, abort: bool = False) -> dict[str, float]:
+    def leave(self, collect: bool = True) -> dict[str, float]:
         """Tear down the current group, if any. The state this rank holds stays in memory,
         parked as canonical CPU tensors, and the strategy is dropped with every reference it
         had to the group (sub-groups, the DDP reducer, FSDP meshes): a gloo group closes its
@@ -143,13 +138,10 @@ class Worker:
         rank fail at once instead of at the group timeout. Every path after a leave lays the
         job out again from parked, peer or checkpoint state. ``collect=False`` (a planned
         leave: no peer is blocked on this rank) skips the collection that frees the group's
-        sockets at once (~0.2 s); they go at the next one. ``abort`` (after a failure): close
-        every connection of the group first (``Membership.abort``). Returns how long the parts of the
+        sockets at once (~0.2 s); they go at the next one. Returns how long the parts of the
         last leave that dropped a layout took, and this call's wait for the lock (seconds:
         ``park``, ``drop``, ``group``, ``gc``, ``lock``; bench/recovery.py reports them)."""
         t0 = time.perf_counter()
-        if abort:  # after a failure: first, so that no peer waits for what follows
-            self.membership.abort()
         with self.held.lock:
             t = [time.perf_counter()]
             dropped = self.layout.strategy is not None

@@ -150,26 +150,6 @@ class Membership:
                                               "elastic-copies")
         self.rank, self.world, self.generation = rank, world, generation
 
-    def abort(self) -> None:
-        """Close this rank's connections of every group it is in now (gloo's ``abort``; the
-        groups stay registered until ``leave``), so that a peer blocked on this rank fails at
-        once. Called when a collective failed here, and first thing at ``leave``. Without it a
-        survivor blocked on another survivor (a ring's next hop is alive) waits until that one
-        drops its last reference to the group: ``destroy_process_group`` does not close a
-        gloo group's connections, only its destruction does (measured with 3 gloo ranks, one
-        killed: the second survivor failed 3 s later, when the first one's process ended;
-        with ``abort`` on the first, 0.03 s after the kill)."""
-        groups = [self._ctrl_pg, self.copies_group]
-        if dist.is_initialized():
-            groups += list(dist.distributed_c10d._world.pg_map)
-        for pg in groups:
-            if pg is None:
-                continue
-            try:
-                pg.abort()
-            except Exception:  # noqa: BLE001 - a backend without abort: leave closes it later
-                pass
-
     def leave(self) -> None:
         """Tear down the group, if any, without waiting for the control group's last
         operation (see ``control_group``). A group whose peers died may fail to close

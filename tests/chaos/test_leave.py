@@ -29,8 +29,7 @@ def _adam(params):
     return torch.optim.Adam(params, lr=1e-2)
 
 
-def _rank(rank: int, world: int, port: int, layout: str, results, done, stay: bool = False
-          ) -> None:
+def _rank(rank: int, world: int, port: int, layout: str, results, done) -> None:
     from elastic.config import JobConfig
     from elastic.models import SyntheticRegression, mlp_loss, tiny_mlp
     from elastic.worker import Worker
@@ -51,20 +50,20 @@ def _rank(rank: int, world: int, port: int, layout: str, results, done, stay: bo
     except Exception:  # noqa: BLE001 - the group failure is what this test waits for
         pass
     failed = time.time()
-    if not stay:  # (stay: keep the failed group, as a survivor does until the controller asks)
-        w.leave()
+    w.leave()
     left = time.time()
     results.put((rank, failed, left))
     done.wait(GROUP_TIMEOUT_S + 10)  # stay up, as a survivor does, while the others find out
 
 
-def _failures(layout: str, stay: bool = False) -> dict[int, tuple[float, float]]:
+@pytest.mark.parametrize("layout", ["dp", "zero3", "pipeline-zero3"])
+def test_survivors_fail_fast_after_a_peer_leaves(layout):
     world = 4
     ctx = mp.get_context("spawn")
     results, done = ctx.Queue(), ctx.Event()
     port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, layout, results, done, stay),
-                         daemon=True) for r in range(world)]
+    procs = [ctx.Process(target=_rank, args=(r, world, port, layout, results, done), daemon=True)
+             for r in range(world)]
     for p in procs:
         p.start()
     got = {}
@@ -78,29 +77,11 @@ def _failures(layout: str, stay: bool = False) -> dict[int, tuple[float, float]]
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
-    return got
-
-
-@pytest.mark.parametrize("layout", ["dp", "zero3", "pipeline-zero3"])
-def test_survivors_fail_fast_after_a_peer_leaves(layout):
-    got = _failures(layout)
     first = min(f for f, _ in got.values())
     late = {r: round(f - first, 2) for r, (f, _) in got.items()}
     # without the fixes one survivor fails only at the group timeout (30 s)
     assert max(late.values()) < 5.0, late
     assert sorted(got) == [0, 2, 3]
-
-
-@pytest.mark.parametrize("layout", ["dp", "pipeline-zero3"])
-def test_a_failed_collective_closes_the_ranks_connections_at_once(layout):
-    """The survivors keep their failed group (no ``leave``: the controller has not asked
-    yet), yet all fail within a second of each other: a rank whose collective failed closes
-    every connection of its groups at once (``Membership.abort``), so a survivor blocked on
-    another survivor does not wait for that one's leave (without it: the group timeout)."""
-    got = _failures(layout, stay=True)
-    first = min(f for f, _ in got.values())
-    late = {r: round(f - first, 2) for r, (f, _) in got.items()}
-    assert sorted(got) == [0, 2, 3] and max(late.values()) < 1.0, late
 
 
 class _FailingWorldAllReduce:

@@ -323,7 +323,7 @@ class FakeGroup:
             out.append({k: ((1,), "float32") for k in keys})
         return out
 
-    def leave(self, workers: Any = None, collect: bool = True, abort: bool = False) -> None:
+    def leave(self, workers: Any = None, collect: bool = True) -> None:
         self.calls.append(("leave", len(workers) if workers is not None else len(self.workers)))
 
     def snapshot_full(self) -> None:
