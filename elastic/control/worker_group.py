@@ -62,8 +62,8 @@ class Placement:
         self._emulate = list(emulate or [])
         self._next_id = 0
         self.free_slots: list[tuple[Any, int]] = []  # reserved bundles without a worker
-        # bundles of workers released from a draining node: free once that node is gone
-        self.draining: list[tuple[Any, int, str]] = []
+        self.draining: list[tuple[Any, int, str]] = []  # bundles of a draining node's workers
+        self.lost: list[tuple[Any, int, str]] = []  # of workers lost with a node Ray holds alive
         self._warming: list[tuple[WorkerRec, Any]] = []  # spares starting: (worker, info ref)
         self._bundle_res: dict[str, float] | None = None
         self._worker_cfg = config.for_worker()  # what a worker reads, and nothing else
@@ -218,15 +218,17 @@ class Placement:
         return self._collect(finished, wait_s=0)
 
     def try_place(self, n: int, timeout_s: float) -> list[WorkerRec]:
-        """Place up to ``n`` more workers within ``timeout_s``; keep what could be placed.
-        First the job's free slots (a bundle whose node died is re-reserved by Ray on a node
-        with room), then new single-bundle placement groups."""
+        """Place up to ``n`` more workers within ``timeout_s``: the job's free slots first (Ray
+        re-reserves a dead node's bundle where there is room), then new placement groups."""
         import ray
         from ray.util.placement_group import placement_group
 
         if n <= 0 or timeout_s <= 0:
             return []
         deadline = time.monotonic() + timeout_s
+        while self.lost and time.monotonic() < deadline:  # until Ray, too, holds them dead
+            time.sleep(0.05)
+            self._revive()
         bundle = self.bundle()
         placed: list[WorkerRec] = []
         reuse, self.free_slots = self.free_slots[:n], self.free_slots[n:]
@@ -249,12 +251,11 @@ class Placement:
         return placed
 
     def _revive(self) -> None:
-        """Bundles released from a draining node become free slots once the node is gone
-        (Ray then reserves them again where there is room); until then a worker started
-        there would go down with the node."""
-        if self.draining:
-            gone = [d for d in self.draining if not node_alive(d[2])]
-            self.draining = [d for d in self.draining if d not in gone]
+        """Bundles of a draining (or lost) node become free slots once Ray holds the node gone
+        (it then reserves them again where there is room)."""
+        for name in ("draining", "lost"):
+            gone = [d for d in getattr(self, name) if not node_alive(d[2])]
+            setattr(self, name, [d for d in getattr(self, name) if d not in gone])
             self.free_slots += [(pg, i) for pg, i, _ in gone]
 
     def room(self) -> bool:
@@ -302,13 +303,13 @@ class Placement:
         for w in warm:
             _kill(w)
         pgs = ([w.pg for w in list(extra) + warm] + [pg for pg, _ in self.free_slots]
-               + [pg for pg, _, _ in self.draining])
+               + [pg for pg, _, _ in self.draining + self.lost])
         for pg in {id(pg): pg for pg in pgs if pg is not None}.values():
             try:
                 ray.util.remove_placement_group(pg)
             except Exception:  # noqa: BLE001 - already removed
                 pass
-        self.free_slots, self.draining = [], []
+        self.free_slots, self.draining, self.lost = [], [], []
 
 
 class WorkerGroup(PlacementCalls, WorkerCalls):
@@ -354,10 +355,13 @@ class WorkerGroup(PlacementCalls, WorkerCalls):
         return addr, port, time.perf_counter() - t0
 
     def remove(self, dead: Sequence[WorkerRec]) -> None:
-        """Drop ``dead`` from the job: kill them and remember their bundles as free slots."""
+        """Drop ``dead`` from the job: kill them; their bundles become free slots (``lost``)."""
         for w in dead:
             _kill(w)
-            self.placement.free_slots.append((w.pg, w.slot))
+            if self.liveness.node_lost(w.worker_id):
+                self.placement.lost.append((w.pg, w.slot, str(w.info.get("node_id", ""))))
+            else:
+                self.placement.free_slots.append((w.pg, w.slot))
         gone = {id(w) for w in dead}
         self.workers = [w for w in self.workers if id(w) not in gone]
 
@@ -457,11 +461,10 @@ class WorkerGroup(PlacementCalls, WorkerCalls):
         return out
 
     def wind_down(self, seg: Segment, timeout_s: float) -> list[WorkerRec]:
-        """After a failure: tell every rank whose segment has ended to leave its group at
-        once (its sockets close, so peers blocked on it fail now rather than at the group
-        timeout), keep doing so as the others end, and return the ranks still inside their
-        segment after ``timeout_s`` (hung); not for one liveness finds lost (its future ends
-        only when Ray declares it dead)."""
+        """After a failure: tell every rank whose segment has ended to leave its group at once
+        (its sockets close, so peers blocked on it fail now, not at the group timeout), keep
+        doing so as the others end; return the ranks still in their segment after
+        ``timeout_s`` (hung). A rank liveness finds lost is not waited for."""
         import ray
 
         deadline = time.monotonic() + timeout_s
@@ -509,8 +512,8 @@ class WorkerGroup(PlacementCalls, WorkerCalls):
                 out.append([])
         return out
 
-    # ------------------------------------------------------------------ typed calls
-    # (named in ``WorkerCalls``; here: how they travel, and how their failures come back)
+    # ------------------------------------------------------------------ typed calls (how
+    # the calls ``WorkerCalls`` names travel, and how their failures come back)
 
     def checkpoint_poll(self) -> list[dict[str, Any] | None]:
         """Each worker's upload outcome; a worker that does not answer within 30 s counts as
