@@ -69,13 +69,13 @@ class Controller:
 
     def __init__(self, config: JobConfig, view: View | None = None,
                  on_step: Callable[[dict[str, Any]], Any] | None = None, *,
+                 pause_after: Callable[[int], int | None] | None = None,
                  group_factory: Callable[[JobConfig], Any] | None = None,
                  mailbox_factory: Callable[[str], Any] | None = None) -> None:
-        """``on_step(entry)`` is called in the controller's thread for every completed step
-        (the history entry); if it returns True the job stops at the next step boundary (an
-        Optuna pruner uses this). ``group_factory``/``mailbox_factory`` replace Ray (tests):
-        without them the controller connects to Ray and uses ``WorkerGroup`` and the job's
-        control actor."""
+        """``on_step(entry)``: called in the controller's thread for each completed step (the
+        history entry); True stops the job at the next step boundary. ``pause_after(step)``:
+        the first step >= ``step`` after which the workers wait for ``on_step`` (a pruner's).
+        ``group_factory``/``mailbox_factory`` replace Ray and ``WorkerGroup`` (tests)."""
         config.validate()
         self.cfg = config
         self.view = view or View()
@@ -87,6 +87,7 @@ class Controller:
         self.failures = 0
         self.phase = ControllerState.STARTING
         self._group_factory = group_factory
+        self._pause_after = pause_after or (lambda step: None)
         self._mailbox_factory = mailbox_factory
         self.group: Any = None
         self._started_ray = False
@@ -398,7 +399,8 @@ class Controller:
         if self.step >= self._end():
             return AtBoundary(self.step)
         assert self.layouts is not None
-        return Running(self.step, self.layouts.segment_end(self.step, self._end(), self.group))
+        return Running(self.step, self.layouts.segment_end(self.step, self._end(), self.group,
+                                                           self._pause_after(self.step)))
 
     def _target_strategy(self) -> str:
         if self.cfg.strategy == "auto":
