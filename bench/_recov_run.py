@@ -60,6 +60,15 @@ def _read(path: str) -> dict[str, Any] | None:
 # ---------------------------------------------------------------------------------- owner
 
 
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, ended but not yet reaped, has ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def owner(args: argparse.Namespace) -> None:
     from ray.cluster_utils import Cluster
 
@@ -93,6 +102,12 @@ def owner(args: argparse.Namespace) -> None:
             cluster.remove_node(node, allow_graceful=False)
             info["t_removed"] = time.time()
             _write(os.path.join(out, "owner.json"), info)
+            pid = kill.get("pid")
+            if pid:  # the lost rank's process: when it actually ended (Ray ends it, or itself)
+                t_end = time.time() + 10
+                while _alive(int(pid)) and time.time() < t_end:
+                    time.sleep(0.002)
+                info["t_worker_exit"] = time.time()
             if args.replacement:
                 try:
                     cluster.add_node(num_cpus=1)
@@ -122,7 +137,8 @@ def owner(args: argparse.Namespace) -> None:
 
 def _ask_kill(out: str, meta: dict[str, Any]) -> dict[str, Any]:
     """Ask the owner to remove ``meta["killed_node"]``; wait for its ``t_remove``."""
-    _write(os.path.join(out, "kill.json"), {"node_id": meta["killed_node"], "time": time.time()})
+    _write(os.path.join(out, "kill.json"), {"node_id": meta["killed_node"], "time": time.time(),
+                                            "pid": (meta.get("pids_before") or {}).get(1)})
     deadline = time.time() + 60
     while time.time() < deadline:
         o = _read(os.path.join(out, "owner.json"))
@@ -140,15 +156,24 @@ _TRACED = (("elastic.control.controller", "Controller", "_drain"),
            ("elastic.control.regroup", "Regroup", "form"),
            ("elastic.control.regroup", "Regroup", "acquire"),
            ("elastic.control.regroup", "Regroup", "_roll_forward"),
+           ("elastic.control.layouts", "Layouts", "fit"),
+           ("elastic.control.controller", "Controller", "_boundary"),
+           ("elastic.control.worker_group", "WorkerGroup", "start_segment"),
+           ("elastic.control.worker_group", "WorkerGroup", "restore_from_peers"),
+           ("elastic.control.calls", "WorkerCalls", "leave"),
+           ("elastic.control.calls", "WorkerCalls", "progress"),
+           ("elastic.control.calls", "WorkerCalls", "held_keys"),
            ("elastic.control.worker_group", "WorkerGroup", "wind_down"),
            ("elastic.control.worker_group", "WorkerGroup", "survivors"),
            ("elastic.control.worker_group", "WorkerGroup", "try_place"),
            ("elastic.control.checkpoints", "CheckpointTracker", "restore_newest"))
 
 
-def _trace_controller(spans: list[tuple[str, float, float]]) -> None:
+def _trace_controller(spans: list[tuple[str, float, float]],
+                      leaves: list[tuple[float, Any]] | None = None) -> None:
     """Time the controller's recovery steps from the outside (wrappers on the class, in this
-    process only; nothing in elastic/ is changed)."""
+    process only; nothing in elastic/ is changed); ``leaves``: what each ``leave`` returned
+    (the workers' own timings of their leave), with its start."""
     import functools
     import importlib
 
@@ -161,7 +186,10 @@ def _trace_controller(spans: list[tuple[str, float, float]]) -> None:
             def inner(self: Any, *a: Any, **kw: Any) -> Any:
                 t0 = time.time()
                 try:
-                    return orig(self, *a, **kw)
+                    out = orig(self, *a, **kw)
+                    if name in ("leave", "restore_from_peers") and leaves is not None:
+                        leaves.append((t0, [dict(o, call=name) for o in out or ()]))
+                    return out
                 finally:
                     spans.append((name, t0, time.time()))
             return inner
@@ -174,7 +202,8 @@ def run_elastic(args: argparse.Namespace) -> dict[str, Any]:
 
     out = args.out
     spans: list[tuple[str, float, float]] = []
-    _trace_controller(spans)
+    leaves: list[tuple[float, Any]] = []
+    _trace_controller(spans, leaves)
     handle = elastic.submit(
         model=rc.model_factory, optimizer=dict(rc.OPTIM), loss=rc.slow_mse,
         dataset=rc.dataset_factory, global_batch_size=rc.G, max_steps=args.steps, seed=rc.SEED,
@@ -237,6 +266,7 @@ def run_elastic(args: argparse.Namespace) -> dict[str, Any]:
             "survivors_restarted": not set(meta["survivor_pids_before"]) <= set(
                 rec["data"]["pids"]),
             "scaled": [e for e in evs if e["kind"] == "scaled"],
+            "leaves": [(t - t_rm, out) for t, out in leaves if t >= t_rm],
             "spans": [(n, a, b - a) for n, a, b in spans
                       if b >= t_rm - 1 and (b - a > 0.05 or n not in ("_drain", "_poll_control"))]}
 

@@ -138,6 +138,8 @@ def figures(r: dict[str, Any]) -> dict[str, Any]:
         f["steps_lost"] = rec.get("steps_lost")
         f["source"] = rec.get("source")
         f["restart_s"] = None
+        f["worker_exit_s"] = rel("t_worker_exit")
+        f["breakdown"] = breakdown(r)
     else:
         f["noticed_s"] = rel("t_first_error")
         f["teardown_s"] = rel("t_survivor_exit_first")
@@ -148,6 +150,26 @@ def figures(r: dict[str, Any]) -> dict[str, Any]:
         f["source"] = f"checkpoint step {rs}" if rs is not None else None
     f["last_step_before"] = r.get("last_step_before")
     return f
+
+
+PARTS = ("detect", "abort", "regroup", "restore", "first step")
+
+
+def breakdown(r: dict[str, Any]) -> dict[str, float] | None:
+    """Where elastic's loss -> next step goes, from ``remove_node`` on: *detect* (until the
+    controller's watch returned the failure), *abort* (the survivors' segments ended: the
+    collective they were in failed or was left, ``wind_down``, and they were pinged,
+    ``survivors``), *regroup* (drop the dead, roll forward, leave, progress, drain, replacements,
+    the new group, ``form``, and its layout, ``fit``), *restore* (the state, from peers or
+    storage) and *first step* (until rank 0 ended the new group's first step)."""
+    keys = ("t_remove", "t_noticed", "t_failure_event", "t_recovered", "t_first_step_after")
+    if any(r.get(k) is None for k in keys):
+        return None
+    t_rm, t_n, t_f, t_rec, t_step = (float(r[k]) for k in keys)
+    restores = [(a, d) for n, a, d in r.get("spans") or () if n == "restore" and t_f <= a <= t_rec]
+    t_restore = restores[0][0] if restores else t_rec
+    return {"detect": t_n - t_rm, "abort": t_f - t_n, "regroup": t_restore - t_f,
+            "restore": t_rec - t_restore, "first step": t_step - t_rec}
 
 
 def _med(xs: list[Any]) -> float | None:
@@ -191,6 +213,13 @@ def table(runs: list[dict[str, Any]], systems: list[str]) -> str:
                      f" | {mid} | {_fmt(nxt)} | {', '.join(map(str, lost)) or 'n/a'} | "
                      f"{'; '.join(src)} | {', '.join(rest)} | {', '.join(world)} | {per} |")
     out = "\n".join(lines)
+    for s in systems:  # where elastic's time goes, medians over rounds
+        bds = [b for b in (figures(r).get("breakdown") for r in runs if r["system"] == s) if b]
+        if bds:
+            out += (f"\n\n{s}: loss -> next step, median over {len(bds)} round(s): " + ", ".join(
+                f"{k} {_fmt(_med([b[k] for b in bds]))}s" for k in PARTS) + "; the lost rank's "
+                "process ended at " + ", ".join(_fmt(figures(r).get("worker_exit_s"))
+                                                for r in runs if r["system"] == s) + "s")
     for s in systems:
         fs = [figures(r) for r in runs if r["system"] == s and s.startswith("elastic")]
         if fs:  # which signal came first, against Ray's own view of the node
@@ -249,6 +278,15 @@ def main(argv: list[str] | None = None) -> int:
                   f", run wall {r['wall_s']:.0f}s, others' load before {r['busy_before']:.2f} "
                   f"cores" + (f" [killed {r['leftovers_killed']} stray]"
                               if r["leftovers_killed"] else ""), flush=True)
+            for _, lv in (r.get("leaves") or [])[:2]:  # the survivors' own timings
+                print("   " + "; ".join(", ".join(f"{k} {v:.2f}" if isinstance(v, float) else
+                                                  f"{k} {v}" for k, v in x.items())
+                                        for x in lv), flush=True)
+            if f.get("breakdown"):
+                print("   " + ", ".join(f"{k} {v:.2f}s" for k, v in f["breakdown"].items())
+                      + f"; first signal {f.get('noticed_by')}, lost rank's process ended at "
+                      f"{_fmt(f.get('worker_exit_s'))}s, Ray marked the node dead at "
+                      f"{_fmt(f.get('ray_node_dead_s'))}s", flush=True)
             if r.get("status") != "finished":
                 print(f"   error: {str(r.get('error'))[-1500:]}\n   log: "
                       f"{str(r.get('log_tail'))[-1500:]}", flush=True)

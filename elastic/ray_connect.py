@@ -20,7 +20,7 @@ from .errors import ClusterError
 
 __all__ = ["connect", "disconnect", "check_reachable", "address_of", "attach", "LocalNodes",
            "named_actors", "named_actor", "start_named", "call", "kill", "dumps", "loads",
-           "draining_nodes", "node_infos", "request_drain", "node_alive", "pg_ready"]
+           "draining_nodes", "node_infos", "request_drain", "node_alive", "pg_ready", "wait_all"]
 
 log = logging.getLogger(__name__)
 
@@ -326,3 +326,10 @@ def pg_ready(pg: Any) -> bool:
         return bool(ray.util.placement_group_table(pg).get("state") == "CREATED")
     except Exception:  # noqa: BLE001 - a removed group
         return False
+
+
+def wait_all(refs: list[Any], timeout_s: float) -> tuple[list[Any], list[Any]]:
+    """``ray.wait`` for all of ``refs`` up to ``timeout_s``: (ended, not ended)."""
+    import ray
+
+    return ray.wait(refs, num_returns=len(refs), timeout=timeout_s)

@@ -393,21 +393,25 @@ def _switch_at(value: Any, known: list[str]) -> dict[int, str]:
 
 
 FAULT_ACTIONS = ("exit", "pause", "hang", "raise", "nan", "pause_upload",  # worker/faults.py
-                 "corrupt_copy")
+                 "corrupt_copy", "slow")
 
 
 def _faults(faults: Any) -> None:
     if faults is None:
         return
     fix = ("give {rank: int >= 0, step: int >= 0, action: "
-           f"{'|'.join(FAULT_ACTIONS)}, dir: optional directory}}")
+           f"{'|'.join(FAULT_ACTIONS)}, dir: optional directory, seconds: for slow}}")
     if not isinstance(faults, list):
         raise ConfigError("faults", f"must be a list of faults, got {faults!r}.", fix)
     for i, f in enumerate(faults):
         key = f"faults[{i}]"
-        if not isinstance(f, dict) or set(f) - {"rank", "step", "action", "dir"} or \
+        if not isinstance(f, dict) or set(f) - {"rank", "step", "action", "dir", "seconds"} or \
                 not {"rank", "step", "action"} <= set(f):
             raise ConfigError(key, f"{f!r} is not a fault.", fix)
+        if (f.get("action") == "slow") != ("seconds" in f):
+            raise ConfigError(key, "seconds goes with action slow, and slow needs it.", fix)
+        if "seconds" in f:
+            number(f["seconds"], f"{key}.seconds", above=True, fix=fix)
         for k in ("rank", "step"):
             v = f[k]
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
@@ -449,8 +453,8 @@ class Failures(Section):
     replacement_timeout_s: float = 0.0
     min_workers_timeout_s: float = 60.0  # below min_workers: wait this long, then fail
     # test aid: inject a failure at the start of a step on a rank, once per job:
-    # [{rank, step, action: exit|pause|hang|raise|nan|pause_upload|corrupt_copy, dir: marker
-    # directory (default <run_path>/faults)}] (elastic/worker/faults.py, docs/architecture.md)
+    # [{rank, step, action: exit|pause|hang|raise|nan|pause_upload|corrupt_copy|slow, dir: marker
+    # directory (default <run_path>/faults), seconds: how long a slow step waits}] (elastic/worker/faults.py, docs/architecture.md)
     faults: list[dict[str, Any]] | None = None
     # a step whose loss or gradient norm is NaN or inf: skip (drop its update on every rank;
     # more than max_nonfinite_skips in a row stop the job), rollback (restore the newest

@@ -90,10 +90,12 @@ class WorkerCalls:
     def held_keys(self) -> list[dict[str, tuple[tuple[int, ...], str]]]:
         return self._call("held_keys")
 
-    def leave(self, workers: Sequence[WorkerRec] | None = None, collect: bool = True) -> None:
+    def leave(self, workers: Sequence[WorkerRec] | None = None,
+              collect: bool = True) -> list[dict[str, float]]:
         """Every worker (of ``workers``) leaves its group, parking its state;
-        ``collect=False`` for a planned change (no peer is blocked: skip the collection)."""
-        self._call("leave", collect, workers=workers)
+        ``collect=False`` for a planned change (no peer is blocked: skip the collection).
+        Returns each worker's timings (``Worker.leave``)."""
+        return self._call("leave", collect, workers=workers)
 
     def snapshot_full(self) -> None:
         self._call("snapshot_full")

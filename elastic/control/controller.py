@@ -168,7 +168,7 @@ class Controller:
             return handlers[type(state)](state)
         except InfrastructureError as e:
             if isinstance(state, (Running, AtBoundary, Switching, Resizing, Recovering,
-                                  Evacuating)):
+                                  Evacuating, Finishing)):  # (a loss in the final gather too)
                 return Recovering(classify(e))
             return Failed(e)
         except BaseException as e:  # noqa: BLE001 - every error ends the job, typed

@@ -24,9 +24,10 @@ import socket
 import threading
 import time
 
-__all__ = ["Liveness", "HELLO"]
+__all__ = ["Liveness", "HELLO", "NODE_LOST"]
 
 HELLO = b"elastic-live "  # + token + b" " + worker id + b"\n"
+NODE_LOST = b"!"  # a worker saw its node's raylet go (elastic.worker.heartbeat) and exits
 
 
 class Liveness:
@@ -50,6 +51,7 @@ class Liveness:
         self._lock = threading.Lock()
         self._seen: dict[int, float] = {}  # worker id -> last byte (monotonic)
         self._closed: dict[int, float] = {}  # worker id -> when its connection closed
+        self._node_lost: set[int] = set()  # workers that said their node is gone
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._srv, selectors.EVENT_READ, None)
         self._stop = threading.Event()
@@ -95,10 +97,13 @@ class Liveness:
                         self._closed.pop(wid, None)
                     continue
                 wid = ids.get(sock, -1)
-                if data:
+                if data and NODE_LOST not in data:
                     with self._lock:
                         self._seen[wid] = now
                     continue
+                if data:  # its node is gone: lost now, whether or not the FIN follows
+                    with self._lock:
+                        self._node_lost.add(wid)
                 self._drop(sock)  # EOF or reset: the worker's process is gone
                 ids.pop(sock, None)
                 with self._lock:
@@ -127,6 +132,11 @@ class Liveness:
         with self._lock:
             return {w: self._closed[w] for w in worker_ids if w in self._closed}
 
+    def node_lost(self, worker_id: int) -> bool:
+        """Whether the worker said its node's raylet is gone before it went."""
+        with self._lock:
+            return worker_id in self._node_lost
+
     def suspect(self, worker_ids: list[int], now: float | None = None) -> list[int]:
         """Of ``worker_ids`` that connected: those silent for more than ``timeout_s``
         (the caller confirms before acting)."""
@@ -145,6 +155,7 @@ class Liveness:
             for w in worker_ids:
                 self._seen.pop(w, None)
                 self._closed.pop(w, None)
+                self._node_lost.discard(w)
 
     def close(self) -> None:
         self._stop.set()

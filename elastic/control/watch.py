@@ -19,7 +19,7 @@ from ..errors import WorkerLostError
 from ..failures import Failure, classify
 from .group import Segment, SegmentPoll, WorkerRec
 
-__all__ = ["SegmentWatch", "SLICE_S", "GRACE_S"]
+__all__ = ["SegmentWatch", "SLICE_S", "GRACE_S", "Wait"]
 
 SLICE_S = 0.05  # how often the futures and liveness are looked at
 GRACE_S = 1.0  # after a failure, how long peers get to report a more specific cause
@@ -55,6 +55,34 @@ class SegmentWatch:
                 gone.add(wid)
         return [w for w in workers if w.worker_id in gone]
 
+    def gather(self, refs: Sequence[Any], workers: Sequence[WorkerRec], timeout_s: float,
+               wait: Wait) -> set[int]:
+        """Wait up to ``timeout_s`` for ``refs`` (one call per worker of ``workers``), in
+        slices, and stop waiting for a worker that liveness finds lost: its call would end
+        only when Ray declares the actor dead (1.2 s after a node's loss with the tests'
+        fast health checks, 15 s and more with Ray's defaults), and until then the
+        controller would see nothing else. Returns the indices of the calls that ended."""
+        end = time.monotonic() + timeout_s
+        pending = dict(enumerate(refs))
+        ended: set[int] = set()
+        while pending:
+            done, _ = wait(list(pending.values()), max(0.0, min(SLICE_S, end - time.monotonic())))
+            ids = {id(r) for r in done}
+            ended |= {i for i, r in pending.items() if id(r) in ids}
+            pending = {i: r for i, r in pending.items() if i not in ended}
+            if not pending or time.monotonic() >= end:
+                break
+            gone = {id(w) for w in self.lost([workers[i] for i in pending])}
+            pending = {i: r for i, r in pending.items() if id(workers[i]) not in gone}
+        return ended
+
+    def lost_error(self, w: WorkerRec) -> WorkerLostError:
+        """The error of a worker liveness found lost (its node, if it said so)."""
+        node = bool(getattr(self.liveness, "node_lost", lambda _: False)(w.worker_id))
+        why = ("its node's raylet is gone (the worker saw it and ended)" if node else
+               "its liveness connection to the controller closed or fell silent")
+        return WorkerLostError(f"worker rank {w.rank} lost: {why}", rank=w.rank, node_lost=node)
+
     def poll(self, seg: Segment, timeout_s: float, wait: Wait,
              failures: Callable[[Segment, list[Any]], list[Failure]],
              next_step: Callable[[list[Any]], int]) -> SegmentPoll:
@@ -74,10 +102,8 @@ class SegmentWatch:
             gone = self.lost(workers)
             if gone:
                 return SegmentPoll(failures=tuple(
-                    [classify(WorkerLostError(
-                        f"worker rank {w.rank} lost: its liveness connection to the "
-                        "controller closed or fell silent", rank=w.rank, node_lost=False),
-                        rank=w.rank) for w in gone] + got), noticed_by="liveness")
+                    [classify(self.lost_error(w), rank=w.rank) for w in gone] + got),
+                    noticed_by="liveness")
             if got and pending and grace is None:
                 grace = time.monotonic() + GRACE_S
             if not pending or time.monotonic() >= (grace if grace is not None else end):

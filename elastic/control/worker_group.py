@@ -18,11 +18,11 @@ from typing import Any
 
 from ..errors import ClusterError, ElasticError, InfrastructureError, WorkerError, WorkerLostError
 from ..failures import Failure, classify, first_cause
-from ..ray_connect import draining_nodes, node_alive, node_infos, pg_ready, request_drain
+from ..ray_connect import draining_nodes, node_alive, node_infos, pg_ready, request_drain, wait_all
 from .calls import PlacementCalls, WorkerCalls
 from .group import DrainNotice, Segment, SegmentPoll, WorkerRec, drain_notices, drain_reason
 from .liveness import Liveness
-from .watch import SegmentWatch
+from .watch import SLICE_S, SegmentWatch
 
 __all__ = ["WorkerGroup", "Placement", "WorkerRec", "Segment", "SegmentPoll"]
 
@@ -62,8 +62,8 @@ class Placement:
         self._emulate = list(emulate or [])
         self._next_id = 0
         self.free_slots: list[tuple[Any, int]] = []  # reserved bundles without a worker
-        # bundles of workers released from a draining node: free once that node is gone
-        self.draining: list[tuple[Any, int, str]] = []
+        self.draining: list[tuple[Any, int, str]] = []  # bundles of a draining node's workers
+        self.lost: list[tuple[Any, int, str]] = []  # of workers lost with a node Ray holds alive
         self._warming: list[tuple[WorkerRec, Any]] = []  # spares starting: (worker, info ref)
         self._bundle_res: dict[str, float] | None = None
         self._worker_cfg = config.for_worker()  # what a worker reads, and nothing else
@@ -218,15 +218,17 @@ class Placement:
         return self._collect(finished, wait_s=0)
 
     def try_place(self, n: int, timeout_s: float) -> list[WorkerRec]:
-        """Place up to ``n`` more workers within ``timeout_s``; keep what could be placed.
-        First the job's free slots (a bundle whose node died is re-reserved by Ray on a node
-        with room), then new single-bundle placement groups."""
+        """Place up to ``n`` more workers within ``timeout_s``: the job's free slots first (Ray
+        re-reserves a dead node's bundle where there is room), then new placement groups."""
         import ray
         from ray.util.placement_group import placement_group
 
         if n <= 0 or timeout_s <= 0:
             return []
         deadline = time.monotonic() + timeout_s
+        while self.lost and time.monotonic() < deadline:  # until Ray, too, holds them dead
+            time.sleep(0.05)
+            self._revive()
         bundle = self.bundle()
         placed: list[WorkerRec] = []
         reuse, self.free_slots = self.free_slots[:n], self.free_slots[n:]
@@ -249,12 +251,11 @@ class Placement:
         return placed
 
     def _revive(self) -> None:
-        """Bundles released from a draining node become free slots once the node is gone
-        (Ray then reserves them again where there is room); until then a worker started
-        there would go down with the node."""
-        if self.draining:
-            gone = [d for d in self.draining if not node_alive(d[2])]
-            self.draining = [d for d in self.draining if d not in gone]
+        """Bundles of a draining (or lost) node become free slots once Ray holds the node gone
+        (it then reserves them again where there is room)."""
+        for name in ("draining", "lost"):
+            gone = [d for d in getattr(self, name) if not node_alive(d[2])]
+            setattr(self, name, [d for d in getattr(self, name) if d not in gone])
             self.free_slots += [(pg, i) for pg, i, _ in gone]
 
     def room(self) -> bool:
@@ -302,13 +303,13 @@ class Placement:
         for w in warm:
             _kill(w)
         pgs = ([w.pg for w in list(extra) + warm] + [pg for pg, _ in self.free_slots]
-               + [pg for pg, _, _ in self.draining])
+               + [pg for pg, _, _ in self.draining + self.lost])
         for pg in {id(pg): pg for pg in pgs if pg is not None}.values():
             try:
                 ray.util.remove_placement_group(pg)
             except Exception:  # noqa: BLE001 - already removed
                 pass
-        self.free_slots, self.draining = [], []
+        self.free_slots, self.draining, self.lost = [], [], []
 
 
 class WorkerGroup(PlacementCalls, WorkerCalls):
@@ -330,10 +331,8 @@ class WorkerGroup(PlacementCalls, WorkerCalls):
     def _answers(self, w: WorkerRec) -> bool:
         """Whether a silent worker answers a ping within 1 s (its second thread)."""
         import ray
-
         try:
-            ray.get(w.handle.progress.remote(), timeout=1.0)
-            return True
+            return ray.get(w.handle.progress.remote(), timeout=1.0) is not None
         except Exception:  # noqa: BLE001 - dead or unresponsive
             return False
 
@@ -356,10 +355,13 @@ class WorkerGroup(PlacementCalls, WorkerCalls):
         return addr, port, time.perf_counter() - t0
 
     def remove(self, dead: Sequence[WorkerRec]) -> None:
-        """Drop ``dead`` from the job: kill them and remember their bundles as free slots."""
+        """Drop ``dead`` from the job: kill them; their bundles become free slots (``lost``)."""
         for w in dead:
             _kill(w)
-            self.placement.free_slots.append((w.pg, w.slot))
+            if self.liveness.node_lost(w.worker_id):
+                self.placement.lost.append((w.pg, w.slot, str(w.info.get("node_id", ""))))
+            else:
+                self.placement.free_slots.append((w.pg, w.slot))
         gone = {id(w) for w in dead}
         self.workers = [w for w in self.workers if id(w) not in gone]
 
@@ -441,9 +443,8 @@ class WorkerGroup(PlacementCalls, WorkerCalls):
         liveness (``SegmentWatch``); every failure, typed."""
         import ray
 
-        return self.watch.poll(
-            seg, timeout_s, lambda fs, t: ray.wait(fs, num_returns=len(fs), timeout=t),
-            self._failures, lambda fs: int(ray.get(fs[0])["next_step"]))
+        return self.watch.poll(seg, timeout_s, wait_all, self._failures,
+                               lambda fs: int(ray.get(fs[0])["next_step"]))
 
     def _failures(self, seg: Segment, refs: Sequence[Any]) -> list[Failure]:
         import ray
@@ -460,10 +461,10 @@ class WorkerGroup(PlacementCalls, WorkerCalls):
         return out
 
     def wind_down(self, seg: Segment, timeout_s: float) -> list[WorkerRec]:
-        """After a failure: tell every rank whose segment has ended to leave its group at
-        once (its sockets close, so peers blocked on it fail now rather than at the group
-        timeout), keep doing so as the others end, and return the ranks still inside their
-        segment after ``timeout_s`` (hung)."""
+        """After a failure: tell every rank whose segment has ended to leave its group at once
+        (its sockets close, so peers blocked on it fail now, not at the group timeout), keep
+        doing so as the others end; return the ranks still in their segment after
+        ``timeout_s`` (hung). A rank liveness finds lost is not waited for."""
         import ray
 
         deadline = time.monotonic() + timeout_s
@@ -471,14 +472,15 @@ class WorkerGroup(PlacementCalls, WorkerCalls):
         while pending:
             finished, _ = ray.wait([f for _, f in pending], num_returns=len(pending), timeout=0)
             done = {id(f) for f in finished}
+            gone = {id(w) for w in self.watch.lost([w for w, _ in pending])}
             for w, f in pending:
-                if id(f) in done:
+                if id(f) in done and id(w) not in gone:
                     w.handle.leave.remote()
-            pending = [(w, f) for w, f in pending if id(f) not in done]
+            pending = [(w, f) for w, f in pending if id(f) not in done and id(w) not in gone]
             left = deadline - time.monotonic()
             if not pending or left <= 0:
                 break
-            ray.wait([f for _, f in pending], num_returns=1, timeout=left)
+            ray.wait([f for _, f in pending], num_returns=1, timeout=min(left, SLICE_S))
         return [w for w, _ in pending]
 
     def request_stop(self) -> None:
@@ -491,13 +493,11 @@ class WorkerGroup(PlacementCalls, WorkerCalls):
 
     def drain(self) -> list[list[dict[str, Any]]]:
         """Each worker's metrics since the last drain (empty for one that does not answer
-        within 5 s: failure handling takes over). A user error a worker raised while
-        draining is raised."""
+        within 5 s, or lost: failure handling takes over); a worker's user error is raised."""
         import ray
 
         refs = [w.handle.drain.remote() for w in self.workers]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=5.0)
-        answered = {id(r) for r in ready}
+        answered = {id(refs[i]) for i in self.watch.gather(refs, self.workers, 5.0, wait_all)}
         out: list[list[dict[str, Any]]] = []
         for w, ref in zip(self.workers, refs, strict=True):
             if id(ref) not in answered:
@@ -512,18 +512,20 @@ class WorkerGroup(PlacementCalls, WorkerCalls):
                 out.append([])
         return out
 
-    # ------------------------------------------------------------------ typed calls
-    # (named in ``WorkerCalls``; here: how they travel, and how their failures come back)
+    # ------------------------------------------------------------------ typed calls (how
+    # the calls ``WorkerCalls`` names travel, and how their failures come back)
 
     def checkpoint_poll(self) -> list[dict[str, Any] | None]:
         """Each worker's upload outcome; a worker that does not answer within 30 s counts as
         a failed upload."""
         import ray
 
+        refs = [w.handle.checkpoint_poll.remote() for w in self.workers]
+        self.watch.gather(refs, self.workers, 30.0, wait_all)
         out: list[dict[str, Any] | None] = []
-        for w in self.workers:
-            try:
-                out.append(ray.get(w.handle.checkpoint_poll.remote(), timeout=30))
+        for w, ref in zip(self.workers, refs, strict=True):
+            try:  # (one that has not ended raises at once)
+                out.append(ray.get(ref, timeout=0))
             except Exception:  # noqa: BLE001 - said as a failed upload
                 out.append({"error": f"worker {w.rank} did not answer"})
         return out
@@ -546,21 +548,25 @@ class WorkerGroup(PlacementCalls, WorkerCalls):
 
     def _call_each(self, refs: list[Any], ws: Sequence[WorkerRec],
                    timeout_s: float | None = None) -> list[Any]:
-        """Every result, or the typed error of the lowest rank that failed; an error that only
-        echoes a peer's failure (``secondary``) gives way to that peer's own."""
+        """Every result, or the typed error of the lowest rank that failed (a worker that
+        liveness finds lost is not waited for); an error that only echoes a peer's failure
+        (``secondary``) gives way to that peer's own."""
         import ray
 
-        try:
-            return list(ray.get(refs, timeout=timeout_s))
-        except Exception:  # noqa: BLE001 - find which worker and type it
-            pass
+        ended = self.watch.gather(refs, ws, 1e9 if timeout_s is None else timeout_s, wait_all)
         errors: list[BaseException] = []
-        for w, ref in zip(ws, refs, strict=True):
+        for i, (w, ref) in enumerate(zip(ws, refs, strict=True)):
             try:
-                ray.get(ref, timeout=timeout_s)
+                if i not in ended:
+                    raise (self.watch.lost_error(w) if self.watch.lost([w]) else
+                           InfrastructureError(f"worker rank {w.rank} did not answer within "
+                                               f"{timeout_s}s"))
+                ray.get(ref, timeout=0)
             except Exception as e:  # noqa: BLE001 - typed
                 errors.append(_typed(e, w))
-        raise (first_cause(errors) if errors else InfrastructureError("a worker call failed")) from None
+        if not errors:
+            return list(ray.get(refs, timeout=0))
+        raise first_cause(errors) from None
 
     def _get(self, ref: Any) -> Any:
         import ray

@@ -30,7 +30,7 @@ from .boundary import guarded
 from .checkpointing import Checkpointing
 from .faults import Faults
 from .handoff import hand_off
-from .heartbeat import Heartbeat
+from .heartbeat import Heartbeat, raylet_parent
 from .held_state import HeldState, PeerPlan
 from .inputs import JobData
 from .layout import Layout
@@ -59,8 +59,10 @@ class Worker:
                  num_threads: int, liveness: tuple[str, int, str] | None = None) -> None:
         self.config = config
         self.worker_id = worker_id
-        # the controller learns of this process's end from this connection first
-        self.heartbeat = Heartbeat(*liveness, worker_id, 0.1) if liveness else None
+        # the controller learns of this process's end (or its node's) from this connection first
+        self.heartbeat = (Heartbeat(*liveness, worker_id, 0.1, node_pid=raylet_parent())
+                          if liveness else None)
+        self._left: dict[str, float] = {}  # the last leave's timings (leave)
         torch.set_num_threads(max(1, num_threads))
         self.device = torch.device("cuda", 0) if use_gpu else torch.device("cpu")
         if use_gpu:
@@ -128,7 +130,7 @@ class Worker:
         self.membership.join(addr, port, rank, world, generation, timeout_s)
         return time.perf_counter() - t0
 
-    def leave(self, collect: bool = True) -> None:
+    def leave(self, collect: bool = True) -> dict[str, float]:
         """Tear down the current group, if any. The state this rank holds stays in memory,
         parked as canonical CPU tensors, and the strategy is dropped with every reference it
         had to the group (sub-groups, the DDP reducer, FSDP meshes): a gloo group closes its
@@ -136,15 +138,28 @@ class Worker:
         rank fail at once instead of at the group timeout. Every path after a leave lays the
         job out again from parked, peer or checkpoint state. ``collect=False`` (a planned
         leave: no peer is blocked on this rank) skips the collection that frees the group's
-        sockets at once (~0.2 s); they go at the next one."""
+        sockets at once (~0.2 s); they go at the next one. Returns how long the parts of the
+        last leave that dropped a layout took, and this call's wait for the lock (seconds:
+        ``park``, ``drop``, ``group``, ``gc``, ``lock``; bench/recovery.py reports them)."""
+        t0 = time.perf_counter()
         with self.held.lock:
+            t = [time.perf_counter()]
             dropped = self.layout.strategy is not None
             if dropped:
                 self.held.park(self.layout.strategy)
+                t.append(time.perf_counter())
                 self.layout.drop()
+                t.append(time.perf_counter())
             self.membership.leave()
+            t.append(time.perf_counter())
             if dropped and collect:  # reference cycles (hooks, schedules) hold groups too
                 gc.collect()
+            t.append(time.perf_counter())
+            if dropped:
+                self._left = dict(zip(("park", "drop", "group", "gc"),
+                                      (b - a for a, b in zip(t, t[1:], strict=False)),
+                                      strict=True))
+            return dict(self._left, lock=t[0] - t0)
 
     # ------------------------------------------------------------------ layout and training
 

@@ -18,7 +18,10 @@ fire it again. Actions:
   checkpoint ``step`` (the checkpoint taken after ``step`` steps) has begun to upload and
   while its training goes on: a node lost in the middle of an upload, on purpose.
 * ``corrupt_copy``: one byte of a buddy's copy this rank holds is flipped (peer copies), so
-  a restore from it must find the checksum wrong and fall back to storage.
+  a restore from it must find the checksum wrong and fall back to storage;
+* ``slow``: that step waits ``seconds`` before it computes (a slow device or a straggler, as
+  the emulated slowdown makes one): its peers wait for it in their collectives, and nothing
+  may take it for a lost worker.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import contextlib
 import json
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -94,6 +98,8 @@ class Faults:
                 nan = True
             elif action == "corrupt_copy":
                 self._corrupt()
+            elif action == "slow":
+                time.sleep(float(f["seconds"]))
         return nan
 
     def in_upload(self, rank: int, step: int, generation: int) -> None:

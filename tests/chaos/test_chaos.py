@@ -252,3 +252,22 @@ def test_hung_worker_is_cut_off_by_the_watchdog(ray_local, tmp_path, reference):
     # the hung rank's bundle is free again: a replacement may or may not start within 1 s
     assert rec.data["source"] == "peers" and rec.data["world_size"] in (2, 3)
     assert max_diff(result.state_dict(), reference[0]) < TOL
+
+
+def test_a_slow_step_is_no_loss(ray_cluster, tmp_path, reference):
+    """Rank 1's step 5 takes 2 s (the ``slow`` fault, as a straggler or an emulated slow
+    device), 7x the silence that makes a worker suspect: its peer waits in its collective,
+    and nothing takes either for lost (no failure, no recovery, the same processes and
+    generation throughout)."""
+    ray_cluster(2)
+    handle = _submit(tmp_path, num_workers=2, max_workers=2, heartbeat_timeout_s=0.3,
+                     faults=[{"rank": 1, "step": 5, "action": "slow", "seconds": 2.0}])
+    result = handle.result(timeout=180)
+    assert os.path.exists(os.path.join(result.run_dir, "faults", "fired-rank1-step5"))
+    kinds = {e.kind for e in result.events}
+    assert not kinds & {"failure", "recovered", "hang", "joined"}, kinds
+    assert {h["generation"] for h in result.history} == {1}
+    assert {h["world_size"] for h in result.history} == {2}
+    times = {h["step"]: h["time"] for h in result.history}
+    assert times[5] - times[4] >= 1.9  # the step was slow indeed
+    assert max_diff(result.state_dict(), reference[0]) < TOL

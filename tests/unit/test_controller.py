@@ -76,6 +76,30 @@ def test_node_lost_under_dp_recovers_from_peers_losing_no_step(tmp_path):
     assert result.history[-1]["world_size"] == 2 and ctl.failures == 1
 
 
+def test_a_node_lost_during_the_final_gather_is_recovered(tmp_path, monkeypatch):
+    """The last step is done and rank 1's node goes while the final state is gathered (seen
+    in bench/stress_node_loss.py: the job failed after training every step): the job
+    recovers as after any loss and gathers the final state from the survivors."""
+    from elastic.errors import WorkerLostError
+
+    ctl, fake = _controller(tmp_path, num_workers=3, min_workers=1, max_workers=3)
+    real, lost = fake.final_state, []
+
+    def final_state():
+        if not lost:
+            lost.append(1)
+            fake.fw(fake.workers[1]).alive = False
+            raise WorkerLostError("worker rank 1 died with its node", rank=1, node_lost=True)
+        return real()
+
+    monkeypatch.setattr(fake, "final_state", final_state)
+    result = ctl.run()
+    rec = [e for e in ctl.events if e.kind == "recovered"]
+    assert len(rec) == 1 and rec[0].data["world_size"] == 2 and rec[0].data["steps_lost"] == 0
+    assert [h["step"] for h in result.history] == list(range(STEPS))
+    assert result.final_state == {"model/final": STEPS} and ctl.state.value == "finished"
+
+
 def test_a_lost_shard_without_checkpoint_restarts_from_scratch_and_says_so(tmp_path):
     ctl, fake = _controller(tmp_path, strategy="zero2", num_workers=2, min_workers=1)
     fake.fail(step=5, rank=0, kind="lost")

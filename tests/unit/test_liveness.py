@@ -114,3 +114,90 @@ def test_a_failed_future_is_seen_within_a_slice_and_peers_get_a_grace():
     assert GRACE_S - 0.1 < took < GRACE_S + 0.5 and max(calls) <= 0.05 + 1e-9
     done = watch.poll(seg, 1.0, lambda fs, t: (list(fs), []), lambda s, d: [], lambda fs: 9)
     assert done.done and done.next_step == 9
+
+
+_NODE = r"""
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1], *sys.argv[2:]])
+print(child.pid, flush=True)
+time.sleep(60)
+"""
+_WORKER = r"""
+import importlib.util, os, sys, time
+spec = importlib.util.spec_from_file_location("hb", sys.argv[4])  # not the package: no torch
+hb = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(hb)
+host, port, token = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+hb.Heartbeat(host, port, token, 5, 0.05, node_pid=os.getppid())
+time.sleep(60)
+"""
+
+
+def _ended(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_a_worker_whose_node_process_dies_says_so_and_ends_at_once():
+    """A stand-in for a node: a parent process (the raylet) with a worker child. Killing the
+    parent (what ``remove_node`` does to the raylet) makes the worker's beat say its node is
+    gone and end its process within a beat, not at Ray's own once-a-second check."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    live = Liveness("127.0.0.1", timeout_s=5.0)
+    import elastic.worker.heartbeat as hb
+
+    node = subprocess.Popen([sys.executable, "-c", _NODE, _WORKER, *map(str, live.address),
+                             live.token, hb.__file__], stdout=subprocess.PIPE)
+    try:
+        assert node.stdout is not None
+        worker = int(node.stdout.readline())
+        _wait_until(lambda: live.connected(5), timeout=20.0)
+        time.sleep(0.3)
+        assert live.lost([5]) == {} and not live.node_lost(5)  # a live node: no alarm
+        t0 = time.monotonic()
+        node.send_signal(signal.SIGKILL)
+        took = _wait_until(lambda: bool(live.lost([5])))
+        assert took < 0.5 and live.node_lost(5)
+        _wait_until(lambda: _ended(worker), timeout=1.0)
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        node.kill()
+        node.wait()
+        live.close()
+        try:
+            os.kill(worker, signal.SIGKILL)
+        except (OSError, UnboundLocalError):
+            pass
+
+
+def test_the_watch_names_a_node_loss_as_such():
+    live = _Live()
+    live.node_lost = lambda wid: wid == 1  # type: ignore[attr-defined]
+    live.closed[1] = time.monotonic()
+    poll = SegmentWatch(live, lambda w: True).poll(
+        _seg(), 5.0, lambda fs, t: ([], list(fs)), lambda s, d: [], lambda fs: 0)
+    err = poll.failures[0].error
+    assert isinstance(err, WorkerLostError) and err.node_lost and "raylet" in str(err)
+
+
+def test_a_call_on_a_lost_worker_is_not_waited_for():
+    """``gather``: the controller's calls (metrics, checkpoint polls, typed calls) stop
+    waiting for a worker whose connection closed, instead of until Ray declares it dead."""
+    live = _Live()
+    watch = SegmentWatch(live, lambda w: True)
+    ws = [w for w, _ in _seg().running]
+    never = lambda fs, t: ([f for f in fs if f != "r1"], [f for f in fs if f == "r1"])  # noqa: E731
+    t0 = time.monotonic()
+    assert watch.gather(["r0", "r1", "r2"], ws, 0.3, never) == {0, 2}  # not lost: the timeout
+    assert 0.25 < time.monotonic() - t0 < 1.0
+    live.closed[1] = time.monotonic()
+    t0 = time.monotonic()
+    assert watch.gather(["r0", "r1", "r2"], ws, 30.0, never) == {0, 2}
+    assert time.monotonic() - t0 < 0.5

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -135,10 +136,13 @@ def test_faults_are_validated_naming_the_entry(tmp_path):
                        ({"rank": 0, "step": True, "action": "exit"}, "step must be an integer"),
                        ({"rank": 0, "step": -1, "action": "exit"}, "step must be an integer"),
                        ({"rank": 0, "action": "exit"}, "is not a fault"),
-                       ({"rank": 0, "step": 1, "action": "exit", "when": 3}, "is not a fault")]:
+                       ({"rank": 0, "step": 1, "action": "exit", "when": 3}, "is not a fault"),
+                       ({"rank": 0, "step": 1, "action": "slow"}, "slow needs it"),
+                       ({"rank": 0, "step": 1, "action": "exit", "seconds": 1}, "slow needs"),
+                       ({"rank": 0, "step": 1, "action": "slow", "seconds": 0}, "seconds")]:
         with pytest.raises(ConfigError) as ei:
             _cfg(tmp_path, faults=[ok, bad])
-        assert ei.value.field == "faults[1]" and words in str(ei.value), str(ei.value)
+        assert ei.value.field.startswith("faults[1]") and words in str(ei.value), str(ei.value)
     with pytest.raises(ConfigError) as ei:
         _cfg(tmp_path, faults=ok)
     assert ei.value.field == "faults"
@@ -174,6 +178,17 @@ def test_exit_pause_and_hang_act_through_their_hooks(tmp_path):
     assert done == ["blocked", "exit 1", "blocked"]
     assert sorted(os.listdir(where)) == ["fired-rank0-step3", "fired-rank0-step4",
                                          "fired-rank2-step4", "paused-rank0-step3.json"]
+
+
+def test_a_slow_fault_makes_that_step_wait(tmp_path):
+    cfg = _cfg(tmp_path, faults=[{"rank": 1, "step": 2, "action": "slow", "seconds": 0.3}])
+    faults = Faults(cfg)
+    t0 = time.monotonic()
+    assert not faults.at_step(1, 2, 1)
+    assert time.monotonic() - t0 >= 0.3
+    t0 = time.monotonic()
+    faults.at_step(1, 2, 1)  # once per job
+    assert time.monotonic() - t0 < 0.1
 
 
 def test_a_raise_fault_is_a_user_error_and_the_replayed_step_runs(tmp_path, group):
