@@ -70,12 +70,14 @@ class Controller:
     def __init__(self, config: JobConfig, view: View | None = None,
                  on_step: Callable[[dict[str, Any]], Any] | None = None, *,
                  group_factory: Callable[[JobConfig], Any] | None = None,
-                 mailbox_factory: Callable[[str], Any] | None = None) -> None:
+                 mailbox_factory: Callable[[str], Any] | None = None,
+                 pool: Any = None) -> None:
         """``on_step(entry)`` is called in the controller's thread for every completed step
         (the history entry); if it returns True the job stops at the next step boundary (an
         Optuna pruner uses this). ``group_factory``/``mailbox_factory`` replace Ray (tests):
         without them the controller connects to Ray and uses ``WorkerGroup`` and the job's
-        control actor."""
+        control actor. ``pool``: a ``WorkerPool`` (``elastic.control.pool``) the job's
+        workers come from and go back to."""
         config.validate()
         self.cfg = config
         self.view = view or View()
@@ -88,6 +90,7 @@ class Controller:
         self.phase = ControllerState.STARTING
         self._group_factory = group_factory
         self._mailbox_factory = mailbox_factory
+        self._pool = pool
         self.group: Any = None
         self._started_ray = False
         self.steps = StepLog(None, self.view, on_step)
@@ -209,7 +212,8 @@ class Controller:
         self.view.start(cfg.job_name, cfg.max_steps)
         self._emit("start", f"job {cfg.job_name}: {cfg.max_steps} steps, global batch "
                    f"{cfg.global_batch_size}, {cfg.num_workers} workers, strategy {cfg.strategy}")
-        self.group = (self._group_factory or _ray_group)(cfg)
+        self.group = (self._group_factory(cfg) if self._group_factory is not None
+                      else _ray_group(cfg, self._pool))
         self.regroup = Regroup(cfg, self.group, self.layouts, self.tracker, self.steps,
                                self._emit, self._drain)
         self.evacuation = Evacuation(cfg, self.group, self.layouts, self.tracker, self.regroup,
@@ -469,10 +473,10 @@ def _ray_connect(cfg: JobConfig) -> bool:
     return connect(cfg.ray_address, cfg.max_world * float(cfg.resources_per_worker.get("CPU", 1)))
 
 
-def _ray_group(cfg: JobConfig) -> Any:
+def _ray_group(cfg: JobConfig, pool: Any = None) -> Any:
     from .worker_group import WorkerGroup
 
-    return WorkerGroup(cfg, cfg.emulate)
+    return WorkerGroup(cfg, cfg.emulate, pool)
 
 
 def _ray_mailbox(job: str) -> Any:
