@@ -223,8 +223,12 @@ class Controller:
     def _place(self, st: Placing) -> State:
         new = self.group.place(st.n, self.cfg.min_world)
         infos = [w.info for w in new]
+        warm = sum(1 for i in infos if i.get("warm"))  # up before the job: from a pool
         self._emit("placed", f"{len(new)} workers on {len({i['node_id'] for i in infos})} "
-                   f"node(s), devices {sorted({i['device_name'] for i in infos})}")
+                   f"node(s), devices {sorted({i['device_name'] for i in infos})}"
+                   + (f", {warm} warm from the pool" if warm else ""),
+                   data={"warm": warm, "workers": [{"pid": i.get("pid"), "node_id": i.get(
+                       "node_id"), "warm": bool(i.get("warm"))} for i in infos]})
         return Forming()
 
     def _form(self, _: Forming) -> State:

@@ -341,11 +341,11 @@ class PooledPlacement(Placement):
     def _key(self) -> PoolKey:
         return PoolKey.of(self.bundle(), self.use_gpu, self.pool.env)
 
-    def _assign(self, handle: Any, pg: Any) -> tuple[WorkerRec, Any]:
+    def _assign(self, handle: Any, pg: Any, warm: bool) -> tuple[WorkerRec, Any]:
         wid = self._next_id
         self._next_id += 1
         self._mine.add(rc.actor_key(handle))
-        return (WorkerRec(handle, wid, pg=pg, slot=0),
+        return (WorkerRec(handle, wid, info={"warm": warm}, pg=pg, slot=0),
                 handle.assign.remote(self._worker_cfg, wid, self._liveness))
 
     def _warm(self, n: int) -> list[tuple[WorkerRec, Any]]:
@@ -354,7 +354,15 @@ class PooledPlacement(Placement):
             return []
         bundle = self.bundle()
         procs = self.pool.take(self._key(), n, rc.free_bundles(bundle))
-        return [self._assign(p.handle, p.pg) for p in procs]
+        return [self._assign(p.handle, p.pg, True) for p in procs]
+
+    def _collect(self, launched: list[tuple[WorkerRec, Any]], wait_s: float | None
+                 ) -> list[WorkerRec]:
+        warm = {id(w) for w, _ in launched if w.info.get("warm")}
+        up = super()._collect(launched, wait_s)
+        for w in up:
+            w.info["warm"] = id(w) in warm
+        return up
 
     def _launch(self, pg: Any, slots: list[int], bundle: dict[str, float]
                 ) -> list[tuple[WorkerRec, Any]]:
@@ -362,7 +370,7 @@ class PooledPlacement(Placement):
         for i in slots:
             h = self.pool._start_blank(pg, i)
             self.pool.adopt(h, pg, self._key())
-            rec, ref = self._assign(h, pg)
+            rec, ref = self._assign(h, pg, False)
             rec.slot = i
             out.append((rec, ref))
         return out
