@@ -19,8 +19,8 @@ __all__ = ["ControllerRunner", "RunningJob"]
 class RunningJob:
     """One job's controller, running in a background thread of this process."""
 
-    def __init__(self, cfg: Any) -> None:
-        self.controller = Controller(cfg, View())
+    def __init__(self, cfg: Any, pool: Any = None) -> None:
+        self.controller = Controller(cfg, View(), pool=pool)
         self.result_: FitResult | None = None
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._main, name=f"elastic-job-{cfg.job_name}",
@@ -44,10 +44,14 @@ class RunningJob:
 
 
 class ControllerRunner:
-    """The scheduler core's ``Runner``: each job a ``RunningJob`` in this process."""
+    """The scheduler core's ``Runner``: each job a ``RunningJob`` in this process, its
+    workers from ``pool`` (a ``WorkerPool`` of this process) when there is one."""
+
+    def __init__(self, pool: Any = None) -> None:
+        self.pool = pool
 
     def start(self, name: str, cfg: Any, workers: int) -> RunningJob:
-        return RunningJob(cfg.replace(view="none"))
+        return RunningJob(cfg.replace(view="none"), self.pool)
 
     def scale(self, handle: RunningJob, workers: int) -> int:
         return int(handle.ask("scale", workers, "the scheduler's decision", 300.0))

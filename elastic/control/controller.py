@@ -222,13 +222,7 @@ class Controller:
 
     def _place(self, st: Placing) -> State:
         new = self.group.place(st.n, self.cfg.min_world)
-        infos = [w.info for w in new]
-        warm = sum(1 for i in infos if i.get("warm"))  # up before the job: from a pool
-        self._emit("placed", f"{len(new)} workers on {len({i['node_id'] for i in infos})} "
-                   f"node(s), devices {sorted({i['device_name'] for i in infos})}"
-                   + (f", {warm} warm from the pool" if warm else ""),
-                   data={"warm": warm, "workers": [{"pid": i.get("pid"), "node_id": i.get(
-                       "node_id"), "warm": bool(i.get("warm"))} for i in infos]})
+        self._emit("placed", *_placed([w.info for w in new]))
         return Forming()
 
     def _form(self, _: Forming) -> State:
@@ -469,6 +463,16 @@ class Controller:
             from ..ray_connect import disconnect
 
             disconnect()
+
+
+def _placed(infos: list[dict[str, Any]]) -> tuple[str, dict[str, Any]]:
+    """The ``placed`` event: where the workers are, and which came warm from a pool."""
+    warm = sum(1 for i in infos if i.get("warm"))
+    return (f"{len(infos)} workers on {len({i['node_id'] for i in infos})} node(s), devices "
+            f"{sorted({i['device_name'] for i in infos})}"
+            + (f", {warm} warm from the pool" if warm else ""),
+            {"warm": warm, "workers": [{"pid": i.get("pid"), "node_id": i.get("node_id"),
+                                        "warm": bool(i.get("warm"))} for i in infos]})
 
 
 def _ray_connect(cfg: JobConfig) -> bool:

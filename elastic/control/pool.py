@@ -43,8 +43,20 @@ from clusters.pool_policy import (
     Want,
 )
 
-from .. import ray_connect as rc
 from ..errors import ClusterError
+from ..ray_connect import (
+    actor_key,
+    connect,
+    disconnect,
+    free_bundles,
+    get_ref,
+    kill,
+    new_bundle,
+    remove_bundle,
+    runtime_env_now,
+    start_in_bundle,
+    wait_refs,
+)
 from .group import WorkerRec
 from .worker_group import Placement
 
@@ -100,8 +112,8 @@ class WorkerPool:
         self.bundle = res
         self.use_gpu = use_gpu
         self.runtime_env = dict(runtime_env or {})
-        self._started_ray = rc.connect(ray_address, max(size, 1) * float(res["CPU"]))
-        self.env = self.runtime_env or rc.runtime_env_now()
+        self._started_ray = connect(ray_address, max(size, 1) * float(res["CPU"]))
+        self.env = self.runtime_env or runtime_env_now()
         self.key = PoolKey.of(res, use_gpu, self.env)
         self.policy = PoolPolicy(self.key, min_idle=size, max_idle=max(size, 8)
                                  if max_idle is None else max_idle,
@@ -132,7 +144,7 @@ class WorkerPool:
         when none could start (the last start error)."""
         with self._lock:
             refs = [p.ref for p in self._starting.values()]
-        rc.wait_refs(refs, timeout_s)
+        wait_refs(refs, timeout_s)
         with self._lock:
             self._settle()
             if refs and not self._idle and self.start_error:
@@ -163,7 +175,7 @@ class WorkerPool:
                 self._kill(p)
             self._idle, self._starting = {}, {}
         if self._started_ray:
-            rc.disconnect()
+            disconnect()
 
     def __enter__(self) -> WorkerPool:
         return self
@@ -183,7 +195,7 @@ class WorkerPool:
             d = self.policy.decide(self._observe(alive=alive, want=Want(key, n, free_bundles)))
             out = [self._ix[i] for i in d.hand_out]
             for p in out:
-                a = rc.actor_key(p.handle)
+                a = actor_key(p.handle)
                 del self._idle[a]
                 self._lent[a] = p
             self.stats.handed_out += len(out)
@@ -193,7 +205,7 @@ class WorkerPool:
     def adopt(self, handle: Any, pg: Any, key: PoolKey) -> None:
         """A worker a pooled job started cold: lent to it from now on."""
         with self._lock:
-            self._lent[rc.actor_key(handle)] = _Proc(handle, pg, key)
+            self._lent[actor_key(handle)] = _Proc(handle, pg, key)
             self.stats.cold += 1
             self.stats.started += 1
 
@@ -203,18 +215,18 @@ class WorkerPool:
         with self._lock:
             for a in lost:
                 self._lent.pop(a, None)
-            procs = [p for w in recs if (p := self._lent.get(rc.actor_key(w.handle)))]
+            procs = [p for w in recs if (p := self._lent.get(actor_key(w.handle)))]
             for w in recs:
-                p = self._lent.get(rc.actor_key(w.handle))
+                p = self._lent.get(actor_key(w.handle))
                 if p is not None:
                     p.node = str(w.info.get("node_id", p.node))
                     p.pid = int(w.info.get("pid", p.pid))
         refs = [p.handle.reset.remote() for p in procs]
-        rc.wait_refs(refs, 30.0)
+        wait_refs(refs, 30.0)
         reports = []
         for p, ref in zip(procs, refs, strict=True):
             try:
-                out = rc.get_ref(ref, 0)
+                out = get_ref(ref, 0)
                 p.jobs = int(out["jobs"])
                 reports.append(Returned(0, p.key, p.node, True, bool(out["ok"]),
                                         bool(out["user_error"]), int(out["threads"]), p.jobs))
@@ -222,7 +234,7 @@ class WorkerPool:
                 reports.append(Returned(0, p.key, p.node, alive=False, reset_ok=False))
         with self._lock:
             for p in procs:
-                self._lent.pop(rc.actor_key(p.handle), None)
+                self._lent.pop(actor_key(p.handle), None)
             d = self.policy.decide(self._observe(returned=list(zip(procs, reports,
                                                                     strict=True))))
             for i in d.keep:
@@ -231,7 +243,7 @@ class WorkerPool:
                     self._kill(p)
                     continue
                 p.idle_since = self.clock()
-                self._idle[rc.actor_key(p.handle)] = p
+                self._idle[actor_key(p.handle)] = p
                 self.stats.kept += 1
             self._apply(d)
 
@@ -261,15 +273,15 @@ class WorkerPool:
         """Retire and start what ``d`` says (ids of the last observation)."""
         for i, why in d.retire:
             p = self._ix[i]
-            self._idle.pop(rc.actor_key(p.handle), None)
+            self._idle.pop(actor_key(p.handle), None)
             self._kill(p)
             self.stats.retired[why] = self.stats.retired.get(why, 0) + 1
         if self._closed:
             return
         for _ in range(d.start):
-            pg = rc.new_bundle(self.bundle)
+            pg = new_bundle(self.bundle)
             h = self._start_blank(pg, 0)
-            self._starting[rc.actor_key(h)] = _Proc(h, pg, self.key, ref=h.info.remote())
+            self._starting[actor_key(h)] = _Proc(h, pg, self.key, ref=h.info.remote())
             self.stats.started += 1
 
     def _start_blank(self, pg: Any, slot: int) -> Any:
@@ -277,21 +289,21 @@ class WorkerPool:
         from ..worker import Worker
 
         threads = int(self.bundle.get("CPU", 1))
-        return rc.start_in_bundle(Worker, (None, -1, self.use_gpu, threads, None), self.bundle,
+        return start_in_bundle(Worker, (None, -1, self.use_gpu, threads, None), self.bundle,
                                   pg, slot, self.runtime_env or None)
 
     def _settle(self) -> None:
         """Starting workers that are up become idle; those that failed are dropped."""
         if not self._starting:
             return
-        ready, _ = rc.wait_refs([p.ref for p in self._starting.values()], 0)
+        ready, _ = wait_refs([p.ref for p in self._starting.values()], 0)
         done = {id(r) for r in ready}
         for a, p in list(self._starting.items()):
             if id(p.ref) not in done:
                 continue
             del self._starting[a]
             try:
-                info = rc.get_ref(p.ref, 0)
+                info = get_ref(p.ref, 0)
             except Exception as e:  # noqa: BLE001 - said by wait_ready and info
                 lines = str(e).strip().splitlines()
                 self.start_error = lines[-1][:300] if lines else type(e).__name__
@@ -304,23 +316,23 @@ class WorkerPool:
     def _ping(self, procs: list[_Proc], timeout_s: float = 2.0) -> dict[str, bool]:
         """Whether each idle worker answers (its process lives) within ``timeout_s``."""
         refs = [p.handle.info.remote() for p in procs]
-        rc.wait_refs(refs, timeout_s)
+        wait_refs(refs, timeout_s)
         out = {}
         for p, ref in zip(procs, refs, strict=True):
             try:
-                rc.get_ref(ref, 0)
-                out[rc.actor_key(p.handle)] = True
+                get_ref(ref, 0)
+                out[actor_key(p.handle)] = True
             except Exception:  # noqa: BLE001 - dead or hung: not handed out
-                out[rc.actor_key(p.handle)] = False
+                out[actor_key(p.handle)] = False
         return out
 
     @staticmethod
     def _kill(p: _Proc) -> None:
         try:
-            rc.kill(p.handle)
+            kill(p.handle)
         except Exception:  # noqa: BLE001 - already gone
             pass
-        rc.remove_bundle(p.pg)
+        remove_bundle(p.pg)
 
 
 class PooledPlacement(Placement):
@@ -344,7 +356,7 @@ class PooledPlacement(Placement):
     def _assign(self, handle: Any, pg: Any, warm: bool) -> tuple[WorkerRec, Any]:
         wid = self._next_id
         self._next_id += 1
-        self._mine.add(rc.actor_key(handle))
+        self._mine.add(actor_key(handle))
         return (WorkerRec(handle, wid, info={"warm": warm}, pg=pg, slot=0),
                 handle.assign.remote(self._worker_cfg, wid, self._liveness))
 
@@ -353,7 +365,7 @@ class PooledPlacement(Placement):
         if n <= 0:
             return []
         bundle = self.bundle()
-        procs = self.pool.take(self._key(), n, rc.free_bundles(bundle))
+        procs = self.pool.take(self._key(), n, free_bundles(bundle))
         return [self._assign(p.handle, p.pg, True) for p in procs]
 
     def _collect(self, launched: list[tuple[WorkerRec, Any]], wait_s: float | None
@@ -395,15 +407,15 @@ class PooledPlacement(Placement):
         return bool(self.pool.info()["idle_by_key"].get(self._key().describe())) or super().room()
 
     def vacate(self, gone: Sequence[WorkerRec], kept: Sequence[WorkerRec]) -> None:
-        back = [w for w in gone if rc.actor_key(w.handle) in self._mine]
-        self._mine -= {rc.actor_key(w.handle) for w in back}
+        back = [w for w in gone if actor_key(w.handle) in self._mine]
+        self._mine -= {actor_key(w.handle) for w in back}
         self.pool.give_back(back)
         super().vacate([w for w in gone if w not in back], kept)
 
     def release(self, extra: Sequence[WorkerRec]) -> None:
         back = [w for w in list(extra) + [w for w, _ in self._warming]
-                if rc.actor_key(w.handle) in self._mine]
-        returned = {rc.actor_key(w.handle) for w in back}
+                if actor_key(w.handle) in self._mine]
+        returned = {actor_key(w.handle) for w in back}
         self.pool.give_back(back, lost=sorted(self._mine - returned))
         self._mine = set()
         self._warming = [(w, r) for w, r in self._warming if w not in back]

@@ -31,7 +31,6 @@ from strategies import StrategySpec, health, state_hash
 
 from ..config import JobConfig, WorkerConfig
 from ..errors import ElasticError, WorkerError
-from . import recycle
 from .boundary import guarded
 from .checkpointing import Checkpointing, forget_groups
 from .faults import Faults
@@ -44,7 +43,8 @@ from .loop import StepLoop
 from .membership import Membership
 from .peer_copies import PeerCopies
 from .profiling import Profiler
-from .recycle import Baseline
+from .recycle import Baseline, warm_up
+from .recycle import reset as reset_process
 
 __all__ = ["Worker"]
 
@@ -77,7 +77,7 @@ class Worker:
         if use_gpu:
             torch.cuda.set_device(self.device)
             torch.zeros(1, device=self.device)  # the context now, not in the first job
-        self.warm_up_s = recycle.warm_up(self.device) if config is None else 0.0
+        self.warm_up_s = warm_up(self.device) if config is None else 0.0
         self.baseline = Baseline.take() if config is None else None
         self.jobs = 0  # jobs this process has served
         self.user_error = False  # the current job's code raised here
@@ -165,7 +165,7 @@ class Worker:
         self.config = None  # type: ignore[assignment]
         forget_groups()
         health.reset()
-        out = recycle.reset(self.baseline)
+        out = reset_process(self.baseline)
         user_error, self.user_error = self.user_error, False
         return {**out, "ok": ok, "why": why, "user_error": user_error, "jobs": self.jobs,
                 "pid": os.getpid()}

@@ -136,3 +136,34 @@ def test_user_error_or_leaked_thread_retires_the_worker(pool, tmp_path, referenc
     res, _, pids = _job(pool, tmp_path, "after", model=mlp)  # cold again, still right
     assert max_diff(res.state_dict(), reference) < TOL
     assert not set(pids) & set(before)
+
+
+def test_scheduler_jobs_run_on_its_warm_workers(ray_local, tmp_path, reference):
+    from elastic import scheduler
+
+    sched = scheduler.start("warm-t", workers=2, policy="fifo-static", round_s=0.2,
+                            detached=False, warm=2)
+    try:
+        pool = scheduler.info("warm-t")["pool"]
+        assert pool["idle"] == 2, pool
+        placed = []
+        for tag in ("s1", "s2"):  # one after the other, as a sweep's trials
+            job = elastic.submit(model=mlp, optimizer=adam, loss=mse, dataset=RegressionData(),
+                                 global_batch_size=G, max_steps=STEPS, num_workers=2,
+                                 view="none", name=tag, run_dir=str(tmp_path / tag),
+                                 scheduler="warm-t")
+            out = job.result(timeout=120)
+            assert out["state"] == "finished", out
+            assert max_diff(out["state_dict"], reference) < TOL
+            with open(os.path.join(out["run_dir"], "events.jsonl")) as f:
+                ev = next(e for e in map(json.loads, f) if e["kind"] == "placed")
+            placed.append(ev["data"])
+        assert [p["warm"] for p in placed] == [2, 2], placed
+        pids = [sorted(w["pid"] for w in p["workers"]) for p in placed]
+        assert pids[0] == pids[1] == sorted(pool["idle_pids"]), (pids, pool)
+        assert scheduler.info("warm-t")["pool"]["kept"] == 4
+    finally:
+        import ray
+
+        ray.get(sched.shutdown.remote())
+        ray.kill(sched)
