@@ -284,13 +284,17 @@ class WorkerPool:
             self._starting[actor_key(h)] = _Proc(h, pg, self.key, ref=h.info.remote())
             self.stats.started += 1
 
-    def _start_blank(self, pg: Any, slot: int) -> Any:
-        """A worker process with no job yet, in bundle ``slot`` of ``pg``."""
+    def _start_blank(self, pg: Any, slot: int, bundle: dict[str, float] | None = None,
+                     use_gpu: bool | None = None) -> Any:
+        """A worker process with no job yet, in bundle ``slot`` of ``pg`` (of ``bundle``'s
+        shape: default the pool's own)."""
         from ..worker import Worker
 
-        threads = int(self.bundle.get("CPU", 1))
-        return start_in_bundle(Worker, (None, -1, self.use_gpu, threads, None), self.bundle,
-                                  pg, slot, self.runtime_env or None)
+        bundle = self.bundle if bundle is None else bundle
+        gpu = self.use_gpu if use_gpu is None else use_gpu
+        threads = int(bundle.get("CPU", 1))
+        return start_in_bundle(Worker, (None, -1, gpu, threads, None), bundle, pg, slot,
+                               self.runtime_env or None)
 
     def _settle(self) -> None:
         """Starting workers that are up become idle; those that failed are dropped."""
@@ -380,7 +384,7 @@ class PooledPlacement(Placement):
                 ) -> list[tuple[WorkerRec, Any]]:
         out = []
         for i in slots:
-            h = self.pool._start_blank(pg, i)
+            h = self.pool._start_blank(pg, i, bundle, self.use_gpu)
             self.pool.adopt(h, pg, self._key())
             rec, ref = self._assign(h, pg, False)
             rec.slot = i
