@@ -116,11 +116,14 @@ def user_modules(base: Baseline) -> list[str]:
     return sorted(out)
 
 
-def reset(base: Baseline, keep_threads: set[int] | frozenset[int] = frozenset()) -> dict[str, Any]:
+def reset(base: Baseline, keep_threads: set[int] | frozenset[int] = frozenset(),
+          freeze: bool = True) -> dict[str, Any]:
     """Bring the process back to ``base`` as far as it can (module docstring). Returns what
     was done: ``modules_dropped``, ``env_restored``, ``threads`` (threads started since
     ``base`` that still run, beyond ``keep_threads``, elastic's own ``elastic-*`` threads and
-    the threads Ray's core runs Python on), ``cuda_bytes`` (still allocated on the device)."""
+    the threads Ray's core runs Python on), ``cuda_bytes`` (still allocated on the device).
+    ``freeze``: move what survives to the collector's permanent generation (as the worker
+    does at start-up), keeping later collections short."""
     dropped = user_modules(base)
     for name in dropped:
         sys.modules.pop(name, None)
@@ -145,7 +148,8 @@ def reset(base: Baseline, keep_threads: set[int] | frozenset[int] = frozenset())
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         cuda_bytes = int(torch.cuda.memory_allocated())
-    gc.freeze()
+    if freeze:
+        gc.freeze()
     extra = [t for t in threading.enumerate() if t.is_alive() and t.ident not in base.threads
              and t.ident not in keep_threads and not t.name.startswith("elastic")
              and not isinstance(t, threading._DummyThread)]  # Ray's own (C++) threads
