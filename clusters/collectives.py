@@ -8,8 +8,8 @@ bandwidth term is a ring's; the latency hops h are the fewer of a ring's (n-1) a
 A step's communication is a list of ``Messages`` (kind, how many, bytes each), counted from
 the layout as the strategies send them (``layout_messages``): DDP's gradient buckets (1 MiB
 first, then 25 MiB); ZeRO-1/2 one message per parameter tensor, or per bucket once they
-communicate in buckets (``CommConfig.zero_bucket_bytes``), plus the owners' broadcasts of the
-updated parameters; ZeRO-3 (FSDP2) an all-gather per unit in forward, another in backward and a
+communicate in buckets (``CommConfig.zero_bucket_bytes``: then zero2 too all-reduces each
+bucket and keeps its owned sums), plus the owners' broadcasts of the updated parameters; ZeRO-3 (FSDP2) an all-gather per unit in forward, another in backward and a
 reduce-scatter per unit, per micro-batch. So a model of 130 small tensors pays 130 latencies
 where it sends 130 messages, and one where it sends one. docs/cost-model.md has the sources.
 """
@@ -26,7 +26,7 @@ from strategies.traits import DP_MODES
 
 __all__ = ["collective_time", "sync_collectives_time", "SYNC_MODES", "KINDS", "Messages",
            "CommConfig", "bucket_sizes", "assign_owners", "owner_loads", "layout_messages",
-           "messages_time",
+           "messages_time", "sync_points",
            "latency_hops", "volume_factor"]
 
 SYNC_MODES = DP_MODES  # layouts whose step ends in a data-parallel gradient sync
@@ -227,18 +227,10 @@ def _layout_messages(mode: str, n: int, tensors: tuple[float, ...], units: tuple
         if cap is None:  # one reduce per tensor per micro-batch, or one per owner
             sizes = list(tensors) if hooks else [sum(t) for t in per_owner]
             out += _group("reduce", sizes, m if hooks else 1)
-        else:  # per bucket, one reduce per owner present in it
-            parts: list[float] = []
-            i = len(tensors)
-            for size in bucket_sizes(tensors, cap, comm.first_bucket_bytes):
-                seg: dict[int, float] = {}
-                used = 0.0
-                while used < size and i > 0:
-                    i -= 1
-                    used += tensors[i]
-                    seg[owner[i]] = seg.get(owner[i], 0.0) + tensors[i]
-                parts += list(seg.values())
-            out += _group("reduce", parts, m if hooks else 1)
+        else:  # per bucket one all-reduce, each rank keeping its owned sums (and with them
+            # every rank the global norm: no scalar all-reduce), every micro-batch
+            out += _group("all_reduce", bucket_sizes(tensors, cap, comm.first_bucket_bytes),
+                          m if hooks else 1)
     out += _group("broadcast", _chunks(per_owner, cap))
     return tuple(out)
 
@@ -266,6 +258,30 @@ def layout_messages(
     return _layout_messages(mode, n, tuple(float(b) for b in tensor_bytes),
                             tuple(float(b) for b in unit_bytes), max(1, micro_batches),
                             comm or CommConfig(), hooks)
+
+
+def sync_points(mode: str, n: int, units: int = 1, micro_batches: int = 1,
+                hooks: bool = True) -> int:
+    """How many times per step the ranks of a data-parallel group meet right after
+    computing, each waiting there for the slowest peer's compute: dp once (its last gradient
+    bucket), zero1 twice (the gradients; the broadcasts after the owners' optimizer steps),
+    zero2 once per micro-batch (its buckets go every micro-batch) and once for the broadcasts,
+    zero3 at every gather and reduce-scatter (3 per unit per micro-batch, each after a
+    block's compute). A pipeline stage's reduction after its schedule (``hooks`` False) meets
+    once, and zero1/zero2 once more for the broadcasts. The other messages of a step follow
+    one another and pay the idle alpha only. Raises ``KeyError`` for an unknown mode."""
+    if n <= 1:
+        return 0
+    m = max(1, micro_batches)
+    if mode == "dp":
+        return 1
+    if mode == "zero1":
+        return 2
+    if mode == "zero2":
+        return (m if hooks else 1) + 1
+    if mode == "zero3":
+        return 3 * max(1, units) * m
+    raise KeyError(f"unknown data-parallel mode {mode!r}; use one of {SYNC_MODES}")
 
 
 def messages_time(messages: Sequence[Messages], n: int,

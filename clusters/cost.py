@@ -23,6 +23,7 @@ from .collectives import (
     layout_messages,
     messages_time,
     owner_loads,
+    sync_points,
 )
 from .errors import PlanError, ProfileError
 from .estimate import Estimate
@@ -64,6 +65,16 @@ class CostModel:
     Python), paid once per micro-batch: what makes very small micro-batches a bad deal.
     ``step_overhead``: fixed seconds per step beyond its terms (the step loop, the control
     all-reduce, waiting for the slowest rank's jitter); measured by the profiler's trial steps.
+    ``sync_wait_s``: what a collective that meets peers right after their compute waits for
+    the slowest one, beyond the message itself; paid once per such meeting point
+    (``collectives.sync_points``), while ``collectives`` then holds each kind's cost right
+    after another message (the profiler measures both; 0: the collectives' figures include
+    the wait, charged per message).
+    ``unit_wait_s``: the same wait for each of zero3's per-unit gathers and reduce-scatters
+    (FSDP's per-unit hooks run there too), measured by the profiler's zero3 trial steps;
+    None: ``sync_wait_s``.
+    ``trial_kinds``: the collective kinds the profiler's trial steps sent (dp's); a real step
+    validated their cost, so the closed loop's re-fit leaves them alone.
     ``comm``: how the layouts group their messages (``collectives.CommConfig``).
     ``comm_scale``: a factor on each collective kind's time (the closed loop's re-fit,
     ``clusters.refit``: what the running layouts' messages really cost against their
@@ -77,6 +88,9 @@ class CostModel:
     collectives: Mapping[str, tuple[float, float]] = field(default_factory=dict)
     optimizer_fit: Mapping[str, tuple[float, float, float]] = field(default_factory=dict)
     step_overhead: float = 0.0
+    sync_wait_s: float = 0.0
+    unit_wait_s: float | None = None
+    trial_kinds: tuple[str, ...] = ()
     overlap: float = 0.0
     usable_memory_fraction: float = 0.9
     pass_overhead_s: float = 5e-5
@@ -215,7 +229,12 @@ class CostModel:
         units = [profile.block_params[i] * p for i in blocks if profile.block_params[i] > 0]
         msgs = layout_messages(mode, n, tensors, units, micro_batches=micro_batches,
                                comm=self.comm, hooks=hooks)
-        return messages_time(msgs, n, {m.kind: self.alpha_beta(path, m.kind) for m in msgs})
+        per = (self.unit_wait_s if mode == "zero3" and self.unit_wait_s is not None
+               else self.sync_wait_s)
+        wait = per * self.comm_scale.get("sync", 1.0) * sync_points(mode, n, len(units),
+                                                                    micro_batches, hooks)
+        return wait + messages_time(msgs, n,
+                                    {m.kind: self.alpha_beta(path, m.kind) for m in msgs})
 
     def sync_time(
         self,

@@ -23,7 +23,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from .collectives import KINDS, CommConfig, latency_hops, volume_factor
+from .collectives import (
+    KINDS,
+    CommConfig,
+    latency_hops,
+    layout_messages,
+    sync_points,
+    volume_factor,
+)
 from .cost import CostModel
 from .errors import ClustersError
 from .estimate import Estimate
@@ -254,25 +261,21 @@ def terms_model(reports: Sequence[Mapping[str, Any]], ids: Sequence[str], base: 
         sharded = (int(sh[0]), float(sh[1]), robust(sh[2]).median) if sh else None
         opt[i] = fit_optimizer(plain, sharded)
 
-    coll: dict[str, tuple[float, float]] = {}
-    cspread: dict[str, Any] = {}
-    c0 = reports[0].get("collectives") or {}
-    world = int(reports[0].get("world", len(reports)))
-    for kind, pts in c0.items():
-        if kind not in KINDS or not pts:
-            continue
-        med = [(float(b), robust(ts).median) for b, ts in pts]
-        coll[kind] = fit_alpha_beta(kind, world if kind != "p2p" else 2, med)
-        cspread[kind] = [robust(ts).as_dict() | {"bytes": b} for b, ts in pts]
-
+    coll, cspread, wait = _collectives(reports[0])
     model = CostModel(seconds_per_sample=sps, collectives=coll, optimizer_fit=opt,
-                      pass_overhead_s=passes, comm=comm or CommConfig())
+                      pass_overhead_s=passes, comm=comm or CommConfig(), sync_wait_s=wait)
     trial = reports[0].get("trial")
     trial_spread = None
     if trial and trial.get("seconds") and cluster is not None:  # the ranks step together
         trial_spread = robust(trial["seconds"])
         model = _fit_overhead(model, profile, cluster, ids, tuple(trial["shares"]),
                               trial_spread.median)
+    z3 = reports[0].get("trial_zero3")
+    z3_spread = None
+    if z3 and z3.get("seconds") and cluster is not None and trial_spread is not None:
+        z3_spread = robust(z3["seconds"])
+        model = _fit_unit_wait(model, profile, cluster, ids, tuple(z3["shares"]),
+                               z3_spread.median)
     fwd = [robust(r["compute"]["forward"]).median / robust(r["compute"]["seconds"][0]).median
            for r in reports if r["compute"].get("forward")]
     return MeasuredModel(model, profile, speeds, raw, {
@@ -280,17 +283,86 @@ def terms_model(reports: Sequence[Mapping[str, Any]], ids: Sequence[str], base: 
         "forward_fraction": statistics.median(fwd) if fwd else None,
         "collectives": cspread,
         "trial": trial_spread.as_dict() if trial_spread else None,
+        "sync_wait": model.sync_wait_s, "unit_wait": model.unit_wait_s,
+        "trial_zero3": z3_spread.as_dict() if z3_spread else None,
         "step_overhead": model.step_overhead, "overlap": model.overlap})
+
+
+def _collectives(rep: Mapping[str, Any]) -> tuple[dict[str, tuple[float, float]],
+                                                  dict[str, Any], float]:
+    """(alpha, beta) per kind, the spreads, and the wait at a meeting point from one rank's
+    report. With both series (``collectives`` right after compute, ``collectives_idle`` right
+    after another collective): each kind's alpha-beta from the idle series, and the wait =
+    the median over the collective kinds of (loaded - idle) at the smallest size, where the
+    message itself is nearly all latency. Point-to-point too is charged idle: a pipeline's
+    waits for the previous stage's compute are its schedule's (the bubble), and the loaded
+    figure on each of its sends counted them again (pp3 on the MLP predicted +65 %). With
+    the loaded series only: its alpha-beta, no wait (the wait is then charged with every
+    message)."""
+    loaded = rep.get("collectives") or {}
+    idle = rep.get("collectives_idle") or {}
+    world = int(rep.get("world", 2))
+    coll: dict[str, tuple[float, float]] = {}
+    cspread: dict[str, Any] = {}
+    waits: list[float] = []
+    for kind, pts in loaded.items():
+        if kind not in KINDS or not pts:
+            continue
+        n = world if kind != "p2p" else 2
+        src = idle.get(kind)
+        med = [(float(b), robust(ts).median) for b, ts in (src or pts)]
+        coll[kind] = fit_alpha_beta(kind, n, med)
+        cspread[kind] = [robust(ts).as_dict() | {"bytes": b} for b, ts in pts]
+        if src:
+            cspread[kind + "_idle"] = [robust(ts).as_dict() | {"bytes": b} for b, ts in src]
+            lo, hi = min(src, key=lambda p: p[0])[1], min(pts, key=lambda p: p[0])[1]
+            if kind != "p2p":
+                waits.append(max(0.0, robust(hi).median - robust(lo).median))
+    return coll, cspread, statistics.median(waits) if waits else 0.0
+
+
+def _fit_unit_wait(model: CostModel, profile: ModelProfile, cluster: Cluster,
+                   ids: Sequence[str], shares: tuple[int, ...], measured: float) -> CostModel:
+    """``model`` with ``unit_wait_s`` set so that the zero3 plan with ``shares`` predicts the
+    ``measured`` trial step (never below 0): what zero3 took beyond its terms is put on its
+    per-unit meeting points, the term of it the profiler measures least directly."""
+    plan = Plan(strategy="zero3", world_size=len(ids), shares=shares, devices=tuple(ids))
+    units = sum(1 for p in profile.block_params if p > 0)
+    if sync_points("zero3", len(ids), units) <= 0:
+        return model
+    lo, hi = 0.0, max(1e-3, measured)  # the step grows with the wait (bisection, 1e-15 s)
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        t = replace(model, unit_wait_s=mid).estimate(plan, cluster, profile).step_time
+        lo, hi = (mid, hi) if t < measured else (lo, mid)
+    return replace(model, unit_wait_s=lo)
 
 
 def _fit_overhead(model: CostModel, profile: ModelProfile, cluster: Cluster,
                   ids: Sequence[str], shares: tuple[int, ...], measured: float) -> CostModel:
-    """``model`` with ``step_overhead`` (or, when negative, ``overlap``) set so that the dp
-    plan with ``shares`` predicts the ``measured`` trial step."""
+    """``model`` with ``step_overhead`` set so that the dp plan with ``shares`` predicts the
+    ``measured`` trial step; when the trial was faster than the terms, ``overlap`` hides
+    communication first, then compute and the optimizer are scaled down to meet it."""
     plan = Plan(strategy="dp", world_size=len(ids), shares=shares, devices=tuple(ids))
     est: Estimate = model.estimate(plan, cluster, profile)
+    g, tensors = profile.grad_bytes, profile.tensors(range(profile.n_blocks))
+    sent = layout_messages("dp", len(ids), [t * g for t in tensors], comm=model.comm)
+    model = replace(model, trial_kinds=tuple(sorted({m.kind for m in sent})))
     gap = measured - est.step_time
-    if gap >= 0 or est.comm <= 0:
-        return replace(model, step_overhead=max(0.0, gap))
+    if gap >= 0:
+        return replace(model, step_overhead=gap)
     hide = min(est.comm, -gap)  # communication hidden behind backward
-    return replace(model, overlap=min(1.0, hide / max(1e-12, (2 / 3) * est.compute)))
+    rest = -gap - hide
+    # still faster than its terms: compute and the optimizer, each timed in a loop of its own,
+    # took less inside a real step; a factor on both (every layout runs them), never a
+    # negative cost, at most halving them
+    f = max(0.5, 1.0 - rest / max(1e-12, est.compute + est.optimizer)) if rest > 0 else 1.0
+    if hide > 0:
+        model = replace(model, overlap=min(1.0, hide / max(1e-12, (2 / 3) * est.compute * f)))
+    if f == 1.0:
+        return model
+    return replace(model, seconds_per_sample={k: v * f for k, v in
+                                              model.seconds_per_sample.items()},
+                   pass_overhead_s=model.pass_overhead_s * f,
+                   optimizer_fit={k: (a * f, b * f, c * f) for k, (a, b, c) in
+                                  model.optimizer_fit.items()})

@@ -49,6 +49,9 @@ class PartCosts(Protocol):
     @property
     def step_overhead(self) -> float: ...
 
+    @property
+    def sync_wait_s(self) -> float: ...
+
     def alpha_beta(self, path: Path | None, kind: str | None = None) -> tuple[float, float]: ...
 
     def sample_time(self, device: Device, profile: ModelProfile,
@@ -194,6 +197,26 @@ def _in_flight(schedule: str, m: int, p: int, v: int, j: int) -> float:
     return min(m * v, 2 * (p - j - 1) + (v - 1) * p + 1) / v
 
 
+def _step_messages(model: PartCosts, plan: Plan, layout: MeshLayout) -> float:
+    """What every pipeline step sends beyond its activations and its dp sync
+    (``strategies.pipeline``): the replica's batch and targets all-gathered over the
+    pipeline group, the global gradient norm's and the commit's one-element all-reduces over
+    the world. Two of them meet ranks right after compute (the batch's, after the previous
+    step; the norm's, after the schedule): a wait each; the others follow at their idle
+    cost. The batch's bytes are not in the profile: charged as latency."""
+    p, world = plan.pp_degree, plan.world_size
+    if world <= 1:
+        return 0.0
+    row_links = layout.links[0] if layout.links else ()
+    pp_path = row_links[0] if row_links else None
+    world_path = (layout.group_paths[0] if layout.group_paths else None) or pp_path
+    ag = model.alpha_beta(pp_path, "all_gather")
+    ar = model.alpha_beta(world_path, "all_reduce")
+    t = 2 * collective_time("all_gather", 8.0, p, *ag) if p > 1 else 0.0
+    t += 2 * collective_time("all_reduce", 8.0, world, *ar)
+    return t + 2 * model.sync_wait_s
+
+
 def estimate_pipeline(
     model: PartCosts, plan: Plan, profile: ModelProfile, layout: MeshLayout
 ) -> Estimate:
@@ -278,6 +301,6 @@ def estimate_pipeline(
             opt = max(opt, model.layout_optimizer_time(plan.dp_mode, d, pos_blocks[j], dp,
                                                        profile))
 
-    step = compute + exposed + opt + model.step_overhead
+    step = compute + exposed + opt + model.step_overhead + _step_messages(model, plan, layout)
     return Estimate(step, compute, exposed, opt, bubble_fraction(p, m, plan.schedule, v),
                             tuple(mem), link, use, tight)

@@ -144,7 +144,7 @@ def _cmd_plan(a: argparse.Namespace) -> int:
 def _cmd_sweep(a: argparse.Namespace) -> int:
     from .sweep import cli
 
-    return cli(a.sweep, n_trials=a.n_trials)
+    return cli(a.sweep, n_trials=a.n_trials, scheduler=a.scheduler)
 
 
 def _cmd_report(a: argparse.Namespace) -> int:
@@ -254,6 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
     sw = sub.add_parser("sweep", help="run or resume an Optuna sweep; every trial is a job")
     sw.add_argument("sweep", help="sweep YAML file (see docs/sweeps.md)")
     sw.add_argument("--n-trials", type=int, help="finished trials to reach (overrides the file)")
+    sw.add_argument("--scheduler", help="queue the trials in this running elastic scheduler "
+                    "(`elastic scheduler start`), sharing its workers with its other jobs")
     sw.set_defaults(fn=_cmd_sweep)
 
     rp = sub.add_parser("report", help="plot a run directory: PNG and HTML with events marked")

@@ -1,4 +1,4 @@
-"""``elastic scheduler start|stop|status`` and ``elastic queue submit|list|cancel``: thin
+"""``elastic scheduler start|stop|status`` and ``elastic queue submit|list|watch|cancel``: thin
 commands over ``elastic.scheduler`` (which holds the Ray calls)."""
 
 from __future__ import annotations
@@ -98,6 +98,14 @@ def _list(a: argparse.Namespace) -> int:
     return 0
 
 
+def _watch(a: argparse.Namespace) -> int:
+    from . import scheduler
+    from .queue_view import watch
+
+    watch(lambda: (scheduler.rows(a.name), scheduler.info(a.name)), interval_s=a.interval)
+    return 0
+
+
 def _cancel(a: argparse.Namespace) -> int:
     from . import scheduler
 
@@ -135,17 +143,20 @@ def add_parsers(sub: Any, attach: Callable[[str | None], None],
     s.set_defaults(fn=lambda a: _cmd({"start": _start, "stop": _stop,
                                       "status": _status}[a.action])(a))
 
-    q = sub.add_parser("queue", help="submit a job to a scheduler, list or cancel its jobs")
-    q.add_argument("action", choices=["submit", "list", "cancel"])
+    q = sub.add_parser("queue", help="submit a job to a scheduler, list, watch or cancel its "
+                       "jobs")
+    q.add_argument("action", choices=["submit", "list", "watch", "cancel"])
     q.add_argument("job", nargs="?", help="submit: the job YAML; cancel: the job's name")
     q.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a job setting")
     q.add_argument("--json", action="store_true", help="list: machine-readable output")
+    q.add_argument("--interval", type=float, default=1.0, help="watch: seconds between redraws")
     common(q)
 
     def queue(a: argparse.Namespace) -> int:
-        if a.action != "list" and not a.job:
+        if a.action not in ("list", "watch") and not a.job:
             raise SystemExit(f"elastic queue {a.action} needs a job "
                              f"({'YAML file' if a.action == 'submit' else 'name'})")
-        return _cmd({"submit": _submit, "list": _list, "cancel": _cancel}[a.action])(a)
+        return _cmd({"submit": _submit, "list": _list, "watch": _watch,
+                     "cancel": _cancel}[a.action])(a)
 
     q.set_defaults(fn=queue)

@@ -52,8 +52,10 @@ class SchedulerActor:
         self.round_s = round_s
         self._t0 = time.monotonic()
         self.store = QueueStore(db) if db else None
+        self.hooks: dict[str, Any] = {}  # job -> its step hook (a sweep's trial), not persisted
         self.core = SchedulerCore(policy_named(policy, resize_s=resize_s, max_wait_s=max_wait_s),
-                                  workers, ControllerRunner(self.pool), clock=self.now,
+                                  workers, ControllerRunner(self.hooks, self.pool),
+                                  clock=self.now,
                                   on_change=self._persist)
         self.restored = 0
         if self.store is not None:
@@ -93,8 +95,12 @@ class SchedulerActor:
         if self.store is not None:
             self.store.update(j.name, j.state, j.row())
 
-    def submit(self, cfg: Any) -> str:
+    def submit(self, cfg: Any, hook: Any = None) -> str:
+        """Queue ``cfg``; ``hook`` (``on_step``/``pause_after``, e.g. a sweep trial's pruner)
+        runs beside the job's controller in this process."""
         name = self.core.submit(cfg)
+        if hook is not None:
+            self.hooks[name] = hook
         if self.store is not None:
             self.store.add(name, dumps(self.core.jobs[name].cfg), time.time())
         self._wake.set()
@@ -126,6 +132,7 @@ class SchedulerActor:
         res = j.result
         return {"state": j.state, "error": j.error, "row": j.row(),
                 "steps": len(res.history) if res is not None else 0,
+                "history": list(res.history) if res is not None else [],
                 "state_dict": res.state_dict() if res is not None else None,
                 "run_dir": getattr(res, "run_dir", None)}
 
@@ -237,6 +244,8 @@ class ScheduledJob:
             time.sleep(0.5)
 
 
-def submit_to(scheduler: str, cfg: Any) -> ScheduledJob:
-    """Queue ``cfg`` (a ``JobConfig``) in the running scheduler ``scheduler``."""
-    return ScheduledJob(scheduler, str(call(lookup(scheduler).submit, cfg)))
+def submit_to(scheduler: str, cfg: Any, hook: Any = None) -> ScheduledJob:
+    """Queue ``cfg`` (a ``JobConfig``) in the running scheduler ``scheduler``; ``hook``: a
+    picklable object whose ``on_step`` and ``pause_after`` the job's controller gets (a sweep
+    trial's pruner: ``elastic.sweep.trial_steps.ScheduledHook``)."""
+    return ScheduledJob(scheduler, str(call(lookup(scheduler).submit, cfg, hook)))

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from elastic.checkpoint.location import StorageLocation, redact, scrub
@@ -40,12 +40,12 @@ from .sections import (
     Section,
     Training,
 )
-from .worker_config import WorkerConfig
+from .worker_config import JobCode, WorkerConfig
 
 __all__ = ["JobConfig"]
 
 
-class JobConfig:
+class JobConfig(JobCode):
     """Everything a job needs (see the module docstring). Not thread-safe for writes."""
 
     # training
@@ -313,31 +313,6 @@ class JobConfig:
             peer_copies_every=self.peer_copies_every,
             peer_copies_memory_gb=self.peer_copies_memory_gb,
             faults=tuple(self.faults) if self.faults is not None else None)
-
-    # ------------------------------------------------------------------ code
-    def model_factory(self) -> Callable[[], Any]:
-        return self.training.model_factory()
-
-    def optimizer_factory(self) -> Callable[[Any], Any]:
-        return self.training.optimizer_factory()
-
-    def loss_fn(self) -> Callable[[Any, Any], Any]:
-        return self.training.loss_fn()
-
-    def lr_schedule_fn(self) -> Callable[[int], float] | None:
-        """``step -> multiplier`` of the optimizer's lr, or None (elastic.schedules)."""
-        return self.training.lr_schedule_fn(self.data.max_steps)
-
-    def strategy_options(self) -> dict[str, Any]:
-        """Job settings that every layout applies itself (``StrategySpec.options``)."""
-        return self.training.strategy_options()
-
-    def dataset_object(self) -> Any:
-        return self.data.dataset_object()
-
-    def eval_dataset_object(self) -> Any:
-        """The evaluation dataset, or None."""
-        return self.evaluation.dataset_object(self.data)
 
     # ------------------------------------------------------------------ output
     def redact(self, text: str) -> str:

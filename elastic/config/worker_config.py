@@ -11,18 +11,58 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from elastic.checkpoint.location import StorageLocation
 
 from .flat import Setting
 from .sections import Data, Evaluation, Training
 
-__all__ = ["WorkerConfig"]
+__all__ = ["JobCode", "WorkerConfig"]
+
+
+class JobCode:
+    """The job's code and data, built from its checked sections; shared by ``JobConfig`` (the
+    driver) and ``WorkerConfig`` (a worker), which both hold ``training``, ``data`` and
+    ``evaluation``."""
+
+    if TYPE_CHECKING:  # a field of WorkerConfig, a property of JobConfig
+        @property
+        def training(self) -> Training: ...
+
+        @property
+        def data(self) -> Data: ...
+
+        @property
+        def evaluation(self) -> Evaluation: ...
+
+    def model_factory(self) -> Callable[[], Any]:
+        return self.training.model_factory()
+
+    def optimizer_factory(self) -> Callable[[Any], Any]:
+        return self.training.optimizer_factory()
+
+    def loss_fn(self) -> Callable[[Any, Any], Any]:
+        return self.training.loss_fn()
+
+    def lr_schedule_fn(self) -> Callable[[int], float] | None:
+        """``step -> multiplier`` of the optimizer's lr, or None (elastic.schedules)."""
+        return self.training.lr_schedule_fn(self.data.max_steps)
+
+    def strategy_options(self) -> dict[str, Any]:
+        """Job settings that every layout applies itself (``StrategySpec.options``)."""
+        return self.training.strategy_options()
+
+    def dataset_object(self) -> Any:
+        return self.data.dataset_object()
+
+    def eval_dataset_object(self) -> Any:
+        """The evaluation dataset, or None."""
+        return self.evaluation.dataset_object(self.data)
 
 
 @dataclass(frozen=True)
-class WorkerConfig:
+class WorkerConfig(JobCode):
     """What a worker reads of its job's config. Immutable; picklable."""
 
     training: Training
@@ -53,24 +93,3 @@ class WorkerConfig:
         """Where checkpoints go, safe to print, or None when the job writes none."""
         loc = self.checkpoint_location
         return loc.shown if loc is not None else None
-
-    def model_factory(self) -> Callable[[], Any]:
-        return self.training.model_factory()
-
-    def optimizer_factory(self) -> Callable[[Any], Any]:
-        return self.training.optimizer_factory()
-
-    def loss_fn(self) -> Callable[[Any, Any], Any]:
-        return self.training.loss_fn()
-
-    def lr_schedule_fn(self) -> Callable[[int], float] | None:
-        return self.training.lr_schedule_fn(self.data.max_steps)
-
-    def strategy_options(self) -> dict[str, Any]:
-        return self.training.strategy_options()
-
-    def dataset_object(self) -> Any:
-        return self.data.dataset_object()
-
-    def eval_dataset_object(self) -> Any:
-        return self.evaluation.dataset_object(self.data)

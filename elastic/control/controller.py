@@ -12,6 +12,7 @@ over a fake one).
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -69,15 +70,14 @@ class Controller:
 
     def __init__(self, config: JobConfig, view: View | None = None,
                  on_step: Callable[[dict[str, Any]], Any] | None = None, *,
+                 pause_after: Callable[[int], int | None] | None = None,
                  group_factory: Callable[[JobConfig], Any] | None = None,
-                 mailbox_factory: Callable[[str], Any] | None = None,
-                 pool: Any = None) -> None:
-        """``on_step(entry)`` is called in the controller's thread for every completed step
-        (the history entry); if it returns True the job stops at the next step boundary (an
-        Optuna pruner uses this). ``group_factory``/``mailbox_factory`` replace Ray (tests):
-        without them the controller connects to Ray and uses ``WorkerGroup`` and the job's
-        control actor. ``pool``: a ``WorkerPool`` (``elastic.control.pool``) the job's
-        workers come from and go back to."""
+                 mailbox_factory: Callable[[str], Any] | None = None, pool: Any = None) -> None:
+        """``on_step(entry)``: called in the controller's thread for each completed step (the
+        history entry); True stops the job at the next step boundary. ``pause_after(step)``:
+        the first step >= ``step`` after which the workers wait for ``on_step`` (a pruner's).
+        ``group_factory``/``mailbox_factory`` replace Ray and ``WorkerGroup`` (tests); ``pool``:
+        a ``WorkerPool`` (``elastic.control.pool``) the job's workers come from and go back to."""
         config.validate()
         self.cfg = config
         self.view = view or View()
@@ -89,8 +89,9 @@ class Controller:
         self.failures = 0
         self.phase = ControllerState.STARTING
         self._group_factory = group_factory
+        self._pause_after = pause_after or (lambda step: None)
         self._mailbox_factory = mailbox_factory
-        self._pool = pool
+        self._ray_group = functools.partial(_ray_group, pool=pool)
         self.group: Any = None
         self._started_ray = False
         self.steps = StepLog(None, self.view, on_step)
@@ -212,8 +213,7 @@ class Controller:
         self.view.start(cfg.job_name, cfg.max_steps)
         self._emit("start", f"job {cfg.job_name}: {cfg.max_steps} steps, global batch "
                    f"{cfg.global_batch_size}, {cfg.num_workers} workers, strategy {cfg.strategy}")
-        self.group = (self._group_factory(cfg) if self._group_factory is not None
-                      else _ray_group(cfg, self._pool))
+        self.group = (self._group_factory or self._ray_group)(cfg)
         self.regroup = Regroup(cfg, self.group, self.layouts, self.tracker, self.steps,
                                self._emit, self._drain)
         self.evacuation = Evacuation(cfg, self.group, self.layouts, self.tracker, self.regroup,
@@ -400,7 +400,8 @@ class Controller:
         if self.step >= self._end():
             return AtBoundary(self.step)
         assert self.layouts is not None
-        return Running(self.step, self.layouts.segment_end(self.step, self._end(), self.group))
+        return Running(self.step, self.layouts.segment_end(self.step, self._end(), self.group,
+                                                           self._pause_after(self.step)))
 
     def _target_strategy(self) -> str:
         if self.cfg.strategy == "auto":
@@ -481,7 +482,7 @@ def _ray_connect(cfg: JobConfig) -> bool:
     return connect(cfg.ray_address, cfg.max_world * float(cfg.resources_per_worker.get("CPU", 1)))
 
 
-def _ray_group(cfg: JobConfig, pool: Any = None) -> Any:
+def _ray_group(cfg: JobConfig, *, pool: Any = None) -> Any:
     from .worker_group import WorkerGroup
 
     return WorkerGroup(cfg, cfg.emulate, pool)

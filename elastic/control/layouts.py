@@ -144,10 +144,13 @@ class Layouts:
             return None
         self.block_costs = [statistics.median(col) for col in zip(*rows, strict=True)]
         return self.block_costs
-    def segment_end(self, step: int, end: int, group: Any) -> int:
+    def segment_end(self, step: int, end: int, group: Any, pause: int | None = None) -> int:
         """Where a segment from ``step`` stops for the layouts' sake: a scheduled switch,
-        the next re-balancing check while balancing, else ``end``."""
+        the next re-balancing check while balancing, after step ``pause`` (the caller's:
+        a step whose outcome it must hear before the workers go on), else ``end``."""
         ends = [end] + [s for s in self.cfg.switch_at if s > step]
+        if pause is not None:
+            ends.append(pause + 1)
         every = self.cfg.rebalance_every
         if every > 0 and self.balancing(group):
             ends.append((step // every + 1) * every)

@@ -51,18 +51,21 @@ def load_sweep(source: SweepConfig | dict[str, Any] | str) -> SweepConfig:
 
 
 def run_sweep(config: SweepConfig | dict[str, Any] | str, *, n_trials: int | None = None,
-              out: TextIO | None = None) -> optuna.Study:
+              out: TextIO | None = None, scheduler: str | None = None) -> optuna.Study:
     """Run (or resume) a sweep until ``n_trials`` trials of its study have finished
     (complete or pruned) and return the study.
 
     ``config`` is a sweep file path, a dict of its contents or a SweepConfig; ``n_trials``
-    overrides the file's. Progress lines go to ``out`` if given. Raises ``ConfigError`` for a
+    overrides the file's. Progress lines go to ``out`` if given. ``scheduler`` (or the
+    file's ``scheduler:``) queues each trial in that running elastic scheduler, which
+    shares its workers among the trials and its other jobs under its policy. Raises ``ConfigError`` for a
     bad sweep (before any trial starts), ``ClusterError`` when Ray cannot host one trial.
     Errors inside a trial fail that trial only; the sweep goes on.
     """
     cfg = load_sweep(config)
-    if n_trials is not None:
-        cfg = dataclasses.replace(cfg, n_trials=n_trials)
+    if n_trials is not None or scheduler is not None:
+        cfg = dataclasses.replace(cfg, n_trials=n_trials or cfg.n_trials,
+                                  scheduler=scheduler or cfg.scheduler)
         cfg.validate()
     probes = cfg.probe_configs()
     if cfg.storage is None:
@@ -77,9 +80,11 @@ def run_sweep(config: SweepConfig | dict[str, Any] | str, *, n_trials: int | Non
         return study
     started = connect(probes)
     try:
-        n_jobs = concurrency(cfg, probes)
+        n_jobs = concurrency(cfg, probes) if cfg.scheduler is None else _queued(cfg, probes)
+        where = (f"{n_jobs} at a time" if cfg.scheduler is None else
+                 f"up to {n_jobs} queued at a time in scheduler {cfg.scheduler!r}")
         runner.say(f"study {cfg.study_name} in {cfg.storage_shown}: {done} finished, "
-                   f"running {remaining} more, {n_jobs} at a time; trial runs under {cfg.run_path}")
+                   f"running {remaining} more, {where}; trial runs under {cfg.run_path}")
         study.optimize(
             runner.objective, n_trials=remaining, n_jobs=n_jobs, timeout=cfg.timeout_s,
             catch=(ElasticError,), gc_after_trial=False, show_progress_bar=False,
@@ -90,23 +95,34 @@ def run_sweep(config: SweepConfig | dict[str, Any] | str, *, n_trials: int | Non
     return study
 
 
+def _queued(cfg: SweepConfig, probes: list[JobConfig]) -> int:
+    """Trials in a scheduler's queue at once: ``max_concurrent``, else as many as its
+    workers hold at the trials' smallest size (the scheduler admits and sizes them)."""
+    from ..scheduler import info
+
+    capacity = int(info(str(cfg.scheduler))["workers"])
+    smallest = min(c.min_world for c in probes)
+    return max(1, cfg.max_concurrent or capacity // max(1, smallest))
+
+
 def optimize(base: JobConfig | dict[str, Any], params: dict[str, Any], n_trials: int, *,
              study_name: str = "sweep", storage: str | None = None, direction: str = "minimize",
              sampler: str | dict[str, Any] = "tpe", pruner: str | dict[str, Any] = "median",
              max_concurrent: int | None = None, objective: Any = "final_loss",
-             run_dir: str | None = None, out: TextIO | None = None) -> optuna.Study:
+             run_dir: str | None = None, out: TextIO | None = None,
+             scheduler: str | None = None) -> optuna.Study:
     """The SDK form of a sweep file: ``base`` may hold Python objects (callables, datasets)."""
     return run_sweep({
         "study": {"name": study_name, "storage": storage, "direction": direction,
                   "sampler": sampler, "pruner": pruner},
         "base": base, "params": params, "n_trials": n_trials, "max_concurrent": max_concurrent,
-        "objective": objective, "run_dir": run_dir}, out=out)
+        "objective": objective, "run_dir": run_dir}, out=out, scheduler=scheduler)
 
 
-def cli(path: str, n_trials: int | None = None) -> int:
-    """``elastic sweep FILE``: run the sweep, print progress and the summary; 1 if no trial
-    completed."""
+def cli(path: str, n_trials: int | None = None, scheduler: str | None = None) -> int:
+    """``elastic sweep FILE [--scheduler NAME]``: run the sweep, print progress and the
+    summary; 1 if no trial completed."""
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    study = run_sweep(path, n_trials=n_trials, out=sys.stdout)
+    study = run_sweep(path, n_trials=n_trials, out=sys.stdout, scheduler=scheduler)
     print(format_summary(study))
     return 0 if trial_counts(study)["complete"] else 1

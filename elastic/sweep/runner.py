@@ -1,10 +1,15 @@
 """The trial runner: each Optuna trial runs the base job with its sampled values, as a job.
 
 ``TrialRunner.objective`` is the objective Optuna calls, in one thread per concurrent trial:
-it asks the trial for its values, runs ``elastic.fit`` on the trial's job with an ``on_step``
-hook that reports each step's loss and stops the job at the next step boundary when the
-pruner says so, and records what the job ran as in the trial's user attributes.
-``after_trial`` prints one line per finished trial. No Ray here: ``fit`` reaches the cluster.
+it asks the trial for its values and runs the trial's job (a ``Controller``, as
+``elastic.fit`` does) with an ``on_step`` hook that reports each step's loss. The job pauses
+after each step at which the pruner can decide (``pruning.PruneSteps``): the hook asks the
+pruner there, with the workers waiting, so a pruned trial trains no step past the decision
+and its workers are released at once. A trial that Hyperband promotes is grown by
+``clusters.sweep_policy.PromotionPolicy`` (``promotion: {growth: g}``) through the job's
+in-place ``scale`` request at that same boundary. What the job ran as goes into the trial's
+user attributes; ``after_trial`` prints one line per finished trial. No Ray here: the
+controller reaches the cluster.
 """
 
 from __future__ import annotations
@@ -12,13 +17,21 @@ from __future__ import annotations
 import math
 import threading
 import time
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, TextIO
 
 import optuna
 
+from clusters.sweep_policy import PromotionPolicy
+
+from ..config import JobConfig
 from ..errors import ElasticError
+from .pruning import PruneSteps
 from .report import trial_line
 from .sweep_file import SweepConfig
+from .trial_steps import ScheduledHook, TrialSteps
+
+if TYPE_CHECKING:
+    from ..control import FitResult
 
 __all__ = ["TrialRunner"]
 
@@ -31,6 +44,8 @@ class TrialRunner:
         self.cfg = cfg
         self.out = out
         self.value = cfg.objective_fn()
+        self.prune_steps = PruneSteps.of(cfg.pruner)
+        self.promotion = PromotionPolicy(cfg.promotion) if cfg.promotion is not None else None
         self._lock = threading.Lock()
 
     def say(self, line: str) -> None:
@@ -42,32 +57,16 @@ class TrialRunner:
         """Run trial ``trial`` as a job and return its value. ``optuna.TrialPruned`` when the
         pruner stopped it; an ``ElasticError`` of the job fails the trial (its first line is
         the trial's ``error`` attribute)."""
-        from ..api import fit
-
         cfg = self.cfg
         values = {name: p.suggest(trial) for name, p in cfg.params.items()}
         fields = cfg.trial_fields(trial.number, values)
         trial.set_user_attr("run_dir", fields["run_dir"])
         trial.set_user_attr("job", fields["name"])
-        reported: set[int] = set()
-        pruned_at: list[int] = []
-
-        def on_step(entry: dict[str, Any]) -> bool:
-            if pruned_at:
-                return True
-            step = int(entry["step"])
-            if step in reported:  # re-run after a recovery from an older state
-                return False
-            reported.add(step)
-            trial.report(float(entry["loss"]), step)
-            if trial.should_prune():
-                pruned_at.append(step)
-                return True
-            return False
-
         t0 = time.monotonic()
         try:
-            result = fit(fields, on_step=on_step)
+            job = JobConfig.from_dict(fields)
+            result = (self._scheduled(trial, job) if cfg.scheduler is not None
+                      else self._run(trial, job))
         except ElasticError as e:
             trial.set_user_attr("error", f"{type(e).__name__}: {str(e).splitlines()[0]}"[:1000])
             trial.set_user_attr("seconds", round(time.monotonic() - t0, 2))
@@ -79,10 +78,42 @@ class TrialRunner:
                          ("min_loss", min(finite) if finite else None),
                          ("seconds", round(time.monotonic() - t0, 2))):
             trial.set_user_attr(key, val)
-        if pruned_at:
-            trial.set_user_attr("pruned_at_step", pruned_at[0])
-            raise optuna.TrialPruned(f"pruned at step {pruned_at[0]}")
+        pruned_at = trial.storage.get_trial_user_attrs(trial._trial_id).get(  # noqa: SLF001
+            "pruned_at_step")
+        if pruned_at is not None:
+            raise optuna.TrialPruned(f"pruned at step {pruned_at}")
         return float(self.value(result))
+
+    def _run(self, trial: optuna.Trial, job: JobConfig) -> FitResult:
+        """The trial's job in this process: a controller whose ``on_step`` is the trial's."""
+        from ..control import Controller, Request
+        from ..view import make_view
+
+        ctl: list[Controller] = []
+        hook = TrialSteps(trial, self.prune_steps, self.promotion,
+                          (job.num_workers, job.min_world, job.max_world),
+                          lambda kind, value, why: ctl[0].post(Request(kind, value, why)))
+        ctl.append(Controller(job, make_view(job.view, job.log_every), on_step=hook.on_step,
+                              pause_after=hook.pause_after))
+        return ctl[0].run()
+
+    def _scheduled(self, trial: optuna.Trial, job: JobConfig) -> FitResult:
+        """The trial's job queued in the elastic scheduler ``cfg.scheduler``: it starts when
+        the scheduler's policy admits it and runs at the size it decides; the pruner's hook
+        runs beside its controller in the scheduler's process."""
+        from ..control import FitResult
+        from ..scheduler import submit_to
+
+        assert self.cfg.scheduler is not None
+        hook = ScheduledHook(self.cfg.storage_url, self.cfg.study_name,
+                             trial._trial_id, trial.study.pruner,  # noqa: SLF001
+                             self.prune_steps)
+        out = submit_to(self.cfg.scheduler, job, hook=hook).result()
+        if out["state"] != "finished":
+            raise ElasticError(f"the scheduler's job {job.job_name!r} ended {out['state']}: "
+                               f"{out.get('error') or 'cancelled'}")
+        final = {f"model/{k}": v for k, v in (out.get("state_dict") or {}).items()}
+        return FitResult(final, list(out.get("history") or []), [], out.get("run_dir") or "")
 
     def after_trial(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
         self.say(trial_line(trial))

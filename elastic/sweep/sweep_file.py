@@ -21,7 +21,7 @@ from .space import Param, set_path
 __all__ = ["SweepConfig", "load_yaml", "child_uri", "OWNED", "OBJECTIVES"]
 
 _TOP = ("study", "n_trials", "max_concurrent", "base", "params", "objective", "run_dir",
-        "enqueue", "timeout_s")
+        "enqueue", "timeout_s", "promotion", "scheduler")
 _STUDY = ("name", "storage", "direction", "sampler", "pruner", "heartbeat_interval",
           "grace_period", "max_retry")
 OWNED = ("name", "run_dir", "view")  # set by the sweep for each trial
@@ -54,6 +54,8 @@ class SweepConfig:
     run_dir: str | None = None  # default: ./runs/<study name>
     enqueue: list[dict[str, Any]] = field(default_factory=list)
     timeout_s: float | None = None
+    promotion: float | None = None  # growth of a promoted trial's workers per rung (hyperband)
+    scheduler: str | None = None  # run the trials through this elastic scheduler's queue
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SweepConfig:
@@ -88,7 +90,8 @@ class SweepConfig:
             "params": {str(k): v if isinstance(v, Param) else Param.parse(str(k), v)
                        for k, v in params.items()},
         }
-        for key in ("n_trials", "max_concurrent", "objective", "run_dir", "enqueue", "timeout_s"):
+        for key in ("n_trials", "max_concurrent", "objective", "run_dir", "enqueue", "timeout_s",
+                    "scheduler"):
             if data.get(key) is not None:
                 kw[key] = data[key]
         for key in ("storage", "direction", "heartbeat_interval", "grace_period", "max_retry"):
@@ -100,6 +103,10 @@ class SweepConfig:
             spec = study.get(key)
             if spec is not None:
                 kw[key] = {"type": spec} if isinstance(spec, str) else spec
+        promo = data.get("promotion")
+        if promo is not None:
+            kw["promotion"] = promo.get("growth") if isinstance(promo, dict) and set(promo) <= {
+                "growth"} else promo if isinstance(promo, (int, float)) else "?"
         cfg = cls(**kw)
         cfg.validate()
         return cfg
@@ -223,6 +230,11 @@ class SweepConfig:
             if extra:
                 raise ConfigError(f"enqueue[{i}]", f"{extra[0]!r} is not a searched parameter.",
                                   f"use names from params: {', '.join(self.params)}")
+        self._validate_promotion()
+        if self.scheduler is not None and (not isinstance(self.scheduler, str)
+                                           or not self.scheduler.strip()):
+            raise ConfigError("scheduler", f"must be a scheduler's name, got {self.scheduler!r}.",
+                              "e.g. scheduler: default (`elastic scheduler start` runs one)")
         if self.storage is not None and not isinstance(self.storage, str):
             raise ConfigError("study.storage", "must be a SQLAlchemy URL string.",
                               "e.g. sqlite:///runs/sweep.db")
@@ -230,6 +242,29 @@ class SweepConfig:
             cfg.model_factory()
             cfg.optimizer_factory()
             cfg.loss_fn()
+
+    def _validate_promotion(self) -> None:
+        """``promotion: {growth: g}``: only with a pruner that promotes (hyperband), g >= 1,
+        and a base job that may grow (``max_workers`` above ``num_workers``)."""
+        g = self.promotion
+        if g is None:
+            return
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or not g >= 1:
+            raise ConfigError("promotion", f"growth must be a number >= 1, got {g!r}.",
+                              "e.g. promotion: {growth: 2} (each rung passed doubles the "
+                              "trial's workers, up to max_workers)")
+        if self.scheduler is not None:
+            raise ConfigError("promotion", "cannot be used with a scheduler: the scheduler "
+                              "sizes every job it runs, trials included.",
+                              "drop promotion, or run the sweep without --scheduler")
+        if self.pruner.get("type", "median") != "hyperband":
+            raise ConfigError("promotion", "needs a pruner that promotes trials.",
+                              "set study.pruner: {type: hyperband, ...}, or drop promotion")
+        top = self.base.get("max_workers")
+        if not isinstance(top, int) or "max_workers" in self.params:
+            raise ConfigError("promotion", "needs base.max_workers: the most workers a "
+                              "promoted trial may grow to.",
+                              "set base.max_workers (a fixed number, not searched)")
 
     def objective_fn(self) -> Callable[[Any], float]:
         """The trial's value from its ``FitResult``."""

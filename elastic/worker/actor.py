@@ -280,8 +280,8 @@ class Worker:
     def profile_terms(self, shares: list[int], rounds: int = 7) -> dict[str, Any]:
         """Collective: this rank's measurements for the planner's cost model, each repeated
         ``rounds`` times (``Profiler.profile_terms``: trial dp steps under ``shares``)."""
-        def control() -> None:
-            self.membership.ctrl_allreduce(torch.zeros(5, dtype=torch.float64)).wait()
+        def control() -> Any:  # started here, waited for a step later (as the step loop)
+            return self.membership.ctrl_allreduce(torch.zeros(6, dtype=torch.float64))
 
         return self._guard(lambda: self.profiler.profile_terms(
             list(shares), self.membership.rank, self.membership.world, control, rounds))

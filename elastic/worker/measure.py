@@ -5,9 +5,13 @@ the per-block hooks that time (and, for emulated devices, slow) a rank's compute
 figure is taken while the peers are as busy as they are in a step): forward+backward of the
 model at two batch sizes (per sample and per pass) and block by block, the optimizer's step
 (every tensor, the tensors ZeRO-1/2 would give this rank, and zero3's DTensor shards), each
-collective kind at three sizes *between bursts of compute* (a collective inside a step waits
-for busy peers; timed between idle workers, zero3's per-block gathers were under-predicted by
-42 %), and a few trial dp steps with the step loop's data fetch and control all-reduce. Each
+collective kind at three sizes both *right after a burst of compute* (a collective that
+meets busy peers waits for the slowest; timed between idle workers only, zero3's per-block
+gathers were under-predicted by 42 %) and *right after another collective* (a message that
+follows one in a chain does not wait again; charged the loaded figure per message, zero1 and
+zero2 were over-predicted by up to 3x), and a few trial dp steps with the step loop's data
+fetch and control all-reduce, and a few of zero3 (its per-unit gathers meet busy peers:
+what they wait beyond their messages is measured, not assumed). Each
 figure is a list of repeated seconds; ``clusters.measured.terms_model`` reduces them to
 medians and spreads and builds the cost model.
 
@@ -263,9 +267,14 @@ def _collective(kind: str, nbytes: int, world: int, rank: int, device: torch.dev
 
 
 def _collective_times(world: int, rank: int, device: torch.device, rounds: int,
-                      busy_s: float, sizes: Sequence[int]) -> dict[str, Any]:
-    """Per kind and size: seconds of one collective right after a burst of compute (the
-    burst's own time, measured alone, taken off)."""
+                      busy_s: float, sizes: Sequence[int]) -> tuple[dict[str, Any],
+                                                                   dict[str, Any]]:
+    """Per kind and size, two series: ``loaded``, the seconds of one collective right after
+    a burst of compute (the burst's own time, measured alone, taken off): what a message
+    that waits on the peers' compute pays; and ``idle``, the seconds of one collective right
+    after another one (the ranks already in step): what each further message of a chain
+    pays. Their difference is the wait for the slowest peer's compute, which a step pays
+    once per point where the ranks meet after computing, not once per message."""
     sync = _sync_fn(device)
     busy = _busy(busy_s)
     alone = []
@@ -274,30 +283,37 @@ def _collective_times(world: int, rank: int, device: torch.device, rounds: int,
         busy()
         alone.append(time.perf_counter() - t0)
     base = sorted(alone)[len(alone) // 2]
-    out: dict[str, Any] = {}
+    loaded: dict[str, Any] = {}
+    idle: dict[str, Any] = {}
     for kind in _KINDS:
-        rows = []
+        rows, rows_idle = [], []
         for nb in sizes:
             op = _collective(kind, nb, world, rank, device)
             dist.barrier()
             op()  # warm-up (buffers, connections)
-            ts = []
+            ts, ts_idle = [], []
             for _ in range(rounds):
                 t0 = time.perf_counter()
                 busy()
                 op()
                 sync()
-                ts.append(max(0.0, time.perf_counter() - t0 - base))
+                t1 = time.perf_counter()
+                ts.append(max(0.0, t1 - t0 - base))
+                op()  # right after the first: the ranks are in step
+                sync()
+                ts_idle.append(time.perf_counter() - t1)
             rows.append([nb, ts])
-        out[kind] = rows
-    return out
+            rows_idle.append([nb, ts_idle])
+        loaded[kind] = rows
+        idle[kind] = rows_idle
+    return loaded, idle
 
 
 def profile_terms(*, model_factory: Callable[[], nn.Module], loss_fn: Any,
                   optimizer_factory: Callable[[Any], Any], batch: Callable[[int], Any],
                   shares: Sequence[int], rank: int, world: int, device: torch.device,
                   autocast: Callable[[], Any], slowdown: float = 1.0, rounds: int = 7,
-                  trial_steps: int = 6, control: Callable[[], None] | None = None
+                  trial_steps: int = 6, control: Callable[[], Any] | None = None
                   ) -> dict[str, Any]:
     """Collective over the current group: this rank's report for
     ``clusters.measured.terms_model`` (see there for the format).
@@ -305,12 +321,11 @@ def profile_terms(*, model_factory: Callable[[], nn.Module], loss_fn: Any,
     ``batch(step)`` returns this rank's (inputs, targets) of ``step`` under ``shares`` (one
     per rank; the step loop's own data path), which the compute figures and the trial dp
     steps use;
-    ``control()``: the step loop's per-step control all-reduce; ``slowdown``: an emulated
-    device's factor (its compute figures are scaled by it, and the trial steps run under its
-    hooks). Every rank must call it with the same ``rounds``, ``trial_steps`` and
-    ``shares``."""
-    from strategies import Runtime, StrategySpec
-    from strategies import get as get_strategy
+    ``control()``: starts the step loop's per-step control all-reduce and returns something
+    to ``wait()`` on (waited for after the next step, as the loop does); ``slowdown``: an
+    emulated device's factor (its compute figures are scaled by it, and the trial steps run
+    under its hooks). Trial steps: ``trial_steps`` of dp and half as many of zero3 (world >
+    1). Every rank must call it with the same ``rounds``, ``trial_steps`` and ``shares``."""
     from strategies.blocks import blocks_of
 
     sync = _sync_fn(device)
@@ -338,31 +353,69 @@ def profile_terms(*, model_factory: Callable[[], nn.Module], loss_fn: Any,
     }
     if world > 1:
         busy_s = min(0.005, max(0.0005, statistics_median(compute[0]) / max(1, len(blocks))))
-        report["collectives"] = _collective_times(world, rank, device, rounds, busy_s,
-                                                  COLLECTIVE_SIZES)
-    # trial dp steps: the real strategy and the step loop's data fetch and control all-reduce
+        report["collectives"], report["collectives_idle"] = _collective_times(
+            world, rank, device, rounds, busy_s, COLLECTIVE_SIZES)
+    # trial steps: the real strategy and the step loop's data fetch and control all-reduce;
+    # dp's set the per-step overhead, zero3's its per-unit wait (FSDP's gathers under load)
     del model
-    spec = StrategySpec("dp", world, tuple(int(s) for s in shares))
+    run = {"shares": shares, "world": world, "rank": rank, "device": device,
+           "model_factory": model_factory, "optimizer_factory": optimizer_factory,
+           "loss_fn": loss_fn, "batch": batch, "control": control, "slowdown": slowdown}
+    report["trial"] = {"shares": [int(s) for s in shares],
+                       "seconds": _trial_steps("dp", trial_steps, **run)}
+    if world > 1:
+        secs = _trial_steps("zero3", max(2, trial_steps // 2), **run)
+        if secs:
+            report["trial_zero3"] = {"shares": [int(s) for s in shares], "seconds": secs}
+    return report
+
+
+def _trial_steps(name: str, n: int, *, shares: Sequence[int], world: int, rank: int,
+                 device: torch.device, model_factory: Callable[[], nn.Module],
+                 optimizer_factory: Callable[[Any], Any], loss_fn: Any,
+                 batch: Callable[[int], Any], control: Callable[[], Any] | None,
+                 slowdown: float) -> list[float]:
+    """Seconds of ``n`` steps of layout ``name`` (after 2 warm-up steps) as the step loop
+    runs them: the data fetch, the strategy's step, the control all-reduce issued after it
+    and waited for after the next one. [] when the layout refuses the model (on every rank
+    alike: ``validate`` is deterministic)."""
+    from strategies import Runtime, StrategySpec
+    from strategies import get as get_strategy
+    from strategies.blocks import blocks_of
+    from strategies.errors import StrategyError
+
+    sync = _sync_fn(device)
+    spec = StrategySpec(name, world, tuple(int(s) for s in shares))
     torch.manual_seed(0)
-    strat = get_strategy("dp")(spec, Runtime(rank, world, device), model_factory(),
-                               optimizer_factory, loss_fn)
+    model = model_factory()
+    try:
+        get_strategy(name).validate(spec, model)
+    except StrategyError:
+        return []
+    strat = get_strategy(name)(spec, Runtime(rank, world, device), model, optimizer_factory,
+                               loss_fn)
     hooks = SpanHooks()
     try:
         hooks.install(blocks_of(strat.local_model()), slowdown, device, time_forward=False)
         steps: list[float] = []
-        for step in range(trial_steps + 2):
+        pending: Any = None
+        for step in range(n + 2):
             t0 = time.perf_counter()
             xs, ys = batch(step)
             strat.train_step(xs, ys)
-            if control is not None:
-                control()
+            if control is not None:  # as the step loop: issued now, waited for a step on
+                work = control()
+                if pending is not None:
+                    pending.wait()
+                pending = work
             sync()
             steps.append(time.perf_counter() - t0)
-        report["trial"] = {"shares": list(spec.shares), "seconds": steps[2:]}
+        if pending is not None:
+            pending.wait()
+        return steps[2:]
     finally:
         hooks.remove()
         strat.close()
-    return report
 
 
 def statistics_median(xs: Sequence[float]) -> float:

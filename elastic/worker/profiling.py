@@ -155,7 +155,7 @@ class Profiler:
         return {"block_seconds": secs, "boundary_bytes": bounds}
 
     def profile_terms(self, shares: list[int], rank: int, world: int,
-                      control: Callable[[], None], rounds: int = 7) -> dict[str, Any]:
+                      control: Callable[[], Any], rounds: int = 7) -> dict[str, Any]:
         """Collective: this rank's measurements for the planner's cost model, each repeated
         ``rounds`` times (``measure.profile_terms``; trial dp steps under ``shares`` with the
         step loop's data fetch and ``control`` all-reduce)."""

@@ -318,11 +318,11 @@ ACCUMULATION = [("dp-2", 2, [[2, 2, 1], [2, 1]]), ("zero1-3", 2, [[2, 1], [2, 1]
 def test_gradient_accumulation_matches_one_pass(pool: _Pool, case: str, mbs: int,
                                                 expect: list[list[int]]) -> None:
     """``micro_batch_size``: a rank runs its share as micro-batches of at most that many
-    samples and reduces once (dp, zero1), reduces each micro-batch to the owners (zero2) or
-    accumulates FSDP's reduce-scattered shards (zero3); zero2 and zero3 run as many
-    micro-batches on every rank, since each is a collective there. The step is the same mean
-    over G (same ATOL as the one-pass runs), and zero2's non-owners hold no gradient after
-    it."""
+    samples and reduces once (dp, zero1), all-reduces each micro-batch keeping the owned
+    sums (zero2) or accumulates FSDP's reduce-scattered shards (zero3); zero2 and zero3 run
+    as many micro-batches on every rank, since each is a collective there. The step is the
+    same mean over G (same ATOL as the one-pass runs), and zero2's non-owners hold no
+    gradient after it."""
     name, world, kw = CASES[case]
     spec = StrategySpec(name=name, world_size=world, **kw)
     kw = {**kw, "options": {"micro_batch_size": mbs}}

@@ -57,11 +57,12 @@ def _reduce(mode: str) -> dict[str, Any]:
         loss.backward()  # type: ignore[union-attr]
         gb.flush()
         out["steps"].append([None if p.grad is None else p.grad.clone() for p in params])
+        out.setdefault("sq", []).append(None if gb.last_sq is None else float(gb.last_sq))
     gb.close()
     return out
 
 
-@pytest.mark.parametrize("mode", ["all_reduce", "reduce"])
+@pytest.mark.parametrize("mode", ["all_reduce", "owned"])
 def test_gradients_hold_the_sums(pool: ProcessPool, mode: str) -> None:
     results = pool.run(_reduce, mode, world_size=2)
     owner = [0, 1, 1, 0, 1]
@@ -74,6 +75,15 @@ def test_gradients_hold_the_sums(pool: ProcessPool, mode: str) -> None:
                     continue
                 want = (1 + 2) * (i + 1) * (step + 1)  # the sum over both ranks
                 assert torch.equal(g, torch.full_like(g, want)), (mode, rank, i)
+            # owned: every rank added up the squared norm of the whole summed gradient, no
+            # message of its own; all_reduce mode leaves it to the caller
+            sizes = [30, 7, 50, 20, 9]
+            want_sq = sum(n * ((1 + 2) * (i + 1) * (step + 1)) ** 2
+                          for i, n in enumerate(sizes) if i != 1)
+            if mode == "owned":
+                assert r["sq"][step] == pytest.approx(want_sq, rel=1e-6), (rank, step)
+            else:
+                assert r["sq"][step] is None
 
 
 def _messages(name: str) -> dict[str, int]:
@@ -116,12 +126,9 @@ def _messages(name: str) -> dict[str, int]:
 
 @pytest.mark.parametrize("name", ["zero1", "zero2"])
 def test_a_zero_step_sends_a_few_messages(pool: ProcessPool, name: str) -> None:
-    """96 parameter tensors (26 KB of gradients: one bucket): zero1 one all-reduce, zero2 one
-    reduce per owner, then one broadcast per owner; it was one message per tensor. zero2 adds
-    the one-scalar all-reduce of the global gradient norm (every step: issue 13); zero1's
-    ranks hold the whole gradient and compute it without one."""
+    """96 parameter tensors (26 KB of gradients: one bucket): one all-reduce, then one
+    broadcast per owner; it was one message per tensor. Neither sends a message for the
+    global gradient norm (every step: issue 13): zero1's ranks hold the whole gradient, and
+    zero2's add up the squares of every bucket's sums as they arrive."""
     per_step = pool.run(_messages, name, world_size=2)[0]
-    if name == "zero1":
-        assert per_step == {"all_reduce": 1, "reduce": 0, "broadcast": 2}
-    else:
-        assert per_step == {"all_reduce": 0 + 1, "reduce": 2, "broadcast": 2}
+    assert per_step == {"all_reduce": 1, "reduce": 0, "broadcast": 2}

@@ -93,8 +93,9 @@ def test_median_pruner_stops_the_losing_trial_early(pruned):
     assert good.state == TrialState.COMPLETE and good.user_attrs["steps"] == PRUNE_STEPS
     assert good.value == pytest.approx(good.user_attrs["final_loss"])
     assert bad.state == TrialState.PRUNED
-    # the job stopped at a step boundary soon after the pruner said so, and freed its workers
-    assert 2 <= bad.user_attrs["pruned_at_step"] < bad.user_attrs["steps"] < PRUNE_STEPS
+    # the job stopped at the step boundary of the pruner's decision: no step past it
+    assert 2 <= bad.user_attrs["pruned_at_step"] < PRUNE_STEPS
+    assert bad.user_attrs["steps"] == bad.user_attrs["pruned_at_step"] + 1
     for t in (good, bad):
         assert os.path.exists(os.path.join(t.user_attrs["run_dir"], "metrics.jsonl"))
         assert os.path.dirname(t.user_attrs["run_dir"]).endswith("runs")

@@ -173,6 +173,27 @@ def test_on_step_true_stops_the_job(tmp_path):
     assert len(result.history) < STEPS
 
 
+def test_pause_after_ends_segments_there_and_a_stop_then_costs_no_step(tmp_path):
+    """A sweep's pruner decides at known steps: the workers pause after each, so the stop
+    ``on_step`` returns there lands before any further step."""
+    fake = FakeGroup(mlp())
+    gates = [3, 7, 11]
+    ctl = Controller(_cfg(tmp_path), group_factory=lambda cfg: fake,
+                     mailbox_factory=lambda job: None, on_step=lambda e: e["step"] == 7,
+                     pause_after=lambda s: next((g for g in gates if g >= s), None))
+    result = ctl.run()
+    assert [h["step"] for h in result.history] == list(range(8))  # nothing past step 7
+    assert [c[1] for c in fake.calls if c[0] == "segment"] == [(0, 4), (4, 8)]
+    # without a stop the job runs to its end, pausing at each decision step
+    fake = FakeGroup(mlp())
+    ctl = Controller(_cfg(tmp_path, run_dir=str(tmp_path / "run2")), group_factory=lambda cfg: fake,
+                     mailbox_factory=lambda job: None, on_step=lambda e: False,
+                     pause_after=lambda s: next((g for g in gates if g >= s), None))
+    assert len(ctl.run().history) == STEPS
+    assert [c[1] for c in fake.calls if c[0] == "segment"] == [(0, 4), (4, 8), (8, 12),
+                                                             (12, STEPS)]
+
+
 def test_scale_up_waits_for_spares_without_pausing_then_refuses(tmp_path, monkeypatch):
     """A growth the cluster cannot meet is refused after a bounded wait, saying why; training
     went on meanwhile (no placement wait at the boundary)."""

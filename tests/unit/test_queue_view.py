@@ -1,0 +1,92 @@
+"""The live view of a scheduler's queue (``elastic queue watch``), rendered to a string from
+the queue's state alone. No Ray."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from elastic.queue_view import render_queue, watch
+
+pytest.importorskip("rich")
+
+INFO = {"name": "lab", "policy": "srpt", "workers": 4, "decisions": 17,
+        "errors": ["RuntimeError: boom [x]"]}
+
+
+def _row(job: str, state: str, workers: int = 0, **kw) -> dict:
+    row = {"job": job, "state": state, "workers": workers, "step": 0, "max_steps": 100,
+           "min_workers": 1, "max_workers": 4, "submitted_s": 0.0, "remaining_s": None,
+           "reason": "", "error": None, "resizes": 0, "resizing": False}
+    row.update(kw)
+    return row
+
+
+ROWS = [
+    _row("done-job", "finished", step=30, max_steps=30, submitted_s=0.0, reason="ended"),
+    _row("waits", "queued", submitted_s=5.0, reason="queued: no room (4 of 4 in use)"),
+    _row("long", "running", 1, step=412, max_steps=100000, remaining_s=3900.0, submitted_s=1.0,
+         resizes=1, reason="shrunk 4->1: made room for short [sweep]"),
+    _row("short", "running", 3, step=7, max_steps=30, remaining_s=12.4, submitted_s=2.0,
+         resizing=True, reason="#1 by remaining time"),
+    _row("bad", "failed", step=3, error="WorkerError: user code failed on rank 0",
+         submitted_s=3.0),
+]
+
+
+def _line(lines: list[str], job: str) -> int:
+    """The index of ``job``'s row (its first cell)."""
+    return next(i for i, ln in enumerate(lines)
+                if "│" in ln and ln.split("│")[1].strip() == job)
+
+
+def _text(renderable, width: int = 160) -> str:
+    from rich.console import Console
+
+    c = Console(file=io.StringIO(), width=width, force_terminal=False, record=True)
+    c.print(renderable)
+    return c.export_text()
+
+
+def test_every_job_with_state_allocation_steps_time_left_and_why():
+    out = _text(render_queue(ROWS, INFO))
+    lines = out.splitlines()
+    # the header: scheduler, policy, workers in use of its capacity, counts, decisions
+    assert "scheduler lab" in out and "policy srpt" in out and "workers 4/4 in use" in out
+    assert "2 running, 1 queued" in out and "decisions 17" in out
+    # running first (in submission order), then queued, then ended jobs
+    order = [_line(lines, job) for job in ("long", "short", "waits", "bad", "done-job")]
+    assert order == sorted(order), out
+    long = lines[_line(lines, "long")]
+    assert "1 (1..4)" in long and "412/100000" in long and "65min" in long
+    assert "shrunk 4->1: made room for short [sweep]" in long  # markup-looking text kept
+    assert long.count("█") == 1 and long.count("·") == 3  # a cell per worker of the 4
+    short = lines[_line(lines, "short")]
+    assert "3* (1..4)" in short and "7/30" in short and "12s" in short  # * while resizing
+    assert "#1 by remaining time" in short
+    waits = lines[_line(lines, "waits")]
+    assert "queued" in waits and "no room" in waits and "█" not in waits
+    bad = lines[_line(lines, "bad")]
+    assert "WorkerError: user code failed on rank 0" in bad  # a failed job's error is its why
+    assert "loop errors: RuntimeError: boom [x]" in out
+
+
+def test_an_empty_queue_and_an_unknown_scheduler_render():
+    out = _text(render_queue([], {}))
+    assert "the queue is empty" in out and "scheduler ?" in out
+
+
+def test_watch_redraws_what_it_fetches():
+    from rich.console import Console
+
+    seen: list[int] = []
+
+    def fetch():
+        seen.append(1)
+        return [_row("j", "running", 2, step=len(seen), remaining_s=1.0)], INFO
+
+    c = Console(file=io.StringIO(), width=160, force_terminal=False, record=True)
+    watch(fetch, console=c, interval_s=0.0, max_rounds=3)
+    assert len(seen) == 3
+    assert "3/100" in c.export_text()

@@ -1,0 +1,153 @@
+"""Sweeps' pure decisions: where the pruner can decide (so a trial's workers wait there and
+nowhere else), and how many workers a promoted trial gets (clusters.sweep_policy), over
+their tables; the pruning steps are checked against Optuna's own pruners."""
+
+from __future__ import annotations
+
+import random
+
+import optuna
+import pytest
+
+from clusters.sweep_policy import (
+    Grow,
+    PromotionObservation,
+    PromotionPolicy,
+    Stay,
+    simulate_halving,
+)
+from elastic.errors import ConfigError
+from elastic.sweep import load_sweep
+from elastic.sweep.pruning import PruneSteps
+from elastic.sweep.study import make_pruner
+from elastic.sweep.sweep_file import SweepConfig
+
+
+@pytest.mark.parametrize("spec, steps", [
+    ({"type": "none"}, []),
+    ({"type": "median"}, list(range(20))),
+    ({"type": "median", "n_warmup_steps": 5}, list(range(5, 20))),
+    ({"type": "median", "n_warmup_steps": 3, "interval_steps": 4}, [3, 7, 11, 15, 19]),
+    ({"type": "hyperband"}, [1, 3, 9]),
+    ({"type": "hyperband", "min_resource": 2, "reduction_factor": 2}, [2, 4, 8, 16]),
+    ({"type": "hyperband", "min_resource": "auto"}, list(range(20))),  # unknown: every step
+])
+def test_decision_steps_table(spec, steps):
+    p = PruneSteps.of(spec)
+    assert [s for s in range(20) if p.decides_at(s)] == steps
+    for s in range(20):  # next_at is the first decision step at or after s
+        later = [x for x in steps if x >= s]
+        want = later[0] if later else None
+        got = p.next_at(s)
+        assert got == want or (not later and (got is None or got >= 20)), (s, got, want)
+
+
+def _prune_step(pruner_spec: dict, curves: list[list[float]], ask) -> list[int | None]:
+    """Run trials with these loss curves through Optuna (in memory): each reports every
+    step and asks ``should_prune`` where ``ask(step)``; the step each was pruned at."""
+    cfg = SweepConfig(base={"max_steps": len(curves[0])}, params={}, pruner=pruner_spec)
+    study = optuna.create_study(study_name="s", pruner=make_pruner(cfg))
+    out: list[int | None] = []
+    for curve in curves:
+        trial = study.ask()
+        at = None
+        for step, v in enumerate(curve):
+            trial.report(v, step)
+            if ask(step) and trial.should_prune():
+                at = step
+                break
+        if at is None:
+            study.tell(trial, curve[-1])
+        else:
+            study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+        out.append(at)
+    return out
+
+
+@pytest.mark.parametrize("spec", [
+    {"type": "median", "n_startup_trials": 2, "n_warmup_steps": 3},
+    {"type": "median", "n_startup_trials": 1, "n_warmup_steps": 2, "interval_steps": 3},
+    {"type": "hyperband", "min_resource": 1, "reduction_factor": 3},
+    {"type": "hyperband", "min_resource": 2, "reduction_factor": 2},
+])
+def test_asking_only_at_decision_steps_prunes_as_asking_at_every_step(spec):
+    rng = random.Random(7)
+    curves = [[rng.uniform(0.5, 2.0) / (1 + s * rng.uniform(0.01, 0.3)) for s in range(30)]
+              for _ in range(12)]
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    every = _prune_step(spec, curves, lambda s: True)
+    steps = PruneSteps.of(spec)
+    assert _prune_step(spec, curves, steps.decides_at) == every
+    assert any(at is not None for at in every)  # the table is exercised: some are pruned
+
+
+@pytest.mark.parametrize("obs, decision", [
+    # rung 1 doubles a 1-worker trial
+    (PromotionObservation(1, 1, 1, 1, 8), Grow(2, "")),
+    (PromotionObservation(2, 2, 1, 1, 8), Grow(4, "")),
+    # capped by max_workers; already there: stay
+    (PromotionObservation(3, 4, 1, 1, 4), Stay("")),
+    (PromotionObservation(3, 2, 1, 1, 3), Grow(3, "")),
+    # capped by what is free
+    (PromotionObservation(2, 1, 1, 1, 8, free=1), Grow(2, "")),
+    (PromotionObservation(2, 1, 1, 1, 8, free=0), Stay("")),
+    # never shrinks (a trial scaled up by someone else keeps its size)
+    (PromotionObservation(1, 6, 1, 1, 8), Stay("")),
+    # min_workers floor; rung 0 is the start
+    (PromotionObservation(0, 2, 2, 2, 8), Stay("")),
+    (PromotionObservation(1, 2, 2, 2, 8), Grow(4, "")),
+])
+def test_promotion_policy_table(obs, decision):
+    d = PromotionPolicy(2.0).decide(obs)
+    assert type(d) is type(decision)
+    if isinstance(d, Grow):
+        assert d.n == decision.n and f"rung {obs.rung}" in d.reason
+    assert d.reason
+
+
+def test_growth_one_never_grows():
+    policy = PromotionPolicy(1.0)
+    for rung in range(5):
+        assert isinstance(policy.decide(PromotionObservation(rung, 1, 1, 1, 8)), Stay)
+
+
+def test_simulated_halving_with_growth_finishes_sooner_on_the_same_cluster():
+    rng = random.Random(3)
+    scores = [rng.random() for _ in range(27)]
+    kw = dict(steps=81, step_s=0.1, min_resource=1, reduction_factor=3, capacity=8, start=1,
+              max_workers=8)
+    flat = simulate_halving(scores, policy=PromotionPolicy(1.0), **kw)
+    grown = simulate_halving(scores, policy=PromotionPolicy(3.0), **kw)
+    assert flat.sizes.count(1) == 27
+    assert max(grown.sizes) == 8  # the last trial standing reaches the cap
+    assert grown.seconds < 0.6 * flat.seconds
+    # workers are not free: a step on n workers is 1 + (n-1)*0.9 times faster, so a little more
+    # worker time in all
+    assert flat.worker_seconds < grown.worker_seconds < 1.2 * flat.worker_seconds
+
+
+def _sweep(**kw) -> dict:
+    data = {"study": {"name": "t", "pruner": {"type": "hyperband", "min_resource": 2}},
+            "base": {"model": "tests.helpers:mlp", "optimizer": {"name": "adam", "lr": 0.01},
+                     "loss": "mse", "dataset": "tests.helpers:RegressionData",
+                     "global_batch_size": 8, "max_steps": 20, "num_workers": 1,
+                     "max_workers": 4},
+            "params": {"optimizer.lr": {"type": "float", "low": 1e-4, "high": 0.1}}}
+    data.update(kw)
+    return data
+
+
+def test_promotion_settings_are_checked():
+    assert load_sweep(_sweep(promotion={"growth": 2})).promotion == 2
+    bad = [(_sweep(promotion={"growth": 0.5}), "promotion"),
+           (_sweep(promotion={"grow": 2}), "promotion"),
+           ({**_sweep(promotion={"growth": 2}), "study": {"name": "t", "pruner": "median"}},
+            "promotion"),
+           ({**_sweep(promotion=2), "base": {**_sweep()["base"], "max_workers": None}},
+            "promotion"),
+           (_sweep(scheduler=""), "scheduler"),
+           (_sweep(promotion={"growth": 2}, scheduler="lab"), "promotion")]
+    for data, field in bad:
+        with pytest.raises(ConfigError) as e:
+            load_sweep(data)
+        assert e.value.field == field and e.value.fix
