@@ -1,7 +1,8 @@
 """elastic: a Ray-based elastic training orchestrator.
 
 ``elastic.fit(...)`` trains a job on Ray actors (one per device) and returns a ``FitResult``;
-``elastic.submit(...)`` returns a handle to switch strategies or stop while it runs.
+``elastic.submit(...)`` returns a handle to switch strategies or stop while it runs;
+``elastic.WorkerPool(...)`` keeps worker processes warm between jobs (``pool=``).
 """
 
 import importlib
@@ -11,6 +12,7 @@ if TYPE_CHECKING:
     from .api import JobHandle, fit, submit
     from .config import JobConfig
     from .control import FitResult
+    from .control.pool import WorkerPool
     from .errors import (
         CheckpointError,
         ClusterError,
@@ -25,7 +27,7 @@ if TYPE_CHECKING:
 # Imported on first use (PEP 562), so that `elastic status` and the other CLI commands that
 # train nothing do not import torch (~2 s).
 _WHERE = {"JobHandle": "api", "fit": "api", "submit": "api", "JobConfig": "config",
-          "FitResult": "control", "Event": "events",
+          "FitResult": "control", "Event": "events", "WorkerPool": "control.pool",
           **{n: "errors" for n in ("ElasticError", "ConfigError", "ClusterError", "WorkerError",
                                    "InfrastructureError", "CheckpointError", "SwitchError")}}
 
@@ -52,6 +54,8 @@ __all__ = [
     "InfrastructureError",
     "CheckpointError",
     "SwitchError",
+    "WorkerPool",
 ]
+
 
 __version__ = "0.1.0"

@@ -27,16 +27,19 @@ def _config(config: JobConfig | dict[str, Any] | str | None, overrides: dict[str
 
 
 def fit(config: JobConfig | dict[str, Any] | str | None = None, *, display: View | None = None,
-        on_step: Callable[[dict[str, Any]], Any] | None = None, **fields: Any) -> FitResult:
+        on_step: Callable[[dict[str, Any]], Any] | None = None, pool: Any = None,
+        **fields: Any) -> FitResult:
     """Train a job to completion and return its result.
 
     ``config`` is a ``JobConfig``, a dict of its fields, or a YAML path; keyword arguments
     set or override fields (``fit(model=..., optimizer=..., ...)`` works without a config).
     Raises ``ConfigError`` before any worker starts for bad settings, ``WorkerError`` with the
     worker's rank and traceback when user code fails, ``ClusterError`` when Ray cannot host it.
+    ``pool``: an ``elastic.WorkerPool`` whose warm workers the job takes and gives back.
     """
     cfg = _config(config, fields)
-    ctl = Controller(cfg, display or make_view(cfg.view, cfg.log_every), on_step=on_step)
+    ctl = Controller(cfg, display or make_view(cfg.view, cfg.log_every), on_step=on_step,
+                     pool=pool)
     return ctl.run()
 
 
@@ -112,30 +115,32 @@ class JobHandle:
 @overload
 def submit(config: JobConfig | dict[str, Any] | str | None = None, *, display: View | None = None,
            on_step: Callable[[dict[str, Any]], Any] | None = None, scheduler: None = None,
-           **fields: Any) -> JobHandle: ...
+           pool: Any = None, **fields: Any) -> JobHandle: ...
 
 
 @overload
 def submit(config: JobConfig | dict[str, Any] | str | None = None, *, display: View | None = None,
            on_step: Callable[[dict[str, Any]], Any] | None = None, scheduler: str,
-           **fields: Any) -> Any: ...
+           pool: None = None, **fields: Any) -> Any: ...
 
 
 def submit(config: JobConfig | dict[str, Any] | str | None = None, *, display: View | None = None,
            on_step: Callable[[dict[str, Any]], Any] | None = None, scheduler: str | None = None,
-           **fields: Any) -> Any:
+           pool: Any = None, **fields: Any) -> Any:
     """Start a job in the background and return a ``JobHandle`` (switch, stop, status, result).
 
     With ``scheduler=NAME`` the job is queued in the running elastic scheduler of that name
     instead (``elastic scheduler start``): it decides when the job starts and how many workers
-    it has; returns a ``ScheduledJob`` (status, cancel, result)."""
+    it has; returns a ``ScheduledJob`` (status, cancel, result). ``pool``: an
+    ``elastic.WorkerPool`` whose warm workers the job takes and gives back (a scheduler has
+    its own: ``elastic scheduler start --warm N``)."""
     cfg = _config(config, fields)
     if scheduler is not None:
-        if display is not None or on_step is not None:
-            raise ValueError("a scheduled job runs in the scheduler's process: display and "
-                             "on_step cannot be given with scheduler=")
+        if display is not None or on_step is not None or pool is not None:
+            raise ValueError("a scheduled job runs in the scheduler's process: display, "
+                             "on_step and pool cannot be given with scheduler=")
         from .scheduler import submit_to
 
         return submit_to(scheduler, cfg)
     return JobHandle(Controller(cfg, display or make_view(cfg.view, cfg.log_every),
-                                on_step=on_step))
+                                on_step=on_step, pool=pool))

@@ -20,7 +20,9 @@ from .errors import ClusterError
 
 __all__ = ["connect", "disconnect", "check_reachable", "address_of", "attach", "LocalNodes",
            "named_actors", "named_actor", "start_named", "call", "kill", "dumps", "loads",
-           "draining_nodes", "node_infos", "request_drain", "node_alive", "pg_ready", "wait_all"]
+           "draining_nodes", "node_infos", "request_drain", "node_alive", "pg_ready",
+           "start_in_bundle", "new_bundle", "remove_bundle", "wait_refs", "get_ref", "actor_key",
+           "free_bundles", "runtime_env_now"]
 
 log = logging.getLogger(__name__)
 
@@ -328,8 +330,89 @@ def pg_ready(pg: Any) -> bool:
         return False
 
 
-def wait_all(refs: list[Any], timeout_s: float) -> tuple[list[Any], list[Any]]:
-    """``ray.wait`` for all of ``refs`` up to ``timeout_s``: (ended, not ended)."""
+# --------------------------------------------------------------------------- warm pool
+# (the Ray calls of ``elastic.control.pool``, which decides what to do with them)
+
+
+def new_bundle(bundle: dict[str, float]) -> Any:
+    """A placement group of one ``bundle`` (not waited for: an actor placed in it starts
+    once it is reserved)."""
+    from ray.util.placement_group import placement_group
+
+    return placement_group([dict(bundle)])
+
+
+def remove_bundle(pg: Any) -> None:
     import ray
 
-    return ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    try:
+        ray.util.remove_placement_group(pg)
+    except Exception:  # noqa: BLE001 - already removed
+        pass
+
+
+def start_in_bundle(cls: type, args: tuple[Any, ...], bundle: dict[str, float], pg: Any,
+                    slot: int, runtime_env: dict[str, Any] | None = None) -> Any:
+    """Start ``cls(*args)`` as a threaded worker actor (``max_concurrency=2``, never
+    restarted) in bundle ``slot`` of ``pg``; returns its handle at once."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    opts: dict[str, Any] = {
+        "num_cpus": bundle.get("CPU", 1), "num_gpus": bundle.get("GPU", 0),
+        "resources": {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")},
+        "max_concurrency": 2, "max_restarts": 0,
+        "scheduling_strategy": PlacementGroupSchedulingStrategy(
+            pg, placement_group_bundle_index=slot)}
+    if runtime_env:
+        opts["runtime_env"] = runtime_env
+    remote_cls: Any = ray.remote(cls)
+    return remote_cls.options(**opts).remote(*args)
+
+
+def wait_refs(refs: list[Any], timeout_s: float | None) -> tuple[list[Any], list[Any]]:
+    """(ready, not ready) within ``timeout_s`` (``ray.wait`` for all of them)."""
+    import ray
+
+    if not refs:
+        return [], []
+    ready, rest = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    return list(ready), list(rest)
+
+
+def get_ref(ref: Any, timeout_s: float | None = None) -> Any:
+    """The value of ``ref``; raises what the task raised (Ray's wrapper)."""
+    import ray
+
+    return ray.get(ref, timeout=timeout_s)
+
+
+def actor_key(handle: Any) -> str:
+    """The actor's id (hex): one worker process, whichever handle object names it."""
+    return str(handle._actor_id.hex())
+
+
+def free_bundles(bundle: dict[str, float]) -> int:
+    """How many ``bundle``s the cluster's free resources hold now, node by node."""
+    import ray
+
+    try:
+        per_node = ray._private.state.available_resources_per_node()
+    except Exception:  # noqa: BLE001 - an older Ray: the cluster's total
+        per_node = {"all": ray.available_resources()}
+    need = {k: v for k, v in bundle.items() if v > 0}
+    total = 0
+    for free in per_node.values():
+        total += int(min((free.get(k, 0.0) + 1e-9) // v for k, v in need.items())) if need else 0
+    return total
+
+
+def runtime_env_now() -> dict[str, Any]:
+    """The runtime environment this process's job runs in (what an actor it starts
+    inherits)."""
+    import ray
+
+    try:
+        return dict(ray.get_runtime_context().runtime_env or {})
+    except Exception:  # noqa: BLE001 - not in a Ray job
+        return {}

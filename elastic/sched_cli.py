@@ -59,9 +59,9 @@ def _start(a: argparse.Namespace) -> int:
         os.makedirs(os.path.expanduser("~/.elastic"), exist_ok=True)
         db = os.path.expanduser(f"~/.elastic/scheduler-{a.name}.sqlite")
     scheduler.start(a.name, workers=int(workers), policy=a.policy, round_s=a.round_s,
-                    resize_s=a.resize_s, max_wait_s=a.max_wait_s, db=db)
+                    resize_s=a.resize_s, max_wait_s=a.max_wait_s, db=db, warm=a.warm)
     print(f"[elastic] scheduler {a.name!r} started: {workers} workers, policy {a.policy}, "
-          f"queue in {db or 'memory'}")
+          f"queue in {db or 'memory'}" + (f", {a.warm} warm workers" if a.warm else ""))
     return 0
 
 
@@ -136,6 +136,8 @@ def add_parsers(sub: Any, attach: Callable[[str | None], None],
                    help="start: what a resize costs a job (hysteresis)")
     s.add_argument("--max-wait-s", type=float, default=1800.0,
                    help="start: a queued job waiting longer goes first (starvation guard)")
+    s.add_argument("--warm", type=int, default=0,
+                   help="start: worker processes kept warm between jobs (a pool; 0: none)")
     s.add_argument("--db", help="start: the SQLite file holding the queue (default "
                    "~/.elastic/scheduler-NAME.sqlite; 'none': memory only)")
     s.set_defaults(fn=lambda a: _cmd({"start": _start, "stop": _stop,

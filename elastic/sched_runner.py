@@ -19,9 +19,10 @@ __all__ = ["ControllerRunner", "RunningJob"]
 class RunningJob:
     """One job's controller, running in a background thread of this process."""
 
-    def __init__(self, cfg: Any, hook: Any = None) -> None:
+    def __init__(self, cfg: Any, hook: Any = None, pool: Any = None) -> None:
         self.controller = Controller(cfg, View(), on_step=hook.on_step if hook else None,
-                                     pause_after=hook.pause_after if hook else None)
+                                     pause_after=hook.pause_after if hook else None,
+                                     pool=pool)
         self.result_: FitResult | None = None
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._main, name=f"elastic-job-{cfg.job_name}",
@@ -47,13 +48,15 @@ class RunningJob:
 class ControllerRunner:
     """The scheduler core's ``Runner``: each job a ``RunningJob`` in this process;
     ``hooks``: job name -> an object whose ``on_step``/``pause_after`` its controller gets
-    (a sweep trial's pruner)."""
+    (a sweep trial's pruner); ``pool``: a ``WorkerPool`` of this process its workers come
+    from, when there is one."""
 
-    def __init__(self, hooks: dict[str, Any] | None = None) -> None:
+    def __init__(self, hooks: dict[str, Any] | None = None, pool: Any = None) -> None:
         self.hooks = hooks if hooks is not None else {}
+        self.pool = pool
 
     def start(self, name: str, cfg: Any, workers: int) -> RunningJob:
-        return RunningJob(cfg.replace(view="none"), self.hooks.pop(name, None))
+        return RunningJob(cfg.replace(view="none"), self.hooks.pop(name, None), self.pool)
 
     def scale(self, handle: RunningJob, workers: int) -> int:
         return int(handle.ask("scale", workers, "the scheduler's decision", 300.0))

@@ -41,15 +41,21 @@ class SchedulerActor:
     ``round_s`` (at once when a job arrives or is cancelled)."""
 
     def __init__(self, name: str, workers: int, policy: str, round_s: float, resize_s: float,
-                 max_wait_s: float | None, db: str | None = None) -> None:
+                 max_wait_s: float | None, db: str | None = None, warm: int = 0) -> None:
         self.name = name
+        self.pool = None  # warm workers, owned by this actor's process: they outlive jobs
+        if warm:
+            from .control.pool import WorkerPool
+
+            self.pool = WorkerPool(min(warm, workers), max_idle=workers, max_total=workers)
         self.policy_name = policy
         self.round_s = round_s
         self._t0 = time.monotonic()
         self.store = QueueStore(db) if db else None
         self.hooks: dict[str, Any] = {}  # job -> its step hook (a sweep's trial), not persisted
         self.core = SchedulerCore(policy_named(policy, resize_s=resize_s, max_wait_s=max_wait_s),
-                                  workers, ControllerRunner(self.hooks), clock=self.now,
+                                  workers, ControllerRunner(self.hooks, self.pool),
+                                  clock=self.now,
                                   on_change=self._persist)
         self.restored = 0
         if self.store is not None:
@@ -112,7 +118,8 @@ class SchedulerActor:
         return {"name": self.name, "policy": self.policy_name, "workers": self.core.capacity,
                 "decisions": self.core.decisions, "now_s": self.now(), "errors": self.errors[-5:],
                 "db": self.store.path if self.store is not None else None,
-                "restored": self.restored}
+                "restored": self.restored,
+                "pool": self.pool.info() if self.pool is not None else None}
 
     def result(self, job: str) -> dict[str, Any] | None:
         """A job that ended: its state, error, steps and final parameters; None if it has
@@ -141,6 +148,8 @@ class SchedulerActor:
                     self.core.runner.stop(j.handle)
                 except Exception:  # noqa: BLE001 - it ended meanwhile
                     pass
+        if self.pool is not None:
+            self.pool.close()
 
 
 def _actor_name(name: str) -> str:
@@ -165,13 +174,18 @@ def lookup(name: str = "default") -> Any:
 
 def start(name: str = "default", *, workers: int, policy: str = "srpt", round_s: float = 2.0,
           resize_s: float = 10.0, max_wait_s: float | None = 1800.0, detached: bool = True,
-          db: str | None = None) -> Any:
+          db: str | None = None, warm: int = 0) -> Any:
     """Start the scheduler ``name`` owning ``workers`` workers; refuses a name in use or an
     unknown policy. Returns its actor handle. Ray must be initialised (``ray_connect``).
 
     ``db``: a SQLite file (on the node that starts it) holding the queue: a scheduler started
     again with the same file takes its jobs back (``elastic.sched_store``); None: in memory
-    only. ``elastic scheduler start`` uses ``~/.elastic/scheduler-<name>.sqlite``."""
+    only. ``elastic scheduler start`` uses ``~/.elastic/scheduler-<name>.sqlite``.
+
+    ``warm``: worker processes (of one CPU, or the shape jobs ask for) the scheduler keeps
+    up between its jobs (``elastic.control.pool.WorkerPool``, owned by the scheduler's
+    process, at most ``workers`` of them): a job admitted while one is free reaches its
+    first step without starting a process."""
     if policy not in POLICIES:
         raise ElasticError(f"unknown scheduling policy {policy!r}. Fix: use one of "
                            f"{', '.join(POLICIES)}")
@@ -179,7 +193,7 @@ def start(name: str = "default", *, workers: int, policy: str = "srpt", round_s:
         raise ElasticError(f"a scheduler named {name!r} is already running. Fix: use it, or "
                            f"`elastic scheduler stop --name {name}` first")
     return start_named(SchedulerActor, _actor_name(name), NAMESPACE, name, workers, policy,
-                       round_s, resize_s, max_wait_s, db, detached=detached)
+                       round_s, resize_s, max_wait_s, db, warm, detached=detached)
 
 
 def info(name: str = "default") -> dict[str, Any]:

@@ -12,6 +12,7 @@ over a fake one).
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -71,11 +72,12 @@ class Controller:
                  on_step: Callable[[dict[str, Any]], Any] | None = None, *,
                  pause_after: Callable[[int], int | None] | None = None,
                  group_factory: Callable[[JobConfig], Any] | None = None,
-                 mailbox_factory: Callable[[str], Any] | None = None) -> None:
+                 mailbox_factory: Callable[[str], Any] | None = None, pool: Any = None) -> None:
         """``on_step(entry)``: called in the controller's thread for each completed step (the
         history entry); True stops the job at the next step boundary. ``pause_after(step)``:
         the first step >= ``step`` after which the workers wait for ``on_step`` (a pruner's).
-        ``group_factory``/``mailbox_factory`` replace Ray and ``WorkerGroup`` (tests)."""
+        ``group_factory``/``mailbox_factory`` replace Ray and ``WorkerGroup`` (tests); ``pool``:
+        a ``WorkerPool`` (``elastic.control.pool``) the job's workers come from and go back to."""
         config.validate()
         self.cfg = config
         self.view = view or View()
@@ -89,6 +91,7 @@ class Controller:
         self._group_factory = group_factory
         self._pause_after = pause_after or (lambda step: None)
         self._mailbox_factory = mailbox_factory
+        self._ray_group = functools.partial(_ray_group, pool=pool)
         self.group: Any = None
         self._started_ray = False
         self.steps = StepLog(None, self.view, on_step)
@@ -210,7 +213,7 @@ class Controller:
         self.view.start(cfg.job_name, cfg.max_steps)
         self._emit("start", f"job {cfg.job_name}: {cfg.max_steps} steps, global batch "
                    f"{cfg.global_batch_size}, {cfg.num_workers} workers, strategy {cfg.strategy}")
-        self.group = (self._group_factory or _ray_group)(cfg)
+        self.group = (self._group_factory or self._ray_group)(cfg)
         self.regroup = Regroup(cfg, self.group, self.layouts, self.tracker, self.steps,
                                self._emit, self._drain)
         self.evacuation = Evacuation(cfg, self.group, self.layouts, self.tracker, self.regroup,
@@ -219,9 +222,7 @@ class Controller:
 
     def _place(self, st: Placing) -> State:
         new = self.group.place(st.n, self.cfg.min_world)
-        infos = [w.info for w in new]
-        self._emit("placed", f"{len(new)} workers on {len({i['node_id'] for i in infos})} "
-                   f"node(s), devices {sorted({i['device_name'] for i in infos})}")
+        self._emit("placed", *_placed([w.info for w in new]))
         return Forming()
 
     def _form(self, _: Forming) -> State:
@@ -465,16 +466,26 @@ class Controller:
             disconnect()
 
 
+def _placed(infos: list[dict[str, Any]]) -> tuple[str, dict[str, Any]]:
+    """The ``placed`` event: where the workers are, and which came warm from a pool."""
+    warm = sum(1 for i in infos if i.get("warm"))
+    return (f"{len(infos)} workers on {len({i['node_id'] for i in infos})} node(s), devices "
+            f"{sorted({i['device_name'] for i in infos})}"
+            + (f", {warm} warm from the pool" if warm else ""),
+            {"warm": warm, "workers": [{"pid": i.get("pid"), "node_id": i.get("node_id"),
+                                        "warm": bool(i.get("warm"))} for i in infos]})
+
+
 def _ray_connect(cfg: JobConfig) -> bool:
     from ..ray_connect import connect
 
     return connect(cfg.ray_address, cfg.max_world * float(cfg.resources_per_worker.get("CPU", 1)))
 
 
-def _ray_group(cfg: JobConfig) -> Any:
+def _ray_group(cfg: JobConfig, *, pool: Any = None) -> Any:
     from .worker_group import WorkerGroup
 
-    return WorkerGroup(cfg, cfg.emulate)
+    return WorkerGroup(cfg, cfg.emulate, pool)
 
 
 def _ray_mailbox(job: str) -> Any:

@@ -74,14 +74,21 @@ class Mailbox:
     """The controller's side of its job's control actor: publish status, take requests,
     reply. Losing the actor must not stop training: each call says whether it worked."""
 
-    def __init__(self, handle: Any) -> None:
+    def __init__(self, handle: Any, up: Any = None) -> None:
         self._h = handle
+        self._up = up  # while its process starts: the first call's result
 
     def exchange(self, status: dict[str, Any]) -> list[dict[str, Any]] | None:
-        """Publish ``status`` and take the queued requests (None: the actor is gone)."""
+        """Publish ``status`` and take the queued requests (None: the actor is gone; no
+        request while its process is still starting)."""
         import ray
 
         try:
+            if self._up is not None:
+                if not ray.wait([self._up], timeout=0)[0]:
+                    return []
+                ray.get(self._up)
+                self._up = None
             self._h.set_status.remote(status)
             return list(ray.get(self._h.take.remote(), timeout=10))
         except Exception:  # noqa: BLE001 - any failure: the mailbox is lost
@@ -101,6 +108,9 @@ class Mailbox:
         import ray
 
         try:
+            if self._up is not None and not ray.wait([self._up], timeout=0)[0]:
+                ray.kill(self._h)  # never up: nobody could have asked it anything
+                return
             self._h.set_status.remote(status)
             deadline = time.monotonic() + linger_s
             while ray.get(self._h.unread_replies.remote()) and time.monotonic() < deadline:
@@ -111,7 +121,10 @@ class Mailbox:
 
 
 def create(job: str) -> Mailbox:
-    """Start the job's control actor; refuse a name that a running job already uses."""
+    """Start the job's control actor; refuse a name that a running job already uses. Ray
+    registers a named actor's name when it is created, so the name is the job's on return;
+    the actor's process starts meanwhile (a second or more: a job on warm workers trains
+    its first steps before it is up, ``Mailbox.exchange``)."""
     import ray
 
     try:
@@ -133,14 +146,13 @@ def create(job: str) -> Mailbox:
         handle = actor.options(
             name=actor_name(job), namespace=NAMESPACE, num_cpus=0, max_concurrency=1,
             scheduling_strategy=here,
-        ).remote(job)
-        ray.get(handle.get_status.remote())  # registered: the name is ours
+        ).remote(job)  # registered: the name is ours
     except ValueError as e:  # another driver registered the same name between check and create
         raise ElasticError(
             f"a job named {job!r} is already running on this cluster ({e}). Fix: pick another "
             "name."
         ) from None
-    return Mailbox(handle)
+    return Mailbox(handle, handle.get_status.remote())
 
 
 def list_jobs() -> list[str]:

@@ -18,7 +18,7 @@ from typing import Any
 
 from ..errors import ClusterError, ElasticError, InfrastructureError, WorkerError, WorkerLostError
 from ..failures import Failure, classify, first_cause
-from ..ray_connect import draining_nodes, node_alive, node_infos, pg_ready, request_drain, wait_all
+from ..ray_connect import draining_nodes, node_alive, node_infos, pg_ready, request_drain, wait_refs
 from .calls import PlacementCalls, WorkerCalls
 from .group import DrainNotice, Segment, SegmentPoll, WorkerRec, drain_notices, drain_reason
 from .liveness import Liveness
@@ -273,7 +273,7 @@ class Placement:
         return all(free.get(k, 0.0) >= v for k, v in bundle.items() if v > 0)
 
     def vacate(self, gone: Sequence[WorkerRec], kept: Sequence[WorkerRec]) -> None:
-        """The bundles of workers a shrink removed: a placement group no kept worker or
+        """Kill the workers a shrink removed; of their bundles, a placement group no kept worker or
         spare uses is removed (its resources go back to the cluster, for other jobs); a
         bundle of a shared one becomes a free slot (a later growth reuses it)."""
         import ray
@@ -281,6 +281,7 @@ class Placement:
         used = {id(w.pg) for w in kept} | {id(w.pg) for w, _ in self._warming}
         dropped: set[int] = set()
         for w in gone:
+            _kill(w)
             if w.pg is None or id(w.pg) in dropped:
                 continue
             if id(w.pg) in used:
@@ -294,13 +295,13 @@ class Placement:
         self.free_slots = [(pg, i) for pg, i in self.free_slots if id(pg) not in dropped]
 
     def release(self, extra: Sequence[WorkerRec]) -> None:
-        """Kill every spare and release every placement group (``extra``: the job's
-        workers, killed by the caller)."""
+        """Kill every spare and the job's workers ``extra``, and release every placement
+        group."""
         import ray
 
         warm = [w for w, _ in self._warming]
         self._warming = []
-        for w in warm:
+        for w in warm + list(extra):
             _kill(w)
         pgs = ([w.pg for w in list(extra) + warm] + [pg for pg, _ in self.free_slots]
                + [pg for pg, _, _ in self.draining + self.lost])
@@ -316,7 +317,9 @@ class WorkerGroup(PlacementCalls, WorkerCalls):
     """The job's workers on a Ray cluster (Ray must be initialised): placement (through
     ``Placement``), membership, and every call to them."""
 
-    def __init__(self, config: Any, emulate: Sequence[dict[str, Any]] | None = None) -> None:
+    def __init__(self, config: Any, emulate: Sequence[dict[str, Any]] | None = None,
+                 pool: Any = None) -> None:
+        """``pool``: a ``WorkerPool`` the job's workers come from and go back to."""
         self.cfg = config
         self.workers: list[WorkerRec] = []
         self.generation = 0
@@ -324,8 +327,8 @@ class WorkerGroup(PlacementCalls, WorkerCalls):
 
         self.liveness = Liveness(ray.util.get_node_ip_address(), config.heartbeat_timeout_s)
         self.watch = SegmentWatch(self.liveness, self._answers)
-        self.placement = Placement(config, emulate, (*self.liveness.address,
-                                                     self.liveness.token))
+        self.placement = (Placement if pool is None else pool.placement)(
+            config, emulate, (*self.liveness.address, self.liveness.token))
         self._reasons: dict[str, tuple[str, str]] = {}  # draining node -> (reason, message)
 
     def _answers(self, w: WorkerRec) -> bool:
@@ -409,8 +412,6 @@ class WorkerGroup(PlacementCalls, WorkerCalls):
         go back to the cluster where no kept worker shares their placement group, else
         become free slots). Returns the removed."""
         extra = self.workers[n:]
-        for w in extra:
-            _kill(w)
         self.workers = self.workers[:n]
         self.placement.vacate(extra, self.workers)
         return extra
@@ -443,7 +444,7 @@ class WorkerGroup(PlacementCalls, WorkerCalls):
         liveness (``SegmentWatch``); every failure, typed."""
         import ray
 
-        return self.watch.poll(seg, timeout_s, wait_all, self._failures,
+        return self.watch.poll(seg, timeout_s, wait_refs, self._failures,
                                lambda fs: int(ray.get(fs[0])["next_step"]))
 
     def _failures(self, seg: Segment, refs: Sequence[Any]) -> list[Failure]:
@@ -497,7 +498,7 @@ class WorkerGroup(PlacementCalls, WorkerCalls):
         import ray
 
         refs = [w.handle.drain.remote() for w in self.workers]
-        answered = {id(refs[i]) for i in self.watch.gather(refs, self.workers, 5.0, wait_all)}
+        answered = {id(refs[i]) for i in self.watch.gather(refs, self.workers, 5.0, wait_refs)}
         out: list[list[dict[str, Any]]] = []
         for w, ref in zip(self.workers, refs, strict=True):
             if id(ref) not in answered:
@@ -521,7 +522,7 @@ class WorkerGroup(PlacementCalls, WorkerCalls):
         import ray
 
         refs = [w.handle.checkpoint_poll.remote() for w in self.workers]
-        self.watch.gather(refs, self.workers, 30.0, wait_all)
+        self.watch.gather(refs, self.workers, 30.0, wait_refs)
         out: list[dict[str, Any] | None] = []
         for w, ref in zip(self.workers, refs, strict=True):
             try:  # (one that has not ended raises at once)
@@ -553,7 +554,7 @@ class WorkerGroup(PlacementCalls, WorkerCalls):
         (``secondary``) gives way to that peer's own."""
         import ray
 
-        ended = self.watch.gather(refs, ws, 1e9 if timeout_s is None else timeout_s, wait_all)
+        ended = self.watch.gather(refs, ws, 1e9 if timeout_s is None else timeout_s, wait_refs)
         errors: list[BaseException] = []
         for i, (w, ref) in enumerate(zip(ws, refs, strict=True)):
             try:
@@ -579,14 +580,13 @@ class WorkerGroup(PlacementCalls, WorkerCalls):
     # ------------------------------------------------------------------ teardown
 
     def close(self) -> None:
-        """Kill every worker and spare and release every placement group."""
+        """Kill every worker and spare and release every placement group (a pool's
+        placement resets its healthy workers and takes them back instead)."""
         import ray
 
         self.liveness.close()
         if not ray.is_initialized():
             return
-        for w in self.workers:
-            _kill(w)
         self.placement.release(self.workers)
         self.workers = []
 

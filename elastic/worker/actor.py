@@ -8,6 +8,10 @@ the RPC surface the controller calls; each delegates to a component that owns it
 that runs the job's code or a collective goes through the error boundary (``guarded``). This
 is the package's only module that imports Ray (``info``, ``free_port``).
 
+A pooled worker (``elastic.control.pool``) is started without a job, takes one with
+``assign`` and goes back with ``reset`` (``elastic.worker.recycle``: what a next job can and
+cannot see of the previous one).
+
 Group lifecycle: ``join`` forms a group, ``leave`` tears it down. The model, optimizer and data
 position survive ``leave``/``join`` (parked in ``HeldState``), which is what lets survivors
 keep their memory when a node is lost.
@@ -23,11 +27,12 @@ from typing import Any
 
 import torch
 
-from strategies import StrategySpec, state_hash
+from strategies import StrategySpec, health, state_hash
 
 from ..config import JobConfig, WorkerConfig
+from ..errors import ElasticError, WorkerError
 from .boundary import guarded
-from .checkpointing import Checkpointing
+from .checkpointing import Checkpointing, forget_groups
 from .faults import Faults
 from .handoff import hand_off
 from .heartbeat import Heartbeat, raylet_parent
@@ -38,8 +43,14 @@ from .loop import StepLoop
 from .membership import Membership
 from .peer_copies import PeerCopies
 from .profiling import Profiler
+from .recycle import Baseline, warm_up
+from .recycle import reset as reset_process
 
 __all__ = ["Worker"]
+
+# the attributes ``Worker._setup`` builds for a job (dropped by ``reset``)
+_JOB_PARTS = ("membership", "data", "held", "profiler", "layout", "copies", "faults",
+              "checkpoints", "loop")
 
 
 def _node_id() -> str | None:
@@ -55,26 +66,46 @@ def _node_id() -> str | None:
 class Worker:
     """Body of the worker actor (wrapped with ``ray.remote`` by the controller)."""
 
-    def __init__(self, config: JobConfig | WorkerConfig, worker_id: int, use_gpu: bool,
+    def __init__(self, config: JobConfig | WorkerConfig | None, worker_id: int, use_gpu: bool,
                  num_threads: int, liveness: tuple[str, int, str] | None = None) -> None:
-        self.config = config
-        self.worker_id = worker_id
-        # the controller learns of this process's end (or its node's) from this connection first
-        self.heartbeat = (Heartbeat(*liveness, worker_id, 0.1, node_pid=raylet_parent())
-                          if liveness else None)
-        self._left: dict[str, float] = {}  # the last leave's timings (leave)
+        """A job's worker, or (``config`` None) a pooled one waiting for ``assign``: its
+        process is up, torch and the process group's machinery loaded and, on a GPU, CUDA's
+        context created, and what the process looks like before any job is recorded for
+        ``reset`` (``elastic.worker.recycle``)."""
         torch.set_num_threads(max(1, num_threads))
         self.device = torch.device("cuda", 0) if use_gpu else torch.device("cpu")
         if use_gpu:
             torch.cuda.set_device(self.device)
-            if config.precision == "bf16" and not torch.cuda.is_bf16_supported():
-                raise ValueError(
-                    f"precision: bf16 is not supported by {torch.cuda.get_device_name()} "
-                    "(bf16 needs compute capability 8.0+: A100, H100, L4...); fix: use "
-                    "precision: fp32 for this cluster, or place the job on bf16 devices")
+            torch.zeros(1, device=self.device)  # the context now, not in the first job
+        self.warm_up_s = warm_up(self.device) if config is None else 0.0
+        self.baseline = Baseline.take() if config is None else None
+        self.jobs = 0  # jobs this process has served
+        self.user_error = False  # the current job's code raised here
+        self.heartbeat: Heartbeat | None = None
+        self._left: dict[str, float] = {}  # the last leave's timings (leave)
+        if config is not None:
+            self._setup(config, worker_id, liveness)
+        gc.freeze()  # start-up objects (torch, ray, the job's modules) skip later collections,
+        # which keeps the one in leave() short
+
+    def _setup(self, config: JobConfig | WorkerConfig, worker_id: int,
+               liveness: tuple[str, int, str] | None) -> None:
+        """Build the job's components (the constructor's job part, and ``assign``'s)."""
+        self.config = config
+        self.worker_id = worker_id
+        self.jobs += 1
+        # the controller learns of this process's end (or its node's) from this connection first
+        self.heartbeat = (Heartbeat(*liveness, worker_id, 0.1, node_pid=raylet_parent())
+                          if liveness else None)
+        if self.device.type == "cuda" and config.precision == "bf16" \
+                and not torch.cuda.is_bf16_supported():
+            raise ValueError(
+                f"precision: bf16 is not supported by {torch.cuda.get_device_name()} "
+                "(bf16 needs compute capability 8.0+: A100, H100, L4...); fix: use "
+                "precision: fp32 for this cluster, or place the job on bf16 devices")
         model_factory, loss_fn = config.model_factory(), config.loss_fn()
-        self.membership = Membership("nccl" if use_gpu else "gloo", self.device,
-                                     copies=config.peer_copies_every > 0)
+        self.membership = Membership("nccl" if self.device.type == "cuda" else "gloo",
+                                     self.device, copies=config.peer_copies_every > 0)
         self.data = JobData(config)
         self.held = HeldState()
         self.profiler = Profiler(config, self.device, self.data, model_factory, loss_fn)
@@ -87,11 +118,59 @@ class Worker:
                                          in_upload=self.faults.in_upload)
         self.loop = StepLoop(config, self.membership, self.layout, self.data, self.checkpoints,
                              self.profiler, self.faults, self.copies)
-        gc.freeze()  # start-up objects (torch, ray, the job's modules) skip later collections,
-        # which keeps the one in leave() short
 
     def _guard(self, fn: Any, *args: Any) -> Any:
-        return guarded(self.membership.rank, fn, *args)
+        try:
+            return guarded(self.membership.rank, fn, *args)
+        except WorkerError:
+            self.user_error = True  # the pool retires this process (clusters.pool_policy)
+            raise
+
+    # ------------------------------------------------------------------ warm pool
+
+    def assign(self, config: WorkerConfig, worker_id: int,
+               liveness: tuple[str, int, str] | None) -> dict[str, Any]:
+        """A pooled worker (built without a config, or ``reset``) takes a job: its
+        components are built for ``config``, as the constructor does. Returns ``info()``."""
+        if getattr(self, "config", None) is not None:
+            raise ElasticError("this worker still serves a job: reset it before assign")
+        try:
+            self._setup(config, worker_id, liveness)
+        except Exception:
+            self.user_error = True  # the job's code failed to load or build here
+            raise
+        gc.freeze()
+        return self.info()
+
+    def reset(self) -> dict[str, Any]:
+        """After a job: its group destroyed, its components (model, optimizer, data, held
+        state, checkpoint writer) and every tensor they held dropped, its heartbeat
+        stopped, and the process brought back to how it was before any job
+        (``recycle.reset``: user modules unloaded, environment restored, garbage
+        collected, CUDA's cache emptied). Returns what the pool decides on: ``ok``,
+        ``user_error`` (the job's code raised here), ``threads`` left running, ``jobs``
+        served, ``pid``."""
+        if self.baseline is None:
+            raise ElasticError("only a pooled worker (built without a config) can be reset")
+        ok, why = True, ""
+        try:
+            if getattr(self, "config", None) is not None:
+                self.checkpoints.close()
+                self.leave()
+        except Exception as e:  # noqa: BLE001 - said to the pool, which retires the worker
+            ok, why = False, f"{type(e).__name__}: {e}"
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+            self.heartbeat = None
+        for name in _JOB_PARTS:  # every reference to the job's objects goes
+            self.__dict__.pop(name, None)
+        self.config = None  # type: ignore[assignment]
+        forget_groups()
+        health.reset()
+        out = reset_process(self.baseline)
+        user_error, self.user_error = self.user_error, False
+        return {**out, "ok": ok, "why": why, "user_error": user_error, "jobs": self.jobs,
+                "pid": os.getpid()}
 
     # ------------------------------------------------------------------ identity and group
 
@@ -101,18 +180,21 @@ class Worker:
         ctx = ray.get_runtime_context()
         dev = self.device
         name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
-        emulation = self.profiler.emulation
+        prof = getattr(self, "profiler", None)  # None: a pooled worker between jobs
+        emulation = prof.emulation if prof is not None else {}
         return {
-            "worker_id": self.worker_id,
+            "worker_id": getattr(self, "worker_id", -1),
             "node_id": ctx.get_node_id(),
             "ip": ray.util.get_node_ip_address(),
             "hostname": socket.gethostname(),
             "pid": os.getpid(),
             "device": str(dev),
-            "device_name": self.profiler.display_name(name),
+            "device_name": prof.display_name(name) if prof is not None else name,
             "threads": torch.get_num_threads(),
             "emulation": dict(emulation),
             "emulated": bool(emulation),
+            "jobs": self.jobs,
+            "warm_up_s": self.warm_up_s,
         }
 
     def free_port(self) -> int:
@@ -220,6 +302,8 @@ class Worker:
             list(shares), self.membership.rank, self.membership.world, control, rounds))
 
     def shutdown(self) -> None:
+        if getattr(self, "config", None) is None:  # a pooled worker between jobs
+            return
         self.checkpoints.close()
         self.leave()
         if self.heartbeat is not None:

@@ -27,7 +27,7 @@ from ..errors import CheckpointError
 from .layout import Layout
 from .membership import Membership
 
-__all__ = ["Checkpointing", "assign_writers", "checkpoint_pieces"]
+__all__ = ["Checkpointing", "assign_writers", "checkpoint_pieces", "forget_groups"]
 
 
 def assign_writers(holdings: list[dict[str, int]]) -> dict[str, int]:
@@ -85,6 +85,12 @@ def _cpu_group() -> Any:
         _GLOO.clear()
         _GLOO[key] = dist.new_group(backend="gloo")
     return _GLOO[key]
+
+
+def forget_groups() -> None:
+    """Drop the cached gloo group (a pooled worker's next job has a new default group, whose
+    id may repeat the old one's)."""
+    _GLOO.clear()
 
 
 class Checkpointing:

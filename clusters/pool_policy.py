@@ -1,0 +1,209 @@
+"""Warm workers: the pool's decisions, ``PoolPolicy.decide(observation) -> decision`` (pure).
+
+A pool keeps worker processes that are already up (torch imported, the process group's
+machinery loaded, on a GPU host CUDA initialised) between jobs, so a job's or a trial's first
+step does not wait for processes to start. Each decision observes the idle workers, the
+workers coming back from a job (with what their reset reported), what a job asks for, and
+how many bundles the cluster has free, and returns which idle workers to hand out, which
+returned ones to keep, which workers to retire (and why), and how many new ones to start.
+The live pool (``elastic.control.pool``) carries it out; nothing here imports torch or Ray
+or reads a clock (``PoolObservation.now_s`` is given).
+
+Rules:
+
+* a worker is shared only between jobs of the same ``PoolKey``: resource shape, device kind
+  and runtime environment (a worker's process was started with them);
+* a dead worker, one whose reset failed, one whose job failed in *user code*, one that still
+  runs threads its job started, and one that served ``max_jobs`` jobs are retired, never
+  kept. A user error is retired rather than reset because the process may hold what a
+  reset cannot undo: a sticky CUDA error (every later CUDA call fails), a library the user's
+  code patched, a half-imported module. A job that failed for an infrastructure reason (a
+  peer lost) leaves its healthy workers clean: they are reset and kept;
+* a job takes idle workers of its key, most on one node first (its ranks talk over local
+  sockets), then the most recently returned (its memory is warm); what is missing starts
+  cold, and idle workers of *other* keys are retired, longest idle first, when the cluster
+  has no free bundle for it;
+* at most ``max_idle`` workers are kept idle (the longest idle go first), and none idle
+  longer than ``idle_timeout_s``;
+* ``min_idle`` workers of the pool's own key are kept started ahead of demand, while the
+  pool's workers (idle, lent and starting) stay within ``max_total``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["PoolKey", "IdleWorker", "Returned", "Want", "PoolObservation", "PoolDecision",
+           "PoolPolicy"]
+
+
+@dataclass(frozen=True, order=True)
+class PoolKey:
+    """What a worker process was started with; only jobs of the same key may share it."""
+
+    resources: tuple[tuple[str, float], ...]
+    gpu: bool = False
+    env: str = "{}"  # the runtime environment, canonical JSON
+
+    @staticmethod
+    def of(resources: Mapping[str, float], gpu: bool,
+           runtime_env: Mapping[str, Any] | None = None) -> PoolKey:
+        """The key of a bundle of ``resources`` (zero amounts dropped), GPU or not, in
+        ``runtime_env`` (None and {} are the same environment)."""
+        res = tuple(sorted((str(k), float(v)) for k, v in resources.items() if v))
+        env = json.dumps(dict(runtime_env or {}), sort_keys=True, default=str)
+        return PoolKey(res, bool(gpu), env)
+
+    def describe(self) -> str:
+        res = ", ".join(f"{k}={v:g}" for k, v in self.resources)
+        env = "" if self.env == "{}" else f", env {self.env}"
+        return f"{{{res}}}{' gpu' if self.gpu else ''}{env}"
+
+
+@dataclass(frozen=True)
+class IdleWorker:
+    """A worker in the pool: ``alive`` as last seen, idle since ``idle_since_s``."""
+
+    id: int
+    key: PoolKey
+    node: str
+    idle_since_s: float
+    jobs: int = 0
+    alive: bool = True
+
+
+@dataclass(frozen=True)
+class Returned:
+    """A worker coming back from a job, with what its reset said (``reset_ok`` False when
+    the reset failed or did not answer)."""
+
+    id: int
+    key: PoolKey
+    node: str
+    alive: bool = True
+    reset_ok: bool = True
+    user_error: bool = False
+    leaked_threads: int = 0
+    jobs: int = 1
+
+
+@dataclass(frozen=True)
+class Want:
+    """A job asks for ``n`` workers of ``key``; ``free_bundles``: how many more bundles of
+    its shape the cluster has free now (for the workers that must start cold)."""
+
+    key: PoolKey
+    n: int
+    free_bundles: int = 0
+
+
+@dataclass(frozen=True)
+class PoolObservation:
+    now_s: float
+    idle: tuple[IdleWorker, ...] = ()
+    returned: tuple[Returned, ...] = ()
+    want: Want | None = None
+    lent: int = 0  # workers out with jobs
+    starting: int = 0  # of the pool's own key, not up yet
+
+
+@dataclass(frozen=True)
+class PoolDecision:
+    hand_out: tuple[int, ...] = ()
+    keep: tuple[int, ...] = ()  # returned workers kept (now idle)
+    retire: tuple[tuple[int, str], ...] = ()  # (worker id, why)
+    start: int = 0  # new workers of the pool's own key
+    reasons: tuple[str, ...] = field(default=())
+
+    def retired(self) -> dict[int, str]:
+        return dict(self.retire)
+
+
+class PoolPolicy:
+    """The pool's rules (see the module docstring). ``key``: the pool's own key, which
+    ``min_idle`` workers are started ahead of demand for; ``max_total`` None: no bound."""
+
+    def __init__(self, key: PoolKey, *, min_idle: int = 0, max_idle: int = 8,
+                 max_total: int | None = None, idle_timeout_s: float = 600.0,
+                 max_jobs: int = 100) -> None:
+        if min_idle < 0 or max_idle < 0 or max_jobs < 1:
+            raise ValueError("min_idle and max_idle must be >= 0 and max_jobs >= 1")
+        self.key = key
+        self.min_idle = min_idle
+        self.max_idle = max(max_idle, min_idle)
+        self.max_total = max_total
+        self.idle_timeout_s = idle_timeout_s
+        self.max_jobs = max_jobs
+
+    def _returned_verdict(self, r: Returned) -> str | None:
+        """Why a returned worker is retired, or None to keep it."""
+        if not r.alive:
+            return "died in its job"
+        if r.user_error:
+            return "its job failed in user code (the process may be left inconsistent)"
+        if not r.reset_ok:
+            return "its reset failed"
+        if r.leaked_threads:
+            return f"{r.leaked_threads} thread(s) its job started still run"
+        if r.jobs >= self.max_jobs:
+            return f"served {r.jobs} jobs (max_jobs)"
+        return None
+
+    def decide(self, obs: PoolObservation) -> PoolDecision:
+        retire: list[tuple[int, str]] = []
+        idle: list[IdleWorker] = []
+        for w in obs.idle:
+            if not w.alive:
+                retire.append((w.id, "died while idle"))
+            elif obs.now_s - w.idle_since_s > self.idle_timeout_s:
+                retire.append((w.id, f"idle for more than {self.idle_timeout_s:g}s"))
+            else:
+                idle.append(w)
+        keep: list[int] = []
+        for r in obs.returned:
+            why = self._returned_verdict(r)
+            if why is None:
+                keep.append(r.id)
+                idle.append(IdleWorker(r.id, r.key, r.node, obs.now_s, r.jobs))
+            else:
+                retire.append((r.id, why))
+        hand: list[int] = []
+        reasons: list[str] = []
+        if obs.want is not None and obs.want.n > 0:
+            hand = self._pick(idle, obs.want.key, obs.want.n)
+            idle = [w for w in idle if w.id not in hand]
+            cold = obs.want.n - len(hand)
+            short = cold - max(obs.want.free_bundles, 0)
+            if short > 0:  # room for the cold ones: other keys' idle workers go first
+                others = sorted((w for w in idle if w.key != obs.want.key),
+                                key=lambda w: (w.idle_since_s, w.id))[:short]
+                retire += [(w.id, f"room for a job of {obs.want.key.describe()}")
+                           for w in others]
+                idle = [w for w in idle if w not in others]
+            reasons.append(f"{len(hand)} warm, {cold} cold for {obs.want.key.describe()}")
+        if len(idle) > self.max_idle:
+            over = sorted(idle, key=lambda w: (w.idle_since_s, w.id))[:len(idle) - self.max_idle]
+            retire += [(w.id, f"more than max_idle={self.max_idle} idle") for w in over]
+            idle = [w for w in idle if w not in over]
+        own = sum(1 for w in idle if w.key == self.key)
+        start = max(0, self.min_idle - own - obs.starting)
+        if self.max_total is not None:
+            total = len(idle) + obs.lent + len(hand) + obs.starting
+            start = max(0, min(start, self.max_total - total))
+        if start:
+            reasons.append(f"start {start} to keep {self.min_idle} warm")
+        return PoolDecision(tuple(hand), tuple(keep), tuple(retire), start, tuple(reasons))
+
+    @staticmethod
+    def _pick(idle: list[IdleWorker], key: PoolKey, n: int) -> list[int]:
+        """Up to ``n`` idle workers of ``key``: from the node with the most of them first,
+        then the most recently returned."""
+        match = [w for w in idle if w.key == key]
+        per_node: dict[str, int] = {}
+        for w in match:
+            per_node[w.node] = per_node.get(w.node, 0) + 1
+        match.sort(key=lambda w: (-per_node[w.node], w.node, -w.idle_since_s, w.id))
+        return [w.id for w in match[:n]]

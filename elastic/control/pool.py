@@ -1,0 +1,428 @@
+"""Warm workers: a pool of worker processes handed from job to job.
+
+A worker's process costs seconds to start (a Python interpreter, torch, the job's code, on a
+GPU host CUDA's context): what a short job or a sweep's trial pays on every start. A
+``WorkerPool`` keeps worker actors that are up, each in a placement group of one bundle that
+holds its resources while it is idle, and hands them to jobs: a job started with
+``elastic.submit(cfg, pool=pool)`` (or ``fit``, or by a scheduler started with ``warm=``)
+takes idle workers of its resource shape, device kind and runtime environment (its
+``PoolKey``) and starts cold only the ones missing, in one-bundle groups of their own so
+that they, too, can join the pool. When the job ends, each of its workers is reset
+(``Worker.reset``: the group destroyed, the job's components and tensors dropped, the job's
+modules unloaded, the environment restored, garbage collected, CUDA's cache emptied) and
+kept or retired as ``clusters.pool_policy.PoolPolicy`` decides (a worker whose job failed in
+user code is retired, never handed out again). A worker that died while idle is found by a
+ping before any hand-out, and never handed out. What the next job can and cannot see of
+the previous one: docs/scheduler.md, "Warm workers".
+
+Ownership: Ray ends an actor with the process that created it (unless detached), so the
+pool's workers live as long as the process that holds the pool: the driver for the SDK's
+pool, the scheduler's actor for its own. The jobs that use a pool run in that process
+(``submit``, ``fit`` and the scheduler's controllers do), so their workers outlive them.
+
+Thread-safe: jobs of one process may take and give back workers at the same time. The Ray
+calls go through ``elastic.ray_connect``; this module decides and keeps the books.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from clusters.pool_policy import (
+    IdleWorker,
+    PoolDecision,
+    PoolKey,
+    PoolObservation,
+    PoolPolicy,
+    Returned,
+    Want,
+)
+
+from ..errors import ClusterError
+from ..ray_connect import (
+    actor_key,
+    connect,
+    disconnect,
+    free_bundles,
+    get_ref,
+    kill,
+    new_bundle,
+    remove_bundle,
+    runtime_env_now,
+    start_in_bundle,
+    wait_refs,
+)
+from .group import WorkerRec
+from .worker_group import Placement
+
+__all__ = ["WorkerPool", "PooledPlacement"]
+
+
+@dataclass
+class _Proc:
+    """A worker process the pool knows: idle, lent to a job, or starting."""
+
+    handle: Any
+    pg: Any
+    key: PoolKey
+    node: str = ""
+    pid: int = 0
+    jobs: int = 0
+    idle_since: float = 0.0
+    ref: Any = None  # while starting: its info call
+
+
+@dataclass
+class PoolStats:
+    started: int = 0  # processes the pool started (ahead of demand, or cold for a job)
+    handed_out: int = 0  # warm hand-outs
+    cold: int = 0  # workers a pooled job had to start
+    kept: int = 0
+    retired: dict[str, int] = field(default_factory=dict)  # reason -> count
+
+
+class WorkerPool:
+    """Worker processes kept up between jobs (see the module docstring).
+
+    ``size``: workers of the pool's own shape (``resources_per_worker``, ``use_gpu``,
+    ``runtime_env``) started ahead of demand and kept idle; ``max_idle``: the most kept idle
+    (default ``max(size, 8)``); ``max_total``: the most the pool's workers may number, idle,
+    lent and starting (what it starts ahead of demand stays within it; default ``size``, so
+    a pool does not start more while its workers are out); ``idle_timeout_s``,
+    ``max_jobs``: a worker idle longer, or that served that many jobs, is retired.
+    ``wait``: block until the first ``size`` workers are up. Ray must be initialised, or is
+    started here for ``size`` workers (``ray_address`` as a job's) and shut down by ``close``.
+    """
+
+    def __init__(self, size: int = 0, *, resources_per_worker: dict[str, float] | None = None,
+                 use_gpu: bool = False, runtime_env: dict[str, Any] | None = None,
+                 max_idle: int | None = None, max_total: int | None = None,
+                 idle_timeout_s: float = 600.0, max_jobs: int = 100,
+                 ray_address: str | None = None, wait: bool = True,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        res = dict(resources_per_worker or {"CPU": 1})
+        res.setdefault("CPU", 1)
+        if use_gpu:
+            res["GPU"] = max(1.0, res.get("GPU", 1.0))
+        self.bundle = res
+        self.use_gpu = use_gpu
+        self.runtime_env = dict(runtime_env or {})
+        self._started_ray = connect(ray_address, max(size, 1) * float(res["CPU"]))
+        self.env = self.runtime_env or runtime_env_now()
+        self.key = PoolKey.of(res, use_gpu, self.env)
+        self.policy = PoolPolicy(self.key, min_idle=size, max_idle=max(size, 8)
+                                 if max_idle is None else max_idle,
+                                 max_total=max_total if max_total is not None else size or None,
+                                 idle_timeout_s=idle_timeout_s, max_jobs=max_jobs)
+        self.clock = clock
+        self.stats = PoolStats()
+        self._lock = threading.RLock()
+        self._idle: dict[str, _Proc] = {}
+        self._lent: dict[str, _Proc] = {}
+        self._starting: dict[str, _Proc] = {}
+        self._closed = False
+        self.start_error = ""  # why the last worker that failed to start failed
+        self._ix: dict[int, _Proc] = {}
+        self._apply(self.policy.decide(self._observe()))
+        if wait and size:
+            self.wait_ready()
+
+    # ------------------------------------------------------------------ public
+
+    def placement(self, config: Any, emulate: Sequence[dict[str, Any]] | None,
+                  liveness: tuple[str, int, str] | None) -> PooledPlacement:
+        """The placement of one job's workers through this pool (``WorkerGroup`` calls it)."""
+        return PooledPlacement(self, config, emulate, liveness)
+
+    def wait_ready(self, timeout_s: float | None = 120.0) -> int:
+        """Wait for the workers starting to be up; returns the idle count. ``ClusterError``
+        when none could start (the last start error)."""
+        with self._lock:
+            refs = [p.ref for p in self._starting.values()]
+        wait_refs(refs, timeout_s)
+        with self._lock:
+            self._settle()
+            if refs and not self._idle and self.start_error:
+                raise ClusterError(f"the pool's workers failed to start: {self.start_error}. "
+                                   "Fix: check the pool's runtime_env and resources")
+            return len(self._idle)
+
+    def info(self) -> dict[str, Any]:
+        """Counts (idle by key, lent, starting) and what the pool did so far."""
+        with self._lock:
+            self._settle()
+            by_key: dict[str, int] = {}
+            for p in self._idle.values():
+                by_key[p.key.describe()] = by_key.get(p.key.describe(), 0) + 1
+            s = self.stats
+            return {"idle": len(self._idle), "idle_by_key": by_key, "lent": len(self._lent),
+                    "starting": len(self._starting), "started": s.started,
+                    "handed_out": s.handed_out, "cold": s.cold, "kept": s.kept,
+                    "retired": dict(s.retired),
+                    "idle_pids": sorted(p.pid for p in self._idle.values())}
+
+    def close(self) -> None:
+        """Kill the idle and starting workers and release their bundles (lent workers end
+        with their jobs: given back to a closed pool, they are retired)."""
+        with self._lock:
+            self._closed = True
+            for p in list(self._idle.values()) + list(self._starting.values()):
+                self._kill(p)
+            self._idle, self._starting = {}, {}
+        if self._started_ray:
+            disconnect()
+
+    def __enter__(self) -> WorkerPool:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ for placements
+
+    def take(self, key: PoolKey, n: int, free_bundles: int) -> list[_Proc]:
+        """Up to ``n`` idle workers of ``key``, each pinged first (a dead one is retired,
+        never handed out); idle workers of other keys are retired when the cluster has no
+        room for the ones that must start cold."""
+        with self._lock:
+            self._settle()
+            alive = self._ping(list(self._idle.values()))
+            d = self.policy.decide(self._observe(alive=alive, want=Want(key, n, free_bundles)))
+            out = [self._ix[i] for i in d.hand_out]
+            for p in out:
+                a = actor_key(p.handle)
+                del self._idle[a]
+                self._lent[a] = p
+            self.stats.handed_out += len(out)
+            self._apply(d)
+            return out
+
+    def adopt(self, handle: Any, pg: Any, key: PoolKey) -> None:
+        """A worker a pooled job started cold: lent to it from now on."""
+        with self._lock:
+            self._lent[actor_key(handle)] = _Proc(handle, pg, key)
+            self.stats.cold += 1
+            self.stats.started += 1
+
+    def give_back(self, recs: Sequence[WorkerRec], lost: Sequence[str] = ()) -> None:
+        """Workers a job is done with: each is reset (in parallel, bounded) and kept or
+        retired. ``lost``: actor ids of workers it lent out that the job killed or lost."""
+        with self._lock:
+            for a in lost:
+                self._lent.pop(a, None)
+            procs = [p for w in recs if (p := self._lent.get(actor_key(w.handle)))]
+            for w in recs:
+                p = self._lent.get(actor_key(w.handle))
+                if p is not None:
+                    p.node = str(w.info.get("node_id", p.node))
+                    p.pid = int(w.info.get("pid", p.pid))
+        refs = [p.handle.reset.remote() for p in procs]
+        wait_refs(refs, 30.0)
+        reports = []
+        for p, ref in zip(procs, refs, strict=True):
+            try:
+                out = get_ref(ref, 0)
+                p.jobs = int(out["jobs"])
+                reports.append(Returned(0, p.key, p.node, True, bool(out["ok"]),
+                                        bool(out["user_error"]), int(out["threads"]), p.jobs))
+            except Exception:  # noqa: BLE001 - dead, or did not reset in time: retired
+                reports.append(Returned(0, p.key, p.node, alive=False, reset_ok=False))
+        with self._lock:
+            for p in procs:
+                self._lent.pop(actor_key(p.handle), None)
+            d = self.policy.decide(self._observe(returned=list(zip(procs, reports,
+                                                                    strict=True))))
+            for i in d.keep:
+                p = self._ix[i]
+                if self._closed:
+                    self._kill(p)
+                    continue
+                p.idle_since = self.clock()
+                self._idle[actor_key(p.handle)] = p
+                self.stats.kept += 1
+            self._apply(d)
+
+    # ------------------------------------------------------------------ the books
+
+    def _observe(self, alive: dict[str, bool] | None = None,
+                 returned: Sequence[tuple[_Proc, Returned]] = (),
+                 want: Want | None = None) -> PoolObservation:
+        """The policy's view; ``self._ix`` maps the ids it uses back to processes (idle
+        ones first, then the returned ones)."""
+        self._ix = {}
+        idle = []
+        for a, p in self._idle.items():
+            i = len(self._ix)
+            self._ix[i] = p
+            idle.append(IdleWorker(i, p.key, p.node, p.idle_since, p.jobs,
+                                   (alive or {}).get(a, True)))
+        rets = []
+        for p, r in returned:
+            i = len(self._ix)
+            self._ix[i] = p
+            rets.append(dataclasses.replace(r, id=i))
+        return PoolObservation(self.clock(), tuple(idle), tuple(rets), want,
+                               lent=len(self._lent), starting=len(self._starting))
+
+    def _apply(self, d: PoolDecision) -> None:
+        """Retire and start what ``d`` says (ids of the last observation)."""
+        for i, why in d.retire:
+            p = self._ix[i]
+            self._idle.pop(actor_key(p.handle), None)
+            self._kill(p)
+            self.stats.retired[why] = self.stats.retired.get(why, 0) + 1
+        if self._closed:
+            return
+        for _ in range(d.start):
+            pg = new_bundle(self.bundle)
+            h = self._start_blank(pg, 0)
+            self._starting[actor_key(h)] = _Proc(h, pg, self.key, ref=h.info.remote())
+            self.stats.started += 1
+
+    def _start_blank(self, pg: Any, slot: int, bundle: dict[str, float] | None = None,
+                     use_gpu: bool | None = None) -> Any:
+        """A worker process with no job yet, in bundle ``slot`` of ``pg`` (of ``bundle``'s
+        shape: default the pool's own)."""
+        from ..worker import Worker
+
+        bundle = self.bundle if bundle is None else bundle
+        gpu = self.use_gpu if use_gpu is None else use_gpu
+        threads = int(bundle.get("CPU", 1))
+        return start_in_bundle(Worker, (None, -1, gpu, threads, None), bundle, pg, slot,
+                               self.runtime_env or None)
+
+    def _settle(self) -> None:
+        """Starting workers that are up become idle; those that failed are dropped."""
+        if not self._starting:
+            return
+        ready, _ = wait_refs([p.ref for p in self._starting.values()], 0)
+        done = {id(r) for r in ready}
+        for a, p in list(self._starting.items()):
+            if id(p.ref) not in done:
+                continue
+            del self._starting[a]
+            try:
+                info = get_ref(p.ref, 0)
+            except Exception as e:  # noqa: BLE001 - said by wait_ready and info
+                lines = str(e).strip().splitlines()
+                self.start_error = lines[-1][:300] if lines else type(e).__name__
+                self._kill(p)
+                continue
+            p.ref, p.node, p.pid = None, str(info["node_id"]), int(info["pid"])
+            p.idle_since = self.clock()
+            self._idle[a] = p
+
+    def _ping(self, procs: list[_Proc], timeout_s: float = 2.0) -> dict[str, bool]:
+        """Whether each idle worker answers (its process lives) within ``timeout_s``."""
+        refs = [p.handle.info.remote() for p in procs]
+        wait_refs(refs, timeout_s)
+        out = {}
+        for p, ref in zip(procs, refs, strict=True):
+            try:
+                get_ref(ref, 0)
+                out[actor_key(p.handle)] = True
+            except Exception:  # noqa: BLE001 - dead or hung: not handed out
+                out[actor_key(p.handle)] = False
+        return out
+
+    @staticmethod
+    def _kill(p: _Proc) -> None:
+        try:
+            kill(p.handle)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+        remove_bundle(p.pg)
+
+
+class PooledPlacement(Placement):
+    """A job's placement through a ``WorkerPool``: warm workers first, the rest started
+    cold (blank, then assigned, each in a one-bundle group of its own, so that it can join
+    the pool); at the job's end, or when a shrink lets a worker go, the pool takes its
+    workers back instead of killing them. Workers lost or released from a draining node are
+    killed as usual, and never come back."""
+
+    def __init__(self, pool: WorkerPool, config: Any, emulate: Sequence[dict[str, Any]] | None,
+                 liveness: tuple[str, int, str] | None) -> None:
+        if config.placement != "per_worker":  # each worker's bundle must be its own
+            config = config.replace(placement="per_worker")
+        super().__init__(config, emulate, liveness)
+        self.pool = pool
+        self._mine: set[str] = set()  # actor ids of the pool's workers this job holds
+
+    def _key(self) -> PoolKey:
+        return PoolKey.of(self.bundle(), self.use_gpu, self.pool.env)
+
+    def _assign(self, handle: Any, pg: Any, warm: bool) -> tuple[WorkerRec, Any]:
+        wid = self._next_id
+        self._next_id += 1
+        self._mine.add(actor_key(handle))
+        return (WorkerRec(handle, wid, info={"warm": warm}, pg=pg, slot=0),
+                handle.assign.remote(self._worker_cfg, wid, self._liveness))
+
+    def _warm(self, n: int) -> list[tuple[WorkerRec, Any]]:
+        """Up to ``n`` idle workers of this job's key, assigned to it (not waited for)."""
+        if n <= 0:
+            return []
+        bundle = self.bundle()
+        procs = self.pool.take(self._key(), n, free_bundles(bundle))
+        return [self._assign(p.handle, p.pg, True) for p in procs]
+
+    def _collect(self, launched: list[tuple[WorkerRec, Any]], wait_s: float | None
+                 ) -> list[WorkerRec]:
+        warm = {id(w) for w, _ in launched if w.info.get("warm")}
+        up = super()._collect(launched, wait_s)
+        for w in up:
+            w.info["warm"] = id(w) in warm
+        return up
+
+    def _launch(self, pg: Any, slots: list[int], bundle: dict[str, float]
+                ) -> list[tuple[WorkerRec, Any]]:
+        out = []
+        for i in slots:
+            h = self.pool._start_blank(pg, i, bundle, self.use_gpu)
+            self.pool.adopt(h, pg, self._key())
+            rec, ref = self._assign(h, pg, False)
+            rec.slot = i
+            out.append((rec, ref))
+        return out
+
+    def place(self, n: int, min_workers: int) -> list[WorkerRec]:
+        warm = self._collect(self._warm(n), wait_s=None)
+        if len(warm) >= n:
+            return warm
+        cold = super().place(n - len(warm), max(0, min_workers - len(warm)))
+        return warm + cold
+
+    def start_spares(self, n: int) -> None:
+        warm = self._warm(n)
+        self._warming += warm
+        super().start_spares(n - len(warm))
+
+    def try_place(self, n: int, timeout_s: float) -> list[WorkerRec]:
+        warm = self._collect(self._warm(n), wait_s=max(timeout_s, 1.0))
+        return warm + super().try_place(n - len(warm), timeout_s)
+
+    def room(self) -> bool:
+        return bool(self.pool.info()["idle_by_key"].get(self._key().describe())) or super().room()
+
+    def vacate(self, gone: Sequence[WorkerRec], kept: Sequence[WorkerRec]) -> None:
+        back = [w for w in gone if actor_key(w.handle) in self._mine]
+        self._mine -= {actor_key(w.handle) for w in back}
+        self.pool.give_back(back)
+        super().vacate([w for w in gone if w not in back], kept)
+
+    def release(self, extra: Sequence[WorkerRec]) -> None:
+        back = [w for w in list(extra) + [w for w, _ in self._warming]
+                if actor_key(w.handle) in self._mine]
+        returned = {actor_key(w.handle) for w in back}
+        self.pool.give_back(back, lost=sorted(self._mine - returned))
+        self._mine = set()
+        self._warming = [(w, r) for w, r in self._warming if w not in back]
+        kept = {id(w.pg) for w in back}
+        self.free_slots = [(pg, i) for pg, i in self.free_slots if id(pg) not in kept]
+        super().release([w for w in extra if w not in back])

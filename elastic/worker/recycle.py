@@ -1,0 +1,157 @@
+"""A pooled worker's process between jobs: what it looked like before any job, and the reset
+that brings it back there as far as one process can (``elastic.control.pool``).
+
+``Baseline`` is taken once, when the worker process is up and before its first job: the
+modules loaded (torch, the process group's machinery, elastic), the environment variables,
+the threads running, and the torch settings a job may change. ``reset`` runs after a job has
+left its group and dropped its components: it
+
+* unloads every module the job brought in that is not a library (its ``__file__`` outside
+  the interpreter's prefixes): the next job imports its code afresh, so it sees neither the
+  previous job's module globals nor an older version of a module it shares a name with;
+* puts the environment variables back as they were (set, changed and removed);
+* restores torch's default dtype, deterministic-algorithms mode, grad mode, anomaly
+  detection and thread count;
+* collects garbage (unfreezing what the job froze first) and, on a GPU, empties CUDA's cache;
+* counts the threads the job started that still run (the pool then retires the worker: a
+  thread cannot be stopped from outside).
+
+What it cannot undo is said in docs/scheduler.md ("Warm workers"): libraries the job
+imported stay loaded (with any global state it gave them), and a CUDA context that hit a
+sticky error stays broken (the pool retires a worker whose job failed in user code).
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import os
+import sys
+import sysconfig
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["Baseline", "reset", "user_modules", "warm_up"]
+
+_OWN = ("elastic", "strategies", "clusters")  # the project's packages: kept loaded
+
+
+def _library_roots() -> tuple[str, ...]:
+    paths = sysconfig.get_paths()
+    roots = {paths.get(k, "") for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    roots |= {sys.prefix, sys.base_prefix, sys.exec_prefix}
+    return tuple(sorted(os.path.realpath(r) + os.sep for r in roots if r))
+
+
+def warm_up(device: torch.device) -> float:
+    """What a job's first layout would otherwise pay in this process, paid once ahead of
+    any job: every layout's module imported, and one dp step of a tiny model on a process
+    group of one (the backend's library, DDP's reducer, Adam's kernels, a collective).
+    Returns the seconds taken."""
+    import torch.distributed as dist
+
+    from strategies import Runtime, StrategySpec, registry
+
+    t0 = time.perf_counter()
+    for name in registry.names():
+        importlib.import_module(registry._LAYOUTS[name][0])
+    if dist.is_initialized():
+        return time.perf_counter() - t0
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+        strat = registry.get("dp")(StrategySpec("dp", 1, (2,)), Runtime(0, 1, device), model,
+                                   lambda ps: torch.optim.Adam(ps, lr=1e-3),
+                                   torch.nn.functional.mse_loss)
+        strat.train_step(torch.zeros(2, 4, device=device), torch.zeros(2, 1, device=device))
+        strat.full_state()
+        strat.close()
+        del strat, model
+    finally:
+        dist.destroy_process_group()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    return time.perf_counter() - t0
+
+
+@dataclass
+class Baseline:
+    """The process as it was before any job (see the module docstring)."""
+
+    modules: frozenset[str]
+    environ: dict[str, str]
+    threads: frozenset[int]
+    dtype: torch.dtype
+    deterministic: bool
+    num_threads: int
+    roots: tuple[str, ...] = field(default_factory=_library_roots)
+
+    @staticmethod
+    def take() -> Baseline:
+        return Baseline(frozenset(sys.modules), dict(os.environ),
+                        frozenset(t.ident for t in threading.enumerate() if t.ident),
+                        torch.get_default_dtype(), torch.are_deterministic_algorithms_enabled(),
+                        torch.get_num_threads())
+
+
+def user_modules(base: Baseline) -> list[str]:
+    """Modules loaded since ``base`` that are neither libraries (installed under the
+    interpreter's prefixes) nor the project's own packages: the job's code."""
+    out = []
+    for name, mod in list(sys.modules.items()):
+        if name in base.modules or name.split(".")[0] in _OWN:
+            continue
+        path = getattr(mod, "__file__", None)
+        if path and os.path.realpath(path).startswith(base.roots):
+            continue  # a library (stdlib or site-packages)
+        out.append(name)
+    return sorted(out)
+
+
+def reset(base: Baseline, keep_threads: set[int] | frozenset[int] = frozenset(),
+          freeze: bool = True) -> dict[str, Any]:
+    """Bring the process back to ``base`` as far as it can (module docstring). Returns what
+    was done: ``modules_dropped``, ``env_restored``, ``threads`` (threads started since
+    ``base`` that still run, beyond ``keep_threads``, elastic's own ``elastic-*`` threads and
+    the threads Ray's core runs Python on), ``cuda_bytes`` (still allocated on the device).
+    ``freeze``: move what survives to the collector's permanent generation (as the worker
+    does at start-up), keeping later collections short."""
+    dropped = user_modules(base)
+    for name in dropped:
+        sys.modules.pop(name, None)
+    env_changed = 0
+    for k in set(os.environ) - set(base.environ):
+        del os.environ[k]
+        env_changed += 1
+    for k, v in base.environ.items():
+        if os.environ.get(k) != v:
+            os.environ[k] = v
+            env_changed += 1
+    torch.set_default_dtype(base.dtype)
+    torch.use_deterministic_algorithms(base.deterministic)
+    torch.set_grad_enabled(True)
+    torch.autograd.set_detect_anomaly(False)
+    torch.set_num_threads(base.num_threads)
+    gc.unfreeze()
+    gc.collect()
+    cuda_bytes = 0
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        cuda_bytes = int(torch.cuda.memory_allocated())
+    if freeze:
+        gc.freeze()
+    extra = [t for t in threading.enumerate() if t.is_alive() and t.ident not in base.threads
+             and t.ident not in keep_threads and not t.name.startswith("elastic")
+             and not isinstance(t, threading._DummyThread)]  # Ray's own (C++) threads
+    return {"modules_dropped": dropped, "env_restored": env_changed, "threads": len(extra),
+            "thread_names": [t.name for t in extra][:5], "cuda_bytes": cuda_bytes}

@@ -1,0 +1,140 @@
+"""clusters.pool_policy: the warm pool's decision table (pure: no Ray, no clock)."""
+
+from __future__ import annotations
+
+import pytest
+
+from clusters.pool_policy import (
+    IdleWorker,
+    PoolDecision,
+    PoolKey,
+    PoolObservation,
+    PoolPolicy,
+    Returned,
+    Want,
+)
+
+CPU1 = PoolKey.of({"CPU": 1}, False)
+CPU2 = PoolKey.of({"CPU": 2}, False)
+GPU1 = PoolKey.of({"CPU": 1, "GPU": 1}, True)
+ENV = PoolKey.of({"CPU": 1}, False, {"env_vars": {"X": "1"}})
+
+
+def idle(i: int, key: PoolKey = CPU1, node: str = "a", since: float = 0.0, **kw) -> IdleWorker:
+    return IdleWorker(i, key, node, since, **kw)
+
+
+def policy(**kw) -> PoolPolicy:
+    return PoolPolicy(CPU1, **kw)
+
+
+def test_key_of_is_canonical():
+    assert PoolKey.of({"CPU": 1, "GPU": 0}, False) == PoolKey.of({"CPU": 1.0}, False, {})
+    assert PoolKey.of({"CPU": 1}, False, None) == PoolKey.of({"CPU": 1}, False, {})
+    assert len({CPU1, CPU2, GPU1, ENV}) == 4
+    assert PoolKey.of({"CPU": 1}, False, {"a": 1, "b": 2}) == PoolKey.of({"CPU": 1}, False,
+                                                                          {"b": 2, "a": 1})
+    assert "CPU=1" in CPU1.describe() and "gpu" in GPU1.describe() and "X" in ENV.describe()
+
+
+@pytest.mark.parametrize("key, n, expect", [
+    (CPU1, 2, (1, 2)),        # same key: handed out
+    (CPU1, 5, (1, 2)),        # fewer than asked: the rest cold
+    (CPU2, 1, ()),            # another resource shape: never
+    (GPU1, 1, ()),            # another device kind: never
+    (ENV, 1, ()),             # another runtime environment: never
+    (CPU1, 0, ()),
+])
+def test_hand_out_only_the_same_key(key, n, expect):
+    obs = PoolObservation(10.0, (idle(1), idle(2)), want=Want(key, n, free_bundles=8))
+    assert policy().decide(obs).hand_out == expect
+
+
+def test_hand_out_packs_one_node_then_most_recent():
+    ws = (idle(1, node="a", since=1), idle(2, node="b", since=5), idle(3, node="b", since=2),
+          idle(4, node="c", since=9))
+    d = policy().decide(PoolObservation(10.0, ws, want=Want(CPU1, 2, 8)))
+    assert d.hand_out == (2, 3)  # node b holds two; the later returned first
+    d = policy().decide(PoolObservation(10.0, ws, want=Want(CPU1, 1, 8)))
+    assert d.hand_out == (2,)
+
+
+def test_dead_idle_worker_is_retired_and_never_handed_out():
+    ws = (idle(1, alive=False), idle(2))
+    d = policy().decide(PoolObservation(10.0, ws, want=Want(CPU1, 2, 8)))
+    assert d.hand_out == (2,)
+    assert d.retired() == {1: "died while idle"}
+
+
+@pytest.mark.parametrize("ret, kept, why", [
+    (Returned(1, CPU1, "a"), True, None),
+    (Returned(1, CPU1, "a", alive=False), False, "died"),
+    (Returned(1, CPU1, "a", reset_ok=False), False, "reset failed"),
+    (Returned(1, CPU1, "a", user_error=True), False, "user code"),
+    (Returned(1, CPU1, "a", leaked_threads=2), False, "thread"),
+    (Returned(1, CPU1, "a", jobs=3), False, "served 3 jobs"),
+    (Returned(1, CPU1, "a", jobs=2), True, None),
+])
+def test_returned_workers_kept_or_retired(ret, kept, why):
+    d = policy(max_jobs=3).decide(PoolObservation(10.0, returned=(ret,)))
+    assert (d.keep == (1,)) is kept
+    if why is None:
+        assert not d.retire
+    else:
+        assert why in d.retired()[1]
+
+
+def test_returned_worker_serves_the_next_job_at_once():
+    d = policy().decide(PoolObservation(10.0, returned=(Returned(7, CPU1, "a"),),
+                                        want=Want(CPU1, 1, 0)))
+    assert d.keep == (7,) and d.hand_out == (7,)
+    d = policy().decide(PoolObservation(10.0, returned=(Returned(7, CPU1, "a", user_error=True),),
+                                        want=Want(CPU1, 1, 0)))
+    assert d.hand_out == () and 7 in d.retired()
+
+
+def test_idle_timeout():
+    ws = (idle(1, since=0.0), idle(2, since=50.0))
+    d = policy(idle_timeout_s=60).decide(PoolObservation(100.0, ws))
+    assert list(d.retired()) == [1] and "idle for more" in d.retired()[1]
+
+
+def test_max_idle_retires_the_longest_idle():
+    ws = tuple(idle(i, since=float(i)) for i in range(1, 6))
+    d = policy(max_idle=3).decide(PoolObservation(10.0, ws))
+    assert sorted(d.retired()) == [1, 2]
+    d = policy(max_idle=3).decide(PoolObservation(10.0, ws, want=Want(CPU1, 2, 8)))
+    assert not d.retire  # two go out: three stay idle
+
+
+def test_cold_workers_make_room_by_retiring_other_keys():
+    ws = (idle(1, CPU2, since=1), idle(2, GPU1, since=0), idle(3, CPU1, since=2))
+    # one warm (3), two cold; one bundle free: one other-key worker goes, the longest idle
+    d = policy().decide(PoolObservation(10.0, ws, want=Want(CPU1, 3, free_bundles=1)))
+    assert d.hand_out == (3,)
+    assert list(d.retired()) == [2] and "room" in d.retired()[2]
+    # enough room: nobody retired
+    d = policy().decide(PoolObservation(10.0, ws, want=Want(CPU1, 3, free_bundles=2)))
+    assert not d.retire
+
+
+def test_min_idle_starts_ahead_of_demand_within_max_total():
+    p = policy(min_idle=2, max_total=4)
+    assert p.decide(PoolObservation(0.0)).start == 2
+    assert p.decide(PoolObservation(0.0, starting=2)).start == 0
+    assert p.decide(PoolObservation(0.0, (idle(1),))).start == 1
+    assert p.decide(PoolObservation(0.0, (idle(1, CPU2),))).start == 2  # not its key
+    # two handed out of two: refilled while the total stays within 4
+    d = p.decide(PoolObservation(0.0, (idle(1), idle(2)), want=Want(CPU1, 2, 0)))
+    assert d.hand_out == (1, 2) and d.start == 2
+    d = p.decide(PoolObservation(0.0, (idle(1), idle(2)), want=Want(CPU1, 2, 0), lent=2))
+    assert d.start == 0  # 2 lent + 2 handed out = 4
+    assert PoolPolicy(CPU1, min_idle=2).decide(PoolObservation(0.0, lent=100)).start == 2
+
+
+def test_decision_defaults_and_bad_settings():
+    assert policy().decide(PoolObservation(0.0)) == PoolDecision()
+    with pytest.raises(ValueError):
+        PoolPolicy(CPU1, max_jobs=0)
+    with pytest.raises(ValueError):
+        PoolPolicy(CPU1, min_idle=-1)

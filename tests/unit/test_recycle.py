@@ -1,0 +1,64 @@
+"""elastic.worker.recycle: what a pooled worker's reset undoes of a job in its process (no
+Ray, no process group: the integration test checks it inside real workers)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+
+import torch
+
+from elastic.worker.recycle import Baseline, reset, user_modules
+
+
+def test_reset_unloads_job_modules_and_restores_env_and_torch(tmp_path, monkeypatch):
+    (tmp_path / "job_code_xyz.py").write_text("COUNT = 0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    os.environ["ELASTIC_RECYCLE_KEEP"] = "base"
+    os.environ["ELASTIC_RECYCLE_GONE"] = "there"
+    sys.modules.pop("colorsys", None)
+    base = Baseline.take()
+    try:
+        import colorsys  # noqa: F401 - a library the job imports: new, and kept
+
+        import job_code_xyz  # noqa: F401 - the job's code
+
+        assert "job_code_xyz" in user_modules(base)
+        assert "colorsys" not in user_modules(base) and "colorsys" not in base.modules
+        os.environ["ELASTIC_RECYCLE_NEW"] = "1"
+        os.environ["ELASTIC_RECYCLE_KEEP"] = "changed"
+        del os.environ["ELASTIC_RECYCLE_GONE"]
+        torch.set_default_dtype(torch.float64)
+        torch.set_num_threads(max(1, base.num_threads + 1))
+        out = reset(base, freeze=False)
+        assert "job_code_xyz" in out["modules_dropped"] and "job_code_xyz" not in sys.modules
+        assert "colorsys" in sys.modules
+        assert "ELASTIC_RECYCLE_NEW" not in os.environ
+        assert os.environ["ELASTIC_RECYCLE_KEEP"] == "base"
+        assert os.environ["ELASTIC_RECYCLE_GONE"] == "there"
+        assert out["env_restored"] == 3
+        assert torch.get_default_dtype() == base.dtype == torch.float32
+        assert torch.get_num_threads() == base.num_threads
+        assert out["threads"] == 0
+    finally:
+        torch.set_default_dtype(torch.float32)
+        os.environ.pop("ELASTIC_RECYCLE_KEEP", None)
+        os.environ.pop("ELASTIC_RECYCLE_GONE", None)
+
+
+def test_reset_counts_a_thread_the_job_left_running():
+    base = Baseline.take()
+    stop = threading.Event()
+    t = threading.Thread(target=stop.wait, name="user-thread", daemon=True)
+    t.start()
+    elastic_own = threading.Thread(target=stop.wait, name="elastic-heartbeat", daemon=True)
+    elastic_own.start()
+    try:
+        out = reset(base, freeze=False)
+        assert out["threads"] == 1 and out["thread_names"] == ["user-thread"]
+    finally:
+        stop.set()
+        t.join()
+        elastic_own.join()
+    assert reset(base, freeze=False)["threads"] == 0
