@@ -26,7 +26,7 @@ from clusters.sweep_policy import PromotionPolicy
 
 from ..config import JobConfig
 from ..errors import ElasticError
-from .pruning import PruneSteps
+from .pruning import PruneSteps, prune_lag
 from .report import trial_line
 from .sweep_file import SweepConfig
 from .trial_steps import ScheduledHook, TrialSteps
@@ -79,8 +79,11 @@ class TrialRunner:
                          ("min_loss", min(finite) if finite else None),
                          ("seconds", round(time.monotonic() - t0, 2))):
             trial.set_user_attr(key, val)
-        pruned_at = trial.storage.get_trial_user_attrs(trial._trial_id).get(  # noqa: SLF001
-            "pruned_at_step")
+        attrs = trial.storage.get_trial_user_attrs(trial._trial_id)  # noqa: SLF001
+        pruned_at = attrs.get("pruned_at_step")
+        if pruned_at is not None and attrs.get("pruned_at_time") is not None:
+            trial.set_user_attr("prune_lag", prune_lag(result.history, int(pruned_at),
+                                                       float(attrs["pruned_at_time"])))
         if pruned_at is not None:
             raise optuna.TrialPruned(f"pruned at step {pruned_at}")
         return float(self.value(result))
