@@ -22,6 +22,7 @@ from ..view import View
 __all__ = ["StepLog", "WATCH_MIN_S"]
 
 WATCH_MIN_S = 0.01  # the fastest a watched job is polled (each poll is an RPC per worker)
+WATCH_FIRST_S = 0.05  # a watched job's polls before its first step is seen
 
 
 class StepLog:
@@ -62,11 +63,14 @@ class StepLog:
 
     def watch_s(self) -> float:
         """Seconds until the next watched step's metrics should exist (from the last step's
-        end and time; at least ``WATCH_MIN_S``), inf when none is watched: the controller
+        end and time; at least ``WATCH_MIN_S``; ``WATCH_FIRST_S`` before the first step), inf
+        when none is watched: the controller
         polls by then, so a pruner decides about when its step ends, not at the next idle
         poll. The estimate uses the workers' clocks: skew between hosts only moves it."""
-        if self.watch_at is None or not self.history:
+        if self.watch_at is None:
             return math.inf
+        if not self.history:  # the step time is not known yet
+            return WATCH_FIRST_S if self.watch_at(0) is not None else math.inf
         last = self.history[-1]
         nxt = self.watch_at(last["step"] + 1)
         if nxt is None:
