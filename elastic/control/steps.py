@@ -64,9 +64,9 @@ class StepLog:
     def watch_s(self) -> float:
         """Seconds until the next watched step's metrics should exist (from the last step's
         end and time; at least ``WATCH_MIN_S``; ``WATCH_FIRST_S`` before the first step), inf
-        when none is watched: the controller
-        polls by then, so a pruner decides about when its step ends, not at the next idle
-        poll. The estimate uses the workers' clocks: skew between hosts only moves it."""
+        when none is watched: the controller polls by then, so a pruner decides about when
+        its step ends, not at the next idle poll. The estimate uses the workers' clocks:
+        skew between hosts only moves it."""
         if self.watch_at is None:
             return math.inf
         if not self.history:  # the step time is not known yet
