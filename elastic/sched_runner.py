@@ -23,6 +23,7 @@ class RunningJob:
         self.controller = Controller(cfg, View(), on_step=hook.on_step if hook else None,
                                      pause_after=hook.pause_after if hook else None,
                                      pool=pool)
+        self.hook = hook
         self.result_: FitResult | None = None
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._main, name=f"elastic-job-{cfg.job_name}",
@@ -32,6 +33,8 @@ class RunningJob:
     def _main(self) -> None:
         try:
             self.result_ = self.controller.run()
+            if self.hook is not None and hasattr(self.hook, "finish"):
+                self.hook.finish()  # a pruner's hook: the values it has not reported yet
         except BaseException as e:  # noqa: BLE001 - handed to whoever asks for the result
             self.error = e
 

@@ -74,10 +74,10 @@ class Controller:
                  group_factory: Callable[[JobConfig], Any] | None = None,
                  mailbox_factory: Callable[[str], Any] | None = None, pool: Any = None) -> None:
         """``on_step(entry)``: called in the controller's thread for each completed step (the
-        history entry); True stops the job at the next step boundary. ``pause_after(step)``:
-        the first step >= ``step`` after which the workers wait for ``on_step`` (a pruner's).
-        ``group_factory``/``mailbox_factory`` replace Ray and ``WorkerGroup`` (tests); ``pool``:
-        a ``WorkerPool`` (``elastic.control.pool``) the job's workers come from and go back to."""
+        history entry); True stops the job at the next step boundary; its object's ``watch_at``
+        paces the polls (``StepLog.watch_s``). ``pause_after(step)``: the first step >= ``step``
+        after which the workers wait for ``on_step`` (exact pruning). ``*_factory``: tests';
+        ``pool``: a ``WorkerPool`` the job's workers come from and go back to."""
         config.validate()
         self.cfg = config
         self.view = view or View()
@@ -429,8 +429,8 @@ class Controller:
         busy = (self.tracker.in_flight is not None or self.inbox.waiting() or below
                 or bool(self.inbox.parked))
         last = float(self.history[-1].get("step_time") or 0.0) if self.history else None
-        return poll_interval(busy=busy, last_step_s=last,
-                             checkpoint_every=self.cfg.checkpoint_every)
+        return min(self.steps.watch_s(), poll_interval(  # a watched step due: at its end
+            busy=busy, last_step_s=last, checkpoint_every=self.cfg.checkpoint_every))
 
     def _scale_interval(self) -> float:
         return scale_interval(self.cfg.scale_check_s, len(self.workers) < self.sizing.target)

@@ -8,6 +8,7 @@ in force (``record(step, None, ...)``), so ``data_log.jsonl`` shows every comple
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -18,7 +19,11 @@ from ..data import share_bounds
 from ..events import RunLog
 from ..view import View
 
-__all__ = ["StepLog"]
+__all__ = ["StepLog", "WATCH_MIN_S"]
+
+WATCH_MIN_S = 0.05  # the fastest a watched job is polled (each poll is an RPC per worker
+# that takes the GIL from its training thread: every 10 ms cost 6x on 2 ms steps)
+WATCH_FIRST_S = 0.05  # a watched job's polls before its first step is seen
 
 
 class StepLog:
@@ -29,6 +34,10 @@ class StepLog:
         self.log = log
         self.view = view
         self.on_step = on_step
+        # the hook's ``watch_at(step)``: the first step >= step whose entry it wants as soon
+        # as it exists (a pruner's decision steps; on_step a bound method of the hook)
+        self.watch_at: Callable[[int], int | None] | None = getattr(
+            getattr(on_step, "__self__", None), "watch_at", None)
         self.history: list[dict[str, Any]] = []
         self.fresh = False  # whether the last ingest recorded a step
         self._mem_at = 0.0  # when the workers' memory column was read last
@@ -52,6 +61,23 @@ class StepLog:
     def next_step(self) -> int:
         """The first step not recorded yet."""
         return self.history[-1]["step"] + 1 if self.history else 0
+
+    def watch_s(self) -> float:
+        """Seconds until the next watched step's metrics should exist (from the last step's
+        end and time; at least ``WATCH_MIN_S``; ``WATCH_FIRST_S`` before the first step), inf
+        when none is watched: the controller polls by then, so a pruner decides about when
+        its step ends, not at the next idle poll. The estimate uses the workers' clocks:
+        skew between hosts only moves it."""
+        if self.watch_at is None:
+            return math.inf
+        if not self.history:  # the step time is not known yet
+            return WATCH_FIRST_S if self.watch_at(0) is not None else math.inf
+        last = self.history[-1]
+        nxt = self.watch_at(last["step"] + 1)
+        if nxt is None:
+            return math.inf
+        due = last["time"] + (nxt - last["step"]) * float(last.get("step_time") or 0.0)
+        return max(WATCH_MIN_S, due - time.time())
 
     def last(self) -> dict[str, Any]:
         return self.history[-1] if self.history else {}

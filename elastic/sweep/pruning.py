@@ -7,10 +7,11 @@ does); successive halving, and Hyperband's brackets, only at a rung's promotion 
 ``min_resource * reduction_factor ** k``. At any other step ``should_prune`` is False
 whatever the values, so asking it there only costs storage reads.
 
-A trial's job pauses after each decision step (``Controller(pause_after=...)``): its
-workers finish the step and wait while the driver reports it and asks the pruner, so a
-pruned trial trains no step past the decision, and the decision comes as soon as its data
-(the step's loss) exists. Between decision steps the workers train without waiting.
+By default a trial's workers never wait for the pruner: the controller polls so that a
+decision step's loss reaches the driver about when the step ends (``StepLog.watch_s``), and
+a "prune" stops the workers at once; ``prune_lag`` measures what they trained meanwhile.
+With ``pruning: {exact: true}`` the job pauses after each decision step
+(``Controller(pause_after=...)``), so no step runs past the decision, at a pause's cost.
 Pure: no Optuna, no Ray; the spec is the sweep file's ``study.pruner``.
 """
 
@@ -19,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["PruneSteps"]
+__all__ = ["PruneSteps", "prune_lag"]
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,22 @@ class PruneSteps:
         if step <= self.first:
             return self.first
         return self.first + -(-(step - self.first) // self.interval) * self.interval
+
+
+def prune_lag(history: list[dict[str, Any]], pruned_at: int,
+              decided_time: float) -> dict[str, int]:
+    """What a pruned trial trained past the pruner's decision, from its steps' records
+    (``step``, ``time``: the step's end, ``step_time``; the workers' clocks):
+    ``past_step``: steps after the decided step (the driver's lag plus the stop's);
+    ``begun_after``: steps begun after the decision was made (the stop's lag: the ranks
+    agree on a stop through a step's control all-reduce, which overlaps the next step, so
+    the step under way and one more run: <= 1 when the stop reached the workers within a
+    step); ``ended_after``: steps that ended after it."""
+    later = [h for h in history if h["step"] > pruned_at]
+    return {"past_step": len(later),
+            "begun_after": sum(1 for h in later
+                               if h["time"] - float(h.get("step_time") or 0.0) > decided_time),
+            "ended_after": sum(1 for h in history if h["time"] > decided_time)}
 
 
 def _int(v: Any) -> bool:

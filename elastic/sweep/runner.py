@@ -2,10 +2,11 @@
 
 ``TrialRunner.objective`` is the objective Optuna calls, in one thread per concurrent trial:
 it asks the trial for its values and runs the trial's job (a ``Controller``, as
-``elastic.fit`` does) with an ``on_step`` hook that reports each step's loss. The job pauses
-after each step at which the pruner can decide (``pruning.PruneSteps``): the hook asks the
-pruner there, with the workers waiting, so a pruned trial trains no step past the decision
-and its workers are released at once. A trial that Hyperband promotes is grown by
+``elastic.fit`` does) with an ``on_step`` hook (``trial_steps.TrialSteps``) that asks the
+pruner at each step where it can decide (``pruning.PruneSteps``) as soon as that step's
+loss arrives; a "prune" stops the workers within a step of the decision, and they are
+released at once. With ``pruning: {exact: true}`` the job pauses after those steps, so no
+step runs past the decision. A trial that Hyperband promotes is grown by
 ``clusters.sweep_policy.PromotionPolicy`` (``promotion: {growth: g}``) through the job's
 in-place ``scale`` request at that same boundary. What the job ran as goes into the trial's
 user attributes; ``after_trial`` prints one line per finished trial. No Ray here: the
@@ -25,7 +26,7 @@ from clusters.sweep_policy import PromotionPolicy
 
 from ..config import JobConfig
 from ..errors import ElasticError
-from .pruning import PruneSteps
+from .pruning import PruneSteps, prune_lag
 from .report import trial_line
 from .sweep_file import SweepConfig
 from .trial_steps import ScheduledHook, TrialSteps
@@ -78,8 +79,11 @@ class TrialRunner:
                          ("min_loss", min(finite) if finite else None),
                          ("seconds", round(time.monotonic() - t0, 2))):
             trial.set_user_attr(key, val)
-        pruned_at = trial.storage.get_trial_user_attrs(trial._trial_id).get(  # noqa: SLF001
-            "pruned_at_step")
+        attrs = trial.storage.get_trial_user_attrs(trial._trial_id)  # noqa: SLF001
+        pruned_at = attrs.get("pruned_at_step")
+        if pruned_at is not None and attrs.get("pruned_at_time") is not None:
+            trial.set_user_attr("prune_lag", prune_lag(result.history, int(pruned_at),
+                                                       float(attrs["pruned_at_time"])))
         if pruned_at is not None:
             raise optuna.TrialPruned(f"pruned at step {pruned_at}")
         return float(self.value(result))
@@ -92,10 +96,14 @@ class TrialRunner:
         ctl: list[Controller] = []
         hook = TrialSteps(trial, self.prune_steps, self.promotion,
                           (job.num_workers, job.min_world, job.max_world),
-                          lambda kind, value, why: ctl[0].post(Request(kind, value, why)))
+                          lambda kind, value, why: ctl[0].post(Request(kind, value, why)),
+                          exact=self.cfg.exact_pruning)
         ctl.append(Controller(job, make_view(job.view, job.log_every), on_step=hook.on_step,
                               pause_after=hook.pause_after))
-        return ctl[0].run()
+        try:
+            return ctl[0].run()
+        finally:
+            hook.finish()
 
     def _scheduled(self, trial: optuna.Trial, job: JobConfig) -> FitResult:
         """The trial's job queued in the elastic scheduler ``cfg.scheduler``: it starts when
@@ -107,7 +115,7 @@ class TrialRunner:
         assert self.cfg.scheduler is not None
         hook = ScheduledHook(self.cfg.storage_url, self.cfg.study_name,
                              trial._trial_id, trial.study.pruner,  # noqa: SLF001
-                             self.prune_steps)
+                             self.prune_steps, self.cfg.exact_pruning)
         out = submit_to(self.cfg.scheduler, job, hook=hook).result()
         if out["state"] != "finished":
             raise ElasticError(f"the scheduler's job {job.job_name!r} ended {out['state']}: "

@@ -1,8 +1,21 @@
-"""A running trial's side of the pruner: the job's ``on_step`` and ``pause_after``.
+"""A running trial's side of the pruner: the job's ``on_step``, ``watch_at`` and ``pause_after``.
 
-``TrialSteps`` reports each completed step's loss to the trial, asks the pruner at the steps
-where it can decide (``pruning.PruneSteps``: the job pauses after those, so the answer
-reaches the workers before they train on), and, when Hyperband promotes the trial and the
+``TrialSteps`` takes each completed step's loss, asks the pruner at the steps where it can
+decide (``pruning.PruneSteps``) and, on "prune", returns True: the controller posts a stop,
+which reaches the workers at once (they stop at their next step boundary). By default the
+workers do not wait: the controller polls so that each decision step's metrics arrive
+about when the step ends (``watch_at``), and the stop reaches the workers within a step of
+the decision; they may have trained a few steps past the decided step by then (the
+driver's lag: docs/sweeps.md). With ``exact`` the job pauses after each decision step
+(``pause_after``), so no step runs past it, at the cost of a pause per decision step.
+
+Only what the pruner reads is reported while the trial runs: each decision step's value,
+and before it the best value of the steps since the last decision (the median pruner
+compares a trial's best value so far); the other steps' values are reported by ``finish``
+when the job ends, so the study's curves are whole and a finished trial's ``last_step``
+(which Hyperband's ``max_resource: auto`` reads) is its real one.
+
+When Hyperband promotes the trial and the
 sweep has ``promotion``, asks the job to grow (``clusters.sweep_policy.PromotionPolicy``)
 through ``post`` (the job's in-place ``scale`` request, at that same boundary). The step it
 was pruned at and its promotions go into the trial's user attributes as they happen, so
@@ -14,11 +27,14 @@ is pickled there with the job and opens the study from its storage URL on the fi
 
 from __future__ import annotations
 
+import math
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 import optuna
+from optuna.study import StudyDirection
 
 from clusters.sweep_policy import Grow, PromotionObservation, PromotionPolicy
 
@@ -34,9 +50,13 @@ class TrialSteps:
     def __init__(self, trial: optuna.Trial, steps: PruneSteps,
                  promotion: PromotionPolicy | None = None,
                  sizes: tuple[int, int, int] = (1, 1, 1),
-                 post: Callable[[str, Any, str], None] | None = None) -> None:
+                 post: Callable[[str, Any, str], None] | None = None,
+                 exact: bool = False) -> None:
         self.trial = trial
         self.steps = steps
+        self.exact = exact
+        self.pending: dict[int, float] = {}  # seen, not reported yet
+        self.decided_time: float | None = None  # time.time() of the decision to prune
         self.promotion = promotion
         self.sizes = sizes
         self.post = post
@@ -46,26 +66,59 @@ class TrialSteps:
 
     @property
     def pause_after(self) -> Callable[[int], int | None] | None:
+        """The job's pause steps: the decision steps in exact mode, else none."""
+        return self.watch_at if self.exact else None
+
+    @property
+    def watch_at(self) -> Callable[[int], int | None] | None:
+        """The first step >= ``step`` whose metrics the hook wants as soon as they exist."""
         return None if self.steps.kind == "none" else self.steps.next_at
 
     def on_step(self, entry: dict[str, Any]) -> bool:
-        """Report ``entry``'s loss; True (stop at this boundary) when the pruner says so."""
+        """Take ``entry``'s loss; True (stop the job now) when the pruner says so."""
         if self.pruned_at is not None:
             return True
         step = int(entry["step"])
-        if step in self.reported:  # re-run after a recovery from an older state
+        if step in self.reported or step in self.pending:  # re-run after a recovery
             return False
-        self.reported.add(step)
-        self.trial.report(float(entry["loss"]), step)
         if not self.steps.decides_at(step):
+            self.pending[step] = float(entry["loss"])
             return False  # the pruner answers "go on" here whatever the values
+        self._report_best()
+        self._report(step, float(entry["loss"]))
         if self.trial.should_prune():
+            self.decided_time = time.time()
             self.pruned_at = step
             self.trial.set_user_attr("pruned_at_step", step)
+            self.trial.set_user_attr("pruned_at_time", self.decided_time)
             return True
         if self.promotion is not None and self.post is not None:
             self._promote(step, int(entry["world_size"]))
         return False
+
+    def finish(self) -> None:
+        """Report the values not reported yet (the steps before a prune decision, or all of
+        a trial that ran to its end): the study holds every step the trial kept."""
+        for step in sorted(self.pending):
+            if self.pruned_at is None or step < self.pruned_at:
+                self._report(step, self.pending[step])
+        self.pending.clear()
+
+    def _report(self, step: int, value: float) -> None:
+        self.reported.add(step)
+        self.pending.pop(step, None)
+        self.trial.report(value, step)
+
+    def _report_best(self) -> None:
+        """Report the best pending value (in the study's direction; NaN never best): the
+        pruner's "best so far" of the trial is then what it would be had every step been
+        reported, and a decision step stays the newest reported step."""
+        finite = {s: v for s, v in self.pending.items() if math.isfinite(v)}
+        if not finite:
+            return
+        pick = max if self.trial.study.direction == StudyDirection.MAXIMIZE else min
+        best = pick(finite, key=lambda s: finite[s])
+        self._report(best, finite[best])
 
     def _promote(self, step: int, workers: int) -> None:
         """After a decision that did not prune: the rungs the trial passed (the pruner's
@@ -90,8 +143,10 @@ class ScheduledHook:
     Growth on promotion is the scheduler's to decide, not the trial's."""
 
     def __init__(self, storage_url: str, study_name: str, trial_id: int,
-                 pruner: optuna.pruners.BasePruner, steps: PruneSteps) -> None:
+                 pruner: optuna.pruners.BasePruner, steps: PruneSteps,
+                 exact: bool = False) -> None:
         self.storage_url = storage_url
+        self.exact = exact
         self.study_name = study_name
         self.trial_id = trial_id
         self.pruner = pruner
@@ -107,7 +162,16 @@ class ScheduledHook:
 
     @property
     def pause_after(self) -> Callable[[int], int | None] | None:
+        return self.watch_at if self.exact else None
+
+    @property
+    def watch_at(self) -> Callable[[int], int | None] | None:
         return None if self.steps.kind == "none" else self.steps.next_at
+
+    def finish(self) -> None:
+        with self._lock:
+            if self._live is not None:
+                self._live.finish()
 
     def on_step(self, entry: dict[str, Any]) -> bool:
         with self._lock:
@@ -118,5 +182,6 @@ class ScheduledHook:
                     study_name=self.study_name, pruner=self.pruner,
                     storage=optuna.storages.RDBStorage(self.storage_url, engine_kwargs=engine),
                     sampler=optuna.samplers.RandomSampler())
-                self._live = TrialSteps(optuna.trial.Trial(study, self.trial_id), self.steps)
+                self._live = TrialSteps(optuna.trial.Trial(study, self.trial_id), self.steps,
+                                        exact=self.exact)
             return self._live.on_step(entry)

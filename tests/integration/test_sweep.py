@@ -93,9 +93,11 @@ def test_median_pruner_stops_the_losing_trial_early(pruned):
     assert good.state == TrialState.COMPLETE and good.user_attrs["steps"] == PRUNE_STEPS
     assert good.value == pytest.approx(good.user_attrs["final_loss"])
     assert bad.state == TrialState.PRUNED
-    # the job stopped at the step boundary of the pruner's decision: no step past it
+    # the job stopped within a step of the pruner's decision (by default the workers do not
+    # wait for it: tests/integration/test_sweep_live.py checks both modes)
     assert 2 <= bad.user_attrs["pruned_at_step"] < PRUNE_STEPS
-    assert bad.user_attrs["steps"] == bad.user_attrs["pruned_at_step"] + 1
+    assert bad.user_attrs["prune_lag"]["begun_after"] <= 1, bad.user_attrs["prune_lag"]
+    assert bad.user_attrs["steps"] < PRUNE_STEPS
     for t in (good, bad):
         assert os.path.exists(os.path.join(t.user_attrs["run_dir"], "metrics.jsonl"))
         assert os.path.dirname(t.user_attrs["run_dir"]).endswith("runs")

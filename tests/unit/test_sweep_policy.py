@@ -4,6 +4,7 @@ their tables; the pruning steps are checked against Optuna's own pruners."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import optuna
@@ -21,6 +22,7 @@ from elastic.sweep import load_sweep
 from elastic.sweep.pruning import PruneSteps
 from elastic.sweep.study import make_pruner
 from elastic.sweep.sweep_file import SweepConfig
+from elastic.sweep.trial_steps import TrialSteps
 
 
 @pytest.mark.parametrize("spec, steps", [
@@ -151,3 +153,108 @@ def test_promotion_settings_are_checked():
         with pytest.raises(ConfigError) as e:
             load_sweep(data)
         assert e.value.field == field and e.value.fix
+
+
+def test_pruning_mode_is_checked():
+    assert load_sweep(_sweep()).exact_pruning is False  # the default: no pause
+    assert load_sweep(_sweep(pruning={"exact": True})).exact_pruning is True
+    assert load_sweep(_sweep(pruning={"exact": False})).exact_pruning is False
+    bad = [(_sweep(pruning={"exact": "yes"}), "pruning.exact"),
+           (_sweep(pruning={"exact": 1}), "pruning.exact"),
+           (_sweep(pruning={"pause": True}), "pruning.pause"),
+           (_sweep(pruning=True), "pruning")]
+    for data, field in bad:
+        with pytest.raises(ConfigError) as e:
+            load_sweep(data)
+        assert e.value.field == field and e.value.fix, (field, e.value)
+
+
+def _hooked_prune_step(pruner_spec: dict, curves: list[list[float]], direction: str,
+                       exact: bool) -> tuple[list[int | None], list[dict[int, float]]]:
+    """As ``_prune_step``, but each trial's losses go through ``TrialSteps`` (which reports
+    only what the pruner reads while the trial runs, the rest at ``finish``); the step each
+    was pruned at, and each trial's stored values."""
+    cfg = SweepConfig(base={"max_steps": len(curves[0])}, params={}, pruner=pruner_spec)
+    study = optuna.create_study(study_name="s", pruner=make_pruner(cfg), direction=direction)
+    out: list[int | None] = []
+    for curve in curves:
+        trial = study.ask()
+        hook = TrialSteps(trial, PruneSteps.of(pruner_spec), exact=exact)
+        for step, v in enumerate(curve):
+            if hook.on_step({"step": step, "loss": v, "world_size": 1}):
+                break
+        hook.finish()
+        if hook.pruned_at is None:
+            study.tell(trial, curve[-1])
+        else:
+            study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+        out.append(hook.pruned_at)
+    return out, [t.intermediate_values for t in study.get_trials()]
+
+
+@pytest.mark.parametrize("spec", [
+    {"type": "median", "n_startup_trials": 2, "n_warmup_steps": 3},
+    {"type": "median", "n_startup_trials": 1, "n_warmup_steps": 2, "interval_steps": 3},
+    {"type": "median", "n_startup_trials": 1, "n_warmup_steps": 0, "interval_steps": 7},
+    {"type": "hyperband", "min_resource": 1, "reduction_factor": 3},
+    {"type": "hyperband", "min_resource": 2, "reduction_factor": 2},
+    {"type": "hyperband", "min_resource": 3, "reduction_factor": 2},
+])
+@pytest.mark.parametrize("direction", ["minimize", "maximize"])
+def test_reporting_only_what_the_pruner_reads_prunes_as_reporting_every_step(spec, direction):
+    """Curves that are noisy (a trial's best value is often between decision steps, where
+    the median pruner reads it) and sometimes NaN: the hook's decisions, in either mode, are
+    Optuna's with every step reported and the pruner asked at every step; the stored curves
+    are whole (up to the decision step of a pruned trial)."""
+    rng = random.Random(11)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    curves = []
+    for _ in range(14):
+        scale = rng.uniform(0.5, 2.0)
+        curve = [scale / (1 + s * rng.uniform(0.01, 0.3)) * rng.uniform(0.6, 1.4)
+                 for s in range(30)]
+        if rng.random() < 0.2:
+            curve[rng.randrange(30)] = float("nan")
+        curves.append(curve)
+    want = _every_step(spec, curves, direction)
+    for exact in (False, True):
+        got, values = _hooked_prune_step(spec, curves, direction, exact)
+        assert got == want
+        for curve, at, stored in zip(curves, got, values, strict=True):
+            kept = len(curve) if at is None else at + 1
+            assert sorted(stored) == list(range(kept))
+            assert all(stored[s] == curve[s] or (math.isnan(stored[s]) and math.isnan(curve[s]))
+                       for s in stored)
+    assert any(at is not None for at in want)  # the table is exercised: some are pruned
+    assert any(at is None for at in want)
+
+
+def _every_step(spec: dict, curves: list[list[float]], direction: str) -> list[int | None]:
+    cfg = SweepConfig(base={"max_steps": len(curves[0])}, params={}, pruner=spec)
+    study = optuna.create_study(study_name="s", pruner=make_pruner(cfg), direction=direction)
+    out: list[int | None] = []
+    for curve in curves:
+        trial = study.ask()
+        at = None
+        for step, v in enumerate(curve):
+            trial.report(v, step)
+            if trial.should_prune():
+                at = step
+                break
+        if at is None:
+            study.tell(trial, curve[-1])
+        else:
+            study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+        out.append(at)
+    return out
+
+
+def test_pruning_hook_pauses_only_in_exact_mode_and_watches_the_decision_steps():
+    spec = PruneSteps.of({"type": "median", "n_warmup_steps": 3, "interval_steps": 4})
+    study = optuna.create_study()
+    default, exact = TrialSteps(study.ask(), spec), TrialSteps(study.ask(), spec, exact=True)
+    assert default.pause_after is None
+    assert exact.pause_after is not None and exact.pause_after(4) == 7
+    assert default.watch_at is not None and default.watch_at(4) == 7
+    none = TrialSteps(study.ask(), PruneSteps.of({"type": "none"}))
+    assert none.watch_at is None and none.pause_after is None
