@@ -81,6 +81,8 @@ def run_sweep(config: SweepConfig | dict[str, Any] | str, *, n_trials: int | Non
     started = connect(probes)
     try:
         n_jobs = concurrency(cfg, probes) if cfg.scheduler is None else _queued(cfg, probes)
+        if cfg.scheduler is None:  # a trial's workers go back warm, for the next trial
+            runner.pool = _pool(probes, n_jobs)
         where = (f"{n_jobs} at a time" if cfg.scheduler is None else
                  f"up to {n_jobs} queued at a time in scheduler {cfg.scheduler!r}")
         runner.say(f"study {cfg.study_name} in {cfg.storage_shown}: {done} finished, "
@@ -91,8 +93,22 @@ def run_sweep(config: SweepConfig | dict[str, Any] | str, *, n_trials: int | Non
             callbacks=[optuna.study.MaxTrialsCallback(cfg.n_trials, states=FINISHED),
                        runner.after_trial])
     finally:
+        if runner.pool is not None:
+            runner.pool.close()
         disconnect(started)
     return study
+
+
+def _pool(probes: list[JobConfig], n_jobs: int) -> Any:
+    """A pool that starts nothing ahead: the first trials start their workers, which then
+    serve the following trials (docs/scheduler.md, "Warm workers"); it keeps idle at most
+    what the concurrent trials can use at once."""
+    from ..control.pool import WorkerPool
+
+    p = probes[0]
+    return WorkerPool(0, resources_per_worker=dict(p.resources_per_worker),
+                      use_gpu=bool(p.use_gpu), max_idle=n_jobs * max(c.max_world for c in probes),
+                      wait=False)
 
 
 def _queued(cfg: SweepConfig, probes: list[JobConfig]) -> int:

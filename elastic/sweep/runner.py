@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import optuna
 
@@ -48,6 +48,7 @@ class TrialRunner:
         self.prune_steps = PruneSteps.of(cfg.pruner)
         self.promotion = PromotionPolicy(cfg.promotion) if cfg.promotion is not None else None
         self._lock = threading.Lock()
+        self.pool: Any = None  # an elastic.WorkerPool the trials' jobs share (run_sweep's)
 
     def say(self, line: str) -> None:
         if self.out is not None:
@@ -99,7 +100,7 @@ class TrialRunner:
                           lambda kind, value, why: ctl[0].post(Request(kind, value, why)),
                           exact=self.cfg.exact_pruning)
         ctl.append(Controller(job, make_view(job.view, job.log_every), on_step=hook.on_step,
-                              pause_after=hook.pause_after))
+                              pause_after=hook.pause_after, pool=self.pool))
         try:
             return ctl[0].run()
         finally:
