@@ -48,6 +48,18 @@ def _cmd_demo(a: argparse.Namespace) -> int:
                     strategy=a.strategy, view=a.view, run_dir=a.run_dir)
 
 
+def _plain_signals() -> None:
+    """After connecting, SIGTERM ends a command that trains nothing (queue watch, status...)
+    quietly and Ctrl-C raises KeyboardInterrupt, as before Ray installed its fatal-signal
+    handler, which prints a stack dump."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def _attach(address: str | None) -> None:
     import os
 
@@ -57,6 +69,7 @@ def _attach(address: str | None) -> None:
     addr = address or os.environ.get("RAY_ADDRESS") or "auto"
     try:
         attach(addr, namespace="elastic")
+        _plain_signals()
     except ClusterError as e:
         if addr != "auto":
             raise
