@@ -4,33 +4,15 @@ does), its data, optimizer and loss. Top level, so Ray pickles them by reference
 
 from __future__ import annotations
 
-import time
-
 import torch
 from torch import nn
 
-from elastic.models import SyntheticRegression
+from elastic.models import PerSampleCost, SyntheticRegression
 
 
 def Data(n: int = 512, seed: int = 0) -> SyntheticRegression:  # noqa: N802 - a factory
     """n seeded samples of (x in R^8, y in R^2): the product's own dataset."""
     return SyntheticRegression(n=n, in_features=8, out_features=2, seed=seed)
-
-
-class PerSampleCost(nn.Module):
-    """Identity that sleeps ``seconds`` per sample when a process group exists (a worker);
-    the single-process reference runs it without sleeping."""
-
-    def __init__(self, seconds: float) -> None:
-        super().__init__()
-        self.seconds = seconds
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            time.sleep(self.seconds * x.shape[0])
-        return x
 
 
 def model(seconds_per_sample: float = 0.01) -> nn.Module:

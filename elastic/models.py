@@ -431,3 +431,23 @@ def generate(
     finally:
         model.train(was_training)
     return dataset.decode(idx[0])
+
+
+class PerSampleCost(nn.Module):
+    """The identity, sleeping ``seconds`` per sample of its input inside a process group (a
+    worker) and never outside (the single-process reference): a job whose step time divides
+    among its workers, as a compute-bound job's does (the scheduler's tests and bench)."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import time
+
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            time.sleep(self.seconds * x.shape[0])
+        return x
+

@@ -87,26 +87,9 @@ def worker_only_model(width: int = 16) -> nn.Module:
     raise FileNotFoundError("/data/on-the-workers/weights.pt")
 
 
-class _PerSampleCost(nn.Module):
-    """Sleeps ``seconds`` per sample of its input inside a process group (a worker), never
-    outside (the single-process reference): a job whose step time divides among its
-    workers, as a compute-bound job's does, for the scheduler's tests. The arithmetic is
-    the identity."""
-
-    def __init__(self, seconds: float) -> None:
-        super().__init__()
-        self.seconds = seconds
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        import time
-
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            time.sleep(self.seconds * x.shape[0])
-        return x
-
-
 def slow_mlp(seconds_per_sample: float = 0.01) -> nn.Module:
-    """``mlp`` with a compute cost per sample (see ``_PerSampleCost``); same parameters."""
-    return nn.Sequential(_PerSampleCost(seconds_per_sample), *mlp())
+    """``mlp`` with a compute cost per sample (``elastic.models.PerSampleCost``); same
+    parameters."""
+    from elastic.models import PerSampleCost
+
+    return nn.Sequential(PerSampleCost(seconds_per_sample), *mlp())
