@@ -44,11 +44,12 @@ def test_decision_steps_table(spec, steps):
         assert got == want or (not later and (got is None or got >= 20)), (s, got, want)
 
 
-def _prune_step(pruner_spec: dict, curves: list[list[float]], ask) -> list[int | None]:
+def _prune_step(pruner_spec: dict, curves: list[list[float]], ask=lambda step: True,
+                direction: str = "minimize") -> list[int | None]:
     """Run trials with these loss curves through Optuna (in memory): each reports every
     step and asks ``should_prune`` where ``ask(step)``; the step each was pruned at."""
     cfg = SweepConfig(base={"max_steps": len(curves[0])}, params={}, pruner=pruner_spec)
-    study = optuna.create_study(study_name="s", pruner=make_pruner(cfg))
+    study = optuna.create_study(study_name="s", pruner=make_pruner(cfg), direction=direction)
     out: list[int | None] = []
     for curve in curves:
         trial = study.ask()
@@ -216,7 +217,7 @@ def test_reporting_only_what_the_pruner_reads_prunes_as_reporting_every_step(spe
         if rng.random() < 0.2:
             curve[rng.randrange(30)] = float("nan")
         curves.append(curve)
-    want = _every_step(spec, curves, direction)
+    want = _prune_step(spec, curves, direction=direction)
     for exact in (False, True):
         got, values = _hooked_prune_step(spec, curves, direction, exact)
         assert got == want
@@ -227,26 +228,6 @@ def test_reporting_only_what_the_pruner_reads_prunes_as_reporting_every_step(spe
                        for s in stored)
     assert any(at is not None for at in want)  # the table is exercised: some are pruned
     assert any(at is None for at in want)
-
-
-def _every_step(spec: dict, curves: list[list[float]], direction: str) -> list[int | None]:
-    cfg = SweepConfig(base={"max_steps": len(curves[0])}, params={}, pruner=spec)
-    study = optuna.create_study(study_name="s", pruner=make_pruner(cfg), direction=direction)
-    out: list[int | None] = []
-    for curve in curves:
-        trial = study.ask()
-        at = None
-        for step, v in enumerate(curve):
-            trial.report(v, step)
-            if trial.should_prune():
-                at = step
-                break
-        if at is None:
-            study.tell(trial, curve[-1])
-        else:
-            study.tell(trial, state=optuna.trial.TrialState.PRUNED)
-        out.append(at)
-    return out
 
 
 def test_pruning_hook_pauses_only_in_exact_mode_and_watches_the_decision_steps():
