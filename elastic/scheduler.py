@@ -101,6 +101,8 @@ class SchedulerActor:
         name = self.core.submit(cfg)
         if hook is not None:
             self.hooks[name] = hook
+            if hasattr(hook, "open_soon"):  # a trial's pruner: its study opened while queued
+                hook.open_soon()
         if self.store is not None:
             self.store.add(name, dumps(self.core.jobs[name].cfg), time.time())
         self._wake.set()

@@ -20,6 +20,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(getattr(pytest.mark, layer))
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Each phase's report on its test (``item.rep_call``): a fixture's teardown can tell
+    whether the test passed (``ray_cluster`` keeps only a passing test's cluster)."""
+    outcome = yield
+    rep = outcome.get_result()
+    setattr(item, "rep_" + rep.when, rep)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _private_ray_tmpdir():
     """Each test run gets its own RAY_TMPDIR so it never attaches to someone else's cluster."""

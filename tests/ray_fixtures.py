@@ -2,8 +2,17 @@
 
 ``ray_local``: a private local Ray instance (4 logical CPUs), started on first use and shared by
 the following tests; ``ray_cluster``: a real multi-node ``ray.cluster_utils.Cluster`` (separate
-raylets) whose nodes tests remove and add. Whatever a fixture starts is stopped: the cluster at
-the end of its test, the local instance at the end of the session.
+raylets) whose nodes tests remove and add.
+
+A test's cluster is kept for the next one when the test passed: the next ``ray_cluster(n)``
+reconnects the driver, waits until nothing of the earlier job is left (no live actor, every CPU
+free, no node draining), and adds or removes worker nodes until there are ``n``: a fresh head and
+nodes cost 5-15 s here, more than many of these tests' jobs. Each test still gets its own job,
+processes and group on real nodes, and every node a test removed is gone (a new one replaces
+it), as on a real cluster where jobs come and go (``bench/stress_node_loss.py`` reuses clusters
+the same way). A cluster that is not idle in time, or whose test failed, is shut down and a new
+one made. Whatever a fixture starts is stopped: the kept cluster at the end of the module, the
+local instance at the end of the session.
 """
 
 from __future__ import annotations
@@ -65,6 +74,45 @@ class ChaosCluster:
         self.cluster.wait_for_nodes()
         return node
 
+    def reuse(self, n_nodes: int, timeout_s: float = 10.0) -> bool:
+        """Make this cluster, kept from an earlier test, ready for a new one with ``n_nodes``
+        worker nodes (see the module's docstring); False when it cannot be (the caller shuts
+        it down)."""
+        import time
+
+        import ray
+
+        from elastic.ray_connect import draining_nodes
+
+        head = self.cluster.head_node
+        if head is None or not head.remaining_processes_alive():
+            return False
+        for node in list(self.cluster.worker_nodes):
+            if not node.remaining_processes_alive():
+                self.cluster.remove_node(node, allow_graceful=False)
+        _shutdown()
+        self.cluster.connected = False
+        self.cluster.connect()
+        draining = draining_nodes()
+        for node in list(self.cluster.worker_nodes):  # a drained node is on its way out
+            if node.node_id in draining:
+                self.cluster.remove_node(node, allow_graceful=False)
+        while len(self.cluster.worker_nodes) > n_nodes:
+            self.cluster.remove_node(self.cluster.worker_nodes[-1], allow_graceful=False)
+        while len(self.cluster.worker_nodes) < n_nodes:
+            self.cluster.add_node(num_cpus=1)
+        self.cluster.wait_for_nodes()
+        self.nodes = list(self.cluster.worker_nodes)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            alive = [a for a in ray._private.state.actors().values()
+                     if a.get("State") not in ("DEAD", 4)]
+            free = ray.available_resources().get("CPU", 0.0)
+            if not alive and free == n_nodes == ray.cluster_resources().get("CPU", 0.0):
+                return True
+            time.sleep(0.1)
+        return False
+
     def node_of(self, node_id: str):
         for n in self.nodes:
             if n.node_id == node_id:
@@ -88,15 +136,39 @@ class ChaosCluster:
         self.cluster.shutdown()
 
 
+@pytest.fixture(scope="module")
+def _kept_cluster():
+    """The cluster kept between one module's tests (``ray_cluster``), shut down at its end."""
+    kept: list[ChaosCluster] = []
+    yield kept
+    for c in kept:
+        c.shutdown()
+
+
 @pytest.fixture
-def ray_cluster():
-    clusters: list[ChaosCluster] = []
+def ray_cluster(request, _kept_cluster):
+    made: list[ChaosCluster] = []
 
     def make(n_nodes: int) -> ChaosCluster:
-        c = ChaosCluster(n_nodes)
-        clusters.append(c)
+        c = None
+        if _kept_cluster and not made:
+            c = _kept_cluster.pop()
+            if not c.reuse(n_nodes):
+                c.shutdown()
+                c = None
+        if c is None:
+            c = ChaosCluster(n_nodes)
+        made.append(c)
         return c
 
     yield make
-    for c in clusters:
+    report = getattr(request.node, "rep_call", None)
+    passed = report is not None and report.passed
+    for c in made[:-1]:
         c.shutdown()
+    if made:
+        if passed:
+            _shutdown()  # the driver leaves: its job's actors and reservations go with it
+            _kept_cluster.append(made[-1])
+        else:
+            made[-1].shutdown()

@@ -22,7 +22,8 @@ was pruned at and its promotions go into the trial's user attributes as they hap
 the sweep reads them from the storage whichever process ran the job.
 
 ``ScheduledHook`` is the same for a trial that runs in an elastic scheduler's process: it
-is pickled there with the job and opens the study from its storage URL on the first step.
+is pickled there with the job, and the scheduler opens the study from its storage URL when
+the trial is queued (``open_soon``), so the trial's first steps never wait on the storage.
 """
 
 from __future__ import annotations
@@ -173,7 +174,8 @@ class ScheduledHook:
             if self._live is not None:
                 self._live.finish()
 
-    def on_step(self, entry: dict[str, Any]) -> bool:
+    def open(self) -> TrialSteps:
+        """The trial's ``TrialSteps`` over the study opened from its storage (once)."""
         with self._lock:
             if self._live is None:
                 engine: dict[str, Any] = ({"connect_args": {"timeout": 60}}
@@ -184,4 +186,24 @@ class ScheduledHook:
                     sampler=optuna.samplers.RandomSampler())
                 self._live = TrialSteps(optuna.trial.Trial(study, self.trial_id), self.steps,
                                         exact=self.exact)
-            return self._live.on_step(entry)
+            return self._live
+
+    def open_soon(self) -> threading.Thread:
+        """Open the study in a background thread, while the trial waits in the queue and its
+        workers start (opening takes 0.1-1 s: a trial of short steps could otherwise train to
+        its end before its first decision). An error there is raised again by ``on_step``,
+        which opens it itself."""
+        def run() -> None:
+            try:
+                self.open()
+            except Exception:  # noqa: BLE001, S110 - on_step opens it again and raises
+                pass
+
+        t = threading.Thread(target=run, name=f"elastic-study-{self.trial_id}", daemon=True)
+        t.start()
+        return t
+
+    def on_step(self, entry: dict[str, Any]) -> bool:
+        live = self.open()
+        with self._lock:
+            return live.on_step(entry)

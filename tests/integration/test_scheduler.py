@@ -16,6 +16,9 @@ from elastic.reference import reference_train
 from tests.helpers import RegressionData, adam, max_diff, mse, slow_mlp
 
 BATCH = 12  # divides among 1..4 workers
+# the restart test's job still running when the scheduler dies: ~0.12 s steps, the kill comes
+# ~1-3 s after its step 2 (it runs again from step 0 after the restart)
+GOOD = 150
 
 
 def _job(name: str, steps: int, tmp_path, **kw):
@@ -98,7 +101,7 @@ def test_a_failing_job_leaves_the_others_alone_and_the_queue_survives_a_restart(
     try:
         bad = elastic.submit(dict(_job("bad", 50, tmp_path, num_workers=1),
                                   model=failing_model), scheduler="r")
-        good = elastic.submit(_job("good", 400, tmp_path, num_workers=1), scheduler="r")
+        good = elastic.submit(_job("good", GOOD, tmp_path, num_workers=1), scheduler="r")
         waits = elastic.submit(_job("waits", 30, tmp_path, num_workers=2), scheduler="r")
         out = bad.result(timeout=180)
         assert out["state"] == "failed" and out["error"], out
@@ -116,7 +119,7 @@ def test_a_failing_job_leaves_the_others_alone_and_the_queue_survives_a_restart(
         rows = {r["job"]: r for r in ray.get(sched.rows.remote())}
         assert rows["bad"]["state"] == "failed"
         assert rows["good"]["state"] in ("queued", "running")
-        for job, steps in ((good, 400), (waits, 30)):
+        for job, steps in ((good, GOOD), (waits, 30)):
             out = job.result(timeout=240)
             assert out["state"] == "finished" and out["steps"] == steps, out
             ref, _ = reference_train(slow_mlp, adam, mse, RegressionData(), BATCH, steps, seed=0)

@@ -239,3 +239,29 @@ def test_pruning_hook_pauses_only_in_exact_mode_and_watches_the_decision_steps()
     assert default.watch_at is not None and default.watch_at(4) == 7
     none = TrialSteps(study.ask(), PruneSteps.of({"type": "none"}))
     assert none.watch_at is None and none.pause_after is None
+
+
+def test_a_queued_trial_opens_its_study_before_its_first_step(tmp_path, monkeypatch):
+    """``ScheduledHook.open_soon`` (called when the scheduler queues the trial) opens the study
+    in the background: the trial's steps never wait on the storage (a trial of short steps
+    once trained to its end while its first step opened the study)."""
+    import pickle
+
+    from elastic.sweep.trial_steps import ScheduledHook
+
+    url = f"sqlite:///{tmp_path}/study.db"
+    trial = optuna.create_study(study_name="q", storage=url).ask()
+    hook = pickle.loads(pickle.dumps(ScheduledHook(  # as the scheduler's process gets it
+        url, "q", trial._trial_id, optuna.pruners.MedianPruner(),  # noqa: SLF001
+        PruneSteps.of({"type": "median"}))))
+    opened: list[str] = []
+    real = optuna.load_study
+    monkeypatch.setattr(optuna, "load_study",
+                        lambda **kw: opened.append(kw["study_name"]) or real(**kw))
+    hook.open_soon().join(30)
+    assert opened == ["q"]
+    assert hook.on_step({"step": 0, "loss": 1.0, "world_size": 1}) is False
+    hook.finish()
+    assert opened == ["q"]  # the step used the study opened before it
+    assert optuna.load_study(study_name="q", storage=url).trials[0].intermediate_values == {
+        0: 1.0}
