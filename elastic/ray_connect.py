@@ -138,7 +138,7 @@ def connect(address: str | None, local_cpus: float) -> bool:
 # take an actor (Ray's prestarted workers), so a worker starts in ~0.3 s rather than ~2.5 s;
 # with no dashboard, Ray's metrics have no reader, and their exporter held a driver's
 # ray.shutdown() for 20-27 s after a node loss.
-PRELOAD = ("torch", "torch.distributed", "elastic.worker.actor")
+PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "elastic.worker.actor")
 LOCAL_CONFIG = {"preload_python_modules": list(PRELOAD), "enable_metrics_collection": False}
 
 

@@ -21,6 +21,7 @@ class RunningJob:
 
     def __init__(self, cfg: Any, hook: Any = None, pool: Any = None) -> None:
         self.controller = Controller(cfg, View(), on_step=hook.on_step if hook else None,
+                                     watch_at=getattr(hook, "watch_at", None),
                                      pause_after=hook.pause_after if hook else None,
                                      pool=pool)
         self.hook = hook

@@ -42,7 +42,8 @@ def _private_ray_tmpdir():
     # every Ray worker process imports torch before it takes an actor (Ray's prestarted
     # workers): a worker actor starts in ~0.2-0.5 s instead of ~2.5 s (elastic.ray_connect does
     # the same for the local clusters it starts)
-    os.environ.setdefault("RAY_preload_python_modules", "torch,torch.distributed,elastic.worker.actor")
+    os.environ.setdefault("RAY_preload_python_modules",
+                          "torch,torch.distributed,torch._dynamo,elastic.worker.actor")
     # measured speeds are cached per machine; tests start from an empty cache
     os.environ["ELASTIC_CACHE_DIR"] = tempfile.mkdtemp(prefix="elastic-cache-", dir="/tmp")
     yield

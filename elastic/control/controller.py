@@ -70,14 +70,14 @@ class Controller:
 
     def __init__(self, config: JobConfig, view: View | None = None,
                  on_step: Callable[[dict[str, Any]], Any] | None = None, *,
+                 watch_at: Callable[[int], int | None] | None = None,
                  pause_after: Callable[[int], int | None] | None = None,
                  group_factory: Callable[[JobConfig], Any] | None = None,
                  mailbox_factory: Callable[[str], Any] | None = None, pool: Any = None) -> None:
-        """``on_step(entry)``: called in the controller's thread for each completed step (the
-        history entry); True stops the job at the next step boundary; its object's ``watch_at``
-        paces the polls (``StepLog.watch_s``). ``pause_after(step)``: the first step >= ``step``
-        after which the workers wait for ``on_step`` (exact pruning). ``*_factory``: tests';
-        ``pool``: a ``WorkerPool`` the job's workers come from and go back to."""
+        """``on_step(entry)``: called in this thread for each completed step's history entry;
+        True stops the job at the next boundary. ``watch_at(step)``/``pause_after(step)``: the
+        first step >= ``step`` whose entry ``on_step`` wants at once (``StepLog.watch_s``)/after
+        which the workers wait for it (exact pruning). ``pool``: a ``WorkerPool``."""
         config.validate()
         self.cfg = config
         self.view = view or View()
@@ -94,7 +94,7 @@ class Controller:
         self._ray_group = functools.partial(_ray_group, pool=pool)
         self.group: Any = None
         self._started_ray = False
-        self.steps = StepLog(None, self.view, on_step)
+        self.steps = StepLog(None, self.view, on_step, watch_at)
         self.tracker: CheckpointTracker = CheckpointTracker(config, None, self._emit)
         self.layouts: Layouts | None = None
         self.replanner = Replanner(config, None, self._emit)  # the closed loop

@@ -30,14 +30,14 @@ class StepLog:
     """History and logs of one job. Owned by the controller's thread."""
 
     def __init__(self, log: RunLog | None, view: View,
-                 on_step: Callable[[dict[str, Any]], Any] | None = None) -> None:
+                 on_step: Callable[[dict[str, Any]], Any] | None = None,
+                 watch_at: Callable[[int], int | None] | None = None) -> None:
         self.log = log
         self.view = view
         self.on_step = on_step
-        # the hook's ``watch_at(step)``: the first step >= step whose entry it wants as soon
-        # as it exists (a pruner's decision steps; on_step a bound method of the hook)
-        self.watch_at: Callable[[int], int | None] | None = getattr(
-            getattr(on_step, "__self__", None), "watch_at", None)
+        # the first step >= step whose entry on_step wants as soon as it exists (a pruner's
+        # decision steps): the polls are paced to it
+        self.watch_at = watch_at
         self.history: list[dict[str, Any]] = []
         self.fresh = False  # whether the last ingest recorded a step
         self._mem_at = 0.0  # when the workers' memory column was read last

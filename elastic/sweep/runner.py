@@ -100,7 +100,8 @@ class TrialRunner:
                           lambda kind, value, why: ctl[0].post(Request(kind, value, why)),
                           exact=self.cfg.exact_pruning)
         ctl.append(Controller(job, make_view(job.view, job.log_every), on_step=hook.on_step,
-                              pause_after=hook.pause_after, pool=self.pool))
+                              watch_at=hook.watch_at, pause_after=hook.pause_after,
+                              pool=self.pool))
         try:
             return ctl[0].run()
         finally:

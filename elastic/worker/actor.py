@@ -63,6 +63,18 @@ def _node_id() -> str | None:
         return None
 
 
+
+def _freeze_start_up() -> None:
+    """Start-up objects (torch, Ray, the job's modules) skip later collections, which keeps
+    the one in ``leave`` short: a survivor's group closes at that collection, and a peer
+    blocked on it waits for it. ``torch._dynamo`` is imported first: the first layout (DDP,
+    FSDP, an optimizer's step) would import it anyway, and its ~117k objects, left unfrozen,
+    made each collection 50-70 ms on an idle core and 0.1-2.75 s while a new node started on
+    the same cores (bench/recovery.py); frozen, 0.1 ms."""
+    import torch._dynamo  # noqa: F401
+
+    gc.freeze()
+
 class Worker:
     """Body of the worker actor (wrapped with ``ray.remote`` by the controller)."""
 
@@ -85,8 +97,7 @@ class Worker:
         self._left: dict[str, float] = {}  # the last leave's timings (leave)
         if config is not None:
             self._setup(config, worker_id, liveness)
-        gc.freeze()  # start-up objects (torch, ray, the job's modules) skip later collections,
-        # which keeps the one in leave() short
+        _freeze_start_up()
 
     def _setup(self, config: JobConfig | WorkerConfig, worker_id: int,
                liveness: tuple[str, int, str] | None) -> None:
@@ -139,7 +150,7 @@ class Worker:
         except Exception:
             self.user_error = True  # the job's code failed to load or build here
             raise
-        gc.freeze()
+        _freeze_start_up()
         return self.info()
 
     def reset(self) -> dict[str, Any]:
