@@ -24,6 +24,8 @@ __all__ = ["StepLog", "WATCH_MIN_S"]
 WATCH_MIN_S = 0.05  # the fastest a watched job is polled (each poll is an RPC per worker
 # that takes the GIL from its training thread: every 10 ms cost 6x on 2 ms steps)
 WATCH_FIRST_S = 0.05  # a watched job's polls before its first step is seen
+WATCH_SLACK_S = 0.002  # a watched step's poll comes this long after its expected end
+PERIOD_STEPS = 6  # the step period is measured over up to this many recorded steps
 
 
 class StepLog:
@@ -76,8 +78,22 @@ class StepLog:
         nxt = self.watch_at(last["step"] + 1)
         if nxt is None:
             return math.inf
-        due = last["time"] + (nxt - last["step"]) * float(last.get("step_time") or 0.0)
+        # a step's metrics are recorded when the next step's compute ends (its control
+        # all-reduce overlaps that step: elastic/worker/loop.py), one period after its own
+        # end; a group of one records them at once
+        lag = 0 if last.get("world_size") == 1 else 1
+        due = last["time"] + (nxt + lag - last["step"]) * self.step_period() + WATCH_SLACK_S
         return max(WATCH_MIN_S, due - time.time())
+
+    def step_period(self) -> float:
+        """Seconds from one step's end to the next's, over the last few steps recorded (a
+        step's own ``step_time`` leaves out what the loop does between steps: a poll timed
+        by it came early, found the step not done, and waited ``WATCH_MIN_S`` more)."""
+        last = self.history[-1]
+        for prev in self.history[-PERIOD_STEPS:-1]:
+            if prev["step"] < last["step"] and prev.get("generation") == last.get("generation"):
+                return max(0.0, (last["time"] - prev["time"]) / (last["step"] - prev["step"]))
+        return float(last.get("step_time") or 0.0)
 
     def last(self) -> dict[str, Any]:
         return self.history[-1] if self.history else {}

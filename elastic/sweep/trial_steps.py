@@ -184,6 +184,9 @@ class ScheduledHook:
                     study_name=self.study_name, pruner=self.pruner,
                     storage=optuna.storages.RDBStorage(self.storage_url, engine_kwargs=engine),
                     sampler=optuna.samplers.RandomSampler())
+                # what the first decision reads (every trial's values), once ahead: a cold
+                # storage made that decision 40-60 ms instead of ~13
+                study.get_trials(deepcopy=False)
                 self._live = TrialSteps(optuna.trial.Trial(study, self.trial_id), self.steps,
                                         exact=self.exact)
             return self._live

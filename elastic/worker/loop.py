@@ -177,7 +177,9 @@ class StepLoop:
                                lr, norm, ctrl_local_bad=bad, compute_s=compute_s)
             if self._eval_due(step):  # between steps: its time counts in neither
                 pending.eval_loss = self._evaluate()
-            if self._checkpoints.due(step) or step + 1 == end or stop:
+            if self._checkpoints.due(step) or step + 1 == end or stop or m.world == 1:
+                # (a group of one has nothing to overlap: its values are known at once, and a
+                # stop asked during the step takes effect at its end)
                 stop = self._finish_step(pending) or stop
                 pending = None
             step += 1

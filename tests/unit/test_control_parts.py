@@ -257,3 +257,34 @@ def test_a_drains_reason_comes_from_the_node_info_else_it_is_a_preemption():
     assert drain_reason(infos, "b") == ("preemption", "")  # alive and draining: no death info
     assert drain_reason(infos, "c") == ("preemption", "spot")
     assert drain_reason(infos, "zz") == ("preemption", "")
+
+
+def test_a_watched_step_is_polled_at_its_end_by_the_step_period():
+    """The poll for a pruner's decision step is timed by the steps' period (end to end), not
+    by a step's own compute time, and for when the step's metrics exist (one step after its
+    end): timed by the former it came early, found nothing and waited ``WATCH_MIN_S`` more
+    (~50 ms: 2 steps of 24 ms)."""
+    import math
+    import time
+
+    from elastic.control.steps import WATCH_MIN_S, WATCH_SLACK_S, StepLog
+    from elastic.view import View
+
+    log = StepLog(None, View(), lambda entry: False, watch_at=lambda s: max(s, 10))
+    assert log.watch_s() == pytest.approx(0.05)  # before the first step
+    now = time.time()
+    # steps of 20 ms compute that end every 80 ms (the loop's own work between them)
+    log.history = [{"step": s, "time": now - (9 - s) * 0.08, "step_time": 0.02,
+                    "generation": 1, "world_size": 2} for s in range(10)]
+    assert log.step_period() == pytest.approx(0.08)
+    # step 10 ends 80 ms after step 9 (at ``now``); its metrics exist when step 11's compute
+    # ends (its control all-reduce overlaps step 11): polled then, not after 20 ms
+    assert log.watch_s() == pytest.approx(0.16 + WATCH_SLACK_S, abs=0.01)
+    # a group of one records a step's metrics at its end
+    log.history = [dict(h, world_size=1) for h in log.history]
+    assert log.watch_s() == pytest.approx(0.08 + WATCH_SLACK_S, abs=0.01)
+    # a recovery between generations does not count as a long step
+    log.history[-1] = dict(log.history[-1], generation=2)
+    assert log.step_period() == pytest.approx(0.02)
+    assert log.watch_s() >= WATCH_MIN_S
+    assert StepLog(None, View(), lambda entry: False).watch_s() == math.inf  # nothing watched
