@@ -98,7 +98,7 @@ class ChaosCluster:
             if node.node_id in draining:
                 self.cluster.remove_node(node, allow_graceful=False)
         while len(self.cluster.worker_nodes) > n_nodes:
-            self.cluster.remove_node(self.cluster.worker_nodes[-1], allow_graceful=False)
+            self.cluster.remove_node(next(iter(self.cluster.worker_nodes)), allow_graceful=False)
         while len(self.cluster.worker_nodes) < n_nodes:
             self.cluster.add_node(num_cpus=1)
         self.cluster.wait_for_nodes()
