@@ -321,8 +321,10 @@ def test_a_stop_request_ends_the_segment_at_a_step_boundary(tmp_path, group):
 
     p.layout.strategy.local_model().register_forward_pre_hook(ask_after_step_1)
     out = p.loop.run(3, 10)
-    # asked during step 4: every rank reads it with step 4's values, after step 5's compute
-    assert out == {"status": "stopped", "next_step": 6}
+    # asked during step 4: a group of one reads it with step 4's values at once and stops at
+    # step 4's end (in a larger group every rank reads it after step 5's compute: the
+    # control all-reduce overlaps the next step, and next_step would be 6)
+    assert out == {"status": "stopped", "next_step": 5}
 
 
 def _listening(port: int) -> set[str]:
