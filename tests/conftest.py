@@ -33,8 +33,9 @@ def pytest_runtest_makereport(item, call):
 def _private_ray_tmpdir():
     """Each test run gets its own RAY_TMPDIR so it never attaches to someone else's cluster."""
     if "RAY_TMPDIR" not in os.environ:
-        d = tempfile.mkdtemp(prefix="ray-elastic-", dir="/tmp")
-        os.environ["RAY_TMPDIR"] = d
+        os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="ray-elastic-", dir="/tmp")
+    elif os.environ.get("PYTEST_XDIST_WORKER"):  # pytest -n: one per worker process
+        os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="w", dir=os.environ["RAY_TMPDIR"])
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     # Ray's own metrics exporter: a driver's ray.shutdown() waited 20-27 s on it after a test's
     # cluster lost nodes (it retries a dead metrics agent); nothing here reads Ray's metrics
