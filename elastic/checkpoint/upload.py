@@ -10,6 +10,7 @@ writer cancelled the upload, a redacted ``StorageError`` when the storage failed
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -195,12 +196,25 @@ def nonfinite_keys(buf: torch.Tensor, items: list[ItemEntry], most: int = 5) -> 
         dt = dtype_from_name(it.dtype)
         if not dt.is_floating_point or it.length == 0:
             continue
-        view = buf[it.offset : it.offset + it.length].view(dt)
-        if not bool(torch.isfinite(view).all()):
+        if not all_finite(buf[it.offset : it.offset + it.length].view(dt)):
             bad.append(it.key)
             if len(bad) >= most:
                 break
     return tuple(bad)
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether every element of floating-point ``t`` is finite, in one read pass: a NaN or
+    inf element makes any sum NaN or inf, so a finite sum proves them all finite; a
+    non-finite sum (a NaN or inf, or finite values whose sum overflowed) takes the exact
+    element-wise check. ``isfinite(t).all()`` alone wrote and read a byte per element: a
+    500 MB shard's upload ran at a quarter of the raw write (bench/checkpoint.py)."""
+    acc = torch.float32 if t.element_size() <= 4 else t.dtype
+    try:
+        total = float(t.sum(dtype=acc))
+    except (RuntimeError, TypeError):  # a type without a sum (float8): the exact check
+        total = math.nan
+    return math.isfinite(total) or bool(torch.isfinite(t).all())
 
 
 def _per_item(

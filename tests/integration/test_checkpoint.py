@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import pickle
 import threading
 from typing import Any
@@ -539,3 +540,24 @@ def test_a_shard_says_which_entries_hold_nan_or_inf(tmp_path):
     w.begin(2, state)
     assert w.wait(timeout=30).nonfinite == ()
     w.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_the_upload_finds_every_non_finite_entry_and_no_other(dtype):
+    """The scan that keeps a NaN or inf checkpoint from being committed sums each entry (one
+    read pass) and checks element by element only when the sum is not finite: finite values
+    whose sum overflows are no false alarm, a single NaN, inf or -inf anywhere is found."""
+    from elastic.checkpoint.upload import all_finite
+
+    big = torch.finfo(dtype).max
+    assert all_finite(torch.tensor([big, big, big], dtype=dtype))  # the sum overflows
+    assert all_finite(torch.tensor([-big, -big], dtype=dtype))
+    assert all_finite(torch.randn(1000).to(dtype)) and all_finite(torch.zeros(0, dtype=dtype))
+    for bad in (math.nan, math.inf, -math.inf):
+        for at in (0, 500, 999):
+            t = torch.randn(1000).to(dtype)
+            t[at] = bad
+            assert not all_finite(t), (bad, at)
+    t = torch.full((4,), big, dtype=dtype)
+    t[2] = -math.inf  # +inf + -inf in a sum is NaN: still found
+    assert not all_finite(t)
