@@ -81,19 +81,23 @@ class StepLog:
         # a step's metrics are recorded when the next step's compute ends (its control
         # all-reduce overlaps that step: elastic/worker/loop.py), one period after its own
         # end; a group of one records them at once
+        period = self.step_period()
+        if period is None:  # one step of this generation: its time holds the start-up
+            return WATCH_MIN_S
         lag = 0 if last.get("world_size") == 1 else 1
-        due = last["time"] + (nxt + lag - last["step"]) * self.step_period() + WATCH_SLACK_S
+        due = last["time"] + (nxt + lag - last["step"]) * period + WATCH_SLACK_S
         return max(WATCH_MIN_S, due - time.time())
 
-    def step_period(self) -> float:
-        """Seconds from one step's end to the next's, over the last few steps recorded (a
-        step's own ``step_time`` leaves out what the loop does between steps: a poll timed
-        by it came early, found the step not done, and waited ``WATCH_MIN_S`` more)."""
+    def step_period(self) -> float | None:
+        """Seconds from one step's end to the next's, over the last few steps recorded of
+        the newest generation (a step's own ``step_time`` leaves out what the loop does
+        between steps, and a generation's first step holds its start-up: a poll timed by
+        it came ~30 steps late); None before two such steps."""
         last = self.history[-1]
         for prev in self.history[-PERIOD_STEPS:-1]:
             if prev["step"] < last["step"] and prev.get("generation") == last.get("generation"):
                 return max(0.0, (last["time"] - prev["time"]) / (last["step"] - prev["step"]))
-        return float(last.get("step_time") or 0.0)
+        return None
 
     def last(self) -> dict[str, Any]:
         return self.history[-1] if self.history else {}
