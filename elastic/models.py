@@ -450,4 +450,3 @@ class PerSampleCost(nn.Module):
         if dist.is_available() and dist.is_initialized():
             time.sleep(self.seconds * x.shape[0])
         return x
-

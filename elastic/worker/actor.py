@@ -63,7 +63,6 @@ def _node_id() -> str | None:
         return None
 
 
-
 def _freeze_start_up() -> None:
     """Start-up objects (torch, Ray, the job's modules) skip later collections, which keeps
     the one in ``leave`` short: a survivor's group closes at that collection, and a peer
@@ -74,6 +73,7 @@ def _freeze_start_up() -> None:
     import torch._dynamo  # noqa: F401
 
     gc.freeze()
+
 
 class Worker:
     """Body of the worker actor (wrapped with ``ray.remote`` by the controller)."""
