@@ -54,7 +54,8 @@ def _trial(study: Any, lr: float, a: Any, run_dir: str, mode: str, prune_steps: 
     if mode == "no hook":
         res = Controller(job, View()).run()
     else:
-        res = Controller(job, View(), on_step=hook.on_step, pause_after=hook.pause_after).run()
+        res = Controller(job, View(), on_step=hook.on_step, watch_at=hook.watch_at,
+                         pause_after=hook.pause_after).run()
         hook.finish()
     h = res.history
     secs = h[-1]["time"] - h[0]["time"] if len(h) > 1 else 0.0
