@@ -12,7 +12,7 @@ SQLite file:
   controller polls when a decision step should have ended, reports what the pruner reads,
   asks it, and a "prune" stops the workers at once;
 * ``exact``: ``pruning: {exact: true}``: the job pauses after each decision step
-  (``Controller(pause_after=...)``) while the driver asks the pruner.
+  (the hook's ``pause_after``) while the driver asks the pruner.
 
 Reported per mode: the step the pruner decided at; the pruned trial's steps past it
 (``past step``: the driver's lag plus the stop's), begun after the decision was made
@@ -54,8 +54,7 @@ def _trial(study: Any, lr: float, a: Any, run_dir: str, mode: str, prune_steps: 
     if mode == "no hook":
         res = Controller(job, View()).run()
     else:
-        res = Controller(job, View(), on_step=hook.on_step, watch_at=hook.watch_at,
-                         pause_after=hook.pause_after).run()
+        res = Controller(job, View(), hook=hook).run()
         hook.finish()
     h = res.history
     secs = h[-1]["time"] - h[0]["time"] if len(h) > 1 else 0.0

@@ -8,7 +8,14 @@ within the job's ``min_workers..max_workers`` and the workers free for it, never
 than it has (a promotion is no reason to shrink). The live sweep
 (``elastic.sweep.runner``) carries a ``Grow`` out as the job's in-place ``scale`` request
 at the step boundary of the decision; ``simulate_halving`` runs the same policy over a
-synthetic set of trials. Pure: no Ray, no Optuna, no clock.
+synthetic set of trials.
+
+``GatePolicy`` is the median (percentile) pruner's rule handed to a trial's workers ahead of
+a decision step (a ``PruneGate``: the threshold from the study's complete trials, and the
+trial's best value so far as the driver knows it): the workers decide at the step's end,
+with the loss they agreed on, whether the pruner would stop them, and stop there, without
+waiting for the driver (``elastic.worker.loop``, ``elastic.sweep.gates``). Pure: no Ray, no
+Optuna, no clock.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ import math
 from dataclasses import dataclass
 
 __all__ = ["PromotionObservation", "Grow", "Stay", "PromotionPolicy", "HalvingRun",
-           "simulate_halving"]
+           "simulate_halving", "PruneGate", "GateObservation", "Prune", "GoOn", "GatePolicy"]
 
 
 @dataclass(frozen=True)
@@ -67,6 +74,61 @@ class PromotionPolicy:
             return Stay(f"rung {obs.rung}: wants {want} workers, none free")
         short = f" ({want} wanted, {obs.free} free)" if cap < want else ""
         return Grow(cap, f"promoted to rung {obs.rung}: {obs.workers} -> {cap} workers{short}")
+
+
+@dataclass(frozen=True)
+class PruneGate:
+    """A percentile pruner's decision at ``step``, known before the step runs: prune iff
+    the trial's best value over its steps is worse than ``threshold`` (the percentile of
+    the complete trials' values at ``step``; NaN when too few have one: then only a trial
+    with no finite value is pruned, as Optuna's ``PercentilePruner`` does). ``best``: the
+    trial's best value over its steps up to ``through`` as the driver has them (NaN: none
+    finite; None: none at all); the workers take steps ``through + 1 .. step`` from the
+    losses they agreed on. ``version`` (> 0) is new for each gate the driver sends: the
+    ranks apply a gate only when every rank holds the same one."""
+
+    step: int
+    threshold: float
+    best: float | None
+    through: int
+    maximize: bool
+    version: int
+
+
+@dataclass(frozen=True)
+class GateObservation:
+    """The trial's values at steps ``gate.through + 1 .. gate.step``, in order."""
+
+    gate: PruneGate
+    values: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class Prune:
+    reason: str
+
+
+@dataclass(frozen=True)
+class GoOn:
+    reason: str
+
+
+class GatePolicy:
+    """Optuna's ``PercentilePruner`` rule at a decision step, over a ``PruneGate``: the
+    trial's best value (NaN ignored; every value NaN prunes) against the threshold."""
+
+    def decide(self, obs: GateObservation) -> Prune | GoOn:
+        g = obs.gate
+        vals = ([] if g.best is None else [g.best]) + list(obs.values)
+        finite = [v for v in vals if not math.isnan(v)]
+        if not finite:
+            return Prune(f"step {g.step}: no finite value")
+        best = max(finite) if g.maximize else min(finite)
+        if math.isnan(g.threshold):
+            return GoOn(f"step {g.step}: too few complete trials with a value there")
+        worse = best < g.threshold if g.maximize else best > g.threshold
+        says = f"step {g.step}: best {best:.6g} against the percentile {g.threshold:.6g}"
+        return Prune(says) if worse else GoOn(says)
 
 
 @dataclass(frozen=True)

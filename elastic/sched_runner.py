@@ -20,10 +20,7 @@ class RunningJob:
     """One job's controller, running in a background thread of this process."""
 
     def __init__(self, cfg: Any, hook: Any = None, pool: Any = None) -> None:
-        self.controller = Controller(cfg, View(), on_step=hook.on_step if hook else None,
-                                     watch_at=getattr(hook, "watch_at", None),
-                                     pause_after=hook.pause_after if hook else None,
-                                     pool=pool)
+        self.controller = Controller(cfg, View(), hook=hook, pool=pool)
         self.hook = hook
         self.result_: FitResult | None = None
         self.error: BaseException | None = None
@@ -34,7 +31,7 @@ class RunningJob:
     def _main(self) -> None:
         try:
             self.result_ = self.controller.run()
-            if self.hook is not None and hasattr(self.hook, "finish"):
+            if self.hook is not None:
                 self.hook.finish()  # a pruner's hook: the values it has not reported yet
         except BaseException as e:  # noqa: BLE001 - handed to whoever asks for the result
             self.error = e
@@ -51,9 +48,8 @@ class RunningJob:
 
 class ControllerRunner:
     """The scheduler core's ``Runner``: each job a ``RunningJob`` in this process;
-    ``hooks``: job name -> an object whose ``on_step``/``pause_after`` its controller gets
-    (a sweep trial's pruner); ``pool``: a ``WorkerPool`` of this process its workers come
-    from, when there is one."""
+    ``hooks``: job name -> its ``StepHook`` (a sweep trial's pruner); ``pool``: a
+    ``WorkerPool`` of this process its workers come from, when there is one."""
 
     def __init__(self, hooks: dict[str, Any] | None = None, pool: Any = None) -> None:
         self.hooks = hooks if hooks is not None else {}

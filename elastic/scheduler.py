@@ -96,13 +96,12 @@ class SchedulerActor:
             self.store.update(j.name, j.state, j.row())
 
     def submit(self, cfg: Any, hook: Any = None) -> str:
-        """Queue ``cfg``; ``hook`` (``on_step``/``pause_after``, e.g. a sweep trial's pruner)
+        """Queue ``cfg``; ``hook`` (a ``StepHook``, e.g. a sweep trial's pruner)
         runs beside the job's controller in this process."""
         name = self.core.submit(cfg)
         if hook is not None:
             self.hooks[name] = hook
-            if hasattr(hook, "open_soon"):  # a trial's pruner: its study opened while queued
-                hook.open_soon()
+            hook.open_soon()  # a trial's pruner: its study opened while queued
         if self.store is not None:
             self.store.add(name, dumps(self.core.jobs[name].cfg), time.time())
         self._wake.set()
@@ -248,6 +247,6 @@ class ScheduledJob:
 
 def submit_to(scheduler: str, cfg: Any, hook: Any = None) -> ScheduledJob:
     """Queue ``cfg`` (a ``JobConfig``) in the running scheduler ``scheduler``; ``hook``: a
-    picklable object whose ``on_step`` and ``pause_after`` the job's controller gets (a sweep
-    trial's pruner: ``elastic.sweep.trial_steps.ScheduledHook``)."""
+    picklable ``elastic.control.hooks.StepHook`` its controller gets (a sweep trial's pruner:
+    ``elastic.sweep.trial_steps.ScheduledHook``)."""
     return ScheduledJob(scheduler, str(call(lookup(scheduler).submit, cfg, hook)))

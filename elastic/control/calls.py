@@ -70,6 +70,17 @@ class WorkerCalls:
               timeout_s: float | None = None) -> list[Any]:
         raise NotImplementedError
 
+    def _tell(self, method: str, *args: Any) -> None:
+        raise NotImplementedError
+
+    def request_stop(self) -> None:
+        """Ask every worker to stop at the next step boundary (thread-safe, fire and forget)."""
+        self._tell("request_stop")
+
+    def send_gate(self, gate: Any) -> None:
+        """Hand every worker a sweep pruner's gate (fire and forget, like a stop)."""
+        self._tell("set_gate", gate)
+
     def build(self, spec: StrategySpec) -> list[dict[str, Any]]:
         """Lay every worker out as ``spec`` (first build or a live switch)."""
         return self._call("build", spec)

@@ -33,6 +33,7 @@ from ..view import View
 from .cadence import poll_interval, scale_interval
 from .checkpoints import CheckpointTracker
 from .evacuation import Evacuation
+from .hooks import StepHook
 from .interrupts import Interrupts
 from .layouts import Layouts
 from .preflight import preflight, run_directory
@@ -70,14 +71,11 @@ class Controller:
 
     def __init__(self, config: JobConfig, view: View | None = None,
                  on_step: Callable[[dict[str, Any]], Any] | None = None, *,
-                 watch_at: Callable[[int], int | None] | None = None,
-                 pause_after: Callable[[int], int | None] | None = None,
-                 group_factory: Callable[[JobConfig], Any] | None = None,
+                 hook: StepHook | None = None, group_factory: Callable[[JobConfig], Any] | None = None,
                  mailbox_factory: Callable[[str], Any] | None = None, pool: Any = None) -> None:
         """``on_step(entry)``: called in this thread for each completed step's history entry;
-        True stops the job at the next boundary. ``watch_at(step)``/``pause_after(step)``: the
-        first step >= ``step`` whose entry ``on_step`` wants at once (``StepLog.watch_s``)/after
-        which the workers wait for it (exact pruning). ``pool``: a ``WorkerPool``."""
+        True stops the job at the next boundary. ``hook``: a ``StepHook`` (a sweep trial's
+        pruner; its ``on_step`` unless one is given). ``pool``: a ``WorkerPool``."""
         config.validate()
         self.cfg = config
         self.view = view or View()
@@ -89,12 +87,11 @@ class Controller:
         self.failures = 0
         self.phase = ControllerState.STARTING
         self._group_factory = group_factory
-        self._pause_after = pause_after or (lambda step: None)
         self._mailbox_factory = mailbox_factory
         self._ray_group = functools.partial(_ray_group, pool=pool)
         self.group: Any = None
         self._started_ray = False
-        self.steps = StepLog(None, self.view, on_step, watch_at)
+        self.steps = StepLog(None, self.view, on_step, hook)
         self.tracker: CheckpointTracker = CheckpointTracker(config, None, self._emit)
         self.layouts: Layouts | None = None
         self.replanner = Replanner(config, None, self._emit)  # the closed loop
@@ -241,6 +238,7 @@ class Controller:
     def _run(self, st: Running) -> State:
         """Train a segment; poll metrics, the mailbox, the checkpoint in flight and the
         room to grow while it runs."""
+        self.steps.send_gate(self.group)  # the first decision step may precede the first poll
         seg = self._segment = self.group.start_segment(st.start, st.end)
         stop_sent = self.inbox.waiting()
         if stop_sent:  # queued meanwhile: the segment ends after one step
@@ -401,7 +399,7 @@ class Controller:
             return AtBoundary(self.step)
         assert self.layouts is not None
         return Running(self.step, self.layouts.segment_end(self.step, self._end(), self.group,
-                                                           self._pause_after(self.step)))
+                                                           self.steps.hook.pause_after(self.step)))
 
     def _target_strategy(self) -> str:
         if self.cfg.strategy == "auto":
@@ -421,6 +419,7 @@ class Controller:
                                  self.tracker.on_metric, self.replanner.on_metric)
         if stop and not self.inbox.has("stop"):
             self.post(Request("stop", reason="the on_step callback asked to stop"))
+        self.steps.send_gate(self.group)
         if self.steps.fresh:
             self.steps.show_workers(self.group)
 

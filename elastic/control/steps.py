@@ -18,6 +18,7 @@ from strategies import StrategySpec
 from ..data import share_bounds
 from ..events import RunLog
 from ..view import View
+from .hooks import StepHook
 
 __all__ = ["StepLog", "WATCH_MIN_S"]
 
@@ -33,13 +34,12 @@ class StepLog:
 
     def __init__(self, log: RunLog | None, view: View,
                  on_step: Callable[[dict[str, Any]], Any] | None = None,
-                 watch_at: Callable[[int], int | None] | None = None) -> None:
+                 hook: StepHook | None = None) -> None:
         self.log = log
         self.view = view
-        self.on_step = on_step
-        # the first step >= step whose entry on_step wants as soon as it exists (a pruner's
-        # decision steps): the polls are paced to it
-        self.watch_at = watch_at
+        self.hook = hook or StepHook()
+        self.on_step = on_step or (hook.on_step if hook is not None else None)
+        self._gate_sent: tuple[int, int, int] | None = None  # (step, version, generation)
         self.history: list[dict[str, Any]] = []
         self.fresh = False  # whether the last ingest recorded a step
         self._mem_at = 0.0  # when the workers' memory column was read last
@@ -70,12 +70,10 @@ class StepLog:
         when none is watched: the controller polls by then, so a pruner decides about when
         its step ends, not at the next idle poll. The estimate uses the workers' clocks:
         skew between hosts only moves it."""
-        if self.watch_at is None:
-            return math.inf
         if not self.history:  # the step time is not known yet
-            return WATCH_FIRST_S if self.watch_at(0) is not None else math.inf
+            return WATCH_FIRST_S if self.hook.watch_at(0) is not None else math.inf
         last = self.history[-1]
-        nxt = self.watch_at(last["step"] + 1)
+        nxt = self.hook.watch_at(last["step"] + 1)
         if nxt is None:
             return math.inf
         # a step's metrics are recorded when the next step's compute ends (its control
@@ -99,6 +97,15 @@ class StepLog:
                 return max(0.0, (last["time"] - prev["time"]) / (last["step"] - prev["step"]))
         return None
 
+    def send_gate(self, group: Any) -> None:
+        """Hand the workers the hook's gate when it is new, or new to this generation of the
+        group."""
+        g = self.hook.gate(self.next_step)
+        if g is None or (g.step, g.version, group.generation) == self._gate_sent:
+            return
+        self._gate_sent = (g.step, g.version, group.generation)
+        group.send_gate(g)
+
     def last(self) -> dict[str, Any]:
         return self.history[-1] if self.history else {}
 
@@ -116,7 +123,7 @@ class StepLog:
             "samples_per_s": m["samples_per_s"] if m else 0.0,
             "step_time": m["step_time"] if m else 0.0, "world_size": spec.world_size,
             "strategy": spec.name, "time": m["time"] if m else time.time(), "generation": gen}
-        for key in ("lr", "grad_norm", "eval_loss", "skipped"):
+        for key in ("lr", "grad_norm", "eval_loss", "skipped", "gate", "gate_time"):
             if m is not None and key in m:
                 entry[key] = m[key]
         if m is None:

@@ -484,11 +484,11 @@ class WorkerGroup(PlacementCalls, WorkerCalls):
             ray.wait([f for _, f in pending], num_returns=1, timeout=min(left, SLICE_S))
         return [w for w, _ in pending]
 
-    def request_stop(self) -> None:
-        """Ask every worker to stop at the next step boundary (thread-safe, fire and forget)."""
+    def _tell(self, method: str, *args: Any) -> None:
+        """Fire and forget, thread-safe: ``method`` on every worker."""
         for w in list(self.workers):
             try:
-                w.handle.request_stop.remote()
+                getattr(w.handle, method).remote(*args)
             except Exception:  # noqa: BLE001 - a dead worker: failure handling sees it
                 pass
 

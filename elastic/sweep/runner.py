@@ -99,8 +99,7 @@ class TrialRunner:
                           (job.num_workers, job.min_world, job.max_world),
                           lambda kind, value, why: ctl[0].post(Request(kind, value, why)),
                           exact=self.cfg.exact_pruning)
-        ctl.append(Controller(job, make_view(job.view, job.log_every), on_step=hook.on_step,
-                              watch_at=hook.watch_at, pause_after=hook.pause_after,
+        ctl.append(Controller(job, make_view(job.view, job.log_every), hook=hook,
                               pool=self.pool))
         try:
             return ctl[0].run()

@@ -8,6 +8,9 @@ about when the step ends (``watch_at``), and the stop reaches the workers within
 the decision; they may have trained a few steps past the decided step by then (the
 driver's lag: docs/sweeps.md). With ``exact`` the job pauses after each decision step
 (``pause_after``), so no step runs past it, at the cost of a pause per decision step.
+Under the median pruner the decision itself reaches the workers ahead (``gate``, from
+``elastic.sweep.gates``): they stop at the decision step's end when the pruner would prune
+there, and the step's entry says so (``gate: prune``); the driver records that decision.
 
 Only what the pruner reads is reported while the trial runs: each decision step's value,
 and before it the best value of the steps since the last decision (the median pruner
@@ -37,16 +40,20 @@ from typing import Any
 import optuna
 from optuna.study import StudyDirection
 
-from clusters.sweep_policy import Grow, PromotionObservation, PromotionPolicy
+from clusters.sweep_policy import Grow, PromotionObservation, PromotionPolicy, PruneGate
 
+from ..control.hooks import StepHook
+from .gates import REFRESH_S, gate_for, percentile_of
 from .pruning import PruneSteps
 
 __all__ = ["TrialSteps", "ScheduledHook"]
 
 
-class TrialSteps:
+class TrialSteps(StepHook):
     """``on_step`` of one trial's job. ``post(kind, value, reason)`` reaches the job's
     controller (None: no growth); ``sizes`` = (start, min, max) workers of the job."""
+
+    refresh_s = REFRESH_S  # a gate's threshold is read from the study again after this long
 
     def __init__(self, trial: optuna.Trial, steps: PruneSteps,
                  promotion: PromotionPolicy | None = None,
@@ -57,6 +64,13 @@ class TrialSteps:
         self.steps = steps
         self.exact = exact
         self.pending: dict[int, float] = {}  # seen, not reported yet
+        self.values: dict[int, float] = {}  # every step's value seen
+        self._gate: PruneGate | None = None  # the last gate handed out
+        self._gate_step: int | None = None  # the decision step it was read for
+        self._gate_at = 0.0  # time.monotonic() of that read
+        self._versions = 0  # gates handed out
+        self._gates = (not exact and steps.kind == "median" and not steps.every
+                       and percentile_of(trial.study.pruner) is not None)
         self.decided_time: float | None = None  # time.time() of the decision to prune
         self.promotion = promotion
         self.sizes = sizes
@@ -65,30 +79,51 @@ class TrialSteps:
         self.pruned_at: int | None = None
         self.promoted: list[list[int]] = []  # [step, rung, workers asked]
 
-    @property
-    def pause_after(self) -> Callable[[int], int | None] | None:
+    def pause_after(self, step: int) -> int | None:
         """The job's pause steps: the decision steps in exact mode, else none."""
-        return self.watch_at if self.exact else None
+        return self.watch_at(step) if self.exact else None
 
-    @property
-    def watch_at(self) -> Callable[[int], int | None] | None:
-        """The first step >= ``step`` whose metrics the hook wants as soon as they exist."""
-        return None if self.steps.kind == "none" else self.steps.next_at
+    def watch_at(self, step: int) -> int | None:
+        """The first decision step >= ``step``: its metrics are wanted as soon as they exist."""
+        return self.steps.next_at(step)
+
+    def gate(self, next_step: int) -> PruneGate | None:
+        """The workers' gate for the first decision step >= ``next_step`` (None: the
+        driver decides alone). Its threshold is read again after ``refresh_s``; a gate
+        whose threshold did not change is handed out unchanged (same version)."""
+        if not self._gates or self.pruned_at is not None:
+            return None
+        step = self.steps.next_at(next_step)
+        if step is None:
+            return None
+        g, now = self._gate, time.monotonic()
+        if self._gate_step == step and now - self._gate_at < self.refresh_s:
+            return g  # (None too: the study is read at most every refresh_s)
+        self._gate_step, self._gate_at = step, now
+        new = gate_for(self.trial.study, step, self.values, self._versions + 1)
+        if (new is not None and g is not None and g.step == step
+                and _same(new.threshold, g.threshold)):
+            return g
+        self._versions += new is not None
+        self._gate = new
+        return new
 
     def on_step(self, entry: dict[str, Any]) -> bool:
-        """Take ``entry``'s loss; True (stop the job now) when the pruner says so."""
+        """Take ``entry``'s loss; True (stop the job now) when the pruner says so (or the
+        workers did, through the gate)."""
         if self.pruned_at is not None:
             return True
         step = int(entry["step"])
         if step in self.reported or step in self.pending:  # re-run after a recovery
             return False
+        self.values[step] = float(entry["loss"])
         if not self.steps.decides_at(step):
             self.pending[step] = float(entry["loss"])
             return False  # the pruner answers "go on" here whatever the values
         self._report_best()
         self._report(step, float(entry["loss"]))
-        if self.trial.should_prune():
-            self.decided_time = time.time()
+        if entry.get("gate") == "prune" or self.trial.should_prune():
+            self.decided_time = float(entry.get("gate_time") or time.time())
             self.pruned_at = step
             self.trial.set_user_attr("pruned_at_step", step)
             self.trial.set_user_attr("pruned_at_time", self.decided_time)
@@ -137,7 +172,11 @@ class TrialSteps:
             self.post("scale", d.n, d.reason)
 
 
-class ScheduledHook:
+def _same(a: float, b: float) -> bool:
+    return a == b or (math.isnan(a) and math.isnan(b))
+
+
+class ScheduledHook(StepHook):
     """``on_step``/``pause_after`` of a trial whose job an elastic scheduler runs: pickled
     into the scheduler's process with the job, it opens the study there (the storage must
     be reachable from the scheduler's node: a database server, or SQLite on that host).
@@ -161,13 +200,11 @@ class ScheduledHook:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state, _live=None, _lock=threading.Lock())
 
-    @property
-    def pause_after(self) -> Callable[[int], int | None] | None:
-        return self.watch_at if self.exact else None
+    def pause_after(self, step: int) -> int | None:
+        return self.watch_at(step) if self.exact else None
 
-    @property
-    def watch_at(self) -> Callable[[int], int | None] | None:
-        return None if self.steps.kind == "none" else self.steps.next_at
+    def watch_at(self, step: int) -> int | None:
+        return self.steps.next_at(step)
 
     def finish(self) -> None:
         with self._lock:
@@ -210,3 +247,9 @@ class ScheduledHook:
         live = self.open()
         with self._lock:
             return live.on_step(entry)
+
+    def gate(self, next_step: int) -> PruneGate | None:
+        """Never waits for the study to open (the controller asks before a segment)."""
+        with self._lock:
+            live = self._live
+            return None if live is None else live.gate(next_step)

@@ -273,6 +273,10 @@ class Worker:
         """Ask the loop to stop after the current step (all ranks agree on the same step)."""
         self.loop.request_stop()
 
+    def set_gate(self, gate: Any) -> None:
+        """A sweep pruner's decision handed ahead (``clusters.sweep_policy.PruneGate``)."""
+        self.loop.set_gate(gate)
+
     def drain(self) -> list[dict[str, Any]]:
         return self.loop.drain()
 

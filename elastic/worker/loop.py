@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from clusters.policy import NonFiniteObservation, NonFinitePolicy, Rollback, SkipStep
+from clusters.sweep_policy import GateObservation, GatePolicy, Prune, PruneGate
 
 from ..config import JobConfig, WorkerConfig
 from ..data import even_shares, fetch_batch, share_bounds
@@ -54,6 +55,7 @@ class _Pending:
     eval_loss: float | None = None  # the mean loss over eval_dataset after this step
     ctrl_local_bad: bool = False  # this rank saw a NaN/inf loss or skipped the update
     compute_s: float = 0.0  # seconds inside this rank's blocks' forwards (its own compute)
+    gate: PruneGate | None = None  # the pruner's gate at this step, held by this rank
 
 
 class StepLoop:
@@ -85,6 +87,8 @@ class StepLoop:
         self._counts_wanted = threading.Event()  # memory_counts asked during a segment
         self._counts_ready = threading.Event()
         self._counts: dict[str, int] = {}
+        self._gate: PruneGate | None = None  # a sweep's pruner decision, handed ahead
+        self._agreed: dict[int, float] = {}  # the agreed loss of each recent step
 
     def memory_counts(self, timeout_s: float = 2.0) -> dict[str, int]:
         """Elements of this rank's live state (``Strategy.memory_counts``), from any thread.
@@ -123,6 +127,21 @@ class StepLoop:
     def request_stop(self) -> None:
         """Ask the loop to stop after the current step (all ranks agree on the same step)."""
         self._stop.set()
+
+    def set_gate(self, gate: PruneGate | None) -> None:
+        """A sweep pruner's decision at ``gate.step``, to apply to the loss the ranks agree
+        on there (any thread; the ranks apply it only when every one holds this version)."""
+        self._gate = gate
+
+    def _held_gate(self, step: int, pending: _Pending | None) -> PruneGate | None:
+        """The gate for ``step`` if this rank holds it and every loss it needs (steps after
+        the gate's ``through``, before ``step``: agreed, or in flight as ``pending``)."""
+        g = self._gate
+        if g is None or g.step != step:
+            return None
+        inflight = pending.step if pending is not None else None
+        ok = all(t in self._agreed or t == inflight for t in range(g.through + 1, step))
+        return g if ok else None
 
     def drain(self) -> list[dict[str, Any]]:
         """The metrics recorded since the last drain, oldest first (one dict per step)."""
@@ -166,15 +185,18 @@ class StepLoop:
                 copies.begin(strategy, step + 1)
             busy = 1.0 if self._checkpoints.busy else 0.0
             bad = not math.isfinite(local) or bool(getattr(strategy, "skipped", False))
+            gate = self._held_gate(step, pending)
+            v = float(gate.version) if gate is not None else 0.0
             ctrl = torch.tensor([local, 1.0 if self._stop.is_set() else 0.0, float(hi - lo), busy,
-                                 1.0 if bad else 0.0, copies.flag() if copies else 1.0],
+                                 1.0 if bad else 0.0, copies.flag() if copies else 1.0,
+                                 1.0 if gate is not None else 0.0, v, v * v],
                                 dtype=torch.float64)
             work = m.ctrl_allreduce(ctrl)
             stop = False
             if pending is not None:  # the previous step's values, reduced meanwhile
                 stop = self._finish_step(pending)
             pending = _Pending(step, work, ctrl, t0, time.perf_counter(), time.time(), lo, hi,
-                               lr, norm, ctrl_local_bad=bad, compute_s=compute_s)
+                               lr, norm, ctrl_local_bad=bad, compute_s=compute_s, gate=gate)
             if self._eval_due(step):  # between steps: its time counts in neither
                 pending.eval_loss = self._evaluate()
             if self._checkpoints.due(step) or step + 1 == end or stop or m.world == 1:
@@ -194,8 +216,15 @@ class StepLoop:
         assert p.work is not None
         p.work.wait()
         p.work = None
-        loss, stop, trained, busy, bad, copied = p.ctrl.tolist()
+        loss, stop, trained, busy, bad, copied, gated, v1, v2 = p.ctrl.tolist()
         skipped = self._check_finite(p.step, bad, bool(p.ctrl_local_bad))
+        self._agreed[p.step] = loss
+        if len(self._agreed) > 4096:  # gates look back one pruner interval at most
+            for t in sorted(self._agreed)[:2048]:
+                del self._agreed[t]
+        world = self._membership.world
+        pruned = (p.gate is not None and gated == world and v1 * v1 == world * v2
+                  and self._gate_prunes(p.gate))
         note = None
         if self._copies is not None:
             self._copies.settle(copied, self._membership.world)
@@ -213,8 +242,15 @@ class StepLoop:
             **({"eval_loss": p.eval_loss} if p.eval_loss is not None else {}),
             **({"skipped": True} if skipped else {}),
             **({"peer_copies_off": note} if note else {}),
+            **({"gate": "prune", "gate_time": time.time()} if pruned else {}),
         })
-        return stop > 0
+        return stop > 0 or pruned
+
+    def _gate_prunes(self, g: PruneGate) -> bool:
+        """Whether the pruner prunes at ``g.step`` (every rank holds ``g`` and the same
+        agreed losses, so every rank answers the same)."""
+        values = tuple(self._agreed[t] for t in range(g.through + 1, g.step + 1))
+        return isinstance(GatePolicy().decide(GateObservation(g, values)), Prune)
 
     def _check_finite(self, step: int, bad_ranks: float, mine: bool) -> bool:
         """Act on step ``step``'s agreed finiteness (``bad_ranks``: how many ranks saw a NaN

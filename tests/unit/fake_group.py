@@ -65,6 +65,7 @@ class FakeGroup:
         self.hung: list[WorkerRec] = []
         self.calls: list[tuple[str, Any]] = []  # (method, argument) in order
         self.stop_asked = False
+        self.gates: list[Any] = []
         self.checkpoint_every = 0  # the job's: steps after which the fake begins a checkpoint
         self.nonfinite_at: dict[int, list[str]] = {}  # checkpoint step -> keys with NaN
         # preemption notices: step reached -> (rank whose node drains, seconds left or None)
@@ -233,6 +234,10 @@ class FakeGroup:
 
     def request_stop(self) -> None:
         self.stop_asked = True
+
+    def send_gate(self, gate: Any) -> None:
+        self.gates.append(gate)
+        self.calls.append(("gate", gate.version))
 
     def drain(self) -> list[list[dict[str, Any]]]:
         out = []

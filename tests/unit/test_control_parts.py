@@ -6,6 +6,7 @@ import queue
 
 import pytest
 
+from elastic.control.hooks import StepHook
 from elastic.control.regroup import peer_plan, required_keys, roll_forward_ranks
 from elastic.control.requests import Inbox, Request, RequestError, parse
 from elastic.errors import (
@@ -270,7 +271,11 @@ def test_a_watched_step_is_polled_at_its_end_by_the_step_period():
     from elastic.control.steps import WATCH_MIN_S, WATCH_SLACK_S, StepLog
     from elastic.view import View
 
-    log = StepLog(None, View(), lambda entry: False, watch_at=lambda s: max(s, 10))
+    class Watch(StepHook):
+        def watch_at(self, step: int) -> int | None:
+            return max(step, 10)
+
+    log = StepLog(None, View(), lambda entry: False, Watch())
     assert log.watch_s() == pytest.approx(0.05)  # before the first step
     now = time.time()
     # steps of 20 ms compute that end every 80 ms (the loop's own work between them)

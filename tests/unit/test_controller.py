@@ -11,6 +11,7 @@ import pytest
 from elastic.config import JobConfig
 from elastic.control import Controller, Request
 from elastic.control import sizing as sizing_mod
+from elastic.control.hooks import StepHook
 from elastic.errors import InfrastructureError, SwitchError, WorkerError
 from tests.helpers import RegressionData, adam, mlp, mse
 from tests.unit.fake_group import FakeGroup
@@ -197,6 +198,14 @@ def test_on_step_true_stops_the_job(tmp_path):
     assert len(result.history) < STEPS
 
 
+class _Pauses(StepHook):
+    def __init__(self, at: list[int]) -> None:
+        self.at = at
+
+    def pause_after(self, step: int) -> int | None:
+        return next((g for g in self.at if g >= step), None)
+
+
 def test_pause_after_ends_segments_there_and_a_stop_then_costs_no_step(tmp_path):
     """A sweep's pruner decides at known steps: the workers pause after each, so the stop
     ``on_step`` returns there lands before any further step."""
@@ -204,7 +213,7 @@ def test_pause_after_ends_segments_there_and_a_stop_then_costs_no_step(tmp_path)
     gates = [3, 7, 11]
     ctl = Controller(_cfg(tmp_path), group_factory=lambda cfg: fake,
                      mailbox_factory=lambda job: None, on_step=lambda e: e["step"] == 7,
-                     pause_after=lambda s: next((g for g in gates if g >= s), None))
+                     hook=_Pauses(gates))
     result = ctl.run()
     assert [h["step"] for h in result.history] == list(range(8))  # nothing past step 7
     assert [c[1] for c in fake.calls if c[0] == "segment"] == [(0, 4), (4, 8)]
@@ -212,10 +221,29 @@ def test_pause_after_ends_segments_there_and_a_stop_then_costs_no_step(tmp_path)
     fake = FakeGroup(mlp())
     ctl = Controller(_cfg(tmp_path, run_dir=str(tmp_path / "run2")), group_factory=lambda cfg: fake,
                      mailbox_factory=lambda job: None, on_step=lambda e: False,
-                     pause_after=lambda s: next((g for g in gates if g >= s), None))
+                     hook=_Pauses(gates))
     assert len(ctl.run().history) == STEPS
     assert [c[1] for c in fake.calls if c[0] == "segment"] == [(0, 4), (4, 8), (8, 12),
                                                              (12, STEPS)]
+
+
+def test_a_pruners_gate_reaches_the_workers_before_the_segment_and_once_per_version(tmp_path):
+    """``gate(step)`` (a sweep's median pruner, decided by the workers): handed to the group
+    before a segment starts (the decision step may come before the first poll), and again
+    only when the hook has a new one."""
+    from clusters.sweep_policy import PruneGate
+
+    class Gates(_Pauses):
+        def gate(self, next_step: int) -> PruneGate:
+            return PruneGate(9, 1.0, None, next_step - 1, False, 1 if next_step < 5 else 2)
+
+    fake = FakeGroup(mlp())
+    ctl = Controller(_cfg(tmp_path), group_factory=lambda cfg: fake,
+                     mailbox_factory=lambda job: None, on_step=lambda e: False,
+                     hook=Gates([4]))
+    assert len(ctl.run().history) == STEPS
+    order = [c for c in fake.calls if c[0] in ("gate", "segment")]
+    assert order == [("gate", 1), ("segment", (0, 5)), ("gate", 2), ("segment", (5, STEPS))]
 
 
 def test_scale_up_waits_for_spares_without_pausing_then_refuses(tmp_path, monkeypatch):

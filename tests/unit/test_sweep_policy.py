@@ -11,14 +11,20 @@ import optuna
 import pytest
 
 from clusters.sweep_policy import (
+    GateObservation,
+    GatePolicy,
+    GoOn,
     Grow,
     PromotionObservation,
     PromotionPolicy,
+    Prune,
+    PruneGate,
     Stay,
     simulate_halving,
 )
 from elastic.errors import ConfigError
 from elastic.sweep import load_sweep
+from elastic.sweep.gates import gate_for
 from elastic.sweep.pruning import PruneSteps
 from elastic.sweep.study import make_pruner
 from elastic.sweep.sweep_file import SweepConfig
@@ -171,10 +177,14 @@ def test_pruning_mode_is_checked():
 
 
 def _hooked_prune_step(pruner_spec: dict, curves: list[list[float]], direction: str,
-                       exact: bool) -> tuple[list[int | None], list[dict[int, float]]]:
+                       exact: bool, gates: list[int] | None = None
+                       ) -> tuple[list[int | None], list[dict[int, float]]]:
     """As ``_prune_step``, but each trial's losses go through ``TrialSteps`` (which reports
     only what the pruner reads while the trial runs, the rest at ``finish``); the step each
-    was pruned at, and each trial's stored values."""
+    was pruned at, and each trial's stored values. With ``gates`` (a list), the workers'
+    side is played too: before each step the hook's gate is taken, and at a gated step
+    ``GatePolicy`` decides as the workers do, over the losses after the gate's ``through``
+    (the entry then says ``gate: prune``); each step a gate pruned at goes into ``gates``."""
     cfg = SweepConfig(base={"max_steps": len(curves[0])}, params={}, pruner=pruner_spec)
     study = optuna.create_study(study_name="s", pruner=make_pruner(cfg), direction=direction)
     out: list[int | None] = []
@@ -182,7 +192,14 @@ def _hooked_prune_step(pruner_spec: dict, curves: list[list[float]], direction: 
         trial = study.ask()
         hook = TrialSteps(trial, PruneSteps.of(pruner_spec), exact=exact)
         for step, v in enumerate(curve):
-            if hook.on_step({"step": step, "loss": v, "world_size": 1}):
+            entry = {"step": step, "loss": v, "world_size": 1}
+            g = hook.gate(step) if gates is not None else None
+            if g is not None and g.step == step:
+                seen = tuple(curve[g.through + 1:step + 1])
+                if isinstance(GatePolicy().decide(GateObservation(g, seen)), Prune):
+                    entry["gate"] = "prune"
+                    gates.append(step)  # type: ignore[union-attr]
+            if hook.on_step(entry):
                 break
         hook.finish()
         if hook.pruned_at is None:
@@ -228,17 +245,114 @@ def test_reporting_only_what_the_pruner_reads_prunes_as_reporting_every_step(spe
                        for s in stored)
     assert any(at is not None for at in want)  # the table is exercised: some are pruned
     assert any(at is None for at in want)
+    if spec["type"] == "median":  # the workers decide ahead, as the pruner would
+        gated: list[int] = []
+        assert _hooked_prune_step(spec, curves, direction, False, gated)[0] == want
+        assert gated == [at for at in want if at is not None]  # every prune was the gate's
+
+
+def _pruner_table() -> list[tuple[str, optuna.pruners.PercentilePruner]]:
+    out: list[tuple[str, optuna.pruners.PercentilePruner]] = []
+    for direction in ("minimize", "maximize"):
+        out.append((direction, optuna.pruners.MedianPruner(n_startup_trials=0)))
+        out.append((direction, optuna.pruners.MedianPruner(n_startup_trials=3)))
+        for pct, n_min in ((25.0, 1), (75.0, 2), (0.0, 1), (100.0, 4), (50.0, 3)):
+            out.append((direction, optuna.pruners.PercentilePruner(
+                pct, n_startup_trials=1, n_min_trials=n_min)))
+    return out
+
+
+@pytest.mark.parametrize("direction, pruner", _pruner_table())
+def test_the_workers_gate_decides_as_optunas_percentile_pruner(direction, pruner):
+    """Random studies (complete trials with values missing or NaN at the decision step, a
+    running trial whose values are partly NaN or all NaN, the driver's share and the
+    workers' split anywhere): the gate's decision is ``PercentilePruner.prune``'s, and no
+    gate exists where the pruner cannot prune (too few complete trials)."""
+    rng = random.Random(7)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    seen = {"prune": 0, "go on": 0, "no gate": 0}
+    for case in range(60):
+        study = optuna.create_study(direction=direction, pruner=pruner)
+        for _ in range(rng.randrange(0, 6)):
+            vals = {s: (math.nan if rng.random() < 0.15 else rng.uniform(0, 2))
+                    for s in range(12) if rng.random() < 0.8}
+            study.add_trial(optuna.trial.create_trial(value=1.0, intermediate_values=vals))
+        trial = study.ask()
+        step = rng.randrange(1, 12)
+        nan_all = rng.random() < 0.1
+        curve = [math.nan if nan_all or rng.random() < 0.2 else rng.uniform(0, 2)
+                 for _ in range(step + 1)]
+        for s, v in enumerate(curve):
+            trial.report(v, s)
+        want = pruner.prune(study, study._storage.get_trial(trial._trial_id))  # noqa: SLF001
+        k = rng.randrange(0, step + 1)  # the driver has steps < k, the workers the rest
+        g = gate_for(study, step, dict(enumerate(curve[:k])), version=case + 1)
+        if g is None:
+            assert want is False, case
+            seen["no gate"] += 1
+            continue
+        assert g.through == k - 1 and g.version == case + 1
+        d = GatePolicy().decide(GateObservation(g, tuple(curve[k:])))
+        assert isinstance(d, Prune) == want, (case, g, curve, d)
+        seen["prune" if want else "go on"] += 1
+    assert all(seen.values()), seen  # every branch of the table is exercised
+
+
+@pytest.mark.parametrize("gate, values, prunes", [
+    (PruneGate(5, 1.0, None, 4, False, 1), (1.5,), True),
+    (PruneGate(5, 1.0, 0.5, 4, False, 1), (1.5,), False),  # its best so far is better
+    (PruneGate(5, 1.0, math.nan, 3, False, 1), (math.nan, 1.0), False),  # equal: kept
+    (PruneGate(5, 1.0, math.nan, 3, False, 1), (math.nan, math.nan), True),  # no finite
+    (PruneGate(5, math.nan, 9.0, 4, False, 1), (9.0,), False),  # too few complete trials
+    (PruneGate(5, math.nan, None, 4, False, 1), (math.nan,), True),
+    (PruneGate(5, 1.0, None, 4, True, 1), (0.5,), True),  # maximize: lower is worse
+    (PruneGate(5, 1.0, 2.0, 2, True, 1), (0.5, 0.5, 0.5), False),
+])
+def test_gate_policy_table(gate, values, prunes):
+    d = GatePolicy().decide(GateObservation(gate, values))
+    assert isinstance(d, Prune if prunes else GoOn) and d.reason.startswith("step 5")
+
+
+def test_a_trial_hands_out_one_gate_per_decision_step_and_refreshes_it():
+    """The hook's gate: none before the start-up trials are complete, none in exact mode or
+    under Hyperband; one per decision step, re-read after ``REFRESH_S`` and handed out under
+    a new version only when its threshold changed."""
+    spec = PruneSteps.of({"type": "median", "n_warmup_steps": 2, "interval_steps": 3})
+    study = optuna.create_study(pruner=optuna.pruners.MedianPruner(n_startup_trials=1,
+                                                                   n_warmup_steps=2,
+                                                                   interval_steps=3))
+    hook = TrialSteps(study.ask(), spec)
+    assert hook.gate(0) is None  # no complete trial yet
+    study.add_trial(optuna.trial.create_trial(
+        value=1.0, intermediate_values={s: 1.0 / (s + 1) for s in range(10)}))
+    hook.refresh_s = 0.0
+    g = hook.gate(0)
+    assert g is not None and (g.step, g.through, g.best, g.version) == (2, -1, None, 1)
+    assert g.threshold == 1.0 / 3
+    assert hook.gate(1) is g  # refreshed, threshold unchanged: the same gate
+    for s in range(3):
+        hook.on_step({"step": s, "loss": 0.1, "world_size": 1})
+    g5 = hook.gate(3)
+    assert (g5.step, g5.through, g5.best, g5.version) == (5, 2, 0.1, 2)
+    study.add_trial(optuna.trial.create_trial(
+        value=1.0, intermediate_values={s: 2.0 for s in range(10)}))
+    g5b = hook.gate(4)
+    assert g5b.version == 3 and g5b.threshold == pytest.approx((1.0 / 6 + 2.0) / 2)
+    assert TrialSteps(study.ask(), spec, exact=True).gate(0) is None
+    hb = PruneSteps.of({"type": "hyperband", "min_resource": 1, "reduction_factor": 3})
+    assert TrialSteps(optuna.create_study(pruner=optuna.pruners.HyperbandPruner()).ask(),
+                      hb).gate(0) is None
 
 
 def test_pruning_hook_pauses_only_in_exact_mode_and_watches_the_decision_steps():
     spec = PruneSteps.of({"type": "median", "n_warmup_steps": 3, "interval_steps": 4})
     study = optuna.create_study()
     default, exact = TrialSteps(study.ask(), spec), TrialSteps(study.ask(), spec, exact=True)
-    assert default.pause_after is None
-    assert exact.pause_after is not None and exact.pause_after(4) == 7
-    assert default.watch_at is not None and default.watch_at(4) == 7
+    assert default.pause_after(4) is None
+    assert exact.pause_after(4) == 7
+    assert default.watch_at(4) == 7 and exact.watch_at(8) == 11
     none = TrialSteps(study.ask(), PruneSteps.of({"type": "none"}))
-    assert none.watch_at is None and none.pause_after is None
+    assert none.watch_at(0) is None and none.pause_after(0) is None
 
 
 def test_a_queued_trial_opens_its_study_before_its_first_step(tmp_path, monkeypatch):

@@ -327,6 +327,34 @@ def test_a_stop_request_ends_the_segment_at_a_step_boundary(tmp_path, group):
     assert out == {"status": "stopped", "next_step": 5}
 
 
+def test_a_pruners_gate_stops_the_loop_at_its_decision_step(tmp_path, group):
+    """A sweep pruner's gate (``clusters.sweep_policy.PruneGate``): the loop applies it to the
+    loss agreed at its step and stops there when it prunes (the step's metric says so); a
+    gate that does not prune, or whose earlier losses this rank does not hold, does not."""
+    from clusters.sweep_policy import PruneGate
+
+    p = _parts(_cfg(tmp_path), group)
+    p.layout.build(_spec())
+    p.loop.set_gate(PruneGate(4, 1e9, None, -1, False, 1))  # every loss is better: go on
+    assert p.loop.run(0, 6) == {"status": "done", "next_step": 6}
+    first = p.loop.drain()
+    assert len(first) == 6 and all("gate" not in m for m in first)
+    losses = {m["step"]: m["loss"] for m in first}
+    # steps 6..8 not run yet; the gate at 8 takes steps 6..8 from the loop (the driver has
+    # up to 5): the best of them is worse than a threshold below every loss so far
+    p.loop.set_gate(PruneGate(8, min(losses.values()) / 100, min(losses.values()), 5,
+                              False, 2))
+    assert p.loop.run(6, 20) == {"status": "stopped", "next_step": 9}
+    metrics = p.loop.drain()
+    assert [m["step"] for m in metrics] == [6, 7, 8]
+    assert metrics[-1]["gate"] == "prune" and metrics[-1]["gate_time"] >= metrics[-1]["time"]
+    # a gate needing losses this rank never agreed on (steps 20..29: it resumed at 30) is
+    # not applied: the driver decides
+    p.loop.set_gate(PruneGate(31, 1e-9, None, 19, False, 3))
+    assert p.loop.run(30, 34) == {"status": "done", "next_step": 34}
+    assert all("gate" not in m for m in p.loop.drain())
+
+
 def _listening(port: int) -> set[str]:
     """The local addresses listening on ``port`` (from /proc/net/tcp and tcp6)."""
     out = set()
