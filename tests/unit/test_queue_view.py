@@ -90,3 +90,16 @@ def test_watch_redraws_what_it_fetches():
     watch(fetch, console=c, interval_s=0.0, max_rounds=3)
     assert len(seen) == 3
     assert "3/100" in c.export_text()
+
+
+def test_queue_lines_keep_long_job_names_apart_from_their_state():
+    """`elastic queue list`: a sweep's trial names (``<study>-trial-<n>``) are longer than
+    the job column was, and ran into the state ("sweep-demo-trial-1finished")."""
+    from elastic.sched_cli import format_queue
+
+    row = dict(workers=0, min_workers=1, max_workers=2, step=60, max_steps=60,
+               remaining_s=0.0, state="finished", reason="finished")
+    lines = format_queue([dict(row, job="sweep-demo-trial-1"), dict(row, job="a")]).splitlines()
+    assert lines[2].split()[:2] == ["sweep-demo-trial-1", "finished"]
+    assert lines[3].split()[:2] == ["a", "finished"]
+    assert lines[2].index("finished") == lines[3].index("finished") == lines[0].index("state")
