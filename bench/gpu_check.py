@@ -5,8 +5,8 @@ NCCL group formation, the per-step control all-reduce on device tensors, live sw
 dp -> zero3 -> zero1 -> dp moving CUDA state in memory, an asynchronous checkpoint of CUDA
 tensors (pinned host copy), commit, and a restore into a fresh worker; parameters are compared
 with the single-process CPU reference; then bf16 autocast with gradient clipping and an lr
-schedule on the device through a switch. Prints one line per check and exits non-zero on
-failure.
+schedule on the device through a switch; then the warm pool's path (a pooled worker serving two
+jobs in turn, reset between them). Prints one line per check and exits non-zero on failure.
 
     python bench/gpu_check.py            # on the GPU machine
     python bench/gpu_check.py --device cpu
@@ -160,6 +160,28 @@ def main() -> int:
           f"max |diff| {diff4:.2e}; norms {[round(n or 0, 3) for n in norms][:4]} vs "
           f"{[round(n, 3) for n in ref_norms][:4]}")
     w3.leave()
+    # the warm pool's path: a pooled worker (built without a job: CUDA's context and a warm-up
+    # step on the device) serves two jobs in turn, reset between them (CUDA's cache emptied);
+    # ``_setup`` is what ``assign`` does, without the Ray node info ``assign`` returns
+    before = torch.cuda.memory_allocated() if gpu else 0  # what the workers above still hold
+    wp = Worker(None, -1, use_gpu=gpu, num_threads=4)
+    check("pooled worker warmed up on the device", wp.warm_up_s > 0, f"{wp.warm_up_s:.2f}s")
+    for n, (opt, n_steps) in enumerate(((_adam, 8), (_sgd, 6))):
+        jc = JobConfig(model=tiny_mlp, optimizer=opt, loss=mlp_loss,
+                       dataset=SyntheticRegression, global_batch_size=G, max_steps=n_steps,
+                       num_workers=1)
+        wp._setup(jc, 10 + n, None)  # noqa: SLF001
+        wp.join("127.0.0.1", _port(), 0, 1, 1, 60)
+        wp.build(spec("zero1" if n else "dp"))
+        wp.run(0, n_steps)
+        refp, _ = reference_train(tiny_mlp, opt, mlp_loss, SyntheticRegression(), G, n_steps,
+                                  seed=0)
+        dp_ = _diff(wp.full_state(), refp)
+        check(f"pooled job {n + 1} matches its reference", dp_ < 1e-4, f"max |diff| {dp_:.2e}")
+        out = wp.reset()
+        check(f"reset after pooled job {n + 1}", out["ok"] and out["cuda_bytes"] <= before
+              and out["threads"] == 0, f"cuda_bytes {out['cuda_bytes']} (before the pool: {before}), threads "
+              f"{out['threads']}, modules dropped {len(out['modules_dropped'])}")
     print("ALL PASS" if ok else "SOME FAILED", flush=True)
     return 0 if ok else 1
 
