@@ -107,8 +107,10 @@ class LiveResult:
 
 
 def run_live(policy: str, nodes: int, ms_per_sample: float, resize_s: float,
-             run_root: str) -> LiveResult:
-    """One policy over ``TRACE`` on a fresh cluster; every job checked against its solo run."""
+             run_root: str, warm: int = 0) -> LiveResult:
+    """One policy over ``TRACE`` on a fresh cluster; every job checked against its solo run.
+    ``warm``: the scheduler keeps that many warm workers (its pool is up before the trace
+    starts, as a long-lived scheduler's would be)."""
     import ray
     from ray.cluster_utils import Cluster
 
@@ -126,7 +128,13 @@ def run_live(policy: str, nodes: int, ms_per_sample: float, resize_s: float,
         cluster.wait_for_nodes()
         name = f"bench-{policy}"
         sched = scheduler.start(name, workers=nodes, policy=policy, round_s=0.5,
-                                resize_s=resize_s, max_wait_s=120.0, detached=False)
+                                resize_s=resize_s, max_wait_s=120.0, detached=False, warm=warm)
+        deadline = time.monotonic() + 120
+        while warm and (ray.get(sched.info.remote())["pool"] or {}).get("idle", 0) < min(
+                warm, nodes):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the scheduler's {warm} warm workers did not start")
+            time.sleep(0.5)
         t0 = time.monotonic()
         handles = {}
         for e in TRACE:
@@ -141,7 +149,10 @@ def run_live(policy: str, nodes: int, ms_per_sample: float, resize_s: float,
         results = {n: h.result(timeout=1800) for n, h in handles.items()}
         wall = time.monotonic() - t0
         rows = ray.get(sched.rows.remote())
-        errors = ray.get(sched.info.remote())["errors"]
+        sinfo = ray.get(sched.info.remote())
+        errors = sinfo["errors"]
+        if sinfo.get("pool"):
+            print(f"  {policy}: the warm pool: {sinfo['pool']}", flush=True)
         if errors:
             print(f"  {policy}: scheduler loop errors: {errors}", flush=True)
         scheduler.shutdown(name)
@@ -182,7 +193,8 @@ def format_jobs(r: LiveResult) -> str:
         start = row["started_s"] - row["submitted_s"] if row["started_s"] is not None else math.nan
         jct = row["ended_s"] - row["submitted_s"] if row["ended_s"] is not None else math.nan
         out.append(f"    {e.name:<8} ({e.at_s:>4.0f}s, {e.steps:>3}, {e.requested}) -> waited "
-                   f"{start:5.1f}s, JCT {jct:6.1f}s, {row['resizes']} resizes, {row['state']}")
+                   f"{start:5.1f}s, JCT {jct:6.1f}s, {row['resizes']} resizes, {row['state']}"
+                   + (f": {row['error']}" if row.get("error") else ""))
     return "\n".join(out)
 
 
@@ -216,6 +228,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--days", type=float, default=7.0, help="simulated days (default 7)")
     ap.add_argument("--gpus", type=int, default=1000)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--warm", type=int, default=0,
+                    help="warm workers each policy's scheduler keeps (default 0: cold starts)")
     a = ap.parse_args(argv)
     if not a.no_live:
         names = ["fifo-static"] + [p for p in a.policies.split(",") if p and p != "fifo-static"]
@@ -223,9 +237,10 @@ def main(argv: list[str] | None = None) -> None:
         with tempfile.TemporaryDirectory(prefix="elastic-sched-bench-") as root:
             for p in names:
                 print(f"[bench] live: {p} ...", flush=True)
-                results.append(run_live(p, a.nodes, a.ms_per_sample, a.resize_s, root))
+                results.append(run_live(p, a.nodes, a.ms_per_sample, a.resize_s, root,
+                                        a.warm))
         print(f"live: {len(TRACE)} jobs on a {a.nodes}-CPU ray.cluster_utils.Cluster, "
-              f"{a.ms_per_sample:g} ms/sample, batch {BATCH}")
+              f"{a.ms_per_sample:g} ms/sample, batch {BATCH}, {a.warm} warm workers")
         print(format_live(results))
         for r in results:
             print(format_jobs(r))

@@ -34,7 +34,9 @@ __all__ = ["Runner", "QueuedJob", "SchedulerCore", "live_options", "FIXED_PART",
            "SCHED_SCALE_CHECK_S"]
 
 FIXED_PART = 0.1  # before two sizes are measured: a tenth of the step does not shrink with n
-SCHED_SCALE_CHECK_S = 1e9  # a scheduled job never grows by itself: the scheduler sizes it
+SCHED_SCALE_CHECK_S = 1e9  # a scheduled job never looks for room at its size: it grows
+# only when the scheduler asks (``grow_when_room`` false; it did grow by itself toward its
+# max_workers, taking workers the scheduler had given to the next job)
 
 
 class Runner(Protocol):
@@ -276,7 +278,7 @@ class SchedulerCore:
     def _start(self, j: QueuedJob, n: int) -> None:
         cfg = j.cfg.replace(num_workers=n, min_workers=j.cfg.min_world,
                             max_workers=j.cfg.max_world, scale_check_s=SCHED_SCALE_CHECK_S,
-                            placement="per_worker")
+                            grow_when_room=False, placement="per_worker")
         try:
             j.handle = self.runner.start(j.name, cfg, n)
         except Exception as e:  # noqa: BLE001 - a job that cannot start fails alone

@@ -81,6 +81,7 @@ class JobConfig(JobCode):
     ray_address = Setting[str | None]("scaling")
     placement_timeout_s = Setting[float]("scaling")
     scale_check_s = Setting[float]("scaling")
+    grow_when_room = Setting[bool]("scaling")
     placement = Setting[str]("scaling")
     # parallelism
     strategy = Setting[str]("parallelism")

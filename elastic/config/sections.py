@@ -274,6 +274,9 @@ class Scaling(Section):
     ray_address: str | None = None  # default: $RAY_ADDRESS, else a local cluster
     placement_timeout_s: float = 60.0
     scale_check_s: float = 5.0  # how often to look for room for more workers (up to max)
+    # False: the job grows only when asked (a scale request: the SDK, the CLI, an elastic
+    # scheduler, whose jobs it sizes), not by itself toward max_workers when there is room
+    grow_when_room: bool = True
     # gang: one placement group for the starting workers (reserved together, packed);
     # per_worker: one each, so that a shrink gives the bundles back to the cluster (the
     # scheduler's jobs use it)
@@ -308,6 +311,7 @@ class Scaling(Section):
                         "else a local cluster)")
         number(self.placement_timeout_s, "placement_timeout_s", above=True)
         number(self.scale_check_s, "scale_check_s", above=True)
+        flag(self.grow_when_room, "grow_when_room")
 
     @property
     def min_world(self) -> int:

@@ -395,7 +395,13 @@ class PooledPlacement(Placement):
         warm = self._collect(self._warm(n), wait_s=None)
         if len(warm) >= n:
             return warm
-        cold = super().place(n - len(warm), max(0, min_workers - len(warm)))
+        try:
+            cold = super().place(n - len(warm), max(0, min_workers - len(warm)))
+        except BaseException:  # the warm ones go back (they were kept out of the pool's
+            # books and held their bundles for good: the next jobs could not be placed)
+            self._mine -= {actor_key(w.handle) for w in warm}
+            self.pool.give_back(warm)
+            raise
         return warm + cold
 
     def start_spares(self, n: int) -> None:

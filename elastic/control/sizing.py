@@ -24,12 +24,14 @@ SCALE_WAIT_S = 30.0  # a requested growth that no room meets is refused after th
 
 
 class Sizing:
-    """Owns the job's target size (``max_workers``, or what a scale asked for)."""
+    """Owns the job's target size: ``max_workers`` (``num_workers`` for a job that grows only
+    when asked, ``grow_when_room`` false), then what a scale asked for."""
 
     def __init__(self, cfg: Any, inbox: Inbox) -> None:
         self.cfg = cfg
         self.inbox = inbox
-        self.target = cfg.max_workers if cfg.max_workers is not None else cfg.num_workers
+        self.target = (cfg.max_workers if cfg.max_workers is not None and cfg.grow_when_room
+                       else cfg.num_workers)
 
     def check(self, group: Any) -> Request | None:
         """The scaling policy's running check: a ``grow`` request when spares are up and the

@@ -361,3 +361,12 @@ def test_worker_config_holds_exactly_what_the_worker_reads(tmp_path):
         w.max_steps = 1  # type: ignore[misc]
     assert len(pickle.dumps(w)) < len(pickle.dumps(cfg))
     assert JobConfig(**_base()).for_worker().checkpoint_uri is None  # no checkpoints
+
+
+def test_grow_when_room_is_a_flag_and_read_from_the_scaling_section():
+    assert JobConfig(**_base()).grow_when_room is True
+    assert JobConfig(**_base(scaling={"num_workers": 2, "grow_when_room": False})
+                     ).grow_when_room is False
+    with pytest.raises(ConfigError) as ei:
+        JobConfig(**_base(grow_when_room="no"))
+    assert ei.value.field == "grow_when_room"

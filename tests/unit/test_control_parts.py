@@ -293,3 +293,45 @@ def test_a_watched_step_is_polled_at_its_end_by_the_step_period():
     assert log.step_period() is None  # nor does a first step's time, which holds start-up
     assert log.watch_s() == WATCH_MIN_S
     assert StepLog(None, View(), lambda entry: False).watch_s() == math.inf  # nothing watched
+
+
+def test_a_pooled_placement_whose_cold_part_fails_gives_its_warm_workers_back(monkeypatch):
+    """A job took k warm workers and could not place the rest: the warm ones go back to the
+    pool. They were dropped from the pool's books while their processes lived on, each
+    holding a CPU, and the next jobs could not be placed (bench/scheduler.py, warm pool)."""
+    from elastic.config import JobConfig
+    from elastic.control import pool as pool_mod
+    from elastic.control.group import WorkerRec
+    from elastic.control.worker_group import Placement
+    from elastic.errors import ClusterError
+    from tests.helpers import RegressionData, adam, mlp, mse
+
+    class Handle:
+        def __init__(self, i: int) -> None:
+            self._actor_id = type("Id", (), {"hex": lambda _self: f"a{i}"})()
+
+    given: list[list[WorkerRec]] = []
+
+    class Pool:
+        env: dict = {}
+
+        def give_back(self, recs, lost=()):
+            given.append(list(recs))
+
+    cfg = JobConfig(model=mlp, optimizer=adam, loss=mse, dataset=RegressionData(),
+                    global_batch_size=8, max_steps=5, num_workers=3)
+    pp = pool_mod.PooledPlacement(Pool(), cfg, None, None)
+    warm = [WorkerRec(Handle(i), i, info={"warm": True}) for i in range(2)]
+    pp._mine = {"a0", "a1"}
+    monkeypatch.setattr(pool_mod.PooledPlacement, "_warm", lambda self, n: [(w, None)
+                                                                            for w in warm])
+    monkeypatch.setattr(pool_mod.PooledPlacement, "_collect",
+                        lambda self, launched, wait_s: [w for w, _ in launched])
+
+    def no_room(self, n, min_workers):
+        raise ClusterError("the cluster cannot host 1 workers")
+
+    monkeypatch.setattr(Placement, "place", no_room)
+    with pytest.raises(ClusterError):
+        pp.place(3, 3)
+    assert given == [warm] and pp._mine == set()

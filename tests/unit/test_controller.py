@@ -268,6 +268,33 @@ def test_scale_up_takes_spares_in_at_a_boundary(tmp_path):
     assert scaled.data["source"] == "peers"
 
 
+def test_a_job_that_grows_only_when_asked_leaves_room_alone(tmp_path):
+    """``grow_when_room: false`` (an elastic scheduler's jobs): its target is ``num_workers``,
+    so room and ready spares do not grow it; by default a job grows toward ``max_workers``.
+    A scheduled job grew by itself into workers its scheduler had given the next job, which
+    then could not be placed (bench/scheduler.py with warm workers)."""
+    from elastic.control.requests import Inbox
+    from elastic.control.sizing import Sizing
+
+    class Roomy:
+        workers = [0, 1]
+
+        def spares_ready(self) -> int:
+            return 2
+
+        def spares_starting(self) -> int:
+            return 0
+
+        def room(self) -> bool:
+            return True
+
+    for grow, target, kind in ((True, 4, "grow"), (False, 2, None)):
+        cfg = _cfg(tmp_path, min_workers=1, max_workers=4, grow_when_room=grow)
+        sizing = Sizing(cfg, Inbox(None, lambda *a, **k: None))
+        req = sizing.check(Roomy())
+        assert sizing.target == target and (req.kind if req else None) == kind, grow
+
+
 def test_scale_down(tmp_path):
     ctl, fake = _controller(tmp_path, num_workers=3, min_workers=1)
     q = _ask(ctl, "scale", 1)

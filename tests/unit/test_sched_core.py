@@ -50,6 +50,7 @@ class Script:
             raise ElasticError("cannot start")
         assert cfg.num_workers == workers and cfg.scale_check_s > 1e6
         assert cfg.placement == "per_worker"
+        assert cfg.grow_when_room is False  # it grows when the scheduler asks, never alone
         self.log.append(("start", name, workers))
         self.jobs[name] = j = Job(name, cfg, workers)
         return j
