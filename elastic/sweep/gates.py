@@ -20,6 +20,7 @@ decisions write to the study) are decided by the driver only.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -29,7 +30,7 @@ from optuna.trial import TrialState
 
 from clusters.sweep_policy import PruneGate
 
-__all__ = ["REFRESH_S", "gate_for", "percentile_of"]
+__all__ = ["REFRESH_S", "best_of", "gate_for", "percentile_of"]
 
 REFRESH_S = 1.0  # a gate's threshold is read from the study again after this long
 
@@ -46,11 +47,24 @@ def percentile_of(pruner: Any) -> tuple[float, int, int] | None:
         return None
 
 
-def gate_for(study: optuna.Study, step: int, values: dict[int, float],
+def best_of(values: Iterable[float], maximize: bool) -> float | None:
+    """The best of ``values`` as the pruner reads it: None for none, NaN when none is
+    finite, else the largest (``maximize``) or smallest finite one."""
+    seen = False
+    best = math.nan
+    for v in values:
+        seen = True
+        if not math.isnan(v) and (math.isnan(best) or (v > best if maximize else v < best)):
+            best = v
+    return best if seen else None
+
+
+def gate_for(study: optuna.Study, step: int, best: float | None, through: int,
              version: int) -> PruneGate | None:
-    """The gate of decision step ``step`` for a trial whose values so far are ``values``
-    (step -> value, as the driver has them), or None when the pruner cannot prune there
-    (not a percentile pruner, fewer complete trials than its start-up count)."""
+    """The gate of decision step ``step`` for a trial whose best value over its steps up to
+    ``through`` is ``best`` (``best_of``; as the driver has them), or None when the pruner
+    cannot prune there (not a percentile pruner, fewer complete trials than its start-up
+    count)."""
     spec = percentile_of(study.pruner)
     if spec is None:
         return None
@@ -64,9 +78,4 @@ def gate_for(study: optuna.Study, step: int, values: dict[int, float],
     if len(at) >= n_min and any(not math.isnan(v) for v in at):
         threshold = float(np.nanpercentile(np.asarray(at, dtype=float),
                                            100 - pct if maximize else pct))
-    known = [v for s, v in values.items() if s < step]
-    finite = [v for v in known if not math.isnan(v)]
-    best = None if not known else (math.nan if not finite else
-                                   (max(finite) if maximize else min(finite)))
-    through = max((s for s in values if s < step), default=-1)
     return PruneGate(step, threshold, best, through, maximize, version)

@@ -43,10 +43,12 @@ from optuna.study import StudyDirection
 from clusters.sweep_policy import Grow, PromotionObservation, PromotionPolicy, PruneGate
 
 from ..control.hooks import StepHook
-from .gates import REFRESH_S, gate_for, percentile_of
+from .gates import REFRESH_S, best_of, gate_for, percentile_of
 from .pruning import PruneSteps
 
-__all__ = ["TrialSteps", "ScheduledHook"]
+__all__ = ["TrialSteps", "ScheduledHook", "GATE_SPAN"]
+
+GATE_SPAN = 1024  # steps a gate's "through" may lag the driver's before it is sent anew
 
 
 class TrialSteps(StepHook):
@@ -64,7 +66,9 @@ class TrialSteps(StepHook):
         self.steps = steps
         self.exact = exact
         self.pending: dict[int, float] = {}  # seen, not reported yet
-        self.values: dict[int, float] = {}  # every step's value seen
+        self._maximize = trial.study.direction == StudyDirection.MAXIMIZE  # (a storage read)
+        self.best: float | None = None  # the best value seen (best_of), None before any
+        self.through = -1  # the newest step seen
         self._gate: PruneGate | None = None  # the last gate handed out
         self._gate_step: int | None = None  # the decision step it was read for
         self._gate_at = 0.0  # time.monotonic() of that read
@@ -90,7 +94,9 @@ class TrialSteps(StepHook):
     def gate(self, next_step: int) -> PruneGate | None:
         """The workers' gate for the first decision step >= ``next_step`` (None: the
         driver decides alone). Its threshold is read again after ``refresh_s``; a gate
-        whose threshold did not change is handed out unchanged (same version)."""
+        whose threshold did not change is handed out unchanged (same version), unless the
+        driver has ``GATE_SPAN`` more steps than it says (the workers keep the last
+        2,048-4,096 losses: a long interval's gate would otherwise need older ones)."""
         if not self._gates or self.pruned_at is not None:
             return None
         step = self.steps.next_at(next_step)
@@ -100,9 +106,9 @@ class TrialSteps(StepHook):
         if self._gate_step == step and now - self._gate_at < self.refresh_s:
             return g  # (None too: the study is read at most every refresh_s)
         self._gate_step, self._gate_at = step, now
-        new = gate_for(self.trial.study, step, self.values, self._versions + 1)
+        new = gate_for(self.trial.study, step, self.best, self.through, self._versions + 1)
         if (new is not None and g is not None and g.step == step
-                and _same(new.threshold, g.threshold)):
+                and _same(new.threshold, g.threshold) and new.through - g.through < GATE_SPAN):
             return g
         self._versions += new is not None
         self._gate = new
@@ -116,7 +122,9 @@ class TrialSteps(StepHook):
         step = int(entry["step"])
         if step in self.reported or step in self.pending:  # re-run after a recovery
             return False
-        self.values[step] = float(entry["loss"])
+        loss = float(entry["loss"])
+        self.best = best_of([loss] if self.best is None else [self.best, loss], self._maximize)
+        self.through = max(self.through, step)
         if not self.steps.decides_at(step):
             self.pending[step] = float(entry["loss"])
             return False  # the pruner answers "go on" here whatever the values
@@ -152,7 +160,7 @@ class TrialSteps(StepHook):
         finite = {s: v for s, v in self.pending.items() if math.isfinite(v)}
         if not finite:
             return
-        pick = max if self.trial.study.direction == StudyDirection.MAXIMIZE else min
+        pick = max if self._maximize else min
         best = pick(finite, key=lambda s: finite[s])
         self._report(best, finite[best])
 

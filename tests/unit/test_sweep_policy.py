@@ -24,7 +24,7 @@ from clusters.sweep_policy import (
 )
 from elastic.errors import ConfigError
 from elastic.sweep import load_sweep
-from elastic.sweep.gates import gate_for
+from elastic.sweep.gates import best_of, gate_for
 from elastic.sweep.pruning import PruneSteps
 from elastic.sweep.study import make_pruner
 from elastic.sweep.sweep_file import SweepConfig
@@ -286,7 +286,8 @@ def test_the_workers_gate_decides_as_optunas_percentile_pruner(direction, pruner
             trial.report(v, s)
         want = pruner.prune(study, study._storage.get_trial(trial._trial_id))  # noqa: SLF001
         k = rng.randrange(0, step + 1)  # the driver has steps < k, the workers the rest
-        g = gate_for(study, step, dict(enumerate(curve[:k])), version=case + 1)
+        g = gate_for(study, step, best_of(curve[:k], direction == "maximize"), k - 1,
+                     version=case + 1)
         if g is None:
             assert want is False, case
             seen["no gate"] += 1
@@ -338,6 +339,20 @@ def test_a_trial_hands_out_one_gate_per_decision_step_and_refreshes_it():
         value=1.0, intermediate_values={s: 2.0 for s in range(10)}))
     g5b = hook.gate(4)
     assert g5b.version == 3 and g5b.threshold == pytest.approx((1.0 / 6 + 2.0) / 2)
+    # a long interval: once the driver has GATE_SPAN more steps than the gate says, a new
+    # version carries them (the workers keep a few thousand losses, not every one)
+    from elastic.sweep.trial_steps import GATE_SPAN
+
+    far = PruneSteps.of({"type": "median", "n_warmup_steps": 5000, "interval_steps": 1})
+    long = TrialSteps(study.ask(), far)
+    long.refresh_s = 0.0
+    first = long.gate(0)
+    for s in range(GATE_SPAN - 1):
+        long.on_step({"step": s, "loss": 0.5, "world_size": 1})
+    assert long.gate(GATE_SPAN - 1) is first
+    long.on_step({"step": GATE_SPAN - 1, "loss": 0.5, "world_size": 1})
+    again = long.gate(GATE_SPAN)
+    assert again.version == first.version + 1 and again.through == GATE_SPAN - 1
     assert TrialSteps(study.ask(), spec, exact=True).gate(0) is None
     hb = PruneSteps.of({"type": "hyperband", "min_resource": 1, "reduction_factor": 3})
     assert TrialSteps(optuna.create_study(pruner=optuna.pruners.HyperbandPruner()).ask(),
