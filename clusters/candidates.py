@@ -158,14 +158,18 @@ def data_parallel_candidate(
             subset,
         )
     if m > 1 and TRAITS[strategy].lockstep_micro_batches and min(shares) < m:
-        # each of their micro-batches is a collective on every rank: all ranks run m of them
-        return Candidate(
-            stub,
-            None,
-            f"{strategy}: {m} accumulation steps run on every rank, but the slowest device's "
-            f"share is {min(shares)} samples",
-            subset,
-        )
+        # each of their micro-batches is a collective on every rank: all ranks run m of them,
+        # so every share must fill m; the slow devices get m (more than their speed says)
+        try:
+            shares = proportional_shares(g, speeds, caps, min_share=m)
+        except BalanceError as e:
+            return Candidate(
+                stub,
+                None,
+                f"{strategy}: {m} accumulation steps run on every rank, but the slowest "
+                f"device's share is {min(shares)} samples ({e})",
+                subset,
+            )
     p = Plan(
         strategy=strategy,
         world_size=n,

@@ -252,18 +252,32 @@ def test_plan_table_and_plan_main():
 
 def test_lockstep_accumulation_needs_every_share_to_fill_it():
     """zero2/zero3 run as many micro-batches on every rank (each is a collective there), so
-    a plan whose slowest device gets fewer samples than the accumulation steps is rejected
-    with the reason; dp accumulates per rank and still plans."""
+    every share must fill the accumulation steps: a device whose speed gives it fewer gets
+    that many (the plan is slower, not rejected: a profile that measured one of equal
+    devices slow under load once left a tiny-memory job no plan at all), and a batch too
+    small for that is rejected with the reason; dp accumulates per rank and still plans."""
     c = load_cluster(example_path("h100x8"))
     prof = ModelProfile.uniform(n_params=1e6, n_blocks=4, flops_per_sample=1e12,
                                 activation_bytes=1e9)  # 4 GB a sample: accumulation needed
     ids = [d.id for d in c.devices]
     speeds = {i: 100.0 for i in ids}
-    speeds[ids[0]] = 2.0  # one device 50x slower: a 1-sample share
+    speeds[ids[0]] = 2.0  # one device 50x slower: a 1-sample share by speed
     r = plan(c, prof, 200, speeds=speeds, strategies=("dp", "zero3"), subsets=False)
     assert r.plan.strategy == "dp" and r.plan.micro_batches == 2 and min(r.plan.shares) == 1
-    assert any(re.match(r"zero3: 2 accumulation steps run on every rank, but the slowest "
-                        r"device's share is 1 samples", x.rejection or "") for x in r.rejected)
+    z3 = next(x for x in r.ranked if x.plan.strategy == "zero3")
+    assert z3.plan.micro_batches == 2 and min(z3.plan.shares) == 2
+    assert sum(z3.plan.shares) == 200 and z3.plan.shares[0] == 2
+    # 48 GB a sample: one fits an H100; a batch of 12 on 8 devices needs m = 2, and 8 x 2
+    # samples are more than the batch: rejected, saying why; with 16 every device gets 2
+    big = ModelProfile.uniform(n_params=1e6, n_blocks=4, flops_per_sample=1e12,
+                               activation_bytes=1.2e10)
+    r = plan(c, big, 12, speeds=speeds, strategies=("zero3",), subsets=False)
+    assert r.choice is None and any(
+        re.match(r"zero3: 2 accumulation steps run on every rank, but the slowest device's "
+                 r"share is 1 samples \(global batch 12 < 8 devices x 2", x.rejection or "")
+        for x in r.rejected), r.rejected
+    assert plan(c, big, 16, speeds=speeds, strategies=("zero3",),
+                subsets=False).plan.shares == (2,) * 8
 
 
 def test_rejections_name_every_counted_part():
