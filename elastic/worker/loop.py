@@ -89,6 +89,7 @@ class StepLoop:
         self._counts: dict[str, int] = {}
         self._gate: PruneGate | None = None  # a sweep's pruner decision, handed ahead
         self._agreed: dict[int, float] = {}  # the agreed loss of each recent step
+        self._gated_next: int | None = None  # every rank holds a gate for this step
 
     def memory_counts(self, timeout_s: float = 2.0) -> dict[str, int]:
         """Elements of this rank's live state (``Strategy.memory_counts``), from any thread.
@@ -161,6 +162,7 @@ class StepLoop:
         strategy, spec = layout.strategy, layout.spec
         assert strategy is not None and spec is not None
         self._stop.clear()
+        self._gated_next = None
         lo, hi = share_bounds(spec.shares, m.rank)
         pending: _Pending | None = None
         step = start
@@ -187,10 +189,11 @@ class StepLoop:
             bad = not math.isfinite(local) or bool(getattr(strategy, "skipped", False))
             gate = self._held_gate(step, pending)
             v = float(gate.version) if gate is not None else 0.0
+            ahead = self._gate is not None and self._gate.step == step + 1
             ctrl = torch.tensor([local, 1.0 if self._stop.is_set() else 0.0, float(hi - lo), busy,
                                  1.0 if bad else 0.0, copies.flag() if copies else 1.0,
-                                 1.0 if gate is not None else 0.0, v, v * v],
-                                dtype=torch.float64)
+                                 1.0 if gate is not None else 0.0, v, v * v,
+                                 1.0 if ahead else 0.0], dtype=torch.float64)
             work = m.ctrl_allreduce(ctrl)
             stop = False
             if pending is not None:  # the previous step's values, reduced meanwhile
@@ -199,9 +202,11 @@ class StepLoop:
                                lr, norm, ctrl_local_bad=bad, compute_s=compute_s, gate=gate)
             if self._eval_due(step):  # between steps: its time counts in neither
                 pending.eval_loss = self._evaluate()
-            if self._checkpoints.due(step) or step + 1 == end or stop or m.world == 1:
+            if (self._checkpoints.due(step) or step + 1 == end or stop or m.world == 1
+                    or self._gated_next == step):
                 # (a group of one has nothing to overlap: its values are known at once, and a
-                # stop asked during the step takes effect at its end)
+                # stop asked during the step takes effect at its end; a pruner's decision step
+                # that every rank knew of a step ahead is decided at its own end)
                 stop = self._finish_step(pending) or stop
                 pending = None
             step += 1
@@ -216,13 +221,14 @@ class StepLoop:
         assert p.work is not None
         p.work.wait()
         p.work = None
-        loss, stop, trained, busy, bad, copied, gated, v1, v2 = p.ctrl.tolist()
+        loss, stop, trained, busy, bad, copied, gated, v1, v2, ahead = p.ctrl.tolist()
         skipped = self._check_finite(p.step, bad, bool(p.ctrl_local_bad))
         self._agreed[p.step] = loss
         if len(self._agreed) > 4096:  # gates look back one pruner interval at most
             for t in sorted(self._agreed)[:2048]:
                 del self._agreed[t]
         world = self._membership.world
+        self._gated_next = p.step + 1 if ahead == world else None  # the same on every rank
         pruned = (p.gate is not None and gated == world and v1 * v1 == world * v2
                   and self._gate_prunes(p.gate))
         note = None

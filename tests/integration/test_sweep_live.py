@@ -1,8 +1,7 @@
 """Sweeps whose pruner's decisions reach the workers, on a real local Ray with studies in real
 SQLite files: a pruned trial's workers stop at the decision step (by default the median
-pruner's decision is handed to them ahead; a group of two ends the step its control
-all-reduce overlaps) or train no step past it (``pruning: {exact: true}``), and are gone
-right after; a trial Hyperband promotes grows by an in-place scale and still trains its
+pruner's decision is handed to them ahead, in a group of one or two) or train no step past
+it (``pruning: {exact: true}``), and are gone right after; a trial Hyperband promotes grows by an in-place scale and still trains its
 single-process reference's parameters."""
 
 from __future__ import annotations
@@ -91,9 +90,9 @@ def test_a_pruned_trial_stops_at_the_decision_and_frees_its_workers(ray_local, t
     if exact:  # the workers waited at the decision step: none past it
         assert lag["past_step"] == 0 and lag["begun_after"] == 0, lag
     else:  # the median pruner's decision reached the workers ahead (its gate): the two
-        # ranks decided at step 10's end, with the loss they agreed on; the next step had
-        # begun (the control all-reduce overlaps it) and ends, none after
-        assert lag == {"past_step": 1, "begun_after": 0, "ended_after": 1}, lag
+        # ranks, knowing a step before that step 10 decides, waited for its control
+        # all-reduce at its end (not overlapped with step 11) and stopped there
+        assert lag == {"past_step": 0, "begun_after": 0, "ended_after": 0}, lag
     # the study holds the trial's every step up to the decision, none after
     assert sorted(bad.intermediate_values) == list(range(at + 1))
     assert sorted(good.intermediate_values) == list(range(STEPS))
