@@ -1,4 +1,5 @@
-"""A running trial's side of the pruner: the job's ``on_step``, ``watch_at`` and ``pause_after``.
+"""A running trial's side of the pruner: the job's ``StepHook`` (``on_step``, ``watch_at``,
+``pause_after``, ``gate``).
 
 ``TrialSteps`` takes each completed step's loss, asks the pruner at the steps where it can
 decide (``pruning.PruneSteps``) and, on "prune", returns True: the controller posts a stop,
