@@ -352,7 +352,8 @@ class PooledPlacement(Placement):
             config = config.replace(placement="per_worker")
         super().__init__(config, emulate, liveness)
         self.pool = pool
-        self._mine: set[str] = set()  # actor ids of the pool's workers this job holds
+        # the pool's workers this job holds: actor id -> (handle, placement group)
+        self._mine: dict[str, tuple[Any, Any]] = {}
 
     def _key(self) -> PoolKey:
         return PoolKey.of(self.bundle(), self.use_gpu, self.pool.env)
@@ -360,7 +361,7 @@ class PooledPlacement(Placement):
     def _assign(self, handle: Any, pg: Any, warm: bool) -> tuple[WorkerRec, Any]:
         wid = self._next_id
         self._next_id += 1
-        self._mine.add(actor_key(handle))
+        self._mine[actor_key(handle)] = (handle, pg)
         return (WorkerRec(handle, wid, info={"warm": warm}, pg=pg, slot=0),
                 handle.assign.remote(self._worker_cfg, wid, self._liveness))
 
@@ -399,7 +400,8 @@ class PooledPlacement(Placement):
             cold = super().place(n - len(warm), max(0, min_workers - len(warm)))
         except BaseException:  # the warm ones go back (they were kept out of the pool's
             # books and held their bundles for good: the next jobs could not be placed)
-            self._mine -= {actor_key(w.handle) for w in warm}
+            for w in warm:
+                self._mine.pop(actor_key(w.handle), None)
             self.pool.give_back(warm)
             raise
         return warm + cold
@@ -418,7 +420,8 @@ class PooledPlacement(Placement):
 
     def vacate(self, gone: Sequence[WorkerRec], kept: Sequence[WorkerRec]) -> None:
         back = [w for w in gone if actor_key(w.handle) in self._mine]
-        self._mine -= {actor_key(w.handle) for w in back}
+        for w in back:
+            self._mine.pop(actor_key(w.handle), None)
         self.pool.give_back(back)
         super().vacate([w for w in gone if w not in back], kept)
 
@@ -426,8 +429,13 @@ class PooledPlacement(Placement):
         back = [w for w in list(extra) + [w for w, _ in self._warming]
                 if actor_key(w.handle) in self._mine]
         returned = {actor_key(w.handle) for w in back}
-        self.pool.give_back(back, lost=sorted(self._mine - returned))
-        self._mine = set()
+        lost = sorted(set(self._mine) - returned)
+        self.pool.give_back(back, lost=lost)
+        for a in lost:  # leave the books: killed (a no-op for one already dead) and its
+            # bundle freed, whatever path lost track of it (one left alive held a CPU)
+            handle, pg = self._mine[a]
+            WorkerPool._kill(_Proc(handle, pg, self._key()))
+        self._mine = {}
         self._warming = [(w, r) for w, r in self._warming if w not in back]
         kept = {id(w.pg) for w in back}
         self.free_slots = [(pg, i) for pg, i in self.free_slots if id(pg) not in kept]

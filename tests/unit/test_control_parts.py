@@ -322,7 +322,7 @@ def test_a_pooled_placement_whose_cold_part_fails_gives_its_warm_workers_back(mo
                     global_batch_size=8, max_steps=5, num_workers=3)
     pp = pool_mod.PooledPlacement(Pool(), cfg, None, None)
     warm = [WorkerRec(Handle(i), i, info={"warm": True}) for i in range(2)]
-    pp._mine = {"a0", "a1"}
+    pp._mine = {f"a{i}": (w.handle, None) for i, w in enumerate(warm)}
     monkeypatch.setattr(pool_mod.PooledPlacement, "_warm", lambda self, n: [(w, None)
                                                                             for w in warm])
     monkeypatch.setattr(pool_mod.PooledPlacement, "_collect",
@@ -334,4 +334,4 @@ def test_a_pooled_placement_whose_cold_part_fails_gives_its_warm_workers_back(mo
     monkeypatch.setattr(Placement, "place", no_room)
     with pytest.raises(ClusterError):
         pp.place(3, 3)
-    assert given == [warm] and pp._mine == set()
+    assert given == [warm] and pp._mine == {}
