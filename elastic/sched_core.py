@@ -54,6 +54,11 @@ class Runner(Protocol):
 
     def stop(self, handle: Any) -> None: ...
 
+    def ended_at(self, handle: Any) -> float | None:
+        """When the job ended, on the scheduler's clock (None: not known; the core then
+        takes the time it noticed, up to a round later)."""
+        ...
+
 
 @dataclass
 class QueuedJob:
@@ -332,7 +337,8 @@ class SchedulerCore:
             j.result = res
             j.state = "cancelled" if j.name in self._cancels else "finished"
             j.step = len(getattr(res, "history", ())) or j.step
-        j.ended_s = self.clock()
+        t = self.runner.ended_at(j.handle)
+        j.ended_s = t if t is not None else self.clock()
         j.hold(j.ended_s)
         j.workers = 0
         j.reason = j.error or j.state

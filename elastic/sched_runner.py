@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 from .control import Controller, FitResult, Request
@@ -19,11 +21,16 @@ __all__ = ["ControllerRunner", "RunningJob"]
 class RunningJob:
     """One job's controller, running in a background thread of this process."""
 
-    def __init__(self, cfg: Any, hook: Any = None, pool: Any = None) -> None:
+    def __init__(self, cfg: Any, hook: Any = None, pool: Any = None,
+                 clock: Callable[[], float] = time.monotonic,
+                 on_end: Callable[[], Any] | None = None) -> None:
         self.controller = Controller(cfg, View(), hook=hook, pool=pool)
         self.hook = hook
+        self.clock = clock
+        self.on_end = on_end
         self.result_: FitResult | None = None
         self.error: BaseException | None = None
+        self.ended_at: float | None = None
         self.thread = threading.Thread(target=self._main, name=f"elastic-job-{cfg.job_name}",
                                        daemon=True)
         self.thread.start()
@@ -35,6 +42,10 @@ class RunningJob:
                 self.hook.finish()  # a pruner's hook: the values it has not reported yet
         except BaseException as e:  # noqa: BLE001 - handed to whoever asks for the result
             self.error = e
+        finally:
+            self.ended_at = self.clock()
+            if self.on_end is not None:
+                self.on_end()  # the scheduler decides at once: its workers are free
 
     def ask(self, kind: str, value: Any, reason: str, timeout: float) -> Any:
         req = Request(kind, value, reason)
@@ -49,14 +60,21 @@ class RunningJob:
 class ControllerRunner:
     """The scheduler core's ``Runner``: each job a ``RunningJob`` in this process;
     ``hooks``: job name -> its ``StepHook`` (a sweep trial's pruner); ``pool``: a
-    ``WorkerPool`` of this process its workers come from, when there is one."""
+    ``WorkerPool`` of this process its workers come from, when there is one; ``clock``: the
+    scheduler's (a job's end is stamped with it); ``on_end``: called in the job's thread as
+    it ends (the scheduler's loop wakes, rather than notice it at its next round)."""
 
-    def __init__(self, hooks: dict[str, Any] | None = None, pool: Any = None) -> None:
+    def __init__(self, hooks: dict[str, Any] | None = None, pool: Any = None,
+                 clock: Callable[[], float] = time.monotonic,
+                 on_end: Callable[[], Any] | None = None) -> None:
         self.hooks = hooks if hooks is not None else {}
         self.pool = pool
+        self.clock = clock
+        self.on_end = on_end
 
     def start(self, name: str, cfg: Any, workers: int) -> RunningJob:
-        return RunningJob(cfg.replace(view="none"), self.hooks.pop(name, None), self.pool)
+        return RunningJob(cfg.replace(view="none"), self.hooks.pop(name, None), self.pool,
+                          self.clock, self.on_end)
 
     def scale(self, handle: RunningJob, workers: int) -> int:
         return int(handle.ask("scale", workers, "the scheduler's decision", 300.0))
@@ -74,6 +92,9 @@ class ControllerRunner:
         if handle.result_ is None:
             raise TimeoutError("the job is still running")
         return handle.result_
+
+    def ended_at(self, handle: RunningJob) -> float | None:
+        return handle.ended_at
 
     def stop(self, handle: RunningJob) -> None:
         handle.ask("stop", None, "cancelled in the scheduler's queue", 300.0)

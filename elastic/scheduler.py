@@ -38,7 +38,7 @@ _PREFIX = "elastic-scheduler:"
 
 class SchedulerActor:
     """The body of the scheduler's Ray actor: the core, and a thread that ticks it every
-    ``round_s`` (at once when a job arrives or is cancelled)."""
+    ``round_s`` (at once when a job arrives, ends or is cancelled)."""
 
     def __init__(self, name: str, workers: int, policy: str, round_s: float, resize_s: float,
                  max_wait_s: float | None, db: str | None = None, warm: int = 0) -> None:
@@ -53,15 +53,16 @@ class SchedulerActor:
         self._t0 = time.monotonic()
         self.store = QueueStore(db) if db else None
         self.hooks: dict[str, Any] = {}  # job -> its step hook (a sweep's trial), not persisted
+        self._wake = threading.Event()
         self.core = SchedulerCore(policy_named(policy, resize_s=resize_s, max_wait_s=max_wait_s),
-                                  workers, ControllerRunner(self.hooks, self.pool),
+                                  workers, ControllerRunner(self.hooks, self.pool, self.now,
+                                                            self._wake.set),
                                   clock=self.now,
                                   on_change=self._persist)
         self.restored = 0
         if self.store is not None:
             self.restored = restore(self.core, self.store, loads)
             self._wait_for_old_jobs()
-        self._wake = threading.Event()
         self._stop = threading.Event()
         self.errors: list[str] = []
         self._thread = threading.Thread(target=self._loop, name="elastic-scheduler", daemon=True)

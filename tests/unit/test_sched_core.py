@@ -27,6 +27,7 @@ class Job:
         self.name, self.cfg, self.workers, self.step = name, cfg, workers, 0.0
         self.fail = False
         self.stopped = False
+        self.ended_at: float | None = None  # the end the job stamped itself (None: unknown)
 
 
 class Script:
@@ -40,10 +41,13 @@ class Script:
         self.refuse_start: set[str] = set()
 
     def advance(self, dt: float) -> None:
-        self.t += dt
         for j in self.jobs.values():
             if not self.done(j):
+                left = j.cfg.max_steps - j.step
                 j.step = min(j.cfg.max_steps, j.step + dt * j.workers)
+                if j.step >= j.cfg.max_steps and j.workers:
+                    j.ended_at = self.t + left / j.workers
+        self.t += dt
 
     def start(self, name: str, cfg: Any, workers: int) -> Job:
         if name in self.refuse_start:
@@ -75,6 +79,9 @@ class Script:
     def stop(self, h: Job) -> None:
         self.log.append(("stop", h.name, h.workers))
         h.stopped = True
+
+    def ended_at(self, h: Job) -> float | None:
+        return h.ended_at
 
 
 def core(policy: Any, capacity: int = 4) -> tuple[SchedulerCore, Script]:
@@ -119,7 +126,7 @@ def test_admission_shrink_to_make_room_and_grow_when_a_job_ends():
     assert state(c) == {"long": ("running", 4), "short": ("finished", 0)}
     assert s.log[-1] == ("scale", "long", 4)
     assert c.jobs["long"].resizes == 2
-    assert c.jobs["short"].worker_s == pytest.approx(3 * 10)  # 3 workers, t=10..20
+    assert c.jobs["short"].worker_s == pytest.approx(20)  # 3 workers, t=10 to its end, 16.7
     assert c.jobs["long"].worker_s == pytest.approx(4 * 10 + 1 * 10)  # to its resize at 20
     s.advance(100)
     assert c.tick() is False and state(c)["long"] == ("finished", 0)
@@ -276,3 +283,16 @@ def test_an_interrupted_job_with_checkpoints_resumes_from_its_newest(tmp_path):
     plain = cfg("p", 10).replace(run_dir=str(tmp_path / "p"))
     (tmp_path / "p.rerun1").mkdir()
     assert _rerun(plain).run_path == str(tmp_path / "p.rerun2")
+
+
+def test_a_job_ends_when_it_ended_not_when_the_loop_noticed():
+    """JCT and worker-seconds count to the job's own end: the loop notices it up to a round
+    later (measured JCTs were rounded up to the 0.5 s round)."""
+    c, s = core(FifoStatic(), 2)
+    c.submit(cfg("a", 10, n=1, hi=1))
+    c.tick()
+    s.advance(15.0)  # it ended at 10 s; the loop looks at 15 s
+    c.tick()
+    row = c.rows()[0]
+    assert row["state"] == "finished" and row["ended_s"] == pytest.approx(10.0)
+    assert row["worker_s"] == pytest.approx(10.0)
