@@ -56,7 +56,7 @@ def test_admission_shrink_to_make_room_grow_when_a_job_ends(ray_cluster, tmp_pat
         # admitted; alone, it takes every worker it uses well (its steps divide among them)
         rows = _wait(sched, lambda r: r["long"]["state"] == "running"
                      and r["long"]["workers"] == 4 and r["long"]["step"] >= 3, "long at 4")
-        assert "#1 by remaining time" in rows["long"]["reason"]
+        assert "#1 by remaining work" in rows["long"]["reason"]
         short = elastic.submit(_job("short", 30, tmp_path, num_workers=2, min_workers=1,
                                     max_workers=3), scheduler="t")
         # the short job goes first: the long one shrinks to make room, never stops

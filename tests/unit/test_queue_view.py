@@ -29,7 +29,7 @@ ROWS = [
     _row("long", "running", 1, step=412, max_steps=100000, remaining_s=3900.0, submitted_s=1.0,
          resizes=1, reason="shrunk 4->1: made room for short [sweep]"),
     _row("short", "running", 3, step=7, max_steps=30, remaining_s=12.4, submitted_s=2.0,
-         resizing=True, reason="#1 by remaining time"),
+         resizing=True, reason="#1 by remaining work"),
     _row("bad", "failed", step=3, error="WorkerError: user code failed on rank 0",
          submitted_s=3.0),
 ]
@@ -64,7 +64,7 @@ def test_every_job_with_state_allocation_steps_time_left_and_why():
     assert long.count("█") == 1 and long.count("·") == 3  # a cell per worker of the 4
     short = lines[_line(lines, "short")]
     assert "3* (1..4)" in short and "7/30" in short and "12s" in short  # * while resizing
-    assert "#1 by remaining time" in short
+    assert "#1 by remaining work" in short
     waits = lines[_line(lines, "waits")]
     assert "queued" in waits and "no room" in waits and "█" not in waits
     bad = lines[_line(lines, "bad")]

@@ -81,8 +81,8 @@ def test_srpt_gives_the_shortest_job_what_it_uses_well():
     # linear scaling: the short job takes every worker (finishing it first is what lowers
     # the mean completion time); the long one waits for them
     assert sizes(d) == {"short": 6, "long": 0}
-    assert d.of("long").reason.startswith("queued: #2 by remaining time")
-    assert d.of("short").reason.startswith("#1 by remaining time")
+    assert d.of("long").reason.startswith("queued: #2 by remaining work")
+    assert d.of("short").reason.startswith("#1 by remaining work")
     assert d.allocations[0].job == "long"  # the observation's order
 
 
