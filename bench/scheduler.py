@@ -26,6 +26,8 @@ import argparse
 import functools
 import math
 import os
+import random
+import statistics
 import sys
 import tempfile
 import time
@@ -34,8 +36,8 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from clusters.job_trace import job_trace  # noqa: E402 - after the path set-up above
-from clusters.sched_policy import POLICIES, policy_named  # noqa: E402
+from clusters.job_trace import TraceJob, job_trace  # noqa: E402 - after the path set-up above
+from clusters.sched_policy import POLICIES, Option, policy_named  # noqa: E402
 from clusters.sched_sim import (  # noqa: E402
     SchedSimConfig,
     format_sched_table,
@@ -68,6 +70,77 @@ TRACE = (
 )
 
 
+FIXED_S = 0.01  # a step's part that does not divide among workers here (gloo, the loop)
+# what a start and a resize took in the live runs of 2026-12-02 (warm pool / cold processes)
+START_S = {True: 0.4, False: 10.0}
+RESIZE_S = {True: 0.7, False: 5.0}
+
+
+def random_trace(n: int, seed: int, nodes: int, ms_per_sample: float, load: float = 1.0
+                 ) -> tuple[TraceEntry, ...]:
+    """``n`` jobs drawn (deterministic per ``seed``): steps lognormal (median 80, sigma 0.8,
+    20-400), 1-4 workers asked (1 and 2 twice as likely as 3 and 4), ``max_workers`` from the
+    asked size up to ``nodes``, ``min_workers`` 1; Poisson arrivals that offer ``load`` x the
+    cluster's capacity of work over the arrival span."""
+    rng = random.Random(seed)
+    specs = []
+    for _ in range(n):
+        steps = int(min(400, max(20, rng.lognormvariate(math.log(80), 0.8))))
+        asked = min(rng.choice((1, 1, 2, 2, 3, 4)), nodes)
+        specs.append((steps, asked, rng.choice([h for h in range(1, nodes + 1) if h >= asked])))
+    one = ms_per_sample / 1000.0 * BATCH + FIXED_S  # a step on one worker
+    span = sum(st * one for st, _, _ in specs) / (nodes * load)
+    out, t = [], 0.0
+    for i, (steps, asked, hi) in enumerate(specs):
+        out.append(TraceEntry(f"r{i:02d}", round(t, 1), steps, asked, 1, hi))
+        t += rng.expovariate(n / span)
+    return tuple(out)
+
+
+def _sim_jobs(trace: tuple[TraceEntry, ...], ms_per_sample: float
+              ) -> tuple[list[TraceJob], Any]:
+    """A live trace as the simulator's jobs, each step ``ms x batch / n + FIXED_S``."""
+    compute = ms_per_sample / 1000.0 * BATCH
+
+    def options(j: TraceJob) -> tuple[Option, ...]:
+        return tuple(Option(n, "dp", compute / n + FIXED_S)
+                     for n in range(j.min_workers, j.max_workers + 1))
+
+    jobs = [TraceJob(e.name, e.at_s, e.requested, e.lo, e.hi,
+                     e.steps * (compute / e.requested + FIXED_S), "live") for e in trace]
+    return jobs, options
+
+
+def sim_small(trace: tuple[TraceEntry, ...], nodes: int, ms_per_sample: float, warm: bool,
+              resize_s: float, seeds: int) -> str:
+    """The live trace in the simulator, then ``seeds`` random traces like it (8 and 16 jobs):
+    what the policies are expected to gain on this cluster, so one live trace's figure can be
+    read against a distribution rather than alone."""
+    cfg = SchedSimConfig(round_s=0.5, start_s=START_S[warm], resize_s=RESIZE_S[warm])
+    policies = [policy_named(p, resize_s=resize_s, max_wait_s=120.0) for p in POLICIES]
+
+    def ratios(tr: tuple[TraceEntry, ...]) -> dict[str, float]:
+        jobs, options = _sim_jobs(tr, ms_per_sample)
+        res = {p.name: simulate_schedule(jobs, nodes, p, options, cfg).mean_jct_s
+               for p in policies}
+        return {k: v / res["fifo-static"] - 1 for k, v in res.items() if k != "fifo-static"}
+
+    lines = [f"simulated like the live run ({'warm' if warm else 'cold'}: start "
+             f"{cfg.start_s:g} s, resize {cfg.resize_s:g} s, step {ms_per_sample:g} ms x "
+             f"{BATCH} / n + {FIXED_S * 1000:g} ms), mean JCT vs fifo-static:"]
+    lines.append("  this trace: " + ", ".join(f"{k} {v:+.0%}" for k, v in ratios(trace).items()))
+    for n in (8, 16):
+        got: dict[str, list[float]] = {}
+        for seed in range(seeds):
+            for k, v in ratios(random_trace(n, 1000 + seed, nodes, ms_per_sample)).items():
+                got.setdefault(k, []).append(v)
+        lines.append(f"  {seeds} random traces of {n} jobs (load 1.0): " + ", ".join(
+            f"{k} mean {statistics.mean(v):+.0%}, median {statistics.median(v):+.0%}, "
+            f"{sum(x <= -0.3 for x in v) / len(v):.0%} at -30 % or better"
+            for k, v in got.items()))
+    return "\n".join(lines)
+
+
 @dataclass
 class LiveResult:
     policy: str
@@ -75,6 +148,7 @@ class LiveResult:
     rows: list[dict[str, Any]]
     diffs: dict[str, float]
     wall_s: float
+    trace: tuple[TraceEntry, ...] = TRACE
 
     def _done(self) -> list[dict[str, Any]]:
         return [r for r in self.rows if r["state"] == "finished"]
@@ -107,8 +181,8 @@ class LiveResult:
 
 
 def run_live(policy: str, nodes: int, ms_per_sample: float, resize_s: float,
-             run_root: str, warm: int = 0) -> LiveResult:
-    """One policy over ``TRACE`` on a fresh cluster; every job checked against its solo run.
+             run_root: str, warm: int = 0, trace: tuple[TraceEntry, ...] = TRACE) -> LiveResult:
+    """One policy over ``trace`` on a fresh cluster; every job checked against its solo run.
     ``warm``: the scheduler keeps that many warm workers (its pool is up before the trace
     starts, as a long-lived scheduler's would be)."""
     import ray
@@ -137,7 +211,7 @@ def run_live(policy: str, nodes: int, ms_per_sample: float, resize_s: float,
             time.sleep(0.5)
         t0 = time.monotonic()
         handles = {}
-        for e in TRACE:
+        for e in trace:
             wait = e.at_s - (time.monotonic() - t0)
             if wait > 0:
                 time.sleep(wait)
@@ -160,7 +234,7 @@ def run_live(policy: str, nodes: int, ms_per_sample: float, resize_s: float,
         ray.shutdown()
         cluster.shutdown()
     diffs = {}
-    for e in TRACE:
+    for e in trace:
         out = results[e.name]
         if out["state_dict"] is None:
             diffs[e.name] = math.inf
@@ -168,7 +242,7 @@ def run_live(policy: str, nodes: int, ms_per_sample: float, resize_s: float,
         ref, _ = reference_train(factory, jobs.optimizer, jobs.loss, jobs.Data(), BATCH,
                                  out["steps"], seed=0)
         diffs[e.name] = max(float((out["state_dict"][k] - v).abs().max()) for k, v in ref.items())
-    return LiveResult(policy, nodes, rows, diffs, wall)
+    return LiveResult(policy, nodes, rows, diffs, wall, trace)
 
 
 def format_live(results: list[LiveResult]) -> str:
@@ -188,7 +262,7 @@ def format_live(results: list[LiveResult]) -> str:
 def format_jobs(r: LiveResult) -> str:
     out = [f"  {r.policy}: job (arrival, steps, asked) -> start, end, JCT, resizes"]
     by = {row["job"]: row for row in r.rows}
-    for e in TRACE:
+    for e in r.trace:
         row = by[e.name]
         start = row["started_s"] - row["submitted_s"] if row["started_s"] is not None else math.nan
         jct = row["ended_s"] - row["submitted_s"] if row["ended_s"] is not None else math.nan
@@ -230,7 +304,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--warm", type=int, default=0,
                     help="warm workers each policy's scheduler keeps (default 0: cold starts)")
+    ap.add_argument("--jobs", type=int, default=0,
+                    help="a random trace of this many jobs (random_trace) instead of the "
+                         "fixed 8-job TRACE")
+    ap.add_argument("--trace-seed", type=int, default=0, help="the random trace's seed")
+    ap.add_argument("--small-traces", type=int, default=200,
+                    help="random traces like the live one for the simulator's distribution")
     a = ap.parse_args(argv)
+    trace = (random_trace(a.jobs, a.trace_seed, a.nodes, a.ms_per_sample) if a.jobs else TRACE)
+    if a.jobs:
+        print("trace: " + ", ".join(f"{e.name} (at {e.at_s:g}s, {e.steps} steps, asked "
+                                    f"{e.requested}, max {e.hi})" for e in trace))
     if not a.no_live:
         names = ["fifo-static"] + [p for p in a.policies.split(",") if p and p != "fifo-static"]
         results = []
@@ -238,12 +322,15 @@ def main(argv: list[str] | None = None) -> None:
             for p in names:
                 print(f"[bench] live: {p} ...", flush=True)
                 results.append(run_live(p, a.nodes, a.ms_per_sample, a.resize_s, root,
-                                        a.warm))
-        print(f"live: {len(TRACE)} jobs on a {a.nodes}-CPU ray.cluster_utils.Cluster, "
+                                        a.warm, trace))
+        print(f"live: {len(trace)} jobs on a {a.nodes}-CPU ray.cluster_utils.Cluster, "
               f"{a.ms_per_sample:g} ms/sample, batch {BATCH}, {a.warm} warm workers")
         print(format_live(results))
         for r in results:
             print(format_jobs(r))
+    if a.small_traces:
+        print(sim_small(trace, a.nodes, a.ms_per_sample, a.warm > 0, a.resize_s,
+                        a.small_traces))
     print(run_sim(a.days, a.gpus, a.seed))
 
 
