@@ -11,6 +11,7 @@ refused there, with the job going on.
 from __future__ import annotations
 
 import queue
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -100,16 +101,24 @@ class Inbox:
         self._emit = emit
         self._queue: queue.Queue[Request] = queue.Queue()
         self.parked: list[tuple[Request, float]] = []  # growth asked for, not met yet
+        self._lock = threading.Lock()
+        self._closed: Exception | None = None  # the job ended: why
 
     def post(self, req: Request) -> bool:
-        """Queue ``req`` (thread-safe); a malformed one is answered at once with its error.
-        Returns whether it was queued."""
+        """Queue ``req`` (thread-safe); a malformed one, or one posted after the job ended,
+        is answered at once with its error. Returns whether it was queued."""
         try:
             req.value = parse(req.kind, req.value, req.reason, internal=True).value
         except RequestError as e:
             self.answer(req, e)
             return False
-        self._queue.put(req)
+        with self._lock:  # a post racing the job's end is queued before close drains, or
+            closed = self._closed  # it sees the end: never queued with nobody to answer
+            if closed is None:
+                self._queue.put(req)
+        if closed is not None:
+            self.answer(req, closed)
+            return False
         return True
 
     def waiting(self) -> bool:
@@ -171,7 +180,10 @@ class Inbox:
         return refused
 
     def close(self, why: Exception, status: dict[str, Any]) -> None:
-        """The job ended: answer everything left with ``why``, then close the mailbox."""
+        """The job ended: answer everything left, and whatever is posted from now on, with
+        ``why``; then close the mailbox."""
+        with self._lock:
+            self._closed = why
         while (req := self.take()) is not None:
             self.answer(req, why)
         for req, _ in self.parked:

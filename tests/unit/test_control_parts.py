@@ -11,6 +11,7 @@ from elastic.control.regroup import peer_plan, required_keys, roll_forward_ranks
 from elastic.control.requests import Inbox, Request, RequestError, parse
 from elastic.errors import (
     CheckpointCorruptError,
+    ElasticError,
     GroupError,
     HangError,
     WorkerError,
@@ -68,6 +69,20 @@ def test_inbox_answers_a_malformed_request_at_once():
     assert isinstance(q.get_nowait(), RequestError) and not inbox.waiting()
     assert inbox.post(Request("grow"))  # the controller's own kind
     assert inbox.has("grow") and inbox.take().kind == "grow" and inbox.take() is None
+
+
+def test_a_request_posted_after_the_job_ended_is_answered_at_once():
+    """A scheduler's shrink posted as its job finished waited out its 300 s timeout (the
+    scheduler's loop with it): queued after the end's drain, nobody was left to answer."""
+    inbox = Inbox(None, lambda *a, **k: None)
+    early: queue.Queue = queue.Queue()
+    assert inbox.post(Request("scale", 2, reply=early))
+    ended = ElasticError("the job ended (finished) before the request was handled")
+    inbox.close(ended, {})
+    assert early.get_nowait() is ended
+    late: queue.Queue = queue.Queue()
+    assert not inbox.post(Request("scale", 1, reply=late))
+    assert late.get_nowait() is ended and not inbox.waiting()
 
 
 def test_failures_are_classified_by_type_and_the_root_cause_explains_the_rest():
