@@ -3,7 +3,9 @@ FIFO-static side by side in one run, and the same policies in the simulator.
 
 Live part: a ``ray.cluster_utils.Cluster`` (a head with no CPUs and ``--nodes`` worker nodes
 of 1 CPU; default 4) and, per policy, a fresh elastic scheduler owning one worker per CPU.
-The trace (``TRACE``): 8 jobs of 1-4 requested workers and 30-300 steps arriving over 22 s;
+The trace (``TRACE``, or ``--jobs N``: ``random_trace``'s N jobs drawn from a stated
+distribution, seed ``--trace-seed``): 8 jobs of 1-4 requested workers and 30-300 steps
+arriving over 22 s;
 each job's step costs ``--ms-per-sample`` ms per sample, divided among its workers (the
 model's forward sleeps it: a compute-bound job's step time on this 2-core test machine), a
 global batch of 12. Every job runs through the live scheduler: ``elastic.submit(...,
@@ -13,8 +15,11 @@ completion time (submission to end), makespan (first submission to last end), ut
 largest parameter difference from its single-process run (must be < 1e-5: the scheduler must
 not change what a job trains), and the ratio to FIFO-static.
 
-Simulated part: the same policy classes (``clusters.sched_policy``) over a synthetic
-Philly-like week on 1,000 GPUs (``clusters.job_trace``), CPU seconds per simulated week.
+Simulated part: the live trace, and ``--small-traces`` random traces like it (8 and 16
+jobs), in the simulator with the live run's measured start, resize and step costs: what a
+policy is expected to gain on such a cluster, to read one live trace against. Then the same
+policy classes (``clusters.sched_policy``) over a synthetic Philly-like week on 1,000 GPUs
+(``clusters.job_trace``), CPU seconds per simulated week.
 
 A benchmark, not a test: it checks nothing. From the repository root:
 ``python bench/scheduler.py`` (``--help`` for the options).
