@@ -62,36 +62,34 @@ def proportional_shares(
         # without its O(n log n) Python work: the first total % n get one more.
         base, extra = divmod(total, n)
         return (base + 1,) * extra + (base,) * (n - extra)
-    fixed: dict[int, int] = {}
-    quota: dict[int, float] = {}
-    while True:
-        free = [i for i in range(n) if i not in fixed]
-        rest = total - sum(fixed.values())
-        if not free:
-            quota = {}
-            break
-        wsum = sum(speeds[i] for i in free)
-        quota = {i: rest * speeds[i] / wsum for i in free}
-        over = [i for i in free if quota[i] > cap[i]]
-        under = [i for i in free if quota[i] < min_share]
-        if not over and not under:
-            break
-        for i in over or under:
-            fixed[i] = int(cap[i]) if over else min_share
-    shares = [0] * n
-    for i, v in fixed.items():
-        shares[i] = v
-    for i, q in quota.items():
-        shares[i] = int(math.floor(q))
+    # the quotas: share_i = clamp(lam * speed_i, min_share, cap_i), lam the one that makes
+    # them sum to ``total`` (their sum grows with lam, from n * min_share to sum(cap)). Fixing
+    # devices at a bound one after another does not find it: a fast device fixed at its cap
+    # and the others then lifted to min_share summed past the total ([8, 4, 4] for 14)
+    lo, hi = 0.0, 1.0
+    while sum(min(cap[i], max(min_share, hi * speeds[i])) for i in range(n)) < total:
+        hi *= 2.0
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        if sum(min(cap[i], max(min_share, mid * speeds[i])) for i in range(n)) < total:
+            lo = mid
+        else:
+            hi = mid
+    quota = [min(cap[i], max(min_share, hi * speeds[i])) for i in range(n)]
+    shares = [max(min_share, int(math.floor(q + 1e-9))) for q in quota]
+    while sum(shares) > total:  # float slack at the bisection's end: take back from the
+        i = max((j for j in range(n) if shares[j] > min_share),  # most over its quota
+                key=lambda j: (shares[j] - quota[j], -j))
+        shares[i] -= 1
     left = total - sum(shares)
-    # the samples left over (fewer than the free devices) go one each to the devices whose
-    # time with one more is shortest: that minimizes the slowest device's time among roundings
+    # the samples left over (fewer than the devices) go one each to the devices whose time
+    # with one more is shortest: that minimizes the slowest device's time among roundings
     # within 1 of the quotas (largest-remainder rounding does not: 7 over speeds 3, 1, 1 gives
     # it 4, 2, 1, whose slowest device needs 2 where 5, 1, 1 needs 1.67)
-    order = sorted(quota, key=lambda i: ((shares[i] + 1) / speeds[i], i)) or list(range(n))
+    order = sorted(range(n), key=lambda i: ((shares[i] + 1) / speeds[i], i))
     k = 0
     while left > 0:
-        i = order[k % len(order)]
+        i = order[k % n]
         if shares[i] < cap[i]:
             shares[i] += 1
             left -= 1

@@ -329,6 +329,13 @@ class SchedulerCore:
                 self._end(j)  # a job mid-resize is reaped once its request is answered
 
     def _end(self, j: QueuedJob) -> None:
+        now = self.clock()
+        try:  # when the job ended, if the runner knows and it is a time this job ran
+            t = self.runner.ended_at(j.handle)
+        except Exception:  # noqa: BLE001 - a runner without it: when the loop noticed
+            t = None
+        start = j.started_s if j.started_s is not None else now
+        end = t if t is not None and start <= t <= now else now
         try:
             res = self.runner.result(j.handle)
         except Exception as e:  # noqa: BLE001 - a job's failure is its own
@@ -337,9 +344,11 @@ class SchedulerCore:
             j.result = res
             j.state = "cancelled" if j.name in self._cancels else "finished"
             j.step = len(getattr(res, "history", ())) or j.step
-        t = self.runner.ended_at(j.handle)
-        j.ended_s = t if t is not None else self.clock()
-        j.hold(j.ended_s)
+        if j.counted_s > end:  # counted past its end (a resize answered after it): undo
+            j.worker_s -= j.workers * (j.counted_s - end)
+            j.counted_s = end
+        j.ended_s = end
+        j.hold(end)
         j.workers = 0
         j.reason = j.error or j.state
         self._cancels.discard(j.name)

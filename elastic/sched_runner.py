@@ -83,7 +83,9 @@ class ControllerRunner:
         return dict(handle.controller.status())
 
     def done(self, handle: RunningJob) -> bool:
-        return not handle.thread.is_alive()
+        # ended_at is set (after the result) before on_end wakes the loop, while the thread
+        # is still alive: the woken loop must see the job done
+        return handle.ended_at is not None or not handle.thread.is_alive()
 
     def result(self, handle: RunningJob) -> FitResult:
         handle.thread.join(60)

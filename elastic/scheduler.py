@@ -85,12 +85,12 @@ class SchedulerActor:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
+            self._wake.clear()  # before the tick: a wake during it starts the next at once
             try:
                 self.core.tick()
             except Exception as e:  # noqa: BLE001 - the loop must outlive one bad round
                 self.errors.append(f"{type(e).__name__}: {e}")
             self._wake.wait(self.round_s)
-            self._wake.clear()
 
     def _persist(self, j: QueuedJob) -> None:
         if self.store is not None:

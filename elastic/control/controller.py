@@ -455,10 +455,12 @@ class Controller:
                 "samples_per_s": last.get("samples_per_s")}
 
     def _cleanup(self) -> None:
-        if self.group is not None:
-            self.group.close()
-        self.inbox.close(SwitchError(f"the job ended ({self.phase.value}) before the request "
-                                     "was handled"), self.status())
+        try:
+            if self.group is not None:
+                self.group.close()
+        finally:  # whatever the group's close did, nobody waits on a request for ever
+            self.inbox.close(SwitchError(f"the job ended ({self.phase.value}) before the "
+                                         "request was handled"), self.status())
         if self._started_ray:
             from ..ray_connect import disconnect
 

@@ -75,6 +75,25 @@ def test_shares_invariants_on_random_cases():
                     assert t <= max(x / v for x, v in zip(alt, speeds, strict=True)) + 1e-12
 
 
+def test_shares_sum_exactly_when_caps_and_a_floor_both_bind():
+    """A fast device capped and the slow ones lifted to the floor: the shares summed past the
+    batch ([8, 4, 4] for 14: an auto plan, zero3 with 4 lockstep micro-batches, whose last rank
+    then got 2 samples for 4 micro-batches, empty ones, a NaN loss from step 0)."""
+    assert proportional_shares(14, [4, 1, 1], caps=[8, None, None], min_share=4) == (6, 4, 4)
+    assert proportional_shares(10, [100, 1, 1], caps=[9, None, None]) == (8, 1, 1)
+    rng = random.Random(11)
+    for _ in range(2000):
+        n = rng.randint(1, 8)
+        m = rng.randint(1, 5)
+        speeds = [rng.uniform(0.05, 20) for _ in range(n)]
+        caps = [rng.choice([None, rng.randint(m, 3 * m + 10)]) for _ in range(n)]
+        room = sum(3 * m + 10 if c is None else c for c in caps)
+        total = rng.randint(n * m, max(n * m, room))
+        s = proportional_shares(total, speeds, caps, min_share=m)
+        assert sum(s) == total and all(x >= m for x in s), (total, speeds, caps, m, s)
+        assert all(c is None or x <= c for x, c in zip(s, caps, strict=True))
+
+
 def test_share_errors_say_what_to_do():
     with pytest.raises(BalanceError, match="fewer devices or a larger batch"):
         proportional_shares(2, [1, 1, 1])

@@ -296,3 +296,36 @@ def test_a_job_ends_when_it_ended_not_when_the_loop_noticed():
     row = c.rows()[0]
     assert row["state"] == "finished" and row["ended_s"] == pytest.approx(10.0)
     assert row["worker_s"] == pytest.approx(10.0)
+
+
+def test_the_end_counts_no_worker_seconds_past_it_and_a_wrong_stamp_is_not_trusted():
+    c, s = core(FifoStatic(), 4)
+    c.submit(cfg("a", 10, n=2, hi=2))
+    c.submit(cfg("b", 10, n=2, hi=2))
+    c.tick()
+    s.advance(12.0)  # both ended at 5 s
+    c.jobs["a"].hold(8.0)  # counted past its end (a resize answered after it ended)
+    s.jobs["b"].ended_at = 99.0  # a stamp from another clock: after "now"
+    c.tick()
+    a, b = (next(r for r in c.rows() if r["job"] == n) for n in ("a", "b"))
+    assert a["ended_s"] == pytest.approx(5.0) and a["worker_s"] == pytest.approx(10.0)
+    assert b["ended_s"] == pytest.approx(12.0)  # when the loop noticed, not 99
+
+
+def test_a_job_whose_thread_is_still_ending_counts_as_done():
+    """The end wakes the loop from the job's own thread, before that thread exits: the woken
+    loop must see the job done (it saw it a round later)."""
+    import threading
+    from types import SimpleNamespace
+
+    from elastic.sched_runner import ControllerRunner
+
+    hold = threading.Event()
+    t = threading.Thread(target=hold.wait, daemon=True)
+    t.start()
+    try:
+        runner = ControllerRunner()
+        assert not runner.done(SimpleNamespace(ended_at=None, thread=t))
+        assert runner.done(SimpleNamespace(ended_at=3.0, thread=t))
+    finally:
+        hold.set()
