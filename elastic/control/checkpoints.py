@@ -49,12 +49,20 @@ class CheckpointTracker:
         self.in_flight: dict[str, Any] | None = None  # step, spec, t0, blocked_s, by_rank
         self.last_event: Any = None  # the last "checkpoint" event (late waits are added to it)
         self.bad_steps: set[int] = set()  # committed steps found corrupt (never restored)
+        # the step of the checkpoint that ended last (committed or not), until training goes
+        # back to an earlier step (a restore): a rank's late report of it starts nothing
+        self.ended_step = -1
 
     # ------------------------------------------------------------------ taking them
 
     def on_metric(self, m: dict[str, Any], spec: StrategySpec | None) -> None:
         """What a worker's step metrics say about checkpoints."""
-        if "checkpoint_begun" in m:
+        if "checkpoint_begun" in m and m["checkpoint_begun"] == self.ended_step:
+            # a rank's report of a checkpoint that has ended already (its metrics came after
+            # the commit): its blocked time, not a new checkpoint in flight, which nothing
+            # would ever finish (the end of the run waited 300 s for it)
+            self._count_wait(m["rank"], float(m.get("checkpoint_blocked_s") or 0.0))
+        elif "checkpoint_begun" in m:
             ck = self.in_flight
             if ck is None or ck["step"] != m["checkpoint_begun"]:
                 ck = self.in_flight = {"step": m["checkpoint_begun"], "blocked_s": 0.0,
@@ -91,6 +99,7 @@ class CheckpointTracker:
             return  # still uploading
         step, spec = ck["step"], ck["spec"]
         self.in_flight = None
+        self.ended_step = step
         manifest = None
         bad = {o["info"]["rank"]: o["info"].get("nonfinite") for o in outs
                if o and "info" in o and o["info"].get("nonfinite")}
@@ -135,6 +144,7 @@ class CheckpointTracker:
 
     def abandon(self, group: Any) -> None:
         """A checkpoint in flight cannot complete without the workers that were lost."""
+        self.ended_step = -1  # the steps since the restored one run again
         if self.in_flight is None:
             return
         step = self.in_flight["step"]
@@ -164,6 +174,7 @@ class CheckpointTracker:
         if self.in_flight is not None:
             self._emit("checkpoint_failed", f"step {self.in_flight['step']} did not finish "
                        f"uploading within {timeout_s:.0f}s of the end of the run")
+            self.ended_step = self.in_flight["step"]
             self.in_flight = None
 
     # ------------------------------------------------------------------ restoring
@@ -255,6 +266,7 @@ class CheckpointTracker:
         corrupt or missing object) is remembered as bad, said in a ``checkpoint_corrupt``
         event naming it, and the next older one is tried. Returns (step, detail), or None if
         none loaded."""
+        self.ended_step = -1  # training goes back: the steps since run (and checkpoint) again
         for step in steps:
             if step in self.bad_steps:
                 continue

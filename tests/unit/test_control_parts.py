@@ -350,3 +350,31 @@ def test_a_pooled_placement_whose_cold_part_fails_gives_its_warm_workers_back(mo
     with pytest.raises(ClusterError):
         pp.place(3, 3)
     assert given == [warm] and pp._mine == {}
+
+
+def test_a_late_report_of_an_ended_checkpoint_starts_nothing_new():
+    """A rank's metrics saying it began checkpoint 200 came after 200 had ended: that made a
+    new checkpoint in flight which nothing would finish, and the end of the run waited its
+    300 s for it (the demo, from a fresh clone)."""
+    from types import SimpleNamespace
+
+    from elastic.control.checkpoints import CheckpointTracker
+
+    events: list[tuple[str, str]] = []
+    polls = iter([[{"error": "disk full"}, None]])  # step 200 ends (not committed)
+
+    group = SimpleNamespace(checkpoint_poll=lambda: next(polls, [None, None]),
+                            checkpoint_done=lambda step, ok: None)
+    tracker = CheckpointTracker(SimpleNamespace(), object(),  # type: ignore[arg-type]
+                                lambda kind, msg, **kw: events.append((kind, msg)))
+    tracker.on_metric({"rank": 0, "checkpoint_begun": 200, "checkpoint_blocked_s": 0.01}, None)
+    tracker.tick(group)
+    assert tracker.in_flight is None and events[-1][0] == "checkpoint_failed"
+    tracker.on_metric({"rank": 1, "checkpoint_begun": 200, "checkpoint_blocked_s": 0.02}, None)
+    assert tracker.in_flight is None
+    tracker.finish(group, timeout_s=0.3)
+    assert not any("did not finish uploading" in m for _, m in events), events
+    # after a restore the same step is checkpointed again, and tracked as any other
+    tracker.abandon(group)
+    tracker.on_metric({"rank": 0, "checkpoint_begun": 200, "checkpoint_blocked_s": 0.0}, None)
+    assert tracker.in_flight is not None and tracker.in_flight["step"] == 200
