@@ -611,3 +611,18 @@ def test_a_corrupt_copy_falls_back_to_storage(tmp_path, monkeypatch):
     assert "peer_copies_refused" in _kinds(ctl)
     rec = _events(ctl, "recovered")[0]
     assert rec.data["source"] == "checkpoint" and ("restore_checkpoint", 4) in fake.calls
+
+
+def test_requests_are_answered_after_the_end_even_when_closing_the_group_failed(tmp_path):
+    ctl, fake = _controller(tmp_path)
+
+    def broken_close() -> None:
+        raise RuntimeError("a worker would not go")
+
+    fake.close = broken_close  # type: ignore[method-assign]
+    try:
+        ctl.run()
+    except RuntimeError:
+        pass
+    late = _ask(ctl, "scale", 1)  # nobody would ever have answered it
+    assert isinstance(late.get(timeout=1), Exception)
