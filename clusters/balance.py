@@ -62,22 +62,9 @@ def proportional_shares(
         # without its O(n log n) Python work: the first total % n get one more.
         base, extra = divmod(total, n)
         return (base + 1,) * extra + (base,) * (n - extra)
-    # the quotas: share_i = clamp(lam * speed_i, min_share, cap_i), lam the one that makes
-    # them sum to ``total`` (their sum grows with lam, from n * min_share to sum(cap)). Fixing
-    # devices at a bound one after another does not find it: a fast device fixed at its cap
-    # and the others then lifted to min_share summed past the total ([8, 4, 4] for 14)
-    lo, hi = 0.0, 1.0
-    while sum(min(cap[i], max(min_share, hi * speeds[i])) for i in range(n)) < total:
-        hi *= 2.0
-    for _ in range(200):
-        mid = 0.5 * (lo + hi)
-        if sum(min(cap[i], max(min_share, mid * speeds[i])) for i in range(n)) < total:
-            lo = mid
-        else:
-            hi = mid
-    quota = [min(cap[i], max(min_share, hi * speeds[i])) for i in range(n)]
+    quota = _clamped_quotas(total, speeds, min_share, cap)
     shares = [max(min_share, int(math.floor(q + 1e-9))) for q in quota]
-    while sum(shares) > total:  # float slack at the bisection's end: take back from the
+    while sum(shares) > total:  # float slack in the quotas: take back from the
         i = max((j for j in range(n) if shares[j] > min_share),  # most over its quota
                 key=lambda j: (shares[j] - quota[j], -j))
         shares[i] -= 1
@@ -95,6 +82,35 @@ def proportional_shares(
             left -= 1
         k += 1
     return tuple(shares)
+
+
+def _clamped_quotas(total: int, speeds: Sequence[float], floor: int,
+                    cap: Sequence[float]) -> list[float]:
+    """``clamp(lam * speed_i, floor, cap_i)`` with the ``lam`` that makes them sum to
+    ``total`` (feasible: ``n * floor <= total <= sum(cap)``, checked by the caller). Their sum
+    is piecewise linear in ``lam``: device i is at the floor below ``floor / speed_i``, at its
+    cap above ``cap_i / speed_i``, ``lam * speed_i`` between; one pass over those breakpoints
+    in order finds ``lam`` exactly, O(n log n). (Fixing devices at a bound one after another
+    does not: a fast device fixed at its cap, then the others lifted to the floor, summed
+    past the total, [8, 4, 4] for 14.)"""
+    events = sorted([(floor / v, 0, i) for i, v in enumerate(speeds)]
+                    + [(c / v, 1, i) for i, (c, v) in enumerate(zip(cap, speeds, strict=True))
+                       if math.isfinite(c)])
+    const, slope = float(floor * len(speeds)), 0.0  # the sum is const + slope * lam
+    lam = 0.0
+    for at, kind, i in events:
+        if const + slope * at >= total:
+            lam = (total - const) / slope if slope > 0 else at
+            break
+        if kind == 0:  # off the floor from here
+            const -= floor
+            slope += speeds[i]
+        else:  # at its cap from here
+            const += cap[i]
+            slope -= speeds[i]
+    else:
+        lam = (total - const) / slope if slope > 0 else 0.0
+    return [min(c, max(floor, lam * v)) for v, c in zip(speeds, cap, strict=True)]
 
 
 def stage_split(
