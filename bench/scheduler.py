@@ -102,7 +102,7 @@ def random_trace(n: int, seed: int, nodes: int, ms_per_sample: float, load: floa
     return tuple(out)
 
 
-def _sim_jobs(trace: tuple[TraceEntry, ...], ms_per_sample: float
+def sim_jobs(trace: tuple[TraceEntry, ...], ms_per_sample: float
               ) -> tuple[list[TraceJob], Any]:
     """A live trace as the simulator's jobs, each step ``ms x batch / n + FIXED_S``."""
     compute = ms_per_sample / 1000.0 * BATCH
@@ -125,7 +125,7 @@ def sim_small(trace: tuple[TraceEntry, ...], nodes: int, ms_per_sample: float, w
     policies = [policy_named(p, resize_s=resize_s, max_wait_s=120.0) for p in POLICIES]
 
     def ratios(tr: tuple[TraceEntry, ...]) -> dict[str, float]:
-        jobs, options = _sim_jobs(tr, ms_per_sample)
+        jobs, options = sim_jobs(tr, ms_per_sample)
         res = {p.name: simulate_schedule(jobs, nodes, p, options, cfg).mean_jct_s
                for p in policies}
         return {k: v / res["fifo-static"] - 1 for k, v in res.items() if k != "fifo-static"}

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.scheduler import RESIZE_S, START_S, _sim_jobs, random_trace  # noqa: E402
+from bench.scheduler import RESIZE_S, START_S, random_trace, sim_jobs  # noqa: E402
 from clusters.sched_policy import (  # noqa: E402
     FifoStatic,
     JobState,
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
             for load in (0.7, 1.0, 1.5):
                 rw, ro, d = [], [], []
                 for seed in range(a.first_seed, a.first_seed + a.seeds):
-                    jobs, opts = _sim_jobs(random_trace(n, seed, 4, a.ms_per_sample, load),
+                    jobs, opts = sim_jobs(random_trace(n, seed, 4, a.ms_per_sample, load),
                                            a.ms_per_sample)
                     base = simulate_schedule(jobs, 4, FifoStatic(), opts, cfg).mean_jct_s
                     w = simulate_schedule(jobs, 4, work, opts, cfg).mean_jct_s / base - 1

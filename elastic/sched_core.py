@@ -330,10 +330,7 @@ class SchedulerCore:
 
     def _end(self, j: QueuedJob) -> None:
         now = self.clock()
-        try:  # when the job ended, if the runner knows and it is a time this job ran
-            t = self.runner.ended_at(j.handle)
-        except Exception:  # noqa: BLE001 - a runner without it: when the loop noticed
-            t = None
+        t = self.runner.ended_at(j.handle)  # trusted only as a time this job ran
         start = j.started_s if j.started_s is not None else now
         end = t if t is not None and start <= t <= now else now
         try:

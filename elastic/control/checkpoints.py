@@ -59,9 +59,13 @@ class CheckpointTracker:
         """What a worker's step metrics say about checkpoints."""
         if "checkpoint_begun" in m and m["checkpoint_begun"] == self.ended_step:
             # a rank's report of a checkpoint that has ended already (its metrics came after
-            # the commit): its blocked time, not a new checkpoint in flight, which nothing
-            # would ever finish (the end of the run waited 300 s for it)
-            self._count_wait(m["rank"], float(m.get("checkpoint_blocked_s") or 0.0))
+            # the commit): not a new checkpoint in flight, which nothing would ever finish
+            # (the end of the run waited 300 s for it); its blocked time goes to that one's
+            # event when it was committed
+            ev = self.last_event
+            if ev is not None and ev.data.get("step") == self.ended_step:
+                ev.data["blocked_s"] = max(ev.data["blocked_s"],
+                                           float(m.get("checkpoint_blocked_s") or 0.0))
         elif "checkpoint_begun" in m:
             ck = self.in_flight
             if ck is None or ck["step"] != m["checkpoint_begun"]:
