@@ -2,9 +2,10 @@
 watching for the decision costs a trial that is not pruned, side by side in one run.
 
 Three modes over the same study settings (median pruner, ``n_startup_trials: 1``,
-``--warmup`` steps, each of ``--intervals``), the same two trials (Adam lr 0.05, which
-completes, then lr 1e-5, which the pruner stops), on one local Ray, each study in its own
-SQLite file:
+``--warmup`` steps, each of ``--intervals``; or with ``--pruner hyperband``, Hyperband with
+``min_resource`` = ``--warmup`` and ``--reduction-factor``, in a study whose name puts both
+trials in its first bracket), the same two trials (Adam lr 0.05, which completes, then lr
+1e-5, which the pruner stops), on one local Ray, each study in its own SQLite file:
 
 * ``no hook``: the trial's job runs with no pruner hook at all (the baseline: what a job
   costs alone; nothing is pruned, so the second trial runs to its end);
@@ -69,12 +70,29 @@ def _trial(study: Any, lr: float, a: Any, run_dir: str, mode: str, prune_steps: 
     return out
 
 
+def _first_bracket(tag: str, pruner: Any) -> str:
+    """A study name (``tag-i``) under which Hyperband puts trials 0 and 1 in bracket 0: the
+    second trial then meets the first one's value at the first rung's step, ``--warmup``."""
+    import optuna
+
+    from elastic.sweep.gates import halving_of
+
+    for i in range(1000):
+        study = optuna.create_study(study_name=f"{tag}-{i}", pruner=pruner)
+        found = [halving_of(study, n) for n in (0, 1)]
+        if all(f is not None and f[0]._min_early_stopping_rate == 0 for f in found):
+            return f"{tag}-{i}"
+    raise RuntimeError("no study name puts both trials in the first bracket")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=400, help="steps of each trial")
     ap.add_argument("--warmup", type=int, default=20, help="the median pruner's warm-up steps")
     ap.add_argument("--intervals", default="1,10", help="its interval_steps, comma-separated")
     ap.add_argument("--loss", default="mse", help="the job's loss (its cost sets a step's)")
+    ap.add_argument("--pruner", choices=("median", "hyperband"), default="median")
+    ap.add_argument("--reduction-factor", type=int, default=3, help="Hyperband's")
     a = ap.parse_args()
 
     import optuna
@@ -87,21 +105,29 @@ def main() -> None:
     rows = []
     try:
         with tempfile.TemporaryDirectory() as d:
-            for interval in [int(x) for x in a.intervals.split(",")]:
-                spec = {"type": "median", "n_startup_trials": 1, "n_warmup_steps": a.warmup,
-                        "interval_steps": interval}
+            hb = a.pruner == "hyperband"
+            for interval in ([a.reduction_factor] if hb
+                             else [int(x) for x in a.intervals.split(",")]):
+                spec: dict[str, Any] = (
+                    {"type": "hyperband", "min_resource": a.warmup, "reduction_factor": interval}
+                    if hb else {"type": "median", "n_startup_trials": 1,
+                                "n_warmup_steps": a.warmup, "interval_steps": interval})
                 for mode in ("no hook", "default", "exact"):
                     tag = f"{mode.replace(' ', '-')}-{interval}"
+                    pruner = (optuna.pruners.HyperbandPruner(a.warmup, a.steps, interval) if hb
+                              else optuna.pruners.MedianPruner(1, a.warmup, interval))
                     study = optuna.create_study(
-                        study_name=tag, storage=f"sqlite:///{d}/{tag}.db",
-                        pruner=optuna.pruners.MedianPruner(1, a.warmup, interval))
+                        study_name=_first_bracket(tag, pruner) if hb else tag,
+                        storage=f"sqlite:///{d}/{tag}.db", pruner=pruner)
                     good = _trial(study, 0.05, a, f"{d}/g-{tag}", mode, PruneSteps.of(spec))
                     bad = _trial(study, 1e-5, a, f"{d}/b-{tag}", mode, PruneSteps.of(spec))
                     rows.append((interval, mode, bad["pruned_at"], bad.get("lag"), good["ms"]))
     finally:
         ray.shutdown()
-    print(f"median pruner, warm-up {a.warmup}; {a.steps} steps per trial; loss {a.loss}")
-    print(f"{'interval':>8}  {'mode':<8}{'decided at':>11}{'past step':>10}{'begun after':>12}"
+    print(f"hyperband, min_resource {a.warmup}, reduction factor {a.reduction_factor}"
+          if a.pruner == "hyperband" else f"median pruner, warm-up {a.warmup}",
+          f"{a.steps} steps per trial; loss {a.loss}", sep="; ")
+    print(f"{'rf' if a.pruner == 'hyperband' else 'interval':>8}  {'mode':<8}{'decided at':>11}{'past step':>10}{'begun after':>12}"
           f"{'ended after':>12}{'ms/step':>9}{'ratio':>7}")
     base: dict[int, float] = {}
     for interval, mode, at, lag, ms in rows:

@@ -10,9 +10,12 @@ than it has (a promotion is no reason to shrink). The live sweep
 at the step boundary of the decision; ``simulate_halving`` runs the same policy over a
 synthetic set of trials.
 
-``GatePolicy`` is the median (percentile) pruner's rule handed to a trial's workers ahead of
-a decision step (a ``PruneGate``: the threshold from the study's complete trials, and the
-trial's best value so far as the driver knows it): the workers decide at the step's end,
+``GatePolicy`` is a pruner's rule handed to a trial's workers ahead of a decision step (a
+``PruneGate``): the median (percentile) pruner's, a threshold from the study's complete
+trials against the trial's best value so far as the driver knows it, or successive
+halving's (Hyperband's brackets), a threshold from the values the other trials of its
+bracket reached at the same rung against the trial's value at the rung's step. The
+workers decide at the step's end,
 with the loss they agreed on, whether the pruner would stop them, and stop there, without
 waiting for the driver (``elastic.worker.loop``, ``elastic.sweep.gates``). Pure: no Ray, no
 Optuna, no clock.
@@ -78,14 +81,23 @@ class PromotionPolicy:
 
 @dataclass(frozen=True)
 class PruneGate:
-    """A percentile pruner's decision at ``step``, known before the step runs: prune iff
-    the trial's best value over its steps is worse than ``threshold`` (the percentile of
-    the complete trials' values at ``step``; NaN when too few have one: then only a trial
-    with no finite value is pruned, as Optuna's ``PercentilePruner`` does). ``best``: the
-    trial's best value over its steps up to ``through`` as the driver has them (NaN: none
-    finite; None: none at all); the workers take steps ``through + 1 .. step`` from the
-    losses they agreed on. ``version`` (> 0) is new for each gate the driver sends: the
-    ranks apply a gate only when every rank holds the same one."""
+    """A pruner's decision at ``step``, known before the step runs.
+
+    ``rule="best"`` (the percentile pruner): prune iff the trial's best value over its
+    steps is worse than ``threshold`` (the percentile of the complete trials' values at
+    ``step``; NaN when too few have one: then only a trial with no finite value is pruned,
+    as Optuna's ``PercentilePruner`` does). ``best``: the trial's best value over its steps
+    up to ``through`` as the driver has them (NaN: none finite; None: none at all); the
+    workers take steps ``through + 1 .. step`` from the losses they agreed on.
+
+    ``rule="at_step"`` (successive halving at a rung's promotion step): prune iff the
+    value at ``step`` is NaN or worse than ``threshold`` (the value the trial must reach
+    to be promoted: +inf when minimizing, -inf when maximizing, if no other trial has
+    reached the rung; NaN when every value is pruned, too few trials having reached it for
+    the pruner's ``bootstrap_count``); ``best`` is unused and ``through`` is ``step - 1``.
+
+    ``version`` (> 0) is new for each gate the driver sends: the ranks apply a gate only
+    when every rank holds the same one."""
 
     step: int
     threshold: float
@@ -93,6 +105,7 @@ class PruneGate:
     through: int
     maximize: bool
     version: int
+    rule: str = "best"
 
 
 @dataclass(frozen=True)
@@ -114,11 +127,24 @@ class GoOn:
 
 
 class GatePolicy:
-    """Optuna's ``PercentilePruner`` rule at a decision step, over a ``PruneGate``: the
-    trial's best value (NaN ignored; every value NaN prunes) against the threshold."""
+    """Optuna's rule at a decision step, over a ``PruneGate``: ``PercentilePruner``'s (the
+    trial's best value, NaN ignored, every value NaN prunes) or
+    ``SuccessiveHalvingPruner``'s (the value at the step; NaN prunes) against the
+    threshold."""
 
     def decide(self, obs: GateObservation) -> Prune | GoOn:
         g = obs.gate
+        if g.rule == "at_step":
+            if not obs.values:
+                return Prune(f"step {g.step}: no value")  # never built so (through = step-1)
+            v = obs.values[-1]
+            if math.isnan(v):
+                return Prune(f"step {g.step}: the value is NaN")
+            if math.isnan(g.threshold):
+                return Prune(f"step {g.step}: too few trials at the rung to promote any")
+            worse = v < g.threshold if g.maximize else v > g.threshold
+            says = f"step {g.step}: {v:.6g} against the rung's promotion bar {g.threshold:.6g}"
+            return Prune(says) if worse else GoOn(says)
         vals = ([] if g.best is None else [g.best]) + list(obs.values)
         finite = [v for v in vals if not math.isnan(v)]
         if not finite:

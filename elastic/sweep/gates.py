@@ -1,4 +1,4 @@
-"""The median pruner's decision, computed ahead and handed to a trial's workers.
+"""A pruner's decision, computed ahead and handed to a trial's workers.
 
 Optuna's ``PercentilePruner`` (``MedianPruner`` is its 50th percentile) prunes at a decision
 step when the trial's best value so far is worse than the percentile of the complete trials'
@@ -11,17 +11,31 @@ value, and still asks the pruner itself at a step the workers did not decide (a 
 not reached every rank, a trial whose complete trials changed meanwhile): a gate can make a
 prune come earlier, never suppress one.
 
+Successive halving (each of Hyperband's brackets is one) decides at a rung's promotion step
+``min_resource * reduction_factor ** (min_early_stopping_rate + rung)``: the trial is
+promoted iff its value at that step is among the best ``1 / reduction_factor`` of the values
+every trial of its bracket reached at the rung (Optuna's ``SuccessiveHalvingPruner``; a NaN
+value, or fewer trials at the rung than ``bootstrap_count``, prunes). The other trials'
+values at the rung are in the study before the step runs, so that rule too is a threshold:
+the k-th best of them, k = (n + 1) // reduction_factor - 1 (at least 0) for n of them
+(``halving_gate``). The driver still asks the pruner at that step, gate or no gate: its
+``should_prune`` writes the trial's rung value into the study (``completed_rung_<k>``), which
+the trials after it compare against.
+
 The threshold is the study's as of when the gate was computed (it is refreshed every
-``REFRESH_S`` while the trial runs): a trial that completes in between is counted at the next
-decision step, as with any asynchronous pruner. Successive halving and Hyperband (whose rung
-decisions write to the study) are decided by the driver only.
+``REFRESH_S`` while the trial runs): a trial that completes (or reaches the rung) in between is
+counted at the next decision step, as with any asynchronous pruner. No gate is made where the
+pruner's own settings are not known yet (Hyperband's ``max_resource: auto`` before its first
+complete trial, successive halving's ``min_resource: auto``), nor over a rung where another
+trial's value is NaN (Optuna's order of NaNs is the sort's): there the driver decides alone.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import numpy as np
 import optuna
@@ -30,7 +44,7 @@ from optuna.trial import TrialState
 
 from clusters.sweep_policy import PruneGate
 
-__all__ = ["REFRESH_S", "best_of", "gate_for", "percentile_of"]
+__all__ = ["REFRESH_S", "best_of", "gate_for", "halving_gate", "halving_of", "percentile_of"]
 
 REFRESH_S = 1.0  # a gate's threshold is read from the study again after this long
 
@@ -79,3 +93,66 @@ def gate_for(study: optuna.Study, step: int, best: float | None, through: int,
         threshold = float(np.nanpercentile(np.asarray(at, dtype=float),
                                            100 - pct if maximize else pct))
     return PruneGate(step, threshold, best, through, maximize, version)
+
+
+def halving_of(study: optuna.Study, number: int) -> tuple[Any, Any] | None:
+    """The ``SuccessiveHalvingPruner`` that decides for trial ``number`` of ``study`` and the
+    study it reads (under Hyperband: the trial's bracket, and a view of the study with that
+    bracket's trials only); None for another pruner, or a Hyperband whose brackets depend on
+    trials not complete yet (``max_resource: auto``)."""
+    p = study.pruner
+    try:
+        if isinstance(p, optuna.pruners.HyperbandPruner):
+            if not p._pruners:  # noqa: SLF001
+                if p._max_resource == "auto":  # noqa: SLF001 - set at its first decision
+                    return None
+                p._try_initialization(study)  # noqa: SLF001 - what its first prune() does
+            bracket = p._get_bracket_id(  # noqa: SLF001 - it reads only the number
+                study, cast(optuna.trial.FrozenTrial, SimpleNamespace(number=number)))
+            return (p._pruners[bracket],  # noqa: SLF001
+                    p._create_bracket_study(study, bracket))  # noqa: SLF001
+        if isinstance(p, optuna.pruners.SuccessiveHalvingPruner):
+            return p, study
+    except (AttributeError, IndexError, TypeError):  # another Optuna's internals: no gates
+        return None
+    return None
+
+
+def halving_gate(study: optuna.Study, trial_id: int, number: int, step: int,
+                 version: int) -> PruneGate | None:
+    """The gate of decision step ``step`` of trial ``trial_id`` (``number``) under
+    successive halving or Hyperband, or None when the pruner does not decide there (not
+    the promotion step of the trial's current rung) or the driver must (see the module)."""
+    found = halving_of(study, number)
+    if found is None:
+        return None
+    sh, view = found
+    try:
+        lo, eta = sh._min_resource, int(sh._reduction_factor)  # noqa: SLF001
+        rate, boot = int(sh._min_early_stopping_rate), int(sh._bootstrap_count)  # noqa: SLF001
+    except AttributeError:
+        return None
+    if not isinstance(lo, int):  # min_resource "auto", not estimated yet
+        return None
+    attrs = study._storage.get_trial_system_attrs(trial_id)  # noqa: SLF001
+    rung = 0
+    while f"completed_rung_{rung}" in attrs:
+        rung += 1
+    if lo * eta ** (rate + rung) != step:
+        return None
+    key = f"completed_rung_{rung}"
+    others = [float(t.system_attrs[key]) for t in view.get_trials(deepcopy=False)
+              if key in t.system_attrs and t._trial_id != trial_id]  # noqa: SLF001
+    if any(math.isnan(v) for v in others):
+        return None
+    maximize = study.direction == StudyDirection.MAXIMIZE
+    n = len(others)
+    if n + 1 <= boot:
+        threshold = math.nan  # every value pruned
+    elif n == 0:
+        threshold = -math.inf if maximize else math.inf  # the only one there: promoted
+    else:
+        k = max(0, (n + 1) // eta - 1)
+        ranked = sorted(others)
+        threshold = ranked[-(k + 1)] if maximize else ranked[k]
+    return PruneGate(step, threshold, None, step - 1, maximize, version, rule="at_step")

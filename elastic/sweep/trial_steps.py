@@ -9,9 +9,10 @@ about when the step ends (``watch_at``), and the stop reaches the workers within
 the decision; they may have trained a few steps past the decided step by then (the
 driver's lag: docs/sweeps.md). With ``exact`` the job pauses after each decision step
 (``pause_after``), so no step runs past it, at the cost of a pause per decision step.
-Under the median pruner the decision itself reaches the workers ahead (``gate``, from
-``elastic.sweep.gates``): they stop at the decision step's end when the pruner would prune
-there, and the step's entry says so (``gate: prune``); the driver records that decision.
+Under the median pruner, successive halving and Hyperband, the decision itself reaches the
+workers ahead (``gate``, from ``elastic.sweep.gates``): they stop at the decision step's end
+when the pruner would prune there, and the step's entry says so (``gate: prune``); the
+driver records that decision.
 
 Only what the pruner reads is reported while the trial runs: each decision step's value,
 and before it the best value of the steps since the last decision (the median pruner
@@ -44,7 +45,7 @@ from optuna.study import StudyDirection
 from clusters.sweep_policy import Grow, PromotionObservation, PromotionPolicy, PruneGate
 
 from ..control.hooks import StepHook
-from .gates import REFRESH_S, best_of, gate_for, percentile_of
+from .gates import REFRESH_S, best_of, gate_for, halving_gate, percentile_of
 from .pruning import PruneSteps
 
 __all__ = ["TrialSteps", "ScheduledHook", "GATE_SPAN"]
@@ -74,8 +75,11 @@ class TrialSteps(StepHook):
         self._gate_step: int | None = None  # the decision step it was read for
         self._gate_at = 0.0  # time.monotonic() of that read
         self._versions = 0  # gates handed out
-        self._gates = (not exact and steps.kind == "median" and not steps.every
-                       and percentile_of(trial.study.pruner) is not None)
+        pruner = trial.study.pruner
+        self._halving = (steps.kind == "hyperband" and isinstance(
+            pruner, optuna.pruners.HyperbandPruner | optuna.pruners.SuccessiveHalvingPruner))
+        self._gates = not exact and not steps.every and (
+            self._halving or (steps.kind == "median" and percentile_of(pruner) is not None))
         self.decided_time: float | None = None  # time.time() of the decision to prune
         self.promotion = promotion
         self.sizes = sizes
@@ -107,7 +111,10 @@ class TrialSteps(StepHook):
         if self._gate_step == step and now - self._gate_at < self.refresh_s:
             return g  # (None too: the study is read at most every refresh_s)
         self._gate_step, self._gate_at = step, now
-        new = gate_for(self.trial.study, step, self.best, self.through, self._versions + 1)
+        version = self._versions + 1
+        new = (halving_gate(self.trial.study, self.trial._trial_id,  # noqa: SLF001
+                            self.trial.number, step, version) if self._halving
+               else gate_for(self.trial.study, step, self.best, self.through, version))
         if (new is not None and g is not None and g.step == step
                 and _same(new.threshold, g.threshold) and new.through - g.through < GATE_SPAN):
             return g
@@ -131,7 +138,11 @@ class TrialSteps(StepHook):
             return False  # the pruner answers "go on" here whatever the values
         self._report_best()
         self._report(step, float(entry["loss"]))
-        if entry.get("gate") == "prune" or self.trial.should_prune():
+        gated = entry.get("gate") == "prune"
+        # successive halving's should_prune writes the trial's rung value, which the trials
+        # after it compete with: asked even when the gate has already stopped the workers
+        said = self.trial.should_prune() if self._halving or not gated else True
+        if gated or said:
             self.decided_time = float(entry.get("gate_time") or time.time())
             self.pruned_at = step
             self.trial.set_user_attr("pruned_at_step", step)

@@ -24,7 +24,7 @@ from clusters.sweep_policy import (
 )
 from elastic.errors import ConfigError
 from elastic.sweep import load_sweep
-from elastic.sweep.gates import best_of, gate_for
+from elastic.sweep.gates import best_of, gate_for, halving_gate
 from elastic.sweep.pruning import PruneSteps
 from elastic.sweep.study import make_pruner
 from elastic.sweep.sweep_file import SweepConfig
@@ -245,10 +245,14 @@ def test_reporting_only_what_the_pruner_reads_prunes_as_reporting_every_step(spe
                        for s in stored)
     assert any(at is not None for at in want)  # the table is exercised: some are pruned
     assert any(at is None for at in want)
-    if spec["type"] == "median":  # the workers decide ahead, as the pruner would
-        gated: list[int] = []
-        assert _hooked_prune_step(spec, curves, direction, False, gated)[0] == want
-        assert gated == [at for at in want if at is not None]  # every prune was the gate's
+    # the workers decide ahead, as the pruner would
+    gated: list[int] = []
+    assert _hooked_prune_step(spec, curves, direction, False, gated)[0] == want
+    pruned = [at for at in want if at is not None]
+    if spec["type"] == "median":
+        assert gated == pruned  # every prune was the gate's
+    else:  # but where another trial's value at the rung is NaN (the driver decides there)
+        assert set(gated) <= set(pruned) and len(gated) >= len(pruned) // 2, (gated, pruned)
 
 
 def _pruner_table() -> list[tuple[str, optuna.pruners.PercentilePruner]]:
@@ -299,7 +303,74 @@ def test_the_workers_gate_decides_as_optunas_percentile_pruner(direction, pruner
     assert all(seen.values()), seen  # every branch of the table is exercised
 
 
+def _halving_table() -> list[tuple[str, optuna.pruners.BasePruner]]:
+    out: list[tuple[str, optuna.pruners.BasePruner]] = []
+    for direction in ("minimize", "maximize"):
+        out.append((direction, optuna.pruners.SuccessiveHalvingPruner(
+            min_resource=1, reduction_factor=2)))
+        out.append((direction, optuna.pruners.SuccessiveHalvingPruner(
+            min_resource=2, reduction_factor=3, min_early_stopping_rate=1, bootstrap_count=2)))
+        out.append((direction, optuna.pruners.HyperbandPruner(
+            min_resource=1, max_resource=40, reduction_factor=2)))
+        out.append((direction, optuna.pruners.HyperbandPruner(
+            min_resource=2, max_resource=60, reduction_factor=3, bootstrap_count=1)))
+    return out
+
+
+@pytest.mark.parametrize("direction, pruner", _halving_table())
+def test_the_workers_gate_decides_as_optunas_successive_halving(direction, pruner):
+    """Random studies (other trials that reached rungs with values, some tied, some NaN,
+    the trial itself at a random rung, a value at a decision step that is sometimes NaN or
+    infinite): at every step where a gate exists it decides as ``pruner.prune`` then does
+    (Hyperband: in the trial's own bracket); no gate where the pruner does not decide (a
+    step that is not the current rung's promotion step) or where another trial's value at
+    the rung is NaN."""
+    rng = random.Random(5)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    seen = {"prune": 0, "go on": 0, "no gate": 0}
+    for case in range(120):
+        study = optuna.create_study(direction=direction, pruner=pruner)
+        pool = [rng.uniform(0, 2) for _ in range(3)]  # drawn from: ties happen
+        for _ in range(rng.randrange(0, 9)):
+            attrs = {}
+            for r in range(rng.randrange(0, 4)):
+                attrs[f"completed_rung_{r}"] = (math.nan if rng.random() < 0.05 else
+                                                rng.choice(pool + [rng.uniform(0, 2)]))
+            study.add_trial(optuna.trial.create_trial(
+                state=rng.choice([optuna.trial.TrialState.COMPLETE,
+                                  optuna.trial.TrialState.PRUNED]),
+                value=1.0, intermediate_values={0: 1.0}, system_attrs=attrs))
+        trial = study.ask()
+        for r in range(rng.randrange(0, 3)):
+            study._storage.set_trial_system_attr(  # noqa: SLF001
+                trial._trial_id, f"completed_rung_{r}", rng.uniform(0, 2))  # noqa: SLF001
+        steps = [1, 2, 3, 4, 6, 8, 9, 16, 18, 27, 32]
+        gated = [s for s in steps if halving_gate(study, trial._trial_id,  # noqa: SLF001
+                                                  trial.number, s, 1) is not None]
+        step = rng.choice(gated if gated and rng.random() < 0.8 else steps)
+        u = rng.random()
+        value = (math.nan if u < 0.05 else math.inf if u < 0.08
+                 else rng.choice(pool + [rng.uniform(0, 2)]))
+        g = halving_gate(study, trial._trial_id, trial.number, step, case + 1)  # noqa: SLF001
+        trial.report(value, step)
+        want = pruner.prune(study, study._storage.get_trial(trial._trial_id))  # noqa: SLF001
+        if g is None:
+            seen["no gate"] += 1
+            continue
+        assert (g.step, g.through, g.version, g.rule) == (step, step - 1, case + 1, "at_step")
+        d = GatePolicy().decide(GateObservation(g, (value,)))
+        assert isinstance(d, Prune) == want, (case, g, value, d)
+        seen["prune" if want else "go on"] += 1
+    assert all(v >= 5 for v in seen.values()), seen  # every branch of the table is exercised
+
+
 @pytest.mark.parametrize("gate, values, prunes", [
+    (PruneGate(5, 1.0, None, 4, False, 1, "at_step"), (1.5,), True),
+    (PruneGate(5, 1.0, None, 4, False, 1, "at_step"), (1.0,), False),  # equal: promoted
+    (PruneGate(5, 1.0, None, 4, True, 1, "at_step"), (0.5,), True),  # maximize
+    (PruneGate(5, math.inf, None, 4, False, 1, "at_step"), (math.inf,), False),  # alone
+    (PruneGate(5, math.inf, None, 4, False, 1, "at_step"), (math.nan,), True),
+    (PruneGate(5, math.nan, None, 4, True, 1, "at_step"), (-math.inf,), True),  # bootstrap
     (PruneGate(5, 1.0, None, 4, False, 1), (1.5,), True),
     (PruneGate(5, 1.0, 0.5, 4, False, 1), (1.5,), False),  # its best so far is better
     (PruneGate(5, 1.0, math.nan, 3, False, 1), (math.nan, 1.0), False),  # equal: kept
@@ -316,7 +387,7 @@ def test_gate_policy_table(gate, values, prunes):
 
 def test_a_trial_hands_out_one_gate_per_decision_step_and_refreshes_it():
     """The hook's gate: none before the start-up trials are complete, none in exact mode or
-    under Hyperband; one per decision step, re-read after ``REFRESH_S`` and handed out under
+    under a Hyperband whose brackets wait for a complete trial; one per decision step, re-read after ``REFRESH_S`` and handed out under
     a new version only when its threshold changed."""
     spec = PruneSteps.of({"type": "median", "n_warmup_steps": 2, "interval_steps": 3})
     study = optuna.create_study(pruner=optuna.pruners.MedianPruner(n_startup_trials=1,
