@@ -1,7 +1,11 @@
 """Ray fixtures.
 
 ``ray_local``: a private local Ray instance (4 logical CPUs), started on first use and shared by
-the following tests; ``ray_cluster``: a real multi-node ``ray.cluster_utils.Cluster`` (separate
+the following tests, with a warm ``WorkerPool`` made the default pool of the tests' jobs (a
+worker process costs ~3.5 s of CPU to start, torch and DDP's imports, more than most of these
+jobs' training: the integration layer took 2.9x as long without it); a test marked
+``cold_workers`` gets no pool and an empty cluster (one that checks the cluster's resources
+or its workers' processes, or brings its own pool); ``ray_cluster``: a real multi-node ``ray.cluster_utils.Cluster`` (separate
 raylets) whose nodes tests remove and add.
 
 A test's cluster is kept for the next one when the test passed: the next ``ray_cluster(n)``
@@ -19,10 +23,18 @@ from __future__ import annotations
 
 import pytest
 
+_POOL: list = []  # the warm pool of the ray_local tests (see ``ray_local``)
+
+
+def _close_pool() -> None:
+    while _POOL:
+        _POOL.pop().close()
+
 
 def _shutdown() -> None:
     import ray
 
+    _close_pool()
     if ray.is_initialized():
         ray.shutdown()
 
@@ -34,7 +46,7 @@ def _ray_session_guard():
 
 
 @pytest.fixture
-def ray_local():
+def ray_local(request):
     import ray
 
     if not ray.is_initialized():
@@ -45,6 +57,12 @@ def ray_local():
             logging_level="ERROR",
             log_to_driver=False,
         )
+    if request.node.get_closest_marker("cold_workers") is not None:
+        _close_pool()  # its idle workers' bundles are freed: the test sees an empty cluster
+    elif not _POOL:
+        from elastic.control.pool import WorkerPool
+
+        _POOL.append(WorkerPool(0, max_idle=4).make_default())
     return ray
 
 

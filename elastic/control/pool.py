@@ -60,7 +60,15 @@ from ..ray_connect import (
 from .group import WorkerRec
 from .worker_group import Placement
 
-__all__ = ["WorkerPool", "PooledPlacement"]
+__all__ = ["WorkerPool", "PooledPlacement", "default_pool"]
+
+_DEFAULT: list[WorkerPool] = []  # the pool this process's jobs use when given none
+
+
+def default_pool() -> WorkerPool | None:
+    """The pool that jobs started in this process take warm workers from when they are given
+    none (``WorkerPool.make_default``); None when there is none, or it was closed."""
+    return _DEFAULT[0] if _DEFAULT else None
 
 
 @dataclass
@@ -166,9 +174,19 @@ class WorkerPool:
                     "retired": dict(s.retired),
                     "idle_pids": sorted(p.pid for p in self._idle.values())}
 
+    def make_default(self) -> WorkerPool:
+        """Make this the pool of every job started in this process without one (``fit``,
+        ``submit``, a sweep's trials): a notebook's or a test session's jobs in a row then
+        reuse their worker processes. Until ``close``; returns the pool."""
+        _DEFAULT[:] = [self]
+        return self
+
     def close(self) -> None:
         """Kill the idle and starting workers and release their bundles (lent workers end
-        with their jobs: given back to a closed pool, they are retired)."""
+        with their jobs: given back to a closed pool, they are retired). No longer the
+        default pool, if it was."""
+        if _DEFAULT and _DEFAULT[0] is self:
+            _DEFAULT.clear()
         with self._lock:
             self._closed = True
             for p in list(self._idle.values()) + list(self._starting.values()):
@@ -392,8 +410,30 @@ class PooledPlacement(Placement):
             out.append((rec, ref))
         return out
 
+    def _drop_failed(self, launched: list[tuple[WorkerRec, Any]], up: list[WorkerRec]
+                     ) -> None:
+        """Warm workers that failed to take the job (its code does not import there, ...):
+        ``_collect`` killed them; their one-bundle groups are removed too, and the pool
+        forgets them. Kept as free slots, those bundles held the CPUs that the cold workers
+        started next needed: the job waited out its placement timeout, then said the
+        cluster was too small instead of why the workers failed."""
+        ok = {id(w) for w in up}
+        lost = []
+        for w, _ in launched:
+            if id(w) in ok:
+                continue
+            a = actor_key(w.handle)
+            lost.append(a)
+            self._mine.pop(a, None)
+            self.free_slots = [(pg, i) for pg, i in self.free_slots if pg is not w.pg]
+            remove_bundle(w.pg)
+        if lost:
+            self.pool.give_back([], lost=lost)
+
     def place(self, n: int, min_workers: int) -> list[WorkerRec]:
-        warm = self._collect(self._warm(n), wait_s=None)
+        launched = self._warm(n)
+        warm = self._collect(launched, wait_s=None)
+        self._drop_failed(launched, warm)
         if len(warm) >= n:
             return warm
         try:
@@ -412,7 +452,9 @@ class PooledPlacement(Placement):
         super().start_spares(n - len(warm))
 
     def try_place(self, n: int, timeout_s: float) -> list[WorkerRec]:
-        warm = self._collect(self._warm(n), wait_s=max(timeout_s, 1.0))
+        launched = self._warm(n)
+        warm = self._collect(launched, wait_s=max(timeout_s, 1.0))
+        self._drop_failed(launched, warm)
         return warm + super().try_place(n - len(warm), timeout_s)
 
     def room(self) -> bool:

@@ -15,8 +15,14 @@ from tests.helpers import RegressionData, adam, mlp, mse
 
 
 def _wait_running(handle, timeout=60):
+    """Until the job has trained 2 steps and its control actor says it runs (on warm
+    workers a job trains its first steps before that actor's own process is up)."""
+    import ray
+
     t0 = time.time()
-    while handle.status().get("step", 0) < 2:
+    name = handle.controller.cfg.job_name
+    while (handle.status().get("step", 0) < 2
+           or ray.get(control.lookup(name).get_status.remote())["state"] != "running"):
         assert not handle.done(), handle.result()
         assert time.time() - t0 < timeout
         time.sleep(0.1)

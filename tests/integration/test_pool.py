@@ -21,6 +21,8 @@ from elastic.reference import reference_train
 from tests.helpers import RegressionData, adam, max_diff, mlp, mse
 from tests.integration import _pool_user
 
+pytestmark = pytest.mark.cold_workers  # these tests bring their own pools
+
 STEPS, G, TOL = 12, 10, 1e-5
 
 
@@ -136,6 +138,42 @@ def test_user_error_or_leaked_thread_retires_the_worker(pool, tmp_path, referenc
     res, _, pids = _job(pool, tmp_path, "after", model=mlp)  # cold again, still right
     assert max_diff(res.state_dict(), reference) < TOL
     assert not set(pids) & set(before)
+
+
+def test_code_that_does_not_import_on_warm_workers_fails_at_once_with_why(pool, tmp_path,
+                                                                         reference):
+    """The pool's workers cannot import the job's model: the job fails with that reason
+    within seconds, and the pool's bundles are not left held (before: the failed warm
+    workers' bundles stayed reserved, the cold ones could not be placed, and the job waited
+    its 60 s placement timeout to say the cluster was too small). The pool made the
+    process's default serves ``fit`` without ``pool=``."""
+    from elastic.errors import ClusterError
+
+    t0 = time.monotonic()
+    with pytest.raises(ClusterError, match="failed to start.*cannot be imported on the workers"):
+        _job(pool, tmp_path, "no-import", model="tests._fails_in_actors:mlp")
+    assert time.monotonic() - t0 < 30
+    import ray
+
+    pool.wait_ready()  # it starts two new workers in place of the two that failed
+    info = pool.info()
+    assert info["idle"] == 2 and info["lent"] == 0 and info["starting"] == 0, info
+    deadline = time.monotonic() + 10
+    while ray.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert ray.available_resources().get("CPU", 0) == 2  # only the pool's idle two are held
+    pool.make_default()
+    try:
+        res = elastic.fit(model=mlp, optimizer=adam, loss=mse, dataset=RegressionData(),
+                          global_batch_size=G, max_steps=STEPS, num_workers=2, view="none",
+                          run_dir=str(tmp_path / "default"))
+        assert max_diff(res.state_dict(), reference) < TOL
+        assert pool.info()["idle"] == 2 and pool.info()["kept"] == 2, pool.info()
+    finally:
+        pool.close()
+    from elastic.control.pool import default_pool
+
+    assert default_pool() is None  # closed: no longer the default
 
 
 def test_scheduler_jobs_run_on_its_warm_workers(ray_local, tmp_path, reference):

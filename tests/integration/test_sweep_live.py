@@ -1,8 +1,9 @@
 """Sweeps whose pruner's decisions reach the workers, on a real local Ray with studies in real
 SQLite files: a pruned trial's workers stop at the decision step (by default the median
-pruner's decision is handed to them ahead, in a group of one or two) or train no step past
-it (``pruning: {exact: true}``), and are gone right after; a trial Hyperband promotes grows by an in-place scale and still trains its
-single-process reference's parameters."""
+pruner's or Hyperband's decision is handed to them ahead, in a group of one or two) or train
+no step past it (``pruning: {exact: true}``), and are gone right after; a trial Hyperband
+promotes grows by an in-place scale and still trains its single-process reference's
+parameters."""
 
 from __future__ import annotations
 
@@ -51,15 +52,24 @@ def _metric_steps(run_dir: str) -> list[int]:
         return [json.loads(line)["step"] for line in f if line.strip()]
 
 
-@pytest.mark.parametrize("exact", [False, True], ids=["default", "exact"])
-def test_a_pruned_trial_stops_at_the_decision_and_frees_its_workers(ray_local, tmp_path, exact):
+MEDIAN = {"type": "median", "n_startup_trials": 1, "n_warmup_steps": 10, "interval_steps": 5}
+# its rungs' steps are 10, 30, 90 and 270; the study's name puts both trials in the first of
+# its four brackets (Hyperband draws a trial's bracket from the name and its number), where the
+# second trial meets the first one's value at step 10
+HYPERBAND = {"type": "hyperband", "min_resource": 10, "reduction_factor": 3}
+
+
+@pytest.mark.cold_workers  # the workers end with the trial: its CPUs are free after it
+@pytest.mark.parametrize("exact, pruner", [(False, MEDIAN), (True, MEDIAN), (False, HYPERBAND)],
+                         ids=["default", "exact", "hyperband"])
+def test_a_pruned_trial_stops_at_the_decision_and_frees_its_workers(ray_local, tmp_path, exact,
+                                                                    pruner):
     ray = ray_local
     total = ray.cluster_resources()["CPU"]
     cfg = load_sweep({
         **({"pruning": {"exact": True}} if exact else {}),
-        "study": {"name": "p", "storage": f"sqlite:///{tmp_path}/study.db",
-                  "pruner": {"type": "median", "n_startup_trials": 1, "n_warmup_steps": 10,
-                             "interval_steps": 5}},
+        "study": {"name": "p" if pruner is MEDIAN else "h",
+                  "storage": f"sqlite:///{tmp_path}/study.db", "pruner": pruner},
         "base": {**BASE, "num_workers": 1 if exact else 2},
         "params": {"optimizer.lr": {"type": "float", "low": 1.0e-5, "high": 0.1, "log": True}},
         "enqueue": [{"optimizer.lr": 0.05}, {"optimizer.lr": 1.0e-5}],
@@ -79,17 +89,19 @@ def test_a_pruned_trial_stops_at_the_decision_and_frees_its_workers(ray_local, t
     assert good.state == TrialState.COMPLETE and good.user_attrs["steps"] == STEPS
     assert bad.state == TrialState.PRUNED
     at = bad.user_attrs["pruned_at_step"]
-    assert at >= 10 and (at - 10) % 5 == 0  # a step where the median pruner decides
-    # the first decision step already holds a worse value than the complete trial's: pruned
-    # there
+    # the first decision step (the median pruner's first, the first rung's) already holds a
+    # worse value than the complete trial's: pruned there
     assert at == 10, at
+    if pruner is HYPERBAND:  # the rung's value is in the study, where the trials after it
+        # compare theirs (the driver asked the pruner though the gate had decided)
+        assert bad.system_attrs.get("completed_rung_0") == bad.intermediate_values[10]
     lag = bad.user_attrs["prune_lag"]
     steps = _metric_steps(bad.user_attrs["run_dir"])
     assert steps == list(range(bad.user_attrs["steps"]))
     assert lag["past_step"] == len(steps) - (at + 1)
     if exact:  # the workers waited at the decision step: none past it
         assert lag["past_step"] == 0 and lag["begun_after"] == 0, lag
-    else:  # the median pruner's decision reached the workers ahead (its gate): the two
+    else:  # the pruner's decision reached the workers ahead (its gate): the two
         # ranks, knowing a step before that step 10 decides, waited for its control
         # all-reduce at its end (not overlapped with step 11) and stopped there
         assert lag == {"past_step": 0, "begun_after": 0, "ended_after": 0}, lag
