@@ -21,7 +21,8 @@ from elastic.sweep import load_sweep, open_study
 from elastic.sweep.runner import TrialRunner
 from tests.helpers import RegressionData, adam, max_diff, mlp
 
-STEPS = 300
+STEPS = 100
+GROWN = 300  # the promoted trial's steps: long enough for a cold second worker to join
 FINAL: dict[int, dict[str, torch.Tensor]] = {}  # trial number -> final parameters
 
 
@@ -53,8 +54,8 @@ def _metric_steps(run_dir: str) -> list[int]:
 
 
 MEDIAN = {"type": "median", "n_startup_trials": 1, "n_warmup_steps": 10, "interval_steps": 5}
-# its rungs' steps are 10, 30, 90 and 270; the study's name puts both trials in the first of
-# its four brackets (Hyperband draws a trial's bracket from the name and its number), where the
+# its rungs' steps are 10, 30 and 90; the study's name puts both trials in the first of its
+# three brackets (Hyperband draws a trial's bracket from the name and its number), where the
 # second trial meets the first one's value at step 10
 HYPERBAND = {"type": "hyperband", "min_resource": 10, "reduction_factor": 3}
 
@@ -123,7 +124,7 @@ def test_a_promoted_trial_grows_and_trains_its_reference(ray_local, tmp_path):
         "study": {"name": "hb", "storage": f"sqlite:///{tmp_path}/study.db",
                   "pruner": {"type": "hyperband", "min_resource": 4, "reduction_factor": 2}},
         "promotion": {"growth": 2},
-        "base": {**BASE, "max_workers": 2},
+        "base": {**BASE, "max_workers": 2, "max_steps": GROWN},
         "params": {"optimizer.lr": {"type": "categorical", "choices": [0.01]}},
         "objective": "tests.integration.test_sweep_live:keep_final",
         "n_trials": 1, "max_concurrent": 1, "run_dir": str(tmp_path / "runs")})
@@ -139,10 +140,10 @@ def test_a_promoted_trial_grows_and_trains_its_reference(ray_local, tmp_path):
         worlds = [json.loads(line)["world_size"] for line in f if line.strip()]
     assert worlds[0] == 1 and worlds[-1] == 2, worlds  # it grew in place, at a boundary
     grew = worlds.index(2)
-    assert worlds[grew:] == [2] * (len(worlds) - grew) and len(worlds) == STEPS
+    assert worlds[grew:] == [2] * (len(worlds) - grew) and len(worlds) == GROWN
     from tests.integration.test_sweep_live import slow_mse as loss
 
-    ref, _ = reference_train(mlp, adam, loss, RegressionData(), 8, STEPS, seed=0)
+    ref, _ = reference_train(mlp, adam, loss, RegressionData(), 8, GROWN, seed=0)
     import importlib
 
     final = importlib.import_module("tests.integration.test_sweep_live").FINAL
