@@ -9,9 +9,12 @@ A step's communication is a list of ``Messages`` (kind, how many, bytes each), c
 the layout as the strategies send them (``layout_messages``): DDP's gradient buckets (1 MiB
 first, then 25 MiB); ZeRO-1/2 one message per parameter tensor, or per bucket once they
 communicate in buckets (``CommConfig.zero_bucket_bytes``: then zero2 too all-reduces each
-bucket and keeps its owned sums), plus the owners' broadcasts of the updated parameters; ZeRO-3 (FSDP2) an all-gather per unit in forward, another in backward and a
-reduce-scatter per unit, per micro-batch. So a model of 130 small tensors pays 130 latencies
-where it sends 130 messages, and one where it sends one. docs/cost-model.md has the sources.
+bucket and keeps its owned sums), plus the owners' broadcasts of the updated parameters, of
+kind ``broadcast_burst`` (every chunk in flight at once, ``ShardedUpdate.step``: each one
+costs what a chunk of such a burst costs, not a broadcast alone); ZeRO-3 (FSDP2) an
+all-gather per unit in forward, another in backward and a reduce-scatter per unit, per
+micro-batch. So a model of 130 small tensors pays 130 latencies where it sends 130 messages,
+and one where it sends one. docs/cost-model.md has the sources.
 """
 
 from __future__ import annotations
@@ -26,11 +29,17 @@ from strategies.traits import DP_MODES
 
 __all__ = ["collective_time", "sync_collectives_time", "SYNC_MODES", "KINDS", "Messages",
            "CommConfig", "bucket_sizes", "assign_owners", "owner_loads", "layout_messages",
-           "messages_time", "sync_points",
+           "messages_time", "sync_points", "burst_points", "BROADCAST_BURST", "FALLBACK_KIND",
            "latency_hops", "volume_factor"]
 
 SYNC_MODES = DP_MODES  # layouts whose step ends in a data-parallel gradient sync
-KINDS = ("all_reduce", "all_gather", "reduce_scatter", "reduce", "broadcast", "p2p")
+# one broadcast of a burst in which every rank broadcasts its chunk at once (ZeRO-1/2's
+# update): its (alpha, beta) is per message, the burst's time over its messages
+BROADCAST_BURST = "broadcast_burst"
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "reduce", "broadcast", "p2p",
+         BROADCAST_BURST)
+# the kind whose measured figures stand in for one that was not measured (older profiles)
+FALLBACK_KIND = {BROADCAST_BURST: "broadcast"}
 
 _MIB = 1 << 20
 
@@ -47,7 +56,7 @@ def latency_hops(kind: str, n: int) -> float:
     tree = float(math.ceil(math.log2(n)))
     if kind == "all_reduce":
         return 2.0 * min(n - 1, tree)
-    if kind in ("all_gather", "reduce_scatter", "reduce", "broadcast"):
+    if kind in ("all_gather", "reduce_scatter", "reduce", "broadcast", BROADCAST_BURST):
         return min(float(n - 1), tree)
     raise ValueError(f"unknown collective {kind!r}; use one of {KINDS}")
 
@@ -62,7 +71,7 @@ def volume_factor(kind: str, n: int) -> float:
         return 2.0 * (n - 1) / n
     if kind in ("all_gather", "reduce_scatter"):
         return (n - 1) / n
-    if kind in ("reduce", "broadcast"):
+    if kind in ("reduce", "broadcast", BROADCAST_BURST):
         return 1.0
     raise ValueError(f"unknown collective {kind!r}; use one of {KINDS}")
 
@@ -231,7 +240,7 @@ def _layout_messages(mode: str, n: int, tensors: tuple[float, ...], units: tuple
             # every rank the global norm: no scalar all-reduce), every micro-batch
             out += _group("all_reduce", bucket_sizes(tensors, cap, comm.first_bucket_bytes),
                           m if hooks else 1)
-    out += _group("broadcast", _chunks(per_owner, cap))
+    out += _group(BROADCAST_BURST, _chunks(per_owner, cap))  # all in flight at once
     return tuple(out)
 
 
@@ -269,7 +278,11 @@ def sync_points(mode: str, n: int, units: int = 1, micro_batches: int = 1,
     zero3 at every gather and reduce-scatter (3 per unit per micro-batch, each after a
     block's compute). A pipeline stage's reduction after its schedule (``hooks`` False) meets
     once, and zero1/zero2 once more for the broadcasts. The other messages of a step follow
-    one another and pay the idle alpha only. Raises ``KeyError`` for an unknown mode."""
+    one another and pay the idle alpha only. Raises ``KeyError`` for an unknown mode.
+
+    zero1/zero2 still meet at the broadcasts: every rank receives every owner's chunk, so the
+    burst ends after the last owner's optimizer step (``burst_points``; what that wait costs
+    is the burst's own measured figure when the profiler has one)."""
     if n <= 1:
         return 0
     m = max(1, micro_batches)
@@ -282,6 +295,12 @@ def sync_points(mode: str, n: int, units: int = 1, micro_batches: int = 1,
     if mode == "zero3":
         return 3 * max(1, units) * m
     raise KeyError(f"unknown data-parallel mode {mode!r}; use one of {SYNC_MODES}")
+
+
+def burst_points(mode: str, n: int) -> int:
+    """Of ``sync_points``, how many are zero1/zero2's broadcast burst (after the owners'
+    optimizer steps): 1 for zero1 and zero2 over n > 1 ranks (hooks or not), else 0."""
+    return 1 if n > 1 and mode in ("zero1", "zero2") else 0
 
 
 def messages_time(messages: Sequence[Messages], n: int,

@@ -18,7 +18,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .collectives import (
+    FALLBACK_KIND,
     CommConfig,
+    burst_points,
     collective_time,
     layout_messages,
     messages_time,
@@ -54,8 +56,9 @@ class CostModel:
     (figure includes emulation) or device type name (slowdown applied on top).
     ``links``: fitted (alpha s, beta s/byte) by path name, ``"*"`` for every path.
     ``collectives``: measured (alpha s per hop, beta s/byte) by collective kind (all_reduce,
-    reduce, broadcast, all_gather, reduce_scatter, p2p) on the live group, under load; a kind
-    found here wins over ``links`` and the catalog.
+    reduce, broadcast, all_gather, reduce_scatter, p2p, broadcast_burst: one message of a
+    burst) on the live group; a kind found here wins over ``links`` and the catalog, and
+    stands in for a kind that falls back to it (``collectives.FALLBACK_KIND``).
     ``optimizer_fit``: measured optimizer step, by device id or type name: (seconds per
     tensor, seconds per element, seconds per tensor when sharded as zero3's DTensors); without
     it the update is charged as memory-bound.
@@ -70,6 +73,8 @@ class CostModel:
     (``collectives.sync_points``), while ``collectives`` then holds each kind's cost right
     after another message (the profiler measures both; 0: the collectives' figures include
     the wait, charged per message).
+    ``burst_wait_s``: the same wait at zero1/zero2's broadcast burst, measured on the burst
+    itself; None: ``sync_wait_s``.
     ``unit_wait_s``: the same wait for each of zero3's per-unit gathers and reduce-scatters
     (FSDP's per-unit hooks run there too), measured by the profiler's zero3 trial steps;
     None: ``sync_wait_s``.
@@ -89,6 +94,7 @@ class CostModel:
     optimizer_fit: Mapping[str, tuple[float, float, float]] = field(default_factory=dict)
     step_overhead: float = 0.0
     sync_wait_s: float = 0.0
+    burst_wait_s: float | None = None
     unit_wait_s: float | None = None
     trial_kinds: tuple[str, ...] = ()
     overlap: float = 0.0
@@ -99,12 +105,14 @@ class CostModel:
 
     # ---------------------------------------------------------------- parts
     def alpha_beta(self, path: Path | None, kind: str | None = None) -> tuple[float, float]:
-        """(alpha, beta) of ``kind``'s messages on ``path``: measured per kind if known, else
-        fitted per path, else the catalog's link; times ``comm_scale[kind]``."""
+        """(alpha, beta) of ``kind``'s messages on ``path``: measured per kind if known (else
+        its ``FALLBACK_KIND``'s: a burst's broadcast as a broadcast alone), else fitted per
+        path, else the catalog's link; times ``comm_scale[kind]``."""
         k = self.comm_scale.get(kind, 1.0) if kind is not None else 1.0
-        if kind is not None and kind in self.collectives:
-            a, b = self.collectives[kind]
-            return a * k, b * k
+        for known in (kind, FALLBACK_KIND.get(kind or "")):
+            if known is not None and known in self.collectives:
+                a, b = self.collectives[known]
+                return a * k, b * k
         if path is None:
             return 0.0, 0.0
         fit = self.links.get(path.name) or self.links.get("*")
@@ -231,8 +239,10 @@ class CostModel:
                                comm=self.comm, hooks=hooks)
         per = (self.unit_wait_s if mode == "zero3" and self.unit_wait_s is not None
                else self.sync_wait_s)
-        wait = per * self.comm_scale.get("sync", 1.0) * sync_points(mode, n, len(units),
-                                                                    micro_batches, hooks)
+        points = sync_points(mode, n, len(units), micro_batches, hooks)
+        burst = burst_points(mode, n)  # zero1/zero2's broadcasts: the burst's own wait
+        at_burst = self.burst_wait_s if self.burst_wait_s is not None else per
+        wait = self.comm_scale.get("sync", 1.0) * (per * (points - burst) + at_burst * burst)
         return wait + messages_time(msgs, n,
                                     {m.kind: self.alpha_beta(path, m.kind) for m in msgs})
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from .collectives import (
+    BROADCAST_BURST,
     KINDS,
     CommConfig,
     latency_hops,
@@ -208,7 +209,8 @@ def terms_model(reports: Sequence[Mapping[str, Any]], ids: Sequence[str], base: 
     * ``optimizer``: ``{"plain": [[tensors, elements, [...]], ...], "sharded": [tensors,
       elements, [...]] | None}``;
     * ``collectives``: ``{kind: [[bytes, [...]], ...]}`` (rank 0's view is used) and
-      ``world``;
+      ``world``; ``broadcast_burst``'s seconds are a whole burst's: ``world`` broadcasts of
+      ``bytes`` each, one from every rank, all in flight at once (fitted per message);
     * ``trial``: seconds of real dp steps (the strategy, the step loop's data fetch and
       control all-reduce) with ``shares`` (``{"shares": [...], "seconds": [...]}``);
       optional.
@@ -261,9 +263,10 @@ def terms_model(reports: Sequence[Mapping[str, Any]], ids: Sequence[str], base: 
         sharded = (int(sh[0]), float(sh[1]), robust(sh[2]).median) if sh else None
         opt[i] = fit_optimizer(plain, sharded)
 
-    coll, cspread, wait = _collectives(reports[0])
+    coll, cspread, wait, burst_wait = _collectives(reports[0])
     model = CostModel(seconds_per_sample=sps, collectives=coll, optimizer_fit=opt,
-                      pass_overhead_s=passes, comm=comm or CommConfig(), sync_wait_s=wait)
+                      pass_overhead_s=passes, comm=comm or CommConfig(), sync_wait_s=wait,
+                      burst_wait_s=burst_wait)
     trial = reports[0].get("trial")
     trial_spread = None
     if trial and trial.get("seconds") and cluster is not None:  # the ranks step together
@@ -284,41 +287,54 @@ def terms_model(reports: Sequence[Mapping[str, Any]], ids: Sequence[str], base: 
         "collectives": cspread,
         "trial": trial_spread.as_dict() if trial_spread else None,
         "sync_wait": model.sync_wait_s, "unit_wait": model.unit_wait_s,
+        "burst_wait": model.burst_wait_s,
         "trial_zero3": z3_spread.as_dict() if z3_spread else None,
         "step_overhead": model.step_overhead, "overlap": model.overlap})
 
 
 def _collectives(rep: Mapping[str, Any]) -> tuple[dict[str, tuple[float, float]],
-                                                  dict[str, Any], float]:
-    """(alpha, beta) per kind, the spreads, and the wait at a meeting point from one rank's
-    report. With both series (``collectives`` right after compute, ``collectives_idle`` right
-    after another collective): each kind's alpha-beta from the idle series, and the wait =
-    the median over the collective kinds of (loaded - idle) at the smallest size, where the
-    message itself is nearly all latency. Point-to-point too is charged idle: a pipeline's
-    waits for the previous stage's compute are its schedule's (the bubble), and the loaded
-    figure on each of its sends counted them again (pp3 on the MLP predicted +65 %). With
-    the loaded series only: its alpha-beta, no wait (the wait is then charged with every
-    message)."""
+                                                  dict[str, Any], float, float | None]:
+    """(alpha, beta) per kind, the spreads, the wait at a meeting point and the wait at a
+    broadcast burst (None: no burst measured) from one rank's report. With both series
+    (``collectives`` right after compute, ``collectives_idle`` right after another
+    collective): each kind's alpha-beta from the idle series, and the wait = the median over
+    the collective kinds of (loaded - idle) at the smallest size, where the message itself is
+    nearly all latency. Point-to-point too is charged idle: a pipeline's waits for the
+    previous stage's compute are its schedule's (the bubble), and the loaded figure on each
+    of its sends counted them again (pp3 on the MLP predicted +65 %). With the loaded series
+    only: its alpha-beta, no wait (the wait is then charged with every message).
+
+    ``broadcast_burst``: its seconds over its ``world`` messages are fitted per message; its
+    own (loaded - idle) is the wait at zero1/zero2's burst (``burst_wait_s``), kept out of
+    the kinds' median: the whole burst meets once, and rank 0, whose view this is, receives
+    every other rank's chunk in it."""
     loaded = rep.get("collectives") or {}
     idle = rep.get("collectives_idle") or {}
     world = int(rep.get("world", 2))
     coll: dict[str, tuple[float, float]] = {}
     cspread: dict[str, Any] = {}
     waits: list[float] = []
+    burst_wait: float | None = None
     for kind, pts in loaded.items():
         if kind not in KINDS or not pts:
             continue
         n = world if kind != "p2p" else 2
+        msgs = max(1, world) if kind == BROADCAST_BURST else 1
         src = idle.get(kind)
-        med = [(float(b), robust(ts).median) for b, ts in (src or pts)]
+        med = [(float(b), robust(ts).median / msgs) for b, ts in (src or pts)]
         coll[kind] = fit_alpha_beta(kind, n, med)
         cspread[kind] = [robust(ts).as_dict() | {"bytes": b} for b, ts in pts]
+        if kind == BROADCAST_BURST:
+            burst_wait = 0.0
         if src:
             cspread[kind + "_idle"] = [robust(ts).as_dict() | {"bytes": b} for b, ts in src]
             lo, hi = min(src, key=lambda p: p[0])[1], min(pts, key=lambda p: p[0])[1]
-            if kind != "p2p":
-                waits.append(max(0.0, robust(hi).median - robust(lo).median))
-    return coll, cspread, statistics.median(waits) if waits else 0.0
+            wait = max(0.0, robust(hi).median - robust(lo).median)
+            if kind == BROADCAST_BURST:
+                burst_wait = wait
+            elif kind != "p2p":
+                waits.append(wait)
+    return coll, cspread, statistics.median(waits) if waits else 0.0, burst_wait
 
 
 def _fit_unit_wait(model: CostModel, profile: ModelProfile, cluster: Cluster,

@@ -9,7 +9,9 @@ collective kind at three sizes both *right after a burst of compute* (a collecti
 meets busy peers waits for the slowest; timed between idle workers only, zero3's per-block
 gathers were under-predicted by 42 %) and *right after another collective* (a message that
 follows one in a chain does not wait again; charged the loaded figure per message, zero1 and
-zero2 were over-predicted by up to 3x), and a few trial dp steps with the step loop's data
+zero2 were over-predicted by up to 3x), plus ZeRO-1/2's update as it is sent (a burst: every
+rank broadcasts its chunk, all in flight at once; timed one at a time, its broadcasts were
+charged in series), and a few trial dp steps with the step loop's data
 fetch and control all-reduce, and a few of zero3 (its per-unit gathers meet busy peers:
 what they wait beyond their messages is measured, not assumed). Each
 figure is a list of repeated seconds; ``clusters.measured.terms_model`` reduces them to
@@ -35,7 +37,8 @@ from torch import nn
 __all__ = ["SpanHooks", "profile_terms", "COLLECTIVE_SIZES"]
 
 COLLECTIVE_SIZES = (4 << 10, 256 << 10, 4 << 20)
-_KINDS = ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter", "p2p")
+_KINDS = ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter", "p2p",
+          "broadcast_burst")
 
 
 def _sync_fn(device: torch.device) -> Callable[[], None]:
@@ -246,9 +249,17 @@ def _collective(kind: str, nbytes: int, world: int, rank: int, device: torch.dev
     t = torch.zeros(n, device=device)
     big = torch.zeros(n * world, device=device)
     recv = torch.zeros(n, device=device)
+    chunks = ([torch.zeros(n, device=device) for _ in range(world)]
+              if kind == "broadcast_burst" else [])
 
     def run() -> None:
-        if kind == "all_reduce":
+        if kind == "broadcast_burst":
+            # as ShardedUpdate.step: rank r's chunk from src=r, all issued, then waited for
+            works = [dist.broadcast(c, src=r, async_op=True) for r, c in enumerate(chunks)]
+            for w in works:
+                if w is not None:
+                    w.wait()
+        elif kind == "all_reduce":
             dist.all_reduce(t)
         elif kind == "reduce":
             dist.reduce(t, dst=0)
@@ -274,7 +285,8 @@ def _collective_times(world: int, rank: int, device: torch.device, rounds: int,
     that waits on the peers' compute pays; and ``idle``, the seconds of one collective right
     after another one (the ranks already in step): what each further message of a chain
     pays. Their difference is the wait for the slowest peer's compute, which a step pays
-    once per point where the ranks meet after computing, not once per message."""
+    once per point where the ranks meet after computing, not once per message.
+    ``broadcast_burst``'s seconds are a whole burst's (``world`` broadcasts of ``nbytes``)."""
     sync = _sync_fn(device)
     busy = _busy(busy_s)
     alone = []

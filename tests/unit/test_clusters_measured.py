@@ -11,6 +11,9 @@ import pytest
 from clusters import CostModel, ModelProfile, Plan, load_cluster, plan
 from clusters.balance import recut_shares
 from clusters.collectives import (
+    BROADCAST_BURST as BURST,
+)
+from clusters.collectives import (
     CommConfig,
     assign_owners,
     bucket_sizes,
@@ -57,19 +60,19 @@ def test_messages_count_what_each_layout_sends():
     dp = layout_messages("dp", 2, t, units)
     assert _count(dp) == 1  # one DDP bucket
     z1 = layout_messages("zero1", 2, t, units, comm=per_tensor)
-    assert _count(z1, "all_reduce") == 130 and _count(z1, "broadcast") == 2
+    assert _count(z1, "all_reduce") == 130 and _count(z1, BURST) == 2
     z2 = layout_messages("zero2", 2, t, units, micro_batches=3, comm=per_tensor)
-    assert _count(z2, "reduce") == 390 and _count(z2, "broadcast") == 2
+    assert _count(z2, "reduce") == 390 and _count(z2, BURST) == 2
     z3 = layout_messages("zero3", 2, t, units, micro_batches=2)
     assert _count(z3, "all_gather") == 40 and _count(z3, "reduce_scatter") == 20
     # with buckets (strategies.buckets): a few messages instead of 130
     bucketed = CommConfig(zero_bucket_bytes=25 * MIB)
     z1b = layout_messages("zero1", 2, t, units, comm=bucketed)
-    assert _count(z1b, "all_reduce") == 1 and _count(z1b, "broadcast") == 2
+    assert _count(z1b, "all_reduce") == 1 and _count(z1b, BURST) == 2
     z2b = layout_messages("zero2", 2, t, units, micro_batches=3, comm=bucketed)
     # one bucket, all-reduced every micro-batch (owners keep their sums); no norm message
     assert _count(z2b, "all_reduce") == 3 and _count(z2b, "reduce") == 0
-    assert _count(z2b, "broadcast") == 2
+    assert _count(z2b, BURST) == 2
     # a pipeline stage reduces once after its schedule: one flat message (per owner: zero2)
     assert _count(layout_messages("dp", 2, t, hooks=False, comm=per_tensor)) == 1
     assert _count(layout_messages("zero2", 2, t, micro_batches=4, hooks=False,
@@ -306,9 +309,11 @@ def test_refit_puts_a_slow_layout_on_its_own_messages():
     assert after["zero2"] == pytest.approx(slow, rel=1e-3)
     assert after["dp"] == pytest.approx(before["dp"], rel=0.02)  # dp sends no reduce
     # zero2 all-reduces its buckets as dp does (a kind the trial dp step validated): the
-    # excess goes on what it sends beyond dp, its owners' broadcasts
+    # excess goes on what it sends beyond dp, its owners' broadcasts (a burst, charged at
+    # the broadcast's figures when no burst was measured)
     assert m.trial_kinds == ("all_reduce",)
-    assert fitted.comm_scale["broadcast"] > 10 and "all_reduce" not in fitted.comm_scale
+    assert fitted.comm_scale[BURST] > 10 and "all_reduce" not in fitted.comm_scale
+    assert "broadcast" not in fitted.comm_scale
     preds = predictions(fitted, mm.profile, cluster, 64,
                         [Observed(z2, Spread(slow, 1e-4, 50))])
     assert preds[0].plan.strategy == "dp" and not preds[0].measured
@@ -358,7 +363,7 @@ def test_a_message_waits_on_compute_once_per_meeting_point_not_per_message():
     msgs = layout_messages("zero1", 2, [prof.grad_bytes * t for t in
                                         prof.tensors(range(prof.n_blocks))], comm=m.comm)
     assert e1.comm == pytest.approx(2 * m.sync_wait_s + messages_time(
-        msgs, 2, {k.kind: m.collectives[k.kind] for k in msgs}))
+        msgs, 2, {k.kind: m.alpha_beta(None, k.kind) for k in msgs}))
     assert m.overlap == 0 and e0.comm < e1.comm < e0.comm + m.sync_wait_s + 1e-3
     # the trial dp step still predicts itself exactly (the overhead absorbs the rest)
     assert e0.step_time == pytest.approx(reps[0]["trial"]["seconds"][0])
