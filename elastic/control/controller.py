@@ -75,8 +75,7 @@ class Controller:
                  mailbox_factory: Callable[[str], Any] | None = None, pool: Any = None) -> None:
         """``on_step(entry)``: called in this thread for each completed step's history entry;
         True stops the job at the next boundary. ``hook``: a ``StepHook`` (a sweep trial's
-        pruner; its ``on_step`` unless one is given). ``pool``: a ``WorkerPool`` (None: the
-        process's default pool, ``WorkerPool.make_default``, if any)."""
+        pruner; its ``on_step`` unless one is given). ``pool``: a ``WorkerPool``."""
         config.validate()
         self.cfg = config
         self.view = view or View()
@@ -89,10 +88,6 @@ class Controller:
         self.phase = ControllerState.STARTING
         self._group_factory = group_factory
         self._mailbox_factory = mailbox_factory
-        if pool is None and group_factory is None:
-            from .pool import default_pool
-
-            pool = default_pool()
         self._ray_group = functools.partial(_ray_group, pool=pool)
         self.group: Any = None
         self._started_ray = False
@@ -489,6 +484,10 @@ def _ray_connect(cfg: JobConfig) -> bool:
 
 
 def _ray_group(cfg: JobConfig, *, pool: Any = None) -> Any:
+    if pool is None:  # the process's default pool, if one was made (WorkerPool.make_default)
+        from .pool import default_pool
+
+        pool = default_pool()
     from .worker_group import WorkerGroup
 
     return WorkerGroup(cfg, cfg.emulate, pool)
