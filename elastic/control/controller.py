@@ -238,7 +238,7 @@ class Controller:
     def _run(self, st: Running) -> State:
         """Train a segment; poll metrics, the mailbox, the checkpoint in flight and the
         room to grow while it runs."""
-        self.steps.send_gate(self.group)  # the first decision step may precede the first poll
+        self.steps.segment_starts(self.group)  # (the anchor of a hang's wait; the gate)
         seg = self._segment = self.group.start_segment(st.start, st.end)
         stop_sent = self.inbox.waiting()
         if stop_sent:  # queued meanwhile: the segment ends after one step

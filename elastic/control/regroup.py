@@ -231,7 +231,8 @@ class Regroup:
                        f"{failure.message[:300]}", data={"kind": failure.kind.value,
                                                          "rank": failure.rank})
             return GiveUp(f"{failure.kind.value.replace('_', ' ')}: {failure.message}")
-        hung = group.wind_down(segment, self.cfg.hang_timeout_s + 5.0) if segment else []
+        hung = (group.wind_down(segment, self.steps.hang_wait_s(self.cfg.hang_timeout_s))
+                if segment else [])
         if hung:
             self._emit("hang", f"rank(s) {[w.rank for w in hung]} did not leave their step "
                        f"within the group timeout ({self.cfg.hang_timeout_s:.0f}s): treated as "

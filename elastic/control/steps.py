@@ -43,6 +43,9 @@ class StepLog:
         self.history: list[dict[str, Any]] = []
         self.fresh = False  # whether the last ingest recorded a step
         self._mem_at = 0.0  # when the workers' memory column was read last
+        # time.monotonic() of the last sign that the ranks were between steps: a segment's
+        # start, or a completed step's metrics arriving (``hang_wait_s``)
+        self.between_steps_at: float | None = None
 
     def show_workers(self, group: Any) -> None:
         """The view's workers, with their memory (read at most every 2 s: each read is a
@@ -97,6 +100,19 @@ class StepLog:
                 return max(0.0, (last["time"] - prev["time"]) / (last["step"] - prev["step"]))
         return None
 
+    def segment_starts(self, group: Any) -> None:
+        """A segment is about to start: the ranks are between steps now; the workers get
+        the hook's gate first (the first decision step may precede the first poll)."""
+        self.between_steps_at = time.monotonic()
+        self.send_gate(group)
+
+    def hang_wait_s(self, hang_timeout_s: float, now: float | None = None) -> float:
+        """How long ranks still inside their step after a failure may take to leave it
+        before they are called hung (``hang_wait``)."""
+        period = self.step_period() if self.history else None
+        return hang_wait(time.monotonic() if now is None else now, self.between_steps_at,
+                         hang_timeout_s, period or 0.0)
+
     def send_gate(self, group: Any) -> None:
         """Hand the workers the hook's gate when it is new, or new to this generation of the
         group."""
@@ -129,6 +145,8 @@ class StepLog:
         if m is None:
             entry["note"] = "completed while a worker was lost; its loss was not reported"
         self.history.append(entry)
+        if m is not None:
+            self.between_steps_at = time.monotonic()
         if self.log is not None:
             self.log.metric(entry)  # strict JSON: NaN written as null
             bounds = [share_bounds(spec.shares, r) for r in range(spec.world_size)]
@@ -162,3 +180,21 @@ class StepLog:
     def truncate(self, step: int) -> None:
         """Forget steps from ``step`` on: they will run again (a restore to ``step``)."""
         self.history = [h for h in self.history if h["step"] < step]
+
+
+HANG_SLACK_S = 5.0  # beyond the group timeout, before a rank still in its step is hung
+
+
+def hang_wait(now: float, since: float | None, hang_timeout_s: float, step_s: float) -> float:
+    """Seconds to wait, at ``now``, for ranks still inside their step after a failure: until
+    ``hang_timeout_s`` + ``HANG_SLACK_S`` + three steps' time (``step_s``: the ranks may be
+    two steps past the last one seen) after ``since``, the last time the ranks were seen
+    between steps, and at least ``HANG_SLACK_S``. A rank that has not left its step by then
+    has outlived what the group's own collective timeout gives it (a healthy rank blocked on
+    a hung peer leaves when its collective times out). Without ``since``: the full
+    ``hang_timeout_s`` + ``HANG_SLACK_S`` from now, as before (a hang used to cost the group
+    timeout twice: the survivors' collective timing out, then this wait again)."""
+    full = hang_timeout_s + HANG_SLACK_S
+    if since is None:
+        return full
+    return min(full, max(HANG_SLACK_S, since + full + 3.0 * max(0.0, step_s) - now))

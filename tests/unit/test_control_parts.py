@@ -378,3 +378,35 @@ def test_a_late_report_of_an_ended_checkpoint_starts_nothing_new():
     tracker.abandon(group)
     tracker.on_metric({"rank": 0, "checkpoint_begun": 200, "checkpoint_blocked_s": 0.0}, None)
     assert tracker.in_flight is not None and tracker.in_flight["step"] == 200
+
+
+@pytest.mark.parametrize("now, since, step_s, wait", [
+    (100.0, None, 0.0, 9.0),  # no sign of the ranks between steps: the full timeout + slack
+    (100.0, 100.0, 0.0, 9.0),  # seen between steps just now: the same
+    (100.0, 95.0, 0.0, 5.0),  # hung 5 s already (the survivors' collective timed out): 4 s
+    # more would reach the timeout + slack; the slack is the least
+    (100.0, 97.0, 0.0, 6.0),
+    (100.0, 97.0, 1.0, 9.0),  # long steps: up to two steps past the last seen, capped at full
+    (100.0, 40.0, 0.5, 5.0),  # long ago: the slack only
+])
+def test_a_hang_is_waited_for_from_when_the_ranks_were_last_between_steps(now, since, step_s,
+                                                                         wait):
+    from elastic.control.steps import hang_wait
+
+    assert hang_wait(now, since, 4.0, step_s) == pytest.approx(wait)
+
+
+def test_the_step_log_anchors_the_hang_wait_at_a_segment_start_and_each_step():
+    from elastic.control.steps import StepLog
+    from elastic.view import View
+
+    class _Group:
+        def send_gate(self, g):
+            raise AssertionError("no hook, no gate")
+
+    log = StepLog(None, View())
+    assert log.hang_wait_s(4.0, now=1e9) == pytest.approx(9.0)  # nothing seen yet
+    log.segment_starts(_Group())
+    t = log.between_steps_at
+    assert t is not None and log.hang_wait_s(4.0, now=t + 30) == pytest.approx(5.0)
+    assert log.hang_wait_s(4.0, now=t + 1) == pytest.approx(8.0)
