@@ -33,7 +33,7 @@ trial's value is NaN (Optuna's order of NaNs is the sort's): there the driver de
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from types import SimpleNamespace
 from typing import Any, cast
 
@@ -95,11 +95,13 @@ def gate_for(study: optuna.Study, step: int, best: float | None, through: int,
     return PruneGate(step, threshold, best, through, maximize, version)
 
 
-def halving_of(study: optuna.Study, number: int) -> tuple[Any, Any] | None:
-    """The ``SuccessiveHalvingPruner`` that decides for trial ``number`` of ``study`` and the
-    study it reads (under Hyperband: the trial's bracket, and a view of the study with that
-    bracket's trials only); None for another pruner, or a Hyperband whose brackets depend on
-    trials not complete yet (``max_resource: auto``)."""
+def halving_of(study: optuna.Study, number: int
+               ) -> tuple[Any, Callable[[], Any]] | None:
+    """The ``SuccessiveHalvingPruner`` that decides for trial ``number`` of ``study`` and a
+    function returning the study it reads (under Hyperband: the trial's bracket, and a view
+    of the study with that bracket's trials only: made on demand, it reads the storage);
+    None for another pruner, or a Hyperband whose brackets depend on trials not complete yet
+    (``max_resource: auto``)."""
     p = study.pruner
     try:
         if isinstance(p, optuna.pruners.HyperbandPruner):
@@ -110,9 +112,9 @@ def halving_of(study: optuna.Study, number: int) -> tuple[Any, Any] | None:
             bracket = p._get_bracket_id(  # noqa: SLF001 - it reads only the number
                 study, cast(optuna.trial.FrozenTrial, SimpleNamespace(number=number)))
             return (p._pruners[bracket],  # noqa: SLF001
-                    p._create_bracket_study(study, bracket))  # noqa: SLF001
+                    lambda: p._create_bracket_study(study, bracket))  # noqa: SLF001
         if isinstance(p, optuna.pruners.SuccessiveHalvingPruner):
-            return p, study
+            return p, lambda: study
     except (AttributeError, IndexError, TypeError):  # another Optuna's internals: no gates
         return None
     return None
@@ -141,7 +143,7 @@ def halving_gate(study: optuna.Study, trial_id: int, number: int, step: int,
     if lo * eta ** (rate + rung) != step:
         return None
     key = f"completed_rung_{rung}"
-    others = [float(t.system_attrs[key]) for t in view.get_trials(deepcopy=False)
+    others = [float(t.system_attrs[key]) for t in view().get_trials(deepcopy=False)
               if key in t.system_attrs and t._trial_id != trial_id]  # noqa: SLF001
     if any(math.isnan(v) for v in others):
         return None

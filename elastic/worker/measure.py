@@ -34,11 +34,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from clusters.collectives import BROADCAST_BURST, KINDS
+
 __all__ = ["SpanHooks", "profile_terms", "COLLECTIVE_SIZES"]
 
 COLLECTIVE_SIZES = (4 << 10, 256 << 10, 4 << 20)
-_KINDS = ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter", "p2p",
-          "broadcast_burst")
+_KINDS = KINDS  # every kind the cost model charges (clusters.collectives), each measured
 
 
 def _sync_fn(device: torch.device) -> Callable[[], None]:
@@ -250,10 +251,10 @@ def _collective(kind: str, nbytes: int, world: int, rank: int, device: torch.dev
     big = torch.zeros(n * world, device=device)
     recv = torch.zeros(n, device=device)
     chunks = ([torch.zeros(n, device=device) for _ in range(world)]
-              if kind == "broadcast_burst" else [])
+              if kind == BROADCAST_BURST else [])
 
     def run() -> None:
-        if kind == "broadcast_burst":
+        if kind == BROADCAST_BURST:
             # as ShardedUpdate.step: rank r's chunk from src=r, all issued, then waited for
             works = [dist.broadcast(c, src=r, async_op=True) for r, c in enumerate(chunks)]
             for w in works:
