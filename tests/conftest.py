@@ -1,6 +1,7 @@
 """Shared fixtures. Fixture modules live beside this file and are pulled in here."""
 
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -10,6 +11,20 @@ pytest_plugins = [m for m in ("tests.s3_server", "tests.ray_fixtures") if os.pat
 
 
 _LAYERS = ("unit", "integration", "chaos")
+_MADE: list[str] = []  # the temporary folders this run made (removed at its end)
+
+
+def _mkdtemp(prefix: str, parent: str = "/tmp") -> str:
+    path = tempfile.mkdtemp(prefix=prefix, dir=parent)
+    _MADE.append(path)
+    return path
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Runs after the session's fixtures are torn down (every Ray instance and server is
+    stopped by then): the run's Ray and cache folders go with it."""
+    for path in _MADE:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -33,9 +48,9 @@ def pytest_runtest_makereport(item, call):
 def _private_ray_tmpdir():
     """Each test run gets its own RAY_TMPDIR so it never attaches to someone else's cluster."""
     if "RAY_TMPDIR" not in os.environ:
-        os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="ray-elastic-", dir="/tmp")
+        os.environ["RAY_TMPDIR"] = _mkdtemp("ray-elastic-")
     elif os.environ.get("PYTEST_XDIST_WORKER"):  # pytest -n: one per worker process
-        os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="w", dir=os.environ["RAY_TMPDIR"])
+        os.environ["RAY_TMPDIR"] = _mkdtemp("w", os.environ["RAY_TMPDIR"])
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     # Ray's own metrics exporter: a driver's ray.shutdown() waited 20-27 s on it after a test's
     # cluster lost nodes (it retries a dead metrics agent); nothing here reads Ray's metrics
@@ -46,5 +61,5 @@ def _private_ray_tmpdir():
     os.environ.setdefault("RAY_preload_python_modules",
                           "torch,torch.distributed,torch._dynamo,elastic.worker.actor")
     # measured speeds are cached per machine; tests start from an empty cache
-    os.environ["ELASTIC_CACHE_DIR"] = tempfile.mkdtemp(prefix="elastic-cache-", dir="/tmp")
+    os.environ["ELASTIC_CACHE_DIR"] = _mkdtemp("elastic-cache-")
     yield

@@ -462,22 +462,24 @@ def test_memory_counts_never_read_the_live_state_beside_a_step(tmp_path):
 
 
 _LEAVE_PROBE = """
-import gc, sys
+import gc, os, sys
 from tests.unit.test_worker_components import _cfg, _spec
 from tests.mp_harness import free_port
 from elastic.worker import Worker
-import pathlib, tempfile
-w = Worker(_cfg(pathlib.Path(tempfile.mkdtemp())), 0, False, 1)
+import pathlib
+w = Worker(_cfg(pathlib.Path(sys.argv[2])), 0, False, 1)
 w.join("127.0.0.1", free_port(), 0, 1, 1, 30.0)
 w.restart_fresh(_spec(sys.argv[1]), None, 0)
 w.run(0, 2)
-print(len(gc.get_objects()))
+print(len(gc.get_objects()), flush=True)
 w.leave()
+os._exit(0)  # as a worker actor's process ends; the interpreter's own exit sometimes aborted in
+             # a native thread's destructor ("terminate called without an active exception")
 """
 
 
 @pytest.mark.parametrize("layout", ["dp", "zero3"])
-def test_the_collection_in_leave_scans_only_the_jobs_objects(layout):
+def test_the_collection_in_leave_scans_only_the_jobs_objects(layout, tmp_path):
     """A survivor's group closes at the collection in ``leave``, and a peer blocked on it
     waits for that collection. It must not scan what start-up and the first layout imported:
     torch._dynamo's ~117k objects (DDP, FSDP and the optimizers import it) made it 50-70 ms on
@@ -487,7 +489,7 @@ def test_the_collection_in_leave_scans_only_the_jobs_objects(layout):
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    out = subprocess.run([sys.executable, "-c", _LEAVE_PROBE, layout], capture_output=True,
+    out = subprocess.run([sys.executable, "-c", _LEAVE_PROBE, layout, str(tmp_path)], capture_output=True,
                          text=True, timeout=120, cwd=root,
                          env=dict(os.environ, PYTHONPATH=root))
     assert out.returncode == 0, out.stderr[-3000:]
