@@ -47,10 +47,26 @@ def check_reachable(addr: str) -> None:
         ) from None
 
 
-def _refuses_without_token(addr: str) -> bool:
-    """Whether the cluster's GCS at ``addr`` answers an unauthenticated call with gRPC's
-    UNAUTHENTICATED status (a typed answer, in milliseconds). ``ray.init`` would instead retry
-    for ~20 s and then report that it could not connect at all."""
+def _auth_metadata() -> tuple[tuple[str, str], ...]:
+    """The token header this driver's Ray calls would carry (none unless RAY_AUTH_MODE=token),
+    read by Ray's own loader (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token)."""
+    if os.environ.get("RAY_AUTH_MODE", "").lower() != "token":
+        return ()
+    try:
+        from ray._private.authentication.grpc_authentication_client_interceptor import (
+            _get_authentication_metadata_tuple,
+        )
+
+        return tuple(_get_authentication_metadata_tuple())
+    except Exception:  # noqa: BLE001 - Ray's private helper moved: the token from the env
+        token = os.environ.get("RAY_AUTH_TOKEN")
+        return (("authorization", f"Bearer {token}"),) if token else ()
+
+
+def _refuses(addr: str) -> bool:
+    """Whether the cluster's GCS at ``addr`` answers a call carrying this driver's credentials
+    (none, or its token) with gRPC's UNAUTHENTICATED status: a typed answer, in milliseconds.
+    ``ray.init`` would instead retry for ~20 s and then report that it could not connect."""
     try:
         import grpc
         from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
@@ -60,7 +76,7 @@ def _refuses_without_token(addr: str) -> bool:
         with grpc.insecure_channel(addr) as channel:
             stub = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel)
             stub.GetClusterId(gcs_service_pb2.GetClusterIdRequest(),  # type: ignore[attr-defined]
-                              timeout=3)
+                              timeout=3, metadata=_auth_metadata())
     except grpc.RpcError as e:
         return bool(e.code() == grpc.StatusCode.UNAUTHENTICATED)
     except Exception:  # noqa: BLE001 - anything else: let ray.init say what is wrong
@@ -92,7 +108,7 @@ def attach(addr: str, namespace: str | None = None) -> None:
     gcs = addr if addr != "auto" and not addr.startswith("ray://") else None
     if gcs is not None:
         check_reachable(gcs)
-        if _refuses_without_token(gcs) and os.environ.get("RAY_AUTH_MODE", "").lower() != "token":
+        if _refuses(gcs):
             raise _auth_error(gcs)
     try:
         ray.init(address=addr, logging_level=logging.ERROR, log_to_driver=False,
@@ -100,7 +116,7 @@ def attach(addr: str, namespace: str | None = None) -> None:
     except Exception as e:
         from ray.exceptions import AuthenticationError
 
-        if isinstance(e, AuthenticationError) or (gcs and _refuses_without_token(gcs)):
+        if isinstance(e, AuthenticationError) or (gcs and _refuses(gcs)):
             raise _auth_error(addr) from None
         raise ClusterError(
             f"cannot connect to the Ray cluster at {addr}: {e}. Fix: check the address or start "
