@@ -75,7 +75,10 @@ def test_s3_server_dies_mid_run_job_keeps_training(ray_local, tmp_path, s3_serve
     s3_server.new_bucket()
     handle = elastic.submit(**_cfg(tmp_path, max_steps=60, checkpoint_uri=s3_server.uri("job"),
                                    checkpoint_options=s3_server.options(), checkpoint_every=5,
-                                   loss=_slow_mse))
+                                   loss=_slow_mse,
+                                   # a due checkpoint skips, rather than waits out, an upload
+                                   # still failing (~2.3 s of the S3 client's retries each)
+                                   checkpoint_wait_s=0.5))
     t0 = time.time()
     while not any(e.kind == "checkpoint" for e in handle.controller.events):
         assert not handle.done() and time.time() - t0 < 120, handle.controller.events
