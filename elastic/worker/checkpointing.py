@@ -125,13 +125,17 @@ class Checkpointing:
         """Whether this rank's previous checkpoint is not yet committed or abandoned."""
         return self._writer is not None and self._writer.state != "idle"
 
-    def after_step(self, step: int, busy_anywhere: bool) -> dict[str, Any]:
+    def after_step(self, step: int, busy_anywhere: bool,
+                   while_waiting: Callable[[], None] | None = None) -> dict[str, Any]:
         """Collective at the boundary after ``step`` (every rank, the same arguments: what
         the control all-reduce agreed): take a due checkpoint, or skip it on every rank if
-        a previous one is still not committed anywhere. Returns the metrics to record."""
+        a previous one is still not committed anywhere. ``while_waiting`` runs now and then
+        while this waits for that commit (the step loop answers the controller's requests
+        that need a boundary: the controller commits only after they are answered). Returns
+        the metrics to record."""
         out: dict[str, Any] = {}
         if self.due(step):
-            if busy_anywhere and not self._wait_idle():
+            if busy_anywhere and not self._wait_idle(while_waiting):
                 out = {"checkpoint_skipped": step + 1}
             else:
                 out = {"checkpoint_begun": step + 1,
@@ -177,13 +181,15 @@ class Checkpointing:
         if self._writer is not None:
             self._staged_wait_s += self._writer.staged()
 
-    def _wait_idle(self) -> bool:
+    def _wait_idle(self, while_waiting: Callable[[], None] | None = None) -> bool:
         """Collective: wait (bounded by ``checkpoint_wait_s``) until this rank's previous
         checkpoint is committed or abandoned; True on every rank iff all are ready."""
         deadline = time.monotonic() + self._config.checkpoint_wait_s
         while self.busy:
             if time.monotonic() > deadline:
                 break
+            if while_waiting is not None:
+                while_waiting()
             time.sleep(0.005)
         return self._membership.all_ranks(not self.busy)
 

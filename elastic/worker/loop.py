@@ -14,6 +14,7 @@ import dataclasses
 import math
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Sequence
 from typing import Any
@@ -87,6 +88,7 @@ class StepLoop:
         self._counts_wanted = threading.Event()  # memory_counts asked during a segment
         self._counts_ready = threading.Event()
         self._counts: dict[str, int] = {}
+        self._counts_of: Any = None  # a weak reference to the strategy the answer is of
         self._gate: PruneGate | None = None  # a sweep's pruner decision, handed ahead
         self._agreed: dict[int, float] = {}  # the agreed loss of each recent step
         self._gated_next: int | None = None  # every rank holds a gate for this step
@@ -100,7 +102,12 @@ class StepLoop:
         read from the actor's other thread meanwhile is a use-after-free that crashed
         survivors (``free(): corrupted unsorted chunks``, SIGSEGV; issue 13, 5). Raises
         ``TimeoutError`` if no step boundary comes within ``timeout_s`` (a rank blocked in a
-        collective: the controller, which asks for the view's memory column, goes on)."""
+        collective: the controller, which asks for the view's memory column, goes on).
+
+        During a segment, the counts answered at an earlier boundary of the same layout come
+        back at once (and the next boundary refreshes them): a layout's counts change only
+        in its first step, and the controller, which asks every 2 s, would otherwise wait
+        for a boundary each time: up to 2 s of each 2 on steps that long."""
         deadline = time.monotonic() + timeout_s
         while True:
             if self._running.acquire(blocking=False):
@@ -112,6 +119,8 @@ class StepLoop:
                     self._running.release()
             self._counts_ready.clear()
             self._counts_wanted.set()
+            if self._counts_of is not None and self._counts_of() is self._layout.strategy:
+                return dict(self._counts)
             if self._counts_ready.wait(0.05):
                 return dict(self._counts)
             if time.monotonic() > deadline:
@@ -123,6 +132,8 @@ class StepLoop:
         if self._counts_wanted.is_set():
             self._counts_wanted.clear()
             self._counts = strategy.memory_counts()
+            self._counts_of = weakref.ref(strategy)  # (a strong one would keep an old
+            #                                             layout's tensors alive)
             self._counts_ready.set()
 
     def request_stop(self) -> None:
@@ -235,7 +246,11 @@ class StepLoop:
         if self._copies is not None:
             self._copies.settle(copied, self._membership.world)
             note, self._copies.note = self._copies.note, None
-        ckpt = self._checkpoints.after_step(p.step, busy > 0)
+        # (the controller commits the previous checkpoint only after its request for the
+        # memory counts is answered: it is answered while this waits for that commit)
+        strategy = self._layout.strategy
+        ckpt = self._checkpoints.after_step(p.step, busy > 0,
+                                            lambda: self._answer_counts(strategy))
         dt = p.t_end - p.t0
         self._metrics.append({
             "step": p.step, "rank": self._membership.rank, "loss": loss, "step_time": dt,

@@ -244,13 +244,11 @@ def test_two_losses_in_a_row_and_one_during_a_checkpoint_upload(ray_cluster, tmp
     _check_data_log(result.run_dir, result.history)
 
 
-def test_hung_worker_is_cut_off_by_the_watchdog(ray_local, tmp_path, reference):
+def test_hung_worker_is_cut_off_by_the_watchdog(ray_cluster, tmp_path, reference):
     """Rank 1 stops answering inside step 5 (the ``hang`` fault: once per run)."""
-    result = elastic.fit(model=mlp, optimizer=adam, loss=mse, dataset=RegressionData(),
-                         global_batch_size=G, max_steps=STEPS, num_workers=3, min_workers=1,
-                         view="none", hang_timeout_s=4, replacement_timeout_s=1,
-                         run_dir=str(tmp_path / "run"),
-                         faults=[{"rank": 1, "step": 5, "action": "hang"}])
+    ray_cluster(3)
+    result = _submit(tmp_path, loss=mse, hang_timeout_s=4, replacement_timeout_s=1,
+                     faults=[{"rank": 1, "step": 5, "action": "hang"}]).result(timeout=180)
     assert os.path.exists(os.path.join(result.run_dir, "faults", "fired-rank1-step5"))
     kinds = [e.kind for e in result.events]
     assert "hang" in kinds and "recovered" in kinds

@@ -461,6 +461,91 @@ def test_memory_counts_never_read_the_live_state_beside_a_step(tmp_path):
         gc.unfreeze()
 
 
+def test_memory_counts_are_answered_while_a_due_checkpoint_waits_for_the_last_commit(tmp_path):
+    """A due checkpoint waits at its boundary for the previous one's commit; the controller
+    asks for the memory counts (the view's column) before it polls and commits. The loop,
+    not at a step boundary it answers at, let that read time out (2 s), and only then was
+    the commit made: every checkpoint of a job whose uploads outlast its checkpoint interval
+    took 2 s more, with training held meanwhile (found in the suite's slowest chaos test:
+    2.03 s per checkpoint of 0 MB)."""
+    import gc
+    import threading
+
+    from elastic.worker import Worker
+
+    w = Worker(_cfg(tmp_path, checkpoint_every=2, checkpoint_uri=str(tmp_path / "ck")), 0,
+               False, 1)
+    try:
+        w.join("127.0.0.1", free_port(), 0, 1, 1, 30.0)
+        w.restart_fresh(_spec("dp"), None, 0)
+        waiting = threading.Event()
+        wait_idle = w.checkpoints._wait_idle
+
+        def recorded_wait(*a: Any) -> bool:
+            waiting.set()
+            return wait_idle(*a)
+
+        w.checkpoints._wait_idle = recorded_wait  # type: ignore[method-assign]
+        out: dict[str, Any] = {}
+        t = threading.Thread(target=lambda: out.update(w.run(0, 6)))
+        t.start()
+        assert waiting.wait(30), "no checkpoint waited for the previous one's commit"
+        t0 = time.monotonic()
+        counts = w.memory_counts()  # as the controller does before it commits
+        assert time.monotonic() - t0 < 1.0 and counts["params"] > 0
+        while t.is_alive():  # then the controller's commits, until the segment ends
+            o = w.checkpoint_poll()
+            if o and "info" in o:
+                w.checkpoint_done(o["info"]["step"], True)
+            time.sleep(0.005)
+        t.join(30)
+        assert out == {"status": "done", "next_step": 6}
+    finally:
+        w.leave()
+        health.reset()
+        gc.unfreeze()
+
+
+def test_memory_counts_during_long_steps_come_back_at_once_after_the_first(tmp_path):
+    """The controller asks for the view's memory counts every 2 s; on steps that long each
+    read waited for the next boundary (up to 2 s of each 2 spent blocked). A layout's counts
+    answered at one boundary come back at once afterwards (the next boundary refreshes
+    them); a new layout's are read afresh."""
+    import gc
+    import threading
+
+    from elastic.worker import Worker
+
+    w = Worker(_cfg(tmp_path), 0, False, 1)
+    try:
+        w.join("127.0.0.1", free_port(), 0, 1, 1, 30.0)
+        w.restart_fresh(_spec("dp"), None, 0)
+        strategy = w.layout.strategy
+        train_step = strategy.train_step
+        in_step = threading.Event()
+
+        def slow_step(x: torch.Tensor, y: torch.Tensor) -> float:
+            in_step.set()
+            time.sleep(0.6)
+            return train_step(x, y)
+
+        strategy.train_step = slow_step
+        t = threading.Thread(target=lambda: w.run(0, 4))
+        t.start()
+        assert in_step.wait(10)
+        first = w.memory_counts()  # at step 0's end
+        t0 = time.monotonic()
+        again = w.memory_counts()
+        took = time.monotonic() - t0
+        t.join(30)
+        assert again == first and first["params"] > 0
+        assert took < 0.3, took  # not the next boundary's ~0.6 s
+    finally:
+        w.leave()
+        health.reset()
+        gc.unfreeze()
+
+
 _LEAVE_PROBE = """
 import gc, os, sys
 from tests.unit.test_worker_components import _cfg, _spec
