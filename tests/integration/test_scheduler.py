@@ -46,8 +46,10 @@ def test_admission_shrink_to_make_room_grow_when_a_job_ends(ray_cluster, tmp_pat
     import ray
 
     ray_cluster(4)  # 4 worker nodes of 1 CPU: the scheduler owns all 4
+    # warm workers: the processes a shrink lets go serve the short job and the long one's
+    # growth back (the cold path is the restart test's; test_pool.py checks the warm one)
     sched = scheduler.start("t", workers=4, policy="srpt", round_s=0.5, resize_s=0.0,
-                            detached=False)
+                            detached=False, warm=4)
     with pytest.raises(ElasticError, match="already running"):
         scheduler.start("t", workers=4)
     try:

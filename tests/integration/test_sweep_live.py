@@ -164,7 +164,8 @@ def test_a_sweep_shares_a_scheduler_with_an_ordinary_job(ray_local, tmp_path):
     import elastic
     from elastic import scheduler
 
-    sched = scheduler.start("sw", workers=3, policy="fifo-static", round_s=0.3, detached=False)
+    sched = scheduler.start("sw", workers=3, policy="fifo-static", round_s=0.3, detached=False,
+                            warm=3)  # the second trial takes the first one's process
     seen: list[list[dict]] = []
     done = threading.Event()
 
