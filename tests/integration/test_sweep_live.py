@@ -19,7 +19,7 @@ from optuna.trial import TrialState
 from elastic.reference import reference_train
 from elastic.sweep import load_sweep, open_study
 from elastic.sweep.runner import TrialRunner
-from tests.helpers import RegressionData, adam, max_diff, mlp
+from tests.helpers import RegressionData, adam, max_diff, mlp, mse
 
 STEPS = 100
 GROWN = 300  # the promoted trial's steps: long enough for a cold second worker to join
@@ -141,9 +141,8 @@ def test_a_promoted_trial_grows_and_trains_its_reference(ray_local, tmp_path):
     assert worlds[0] == 1 and worlds[-1] == 2, worlds  # it grew in place, at a boundary
     grew = worlds.index(2)
     assert worlds[grew:] == [2] * (len(worlds) - grew) and len(worlds) == GROWN
-    from tests.integration.test_sweep_live import slow_mse as loss
-
-    ref, _ = reference_train(mlp, adam, loss, RegressionData(), 8, GROWN, seed=0)
+    # (the reference: slow_mse's numbers without its sleep)
+    ref, _ = reference_train(mlp, adam, mse, RegressionData(), 8, GROWN, seed=0)
     import importlib
 
     final = importlib.import_module("tests.integration.test_sweep_live").FINAL
@@ -155,6 +154,7 @@ def _quiet():
     optuna.logging.set_verbosity(optuna.logging.WARNING)
 
 
+@pytest.mark.cold_workers  # the scheduler brings its own pool: none of this process's holds CPUs
 def test_a_sweep_shares_a_scheduler_with_an_ordinary_job(ray_local, tmp_path):
     """`elastic sweep --scheduler`: the trials are jobs in the scheduler's queue, admitted and
     sized by its policy beside an ordinary job; the pruner's hook runs next to each trial's
@@ -199,7 +199,7 @@ def test_a_sweep_shares_a_scheduler_with_an_ordinary_job(ray_local, tmp_path):
         watcher.join(5)
         scheduler.shutdown("sw")
     assert out["state"] == "finished" and out["steps"] == 150, out
-    ref, _ = reference_train(mlp, adam, slow_mse, RegressionData(), 8, 150, seed=0)
+    ref, _ = reference_train(mlp, adam, mse, RegressionData(), 8, 150, seed=0)  # no sleep
     assert max_diff(out["state_dict"], ref) < 1e-5
     good, bad = study.get_trials()
     assert good.state == TrialState.COMPLETE and good.user_attrs["steps"] == 100
