@@ -290,9 +290,10 @@ class Worker:
         assert self.layout.strategy is not None
         return state_hash(self._guard(self.layout.strategy.full_state))
 
-    def memory_counts(self) -> dict[str, int]:
-        """Elements of the live state; safe beside a running segment (``StepLoop``)."""
-        return self.loop.memory_counts()
+    def memory_counts(self, wait_s: float = 2.0) -> dict[str, int]:
+        """Elements of the live state; safe beside a running segment (``StepLoop``, which
+        waits up to ``wait_s`` for a step boundary to read them at)."""
+        return self.loop.memory_counts(wait_s)
 
     # ------------------------------------------------------------------ profiling
 

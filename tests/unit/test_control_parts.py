@@ -410,3 +410,33 @@ def test_the_step_log_anchors_the_hang_wait_at_a_segment_start_and_each_step():
     t = log.between_steps_at
     assert t is not None and log.hang_wait_s(4.0, now=t + 30) == pytest.approx(5.0)
     assert log.hang_wait_s(4.0, now=t + 1) == pytest.approx(8.0)
+
+
+def test_the_views_memory_read_waits_briefly_and_keeps_the_last_counts():
+    """The view's memory column is read every 2 s while a segment trains; a worker in a
+    layout's first step answers only at its end, so the read waits ``SHOW_WAIT_S`` at most
+    (it waited 2 s, the controller blocked meanwhile), and a read that fails keeps what the
+    view showed."""
+    from elastic.control.steps import SHOW_WAIT_S, StepLog
+    from elastic.errors import ElasticError
+    from elastic.view import View
+
+    class _Group:
+        def __init__(self) -> None:
+            self.workers = [type("W", (), {"info": {}})()]
+            self.waits: list[float] = []
+            self.fail = False
+
+        def memory_counts(self, timeout_s=None, wait_s=2.0):
+            self.waits.append(wait_s)
+            if self.fail:
+                raise ElasticError("rank 0: no step boundary within 0s")
+            return [{"params": 3}]
+
+    log, g = StepLog(None, View()), _Group()
+    log.show_workers(g)
+    assert g.waits == [SHOW_WAIT_S] and SHOW_WAIT_S <= 0.25
+    assert g.workers[0].info["memory"] == {"params": 12}
+    log._mem_at, g.fail = 0.0, True
+    log.show_workers(g)  # the read fails: the last counts stay
+    assert len(g.waits) == 2 and g.workers[0].info["memory"] == {"params": 12}

@@ -540,6 +540,26 @@ def test_memory_counts_during_long_steps_come_back_at_once_after_the_first(tmp_p
         t.join(30)
         assert again == first and first["params"] > 0
         assert took < 0.3, took  # not the next boundary's ~0.6 s
+        # a new layout's first step: nothing cached for it; a short wait fails at its end
+        w.restart_fresh(_spec("dp"), None, 4)
+        strategy = w.layout.strategy
+        train_step2 = strategy.train_step
+
+        def slow_step2(x: torch.Tensor, y: torch.Tensor) -> float:
+            in_step.set()
+            time.sleep(0.6)
+            return train_step2(x, y)
+
+        strategy.train_step = slow_step2
+        in_step.clear()
+        t = threading.Thread(target=lambda: w.run(4, 6))
+        t.start()
+        assert in_step.wait(10)
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            w.memory_counts(0.1)
+        assert time.monotonic() - t0 < 0.4
+        t.join(30)
     finally:
         w.leave()
         health.reset()
