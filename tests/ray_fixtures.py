@@ -79,12 +79,9 @@ class ChaosCluster:
             head_node_args={
                 "num_cpus": 0,
                 "include_dashboard": False,
-                # a node that stops answering is dead after 3 s (Ray's default: 15 s); 1.5 s
-                # (3 x 500 ms) declared a live node dead once on a loaded host: its raylet
-                # starved of the 2 cores while a new node and its workers started
                 "_system_config": {
                     "health_check_period_ms": 500,
-                    "health_check_failure_threshold": 6,
+                    "health_check_failure_threshold": 3,
                 },
             },
         )

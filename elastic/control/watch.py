@@ -59,8 +59,8 @@ class SegmentWatch:
                wait: Wait) -> set[int]:
         """Wait up to ``timeout_s`` for ``refs`` (one call per worker of ``workers``), in
         slices, and stop waiting for a worker that liveness finds lost: its call would end
-        only when Ray declares the actor dead (1.5-3 s after a node's loss with the tests' and
-        benches' fast health checks, 15 s and more with Ray's defaults), and until then the
+        only when Ray declares the actor dead (1.2 s after a node's loss with the tests'
+        fast health checks, 15 s and more with Ray's defaults), and until then the
         controller would see nothing else. Returns the indices of the calls that ended."""
         end = time.monotonic() + timeout_s
         pending = dict(enumerate(refs))
