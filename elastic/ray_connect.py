@@ -21,6 +21,7 @@ from .errors import ClusterError
 __all__ = ["connect", "disconnect", "check_reachable", "address_of", "attach", "LocalNodes",
            "named_actors", "named_actor", "start_named", "call", "kill", "dumps", "loads",
            "draining_nodes", "node_infos", "request_drain", "node_alive", "pg_ready",
+           "bundle_node",
            "start_in_bundle", "new_bundle", "remove_bundle", "wait_refs", "get_ref", "actor_key",
            "free_bundles", "runtime_env_now"]
 
@@ -344,6 +345,17 @@ def pg_ready(pg: Any) -> bool:
         return bool(ray.util.placement_group_table(pg).get("state") == "CREATED")
     except Exception:  # noqa: BLE001 - a removed group
         return False
+
+
+def bundle_node(pg: Any, index: int) -> str:
+    """The node bundle ``index`` of ``pg`` is reserved on now ('' when none or unknown)."""
+    import ray
+
+    try:
+        nodes = ray.util.placement_group_table(pg).get("bundles_to_node_id") or {}
+        return str(nodes.get(index) or "")
+    except Exception:  # noqa: BLE001 - a removed group
+        return ""
 
 
 # --------------------------------------------------------------------------- warm pool

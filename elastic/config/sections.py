@@ -396,8 +396,8 @@ def _switch_at(value: Any, known: list[str]) -> dict[int, str]:
     return out
 
 
-FAULT_ACTIONS = ("exit", "pause", "hang", "raise", "nan", "pause_upload",  # worker/faults.py
-                 "corrupt_copy", "slow")
+FAULT_ACTIONS = ("exit", "pause", "pause_silent", "hang", "raise", "nan",  # worker/faults.py
+                 "pause_upload", "corrupt_copy", "slow")
 
 
 def _faults(faults: Any) -> None:

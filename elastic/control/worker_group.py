@@ -18,9 +18,10 @@ from typing import Any
 
 from ..errors import ClusterError, ElasticError, InfrastructureError, WorkerError, WorkerLostError
 from ..failures import Failure, classify, first_cause
-from ..ray_connect import draining_nodes, node_alive, node_infos, pg_ready, request_drain, wait_refs
+from ..ray_connect import bundle_node, node_alive, pg_ready, wait_refs
 from .calls import PlacementCalls, WorkerCalls
-from .group import DrainNotice, Segment, SegmentPoll, WorkerRec, drain_notices, drain_reason
+from .drains import NodeDrains
+from .group import DrainNotice, Segment, SegmentPoll, WorkerRec
 from .liveness import Liveness
 from .watch import SLICE_S, SegmentWatch
 
@@ -232,13 +233,25 @@ class Placement:
         bundle = self.bundle()
         placed: list[WorkerRec] = []
         reuse, self.free_slots = self.free_slots[:n], self.free_slots[n:]
-        by_pg: dict[int, tuple[Any, list[int]]] = {}
-        for pg, idx in reuse:
-            by_pg.setdefault(id(pg), (pg, []))[1].append(idx)
-        for pg, idxs in by_pg.values():
-            placed += self._collect(self._launch(pg, idxs, bundle),
-                                    wait_s=max(0.5, deadline - time.monotonic()))
-        need = n - len(placed)
+        while reuse:
+            on = {(id(pg), i): bundle_node(pg, i) for pg, i in reuse}
+            by_pg: dict[int, tuple[Any, list[int]]] = {}
+            for pg, idx in reuse:
+                by_pg.setdefault(id(pg), (pg, []))[1].append(idx)
+            for pg, idxs in by_pg.values():
+                placed += self._collect(self._launch(pg, idxs, bundle),
+                                        wait_s=max(0.5, deadline - time.monotonic()))
+            # a worker that failed to start because its bundle's node had died (a worker lost
+            # unannounced with its node, before Ray held the node dead) is started again in the
+            # same bundle, which Ray reserves again where there is room: a new placement group
+            # would wait behind that bundle for the same room until the timeout
+            reuse = [(pg, i) for pg, i in self.free_slots
+                     if on.get((id(pg), i)) and not node_alive(on[(id(pg), i)])]
+            if not reuse or time.monotonic() >= deadline:
+                break
+            self.free_slots = [s for s in self.free_slots if s not in reuse]
+            time.sleep(0.1)
+        need = n - len(placed) - len(reuse)
         if need > 0:
             pgs = [placement_group([dict(bundle)]) for _ in range(need)]
             ray.wait([pg.ready() for pg in pgs], num_returns=need,
@@ -329,7 +342,7 @@ class WorkerGroup(PlacementCalls, WorkerCalls):
         self.watch = SegmentWatch(self.liveness, self._answers)
         self.placement = (Placement if pool is None else pool.placement)(
             config, emulate, (*self.liveness.address, self.liveness.token))
-        self._reasons: dict[str, tuple[str, str]] = {}  # draining node -> (reason, message)
+        self.drains = NodeDrains()  # Ray's drains of the job's nodes
 
     def _answers(self, w: WorkerRec) -> bool:
         """Whether a silent worker answers a ping within 1 s (its second thread)."""
@@ -381,31 +394,10 @@ class WorkerGroup(PlacementCalls, WorkerCalls):
     # ------------------------------------------------------------------ notices
 
     def notices(self) -> list[DrainNotice]:
-        """Ray's draining nodes that host this job's workers, with their deadlines (one GCS
-        call, ~1 ms, ``ray_connect.draining_nodes``). The reason is read once per node."""
-        try:
-            drained = draining_nodes()
-        except Exception:  # noqa: BLE001 - the GCS busy: no news this time
-            return []
-        return drain_notices(drained or {}, self.workers, self._drain_reason)
-
-    def _drain_reason(self, node: str) -> tuple[str, str]:
-        if node not in self._reasons:
-            try:
-                self._reasons[node] = drain_reason(node_infos(), node)
-            except Exception:  # noqa: BLE001 - the reason is a nicety; the deadline counts
-                self._reasons[node] = ("preemption", "")  # see drain_reason
-        return self._reasons[node]
+        return self.drains.notices(self.workers)
 
     def drain_node(self, node_id: str, deadline_s: float | None, message: str) -> str:
-        """Ask Ray to drain ``node_id`` (``ray_connect.request_drain``); its deadline is in
-        ``deadline_s`` seconds (None: none). Returns "" when accepted, else Ray's reason."""
-        deadline_ms = 0 if deadline_s is None else int((time.time() + deadline_s) * 1000)
-        try:
-            ok, why = request_drain(node_id, deadline_ms, message)
-        except Exception as e:  # noqa: BLE001 - said to the asker
-            return f"{type(e).__name__}: {e}"
-        return "" if ok else str(why or "refused")
+        return self.drains.request(node_id, deadline_s, message)
 
     def shrink(self, n: int) -> list[WorkerRec]:
         """Keep the first ``n`` workers; kill the rest (``Placement.vacate``: their bundles

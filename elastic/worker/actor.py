@@ -124,7 +124,8 @@ class Worker:
                              loss_fn, on_built=self.profiler.install)
         self.copies = PeerCopies(config.peer_copies_every, config.peer_copies_memory_gb,
                                  self.membership, _node_id)
-        self.faults = Faults(config, node_id=_node_id, corrupt=self.copies.corrupt)
+        self.faults = Faults(config, node_id=_node_id, corrupt=self.copies.corrupt,
+                             mute=self.heartbeat.mute if self.heartbeat else lambda: None)
         self.checkpoints = Checkpointing(config, self.membership, self.layout,
                                          in_upload=self.faults.in_upload)
         self.loop = StepLoop(config, self.membership, self.layout, self.data, self.checkpoints,

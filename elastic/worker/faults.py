@@ -10,6 +10,10 @@ fire it again. Actions:
 * ``pause``: writes ``paused-rank{r}-step{s}.json`` ({node_id, pid, rank, step, generation},
   atomically), then blocks until the process is killed: a test waits for that file (an event,
   not a sleep) and removes the node;
+* ``pause_silent``: as ``pause``, but the process will not tell the controller that its node
+  went (its heartbeat stops watching the raylet): it ends with its node at Ray's own check,
+  unannounced, as on a machine that vanishes, and the controller finds it gone before Ray
+  does;
 * ``hang``: blocks forever inside the step: its peers' collectives time out;
 * ``raise``: ``RuntimeError`` from the job's code path (a user error);
 * ``nan``: this rank's batch inputs are NaN for that step (for integer inputs: the outputs
@@ -52,15 +56,16 @@ def _block_forever() -> None:
 class Faults:
     """The job's fault entries, indexed by (rank, step); a no-op when there are none.
 
-    ``node_id`` says which node this process runs on (for ``pause``); ``block``, ``exit`` and
-    ``corrupt`` are what ``pause``/``hang``, ``exit`` and ``corrupt_copy`` do (tests replace
-    them).
+    ``node_id`` says which node this process runs on (for ``pause``); ``block``, ``exit``,
+    ``corrupt`` and ``mute`` are what ``pause``/``hang``, ``exit``, ``corrupt_copy`` and
+    ``pause_silent`` do (tests replace them).
     """
 
     def __init__(self, config: JobConfig | WorkerConfig, node_id: Callable[[], str | None] = lambda: None,
                  block: Callable[[], None] = _block_forever,
                  exit: Callable[[int], Any] = os._exit,
-                 corrupt: Callable[[], Any] = lambda: None) -> None:
+                 corrupt: Callable[[], Any] = lambda: None,
+                 mute: Callable[[], Any] = lambda: None) -> None:
         self._at: dict[tuple[int, int], list[dict[str, Any]]] = {}
         for f in config.faults or []:
             self._at.setdefault((int(f["rank"]), int(f["step"])), []).append(f)
@@ -69,6 +74,7 @@ class Faults:
         self._block = block
         self._exit = exit
         self._corrupt = corrupt
+        self._mute = mute
 
     def at_step(self, rank: int, step: int, generation: int) -> bool:
         """At the start of ``step`` on ``rank``: fire the entries due there that have not
@@ -87,7 +93,9 @@ class Faults:
             action = f["action"]
             if action == "exit":
                 self._exit(1)
-            elif action == "pause":
+            elif action in ("pause", "pause_silent"):
+                if action == "pause_silent":
+                    self._mute()
                 self._write_paused(where, rank, step, generation)
                 self._block()
             elif action == "hang":

@@ -7,6 +7,8 @@ from __future__ import annotations
 import socket
 import time
 
+import pytest
+
 from elastic.control.group import Segment, WorkerRec
 from elastic.control.liveness import HELLO, Liveness
 from elastic.control.watch import GRACE_S, SegmentWatch
@@ -128,7 +130,9 @@ spec = importlib.util.spec_from_file_location("hb", sys.argv[4])  # not the pack
 hb = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(hb)
 host, port, token = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-hb.Heartbeat(host, port, token, 5, 0.05, node_pid=os.getppid())
+beat = hb.Heartbeat(host, port, token, 5, 0.05, node_pid=os.getppid())
+if len(sys.argv) > 5:
+    beat.mute()  # the pause_silent fault
 time.sleep(60)
 """
 
@@ -141,10 +145,12 @@ def _ended(pid: int) -> bool:
         return True
 
 
-def test_a_worker_whose_node_process_dies_says_so_and_ends_at_once():
+@pytest.mark.parametrize("muted", [False, True])
+def test_a_worker_whose_node_process_dies_says_so_and_ends_at_once(muted):
     """A stand-in for a node: a parent process (the raylet) with a worker child. Killing the
     parent (what ``remove_node`` does to the raylet) makes the worker's beat say its node is
-    gone and end its process within a beat, not at Ray's own once-a-second check."""
+    gone and end its process within a beat, not at Ray's own once-a-second check. Muted (the
+    ``pause_silent`` fault) it says nothing: only its process's end would tell."""
     import os
     import signal
     import subprocess
@@ -154,7 +160,8 @@ def test_a_worker_whose_node_process_dies_says_so_and_ends_at_once():
     import elastic.worker.heartbeat as hb
 
     node = subprocess.Popen([sys.executable, "-c", _NODE, _WORKER, *map(str, live.address),
-                             live.token, hb.__file__], stdout=subprocess.PIPE)
+                             live.token, hb.__file__, *(["mute"] if muted else [])],
+                            stdout=subprocess.PIPE)
     try:
         assert node.stdout is not None
         worker = int(node.stdout.readline())
@@ -163,6 +170,13 @@ def test_a_worker_whose_node_process_dies_says_so_and_ends_at_once():
         assert live.lost([5]) == {} and not live.node_lost(5)  # a live node: no alarm
         t0 = time.monotonic()
         node.send_signal(signal.SIGKILL)
+        if muted:
+            time.sleep(0.5)
+            assert live.lost([5]) == {} and not live.node_lost(5) and not _ended(worker)
+            os.kill(worker, signal.SIGKILL)  # Ray's own raylet check ends it
+            _wait_until(lambda: bool(live.lost([5])))
+            assert not live.node_lost(5)
+            return
         took = _wait_until(lambda: bool(live.lost([5])))
         assert took < 0.5 and live.node_lost(5)
         _wait_until(lambda: _ended(worker), timeout=1.0)

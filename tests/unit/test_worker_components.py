@@ -180,6 +180,18 @@ def test_exit_pause_and_hang_act_through_their_hooks(tmp_path):
                                          "fired-rank2-step4", "paused-rank0-step3.json"]
 
 
+def test_a_silent_pause_mutes_the_node_watch_before_it_blocks(tmp_path):
+    where = str(tmp_path / "chaos")
+    cfg = _cfg(tmp_path, faults=[{"rank": 1, "step": 2, "action": "pause_silent", "dir": where}])
+    done: list[str] = []
+    faults = Faults(cfg, node_id=lambda: "node-b", block=lambda: done.append("blocked"),
+                    mute=lambda: done.append("muted"))
+    faults.at_step(1, 2, 3)
+    assert done == ["muted", "blocked"]
+    with open(os.path.join(where, "paused-rank1-step2.json")) as f:
+        assert json.load(f)["node_id"] == "node-b"
+
+
 def test_a_slow_fault_makes_that_step_wait(tmp_path):
     cfg = _cfg(tmp_path, faults=[{"rank": 1, "step": 2, "action": "slow", "seconds": 0.3}])
     faults = Faults(cfg)
