@@ -85,11 +85,9 @@ class WorkerCalls:
         """Lay every worker out as ``spec`` (first build or a live switch)."""
         return self._call("build", spec)
 
-    def memory_counts(self, timeout_s: float | None = None,
-                      wait_s: float = 2.0) -> list[dict[str, int]]:
-        """Each worker's counts; a worker in a segment waits up to ``wait_s`` for a step
-        boundary (``StepLoop.memory_counts``)."""
-        return self._call("memory_counts", wait_s, timeout_s=timeout_s)
+    def memory_counts(self, timeout_s: float | None = None) -> list[dict[str, int]]:
+        """Each worker's counts (``StepLoop.memory_counts``)."""
+        return self._call("memory_counts", timeout_s=timeout_s)
 
     def profile(self, batch: int, detail: bool = False,
                 workers: Sequence[WorkerRec] | None = None) -> list[dict[str, Any]]:

@@ -26,7 +26,6 @@ WATCH_MIN_S = 0.05  # the fastest a watched job is polled (each poll is an RPC p
 # that takes the GIL from its training thread: every 10 ms cost 6x on 2 ms steps)
 WATCH_FIRST_S = 0.05  # a watched job's polls before its first step is seen
 WATCH_SLACK_S = 0.002  # a watched step's poll comes this long after its expected end
-SHOW_WAIT_S = 0.2  # the longest the view's memory read waits for a worker's step boundary
 PERIOD_STEPS = 6  # the step period is measured over up to this many recorded steps
 
 
@@ -43,26 +42,13 @@ class StepLog:
         self._gate_sent: tuple[int, int, int] | None = None  # (step, version, generation)
         self.history: list[dict[str, Any]] = []
         self.fresh = False  # whether the last ingest recorded a step
-        self._mem_at = 0.0  # when the workers' memory column was read last
         # time.monotonic() of the last sign that the ranks were between steps: a segment's
         # start, or a completed step's metrics arriving (``hang_wait_s``)
         self.between_steps_at: float | None = None
 
     def show_workers(self, group: Any) -> None:
-        """The view's workers, with their memory (read at most every 2 s: each read is a
-        call to every worker). A worker in a layout's first step has no counts yet and
-        would answer at that step's end: it is waited for ``SHOW_WAIT_S`` at most (a
-        view's column is not worth a controller blocked for a long step)."""
-        from ..errors import ElasticError
-
-        if time.monotonic() - self._mem_at > 2.0:
-            self._mem_at = time.monotonic()
-            try:
-                counts = group.memory_counts(timeout_s=10, wait_s=SHOW_WAIT_S)
-                for w, c in zip(group.workers, counts, strict=True):
-                    w.info["memory"] = {k: v * 4 for k, v in c.items()}  # fp32 bytes
-            except ElasticError:
-                pass
+        """The view's workers, with their memory (each layout's counts come in its first
+        step's metrics: ``ingest``)."""
         self.view.workers([w.info for w in group.workers])
 
     @property
@@ -169,6 +155,8 @@ class StepLog:
             for m in batch:
                 w.info["samples_per_s"] = m["samples"] / m["step_time"] if m["step_time"] else 0
                 w.info["share"] = m["samples"]
+                if "memory" in m:  # a layout's first step
+                    w.info["memory"] = {k: v * 4 for k, v in m["memory"].items()}  # fp32 bytes
                 if m["step"] not in per_step or m["rank"] == 0:
                     per_step[m["step"]] = m
                 for fn in on_metric:

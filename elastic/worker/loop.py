@@ -89,6 +89,7 @@ class StepLoop:
         self._counts_ready = threading.Event()
         self._counts: dict[str, int] = {}
         self._counts_of: Any = None  # a weak reference to the strategy the answer is of
+        self._shown_of: Any = None  # ... and to the one whose counts went in the metrics
         self._gate: PruneGate | None = None  # a sweep's pruner decision, handed ahead
         self._agreed: dict[int, float] = {}  # the agreed loss of each recent step
         self._gated_next: int | None = None  # every rank holds a gate for this step
@@ -102,12 +103,11 @@ class StepLoop:
         read from the actor's other thread meanwhile is a use-after-free that crashed
         survivors (``free(): corrupted unsorted chunks``, SIGSEGV; issue 13, 5). Raises
         ``TimeoutError`` if no step boundary comes within ``timeout_s`` (a rank blocked in a
-        collective: the controller, which asks for the view's memory column, goes on).
+        collective: the caller goes on).
 
-        During a segment, the counts answered at an earlier boundary of the same layout come
-        back at once (and the next boundary refreshes them): a layout's counts change only
-        in its first step, and the controller, which asks every 2 s, would otherwise wait
-        for a boundary each time: up to 2 s of each 2 on steps that long."""
+        During a segment, the counts read at an earlier boundary of the same layout come
+        back at once (a layout's counts change only in its first step). The view's memory
+        column does not call this: it comes with the metrics (``_first_counts``)."""
         deadline = time.monotonic() + timeout_s
         while True:
             if self._running.acquire(blocking=False):
@@ -135,6 +135,17 @@ class StepLoop:
             self._counts_of = weakref.ref(strategy)  # (a strong one would keep an old
             #                                             layout's tensors alive)
             self._counts_ready.set()
+
+    def _first_counts(self, strategy: Any) -> dict[str, int] | None:
+        """On the training thread, at a layout's first boundary: its memory counts, for that
+        step's metrics (None after): the view's memory column comes with the metrics the
+        controller drains anyway, never from a call that would wait for a boundary. They
+        also answer a later ``memory_counts`` at once."""
+        if self._shown_of is not None and self._shown_of() is strategy:
+            return None
+        self._counts = strategy.memory_counts()
+        self._counts_of = self._shown_of = weakref.ref(strategy)
+        return dict(self._counts)
 
     def request_stop(self) -> None:
         """Ask the loop to stop after the current step (all ranks agree on the same step)."""
@@ -246,9 +257,9 @@ class StepLoop:
         if self._copies is not None:
             self._copies.settle(copied, self._membership.world)
             note, self._copies.note = self._copies.note, None
-        # (the controller commits the previous checkpoint only after its request for the
-        # memory counts is answered: it is answered while this waits for that commit)
         strategy = self._layout.strategy
+        memory = self._first_counts(strategy)
+        # (a request that needs a boundary is answered while this waits for a commit)
         ckpt = self._checkpoints.after_step(p.step, busy > 0,
                                             lambda: self._answer_counts(strategy))
         dt = p.t_end - p.t0
@@ -263,6 +274,7 @@ class StepLoop:
             **({"eval_loss": p.eval_loss} if p.eval_loss is not None else {}),
             **({"skipped": True} if skipped else {}),
             **({"peer_copies_off": note} if note else {}),
+            **({"memory": memory} if memory is not None else {}),
             **({"gate": "prune", "gate_time": time.time()} if pruned else {}),
         })
         return stop > 0 or pruned

@@ -258,9 +258,8 @@ class FakeGroup:
         return [{"seconds": 0.0, "hash_before": "h", "hash_after": "h", "check": "pieces",
                  "move": "reshard", "bytes_sent": 0} for _ in self.workers]
 
-    def memory_counts(self, timeout_s: float | None = None,
-                      wait_s: float = 2.0) -> list[dict[str, int]]:
-        self.calls.append(("memory_counts", wait_s))
+    def memory_counts(self, timeout_s: float | None = None) -> list[dict[str, int]]:
+        self.calls.append(("memory_counts", timeout_s))
         return [{"params": 1, "grads": 1, "optim": 1} for _ in self.workers]
 
     def profile(self, batch: int, detail: bool = False, workers: Any = None) -> list[Any]:

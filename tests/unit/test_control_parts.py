@@ -412,31 +412,29 @@ def test_the_step_log_anchors_the_hang_wait_at_a_segment_start_and_each_step():
     assert log.hang_wait_s(4.0, now=t + 1) == pytest.approx(8.0)
 
 
-def test_the_views_memory_read_waits_briefly_and_keeps_the_last_counts():
-    """The view's memory column is read every 2 s while a segment trains; a worker in a
-    layout's first step answers only at its end, so the read waits ``SHOW_WAIT_S`` at most
-    (it waited 2 s, the controller blocked meanwhile), and a read that fails keeps what the
-    view showed."""
-    from elastic.control.steps import SHOW_WAIT_S, StepLog
-    from elastic.errors import ElasticError
+def test_the_views_memory_column_comes_with_the_metrics_and_never_calls_the_workers():
+    """A layout's memory counts come in its first step's metrics; the view shows them from
+    there. Before, the controller called every worker for them every 2 s during a segment,
+    and a worker answered at its next step boundary: the controller blocked up to 2 s of
+    every 2 on long steps (and a due checkpoint waited on that read for 2 s)."""
+    from elastic.control.steps import StepLog
     from elastic.view import View
 
     class _Group:
         def __init__(self) -> None:
             self.workers = [type("W", (), {"info": {}})()]
-            self.waits: list[float] = []
-            self.fail = False
 
-        def memory_counts(self, timeout_s=None, wait_s=2.0):
-            self.waits.append(wait_s)
-            if self.fail:
-                raise ElasticError("rank 0: no step boundary within 0s")
-            return [{"params": 3}]
+        def memory_counts(self, timeout_s=None):
+            raise AssertionError("the view must not call the workers")
 
-    log, g = StepLog(None, View()), _Group()
+    from strategies import StrategySpec
+
+    log, g, spec = StepLog(None, View()), _Group(), StrategySpec("dp", 1, (4,))
+    m = {"step": 0, "rank": 0, "loss": 1.0, "step_time": 0.1, "samples": 4, "range": [0, 4],
+         "generation": 1, "global_samples": 4, "samples_per_s": 40.0, "time": 0.0}
+    log.ingest(g.workers, [[dict(m, memory={"params": 3, "optim": 6})]], spec, 1)
     log.show_workers(g)
-    assert g.waits == [SHOW_WAIT_S] and SHOW_WAIT_S <= 0.25
-    assert g.workers[0].info["memory"] == {"params": 12}
-    log._mem_at, g.fail = 0.0, True
-    log.show_workers(g)  # the read fails: the last counts stay
-    assert len(g.waits) == 2 and g.workers[0].info["memory"] == {"params": 12}
+    assert g.workers[0].info["memory"] == {"params": 12, "optim": 24}  # fp32 bytes
+    log.ingest(g.workers, [[dict(m, step=1)]], spec, 1)  # later steps: the counts stay
+    log.show_workers(g)
+    assert g.workers[0].info["memory"] == {"params": 12, "optim": 24}

@@ -518,6 +518,23 @@ def test_memory_counts_are_answered_while_a_due_checkpoint_waits_for_the_last_co
         gc.unfreeze()
 
 
+def test_a_layouts_first_step_metrics_carry_its_memory_counts(tmp_path, group):
+    """The view's memory column rides on the metrics: a layout's first step carries its
+    counts (read on the training thread at that boundary), later steps do not, and a new
+    layout's first step carries them again; a read afterwards comes back at once."""
+    p = _parts(_cfg(tmp_path), group)
+    p.layout.build(_spec())
+    p.loop.run(0, 3)
+    got = p.loop.drain()
+    assert [("memory" in m) for m in got] == [True, False, False]
+    assert got[0]["memory"] == p.layout.strategy.memory_counts()
+    assert got[0]["memory"]["params"] > 0 and got[0]["memory"]["optim"] > 0
+    p.layout.build(_spec("zero1"))  # a live switch: a new layout
+    p.loop.run(3, 5)
+    assert [("memory" in m) for m in p.loop.drain()] == [True, False]
+    assert p.loop.memory_counts(0.0) == p.layout.strategy.memory_counts()
+
+
 def test_memory_counts_during_long_steps_come_back_at_once_after_the_first(tmp_path):
     """The controller asks for the view's memory counts every 2 s; on steps that long each
     read waited for the next boundary (up to 2 s of each 2 spent blocked). A layout's counts
