@@ -55,11 +55,13 @@ def _private_ray_tmpdir():
     # Ray's own metrics exporter: a driver's ray.shutdown() waited 20-27 s on it after a test's
     # cluster lost nodes (it retries a dead metrics agent); nothing here reads Ray's metrics
     os.environ.setdefault("RAY_enable_metrics_collection", "0")
-    # every Ray worker process imports torch before it takes an actor (Ray's prestarted
-    # workers): a worker actor starts in ~0.2-0.5 s instead of ~2.5 s (elastic.ray_connect does
-    # the same for the local clusters it starts)
-    os.environ.setdefault("RAY_preload_python_modules",
-                          "torch,torch.distributed,torch._dynamo,elastic.worker.actor")
+    # no Ray worker process imports torch before it takes an actor, as on a cluster the user
+    # started (elastic.ray_connect preloads torch only on the local clusters it starts itself).
+    # With the preload, every process paid ~1.7-3 s of CPU for it, also each job's mailbox
+    # actor, Ray's job supervisors and workers never used: a quarter of the suite's CPU (1520
+    # -> 1154 CPU-s, 16.2 -> 14.6 min on 2 cores, session 14); the tests' warm pools keep
+    # their workers' start fast without it
+    os.environ.setdefault("RAY_preload_python_modules", "")
     # measured speeds are cached per machine; tests start from an empty cache
     os.environ["ELASTIC_CACHE_DIR"] = _mkdtemp("elastic-cache-")
     yield
