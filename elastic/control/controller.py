@@ -79,7 +79,7 @@ class Controller:
         config.validate()
         self.cfg = config
         self.view = view or View()
-        self.sink = EventSink(config, self.view, lambda: self.step)
+        self.sink = EventSink(config, self.view, lambda: max(self.step, self.steps.next_step))
         self._emit = self.sink.emit
         self.inbox = Inbox(None, self._emit)
         self.spec: StrategySpec | None = None

@@ -75,6 +75,8 @@ def test_node_lost_under_dp_recovers_from_peers_losing_no_step(tmp_path):
     fail = next(e for e in ctl.events if e.kind == "failure")
     assert fail.data["kind"] == "node_lost" and fail.data["dead_ranks"] == [1]
     assert result.history[-1]["world_size"] == 2 and ctl.failures == 1
+    # the events say where training was, not the segment's first step (0 here)
+    assert (fail.step, rec[0].step) == (7, 7), (fail.step, rec[0].step)
 
 
 def test_a_node_lost_during_the_final_gather_is_recovered(tmp_path, monkeypatch):
