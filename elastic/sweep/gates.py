@@ -24,10 +24,13 @@ the trials after it compare against.
 
 The threshold is the study's as of when the gate was computed (it is refreshed every
 ``REFRESH_S`` while the trial runs): a trial that completes (or reaches the rung) in between is
-counted at the next decision step, as with any asynchronous pruner. No gate is made where the
-pruner's own settings are not known yet (Hyperband's ``max_resource: auto`` before its first
-complete trial, successive halving's ``min_resource: auto``), nor over a rung where another
-trial's value is NaN (Optuna's order of NaNs is the sort's): there the driver decides alone.
+counted at the next decision step, as with any asynchronous pruner. Settings that Optuna
+derives from the study (Hyperband's ``max_resource: auto``, successive halving's
+``min_resource: auto``: from the complete trials' last steps, once, at the pruner's first
+decision) are derived here the same way on the same pruner object, at whichever comes first,
+the gate or the pruner's own ``prune``; before any trial is complete there is no gate, and the
+pruner answers "go on" there too. No gate is made over a rung where another trial's value is
+NaN (Optuna's order of NaNs is the sort's): there the driver decides alone.
 """
 
 from __future__ import annotations
@@ -100,15 +103,15 @@ def halving_of(study: optuna.Study, number: int
     """The ``SuccessiveHalvingPruner`` that decides for trial ``number`` of ``study`` and a
     function returning the study it reads (under Hyperband: the trial's bracket, and a view
     of the study with that bracket's trials only: made on demand, it reads the storage);
-    None for another pruner, or a Hyperband whose brackets depend on trials not complete yet
-    (``max_resource: auto``)."""
+    None for another pruner, or a Hyperband with ``max_resource: auto`` before any trial is
+    complete (its brackets are not known yet)."""
     p = study.pruner
     try:
         if isinstance(p, optuna.pruners.HyperbandPruner):
             if not p._pruners:  # noqa: SLF001
-                if p._max_resource == "auto":  # noqa: SLF001 - set at its first decision
-                    return None
                 p._try_initialization(study)  # noqa: SLF001 - what its first prune() does
+                if not p._pruners:  # noqa: SLF001 - max_resource "auto", no complete trial:
+                    return None  # its prune() answers False too
             bracket = p._get_bracket_id(  # noqa: SLF001 - it reads only the number
                 study, cast(optuna.trial.FrozenTrial, SimpleNamespace(number=number)))
             return (p._pruners[bracket],  # noqa: SLF001
@@ -134,8 +137,15 @@ def halving_gate(study: optuna.Study, trial_id: int, number: int, step: int,
         rate, boot = int(sh._min_early_stopping_rate), int(sh._bootstrap_count)  # noqa: SLF001
     except AttributeError:
         return None
-    if not isinstance(lo, int):  # min_resource "auto", not estimated yet
-        return None
+    if lo is None:  # min_resource "auto": estimated as its first prune() does, on the
+        try:  # same object
+            from optuna.pruners._successive_halving import _estimate_min_resource
+        except ImportError:  # another Optuna's internals: the driver decides
+            return None
+        lo = sh._min_resource = _estimate_min_resource(  # noqa: SLF001
+            view().get_trials(deepcopy=False))
+        if lo is None:  # no complete trial yet: its prune() answers False too
+            return None
     attrs = study._storage.get_trial_system_attrs(trial_id)  # noqa: SLF001
     rung = 0
     while f"completed_rung_{rung}" in attrs:

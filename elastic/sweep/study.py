@@ -70,6 +70,12 @@ def make_pruner(cfg: SweepConfig) -> optuna.pruners.BasePruner:
     kind = spec.pop("type", "median")
     if kind == "hyperband":
         spec.setdefault("max_resource", int(cfg.base.get("max_steps") or 0) or "auto")
+        for key, least in (("min_resource", 1), ("reduction_factor", 2)):
+            v = spec.get(key, least)
+            if isinstance(v, bool) or not isinstance(v, int) or v < least:
+                # Optuna's HyperbandPruner takes these unchecked and fails at its first decision
+                raise ConfigError(f"study.pruner.{key}", f"is {v!r}; Hyperband needs an "
+                                  f"integer >= {least}.", f"set {key} to an integer >= {least}")
     classes = {"median": optuna.pruners.MedianPruner,
                "hyperband": optuna.pruners.HyperbandPruner, "none": optuna.pruners.NopPruner}
     if kind not in classes:

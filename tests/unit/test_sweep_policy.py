@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import random
+from typing import Any
 
 import optuna
 import pytest
@@ -176,6 +177,21 @@ def test_pruning_mode_is_checked():
         assert e.value.field == field and e.value.fix, (field, e.value)
 
 
+@pytest.mark.parametrize("pruner, field", [
+    ({"type": "hyperband", "min_resource": "auto"}, "study.pruner.min_resource"),
+    ({"type": "hyperband", "min_resource": 0}, "study.pruner.min_resource"),
+    ({"type": "hyperband", "min_resource": 2.5}, "study.pruner.min_resource"),
+    ({"type": "hyperband", "reduction_factor": 1}, "study.pruner.reduction_factor"),
+    ({"type": "hyperband", "reduction_factor": "3"}, "study.pruner.reduction_factor"),
+])
+def test_hyperband_settings_optuna_would_fail_on_later_are_refused_up_front(pruner, field):
+    """Optuna's HyperbandPruner takes these and raises a TypeError or divides by zero at its
+    first decision, mid-sweep; the sweep refuses them before any trial starts."""
+    with pytest.raises(ConfigError) as e:
+        make_pruner(SweepConfig(base={"max_steps": 50}, params={}, pruner=pruner))
+    assert e.value.field == field and "integer >=" in e.value.fix
+
+
 def _hooked_prune_step(pruner_spec: dict, curves: list[list[float]], direction: str,
                        exact: bool, gates: list[int] | None = None
                        ) -> tuple[list[int | None], list[dict[int, float]]]:
@@ -303,32 +319,44 @@ def test_the_workers_gate_decides_as_optunas_percentile_pruner(direction, pruner
     assert all(seen.values()), seen  # every branch of the table is exercised
 
 
-def _halving_table() -> list[tuple[str, optuna.pruners.BasePruner]]:
-    out: list[tuple[str, optuna.pruners.BasePruner]] = []
+def _halving_table() -> list[Any]:
+    sh, hb = optuna.pruners.SuccessiveHalvingPruner, optuna.pruners.HyperbandPruner
+    out: list[Any] = []
     for direction in ("minimize", "maximize"):
-        out.append((direction, optuna.pruners.SuccessiveHalvingPruner(
-            min_resource=1, reduction_factor=2)))
-        out.append((direction, optuna.pruners.SuccessiveHalvingPruner(
-            min_resource=2, reduction_factor=3, min_early_stopping_rate=1, bootstrap_count=2)))
-        out.append((direction, optuna.pruners.HyperbandPruner(
-            min_resource=1, max_resource=40, reduction_factor=2)))
-        out.append((direction, optuna.pruners.HyperbandPruner(
-            min_resource=2, max_resource=60, reduction_factor=3, bootstrap_count=1)))
+        out += [pytest.param(direction, lambda: sh(min_resource=1, reduction_factor=2),
+                             id=f"{direction}-sh"),
+                pytest.param(direction, lambda: sh(min_resource=2, reduction_factor=3,
+                                                   min_early_stopping_rate=1,
+                                                   bootstrap_count=2), id=f"{direction}-sh-boot"),
+                pytest.param(direction, lambda: hb(min_resource=1, max_resource=40,
+                                                   reduction_factor=2), id=f"{direction}-hb"),
+                pytest.param(direction, lambda: hb(min_resource=2, max_resource=60,
+                                                   reduction_factor=3, bootstrap_count=1),
+                             id=f"{direction}-hb-boot"),
+                # settings Optuna derives from the complete trials at its first decision
+                pytest.param(direction, lambda: sh(min_resource="auto", reduction_factor=2),
+                             id=f"{direction}-sh-auto"),
+                pytest.param(direction, lambda: hb(min_resource=1, max_resource="auto",
+                                                   reduction_factor=2), id=f"{direction}-hb-auto")]
     return out
 
 
-@pytest.mark.parametrize("direction, pruner", _halving_table())
-def test_the_workers_gate_decides_as_optunas_successive_halving(direction, pruner):
+@pytest.mark.parametrize("direction, make", _halving_table())
+def test_the_workers_gate_decides_as_optunas_successive_halving(direction, make):
     """Random studies (other trials that reached rungs with values, some tied, some NaN,
     the trial itself at a random rung, a value at a decision step that is sometimes NaN or
     infinite): at every step where a gate exists it decides as ``pruner.prune`` then does
     (Hyperband: in the trial's own bracket); no gate where the pruner does not decide (a
     step that is not the current rung's promotion step) or where another trial's value at
-    the rung is NaN."""
+    the rung is NaN. A fresh pruner per study: ``auto`` settings are derived from the
+    complete trials (their last steps 0-399 here) by whichever asks first, the gate or
+    ``prune``, on the same object; with no complete trial there is no gate and the pruner
+    answers "go on"."""
     rng = random.Random(5)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     seen = {"prune": 0, "go on": 0, "no gate": 0}
     for case in range(120):
+        pruner = make()
         study = optuna.create_study(direction=direction, pruner=pruner)
         pool = [rng.uniform(0, 2) for _ in range(3)]  # drawn from: ties happen
         for _ in range(rng.randrange(0, 9)):
@@ -339,12 +367,13 @@ def test_the_workers_gate_decides_as_optunas_successive_halving(direction, prune
             study.add_trial(optuna.trial.create_trial(
                 state=rng.choice([optuna.trial.TrialState.COMPLETE,
                                   optuna.trial.TrialState.PRUNED]),
-                value=1.0, intermediate_values={0: 1.0}, system_attrs=attrs))
+                value=1.0, intermediate_values={rng.choice([0, 39, 150, 399]): 1.0},
+                system_attrs=attrs))
         trial = study.ask()
         for r in range(rng.randrange(0, 3)):
             study._storage.set_trial_system_attr(  # noqa: SLF001
                 trial._trial_id, f"completed_rung_{r}", rng.uniform(0, 2))  # noqa: SLF001
-        steps = [1, 2, 3, 4, 6, 8, 9, 16, 18, 27, 32]
+        steps = [1, 2, 3, 4, 6, 8, 9, 12, 16, 18, 24, 27, 32]
         gated = [s for s in steps if halving_gate(study, trial._trial_id,  # noqa: SLF001
                                                   trial.number, s, 1) is not None]
         step = rng.choice(gated if gated and rng.random() < 0.8 else steps)
@@ -362,6 +391,45 @@ def test_the_workers_gate_decides_as_optunas_successive_halving(direction, prune
         assert isinstance(d, Prune) == want, (case, g, value, d)
         seen["prune" if want else "go on"] += 1
     assert all(v >= 5 for v in seen.values()), seen  # every branch of the table is exercised
+
+
+@pytest.mark.parametrize("auto", ["max_resource", "min_resource"])
+def test_auto_settings_give_gates_once_a_trial_is_complete(auto):
+    """Hyperband's ``max_resource: auto`` (what ``elastic sweep`` sets when the base job has
+    no ``max_steps``) and successive halving's ``min_resource: auto``: no gate before any
+    trial is complete (the pruner answers "go on" there too); after one, the gate exists at
+    the rung's step, derived as the pruner derives it, and agrees with its decision."""
+    if auto == "max_resource":
+        pruner = optuna.pruners.HyperbandPruner(min_resource=2, max_resource="auto",
+                                                reduction_factor=2)
+    else:
+        pruner = optuna.pruners.SuccessiveHalvingPruner(min_resource="auto", reduction_factor=2)
+    study = optuna.create_study(pruner=pruner)
+    first = study.ask()
+    assert all(halving_gate(study, first._trial_id, first.number, s, 1) is None  # noqa: SLF001
+               for s in range(1, 20))
+    for s in range(300):
+        first.report(1.0, s)
+        assert not first.should_prune()
+    study.tell(first, 1.0)
+    said = []
+    for v in (1.0, 3.0, 0.5, 5.0, 2.0, 4.0, 6.0, 0.1):  # trials after it, each to its rung
+        trial = study.ask()
+        gates = {s: g for s in range(1, 300) if (g := halving_gate(
+            study, trial._trial_id, trial.number, s, 1)) is not None}  # noqa: SLF001
+        assert gates, "no gate after a complete trial"
+        step = min(gates)
+        for s in range(step + 1):
+            trial.report(v, s)
+        want = pruner.prune(study, study._storage.get_trial(trial._trial_id))  # noqa: SLF001
+        d = GatePolicy().decide(GateObservation(gates[step], (v,)))
+        assert isinstance(d, Prune) == want, (v, step, gates[step])
+        said.append(want)
+        if want:
+            study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+        else:
+            study.tell(trial, v)
+    assert any(said) and not all(said), said
 
 
 @pytest.mark.parametrize("gate, values, prunes", [
