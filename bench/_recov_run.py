@@ -109,6 +109,8 @@ def owner(args: argparse.Namespace) -> None:
                     time.sleep(0.002)
                 info["t_worker_exit"] = time.time()
             if args.replacement:
+                if args.replacement_nice:  # its raylet, agents and workers inherit it
+                    os.nice(args.replacement_nice)
                 try:
                     cluster.add_node(num_cpus=1)
                     cluster.wait_for_nodes()
@@ -406,6 +408,8 @@ def main() -> None:
     ap.add_argument("--kill-step", type=int, default=25)
     ap.add_argument("--replacement", action="store_true")
     ap.add_argument("--replacement-timeout", type=float, default=5.0)
+    ap.add_argument("--replacement-nice", type=int, default=0,
+                    help="start the replacement node's processes at this niceness")
     ap.add_argument("--timeout", type=float, default=240)
     args = ap.parse_args()
     if args.driver:

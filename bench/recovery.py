@@ -78,6 +78,8 @@ def run_one(system: str, rnd: int, args: argparse.Namespace) -> dict[str, Any]:
         cmd += ["--replacement-timeout", "0"]
     if args.replacement:
         cmd.append("--replacement")
+        if args.replacement_nice:
+            cmd += ["--replacement-nice", str(args.replacement_nice)]
     busy = common.busy_cores(1.0)
     t0 = time.time()
     log = os.path.join(tmp, "log.txt")
@@ -250,6 +252,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kill-step", type=int, default=25)
     ap.add_argument("--replacement", action=argparse.BooleanOptionalAction, default=True,
                     help="add a fresh node right after the removal")
+    ap.add_argument("--replacement-nice", type=int, default=0,
+                    help="niceness of the replacement node's processes (raylet, agents, "
+                    "workers): on one machine they share the cores the job trains on, where "
+                    "on a cluster they start on another machine; 19 stands in for that")
     ap.add_argument("--timeout-s", type=float, default=240, help="per run, after the kill")
     ap.add_argument("--json")
     ap.add_argument("--keep", action="store_true")

@@ -22,32 +22,45 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=120, cwd=ROOT)
 
 
+def _clis(*calls: tuple[str, ...]) -> list[subprocess.CompletedProcess]:
+    """``_cli`` for each call, all at once (each is mostly its interpreter's start-up)."""
+    procs = [(args, subprocess.Popen([sys.executable, "-m", "elastic.cli", *args], cwd=ROOT,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+             for args in calls]
+    out = []
+    for args, p in procs:
+        stdout, stderr = p.communicate(timeout=120)
+        out.append(subprocess.CompletedProcess(list(args), p.returncode, stdout, stderr))
+    return out
+
+
 def test_checkpoint_tools(ray_local, tmp_path):
     uri = str(tmp_path / "ckpt")
     result = elastic.fit(model=mlp, optimizer=adam, loss=mse, dataset=RegressionData(),
                          global_batch_size=8, max_steps=6, num_workers=2, view="none",
                          checkpoint_uri=uri, checkpoint_every=3, run_dir=str(tmp_path / "run"))
-    out = _cli("checkpoints", "list", uri)
-    assert out.returncode == 0 and "3" in out.stdout and "6" in out.stdout, out.stderr
-    out = _cli("checkpoints", "inspect", uri)
-    assert out.returncode == 0 and "model/0.weight" in out.stdout and "dp" in out.stdout
-    out = _cli("checkpoints", "verify", uri)
-    assert out.returncode == 0 and out.stdout.count("OK") == 2
     dest = tmp_path / "model.pt"
-    out = _cli("checkpoints", "export", uri, "--out", str(dest))
-    assert out.returncode == 0, out.stderr
+    listed, inspected, verified, exported = _clis(
+        ("checkpoints", "list", uri), ("checkpoints", "inspect", uri),
+        ("checkpoints", "verify", uri), ("checkpoints", "export", uri, "--out", str(dest)))
+    assert listed.returncode == 0 and "3" in listed.stdout and "6" in listed.stdout, listed
+    assert inspected.returncode == 0 and "model/0.weight" in inspected.stdout
+    assert "dp" in inspected.stdout
+    assert verified.returncode == 0 and verified.stdout.count("OK") == 2
+    assert exported.returncode == 0, exported.stderr
     assert max_diff(torch.load(dest, weights_only=True), result.state_dict()) == 0.0
     # flip bytes in one shard of the newest checkpoint: verify names it and exits 1
     shard = sorted(glob.glob(os.path.join(uri, "step-*6", "shard-*.bin")))[0]
     with open(shard, "r+b") as f:
         f.seek(64)
         f.write(b"\xff" * 16)
-    out = _cli("checkpoints", "verify", uri)
-    assert out.returncode == 1 and "BAD" in out.stdout
-    out = _cli("checkpoints", "list", str(tmp_path / "nothing-here"))
-    assert out.returncode == 0 and "does not exist" in out.stdout
-    out = _cli("checkpoints", "verify", str(tmp_path / "nothing-here"))  # a CI gate fails
-    assert out.returncode == 1 and "does not exist" in out.stderr
+    nothing = str(tmp_path / "nothing-here")
+    bad, listed, verified = _clis(("checkpoints", "verify", uri),
+                                  ("checkpoints", "list", nothing),
+                                  ("checkpoints", "verify", nothing))  # a CI gate fails
+    assert bad.returncode == 1 and "BAD" in bad.stdout
+    assert listed.returncode == 0 and "does not exist" in listed.stdout
+    assert verified.returncode == 1 and "does not exist" in verified.stderr
 
 
 def test_plan_prints_a_ranked_table_with_reasons():
