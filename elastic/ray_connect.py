@@ -85,15 +85,28 @@ def _refuses(addr: str) -> bool:
     return False
 
 
+def _token_source() -> str | None:
+    """Where Ray would read this driver's token from (as its loader looks), or None."""
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return "RAY_AUTH_TOKEN"
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH")
+    if path:
+        return f"RAY_AUTH_TOKEN_PATH ({path})"
+    if os.path.exists(os.path.expanduser("~/.ray/auth_token")):
+        # written by `ray get-auth-token --generate` or by a local ray.init(); `ray start
+        # --head` turns token authentication on by itself when this file exists
+        return "~/.ray/auth_token"
+    return None
+
+
 def _auth_error(addr: str) -> ClusterError:
-    has_token = bool(os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")
-                     or os.path.exists(os.path.expanduser("~/.ray/auth_token")))
-    if has_token and os.environ.get("RAY_AUTH_MODE", "").lower() == "token":
-        why = "it rejected this driver's token"
+    source = _token_source()
+    if source and os.environ.get("RAY_AUTH_MODE", "").lower() == "token":
+        why = f"it rejected this driver's token (from {source})"
         fix = "set RAY_AUTH_TOKEN to the cluster's token (the one its head was started with)"
-    elif has_token:
+    elif source:
         why = "it requires token authentication, which this driver has not turned on"
-        fix = "export RAY_AUTH_MODE=token (the token in RAY_AUTH_TOKEN is then sent)"
+        fix = f"export RAY_AUTH_MODE=token (this driver then sends the token in {source})"
     else:
         why = "it requires an authentication token"
         fix = ("export RAY_AUTH_MODE=token and RAY_AUTH_TOKEN=<the cluster's token> (the one "

@@ -1,0 +1,36 @@
+"""What a driver refused by a token-protected cluster is told: where its token would come from
+and the one setting to change. No Ray cluster: the message is built from the environment."""
+
+from __future__ import annotations
+
+import pytest
+
+from elastic.ray_connect import _auth_error
+
+
+@pytest.mark.parametrize("env, token_file, why, fix", [
+    # a local ray.init() or `ray get-auth-token --generate` left ~/.ray/auth_token, and
+    # `ray start --head` turned token authentication on because of it
+    ({}, True, "has not turned on", "RAY_AUTH_MODE=token (this driver then sends the token in "
+     "~/.ray/auth_token)"),
+    ({"RAY_AUTH_TOKEN": "abc"}, True, "has not turned on", "sends the token in RAY_AUTH_TOKEN)"),
+    ({"RAY_AUTH_TOKEN_PATH": "/etc/t"}, False, "has not turned on",
+     "in RAY_AUTH_TOKEN_PATH (/etc/t))"),
+    ({"RAY_AUTH_MODE": "token"}, True, "rejected this driver's token (from ~/.ray/auth_token)",
+     "set RAY_AUTH_TOKEN to the cluster's token"),
+    ({}, False, "requires an authentication token", "RAY_AUTH_TOKEN=<the cluster's token>"),
+])
+def test_a_refused_driver_is_told_where_its_token_comes_from(monkeypatch, tmp_path, env,
+                                                              token_file, why, fix):
+    for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    if token_file:
+        (tmp_path / ".ray").mkdir()
+        (tmp_path / ".ray" / "auth_token").write_text("0" * 64)
+    msg = str(_auth_error("127.0.0.1:6379"))
+    assert msg.startswith("the Ray cluster at 127.0.0.1:6379 refused this driver: ")
+    assert why in msg and fix in msg.split("Fix: ", 1)[1], msg
+    assert "0" * 64 not in msg and "abc" not in msg  # never the token itself
