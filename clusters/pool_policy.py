@@ -172,6 +172,7 @@ class PoolPolicy:
                 retire.append((r.id, why))
         hand: list[int] = []
         reasons: list[str] = []
+        cold = 0
         if obs.want is not None and obs.want.n > 0:
             hand = self._pick(idle, obs.want.key, obs.want.n)
             idle = [w for w in idle if w.id not in hand]
@@ -191,8 +192,13 @@ class PoolPolicy:
         own = sum(1 for w in idle if w.key == self.key)
         start = max(0, self.min_idle - own - obs.starting)
         if self.max_total is not None:
-            total = len(idle) + obs.lent + len(hand) + obs.starting
+            total = len(idle) + obs.lent + len(hand) + cold + obs.starting
             start = max(0, min(start, self.max_total - total))
+        if start and cold:
+            # the job starts `cold` workers now: a refill would take the room they need
+            # (a scheduler owning 3 CPUs with 2 warm failed its first 3-worker job so)
+            reasons.append(f"no refill while {cold} start cold")
+            start = 0
         if start:
             reasons.append(f"start {start} to keep {self.min_idle} warm")
         return PoolDecision(tuple(hand), tuple(keep), tuple(retire), start, tuple(reasons))

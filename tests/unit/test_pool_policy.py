@@ -132,6 +132,21 @@ def test_min_idle_starts_ahead_of_demand_within_max_total():
     assert PoolPolicy(CPU1, min_idle=2).decide(PoolObservation(0.0, lent=100)).start == 2
 
 
+@pytest.mark.parametrize("max_total", [3, None])
+def test_no_refill_competes_with_the_workers_a_job_starts_cold(max_total):
+    """A scheduler owning 3 CPUs with 2 warm workers: its first job asks for 3, gets the 2
+    and starts 1 cold. A refill started then took the last CPU, and the job failed after its
+    60 s placement timeout ("cannot host 1 workers")."""
+    p = policy(min_idle=2, max_idle=3, max_total=max_total)
+    d = p.decide(PoolObservation(0.0, (idle(1), idle(2)), want=Want(CPU1, 3, free_bundles=1)))
+    assert d.hand_out == (1, 2) and d.start == 0, d
+    assert any("cold" in r for r in d.reasons)
+    # once the job holds all 3 (lent), nothing starts while the total is at max_total; with
+    # no bound the pool refills as before
+    d = p.decide(PoolObservation(0.0, lent=3))
+    assert d.start == (0 if max_total else 2)
+
+
 def test_decision_defaults_and_bad_settings():
     assert policy().decide(PoolObservation(0.0)) == PoolDecision()
     with pytest.raises(ValueError):
