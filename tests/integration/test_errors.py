@@ -77,34 +77,3 @@ def test_user_error_on_worker_has_rank_and_traceback(ray_local, tmp_path):
     assert err.rank == 1
     assert "bad loss on purpose" in str(err)
     assert "Traceback" in err.traceback_text and "helpers.py" in err.traceback_text
-
-
-def test_a_local_cluster_for_more_workers_than_cores_warns_once():
-    """Starting a local Ray for more workers than the machine has cores says so (they would
-    share the cores and crawl); a fresh process, so no Ray is running in it yet."""
-    import os
-    import subprocess
-    import sys
-
-    code = (
-        "import os, warnings\n"
-        "from elastic.ray_connect import connect, disconnect\n"
-        "with warnings.catch_warnings(record=True) as w:\n"
-        "    warnings.simplefilter('always')\n"
-        "    started = connect(None, os.cpu_count() + 2)\n"
-        "    disconnect()\n"
-        "msgs = [str(x.message) for x in w if issubclass(x.category, RuntimeWarning)]\n"
-        "print(len([m for m in msgs if 'share the cores' in m]), started)\n"
-    )
-    import shutil
-    import tempfile
-
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="rw-", dir="/tmp")  # short: Ray's sockets
-    try:
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                             timeout=180, env=env)
-    finally:
-        shutil.rmtree(env["RAY_TMPDIR"], ignore_errors=True)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["1", "True"], out.stdout + out.stderr
