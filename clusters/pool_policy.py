@@ -194,11 +194,13 @@ class PoolPolicy:
         if self.max_total is not None:
             total = len(idle) + obs.lent + len(hand) + cold + obs.starting
             start = max(0, min(start, self.max_total - total))
-        if start and cold:
-            # the job starts `cold` workers now: a refill would take the room they need
-            # (a scheduler owning 3 CPUs with 2 warm failed its first 3-worker job so)
-            reasons.append(f"no refill while {cold} start cold")
-            start = 0
+        if start and cold and obs.want is not None:
+            # the job starts `cold` workers now: a refill must leave them the room they need
+            # (a pool of 2 warm on 3 CPUs took the last one, and a 3-worker job failed)
+            room = obs.want.free_bundles - cold if obs.want.key == self.key else 0
+            if room < start:
+                reasons.append(f"refill {max(room, 0)} of {start}: {cold} start cold")
+                start = max(room, 0)
         if start:
             reasons.append(f"start {start} to keep {self.min_idle} warm")
         return PoolDecision(tuple(hand), tuple(keep), tuple(retire), start, tuple(reasons))

@@ -90,8 +90,8 @@ def _token_source() -> str | None:
     if os.environ.get("RAY_AUTH_TOKEN"):
         return "RAY_AUTH_TOKEN"
     path = os.environ.get("RAY_AUTH_TOKEN_PATH")
-    if path:
-        return f"RAY_AUTH_TOKEN_PATH ({path})"
+    if path:  # Ray reads only this file then: a missing one is no token
+        return f"RAY_AUTH_TOKEN_PATH ({path})" if os.path.isfile(path) else None
     if os.path.exists(os.path.expanduser("~/.ray/auth_token")):
         # written by `ray get-auth-token --generate` or by a local ray.init(); `ray start
         # --head` turns token authentication on by itself when this file exists

@@ -36,6 +36,7 @@ NaN (Optuna's order of NaNs is the sort's): there the driver decides alone.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Iterable
 from types import SimpleNamespace
 from typing import Any, cast
@@ -47,9 +48,16 @@ from optuna.trial import TrialState
 
 from clusters.sweep_policy import PruneGate
 
-__all__ = ["REFRESH_S", "best_of", "gate_for", "halving_gate", "halving_of", "percentile_of"]
+__all__ = ["HALVING_LOCK", "REFRESH_S", "best_of", "gate_for", "halving_gate", "halving_of",
+           "percentile_of"]
 
 REFRESH_S = 1.0  # a gate's threshold is read from the study again after this long
+# Optuna's successive-halving pruners set themselves up in place at their first decision
+# (Hyperband's brackets: a check, then appends; ``min_resource: auto``), and a study's trials
+# share one pruner across threads (``study.optimize(n_jobs=...)``): two set-ups at once
+# doubled the brackets, and ``_get_bracket_id`` then raised. Gates and ``should_prune`` under
+# successive halving take this lock.
+HALVING_LOCK = threading.RLock()
 
 
 def percentile_of(pruner: Any) -> tuple[float, int, int] | None:
@@ -128,6 +136,12 @@ def halving_gate(study: optuna.Study, trial_id: int, number: int, step: int,
     """The gate of decision step ``step`` of trial ``trial_id`` (``number``) under
     successive halving or Hyperband, or None when the pruner does not decide there (not
     the promotion step of the trial's current rung) or the driver must (see the module)."""
+    with HALVING_LOCK:
+        return _halving_gate(study, trial_id, number, step, version)
+
+
+def _halving_gate(study: optuna.Study, trial_id: int, number: int, step: int,
+                  version: int) -> PruneGate | None:
     found = halving_of(study, number)
     if found is None:
         return None

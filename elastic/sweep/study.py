@@ -70,12 +70,24 @@ def make_pruner(cfg: SweepConfig) -> optuna.pruners.BasePruner:
     kind = spec.pop("type", "median")
     if kind == "hyperband":
         spec.setdefault("max_resource", int(cfg.base.get("max_steps") or 0) or "auto")
-        for key, least in (("min_resource", 1), ("reduction_factor", 2)):
+        lo = spec.get("min_resource", 1)
+        for key, least in (("min_resource", 1), ("reduction_factor", 2),
+                           ("max_resource", lo if isinstance(lo, int) else 1)):
             v = spec.get(key, least)
+            if key == "max_resource" and v == "auto":
+                continue
+            if key == "max_resource" and "max_resource" not in cfg.pruner and v < least:
+                raise ConfigError("study.pruner.min_resource", f"is {least}, above the base "
+                                  f"job's max_steps ({v}, Hyperband's max_resource): it would "
+                                  "never prune.", "lower min_resource or raise max_steps")
             if isinstance(v, bool) or not isinstance(v, int) or v < least:
-                # Optuna's HyperbandPruner takes these unchecked and fails at its first decision
+                # Optuna's HyperbandPruner takes these unchecked and then fails at its first
+                # decision (a TypeError, a math domain error) or never prunes (max < min)
                 raise ConfigError(f"study.pruner.{key}", f"is {v!r}; Hyperband needs an "
-                                  f"integer >= {least}.", f"set {key} to an integer >= {least}")
+                                  f"integer >= {least}" + (" (min_resource)" if key ==
+                                                           "max_resource" else "") + ".",
+                                  f"set {key} to an integer >= {least}"
+                                  + (" or 'auto'" if key == "max_resource" else ""))
     classes = {"median": optuna.pruners.MedianPruner,
                "hyperband": optuna.pruners.HyperbandPruner, "none": optuna.pruners.NopPruner}
     if kind not in classes:

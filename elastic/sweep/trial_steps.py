@@ -45,7 +45,7 @@ from optuna.study import StudyDirection
 from clusters.sweep_policy import Grow, PromotionObservation, PromotionPolicy, PruneGate
 
 from ..control.hooks import StepHook
-from .gates import REFRESH_S, best_of, gate_for, halving_gate, percentile_of
+from .gates import HALVING_LOCK, REFRESH_S, best_of, gate_for, halving_gate, percentile_of
 from .pruning import PruneSteps
 
 __all__ = ["TrialSteps", "ScheduledHook", "GATE_SPAN"]
@@ -141,7 +141,11 @@ class TrialSteps(StepHook):
         gated = entry.get("gate") == "prune"
         # successive halving's should_prune writes the trial's rung value, which the trials
         # after it compete with: asked even when the gate has already stopped the workers
-        said = self.trial.should_prune() if self._halving or not gated else True
+        if self._halving:
+            with HALVING_LOCK:  # the pruner may set itself up in place (gates.HALVING_LOCK)
+                said = self.trial.should_prune()
+        else:
+            said = self.trial.should_prune() if not gated else True
         if gated or said:
             self.decided_time = float(entry.get("gate_time") or time.time())
             self.pruned_at = step

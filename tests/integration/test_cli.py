@@ -28,9 +28,13 @@ def _clis(*calls: tuple[str, ...]) -> list[subprocess.CompletedProcess]:
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
              for args in calls]
     out = []
-    for args, p in procs:
-        stdout, stderr = p.communicate(timeout=120)
-        out.append(subprocess.CompletedProcess(list(args), p.returncode, stdout, stderr))
+    try:
+        for args, p in procs:
+            stdout, stderr = p.communicate(timeout=120)
+            out.append(subprocess.CompletedProcess(list(args), p.returncode, stdout, stderr))
+    finally:
+        for _, p in procs:
+            p.kill()  # a no-op for one that ended
     return out
 
 

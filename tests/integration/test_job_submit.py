@@ -119,6 +119,7 @@ class Head:
         self.gcs = f"127.0.0.1:{gcs_port}"
         self.api = f"http://127.0.0.1:{dash_port}"
         self.sid = 0
+        self.last_answer = ""
 
     def run(self, *args: str, timeout: float = 180, env: dict[str, str] | None = None,
             cwd: str | None = None) -> subprocess.CompletedProcess:
@@ -139,14 +140,17 @@ class Head:
         return str(r.json()["status"])
 
     def jobs_api_up(self) -> bool:
-        """Whether the Jobs API lists jobs (what `ray job list` asks, without a process)."""
+        """Whether the Jobs API lists jobs (what `ray job list` asks, without a process);
+        ``self.last_answer`` says what it answered last."""
         import requests
 
         try:
             r = requests.get(f"{self.api}/api/jobs/", timeout=10, headers={
                 "Authorization": f"Bearer {self.env['RAY_AUTH_TOKEN']}"})
-        except requests.RequestException:
+        except requests.RequestException as e:
+            self.last_answer = repr(e)
             return False
+        self.last_answer = f"{r.status_code} {r.text[:500]}"
         return r.status_code == 200
 
     def job_logs(self, job_id: str) -> str:
@@ -199,7 +203,7 @@ def ray_head():
         # the Jobs API answers once the dashboard and the head's agent are up
         deadline = time.monotonic() + 90
         while not head.jobs_api_up():
-            assert time.monotonic() < deadline, "the Jobs API did not answer within 90 s"
+            assert time.monotonic() < deadline, f"no Jobs API in 90 s: {head.last_answer}"
             time.sleep(0.25)
         yield head
     finally:

@@ -14,8 +14,10 @@ from elastic.ray_connect import _auth_error
     ({}, True, "has not turned on", "RAY_AUTH_MODE=token (this driver then sends the token in "
      "~/.ray/auth_token)"),
     ({"RAY_AUTH_TOKEN": "abc"}, True, "has not turned on", "sends the token in RAY_AUTH_TOKEN)"),
-    ({"RAY_AUTH_TOKEN_PATH": "/etc/t"}, False, "has not turned on",
-     "in RAY_AUTH_TOKEN_PATH (/etc/t))"),
+    ({"RAY_AUTH_TOKEN_PATH": "TOKEN_FILE"}, False, "has not turned on",
+     "in RAY_AUTH_TOKEN_PATH (TOKEN_FILE))"),
+    ({"RAY_AUTH_TOKEN_PATH": "/nonexistent/t"}, True, "requires an authentication token",
+     "RAY_AUTH_TOKEN=<the cluster's token>"),  # Ray reads only that (missing) file
     ({"RAY_AUTH_MODE": "token"}, True, "rejected this driver's token (from ~/.ray/auth_token)",
      "set RAY_AUTH_TOKEN to the cluster's token"),
     ({}, False, "requires an authentication token", "RAY_AUTH_TOKEN=<the cluster's token>"),
@@ -24,8 +26,11 @@ def test_a_refused_driver_is_told_where_its_token_comes_from(monkeypatch, tmp_pa
                                                               token_file, why, fix):
     for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
         monkeypatch.delenv(k, raising=False)
+    token_path = tmp_path / "token"
+    token_path.write_text("1" * 64)
     for k, v in env.items():
-        monkeypatch.setenv(k, v)
+        monkeypatch.setenv(k, v.replace("TOKEN_FILE", str(token_path)))
+    fix = fix.replace("TOKEN_FILE", str(token_path))
     monkeypatch.setenv("HOME", str(tmp_path))
     if token_file:
         (tmp_path / ".ray").mkdir()
