@@ -433,6 +433,13 @@ def actor_key(handle: Any) -> str:
     return str(handle._actor_id.hex())
 
 
+def cluster_gpus() -> float:
+    """The GPUs the attached cluster has (0 for none)."""
+    import ray
+
+    return float(ray.cluster_resources().get("GPU", 0))
+
+
 def free_bundles(bundle: dict[str, float]) -> int:
     """How many ``bundle``s the cluster's free resources hold now, node by node."""
     import ray

@@ -46,6 +46,7 @@ from clusters.pool_policy import (
 from ..errors import ClusterError
 from ..ray_connect import (
     actor_key,
+    cluster_gpus,
     connect,
     disconnect,
     free_bundles,
@@ -97,7 +98,8 @@ class PoolStats:
 class WorkerPool:
     """Worker processes kept up between jobs (see the module docstring).
 
-    ``size``: workers of the pool's own shape (``resources_per_worker``, ``use_gpu``,
+    ``size``: workers of the pool's own shape (``resources_per_worker``, ``use_gpu``: None
+    decides as a job's placement does, GPU workers on a cluster with GPUs,
     ``runtime_env``) started ahead of demand and kept idle; ``max_idle``: the most kept idle
     (default ``max(size, 8)``); ``max_total``: the most the pool's workers may number, idle,
     lent and starting (what it starts ahead of demand stays within it; default ``size``, so
@@ -108,19 +110,24 @@ class WorkerPool:
     """
 
     def __init__(self, size: int = 0, *, resources_per_worker: dict[str, float] | None = None,
-                 use_gpu: bool = False, runtime_env: dict[str, Any] | None = None,
+                 use_gpu: bool | None = None, runtime_env: dict[str, Any] | None = None,
                  max_idle: int | None = None, max_total: int | None = None,
                  idle_timeout_s: float = 600.0, max_jobs: int = 100,
                  ray_address: str | None = None, wait: bool = True,
                  clock: Callable[[], float] = time.monotonic) -> None:
         res = dict(resources_per_worker or {"CPU": 1})
         res.setdefault("CPU", 1)
+        self._started_ray = connect(ray_address, max(size, 1) * float(res["CPU"]))
+        if use_gpu is None:  # as a job's placement decides (``Placement.bundle``): a pool of
+            # CPU workers on a GPU cluster would match no job there, and hold CPUs for nothing
+            use_gpu = res.get("GPU", 0) > 0 or cluster_gpus() > 0
         if use_gpu:
             res["GPU"] = max(1.0, res.get("GPU", 1.0))
+        else:
+            res.pop("GPU", None)
         self.bundle = res
         self.use_gpu = use_gpu
         self.runtime_env = dict(runtime_env or {})
-        self._started_ray = connect(ray_address, max(size, 1) * float(res["CPU"]))
         self.env = self.runtime_env or runtime_env_now()
         self.key = PoolKey.of(res, use_gpu, self.env)
         self.policy = PoolPolicy(self.key, min_idle=size, max_idle=max(size, 8)

@@ -107,7 +107,7 @@ def _pool(probes: list[JobConfig], n_jobs: int) -> Any:
 
     p = probes[0]
     return WorkerPool(0, resources_per_worker=dict(p.resources_per_worker),
-                      use_gpu=bool(p.use_gpu), max_idle=n_jobs * max(c.max_world for c in probes),
+                      use_gpu=p.use_gpu, max_idle=n_jobs * max(c.max_world for c in probes),
                       wait=False)
 
 

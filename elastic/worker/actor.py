@@ -40,7 +40,7 @@ from .held_state import HeldState, PeerPlan
 from .inputs import JobData
 from .layout import Layout
 from .loop import StepLoop
-from .membership import Membership
+from .membership import Membership, nccl_env_defaults
 from .peer_copies import PeerCopies
 from .profiling import Profiler
 from .recycle import Baseline, warm_up
@@ -87,6 +87,7 @@ class Worker:
         torch.set_num_threads(max(1, num_threads))
         self.device = torch.device("cuda", 0) if use_gpu else torch.device("cpu")
         if use_gpu:
+            nccl_env_defaults()  # before any NCCL group (membership.NCCL_ENV: why)
             torch.cuda.set_device(self.device)
             torch.zeros(1, device=self.device)  # the context now, not in the first job
         self.warm_up_s = warm_up(self.device) if config is None else 0.0
@@ -180,6 +181,9 @@ class Worker:
         forget_groups()
         health.reset()
         out = reset_process(self.baseline)
+        if ok and out.get("precision_changed"):
+            ok, why = False, ("the job changed torch's float32 precision ("
+                              f"{', '.join(out['precision_changed'])}): not undone in place")
         user_error, self.user_error = self.user_error, False
         return {**out, "ok": ok, "why": why, "user_error": user_error, "jobs": self.jobs,
                 "pid": os.getpid()}

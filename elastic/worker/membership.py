@@ -21,7 +21,30 @@ import torch.distributed as dist
 
 from strategies import Runtime, health
 
-__all__ = ["Membership", "Waitable", "control_group", "listen_socket"]
+__all__ = ["NCCL_ENV", "Membership", "Waitable", "control_group", "listen_socket",
+           "nccl_env_defaults"]
+
+# NCCL's watchdog tears the whole process down when a collective fails or times out, by
+# default (TORCH_NCCL_ASYNC_ERROR_HANDLING=3, "SkipCleanUp": SHOULD_TEAR_DOWN in torch's
+# ProcessGroupNCCL.hpp): a survivor of a peer's loss would die with it, where elastic keeps
+# survivors' processes and memory. 2 ("CleanUpOnly") aborts the communicators and leaves the
+# error to the call waiting on them, which the worker's error boundary turns into a group
+# failure. Read when a NCCL group is made; a value the user set is kept. NOT yet run on a GPU
+# (no device machine has been lent): bench/gpu_check.py is where to check it first.
+NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+
+
+def nccl_env_defaults(environ: Any = None) -> dict[str, str]:
+    """Set ``NCCL_ENV``'s variables the environment does not set; returns those it set."""
+    import os
+
+    env = os.environ if environ is None else environ
+    out = {}
+    for k, v in NCCL_ENV.items():
+        if k not in env and k.removeprefix("TORCH_") not in env:  # torch reads both names
+            env[k] = v
+            out[k] = v
+    return out
 
 
 def listen_socket(ip: str) -> socket.socket:

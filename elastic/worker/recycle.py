@@ -93,6 +93,7 @@ class Baseline:
     deterministic: bool
     num_threads: int
     roots: tuple[str, ...] = field(default_factory=_library_roots)
+    backends: dict[str, Any] = field(default_factory=lambda: _backends())
 
     @staticmethod
     def take() -> Baseline:
@@ -100,6 +101,62 @@ class Baseline:
                         frozenset(t.ident for t in threading.enumerate() if t.ident),
                         torch.get_default_dtype(), torch.are_deterministic_algorithms_enabled(),
                         torch.get_num_threads())
+
+
+# torch's process-wide numerics switches a job may flip: left as a job set them, the next job
+# on the process would run other arithmetic than a fresh worker's. These are restored (each
+# (read, write)); the float32 precision settings (TF32, the matmul precision) are only
+# compared: torch tracks which of its two APIs set them and raises on reading one after the
+# other was written, so a worker whose job changed them is retired instead of reset.
+_SWITCHES: dict[str, tuple[Any, Any]] = {
+    "cudnn.benchmark": (lambda: torch.backends.cudnn.benchmark,
+                        lambda v: setattr(torch.backends.cudnn, "benchmark", v)),
+    "cudnn.deterministic": (lambda: torch.backends.cudnn.deterministic,
+                            lambda v: setattr(torch.backends.cudnn, "deterministic", v)),
+    "cudnn.enabled": (lambda: torch.backends.cudnn.enabled,
+                      lambda v: setattr(torch.backends.cudnn, "enabled", v)),
+    "flash_sdp": (lambda: torch.backends.cuda.flash_sdp_enabled(),
+                  lambda v: torch.backends.cuda.enable_flash_sdp(v)),
+    "mem_efficient_sdp": (lambda: torch.backends.cuda.mem_efficient_sdp_enabled(),
+                          lambda v: torch.backends.cuda.enable_mem_efficient_sdp(v)),
+    "math_sdp": (lambda: torch.backends.cuda.math_sdp_enabled(),
+                 lambda v: torch.backends.cuda.enable_math_sdp(v)),
+}
+_PRECISION = ("fp32_precision", "cuda.matmul.fp32_precision", "cudnn.fp32_precision",
+              "cudnn.conv.fp32_precision", "cudnn.rnn.fp32_precision", "mkldnn.fp32_precision",
+              "mkldnn.matmul.fp32_precision", "mkldnn.conv.fp32_precision",
+              "mkldnn.rnn.fp32_precision")
+
+
+def _backends() -> dict[str, Any]:
+    """The switches' values and the precision settings' (the new API's attributes, readable
+    whichever API wrote them); what this torch lacks is left out."""
+    out: dict[str, Any] = {}
+    for name, (read, _) in _SWITCHES.items():
+        try:
+            out[name] = read()
+        except (AttributeError, RuntimeError):
+            pass
+    for path in _PRECISION:
+        obj: Any = torch.backends
+        try:
+            for part in path.split("."):
+                obj = getattr(obj, part)
+        except (AttributeError, RuntimeError):
+            continue
+        out[path] = obj
+    return out
+
+
+def _restore_backends(saved: dict[str, Any]) -> tuple[int, list[str]]:
+    """Set every switch back; (how many had changed, the precision settings that differ)."""
+    now = _backends()
+    changed = 0
+    for name, (_, write) in _SWITCHES.items():
+        if name in saved and now.get(name) != saved[name]:
+            write(saved[name])
+            changed += 1
+    return changed, [p for p in _PRECISION if p in saved and now.get(p) != saved[p]]
 
 
 def user_modules(base: Baseline) -> list[str]:
@@ -119,7 +176,9 @@ def user_modules(base: Baseline) -> list[str]:
 def reset(base: Baseline, keep_threads: set[int] | frozenset[int] = frozenset(),
           freeze: bool = True) -> dict[str, Any]:
     """Bring the process back to ``base`` as far as it can (module docstring). Returns what
-    was done: ``modules_dropped``, ``env_restored``, ``threads`` (threads started since
+    was done: ``modules_dropped``, ``env_restored``, ``backends_restored`` (cuDNN and
+    attention switches set back), ``precision_changed`` (float32 precision settings the job
+    changed: the caller retires the worker), ``threads`` (threads started since
     ``base`` that still run, beyond ``keep_threads``, elastic's own ``elastic-*`` threads and
     the threads Ray's core runs Python on), ``cuda_bytes`` (still allocated on the device).
     ``freeze``: move what survives to the collector's permanent generation (as the worker
@@ -140,6 +199,7 @@ def reset(base: Baseline, keep_threads: set[int] | frozenset[int] = frozenset(),
     torch.set_grad_enabled(True)
     torch.autograd.set_detect_anomaly(False)
     torch.set_num_threads(base.num_threads)
+    backends_restored, precision_changed = _restore_backends(base.backends)
     gc.unfreeze()
     gc.collect()
     cuda_bytes = 0
@@ -154,4 +214,5 @@ def reset(base: Baseline, keep_threads: set[int] | frozenset[int] = frozenset(),
              and t.ident not in keep_threads and not t.name.startswith("elastic")
              and not isinstance(t, threading._DummyThread)]  # Ray's own (C++) threads
     return {"modules_dropped": dropped, "env_restored": env_changed, "threads": len(extra),
-            "thread_names": [t.name for t in extra][:5], "cuda_bytes": cuda_bytes}
+            "thread_names": [t.name for t in extra][:5], "cuda_bytes": cuda_bytes,
+            "backends_restored": backends_restored, "precision_changed": precision_changed}

@@ -163,3 +163,24 @@ def test_decision_defaults_and_bad_settings():
         PoolPolicy(CPU1, max_jobs=0)
     with pytest.raises(ValueError):
         PoolPolicy(CPU1, min_idle=-1)
+
+
+@pytest.mark.parametrize("gpus, asked, want", [
+    (8.0, None, (True, {"CPU": 1, "GPU": 1.0})),   # a GPU cluster: GPU workers, as jobs get
+    (0.0, None, (False, {"CPU": 1})),
+    (8.0, False, (False, {"CPU": 1})),
+    (0.0, True, (True, {"CPU": 1, "GPU": 1.0})),
+])
+def test_a_pools_workers_are_the_shape_jobs_on_that_cluster_get(monkeypatch, gpus, asked, want):
+    """``WorkerPool(use_gpu=None)`` (the default, and what `elastic scheduler start --gpus`
+    gives) decides as a job's placement does: on a cluster with GPUs its workers hold one.
+    A CPU pool there matched no job (``PoolKey`` differs), so every job started cold while
+    the idle CPU workers held CPUs. Ray is stood in for: the pool starts nothing (size 0)."""
+    from elastic.control import pool as pool_mod
+
+    monkeypatch.setattr(pool_mod, "connect", lambda address, cpus: False)
+    monkeypatch.setattr(pool_mod, "cluster_gpus", lambda: gpus)
+    monkeypatch.setattr(pool_mod, "runtime_env_now", lambda: {})
+    p = pool_mod.WorkerPool(0, use_gpu=asked, wait=False)
+    assert (p.use_gpu, p.bundle) == want
+    assert p.key == PoolKey.of(want[1], want[0], {})

@@ -47,6 +47,46 @@ def test_reset_unloads_job_modules_and_restores_env_and_torch(tmp_path, monkeypa
         os.environ.pop("ELASTIC_RECYCLE_GONE", None)
 
 
+def test_reset_restores_the_numerics_switches_a_job_flipped():
+    """cuDNN autotuning and the attention kernels are process-wide: a job that set
+    ``cudnn.benchmark`` would have the next job on the process run other arithmetic than a
+    fresh worker's. The switches exist (and are checked here) on a CPU build too."""
+    base = Baseline.take()
+    try:
+        torch.backends.cudnn.benchmark = not base.backends["cudnn.benchmark"]
+        torch.backends.cuda.enable_math_sdp(not base.backends["math_sdp"])
+        out = reset(base, freeze=False)
+        assert out["backends_restored"] == 2 and out["precision_changed"] == []
+        assert torch.backends.cudnn.benchmark == base.backends["cudnn.benchmark"]
+        assert torch.backends.cuda.math_sdp_enabled() == base.backends["math_sdp"]
+    finally:
+        torch.backends.cudnn.benchmark = base.backends["cudnn.benchmark"]
+        torch.backends.cuda.enable_math_sdp(base.backends["math_sdp"])
+
+
+def test_a_job_that_changed_float32_precision_is_named_for_retirement():
+    """``set_float32_matmul_precision("high")`` (TF32, and bf16 matmuls on CPU) or
+    ``allow_tf32`` cannot be undone in place (torch raises on reading one precision API after
+    the other was written): reset names them and the worker says not ok, so the pool retires
+    it. In a fresh process: the setting is process-wide."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "from elastic.worker.recycle import Baseline, reset\n"
+        "base = Baseline.take()\n"
+        "print(reset(base, freeze=False)['precision_changed'])\n"
+        "torch.set_float32_matmul_precision('high')\n"
+        "print(reset(base, freeze=False)['precision_changed'])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    before, after = out.stdout.splitlines()[-2:]
+    assert before == "[]" and "cuda.matmul.fp32_precision" in after, out.stdout
+
+
 def test_reset_counts_a_thread_the_job_left_running():
     base = Baseline.take()
     stop = threading.Event()

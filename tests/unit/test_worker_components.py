@@ -629,3 +629,17 @@ def test_the_collection_in_leave_scans_only_the_jobs_objects(layout, tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     tracked = int(out.stdout.strip().splitlines()[-1])
     assert tracked < 20_000, tracked  # ~117,000 before torch._dynamo was frozen with start-up
+
+
+def test_nccl_survivors_are_not_torn_down_by_default():
+    """A GPU worker sets TORCH_NCCL_ASYNC_ERROR_HANDLING=2 before its first NCCL group
+    (torch's default, 3, ends the whole process on a failed collective: a survivor of a
+    peer's loss would die with it); a value the user set, under either name, is kept."""
+    from elastic.worker.membership import nccl_env_defaults
+
+    env: dict[str, str] = {}
+    assert nccl_env_defaults(env) == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+    assert env == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+    for name in ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING"):
+        env = {name: "1"}
+        assert nccl_env_defaults(env) == {} and env == {name: "1"}
