@@ -11,7 +11,10 @@ left its group and dropped its components: it
   previous job's module globals nor an older version of a module it shares a name with;
 * puts the environment variables back as they were (set, changed and removed);
 * restores torch's default dtype, deterministic-algorithms mode, grad mode, anomaly
-  detection and thread count;
+  detection and thread count, cuDNN's switches (benchmark, deterministic, enabled) and the
+  attention kernels' (flash, memory-efficient, math); the float32 precision settings (TF32,
+  ``set_float32_matmul_precision``) are compared only, and a worker whose job changed them is
+  retired (torch tracks which of its two APIs wrote them and raises on mixing them);
 * collects garbage (unfreezing what the job froze first) and, on a GPU, empties CUDA's cache;
 * counts the threads the job started that still run (the pool then retires the worker: a
   thread cannot be stopped from outside).
