@@ -169,7 +169,9 @@ class Worker:
         try:
             if getattr(self, "config", None) is not None:
                 self.checkpoints.close()
-                self.leave()
+                # not parked: a copy of the rank's state to host memory, only to drop it,
+                # could exhaust it (a large FSDP job) or pass the pool's 30 s reset limit
+                self.leave(park=False)
         except Exception as e:  # noqa: BLE001 - said to the pool, which retires the worker
             ok, why = False, f"{type(e).__name__}: {e}"
         if self.heartbeat is not None:
@@ -228,7 +230,7 @@ class Worker:
         self.membership.join(addr, port, rank, world, generation, timeout_s)
         return time.perf_counter() - t0
 
-    def leave(self, collect: bool = True) -> dict[str, float]:
+    def leave(self, collect: bool = True, park: bool = True) -> dict[str, float]:
         """Tear down the current group, if any. The state this rank holds stays in memory,
         parked as canonical CPU tensors, and the strategy is dropped with every reference it
         had to the group (sub-groups, the DDP reducer, FSDP meshes): a gloo group closes its
@@ -238,13 +240,16 @@ class Worker:
         leave: no peer is blocked on this rank) skips the collection that frees the group's
         sockets at once (~0.2 s); they go at the next one. Returns how long the parts of the
         last leave that dropped a layout took, and this call's wait for the lock (seconds:
-        ``park``, ``drop``, ``group``, ``gc``, ``lock``; bench/recovery.py reports them)."""
+        ``park``, ``drop``, ``group``, ``gc``, ``lock``; bench/recovery.py reports them).
+        ``park=False`` (``reset``: the job is over) drops the state instead of copying it
+        to host memory first."""
         t0 = time.perf_counter()
         with self.held.lock:
             t = [time.perf_counter()]
             dropped = self.layout.strategy is not None
             if dropped:
-                self.held.park(self.layout.strategy)
+                if park:
+                    self.held.park(self.layout.strategy)
                 t.append(time.perf_counter())
                 self.layout.drop()
                 t.append(time.perf_counter())

@@ -643,3 +643,31 @@ def test_nccl_survivors_are_not_torn_down_by_default():
     for name in ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING"):
         env = {name: "1"}
         assert nccl_env_defaults(env) == {} and env == {name: "1"}
+
+
+def test_a_pooled_workers_reset_drops_the_state_without_parking_it(tmp_path, monkeypatch):
+    """After a job the state is dropped, not copied to host memory first (as a leave between
+    layouts does): for a large job that copy could exhaust the host's memory or pass the
+    pool's 30 s reset limit, and the worker was then retired as dead."""
+    import gc
+
+    from elastic.worker import Worker
+    from elastic.worker.held_state import HeldState
+    from elastic.worker.recycle import Baseline
+
+    parked: list[Any] = []
+    park = HeldState.park
+    monkeypatch.setattr(HeldState, "park", lambda self, strategy: parked.append(strategy)
+                        or park(self, strategy))
+    w = Worker(_cfg(tmp_path), 0, False, 1)
+    try:
+        w.baseline = Baseline.take()  # as a pooled worker's, taken before its job
+        w.join("127.0.0.1", free_port(), 0, 1, 1, 30.0)
+        w.restart_fresh(_spec("dp"), None, 0)
+        w.run(0, 2)
+        out = w.reset()
+        assert out["ok"], out
+        assert parked == [], "the job's state was parked to host memory on reset"
+        assert getattr(w, "config", None) is None and "layout" not in w.__dict__
+    finally:
+        gc.unfreeze()
