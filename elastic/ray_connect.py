@@ -150,18 +150,25 @@ def connect(address: str | None, local_cpus: float) -> bool:
     if addr and addr != "local":
         attach(addr)
         return False
-    cores = os.cpu_count() or 1
-    need = int(local_cpus + 0.999)
-    if need > cores:
-        warnings.warn(
-            f"starting a local Ray cluster for {need} workers on a machine with {cores} cores: "
-            "they will share the cores and run slower than fewer workers would. Fix: lower "
-            "num_workers/max_workers, or attach to a larger cluster (ray_address).",
-            RuntimeWarning, stacklevel=3)
-        log.warning("%d workers on %d cores: they share the cores", need, cores)
-    ray.init(address="local", num_cpus=max(need, cores), include_dashboard=False,
+    cpus, crowded = local_size(local_cpus, os.cpu_count() or 1)
+    if crowded:
+        warnings.warn(crowded, RuntimeWarning, stacklevel=3)
+        log.warning("%s", crowded)
+    ray.init(address="local", num_cpus=cpus, include_dashboard=False,
              logging_level=logging.ERROR, log_to_driver=False, _system_config=LOCAL_CONFIG)
     return True
+
+
+def local_size(local_cpus: float, cores: int) -> tuple[int, str | None]:
+    """The logical CPUs of a private local cluster for ``local_cpus`` workers' worth on a
+    machine of ``cores``, and the warning to give when they would share the cores."""
+    need = int(local_cpus + 0.999)
+    if need <= cores:
+        return cores, None
+    return need, (f"starting a local Ray cluster for {need} workers on a machine with {cores} "
+                  "cores: they will share the cores and run slower than fewer workers would. "
+                  "Fix: lower num_workers/max_workers, or attach to a larger cluster "
+                  "(ray_address).")
 
 
 # A private local cluster's Ray workers import torch and the worker actor's code before they

@@ -41,28 +41,21 @@ def test_a_refused_driver_is_told_where_its_token_comes_from(monkeypatch, tmp_pa
     assert "0" * 64 not in msg and "abc" not in msg  # never the token itself
 
 
-def test_a_local_cluster_for_more_workers_than_cores_warns_once(monkeypatch):
-    """Starting a local Ray for more workers than the machine has cores says so once (they
-    would share the cores and crawl), then starts it with that many logical CPUs. Ray's own
-    start is stood in for here; `elastic run` and the demo start real local clusters
+@pytest.mark.parametrize("want, cores, cpus, warned", [
+    (6, 4, 6, True),      # more workers than cores: the cluster has them, and one warning
+    (4, 4, 4, False),
+    (1.5, 4, 4, False),   # a fractional need rounds up, the cluster has at least the cores
+    (4.2, 4, 5, True),
+])
+def test_a_local_cluster_for_more_workers_than_cores_is_sized_and_warned(want, cores, cpus,
+                                                                         warned):
+    """Starting a local Ray for more workers than the machine has cores says so (they would
+    share the cores and crawl), in one message naming the fix; ``connect`` gives it as one
+    RuntimeWarning. `elastic run` and the demo start real local clusters
     (tests/integration/test_cli.py)."""
-    import os
-    import warnings
+    from elastic.ray_connect import local_size
 
-    import ray
-
-    from elastic import ray_connect
-
-    started = []
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    monkeypatch.setattr(ray, "is_initialized", lambda: False)
-    monkeypatch.setattr(ray, "init", lambda **kw: started.append(kw))
-    cores = os.cpu_count() or 1
-    with warnings.catch_warnings(record=True) as w:
-        warnings.simplefilter("always")
-        assert ray_connect.connect(None, cores + 2) is True
-        assert ray_connect.connect(None, cores) is True  # enough cores: no warning
-    msgs = [str(x.message) for x in w if issubclass(x.category, RuntimeWarning)]
-    assert len([m for m in msgs if "share the cores" in m]) == 1, msgs
-    assert [kw["num_cpus"] for kw in started] == [cores + 2, cores]
-    assert all(kw["address"] == "local" for kw in started)
+    got, msg = local_size(want, cores)
+    assert got == cpus and (msg is not None) == warned
+    if msg:
+        assert "share the cores" in msg and "Fix: lower num_workers" in msg
