@@ -88,7 +88,8 @@ def owner(args: argparse.Namespace) -> None:
         cmd = [sys.executable, os.path.abspath(__file__), args.system, out, "--driver",
                "--address", cluster.address, "--steps", str(args.steps), "--every",
                str(args.every), "--kill-step", str(args.kill_step), "--replacement-timeout",
-               str(args.replacement_timeout), "--timeout", str(args.timeout)]
+               str(args.replacement_timeout), "--timeout", str(args.timeout),
+               "--strategy", args.strategy, "--peer-copies-every", str(args.peer_copies_every)]
         proc = subprocess.Popen(cmd)
         kill = None
         deadline = time.time() + 400
@@ -212,7 +213,8 @@ def run_elastic(args: argparse.Namespace) -> dict[str, Any]:
         num_workers=3, min_workers=2, max_workers=3, checkpoint_uri=os.path.join(out, "ckpt"),
         checkpoint_every=args.every, replacement_timeout_s=args.replacement_timeout,
         hang_timeout_s=30, scale_check_s=2.0, view="none", run_dir=os.path.join(out, "run"),
-        name="recov", ray_address=args.address)
+        name="recov", ray_address=args.address, strategy=args.strategy,
+        peer_copies_every=args.peer_copies_every)
     ctl = handle.controller
     t0 = time.time()
     while handle.status()["step"] < args.kill_step:
@@ -410,6 +412,8 @@ def main() -> None:
     ap.add_argument("--replacement-timeout", type=float, default=5.0)
     ap.add_argument("--replacement-nice", type=int, default=0,
                     help="start the replacement node's processes at this niceness")
+    ap.add_argument("--strategy", default="dp", help="elastic's layout (Ray Train: DDP)")
+    ap.add_argument("--peer-copies-every", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=240)
     args = ap.parse_args()
     if args.driver:

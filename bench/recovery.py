@@ -76,6 +76,8 @@ def run_one(system: str, rnd: int, args: argparse.Namespace) -> dict[str, Any]:
            "--kill-step", str(args.kill_step), "--timeout", str(args.timeout_s)]
     if system == "elastic-nowait":
         cmd += ["--replacement-timeout", "0"]
+    if system.startswith("elastic"):
+        cmd += ["--strategy", args.strategy, "--peer-copies-every", str(args.peer_copies_every)]
     if args.replacement:
         cmd.append("--replacement")
         if args.replacement_nice:
@@ -256,6 +258,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="niceness of the replacement node's processes (raylet, agents, "
                     "workers): on one machine they share the cores the job trains on, where "
                     "on a cluster they start on another machine; 19 stands in for that")
+    ap.add_argument("--strategy", default="dp", help="elastic's layout (zero3: the lost shard "
+                    "comes from the checkpoint, or with --peer-copies-every from the buddies' "
+                    "copies)")
+    ap.add_argument("--peer-copies-every", type=int, default=0,
+                    help="elastic's peer_copies_every (0: off, the default)")
     ap.add_argument("--timeout-s", type=float, default=240, help="per run, after the kill")
     ap.add_argument("--json")
     ap.add_argument("--keep", action="store_true")

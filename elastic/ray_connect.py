@@ -440,11 +440,28 @@ def actor_key(handle: Any) -> str:
     return str(handle._actor_id.hex())
 
 
-def cluster_gpus() -> float:
-    """The GPUs the attached cluster has (0 for none)."""
+def cluster_has_gpus() -> bool:
+    """Whether the attached cluster has any GPU."""
     import ray
 
-    return float(ray.cluster_resources().get("GPU", 0))
+    return bool(ray.cluster_resources().get("GPU", 0) > 0)
+
+
+def worker_bundle(resources: dict[str, float], use_gpu: bool | None
+                  ) -> tuple[dict[str, float], bool]:
+    """One worker's resources and whether it runs on a GPU (``use_gpu`` None: when it asks
+    for one or the attached cluster has any): a GPU worker holds at least one, a CPU worker
+    none, each at least one CPU. What a job's placement and a warm pool both use, so that a
+    pool's workers are the shape the jobs on that cluster ask for."""
+    res = dict(resources)
+    if use_gpu is None:
+        use_gpu = res.get("GPU", 0) > 0 or cluster_has_gpus()
+    if use_gpu:
+        res["GPU"] = max(1.0, res.get("GPU", 1.0))
+    else:
+        res.pop("GPU", None)
+    res.setdefault("CPU", 1)
+    return res, bool(use_gpu)
 
 
 def free_bundles(bundle: dict[str, float]) -> int:

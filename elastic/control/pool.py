@@ -46,7 +46,6 @@ from clusters.pool_policy import (
 from ..errors import ClusterError
 from ..ray_connect import (
     actor_key,
-    cluster_gpus,
     connect,
     disconnect,
     free_bundles,
@@ -57,6 +56,7 @@ from ..ray_connect import (
     runtime_env_now,
     start_in_bundle,
     wait_refs,
+    worker_bundle,
 )
 from .group import WorkerRec
 from .worker_group import Placement
@@ -115,16 +115,10 @@ class WorkerPool:
                  idle_timeout_s: float = 600.0, max_jobs: int = 100,
                  ray_address: str | None = None, wait: bool = True,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        res = dict(resources_per_worker or {"CPU": 1})
-        res.setdefault("CPU", 1)
-        self._started_ray = connect(ray_address, max(size, 1) * float(res["CPU"]))
-        if use_gpu is None:  # as a job's placement decides (``Placement.bundle``): a pool of
-            # CPU workers on a GPU cluster would match no job there, and hold CPUs for nothing
-            use_gpu = res.get("GPU", 0) > 0 or cluster_gpus() > 0
-        if use_gpu:
-            res["GPU"] = max(1.0, res.get("GPU", 1.0))
-        else:
-            res.pop("GPU", None)
+        cpus = float((resources_per_worker or {}).get("CPU", 1))
+        self._started_ray = connect(ray_address, max(size, 1) * cpus)
+        # as a job's placement decides: a pool of CPU workers on a GPU cluster matched no job
+        res, use_gpu = worker_bundle(dict(resources_per_worker or {"CPU": 1}), use_gpu)
         self.bundle = res
         self.use_gpu = use_gpu
         self.runtime_env = dict(runtime_env or {})

@@ -18,7 +18,7 @@ from typing import Any
 
 from ..errors import ClusterError, ElasticError, InfrastructureError, WorkerError, WorkerLostError
 from ..failures import Failure, classify, first_cause
-from ..ray_connect import bundle_node, node_alive, pg_ready, wait_refs
+from ..ray_connect import bundle_node, node_alive, pg_ready, wait_refs, worker_bundle
 from .calls import PlacementCalls, WorkerCalls
 from .drains import NodeDrains
 from .group import DrainNotice, Segment, SegmentPoll, WorkerRec
@@ -71,22 +71,10 @@ class Placement:
 
     def bundle(self) -> dict[str, float]:
         """One worker's resources (GPU jobs get ``num_gpus=1`` and NCCL)."""
-        import ray
-
-        if self._bundle_res is not None:
-            return dict(self._bundle_res)
-        res = dict(self.cfg.resources_per_worker)
-        if self.cfg.use_gpu is None:
-            self.use_gpu = res.get("GPU", 0) > 0 or ray.cluster_resources().get("GPU", 0) > 0
-        else:
-            self.use_gpu = bool(self.cfg.use_gpu)
-        if self.use_gpu:
-            res["GPU"] = max(1.0, res.get("GPU", 1.0))
-        else:
-            res.pop("GPU", None)
-        res.setdefault("CPU", 1)
-        self._bundle_res = res
-        return dict(res)
+        if self._bundle_res is None:
+            self._bundle_res, self.use_gpu = worker_bundle(
+                dict(self.cfg.resources_per_worker), self.cfg.use_gpu)
+        return dict(self._bundle_res)
 
     def place(self, n: int, min_workers: int) -> list[WorkerRec]:
         """Reserve ``n`` bundles in one placement group and start one worker in each;

@@ -24,13 +24,13 @@ the trials after it compare against.
 
 The threshold is the study's as of when the gate was computed (it is refreshed every
 ``REFRESH_S`` while the trial runs): a trial that completes (or reaches the rung) in between is
-counted at the next decision step, as with any asynchronous pruner. Settings that Optuna
-derives from the study (Hyperband's ``max_resource: auto``, successive halving's
-``min_resource: auto``: from the complete trials' last steps, once, at the pruner's first
-decision) are derived here the same way on the same pruner object, at whichever comes first,
-the gate or the pruner's own ``prune``; before any trial is complete there is no gate, and the
-pruner answers "go on" there too. No gate is made over a rung where another trial's value is
-NaN (Optuna's order of NaNs is the sort's): there the driver decides alone.
+counted at the next decision step, as with any asynchronous pruner. Hyperband's
+``max_resource: auto`` (its brackets, from the complete trials' last steps, set up once at the
+pruner's first decision) is set up here the same way on the same pruner object, by whichever
+comes first, the gate or the pruner's own ``prune``, under ``HALVING_LOCK``; before any trial
+is complete there is no gate, and the pruner answers "go on" there too. No gate is made over a
+rung where another trial's value is NaN (Optuna's order of NaNs is the sort's): there the
+driver decides alone.
 """
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ __all__ = ["HALVING_LOCK", "REFRESH_S", "best_of", "gate_for", "halving_gate", "
            "percentile_of"]
 
 REFRESH_S = 1.0  # a gate's threshold is read from the study again after this long
-# Optuna's successive-halving pruners set themselves up in place at their first decision
-# (Hyperband's brackets: a check, then appends; ``min_resource: auto``), and a study's trials
+# Optuna's Hyperband sets its brackets up in place at its first decision (a check, then
+# appends), and a study's trials
 # share one pruner across threads (``study.optimize(n_jobs=...)``): two set-ups at once
 # doubled the brackets, and ``_get_bracket_id`` then raised. Gates and ``should_prune`` under
 # successive halving take this lock.
@@ -151,15 +151,8 @@ def _halving_gate(study: optuna.Study, trial_id: int, number: int, step: int,
         rate, boot = int(sh._min_early_stopping_rate), int(sh._bootstrap_count)  # noqa: SLF001
     except AttributeError:
         return None
-    if lo is None:  # min_resource "auto": estimated as its first prune() does, on the
-        try:  # same object
-            from optuna.pruners._successive_halving import _estimate_min_resource
-        except ImportError:  # another Optuna's internals: the driver decides
-            return None
-        lo = sh._min_resource = _estimate_min_resource(  # noqa: SLF001
-            view().get_trials(deepcopy=False))
-        if lo is None:  # no complete trial yet: its prune() answers False too
-            return None
+    if not isinstance(lo, int):  # a bare successive halving's "auto" (sweeps build
+        return None  # Hyperband, whose brackets' min_resource is an integer): the driver
     attrs = study._storage.get_trial_system_attrs(trial_id)  # noqa: SLF001
     rung = 0
     while f"completed_rung_{rung}" in attrs:

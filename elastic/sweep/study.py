@@ -64,30 +64,36 @@ def make_sampler(cfg: SweepConfig, *, resumed_at: int = 0) -> optuna.samplers.Ba
     return _build("study.sampler", classes[kind], **spec)
 
 
+def _check_hyperband(spec: dict[str, Any], from_max_steps: bool) -> None:
+    """Optuna's HyperbandPruner takes any settings and then fails at its first decision,
+    mid-sweep (a TypeError, a math domain error), or never prunes (max below min)."""
+    def integer(key: str, least: int, also: str = "") -> None:
+        v = spec.get(key)
+        if isinstance(v, bool) or not isinstance(v, int) or v < least:
+            raise ConfigError(f"study.pruner.{key}", f"is {v!r}; Hyperband needs an integer "
+                              f">= {least}.", f"set {key} to an integer >= {least}{also}")
+
+    spec.setdefault("min_resource", 1)
+    spec.setdefault("reduction_factor", 3)
+    integer("min_resource", 1)
+    integer("reduction_factor", 2)
+    lo, hi = spec["min_resource"], spec["max_resource"]
+    if hi == "auto":
+        return
+    if from_max_steps and isinstance(hi, int) and hi < lo:
+        raise ConfigError("study.pruner.min_resource", f"is {lo}, above the base job's "
+                          f"max_steps ({hi}, Hyperband's max_resource): it would never prune.",
+                          "lower min_resource or raise max_steps")
+    integer("max_resource", lo, " (min_resource) or 'auto'")
+
+
 def make_pruner(cfg: SweepConfig) -> optuna.pruners.BasePruner:
     """The pruner of ``cfg``; ``ConfigError`` for an unknown pruner or settings it rejects."""
     spec = dict(cfg.pruner)
     kind = spec.pop("type", "median")
     if kind == "hyperband":
         spec.setdefault("max_resource", int(cfg.base.get("max_steps") or 0) or "auto")
-        lo = spec.get("min_resource", 1)
-        for key, least in (("min_resource", 1), ("reduction_factor", 2),
-                           ("max_resource", lo if isinstance(lo, int) else 1)):
-            v = spec.get(key, least)
-            if key == "max_resource" and v == "auto":
-                continue
-            if key == "max_resource" and "max_resource" not in cfg.pruner and v < least:
-                raise ConfigError("study.pruner.min_resource", f"is {least}, above the base "
-                                  f"job's max_steps ({v}, Hyperband's max_resource): it would "
-                                  "never prune.", "lower min_resource or raise max_steps")
-            if isinstance(v, bool) or not isinstance(v, int) or v < least:
-                # Optuna's HyperbandPruner takes these unchecked and then fails at its first
-                # decision (a TypeError, a math domain error) or never prunes (max < min)
-                raise ConfigError(f"study.pruner.{key}", f"is {v!r}; Hyperband needs an "
-                                  f"integer >= {least}" + (" (min_resource)" if key ==
-                                                           "max_resource" else "") + ".",
-                                  f"set {key} to an integer >= {least}"
-                                  + (" or 'auto'" if key == "max_resource" else ""))
+        _check_hyperband(spec, from_max_steps="max_resource" not in cfg.pruner)
     classes = {"median": optuna.pruners.MedianPruner,
                "hyperband": optuna.pruners.HyperbandPruner, "none": optuna.pruners.NopPruner}
     if kind not in classes:

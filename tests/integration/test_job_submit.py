@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 import pytest
 
@@ -129,13 +130,16 @@ class Head:
     def ray_job(self, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
         return self.run(RAY, "job", args[0], "--address", self.api, *args[1:], timeout=timeout)
 
-    def job_status(self, job_id: str) -> str:
-        """The job's status from the Jobs REST API (`ray job status` words terminal states
-        differently), with the token as a bearer header."""
+    def rest(self, path: str, timeout: float = 30) -> Any:
+        """GET the Jobs REST API at ``path`` with the token as a bearer header."""
         import requests
 
-        r = requests.get(f"{self.api}/api/jobs/{job_id}", timeout=30,
-                         headers={"Authorization": f"Bearer {self.env['RAY_AUTH_TOKEN']}"})
+        return requests.get(f"{self.api}/api/jobs/{path}", timeout=timeout,
+                            headers={"Authorization": f"Bearer {self.env['RAY_AUTH_TOKEN']}"})
+
+    def job_status(self, job_id: str) -> str:
+        """The job's status (`ray job status` words terminal states differently)."""
+        r = self.rest(job_id)
         r.raise_for_status()
         return str(r.json()["status"])
 
@@ -145,8 +149,7 @@ class Head:
         import requests
 
         try:
-            r = requests.get(f"{self.api}/api/jobs/", timeout=10, headers={
-                "Authorization": f"Bearer {self.env['RAY_AUTH_TOKEN']}"})
+            r = self.rest("", timeout=10)
         except requests.RequestException as e:
             self.last_answer = repr(e)
             return False
@@ -154,10 +157,7 @@ class Head:
         return r.status_code == 200
 
     def job_logs(self, job_id: str) -> str:
-        import requests
-
-        r = requests.get(f"{self.api}/api/jobs/{job_id}/logs", timeout=30,
-                         headers={"Authorization": f"Bearer {self.env['RAY_AUTH_TOKEN']}"})
+        r = self.rest(f"{job_id}/logs")
         r.raise_for_status()
         return str(r.json()["logs"])
 

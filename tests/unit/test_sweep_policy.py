@@ -337,9 +337,7 @@ def _halving_table() -> list[Any]:
                 pytest.param(direction, lambda: hb(min_resource=2, max_resource=60,
                                                    reduction_factor=3, bootstrap_count=1),
                              id=f"{direction}-hb-boot"),
-                # settings Optuna derives from the complete trials at its first decision
-                pytest.param(direction, lambda: sh(min_resource="auto", reduction_factor=2),
-                             id=f"{direction}-sh-auto"),
+                # brackets Optuna derives from the complete trials at its first decision
                 pytest.param(direction, lambda: hb(min_resource=1, max_resource="auto",
                                                    reduction_factor=2), id=f"{direction}-hb-auto")]
     return out
@@ -398,17 +396,13 @@ def test_the_workers_gate_decides_as_optunas_successive_halving(direction, make)
     assert all(v >= 5 for v in seen.values()), seen  # every branch of the table is exercised
 
 
-@pytest.mark.parametrize("auto", ["max_resource", "min_resource"])
-def test_auto_settings_give_gates_once_a_trial_is_complete(auto):
+def test_hyperband_auto_gives_gates_once_a_trial_is_complete():
     """Hyperband's ``max_resource: auto`` (what ``elastic sweep`` sets when the base job has
-    no ``max_steps``) and successive halving's ``min_resource: auto``: no gate before any
-    trial is complete (the pruner answers "go on" there too); after one, the gate exists at
-    the rung's step, derived as the pruner derives it, and agrees with its decision."""
-    if auto == "max_resource":
-        pruner = optuna.pruners.HyperbandPruner(min_resource=2, max_resource="auto",
-                                                reduction_factor=2)
-    else:
-        pruner = optuna.pruners.SuccessiveHalvingPruner(min_resource="auto", reduction_factor=2)
+    no ``max_steps``): no gate before any trial is complete (the pruner answers "go on" there
+    too); after one, the gate exists at the rung's step, its brackets set up as the pruner sets
+    them up, and agrees with a twin pruner's decision."""
+    pruner = optuna.pruners.HyperbandPruner(min_resource=2, max_resource="auto",
+                                            reduction_factor=2)
     study = optuna.create_study(pruner=pruner, study_name="auto")  # brackets by name: fixed
     twin = copy.deepcopy(pruner)  # decides; no gate touches it
     first = study.ask()
