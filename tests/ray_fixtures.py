@@ -32,10 +32,11 @@ def _close_pool() -> None:
 
 
 def _shutdown() -> None:
-    import ray
+    import sys
 
     _close_pool()
-    if ray.is_initialized():
+    ray = sys.modules.get("ray")  # a run that never used Ray (the unit layer) never imports it
+    if ray is not None and ray.is_initialized():
         ray.shutdown()
 
 
