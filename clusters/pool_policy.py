@@ -13,6 +13,9 @@ Rules:
 
 * a worker is shared only between jobs of the same ``PoolKey``: resource shape, device kind
   and runtime environment (a worker's process was started with them);
+* a worker on a draining node (a preemption or maintenance notice: Ray places nothing new
+  there, and the node goes at its deadline) is retired, idle or returned, never handed out:
+  a job given it would only have to evacuate it;
 * a dead worker, one whose reset failed, one whose job failed in *user code*, one that still
   runs threads its job started, and one that served ``max_jobs`` jobs are retired, never
   kept. A user error is retired rather than reset because the process may hold what a
@@ -36,8 +39,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["PoolKey", "IdleWorker", "Returned", "Want", "PoolObservation", "PoolDecision",
-           "PoolPolicy"]
+DRAINING = "its node is draining (a preemption or maintenance notice)"
+
+__all__ = ["DRAINING", "PoolKey", "IdleWorker", "Returned", "Want", "PoolObservation",
+           "PoolDecision", "PoolPolicy"]
 
 
 @dataclass(frozen=True, order=True)
@@ -108,6 +113,7 @@ class PoolObservation:
     want: Want | None = None
     lent: int = 0  # workers out with jobs
     starting: int = 0  # of the pool's own key, not up yet
+    draining: frozenset[str] = frozenset()  # ids of the nodes Ray is draining
 
 
 @dataclass(frozen=True)
@@ -138,10 +144,12 @@ class PoolPolicy:
         self.idle_timeout_s = idle_timeout_s
         self.max_jobs = max_jobs
 
-    def _returned_verdict(self, r: Returned) -> str | None:
+    def _returned_verdict(self, r: Returned, draining: frozenset[str]) -> str | None:
         """Why a returned worker is retired, or None to keep it."""
         if not r.alive:
             return "died in its job"
+        if r.node in draining:
+            return DRAINING
         if r.user_error:
             return "its job failed in user code (the process may be left inconsistent)"
         if not r.reset_ok:
@@ -158,13 +166,15 @@ class PoolPolicy:
         for w in obs.idle:
             if not w.alive:
                 retire.append((w.id, "died while idle"))
+            elif w.node in obs.draining:
+                retire.append((w.id, DRAINING))
             elif obs.now_s - w.idle_since_s > self.idle_timeout_s:
                 retire.append((w.id, f"idle for more than {self.idle_timeout_s:g}s"))
             else:
                 idle.append(w)
         keep: list[int] = []
         for r in obs.returned:
-            why = self._returned_verdict(r)
+            why = self._returned_verdict(r, obs.draining)
             if why is None:
                 keep.append(r.id)
                 idle.append(IdleWorker(r.id, r.key, r.node, obs.now_s, r.jobs))

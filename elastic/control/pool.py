@@ -12,7 +12,8 @@ that they, too, can join the pool. When the job ends, each of its workers is res
 modules unloaded, the environment restored, garbage collected, CUDA's cache emptied) and
 kept or retired as ``clusters.pool_policy.PoolPolicy`` decides (a worker whose job failed in
 user code is retired, never handed out again). A worker that died while idle is found by a
-ping before any hand-out, and never handed out. What the next job can and cannot see of
+ping before any hand-out, and never handed out; nor is one on a node Ray is draining (a
+preemption notice): it is retired at the next hand-out or give-back. What the next job can and cannot see of
 the previous one: docs/scheduler.md, "Warm workers".
 
 Ownership: Ray ends an actor with the process that created it (unless detached), so the
@@ -48,6 +49,7 @@ from ..ray_connect import (
     actor_key,
     connect,
     disconnect,
+    draining_nodes,
     free_bundles,
     get_ref,
     kill,
@@ -211,7 +213,8 @@ class WorkerPool:
         with self._lock:
             self._settle()
             alive = self._ping(list(self._idle.values()))
-            d = self.policy.decide(self._observe(alive=alive, want=Want(key, n, free_bundles)))
+            d = self.policy.decide(self._observe(alive=alive, want=Want(key, n, free_bundles),
+                                                 draining=self._draining()))
             out = [self._ix[i] for i in d.hand_out]
             for p in out:
                 a = actor_key(p.handle)
@@ -254,8 +257,8 @@ class WorkerPool:
         with self._lock:
             for p in procs:
                 self._lent.pop(actor_key(p.handle), None)
-            d = self.policy.decide(self._observe(returned=list(zip(procs, reports,
-                                                                    strict=True))))
+            d = self.policy.decide(self._observe(returned=list(zip(procs, reports, strict=True)),
+                                                 draining=self._draining()))
             for i in d.keep:
                 p = self._ix[i]
                 if self._closed:
@@ -270,7 +273,8 @@ class WorkerPool:
 
     def _observe(self, alive: dict[str, bool] | None = None,
                  returned: Sequence[tuple[_Proc, Returned]] = (),
-                 want: Want | None = None) -> PoolObservation:
+                 want: Want | None = None,
+                 draining: frozenset[str] = frozenset()) -> PoolObservation:
         """The policy's view; ``self._ix`` maps the ids it uses back to processes (idle
         ones first, then the returned ones)."""
         self._ix = {}
@@ -286,7 +290,17 @@ class WorkerPool:
             self._ix[i] = p
             rets.append(dataclasses.replace(r, id=i))
         return PoolObservation(self.clock(), tuple(idle), tuple(rets), want,
-                               lent=len(self._lent), starting=len(self._starting))
+                               lent=len(self._lent), starting=len(self._starting),
+                               draining=draining)
+
+    @staticmethod
+    def _draining() -> frozenset[str]:
+        """The nodes Ray is draining (one GCS call); none when the GCS does not answer (a
+        worker there is then found by the job's own notice watch)."""
+        try:
+            return frozenset(draining_nodes())
+        except Exception:  # noqa: BLE001 - the GCS busy or going: no notice seen
+            return frozenset()
 
     def _apply(self, d: PoolDecision) -> None:
         """Retire and start what ``d`` says (ids of the last observation)."""

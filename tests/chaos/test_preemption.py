@@ -128,3 +128,33 @@ def test_a_drain_with_too_short_a_deadline_falls_back_cleanly(ray_cluster, tmp_p
     else:  # the node went first: a loss, recovered the same way
         rec = next(e for e in result.events if e.kind == "recovered")
         assert rec.data["source"] == "buddies"
+
+
+def test_a_warm_pool_never_hands_out_a_worker_on_a_draining_node(ray_cluster, tmp_path):
+    """A pool keeps one idle worker on each of 2 nodes; one node gets a preemption notice.
+    The next job takes the worker on the other node, and the pool retires the one on the
+    draining node (handing it out would only make the job evacuate it)."""
+    import ray
+
+    from clusters.pool_policy import DRAINING
+    from elastic.control.pool import WorkerPool
+
+    ray_cluster(2)
+    pool = WorkerPool(2, max_idle=2)
+    try:
+        node_of = {a["Pid"]: a["Address"]["NodeID"] for a in ray._private.state.actors().values()
+                   if a.get("State") == "ALIVE"}
+        pids = pool.info()["idle_pids"]
+        assert len(pids) == 2 and len({node_of[p] for p in pids}) == 2
+        _drain(node_of[pids[0]], 60.0)
+        result = _submit(tmp_path, num_workers=1, min_workers=1, max_workers=1, max_steps=3,
+                         loss=mse, pool=pool).result(timeout=120)
+        assert result.status == "finished"
+        placed = next(e for e in result.events if e.kind == "recovered" or e.kind == "placed")
+        assert placed.kind == "placed"
+        info = pool.info()
+        assert info["retired"] == {DRAINING: 1}, info
+        assert info["idle_pids"] == [pids[1]], info  # the job's worker came back
+        assert info["handed_out"] == 1 and info["cold"] == 0, info
+    finally:
+        pool.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from clusters.pool_policy import (
+    DRAINING,
     IdleWorker,
     PoolDecision,
     PoolKey,
@@ -185,3 +186,19 @@ def test_a_pools_workers_are_the_shape_jobs_on_that_cluster_get(monkeypatch, gpu
     p = pool_mod.WorkerPool(0, use_gpu=asked, wait=False)
     assert (p.use_gpu, p.bundle) == want
     assert p.key == PoolKey.of(want[1], want[0], {})
+
+
+def test_a_worker_on_a_draining_node_is_retired_never_handed_out():
+    """A preemption notice on node b: its idle worker is not handed out (the job would only
+    have to evacuate it) and a worker coming back from a job there is not kept."""
+    ws = (idle(1, node="a"), idle(2, node="b", since=5.0))
+    obs = PoolObservation(10.0, ws, returned=(Returned(3, CPU1, "b"),),
+                          want=Want(CPU1, 2, free_bundles=1), draining=frozenset({"b"}))
+    d = policy().decide(obs)
+    assert d.hand_out == (1,)
+    assert d.keep == ()
+    assert d.retired() == {2: DRAINING, 3: DRAINING}
+    # no notice: node b's workers serve as before (the most recently returned first)
+    d = policy().decide(PoolObservation(10.0, ws, returned=(Returned(3, CPU1, "b"),),
+                                        want=Want(CPU1, 2, free_bundles=1)))
+    assert d.hand_out == (3, 2) and d.keep == (3,) and not d.retire
