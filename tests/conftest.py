@@ -28,11 +28,18 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Each test carries its layer's marker (its folder): `pytest -m unit` runs the unit layer."""
+    """Each test carries its layer's marker (its folder): `pytest -m unit` runs the unit layer.
+    In each module, the ``warm_workers`` tests run first (in their order), so the warm pool
+    their cluster keeps is not closed by a cold test between them (``tests/ray_fixtures.py``)."""
     for item in items:
         layer = os.path.basename(os.path.dirname(str(item.fspath)))
         if layer in _LAYERS:
             item.add_marker(getattr(pytest.mark, layer))
+    first: dict[str, int] = {}
+    for i, item in enumerate(items):
+        first.setdefault(str(item.fspath), i)
+    items[:] = sorted(items, key=lambda it: (
+        first[str(it.fspath)], it.get_closest_marker("warm_workers") is None))
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -17,6 +17,14 @@ it), as on a real cluster where jobs come and go (``bench/stress_node_loss.py`` 
 the same way). A cluster that is not idle in time, or whose test failed, is shut down and a new
 one made. Whatever a fixture starts is stopped: the kept cluster at the end of the module, the
 local instance at the end of the session.
+
+A ``ray_cluster`` test marked ``warm_workers`` runs its jobs on a warm ``WorkerPool`` kept
+with the cluster (the scheduler's configuration: per-worker bundles, processes handed from
+job to job), so it pays no cold start for the workers an earlier test left; the driver then
+stays attached between tests, and the next one's check that nothing of the earlier job is left
+allows only the pool's idle workers. The others start their workers cold in one gang group,
+as ``elastic run`` does (the pool is closed first). Warm tests run first in their module
+(``conftest.py``), so the pool is not closed and rebuilt between them.
 """
 
 from __future__ import annotations
@@ -87,6 +95,18 @@ class ChaosCluster:
             },
         )
         self.nodes = [self.add_node() for _ in range(n_nodes)]
+        self.pool = None  # the warm_workers tests' pool (see the module's docstring)
+
+    def set_warm(self, warm: bool) -> None:
+        """Jobs on the cluster's warm pool (made when missing), or cold (the pool closed:
+        its idle workers end and free their CPUs)."""
+        if warm and self.pool is None:
+            from elastic.control.pool import WorkerPool
+
+            self.pool = WorkerPool(0, max_idle=8).make_default()
+        elif not warm and self.pool is not None:
+            self.pool.close()
+            self.pool = None
 
     def add_node(self):
         node = self.cluster.add_node(num_cpus=1)
@@ -109,9 +129,10 @@ class ChaosCluster:
         for node in list(self.cluster.worker_nodes):
             if not node.remaining_processes_alive():
                 self.cluster.remove_node(node, allow_graceful=False)
-        _shutdown()
-        self.cluster.connected = False
-        self.cluster.connect()
+        if self.pool is None:  # with a pool, the driver that owns its workers stays
+            _shutdown()
+            self.cluster.connected = False
+            self.cluster.connect()
         draining = draining_nodes()
         for node in list(self.cluster.worker_nodes):  # a drained node is on its way out
             if node.node_id in draining:
@@ -127,9 +148,18 @@ class ChaosCluster:
             alive = [a for a in ray._private.state.actors().values()
                      if a.get("State") not in ("DEAD", 4)]
             free = ray.available_resources().get("CPU", 0.0)
-            if not alive and free == n_nodes == ray.cluster_resources().get("CPU", 0.0):
+            # nothing of the earlier job: no live actor but the pool's idle workers (1 CPU each)
+            idle = self.pool.info()["idle"] if self.pool is not None else 0
+            if (len(alive) <= idle and free + len(alive) == n_nodes
+                    == ray.cluster_resources().get("CPU", 0.0)):
                 return True
             time.sleep(0.1)
+        import sys
+
+        print(f"ray_cluster: not reused: {len(alive)} live actor(s) "
+              f"{sorted(a.get('ClassName', '?') for a in alive)}, {idle} idle in the pool, "
+              f"{free} of {ray.cluster_resources().get('CPU', 0.0)} CPUs free, want {n_nodes}",
+              file=sys.stderr)
         return False
 
     def node_of(self, node_id: str):
@@ -147,6 +177,9 @@ class ChaosCluster:
         """Disconnect, then stop every node at once (SIGKILL, as a lost node): a graceful stop
         waits for each raylet in turn (14-18 s a cluster), and nothing of a test's cluster
         needs to outlive it."""
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
         _shutdown()
         for node in list(self.cluster.worker_nodes):
             self.cluster.remove_node(node, allow_graceful=False)
@@ -172,6 +205,8 @@ def _kept_cluster():
 def ray_cluster(request, _kept_cluster):
     made: list[ChaosCluster] = []
 
+    warm = request.node.get_closest_marker("warm_workers") is not None
+
     def make(n_nodes: int) -> ChaosCluster:
         c = None
         if _kept_cluster and not made:
@@ -181,6 +216,7 @@ def ray_cluster(request, _kept_cluster):
                 c = None
         if c is None:
             c = ChaosCluster(n_nodes)
+        c.set_warm(warm)
         made.append(c)
         return c
 
@@ -191,7 +227,8 @@ def ray_cluster(request, _kept_cluster):
         c.shutdown()
     if made:
         if passed:
-            _shutdown()  # the driver leaves: its job's actors and reservations go with it
+            if made[-1].pool is None:
+                _shutdown()  # the driver leaves: its job's actors and reservations go with it
             _kept_cluster.append(made[-1])
         else:
             made[-1].shutdown()

@@ -250,6 +250,8 @@ class WorkerPool:
             try:
                 out = get_ref(ref, 0)
                 p.jobs = int(out["jobs"])
+                # a spare that never joined its job has no info yet: its reset says
+                p.pid, p.node = int(out.get("pid") or p.pid), str(out.get("node_id") or p.node)
                 reports.append(Returned(0, p.key, p.node, True, bool(out["ok"]),
                                         bool(out["user_error"]), int(out["threads"]), p.jobs))
             except Exception:  # noqa: BLE001 - dead, or did not reset in time: retired
@@ -369,7 +371,8 @@ class WorkerPool:
             kill(p.handle)
         except Exception:  # noqa: BLE001 - already gone
             pass
-        remove_bundle(p.pg)
+        if p.pg is not None:
+            remove_bundle(p.pg)
 
 
 class PooledPlacement(Placement):
@@ -487,13 +490,15 @@ class PooledPlacement(Placement):
                 if actor_key(w.handle) in self._mine]
         returned = {actor_key(w.handle) for w in back}
         lost = sorted(set(self._mine) - returned)
+        kept = {id(w.pg) for w in back}
         self.pool.give_back(back, lost=lost)
         for a in lost:  # leave the books: killed (a no-op for one already dead) and its
-            # bundle freed, whatever path lost track of it (one left alive held a CPU)
+            # bundle freed, whatever path lost track of it (one left alive held a CPU),
+            # unless a returned worker now uses it: a dead worker's bundle is a free slot,
+            # and its replacement starts there (removing it killed that worker in the pool)
             handle, pg = self._mine[a]
-            WorkerPool._kill(_Proc(handle, pg, self._key()))
+            WorkerPool._kill(_Proc(handle, None if id(pg) in kept else pg, self._key()))
         self._mine = {}
         self._warming = [(w, r) for w, r in self._warming if w not in back]
-        kept = {id(w.pg) for w in back}
         self.free_slots = [(pg, i) for pg, i in self.free_slots if id(pg) not in kept]
         super().release([w for w in extra if w not in back])

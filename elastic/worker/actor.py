@@ -188,7 +188,7 @@ class Worker:
                               f"{', '.join(out['precision_changed'])}): not undone in place")
         user_error, self.user_error = self.user_error, False
         return {**out, "ok": ok, "why": why, "user_error": user_error, "jobs": self.jobs,
-                "pid": os.getpid()}
+                "pid": os.getpid(), "node_id": _node_id()}
 
     # ------------------------------------------------------------------ identity and group
 

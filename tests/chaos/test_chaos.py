@@ -118,6 +118,7 @@ def test_worker_node_lost_survivors_continue_from_peers(ray_cluster, tmp_path, r
     _check_data_log(result.run_dir, result.history)
 
 
+@pytest.mark.warm_workers
 def test_worker_process_exits_and_the_job_recovers(ray_cluster, tmp_path, reference):
     """Rank 2's process dies at the start of step 5 (``exit``); its node lives. The fault
     fires once: the recovered job replays no step into it again."""
@@ -186,6 +187,7 @@ def test_scale_up_when_a_node_joins(ray_cluster, tmp_path):
     _check_data_log(result.run_dir, result.history, n)
 
 
+@pytest.mark.warm_workers
 def test_zero3_loss_restores_from_checkpoint_and_replays(ray_cluster, tmp_path, reference):
     """No rank holds a whole tensor under zero3: a loss falls back to the last committed
     checkpoint; the steps since are trained again and the result is unchanged."""
@@ -205,6 +207,7 @@ def test_zero3_loss_restores_from_checkpoint_and_replays(ray_cluster, tmp_path, 
     _check_data_log(result.run_dir, result.history)
 
 
+@pytest.mark.warm_workers
 def test_pipeline_x_dp_loss_restores_from_surviving_stage_replicas(ray_cluster, tmp_path,
                                                                    reference):
     """pp2 x dp2: every stage keeps a live replica after one worker is lost."""
@@ -225,6 +228,7 @@ def test_pipeline_x_dp_loss_restores_from_surviving_stage_replicas(ray_cluster, 
     assert max_diff(result.state_dict(), reference[0]) < TOL
 
 
+@pytest.mark.warm_workers
 def test_two_losses_in_a_row_and_one_during_a_checkpoint_upload(ray_cluster, tmp_path,
                                                                  reference):
     """Rank 1's node goes at step 6; then, in the second generation, rank 2's node goes while
@@ -247,6 +251,7 @@ def test_two_losses_in_a_row_and_one_during_a_checkpoint_upload(ray_cluster, tmp
     _check_data_log(result.run_dir, result.history)
 
 
+@pytest.mark.warm_workers
 def test_hung_worker_is_cut_off_by_the_watchdog(ray_cluster, tmp_path, reference):
     """Rank 1 stops answering inside step 5 (the ``hang`` fault: once per run)."""
     ray_cluster(3)
@@ -261,6 +266,7 @@ def test_hung_worker_is_cut_off_by_the_watchdog(ray_cluster, tmp_path, reference
     assert max_diff(result.state_dict(), reference[0]) < TOL
 
 
+@pytest.mark.warm_workers
 def test_a_slow_step_is_no_loss(ray_cluster, tmp_path, reference):
     """Rank 1's step 5 takes 2 s (the ``slow`` fault, as a straggler or an emulated slow
     device), 7x the silence that makes a worker suspect: its peer waits in its collective,

@@ -352,6 +352,54 @@ def test_a_pooled_placement_whose_cold_part_fails_gives_its_warm_workers_back(mo
     assert given == [warm] and pp._mine == {}
 
 
+def test_a_pooled_jobs_end_keeps_the_bundle_a_replacement_took_over(monkeypatch):
+    """A pooled worker was lost (hung, killed) and its replacement started in its one-bundle
+    group (a free slot). At the job's end the lost worker's bundle was removed with it, and
+    with the bundle Ray ended the replacement, which the pool had just kept as idle: the
+    pool held a dead worker, and the next job's hand-out found it dead (chaos tests on a
+    warm pool). Now only bundles no returned worker uses are removed."""
+    from elastic.config import JobConfig
+    from elastic.control import pool as pool_mod
+    from elastic.control.group import WorkerRec
+    from elastic.control.worker_group import Placement
+    from tests.helpers import RegressionData, adam, mlp, mse
+
+    class Handle:
+        def __init__(self, i: int) -> None:
+            self._actor_id = type("Id", (), {"hex": lambda _self: f"a{i}"})()
+
+    given: list[tuple[list[WorkerRec], list[str]]] = []
+    removed: list[object] = []
+    killed: list[object] = []
+
+    class Pool:
+        env: dict = {}
+
+        def give_back(self, recs, lost=()):
+            given.append((list(recs), list(lost)))
+
+    monkeypatch.setattr(pool_mod, "remove_bundle", removed.append)
+    monkeypatch.setattr(pool_mod, "kill", killed.append)
+    monkeypatch.setattr(Placement, "release", lambda self, extra: None)
+    monkeypatch.setattr(pool_mod.PooledPlacement, "_key", lambda self: None)
+    cfg = JobConfig(model=mlp, optimizer=adam, loss=mse, dataset=RegressionData(),
+                    global_batch_size=8, max_steps=5, num_workers=2)
+    pp = pool_mod.PooledPlacement(Pool(), cfg, None, None)
+    pg_a, pg_b = object(), object()
+    alive = WorkerRec(Handle(0), 0, pg=pg_a)
+    hung = WorkerRec(Handle(1), 1, pg=pg_b)
+    replacement = WorkerRec(Handle(2), 2, pg=pg_b)  # started in the hung one's free slot
+    pp._mine = {"a0": (alive.handle, pg_a), "a1": (hung.handle, pg_b),
+                "a2": (replacement.handle, pg_b)}
+    pp.release([alive, replacement])
+    assert given == [([alive, replacement], ["a1"])]
+    assert killed == [hung.handle] and removed == []  # pg_b now holds the replacement
+    # a lost worker whose bundle nobody took over: its bundle goes with it
+    pp._mine = {"a0": (alive.handle, pg_a), "a1": (hung.handle, pg_b)}
+    pp.release([alive])
+    assert removed == [pg_b]
+
+
 def test_a_late_report_of_an_ended_checkpoint_starts_nothing_new():
     """A rank's metrics saying it began checkpoint 200 came after 200 had ended: that made a
     new checkpoint in flight which nothing would finish, and the end of the run waited its
