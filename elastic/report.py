@@ -54,7 +54,7 @@ EVENT_COLORS: dict[str, str] = {
 OTHER_EVENT_COLOR = "#c000c0"  # kinds not listed above and not routine
 # Start-up and bookkeeping: listed in the HTML table, not drawn on the plot.
 ROUTINE_EVENTS = frozenset({"start", "placed", "group", "layout", "finished", "profiled",
-                            "state"})
+                            "state", "unprotected"})  # unprotected: a setting, not an incident
 
 _LOSS_COLOR = "#1f77b4"
 _SPEED_COLOR = "#2f6f2f"

@@ -46,6 +46,7 @@ class Layouts:
         self.ids: list[str] = []  # its device id per rank
         self.kinds: list[Any] = []  # what makes its devices alike (planning.device_kinds)
         self.apply_s: list[float] = []  # seconds of each re-layout (build or switch)
+        self._exposed = False  # the last layout applied could not survive a lost node
 
     # ------------------------------------------------------------------ specs
 
@@ -347,6 +348,7 @@ class Layouts:
             self._emit("layout", f"{spec.name} on {spec.world_size} workers, shares "
                        f"{list(spec.shares)} ({dt:.2f}s)",
                        data={"strategy": spec.name, "spec": spec_dict(spec)})
+            self._say_exposure(spec)
             return
         hashes = {(o["hash_before"], o["hash_after"]) for o in outs}
         same = all(b == a for b, a in hashes) and len({b for b, _ in hashes}) == 1
@@ -368,3 +370,24 @@ class Layouts:
         if not same:  # the workers kept (or went back to) the old layout
             raise SwitchError(f"state changed during the switch to {spec.name}: "
                               f"{problems[:3] or sorted(hashes)}; the job stays on {old.name}")
+        self._say_exposure(spec)
+
+    def _say_exposure(self, spec: StrategySpec) -> None:
+        """An ``unprotected`` event when the job enters a layout in which one lost node
+        loses state no survivor holds (zero1/2/3, a pipeline stage without a replica) while
+        it takes neither periodic checkpoints nor peer copies: the recovery then starts over
+        from step 0 (or the checkpoint it resumed from). Said once per such stretch."""
+        t = traits_of(spec.name)
+        dp = spec.world_size // max(1, spec.pp_degree) if t.pipeline else spec.world_size
+        exposed = (spec.world_size > 1 and not t.survives_loss(dp, spec.dp_mode)
+                   and getattr(self.cfg, "checkpoint_every", 0) <= 0
+                   and getattr(self.cfg, "peer_copies_every", 0) <= 0)
+        if exposed and not self._exposed:
+            self._emit("unprotected", f"{spec.name} on {spec.world_size} workers keeps parts "
+                       "of the training state on one rank only, and this job takes no "
+                       "periodic checkpoint and no peer copy: a lost node would send it back "
+                       "to step 0 (or the checkpoint it resumed from). Fix: peer_copies_every: "
+                       "10 (each rank's shard also in a buddy's host memory; a loss then "
+                       "re-runs at most 10 steps) or checkpoint_every: N",
+                       data={"strategy": spec.name})
+        self._exposed = exposed

@@ -628,3 +628,22 @@ def test_requests_are_answered_after_the_end_even_when_closing_the_group_failed(
         pass
     late = _ask(ctl, "scale", 1)  # nobody would ever have answered it
     assert isinstance(late.get(timeout=1), Exception)
+
+
+@pytest.mark.parametrize("kw, said", [
+    (dict(strategy="zero3"), True),
+    (dict(strategy="zero1"), True),  # the optimizer's shards live on one rank each
+    (dict(strategy="zero3", peer_copies_every=5), False),
+    (dict(strategy="zero3", checkpoint_every=5), False),
+    (dict(strategy="dp"), False),  # every survivor holds it all
+    (dict(strategy="zero3", num_workers=1, min_workers=1, max_workers=1), False),
+])
+def test_a_layout_no_lost_node_can_be_recovered_from_says_so_once(tmp_path, kw, said):
+    """A job under a sharded layout with neither checkpoints nor peer copies would go back
+    to step 0 on the first lost node: the user is told at the layout, with the fix."""
+    ctl, _ = _controller(tmp_path, **kw)
+    ctl.run()
+    got = _events(ctl, "unprotected")
+    assert len(got) == int(said), [e.message for e in got]
+    if said:
+        assert "peer_copies_every" in got[0].message and "step 0" in got[0].message
