@@ -22,6 +22,7 @@ from __future__ import annotations
 import gc
 import os
 import socket
+import sys
 import time
 from typing import Any
 
@@ -54,10 +55,13 @@ _JOB_PARTS = ("membership", "data", "held", "profiler", "layout", "copies", "fau
 
 
 def _node_id() -> str | None:
-    """The Ray node this process runs on (None outside Ray)."""
+    """The Ray node this process runs on (None outside Ray). Never starts Ray: asked
+    outside a Ray worker, ``get_runtime_context`` starts a local instance (a unit test's
+    ``reset`` did, and the next tests found a 2-CPU Ray instead of their own)."""
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return None
     try:
-        import ray
-
         return str(ray.get_runtime_context().get_node_id())
     except Exception:  # noqa: BLE001 - outside a Ray worker (a test, bench/gpu_check.py)
         return None

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from types import SimpleNamespace
 from typing import Any
@@ -668,6 +669,10 @@ def test_a_pooled_workers_reset_drops_the_state_without_parking_it(tmp_path, mon
         out = w.reset()
         assert out["ok"], out
         assert parked == [], "the job's state was parked to host memory on reset"
+        # outside Ray it says no node, and never starts a Ray (asking Ray's runtime context
+        # did: the integration tests after the unit layer then found a 2-CPU local Ray)
+        ray = sys.modules.get("ray")
+        assert out["node_id"] is None and (ray is None or not ray.is_initialized())
         assert getattr(w, "config", None) is None and "layout" not in w.__dict__
     finally:
         gc.unfreeze()
