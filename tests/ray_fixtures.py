@@ -180,6 +180,9 @@ class ChaosCluster:
         if self.pool is not None:
             self.pool.close()
             self.pool = None
+        raylets = {info.process.pid for node in [self.cluster.head_node,
+                                                 *self.cluster.worker_nodes] if node
+                   for info in node.all_processes.get("raylet", ())}
         _shutdown()
         for node in list(self.cluster.worker_nodes):
             self.cluster.remove_node(node, allow_graceful=False)
@@ -190,6 +193,28 @@ class ChaosCluster:
                 # cluster_utils disconnected it before refusing; the head can go now
                 self.cluster.remove_node(self.cluster.head_node, allow_graceful=False)
         self.cluster.shutdown()
+        _end_orphans(raylets)
+
+
+def _end_orphans(raylets: set[int]) -> None:
+    """Kill what the killed raylets had started and left behind (their dashboard and
+    runtime-env agents, adopted by init): an agent whose raylet died reports it to the GCS,
+    which is gone too, and lingered ~2 min after the suite (seen here)."""
+    import os
+    import signal
+
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+            if ppid == 1 and int(env.get(b"RAY_RAYLET_PID", b"0")) in raylets:
+                os.kill(int(pid), signal.SIGKILL)
+        except (OSError, ValueError, IndexError):  # gone meanwhile, not ours, not Linux
+            continue
 
 
 @pytest.fixture(scope="module")
