@@ -143,21 +143,24 @@ class ChaosCluster:
             self.cluster.add_node(num_cpus=1)
         self.cluster.wait_for_nodes()
         self.nodes = list(self.cluster.worker_nodes)
+        if self.pool is not None:  # a ping of each idle worker: the dead ones leave the books
+            self.pool.take(self.pool.key, 0, 0)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             alive = [a for a in ray._private.state.actors().values()
                      if a.get("State") not in ("DEAD", 4)]
             free = ray.available_resources().get("CPU", 0.0)
-            # nothing of the earlier job: no live actor but the pool's idle workers (1 CPU each)
-            idle = self.pool.info()["idle"] if self.pool is not None else 0
-            if (len(alive) <= idle and free + len(alive) == n_nodes
-                    == ray.cluster_resources().get("CPU", 0.0)):
+            # nothing of the earlier job: no live actor but the pool's idle workers, each
+            # holding its 1 CPU, and every other CPU free
+            idle = set(self.pool.info()["idle_pids"]) if self.pool is not None else set()
+            if ({a.get("Pid") for a in alive} == idle and len(alive) == len(idle)
+                    and free + len(idle) == n_nodes == ray.cluster_resources().get("CPU", 0.0)):
                 return True
             time.sleep(0.1)
         import sys
 
         print(f"ray_cluster: not reused: {len(alive)} live actor(s) "
-              f"{sorted(a.get('ClassName', '?') for a in alive)}, {idle} idle in the pool, "
+              f"{sorted(a.get('ClassName', '?') for a in alive)}, {len(idle)} idle in the pool, "
               f"{free} of {ray.cluster_resources().get('CPU', 0.0)} CPUs free, want {n_nodes}",
               file=sys.stderr)
         return False

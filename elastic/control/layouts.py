@@ -187,10 +187,12 @@ class Layouts:
             if spec is not first:
                 self._emit("replanned", f"{name} with pp_degree {spec.pp_degree} on {world} "
                            f"workers (pp_degree {first.pp_degree} does not fit)")
+            self._say_exposure(spec)  # a regroup lays it out: a loss may now be unrecoverable
             return spec
         spec = self.make("auto", world, group)
         self._emit("replanned", f"{name} cannot run on {world} workers; the planner chose "
                    f"{spec.name}")
+        self._say_exposure(spec)
         return spec
 
     def survivor_plan(self, name: str, infos: list[dict[str, Any]]) -> tuple[bool, str, str]:

@@ -422,6 +422,10 @@ class PooledPlacement(Placement):
         out = []
         for i in slots:
             h = self.pool._start_blank(pg, i, bundle, self.use_gpu)
+            # a lost worker's bundle taken over: the books no longer tie it to the lost one,
+            # whose end (release) would otherwise remove it under the new worker, wherever
+            # that worker is by then (given back early by a shrink, lent to another job)
+            self._mine = {a: (hh, None if p is pg else p) for a, (hh, p) in self._mine.items()}
             self.pool.adopt(h, pg, self._key())
             rec, ref = self._assign(h, pg, False)
             rec.slot = i

@@ -398,6 +398,21 @@ def test_a_pooled_jobs_end_keeps_the_bundle_a_replacement_took_over(monkeypatch)
     pp._mine = {"a0": (alive.handle, pg_a), "a1": (hung.handle, pg_b)}
     pp.release([alive])
     assert removed == [pg_b]
+    # the replacement started in the lost one's bundle, then a shrink gave it back before
+    # the job's end (it may be lent to another job by then): its bundle stays too
+    removed.clear()
+
+    class Started(Handle):
+        assign = type("M", (), {"remote": staticmethod(lambda *a: None)})()
+
+    Pool._start_blank = lambda self, pg, i, bundle, gpu: Started(3)
+    Pool.adopt = lambda self, h, pg, key: None
+    monkeypatch.setattr(Placement, "vacate", lambda self, gone, kept: None)
+    pp._mine = {"a0": (alive.handle, pg_a), "a1": (hung.handle, pg_b)}
+    (rec, _), = pp._launch(pg_b, [0], {"CPU": 1})
+    pp.vacate([rec], [alive])
+    pp.release([alive])
+    assert removed == [], "the bundle the replacement (now the pool's) runs in was removed"
 
 
 def test_a_late_report_of_an_ended_checkpoint_starts_nothing_new():

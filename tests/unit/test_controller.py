@@ -637,6 +637,9 @@ def test_requests_are_answered_after_the_end_even_when_closing_the_group_failed(
     (dict(strategy="zero3", checkpoint_every=5), False),
     (dict(strategy="dp"), False),  # every survivor holds it all
     (dict(strategy="zero3", num_workers=1, min_workers=1, max_workers=1), False),
+    (dict(strategy="pipeline", pp_degree=2, num_workers=4), False),  # stages replicated
+    (dict(strategy="pipeline", pp_degree=2, num_workers=4, dp_mode="zero1"), True),
+    (dict(strategy="pipeline", pp_degree=2, num_workers=2), True),  # no replica of a stage
 ])
 def test_a_layout_no_lost_node_can_be_recovered_from_says_so_once(tmp_path, kw, said):
     """A job under a sharded layout with neither checkpoints nor peer copies would go back
@@ -647,3 +650,15 @@ def test_a_layout_no_lost_node_can_be_recovered_from_says_so_once(tmp_path, kw, 
     assert len(got) == int(said), [e.message for e in got]
     if said:
         assert "peer_copies_every" in got[0].message and "step 0" in got[0].message
+
+
+def test_a_recovery_into_an_unrecoverable_layout_says_so(tmp_path):
+    """pp2 x dp2 loses a worker: on 3 workers the pipeline keeps no replica of a stage, so
+    the next loss would send the job back to step 0; the regroup says it."""
+    ctl, fake = _controller(tmp_path, strategy="pipeline", pp_degree=2, num_workers=4,
+                            min_workers=1)
+    fake.fail(step=4, rank=3, kind="lost")
+    ctl.run()
+    assert not [e for e in _events(ctl, "unprotected") if e.step is not None and e.step < 4]
+    got = _events(ctl, "unprotected")
+    assert len(got) == 1 and _events(ctl, "recovered"), _kinds(ctl)
