@@ -252,9 +252,9 @@ def ray_cluster(request, _kept_cluster):
     report = getattr(request.node, "rep_call", None)
     passed = report is not None and report.passed
     for c in made[:-1]:
-        c.shutdown()
+        c.shutdown()  # disconnects the driver: a warm pool of the last one went with it
     if made:
-        if passed:
+        if passed and (len(made) == 1 or made[-1].pool is None):
             if made[-1].pool is None:
                 _shutdown()  # the driver leaves: its job's actors and reservations go with it
             _kept_cluster.append(made[-1])
