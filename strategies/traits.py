@@ -29,10 +29,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import Any
 
 from .errors import StrategyError
 
-__all__ = ["Traits", "StateBytes", "TRAITS", "traits_of", "DP_MODES", "BUCKET_BYTES",
+__all__ = ["Traits", "StateBytes", "TRAITS", "traits_of", "spec_survives_loss", "DP_MODES", "BUCKET_BYTES",
            "FIRST_BUCKET_BYTES"]
 
 # Gradient buckets of zero1/zero2 (strategies.buckets): DDP's sizes, 1 MiB for the first
@@ -150,3 +151,12 @@ def traits_of(name: str) -> Traits:
     except KeyError:
         raise StrategyError(
             f"unknown strategy {name!r}; choose one of {', '.join(TRAITS)}") from None
+
+
+def spec_survives_loss(spec: Any) -> bool:
+    """Whether a layout ``spec`` (a ``StrategySpec``: name, world_size, pp_degree, dp_mode)
+    keeps a live holder of every entry after any one rank is lost (``Traits.survives_loss``
+    with the spec's data-parallel degree: a pipeline's is world / pp)."""
+    t = traits_of(spec.name)
+    dp = spec.world_size // max(1, spec.pp_degree) if t.pipeline else spec.world_size
+    return t.survives_loss(dp, spec.dp_mode)

@@ -33,7 +33,7 @@ from typing import Any
 
 from clusters.policy import EvacuationObservation, EvacuationPolicy, GiveUp
 from strategies import StrategySpec
-from strategies.traits import traits_of
+from strategies.traits import spec_survives_loss
 
 from ..errors import CheckpointError, InfrastructureError, StateMoveError, SwitchError
 from .checkpoints import CheckpointTracker
@@ -288,9 +288,7 @@ class Evacuation:
     def _move_s(self, spec: StrategySpec, leaving: list[WorkerRec]) -> float:
         """The hand-off's cost: what only the draining ranks hold (nothing when a replica
         survives every loss of one node), at the measured bandwidth."""
-        t = traits_of(spec.name)
-        dp = spec.world_size // max(1, spec.pp_degree) if t.pipeline else spec.world_size
-        if t.survives_loss(dp, spec.dp_mode) and len(leaving) == 1:
+        if spec_survives_loss(spec) and len(leaving) == 1:
             return FIXED_S
         try:
             counts = self.group.memory_counts(timeout_s=10)

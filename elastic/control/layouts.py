@@ -19,7 +19,7 @@ from typing import Any
 from clusters.measured import equal_within_noise
 from strategies import StrategyError, StrategySpec
 from strategies import get as get_strategy
-from strategies.traits import DP_MODES, TRAITS, traits_of
+from strategies.traits import DP_MODES, TRAITS, spec_survives_loss, traits_of
 
 from ..data import even_shares
 from ..errors import ConfigError, SwitchError
@@ -379,9 +379,7 @@ class Layouts:
         loses state no survivor holds (zero1/2/3, a pipeline stage without a replica) while
         it takes neither periodic checkpoints nor peer copies: the recovery then starts over
         from step 0 (or the checkpoint it resumed from). Said once per such stretch."""
-        t = traits_of(spec.name)
-        dp = spec.world_size // max(1, spec.pp_degree) if t.pipeline else spec.world_size
-        exposed = (spec.world_size > 1 and not t.survives_loss(dp, spec.dp_mode)
+        exposed = (spec.world_size > 1 and not spec_survives_loss(spec)
                    and getattr(self.cfg, "checkpoint_every", 0) <= 0
                    and getattr(self.cfg, "peer_copies_every", 0) <= 0)
         if exposed and not self._exposed:

@@ -13,8 +13,8 @@ modules unloaded, the environment restored, garbage collected, CUDA's cache empt
 kept or retired as ``clusters.pool_policy.PoolPolicy`` decides (a worker whose job failed in
 user code is retired, never handed out again). A worker that died while idle is found by a
 ping before any hand-out, and never handed out; nor is one on a node Ray is draining (a
-preemption notice): it is retired at the next hand-out or give-back. What the next job can and cannot see of
-the previous one: docs/scheduler.md, "Warm workers".
+preemption notice): it is retired at the next hand-out or give-back. What the next job can
+and cannot see of the previous one: docs/scheduler.md, "Warm workers".
 
 Ownership: Ray ends an actor with the process that created it (unless detached), so the
 pool's workers live as long as the process that holds the pool: the driver for the SDK's
@@ -494,15 +494,14 @@ class PooledPlacement(Placement):
                 if actor_key(w.handle) in self._mine]
         returned = {actor_key(w.handle) for w in back}
         lost = sorted(set(self._mine) - returned)
-        kept = {id(w.pg) for w in back}
         self.pool.give_back(back, lost=lost)
         for a in lost:  # leave the books: killed (a no-op for one already dead) and its
-            # bundle freed, whatever path lost track of it (one left alive held a CPU),
-            # unless a returned worker now uses it: a dead worker's bundle is a free slot,
-            # and its replacement starts there (removing it killed that worker in the pool)
+            # bundle freed, whatever path lost track of it (one left alive held a CPU); a
+            # bundle a replacement took over is no longer on its books (``_launch``)
             handle, pg = self._mine[a]
-            WorkerPool._kill(_Proc(handle, None if id(pg) in kept else pg, self._key()))
+            WorkerPool._kill(_Proc(handle, pg, self._key()))
         self._mine = {}
         self._warming = [(w, r) for w, r in self._warming if w not in back]
+        kept = {id(w.pg) for w in back}
         self.free_slots = [(pg, i) for pg, i in self.free_slots if id(pg) not in kept]
         super().release([w for w in extra if w not in back])

@@ -155,8 +155,7 @@ def test_a_warm_pool_never_hands_out_a_worker_on_a_draining_node(ray_cluster, tm
         result = _submit(tmp_path, num_workers=1, min_workers=1, max_workers=1, max_steps=3,
                          loss=mse, pool=pool).result(timeout=120)
         assert result.status == "finished"
-        placed = next(e for e in result.events if e.kind == "recovered" or e.kind == "placed")
-        assert placed.kind == "placed"
+        assert not {"failure", "recovered", "evacuating"} & {e.kind for e in result.events}
         info = pool.info()
         assert info["retired"] == {DRAINING: 1}, info
         assert info["idle_pids"] == [pids[1]], info  # the job's worker came back
