@@ -27,7 +27,8 @@ Rules:
   cold, and idle workers of *other* keys are retired, longest idle first, when the cluster
   has no free bundle for it;
 * at most ``max_idle`` workers are kept idle (the longest idle go first), and none idle
-  longer than ``idle_timeout_s``;
+  longer than ``idle_timeout_s``, except the ``min_idle`` of the pool's own key (retiring
+  those would only start them again);
 * ``min_idle`` workers of the pool's own key are kept started ahead of demand, while the
   pool's workers (idle, lent and starting) stay within ``max_total``.
 """
@@ -163,15 +164,23 @@ class PoolPolicy:
     def decide(self, obs: PoolObservation) -> PoolDecision:
         retire: list[tuple[int, str]] = []
         idle: list[IdleWorker] = []
+        expired: list[IdleWorker] = []
         for w in obs.idle:
             if not w.alive:
                 retire.append((w.id, "died while idle"))
             elif w.node in obs.draining:
                 retire.append((w.id, DRAINING))
             elif obs.now_s - w.idle_since_s > self.idle_timeout_s:
-                retire.append((w.id, f"idle for more than {self.idle_timeout_s:g}s"))
+                expired.append(w)
             else:
                 idle.append(w)
+        # the pool's own min_idle stay however long they idle (the most recent first)
+        spare = max(0, self.min_idle - sum(1 for w in idle if w.key == self.key))
+        stay = sorted((w for w in expired if w.key == self.key),
+                      key=lambda w: (-w.idle_since_s, w.id))[:spare]
+        idle += stay
+        retire += [(w.id, f"idle for more than {self.idle_timeout_s:g}s")
+                   for w in expired if w not in stay]
         keep: list[int] = []
         for r in obs.returned:
             why = self._returned_verdict(r, obs.draining)

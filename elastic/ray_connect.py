@@ -23,7 +23,7 @@ __all__ = ["connect", "disconnect", "check_reachable", "address_of", "attach", "
            "draining_nodes", "node_infos", "request_drain", "node_alive", "pg_ready",
            "bundle_node",
            "start_in_bundle", "new_bundle", "remove_bundle", "wait_refs", "get_ref", "actor_key",
-           "free_bundles", "runtime_env_now"]
+           "free_bundles", "runtime_env_now", "ray_session"]
 
 log = logging.getLogger(__name__)
 
@@ -311,6 +311,19 @@ def loads(data: bytes) -> Any:
 
 
 # --------------------------------------------------------------------------- draining nodes
+
+
+def ray_session() -> str | None:
+    """Which Ray this process is connected to (its GCS address and the driver's node), or
+    None when it is not; never starts Ray. Handles from one session must not be used in the
+    next (a test's second cluster, a reconnect)."""
+    import sys
+
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return None
+    ctx = ray.get_runtime_context()
+    return f"{ctx.gcs_address}/{ctx.get_node_id()}"
 
 
 def draining_nodes() -> dict[str, int]:

@@ -13,8 +13,10 @@ modules unloaded, the environment restored, garbage collected, CUDA's cache empt
 kept or retired as ``clusters.pool_policy.PoolPolicy`` decides (a worker whose job failed in
 user code is retired, never handed out again). A worker that died while idle is found by a
 ping before any hand-out, and never handed out; nor is one on a node Ray is draining (a
-preemption notice): it is retired at the next hand-out or give-back. What the next job can
-and cannot see of the previous one: docs/scheduler.md, "Warm workers".
+preemption notice): it is retired at the next hand-out or give-back, or by the pool's own
+watch (``maintain``, every ``maintain_every_s``), which also retires idle workers that died
+or idled too long and refills the pool, between jobs. What the next job can and cannot see
+of the previous one: docs/scheduler.md, "Warm workers".
 
 Ownership: Ray ends an actor with the process that created it (unless detached), so the
 pool's workers live as long as the process that holds the pool: the driver for the SDK's
@@ -54,6 +56,7 @@ from ..ray_connect import (
     get_ref,
     kill,
     new_bundle,
+    ray_session,
     remove_bundle,
     runtime_env_now,
     start_in_bundle,
@@ -107,8 +110,10 @@ class WorkerPool:
     lent and starting (what it starts ahead of demand stays within it; default ``size``, so
     a pool does not start more while its workers are out); ``idle_timeout_s``,
     ``max_jobs``: a worker idle longer, or that served that many jobs, is retired.
-    ``wait``: block until the first ``size`` workers are up. Ray must be initialised, or is
-    started here for ``size`` workers (``ray_address`` as a job's) and shut down by ``close``.
+    ``wait``: block until the first ``size`` workers are up; ``maintain_every_s``: how often
+    the pool's own watch runs ``maintain`` (None: only when a job takes or gives back). Ray
+    must be initialised, or is started here for ``size`` workers (``ray_address`` as a job's)
+    and shut down by ``close``.
     """
 
     def __init__(self, size: int = 0, *, resources_per_worker: dict[str, float] | None = None,
@@ -116,6 +121,7 @@ class WorkerPool:
                  max_idle: int | None = None, max_total: int | None = None,
                  idle_timeout_s: float = 600.0, max_jobs: int = 100,
                  ray_address: str | None = None, wait: bool = True,
+                 maintain_every_s: float | None = 5.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         cpus = float((resources_per_worker or {}).get("CPU", 1))
         self._started_ray = connect(ray_address, max(size, 1) * cpus)
@@ -140,6 +146,11 @@ class WorkerPool:
         self.start_error = ""  # why the last worker that failed to start failed
         self._ix: dict[int, _Proc] = {}
         self._apply(self.policy.decide(self._observe()))
+        self._session = ray_session()
+        self._stop = threading.Event()
+        if maintain_every_s and self._session is not None:
+            threading.Thread(target=self._watch, args=(maintain_every_s,), daemon=True,
+                             name="elastic-pool-watch").start()
         if wait and size:
             self.wait_ready()
 
@@ -177,6 +188,30 @@ class WorkerPool:
                     "retired": dict(s.retired),
                     "idle_pids": sorted(p.pid for p in self._idle.values())}
 
+    def maintain(self) -> None:
+        """Decide between jobs: idle workers that died, sit on a node Ray is draining, or
+        idled past ``idle_timeout_s`` are retired, and the pool refills to ``size`` (on
+        nodes that are not draining: Ray places no new bundle there). One ping per idle
+        worker and one GCS call."""
+        with self._lock:
+            if self._closed or ray_session() != self._session:
+                return
+            self._settle()
+            alive = self._ping(list(self._idle.values()))
+            self._apply(self.policy.decide(self._observe(alive=alive,
+                                                         draining=self._draining())))
+
+    def _watch(self, every_s: float) -> None:
+        """``maintain`` every ``every_s`` until ``close``, or until this process leaves the
+        Ray the pool was made in (its handles mean nothing in the next)."""
+        while not self._stop.wait(every_s):
+            try:
+                if self._closed or ray_session() != self._session:
+                    return
+                self.maintain()
+            except Exception:  # noqa: BLE001 - the GCS busy or going: the next round
+                pass
+
     def make_default(self) -> WorkerPool:
         """Make this the pool of every job started in this process without one (``fit``,
         ``submit``, a sweep's trials): a notebook's or a test session's jobs in a row then
@@ -190,6 +225,7 @@ class WorkerPool:
         default pool, if it was."""
         if _DEFAULT and _DEFAULT[0] is self:
             _DEFAULT.clear()
+        self._stop.set()
         with self._lock:
             self._closed = True
             for p in list(self._idle.values()) + list(self._starting.values()):

@@ -162,3 +162,40 @@ def test_a_warm_pool_never_hands_out_a_worker_on_a_draining_node(ray_cluster, tm
         assert info["handed_out"] == 1 and info["cold"] == 0, info
     finally:
         pool.close()
+
+
+def test_a_pool_between_jobs_retires_its_worker_on_a_draining_node_and_refills_elsewhere(
+        ray_cluster):
+    """No job asks the pool anything: its own watch sees the drain, retires the idle worker
+    on the draining node before the node goes, and starts its replacement on a node that is
+    not draining, so the next job finds the pool full."""
+    import ray
+
+    from clusters.pool_policy import DRAINING
+    from elastic.control.pool import WorkerPool
+
+    ray_cluster(3)
+    pool = WorkerPool(2, max_idle=2, maintain_every_s=0.5)
+    try:
+        def nodes_of(pids):
+            node_of = {a["Pid"]: a["Address"]["NodeID"]
+                       for a in ray._private.state.actors().values() if a.get("State") == "ALIVE"}
+            return [node_of[p] for p in pids]
+
+        pids = pool.info()["idle_pids"]
+        assert len(pids) == 2
+        drained = nodes_of(pids)[0]
+        _drain(drained, 60.0)
+        t0 = time.monotonic()
+        while True:
+            info = pool.info()
+            if info["retired"] and len(info["idle_pids"]) == 2:
+                break
+            assert time.monotonic() - t0 < 30, info
+            time.sleep(0.1)
+        assert info["retired"] == {DRAINING: 1}, info
+        assert pids[1] in info["idle_pids"] and pids[0] not in info["idle_pids"], info
+        assert drained not in nodes_of(info["idle_pids"]), info
+        assert info["handed_out"] == 0, info
+    finally:
+        pool.close()

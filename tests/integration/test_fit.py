@@ -167,6 +167,10 @@ def test_bf16_job_matches_the_autocast_reference_through_switches(ray_local, tmp
                   switch_at={4: "zero3", 8: "pipeline"})
     assert [h["strategy"] for h in result.history][::4] == ["dp", "zero3", "pipeline"]
     assert max_diff(result.state_dict(), ref) < 5e-3
+    # no checkpoints, no peer copies: entering zero3 says a lost node would lose the run,
+    # once for that stretch (the pipeline after it is as exposed)
+    said = [e for e in result.events if e.kind == "unprotected"]
+    assert [e.data["strategy"] for e in said] == ["zero3"], said
     assert all(v.dtype == torch.float32 for v in result.state_dict().values())
 
 

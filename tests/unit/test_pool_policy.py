@@ -100,6 +100,21 @@ def test_idle_timeout():
     assert list(d.retired()) == [1] and "idle for more" in d.retired()[1]
 
 
+def test_idle_timeout_spares_the_pools_own_min_idle():
+    """A pool that keeps 2 warm does not retire them for idling (it would start them again
+    at once, and its watch decides every few seconds): only those beyond min_idle, and other
+    keys' workers, time out."""
+    ws = (idle(1, since=0.0), idle(2, since=10.0), idle(3, since=50.0), idle(4, CPU2, since=0.0))
+    d = policy(min_idle=2, idle_timeout_s=60).decide(PoolObservation(100.0, ws))
+    assert sorted(d.retired()) == [1, 4] and d.start == 0  # 2 stays: the more recent
+    d = policy(min_idle=1, idle_timeout_s=60).decide(PoolObservation(100.0, ws))
+    assert sorted(d.retired()) == [1, 2, 4] and d.start == 0  # 3 has not timed out
+    d = policy(min_idle=3, idle_timeout_s=60).decide(PoolObservation(100.0, ws))
+    assert sorted(d.retired()) == [4] and d.start == 0
+    d = policy(min_idle=0, idle_timeout_s=60).decide(PoolObservation(100.0, ws))
+    assert sorted(d.retired()) == [1, 2, 4]
+
+
 def test_max_idle_retires_the_longest_idle():
     ws = tuple(idle(i, since=float(i)) for i in range(1, 6))
     d = policy(max_idle=3).decide(PoolObservation(10.0, ws))
