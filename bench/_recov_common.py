@@ -38,6 +38,24 @@ def slow_mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return nn.functional.mse_loss(out, y)
 
 
+def _slow(loss: Any, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    time.sleep(STEP_WAIT_S)
+    return loss(out, y)
+
+
+def workload(family: str) -> tuple[Any, Any, Any, int]:
+    """(model factory, dataset factory, loss, global batch) of ``family``: ``recov`` is the
+    workload above; any family of ``bench/_planner_models.py`` (mlp, convnet, gpt, mixer,
+    dlrm) holds the benchmark against a model it was not written for, with the same 50 ms
+    wait per step in its loss (elastic only: Ray Train's loop is written for ``recov``)."""
+    if family == "recov":
+        return model_factory, dataset_factory, slow_mse, G
+    from _planner_models import FAMILIES
+
+    f = FAMILIES[family]
+    return f.model, f.dataset, functools.partial(_slow, f.loss), f.global_batch
+
+
 def _log(prog_dir: str, rec: dict[str, Any]) -> None:
     rec = {"pid": os.getpid(), "time": time.time(), **rec}
     with open(os.path.join(prog_dir, f"prog-{os.getpid()}.jsonl"), "a") as f:

@@ -81,7 +81,7 @@ def owner(args: argparse.Namespace) -> None:
     proc = None
     try:
         nodes = []
-        for _ in range(3):
+        for _ in range(args.workers):
             nodes.append(cluster.add_node(num_cpus=1))
         cluster.wait_for_nodes()
         info["cluster_startup_s"] = time.time() - t0
@@ -89,7 +89,9 @@ def owner(args: argparse.Namespace) -> None:
                "--address", cluster.address, "--steps", str(args.steps), "--every",
                str(args.every), "--kill-step", str(args.kill_step), "--replacement-timeout",
                str(args.replacement_timeout), "--timeout", str(args.timeout),
-               "--strategy", args.strategy, "--peer-copies-every", str(args.peer_copies_every)]
+               "--strategy", args.strategy, "--peer-copies-every", str(args.peer_copies_every),
+               "--family", args.family, "--workers", str(args.workers),
+               "--kill-rank", str(args.kill_rank)]
         proc = subprocess.Popen(cmd)
         kill = None
         deadline = time.time() + 400
@@ -141,7 +143,8 @@ def owner(args: argparse.Namespace) -> None:
 def _ask_kill(out: str, meta: dict[str, Any]) -> dict[str, Any]:
     """Ask the owner to remove ``meta["killed_node"]``; wait for its ``t_remove``."""
     _write(os.path.join(out, "kill.json"), {"node_id": meta["killed_node"], "time": time.time(),
-                                            "pid": (meta.get("pids_before") or {}).get(1)})
+                                            "pid": (meta.get("pids_before") or {}).get(
+                                                meta.get("killed_rank", 1))})
     deadline = time.time() + 60
     while time.time() < deadline:
         o = _read(os.path.join(out, "owner.json"))
@@ -207,10 +210,12 @@ def run_elastic(args: argparse.Namespace) -> dict[str, Any]:
     spans: list[tuple[str, float, float]] = []
     leaves: list[tuple[float, Any]] = []
     _trace_controller(spans, leaves)
+    model, dataset, loss, g = rc.workload(args.family)
+    n = args.workers
     handle = elastic.submit(
-        model=rc.model_factory, optimizer=dict(rc.OPTIM), loss=rc.slow_mse,
-        dataset=rc.dataset_factory, global_batch_size=rc.G, max_steps=args.steps, seed=rc.SEED,
-        num_workers=3, min_workers=2, max_workers=3, checkpoint_uri=os.path.join(out, "ckpt"),
+        model=model, optimizer=dict(rc.OPTIM), loss=loss,
+        dataset=dataset, global_batch_size=g, max_steps=args.steps, seed=rc.SEED,
+        num_workers=n, min_workers=n - 1, max_workers=n, checkpoint_uri=os.path.join(out, "ckpt"),
         checkpoint_every=args.every, replacement_timeout_s=args.replacement_timeout,
         hang_timeout_s=30, scale_check_s=2.0, view="none", run_dir=os.path.join(out, "run"),
         name="recov", ray_address=args.address, strategy=args.strategy,
@@ -227,9 +232,10 @@ def run_elastic(args: argparse.Namespace) -> dict[str, Any]:
                             "generation_before": ctl.generation}
     by_rank = {w.rank: w for w in ctl.workers}
     meta["pids_before"] = {r: w.info["pid"] for r, w in by_rank.items()}
-    meta["killed_rank"] = 1
-    meta["killed_node"] = by_rank[1].info["node_id"]
-    meta["survivor_pids_before"] = [w.info["pid"] for r, w in by_rank.items() if r != 1]
+    k = args.kill_rank
+    meta["killed_rank"] = k
+    meta["killed_node"] = by_rank[k].info["node_id"]
+    meta["survivor_pids_before"] = [w.info["pid"] for r, w in by_rank.items() if r != k]
     ray_dead: dict[str, float] = {}
 
     def watch_ray() -> None:  # Ray's own view: when the GCS marks the node dead
@@ -414,6 +420,9 @@ def main() -> None:
                     help="start the replacement node's processes at this niceness")
     ap.add_argument("--strategy", default="dp", help="elastic's layout (Ray Train: DDP)")
     ap.add_argument("--peer-copies-every", type=int, default=0)
+    ap.add_argument("--family", default="recov", help="elastic's workload (rc.workload)")
+    ap.add_argument("--workers", type=int, default=3, help="nodes of 1 CPU, one worker each")
+    ap.add_argument("--kill-rank", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=240)
     args = ap.parse_args()
     if args.driver:

@@ -77,7 +77,9 @@ def run_one(system: str, rnd: int, args: argparse.Namespace) -> dict[str, Any]:
     if system == "elastic-nowait":
         cmd += ["--replacement-timeout", "0"]
     if system.startswith("elastic"):
-        cmd += ["--strategy", args.strategy, "--peer-copies-every", str(args.peer_copies_every)]
+        cmd += ["--strategy", args.strategy, "--peer-copies-every", str(args.peer_copies_every),
+                "--family", args.family, "--workers", str(args.workers),
+                "--kill-rank", str(args.kill_rank)]
     if args.replacement:
         cmd.append("--replacement")
         if args.replacement_nice:
@@ -263,6 +265,13 @@ def main(argv: list[str] | None = None) -> int:
                     "copies)")
     ap.add_argument("--peer-copies-every", type=int, default=0,
                     help="elastic's peer_copies_every (0: off, the default)")
+    ap.add_argument("--family", default="recov", help="elastic's workload: recov (the one "
+                    "above) or a family of bench/_planner_models.py (mlp, convnet, gpt, mixer, "
+                    "dlrm), the same 50 ms wait per step; elastic systems only")
+    ap.add_argument("--workers", type=int, default=3, help="elastic's workers (and 1-CPU "
+                    "nodes); elastic systems only")
+    ap.add_argument("--kill-rank", type=int, default=1, help="the rank whose node is removed; "
+                    "elastic systems only")
     ap.add_argument("--timeout-s", type=float, default=240, help="per run, after the kill")
     ap.add_argument("--json")
     ap.add_argument("--keep", action="store_true")
@@ -271,8 +280,16 @@ def main(argv: list[str] | None = None) -> int:
     for s in systems:
         if s not in SYSTEMS:
             ap.error(f"unknown system {s}")
-    print(f"recovery benchmark: {args.steps} steps, checkpoint every {args.every}, node of rank "
-          f"1 removed after step {args.kill_step}, replacement node: {args.replacement}; "
+    if (args.family, args.workers, args.kill_rank) != ("recov", 3, 1) and any(
+            s.startswith("raytrain") for s in systems):
+        ap.error("--family, --workers and --kill-rank are for elastic's systems only: "
+                 "add --systems elastic-nowait")
+    if not 0 <= args.kill_rank < args.workers:
+        ap.error(f"--kill-rank must be a rank of the {args.workers} workers")
+    print(f"recovery benchmark: {args.family}, {args.workers} workers, {args.strategy}, peer "
+          f"copies every {args.peer_copies_every}; {args.steps} steps, checkpoint every "
+          f"{args.every}, node of rank {args.kill_rank} removed after step {args.kill_step}, "
+          f"replacement node: {args.replacement}; "
           f"systems {systems}, {args.rounds} rounds; code {common.code_version()}; loadavg "
           f"{os.getloadavg()[0]:.1f}",
           flush=True)
