@@ -55,11 +55,14 @@ def optimizer_state_from_canonical(
     params_by_fqn: dict[str, nn.Parameter],
     state: CanonicalState,
     slicer: Callable[[str, torch.Tensor, nn.Parameter], torch.Tensor] | None = None,
+    owned: bool = False,
 ) -> None:
     """Fill ``optimizer.state`` for the given parameters from canonical entries.
 
     ``slicer(fqn, full_tensor, param)`` cuts the full entry down to what this rank holds
-    (identity by default). Scalar entries (such as Adam's ``step``) are copied as they are.
+    (identity by default); ``owned``: it returns a new tensor on the parameter's device,
+    kept as it is (else a copy is taken). Scalar entries (such as Adam's ``step``) are
+    copied as they are.
     """
     optimizer.state.clear()
     by_param: dict[str, dict[str, torch.Tensor]] = {}
@@ -76,7 +79,10 @@ def optimizer_state_from_canonical(
             if t.dim() == 0:  # scalar entries (Adam's step) stay as they are, on the CPU
                 st[k] = t.clone()
             else:
-                st[k] = (slicer(fqn, t, p) if slicer else t).clone().to(p.device)
+                if slicer is not None and owned:
+                    st[k] = slicer(fqn, t, p)
+                else:
+                    st[k] = (slicer(fqn, t, p) if slicer else t).clone().to(p.device)
         optimizer.state[p] = st
 
 

@@ -152,6 +152,14 @@ class ShardMap:
         for m in modules:
             self.entries.update(m.state_dict(keep_vars=True))
             self.params.update(m.named_parameters())
+        # (id of the shard, shape) -> rows: a parameter's rows serve its optimizer entries too
+        self._rows: dict[tuple[int, tuple[int, ...]], bool | tuple[int, int]] = {}
+
+    def _rows_of(self, like: torch.Tensor, shape: tuple[int, ...]) -> bool | tuple[int, int]:
+        key = (id(like), shape)
+        if key not in self._rows:
+            self._rows[key] = _rows_of(like, shape)
+        return self._rows[key]
 
     def local(self, optimizer: torch.optim.Optimizer | None) -> CanonicalState:
         """This rank's pieces: the local shard of every entry (rows ``needs`` names), whole
@@ -191,12 +199,12 @@ class ShardMap:
     def needs(self, key: str, shape: tuple[int, ...]) -> bool | tuple[int, int]:
         if key.startswith("model/"):
             like = self.entries.get(key[len("model/"):])
-            return False if like is None else _rows_of(like, shape)
+            return False if like is None else self._rows_of(like, shape)
         if key.startswith("optim/"):
             p = self.params.get(key[len("optim/"):].rpartition("/")[0])
             if p is None:
                 return False
-            return True if not shape else _rows_of(p, shape)
+            return True if not shape else self._rows_of(p, shape)
         return False
 
 
@@ -214,14 +222,27 @@ def load_sharded_state(
     """
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    def shard_of(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    def local_of(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor | None:
+        """This rank's rows of ``full`` for a dim-0 shard ``like`` (None: another sharding)."""
+        rows = _rows_of(like, tuple(like.shape)) if full.dim() else True
+        if not isinstance(rows, tuple):
+            return None
         full = full.to(device=_local(like).device, dtype=like.dtype)
+        return full if sliced else full[rows[0]:rows[1]]
+
+    def shard_of(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """A new tensor (the optimizer owns it) holding this rank's shard of ``full``. A dim-0
+        shard is wrapped as it is: DTensor's own ops would propagate shardings per op and
+        shape, for every new layout (~4 ms each on a CPU)."""
         if not isinstance(like, DTensor):
-            return full
-        if sliced and full.dim() and _rows_of(like, tuple(like.shape)) is not True:
-            return DTensor.from_local(full, like.device_mesh, like.placements, run_check=False,
-                                      shape=like.shape, stride=like.stride())
-        return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
+            return full.to(device=like.device, dtype=like.dtype, copy=True)
+        local = local_of(full, like)
+        if local is not None:
+            return DTensor.from_local(local.clone(), like.device_mesh, like.placements,
+                                      run_check=False, shape=like.shape, stride=like.stride())
+        full = full.to(device=_local(like).device, dtype=like.dtype)
+        return distribute_tensor(full, like.device_mesh, like.placements,
+                                 src_data_rank=None).clone()
 
     with torch.no_grad():
         for module in modules:
@@ -229,11 +250,16 @@ def load_sharded_state(
                 key = f"model/{k}"
                 if key not in state:
                     raise KeyError(f"canonical state has no entry {key!r}")
-                v.copy_(shard_of(state[key], v))
+                if not isinstance(v, DTensor):
+                    v.copy_(state[key])
+                elif (local := local_of(state[key], v)) is not None:
+                    _local(v).copy_(local.reshape(_local(v).shape))  # into the shard's storage
+                else:
+                    v.copy_(shard_of(state[key], v))
     if optimizer is not None:
         params = {n: p for m in modules for n, p in m.named_parameters()}
         optimizer_state_from_canonical(
-            optimizer, params, state, slicer=lambda _fqn, full, p: shard_of(full, p)
+            optimizer, params, state, slicer=lambda _fqn, full, p: shard_of(full, p), owned=True
         )
 
 
