@@ -30,7 +30,8 @@ Rules:
   longer than ``idle_timeout_s``, except the ``min_idle`` of the pool's own key (retiring
   those would only start them again);
 * ``min_idle`` workers of the pool's own key are kept started ahead of demand, while the
-  pool's workers (idle, lent and starting) stay within ``max_total``.
+  pool's workers (idle, lent and starting) stay within ``max_total``, and not while a job
+  is placing the workers a hand-out left it to start cold (they need the room).
 """
 
 from __future__ import annotations
@@ -115,6 +116,8 @@ class PoolObservation:
     lent: int = 0  # workers out with jobs
     starting: int = 0  # of the pool's own key, not up yet
     draining: frozenset[str] = frozenset()  # ids of the nodes Ray is draining
+    # workers jobs were told to start cold by earlier hand-outs and have not placed yet
+    cold_pending: int = 0
 
 
 @dataclass(frozen=True)
@@ -220,6 +223,11 @@ class PoolPolicy:
             if room < start:
                 reasons.append(f"refill {max(room, 0)} of {start}: {cold} start cold")
                 start = max(room, 0)
+        if start and obs.cold_pending > 0:
+            # an earlier hand-out left a job to start workers cold: a refill now would take
+            # the room they are about to be placed in (the pool's watch decides between them)
+            reasons.append(f"refill waits: {obs.cold_pending} start cold for a job")
+            start = 0
         if start:
             reasons.append(f"start {start} to keep {self.min_idle} warm")
         return PoolDecision(tuple(hand), tuple(keep), tuple(retire), start, tuple(reasons))

@@ -143,6 +143,7 @@ class WorkerPool:
         self._lent: dict[str, _Proc] = {}
         self._starting: dict[str, _Proc] = {}
         self._closed = False
+        self._cold_pending = 0  # left to start cold by hand-outs, not placed yet
         self.start_error = ""  # why the last worker that failed to start failed
         self._ix: dict[int, _Proc] = {}
         self._apply(self.policy.decide(self._observe()))
@@ -245,7 +246,8 @@ class WorkerPool:
     def take(self, key: PoolKey, n: int, free_bundles: int) -> list[_Proc]:
         """Up to ``n`` idle workers of ``key``, each pinged first (a dead one is retired,
         never handed out); idle workers of other keys are retired when the cluster has no
-        room for the ones that must start cold."""
+        room for the ones that must start cold. The caller says ``cold_placed`` for those
+        once it has placed them (or given up): until then the pool starts no refill."""
         with self._lock:
             self._settle()
             alive = self._ping(list(self._idle.values()))
@@ -258,7 +260,13 @@ class WorkerPool:
                 self._lent[a] = p
             self.stats.handed_out += len(out)
             self._apply(d)
+            self._cold_pending += max(0, n - len(out))
             return out
+
+    def cold_placed(self, n: int) -> None:
+        """``n`` workers a hand-out left to start cold are placed, or will not be."""
+        with self._lock:
+            self._cold_pending = max(0, self._cold_pending - n)
 
     def adopt(self, handle: Any, pg: Any, key: PoolKey) -> None:
         """A worker a pooled job started cold: lent to it from now on."""
@@ -329,7 +337,7 @@ class WorkerPool:
             rets.append(dataclasses.replace(r, id=i))
         return PoolObservation(self.clock(), tuple(idle), tuple(rets), want,
                                lent=len(self._lent), starting=len(self._starting),
-                               draining=draining)
+                               draining=draining, cold_pending=self._cold_pending)
 
     @staticmethod
     def _draining() -> frozenset[str]:
@@ -490,30 +498,39 @@ class PooledPlacement(Placement):
 
     def place(self, n: int, min_workers: int) -> list[WorkerRec]:
         launched = self._warm(n)
-        warm = self._collect(launched, wait_s=None)
-        self._drop_failed(launched, warm)
-        if len(warm) >= n:
-            return warm
         try:
-            cold = super().place(n - len(warm), max(0, min_workers - len(warm)))
-        except BaseException:  # the warm ones go back (they were kept out of the pool's
-            # books and held their bundles for good: the next jobs could not be placed)
-            for w in warm:
-                self._mine.pop(actor_key(w.handle), None)
-            self.pool.give_back(warm)
-            raise
-        return warm + cold
+            warm = self._collect(launched, wait_s=None)
+            self._drop_failed(launched, warm)
+            if len(warm) >= n:
+                return warm
+            try:
+                cold = super().place(n - len(warm), max(0, min_workers - len(warm)))
+            except BaseException:  # the warm ones go back (they were kept out of the pool's
+                # books and held their bundles for good: the next jobs could not be placed)
+                for w in warm:
+                    self._mine.pop(actor_key(w.handle), None)
+                self.pool.give_back(warm)
+                raise
+            return warm + cold
+        finally:
+            self.pool.cold_placed(max(0, n - len(launched)))
 
     def start_spares(self, n: int) -> None:
         warm = self._warm(n)
         self._warming += warm
-        super().start_spares(n - len(warm))
+        try:
+            super().start_spares(n - len(warm))
+        finally:
+            self.pool.cold_placed(max(0, n - len(warm)))
 
     def try_place(self, n: int, timeout_s: float) -> list[WorkerRec]:
         launched = self._warm(n)
-        warm = self._collect(launched, wait_s=max(timeout_s, 1.0))
-        self._drop_failed(launched, warm)
-        return warm + super().try_place(n - len(warm), timeout_s)
+        try:
+            warm = self._collect(launched, wait_s=max(timeout_s, 1.0))
+            self._drop_failed(launched, warm)
+            return warm + super().try_place(n - len(warm), timeout_s)
+        finally:
+            self.pool.cold_placed(max(0, n - len(launched)))
 
     def room(self) -> bool:
         return bool(self.pool.info()["idle_by_key"].get(self._key().describe())) or super().room()

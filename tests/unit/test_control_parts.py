@@ -326,12 +326,16 @@ def test_a_pooled_placement_whose_cold_part_fails_gives_its_warm_workers_back(mo
             self._actor_id = type("Id", (), {"hex": lambda _self: f"a{i}"})()
 
     given: list[list[WorkerRec]] = []
+    placed: list[int] = []
 
     class Pool:
         env: dict = {}
 
         def give_back(self, recs, lost=()):
             given.append(list(recs))
+
+        def cold_placed(self, n):
+            placed.append(n)
 
     cfg = JobConfig(model=mlp, optimizer=adam, loss=mse, dataset=RegressionData(),
                     global_batch_size=8, max_steps=5, num_workers=3)
@@ -350,6 +354,7 @@ def test_a_pooled_placement_whose_cold_part_fails_gives_its_warm_workers_back(mo
     with pytest.raises(ClusterError):
         pp.place(3, 3)
     assert given == [warm] and pp._mine == {}
+    assert placed == [1]  # the one left to start cold no longer holds back the pool's refill
 
 
 def test_a_pooled_jobs_end_keeps_the_bundle_a_replacement_took_over(monkeypatch):

@@ -115,6 +115,17 @@ def test_idle_timeout_spares_the_pools_own_min_idle():
     assert sorted(d.retired()) == [1, 2, 4]
 
 
+def test_no_refill_while_a_job_places_the_workers_it_starts_cold():
+    """A hand-out left a job 1 worker to start cold; until it is placed, a decision of the
+    pool's watch (no job asking) starts no refill: the refill would take its room (the
+    scheduler's 3 CPUs with 2 warm: its 3-worker job waited 60 s, then failed)."""
+    obs = PoolObservation(10.0, (), lent=2, cold_pending=1)
+    d = policy(min_idle=2).decide(obs)
+    assert d.start == 0 and any("waits" in r for r in d.reasons), d
+    assert policy(min_idle=2).decide(PoolObservation(10.0, (), lent=2)).start == 2
+    assert policy(min_idle=2, max_total=3).decide(PoolObservation(10.0, (), lent=2)).start == 1
+
+
 def test_max_idle_retires_the_longest_idle():
     ws = tuple(idle(i, since=float(i)) for i in range(1, 6))
     d = policy(max_idle=3).decide(PoolObservation(10.0, ws))
