@@ -314,16 +314,17 @@ def loads(data: bytes) -> Any:
 
 
 def ray_session() -> str | None:
-    """Which Ray this process is connected to (its GCS address and the driver's node), or
-    None when it is not; never starts Ray. Handles from one session must not be used in the
-    next (a test's second cluster, a reconnect)."""
+    """Which Ray connection this process has (the GCS address and the driver's job id, new
+    at every ``ray.init``), or None when it has none; does not start Ray. Handles from one
+    connection must not be used in the next (a test's second cluster, a reconnect to the
+    same one)."""
     import sys
 
     ray = sys.modules.get("ray")
     if ray is None or not ray.is_initialized():
         return None
     ctx = ray.get_runtime_context()
-    return f"{ctx.gcs_address}/{ctx.get_node_id()}"
+    return f"{ctx.gcs_address}/{ctx.get_job_id()}"
 
 
 def draining_nodes() -> dict[str, int]:

@@ -223,22 +223,28 @@ def load_sharded_state(
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     def local_of(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor | None:
-        """This rank's rows of ``full`` for a dim-0 shard ``like`` (None: another sharding)."""
+        """This rank's rows of ``full`` (a view, where it lies) for a dim-0 shard ``like`` of
+        the same shape; None for another sharding or an entry shaped otherwise (an
+        optimizer's factored statistics)."""
         rows = _rows_of(like, tuple(like.shape)) if full.dim() else True
-        if not isinstance(rows, tuple):
+        if not isinstance(rows, tuple) or tuple(full.shape[1:]) != tuple(like.shape[1:]):
             return None
-        full = full.to(device=_local(like).device, dtype=like.dtype)
-        return full if sliced else full[rows[0]:rows[1]]
+        a, b = rows
+        if sliced:
+            return full if full.shape[0] == b - a else None
+        return full[a:b] if full.shape[0] == like.shape[0] else None
 
     def shard_of(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         """A new tensor (the optimizer owns it) holding this rank's shard of ``full``. A dim-0
         shard is wrapped as it is: DTensor's own ops would propagate shardings per op and
-        shape, for every new layout (~4 ms each on a CPU)."""
+        shape, for every new layout (~4 ms each on a CPU). Only the rows are moved to the
+        device."""
         if not isinstance(like, DTensor):
             return full.to(device=like.device, dtype=like.dtype, copy=True)
         local = local_of(full, like)
         if local is not None:
-            return DTensor.from_local(local.clone(), like.device_mesh, like.placements,
+            local = local.to(device=_local(like).device, dtype=like.dtype, copy=True)
+            return DTensor.from_local(local, like.device_mesh, like.placements,
                                       run_check=False, shape=like.shape, stride=like.stride())
         full = full.to(device=_local(like).device, dtype=like.dtype)
         return distribute_tensor(full, like.device_mesh, like.placements,
@@ -253,7 +259,7 @@ def load_sharded_state(
                 if not isinstance(v, DTensor):
                     v.copy_(state[key])
                 elif (local := local_of(state[key], v)) is not None:
-                    _local(v).copy_(local.reshape(_local(v).shape))  # into the shard's storage
+                    _local(v).copy_(local)  # into the shard's storage
                 else:
                     v.copy_(shard_of(state[key], v))
     if optimizer is not None:

@@ -29,9 +29,12 @@ calls go through ``elastic.ray_connect``; this module decides and keeps the book
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,12 +72,38 @@ from .worker_group import Placement
 __all__ = ["WorkerPool", "PooledPlacement", "default_pool"]
 
 _DEFAULT: list[WorkerPool] = []  # the pool this process's jobs use when given none
+log = logging.getLogger(__name__)
 
 
 def default_pool() -> WorkerPool | None:
     """The pool that jobs started in this process take warm workers from when they are given
     none (``WorkerPool.make_default``); None when there is none, or it was closed."""
     return _DEFAULT[0] if _DEFAULT else None
+
+
+def _watch(ref: weakref.ref[WorkerPool], stop: threading.Event, every_s: float) -> None:
+    """The pool's watch: ``maintain`` every ``every_s`` until the pool is closed, collected,
+    or out of its Ray session."""
+    while not stop.wait(every_s):
+        pool = ref()
+        if pool is None:
+            return
+        try:
+            if not pool.maintain():
+                return
+        except Exception as e:  # noqa: BLE001 - the GCS busy or going: the next round
+            log.debug("the pool's watch: %s: %s", type(e).__name__, e)
+        del pool
+
+
+def _stop_watch(ref: weakref.ref[WorkerPool]) -> None:
+    """At exit, before Ray's own shutdown (atexit runs in reverse): the watch stops, and a
+    round in progress ends first (a Ray call after the shutdown would start a new Ray)."""
+    pool = ref()
+    if pool is not None:
+        pool._stop.set()
+        with pool._lock:
+            pass
 
 
 @dataclass
@@ -109,11 +138,12 @@ class WorkerPool:
     (default ``max(size, 8)``); ``max_total``: the most the pool's workers may number, idle,
     lent and starting (what it starts ahead of demand stays within it; default ``size``, so
     a pool does not start more while its workers are out); ``idle_timeout_s``,
-    ``max_jobs``: a worker idle longer, or that served that many jobs, is retired.
-    ``wait``: block until the first ``size`` workers are up; ``maintain_every_s``: how often
-    the pool's own watch runs ``maintain`` (None: only when a job takes or gives back). Ray
-    must be initialised, or is started here for ``size`` workers (``ray_address`` as a job's)
-    and shut down by ``close``.
+    ``max_jobs``: a worker idle longer (beyond the pool's own ``size``), or that served that
+    many jobs, is retired. ``wait``: block until the first ``size`` workers are up;
+    ``maintain_every_s``: how often the pool's own watch runs ``maintain`` (None: only when
+    a job takes or gives back). Ray must be initialised, or is started here for ``size``
+    workers (``ray_address`` as a job's) and shut down by ``close``. Close a pool before
+    ``ray.shutdown()``: a watch between its check and a Ray call would start a new Ray.
     """
 
     def __init__(self, size: int = 0, *, resources_per_worker: dict[str, float] | None = None,
@@ -123,6 +153,9 @@ class WorkerPool:
                  ray_address: str | None = None, wait: bool = True,
                  maintain_every_s: float | None = 5.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
+        if maintain_every_s is not None and not maintain_every_s > 0:
+            raise ValueError(f"maintain_every_s={maintain_every_s!r}: give seconds > 0, or "
+                             "None for no watch")
         cpus = float((resources_per_worker or {}).get("CPU", 1))
         self._started_ray = connect(ray_address, max(size, 1) * cpus)
         # as a job's placement decides: a pool of CPU workers on a GPU cluster matched no job
@@ -149,11 +182,18 @@ class WorkerPool:
         self._apply(self.policy.decide(self._observe()))
         self._session = ray_session()
         self._stop = threading.Event()
-        if maintain_every_s and self._session is not None:
-            threading.Thread(target=self._watch, args=(maintain_every_s,), daemon=True,
-                             name="elastic-pool-watch").start()
         if wait and size:
-            self.wait_ready()
+            try:
+                self.wait_ready()
+            except BaseException:  # the caller gets no pool to close: its workers go now
+                self.close()
+                raise
+        if maintain_every_s and self._session is not None:
+            # a weak reference: a pool dropped without close() is collected, and its watch ends
+            threading.Thread(target=_watch, args=(weakref.ref(self), self._stop,
+                                                  maintain_every_s),
+                             daemon=True, name="elastic-pool-watch").start()
+            atexit.register(_stop_watch, weakref.ref(self))  # runs before Ray's own shutdown
 
     # ------------------------------------------------------------------ public
 
@@ -189,29 +229,25 @@ class WorkerPool:
                     "retired": dict(s.retired),
                     "idle_pids": sorted(p.pid for p in self._idle.values())}
 
-    def maintain(self) -> None:
+    def maintain(self) -> bool:
         """Decide between jobs: idle workers that died, sit on a node Ray is draining, or
-        idled past ``idle_timeout_s`` are retired, and the pool refills to ``size`` (on
-        nodes that are not draining: Ray places no new bundle there). One ping per idle
-        worker and one GCS call."""
+        idled past ``idle_timeout_s`` (beyond the pool's own ``size``) are retired, and the
+        pool refills to ``size`` (on nodes that are not draining: Ray places no new bundle
+        there). One ping per idle worker and one GCS call, outside the pool's lock (jobs
+        take and give back meanwhile). False, doing nothing, once the pool is closed or
+        this process has left the Ray the pool was made in (its handles mean nothing in
+        the next)."""
         with self._lock:
             if self._closed or ray_session() != self._session:
-                return
+                return False
             self._settle()
-            alive = self._ping(list(self._idle.values()))
-            self._apply(self.policy.decide(self._observe(alive=alive,
-                                                         draining=self._draining())))
-
-    def _watch(self, every_s: float) -> None:
-        """``maintain`` every ``every_s`` until ``close``, or until this process leaves the
-        Ray the pool was made in (its handles mean nothing in the next)."""
-        while not self._stop.wait(every_s):
-            try:
-                if self._closed or ray_session() != self._session:
-                    return
-                self.maintain()
-            except Exception:  # noqa: BLE001 - the GCS busy or going: the next round
-                pass
+            procs = list(self._idle.values())
+        alive, draining = self._ping(procs), self._draining()
+        with self._lock:  # idle workers taken meanwhile are no longer observed
+            if self._closed:
+                return False
+            self._apply(self.policy.decide(self._observe(alive=alive, draining=draining)))
+        return True
 
     def make_default(self) -> WorkerPool:
         """Make this the pool of every job started in this process without one (``fit``,
@@ -262,6 +298,12 @@ class WorkerPool:
             self._apply(d)
             self._cold_pending += max(0, n - len(out))
             return out
+
+    def reserve_cold(self, n: int) -> None:
+        """``n`` more workers a job is about to start cold (warm ones that failed to take
+        it): no refill until ``cold_placed``."""
+        with self._lock:
+            self._cold_pending += max(0, n)
 
     def cold_placed(self, n: int) -> None:
         """``n`` workers a hand-out left to start cold are placed, or will not be."""
@@ -446,12 +488,18 @@ class PooledPlacement(Placement):
                 handle.assign.remote(self._worker_cfg, wid, self._liveness))
 
     def _warm(self, n: int) -> list[tuple[WorkerRec, Any]]:
-        """Up to ``n`` idle workers of this job's key, assigned to it (not waited for)."""
+        """Up to ``n`` idle workers of this job's key, assigned to it (not waited for). The
+        ``n - len(result)`` left to start cold hold the pool's refill back until the
+        caller's ``cold_placed``."""
         if n <= 0:
             return []
         bundle = self.bundle()
         procs = self.pool.take(self._key(), n, free_bundles(bundle))
-        return [self._assign(p.handle, p.pg, True) for p in procs]
+        try:
+            return [self._assign(p.handle, p.pg, True) for p in procs]
+        except BaseException:
+            self.pool.cold_placed(n - len(procs))
+            raise
 
     def _collect(self, launched: list[tuple[WorkerRec, Any]], wait_s: float | None
                  ) -> list[WorkerRec]:
@@ -477,7 +525,7 @@ class PooledPlacement(Placement):
         return out
 
     def _drop_failed(self, launched: list[tuple[WorkerRec, Any]], up: list[WorkerRec]
-                     ) -> None:
+                     ) -> int:
         """Warm workers that failed to take the job (its code does not import there, ...):
         ``_collect`` killed them; their one-bundle groups are removed too, and the pool
         forgets them. Kept as free slots, those bundles held the CPUs that the cold workers
@@ -493,14 +541,17 @@ class PooledPlacement(Placement):
             self._mine.pop(a, None)
             self.free_slots = [(pg, i) for pg, i in self.free_slots if pg is not w.pg]
             remove_bundle(w.pg)
-        if lost:
+        if lost:  # they start cold instead: their room is held before it is freed
+            self.pool.reserve_cold(len(lost))
             self.pool.give_back([], lost=lost)
+        return len(lost)
 
     def place(self, n: int, min_workers: int) -> list[WorkerRec]:
         launched = self._warm(n)
+        pending = max(0, n - len(launched))
         try:
             warm = self._collect(launched, wait_s=None)
-            self._drop_failed(launched, warm)
+            pending += self._drop_failed(launched, warm)
             if len(warm) >= n:
                 return warm
             try:
@@ -513,7 +564,7 @@ class PooledPlacement(Placement):
                 raise
             return warm + cold
         finally:
-            self.pool.cold_placed(max(0, n - len(launched)))
+            self.pool.cold_placed(pending)
 
     def start_spares(self, n: int) -> None:
         warm = self._warm(n)
@@ -525,12 +576,13 @@ class PooledPlacement(Placement):
 
     def try_place(self, n: int, timeout_s: float) -> list[WorkerRec]:
         launched = self._warm(n)
+        pending = max(0, n - len(launched))
         try:
             warm = self._collect(launched, wait_s=max(timeout_s, 1.0))
-            self._drop_failed(launched, warm)
+            pending += self._drop_failed(launched, warm)
             return warm + super().try_place(n - len(warm), timeout_s)
         finally:
-            self.pool.cold_placed(max(0, n - len(launched)))
+            self.pool.cold_placed(pending)
 
     def room(self) -> bool:
         return bool(self.pool.info()["idle_by_key"].get(self._key().describe())) or super().room()

@@ -504,3 +504,58 @@ def test_the_views_memory_column_comes_with_the_metrics_and_never_calls_the_work
     log.ingest(g.workers, [[dict(m, step=1)]], spec, 1)  # later steps: the counts stay
     log.show_workers(g)
     assert g.workers[0].info["memory"] == {"params": 12, "optim": 24}
+
+
+def _bare_pool(monkeypatch, session: list[str]):
+    """A ``WorkerPool`` with Ray stood in for: no workers, its decisions recorded."""
+    from elastic.control import pool as pool_mod
+
+    monkeypatch.setattr(pool_mod, "connect", lambda address, cpus: False)
+    monkeypatch.setattr(pool_mod, "runtime_env_now", lambda: {})
+    monkeypatch.setattr("elastic.ray_connect.cluster_has_gpus", lambda: False)
+    monkeypatch.setattr(pool_mod, "ray_session", lambda: session[0])
+    monkeypatch.setattr(pool_mod, "draining_nodes", lambda: {})
+    monkeypatch.setattr(pool_mod, "wait_refs", lambda refs, timeout_s: ([], []))
+    p = pool_mod.WorkerPool(0, wait=False, maintain_every_s=None)
+    seen = []
+    decide = p.policy.decide
+    p.policy.decide = lambda obs: seen.append(obs) or decide(obs)  # type: ignore[method-assign]
+    return p, seen
+
+
+def test_a_pools_watch_sees_the_cold_workers_a_hand_out_left_until_they_are_placed(monkeypatch):
+    """The real books behind the policy's ``cold_pending``: a hand-out that finds no idle
+    worker leaves the job 3 to start cold; the watch's decisions see them (and start no
+    refill) until the placement says they are placed."""
+    p, seen = _bare_pool(monkeypatch, ["s"])
+    assert p.take(p.key, 3, 3) == []
+    assert p.maintain() and seen[-1].cold_pending == 3 and seen[-1].want is None
+    p.reserve_cold(1)  # a warm worker that failed to take its job starts cold instead
+    p.cold_placed(3)
+    assert p.maintain() and seen[-1].cold_pending == 1
+    p.cold_placed(1)
+    assert p.maintain() and seen[-1].cold_pending == 0
+
+
+def test_a_pools_watch_ends_with_its_ray_session_close_or_the_pool(monkeypatch):
+    import threading
+    import weakref
+
+    from elastic.control import pool as pool_mod
+
+    session = ["s"]
+    p, seen = _bare_pool(monkeypatch, session)
+    session[0] = "another ray.init"  # a reconnect: the pool's handles mean nothing there
+    assert not p.maintain() and seen == []
+    session[0] = "s"
+    p.close()
+    assert not p.maintain() and seen == []
+    with pytest.raises(ValueError, match="maintain_every_s"):
+        pool_mod.WorkerPool(0, maintain_every_s=0)
+    p2, _ = _bare_pool(monkeypatch, ["s"])
+    ref = weakref.ref(p2)
+    t = threading.Thread(target=pool_mod._watch, args=(ref, threading.Event(), 0.01))
+    t.start()
+    del p2  # dropped without close(): collected, and its watch ends
+    t.join(5.0)
+    assert not t.is_alive() and ref() is None
