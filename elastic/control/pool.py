@@ -29,12 +29,9 @@ calls go through ``elastic.ray_connect``; this module decides and keeps the book
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
-import logging
 import threading
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,43 +64,18 @@ from ..ray_connect import (
     worker_bundle,
 )
 from .group import WorkerRec
+from .pool_watch import start_watch
 from .worker_group import Placement
 
 __all__ = ["WorkerPool", "PooledPlacement", "default_pool"]
 
 _DEFAULT: list[WorkerPool] = []  # the pool this process's jobs use when given none
-log = logging.getLogger(__name__)
 
 
 def default_pool() -> WorkerPool | None:
     """The pool that jobs started in this process take warm workers from when they are given
     none (``WorkerPool.make_default``); None when there is none, or it was closed."""
     return _DEFAULT[0] if _DEFAULT else None
-
-
-def _watch(ref: weakref.ref[WorkerPool], stop: threading.Event, every_s: float) -> None:
-    """The pool's watch: ``maintain`` every ``every_s`` until the pool is closed, collected,
-    or out of its Ray session."""
-    while not stop.wait(every_s):
-        pool = ref()
-        if pool is None:
-            return
-        try:
-            if not pool.maintain():
-                return
-        except Exception as e:  # noqa: BLE001 - the GCS busy or going: the next round
-            log.debug("the pool's watch: %s: %s", type(e).__name__, e)
-        del pool
-
-
-def _stop_watch(ref: weakref.ref[WorkerPool]) -> None:
-    """At exit, before Ray's own shutdown (atexit runs in reverse): the watch stops, and a
-    round in progress ends first (a Ray call after the shutdown would start a new Ray)."""
-    pool = ref()
-    if pool is not None:
-        pool._stop.set()
-        with pool._lock:
-            pass
 
 
 @dataclass
@@ -189,11 +161,7 @@ class WorkerPool:
                 self.close()
                 raise
         if maintain_every_s and self._session is not None:
-            # a weak reference: a pool dropped without close() is collected, and its watch ends
-            threading.Thread(target=_watch, args=(weakref.ref(self), self._stop,
-                                                  maintain_every_s),
-                             daemon=True, name="elastic-pool-watch").start()
-            atexit.register(_stop_watch, weakref.ref(self))  # runs before Ray's own shutdown
+            start_watch(self, self._stop, self._lock, maintain_every_s)
 
     # ------------------------------------------------------------------ public
 

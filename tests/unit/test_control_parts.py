@@ -542,6 +542,7 @@ def test_a_pools_watch_ends_with_its_ray_session_close_or_the_pool(monkeypatch):
     import weakref
 
     from elastic.control import pool as pool_mod
+    from elastic.control import pool_watch
 
     session = ["s"]
     p, seen = _bare_pool(monkeypatch, session)
@@ -554,7 +555,7 @@ def test_a_pools_watch_ends_with_its_ray_session_close_or_the_pool(monkeypatch):
         pool_mod.WorkerPool(0, maintain_every_s=0)
     p2, _ = _bare_pool(monkeypatch, ["s"])
     ref = weakref.ref(p2)
-    t = threading.Thread(target=pool_mod._watch, args=(ref, threading.Event(), 0.01))
+    t = threading.Thread(target=pool_watch._watch, args=(ref, threading.Event(), 0.01))
     t.start()
     del p2  # dropped without close(): collected, and its watch ends
     t.join(5.0)
