@@ -64,13 +64,13 @@ def owner(args: argparse.Namespace) -> None:
     info: dict[str, Any] = {}
     proc = None
     try:
-        nodes = [cluster.add_node(num_cpus=1) for _ in range(3)]
+        nodes = [cluster.add_node(num_cpus=1) for _ in range(args.workers)]
         cluster.wait_for_nodes()
         info["cluster_startup_s"] = time.time() - t0
         cmd = [sys.executable, os.path.abspath(__file__), args.system, out, "--driver",
                "--address", cluster.address, "--steps", str(args.steps), "--drain-step",
                str(args.drain_step), "--deadline", str(args.deadline), "--timeout",
-               str(args.timeout)]
+               str(args.timeout), "--family", args.family, "--workers", str(args.workers)]
         proc = subprocess.Popen(cmd)
         ask = None
         until = time.time() + 400
@@ -131,10 +131,12 @@ def run_elastic(args: argparse.Namespace) -> dict[str, Any]:
     import elastic
 
     out = args.out
+    model, dataset, loss, g = rc.workload(args.family)
+    n = args.workers
     handle = elastic.submit(
-        model=rc.model_factory, optimizer=dict(rc.OPTIM), loss=rc.slow_mse,
-        dataset=rc.dataset_factory, global_batch_size=rc.G, max_steps=args.steps, seed=rc.SEED,
-        strategy="zero3", num_workers=3, min_workers=2, max_workers=3,
+        model=model, optimizer=dict(rc.OPTIM), loss=loss,
+        dataset=dataset, global_batch_size=g, max_steps=args.steps, seed=rc.SEED,
+        strategy="zero3", num_workers=n, min_workers=n - 1, max_workers=n,
         checkpoint_uri=os.path.join(out, "ckpt"), checkpoint_every=10, hang_timeout_s=30,
         scale_check_s=2.0, view="none", run_dir=os.path.join(out, "run"), name="preempt",
         ray_address=args.address)
@@ -302,6 +304,8 @@ def main() -> None:
     ap.add_argument("--drain-step", type=int, default=30)
     ap.add_argument("--deadline", type=float, default=10.0)
     ap.add_argument("--timeout", type=float, default=300)
+    ap.add_argument("--family", default="recov", help="elastic's workload (rc.workload)")
+    ap.add_argument("--workers", type=int, default=3, help="nodes of 1 CPU, one worker each")
     args = ap.parse_args()
     if args.driver:
         driver(args)

@@ -67,7 +67,8 @@ def run_one(system: str, rnd: int, args: argparse.Namespace) -> dict[str, Any]:
     os.makedirs(env["RAY_TMPDIR"])
     cmd = [sys.executable, os.path.join(BENCH, "_preempt_run.py"), system, out, "--steps",
            str(args.steps), "--drain-step", str(args.drain_step), "--deadline",
-           str(args.deadline), "--timeout", str(args.timeout_s)]
+           str(args.deadline), "--timeout", str(args.timeout_s), "--family", args.family,
+           "--workers", str(args.workers)]
     busy = common.busy_cores(1.0)
     t0 = time.time()
     log = os.path.join(tmp, "log.txt")
@@ -210,6 +211,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--drain-step", type=int, default=30)
     ap.add_argument("--deadline", type=float, default=10.0, help="seconds from the drain")
     ap.add_argument("--timeout-s", type=float, default=300)
+    ap.add_argument("--family", default="recov", help="elastic's workload: recov (the one "
+                    "above) or a family of bench/_planner_models.py (mlp, convnet, gpt, mixer, "
+                    "dlrm), the same 50 ms wait per step; elastic only")
+    ap.add_argument("--workers", type=int, default=3, help="elastic's workers (and 1-CPU "
+                    "nodes); elastic only")
     ap.add_argument("--json")
     ap.add_argument("--keep", action="store_true")
     args = ap.parse_args(argv)
@@ -217,7 +223,10 @@ def main(argv: list[str] | None = None) -> int:
     for s in systems:
         if s not in SYSTEMS:
             ap.error(f"unknown system {s}")
-    print(f"preemption benchmark: {args.steps} steps, the node of rank 1 drained after step "
+    if (args.family, args.workers) != ("recov", 3) and "raytrain" in systems:
+        ap.error("--family and --workers are for elastic only: add --systems elastic")
+    print(f"preemption benchmark: {args.family}, {args.workers} workers; "
+          f"{args.steps} steps, the node of rank 1 drained after step "
           f"{args.drain_step} with a {args.deadline:g}s deadline, removed then, a new node "
           f"added; systems {systems}, {args.rounds} rounds; code {common.code_version()}; "
           f"loadavg {os.getloadavg()[0]:.1f}", flush=True)
