@@ -50,5 +50,5 @@ def _watch(ref: weakref.ref[Any], stop: threading.Event, every_s: float) -> None
 
 def _stop_at_exit(stop: threading.Event, lock: Any) -> None:
     stop.set()
-    with lock:  # the round in progress ends first
-        pass
+    if lock.acquire(timeout=5.0):  # the round in progress ends first (bounded: a GCS
+        lock.release()             # that is gone must not hold the exit up)
