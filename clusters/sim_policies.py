@@ -162,14 +162,18 @@ class SimPolicy:
 
     def buddy_step(self, job: JobView) -> int | None:
         """The step of the newest complete generation of buddy copies (``peer_copy_every``
-        k: the last multiple of k reached), if it was made after the last membership change
-        (a change re-pairs the ranks; the copies of the old ring are not counted); None
-        without copies."""
+        k: the last multiple of k reached, or the first step after the last membership
+        change, which takes one as the live ``PeerCopies`` does), if it was made after that
+        change (a change re-pairs the ranks; the copies of the old ring are not counted);
+        None without copies."""
         k = self.peer_copy_every
         if k <= 0:
             return None
         copy = job.position // k * k
-        return copy if copy > job.last_change or job.last_change == 0 else None
+        if copy > job.last_change or job.last_change == 0:
+            return copy
+        first = job.last_change + 1
+        return first if job.position >= first else None
 
     def on_failure(
         self, kind: str, job: JobView, replicas_survive: bool, replacement_in_s: float,

@@ -10,7 +10,8 @@ controller decides, ``clusters.policy.InPlaceRecovery``). A copy whose checksum 
 match, a step some piece is missing at (a rank and its buddy lost together, a copy still in
 flight) falls back to the checkpoint.
 
-How (``begin`` at the step boundary after every k-th step, on every rank alike):
+How (``begin`` at the step boundary after every k-th step, and at the first one after a
+restore, on every rank alike):
 
 * once per layout and group, every rank says where it runs and which pieces it holds (one
   ``all_gather_object``); every rank derives the same buddy ring (``buddies``: the next rank
@@ -191,11 +192,15 @@ class PeerCopies:
         self._layout: _Layout | None = None
         self._committed: _Gen | None = None
         self._pending: _Gen | None = None
+        self._fresh = False  # a restore reset the copies: the next boundary takes one
         self.note: str | None = None  # said once in the step metrics (copies turned off)
 
     def due(self, next_step: int) -> bool:
-        """Whether a copy is taken of the state at ``next_step`` (after every k-th step)."""
-        return self.every > 0 and next_step > 0 and next_step % self.every == 0
+        """Whether a copy is taken of the state at ``next_step``: after every k-th step, and
+        at the first boundary after a restore (every rank of the new group was reset by the
+        same collective, so all agree). Until then a second loss would find no copy and go
+        back to the checkpoint."""
+        return self.every > 0 and next_step > 0 and (self._fresh or next_step % self.every == 0)
 
     # ------------------------------------------------------------------ taking copies
 
@@ -205,6 +210,7 @@ class PeerCopies:
         previous exchange still in flight is let finish first."""
         from strategies import layout_pieces
 
+        self._fresh = False
         if self._pending is not None:  # the last exchange is not settled yet (the same on
             return  # every rank: it is settled through the step's control all-reduce)
         pieces = layout_pieces(strategy)
@@ -337,9 +343,11 @@ class PeerCopies:
         return False
 
     def reset(self) -> None:
-        """A new layout from a restore: copies of earlier ranks and steps mean nothing now."""
+        """A new layout from a restore: copies of earlier ranks and steps mean nothing now;
+        the next step boundary takes fresh ones."""
         self._committed = self._pending = None
         self._layout = None
+        self._fresh = True
 
 
 def _meta(p: Piece) -> PieceMeta:

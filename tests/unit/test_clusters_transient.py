@@ -137,15 +137,30 @@ def test_in_place_from_checkpoint_and_from_peers_ignore_the_notice():
     assert dp.lost_steps == pytest.approx(0.5) and dp.rollbacks == 0
 
 
-def test_a_peer_copy_older_than_the_last_membership_change_is_not_used():
-    """The first loss (step 320.5) restores the copy of step 300; the group re-forms there.
-    The second, 16.5 steps later, finds no copy made since (the next is at 350): it restores
-    the checkpoint of step 300."""
+def test_the_re_formed_group_takes_a_copy_at_its_first_boundary():
+    """The first loss (step 320.5) restores the copy of step 300; the group re-forms there,
+    and its first step boundary (301) takes a copy (the live ``PeerCopies`` after a reset).
+    The second loss, 16.5 steps later, restores that copy: 15.5 lost, where the copies of
+    the old ring (and the next multiple of 50, at 350) would have left only the checkpoint
+    of step 300 (16.5 lost, a rollback)."""
     trace = [FailureEvent(320.5, "spot-0", kind="preempted"),
              FailureEvent(345.5, "spot-1", kind="preempted")]
     r = _sim(FROM_PEERS, trace=trace)
-    assert r.failures == 2 and r.rollbacks == 1  # the first from a copy, the second not
-    assert r.lost_steps == pytest.approx(20.5 + 16.5)
+    assert r.failures == 2 and r.rollbacks == 0  # both from copies
+    assert r.lost_steps == pytest.approx(20.5 + 15.5)
+
+
+def test_a_peer_copy_older_than_the_last_membership_change_is_not_used():
+    """Copies of the old ring are never used: with the group re-formed at step 300 and no
+    step since, there is no copy; at 301 there is the re-formed group's own."""
+    from clusters.sim_policies import JobView
+
+    def at(position: int) -> int | None:
+        return FROM_PEERS.buddy_step(JobView(position, (), 6, 8, 1, last_change=300))
+
+    assert at(300) is None and at(301) == 301 and at(349) == 301 and at(350) == 350
+    assert FROM_PEERS.buddy_step(JobView(49, (), 8, 8)) == 0  # no change yet: step 0's
+    assert FROM_CKPT.buddy_step(JobView(349, (), 6, 8, 1, last_change=300)) is None
 
 
 def test_restart_all_ignores_the_notice_or_checkpoints_on_it():

@@ -112,3 +112,22 @@ def test_copies_memory_counts_own_snapshot_and_wards_and_obeys_the_limit():
     whole = [[_m("w", None)]] * 3  # dp: replicas on other nodes, nothing to copy
     assert copies_memory(whole, ring, unique_pieces(whole, nodes), 1.0)[1:] == (False, "")
     assert copies_memory(rows[:1], [0], [[0]], None)[1] is False  # one rank: no buddy
+
+
+def test_a_restored_group_takes_copies_at_its_first_boundary():
+    """After a restore (``reset``: the old ring's copies mean nothing) the next boundary takes
+    a copy, whatever its step; then every k-th again. A second loss before the next multiple
+    of k used to find no copy at all."""
+    class _M:
+        rank, world, generation = 0, 2, 2
+
+    c = PeerCopies(5, None, _M(), lambda: "a")  # type: ignore[arg-type]
+    assert not c.due(7)
+    c.reset()
+    assert c.due(7) and c.due(8) and not c.due(0)  # until a copy begins
+    c._pending = object()  # type: ignore[assignment]  # an exchange in flight: begin returns early
+    c.begin(None, 7)
+    assert not c.due(8) and c.due(10)
+    off = PeerCopies(0, None, _M(), lambda: None)  # type: ignore[arg-type]
+    off.reset()
+    assert not off.due(7)  # copies off: never
