@@ -104,8 +104,15 @@ class JobHandle:
 
     def result(self, timeout: float | None = None) -> FitResult:
         self._thread.join(timeout)
-        if self._thread.is_alive():
-            raise TimeoutError("the job is still running")
+        if self._thread.is_alive():  # what it is doing, and what it said last
+            try:
+                st = self.status()
+                last = [f"{e.kind} (step {e.step}): {e.message[:160]}"
+                        for e in list(self.controller.events)[-5:]]
+            except Exception as e:  # noqa: BLE001 - the status itself failed: say so
+                st, last = {"status": f"unavailable: {type(e).__name__}: {e}"}, []
+            raise TimeoutError(f"the job is still running after {timeout}s: {st}; its last "
+                               f"events: {last}")
         if self._error is not None:
             raise self._error
         assert self._result is not None

@@ -560,3 +560,30 @@ def test_a_pools_watch_ends_with_its_ray_session_close_or_the_pool(monkeypatch):
     del p2  # dropped without close(): collected, and its watch ends
     t.join(5.0)
     assert not t.is_alive() and ref() is None
+
+
+def test_a_job_that_outlives_the_wait_says_what_it_is_doing():
+    """``result(timeout)`` on a job still running names its state, step and last events (a
+    chaos test that timed out said only "the job is still running")."""
+    import threading
+
+    from elastic.api import JobHandle
+    from elastic.events import Event
+
+    gate = threading.Event()
+
+    class Ctl:
+        events = [Event("recovered", "recovered 5 from buddies", step=5, time=0.0)]
+
+        def run(self):
+            gate.wait(10)
+
+        def status(self):
+            return {"state": "recovering", "step": 7}
+
+    handle = JobHandle(Ctl())  # type: ignore[arg-type]
+    try:
+        with pytest.raises(TimeoutError, match=r"recovering.*'step': 7.*recovered \(step 5\)"):
+            handle.result(timeout=0.01)
+    finally:
+        gate.set()
