@@ -563,7 +563,13 @@ class PooledPlacement(Placement):
         super().vacate([w for w in gone if w not in back], kept)
 
     def release(self, extra: Sequence[WorkerRec]) -> None:
-        back = [w for w in list(extra) + [w for w, _ in self._warming]
+        # a spare's assign may still run: its reset must not overlap it (the worker is
+        # threaded; the reset unloaded the job's modules under the assign's unpickling, a
+        # KeyError in the suite). A spare still assigning after 30 s is killed, not kept.
+        spares = [(w, r) for w, r in self._warming if actor_key(w.handle) in self._mine]
+        ready, _ = wait_refs([r for _, r in spares], 30.0) if spares else ([], [])
+        done = {id(r) for r in ready}
+        back = [w for w in list(extra) + [w for w, r in spares if id(r) in done]
                 if actor_key(w.handle) in self._mine]
         returned = {actor_key(w.handle) for w in back}
         lost = sorted(set(self._mine) - returned)

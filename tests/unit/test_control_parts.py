@@ -418,6 +418,49 @@ def test_a_pooled_jobs_end_keeps_the_bundle_a_replacement_took_over(monkeypatch)
     assert removed == [pg_b]
 
 
+def test_a_pooled_jobs_end_resets_no_spare_whose_assign_still_runs(monkeypatch):
+    """At a pooled job's end its spares go back to the pool, which resets them. A spare's
+    ``assign`` could still be running (the worker is threaded: the reset unloaded the job's
+    modules under the assign's unpickling, a ``KeyError`` seen in the suite). Only spares
+    whose assign has ended are given back; one still assigning is killed."""
+    from elastic.config import JobConfig
+    from elastic.control import pool as pool_mod
+    from elastic.control.group import WorkerRec
+    from elastic.control.worker_group import Placement
+    from tests.helpers import RegressionData, adam, mlp, mse
+
+    class Handle:
+        def __init__(self, i: int) -> None:
+            self._actor_id = type("Id", (), {"hex": lambda _self: f"a{i}"})()
+
+    given: list[tuple[list, list]] = []
+    killed: list[object] = []
+
+    class Pool:
+        env: dict = {}
+
+        def give_back(self, recs, lost=()):
+            given.append((list(recs), list(lost)))
+
+    waited: list[float] = []
+    done_ref, running_ref = object(), object()
+    monkeypatch.setattr(pool_mod, "wait_refs", lambda refs, t: waited.append(t) or (
+        [r for r in refs if r is done_ref], [r for r in refs if r is not done_ref]))
+    monkeypatch.setattr(pool_mod, "remove_bundle", lambda pg: None)
+    monkeypatch.setattr(pool_mod, "kill", killed.append)
+    monkeypatch.setattr(Placement, "release", lambda self, extra: None)
+    monkeypatch.setattr(pool_mod.PooledPlacement, "_key", lambda self: None)
+    cfg = JobConfig(model=mlp, optimizer=adam, loss=mse, dataset=RegressionData(),
+                    global_batch_size=8, max_steps=5, num_workers=2)
+    member, up, assigning = (WorkerRec(Handle(i), i, pg=object()) for i in range(3))
+    pp = pool_mod.PooledPlacement(Pool(), cfg, None, None)
+    pp._mine = {f"a{i}": (w.handle, w.pg) for i, w in enumerate((member, up, assigning))}
+    pp._warming = [(up, done_ref), (assigning, running_ref)]
+    pp.release([member])
+    assert given == [([member, up], ["a2"])] and killed == [assigning.handle]
+    assert waited == [30.0]
+
+
 def test_a_late_report_of_an_ended_checkpoint_starts_nothing_new():
     """A rank's metrics saying it began checkpoint 200 came after 200 had ended: that made a
     new checkpoint in flight which nothing would finish, and the end of the run waited its
