@@ -399,11 +399,17 @@ def _write_atomic(store: CheckpointStore, path: str, data: bytes) -> None:
 # --------------------------------------------------------------------------- listing
 
 
-def _step_dirs(store: CheckpointStore) -> dict[int, str]:
-    try:
-        infos = store.fs.get_file_info(pafs.FileSelector(store.root, allow_not_found=True))
-    except (OSError, ValueError) as e:
-        raise store.error(f"listing checkpoints under {store.uri} failed", e) from None
+def _step_dirs(store: CheckpointStore, attempts: int = 3) -> dict[int, str]:
+    for attempt in range(attempts):
+        try:
+            infos = store.fs.get_file_info(pafs.FileSelector(store.root, allow_not_found=True))
+            break
+        except (OSError, ValueError) as e:
+            # Arrow's local listing of a missing folder fails when the folder appears
+            # between its failed listing and its existence check (a concurrent job's first
+            # write, found by 8 concurrent claims): listed again, it is there
+            if attempt == attempts - 1:
+                raise store.error(f"listing checkpoints under {store.uri} failed", e) from None
     out = {}
     for fi in infos:
         step = parse_step_name(fi.base_name)

@@ -283,6 +283,37 @@ def test_fork_is_explicit(tmp_path) -> None:
     assert claim(mine, "job-b").fresh  # and it writes to its own URI
 
 
+def test_a_listing_that_races_the_folders_creation_is_retried(tmp_path) -> None:
+    """Arrow's local listing of a missing folder (``allow_not_found``) fails when the folder
+    appears between its failed listing and its existence check: one of 8 concurrent claims
+    on a fresh URI got a ``StorageError`` instead of the owner's refusal (``.ci/run``). The
+    listing is tried again; a storage that keeps failing still says so."""
+    from types import SimpleNamespace
+
+    from elastic.checkpoint.manifest import _step_dirs
+
+    real = CheckpointStore(str(tmp_path / "race"))
+    real.fs.create_dir(real.path("step-000000000005"))
+    calls: list[int] = []
+
+    def flaky(selector):
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError("Cannot list directory: [errno 2] No such file or directory")
+        return real.fs.get_file_info(selector)
+
+    store = SimpleNamespace(fs=SimpleNamespace(get_file_info=flaky), root=real.root,
+                            uri=real.uri, error=real.error)
+    assert list(_step_dirs(store)) == [5] and len(calls) == 2  # type: ignore[arg-type]
+
+    def broken(selector):
+        raise OSError("connection reset")
+
+    store.fs = SimpleNamespace(get_file_info=broken)
+    with pytest.raises(StorageError, match="listing checkpoints"):
+        _step_dirs(store)  # type: ignore[arg-type]
+
+
 def test_concurrent_claims_one_winner(tmp_path) -> None:
     store = CheckpointStore(str(tmp_path / "race"))
     won: list[str] = []
