@@ -32,7 +32,8 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -514,12 +515,21 @@ class PooledPlacement(Placement):
             self.pool.give_back([], lost=lost)
         return len(lost)
 
-    def place(self, n: int, min_workers: int) -> list[WorkerRec]:
+    @contextmanager
+    def _warm_first(self, n: int, wait_s: float | None) -> Iterator[list[WorkerRec]]:
+        """Up to ``n`` warm workers that took the job (those that failed to are dropped);
+        the pool's refill stays held back for the rest, which the block starts cold."""
         launched = self._warm(n)
         pending = max(0, n - len(launched))
         try:
-            warm = self._collect(launched, wait_s=None)
+            warm = self._collect(launched, wait_s=wait_s)
             pending += self._drop_failed(launched, warm)
+            yield warm
+        finally:
+            self.pool.cold_placed(pending)
+
+    def place(self, n: int, min_workers: int) -> list[WorkerRec]:
+        with self._warm_first(n, None) as warm:
             if len(warm) >= n:
                 return warm
             try:
@@ -531,8 +541,6 @@ class PooledPlacement(Placement):
                 self.pool.give_back(warm)
                 raise
             return warm + cold
-        finally:
-            self.pool.cold_placed(pending)
 
     def start_spares(self, n: int) -> None:
         warm = self._warm(n)
@@ -543,14 +551,8 @@ class PooledPlacement(Placement):
             self.pool.cold_placed(max(0, n - len(warm)))
 
     def try_place(self, n: int, timeout_s: float) -> list[WorkerRec]:
-        launched = self._warm(n)
-        pending = max(0, n - len(launched))
-        try:
-            warm = self._collect(launched, wait_s=max(timeout_s, 1.0))
-            pending += self._drop_failed(launched, warm)
+        with self._warm_first(n, max(timeout_s, 1.0)) as warm:
             return warm + super().try_place(n - len(warm), timeout_s)
-        finally:
-            self.pool.cold_placed(pending)
 
     def room(self) -> bool:
         return bool(self.pool.info()["idle_by_key"].get(self._key().describe())) or super().room()
