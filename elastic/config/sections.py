@@ -397,14 +397,14 @@ def _switch_at(value: Any, known: list[str]) -> dict[int, str]:
 
 
 FAULT_ACTIONS = ("exit", "pause", "pause_silent", "hang", "raise", "nan",  # worker/faults.py
-                 "pause_upload", "corrupt_copy", "slow")
+                 "pause_upload", "corrupt_copy", "slow", "slow_upload")
 
 
 def _faults(faults: Any) -> None:
     if faults is None:
         return
     fix = ("give {rank: int >= 0, step: int >= 0, action: "
-           f"{'|'.join(FAULT_ACTIONS)}, dir: optional directory, seconds: for slow}}")
+           f"{'|'.join(FAULT_ACTIONS)}, dir: optional directory, seconds: for slow and slow_upload}}")
     if not isinstance(faults, list):
         raise ConfigError("faults", f"must be a list of faults, got {faults!r}.", fix)
     for i, f in enumerate(faults):
@@ -412,8 +412,9 @@ def _faults(faults: Any) -> None:
         if not isinstance(f, dict) or set(f) - {"rank", "step", "action", "dir", "seconds"} or \
                 not {"rank", "step", "action"} <= set(f):
             raise ConfigError(key, f"{f!r} is not a fault.", fix)
-        if (f.get("action") == "slow") != ("seconds" in f):
-            raise ConfigError(key, "seconds goes with action slow, and slow needs it.", fix)
+        if (f.get("action") in ("slow", "slow_upload")) != ("seconds" in f):
+            raise ConfigError(key, "seconds goes with actions slow and slow_upload, and they "
+                              "need it.", fix)
         if "seconds" in f:
             number(f["seconds"], f"{key}.seconds", above=True, fix=fix)
         for k in ("rank", "step"):

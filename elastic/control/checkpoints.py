@@ -46,18 +46,28 @@ class CheckpointTracker:
         self.cfg = cfg
         self.store = store
         self._emit = emit
-        self.in_flight: dict[str, Any] | None = None  # step, spec, t0, blocked_s, by_rank
+        # step, gen (the group generation that began it), spec, t0, blocked_s, by_rank
+        self.in_flight: dict[str, Any] | None = None
         self.last_event: Any = None  # the last "checkpoint" event (late waits are added to it)
         self.bad_steps: set[int] = set()  # committed steps found corrupt (never restored)
-        # the step of the checkpoint that ended last (committed or not), until training goes
-        # back to an earlier step (a restore): a rank's late report of it starts nothing
-        self.ended_step = -1
+        # the checkpoint that ended last (committed or not), until training goes back to an
+        # earlier step (a restore): a rank's late report of it starts nothing
+        self.ended_step, self.ended_gen = -1, None
+        # checkpoints of generations up to this one are void (abandoned at a regroup): a
+        # late report of one starts nothing, however its step compares
+        self.void_gen = -1
+        self._orphans: dict[tuple[int, int | None], int] = {}  # held with nothing to end it
 
     # ------------------------------------------------------------------ taking them
 
     def on_metric(self, m: dict[str, Any], spec: StrategySpec | None) -> None:
-        """What a worker's step metrics say about checkpoints."""
-        if "checkpoint_begun" in m and m["checkpoint_begun"] == self.ended_step:
+        """What a worker's step metrics say about checkpoints. A metric without a
+        ``generation`` is of the current one."""
+        gen = m.get("generation")
+        if gen is not None and gen <= self.void_gen:
+            return  # about a checkpoint abandoned at a regroup (drained after it)
+        if "checkpoint_begun" in m and m["checkpoint_begun"] == self.ended_step \
+                and (gen is None or self.ended_gen is None or gen == self.ended_gen):
             # a rank's report of a checkpoint that has ended already (its metrics came after
             # the commit): not a new checkpoint in flight, which nothing would ever finish
             # (the end of the run waited 300 s for it); its blocked time goes to that one's
@@ -68,9 +78,11 @@ class CheckpointTracker:
                                            float(m.get("checkpoint_blocked_s") or 0.0))
         elif "checkpoint_begun" in m:
             ck = self.in_flight
-            if ck is None or ck["step"] != m["checkpoint_begun"]:
-                ck = self.in_flight = {"step": m["checkpoint_begun"], "blocked_s": 0.0,
-                                       "spec": spec, "t0": time.time(), "by_rank": {}}
+            if ck is None or ck["step"] != m["checkpoint_begun"] or (
+                    gen is not None and ck["gen"] is not None and ck["gen"] != gen):
+                ck = self.in_flight = {"step": m["checkpoint_begun"], "gen": gen,
+                                       "blocked_s": 0.0, "spec": spec, "t0": time.time(),
+                                       "by_rank": {}}
             ck["by_rank"][m["rank"]] = m["checkpoint_blocked_s"]
             ck["blocked_s"] = max(ck["by_rank"].values())
         if m.get("checkpoint_wait_s"):  # the next update waited for the host copy
@@ -78,6 +90,20 @@ class CheckpointTracker:
         if m.get("checkpoint_skipped") and m["rank"] == 0:
             self._emit("checkpoint_skipped", f"step {m['checkpoint_skipped']}: the previous "
                        "checkpoint is still uploading")
+        if "checkpoint_held" in m:
+            self._check_held(m["rank"], int(m["checkpoint_held"]), m.get("checkpoint_held_gen"))
+
+    def _check_held(self, rank: int, step: int, gen: int | None) -> None:
+        """A rank skipped a due checkpoint because its writer still holds ``step``: fine
+        while that one is in flight or its end is on its way to the rank; otherwise nothing
+        will ever end it (every later checkpoint would be skipped), so the next ``tick``
+        releases it."""
+        ck = self.in_flight
+        if ck is not None and ck["step"] == step and gen in (None, ck["gen"]):
+            return
+        if step == self.ended_step and gen in (None, self.ended_gen):
+            return
+        self._orphans.setdefault((step, gen), rank)
 
     def _count_wait(self, rank: int, wait_s: float) -> None:
         """A rank's wait for the deferred host copy counts as blocked time of its checkpoint:
@@ -94,6 +120,7 @@ class CheckpointTracker:
     def tick(self, group: Any) -> None:
         """Commit the checkpoint in flight once every rank's shard is in; abandon it (and say
         so) if any upload failed. Training is never stopped by a checkpoint."""
+        self._release_orphans(group)
         ck = self.in_flight
         if ck is None or self.store is None:
             return
@@ -101,14 +128,14 @@ class CheckpointTracker:
         errors = [o["error"] for o in outs if o and "error" in o]
         if not errors and not all(o and "info" in o for o in outs):
             return  # still uploading
-        step, spec = ck["step"], ck["spec"]
+        step, spec, gen = ck["step"], ck["spec"], ck["gen"]
         self.in_flight = None
-        self.ended_step = step
+        self.ended_step, self.ended_gen = step, gen
         manifest = None
         bad = {o["info"]["rank"]: o["info"].get("nonfinite") for o in outs
                if o and "info" in o and o["info"].get("nonfinite")}
         if bad and not errors:  # never a checkpoint of a state with NaN or inf in it
-            group.checkpoint_done(step, False)
+            group.checkpoint_done(step, False, gen)
             self._emit("checkpoint_refused", f"step {step} not committed: its state holds "
                        "non-finite values (" + "; ".join(
                            f"rank {r}: {', '.join(list(k)[:3])}" for r, k in sorted(bad.items()))
@@ -127,7 +154,7 @@ class CheckpointTracker:
                 manifest = commit(self.store, step, infos, meta)
             except CheckpointError as e:
                 errors.append(str(e))
-        group.checkpoint_done(step, manifest is not None)
+        group.checkpoint_done(step, manifest is not None, gen)
         if manifest is None:
             self._emit("checkpoint_failed", f"step {step} not committed, training goes on: "
                        f"{errors[0][:300]}", data={"step": step, "errors": errors}, step=step)
@@ -146,16 +173,48 @@ class CheckpointTracker:
         except CheckpointError as e:
             self._emit("retention_failed", str(e)[:300])
 
+    def _release_orphans(self, group: Any) -> None:
+        for (step, gen), rank in sorted(self._orphans.items(), key=lambda kv: kv[0][0]):
+            group.checkpoint_done(step, False, gen)
+            self._emit("checkpoint_failed", f"step {step} released: rank {rank} still held it "
+                       "with nothing left to commit it (a checkpoint of an earlier group); "
+                       "the next one is taken as usual", data={"step": step, "released": True})
+        self._orphans.clear()
+
     def abandon(self, group: Any) -> None:
-        """A checkpoint in flight cannot complete without the workers that were lost."""
-        self.ended_step = -1  # the steps since the restored one run again
+        """At a regroup: the checkpoint in flight cannot complete without the group that
+        began it, and any report of one of that group's checkpoints that arrives later is
+        void (the workers release theirs when they join the next group)."""
+        self.ended_step, self.ended_gen = -1, None  # the steps since the restored one run again
+        gen = getattr(group, "generation", None)
+        if gen is not None:
+            self.void_gen = max(self.void_gen, int(gen))
+        self._orphans.clear()
         if self.in_flight is None:
             return
         step = self.in_flight["step"]
-        group.checkpoint_done(step, False)
-        self._emit("checkpoint_failed", f"step {step} abandoned: a worker was lost during its "
-                   "upload")
+        group.checkpoint_done(step, False, self.in_flight["gen"])
+        self._emit("checkpoint_failed", f"step {step} abandoned: the group that was uploading "
+                   "it changed (a worker lost, or the job resized or evacuated)",
+                   data={"step": step})
         self.in_flight = None
+
+    def settle(self, group: Any, timeout_s: float) -> dict[str, Any] | None:
+        """Before a planned regroup (a resize): give the checkpoint in flight up to
+        ``timeout_s`` to commit (the workers keep uploading meanwhile), then abandon it.
+        Returns what it waited for ({step, seconds, committed}), None if nothing was in
+        flight."""
+        ck, t0 = self.in_flight, time.monotonic()
+        while self.in_flight is not None and time.monotonic() - t0 < timeout_s:
+            self.tick(group)
+            if self.in_flight is not None:
+                time.sleep(0.05)
+        committed = ck is not None and self.in_flight is None and self.ended_step == ck["step"] \
+            and self.last_event is not None and self.last_event.data.get("step") == ck["step"]
+        self.abandon(group)
+        if ck is None:
+            return None
+        return {"step": ck["step"], "seconds": time.monotonic() - t0, "committed": committed}
 
     def final(self, group: Any, spec: StrategySpec, step: int) -> None:
         """A job stopped before ``max_steps`` (a request, a signal): take a checkpoint of
@@ -165,6 +224,10 @@ class CheckpointTracker:
         last = self.last_event.data.get("step") if self.last_event is not None else None
         if last == step:
             return
+        # the one in flight first: the workers wait for its commit before they begin this one,
+        # and nothing would commit it while they wait in this call (it was skipped after
+        # checkpoint_wait_s)
+        self.finish(group, timeout_s=float(getattr(self.cfg, "checkpoint_wait_s", 30.0)))
         for out in group.checkpoint_now():
             self.on_metric(out, spec)
 
@@ -178,7 +241,7 @@ class CheckpointTracker:
         if self.in_flight is not None:
             self._emit("checkpoint_failed", f"step {self.in_flight['step']} did not finish "
                        f"uploading within {timeout_s:.0f}s of the end of the run")
-            self.ended_step = self.in_flight["step"]
+            self.ended_step, self.ended_gen = self.in_flight["step"], self.in_flight["gen"]
             self.in_flight = None
 
     # ------------------------------------------------------------------ restoring
@@ -270,7 +333,8 @@ class CheckpointTracker:
         corrupt or missing object) is remembered as bad, said in a ``checkpoint_corrupt``
         event naming it, and the next older one is tried. Returns (step, detail), or None if
         none loaded."""
-        self.ended_step = -1  # training goes back: the steps since run (and checkpoint) again
+        self.ended_step, self.ended_gen = -1, None  # training goes back: the steps since run
+        # (and are checkpointed) again
         for step in steps:
             if step in self.bad_steps:
                 continue

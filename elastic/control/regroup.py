@@ -196,6 +196,7 @@ class Regroup:
         old = list(group.workers)
         if n == len(old) or (n > len(old) and not group.spares_ready()):
             return None
+        ck = self.tracker.settle(group, self.cfg.checkpoint_wait_s)  # this group commits it
         group.snapshot_full()  # every old rank holds it all
         progress, held = group.progress(), group.held_keys()
         if n > len(old):
@@ -211,10 +212,14 @@ class Regroup:
         self.form()
         spec = self.layouts.fit(strategy, len(group.workers), group)
         source, step, detail = self.restore(spec, progress, held, cause="join")
+        waited = "" if ck is None else (
+            f"; waited {ck['seconds']:.1f}s for checkpoint {ck['step']} to "
+            + ("commit" if ck["committed"] else "commit, then abandoned it"))
         self._emit("scaled", f"{len(old)} -> {len(group.workers)} workers ({reason}) in "
-                   f"{time.time() - t0:.2f}s, state from {source}{detail}",
+                   f"{time.time() - t0:.2f}s, state from {source}{detail}{waited}",
                    data={"from": len(old), "to": len(group.workers), "source": source,
-                         "seconds": time.time() - t0, "strategy": spec.name})
+                         "seconds": time.time() - t0, "strategy": spec.name,
+                         "checkpoint_wait": ck})
         return Regrouped(spec, step, source, detail)
 
     # ------------------------------------------------------------------ recovery

@@ -231,6 +231,7 @@ class Worker:
         """Form generation ``generation`` of the group; returns seconds taken."""
         t0 = time.perf_counter()
         self.leave()
+        self.checkpoints.regroup(generation)  # an earlier generation's checkpoint: void
         self.membership.join(addr, port, rank, world, generation, timeout_s)
         return time.perf_counter() - t0
 
@@ -458,5 +459,5 @@ class Worker:
         or {"error": message} (the upload is then abandoned)."""
         return self.checkpoints.poll()
 
-    def checkpoint_done(self, step: int, committed: bool) -> None:
-        self.checkpoints.done(step, committed)
+    def checkpoint_done(self, step: int, committed: bool, generation: int | None = None) -> None:
+        self.checkpoints.done(step, committed, generation)

@@ -10,6 +10,7 @@ controller polls the upload and commits the manifest (docs/architecture.md, Chec
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -28,6 +29,8 @@ from .layout import Layout
 from .membership import Membership
 
 __all__ = ["Checkpointing", "assign_writers", "checkpoint_pieces", "forget_groups"]
+
+log = logging.getLogger("elastic.worker")
 
 
 def assign_writers(holdings: list[dict[str, int]]) -> dict[str, int]:
@@ -112,6 +115,7 @@ class Checkpointing:
             self.store = job_store(config)
         self._writer: ShardWriter | None = None
         self._writer_rank = -1
+        self._gen = -1  # the group generation that began the checkpoint the writer holds
         self._staged_wait_s = 0.0  # waits for a checkpoint's deferred copy, not yet reported
         self._unhook_update: Any = None
 
@@ -136,7 +140,7 @@ class Checkpointing:
         out: dict[str, Any] = {}
         if self.due(step):
             if busy_anywhere and not self._wait_idle(while_waiting):
-                out = {"checkpoint_skipped": step + 1}
+                out = {"checkpoint_skipped": step + 1, **self._held()}
             else:
                 out = {"checkpoint_begun": step + 1,
                        "checkpoint_blocked_s": self._begin(step + 1)}
@@ -150,10 +154,20 @@ class Checkpointing:
         final checkpoint): begin checkpoint ``step`` now, after the previous one is committed
         (bounded wait; skipped on every rank if it is not). Returns what ``after_step`` would
         record."""
+        m = self._membership
         if self.busy_anywhere() and not self._wait_idle():
-            return {"checkpoint_skipped": step, "rank": self._membership.rank}
+            return {"checkpoint_skipped": step, "rank": m.rank, "generation": m.generation,
+                    **self._held()}
         return {"checkpoint_begun": step, "checkpoint_blocked_s": self._begin(step),
-                "rank": self._membership.rank}
+                "rank": m.rank, "generation": m.generation}
+
+    def _held(self) -> dict[str, int]:
+        """What this rank's writer still holds (step, generation): with a skip, so that the
+        controller can release a checkpoint nothing will ever commit."""
+        w = self._writer
+        if w is None or w.state == "idle" or w.step is None:
+            return {}
+        return {"checkpoint_held": int(w.step), "checkpoint_held_gen": self._gen}
 
     def busy_anywhere(self) -> bool:
         """Collective: whether any rank's previous checkpoint is still not committed."""
@@ -173,6 +187,7 @@ class Checkpointing:
         # beside the next step's forward and backward, and the update waits for it; buffers
         # (changed by forward) and everything else are copied now
         writer.begin(step, pieces, later=lambda k: k.startswith("optim/") or k in params)
+        self._gen = m.generation
         return time.perf_counter() - t0
 
     def _before_update(self) -> None:
@@ -228,14 +243,40 @@ class Checkpointing:
             return {"error": str(e), "step": w.step}
         return {"info": info.to_dict()} if info is not None else None
 
-    def done(self, step: int, committed: bool) -> None:
-        """The controller committed checkpoint ``step`` (or gave it up)."""
-        if self._writer is None:
+    def done(self, step: int, committed: bool, generation: int | None = None) -> None:
+        """The controller committed checkpoint ``step`` of group ``generation`` (or gave it
+        up). Only the checkpoint named is touched: step numbers repeat after a restore, and
+        this call may arrive late (the controller does not wait for it), after the writer
+        began another one."""
+        w = self._writer
+        if w is None or w.state == "idle" or w.step != step:
             return
-        if committed:
-            self._writer.committed(step)
-        else:
-            self._writer.abandon()
+        if generation is not None and generation != self._gen:
+            return
+        if committed and w.state == "uploaded":
+            w.committed(step)
+        elif not committed:
+            self._release(f"the controller gave up checkpoint {step}")
+
+    def regroup(self, generation: int) -> None:
+        """This rank joins group ``generation``: a checkpoint begun by an earlier generation
+        can never be committed (its ranks are gone or renumbered, and the controller abandons
+        it at every regroup), so it is released here, whatever arrives from the controller
+        and in whichever order."""
+        w = self._writer
+        if w is not None and w.state != "idle" and self._gen != generation:
+            self._release(f"group generation {generation} formed")
+
+    def _release(self, why: str) -> None:
+        """Abandon the writer's checkpoint. An upload still writing is cancelled at its next
+        write and the writer goes idle by itself when it stops; this waits a few seconds for
+        that, never longer (a stalled storage call must not hold up a group's formation)."""
+        assert self._writer is not None
+        try:
+            self._writer.abandon(timeout=5.0)
+        except CheckpointError as e:
+            log.warning("rank %d: %s; %s (it goes idle when the upload stops)",
+                        self._membership.rank, why, e)
 
     def restore(self, spec: StrategySpec, step: int, store: Any = None) -> dict[str, Any]:
         """Lay out ``spec`` from committed checkpoint ``step`` of ``store`` (default: the

@@ -25,7 +25,9 @@ fire it again. Actions:
   a restore from it must find the checksum wrong and fall back to storage;
 * ``slow``: that step waits ``seconds`` before it computes (a slow device or a straggler, as
   the emulated slowdown makes one): its peers wait for it in their collectives, and nothing
-  may take it for a lost worker.
+  may take it for a lost worker;
+* ``slow_upload``: this rank's upload of checkpoint ``step`` waits ``seconds`` once it has
+  begun (slow storage), while training goes on.
 """
 
 from __future__ import annotations
@@ -85,7 +87,7 @@ class Faults:
             return False
         nan = False
         for f in entries:
-            if f["action"] == "pause_upload":
+            if f["action"] in ("pause_upload", "slow_upload"):
                 continue  # fires on the upload thread (in_upload)
             where = f.get("dir") or self._default_dir
             if not self._claim(where, rank, step, f["action"]):
@@ -112,12 +114,17 @@ class Faults:
 
     def in_upload(self, rank: int, step: int, generation: int) -> None:
         """On the upload thread, after bytes of this rank's shard of checkpoint ``step`` were
-        written: fire a due ``pause_upload`` entry (write the report, block the thread)."""
+        written: fire a due ``pause_upload`` (write the report, block the thread) or
+        ``slow_upload`` entry (wait its ``seconds``)."""
         for f in self._at.get((rank, step), ()):
-            if f["action"] != "pause_upload":
+            if f["action"] not in ("pause_upload", "slow_upload"):
                 continue
             where = f.get("dir") or self._default_dir
-            if self._claim(where, rank, step, "pause_upload"):
+            if not self._claim(where, rank, step, f["action"]):
+                continue
+            if f["action"] == "slow_upload":
+                time.sleep(float(f["seconds"]))
+            else:
                 self._write_paused(where, rank, step, generation)
                 self._block()
 

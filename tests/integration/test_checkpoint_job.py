@@ -153,3 +153,44 @@ def test_a_second_job_on_a_claimed_uri_is_refused_before_writing(ray_local, tmp_
                            resume=uri, name="job-b", run_dir=str(tmp_path / "run-b2")))
     assert any(e.kind == "forked" for e in r.events)
     assert [h["step"] for h in r.history] == [4, 5]
+
+
+def test_a_resize_during_an_upload_keeps_checkpointing(ray_local, tmp_path):
+    """The job grows 2 -> 3 while a checkpoint uploads (rank 0's uploads are slow: 1.5 s
+    each, so one is in flight at every boundary). That checkpoint needs the group that began
+    it: before the fix the grown group could never commit it, ranks 0 and 1 held it, every
+    later checkpoint was skipped after waiting ``checkpoint_wait_s``, and the end of the run
+    waited 300 s. Now the resize gives it up to ``checkpoint_wait_s`` to commit first (the
+    ``scaled`` event says so), and every later one is taken."""
+    uri = str(tmp_path / "ckpt")
+    slow = [{"rank": 0, "step": s, "action": "slow_upload", "seconds": 1.5}
+            for s in range(5, 100, 5)]
+    handle = elastic.submit(**_cfg(
+        tmp_path, loss=_slow_mse, max_steps=100_000, min_workers=1, max_workers=3,
+        scale_check_s=3600, checkpoint_uri=uri, checkpoint_every=5, checkpoint_wait_s=20,
+        faults=slow))
+    t0 = time.time()
+    while handle.status().get("step", 0) < 6:
+        assert not handle.done(), handle.result()
+        assert time.time() - t0 < 120, handle.status()
+        time.sleep(0.02)
+    assert handle.scale(3, timeout=90) == 3
+    grown = handle.status()["step"]
+    while handle.status().get("step", 0) < grown + 12:
+        assert not handle.done(), handle.result()
+        assert time.time() - t0 < 180, [e.message for e in handle.controller.events]
+        time.sleep(0.05)
+    handle.stop()
+    result = handle.result(timeout=60)
+    kinds = [(e.kind, e.step, e.message) for e in result.events if e.kind != "state"]
+    assert not [k for k in kinds if k[0] in ("checkpoint_skipped", "checkpoint_failed")], kinds
+    committed = [e.data["step"] for e in result.events if e.kind == "checkpoint"]
+    n = len(result.history)  # the stop's final checkpoint is of the step it stopped at
+    assert committed == sorted(set(range(5, n + 1, 5)) | {n}) and n > grown + 10, kinds
+    scaled = [e for e in result.events if e.kind == "scaled"]
+    assert [(e.data["from"], e.data["to"]) for e in scaled] == [(2, 3)], kinds
+    wait = scaled[0].data["checkpoint_wait"]
+    assert wait is not None and wait["committed"], kinds  # one was in flight, and committed
+    ref, _ = reference_train(mlp, adam, mse, RegressionData(), G, len(result.history), seed=0)
+    assert max_diff(result.state_dict(), ref) < TOL
+    assert committed_steps(CheckpointStore(uri))[-1] == committed[-1]

@@ -374,7 +374,7 @@ class FakeGroup:
         return [{"checkpoint_skipped": self.fw(w).next_step, "rank": w.rank}
                 for w in self.workers]
 
-    def checkpoint_done(self, step: int, committed: bool) -> None:
+    def checkpoint_done(self, step: int, committed: bool, generation: int | None = None) -> None:
         self.calls.append(("checkpoint_done", (step, committed)))
         self._ckpt = None
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import queue
+from typing import Any
 
 import pytest
 
@@ -473,7 +474,7 @@ def test_a_late_report_of_an_ended_checkpoint_starts_nothing_new():
     polls = iter([[{"error": "disk full"}, None]])  # step 200 ends (not committed)
 
     group = SimpleNamespace(checkpoint_poll=lambda: next(polls, [None, None]),
-                            checkpoint_done=lambda step, ok: None)
+                            checkpoint_done=lambda step, ok, gen=None: None)
     tracker = CheckpointTracker(SimpleNamespace(), object(),  # type: ignore[arg-type]
                                 lambda kind, msg, **kw: events.append((kind, msg)))
     tracker.on_metric({"rank": 0, "checkpoint_begun": 200, "checkpoint_blocked_s": 0.01}, None)
@@ -487,6 +488,68 @@ def test_a_late_report_of_an_ended_checkpoint_starts_nothing_new():
     tracker.abandon(group)
     tracker.on_metric({"rank": 0, "checkpoint_begun": 200, "checkpoint_blocked_s": 0.0}, None)
     assert tracker.in_flight is not None and tracker.in_flight["step"] == 200
+
+
+def _tracker_and_group(polls: list[Any]) -> tuple[Any, Any, list[Any], list[Any]]:
+    from types import SimpleNamespace
+
+    from elastic.control.checkpoints import CheckpointTracker
+
+    events: list[tuple[str, str]] = []
+    done: list[tuple[int, bool, Any]] = []
+    it = iter(polls)
+    group = SimpleNamespace(generation=1, checkpoint_poll=lambda: next(it, [None, None]),
+                            checkpoint_done=lambda step, ok, gen=None: done.append(
+                                (step, ok, gen)))
+    tracker = CheckpointTracker(SimpleNamespace(), object(),  # type: ignore[arg-type]
+                                lambda kind, msg, **kw: events.append((kind, msg)))
+    return tracker, group, events, done
+
+
+def test_reports_of_an_abandoned_groups_checkpoint_start_nothing():
+    """At a recovery the checkpoint in flight is abandoned, then the survivors' metrics are
+    drained: their report of it (generation 1) made it in flight again, with the old spec,
+    and the group re-formed could never finish it (its step number comes again after a
+    restore, and then counted as "ended": every later checkpoint was skipped)."""
+    tracker, group, events, done = _tracker_and_group([])
+    begun = {"checkpoint_begun": 10, "checkpoint_blocked_s": 0.0}
+    tracker.on_metric({"rank": 0, "generation": 1, **begun}, "old spec")
+    tracker.abandon(group)
+    assert done == [(10, False, 1)] and tracker.in_flight is None
+    assert events[-1][0] == "checkpoint_failed"
+    tracker.on_metric({"rank": 1, "generation": 1, **begun}, "old spec")  # drained late
+    assert tracker.in_flight is None
+    group.generation = 2
+    tracker.on_metric({"rank": 0, "generation": 2, **begun}, "new spec")  # step 10 again
+    assert tracker.in_flight["gen"] == 2 and tracker.in_flight["spec"] == "new spec"
+    group.checkpoint_poll = lambda: [{"error": "disk full"}, None]
+    tracker.tick(group)
+    assert done[-1] == (10, False, 2) and (tracker.ended_step, tracker.ended_gen) == (10, 2)
+
+
+def test_a_rank_holding_a_checkpoint_nothing_will_end_is_released():
+    """A skip names what the rank still holds: while that one is in flight or has just
+    ended it is left alone; else nothing would ever end it, and the next tick releases it
+    (an event says so), so the next due checkpoint is taken."""
+    tracker, group, events, done = _tracker_and_group([])
+    skip = {"checkpoint_skipped": 15, "checkpoint_held": 10, "checkpoint_held_gen": 1,
+            "generation": 1}
+    tracker.on_metric({"rank": 0, "generation": 1, "checkpoint_begun": 10,
+                       "checkpoint_blocked_s": 0.0}, None)
+    tracker.on_metric({"rank": 1, **skip}, None)  # in flight (a slow upload): left alone
+    tracker.tick(group)
+    assert done == [] and tracker.in_flight is not None
+    group.checkpoint_poll = lambda: [{"error": "timed out"}, None]
+    tracker.tick(group)  # ended: its word is on its way to the ranks
+    assert done == [(10, False, 1)]
+    tracker.on_metric({"rank": 1, **skip}, None)
+    tracker.tick(group)
+    assert done == [(10, False, 1)]
+    tracker.on_metric({"rank": 1, **skip, "checkpoint_held": 7}, None)  # nothing ends 7
+    tracker.tick(group)
+    assert done[-1] == (7, False, 1) and "step 7 released: rank 1" in events[-1][1]
+    tracker.tick(group)
+    assert len(done) == 2  # once
 
 
 @pytest.mark.parametrize("now, since, step_s, wait", [

@@ -138,8 +138,9 @@ def test_faults_are_validated_naming_the_entry(tmp_path):
                        ({"rank": 0, "step": -1, "action": "exit"}, "step must be an integer"),
                        ({"rank": 0, "action": "exit"}, "is not a fault"),
                        ({"rank": 0, "step": 1, "action": "exit", "when": 3}, "is not a fault"),
-                       ({"rank": 0, "step": 1, "action": "slow"}, "slow needs it"),
-                       ({"rank": 0, "step": 1, "action": "exit", "seconds": 1}, "slow needs"),
+                       ({"rank": 0, "step": 1, "action": "slow"}, "they need it"),
+                       ({"rank": 0, "step": 1, "action": "slow_upload"}, "they need it"),
+                       ({"rank": 0, "step": 1, "action": "exit", "seconds": 1}, "goes with"),
                        ({"rank": 0, "step": 1, "action": "slow", "seconds": 0}, "seconds")]:
         with pytest.raises(ConfigError) as ei:
             _cfg(tmp_path, faults=[ok, bad])
@@ -513,6 +514,57 @@ def test_memory_counts_are_answered_while_a_due_checkpoint_waits_for_the_last_co
             time.sleep(0.005)
         t.join(30)
         assert out == {"status": "done", "next_step": 6}
+    finally:
+        w.leave()
+        health.reset()
+        gc.unfreeze()
+
+
+def test_a_checkpoint_is_ended_only_by_a_word_naming_it_and_a_new_group_releases_it(tmp_path):
+    """The controller's word on a checkpoint (commit, give up) is not waited for, and step
+    numbers repeat after a restore: a late word about another step or another group's
+    checkpoint must not end the one a rank holds now. A checkpoint begun by an earlier
+    generation is released when the rank joins the next one (nothing can commit it then);
+    before that, a grown group never committed it and every later checkpoint was skipped. A
+    skip says what the rank still holds, so the controller can release it."""
+    import gc
+
+    from elastic.worker import Worker
+
+    w = Worker(_cfg(tmp_path, checkpoint_every=5, checkpoint_uri=str(tmp_path / "ck"),
+                    checkpoint_wait_s=0.2), 0, False, 1)
+
+    def settled(state: str) -> None:
+        t0 = time.monotonic()
+        while w.checkpoints._writer is None or w.checkpoints._writer.state != state:
+            assert time.monotonic() - t0 < 30, w.checkpoints._writer.state
+            time.sleep(0.005)
+
+    try:
+        w.join("127.0.0.1", free_port(), 0, 1, 1, 30.0)
+        w.restart_fresh(_spec("dp"), None, 0)
+        assert w.run(0, 5)["next_step"] == 5
+        begun = [m for m in w.drain() if "checkpoint_begun" in m]
+        assert [(m["checkpoint_begun"], m["generation"]) for m in begun] == [(5, 1)]
+        settled("uploaded")
+        w.checkpoint_done(5, True, 7)  # another group's word: not about this one
+        w.checkpoint_done(4, False, 1)  # another step's
+        assert w.checkpoints.busy
+        w.join("127.0.0.1", free_port(), 0, 1, 2, 30.0)  # the next generation
+        assert not w.checkpoints.busy
+        w.restart_fresh(_spec("dp"), None, 5)
+        w.run(5, 10)
+        begun = [m for m in w.drain() if "checkpoint_begun" in m]
+        assert [(m["checkpoint_begun"], m["generation"]) for m in begun] == [(10, 2)]
+        settled("uploaded")
+        w.checkpoint_done(10, False, 1)  # a late give-up of generation 1's step 10
+        assert w.checkpoints.busy
+        w.run(10, 15)  # step 15 is due while 10 waits for its commit: skipped, saying so
+        skips = [m for m in w.drain() if "checkpoint_skipped" in m]
+        assert [(m["checkpoint_skipped"], m["checkpoint_held"], m["checkpoint_held_gen"])
+                for m in skips] == [(15, 10, 2)]
+        w.checkpoint_done(10, True, 2)
+        assert not w.checkpoints.busy
     finally:
         w.leave()
         health.reset()
