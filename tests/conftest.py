@@ -20,9 +20,24 @@ def _mkdtemp(prefix: str, parent: str = "/tmp") -> str:
     return path
 
 
+def pytest_collection_finish(session):
+    """mypy (``tests/integration/test_lint.py``) starts now, beside the tests before it."""
+    if not os.environ.get("PYTEST_XDIST_WORKER") and any(
+            it.nodeid.endswith("test_lint.py::test_clean[mypy]") for it in session.items):
+        from tests.integration.test_lint import start_early
+
+        start_early()
+
+
 def pytest_sessionfinish(session, exitstatus):
     """Runs after the session's fixtures are torn down (every Ray instance and server is
-    stopped by then): the run's Ray and cache folders go with it."""
+    stopped by then): the run's Ray and cache folders go with it, and a mypy started early
+    that no test collected."""
+    import sys
+
+    lint = sys.modules.get("tests.integration.test_lint")
+    if lint is not None:
+        lint.stop_early()
     for path in _MADE:
         shutil.rmtree(path, ignore_errors=True)
 

@@ -95,14 +95,13 @@ class CheckpointTracker:
 
     def _check_held(self, rank: int, step: int, gen: int | None) -> None:
         """A rank skipped a due checkpoint because its writer still holds ``step``: fine
-        while that one is in flight or its end is on its way to the rank; otherwise nothing
-        will ever end it (every later checkpoint would be skipped), so the next ``tick``
-        releases it."""
+        while that one is in flight (a slow upload); otherwise nothing will ever end it
+        (every later checkpoint would be skipped), so the next ``tick`` releases it."""
         ck = self.in_flight
         if ck is not None and ck["step"] == step and gen in (None, ck["gen"]):
             return
-        if step == self.ended_step and gen in (None, self.ended_gen):
-            return
+        # (one that ended: its word to the ranks was sent at its end, and the rank waited
+        # checkpoint_wait_s before it skipped; it still holds it, so that word did not act)
         self._orphans.setdefault((step, gen), rank)
 
     def _count_wait(self, rank: int, wait_s: float) -> None:
@@ -227,21 +226,26 @@ class CheckpointTracker:
         # the one in flight first: the workers wait for its commit before they begin this one,
         # and nothing would commit it while they wait in this call (it was skipped after
         # checkpoint_wait_s)
-        self.finish(group, timeout_s=float(getattr(self.cfg, "checkpoint_wait_s", 30.0)))
+        self.finish(group, float(getattr(self.cfg, "checkpoint_wait_s", 30.0)), "the stop")
         for out in group.checkpoint_now():
             self.on_metric(out, spec)
 
-    def finish(self, group: Any, timeout_s: float = 300.0) -> None:
-        """At the end of the run, wait (bounded) for the checkpoint in flight to commit."""
+    def finish(self, group: Any, timeout_s: float = 300.0, when: str = "the end of the run"
+               ) -> None:
+        """Wait (bounded) for the checkpoint in flight to commit: at the end of the run,
+        before a stop's final checkpoint, before a rollback chooses where to go back to. One
+        that does not is given up, on the workers too."""
         deadline = time.monotonic() + timeout_s
         while self.in_flight is not None and time.monotonic() < deadline:
             self.tick(group)
             if self.in_flight is not None:
                 time.sleep(0.1)
         if self.in_flight is not None:
-            self._emit("checkpoint_failed", f"step {self.in_flight['step']} did not finish "
-                       f"uploading within {timeout_s:.0f}s of the end of the run")
-            self.ended_step, self.ended_gen = self.in_flight["step"], self.in_flight["gen"]
+            step, gen = self.in_flight["step"], self.in_flight["gen"]
+            self._emit("checkpoint_failed", f"step {step} did not finish uploading within "
+                       f"{timeout_s:.0f}s of {when}")
+            group.checkpoint_done(step, False, gen)
+            self.ended_step, self.ended_gen = step, gen
             self.in_flight = None
 
     # ------------------------------------------------------------------ restoring

@@ -291,6 +291,9 @@ class Regroup:
         refuses a second rollback for the same step (the data would bring it back)."""
         bad = failure.step if failure.step is not None else 1 << 62
         self._drain()  # steps done before the bad one, then void past the checkpoint
+        # a checkpoint still uploading (of a step before the bad one: a state with NaN in it
+        # is never committed) commits first: it may be the one to go back to
+        self.tracker.finish(self.group, self.cfg.checkpoint_wait_s, "the rollback")
         got = self.tracker.restore_newest(self.group, spec,
                                           tuple(s for s in self.tracker.valid_steps() if s <= bad))
         if got is None:

@@ -1,5 +1,10 @@
 """Lint and types as tests, so that CI (README's test command) runs them: ruff over the
-repository (rules in pyproject.toml) and mypy over the three packages."""
+repository (rules in pyproject.toml) and mypy over the three packages.
+
+mypy takes about 35 s of one core on the 2-core CI machine, while the unit layer, which runs
+first, keeps about one core busy. So when this test is selected, ``tests/conftest.py`` starts
+mypy as soon as collection ends, at a low priority, and the test collects its result: the
+suite is that much shorter (measured: 36.6 s of mypy, 16.6 s of it with a core idle)."""
 
 from __future__ import annotations
 
@@ -10,14 +15,38 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_STARTED: dict[str, subprocess.Popen[str]] = {}
 
 
-def _run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+def _start(*args: str, nice: int = 0) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=(lambda: os.nice(nice)) if nice else None)
+
+
+def start_early() -> None:
+    """Start mypy now (``pytest_collection_finish``), niced, for ``test_clean`` to collect."""
+    if "mypy" not in _STARTED:
+        _STARTED["mypy"] = _start("mypy", nice=10)
+
+
+def stop_early() -> None:
+    """End a mypy started early that no test collected (an interrupted or filtered run)."""
+    for p in _STARTED.values():
+        if p.poll() is None:
+            p.kill()
+        p.communicate()
+    _STARTED.clear()
 
 
 @pytest.mark.parametrize("tool", ["ruff", "mypy"])
 def test_clean(tool: str) -> None:
-    out = _run("ruff", "check", ".") if tool == "ruff" else _run("mypy")
-    assert out.returncode == 0, f"{tool} found problems:\n{out.stdout[-4000:]}{out.stderr[-2000:]}"
+    p = _STARTED.pop(tool, None) or _start(*(("ruff", "check", ".") if tool == "ruff"
+                                             else ("mypy",)))
+    try:
+        out, err = p.communicate(timeout=300)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    assert p.returncode == 0, f"{tool} found problems:\n{out[-4000:]}{err[-2000:]}"

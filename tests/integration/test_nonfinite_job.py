@@ -68,3 +68,36 @@ def test_a_nan_step_is_skipped_everywhere_and_never_checkpointed(ray_local, tmp_
         assert all(bool(torch.isfinite(v).all()) for v in saved.values()), s
         model = {k[len("model/"):]: v for k, v in saved.items() if k.startswith("model/")}
         assert max_diff(model, _ref(s)) < TOL, s
+
+
+def _slow_mse(out, y):
+    import time
+
+    time.sleep(0.02)  # steps run while the slow upload goes on
+    return mse(out, y)
+
+
+def test_a_rollback_while_a_checkpoint_uploads_goes_back_to_it(ray_local, tmp_path):
+    """``on_nonfinite: rollback`` with NaN at step 12 while checkpoint 10 still uploads (rank
+    0's upload is slow). That checkpoint is of a step before the bad one, so it commits first
+    and the job goes back to it (2 steps again, not 7). Before, the rollback went back to 5,
+    checkpoint 10 committed after, and the replay's new checkpoint 10 was taken for a late
+    report of that one: the workers held it with nothing to commit it, and every later one
+    was skipped, each after waiting ``checkpoint_wait_s``. The run ends on the reference (the
+    fault fires once: the replayed step 12 is clean)."""
+    uri = str(tmp_path / "ckpt")
+    faults = str(tmp_path / "faults")
+    steps = 25
+    result = elastic.fit(
+        model=mlp, optimizer=adam, loss=_slow_mse, dataset=RegressionData(),
+        global_batch_size=G, max_steps=steps, num_workers=2, view="none",
+        run_dir=str(tmp_path / "run"), checkpoint_uri=uri, checkpoint_every=5, keep_last=10,
+        checkpoint_wait_s=20, on_nonfinite="rollback",
+        faults=[{"rank": 0, "step": 10, "action": "slow_upload", "seconds": 1.5, "dir": faults},
+                {"rank": 1, "step": 12, "action": "nan", "dir": faults}])
+    kinds = [(e.kind, e.step, e.message) for e in result.events if e.kind != "state"]
+    back = [e for e in result.events if e.kind == "rolled_back"]
+    assert [(e.data["from"], e.data["to"]) for e in back] == [(12, 10)], kinds
+    assert not [k for k in kinds if k[0] in ("checkpoint_skipped", "checkpoint_failed")], kinds
+    assert committed_steps(CheckpointStore(uri)) == [5, 10, 15, 20, 25], kinds
+    assert max_diff(result.state_dict(), _ref(steps, skip=False)) < TOL

@@ -528,9 +528,11 @@ def test_reports_of_an_abandoned_groups_checkpoint_start_nothing():
 
 
 def test_a_rank_holding_a_checkpoint_nothing_will_end_is_released():
-    """A skip names what the rank still holds: while that one is in flight or has just
-    ended it is left alone; else nothing would ever end it, and the next tick releases it
-    (an event says so), so the next due checkpoint is taken."""
+    """A skip names what the rank still holds: while that one is in flight it is left alone;
+    else nothing would ever end it (even one that ended: the rank waited checkpoint_wait_s
+    for the word its end sent), the next tick releases it (an event says so), and the next
+    due checkpoint is taken. A wait for one in flight that runs out gives it up on the
+    workers too (it used to be forgotten by the controller alone)."""
     tracker, group, events, done = _tracker_and_group([])
     skip = {"checkpoint_skipped": 15, "checkpoint_held": 10, "checkpoint_held_gen": 1,
             "generation": 1}
@@ -539,17 +541,16 @@ def test_a_rank_holding_a_checkpoint_nothing_will_end_is_released():
     tracker.on_metric({"rank": 1, **skip}, None)  # in flight (a slow upload): left alone
     tracker.tick(group)
     assert done == [] and tracker.in_flight is not None
-    group.checkpoint_poll = lambda: [{"error": "timed out"}, None]
-    tracker.tick(group)  # ended: its word is on its way to the ranks
-    assert done == [(10, False, 1)]
-    tracker.on_metric({"rank": 1, **skip}, None)
+    tracker.finish(group, timeout_s=0.2, when="the rollback")  # still uploading: given up
+    assert done == [(10, False, 1)] and "within 0s of the rollback" in events[-1][1]
+    tracker.on_metric({"rank": 1, **skip}, None)  # still held after that word: released
     tracker.tick(group)
-    assert done == [(10, False, 1)]
+    assert done[-1] == (10, False, 1) and "step 10 released: rank 1" in events[-1][1]
     tracker.on_metric({"rank": 1, **skip, "checkpoint_held": 7}, None)  # nothing ends 7
     tracker.tick(group)
     assert done[-1] == (7, False, 1) and "step 7 released: rank 1" in events[-1][1]
     tracker.tick(group)
-    assert len(done) == 2  # once
+    assert len(done) == 3  # once each
 
 
 @pytest.mark.parametrize("now, since, step_s, wait", [
