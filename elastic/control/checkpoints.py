@@ -180,13 +180,15 @@ class CheckpointTracker:
                        "the next one is taken as usual", data={"step": step, "released": True})
         self._orphans.clear()
 
-    def abandon(self, group: Any) -> None:
+    def abandon(self, group: Any, void: bool = True) -> None:
         """At a regroup: the checkpoint in flight cannot complete without the group that
-        began it, and any report of one of that group's checkpoints that arrives later is
-        void (the workers release theirs when they join the next group)."""
+        began it. With ``void`` (a loss, a resize: that group takes no more checkpoints), any
+        report of one of its checkpoints that arrives later is void; an evacuation may still
+        take one on it first (``formed`` voids them once the next group is up). The workers
+        release theirs when they join the next group."""
         self.ended_step, self.ended_gen = -1, None  # the steps since the restored one run again
         gen = getattr(group, "generation", None)
-        if gen is not None:
+        if void and gen is not None:
             self.void_gen = max(self.void_gen, int(gen))
         self._orphans.clear()
         if self.in_flight is None:
@@ -197,6 +199,15 @@ class CheckpointTracker:
                    "it changed (a worker lost, or the job resized or evacuated)",
                    data={"step": step})
         self.in_flight = None
+
+    def formed(self, generation: int) -> None:
+        """Group ``generation`` is up: no checkpoint of an earlier one can be committed."""
+        self.void_gen = max(self.void_gen, generation - 1)
+        ck = self.in_flight
+        if ck is not None and ck["gen"] is not None and ck["gen"] < generation:
+            self._emit("checkpoint_failed", f"step {ck['step']} abandoned: the group that was "
+                       "uploading it changed", data={"step": ck["step"]})
+            self.in_flight = None
 
     def settle(self, group: Any, timeout_s: float) -> dict[str, Any] | None:
         """Before a planned regroup (a resize): give the checkpoint in flight up to

@@ -353,5 +353,6 @@ class Regroup:
 
     def form(self) -> None:
         addr, port, secs = self.group.form()
+        self.tracker.formed(self.group.generation)  # an earlier group's checkpoints: void
         self._emit("group", f"generation {self.group.generation}: {len(self.group.workers)} "
                    f"ranks via {addr}:{port} in {secs:.2f}s")

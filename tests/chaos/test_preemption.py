@@ -143,6 +143,35 @@ def test_a_drain_with_too_short_a_deadline_falls_back_cleanly(ray_cluster, tmp_p
         assert rec.data["source"] == "buddies"
 
 
+@pytest.mark.warm_workers
+def test_a_drain_below_min_workers_checkpoints_then_recovers_on_a_new_node(
+        ray_cluster, tmp_path, reference):
+    """min_workers=3 on 3 nodes: the survivors of a drain would be too few, so the job takes a
+    checkpoint at the boundary, lets the node go, and recovers from that checkpoint on a node
+    that joins: no step lost. The checkpoint is taken on the group whose upload in flight
+    the evacuation has just given up; an earlier change voided every report of that group's
+    checkpoints there, this one's too, and the recovery went back to step 0."""
+    cluster = ray_cluster(3)
+    handle = _submit(tmp_path, strategy="zero3", min_workers=3, max_workers=3,
+                     min_workers_timeout_s=90, checkpoint_every=100,
+                     checkpoint_uri=str(tmp_path / "ckpt"))
+    _wait_step(handle, 6)
+    node = handle.controller.workers[2].info["node_id"]
+    deadline = _drain(node, 20.0)
+    cluster.add_node()  # the replacement the recovery waits for
+    _remove_at(cluster, handle, node, deadline)
+    result = handle.result(timeout=240)
+    said = [f"{e.kind}: {e.message[:160]}" for e in result.events if e.kind != "state"]
+    ev = next(e for e in result.events if e.kind == "evacuating")
+    assert ev.data["path"] == "checkpoint" and "min_workers" in ev.message, said
+    done = next(e for e in result.events if e.kind == "evacuated")
+    ck = [e.data["step"] for e in result.events if e.kind == "checkpoint"]
+    assert done.data["source"] == "checkpoint" and done.data["steps_lost"] == 0, said
+    assert ck[0] == done.data["step"], said
+    assert max_diff(result.state_dict(), reference[0]) < TOL
+    _check_data_log(result.run_dir, result.history)
+
+
 def test_a_warm_pool_never_hands_out_a_worker_on_a_draining_node(ray_cluster, tmp_path):
     """A pool keeps one idle worker on each of 2 nodes; one node gets a preemption notice.
     The next job takes the worker on the other node, and the pool retires the one on the

@@ -370,9 +370,15 @@ class FakeGroup:
                 for w in self.workers]
 
     def checkpoint_now(self) -> list[dict[str, Any]]:
-        self.calls.append(("checkpoint_now", self.fw(self.workers[0]).next_step))
-        return [{"checkpoint_skipped": self.fw(w).next_step, "rank": w.rank}
-                for w in self.workers]
+        """Begins a checkpoint of the step the workers are at (skipped while one uploads)."""
+        step = self.fw(self.workers[0]).next_step
+        self.calls.append(("checkpoint_now", step))
+        if self._ckpt is not None:
+            return [{"checkpoint_skipped": step, "rank": w.rank, "generation": self.generation}
+                    for w in self.workers]
+        self._ckpt = step
+        return [{"checkpoint_begun": step, "checkpoint_blocked_s": 0.001, "rank": w.rank,
+                 "generation": self.generation} for w in self.workers]
 
     def checkpoint_done(self, step: int, committed: bool, generation: int | None = None) -> None:
         self.calls.append(("checkpoint_done", (step, committed)))

@@ -525,6 +525,16 @@ def test_reports_of_an_abandoned_groups_checkpoint_start_nothing():
     group.checkpoint_poll = lambda: [{"error": "disk full"}, None]
     tracker.tick(group)
     assert done[-1] == (10, False, 2) and (tracker.ended_step, tracker.ended_gen) == (10, 2)
+    # an evacuation gives up the one in flight but may take one on the same group first:
+    # not void then; once the next group is up (formed), that group's are
+    tracker.on_metric({"rank": 0, "generation": 2, **begun, "checkpoint_begun": 15}, None)
+    tracker.abandon(group, void=False)
+    tracker.on_metric({"rank": 0, "generation": 2, **begun, "checkpoint_begun": 16}, None)
+    assert tracker.in_flight["step"] == 16
+    tracker.formed(3)
+    assert tracker.in_flight is None and "step 16 abandoned" in events[-1][1]
+    tracker.on_metric({"rank": 1, "generation": 2, **begun, "checkpoint_begun": 16}, None)
+    assert tracker.in_flight is None
 
 
 def test_a_rank_holding_a_checkpoint_nothing_will_end_is_released():

@@ -587,7 +587,14 @@ def test_below_min_workers_the_evacuation_checkpoints_then_recovers(tmp_path, mo
         ctl.run()
     ev = _events(ctl, "evacuating")[0]
     assert ev.data["path"] == "checkpoint" and "fewer than min_workers=2" in ev.message
-    assert any(c[0] == "checkpoint_now" for c in fake.calls)
+    assert ("checkpoint_now", 5) in fake.calls
+    # and it is carried to its end (the fake's shards are not on disk: not committed). It was
+    # ignored for a while: the evacuation's abandon of the one in flight voided every report
+    # of the group's checkpoints, this one's too
+    assert [c for c in fake.calls if c[0] == "checkpoint_done"] == [("checkpoint_done",
+                                                                      (5, False))]
+    failed = _events(ctl, "checkpoint_failed")
+    assert len(failed) == 1 and "step 5 not committed" in failed[0].message, failed
 
 
 def test_an_unannounced_zero3_loss_restores_from_the_buddies_copies(tmp_path):
