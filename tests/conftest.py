@@ -22,8 +22,9 @@ def _mkdtemp(prefix: str, parent: str = "/tmp") -> str:
 
 def pytest_collection_finish(session):
     """mypy (``tests/integration/test_lint.py``) starts now, beside the tests before it."""
-    if not os.environ.get("PYTEST_XDIST_WORKER") and any(
-            it.nodeid.endswith("test_lint.py::test_clean[mypy]") for it in session.items):
+    if session.config.option.collectonly or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    if any(it.nodeid.endswith("test_lint.py::test_clean[mypy]") for it in session.items):
         from tests.integration.test_lint import start_early
 
         start_early()

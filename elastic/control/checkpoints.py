@@ -25,6 +25,11 @@ __all__ = ["CheckpointTracker", "spec_dict", "read_detail"]
 Emit = Callable[..., Any]
 
 
+def _same_gen(a: int | None, b: int | None) -> bool:
+    """Whether two reports are of one group generation (an unknown one matches any)."""
+    return a is None or b is None or a == b
+
+
 def spec_dict(spec: StrategySpec) -> dict[str, Any]:
     """A spec as JSON-able data (events, manifests)."""
     return spec.to_dict()
@@ -67,7 +72,7 @@ class CheckpointTracker:
         if gen is not None and gen <= self.void_gen:
             return  # about a checkpoint abandoned at a regroup (drained after it)
         if "checkpoint_begun" in m and m["checkpoint_begun"] == self.ended_step \
-                and (gen is None or self.ended_gen is None or gen == self.ended_gen):
+                and _same_gen(gen, self.ended_gen):
             # a rank's report of a checkpoint that has ended already (its metrics came after
             # the commit): not a new checkpoint in flight, which nothing would ever finish
             # (the end of the run waited 300 s for it); its blocked time goes to that one's
@@ -78,8 +83,7 @@ class CheckpointTracker:
                                            float(m.get("checkpoint_blocked_s") or 0.0))
         elif "checkpoint_begun" in m:
             ck = self.in_flight
-            if ck is None or ck["step"] != m["checkpoint_begun"] or (
-                    gen is not None and ck["gen"] is not None and ck["gen"] != gen):
+            if ck is None or ck["step"] != m["checkpoint_begun"] or not _same_gen(gen, ck["gen"]):
                 ck = self.in_flight = {"step": m["checkpoint_begun"], "gen": gen,
                                        "blocked_s": 0.0, "spec": spec, "t0": time.time(),
                                        "by_rank": {}}
@@ -98,10 +102,11 @@ class CheckpointTracker:
         while that one is in flight (a slow upload); otherwise nothing will ever end it
         (every later checkpoint would be skipped), so the next ``tick`` releases it."""
         ck = self.in_flight
-        if ck is not None and ck["step"] == step and gen in (None, ck["gen"]):
+        if ck is not None and ck["step"] == step and _same_gen(gen, ck["gen"]):
             return
         # (one that ended: its word to the ranks was sent at its end, and the rank waited
-        # checkpoint_wait_s before it skipped; it still holds it, so that word did not act)
+        # checkpoint_wait_s before it skipped; it still holds it, so that word did not act,
+        # or it has only just ended: the word again does no harm either way)
         self._orphans.setdefault((step, gen), rank)
 
     def _count_wait(self, rank: int, wait_s: float) -> None:
@@ -175,9 +180,11 @@ class CheckpointTracker:
     def _release_orphans(self, group: Any) -> None:
         for (step, gen), rank in sorted(self._orphans.items(), key=lambda kv: kv[0][0]):
             group.checkpoint_done(step, False, gen)
+            if step == self.ended_step and _same_gen(gen, self.ended_gen):
+                continue  # it ended just as the rank gave up waiting: nothing to say
             self._emit("checkpoint_failed", f"step {step} released: rank {rank} still held it "
-                       "with nothing left to commit it (a checkpoint of an earlier group); "
-                       "the next one is taken as usual", data={"step": step, "released": True})
+                       "with nothing left to commit it; the next one is taken as usual",
+                       data={"step": step, "released": True})
         self._orphans.clear()
 
     def abandon(self, group: Any, void: bool = True) -> None:
@@ -214,14 +221,15 @@ class CheckpointTracker:
         ``timeout_s`` to commit (the workers keep uploading meanwhile), then abandon it.
         Returns what it waited for ({step, seconds, committed}), None if nothing was in
         flight."""
-        ck, t0 = self.in_flight, time.monotonic()
+        ck, ev, t0 = self.in_flight, self.last_event, time.monotonic()
         while self.in_flight is not None and time.monotonic() - t0 < timeout_s:
             self.tick(group)
             if self.in_flight is not None:
                 time.sleep(0.05)
-        committed = ck is not None and self.in_flight is None and self.ended_step == ck["step"] \
-            and self.last_event is not None and self.last_event.data.get("step") == ck["step"]
-        self.abandon(group)
+        committed = ck is not None and self.last_event is not ev
+        # not void: the resize may still give up (no spare came up) and the group go on;
+        # ``formed`` voids its reports once the next group is up
+        self.abandon(group, void=False)
         if ck is None:
             return None
         return {"step": ck["step"], "seconds": time.monotonic() - t0, "committed": committed}
@@ -246,6 +254,7 @@ class CheckpointTracker:
         """Wait (bounded) for the checkpoint in flight to commit: at the end of the run,
         before a stop's final checkpoint, before a rollback chooses where to go back to. One
         that does not is given up, on the workers too."""
+        self._release_orphans(group)
         deadline = time.monotonic() + timeout_s
         while self.in_flight is not None and time.monotonic() < deadline:
             self.tick(group)

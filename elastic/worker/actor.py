@@ -450,6 +450,7 @@ class Worker:
     def restore_checkpoint(self, spec: StrategySpec, step: int, store: Any = None) -> dict[str, Any]:
         """Lay out ``spec`` from committed checkpoint ``step`` of ``store`` (default: the
         job's), checksums verified. A ``CheckpointError`` reaches the controller as it is."""
+        self.checkpoints.before_restore()
         out = self._guard(self.checkpoints.restore, spec, step, store)
         self.copies.reset()
         return out

@@ -186,8 +186,8 @@ class Checkpointing:
         # parameters and optimizer state change only in a step's update: their host copy runs
         # beside the next step's forward and backward, and the update waits for it; buffers
         # (changed by forward) and everything else are copied now
+        self._gen = m.generation  # before begin: a word may come as soon as it is begun
         writer.begin(step, pieces, later=lambda k: k.startswith("optim/") or k in params)
-        self._gen = m.generation
         return time.perf_counter() - t0
 
     def _before_update(self) -> None:
@@ -254,7 +254,10 @@ class Checkpointing:
         if generation is not None and generation != self._gen:
             return
         if committed and w.state == "uploaded":
-            w.committed(step)
+            try:
+                w.committed(step)
+            except CheckpointError:  # released meanwhile (a new group formed): nothing held
+                pass
         elif not committed:
             self._release(f"the controller gave up checkpoint {step}")
 
@@ -267,16 +270,25 @@ class Checkpointing:
         if w is not None and w.state != "idle" and self._gen != generation:
             self._release(f"group generation {generation} formed")
 
+    def before_restore(self) -> None:
+        """A restore on the same group (a rollback) sends training back: a checkpoint still
+        held is given up (the controller waited for it to end before the restore), so that a
+        late word about it cannot meet the replay's checkpoint of the same step."""
+        w = self._writer
+        if w is not None and w.state != "idle":
+            self._release("a restore")
+
     def _release(self, why: str) -> None:
-        """Abandon the writer's checkpoint. An upload still writing is cancelled at its next
-        write and the writer goes idle by itself when it stops; this waits a few seconds for
-        that, never longer (a stalled storage call must not hold up a group's formation)."""
+        """Abandon the writer's checkpoint without waiting: an upload still writing is
+        cancelled at its next write, and the writer goes idle by itself when it stops (a
+        stalled storage call must not hold up this call, which shares the actor's thread with
+        the controller's others, nor a group's formation)."""
         assert self._writer is not None
         try:
-            self._writer.abandon(timeout=5.0)
+            self._writer.abandon(timeout=0.0)
         except CheckpointError as e:
-            log.warning("rank %d: %s; %s (it goes idle when the upload stops)",
-                        self._membership.rank, why, e)
+            log.info("rank %d: %s; %s (it goes idle when the upload stops)",
+                     self._membership.rank, why, e)
 
     def restore(self, spec: StrategySpec, step: int, store: Any = None) -> dict[str, Any]:
         """Lay out ``spec`` from committed checkpoint ``step`` of ``store`` (default: the

@@ -19,9 +19,14 @@ _STARTED: dict[str, subprocess.Popen[str]] = {}
 
 
 def _start(*args: str, nice: int = 0) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", *args], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True,
-                            preexec_fn=(lambda: os.nice(nice)) if nice else None)
+    p = subprocess.Popen([sys.executable, "-m", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    if nice:
+        try:  # (mypy's own start-up runs at the normal priority for a few ms)
+            os.setpriority(os.PRIO_PROCESS, p.pid, nice)
+        except (OSError, AttributeError):  # not permitted, or not POSIX: run as it is
+            pass
+    return p
 
 
 def start_early() -> None:

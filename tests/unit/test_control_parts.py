@@ -553,9 +553,9 @@ def test_a_rank_holding_a_checkpoint_nothing_will_end_is_released():
     assert done == [] and tracker.in_flight is not None
     tracker.finish(group, timeout_s=0.2, when="the rollback")  # still uploading: given up
     assert done == [(10, False, 1)] and "within 0s of the rollback" in events[-1][1]
-    tracker.on_metric({"rank": 1, **skip}, None)  # still held after that word: released
-    tracker.tick(group)
-    assert done[-1] == (10, False, 1) and "step 10 released: rank 1" in events[-1][1]
+    tracker.on_metric({"rank": 1, **skip}, None)  # still held after that word: released,
+    tracker.tick(group)  # without a second event (it may only have crossed that word)
+    assert done[-2:] == [(10, False, 1)] * 2 and "within 0s of the rollback" in events[-1][1]
     tracker.on_metric({"rank": 1, **skip, "checkpoint_held": 7}, None)  # nothing ends 7
     tracker.tick(group)
     assert done[-1] == (7, False, 1) and "step 7 released: rank 1" in events[-1][1]

@@ -270,6 +270,27 @@ def test_scale_up_takes_spares_in_at_a_boundary(tmp_path):
     assert scaled.data["source"] == "peers"
 
 
+def test_a_resize_lets_the_checkpoint_in_flight_end_and_one_that_gives_up_keeps_the_group(
+        tmp_path, monkeypatch):
+    """When a resize gives up (the spare that was up is gone), the group goes on and its later
+    checkpoints are tracked as before. An earlier version of the resize's wait for the
+    checkpoint in flight voided every report of the group's checkpoints there, so none was
+    ever committed again (found in review). The wait itself: tests/integration/
+    test_checkpoint_job.py::test_a_resize_during_an_upload_keeps_checkpointing."""
+    monkeypatch.setattr(sizing_mod, "SCALE_WAIT_S", 0.0)
+    for spare_dies in (False, True):
+        ctl, fake = _controller(tmp_path / str(spare_dies), room=1, min_workers=1,
+                                max_workers=3, checkpoint_every=5)
+        fake.checkpoint_every = 5
+        if spare_dies:
+            monkeypatch.setattr(fake, "take_spares", lambda n: [])
+        _ask(ctl, "scale", 3)
+        result = ctl.run()
+        ended = [c[1][0] for c in fake.calls if c[0] == "checkpoint_done"]
+        assert ended == [5, 10, 15, 20], (spare_dies, fake.calls)  # each carried to its end
+        assert result.history[-1]["world_size"] == (2 if spare_dies else 3)
+
+
 def test_a_job_that_grows_only_when_asked_leaves_room_alone(tmp_path):
     """``grow_when_room: false`` (an elastic scheduler's jobs): its target is ``num_workers``,
     so room and ready spares do not grow it; by default a job grows toward ``max_workers``.
