@@ -164,7 +164,7 @@ def test_a_resize_during_an_upload_keeps_checkpointing(ray_local, tmp_path):
     ``scaled`` event says so), and every later one is taken."""
     uri = str(tmp_path / "ckpt")
     slow = [{"rank": 0, "step": s, "action": "slow_upload", "seconds": 1.5}
-            for s in range(5, 100, 5)]
+            for s in range(5, 2000, 5)]  # however long the spare takes to start
     handle = elastic.submit(**_cfg(
         tmp_path, loss=_slow_mse, max_steps=100_000, min_workers=1, max_workers=3,
         scale_check_s=3600, checkpoint_uri=uri, checkpoint_every=5, checkpoint_wait_s=20,
