@@ -123,6 +123,11 @@ class ShardWriter:
         return self._state
 
     @property
+    def cancelled(self) -> bool:
+        """Whether the checkpoint in flight was given up (``abandon``)."""
+        return self._cancel.is_set()
+
+    @property
     def step(self) -> int | None:
         """The step of the checkpoint in flight or awaiting commit, else None."""
         return self._step

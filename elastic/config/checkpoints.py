@@ -28,7 +28,8 @@ class Checkpoints(Section):
     """``uri`` (default ``<run dir>/checkpoints``), ``every`` K steps (0: none periodic),
     ``options`` for the storage (``elastic.checkpoint.location``), retention (``keep_last``
     newest, plus every ``keep_every``-th step), ``wait_s`` a due checkpoint waits for the
-    previous commit, ``resume``: ``latest`` or a checkpoint URI (a root, or one
+    previous commit, ``upload_timeout_s`` one may take to upload and commit before it is
+    given up (a storage call that never returns), ``resume``: ``latest`` or a checkpoint URI (a root, or one
     ``.../step-<n>`` directory).
 
     Derived when built: ``location`` (the parsed ``uri``, None when it is not given),
@@ -38,7 +39,8 @@ class Checkpoints(Section):
     NAME: ClassVar[str] = "checkpoints"
     FLAT: ClassVar[dict[str, str]] = {"uri": "checkpoint_uri", "every": "checkpoint_every",
                                       "options": "checkpoint_options",
-                                      "wait_s": "checkpoint_wait_s"}
+                                      "wait_s": "checkpoint_wait_s",
+                                      "upload_timeout_s": "checkpoint_upload_timeout_s"}
 
     uri: str | None = None
     every: int = 0
@@ -46,6 +48,7 @@ class Checkpoints(Section):
     keep_last: int = 3
     keep_every: int = 0
     wait_s: float = 30.0
+    upload_timeout_s: float = 3600.0
     resume: str | None = None
     location: StorageLocation | None = field(default=None, init=False, repr=False,
                                              compare=False)
@@ -74,6 +77,9 @@ class Checkpoints(Section):
         integer(self.keep_every, "keep_every", 0, "0 keeps no extra older checkpoints")
         number(self.wait_s, "checkpoint_wait_s",
                       fix="e.g. checkpoint_wait_s: 30 (seconds)")
+        number(self.upload_timeout_s, "checkpoint_upload_timeout_s", above=True,
+               fix="e.g. checkpoint_upload_timeout_s: 3600 (seconds a checkpoint may take "
+                   "to upload and commit before it is given up)")
         text(self.resume, "resume",
                     fix="use resume: latest, or the URI of a checkpoint root or step directory")
         if self.uri is not None:

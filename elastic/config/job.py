@@ -120,6 +120,7 @@ class JobConfig(JobCode):
     keep_last = Setting[int]("checkpoints")
     keep_every = Setting[int]("checkpoints")
     checkpoint_wait_s = Setting[float]("checkpoints")
+    checkpoint_upload_timeout_s = Setting[float]("checkpoints")
     resume = Setting[str | None]("checkpoints")
     # output
     name = Setting[str | None]("output")

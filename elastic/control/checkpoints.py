@@ -128,6 +128,16 @@ class CheckpointTracker:
         ck = self.in_flight
         if ck is None or self.store is None:
             return
+        limit = float(getattr(self.cfg, "checkpoint_upload_timeout_s", 0) or 0)
+        if limit and time.time() - ck["t0"] > limit:  # a storage call that never returns
+            self.in_flight = None
+            self.ended_step, self.ended_gen = ck["step"], ck["gen"]
+            group.checkpoint_done(ck["step"], False, ck["gen"])
+            self._emit("checkpoint_failed", f"step {ck['step']} given up: not uploaded and "
+                       f"committed within checkpoint_upload_timeout_s={limit:g}s (a storage "
+                       "call that does not return); the next one is taken as usual",
+                       data={"step": ck["step"], "timeout_s": limit}, step=ck["step"])
+            return
         outs = group.checkpoint_poll()
         errors = [o["error"] for o in outs if o and "error" in o]
         if not errors and not all(o and "info" in o for o in outs):

@@ -206,7 +206,19 @@ class Checkpointing:
             if while_waiting is not None:
                 while_waiting()
             time.sleep(0.005)
+        self._drop_stuck()
         return self._membership.all_ranks(not self.busy)
+
+    def _drop_stuck(self) -> None:
+        """A writer whose checkpoint was given up but whose upload still has not stopped is
+        stuck in a storage call that does not return: it is left to its thread (a later
+        return ends it) and the next checkpoint gets a new writer."""
+        w = self._writer
+        if w is not None and w.state == "uploading" and w.cancelled:
+            log.warning("rank %d: the upload of checkpoint %s was given up and has not "
+                        "stopped; a new writer takes the next checkpoint",
+                        self._membership.rank, w.step)
+            self._writer = None
 
     def _ensure_writer(self) -> ShardWriter:
         rank = self._membership.rank

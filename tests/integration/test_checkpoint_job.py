@@ -194,3 +194,26 @@ def test_a_resize_during_an_upload_keeps_checkpointing(ray_local, tmp_path):
     ref, _ = reference_train(mlp, adam, mse, RegressionData(), G, len(result.history), seed=0)
     assert max_diff(result.state_dict(), ref) < TOL
     assert committed_steps(CheckpointStore(uri))[-1] == committed[-1]
+
+
+def test_an_upload_that_never_returns_is_given_up_and_checkpoints_go_on(ray_local, tmp_path):
+    """Rank 1's upload of checkpoint 5 blocks for good (``pause_upload``: a storage call that
+    never returns, as on a hung network mount). After ``checkpoint_upload_timeout_s`` the
+    controller gives it up, and rank 1, whose upload thread is still stuck, takes the next
+    checkpoint with a new writer. Before, every later checkpoint was skipped (each after
+    ``checkpoint_wait_s``) and the end of the run waited 300 s for it."""
+    uri = str(tmp_path / "ckpt")
+    steps = 40
+    result = elastic.fit(**_cfg(
+        tmp_path, loss=_slow_mse, max_steps=steps, checkpoint_uri=uri, checkpoint_every=5,
+        keep_last=20, checkpoint_wait_s=0.5, checkpoint_upload_timeout_s=2.0,
+        faults=[{"rank": 1, "step": 5, "action": "pause_upload",
+                 "dir": str(tmp_path / "faults")}]))
+    kinds = [(e.kind, e.step, e.message) for e in result.events if e.kind != "state"]
+    failed = [e for e in result.events if e.kind == "checkpoint_failed"]
+    assert [e.data["step"] for e in failed] == [5] and "given up" in failed[0].message, kinds
+    committed = [e.data["step"] for e in result.events if e.kind == "checkpoint"]
+    assert committed and committed[-1] == steps and steps - 5 in committed, kinds
+    assert committed_steps(CheckpointStore(uri))[-1] == steps
+    ref, _ = reference_train(mlp, adam, mse, RegressionData(), G, steps, seed=0)
+    assert max_diff(result.state_dict(), ref) < TOL
