@@ -232,10 +232,7 @@ class CheckpointTracker:
         Returns what it waited for ({step, seconds, committed}), None if nothing was in
         flight."""
         ck, ev, t0 = self.in_flight, self.last_event, time.monotonic()
-        while self.in_flight is not None and time.monotonic() - t0 < timeout_s:
-            self.tick(group)
-            if self.in_flight is not None:
-                time.sleep(0.05)
+        self._wait_in_flight(group, timeout_s)
         committed = ck is not None and self.last_event is not ev
         # not void: the resize may still give up (no spare came up) and the group go on;
         # ``formed`` voids its reports once the next group is up
@@ -265,11 +262,7 @@ class CheckpointTracker:
         before a stop's final checkpoint, before a rollback chooses where to go back to. One
         that does not is given up, on the workers too."""
         self._release_orphans(group)
-        deadline = time.monotonic() + timeout_s
-        while self.in_flight is not None and time.monotonic() < deadline:
-            self.tick(group)
-            if self.in_flight is not None:
-                time.sleep(0.1)
+        self._wait_in_flight(group, timeout_s)
         if self.in_flight is not None:
             step, gen = self.in_flight["step"], self.in_flight["gen"]
             self._emit("checkpoint_failed", f"step {step} did not finish uploading within "
@@ -277,6 +270,14 @@ class CheckpointTracker:
             group.checkpoint_done(step, False, gen)
             self.ended_step, self.ended_gen = step, gen
             self.in_flight = None
+
+    def _wait_in_flight(self, group: Any, timeout_s: float) -> None:
+        """Tick until the checkpoint in flight has ended, at most ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while self.in_flight is not None and time.monotonic() < deadline:
+            self.tick(group)
+            if self.in_flight is not None:
+                time.sleep(0.05)
 
     # ------------------------------------------------------------------ restoring
 

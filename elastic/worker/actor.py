@@ -231,7 +231,7 @@ class Worker:
         """Form generation ``generation`` of the group; returns seconds taken."""
         t0 = time.perf_counter()
         self.leave()
-        self.checkpoints.regroup(generation)  # an earlier generation's checkpoint: void
+        self.checkpoints.release_held(f"group generation {generation} formed")
         self.membership.join(addr, port, rank, world, generation, timeout_s)
         return time.perf_counter() - t0
 
@@ -450,7 +450,7 @@ class Worker:
     def restore_checkpoint(self, spec: StrategySpec, step: int, store: Any = None) -> dict[str, Any]:
         """Lay out ``spec`` from committed checkpoint ``step`` of ``store`` (default: the
         job's), checksums verified. A ``CheckpointError`` reaches the controller as it is."""
-        self.checkpoints.before_restore()
+        self.checkpoints.release_held("a restore")
         out = self._guard(self.checkpoints.restore, spec, step, store)
         self.copies.reset()
         return out

@@ -273,22 +273,15 @@ class Checkpointing:
         elif not committed:
             self._release(f"the controller gave up checkpoint {step}")
 
-    def regroup(self, generation: int) -> None:
-        """This rank joins group ``generation``: a checkpoint begun by an earlier generation
-        can never be committed (its ranks are gone or renumbered, and the controller abandons
-        it at every regroup), so it is released here, whatever arrives from the controller
-        and in whichever order."""
-        w = self._writer
-        if w is not None and w.state != "idle" and self._gen != generation:
-            self._release(f"group generation {generation} formed")
-
-    def before_restore(self) -> None:
-        """A restore on the same group (a rollback) sends training back: a checkpoint still
-        held is given up (the controller waited for it to end before the restore), so that a
-        late word about it cannot meet the replay's checkpoint of the same step."""
+    def release_held(self, why: str) -> None:
+        """Give up whatever the writer still holds. At ``join`` (a new group generation: a
+        checkpoint of an earlier one can never be committed, and the controller abandons it
+        at every regroup) and before a restore on the same group (a rollback: the controller
+        waited for it to end first), so that a late word about it, in whichever order it
+        arrives, cannot meet a new checkpoint of the same step."""
         w = self._writer
         if w is not None and w.state != "idle":
-            self._release("a restore")
+            self._release(why)
 
     def _release(self, why: str) -> None:
         """Abandon the writer's checkpoint without waiting: an upload still writing is
