@@ -177,7 +177,7 @@ def user_modules(base: Baseline) -> list[str]:
 
 
 def reset(base: Baseline, keep_threads: set[int] | frozenset[int] = frozenset(),
-          freeze: bool = True) -> dict[str, Any]:
+          freeze: bool = True, unfreeze: bool = True) -> dict[str, Any]:
     """Bring the process back to ``base`` as far as it can (module docstring). Returns what
     was done: ``modules_dropped``, ``env_restored``, ``backends_restored`` (cuDNN and
     attention switches set back), ``precision_changed`` (float32 precision settings the job
@@ -185,7 +185,9 @@ def reset(base: Baseline, keep_threads: set[int] | frozenset[int] = frozenset(),
     ``base`` that still run, beyond ``keep_threads``, elastic's own ``elastic-*`` threads and
     the threads Ray's core runs Python on), ``cuda_bytes`` (still allocated on the device).
     ``freeze``: move what survives to the collector's permanent generation (as the worker
-    does at start-up), keeping later collections short."""
+    does at start-up), keeping later collections short. ``unfreeze``: collect the permanent
+    generation too (needed when the job's objects were frozen; otherwise only they are
+    scanned, not the ~320k objects frozen at start-up)."""
     dropped = user_modules(base)
     for name in dropped:
         sys.modules.pop(name, None)
@@ -203,7 +205,8 @@ def reset(base: Baseline, keep_threads: set[int] | frozenset[int] = frozenset(),
     torch.autograd.set_detect_anomaly(False)
     torch.set_num_threads(base.num_threads)
     backends_restored, precision_changed = _restore_backends(base.backends)
-    gc.unfreeze()
+    if unfreeze:
+        gc.unfreeze()
     gc.collect()
     cuda_bytes = 0
     if torch.cuda.is_available() and torch.cuda.is_initialized():

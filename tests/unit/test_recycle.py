@@ -102,3 +102,52 @@ def test_reset_counts_a_thread_the_job_left_running():
         t.join()
         elastic_own.join()
     assert reset(base, freeze=False)["threads"] == 0
+
+
+class _Cycle:
+    """A job's garbage in a reference cycle (as modules with hooks make), holding a tensor."""
+
+    def __init__(self) -> None:
+        self.peer = _Peer(self)
+        self.tensor = torch.ones(4)
+
+
+class _Peer:
+    def __init__(self, owner: _Cycle) -> None:
+        self.owner = owner
+
+
+def test_a_small_jobs_reset_collects_its_garbage_without_scanning_the_start_up_heap():
+    """The start-up heap (torch's ~320k objects, frozen) is scanned again only when the job's
+    own set-up was large enough to be frozen too (``_freeze_job``); a small job's reset
+    collects its cycles alone. A garbage cycle frozen at "start-up" tells the two apart: it
+    is collected only by a reset that unfreezes."""
+    import gc
+    import weakref
+
+    from elastic.worker.actor import _FREEZE_JOB_OVER, _freeze_job
+
+    old = _Cycle()
+    in_start_up = weakref.ref(old)
+    del old
+    gc.freeze()  # as the worker does once torch and the layouts are loaded
+    try:
+        base = Baseline.take()
+        job = _Cycle()
+        small_job = weakref.ref(job)
+        del job
+        assert not _freeze_job()  # a few objects: left tracked
+        reset(base, freeze=True, unfreeze=False)
+        assert small_job() is None and in_start_up() is not None
+        # a job whose set-up left many objects (a large library): frozen at assign, and its
+        # reset unfreezes to collect them
+        bulk = [[i] for i in range(_FREEZE_JOB_OVER + 1)]
+        job = _Cycle()
+        large_job = weakref.ref(job)
+        del job
+        assert _freeze_job()
+        del bulk
+        reset(base, freeze=True, unfreeze=True)
+        assert large_job() is None and in_start_up() is None
+    finally:
+        gc.unfreeze()
