@@ -25,8 +25,8 @@ __all__ = ["CheckpointTracker", "spec_dict", "read_detail"]
 Emit = Callable[..., Any]
 
 
-def _same_gen(a: int | None, b: int | None) -> bool:
-    """Whether two reports are of one group generation (an unknown one matches any)."""
+def _same(a: int | None, b: int | None) -> bool:
+    """Whether two reports agree on a generation or a sequence number (unknown matches any)."""
     return a is None or b is None or a == b
 
 
@@ -51,40 +51,52 @@ class CheckpointTracker:
         self.cfg = cfg
         self.store = store
         self._emit = emit
-        # step, gen (the group generation that began it), spec, t0, blocked_s, by_rank
+        # A checkpoint is named by (gen, seq): the group generation that began it and how many
+        # that group had begun (all its ranks begin each one together), so a name never comes
+        # again, also when a restore repeats a step. in_flight: step, gen, seq, spec, t0,
+        # blocked_s, by_rank
         self.in_flight: dict[str, Any] | None = None
         self.last_event: Any = None  # the last "checkpoint" event (late waits are added to it)
+        self._last_id: tuple[Any, Any] = (None, None)  # the name of that one
         self.bad_steps: set[int] = set()  # committed steps found corrupt (never restored)
-        # the checkpoint that ended last (committed or not), until training goes back to an
-        # earlier step (a restore): a rank's late report of it starts nothing
-        self.ended_step, self.ended_gen = -1, None
-        # checkpoints of generations up to this one are void (abandoned at a regroup): a
-        # late report of one starts nothing, however its step compares
-        self.void_gen = -1
-        self._orphans: dict[tuple[int, int | None], int] = {}  # held with nothing to end it
+        # the name of the checkpoint that ended last (committed or not): a rank's late report
+        # of it, or of an earlier one of its group, starts nothing
+        self.ended: tuple[int | None, int | None] = (None, None)
+        self.gen_now = -1  # the newest group formed: reports of earlier ones are void
+        # (gen, seq) -> (step, rank): held by a rank with nothing left to end it
+        self._orphans: dict[tuple[Any, Any], tuple[int, int]] = {}
 
     # ------------------------------------------------------------------ taking them
+
+    def _ended_already(self, gen: int | None, seq: int | None) -> bool:
+        """Whether checkpoint (gen, seq) has ended: the last one that ended, or an earlier
+        one of its group (a group ends its checkpoints in the order it began them)."""
+        egen, eseq = self.ended
+        return (eseq is not None and seq is not None and _same(gen, egen)) and seq <= eseq
+
+    def _is(self, ck: dict[str, Any], gen: int | None, seq: int | None) -> bool:
+        return _same(gen, ck["gen"]) and _same(seq, ck["seq"])
 
     def on_metric(self, m: dict[str, Any], spec: StrategySpec | None) -> None:
         """What a worker's step metrics say about checkpoints. A metric without a
         ``generation`` is of the current one."""
         gen = m.get("generation")
-        if gen is not None and gen <= self.void_gen:
-            return  # about a checkpoint abandoned at a regroup (drained after it)
-        if "checkpoint_begun" in m and m["checkpoint_begun"] == self.ended_step \
-                and _same_gen(gen, self.ended_gen):
+        if gen is not None and gen < self.gen_now:
+            return  # of a group that a regroup replaced (drained after it)
+        seq = m.get("checkpoint_seq")
+        if "checkpoint_begun" in m and self._ended_already(gen, seq):
             # a rank's report of a checkpoint that has ended already (its metrics came after
-            # the commit): not a new checkpoint in flight, which nothing would ever finish
-            # (the end of the run waited 300 s for it); its blocked time goes to that one's
-            # event when it was committed
+            # the commit, or after a regroup gave it up): not a new checkpoint in flight,
+            # which nothing would ever finish (the end of the run waited 300 s for it); its
+            # blocked time goes to that one's event when it was committed
             ev = self.last_event
-            if ev is not None and ev.data.get("step") == self.ended_step:
+            if ev is not None and self._last_id == (gen, seq):
                 ev.data["blocked_s"] = max(ev.data["blocked_s"],
                                            float(m.get("checkpoint_blocked_s") or 0.0))
         elif "checkpoint_begun" in m:
             ck = self.in_flight
-            if ck is None or ck["step"] != m["checkpoint_begun"] or not _same_gen(gen, ck["gen"]):
-                ck = self.in_flight = {"step": m["checkpoint_begun"], "gen": gen,
+            if ck is None or ck["step"] != m["checkpoint_begun"] or not self._is(ck, gen, seq):
+                ck = self.in_flight = {"step": m["checkpoint_begun"], "gen": gen, "seq": seq,
                                        "blocked_s": 0.0, "spec": spec, "t0": time.time(),
                                        "by_rank": {}}
             ck["by_rank"][m["rank"]] = m["checkpoint_blocked_s"]
@@ -95,19 +107,20 @@ class CheckpointTracker:
             self._emit("checkpoint_skipped", f"step {m['checkpoint_skipped']}: the previous "
                        "checkpoint is still uploading")
         if "checkpoint_held" in m:
-            self._check_held(m["rank"], int(m["checkpoint_held"]), m.get("checkpoint_held_gen"))
+            self._check_held(m["rank"], int(m["checkpoint_held"]), m.get("checkpoint_held_gen"),
+                             m.get("checkpoint_held_seq"))
 
-    def _check_held(self, rank: int, step: int, gen: int | None) -> None:
-        """A rank skipped a due checkpoint because its writer still holds ``step``: fine
+    def _check_held(self, rank: int, step: int, gen: int | None, seq: int | None) -> None:
+        """A rank skipped a due checkpoint because its writer still holds (gen, seq): fine
         while that one is in flight (a slow upload); otherwise nothing will ever end it
         (every later checkpoint would be skipped), so the next ``tick`` releases it."""
         ck = self.in_flight
-        if ck is not None and ck["step"] == step and _same_gen(gen, ck["gen"]):
+        if ck is not None and ck["step"] == step and self._is(ck, gen, seq):
             return
         # (one that ended: its word to the ranks was sent at its end, and the rank waited
         # checkpoint_wait_s before it skipped; it still holds it, so that word did not act,
         # or it has only just ended: the word again does no harm either way)
-        self._orphans.setdefault((step, gen), rank)
+        self._orphans.setdefault((gen, seq), (step, rank))
 
     def _count_wait(self, rank: int, wait_s: float) -> None:
         """A rank's wait for the deferred host copy counts as blocked time of its checkpoint:
@@ -130,26 +143,21 @@ class CheckpointTracker:
             return
         limit = float(getattr(self.cfg, "checkpoint_upload_timeout_s", 0) or 0)
         if limit and time.time() - ck["t0"] > limit:  # a storage call that never returns
-            self.in_flight = None
-            self.ended_step, self.ended_gen = ck["step"], ck["gen"]
-            group.checkpoint_done(ck["step"], False, ck["gen"])
-            self._emit("checkpoint_failed", f"step {ck['step']} given up: not uploaded and "
-                       f"committed within checkpoint_upload_timeout_s={limit:g}s (a storage "
-                       "call that does not return); the next one is taken as usual",
-                       data={"step": ck["step"], "timeout_s": limit}, step=ck["step"])
+            self._give_up(group, f"given up: not uploaded and committed within "
+                          f"checkpoint_upload_timeout_s={limit:g}s (a storage call that does "
+                          "not return); the next one is taken as usual", timeout_s=limit)
             return
         outs = group.checkpoint_poll()
         errors = [o["error"] for o in outs if o and "error" in o]
         if not errors and not all(o and "info" in o for o in outs):
             return  # still uploading
-        step, spec, gen = ck["step"], ck["spec"], ck["gen"]
-        self.in_flight = None
-        self.ended_step, self.ended_gen = step, gen
+        step, spec, name = ck["step"], ck["spec"], (ck["gen"], ck["seq"])
+        self._end()
         manifest = None
         bad = {o["info"]["rank"]: o["info"].get("nonfinite") for o in outs
                if o and "info" in o and o["info"].get("nonfinite")}
         if bad and not errors:  # never a checkpoint of a state with NaN or inf in it
-            group.checkpoint_done(step, False, gen)
+            group.checkpoint_done(step, False, *name)
             self._emit("checkpoint_refused", f"step {step} not committed: its state holds "
                        "non-finite values (" + "; ".join(
                            f"rank {r}: {', '.join(list(k)[:3])}" for r, k in sorted(bad.items()))
@@ -168,13 +176,14 @@ class CheckpointTracker:
                 manifest = commit(self.store, step, infos, meta)
             except CheckpointError as e:
                 errors.append(str(e))
-        group.checkpoint_done(step, manifest is not None, gen)
+        group.checkpoint_done(step, manifest is not None, *name)
         if manifest is None:
             self._emit("checkpoint_failed", f"step {step} not committed, training goes on: "
                        f"{errors[0][:300]}", data={"step": step, "errors": errors}, step=step)
             return
         size = sum(sh.size for sh in manifest.shards)
         up = time.time() - ck["t0"]
+        self._last_id = name
         self.last_event = self._emit(
             "checkpoint", f"step {step} committed: {size / 1e6:.1f} MB in "
             f"{len(manifest.shards)} shards, training blocked {ck['blocked_s'] * 1e3:.0f} ms, "
@@ -187,44 +196,51 @@ class CheckpointTracker:
         except CheckpointError as e:
             self._emit("retention_failed", str(e)[:300])
 
+    def _end(self) -> dict[str, Any]:
+        """The checkpoint in flight has ended (committed or not): returns it."""
+        ck = self.in_flight
+        assert ck is not None
+        self.in_flight = None
+        self.ended = (ck["gen"], ck["seq"])
+        return ck
+
+    def _give_up(self, group: Any, why: str, **data: Any) -> None:
+        """End the checkpoint in flight uncommitted: the workers (``group``; None when it is
+        gone) release it, and a ``checkpoint_failed`` event says ``why``."""
+        ck = self._end()
+        if group is not None:
+            group.checkpoint_done(ck["step"], False, ck["gen"], ck["seq"])
+        self._emit("checkpoint_failed", f"step {ck['step']} {why}",
+                   data={"step": ck["step"], **data}, step=ck["step"])
+
     def _release_orphans(self, group: Any) -> None:
-        for (step, gen), rank in sorted(self._orphans.items(), key=lambda kv: kv[0][0]):
-            group.checkpoint_done(step, False, gen)
-            if step == self.ended_step and _same_gen(gen, self.ended_gen):
+        for (gen, seq), (step, rank) in sorted(self._orphans.items(), key=lambda kv: kv[1]):
+            group.checkpoint_done(step, False, gen, seq)
+            if self._ended_already(gen, seq):
                 continue  # it ended just as the rank gave up waiting: nothing to say
             self._emit("checkpoint_failed", f"step {step} released: rank {rank} still held it "
                        "with nothing left to commit it; the next one is taken as usual",
                        data={"step": step, "released": True})
         self._orphans.clear()
 
-    def abandon(self, group: Any, void: bool = True) -> None:
+    def abandon(self, group: Any) -> None:
         """At a regroup: the checkpoint in flight cannot complete without the group that
-        began it. With ``void`` (a loss, a resize: that group takes no more checkpoints), any
-        report of one of its checkpoints that arrives later is void; an evacuation may still
-        take one on it first (``formed`` voids them once the next group is up). The workers
-        release theirs when they join the next group."""
-        self.ended_step, self.ended_gen = -1, None  # the steps since the restored one run again
-        gen = getattr(group, "generation", None)
-        if void and gen is not None:
-            self.void_gen = max(self.void_gen, int(gen))
+        began it. A later report of it starts nothing (its name has ended); an evacuation may
+        still take another on the same group first. The workers release theirs when they
+        join the next group."""
         self._orphans.clear()
-        if self.in_flight is None:
-            return
-        step = self.in_flight["step"]
-        group.checkpoint_done(step, False, self.in_flight["gen"])
-        self._emit("checkpoint_failed", f"step {step} abandoned: the group that was uploading "
-                   "it changed (a worker lost, or the job resized or evacuated)",
-                   data={"step": step})
-        self.in_flight = None
+        if self.in_flight is not None:
+            self._give_up(group, "abandoned: the group that was uploading it changed (a "
+                          "worker lost, or the job resized or evacuated)")
 
     def formed(self, generation: int) -> None:
-        """Group ``generation`` is up: no checkpoint of an earlier one can be committed."""
-        self.void_gen = max(self.void_gen, generation - 1)
+        """Group ``generation`` is up: reports of earlier groups are void from now on, and
+        one of theirs still in flight (reported after the regroup gave the last one up) can
+        never be committed: its workers released it when they joined this group."""
+        self.gen_now = max(self.gen_now, generation)
         ck = self.in_flight
         if ck is not None and ck["gen"] is not None and ck["gen"] < generation:
-            self._emit("checkpoint_failed", f"step {ck['step']} abandoned: the group that was "
-                       "uploading it changed", data={"step": ck["step"]})
-            self.in_flight = None
+            self._give_up(None, "abandoned: the group that was uploading it changed")
 
     def settle(self, group: Any, timeout_s: float) -> dict[str, Any] | None:
         """Before a planned regroup (a resize): give the checkpoint in flight up to
@@ -234,9 +250,9 @@ class CheckpointTracker:
         ck, ev, t0 = self.in_flight, self.last_event, time.monotonic()
         self._wait_in_flight(group, timeout_s)
         committed = ck is not None and self.last_event is not ev
-        # not void: the resize may still give up (no spare came up) and the group go on;
-        # ``formed`` voids its reports once the next group is up
-        self.abandon(group, void=False)
+        # the resize may still give up (no spare came up) and the group go on: its next
+        # checkpoints are new names; ``formed`` voids its reports once the next group is up
+        self.abandon(group)
         if ck is None:
             return None
         return {"step": ck["step"], "seconds": time.monotonic() - t0, "committed": committed}
@@ -264,12 +280,7 @@ class CheckpointTracker:
         self._release_orphans(group)
         self._wait_in_flight(group, timeout_s)
         if self.in_flight is not None:
-            step, gen = self.in_flight["step"], self.in_flight["gen"]
-            self._emit("checkpoint_failed", f"step {step} did not finish uploading within "
-                       f"{timeout_s:.0f}s of {when}")
-            group.checkpoint_done(step, False, gen)
-            self.ended_step, self.ended_gen = step, gen
-            self.in_flight = None
+            self._give_up(group, f"did not finish uploading within {timeout_s:.0f}s of {when}")
 
     def _wait_in_flight(self, group: Any, timeout_s: float) -> None:
         """Tick until the checkpoint in flight has ended, at most ``timeout_s``."""
@@ -368,8 +379,6 @@ class CheckpointTracker:
         corrupt or missing object) is remembered as bad, said in a ``checkpoint_corrupt``
         event naming it, and the next older one is tried. Returns (step, detail), or None if
         none loaded."""
-        self.ended_step, self.ended_gen = -1, None  # training goes back: the steps since run
-        # (and are checkpointed) again
         for step in steps:
             if step in self.bad_steps:
                 continue

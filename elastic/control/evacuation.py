@@ -166,7 +166,7 @@ class Evacuation:
             return None
         stay = [w for w in group.workers if w not in leaving]
         self.tracker.tick(group)  # an upload still in flight needs the draining workers:
-        self.tracker.abandon(group, void=False)  # given up; the checkpoint path takes one
+        self.tracker.abandon(group)  # given up; the checkpoint path takes one
         now = time.time()
         lefts = [n.deadline - now for n in notices if n.deadline is not None]
         left = min(lefts) if lefts else None

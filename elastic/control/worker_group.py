@@ -511,11 +511,11 @@ class WorkerGroup(PlacementCalls, WorkerCalls):
                 out.append({"error": f"worker {w.rank} did not answer"})
         return out
 
-    def checkpoint_done(self, step: int, committed: bool,
-                        generation: int | None = None) -> None:
+    def checkpoint_done(self, step: int, committed: bool, generation: int | None = None,
+                        seq: int | None = None) -> None:
         """Tell every worker (not waited for: each acts only on the checkpoint named)."""
         for w in self.workers:
-            w.handle.checkpoint_done.remote(step, committed, generation)
+            w.handle.checkpoint_done.remote(step, committed, generation, seq)
 
     def final_state(self) -> dict[str, Any]:
         """The full canonical state, from rank 0 (collective over the group)."""

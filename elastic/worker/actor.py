@@ -477,5 +477,6 @@ class Worker:
         or {"error": message} (the upload is then abandoned)."""
         return self.checkpoints.poll()
 
-    def checkpoint_done(self, step: int, committed: bool, generation: int | None = None) -> None:
-        self.checkpoints.done(step, committed, generation)
+    def checkpoint_done(self, step: int, committed: bool, generation: int | None = None,
+                        seq: int | None = None) -> None:
+        self.checkpoints.done(step, committed, generation, seq)

@@ -115,7 +115,11 @@ class Checkpointing:
             self.store = job_store(config)
         self._writer: ShardWriter | None = None
         self._writer_rank = -1
-        self._gen = -1  # the group generation that began the checkpoint the writer holds
+        # the checkpoint the writer holds is named (generation, seq): the group generation
+        # that began it and how many that group had begun (every rank begins each together),
+        # so a name never repeats, also when a rollback repeats a step
+        self._gen, self._seq = -1, 0
+        self._begun = (-1, 0)  # (generation, checkpoints it has begun)
         self._staged_wait_s = 0.0  # waits for a checkpoint's deferred copy, not yet reported
         self._unhook_update: Any = None
 
@@ -143,7 +147,8 @@ class Checkpointing:
                 out = {"checkpoint_skipped": step + 1, **self._held()}
             else:
                 out = {"checkpoint_begun": step + 1,
-                       "checkpoint_blocked_s": self._begin(step + 1)}
+                       "checkpoint_blocked_s": self._begin(step + 1),
+                       "checkpoint_seq": self._seq}
         if self._staged_wait_s > 0:  # an earlier checkpoint's copy held this step's update
             out["checkpoint_wait_s"] = self._staged_wait_s
             self._staged_wait_s = 0.0
@@ -159,15 +164,16 @@ class Checkpointing:
             return {"checkpoint_skipped": step, "rank": m.rank, "generation": m.generation,
                     **self._held()}
         return {"checkpoint_begun": step, "checkpoint_blocked_s": self._begin(step),
-                "rank": m.rank, "generation": m.generation}
+                "checkpoint_seq": self._seq, "rank": m.rank, "generation": m.generation}
 
     def _held(self) -> dict[str, int]:
-        """What this rank's writer still holds (step, generation): with a skip, so that the
+        """What this rank's writer still holds (step, and its name): with a skip, so that the
         controller can release a checkpoint nothing will ever commit."""
         w = self._writer
         if w is None or w.state == "idle" or w.step is None:
             return {}
-        return {"checkpoint_held": int(w.step), "checkpoint_held_gen": self._gen}
+        return {"checkpoint_held": int(w.step), "checkpoint_held_gen": self._gen,
+                "checkpoint_held_seq": self._seq}
 
     def busy_anywhere(self) -> bool:
         """Collective: whether any rank's previous checkpoint is still not committed."""
@@ -186,7 +192,10 @@ class Checkpointing:
         # parameters and optimizer state change only in a step's update: their host copy runs
         # beside the next step's forward and backward, and the update waits for it; buffers
         # (changed by forward) and everything else are copied now
-        self._gen = m.generation  # before begin: a word may come as soon as it is begun
+        gen, n = self._begun
+        self._begun = (m.generation, n + 1 if gen == m.generation else 1)
+        # named before begin: a word may come as soon as it is begun
+        self._gen, self._seq = self._begun
         writer.begin(step, pieces, later=lambda k: k.startswith("optim/") or k in params)
         return time.perf_counter() - t0
 
@@ -255,15 +264,17 @@ class Checkpointing:
             return {"error": str(e), "step": w.step}
         return {"info": info.to_dict()} if info is not None else None
 
-    def done(self, step: int, committed: bool, generation: int | None = None) -> None:
-        """The controller committed checkpoint ``step`` of group ``generation`` (or gave it
-        up). Only the checkpoint named is touched: step numbers repeat after a restore, and
-        this call may arrive late (the controller does not wait for it), after the writer
-        began another one."""
+    def done(self, step: int, committed: bool, generation: int | None = None,
+             seq: int | None = None) -> None:
+        """The controller committed checkpoint ``step``, named (``generation``, ``seq``), or
+        gave it up. Only the checkpoint named is touched: step numbers repeat after a
+        restore, and this call may arrive late (the controller does not wait for it), after
+        the writer began another one."""
         w = self._writer
         if w is None or w.state == "idle" or w.step != step:
             return
-        if generation is not None and generation != self._gen:
+        if generation is not None and generation != self._gen or \
+                seq is not None and seq != self._seq:
             return
         if committed and w.state == "uploaded":
             try:

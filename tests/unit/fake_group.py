@@ -75,6 +75,7 @@ class FakeGroup:
         self.corrupt_copies = False  # restore_from_copies finds a checksum wrong
         self.drain_refused = ""  # what Ray says to drain_node ("": accepted)
         self._ckpt: int | None = None  # the checkpoint step uploading
+        self._ck_seq = 0  # checkpoints begun (their names; unique, as the workers' are)
         self._ids = 0
         self._pos: dict[int, int] = {}  # segment -> the step it reached
         self.closed = False
@@ -210,6 +211,11 @@ class FakeGroup:
     def _train(self, start: int, end: int) -> None:
         name = self.spec.name if self.spec is not None else "dp"
         dt = self.step_times.get(name, 0.01)
+        seqs = {}  # step -> the name (sequence number) of the checkpoint begun after it
+        for s in range(start, end):
+            if self.checkpoint_every and (s + 1) % self.checkpoint_every == 0:
+                self._ck_seq += 1
+                seqs[s] = self._ck_seq
         for w in self.workers:
             f = self.fw(w)
             if not f.alive:
@@ -222,8 +228,9 @@ class FakeGroup:
                      "time": 0.0, "generation": self.generation,
                      "global_samples": 4 * len(self.workers),
                      "compute_s": self.compute.get(w.rank, 1e-3) * share / 3}
-                if self.checkpoint_every and (s + 1) % self.checkpoint_every == 0:
-                    m.update(checkpoint_begun=s + 1, checkpoint_blocked_s=0.001)
+                if s in seqs:
+                    m.update(checkpoint_begun=s + 1, checkpoint_blocked_s=0.001,
+                             checkpoint_seq=seqs[s])
                     self._ckpt = s + 1
                 f.metrics.append(m)
             f.next_step = max(f.next_step, end)
@@ -377,10 +384,13 @@ class FakeGroup:
             return [{"checkpoint_skipped": step, "rank": w.rank, "generation": self.generation}
                     for w in self.workers]
         self._ckpt = step
+        self._ck_seq += 1
         return [{"checkpoint_begun": step, "checkpoint_blocked_s": 0.001, "rank": w.rank,
-                 "generation": self.generation} for w in self.workers]
+                 "generation": self.generation, "checkpoint_seq": self._ck_seq}
+                for w in self.workers]
 
-    def checkpoint_done(self, step: int, committed: bool, generation: int | None = None) -> None:
+    def checkpoint_done(self, step: int, committed: bool, generation: int | None = None,
+                        seq: int | None = None) -> None:
         self.calls.append(("checkpoint_done", (step, committed)))
         self._ckpt = None
 

@@ -465,29 +465,27 @@ def test_a_pooled_jobs_end_resets_no_spare_whose_assign_still_runs(monkeypatch):
 def test_a_late_report_of_an_ended_checkpoint_starts_nothing_new():
     """A rank's metrics saying it began checkpoint 200 came after 200 had ended: that made a
     new checkpoint in flight which nothing would finish, and the end of the run waited its
-    300 s for it (the demo, from a fresh clone)."""
-    from types import SimpleNamespace
-
-    from elastic.control.checkpoints import CheckpointTracker
-
-    events: list[tuple[str, str]] = []
-    polls = iter([[{"error": "disk full"}, None]])  # step 200 ends (not committed)
-
-    group = SimpleNamespace(checkpoint_poll=lambda: next(polls, [None, None]),
-                            checkpoint_done=lambda step, ok, gen=None: None)
-    tracker = CheckpointTracker(SimpleNamespace(), object(),  # type: ignore[arg-type]
-                                lambda kind, msg, **kw: events.append((kind, msg)))
-    tracker.on_metric({"rank": 0, "checkpoint_begun": 200, "checkpoint_blocked_s": 0.01}, None)
-    tracker.tick(group)
+    300 s for it (the demo, from a fresh clone). A checkpoint is named (generation, seq), so
+    a rollback's replay of step 200 is a new one, and a late report of the first one, in
+    whichever order it comes, is still the ended one."""
+    tracker, group, events, done = _tracker_and_group([[{"error": "disk full"}, None]])
+    first = {"generation": 1, "checkpoint_begun": 200, "checkpoint_seq": 1}
+    tracker.on_metric({"rank": 0, **first, "checkpoint_blocked_s": 0.01}, None)
+    tracker.tick(group)  # step 200 ends (not committed)
     assert tracker.in_flight is None and events[-1][0] == "checkpoint_failed"
-    tracker.on_metric({"rank": 1, "checkpoint_begun": 200, "checkpoint_blocked_s": 0.02}, None)
+    tracker.on_metric({"rank": 1, **first, "checkpoint_blocked_s": 0.02}, None)
     assert tracker.in_flight is None
     tracker.finish(group, timeout_s=0.3)
     assert not any("did not finish uploading" in m for _, m in events), events
-    # after a restore the same step is checkpointed again, and tracked as any other
-    tracker.abandon(group)
-    tracker.on_metric({"rank": 0, "checkpoint_begun": 200, "checkpoint_blocked_s": 0.0}, None)
-    assert tracker.in_flight is not None and tracker.in_flight["step"] == 200
+    # after a rollback (the same group) step 200 is checkpointed again: a new name, tracked
+    # as any other; the first one's late report neither ends nor replaces it
+    replay = {"generation": 1, "checkpoint_begun": 200, "checkpoint_seq": 2}
+    tracker.on_metric({"rank": 0, **replay, "checkpoint_blocked_s": 0.0}, None)
+    assert tracker.in_flight is not None and tracker.in_flight["seq"] == 2
+    tracker.on_metric({"rank": 1, **first, "checkpoint_blocked_s": 0.0}, None)
+    assert tracker.in_flight["seq"] == 2 and tracker.in_flight["by_rank"] == {0: 0.0}
+    tracker.finish(group, timeout_s=0.1)
+    assert done[-1] == (200, False, 1, 2)  # the word names the replay's, not the first
 
 
 def _tracker_and_group(polls: list[Any]) -> tuple[Any, Any, list[Any], list[Any]]:
@@ -496,11 +494,11 @@ def _tracker_and_group(polls: list[Any]) -> tuple[Any, Any, list[Any], list[Any]
     from elastic.control.checkpoints import CheckpointTracker
 
     events: list[tuple[str, str]] = []
-    done: list[tuple[int, bool, Any]] = []
+    done: list[tuple[int, bool, Any, Any]] = []
     it = iter(polls)
     group = SimpleNamespace(generation=1, checkpoint_poll=lambda: next(it, [None, None]),
-                            checkpoint_done=lambda step, ok, gen=None: done.append(
-                                (step, ok, gen)))
+                            checkpoint_done=lambda step, ok, gen=None, seq=None: done.append(
+                                (step, ok, gen, seq)))
     tracker = CheckpointTracker(SimpleNamespace(), object(),  # type: ignore[arg-type]
                                 lambda kind, msg, **kw: events.append((kind, msg)))
     return tracker, group, events, done
@@ -512,28 +510,34 @@ def test_reports_of_an_abandoned_groups_checkpoint_start_nothing():
     and the group re-formed could never finish it (its step number comes again after a
     restore, and then counted as "ended": every later checkpoint was skipped)."""
     tracker, group, events, done = _tracker_and_group([])
-    begun = {"checkpoint_begun": 10, "checkpoint_blocked_s": 0.0}
+    begun = {"checkpoint_begun": 10, "checkpoint_blocked_s": 0.0, "checkpoint_seq": 1}
     tracker.on_metric({"rank": 0, "generation": 1, **begun}, "old spec")
     tracker.abandon(group)
-    assert done == [(10, False, 1)] and tracker.in_flight is None
+    assert done == [(10, False, 1, 1)] and tracker.in_flight is None
     assert events[-1][0] == "checkpoint_failed"
     tracker.on_metric({"rank": 1, "generation": 1, **begun}, "old spec")  # drained late
     assert tracker.in_flight is None
+    tracker.formed(2)
     group.generation = 2
     tracker.on_metric({"rank": 0, "generation": 2, **begun}, "new spec")  # step 10 again
     assert tracker.in_flight["gen"] == 2 and tracker.in_flight["spec"] == "new spec"
+    tracker.on_metric({"rank": 1, "generation": 1, **begun, "checkpoint_seq": 2}, None)
+    assert tracker.in_flight["gen"] == 2  # an old group's unseen one: void once 2 formed
     group.checkpoint_poll = lambda: [{"error": "disk full"}, None]
     tracker.tick(group)
-    assert done[-1] == (10, False, 2) and (tracker.ended_step, tracker.ended_gen) == (10, 2)
+    assert done[-1] == (10, False, 2, 1) and tracker.ended == (2, 1)
     # an evacuation gives up the one in flight but may take one on the same group first:
-    # not void then; once the next group is up (formed), that group's are
-    tracker.on_metric({"rank": 0, "generation": 2, **begun, "checkpoint_begun": 15}, None)
-    tracker.abandon(group, void=False)
-    tracker.on_metric({"rank": 0, "generation": 2, **begun, "checkpoint_begun": 16}, None)
+    # a new name, tracked; once the next group is up (formed), that group's are void
+    tracker.on_metric({"rank": 0, "generation": 2, **begun, "checkpoint_begun": 15,
+                       "checkpoint_seq": 2}, None)
+    tracker.abandon(group)
+    tracker.on_metric({"rank": 0, "generation": 2, **begun, "checkpoint_begun": 16,
+                       "checkpoint_seq": 3}, None)
     assert tracker.in_flight["step"] == 16
     tracker.formed(3)
     assert tracker.in_flight is None and "step 16 abandoned" in events[-1][1]
-    tracker.on_metric({"rank": 1, "generation": 2, **begun, "checkpoint_begun": 16}, None)
+    tracker.on_metric({"rank": 1, "generation": 2, **begun, "checkpoint_begun": 16,
+                       "checkpoint_seq": 3}, None)
     assert tracker.in_flight is None
 
 
@@ -545,20 +549,21 @@ def test_a_rank_holding_a_checkpoint_nothing_will_end_is_released():
     workers too (it used to be forgotten by the controller alone)."""
     tracker, group, events, done = _tracker_and_group([])
     skip = {"checkpoint_skipped": 15, "checkpoint_held": 10, "checkpoint_held_gen": 1,
-            "generation": 1}
+            "checkpoint_held_seq": 1, "generation": 1}
     tracker.on_metric({"rank": 0, "generation": 1, "checkpoint_begun": 10,
-                       "checkpoint_blocked_s": 0.0}, None)
+                       "checkpoint_seq": 1, "checkpoint_blocked_s": 0.0}, None)
     tracker.on_metric({"rank": 1, **skip}, None)  # in flight (a slow upload): left alone
     tracker.tick(group)
     assert done == [] and tracker.in_flight is not None
     tracker.finish(group, timeout_s=0.2, when="the rollback")  # still uploading: given up
-    assert done == [(10, False, 1)] and "within 0s of the rollback" in events[-1][1]
+    assert done == [(10, False, 1, 1)] and "within 0s of the rollback" in events[-1][1]
     tracker.on_metric({"rank": 1, **skip}, None)  # still held after that word: released,
     tracker.tick(group)  # without a second event (it may only have crossed that word)
-    assert done[-2:] == [(10, False, 1)] * 2 and "within 0s of the rollback" in events[-1][1]
-    tracker.on_metric({"rank": 1, **skip, "checkpoint_held": 7}, None)  # nothing ends 7
+    assert done[-2:] == [(10, False, 1, 1)] * 2 and "within 0s of the rollback" in events[-1][1]
+    tracker.on_metric({"rank": 1, **skip, "checkpoint_held": 7, "checkpoint_held_seq": 5},
+                      None)  # nothing ends it
     tracker.tick(group)
-    assert done[-1] == (7, False, 1) and "step 7 released: rank 1" in events[-1][1]
+    assert done[-1] == (7, False, 1, 5) and "step 7 released: rank 1" in events[-1][1]
     tracker.tick(group)
     assert len(done) == 3  # once each
 

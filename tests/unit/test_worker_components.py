@@ -522,8 +522,9 @@ def test_memory_counts_are_answered_while_a_due_checkpoint_waits_for_the_last_co
 
 def test_a_checkpoint_is_ended_only_by_a_word_naming_it_and_a_new_group_releases_it(tmp_path):
     """The controller's word on a checkpoint (commit, give up) is not waited for, and step
-    numbers repeat after a restore: a late word about another step or another group's
-    checkpoint must not end the one a rank holds now. A checkpoint begun by an earlier
+    numbers repeat after a restore: a late word about another step, another group's
+    checkpoint or an earlier one of the same step and group (a rollback's replay) must not
+    end the one a rank holds now. A checkpoint begun by an earlier
     generation is released when the rank joins the next one (nothing can commit it then);
     before that, a grown group never committed it and every later checkpoint was skipped. A
     skip says what the rank still holds, so the controller can release it."""
@@ -561,9 +562,21 @@ def test_a_checkpoint_is_ended_only_by_a_word_naming_it_and_a_new_group_releases
         assert w.checkpoints.busy
         w.run(10, 15)  # step 15 is due while 10 waits for its commit: skipped, saying so
         skips = [m for m in w.drain() if "checkpoint_skipped" in m]
-        assert [(m["checkpoint_skipped"], m["checkpoint_held"], m["checkpoint_held_gen"])
-                for m in skips] == [(15, 10, 2)]
+        assert [(m["checkpoint_skipped"], m["checkpoint_held"], m["checkpoint_held_gen"],
+                 m["checkpoint_held_seq"]) for m in skips] == [(15, 10, 2, 1)]
         w.checkpoint_done(10, True, 2)
+        assert not w.checkpoints.busy
+        # a rollback on the same group: step 10 is checkpointed again, under a new name, and
+        # a late word about the first one (same step, same generation) leaves it alone
+        w.restart_fresh(_spec("dp"), None, 5)
+        w.run(5, 10)
+        begun = [m for m in w.drain() if "checkpoint_begun" in m]
+        assert [(m["checkpoint_begun"], m["generation"], m["checkpoint_seq"])
+                for m in begun] == [(10, 2, 2)]
+        settled("uploaded")
+        w.checkpoint_done(10, False, 2, 1)
+        assert w.checkpoints.busy
+        w.checkpoint_done(10, True, 2, 2)
         assert not w.checkpoints.busy
     finally:
         w.leave()
