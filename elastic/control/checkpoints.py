@@ -63,16 +63,19 @@ class CheckpointTracker:
         # of it, or of an earlier one of its group, starts nothing
         self.ended: tuple[int | None, int | None] = (None, None)
         self.gen_now = -1  # the newest group formed: reports of earlier ones are void
-        # (gen, seq) -> (step, rank): held by a rank with nothing left to end it
-        self._orphans: dict[tuple[Any, Any], tuple[int, int]] = {}
+        # (gen, seq, step) -> rank: held by a rank with nothing left to end it
+        self._orphans: dict[tuple[Any, Any, int], int] = {}
 
     # ------------------------------------------------------------------ taking them
 
     def _ended_already(self, gen: int | None, seq: int | None) -> bool:
         """Whether checkpoint (gen, seq) has ended: the last one that ended, or an earlier
-        one of its group (a group ends its checkpoints in the order it began them)."""
+        one of its group (a group ends its checkpoints in the order it began them). A report
+        without a name (none is sent without) is never taken for an ended one."""
         egen, eseq = self.ended
-        return (eseq is not None and seq is not None and _same(gen, egen)) and seq <= eseq
+        if gen is None or seq is None or egen is None or eseq is None:
+            return False
+        return gen == egen and seq <= eseq
 
     def _is(self, ck: dict[str, Any], gen: int | None, seq: int | None) -> bool:
         return _same(gen, ck["gen"]) and _same(seq, ck["seq"])
@@ -120,7 +123,7 @@ class CheckpointTracker:
         # (one that ended: its word to the ranks was sent at its end, and the rank waited
         # checkpoint_wait_s before it skipped; it still holds it, so that word did not act,
         # or it has only just ended: the word again does no harm either way)
-        self._orphans.setdefault((gen, seq), (step, rank))
+        self._orphans.setdefault((gen, seq, step), rank)
 
     def _count_wait(self, rank: int, wait_s: float) -> None:
         """A rank's wait for the deferred host copy counts as blocked time of its checkpoint:
@@ -141,7 +144,7 @@ class CheckpointTracker:
         ck = self.in_flight
         if ck is None or self.store is None:
             return
-        limit = float(getattr(self.cfg, "checkpoint_upload_timeout_s", 0) or 0)
+        limit = float(self.cfg.checkpoint_upload_timeout_s or 0)
         if limit and time.time() - ck["t0"] > limit:  # a storage call that never returns
             self._give_up(group, f"given up: not uploaded and committed within "
                           f"checkpoint_upload_timeout_s={limit:g}s (a storage call that does "
@@ -214,7 +217,7 @@ class CheckpointTracker:
                    data={"step": ck["step"], **data}, step=ck["step"])
 
     def _release_orphans(self, group: Any) -> None:
-        for (gen, seq), (step, rank) in sorted(self._orphans.items(), key=lambda kv: kv[1]):
+        for (gen, seq, step), rank in sorted(self._orphans.items(), key=lambda kv: kv[0][2]):
             group.checkpoint_done(step, False, gen, seq)
             if self._ended_already(gen, seq):
                 continue  # it ended just as the rank gave up waiting: nothing to say
@@ -226,8 +229,9 @@ class CheckpointTracker:
     def abandon(self, group: Any) -> None:
         """At a regroup: the checkpoint in flight cannot complete without the group that
         began it. A later report of it starts nothing (its name has ended); an evacuation may
-        still take another on the same group first. The workers release theirs when they
-        join the next group."""
+        still take another on the same group first. A report of one of the group's that the
+        controller had not seen (drained after this) is in flight until ``formed`` gives it
+        up. The workers release theirs when they join the next group."""
         self._orphans.clear()
         if self.in_flight is not None:
             self._give_up(group, "abandoned: the group that was uploading it changed (a "
@@ -268,7 +272,7 @@ class CheckpointTracker:
         # the one in flight first: the workers wait for its commit before they begin this one,
         # and nothing would commit it while they wait in this call (it was skipped after
         # checkpoint_wait_s)
-        self.finish(group, float(getattr(self.cfg, "checkpoint_wait_s", 30.0)), "the stop")
+        self.finish(group, float(self.cfg.checkpoint_wait_s), "the stop")
         for out in group.checkpoint_now():
             self.on_metric(out, spec)
 

@@ -282,7 +282,7 @@ class Checkpointing:
             except CheckpointError:  # released meanwhile (a new group formed): nothing held
                 pass
         elif not committed:
-            self._release(f"the controller gave up checkpoint {step}")
+            self._release(w, f"the controller gave up checkpoint {step}")
 
     def release_held(self, why: str) -> None:
         """Give up whatever the writer still holds. At ``join`` (a new group generation: a
@@ -292,16 +292,16 @@ class Checkpointing:
         arrives, cannot meet a new checkpoint of the same step."""
         w = self._writer
         if w is not None and w.state != "idle":
-            self._release(why)
+            self._release(w, why)
 
-    def _release(self, why: str) -> None:
+    def _release(self, w: ShardWriter, why: str) -> None:
         """Abandon the writer's checkpoint without waiting: an upload still writing is
         cancelled at its next write, and the writer goes idle by itself when it stops (a
         stalled storage call must not hold up this call, which shares the actor's thread with
-        the controller's others, nor a group's formation)."""
-        assert self._writer is not None
+        the controller's others, nor a group's formation). ``w``: the writer checked (the
+        step loop may have replaced a stuck one since: ``_drop_stuck``)."""
         try:
-            self._writer.abandon(timeout=0.0)
+            w.abandon(timeout=0.0)
         except CheckpointError as e:
             log.info("rank %d: %s; %s (it goes idle when the upload stops)",
                      self._membership.rank, why, e)

@@ -75,7 +75,8 @@ class FakeGroup:
         self.corrupt_copies = False  # restore_from_copies finds a checksum wrong
         self.drain_refused = ""  # what Ray says to drain_node ("": accepted)
         self._ckpt: int | None = None  # the checkpoint step uploading
-        self._ck_seq = 0  # checkpoints begun (their names; unique, as the workers' are)
+        self._ck_seq = 0  # checkpoints this generation has begun (their names, as the workers')
+        self._ck_name: tuple[int, int] = (0, 0)  # the name of the one uploading
         self._ids = 0
         self._pos: dict[int, int] = {}  # segment -> the step it reached
         self.closed = False
@@ -134,6 +135,7 @@ class FakeGroup:
 
     def form(self) -> tuple[str, int, float]:
         self.generation += 1
+        self._ck_seq = 0  # a new group counts its checkpoints from 1, as the workers do
         for r, w in enumerate(self.workers):
             w.rank = r
             w.info["rank"] = r
@@ -231,7 +233,7 @@ class FakeGroup:
                 if s in seqs:
                     m.update(checkpoint_begun=s + 1, checkpoint_blocked_s=0.001,
                              checkpoint_seq=seqs[s])
-                    self._ckpt = s + 1
+                    self._ckpt, self._ck_name = s + 1, (self.generation, seqs[s])
                 f.metrics.append(m)
             f.next_step = max(f.next_step, end)
 
@@ -383,8 +385,8 @@ class FakeGroup:
         if self._ckpt is not None:
             return [{"checkpoint_skipped": step, "rank": w.rank, "generation": self.generation}
                     for w in self.workers]
-        self._ckpt = step
         self._ck_seq += 1
+        self._ckpt, self._ck_name = step, (self.generation, self._ck_seq)
         return [{"checkpoint_begun": step, "checkpoint_blocked_s": 0.001, "rank": w.rank,
                  "generation": self.generation, "checkpoint_seq": self._ck_seq}
                 for w in self.workers]
@@ -392,7 +394,8 @@ class FakeGroup:
     def checkpoint_done(self, step: int, committed: bool, generation: int | None = None,
                         seq: int | None = None) -> None:
         self.calls.append(("checkpoint_done", (step, committed)))
-        self._ckpt = None
+        if (step, generation, seq) == (self._ckpt, *self._ck_name) or generation is None:
+            self._ckpt = None  # a word acts only on the checkpoint it names, as on a worker
 
     def final_state(self) -> dict[str, Any]:
         return {"model/final": self.fw(self.workers[0]).next_step}

@@ -499,7 +499,8 @@ def _tracker_and_group(polls: list[Any]) -> tuple[Any, Any, list[Any], list[Any]
     group = SimpleNamespace(generation=1, checkpoint_poll=lambda: next(it, [None, None]),
                             checkpoint_done=lambda step, ok, gen=None, seq=None: done.append(
                                 (step, ok, gen, seq)))
-    tracker = CheckpointTracker(SimpleNamespace(), object(),  # type: ignore[arg-type]
+    cfg = SimpleNamespace(checkpoint_upload_timeout_s=3600.0, checkpoint_wait_s=30.0)
+    tracker = CheckpointTracker(cfg, object(),  # type: ignore[arg-type]
                                 lambda kind, msg, **kw: events.append((kind, msg)))
     return tracker, group, events, done
 
