@@ -188,7 +188,9 @@ class Worker:
         ok, why = True, ""
         try:
             if getattr(self, "config", None) is not None:
-                self.checkpoints.close()
+                stuck = self.checkpoints.close()
+                if stuck:
+                    ok, why = False, stuck
                 # not parked: a copy of the rank's state to host memory, only to drop it,
                 # could exhaust it (a large FSDP job) or pass the pool's 30 s reset limit
                 self.leave(park=False)

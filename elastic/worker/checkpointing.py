@@ -114,6 +114,7 @@ class Checkpointing:
         if config.checkpoint_every > 0 or config.checkpoint_uri:
             self.store = job_store(config)
         self._writer: ShardWriter | None = None
+        self._stuck: ShardWriter | None = None  # given up, its upload not stopped (_drop_stuck)
         self._writer_rank = -1
         # the checkpoint the writer holds is named (generation, seq): the group generation
         # that began it and how many that group had begun (every rank begins each together),
@@ -220,16 +221,36 @@ class Checkpointing:
 
     def _drop_stuck(self) -> None:
         """A writer whose checkpoint was given up but whose upload still has not stopped is
-        stuck in a storage call that does not return: it is left to its thread (a later
-        return ends it) and the next checkpoint gets a new writer."""
+        stuck in a storage call that does not return: it is set aside (closed, its host
+        buffer freed, once the call returns) and the next checkpoint gets a new writer. One
+        at most: each holds a host copy of this rank's shard, so while one set aside is still
+        stuck, a second stuck writer stays, and due checkpoints are skipped (each skip says
+        so) until either returns."""
+        aside = self._reap()
         w = self._writer
-        if w is not None and w.state == "uploading" and w.cancelled:
-            log.warning("rank %d: the upload of checkpoint %s was given up and has not "
-                        "stopped; a new writer takes the next checkpoint",
-                        self._membership.rank, w.step)
-            self._writer = None
+        if w is None or w.state != "uploading" or not w.cancelled:
+            return
+        if aside is not None:
+            log.warning("rank %d: the uploads of checkpoints %s and %s were given up and have "
+                        "not stopped; checkpoints are skipped until one does",
+                        self._membership.rank, aside.step, w.step)
+            return
+        log.warning("rank %d: the upload of checkpoint %s was given up and has not "
+                    "stopped; a new writer takes the next checkpoint",
+                    self._membership.rank, w.step)
+        self._stuck, self._writer = w, None
+
+    def _reap(self) -> ShardWriter | None:
+        """Close the writer set aside once its storage call has returned (its thread ends,
+        its host buffer goes); returns the one still set aside, if any."""
+        aside = self._stuck
+        if aside is not None and aside.state != "uploading":
+            aside.close()
+            self._stuck = aside = None
+        return aside
 
     def _ensure_writer(self) -> ShardWriter:
+        self._reap()
         rank = self._membership.rank
         if self._writer is None or self._writer_rank != rank:
             if self._writer is not None:
@@ -348,7 +369,16 @@ class Checkpointing:
         return {"seconds": time.perf_counter() - t0, "bytes": out["bytes"],
                 "total_bytes": out["total_bytes"]}
 
-    def close(self) -> None:
-        """Stop the writer (an upload in flight is abandoned)."""
-        if self._writer is not None:
-            self._writer.close()
+    def close(self) -> str:
+        """Stop the writer (an upload in flight is abandoned). A writer whose upload is
+        stuck (given up, its storage call not returned) is left to its thread, since waiting
+        for it would hold up the end of the job: returns what was left so (a pooled worker
+        is then retired), else ""."""
+        left = []
+        for w in (self._writer, self._stuck):
+            if w is not None and w.state == "uploading" and w.cancelled:
+                left.append(f"the upload of checkpoint {w.step} is stuck in a storage call")
+            elif w is not None:
+                w.close()
+        self._writer = self._stuck = None
+        return "; ".join(left)

@@ -584,6 +584,62 @@ def test_a_checkpoint_is_ended_only_by_a_word_naming_it_and_a_new_group_releases
         gc.unfreeze()
 
 
+def test_stuck_uploads_hold_at_most_one_spare_host_copy_and_are_freed_when_they_return(
+        tmp_path):
+    """A given-up upload whose storage call does not return is set aside and the next
+    checkpoint gets a new writer. Each writer holds a host copy of the rank's shard, so a
+    second stuck one is not set aside too (due checkpoints are skipped, saying what is
+    held); once the calls return, the one set aside is closed (its thread ended, its buffer
+    freed) and checkpoints go on. Before, every stuck upload left one more writer behind,
+    none ever closed, and the end of the job waited 60 s on it."""
+    import gc
+    import threading
+
+    from elastic.worker import Worker
+
+    w = Worker(_cfg(tmp_path, checkpoint_every=5, checkpoint_uri=str(tmp_path / "ck"),
+                    checkpoint_wait_s=0.1), 0, False, 1)
+    gate, blocked = threading.Event(), threading.Semaphore(0)
+
+    def storage_call(rank: int, step: int, gen: int) -> None:  # hangs until the gate opens
+        if not gate.is_set():
+            blocked.release()
+            gate.wait()
+
+    ck = w.checkpoints
+    ck._in_upload = storage_call
+    try:
+        w.join("127.0.0.1", free_port(), 0, 1, 1, 30.0)
+        w.restart_fresh(_spec("dp"), None, 0)
+        w.run(0, 5)  # checkpoint 5 begun; its upload hangs
+        assert blocked.acquire(timeout=30)
+        first = ck._writer
+        w.checkpoint_done(5, False, 1, 1)  # given up (checkpoint_upload_timeout_s)
+        w.run(5, 10)  # 10: the stuck writer is set aside, a new one takes it, and hangs
+        assert blocked.acquire(timeout=30)
+        second = ck._writer
+        assert ck._stuck is first and second is not first and second.step == 10
+        w.checkpoint_done(10, False, 1, 2)
+        w.run(10, 15)  # 15: a second stuck writer is not set aside; skipped, saying so
+        skips = [m for m in w.drain() if "checkpoint_skipped" in m]
+        assert [(m["checkpoint_skipped"], m["checkpoint_held"]) for m in skips] == [(15, 10)]
+        assert ck._writer is second and ck._stuck is first
+        gate.set()  # the storage calls return: both uploads stop (they were given up)
+        t0 = time.monotonic()
+        while first.state == "uploading" or second.state == "uploading":
+            assert time.monotonic() - t0 < 30
+            time.sleep(0.01)
+        w.run(15, 20)  # 20 is taken, and the writer set aside is closed
+        begun = [m["checkpoint_begun"] for m in w.drain() if "checkpoint_begun" in m]
+        assert begun == [20] and ck._stuck is None and ck._writer is second
+        assert first._thread is None and first._staging is None
+    finally:
+        gate.set()
+        w.leave()
+        health.reset()
+        gc.unfreeze()
+
+
 def test_a_layouts_first_step_metrics_carry_its_memory_counts(tmp_path, group):
     """The view's memory column rides on the metrics: a layout's first step carries its
     counts (read on the training thread at that boundary), later steps do not, and a new
