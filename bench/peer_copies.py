@@ -2,8 +2,9 @@
 at a few cadences, side by side in one run.
 
 One fresh job per setting, the same model family (``bench/_planner_models.py``), layout,
-world and global batch, on one local Ray; the settings are run in interleaved rounds
-(off, k1, k2, ..., off, k1, ...) so that a drift of the host's load falls on all of them.
+world and global batch, on one local Ray; the settings are run in interleaved rounds, each
+round starting at the next setting (off, k1, k2; k1, k2, off; ...), so that a drift of the
+host's load, or of the run itself, falls on all of them alike.
 Per setting: the mean step time over the steps after the first ``--skip`` (what the copies
 cost in all: their snapshot at the boundary and the exchange on a background thread, which
 shares the cores with the next steps), the median (a step without a copy), and both as
@@ -65,7 +66,10 @@ def main() -> int:
     rows: dict[int, list[dict[str, Any]]] = {k: [] for k in a.every}
     with tempfile.TemporaryDirectory(prefix="bench-copies-") as tmp:
         for r in range(a.rounds):
-            for k in a.every:
+            # each round starts at the next setting: jobs later in a run measured slower
+            # (off: 270 -> 316 ms over three rounds), and a fixed order put that on the last
+            order = a.every[r % len(a.every):] + a.every[:r % len(a.every)]
+            for k in order:
                 out = run(k, a, tmp, f"r{r}-k{k}")
                 rows[k].append(out)
                 print(f"round {r + 1}, every={k}: mean {out['mean'] * 1e3:.1f} ms, median "
