@@ -45,16 +45,26 @@ def pytest_sessionfinish(session, exitstatus):
 
 def pytest_collection_modifyitems(config, items):
     """Each test carries its layer's marker (its folder): `pytest -m unit` runs the unit layer.
-    In each module, the ``warm_workers`` tests run first (in their order), so the warm pool
-    their cluster keeps is not closed by a cold test between them (``tests/ray_fixtures.py``)."""
+    In each layer, the modules whose tests make multi-node clusters (``ray_cluster``) run
+    after the others: a cluster shuts the local Ray instance down, and starting it again
+    with its warm pool cost ~8 s. In each module, the ``warm_workers`` tests run first (in
+    their order), so the warm pool their cluster keeps is not closed by a cold test between
+    them (``tests/ray_fixtures.py``)."""
     for item in items:
         layer = os.path.basename(os.path.dirname(str(item.fspath)))
         if layer in _LAYERS:
             item.add_marker(getattr(pytest.mark, layer))
     first: dict[str, int] = {}
+    layer_of: dict[str, int] = {}
+    clusters: set[str] = set()
     for i, item in enumerate(items):
-        first.setdefault(str(item.fspath), i)
+        path = str(item.fspath)
+        first.setdefault(path, i)
+        layer_of.setdefault(os.path.dirname(path), i)
+        if "ray_cluster" in getattr(item, "fixturenames", ()):
+            clusters.add(path)
     items[:] = sorted(items, key=lambda it: (
+        layer_of[os.path.dirname(str(it.fspath))], str(it.fspath) in clusters,
         first[str(it.fspath)], it.get_closest_marker("warm_workers") is None))
 
 
