@@ -25,11 +25,6 @@ __all__ = ["CheckpointTracker", "spec_dict", "read_detail"]
 Emit = Callable[..., Any]
 
 
-def _same(a: int | None, b: int | None) -> bool:
-    """Whether two reports agree on a generation or a sequence number (unknown matches any)."""
-    return a is None or b is None or a == b
-
-
 def spec_dict(spec: StrategySpec) -> dict[str, Any]:
     """A spec as JSON-able data (events, manifests)."""
     return spec.to_dict()
@@ -77,9 +72,6 @@ class CheckpointTracker:
             return False
         return gen == egen and seq <= eseq
 
-    def _is(self, ck: dict[str, Any], gen: int | None, seq: int | None) -> bool:
-        return _same(gen, ck["gen"]) and _same(seq, ck["seq"])
-
     def on_metric(self, m: dict[str, Any], spec: StrategySpec | None) -> None:
         """What a worker's step metrics say about checkpoints. A metric without a
         ``generation`` is of the current one."""
@@ -98,7 +90,8 @@ class CheckpointTracker:
                                            float(m.get("checkpoint_blocked_s") or 0.0))
         elif "checkpoint_begun" in m:
             ck = self.in_flight
-            if ck is None or ck["step"] != m["checkpoint_begun"] or not self._is(ck, gen, seq):
+            if ck is None or (ck["step"], ck["gen"], ck["seq"]) != (m["checkpoint_begun"], gen,
+                                                                   seq):
                 ck = self.in_flight = {"step": m["checkpoint_begun"], "gen": gen, "seq": seq,
                                        "blocked_s": 0.0, "spec": spec, "t0": time.time(),
                                        "by_rank": {}}
@@ -118,7 +111,7 @@ class CheckpointTracker:
         while that one is in flight (a slow upload); otherwise nothing will ever end it
         (every later checkpoint would be skipped), so the next ``tick`` releases it."""
         ck = self.in_flight
-        if ck is not None and ck["step"] == step and self._is(ck, gen, seq):
+        if ck is not None and (ck["step"], ck["gen"], ck["seq"]) == (step, gen, seq):
             return
         # (one that ended: its word to the ranks was sent at its end, and the rank waited
         # checkpoint_wait_s before it skipped; it still holds it, so that word did not act,
@@ -144,8 +137,8 @@ class CheckpointTracker:
         ck = self.in_flight
         if ck is None or self.store is None:
             return
-        limit = float(self.cfg.checkpoint_upload_timeout_s or 0)
-        if limit and time.time() - ck["t0"] > limit:  # a storage call that never returns
+        limit = float(self.cfg.checkpoint_upload_timeout_s)  # > 0 (validated)
+        if time.time() - ck["t0"] > limit:  # a storage call that never returns
             self._give_up(group, f"given up: not uploaded and committed within "
                           f"checkpoint_upload_timeout_s={limit:g}s (a storage call that does "
                           "not return); the next one is taken as usual", timeout_s=limit)

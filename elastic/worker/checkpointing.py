@@ -116,11 +116,11 @@ class Checkpointing:
         self._writer: ShardWriter | None = None
         self._stuck: ShardWriter | None = None  # given up, its upload not stopped (_drop_stuck)
         self._writer_rank = -1
-        # the checkpoint the writer holds is named (generation, seq): the group generation
-        # that began it and how many that group had begun (every rank begins each together),
-        # so a name never repeats, also when a rollback repeats a step
+        # the checkpoint begun last (the one the writer holds, until it ends) is named
+        # (generation, seq): the group generation that began it and how many that group had
+        # begun (every rank begins each together), so a name never repeats, also when a
+        # rollback repeats a step
         self._gen, self._seq = -1, 0
-        self._begun = (-1, 0)  # (generation, checkpoints it has begun)
         self._staged_wait_s = 0.0  # waits for a checkpoint's deferred copy, not yet reported
         self._unhook_update: Any = None
 
@@ -193,10 +193,8 @@ class Checkpointing:
         # parameters and optimizer state change only in a step's update: their host copy runs
         # beside the next step's forward and backward, and the update waits for it; buffers
         # (changed by forward) and everything else are copied now
-        gen, n = self._begun
-        self._begun = (m.generation, n + 1 if gen == m.generation else 1)
         # named before begin: a word may come as soon as it is begun
-        self._gen, self._seq = self._begun
+        self._gen, self._seq = m.generation, self._seq + 1 if self._gen == m.generation else 1
         writer.begin(step, pieces, later=lambda k: k.startswith("optim/") or k in params)
         return time.perf_counter() - t0
 
@@ -254,8 +252,7 @@ class Checkpointing:
         rank = self._membership.rank
         if self._writer is None or self._writer_rank != rank:
             if self._writer is not None:
-                self._writer.abandon()
-                self._writer.close()
+                self._writer.close()  # (it abandons anything in flight first)
             assert self.store is not None, "a checkpoint is due but the job has no store"
             self._writer = ShardWriter(self.store, rank, on_progress=self._progress())
             self._writer_rank = rank
