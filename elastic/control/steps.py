@@ -128,7 +128,8 @@ class StepLog:
             "samples_per_s": m["samples_per_s"] if m else 0.0,
             "step_time": m["step_time"] if m else 0.0, "world_size": spec.world_size,
             "strategy": spec.name, "time": m["time"] if m else time.time(), "generation": gen}
-        for key in ("lr", "grad_norm", "eval_loss", "skipped", "gate", "gate_time"):
+        for key in ("lr", "grad_norm", "eval_loss", "skipped", "gate", "gate_time",
+                    "peer_copies_off"):
             if m is not None and key in m:
                 entry[key] = m[key]
         if m is None:

@@ -629,6 +629,23 @@ def test_the_views_memory_column_comes_with_the_metrics_and_never_calls_the_work
     assert g.workers[0].info["memory"] == {"params": 12, "optim": 24}
 
 
+def test_peer_copies_turned_off_is_said_in_the_step_metrics():
+    """Copies over ``peer_copies_memory_gb`` are off on every rank, and the workers say why
+    in that step's metrics: the step log used to drop the word, so a job asked for copies
+    went without them and nothing said so."""
+    from elastic.control.steps import StepLog
+    from elastic.view import View
+    from strategies import StrategySpec
+
+    log, spec = StepLog(None, View()), StrategySpec("zero3", 1, (4,))
+    w = type("W", (), {"info": {}})()
+    m = {"step": 0, "rank": 0, "loss": 1.0, "step_time": 0.1, "samples": 4, "range": [0, 4],
+         "generation": 1, "global_samples": 4, "samples_per_s": 40.0, "time": 0.0}
+    why = "peer copies need 2.0 GB of host memory per worker, over peer_copies_memory_gb=1"
+    log.ingest([w], [[dict(m, peer_copies_off=why), dict(m, step=1)]], spec, 1)
+    assert log.history[0]["peer_copies_off"] == why and "peer_copies_off" not in log.history[1]
+
+
 def _bare_pool(monkeypatch, session: list[str]):
     """A ``WorkerPool`` with Ray stood in for: no workers, its decisions recorded."""
     from elastic.control import pool as pool_mod
