@@ -78,6 +78,9 @@ class CheckpointTracker:
         gen = m.get("generation")
         if gen is not None and gen < self.gen_now:
             return  # of a group that a regroup replaced (drained after it)
+        if m.get("peer_copies_off") and m["rank"] == 0:  # the same word on every rank
+            self._emit("peer_copies_off", f"step {m['step']}: {m['peer_copies_off']}; a lost "
+                       "node's sharded state comes from the last checkpoint")
         seq = m.get("checkpoint_seq")
         if "checkpoint_begun" in m and self._ended_already(gen, seq):
             # a rank's report of a checkpoint that has ended already (its metrics came after

@@ -646,6 +646,19 @@ def test_peer_copies_turned_off_is_said_in_the_step_metrics():
     assert log.history[0]["peer_copies_off"] == why and "peer_copies_off" not in log.history[1]
 
 
+def test_peer_copies_turned_off_is_an_event():
+    """The same word is an event (the view and events.jsonl): the step metrics alone did
+    not reach someone watching the job."""
+    tracker, _, events, _ = _tracker_and_group([])
+    why = "peer copies need 2.0 GB of host memory per worker, over peer_copies_memory_gb=1"
+    for rank in (0, 1):  # every rank says it; one event
+        tracker.on_metric({"rank": rank, "generation": 1, "step": 3, "peer_copies_off": why},
+                          None)
+    tracker.on_metric({"rank": 0, "generation": 1, "step": 4}, None)
+    assert [k for k, _ in events] == ["peer_copies_off"]
+    assert why in events[0][1] and "step 3" in events[0][1]
+
+
 def _bare_pool(monkeypatch, session: list[str]):
     """A ``WorkerPool`` with Ray stood in for: no workers, its decisions recorded."""
     from elastic.control import pool as pool_mod
