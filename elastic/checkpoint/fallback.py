@@ -64,7 +64,7 @@ class StepCheck:
 
     @property
     def bad_object(self) -> str:
-        """``step-000000000020/shard-00001.bin`` (or ``.../manifest.json``)."""
+        """``step-000000000020/shard-00001-1f2e3d4c.bin`` (or ``.../manifest.json``)."""
         return f"{CheckpointStore.step_name(self.step)}/{self.shard or 'manifest.json'}"
 
     @property

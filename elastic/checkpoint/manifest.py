@@ -1,18 +1,21 @@
 """Controller side: the manifest, the atomic commit, listing and retention.
 
-A checkpoint is ``<root>/step-<12 digits>/`` holding ``shard-<rank>.bin`` files and, once
-committed, ``manifest.json``. The manifest is written last, in one piece (one PUT on an object
-store; a temporary file renamed into place on a local disk), so it is either absent or
-complete. Only directories with a manifest are checkpoints: listing, loading and tools ignore
-everything else. Retention deletes a checkpoint's manifest before its shards, so a
-half-deleted checkpoint is never visible.
+A checkpoint is ``<root>/step-<12 digits>/`` holding ``shard-<rank>-<attempt>.bin`` files
+(``shard-<rank>.bin`` before the attempt part) and, once committed, ``manifest.json``. The
+manifest is written last, in one piece (one PUT on an object store; a temporary file renamed
+into place on a local disk), so it is either absent or complete. Each upload writes files
+of its own, so a step committed again (a replay) keeps its earlier commit whole until the new
+manifest replaces it; the files no manifest names are then deleted. Only directories with a
+manifest are checkpoints: listing, loading and tools ignore everything else. Retention
+deletes a checkpoint's manifest before its shards, so a half-deleted checkpoint is never
+visible.
 
 Manifest (``manifest.json``, UTF-8 JSON)::
 
     {"format": "elastic-checkpoint", "version": 1, "step": 120, "world_size": 2,
      "created": "2026-11-29T12:00:00Z", "created_unix": 1795000000.0, "owner": "my-job",
      "strategy": "ddp", "plan": {...}, "data_position": {...}, "rng": {...}, "extra": {...},
-     "shards": [{"rank": 0, "path": "shard-00000.bin", "size": 123, "checksum": "sha256:..",
+     "shards": [{"rank": 0, "path": "shard-00000-1f2e3d4c.bin", "size": 123, "checksum": "sha256:..",
                  "index_offset": 64, "index_length": 40, "items": 3, "data_bytes": 64}, ...]}
 
 Thread safety: these are plain functions over an immutable store; concurrent ``commit`` of the
@@ -372,6 +375,7 @@ def commit(
     text = store.redact(manifest.to_json())
     _write_atomic(store, store.path(store.step_name(step), MANIFEST_NAME), text.encode())
     manifest = Manifest.from_json(text, f"manifest of step {step}", step)  # what was written
+    _drop_other_shards(store, step, {r.path for r in records})
     log.info(
         "committed checkpoint step %d (%d shards, %d bytes) at %s",
         step,
@@ -394,6 +398,25 @@ def _write_atomic(store: CheckpointStore, path: str, data: bytes) -> None:
                 f.write(data)
     except (OSError, ValueError) as e:
         raise store.error(f"writing {path} failed; the checkpoint is not committed", e) from None
+
+
+_SHARD_FILE = re.compile(r"^shard-\d{5}(-[0-9a-f]+)?\.bin$")
+
+
+def _drop_other_shards(store: CheckpointStore, step: int, keep: set[str]) -> None:
+    """After ``step``'s manifest is written: delete the shard files of its directory that
+    the manifest does not name (an earlier commit of the same step that this one replaced,
+    an abandoned upload's leftovers). Best effort: a file left is invisible to every reader
+    and goes with its step at retention."""
+    try:
+        infos = store.fs.get_file_info(pafs.FileSelector(store.step_dir(step)))
+        for fi in infos:
+            if (fi.type == pafs.FileType.File and _SHARD_FILE.match(fi.base_name)
+                    and fi.base_name not in keep):
+                store.fs.delete_file(fi.path)
+    except (OSError, ValueError) as e:
+        log.warning("step %d committed; removing its superseded shard files failed: %s", step,
+                    store.redact(str(e)))
 
 
 # --------------------------------------------------------------------------- listing

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+import uuid
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -38,8 +39,12 @@ __all__ = ["ShardInfo", "Abandoned", "shard_file_name", "upload_shard"]
 ProgressFn = Callable[[int, int], None]
 
 
-def shard_file_name(rank: int) -> str:
-    return f"shard-{int(rank):05d}.bin"
+def shard_file_name(rank: int, attempt: str | None = None) -> str:
+    """``shard-<rank>-<attempt>.bin``: each upload writes a file of its own, so an upload of
+    a step that is committed already (a replay after a restore or a resume), or an abandoned
+    one whose storage call returns late, never writes over or deletes a committed shard (the
+    manifest names the files; checkpoints written before the attempt part still load)."""
+    return f"shard-{int(rank):05d}" + (f"-{attempt}" if attempt else "") + ".bin"
 
 
 @dataclass(frozen=True)
@@ -105,7 +110,7 @@ def upload_shard(
     during the host copy) does not hold; all release the GIL, so on spare cores checksums
     cost no upload time. Deletes the partial file and raises on any failure."""
     t0 = time.perf_counter()
-    name = shard_file_name(rank)
+    name = shard_file_name(rank, uuid.uuid4().hex[:8])
     path = store.path(store.step_name(step), name)
     data = memoryview(buf.numpy()).cast("B") if total else memoryview(b"")  # type: ignore[arg-type]
     stop = threading.Event()

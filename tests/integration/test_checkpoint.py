@@ -294,7 +294,7 @@ def test_abandon_cancels_upload_and_empty_shard(tmp_path) -> None:
     assert w._cancel.wait(10)  # abandon() has asked; let the upload reach its next write
     go.set()
     abandoner.join(10)
-    assert w.state == "idle" and not (tmp_path / store.step_name(1) / "shard-00000.bin").exists()
+    assert w.state == "idle" and not list((tmp_path / store.step_name(1)).glob("shard-*"))
     w.on_progress = None
     w.begin(2, {})  # a rank may own nothing: it still writes an (empty) shard
     m = commit(store, 2, [w.wait(10)])
@@ -326,6 +326,50 @@ def test_upload_failing_halfway_leaves_previous(store: CheckpointStore) -> None:
     assert state_hash(load(store, "latest")) == state_hash(old)
 
 
+def test_a_step_uploaded_again_never_harms_its_committed_checkpoint(store) -> None:
+    """A step committed already is uploaded again (a replay after a restore or a resume from
+    an older step, or after a stuck upload of it was given up). Each upload writes files of
+    its own: an upload that fails, or an abandoned one whose storage call returns after the
+    step was committed again, deletes only its own file. Before, every upload of rank r wrote
+    ``shard-<r>.bin``: the failed upload deleted the committed shard, and the late return
+    deleted the new commit's."""
+    old, new = make_state(seed=1), make_state(seed=2)
+    save(store, 10, old)
+
+    def fail(written: int, total: int) -> None:
+        if written >= 8192:
+            raise RuntimeError("injected failure half-way")
+
+    w = ShardWriter(store, 0, chunk_bytes=4096, block_bytes=8192, on_progress=fail)
+    w.begin(10, rank_pieces(new, 0, 2))
+    with pytest.raises(CheckpointError, match="injected failure half-way"):
+        w.wait(timeout=30)
+    w.close()
+    assert state_hash(load(store, "latest")) == state_hash(old)
+
+    started, go = threading.Event(), threading.Event()
+
+    def hold(written: int, total: int) -> None:  # a storage call that returns much later
+        started.set()
+        go.wait(10)
+
+    stuck = ShardWriter(store, 0, chunk_bytes=4096, block_bytes=4096, on_progress=hold)
+    stuck.begin(10, rank_pieces(new, 0, 2))
+    assert started.wait(10)
+    m = save(store, 10, new)  # meanwhile the replay commits step 10 again
+    abandoner = threading.Thread(target=stuck.abandon)
+    abandoner.start()
+    assert stuck._cancel.wait(10)
+    go.set()  # the stuck call returns, sees it was given up, deletes what it wrote
+    abandoner.join(10)
+    assert state_hash(load(store, m)) == state_hash(new)
+    assert verify(store).exit_code == 0
+    files = store.fs.get_file_info(pafs.FileSelector(store.step_dir(10)))
+    # the earlier commit's shards and the failed upload's leftovers are gone
+    assert sorted(f.base_name for f in files) == sorted(
+        [MANIFEST_NAME, *(r.path for r in m.shards)])
+
+
 def test_corrupt_shard_detected_and_falls_back(s3_server, tmp_path) -> None:
     store = CheckpointStore(s3_server.uri(), s3_server.options())
     old, new = make_state(seed=1), make_state(seed=2)
@@ -341,7 +385,7 @@ def test_corrupt_shard_detected_and_falls_back(s3_server, tmp_path) -> None:
         res = load_latest_valid(store)
     assert res is not None and res.step == 10
     assert state_hash(res.state) == state_hash(old)
-    assert "step 20" in res.notes[0] and "shard-00001.bin" in res.notes[0]
+    assert "step 20" in res.notes[0] and m.shards[1].path in res.notes[0]
     report = verify(store)
     assert report.exit_code == 1 and list(report.problems) == [20]
 
