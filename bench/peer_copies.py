@@ -13,12 +13,16 @@ docs/architecture.md (Peer redundancy). A benchmark, not a test: figures go to
 docs/benchmarks.md.
 
     python bench/peer_copies.py [--family gpt] [--strategy zero3] [--workers 3] \\
-        [--every 0 20 5] [--steps 60] [--rounds 2]
+        [--every 0 20 5] [--steps 60] [--rounds 2] [--model-kw rows=40000]
+
+``--model-kw`` passes arguments to the family's model factory (a larger model: more state per
+rank to copy).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -36,7 +40,7 @@ def run(every: int, a: argparse.Namespace, tmp: str, tag: str) -> dict[str, Any]
 
     fam = FAMILIES[a.family]
     result = elastic.fit(
-        model=fam.model, optimizer={"name": "adam", "lr": 1e-3}, loss=fam.loss,
+        model=_model(a), optimizer={"name": "adam", "lr": 1e-3}, loss=fam.loss,
         dataset=fam.dataset(), global_batch_size=fam.global_batch, max_steps=a.steps,
         num_workers=a.workers, strategy=a.strategy, view="none", seed=0,
         peer_copies_every=every, run_dir=os.path.join(tmp, tag), name=f"copies-{tag}")
@@ -44,6 +48,14 @@ def run(every: int, a: argparse.Namespace, tmp: str, tag: str) -> dict[str, Any]
     off = [h.get("peer_copies_off") for h in result.history if h.get("peer_copies_off")]
     return {"every": every, "mean": statistics.mean(times), "median": statistics.median(times),
             "off_note": off[0] if off else None}
+
+
+def _model(a: argparse.Namespace) -> Any:
+    kw = {}
+    for item in a.model_kw:
+        key, _, val = item.partition("=")
+        kw[key] = float(val) if "." in val else int(val)
+    return functools.partial(FAMILIES[a.family].model, **kw)
 
 
 def main() -> int:
@@ -55,6 +67,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--skip", type=int, default=5, help="first steps left out (warm-up)")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--model-kw", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="arguments of the family's model factory (e.g. rows=40000 for dlrm)")
     a = ap.parse_args()
     if 0 not in a.every:
         a.every = [0, *a.every]
@@ -79,7 +93,10 @@ def main() -> int:
     ray.shutdown()
     base_mean = statistics.median(o["mean"] for o in rows[0])
     base_median = statistics.median(o["median"] for o in rows[0])
-    print(f"\n{a.family}, {a.strategy}, {a.workers} workers, {a.steps} steps (first {a.skip} "
+    params = sum(p.numel() for p in _model(a)().parameters())
+    print(f"\n{a.family} {' '.join(a.model_kw)} ({params / 1e6:.2f}M parameters: "
+          f"{params * 12 / 1e6 / a.workers:.0f} MB of fp32 state and Adam moments per rank "
+          f"under zero3), {a.strategy}, {a.workers} workers, {a.steps} steps (first {a.skip} "
           f"left out), {a.rounds} round(s); code {code_version()}")
     print("| peer_copies_every | mean step (ms), per round | mean / off | median step (ms) "
           "| median / off |")

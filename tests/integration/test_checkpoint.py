@@ -370,6 +370,29 @@ def test_a_step_uploaded_again_never_harms_its_committed_checkpoint(store) -> No
         [MANIFEST_NAME, *(r.path for r in m.shards)])
 
 
+def test_a_checkpoint_of_the_earlier_shard_names_loads_and_is_replaced_whole(tmp_path) -> None:
+    """Checkpoints written before each upload had its own file (``shard-<rank>.bin``) load
+    as they are (the manifest names the files), and a new commit of such a step leaves only
+    its own files."""
+    import dataclasses
+    import os
+
+    store = CheckpointStore(str(tmp_path / "ckpt"))
+    old, new = make_state(seed=1), make_state(seed=2)
+    infos = []
+    for r in range(2):
+        info = write_shard(store, 4, r, rank_pieces(old, r, 2), chunk_bytes=4096)
+        d = tmp_path / "ckpt" / store.step_name(4)
+        os.rename(d / info.path, d / f"shard-{r:05d}.bin")
+        infos.append(dataclasses.replace(info, path=f"shard-{r:05d}.bin"))
+    commit(store, 4, infos)
+    assert state_hash(load(store, "latest")) == state_hash(old)
+    m = save(store, 4, new)
+    assert state_hash(load(store, "latest")) == state_hash(new)
+    left = sorted(p.name for p in (tmp_path / "ckpt" / store.step_name(4)).iterdir())
+    assert left == sorted([MANIFEST_NAME, *(r.path for r in m.shards)])
+
+
 def test_corrupt_shard_detected_and_falls_back(s3_server, tmp_path) -> None:
     store = CheckpointStore(s3_server.uri(), s3_server.options())
     old, new = make_state(seed=1), make_state(seed=2)
