@@ -28,6 +28,9 @@ from ..errors import CheckpointError
 from .layout import Layout
 from .membership import Membership
 
+CLOSE_WAIT_S = 5.0  # at the end of a job, an upload in flight stops at its next write: one
+# that has not stopped by then is stuck in a storage call
+
 __all__ = ["Checkpointing", "assign_writers", "checkpoint_pieces", "forget_groups"]
 
 log = logging.getLogger("elastic.worker")
@@ -367,15 +370,22 @@ class Checkpointing:
                 "total_bytes": out["total_bytes"]}
 
     def close(self) -> str:
-        """Stop the writer (an upload in flight is abandoned). A writer whose upload is
-        stuck (given up, its storage call not returned) is left to its thread, since waiting
-        for it would hold up the end of the job: returns what was left so (a pooled worker
-        is then retired), else ""."""
+        """Stop the writer (an upload in flight is abandoned: it stops at its next write). A
+        writer whose upload does not stop within ``CLOSE_WAIT_S`` (at once when it was given
+        up already) is stuck in a storage call and left to its thread, since waiting for it
+        would hold up the end of the job: returns what was left so (a pooled worker is then
+        retired), else "". The controller's give-up word is not waited for: it is sent
+        without an answer, and the end of the job can overtake it."""
         left = []
         for w in (self._writer, self._stuck):
-            if w is not None and w.state == "uploading" and w.cancelled:
-                left.append(f"the upload of checkpoint {w.step} is stuck in a storage call")
-            elif w is not None:
-                w.close()
+            if w is None:
+                continue
+            if w.state == "uploading":
+                try:
+                    w.abandon(timeout=0.0 if w.cancelled else CLOSE_WAIT_S)
+                except CheckpointError:
+                    left.append(f"the upload of checkpoint {w.step} is stuck in a storage call")
+                    continue
+            w.close()
         self._writer = self._stuck = None
         return "; ".join(left)

@@ -640,6 +640,46 @@ def test_stuck_uploads_hold_at_most_one_spare_host_copy_and_are_freed_when_they_
         gc.unfreeze()
 
 
+def test_the_end_of_a_job_does_not_wait_on_a_stuck_upload_not_given_up_yet(tmp_path,
+                                                                          monkeypatch):
+    """The job ends (a pooled worker's reset) while an upload hangs in a storage call and
+    the controller's give-up word, sent without an answer, has not arrived: the writer is
+    left to its thread after ``CLOSE_WAIT_S`` and said to be stuck (the pool retires the
+    worker). Before, the close waited 60 s on it and then raised, past the pool's 30 s
+    budget for a reset."""
+    import gc
+    import threading
+
+    from elastic.worker import Worker, checkpointing
+
+    monkeypatch.setattr(checkpointing, "CLOSE_WAIT_S", 0.5, raising=False)
+    w = Worker(_cfg(tmp_path, checkpoint_every=5, checkpoint_uri=str(tmp_path / "ck")), 0,
+               False, 1)
+    gate, blocked = threading.Event(), threading.Semaphore(0)
+
+    def storage_call(rank: int, step: int, gen: int) -> None:  # hangs until the gate opens
+        if not gate.is_set():
+            blocked.release()
+            gate.wait()
+
+    ck = w.checkpoints
+    ck._in_upload = storage_call
+    try:
+        w.join("127.0.0.1", free_port(), 0, 1, 1, 30.0)
+        w.restart_fresh(_spec("dp"), None, 0)
+        w.run(0, 5)  # checkpoint 5 begun; its upload hangs
+        assert blocked.acquire(timeout=30)
+        t0 = time.monotonic()
+        left = ck.close()
+        assert time.monotonic() - t0 < 2.5
+        assert "checkpoint 5 is stuck in a storage call" in left
+    finally:
+        gate.set()
+        w.leave()
+        health.reset()
+        gc.unfreeze()
+
+
 def test_a_layouts_first_step_metrics_carry_its_memory_counts(tmp_path, group):
     """The view's memory column rides on the metrics: a layout's first step carries its
     counts (read on the training thread at that boundary), later steps do not, and a new
