@@ -584,6 +584,29 @@ def test_a_checkpoint_is_ended_only_by_a_word_naming_it_and_a_new_group_releases
         gc.unfreeze()
 
 
+def _worker_with_hanging_uploads(tmp_path, **cfg):
+    """A one-rank worker, joined and started under dp with a checkpoint every 5 steps, whose
+    uploads hang in a "storage call" until ``gate`` is set (``blocked`` is released as each
+    one starts hanging). Returns (worker, its checkpointing, gate, blocked)."""
+    import threading
+
+    from elastic.worker import Worker
+
+    w = Worker(_cfg(tmp_path, checkpoint_every=5, checkpoint_uri=str(tmp_path / "ck"), **cfg),
+               0, False, 1)
+    gate, blocked = threading.Event(), threading.Semaphore(0)
+
+    def storage_call(rank: int, step: int, gen: int) -> None:
+        if not gate.is_set():
+            blocked.release()
+            gate.wait()
+
+    w.checkpoints._in_upload = storage_call
+    w.join("127.0.0.1", free_port(), 0, 1, 1, 30.0)
+    w.restart_fresh(_spec("dp"), None, 0)
+    return w, w.checkpoints, gate, blocked
+
+
 def test_stuck_uploads_hold_at_most_one_spare_host_copy_and_are_freed_when_they_return(
         tmp_path):
     """A given-up upload whose storage call does not return is set aside and the next
@@ -593,24 +616,9 @@ def test_stuck_uploads_hold_at_most_one_spare_host_copy_and_are_freed_when_they_
     freed) and checkpoints go on. Before, every stuck upload left one more writer behind,
     none ever closed, and the end of the job waited 60 s on it."""
     import gc
-    import threading
 
-    from elastic.worker import Worker
-
-    w = Worker(_cfg(tmp_path, checkpoint_every=5, checkpoint_uri=str(tmp_path / "ck"),
-                    checkpoint_wait_s=0.1), 0, False, 1)
-    gate, blocked = threading.Event(), threading.Semaphore(0)
-
-    def storage_call(rank: int, step: int, gen: int) -> None:  # hangs until the gate opens
-        if not gate.is_set():
-            blocked.release()
-            gate.wait()
-
-    ck = w.checkpoints
-    ck._in_upload = storage_call
+    w, ck, gate, blocked = _worker_with_hanging_uploads(tmp_path, checkpoint_wait_s=0.1)
     try:
-        w.join("127.0.0.1", free_port(), 0, 1, 1, 30.0)
-        w.restart_fresh(_spec("dp"), None, 0)
         w.run(0, 5)  # checkpoint 5 begun; its upload hangs
         assert blocked.acquire(timeout=30)
         first = ck._writer
@@ -648,25 +656,12 @@ def test_the_end_of_a_job_does_not_wait_on_a_stuck_upload_not_given_up_yet(tmp_p
     worker). Before, the close waited 60 s on it and then raised, past the pool's 30 s
     budget for a reset."""
     import gc
-    import threading
 
-    from elastic.worker import Worker, checkpointing
+    from elastic.worker import checkpointing
 
     monkeypatch.setattr(checkpointing, "CLOSE_WAIT_S", 0.5, raising=False)
-    w = Worker(_cfg(tmp_path, checkpoint_every=5, checkpoint_uri=str(tmp_path / "ck")), 0,
-               False, 1)
-    gate, blocked = threading.Event(), threading.Semaphore(0)
-
-    def storage_call(rank: int, step: int, gen: int) -> None:  # hangs until the gate opens
-        if not gate.is_set():
-            blocked.release()
-            gate.wait()
-
-    ck = w.checkpoints
-    ck._in_upload = storage_call
+    w, ck, gate, blocked = _worker_with_hanging_uploads(tmp_path)
     try:
-        w.join("127.0.0.1", free_port(), 0, 1, 1, 30.0)
-        w.restart_fresh(_spec("dp"), None, 0)
         w.run(0, 5)  # checkpoint 5 begun; its upload hangs
         assert blocked.acquire(timeout=30)
         t0 = time.monotonic()
