@@ -257,18 +257,20 @@ class Checkpointing:
             if self._writer is not None:
                 self._writer.close()  # (it abandons anything in flight first)
             assert self.store is not None, "a checkpoint is due but the job has no store"
-            self._writer = ShardWriter(self.store, rank, on_progress=self._progress())
+            self._writer = ShardWriter(self.store, rank)
+            self._writer.on_progress = self._progress(self._writer)
             self._writer_rank = rank
         return self._writer
 
-    def _progress(self) -> Callable[[int, int], None] | None:
-        """The writer's progress callback: the ``pause_upload`` fault's hook, if any."""
+    def _progress(self, writer: ShardWriter) -> Callable[[int, int], None] | None:
+        """``writer``'s progress callback: the ``pause_upload`` fault's hook, if any, told the
+        step that writer uploads (a writer set aside may still be writing an earlier one)."""
         hook, m = self._in_upload, self._membership
         if hook is None:
             return None
 
         def progress(written: int, total: int) -> None:
-            step = self._writer.step if self._writer is not None else None
+            step = writer.step
             if step is not None and written > 0:
                 hook(m.rank, step, m.generation)
         return progress
