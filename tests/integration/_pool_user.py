@@ -19,6 +19,11 @@ MARK_SHAPE = (7, 13)  # the middle layer's weight: no other model in the tests h
 
 
 def _marked_tensors() -> int:
+    """Tensors of the marked shape anywhere in the process. A pooled worker's reset freezes
+    what survives a job (``gc.freeze``), and ``gc.get_objects`` does not list frozen
+    objects: without the unfreeze a tensor leaked from the previous job could never be
+    seen (the next reset collects all generations, as after a large job's)."""
+    gc.unfreeze()
     return sum(1 for o in gc.get_objects()
                if type(o) in (torch.Tensor, nn.Parameter) and tuple(o.shape) == MARK_SHAPE)
 
