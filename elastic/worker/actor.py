@@ -218,14 +218,13 @@ class Worker:
     def info(self) -> dict[str, Any]:
         import ray
 
-        ctx = ray.get_runtime_context()
         dev = self.device
         name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
         prof = getattr(self, "profiler", None)  # None: a pooled worker between jobs
         emulation = prof.emulation if prof is not None else {}
         return {
             "worker_id": getattr(self, "worker_id", -1),
-            "node_id": ctx.get_node_id(),
+            "node_id": _node_id(),  # (never starts a Ray outside one: a unit test's did)
             "ip": ray.util.get_node_ip_address(),
             "hostname": socket.gethostname(),
             "pid": os.getpid(),

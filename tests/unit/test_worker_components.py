@@ -802,6 +802,40 @@ def test_nccl_survivors_are_not_torn_down_by_default():
         assert nccl_env_defaults(env) == {} and env == {name: "1"}
 
 
+@pytest.mark.parametrize("over, frozen", [(0, True), (10**9, False)])
+def test_a_pooled_workers_reset_unfreezes_only_when_its_assign_froze(tmp_path, monkeypatch,
+                                                                     over, frozen):
+    """``assign`` freezes a job's set-up only when it is large (``_FREEZE_JOB_OVER``
+    tracked objects), and the reset then unfreezes to collect it; a small one is left
+    tracked and the reset leaves start-up's frozen objects alone. Without the unfreeze a
+    large job's set-up would stay in the process for every later job."""
+    import gc
+
+    from elastic.worker import Worker, actor
+    from elastic.worker.recycle import Baseline
+
+    monkeypatch.setattr(actor, "_FREEZE_JOB_OVER", over)
+    calls: list[dict[str, Any]] = []
+    real = actor.reset_process
+    monkeypatch.setattr(actor, "reset_process",
+                        lambda base, **kw: calls.append(kw) or real(base, **kw))
+    ray = sys.modules.get("ray")
+    ray_was_up = ray is not None and ray.is_initialized()  # `pytest tests`: integration first
+    w = Worker(_cfg(tmp_path), 0, False, 1)
+    try:
+        w.baseline = Baseline.take()  # as a pooled worker's
+        assert w.reset()["ok"]  # the constructor's job ends: the worker waits in the pool
+        info = w.assign(_cfg(tmp_path).for_worker(), 0, None)
+        assert w._job_frozen is frozen
+        assert w.reset()["ok"]
+        assert calls[-1]["unfreeze"] is frozen and w._job_frozen is False
+        if not ray_was_up:  # its info() asked Ray's runtime context, which started a Ray
+            ray = sys.modules.get("ray")
+            assert info["node_id"] is None and (ray is None or not ray.is_initialized())
+    finally:
+        gc.unfreeze()
+
+
 def test_a_pooled_workers_reset_drops_the_state_without_parking_it(tmp_path, monkeypatch):
     """After a job the state is dropped, not copied to host memory first (as a leave between
     layouts does): for a large job that copy could exhaust the host's memory or pass the
