@@ -128,6 +128,7 @@ class JobConfig(JobCode):
     log_every = Setting[int]("output")
     view = Setting[str]("output")
     sample_prompt = Setting[str | None]("output")
+    trackers = Setting[tuple[tuple[str, dict[str, Any]], ...]]("output")
 
     def __init__(self, **settings: Any) -> None:
         """Build and check a config from settings in either form. Raises ``ConfigError``."""
@@ -330,13 +331,15 @@ class JobConfig(JobCode):
         used in run logs (``config.json``)."""
         out: dict[str, Any] = {}
         for name, v in self.settings().items():
+            if name == "trackers":  # (kind, options) pairs, as a job file gives them
+                v = [{kind: opts} for kind, opts in v]
             plain = isinstance(v, (str, int, float, bool, type(None), dict, list))
             out[name] = self.redact_value(v) if plain else describe(v)
         return out
 
     def __repr__(self) -> str:
         shown = ", ".join(f"{k}={v!r}" for k, v in self.to_dict().items()
-                          if k in _REQUIRED or v != _DEFAULTS.get(k))
+                          if k in _REQUIRED or (v != _DEFAULTS.get(k) and v != []))
         return f"JobConfig({shown})"
 
     def __eq__(self, other: object) -> bool:

@@ -39,6 +39,7 @@ from .code import (
     resolve_callable,
 )
 from .datasets import DTYPES, check_dataset, dataset_object
+from .trackers import check_trackers
 
 __all__ = [
     "Section",
@@ -534,8 +535,11 @@ class Output(Section):
     log_every: int = 1
     view: str = "auto"  # auto | rich | plain | none
     sample_prompt: str | None = None  # demo: print a generated sample at the end
+    # TensorBoard, MLflow or a class of the user's (elastic.config.trackers); normalised
+    trackers: Any = ()
 
     def __post_init__(self) -> None:
+        self._put("trackers", check_trackers(self.trackers))
         text(self.name, "name")
         text(self.run_dir, "run_dir")
         integer(self.log_every, "log_every")

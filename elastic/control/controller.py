@@ -29,6 +29,7 @@ from ..errors import (
 )
 from ..events import Event, RunLog
 from ..failures import classify, root_cause
+from ..trackers import with_trackers
 from ..view import View
 from .cadence import poll_interval, scale_interval
 from .checkpoints import CheckpointTracker
@@ -78,7 +79,7 @@ class Controller:
         pruner; its ``on_step`` unless one is given). ``pool``: a ``WorkerPool``."""
         config.validate()
         self.cfg = config
-        self.view = view or View()
+        self.view = with_trackers(view or View(), config)
         self.sink = EventSink(config, self.view, lambda: max(self.step, self.steps.next_step))
         self._emit = self.sink.emit
         self.inbox = Inbox(None, self._emit)

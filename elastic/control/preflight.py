@@ -14,6 +14,7 @@ from ..config import JobConfig
 from ..errors import ConfigError
 from ..preflight import check_sample
 from ..reference import build_model
+from ..trackers import check_trackers_here
 
 __all__ = ["Preflight", "preflight", "run_directory"]
 
@@ -59,6 +60,7 @@ def preflight(cfg: JobConfig, emit: Callable[..., Any]) -> Preflight:
             raise ConfigError("eval_dataset", "is empty.", "give it samples, or drop it")
     cfg.optimizer_factory()
     cfg.loss_fn()
+    check_trackers_here(cfg.trackers)
     addr = cfg.ray_address or os.environ.get("RAY_ADDRESS")
     if addr and addr not in ("local", "auto"):
         from ..ray_connect import check_reachable

@@ -23,6 +23,9 @@ class EventSink:
         self._step_of = step_of
         self.events: list[Event] = []
         self.log: RunLog | None = None
+        bind = getattr(view, "bind", None)  # a view that says things of its own (trackers)
+        if bind is not None:
+            bind(self.emit)
 
     def open(self, log: RunLog) -> None:
         """Write to ``log`` from now on, after what was said before it existed."""

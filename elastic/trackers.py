@@ -1,0 +1,370 @@
+"""Trackers: a job's metrics, events and settings in the tools its users already watch
+(TensorBoard, MLflow, or a class of theirs), set by ``trackers`` (``elastic.config.trackers``).
+
+The controller writes them, once per job (not once per rank, and not from the training
+loop), from the same history and events as ``metrics.jsonl`` and ``events.jsonl``: every
+completed step once (a step run again after a restore is not logged twice), every event the
+view shows, the job's settings (secrets redacted) and how it ended. Across a restore, a
+resize or a strategy switch the tracker's run goes on: it belongs to the job, not to a group
+of workers.
+
+Each tracker runs on a thread of its own, so a slow or unreachable tracker never holds up
+the controller, and its failures never stop the job: a failed call is tried again twice
+(after 1 and 2 s), and a third failure in a row turns that tracker off for the rest of the
+job; each is said as a ``tracker_failed`` event, and the run directory's logs stay complete.
+At the end the job waits up to ``CLOSE_S`` for the trackers to flush.
+
+A tracker class of the user's (``trackers: [{target: mypkg.mod:MyTracker, ...}]``) is built
+with the other keys as keyword arguments and implements ``Tracker``'s four methods.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import ConfigError
+from .events import Event
+from .view import View
+
+__all__ = ["Tracker", "RunInfo", "TensorBoardTracker", "MlflowTracker", "TrackerView",
+           "check_trackers_here", "with_trackers", "METRIC_KEYS", "CLOSE_S"]
+
+CLOSE_S = 30.0  # the end of a job waits this long, at most, for its trackers to flush
+RETRY_S = (1.0, 2.0)  # a failed call is tried again after these waits; then the tracker is off
+# the numbers of a step's history entry (metrics.jsonl) that go to the trackers
+METRIC_KEYS = ("loss", "eval_loss", "lr", "grad_norm", "samples_per_s", "step_time",
+               "world_size", "generation", "skipped")
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """What a tracker is told at the start: the job's name, run directory, steps, and its
+    settings under their flat names (``JobConfig.to_dict``: secrets redacted)."""
+
+    job: str
+    run_dir: str
+    max_steps: int
+    config: dict[str, Any]
+
+
+class Tracker:
+    """Base of the trackers. Each method runs on the tracker's own thread, in order."""
+
+    def start(self, run: RunInfo) -> str | None:
+        """Open the tracker's run. Returns where the data goes (said in an event), or None."""
+        return None
+
+    def log_steps(self, entries: list[dict[str, Any]]) -> None:
+        """Completed steps, in order: ``step`` (as in metrics.jsonl), ``time`` (Unix
+        seconds) and the numbers of ``METRIC_KEYS`` the step has."""
+
+    def log_events(self, events: list[Event]) -> None:
+        """Events, in order (``kind``, ``message``, ``step``, ``time``, ``data``)."""
+
+    def finish(self, status: str) -> None:
+        """The job ended: ``finished``, ``failed`` or ``interrupted``."""
+
+
+def _numbers(entry: dict[str, Any]) -> dict[str, float]:
+    out = {}
+    for k in METRIC_KEYS:
+        v = entry.get(k)
+        if isinstance(v, bool):
+            out[k] = float(v)
+        elif isinstance(v, (int, float)):
+            out[k] = float(v)
+    return out
+
+
+class TensorBoardTracker(Tracker):
+    """Scalars per step (``loss``, ``samples_per_s``, ...), events as text (tag
+    ``events``), the settings as text (tag ``config``), in ``log_dir`` (default
+    ``<run dir>/tensorboard``). Written with tensorboardX (installed with Ray Train)."""
+
+    def __init__(self, log_dir: str | None = None) -> None:
+        self.log_dir = log_dir
+        self._w: Any = None
+
+    def start(self, run: RunInfo) -> str:
+        from tensorboardX import SummaryWriter
+
+        self.log_dir = os.path.abspath(self.log_dir or os.path.join(run.run_dir, "tensorboard"))
+        self._w = SummaryWriter(self.log_dir, flush_secs=10)
+        self._w.add_text("config", "```\n" + json.dumps(run.config, indent=1, default=str)
+                         + "\n```", 0)
+        return f"tensorboard: {self.log_dir}"
+
+    def log_steps(self, entries: list[dict[str, Any]]) -> None:
+        for e in entries:
+            for k, v in _numbers(e).items():
+                self._w.add_scalar(k, v, e["step"], walltime=e.get("time"))
+
+    def log_events(self, events: list[Event]) -> None:
+        for ev in events:
+            self._w.add_text("events", f"**{ev.kind}**: {ev.message}", ev.step or 0,
+                             walltime=ev.time)
+
+    def finish(self, status: str) -> None:
+        self._w.add_text("status", status, 0)
+        self._w.close()
+
+
+class MlflowTracker(Tracker):
+    """One MLflow run per job (named after it, tagged ``elastic.job``, ``elastic.run_dir``):
+    the settings as params, each step's numbers as metrics at its step, the events as the
+    artifact ``elastic/events.txt``, and the end as the run's status (FINISHED, FAILED,
+    KILLED). ``tracking_uri`` defaults to MLflow's own (``MLFLOW_TRACKING_URI``),
+    ``experiment`` to ``MLFLOW_EXPERIMENT_NAME``, else MLflow's default experiment; the
+    credentials come from MLflow's environment variables, never from the job's settings."""
+
+    def __init__(self, tracking_uri: str | None = None, experiment: str | None = None,
+                 run_name: str | None = None, tags: dict[str, Any] | None = None) -> None:
+        self.tracking_uri = tracking_uri
+        self.experiment = experiment
+        self.run_name = run_name
+        self.tags = dict(tags or {})
+        self.run_id: str | None = None
+        self._c: Any = None
+        self._events: list[str] = []
+
+    def start(self, run: RunInfo) -> str:
+        from mlflow.entities import Param
+        from mlflow.tracking import MlflowClient
+
+        self._c = MlflowClient(tracking_uri=self.tracking_uri)
+        name = self.experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME") or "Default"
+        exp = self._c.get_experiment_by_name(name)
+        if exp is None:
+            try:
+                eid = self._c.create_experiment(name)
+            except Exception:  # noqa: BLE001 - another job created it meanwhile
+                exp = self._c.get_experiment_by_name(name)
+                if exp is None:
+                    raise
+                eid = exp.experiment_id
+        else:
+            eid = exp.experiment_id
+        tags = {"elastic.job": run.job, "elastic.run_dir": run.run_dir,
+                **{str(k): str(v) for k, v in self.tags.items()}}
+        r = self._c.create_run(eid, run_name=self.run_name or run.job, tags=tags)
+        self.run_id = r.info.run_id
+        params = [Param(k, _param_text(v)) for k, v in sorted(run.config.items())]
+        for i in range(0, len(params), 100):  # MLflow takes 100 params a call
+            self._c.log_batch(self.run_id, params=params[i:i + 100])
+        return (f"mlflow: run {self.run_id} in experiment {name!r} at "
+                f"{self._c.tracking_uri}")
+
+    def log_steps(self, entries: list[dict[str, Any]]) -> None:
+        from mlflow.entities import Metric
+
+        metrics = [Metric(k, v, int(1000 * (e.get("time") or time.time())), int(e["step"]))
+                   for e in entries for k, v in _numbers(e).items()]
+        for i in range(0, len(metrics), 1000):  # and 1000 metrics
+            self._c.log_batch(self.run_id, metrics=metrics[i:i + 1000])
+
+    def log_events(self, events: list[Event]) -> None:
+        self._events += [f"step {ev.step}: {ev.kind}: {ev.message}" for ev in events]
+
+    def finish(self, status: str) -> None:
+        if self._events:
+            self._c.log_text(self.run_id, "\n".join(self._events) + "\n", "elastic/events.txt")
+        self._c.set_terminated(self.run_id, {"finished": "FINISHED",
+                                             "interrupted": "KILLED"}.get(status, "FAILED"))
+
+
+def _param_text(v: Any) -> str:
+    text = v if isinstance(v, str) else json.dumps(v, default=str)
+    return text[:6000]  # MLflow's limit for a param's value
+
+
+_BUILT_IN: dict[str, Callable[..., Tracker]] = {"tensorboard": TensorBoardTracker,
+                                                "mlflow": MlflowTracker}
+
+
+def _factory(kind: str, opts: dict[str, Any]) -> Callable[[], Any]:
+    if kind == "custom":
+        from .config.code import resolve_callable
+
+        cls = resolve_callable(opts["target"], "trackers.target")
+        kw = {k: v for k, v in opts.items() if k != "target"}
+        return lambda: cls(**kw)
+    return lambda: _BUILT_IN[kind](**opts)
+
+
+def check_trackers_here(trackers: tuple[tuple[str, dict[str, Any]], ...]) -> None:
+    """Preflight, on the controller's machine: each tracker's code is there. Raises
+    ``ConfigError`` naming the tracker and the fix."""
+    for kind, opts in trackers:
+        if kind == "mlflow" and importlib.util.find_spec("mlflow") is None:
+            raise ConfigError("trackers.mlflow", "needs the mlflow package, which is not "
+                              "installed where the job's controller runs.",
+                              "pip install mlflow-skinny (or mlflow), or drop the tracker")
+        if kind == "tensorboard" and importlib.util.find_spec("tensorboardX") is None:
+            raise ConfigError("trackers.tensorboard", "needs tensorboardX, which is not "
+                              "installed here.", "pip install tensorboardX")
+        if kind == "custom":
+            _factory(kind, opts)
+
+
+class _Runner:
+    """One tracker on a thread of its own: calls in order, batched, retried, then off."""
+
+    def __init__(self, name: str, make: Callable[[], Any], notes: list[tuple[str, str]],
+                 lock: threading.Lock) -> None:
+        self.name = name
+        self._make = make
+        self._notes, self._lock = notes, lock
+        self._q: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self.off = False
+        self.thread = threading.Thread(target=self._serve, daemon=True,
+                                       name=f"elastic-tracker-{name}")
+        self.thread.start()
+
+    def put(self, op: str, arg: Any) -> None:
+        if not self.off or op == "finish":  # (the thread ends at its finish)
+            self._q.put((op, arg))
+
+    def _note(self, kind: str, message: str) -> None:
+        with self._lock:
+            self._notes.append((kind, message))
+
+    def _serve(self) -> None:
+        tracker: Any = None
+        while True:
+            op, arg = self._q.get()
+            if op in ("steps", "events"):  # what queued meanwhile goes in one call
+                while True:
+                    try:
+                        nxt = self._q.queue[0]
+                    except IndexError:
+                        break
+                    if nxt[0] != op:
+                        break
+                    arg = arg + self._q.get()[1]
+            if self.off:
+                if op == "finish":
+                    return
+                continue
+            if op == "start":
+                call: Callable[[], Any] = functools.partial(self._start, arg)
+            else:
+                method = {"steps": "log_steps", "events": "log_events", "finish": "finish"}[op]
+                call = functools.partial(getattr(tracker, method), arg)
+            out = self._call(op, call)
+            if op == "start" and not self.off:
+                tracker = out
+            if op == "finish":
+                return
+
+    def _start(self, run: RunInfo) -> Any:
+        tracker = self._make()
+        where = tracker.start(run)
+        if where:
+            self._note("tracker", str(where))
+        return tracker
+
+    def _call(self, op: str, call: Callable[[], Any]) -> Any:
+        for attempt in range(len(RETRY_S) + 1):
+            try:
+                return call()
+            except Exception as e:  # noqa: BLE001 - a tracker never stops the job
+                why = f"{type(e).__name__}: {str(e)[:300]}"
+                if attempt < len(RETRY_S):
+                    self._note("tracker_failed", f"{self.name}: {op} failed ({why}); trying "
+                               f"again in {RETRY_S[attempt]:g} s")
+                    time.sleep(RETRY_S[attempt])
+                else:
+                    self.off = True
+                    self._note("tracker_failed", f"{self.name}: {op} failed {attempt + 1} "
+                               f"times ({why}); the tracker is off for the rest of the job "
+                               "(the run directory's logs have everything)")
+        return None
+
+
+class TrackerView(View):
+    """The job's view with its trackers beside it: what the view is shown, each tracker is
+    sent (steps once each, in order; events but the state transitions). Trackers start at
+    the view's ``start`` (the run directory exists then) and are flushed and closed at
+    ``close``. ``bind(emit)``: their notes (where the data goes, failures) become events,
+    said on the controller's thread."""
+
+    def __init__(self, inner: View, cfg: Any) -> None:
+        self.inner = inner
+        self.cfg = cfg
+        self._emit: Callable[..., Any] | None = None
+        self._runners: list[_Runner] = []
+        self._notes: list[tuple[str, str]] = []
+        self._lock = threading.Lock()
+        self._logged = -1  # the last step sent
+        self._status = "failed"  # until the job says it finished
+        self._closing = False
+
+    def bind(self, emit: Callable[..., Any]) -> None:
+        self._emit = emit
+
+    def start(self, job: str, max_steps: int) -> None:
+        self.inner.start(job, max_steps)
+        run = RunInfo(job, os.path.abspath(self.cfg.run_path), max_steps, self.cfg.to_dict())
+        for kind, opts in self.cfg.trackers:
+            name = kind if kind != "custom" else opts["target"]
+            r = _Runner(name, _factory(kind, opts), self._notes, self._lock)
+            r.put("start", run)
+            self._runners.append(r)
+
+    def workers(self, infos: list[dict[str, Any]]) -> None:
+        self.inner.workers(infos)
+
+    def step(self, entry: dict[str, Any]) -> None:
+        self.inner.step(entry)
+        if entry["step"] > self._logged:
+            self._logged = entry["step"]
+            for r in self._runners:
+                r.put("steps", [dict(entry)])
+        self._say()
+
+    def event(self, ev: Event) -> None:
+        self.inner.event(ev)
+        if ev.kind in ("finished", "failed", "interrupted") and self._status != "interrupted":
+            self._status = ev.kind
+        if not self._closing and not ev.kind.startswith("tracker"):
+            for r in self._runners:
+                r.put("events", [ev])
+        self._say()
+
+    def _say(self) -> None:
+        if self._emit is None or not self._notes:
+            return
+        with self._lock:
+            notes, self._notes[:] = list(self._notes), []
+        for kind, message in notes:
+            self._emit(kind, message)
+
+    def close(self) -> None:
+        self._closing = True
+        for r in self._runners:
+            r.put("finish", self._status)
+        deadline = time.monotonic() + CLOSE_S
+        for r in self._runners:
+            r.thread.join(max(0.0, deadline - time.monotonic()))
+            if r.thread.is_alive():
+                with self._lock:
+                    self._notes.append(("tracker_failed", f"{r.name}: not flushed within "
+                                        f"{CLOSE_S:g} s of the end; its last data may be "
+                                        "missing (the run directory's logs have it)"))
+        self._say()
+        self.inner.close()
+
+
+def with_trackers(view: View, cfg: Any) -> View:
+    """``view``, with the job's trackers beside it when it has any."""
+    return TrackerView(view, cfg) if cfg.trackers else view
+

@@ -1,0 +1,51 @@
+"""A real job's trackers: TensorBoard's event files and an MLflow run (a SQLite tracking
+store) hold every completed step's numbers once, the events and the settings, across a live
+strategy switch, and say how the job ended."""
+
+from __future__ import annotations
+
+import os
+
+import elastic
+from tests.helpers import RegressionData, adam, mlp, mse
+from tests.unit.test_trackers import _tb_records
+
+STEPS, G = 12, 10
+
+
+def test_a_jobs_steps_events_and_settings_reach_tensorboard_and_mlflow(ray_local, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    res = elastic.fit(
+        model=mlp, optimizer=adam, loss=mse, dataset=RegressionData(), global_batch_size=G,
+        max_steps=STEPS, num_workers=2, view="none", run_dir=str(tmp_path / "run"),
+        name="tracked", switch_at={6: "zero2"},
+        trackers={"tensorboard": {}, "mlflow": {"tracking_uri": uri, "experiment": "exp",
+                                                "tags": {"team": "t"}}})
+    losses = [h["loss"] for h in res.history]
+    where = [e.message for e in res.events if e.kind == "tracker"]
+    assert len(where) == 2 and not [e for e in res.events if e.kind == "tracker_failed"]
+
+    recs = _tb_records(os.path.join(res.run_dir, "tensorboard"))
+    tb = [(s, x) for s, tag, x in recs if tag == "loss"]
+    assert [s for s, _ in tb] == list(range(STEPS))
+    assert all(abs(x - y) < 1e-6 * max(1.0, abs(y)) for (_, x), y in zip(tb, losses, strict=True))
+    assert any("**switch**: dp -> zero2" in x for _, tag, x in recs if tag.startswith("events"))
+
+    c = MlflowClient(tracking_uri=uri)
+    exp = c.get_experiment_by_name("exp")
+    (run,) = c.search_runs([exp.experiment_id])
+    assert run.info.status == "FINISHED" and run.info.run_name == "tracked"
+    assert run.info.run_id in where[1] or run.info.run_id in where[0]
+    assert run.data.tags["team"] == "t" and run.data.tags["elastic.job"] == "tracked"
+    assert run.data.params["global_batch_size"] == str(G)
+    hist = sorted(c.get_metric_history(run.info.run_id, "loss"), key=lambda m: m.step)
+    assert [m.step for m in hist] == list(range(STEPS))
+    assert all(abs(m.value - y) < 1e-6 * max(1.0, abs(y)) for m, y in zip(hist, losses, strict=True))
+    ws = c.get_metric_history(run.info.run_id, "world_size")
+    assert {m.value for m in ws} == {2.0}
+    events = c.download_artifacts(run.info.run_id, "elastic/events.txt", str(tmp_path / "dl"))
+    with open(events) as f:
+        text = f.read()
+    assert ": switch: dp -> zero2" in text and ": finished: " in text

@@ -1,0 +1,251 @@
+"""Trackers without Ray: the ``trackers`` setting's forms and errors, what ``TrackerView``
+sends each tracker (steps once, events, the end), that a failing or hanging tracker never
+stops or holds up the job, and TensorBoard's files read back."""
+
+from __future__ import annotations
+
+import glob
+import os
+import struct
+import time
+from typing import Any
+
+import pytest
+
+from elastic.config import JobConfig
+from elastic.errors import ConfigError
+from elastic.events import Event
+from elastic.view import View
+from tests.helpers import RegressionData, adam, mlp, mse
+
+SEEN: dict[str, list[Any]] = {}  # what each Recording tracker was sent, by its name
+
+
+class Recording:
+    """A tracker of "the user's" (``target: tests.unit.test_trackers:Recording``)."""
+
+    def __init__(self, name: str = "rec", fail: str | None = None, times: int = 0,
+                 hang: float = 0.0) -> None:
+        self.name, self.fail, self.times, self.hang = name, fail, times, hang
+        SEEN[name] = []
+
+    def _maybe_fail(self, op: str) -> None:
+        if self.fail == op and self.times != 0:
+            self.times -= 1
+            raise ConnectionError(f"{op}: tracking server unreachable")
+
+    def start(self, run):
+        self._maybe_fail("start")
+        SEEN[self.name].append(("start", run.job, run.config["global_batch_size"]))
+        return f"rec: {self.name}"
+
+    def log_steps(self, entries):
+        self._maybe_fail("steps")
+        SEEN[self.name].extend(("step", e["step"], e["loss"]) for e in entries)
+
+    def log_events(self, events):
+        SEEN[self.name].extend(("event", ev.kind) for ev in events)
+
+    def finish(self, status):
+        time.sleep(self.hang)
+        SEEN[self.name].append(("finish", status))
+
+
+def _cfg(tmp_path, trackers) -> JobConfig:
+    return JobConfig(model=mlp, optimizer=adam, loss=mse, dataset=RegressionData(),
+                     global_batch_size=4, max_steps=10, run_dir=str(tmp_path / "run"),
+                     trackers=trackers)
+
+
+def test_the_setting_takes_names_options_and_classes_in_either_form(tmp_path):
+    c = _cfg(tmp_path, ["tensorboard", {"mlflow": {"experiment": "e"}},
+                        {"target": "tests.unit.test_trackers:Recording", "name": "a"}])
+    assert c.trackers == (("tensorboard", {}), ("mlflow", {"experiment": "e"}),
+                          ("custom", {"target": "tests.unit.test_trackers:Recording",
+                                      "name": "a"}))
+    assert _cfg(tmp_path, {"tensorboard": None, "mlflow": {"tags": {"t": 1}}}).trackers == (
+        ("tensorboard", {}), ("mlflow", {"tags": {"t": 1}}))
+    assert _cfg(tmp_path, "tensorboard").trackers == (("tensorboard", {}),)
+    assert c.replace(max_steps=5).trackers == c.trackers  # a checked copy keeps them
+    assert c.to_dict()["trackers"][1] == {"mlflow": {"experiment": "e"}}
+    nested = JobConfig.from_dict({
+        "model": "tests.helpers:mlp", "optimizer": {"name": "adam"}, "loss": "mse",
+        "dataset": {"target": "tests.helpers:RegressionData"}, "global_batch_size": 4,
+        "max_steps": 2, "output": {"trackers": ["tensorboard"]}})
+    assert nested.trackers == (("tensorboard", {}),)
+    assert _cfg(tmp_path, None).trackers == ()
+
+
+@pytest.mark.parametrize("bad, field, says", [
+    ("tensorbord", "trackers.tensorbord", "did you mean tensorboard?"),
+    ({"mlflow": {"experimnt": "x"}}, "trackers.mlflow.experimnt", "did you mean experiment?"),
+    ({"mlflow": {"tracking_uri": "https://me:tok@mlflow.example"}},
+     "trackers.mlflow.tracking_uri", "MLFLOW_TRACKING_PASSWORD"),
+    ({"mlflow": "x"}, "trackers.mlflow", "takes a mapping of options"),
+    ({"mlflow": {"tags": ["a"]}}, "trackers.mlflow.tags", "mapping of tag to value"),
+    ({"tensorboard": {"log_dir": 3}}, "trackers.tensorboard.log_dir", "non-empty string"),
+    (["tensorboard", "tensorboard"], "trackers", "twice"),
+    ([{"target": "nocolon"}], "trackers.target", "module:Class"),
+    ([3], "trackers[0]", "tracker's name"),
+    (5, "trackers", "must be a list of trackers"),
+])
+def test_a_bad_setting_is_one_clear_error_naming_the_field(tmp_path, bad, field, says):
+    with pytest.raises(ConfigError) as e:
+        _cfg(tmp_path, bad)
+    assert e.value.field == field and says in str(e.value)
+
+
+def test_the_controllers_machine_must_have_the_trackers_code(tmp_path, monkeypatch):
+    """Preflight (before any worker starts): a tracker class that does not import, or
+    MLflow not installed, is a ConfigError with the fix."""
+    import importlib.util
+
+    from elastic.trackers import check_trackers_here
+
+    with pytest.raises(ConfigError, match="cannot import"):
+        check_trackers_here((("custom", {"target": "no_such_mod:T"}),))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "mlflow" else real(name, *a))
+    with pytest.raises(ConfigError, match="pip install mlflow-skinny") as e:
+        check_trackers_here((("mlflow", {}),))
+    assert e.value.field == "trackers.mlflow"
+
+
+def _view(tmp_path, monkeypatch, **opts):
+    from elastic import trackers
+
+    monkeypatch.setattr(trackers, "RETRY_S", (0.0, 0.0))
+    cfg = _cfg(tmp_path, [{"target": "tests.unit.test_trackers:Recording", **opts}])
+    cfg.run_dir = str(tmp_path / "run")
+    said: list[tuple[str, str]] = []
+    v = trackers.TrackerView(View(), cfg)
+    v.bind(lambda kind, msg, **kw: said.append((kind, msg)) or v.event(Event(kind, msg)))
+    return v, said
+
+
+def _entry(step: int) -> dict[str, Any]:
+    return {"step": step, "loss": 1.0 / (step + 1), "samples_per_s": 10.0, "step_time": 0.1,
+            "world_size": 2, "strategy": "dp", "time": 1e9 + step, "generation": 1}
+
+
+def _wait(cond, timeout: float = 10.0) -> None:
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < timeout
+        time.sleep(0.01)
+
+
+def test_each_step_goes_once_with_the_events_and_the_end(tmp_path, monkeypatch):
+    """A step run again after a restore is not sent twice; events go but the trackers' own;
+    the end is the job's (an interrupted job's finish is still an interruption)."""
+    v, said = _view(tmp_path, monkeypatch, name="once")
+    v.start("job-a", 10)
+    for s in (0, 1, 2, 1, 2, 3):  # steps 1 and 2 run again after a restore
+        v.step(_entry(s))
+    v.event(Event("recovered", "from peers", step=2))
+    v.event(Event("interrupted", "SIGTERM received", step=3))
+    v.event(Event("finished", "10 steps", step=3))
+    v.close()
+    seen = SEEN["once"]
+    assert seen[0] == ("start", "job-a", 4)
+    assert [x[1] for x in seen if x[0] == "step"] == [0, 1, 2, 3]
+    assert [x[1] for x in seen if x[0] == "event"] == ["recovered", "interrupted", "finished"]
+    assert seen[-1] == ("finish", "interrupted")
+    assert said == [("tracker", "rec: once")]  # where the data goes, as an event
+
+
+def test_a_failing_tracker_is_tried_again_then_turned_off_and_the_job_goes_on(
+        tmp_path, monkeypatch):
+    v, said = _view(tmp_path, monkeypatch, name="flaky", fail="steps", times=1)
+    v.start("job-b", 10)
+    v.step(_entry(0))
+    _wait(lambda: ("step", 0, 1.0) in SEEN.get("flaky", []))  # the second try went through
+    v.close()
+    assert SEEN["flaky"][-1] == ("finish", "failed")  # no "finished" event: not finished
+    assert [k for k, _ in said] == ["tracker", "tracker_failed"]
+
+    v, said = _view(tmp_path, monkeypatch, name="down", fail="steps", times=-1)
+    v.start("job-c", 10)
+    for s in range(3):
+        v.step(_entry(s))
+    v.event(Event("finished", "3 steps"))
+    t0 = time.monotonic()
+    v.close()
+    assert time.monotonic() - t0 < 5
+    fails = [m for k, m in said if k == "tracker_failed"]
+    assert "off for the rest of the job" in fails[-1] and "unreachable" in fails[-1]
+    assert not [x for x in SEEN["down"] if x[0] in ("step", "finish")]  # off: nothing more
+
+
+def test_a_tracker_that_does_not_start_is_off_and_says_why(tmp_path, monkeypatch):
+    v, said = _view(tmp_path, monkeypatch, name="nostart", fail="start", times=-1)
+    v.start("job-d", 10)
+    v.step(_entry(0))
+    v.close()
+    assert SEEN["nostart"] == []
+    assert said[-1][0] == "tracker_failed" and "start failed 3 times" in said[-1][1]
+
+
+def test_the_end_of_a_job_waits_for_a_slow_tracker_only_so_long(tmp_path, monkeypatch):
+    from elastic import trackers
+
+    monkeypatch.setattr(trackers, "CLOSE_S", 0.3)
+    v, said = _view(tmp_path, monkeypatch, name="slow", hang=3.0)
+    v.start("job-e", 10)
+    t0 = time.monotonic()
+    v.close()
+    assert time.monotonic() - t0 < 2
+    assert said[-1][0] == "tracker_failed" and "not flushed within 0.3 s" in said[-1][1]
+
+
+def _tb_records(log_dir: str) -> list[tuple[int, str, Any]]:
+    """(step, tag, value) of every summary in ``log_dir``'s event files (TFRecord framing:
+    length, its CRC, the Event protobuf, its CRC)."""
+    from tensorboardX.proto import event_pb2
+
+    out = []
+    for path in sorted(glob.glob(os.path.join(log_dir, "events.out.tfevents.*"))):
+        with open(path, "rb") as f:
+            data = f.read()
+        pos = 0
+        while pos < len(data):
+            (n,) = struct.unpack("<Q", data[pos:pos + 8])
+            ev = event_pb2.Event.FromString(data[pos + 12:pos + 12 + n])
+            pos += 12 + n + 4
+            for val in ev.summary.value:
+                out.append((ev.step, val.tag, val.simple_value if val.HasField("simple_value")
+                            else val.tensor.string_val[0].decode()))
+    return out
+
+
+def test_tensorboard_gets_the_steps_numbers_events_and_settings(tmp_path, monkeypatch):
+    from elastic import trackers
+
+    cfg = _cfg(tmp_path, ["tensorboard"])
+    cfg.run_dir = str(tmp_path / "run")
+    v = trackers.TrackerView(View(), cfg)
+    v.bind(lambda *a, **kw: None)
+    v.start("job-tb", 10)
+    for s in range(3):
+        v.step(dict(_entry(s), lr=0.1, skipped=s == 2))
+    v.event(Event("switched", "dp -> zero2", step=1))
+    v.event(Event("finished", "3 steps", step=2))
+    v.close()
+    recs = _tb_records(str(tmp_path / "run" / "tensorboard"))
+    loss = [(s, round(x, 6)) for s, tag, x in recs if tag == "loss"]
+    assert loss == [(0, 1.0), (1, 0.5), (2, round(1 / 3, 6))]
+    assert [x for s, tag, x in recs if tag == "skipped"] == [0.0, 0.0, 1.0]
+    assert {"samples_per_s", "step_time", "world_size", "lr", "generation"} <= {
+        tag for _, tag, _ in recs}
+    texts = {tag: x for _, tag, x in recs if tag.endswith("text_summary")}
+    assert "**switched**: dp -> zero2" in [x for _, tag, x in recs if tag.startswith("events")]
+    assert '"global_batch_size": 4' in texts["config/text_summary"]
+    assert texts["status/text_summary"] == "finished"
+
+
+def test_the_view_is_untouched_without_trackers(tmp_path):
+    from elastic.trackers import with_trackers
+
+    inner = View()
+    assert with_trackers(inner, _cfg(tmp_path, None)) is inner
