@@ -122,13 +122,16 @@ class MlflowTracker(Tracker):
     """One MLflow run per job (named after it, tagged ``elastic.job``, ``elastic.run_dir``):
     the settings as params, each step's numbers as metrics at its step, the events as the
     artifact ``elastic/events.txt``, and the end as the run's status (FINISHED, FAILED,
-    KILLED). ``tracking_uri`` defaults to MLflow's own (``MLFLOW_TRACKING_URI``),
+    KILLED). An experiment this creates keeps its artifacts at ``artifact_location``
+    (MLflow's default otherwise: ``./mlruns`` for a database store). ``tracking_uri`` defaults to MLflow's own (``MLFLOW_TRACKING_URI``),
     ``experiment`` to ``MLFLOW_EXPERIMENT_NAME``, else MLflow's default experiment; the
     credentials come from MLflow's environment variables, never from the job's settings."""
 
     def __init__(self, tracking_uri: str | None = None, experiment: str | None = None,
-                 run_name: str | None = None, tags: dict[str, Any] | None = None) -> None:
+                 run_name: str | None = None, tags: dict[str, Any] | None = None,
+                 artifact_location: str | None = None) -> None:
         self.tracking_uri = tracking_uri
+        self.artifact_location = artifact_location  # of an experiment this creates
         self.experiment = experiment
         self.run_name = run_name
         self.tags = dict(tags or {})
@@ -145,7 +148,7 @@ class MlflowTracker(Tracker):
         exp = self._c.get_experiment_by_name(name)
         if exp is None:
             try:
-                eid = self._c.create_experiment(name)
+                eid = self._c.create_experiment(name, self.artifact_location)
             except Exception:  # noqa: BLE001 - another job created it meanwhile
                 exp = self._c.get_experiment_by_name(name)
                 if exp is None:

@@ -26,7 +26,7 @@ __all__ = ["TRACKER_OPTIONS", "check_trackers"]
 # kind -> the options it takes
 TRACKER_OPTIONS: dict[str, tuple[str, ...]] = {
     "tensorboard": ("log_dir",),
-    "mlflow": ("tracking_uri", "experiment", "run_name", "tags"),
+    "mlflow": ("tracking_uri", "experiment", "run_name", "tags", "artifact_location"),
 }
 _FIX = ("e.g. trackers: [tensorboard, mlflow], or trackers: {mlflow: {experiment: my-exp}}, "
         "or a class of yours: trackers: [{target: mypkg.mod:MyTracker}]")
@@ -90,7 +90,7 @@ def _checked(kind: Any, opts: Any) -> tuple[str, dict[str, Any]]:
             raise ConfigError(f"{field}.{k}", f"is not an option of the {kind} tracker.",
                               f"did you mean {near}?" if near else
                               f"use {', '.join(TRACKER_OPTIONS[kind])}")
-    for k in ("log_dir", "tracking_uri", "experiment", "run_name"):
+    for k in ("log_dir", "tracking_uri", "experiment", "run_name", "artifact_location"):
         text(opts.get(k), f"{field}.{k}")
     uri = opts.get("tracking_uri")
     if uri and (urlsplit(uri).password or urlsplit(uri).username):

@@ -22,7 +22,8 @@ def test_a_jobs_steps_events_and_settings_reach_tensorboard_and_mlflow(ray_local
         max_steps=STEPS, num_workers=2, view="none", run_dir=str(tmp_path / "run"),
         name="tracked", switch_at={6: "zero2"},
         trackers={"tensorboard": {}, "mlflow": {"tracking_uri": uri, "experiment": "exp",
-                                                "tags": {"team": "t"}}})
+                                                "tags": {"team": "t"},
+                                                "artifact_location": str(tmp_path / "art")}})
     losses = [h["loss"] for h in res.history]
     where = [e.message for e in res.events if e.kind == "tracker"]
     assert len(where) == 2 and not [e for e in res.events if e.kind == "tracker_failed"]
