@@ -38,7 +38,7 @@ def check_sample(cfg: JobConfig, model: Any, dataset: Any) -> None:
 
     from .data import ParquetDataset, fetch_batch
 
-    parquet = isinstance(dataset, ParquetDataset)
+    parquet = isinstance(dataset, ParquetDataset) or getattr(dataset, "by_columns", False)
     n = min(3, len(dataset))  # 3, not 2: fewer widths broadcast against it by chance
     try:
         x, y = dataset.head(n) if parquet else fetch_batch(dataset, torch.arange(n))

@@ -23,7 +23,8 @@ __all__ = ["connect", "disconnect", "check_reachable", "address_of", "attach", "
            "draining_nodes", "node_infos", "request_drain", "node_alive", "pg_ready",
            "bundle_node",
            "start_in_bundle", "new_bundle", "remove_bundle", "wait_refs", "get_ref", "actor_key",
-           "free_bundles", "runtime_env_now", "ray_session"]
+           "free_bundles", "runtime_env_now", "ray_session", "table_rows",
+           "free_cpus"]
 
 log = logging.getLogger(__name__)
 
@@ -447,6 +448,26 @@ def get_ref(ref: Any, timeout_s: float | None = None) -> Any:
     import ray
 
     return ray.get(ref, timeout=timeout_s)
+
+
+def table_rows(refs: list[Any]) -> list[int]:
+    """The number of rows of each table (Ray Data block) in ``refs``, counted by a task
+    beside each, so that no table travels to this process."""
+    import ray
+
+    count = ray.remote(num_cpus=0)(_rows)
+    return [int(n) for n in ray.get([count.remote(r) for r in refs])]
+
+
+def free_cpus() -> float:
+    """The CPUs no task, actor or placement group holds on the attached cluster now."""
+    import ray
+
+    return float(ray.available_resources().get("CPU", 0.0))
+
+
+def _rows(table: Any) -> int:
+    return int(table.num_rows)
 
 
 def actor_key(handle: Any) -> str:

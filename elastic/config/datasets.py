@@ -18,16 +18,21 @@ from elastic.errors import ConfigError
 
 from .code import check_code, resolve_callable
 
-__all__ = ["is_parquet", "parquet_uri", "check_dataset", "dataset_object"]
+__all__ = ["is_parquet", "is_ray_dataset", "parquet_uri", "check_dataset", "dataset_object"]
 
 DTYPES = ("float32", "float64", "float16", "int64", "int32", "int16", "int8", "uint8", "bool")
 
 
 def is_parquet(spec: Any, fmt: str | None) -> bool:
     """Whether the dataset setting ``spec`` names Parquet data."""
-    return isinstance(spec, str) and (
+    return isinstance(spec, str) and fmt != "ray" and (
         fmt == "parquet" or spec.endswith(".parquet") or spec.startswith("parquet://")
     )
+
+
+def is_ray_dataset(obj: Any) -> bool:
+    """Whether ``obj`` is a ``ray.data.Dataset`` (told without importing Ray)."""
+    return type(obj).__module__.startswith("ray.data") and hasattr(obj, "to_arrow_refs")
 
 
 def parquet_uri(spec: str) -> str:
@@ -37,8 +42,12 @@ def parquet_uri(spec: str) -> str:
 
 def check_dataset(spec: Any, field: str, fmt: str | None) -> None:
     """The form of a dataset setting (code named by it is imported; no data is read)."""
-    if is_parquet(spec, fmt):
+    if is_parquet(spec, fmt) or is_ray_dataset(spec):
         return
+    if fmt == "ray" and not isinstance(spec, (str, Mapping)) and not callable(spec):
+        raise ConfigError(field, f"{type(spec).__name__} is not a Ray dataset.",
+                          "with dataset_format: ray, give a ray.data.Dataset or "
+                          "'package.module:factory' of one")
     if isinstance(spec, str) and ":" not in spec:
         raise ConfigError(field, f"{spec!r} is neither a Parquet dataset nor an import string.",
                           "give a *.parquet file or directory (with dataset_format: parquet "
@@ -66,6 +75,8 @@ def dataset_object(spec: Any, field: str, fmt: str | None, input_column: str,
         uri = parquet_uri(spec)
         _exists(uri, field)
         return ParquetDataset(uri, input_column, target_column, input_dtype, target_dtype)
+    if is_ray_dataset(spec):
+        return spec  # the controller runs it into blocks once Ray is up (elastic.ray_dataset)
     if isinstance(spec, (str, Mapping)):
         spec = resolve_callable(spec, field)
     if not isinstance(spec, type) and hasattr(spec, "__getitem__") and hasattr(spec, "__len__"):

@@ -136,6 +136,7 @@ class JobConfig(JobCode):
         for name, part in split(settings).items():
             self._s[name] = part if isinstance(part, Section) else SECTIONS[name](**part)
         self._default_location: StorageLocation | None = None
+        self.ray_blocks: dict[str, Any] = {}  # a running job's Ray datasets (elastic.ray_dataset)
         self._checked = False
         self.validate()
 
@@ -306,8 +307,14 @@ class JobConfig(JobCode):
     def for_worker(self) -> WorkerConfig:
         """What a worker reads, and nothing else (no cluster, failure or output settings)."""
         ck = self.checkpoints
+        data, evaluation, blocks = self.data, self.evaluation, self.ray_blocks
+        if "dataset" in blocks or data.format == "ray":  # blocks in place of Ray datasets
+            data = dataclasses.replace(data, dataset=blocks.get("dataset", data.dataset),
+                                       format=None)
+        if "eval_dataset" in blocks:
+            evaluation = dataclasses.replace(evaluation, dataset=blocks["eval_dataset"])
         return WorkerConfig(
-            training=self.training, data=self.data, evaluation=self.evaluation,
+            training=self.training, data=data, evaluation=evaluation,
             switch_check=self.switch_check, switch_move=self.switch_move,
             checkpoint_every=ck.every, checkpoint_wait_s=ck.wait_s,
             checkpoint_location=self.checkpoint_location if ck.enabled else None,

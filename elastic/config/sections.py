@@ -200,7 +200,7 @@ class Data(Section):
     dataset: Any
     global_batch_size: int
     max_steps: int
-    format: str | None = None  # "parquet" for a Parquet directory
+    format: str | None = None  # "parquet" (a directory), "ray" (a factory of a Ray dataset)
     # Parquet: which columns, and the dtypes their values are read as
     input_column: str = "x"
     target_column: str = "y"
@@ -211,8 +211,8 @@ class Data(Section):
 
     def __post_init__(self) -> None:
         if self.format is not None:
-            one_of(self.format, "dataset_format", ("parquet",),
-                          "use dataset_format: parquet, or leave it out")
+            one_of(self.format, "dataset_format", ("parquet", "ray"),
+                          "use dataset_format: parquet or ray, or leave it out")
         check_dataset(self.dataset, "dataset", self.format)
         integer(self.global_batch_size, "global_batch_size")
         integer(self.max_steps, "max_steps")

@@ -199,7 +199,7 @@ class Controller:
         if cfg.resume:
             self._resume = self.tracker.find_resume(cfg.resume)
         if self._group_factory is None:  # on Ray: attach, or start a local one
-            self._started_ray = _ray_connect(cfg)
+            self._started_ray = _ray_connect(cfg, pre.model, self._emit)
             self.interrupts.reclaim()
         self.inbox.mailbox = (self._mailbox_factory or _ray_mailbox)(cfg.job_name)  # the name
         self.tracker.claim()  # and the checkpoint URI, before anything is written
@@ -462,10 +462,7 @@ class Controller:
         finally:  # whatever the group's close did, nobody waits on a request for ever
             self.inbox.close(SwitchError(f"the job ended ({self.phase.value}) before the "
                                          "request was handled"), self.status())
-        if self._started_ray:
-            from ..ray_connect import disconnect
-
-            disconnect()
+        _ray_release(self.cfg, self._started_ray)
 
 
 def _placed(infos: list[dict[str, Any]]) -> tuple[str, dict[str, Any]]:
@@ -478,10 +475,28 @@ def _placed(infos: list[dict[str, Any]]) -> tuple[str, dict[str, Any]]:
                                         "warm": bool(i.get("warm"))} for i in infos]})
 
 
-def _ray_connect(cfg: JobConfig) -> bool:
+def _ray_connect(cfg: JobConfig, model: Any, emit: Callable[..., Any]) -> bool:
+    """Attach to (or start) Ray, then run the job's Ray datasets into blocks (checked)."""
     from ..ray_connect import connect
+    from ..ray_dataset import prepare
 
-    return connect(cfg.ray_address, cfg.max_world * float(cfg.resources_per_worker.get("CPU", 1)))
+    started = connect(cfg.ray_address, cfg.max_world * float(cfg.resources_per_worker.get("CPU", 1)))
+    cfg.ray_blocks = {}
+    try:
+        cfg.ray_blocks = prepare(cfg, model, emit)
+    except BaseException:
+        _ray_release(cfg, started)
+        raise
+    return started
+
+
+def _ray_release(cfg: JobConfig, started: bool) -> None:
+    """Drop the job's Ray dataset blocks, and shut down the Ray this job started."""
+    cfg.ray_blocks = {}
+    if started:
+        from ..ray_connect import disconnect
+
+        disconnect()
 
 
 def _ray_group(cfg: JobConfig, *, pool: Any = None) -> Any:

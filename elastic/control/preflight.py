@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import JobConfig
+from ..config.datasets import is_ray_dataset
 from ..errors import ConfigError
 from ..preflight import check_sample
 from ..reference import build_model
@@ -37,27 +38,7 @@ def preflight(cfg: JobConfig, emit: Callable[..., Any]) -> Preflight:
     except Exception as e:
         raise ConfigError("model", f"the model factory raised {type(e).__name__}: {e}",
                           "fix the factory; it must return an nn.Module") from e
-    ds = cfg.dataset_object()
-    try:
-        n = len(ds)
-    except Exception as e:
-        raise ConfigError("dataset", f"cannot read the dataset's length ({e}).",
-                          "check the dataset URI or object") from e
-    if n < cfg.global_batch_size:
-        raise ConfigError(
-            "dataset", f"has {n} samples, fewer than one global batch ({cfg.global_batch_size}).",
-            f"use global_batch_size <= {n} or a larger dataset")
-    check_sample(cfg, model, ds)  # the model and the loss on a few samples, as workers read
-    if cfg.eval_dataset is not None:
-        try:
-            n_eval = len(cfg.eval_dataset_object())
-        except ConfigError:
-            raise
-        except Exception as e:
-            raise ConfigError("eval_dataset", f"cannot read its length ({e}).",
-                              "check the dataset URI or object") from e
-        if n_eval < 1:
-            raise ConfigError("eval_dataset", "is empty.", "give it samples, or drop it")
+    _check_datasets(cfg, model)
     cfg.optimizer_factory()
     cfg.loss_fn()
     check_trackers_here(cfg.trackers)
@@ -74,6 +55,40 @@ def preflight(cfg: JobConfig, emit: Callable[..., Any]) -> Preflight:
         store = job_store(cfg)
         store.check_writable()
     return Preflight(model, store)
+
+
+def _check_datasets(cfg: JobConfig, model: Any) -> None:
+    """Enough samples, and the model and loss on a few of them. A Ray dataset (or, with
+    ``dataset_format: ray``, its factory) is left to ``elastic.ray_dataset.prepare``, which
+    runs it once Ray is up."""
+    if cfg.dataset_format == "ray":
+        return
+    ds = cfg.dataset_object()
+    if not is_ray_dataset(ds):
+        try:
+            n = len(ds)
+        except Exception as e:
+            raise ConfigError("dataset", f"cannot read the dataset's length ({e}).",
+                              "check the dataset URI or object") from e
+        if n < cfg.global_batch_size:
+            raise ConfigError(
+                "dataset", f"has {n} samples, fewer than one global batch "
+                f"({cfg.global_batch_size}).",
+                f"use global_batch_size <= {n} or a larger dataset")
+        check_sample(cfg, model, ds)  # the model and the loss on a few samples, as workers read
+    if cfg.eval_dataset is not None:
+        try:
+            ev = cfg.eval_dataset_object()
+            if is_ray_dataset(ev):
+                return
+            n_eval = len(ev)
+        except ConfigError:
+            raise
+        except Exception as e:
+            raise ConfigError("eval_dataset", f"cannot read its length ({e}).",
+                              "check the dataset URI or object") from e
+        if n_eval < 1:
+            raise ConfigError("eval_dataset", "is empty.", "give it samples, or drop it")
 
 
 def _holds_run(path: str) -> bool:

@@ -40,7 +40,7 @@ def no_ray(monkeypatch, tmp_path):
     """``elastic.fit`` stops where it would connect to Ray (after the preflight)."""
     from elastic.control import controller
 
-    def guard(cfg):
+    def guard(cfg, *_):
         raise ReachedRay("the preflight passed")
 
     monkeypatch.setattr(controller, "_ray_connect", guard)

@@ -1,0 +1,188 @@
+"""Ray Data as a job's dataset.
+
+A ``ray.data.Dataset`` given as ``dataset`` or ``eval_dataset`` (or, with ``dataset_format:
+ray``, an import string or factory of one, called on the driver once Ray is up) is executed
+once, on the cluster, into Arrow blocks in Ray's object store. Workers read the rows of their
+share straight from those blocks: ``input_column`` and ``target_column``, as Parquet is read.
+
+Why execute it whole rather than stream it (Ray Train's ``iter_torch_batches``): the samples
+of step s depend only on (seed, s, G) (``elastic.data``), whatever the world size, failures or
+switches. A streaming split cannot re-read step s after a node loss or re-cut it when the
+world changes; a table of blocks is random access, so the sampler picks rows and any rank
+takes any rows. The pipeline's order is fixed: ``preserve_order`` is turned on in the
+dataset's context before it runs, so the same pipeline gives the same rows in the same order
+in every run, and a resumed job sees the samples the first run would have seen.
+
+Memory: the blocks stay in the object store while the job runs (owned by the driver). A worker
+fetches the blocks its samples are in and keeps them (zero-copy on its node; the workers of
+one node share one copy), so with a random order each node ends up holding the dataset once.
+A block on a lost node is rebuilt by Ray from its lineage.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from .config.datasets import is_ray_dataset
+from .data import _column
+from .errors import ClusterError, ConfigError
+
+if TYPE_CHECKING:
+    from .config import JobConfig
+
+__all__ = ["RayBlocks", "is_ray_dataset", "materialize", "prepare"]
+
+
+class RayBlocks:
+    """A map-style dataset over a materialized Ray dataset's Arrow blocks: (input, target)
+    rows from two columns. Picklable (the block references travel, never the tables); not
+    thread-safe."""
+
+    by_columns = True  # errors name input_column/target_column, as for Parquet
+
+    def __init__(self, refs: list[Any], rows: list[int], columns: tuple[str, str],
+                 dtypes: tuple[str, str], name: str = "") -> None:
+        self.refs = list(refs)
+        self.rows = [int(n) for n in rows]
+        self.columns = columns
+        self.dtypes = dtypes
+        self.name = name
+        self._ends = np.cumsum(np.asarray(self.rows, dtype=np.int64))
+        self._tables: dict[int, Any] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        d["_tables"] = {}
+        return d
+
+    def __len__(self) -> int:
+        return int(self._ends[-1]) if len(self._ends) else 0
+
+    def __repr__(self) -> str:
+        return f"RayBlocks({self.name or 'ray.data.Dataset'}: {len(self)} rows, {len(self.refs)} blocks)"
+
+    def _fetch(self, blocks: list[int]) -> None:
+        need = [b for b in blocks if b not in self._tables]
+        if need:
+            from .ray_connect import get_ref
+
+            for b, table in zip(need, get_ref([self.refs[b] for b in need]), strict=True):
+                self._tables[b] = table
+
+    def get_batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows ``indices`` (in that order), as (inputs, targets)."""
+        import pyarrow as pa
+
+        idx = indices.numpy().astype(np.int64, copy=False)
+        if len(idx) and (idx.min() < 0 or idx.max() >= len(self)):
+            raise IndexError(f"row index out of range for {self!r}")
+        blk = np.searchsorted(self._ends, idx, side="right")
+        present = [int(b) for b in np.unique(blk)]
+        self._fetch(present)
+        xs, ys, where = [], [], []
+        for b in present:
+            sel = np.nonzero(blk == b)[0]
+            start = int(self._ends[b]) - self.rows[b]
+            part = self._tables[b].take(pa.array(idx[sel] - start))
+            xs.append(_column(part, self.columns[0], self.dtypes[0]))
+            ys.append(_column(part, self.columns[1], self.dtypes[1]))
+            where.append(sel)
+        back = torch.from_numpy(np.argsort(np.concatenate(where), kind="stable"))
+        return torch.cat(xs)[back], torch.cat(ys)[back]
+
+    def head(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.get_batch(torch.arange(min(n, len(self))))
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = self.get_batch(torch.tensor([int(i)]))
+        return x[0], y[0]
+
+
+def materialize(ds: Any, field: str, columns: tuple[str, str], dtypes: tuple[str, str]
+                ) -> RayBlocks:
+    """Run ``ds`` (in its own order) into the object store; ``ConfigError`` naming the field
+    when it fails, or lacks a column."""
+    from .ray_connect import free_cpus, table_rows
+
+    if type(ds).__name__ != "MaterializedDataset" and free_cpus() < 1:
+        raise ClusterError(  # Ray Data's tasks would wait for a CPU, silently, for ever
+            f"{field}: the Ray dataset's pipeline needs a free CPU to run on, and the cluster "
+            "has none free (workers, a WorkerPool's idle workers or other jobs hold them all). "
+            "Fix: free a CPU (a smaller pool: WorkerPool(max_idle=...), or add a node), or "
+            "run the pipeline first: ds = ds.materialize()")
+    opts = ds.context.execution_options  # (may be the process's context: set back after)
+    kept_order = opts.preserve_order
+    try:
+        opts.preserve_order = True
+        refs = ds.to_arrow_refs()
+        names = list(ds.schema().names)
+    except Exception as e:  # noqa: BLE001 - the user's pipeline: say what it did
+        raise ConfigError(field, f"running the Ray dataset failed: {_user_error(e)}.",
+                          "fix the pipeline (ds.take(1) on the driver shows the whole "
+                          "traceback)") from None
+    finally:
+        opts.preserve_order = kept_order
+    for setting, col in zip(("input_column", "target_column"), columns, strict=True):
+        if col not in names:
+            raise ConfigError(setting, f"{col!r} is not a column of the Ray dataset "
+                              f"({field}); it has {names}.",
+                              f"set {setting} to one of them, or add the column in the pipeline")
+    rows = table_rows(refs)
+    kept = [(r, n) for r, n in zip(refs, rows, strict=True) if n]
+    return RayBlocks([r for r, _ in kept], [n for _, n in kept], columns, dtypes,
+                     name=getattr(ds, "_dataset_name", None) or "")
+
+
+def _user_error(e: BaseException) -> str:
+    """The user's exception, as "Type: message", from under Ray's wrappers. A task's error
+    reaches the driver as text (Ray's ``RayTaskError`` keeps the remote traceback, not the
+    exception), so its first "...Error: ..." line is the user's; for display only."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))
+    for line in text.splitlines():
+        m = re.match(r"([A-Za-z_][\w.]*(?:Error|Exception)): (.+)", line.strip())
+        if m and not m.group(1).startswith("ray."):
+            return f"{m.group(1)}: {m.group(2)[:300]}"
+    first = (text.strip().splitlines() or [""])[0][:300]
+    return f"{type(e).__name__}: {first}" if first else type(e).__name__
+
+
+def prepare(cfg: JobConfig, model: Any, emit: Callable[..., Any] | None = None
+            ) -> dict[str, RayBlocks]:
+    """On the driver, once Ray is up: the job's Ray datasets as blocks (by field), checked
+    as preflight checks other datasets (enough rows; the model and loss on a sample). Each
+    run is a ``data`` event (rows, blocks, seconds)."""
+    from .preflight import check_sample
+
+    data = cfg.data
+    columns, dtypes = (data.input_column, data.target_column), (data.input_dtype,
+                                                                data.target_dtype)
+    out: dict[str, RayBlocks] = {}
+    for field, given in (("dataset", data.dataset), ("eval_dataset", cfg.eval_dataset)):
+        if given is None or not (data.format == "ray" or is_ray_dataset(given)):
+            continue
+        ds = cfg.dataset_object() if field == "dataset" else cfg.eval_dataset_object()
+        if not is_ray_dataset(ds):
+            continue  # a factory of a map-style dataset: workers call it, as without Ray
+        t0 = time.monotonic()
+        out[field] = blocks = materialize(ds, field, columns, dtypes)
+        secs = time.monotonic() - t0
+        if emit is not None:
+            emit("data", f"{field}: ran the Ray dataset into {len(blocks)} rows in "
+                 f"{len(blocks.refs)} blocks in {secs:.1f}s",
+                 data={"field": field, "rows": len(blocks), "blocks": len(blocks.refs),
+                       "seconds": round(secs, 3)})
+        if field == "dataset" and len(blocks) < cfg.global_batch_size:
+            raise ConfigError("dataset", f"has {len(blocks)} rows, fewer than one global batch "
+                              f"({cfg.global_batch_size}).",
+                              f"use global_batch_size <= {len(blocks)} or a larger dataset")
+        if field == "eval_dataset" and not len(blocks):
+            raise ConfigError("eval_dataset", "is empty.", "give it rows, or drop it")
+    if "dataset" in out:
+        check_sample(cfg, model, out["dataset"])
+    return out

@@ -1,0 +1,124 @@
+"""Ray datasets without Ray: the blocks' row lookup, the setting's forms, and what a worker is
+sent. (Running a pipeline on Ray: tests/integration/test_ray_data.py.)"""
+
+from __future__ import annotations
+
+import pickle
+
+import pyarrow as pa
+import pytest
+import torch
+
+from elastic.config import JobConfig
+from elastic.config.datasets import check_dataset, is_parquet, is_ray_dataset
+from elastic.errors import ConfigError
+from elastic.ray_dataset import RayBlocks
+from tests.helpers import RegressionData, adam, mlp, mse
+
+
+def _blocks(sizes: list[int]) -> tuple[RayBlocks, torch.Tensor, torch.Tensor]:
+    """Blocks of ``sizes`` rows (x: 3 numbers, y: one int) with their tables already
+    fetched, and the whole columns in order."""
+    n = sum(sizes)
+    x = torch.arange(n * 3, dtype=torch.float32).reshape(n, 3)
+    y = torch.arange(n) * 10
+    tables, lo = [], 0
+    for s in sizes:
+        tables.append(pa.table({"x": pa.array(x[lo:lo + s].tolist(), pa.list_(pa.float32(), 3)),
+                                "y": pa.array(y[lo:lo + s].tolist(), pa.int64())}))
+        lo += s
+    b = RayBlocks([f"ref{i}" for i in range(len(sizes))], sizes, ("x", "y"), ("float32", "int64"))
+    b._tables = dict(enumerate(tables))
+    return b, x, y
+
+
+@pytest.mark.parametrize("sizes", [[5], [3, 1, 7, 2], [1, 1, 1, 1, 1, 1]])
+def test_rows_come_back_in_the_order_asked_from_whichever_block_holds_them(sizes):
+    b, x, y = _blocks(sizes)
+    assert len(b) == sum(sizes)
+    g = torch.Generator().manual_seed(sum(sizes))
+    for _ in range(5):
+        idx = torch.randint(0, len(b), (9,), generator=g)  # repeats and any order
+        bx, by = b.get_batch(idx)
+        assert torch.equal(bx, x[idx]) and torch.equal(by, y[idx])
+        assert bx.dtype == torch.float32 and by.dtype == torch.int64
+    assert torch.equal(b[len(b) - 1][0], x[-1])
+    assert torch.equal(b.head(2)[1], y[:2])
+
+
+def test_a_row_outside_the_blocks_is_an_index_error():
+    b, _, _ = _blocks([2, 2])
+    with pytest.raises(IndexError, match="out of range"):
+        b.get_batch(torch.tensor([4]))
+
+
+def test_blocks_travel_without_their_tables():
+    b, _, _ = _blocks([2, 3])
+    c = pickle.loads(pickle.dumps(b))
+    assert c._tables == {} and c.refs == b.refs and len(c) == 5
+    assert "5 rows, 2 blocks" in repr(c)
+
+
+class _FakeRayDataset:  # what is_ray_dataset looks for: ray.data's module and to_arrow_refs
+    __module__ = "ray.data.dataset"
+
+    def to_arrow_refs(self):
+        raise AssertionError("not run here")
+
+
+def test_a_ray_dataset_is_a_dataset_setting_without_running_it():
+    ds = _FakeRayDataset()
+    assert is_ray_dataset(ds) and not is_ray_dataset(RegressionData())
+    check_dataset(ds, "dataset", None)  # taken as is
+    cfg = JobConfig(model=mlp, optimizer=adam, loss=mse, dataset=ds, global_batch_size=4,
+                    max_steps=2)
+    assert cfg.dataset_object() is ds
+
+
+def test_dataset_format_ray_takes_a_factory_and_refuses_other_values():
+    cfg = JobConfig(model=mlp, optimizer=adam, loss=mse, dataset="tests.helpers:RegressionData",
+                    dataset_format="ray", global_batch_size=4, max_steps=2)
+    assert cfg.dataset_format == "ray"
+    assert not is_parquet("data.parquet", "ray")  # the format says what it is
+    with pytest.raises(ConfigError) as e:
+        JobConfig(model=mlp, optimizer=adam, loss=mse, dataset=RegressionData(),
+                  dataset_format="ray", global_batch_size=4, max_steps=2)
+    assert e.value.field == "dataset" and "Ray dataset" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        JobConfig(model=mlp, optimizer=adam, loss=mse, dataset=RegressionData(),
+                  dataset_format="arrow", global_batch_size=4, max_steps=2)
+    assert e.value.field == "dataset_format" and "ray" in str(e.value)
+
+
+def test_a_worker_is_sent_the_blocks_never_the_pipeline_or_its_factory():
+    b, _, _ = _blocks([4, 4])
+    cfg = JobConfig(model=mlp, optimizer=adam, loss=mse, dataset="tests.helpers:RegressionData",
+                    dataset_format="ray", eval_dataset=_FakeRayDataset(), global_batch_size=4,
+                    max_steps=2)
+    cfg.ray_blocks = {"dataset": b, "eval_dataset": b}
+    w = cfg.for_worker()
+    assert w.data.dataset is b and w.data.format is None and w.evaluation.dataset is b
+    assert w.dataset_object() is b
+    assert cfg.dataset == "tests.helpers:RegressionData"  # the user's setting is unchanged
+    # a format-ray factory that gave a map-style dataset: the worker calls it, as without Ray
+    cfg.ray_blocks = {}
+    w = cfg.for_worker()
+    assert w.data.format is None and len(w.dataset_object()) == 256
+
+
+def test_a_pipeline_with_no_cpu_to_run_on_is_refused_not_left_waiting(monkeypatch):
+    """Ray Data's tasks would wait for a CPU for ever, saying nothing on the driver."""
+    import elastic.ray_connect as rc
+    from elastic.errors import ClusterError
+    from elastic.ray_dataset import materialize
+
+    monkeypatch.setattr(rc, "free_cpus", lambda: 0.0)
+    with pytest.raises(ClusterError) as e:
+        materialize(_FakeRayDataset(), "dataset", ("x", "y"), ("float32", "float32"))
+    assert "free CPU" in str(e.value) and "materialize()" in str(e.value)
+
+    class MaterializedDataset(_FakeRayDataset):  # already run: needs no CPU, let through
+        context = type("C", (), {"execution_options": type("O", (), {"preserve_order": False})()})()
+
+    with pytest.raises(ConfigError, match="running the Ray dataset failed: AssertionError"):
+        materialize(MaterializedDataset(), "dataset", ("x", "y"), ("float32", "float32"))
