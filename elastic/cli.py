@@ -147,8 +147,9 @@ def _cmd_plan(a: argparse.Namespace) -> int:
         cluster = load_cluster(path)
     if a.prices:
         cluster = with_prices(cluster, parse_prices(a.prices))
-    profile = model_profile(model, cfg.optimizer, tokens_per_sample(cfg.dataset_object()),
-                            precision=cfg.precision)
+    # a Ray pipeline is not run to plan: a sample's length is then taken as 1
+    tokens = 1 if cfg.dataset_format == "ray" else tokens_per_sample(cfg.dataset_object())
+    profile = model_profile(model, cfg.optimizer, tokens, precision=cfg.precision)
     result = plan(cluster, profile, a.global_batch or cfg.global_batch_size)
     print(format_plan_table(result, cluster=cluster))
     return 0 if result.choice is not None else 1
@@ -215,8 +216,10 @@ def _cmd_checkpoints(a: argparse.Namespace) -> int:
         return report.exit_code
     if not a.out:
         raise SystemExit("elastic checkpoints export needs --out FILE")
-    export(store, a.out, _which(a.which or "latest"), include_optimizer=a.optimizer)
-    print(f"wrote {a.out} (load it with torch.load(path, weights_only=True))")
+    res = export(store, a.out, _which(a.which or "latest"), include_optimizer=a.optimizer)
+    how = ("safetensors.torch.load_file(path)" if a.out.endswith(".safetensors")
+           else "torch.load(path, weights_only=True)")
+    print(f"wrote step {res.step} to {a.out} (load it with {how})")
     return 0
 
 
@@ -245,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     ck.add_argument("action", choices=["list", "inspect", "verify", "export"])
     ck.add_argument("uri", help="checkpoint root: a path, s3://bucket/prefix, gs://...")
     ck.add_argument("--which", help="a step or 'latest' (the default; verify: all checkpoints)")
-    ck.add_argument("--out", help="export: the .pt file to write (plain PyTorch state dict)")
+    ck.add_argument("--out", help="export: the file to write: .pt (torch.save) or .safetensors")
     ck.add_argument("--optimizer", action="store_true", help="export: include optimizer state")
     ck.add_argument("--endpoint", help="S3-compatible endpoint, e.g. http://127.0.0.1:9000")
     ck.add_argument("--options", help="store options as JSON (region, retries, ...)")

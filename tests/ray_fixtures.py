@@ -75,6 +75,10 @@ def ray_local(request):
     return ray
 
 
+# Ray Data's detached actors (0 CPUs), which outlive the driver that ran a pipeline
+RAY_DATA_ACTORS = ("_StatsActor", "_AutoscalingCoordinatorActor", "_UsageCollectionActor")
+
+
 class ChaosCluster:
     """A head with no CPUs (the driver attaches to it) plus worker nodes of 1 CPU each."""
 
@@ -148,7 +152,8 @@ class ChaosCluster:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             alive = [a for a in ray._private.state.actors().values()
-                     if a.get("State") not in ("DEAD", 4)]
+                     if a.get("State") not in ("DEAD", 4)
+                     and a.get("ActorClassName") not in RAY_DATA_ACTORS]
             free = ray.available_resources().get("CPU", 0.0)
             # nothing of the earlier job: no live actor but the pool's idle workers, each
             # holding its 1 CPU, and every other CPU free
@@ -160,7 +165,7 @@ class ChaosCluster:
         import sys
 
         print(f"ray_cluster: not reused: {len(alive)} live actor(s) "
-              f"{sorted(a.get('ClassName', '?') for a in alive)}, {len(idle)} idle in the pool, "
+              f"{sorted(a.get('ActorClassName') or '?' for a in alive)}, {len(idle)} idle in the pool, "
               f"{free} of {ray.cluster_resources().get('CPU', 0.0)} CPUs free, want {n_nodes}",
               file=sys.stderr)
         return False

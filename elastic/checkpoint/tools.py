@@ -181,6 +181,19 @@ class ExportResult:
     bytes: int
 
 
+def _safetensors_bytes(model: dict[str, torch.Tensor], optim: dict[str, torch.Tensor],
+                       about: dict[str, str]) -> bytes:
+    try:
+        from safetensors.torch import save
+    except ImportError:
+        raise CheckpointError("exporting to safetensors needs the safetensors package. Fix: "
+                              "pip install safetensors (or elastic[export]), or export to a "
+                              ".pt file") from None
+    flat = {k: v.contiguous() for k, v in model.items()}
+    flat.update({f"optimizer/{k}": v.contiguous() for k, v in optim.items()})
+    return bytes(save(flat, metadata={"format": "pt", "producer": "elastic", **about}))
+
+
 def export(
     store: CheckpointStore,
     dest: str,
@@ -188,14 +201,23 @@ def export(
     *,
     include_optimizer: bool = False,
     dest_options: Mapping[str, Any] | None = None,
+    fmt: str | None = None,
 ) -> ExportResult:
-    """Assemble full tensors and write ONE plain PyTorch file with ``torch.save``.
+    """Assemble full tensors and write ONE file, as ``fmt``: ``"torch"`` (``torch.save``) or
+    ``"safetensors"``; by default, safetensors for a ``dest`` ending in ``.safetensors``.
 
-    Without ``include_optimizer`` the file is the model's state dict: ``{fqn: Tensor}`` (the
-    ``model/`` prefix stripped). With it: ``{"model": {fqn: Tensor}, "optimizer":
-    {"<fqn>/<key>": Tensor}}``. Either loads with ``torch.load(path, weights_only=True)``
-    without elastic. ``dest``: a local path, or a URI (with ``dest_options``) for pyarrow.
+    torch: without ``include_optimizer`` the file is the model's state dict ``{fqn: Tensor}``
+    (the ``model/`` prefix stripped); with it, ``{"model": {fqn: Tensor}, "optimizer":
+    {"<fqn>/<key>": Tensor}}``. It loads with ``torch.load(path, weights_only=True)``.
+    safetensors: one flat table, the model's tensors under their FQNs (what
+    ``safetensors.torch.load_file`` and ``model.load_state_dict`` take) and, with
+    ``include_optimizer``, ``optimizer/<fqn>/<key>`` beside them; the metadata holds the step,
+    strategy and world size. Either loads without elastic. ``dest``: a local path (written
+    whole, then renamed into place), or a URI (with ``dest_options``) for pyarrow.
     """
+    fmt = fmt or ("safetensors" if dest.endswith(".safetensors") else "torch")
+    if fmt not in ("torch", "safetensors"):
+        raise ValueError(f"export format {fmt!r}: use 'torch' or 'safetensors'")
     with CheckpointReader(store, which) as r:
         keys = [
             k
@@ -206,23 +228,33 @@ def export(
             raise CheckpointError(f"checkpoint step {r.step} holds no 'model/' keys to export")
         state = r.read(keys)
         step = r.step
+        about = {"step": str(step), "strategy": str(r.manifest.strategy),
+                 "world_size": str(r.manifest.world_size)}
     model = {k[len("model/") :]: v for k, v in state.items() if k.startswith("model/")}
-    obj: Any = model
-    if include_optimizer:
-        optim = {k[len("optim/") :]: v for k, v in state.items() if k.startswith("optim/")}
-        obj = {"model": model, "optimizer": optim}
+    optim = {k[len("optim/") :]: v for k, v in state.items() if k.startswith("optim/")}
     nbytes = sum(v.numel() * v.element_size() for v in state.values())
+    if fmt == "safetensors":
+        data = _safetensors_bytes(model, optim, about)
+
+        def write(f: Any) -> None:
+            f.write(data)
+    else:
+        obj: Any = {"model": model, "optimizer": optim} if include_optimizer else model
+
+        def write(f: Any) -> None:
+            torch.save(obj, f)
     if "://" in dest and not dest.startswith("file://"):
         out = CheckpointStore(dest, dest_options)
         try:
             with out.fs.open_output_stream(out.root) as f:
-                torch.save(obj, f)
+                write(f)
         except (OSError, ValueError, RuntimeError) as e:
             raise out.error(f"exporting step {step} to {out.uri} failed", e) from None
     else:
         path = os.path.abspath(dest.removeprefix("file://"))
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-        torch.save(obj, tmp)
+        with open(tmp, "wb") as f:
+            write(f)
         os.replace(tmp, path)
     return ExportResult(dest, step, len(state), nbytes)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import pickle
 import threading
 from typing import Any
@@ -527,6 +528,36 @@ def test_tools_inspect_verify_export(tmp_path) -> None:
     full = torch.load(tmp_path / "full.pt", weights_only=True)
     assert torch.equal(full["optimizer"]["fc.weight/exp_avg"], state["optim/fc.weight/exp_avg"])
 
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_export_to_safetensors_loads_without_elastic(tmp_path, where, request) -> None:
+    from safetensors import safe_open
+    from safetensors.torch import load
+
+    store = CheckpointStore(str(tmp_path / "ckpt"))
+    state = make_state()
+    save(store, 7, state)
+    if where == "s3":
+        s3 = request.getfixturevalue("s3_server")
+        dest, opts = s3.uri() + "/export/model.safetensors", s3.options()
+        export(store, dest, include_optimizer=True, dest_options=opts)
+        raw = s3.client().get_object(Bucket=s3.bucket,
+                                     Key=dest.split(s3.bucket + "/", 1)[1])["Body"].read()
+    else:
+        dest = str(tmp_path / "out" / "model.safetensors")
+        res = export(store, dest, include_optimizer=True)
+        assert res.step == 7 and not [p for p in os.listdir(tmp_path / "out") if ".tmp-" in p]
+        raw = open(dest, "rb").read()
+        with safe_open(dest, "pt") as f:
+            assert f.metadata()["step"] == "7" and f.metadata()["strategy"] == "fsdp"
+    flat = load(raw)
+    model = {k[6:]: v for k, v in state.items() if k.startswith("model/")}
+    assert {k for k in flat if not k.startswith("optimizer/")} == set(model)
+    assert all(torch.equal(flat[k], v) for k, v in model.items())
+    assert torch.equal(flat["optimizer/fc.weight/exp_avg"], state["optim/fc.weight/exp_avg"])
+    with pytest.raises(ValueError, match="use 'torch' or 'safetensors'"):
+        export(store, str(tmp_path / "m.bin"), fmt="onnx")
 
 # --------------------------------------------------------------------------- storage errors & secrets
 

@@ -44,15 +44,22 @@ def test_checkpoint_tools(ray_local, tmp_path):
                          global_batch_size=8, max_steps=6, num_workers=2, view="none",
                          checkpoint_uri=uri, checkpoint_every=3, run_dir=str(tmp_path / "run"))
     dest = tmp_path / "model.pt"
-    listed, inspected, verified, exported = _clis(
+    st = tmp_path / "model.safetensors"
+    listed, inspected, verified, exported, exported_st = _clis(
         ("checkpoints", "list", uri), ("checkpoints", "inspect", uri),
-        ("checkpoints", "verify", uri), ("checkpoints", "export", uri, "--out", str(dest)))
+        ("checkpoints", "verify", uri), ("checkpoints", "export", uri, "--out", str(dest)),
+        ("checkpoints", "export", uri, "--out", str(st)))
     assert listed.returncode == 0 and "3" in listed.stdout and "6" in listed.stdout, listed
     assert inspected.returncode == 0 and "model/0.weight" in inspected.stdout
     assert "dp" in inspected.stdout
     assert verified.returncode == 0 and verified.stdout.count("OK") == 2
     assert exported.returncode == 0, exported.stderr
     assert max_diff(torch.load(dest, weights_only=True), result.state_dict()) == 0.0
+    assert exported_st.returncode == 0 and "load_file" in exported_st.stdout, exported_st.stderr
+    from safetensors.torch import load_file
+
+    mlp().load_state_dict(load_file(st))  # a plain model takes it as it is
+    assert max_diff(load_file(st), result.state_dict()) == 0.0
     # flip bytes in one shard of the newest checkpoint: verify names it and exits 1
     shard = sorted(glob.glob(os.path.join(uri, "step-*6", "shard-*.bin")))[0]
     with open(shard, "r+b") as f:
