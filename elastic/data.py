@@ -173,12 +173,20 @@ class ParquetDataset:
 def _column(table: Any, name: str, dtype: str) -> torch.Tensor:
     """One column as a tensor of ``dtype``: numbers, or fixed-length lists of numbers (one
     row per sample)."""
+    return torch.from_numpy(column_array(table, name, dtype).copy())
+
+
+def column_array(table: Any, name: str, dtype: str) -> Any:
+    """One column as a numpy array of ``dtype``, one row per sample: numbers (n,), fixed-length
+    lists of numbers (n, k), or Ray Data's tensor columns (n, *shape). A view of the table's
+    memory where Arrow allows it (one chunk, no nulls, the dtype already): may be read-only."""
     import numpy as np
 
-    c = table.column(name).combine_chunks()
+    c = table.column(name)
+    c = c.chunk(0) if c.num_chunks == 1 else c.combine_chunks()
     if hasattr(c, "flatten") and str(c.type).startswith(("list", "fixed_size_list")):
         flat = np.asarray(c.flatten().to_numpy(zero_copy_only=False))
         arr = flat.reshape(len(c), -1)
     else:
         arr = np.asarray(c.to_numpy(zero_copy_only=False))
-    return torch.from_numpy(arr.astype(dtype, copy=False).copy())
+    return arr.astype(dtype, copy=False)

@@ -32,14 +32,9 @@ def _blocks(sizes: list[int]) -> tuple[RayBlocks, torch.Tensor, torch.Tensor]:
     return b, x, y
 
 
-@pytest.mark.parametrize("whole", [True, False], ids=["one-table", "per-block"])
 @pytest.mark.parametrize("sizes", [[5], [3, 1, 7, 2], [1, 1, 1, 1, 1, 1]])
-def test_rows_come_back_in_the_order_asked_from_whichever_block_holds_them(sizes, whole):
-    """Once every block is here, one take over them all; before (or when their schemas
-    differ), a take per block."""
+def test_rows_come_back_in_the_order_asked_from_whichever_block_holds_them(sizes):
     b, x, y = _blocks(sizes)
-    if not whole:
-        b._whole = False
     assert len(b) == sum(sizes)
     g = torch.Generator().manual_seed(sum(sizes))
     for _ in range(5):
@@ -49,16 +44,16 @@ def test_rows_come_back_in_the_order_asked_from_whichever_block_holds_them(sizes
         assert bx.dtype == torch.float32 and by.dtype == torch.int64
     assert torch.equal(b[len(b) - 1][0], x[-1])
     assert torch.equal(b.head(2)[1], y[:2])
+    assert b.get_batch(torch.tensor([], dtype=torch.long))[0].shape == (0, 3)
 
 
-def test_blocks_of_different_schemas_are_read_block_by_block():
+def test_blocks_of_different_arrow_types_read_as_the_settings_dtypes():
     b, x, y = _blocks([2, 3])
     t = b._tables[1]
     b._tables[1] = t.append_column("extra", pa.array(["a", "b", "c"]))  # one more column
     b._tables[0] = b._tables[0].cast(pa.schema([("x", pa.list_(pa.float64(), 3)),
                                                 ("y", pa.int64())]))  # another type
     got = b.get_batch(torch.tensor([4, 0, 2]))
-    assert b._whole is False
     assert torch.equal(got[0], x[[4, 0, 2]]) and torch.equal(got[1], y[[4, 0, 2]])
 
 

@@ -1,0 +1,185 @@
+"""Ray Data benchmark: what reading a job's samples from a Ray dataset costs against the same
+rows in memory, side by side in one run, on one local Ray; and the worker's block read alone.
+
+Part 1, jobs: the same model, rows, global batch, steps and layout, in alternating rounds:
+
+* ``memory``: a map-style dataset of the rows (torch tensors), what each worker builds;
+* ``ray``: the same rows as a ``ray.data`` pipeline (``from_numpy`` in ``--blocks`` blocks,
+  then a ``map_batches`` that renames the columns), run once by the controller; workers read
+  their rows from the blocks (``elastic/ray_dataset.py``).
+
+Per job: seconds from ``fit()`` to the first completed step, the pipeline's own seconds (its
+``data`` event), steady samples/s (the median of steps after the first 5), and the largest
+parameter difference between the two jobs of a round (the same rows in the same order: it
+must be 0 up to float32 sums). Ratios are ray / memory.
+
+Part 2, the read alone (no Ray: tables placed in the block cache): ms per ``get_batch`` of
+``--batch`` random rows from ``--read-blocks`` blocks, against one Arrow ``take`` over the
+blocks joined into one table (the alternative it replaced).
+
+A benchmark, not a test: it checks nothing. From the repository root:
+``python bench/ray_data.py`` (``--help`` for the options).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import elastic  # noqa: E402 - after the path set-up above
+
+
+class Rows(torch.utils.data.Dataset):
+    def __init__(self, x: np.ndarray, y: np.ndarray) -> None:
+        self.x, self.y = torch.from_numpy(x), torch.from_numpy(y)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[i], self.y[i]
+
+    def get_batch(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[idx], self.y[idx]
+
+
+def _rows(n: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(n, width)).astype(np.float32)
+    y = (x @ rng.normal(size=(width, 4))).astype(np.float32)
+    return x, y
+
+
+def _model(width: int) -> Any:
+    return torch.nn.Sequential(torch.nn.Linear(width, 256), torch.nn.ReLU(),
+                               torch.nn.Linear(256, 4))
+
+
+def _rename(batch: dict[str, Any]) -> dict[str, Any]:
+    return {"features": batch["x"], "target": batch["y"]}
+
+
+def _ray_ds(x: np.ndarray, y: np.ndarray, blocks: int) -> Any:
+    import ray
+
+    return ray.data.from_numpy(x).zip(ray.data.from_numpy(y)).repartition(blocks).map_batches(
+        lambda b: {"x": b["data"], "y": b["data_1"]}, batch_format="numpy").map_batches(
+        _rename, batch_format="numpy")
+
+
+def _job(kind: str, args: argparse.Namespace, x: np.ndarray, y: np.ndarray,
+         root: str) -> dict[str, Any]:
+    from functools import partial
+
+    data: Any = Rows(x, y) if kind == "memory" else _ray_ds(x, y, args.blocks)
+    t0 = time.perf_counter()
+    first: list[float] = []
+    times: list[float] = []
+
+    def on_step(entry: dict[str, Any]) -> None:
+        if not first:
+            first.append(time.perf_counter() - t0)
+        times.append(entry["samples_per_s"])
+
+    r = elastic.fit(model=partial(_model, args.width), optimizer=lambda p: torch.optim.Adam(p),
+                    loss=torch.nn.functional.mse_loss, dataset=data,
+                    input_column="features", target_column="target",
+                    global_batch_size=args.global_batch, max_steps=args.steps,
+                    num_workers=args.workers, strategy=args.strategy, view="none",
+                    run_dir=tempfile.mkdtemp(dir=root), on_step=on_step)
+    ran = [e.data["seconds"] for e in r.events if e.kind == "data"]
+    return {"first_s": first[0], "pipeline_s": ran[0] if ran else 0.0,
+            "samples_per_s": statistics.median(times[5:] or times), "state": r.state_dict()}
+
+
+def _read_bench(args: argparse.Namespace) -> tuple[float, float]:
+    import pyarrow as pa
+
+    from elastic.ray_dataset import RayBlocks
+
+    per = max(1, args.rows // args.read_blocks)
+    x, y = _rows(per * args.read_blocks, args.width)
+    tables = [pa.table({"x": pa.FixedSizeListArray.from_arrays(
+        pa.array(x[i * per:(i + 1) * per].ravel()), args.width),
+        "y": pa.FixedSizeListArray.from_arrays(pa.array(y[i * per:(i + 1) * per].ravel()), 4)})
+        for i in range(args.read_blocks)]
+    from elastic.data import _column
+
+    b = RayBlocks([None] * len(tables), [per] * len(tables), ("x", "y"), ("float32", "float32"))
+    b._tables = dict(enumerate(tables))
+    idx = torch.randperm(len(b))[:args.batch]
+    whole = pa.concat_tables(tables)  # the alternative: one Arrow take over every block
+
+    def arrow_take() -> None:
+        part = whole.take(pa.array(idx.numpy()))
+        _column(part, "x", "float32"), _column(part, "y", "float32")
+
+    out = []
+    for read in (lambda: b.get_batch(idx), arrow_take):
+        read()  # (elastic's: each block's arrays are made on first use)
+        t = time.perf_counter()
+        for _ in range(20):
+            read()
+        out.append((time.perf_counter() - t) / 20 * 1e3)
+    return out[0], out[1]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", type=int, default=200_000)
+    p.add_argument("--width", type=int, default=64)
+    p.add_argument("--blocks", type=int, default=50, help="the pipeline's blocks (part 1)")
+    p.add_argument("--global-batch", type=int, default=512)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--strategy", default="dp")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--read-blocks", type=int, default=1000, help="blocks (part 2)")
+    p.add_argument("--batch", type=int, default=2048, help="rows per read (part 2)")
+    args = p.parse_args()
+
+    import ray
+
+    ray.init(num_cpus=max(os.cpu_count() or 2, args.workers + 1), include_dashboard=False,
+             logging_level="ERROR", log_to_driver=False)
+    x, y = _rows(args.rows, args.width)
+    root = tempfile.mkdtemp(prefix="bench-ray-data-")
+    res: dict[str, list[dict[str, Any]]] = {"memory": [], "ray": []}
+    try:
+        for rnd in range(args.rounds):
+            order = ("memory", "ray") if rnd % 2 == 0 else ("ray", "memory")
+            for kind in order:
+                res[kind].append(_job(kind, args, x, y, root))
+            a, b = res["memory"][-1]["state"], res["ray"][-1]["state"]
+            diff = max(float((a[k] - b[k]).abs().max()) for k in a)
+            print(f"round {rnd}: max |memory - ray| parameter difference {diff:.2e}")
+    finally:
+        ray.shutdown()
+    print(f"\n{args.rows} rows x {args.width} floats, G={args.global_batch}, {args.steps} steps, "
+          f"{args.workers} workers, {args.strategy}, {args.blocks} blocks, {args.rounds} rounds "
+          "(medians)")
+    print(f"{'':8} {'first step s':>13} {'pipeline s':>11} {'samples/s':>10}")
+    med = {k: {m: statistics.median(r[m] for r in v) for m in ("first_s", "pipeline_s",
+                                                                "samples_per_s")}
+           for k, v in res.items()}
+    for k, m in med.items():
+        print(f"{k:8} {m['first_s']:13.2f} {m['pipeline_s']:11.2f} {m['samples_per_s']:10.0f}")
+    print(f"{'ray/mem':8} {med['ray']['first_s'] / med['memory']['first_s']:13.2f} "
+          f"{'':>11} {med['ray']['samples_per_s'] / med['memory']['samples_per_s']:10.2f}")
+    per_block, whole = _read_bench(args)
+    print(f"\nread {args.batch} random rows of {args.read_blocks} blocks: elastic's numpy gather "
+          f"per block {per_block:.1f} ms, one Arrow take over all blocks {whole:.1f} ms")
+
+
+if __name__ == "__main__":
+    main()
