@@ -147,8 +147,12 @@ def _cmd_plan(a: argparse.Namespace) -> int:
         cluster = load_cluster(path)
     if a.prices:
         cluster = with_prices(cluster, parse_prices(a.prices))
-    # a Ray pipeline is not run to plan: a sample's length is then taken as 1
-    tokens = 1 if cfg.dataset_format == "ray" else tokens_per_sample(cfg.dataset_object())
+    tokens = 1
+    if cfg.dataset_format == "ray":  # a Ray pipeline is not run to plan
+        print("elastic plan: dataset_format: ray: the pipeline is not run to plan, so a sample "
+              "counts as one token (sequence models' compute is under-counted)", file=sys.stderr)
+    else:
+        tokens = tokens_per_sample(cfg.dataset_object())
     profile = model_profile(model, cfg.optimizer, tokens, precision=cfg.precision)
     result = plan(cluster, profile, a.global_batch or cfg.global_batch_size)
     print(format_plan_table(result, cluster=cluster))

@@ -56,6 +56,7 @@ class RayBlocks:
         self._ends = np.cumsum(np.asarray(self.rows, dtype=np.int64))
         self._tables: dict[int, Any] = {}
         self._arrays: dict[int, tuple[Any, Any]] = {}
+        self._shapes: tuple[Any, Any] | None = None  # each column's row shape (first block)
 
     def __getstate__(self) -> dict[str, Any]:
         d = dict(self.__dict__)
@@ -82,8 +83,17 @@ class RayBlocks:
         got = self._arrays.get(b)
         if got is None:
             t = self._tables[b]
-            got = self._arrays[b] = (column_array(t, self.columns[0], self.dtypes[0]),
-                                     column_array(t, self.columns[1], self.dtypes[1]))
+            got = (column_array(t, self.columns[0], self.dtypes[0]),
+                   column_array(t, self.columns[1], self.dtypes[1]))
+            shapes = (got[0].shape[1:], got[1].shape[1:])
+            if self._shapes is None:
+                self._shapes = shapes
+            for col, have, want in zip(self.columns, shapes, self._shapes, strict=True):
+                if have != want:  # (a gather would broadcast a width of 1 without a word)
+                    raise ValueError(f"column {col!r} of the Ray dataset has rows of shape "
+                                     f"{have} in block {b} and {want} in an earlier one: every "
+                                     "row must have the same shape")
+            self._arrays[b] = got
         return got
 
     def get_batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,29 +134,36 @@ class RayBlocks:
 def materialize(ds: Any, field: str, columns: tuple[str, str], dtypes: tuple[str, str]
                 ) -> RayBlocks:
     """Run ``ds`` (in its own order) into the object store; ``ConfigError`` naming the field
-    when it fails, or lacks a column."""
+    when the pipeline fails or lacks a column, ``ClusterError`` when Ray does."""
     from .ray_connect import free_cpus, table_rows
 
     if type(ds).__name__ != "MaterializedDataset" and free_cpus() < 1:
         raise ClusterError(  # Ray Data's tasks would wait for a CPU, silently, for ever
             f"{field}: the Ray dataset's pipeline needs a free CPU to run on, and the cluster "
             "has none free (workers, a WorkerPool's idle workers or other jobs hold them all). "
-            "Fix: free a CPU (a smaller pool: WorkerPool(max_idle=...), or add a node), or "
-            "run the pipeline first: ds = ds.materialize()")
-    opts = ds.context.execution_options  # (may be the process's context: set back after)
+            "Fix: free a CPU (a smaller pool: WorkerPool(max_idle=...), or add a node), or run "
+            "the pipeline first, in order: ds.context.execution_options.preserve_order = True; "
+            "ds = ds.materialize()")
+    run = _own_copy(ds)  # the job's blocks go with the job; the user's dataset is untouched
+    opts = run.context.execution_options
     kept_order = opts.preserve_order
     try:
         opts.preserve_order = True
-        refs = ds.to_arrow_refs()
-        names = list(ds.schema().names)
-    except Exception as e:  # noqa: BLE001 - the user's pipeline: say what it did
+        refs = run.to_arrow_refs()
+        schema = run.schema()
+    except Exception as e:  # noqa: BLE001 - the user's pipeline (or Ray): say which
+        if _ray_fault(e):
+            raise ClusterError(f"{field}: Ray failed while running the dataset's pipeline: "
+                               f"{type(e).__name__}: {str(e).strip()[:300]}") from e
         raise ConfigError(field, f"running the Ray dataset failed: {_user_error(e)}.",
                           "fix the pipeline (ds.take(1) on the driver shows the whole "
                           "traceback)") from None
     finally:
-        opts.preserve_order = kept_order
+        if run is ds:
+            opts.preserve_order = kept_order
+    names = list(schema.names) if schema is not None else []
     for setting, col in zip(("input_column", "target_column"), columns, strict=True):
-        if col not in names:
+        if schema is not None and col not in names:
             raise ConfigError(setting, f"{col!r} is not a column of the Ray dataset "
                               f"({field}); it has {names}.",
                               f"set {setting} to one of them, or add the column in the pipeline")
@@ -154,6 +171,23 @@ def materialize(ds: Any, field: str, columns: tuple[str, str], dtypes: tuple[str
     kept = [(r, n) for r, n in zip(refs, rows, strict=True) if n]
     return RayBlocks([r for r, _ in kept], [n for _, n in kept], columns, dtypes,
                      name=getattr(ds, "_dataset_name", None) or "")
+
+
+def _own_copy(ds: Any) -> Any:
+    """A copy of ``ds`` with its own context and cache (``Dataset.copy``, deep), so that the
+    blocks it runs into are the job's alone and its ``preserve_order`` is set on the copy;
+    ``ds`` itself where this Ray has no such copy."""
+    try:
+        return type(ds).copy(ds, _deep_copy=True)
+    except Exception:  # noqa: BLE001 - another Ray's signature: run the user's object
+        return ds
+
+
+def _ray_fault(e: BaseException) -> bool:
+    """Whether Ray itself failed (a lost object or node, memory), not the user's code: Ray's
+    own exceptions other than a task error wrapping the user's."""
+    return (type(e).__module__.startswith("ray.exceptions") and "TaskError" not in
+            type(e).__name__ and "UserCode" not in type(e).__name__)
 
 
 def _user_error(e: BaseException) -> str:
@@ -174,7 +208,7 @@ def prepare(cfg: JobConfig, model: Any, emit: Callable[..., Any] | None = None
     """On the driver, once Ray is up: the job's Ray datasets as blocks (by field), checked
     as preflight checks other datasets (enough rows; the model and loss on a sample). Each
     run is a ``data`` event (rows, blocks, seconds)."""
-    from .preflight import check_sample
+    from .control.preflight import check_dataset_object
 
     data = cfg.data
     columns, dtypes = (data.input_column, data.target_column), (data.input_dtype,
@@ -184,8 +218,9 @@ def prepare(cfg: JobConfig, model: Any, emit: Callable[..., Any] | None = None
         if given is None or not (data.format == "ray" or is_ray_dataset(given)):
             continue
         ds = cfg.dataset_object() if field == "dataset" else cfg.eval_dataset_object()
-        if not is_ray_dataset(ds):
-            continue  # a factory of a map-style dataset: workers call it, as without Ray
+        if not is_ray_dataset(ds):  # a factory of a map-style dataset: workers call it too
+            check_dataset_object(cfg, model, field, ds)
+            continue
         t0 = time.monotonic()
         out[field] = blocks = materialize(ds, field, columns, dtypes)
         secs = time.monotonic() - t0
@@ -194,12 +229,5 @@ def prepare(cfg: JobConfig, model: Any, emit: Callable[..., Any] | None = None
                  f"{len(blocks.refs)} blocks in {secs:.1f}s",
                  data={"field": field, "rows": len(blocks), "blocks": len(blocks.refs),
                        "seconds": round(secs, 3)})
-        if field == "dataset" and len(blocks) < cfg.global_batch_size:
-            raise ConfigError("dataset", f"has {len(blocks)} rows, fewer than one global batch "
-                              f"({cfg.global_batch_size}).",
-                              f"use global_batch_size <= {len(blocks)} or a larger dataset")
-        if field == "eval_dataset" and not len(blocks):
-            raise ConfigError("eval_dataset", "is empty.", "give it rows, or drop it")
-    if "dataset" in out:
-        check_sample(cfg, model, out["dataset"])
+        check_dataset_object(cfg, model, field, blocks)
     return out

@@ -234,10 +234,8 @@ def export(
     optim = {k[len("optim/") :]: v for k, v in state.items() if k.startswith("optim/")}
     nbytes = sum(v.numel() * v.element_size() for v in state.values())
     if fmt == "safetensors":
-        data = _safetensors_bytes(model, optim, about)
-
         def write(f: Any) -> None:
-            f.write(data)
+            f.write(_safetensors_bytes(model, optim, about))
     else:
         obj: Any = {"model": model, "optimizer": optim} if include_optimizer else model
 
@@ -254,7 +252,13 @@ def export(
         path = os.path.abspath(dest.removeprefix("file://"))
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-        with open(tmp, "wb") as f:
-            write(f)
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "wb") as f:
+                write(f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):  # a failed export leaves nothing behind
+                os.remove(tmp)
     return ExportResult(dest, step, len(state), nbytes)

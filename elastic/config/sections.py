@@ -38,7 +38,7 @@ from .code import (
     optimizer_factory,
     resolve_callable,
 )
-from .datasets import DTYPES, check_dataset, dataset_object
+from .datasets import DTYPES, check_dataset, dataset_object, is_parquet
 from .trackers import check_trackers
 
 __all__ = [
@@ -257,7 +257,10 @@ class Evaluation(Section):
         """The evaluation dataset, or None; Parquet is read with ``data``'s columns."""
         if self.dataset is None:
             return None
-        return dataset_object(self.dataset, "eval_dataset", data.format, data.input_column,
+        fmt = data.format  # (a Parquet path stays Parquet beside a Ray training set)
+        if fmt == "ray" and is_parquet(self.dataset, None):
+            fmt = None
+        return dataset_object(self.dataset, "eval_dataset", fmt, data.input_column,
                               data.target_column, data.input_dtype, data.target_dtype)
 
 

@@ -17,7 +17,7 @@ from ..preflight import check_sample
 from ..reference import build_model
 from ..trackers import check_trackers_here
 
-__all__ = ["Preflight", "preflight", "run_directory"]
+__all__ = ["Preflight", "preflight", "run_directory", "check_dataset_object"]
 
 
 @dataclass
@@ -59,36 +59,49 @@ def preflight(cfg: JobConfig, emit: Callable[..., Any]) -> Preflight:
 
 def _check_datasets(cfg: JobConfig, model: Any) -> None:
     """Enough samples, and the model and loss on a few of them. A Ray dataset (or, with
-    ``dataset_format: ray``, its factory) is left to ``elastic.ray_dataset.prepare``, which
-    runs it once Ray is up."""
+    ``dataset_format: ray``, any factory) is left to ``elastic.ray_dataset.prepare``, which
+    runs it once Ray is up and then checks it here (``check_dataset_object``)."""
     if cfg.dataset_format == "ray":
         return
-    ds = cfg.dataset_object()
-    if not is_ray_dataset(ds):
+    for field, given in (("dataset", cfg.dataset), ("eval_dataset", cfg.eval_dataset)):
+        if given is None:
+            continue
         try:
-            n = len(ds)
-        except Exception as e:
-            raise ConfigError("dataset", f"cannot read the dataset's length ({e}).",
-                              "check the dataset URI or object") from e
-        if n < cfg.global_batch_size:
-            raise ConfigError(
-                "dataset", f"has {n} samples, fewer than one global batch "
-                f"({cfg.global_batch_size}).",
-                f"use global_batch_size <= {n} or a larger dataset")
-        check_sample(cfg, model, ds)  # the model and the loss on a few samples, as workers read
-    if cfg.eval_dataset is not None:
-        try:
-            ev = cfg.eval_dataset_object()
-            if is_ray_dataset(ev):
-                return
-            n_eval = len(ev)
+            ds = cfg.dataset_object() if field == "dataset" else cfg.eval_dataset_object()
         except ConfigError:
             raise
         except Exception as e:
-            raise ConfigError("eval_dataset", f"cannot read its length ({e}).",
-                              "check the dataset URI or object") from e
-        if n_eval < 1:
+            raise ConfigError(field, f"building it failed: {type(e).__name__}: {e}",
+                              "fix the dataset's factory") from e
+        if is_ray_dataset(ds):
+            if not is_ray_dataset(given):  # a factory of one: it must run with Ray up
+                raise ConfigError(
+                    "dataset_format", f"{field}'s factory returned a Ray dataset.",
+                    "set dataset_format: ray (the factory is then called once Ray is up, and "
+                    "its pipeline runs once, on the cluster), or pass the dataset itself")
+            continue
+        check_dataset_object(cfg, model, field, ds)
+
+
+def check_dataset_object(cfg: JobConfig, model: Any, field: str, ds: Any) -> None:
+    """``field``'s dataset object: its length (at least one global batch for ``dataset``; at
+    least one sample for ``eval_dataset``) and, for ``dataset``, the model and the loss on a
+    few samples read as workers read them."""
+    try:
+        n = len(ds)
+    except Exception as e:
+        raise ConfigError(field, f"cannot read the dataset's length ({e}).",
+                          "check the dataset URI or object") from e
+    if field == "eval_dataset":
+        if n < 1:
             raise ConfigError("eval_dataset", "is empty.", "give it samples, or drop it")
+        return
+    if n < cfg.global_batch_size:
+        raise ConfigError(
+            "dataset", f"has {n} samples, fewer than one global batch "
+            f"({cfg.global_batch_size}).",
+            f"use global_batch_size <= {n} or a larger dataset")
+    check_sample(cfg, model, ds)  # the model and the loss on a few samples, as workers read
 
 
 def _holds_run(path: str) -> bool:

@@ -28,7 +28,8 @@ def _fails(batch: dict[str, Any]) -> dict[str, Any]:
     raise ValueError("bad row in the pipeline")
 
 
-def make_dataset(fail: bool = False, slow_first: bool = False, pad: int = 0) -> Any:
+def make_dataset(fail: bool = False, slow_first: bool = False, pad: int = 0,
+                 empty: bool = False) -> Any:
     """``pad``: that many zeros per row in a third column (blocks over Ray's 100 KiB inline
     limit live in a node's object store, not in the driver's memory)."""
     import numpy as np
@@ -38,6 +39,8 @@ def make_dataset(fail: bool = False, slow_first: bool = False, pad: int = 0) -> 
     rows = [{"x": d.x[i].numpy(), "y": d.y[i].numpy(), "i": i, "slow": slow_first,
              **({"pad": np.zeros(pad, np.float32)} if pad else {})} for i in range(N)]
     ds = ray.data.from_items(rows, override_num_blocks=BLOCKS)
+    if empty:
+        ds = ds.filter(lambda row: False)
     return ds.map_batches(_fails if fail else _transform, batch_format="numpy", batch_size=16)
 
 

@@ -43,8 +43,10 @@ def reference():
 
 def test_a_ray_dataset_trains_what_pytorch_trains_on_its_rows(ray_local, tmp_path, reference):
     ref_state, _ = reference
-    cfg = _job(tmp_path, dataset=make_dataset(), eval_dataset=make_dataset(), eval_every=6)
+    ds = make_dataset()
+    cfg = _job(tmp_path, dataset=ds, eval_dataset=make_dataset(), eval_every=6)
     result = elastic.fit(cfg)
+    assert ds.context.execution_options.preserve_order is False  # the user's, untouched
     assert max_diff(result.state_dict(), ref_state) < 1e-5
     # evaluation read the Ray blocks too: the mean loss of the final model over all rows
     model = mlp()
@@ -77,6 +79,8 @@ def test_the_rows_keep_the_pipelines_order_when_its_first_block_finishes_last(ra
     ({"dataset": {"target": "tests.integration._ray_data_user:make_dataset", "fail": True}},
      "dataset", "bad row in the pipeline"),
     ({"global_batch_size": 200}, "dataset", "fewer than one global batch"),
+    ({"dataset": {"target": "tests.integration._ray_data_user:make_dataset", "empty": True}},
+     "dataset", "has 0 samples"),
     ({"target_column": "features"}, "target_column", "the loss failed"),
 ])
 def test_a_bad_pipeline_or_column_is_one_error_before_any_worker_starts(

@@ -133,3 +133,53 @@ def test_a_pipeline_with_no_cpu_to_run_on_is_refused_not_left_waiting(monkeypatc
 
     with pytest.raises(ConfigError, match="running the Ray dataset failed: AssertionError"):
         materialize(MaterializedDataset(), "dataset", ("x", "y"), ("float32", "float32"))
+
+
+def test_blocks_whose_rows_differ_in_width_are_an_error_not_a_broadcast():
+    b, _, _ = _blocks([2, 2])
+    b._tables[1] = pa.table({"x": pa.array([[1.0], [2.0]], pa.list_(pa.float32(), 1)),
+                             "y": pa.array([1, 2], pa.int64())})
+    b.get_batch(torch.tensor([0]))  # block 0 first: rows of 3
+    with pytest.raises(ValueError, match=r"'x' of the Ray dataset has rows of shape \(1,\)"):
+        b.get_batch(torch.tensor([0, 3]))
+
+
+def test_a_factory_that_returns_a_ray_dataset_needs_dataset_format_ray():
+    """Called before Ray is up, it would be called again in every worker, unrun."""
+    from elastic.control.preflight import _check_datasets
+
+    for field in ("dataset", "eval_dataset"):
+        kw = {"dataset": RegressionData(), field: _FakeRayDataset} if field == "eval_dataset" \
+            else {"dataset": _FakeRayDataset}
+        cfg = JobConfig(model=mlp, optimizer=adam, loss=mse, global_batch_size=4, max_steps=2,
+                        **kw)
+        with pytest.raises(ConfigError) as e:
+            _check_datasets(cfg, mlp())
+        assert e.value.field == "dataset_format" and f"{field}'s factory" in str(e.value)
+    # the dataset object itself is left to the controller, with Ray up
+    _check_datasets(JobConfig(model=mlp, optimizer=adam, loss=mse, dataset=_FakeRayDataset(),
+                              global_batch_size=4, max_steps=2), mlp())
+
+
+def test_a_parquet_eval_set_beside_a_ray_training_set_stays_parquet(tmp_path):
+    import pyarrow.parquet as pq
+
+    from elastic.data import ParquetDataset
+
+    path = tmp_path / "eval.parquet"
+    pq.write_table(pa.table({"x": [1.0, 2.0], "y": [0.0, 1.0]}), path)
+    cfg = JobConfig(model=mlp, optimizer=adam, loss=mse, dataset="tests.helpers:RegressionData",
+                    dataset_format="ray", eval_dataset=str(path), global_batch_size=4,
+                    max_steps=2)
+    assert isinstance(cfg.eval_dataset_object(), ParquetDataset)
+
+
+def test_rays_own_failures_are_told_from_the_pipelines():
+    from elastic.ray_dataset import _ray_fault
+
+    def made(name):
+        return type(name, (Exception,), {"__module__": "ray.exceptions"})()
+
+    assert _ray_fault(made("ObjectLostError")) and _ray_fault(made("OutOfMemoryError"))
+    assert not _ray_fault(made("RayTaskError(UserCodeException)"))
+    assert not _ray_fault(ValueError("the user's"))
