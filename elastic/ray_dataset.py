@@ -9,14 +9,15 @@ Why execute it whole rather than stream it (Ray Train's ``iter_torch_batches``):
 of step s depend only on (seed, s, G) (``elastic.data``), whatever the world size, failures or
 switches. A streaming split cannot re-read step s after a node loss or re-cut it when the
 world changes; a table of blocks is random access, so the sampler picks rows and any rank
-takes any rows. The pipeline's order is fixed: ``preserve_order`` is turned on in the
-dataset's context before it runs, so the same pipeline gives the same rows in the same order
-in every run, and a resumed job sees the samples the first run would have seen.
+takes any rows. The pipeline's order is fixed: a copy of the dataset runs with
+``preserve_order`` on, so the same (deterministic) pipeline gives the same rows in the same
+order in every run, and a resumed job sees the samples the first run would have seen.
 
 Memory: the blocks stay in the object store while the job runs (owned by the driver). A worker
 fetches the blocks its samples are in and keeps them (zero-copy on its node; the workers of
 one node share one copy), so with a random order each node ends up holding the dataset once.
-A block on a lost node is rebuilt by Ray from its lineage.
+A block on a lost node is rebuilt by Ray from its lineage (a task: it needs a free CPU).
+docs/architecture.md, "Data", has the decisions and what is not done.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from clusters.pool_policy import PoolKey
+
 from .config.datasets import is_ray_dataset
 from .data import column_array
 from .errors import ClusterError, ConfigError
@@ -36,7 +39,7 @@ from .errors import ClusterError, ConfigError
 if TYPE_CHECKING:
     from .config import JobConfig
 
-__all__ = ["RayBlocks", "is_ray_dataset", "materialize", "prepare"]
+__all__ = ["PoolRoom", "RayBlocks", "is_ray_dataset", "materialize", "prepare"]
 
 
 class RayBlocks:
@@ -131,17 +134,50 @@ class RayBlocks:
         return x[0], y[0]
 
 
-def materialize(ds: Any, field: str, columns: tuple[str, str], dtypes: tuple[str, str]
-                ) -> RayBlocks:
+class PoolRoom:
+    """Room for a pipeline on a cluster whose CPUs a ``WorkerPool``'s idle workers hold: one
+    idle worker is retired (the pool's policy picks the longest idle, "room for a job"), and
+    the pool starts no refill until ``done``. Idle workers are a cache; the pipeline is the
+    job's own."""
+
+    KEY = PoolKey.of({"CPU": 1}, False, {"elastic": "a Ray Data pipeline"})  # no worker's
+
+    def __init__(self, pool: Any, wait_s: float = 10.0) -> None:
+        self.pool, self.wait_s, self.held = pool, wait_s, 0
+
+    def make(self) -> bool:
+        """Retire one idle worker and wait (``wait_s`` at most) for its CPU; False when the
+        pool has none idle, or no CPU came free."""
+        from .ray_connect import free_cpus
+
+        if self.pool is None or not self.pool.info()["idle"]:
+            return False
+        self.pool.take(self.KEY, 1, 0)  # hands out nothing: retires one for the room
+        self.held += 1
+        deadline = time.monotonic() + self.wait_s
+        while free_cpus() < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return free_cpus() >= 1
+
+    def done(self) -> None:
+        if self.pool is not None and self.held:
+            self.pool.cold_placed(self.held)
+            self.held = 0
+
+
+def materialize(ds: Any, field: str, columns: tuple[str, str], dtypes: tuple[str, str],
+                room: PoolRoom | None = None) -> RayBlocks:
     """Run ``ds`` (in its own order) into the object store; ``ConfigError`` naming the field
-    when the pipeline fails or lacks a column, ``ClusterError`` when Ray does."""
+    when the pipeline fails or lacks a column, ``ClusterError`` when Ray does. With no CPU
+    free, ``room`` may make one."""
     from .ray_connect import free_cpus, table_rows
 
-    if type(ds).__name__ != "MaterializedDataset" and free_cpus() < 1:
+    if (type(ds).__name__ != "MaterializedDataset" and free_cpus() < 1
+            and not (room is not None and room.make())):
         raise ClusterError(  # Ray Data's tasks would wait for a CPU, silently, for ever
             f"{field}: the Ray dataset's pipeline needs a free CPU to run on, and the cluster "
-            "has none free (workers, a WorkerPool's idle workers or other jobs hold them all). "
-            "Fix: free a CPU (a smaller pool: WorkerPool(max_idle=...), or add a node), or run "
+            "has none free (workers or other jobs hold them all; a WorkerPool's idle workers "
+            "give theirs). Fix: free a CPU (add a node), or run "
             "the pipeline first, in order: ds.context.execution_options.preserve_order = True; "
             "ds = ds.materialize()")
     run = _own_copy(ds)  # the job's blocks go with the job; the user's dataset is untouched
@@ -203,11 +239,21 @@ def _user_error(e: BaseException) -> str:
     return f"{type(e).__name__}: {first}" if first else type(e).__name__
 
 
-def prepare(cfg: JobConfig, model: Any, emit: Callable[..., Any] | None = None
-            ) -> dict[str, RayBlocks]:
+def prepare(cfg: JobConfig, model: Any, emit: Callable[..., Any] | None = None,
+            pool: Any = None) -> dict[str, RayBlocks]:
     """On the driver, once Ray is up: the job's Ray datasets as blocks (by field), checked
     as preflight checks other datasets (enough rows; the model and loss on a sample). Each
-    run is a ``data`` event (rows, blocks, seconds)."""
+    run is a ``data`` event (rows, blocks, seconds). ``pool``: the job's ``WorkerPool``,
+    whose idle workers give up a CPU for the pipeline when none is free."""
+    room = PoolRoom(pool)
+    try:
+        return _prepare(cfg, model, emit, room)
+    finally:
+        room.done()
+
+
+def _prepare(cfg: JobConfig, model: Any, emit: Callable[..., Any] | None,
+             room: PoolRoom) -> dict[str, RayBlocks]:
     from .control.preflight import check_dataset_object
 
     data = cfg.data
@@ -222,7 +268,7 @@ def prepare(cfg: JobConfig, model: Any, emit: Callable[..., Any] | None = None
             check_dataset_object(cfg, model, field, ds)
             continue
         t0 = time.monotonic()
-        out[field] = blocks = materialize(ds, field, columns, dtypes)
+        out[field] = blocks = materialize(ds, field, columns, dtypes, room)
         secs = time.monotonic() - t0
         if emit is not None:
             emit("data", f"{field}: ran the Ray dataset into {len(blocks)} rows in "

@@ -213,8 +213,11 @@ class JobConfig(JobCode):
         return {name: getattr(self._s[s], f) for name, (s, f) in FLAT.items()}
 
     def replace(self, **settings: Any) -> JobConfig:
-        """A new config: these settings (either form) over this one's. Fully checked."""
-        return JobConfig(**merge(self.settings(), settings))
+        """A new config: these settings (either form) over this one's. Fully checked. A
+        running job's Ray dataset blocks go with it (a pooled placement's copy sends them)."""
+        out = JobConfig(**merge(self.settings(), settings))
+        out.ray_blocks = dict(self.ray_blocks)
+        return out
 
     # ------------------------------------------------------------------ checks
     def _assign(self, name: str, value: Any) -> None:

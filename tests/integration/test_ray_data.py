@@ -21,8 +21,8 @@ from elastic.reference import reference_train
 from tests.helpers import adam, max_diff, mlp, mse
 from tests.integration._ray_data_user import Expected, make_dataset
 
-# the pipeline's tasks need free CPUs: the shared warm pool's idle workers hold them
-pytestmark = pytest.mark.cold_workers
+# (the jobs take the shared warm pool's workers; when its idle ones hold every CPU, one
+# gives its CPU to the pipeline)
 
 STEPS = 12
 G = 10
@@ -109,3 +109,20 @@ def test_a_job_file_factory_resumed_under_zero2_reads_the_samples_one_run_would_
                          strategy="zero2", **common))
     assert r.history[0]["step"] == 6 and r.history[-1]["strategy"] == "zero2"
     assert max_diff(r.state_dict(), ref_state) < 1e-5
+
+
+@pytest.mark.cold_workers  # the test's own pool, holding every CPU of the cluster
+def test_a_pool_holding_every_cpu_gives_one_to_the_pipeline(ray_local, tmp_path, reference):
+    """The pipeline needs a CPU and a pool's idle workers hold all 4: the longest idle is
+    retired ("room for a job"), the pipeline runs, and the job takes the others warm."""
+    from elastic.ray_connect import free_cpus
+
+    ref_state, _ = reference
+    with elastic.WorkerPool(4, maintain_every_s=None) as pool:
+        assert free_cpus() < 1
+        result = elastic.fit(_job(tmp_path, dataset=make_dataset()), pool=pool)
+        info = pool.info()
+    assert any(why.startswith("room for a job") for why in info["retired"]), info
+    placed = next(e for e in result.events if e.kind == "placed")
+    assert placed.data["warm"] == 2
+    assert max_diff(result.state_dict(), ref_state) < 1e-5

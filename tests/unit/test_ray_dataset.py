@@ -183,3 +183,64 @@ def test_rays_own_failures_are_told_from_the_pipelines():
     assert _ray_fault(made("ObjectLostError")) and _ray_fault(made("OutOfMemoryError"))
     assert not _ray_fault(made("RayTaskError(UserCodeException)"))
     assert not _ray_fault(ValueError("the user's"))
+
+
+class _Pool:
+    """What PoolRoom uses of a WorkerPool; its take frees a CPU as retiring a worker does."""
+
+    def __init__(self, idle: int, cpus: list[float]) -> None:
+        self.idle, self.cpus, self.taken, self.placed = idle, cpus, [], 0
+
+    def info(self):
+        return {"idle": self.idle}
+
+    def take(self, key, n, free_bundles):
+        self.taken.append((key, n, free_bundles))
+        self.idle -= 1
+        self.cpus[0] += 1.0
+        return []
+
+    def cold_placed(self, n):
+        self.placed += n
+
+
+def test_a_pools_idle_worker_gives_its_cpu_to_the_pipeline_and_the_refill_waits(monkeypatch):
+    import elastic.ray_connect as rc
+    from elastic.ray_dataset import PoolRoom
+
+    cpus = [0.0]
+    monkeypatch.setattr(rc, "free_cpus", lambda: cpus[0])
+    pool = _Pool(2, cpus)
+    room = PoolRoom(pool, wait_s=0.5)
+    assert room.make() and room.held == 1 and pool.placed == 0  # no refill meanwhile
+    key, n, free = pool.taken[0]
+    assert n == 1 and free == 0 and key == PoolRoom.KEY  # a key no worker has: none handed out
+    room.done()
+    assert pool.placed == 1 and room.held == 0
+    assert not PoolRoom(_Pool(0, [0.0])).make()  # nothing idle to give
+    assert not PoolRoom(None).make()
+
+
+def test_preparing_lets_the_pool_refill_even_when_the_pipeline_fails(monkeypatch):
+    import elastic.ray_dataset as rd
+
+    pool = _Pool(1, [0.0])
+
+    def fails(cfg, model, emit, room):
+        room.held = 1
+        raise ConfigError("dataset", "broken", "fix it")
+
+    monkeypatch.setattr(rd, "_prepare", fails)
+    with pytest.raises(ConfigError):
+        rd.prepare(None, None, None, pool)
+    assert pool.placed == 1
+
+
+def test_a_pooled_placements_copy_of_the_config_sends_the_blocks_too():
+    """A WorkerPool's placement sends ``config.replace(placement=...)``: without the blocks,
+    its workers got the pipeline itself, unrun, and failed on len()."""
+    b, _, _ = _blocks([4, 4])
+    cfg = JobConfig(model=mlp, optimizer=adam, loss=mse, dataset=_FakeRayDataset(),
+                    global_batch_size=4, max_steps=2)
+    cfg.ray_blocks = {"dataset": b}
+    assert cfg.replace(placement="per_worker").for_worker().data.dataset is b
