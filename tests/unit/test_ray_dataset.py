@@ -244,3 +244,12 @@ def test_a_pooled_placements_copy_of_the_config_sends_the_blocks_too():
                     global_batch_size=4, max_steps=2)
     cfg.ray_blocks = {"dataset": b}
     assert cfg.replace(placement="per_worker").for_worker().data.dataset is b
+
+
+@pytest.mark.parametrize("name", ["gpt.yaml", "ray_data.yaml"])
+def test_the_example_job_files_build(name):
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    cfg = JobConfig.from_yaml(os.path.join(root, "examples", name))
+    assert cfg.max_steps > 0
