@@ -3,7 +3,8 @@ rows in memory, side by side in one run, on one local Ray; and the worker's bloc
 
 Part 1, jobs: the same model, rows, global batch, steps and layout, in alternating rounds:
 
-* ``memory``: a map-style dataset of the rows (torch tensors), what each worker builds;
+* ``memory``: ``elastic.models.SyntheticRegression`` (map-style, tensors), what each worker
+  builds;
 * ``ray``: the same rows as a ``ray.data`` pipeline (``from_numpy`` in ``--blocks`` blocks,
   then a ``map_batches`` that renames the columns), run once by the controller; workers read
   their rows from the blocks (``elastic/ray_dataset.py``).
@@ -37,27 +38,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import elastic  # noqa: E402 - after the path set-up above
-
-
-class Rows(torch.utils.data.Dataset):
-    def __init__(self, x: np.ndarray, y: np.ndarray) -> None:
-        self.x, self.y = torch.from_numpy(x), torch.from_numpy(y)
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.x[i], self.y[i]
-
-    def get_batch(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.x[idx], self.y[idx]
-
-
-def _rows(n: int, width: int) -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(n, width)).astype(np.float32)
-    y = (x @ rng.normal(size=(width, 4))).astype(np.float32)
-    return x, y
+from elastic.models import SyntheticRegression  # noqa: E402
 
 
 def _model(width: int) -> Any:
@@ -77,11 +58,11 @@ def _ray_ds(x: np.ndarray, y: np.ndarray, blocks: int) -> Any:
         _rename, batch_format="numpy")
 
 
-def _job(kind: str, args: argparse.Namespace, x: np.ndarray, y: np.ndarray,
+def _job(kind: str, args: argparse.Namespace, mem: SyntheticRegression,
          root: str) -> dict[str, Any]:
     from functools import partial
 
-    data: Any = Rows(x, y) if kind == "memory" else _ray_ds(x, y, args.blocks)
+    data: Any = mem if kind == "memory" else _ray_ds(mem.x.numpy(), mem.y.numpy(), args.blocks)
     t0 = time.perf_counter()
     first: list[float] = []
     times: list[float] = []
@@ -108,7 +89,8 @@ def _read_bench(args: argparse.Namespace) -> tuple[float, float]:
     from elastic.ray_dataset import RayBlocks
 
     per = max(1, args.rows // args.read_blocks)
-    x, y = _rows(per * args.read_blocks, args.width)
+    d = SyntheticRegression(per * args.read_blocks, in_features=args.width, out_features=4)
+    x, y = d.x.numpy(), d.y.numpy()
     tables = [pa.table({"x": pa.FixedSizeListArray.from_arrays(
         pa.array(x[i * per:(i + 1) * per].ravel()), args.width),
         "y": pa.FixedSizeListArray.from_arrays(pa.array(y[i * per:(i + 1) * per].ravel()), 4)})
@@ -152,14 +134,14 @@ def main() -> None:
 
     ray.init(num_cpus=max(os.cpu_count() or 2, args.workers + 1), include_dashboard=False,
              logging_level="ERROR", log_to_driver=False)
-    x, y = _rows(args.rows, args.width)
+    mem = SyntheticRegression(args.rows, in_features=args.width, out_features=4)
     root = tempfile.mkdtemp(prefix="bench-ray-data-")
     res: dict[str, list[dict[str, Any]]] = {"memory": [], "ray": []}
     try:
         for rnd in range(args.rounds):
             order = ("memory", "ray") if rnd % 2 == 0 else ("ray", "memory")
             for kind in order:
-                res[kind].append(_job(kind, args, x, y, root))
+                res[kind].append(_job(kind, args, mem, root))
             a, b = res["memory"][-1]["state"], res["ray"][-1]["state"]
             diff = max(float((a[k] - b[k]).abs().max()) for k in a)
             print(f"round {rnd}: max |memory - ray| parameter difference {diff:.2e}")

@@ -221,7 +221,7 @@ def _cmd_checkpoints(a: argparse.Namespace) -> int:
     if not a.out:
         raise SystemExit("elastic checkpoints export needs --out FILE")
     res = export(store, a.out, _which(a.which or "latest"), include_optimizer=a.optimizer)
-    how = ("safetensors.torch.load_file(path)" if a.out.endswith(".safetensors")
+    how = ("safetensors.torch.load_file(path)" if res.format == "safetensors"
            else "torch.load(path, weights_only=True)")
     print(f"wrote step {res.step} to {a.out} (load it with {how})")
     return 0

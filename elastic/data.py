@@ -100,6 +100,8 @@ class ParquetDataset:
     The table is read once per process, lazily, on first use.
     """
 
+    by_columns = True  # read by column: errors name input_column/target_column
+
     def __init__(
         self,
         uri: str,
@@ -177,16 +179,33 @@ def _column(table: Any, name: str, dtype: str) -> torch.Tensor:
 
 
 def column_array(table: Any, name: str, dtype: str) -> Any:
-    """One column as a numpy array of ``dtype``, one row per sample: numbers (n,), fixed-length
-    lists of numbers (n, k), or Ray Data's tensor columns (n, *shape). A view of the table's
-    memory where Arrow allows it (one chunk, no nulls, the dtype already): may be read-only."""
-    import numpy as np
+    """One column as a numpy array of ``dtype``, one row per sample: numbers (n,), lists of
+    numbers of one length (n, k), or Ray Data's tensor columns (n, *shape). A view of the
+    table's memory where Arrow allows it (one chunk, no nulls, the dtype already): may be
+    read-only."""
+    return storage_array(*column_storage(table, name), dtype)
 
+
+def column_storage(table: Any, name: str) -> tuple[Any, tuple[int, ...]]:
+    """One column as a plain Arrow array (a Ray tensor column's storage, zero-copy) and the
+    shape of one row: () for numbers."""
     c = table.column(name)
     c = c.chunk(0) if c.num_chunks == 1 else c.combine_chunks()
-    if hasattr(c, "flatten") and str(c.type).startswith(("list", "fixed_size_list")):
-        flat = np.asarray(c.flatten().to_numpy(zero_copy_only=False))
-        arr = flat.reshape(len(c), -1)
+    shape = getattr(c.type, "shape", None)
+    if shape is not None and hasattr(c, "storage"):  # Ray Data's tensor extension type
+        return c.storage, tuple(int(d) for d in shape)
+    if str(c.type).startswith(("list", "fixed_size_list", "large_list")):
+        return c, ((len(c.flatten()) // len(c),) if len(c) else (0,))
+    return c, ()
+
+
+def storage_array(arr: Any, shape: tuple[int, ...], dtype: str) -> Any:
+    """``column_storage``'s array as numpy, ``len(arr)`` rows of ``shape``, of ``dtype``."""
+    import numpy as np
+
+    if shape:
+        flat = np.asarray(arr.flatten().to_numpy(zero_copy_only=False))
+        out = flat.reshape(len(arr), *shape)
     else:
-        arr = np.asarray(c.to_numpy(zero_copy_only=False))
-    return arr.astype(dtype, copy=False)
+        out = np.asarray(arr.to_numpy(zero_copy_only=False))
+    return out.astype(dtype, copy=False)

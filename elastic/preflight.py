@@ -36,9 +36,9 @@ def check_sample(cfg: JobConfig, model: Any, dataset: Any) -> None:
         return
     import torch
 
-    from .data import ParquetDataset, fetch_batch
+    from .data import fetch_batch
 
-    parquet = isinstance(dataset, ParquetDataset) or getattr(dataset, "by_columns", False)
+    parquet = getattr(dataset, "by_columns", False)  # Parquet, Ray blocks: columns named
     n = min(3, len(dataset))  # 3, not 2: fewer widths broadcast against it by chance
     try:
         x, y = dataset.head(n) if parquet else fetch_batch(dataset, torch.arange(n))

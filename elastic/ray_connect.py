@@ -455,7 +455,8 @@ def table_rows(refs: list[Any]) -> list[int]:
     beside each, so that no table travels to this process."""
     import ray
 
-    count = ray.remote(num_cpus=0)(_rows)
+    count = ray.remote(num_cpus=1)(_rows)  # (num_cpus=0: no limit; 400 blocks spawned
+    # dozens of processes, 11.7 s against 0.28 s here)
     return [int(n) for n in ray.get([count.remote(r) for r in refs])]
 
 

@@ -88,16 +88,20 @@ class RayBlocks:
             t = self._tables[b]
             got = (column_array(t, self.columns[0], self.dtypes[0]),
                    column_array(t, self.columns[1], self.dtypes[1]))
-            shapes = (got[0].shape[1:], got[1].shape[1:])
-            if self._shapes is None:
-                self._shapes = shapes
-            for col, have, want in zip(self.columns, shapes, self._shapes, strict=True):
-                if have != want:  # (a gather would broadcast a width of 1 without a word)
-                    raise ValueError(f"column {col!r} of the Ray dataset has rows of shape "
-                                     f"{have} in block {b} and {want} in an earlier one: every "
-                                     "row must have the same shape")
+            self._same_shapes(b, (got[0].shape[1:], got[1].shape[1:]))
             self._arrays[b] = got
         return got
+
+    def _same_shapes(self, b: int, shapes: tuple[Any, Any]) -> None:
+        """Block ``b``'s row shapes must be the first block's (a gather would broadcast a
+        width of 1 without a word)."""
+        if self._shapes is None:
+            self._shapes = shapes
+        for col, have, want in zip(self.columns, shapes, self._shapes, strict=True):
+            if tuple(have) != tuple(want):
+                raise ValueError(f"column {col!r} of the Ray dataset has rows of shape "
+                                 f"{tuple(have)} in block {b} and {tuple(want)} in an earlier "
+                                 "one: every row must have the same shape")
 
     def get_batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows ``indices`` (in that order), as (inputs, targets): the rows of each block
@@ -172,7 +176,7 @@ def materialize(ds: Any, field: str, columns: tuple[str, str], dtypes: tuple[str
     free, ``room`` may make one."""
     from .ray_connect import free_cpus, table_rows
 
-    if (type(ds).__name__ != "MaterializedDataset" and free_cpus() < 1
+    if (type(ds).__name__ != "MaterializedDataset" and not _cpu_comes_free(free_cpus)
             and not (room is not None and room.make())):
         raise ClusterError(  # Ray Data's tasks would wait for a CPU, silently, for ever
             f"{field}: the Ray dataset's pipeline needs a free CPU to run on, and the cluster "
@@ -207,6 +211,20 @@ def materialize(ds: Any, field: str, columns: tuple[str, str], dtypes: tuple[str
     kept = [(r, n) for r, n in zip(refs, rows, strict=True) if n]
     return RayBlocks([r for r, _ in kept], [n for _, n in kept], columns, dtypes,
                      name=getattr(ds, "_dataset_name", None) or "")
+
+
+CPU_WAIT_S = 3.0  # a pipeline's tasks that just ended give their CPUs back a moment later
+
+
+def _cpu_comes_free(free_cpus: Callable[[], float]) -> bool:
+    """Whether a CPU is free now or within ``CPU_WAIT_S`` (the job's previous pipeline, or a
+    job that just ended, may still hold one: the eval set's pipeline saw none, 1 run in 5)."""
+    deadline = time.monotonic() + CPU_WAIT_S
+    while free_cpus() < 1:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def _own_copy(ds: Any) -> Any:

@@ -179,6 +179,7 @@ class ExportResult:
     step: int
     keys: int
     bytes: int
+    format: str = "torch"  # or "safetensors"
 
 
 def _safetensors_bytes(model: dict[str, torch.Tensor], optim: dict[str, torch.Tensor],
@@ -191,7 +192,7 @@ def _safetensors_bytes(model: dict[str, torch.Tensor], optim: dict[str, torch.Te
                               ".pt file") from None
     flat = {k: v.contiguous() for k, v in model.items()}
     flat.update({f"optimizer/{k}": v.contiguous() for k, v in optim.items()})
-    return bytes(save(flat, metadata={"format": "pt", "producer": "elastic", **about}))
+    return save(flat, metadata={"format": "pt", "producer": "elastic", **about})
 
 
 def export(
@@ -261,4 +262,4 @@ def export(
         finally:
             if os.path.exists(tmp):  # a failed export leaves nothing behind
                 os.remove(tmp)
-    return ExportResult(dest, step, len(state), nbytes)
+    return ExportResult(dest, step, len(state), nbytes, fmt)

@@ -89,6 +89,7 @@ class Controller:
         self.phase = ControllerState.STARTING
         self._group_factory = group_factory
         self._mailbox_factory = mailbox_factory
+        self._pool = pool
         self._ray_group = functools.partial(_ray_group, pool=pool)
         self.group: Any = None
         self._started_ray = False
@@ -199,7 +200,7 @@ class Controller:
         if cfg.resume:
             self._resume = self.tracker.find_resume(cfg.resume)
         if self._group_factory is None:  # on Ray: attach, or start a local one
-            self._started_ray = _ray_connect(cfg, pre.model, self._emit, self._ray_group)
+            self._started_ray = _ray_connect(cfg, pre.model, self._emit, self._pool)
             self.interrupts.reclaim()
         self.inbox.mailbox = (self._mailbox_factory or _ray_mailbox)(cfg.job_name)  # the name
         self.tracker.claim()  # and the checkpoint URI, before anything is written
@@ -475,9 +476,9 @@ def _placed(infos: list[dict[str, Any]]) -> tuple[str, dict[str, Any]]:
                                         "warm": bool(i.get("warm"))} for i in infos]})
 
 
-def _ray_connect(cfg: JobConfig, model: Any, emit: Callable[..., Any], group: Any) -> bool:
+def _ray_connect(cfg: JobConfig, model: Any, emit: Callable[..., Any], pool: Any) -> bool:
     """Attach to (or start) Ray, then run the job's Ray datasets into blocks (checked);
-    ``group``: the job's ``_ray_group`` (its pool, if any, gives a CPU to a pipeline)."""
+    ``pool``: the job's ``WorkerPool`` (else the default one), which gives a pipeline a CPU."""
     from ..ray_connect import connect
     from ..ray_dataset import prepare
     from .pool import default_pool
@@ -485,8 +486,7 @@ def _ray_connect(cfg: JobConfig, model: Any, emit: Callable[..., Any], group: An
     started = connect(cfg.ray_address, cfg.max_world * float(cfg.resources_per_worker.get("CPU", 1)))
     cfg.ray_blocks = {}
     try:
-        pool = getattr(group, "keywords", {}).get("pool") or default_pool()
-        cfg.ray_blocks = prepare(cfg, model, emit, pool)
+        cfg.ray_blocks = prepare(cfg, model, emit, pool or default_pool())
     except BaseException:
         _ray_release(cfg, started)
         raise

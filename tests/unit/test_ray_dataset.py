@@ -120,10 +120,12 @@ def test_a_worker_is_sent_the_blocks_never_the_pipeline_or_its_factory():
 def test_a_pipeline_with_no_cpu_to_run_on_is_refused_not_left_waiting(monkeypatch):
     """Ray Data's tasks would wait for a CPU for ever, saying nothing on the driver."""
     import elastic.ray_connect as rc
+    import elastic.ray_dataset as rd
     from elastic.errors import ClusterError
     from elastic.ray_dataset import materialize
 
     monkeypatch.setattr(rc, "free_cpus", lambda: 0.0)
+    monkeypatch.setattr(rd, "CPU_WAIT_S", 0.1)
     with pytest.raises(ClusterError) as e:
         materialize(_FakeRayDataset(), "dataset", ("x", "y"), ("float32", "float32"))
     assert "free CPU" in str(e.value) and "materialize()" in str(e.value)
