@@ -46,7 +46,7 @@ def ddp_loop(rank: int, world: int, global_batch: int, steps: int, report_every:
     torch.set_num_threads(1)
     torch.manual_seed(SEED)
     model = model_factory()
-    ddp = DDP(model, broadcast_buffers=False)
+    ddp = DDP(model, forward_sync_buffers=False)
     opt = make_optimizer(ddp.parameters())
     ds = dataset_factory()
     sampler = StepSampler(len(ds), global_batch, SEED)

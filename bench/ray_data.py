@@ -15,8 +15,9 @@ parameter difference between the two jobs of a round (the same rows in the same 
 must be 0 up to float32 sums). Ratios are ray / memory.
 
 Part 2, the read alone (no Ray: tables placed in the block cache): ms per ``get_batch`` of
-``--batch`` random rows from ``--read-blocks`` blocks, against one Arrow ``take`` over the
-blocks joined into one table (the alternative it replaced).
+``--batch`` random rows from ``--read-blocks`` blocks as they are, the same blocks after the
+controller's join of small neighbours (``merge_groups``: what a job reads), and one Arrow
+``take`` over the blocks joined into one table (the alternative the numpy read replaced).
 
 A benchmark, not a test: it checks nothing. From the repository root:
 ``python bench/ray_data.py`` (``--help`` for the options).
@@ -83,10 +84,11 @@ def _job(kind: str, args: argparse.Namespace, mem: SyntheticRegression,
             "samples_per_s": statistics.median(times[5:] or times), "state": r.state_dict()}
 
 
-def _read_bench(args: argparse.Namespace) -> tuple[float, float]:
+def _read_bench(args: argparse.Namespace) -> list[float]:
     import pyarrow as pa
 
-    from elastic.ray_dataset import RayBlocks
+    from elastic.ray_connect import _join
+    from elastic.ray_dataset import RayBlocks, merge_groups
 
     per = max(1, args.rows // args.read_blocks)
     d = SyntheticRegression(per * args.read_blocks, in_features=args.width, out_features=4)
@@ -99,6 +101,10 @@ def _read_bench(args: argparse.Namespace) -> tuple[float, float]:
 
     b = RayBlocks([None] * len(tables), [per] * len(tables), ("x", "y"), ("float32", "float32"))
     b._tables = dict(enumerate(tables))
+    groups = merge_groups([t.nbytes for t in tables], 16 << 20)  # what a controller joins
+    j = RayBlocks([None] * len(groups), [per * len(g) for g in groups], ("x", "y"),
+                  ("float32", "float32"))
+    j._tables = {i: _join(*[tables[k] for k in g])[1] for i, g in enumerate(groups)}
     idx = torch.randperm(len(b))[:args.batch]
     whole = pa.concat_tables(tables)  # the alternative: one Arrow take over every block
 
@@ -107,13 +113,13 @@ def _read_bench(args: argparse.Namespace) -> tuple[float, float]:
         _column(part, "x", "float32"), _column(part, "y", "float32")
 
     out = []
-    for read in (lambda: b.get_batch(idx), arrow_take):
+    for read in (lambda: b.get_batch(idx), lambda: j.get_batch(idx), arrow_take):
         read()  # (elastic's: each block's arrays are made on first use)
         t = time.perf_counter()
         for _ in range(20):
             read()
         out.append((time.perf_counter() - t) / 20 * 1e3)
-    return out[0], out[1]
+    return out
 
 
 def main() -> None:
@@ -126,9 +132,16 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--strategy", default="dp")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--join-bytes", type=int, default=None,
+                   help="join neighbouring blocks up to this size (default: the product's, "
+                        "elastic.ray_dataset.MERGE_BYTES; 0: no join)")
     p.add_argument("--read-blocks", type=int, default=1000, help="blocks (part 2)")
     p.add_argument("--batch", type=int, default=2048, help="rows per read (part 2)")
     args = p.parse_args()
+    if args.join_bytes is not None:  # the controller runs in this process
+        import elastic.ray_dataset
+
+        elastic.ray_dataset.MERGE_BYTES = args.join_bytes
 
     import ray
 
@@ -144,7 +157,9 @@ def main() -> None:
                 res[kind].append(_job(kind, args, mem, root))
             a, b = res["memory"][-1]["state"], res["ray"][-1]["state"]
             diff = max(float((a[k] - b[k]).abs().max()) for k in a)
-            print(f"round {rnd}: max |memory - ray| parameter difference {diff:.2e}")
+            print(f"round {rnd}: samples/s memory {res['memory'][-1]['samples_per_s']:.0f}, "
+                  f"ray {res['ray'][-1]['samples_per_s']:.0f}; max |memory - ray| parameter "
+                  f"difference {diff:.2e}")
     finally:
         ray.shutdown()
     print(f"\n{args.rows} rows x {args.width} floats, G={args.global_batch}, {args.steps} steps, "
@@ -158,9 +173,10 @@ def main() -> None:
         print(f"{k:8} {m['first_s']:13.2f} {m['pipeline_s']:11.2f} {m['samples_per_s']:10.0f}")
     print(f"{'ray/mem':8} {med['ray']['first_s'] / med['memory']['first_s']:13.2f} "
           f"{'':>11} {med['ray']['samples_per_s'] / med['memory']['samples_per_s']:10.2f}")
-    per_block, whole = _read_bench(args)
-    print(f"\nread {args.batch} random rows of {args.read_blocks} blocks: elastic's numpy gather "
-          f"per block {per_block:.1f} ms, one Arrow take over all blocks {whole:.1f} ms")
+    per_block, joined, whole = _read_bench(args)
+    print(f"\nread {args.batch} random rows of {args.read_blocks} blocks: numpy gather per block "
+          f"{per_block:.1f} ms, the same after the small blocks are joined (what a job reads) "
+          f"{joined:.1f} ms, one Arrow take over all blocks {whole:.1f} ms")
 
 
 if __name__ == "__main__":

@@ -194,8 +194,19 @@ def column_storage(table: Any, name: str) -> tuple[Any, tuple[int, ...]]:
     shape = getattr(c.type, "shape", None)
     if shape is not None and hasattr(c, "storage"):  # Ray Data's tensor extension type
         return c.storage, tuple(int(d) for d in shape)
-    if str(c.type).startswith(("list", "fixed_size_list", "large_list")):
-        return c, ((len(c.flatten()) // len(c),) if len(c) else (0,))
+    if str(c.type).startswith("fixed_size_list"):
+        return c, (int(c.type.list_size),)
+    if str(c.type).startswith(("list", "large_list")):
+        if not len(c):
+            return c, (0,)
+        import pyarrow.compute as pc
+
+        span = pc.min_max(pc.list_value_length(c))
+        lo, hi = span["min"].as_py(), span["max"].as_py()
+        if lo != hi:  # a reshape would cut the values into rows that are not the rows
+            raise ValueError(f"column {name!r} has rows of {lo} to {hi} values: every row "
+                             "must have the same length")
+        return c, (int(lo),)
     return c, ()
 
 

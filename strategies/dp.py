@@ -82,7 +82,7 @@ class DataParallel(Strategy):
         # gradient_as_bucket_view: gradients live in DDP's all-reduce buckets instead of being
         # copied into them and back every step (measured 3-5 % of a step of the overhead
         # benchmark's model on one CPU thread; also one gradient copy less in memory).
-        self.ddp = DDP(self.model, device_ids=ids, broadcast_buffers=False,
+        self.ddp = DDP(self.model, device_ids=ids, forward_sync_buffers=False,
                        init_sync=spec.options.init_sync,
                        gradient_as_bucket_view=spec.options.bucket_view)
         self.ddp.register_comm_hook(None, recording_allreduce)

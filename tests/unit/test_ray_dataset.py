@@ -255,3 +255,45 @@ def test_the_example_job_files_build(name):
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     cfg = JobConfig.from_yaml(os.path.join(root, "examples", name))
     assert cfg.max_steps > 0
+
+
+@pytest.mark.parametrize(("nbytes", "target", "want"), [
+    ([], 10, []),
+    ([3], 10, [[0]]),
+    ([3, 3, 3, 3], 10, [[0, 1, 2], [3]]),         # a run stops before it would pass target
+    ([5, 5, 5], 10, [[0, 1], [2]]),               # exactly target is one run
+    ([12, 2, 2, 12, 1], 10, [[0], [1, 2], [3], [4]]),  # a large block is a run of its own
+    ([0, 4, 0, 4], 4, [[0, 1, 2], [3]]),
+])
+def test_small_neighbouring_blocks_are_joined_in_order_up_to_the_target(nbytes, target, want):
+    from elastic.ray_dataset import merge_groups
+
+    got = merge_groups(nbytes, target)
+    assert got == want
+    assert [i for g in got for i in g] == list(range(len(nbytes)))  # every block once, in order
+
+
+def test_joined_tables_read_as_their_blocks_did():
+    """What a join task does (``ray_connect._join``) keeps every row in order, one chunk, and
+    tables that cannot join come back as not joined."""
+    from elastic.ray_connect import _join
+
+    b, x, y = _blocks([3, 1, 7, 2])
+    ok, t = _join(*[b._tables[i] for i in range(4)])
+    assert ok and t.column("x").num_chunks == 1
+    one = RayBlocks(["ref"], [13], ("x", "y"), ("float32", "int64"))
+    one._tables = {0: t}
+    got_x, got_y = one.get_batch(torch.arange(13).flip(0))
+    assert torch.equal(got_x, x.flip(0)) and torch.equal(got_y, y.flip(0))
+    assert _join(b._tables[0], pa.table({"z": [1.0]})) == (False, None)
+
+
+def test_a_list_column_whose_rows_differ_in_length_is_an_error_not_a_reshape():
+    """2 rows of 2 values and 2 of 6 hold 16 values: cut into 4 rows of 4, without the check."""
+    from elastic.data import column_array
+
+    t = pa.table({"x": pa.array([[1.0, 2.0], [3.0] * 6, [4.0] * 6, [5.0, 6.0]])})
+    with pytest.raises(ValueError, match="'x' has rows of 2 to 6 values"):
+        column_array(t, "x", "float32")
+    even = pa.table({"x": pa.array([[1.0, 2.0], [3.0, 4.0]], pa.large_list(pa.float64()))})
+    assert column_array(even, "x", "float32").tolist() == [[1.0, 2.0], [3.0, 4.0]]
