@@ -6,7 +6,12 @@ loop), from the same history and events as ``metrics.jsonl`` and ``events.jsonl`
 completed step once (a step run again after a restore is not logged twice), every event the
 view shows, the job's settings (secrets redacted) and how it ended. Across a restore, a
 resize or a strategy switch the tracker's run goes on: it belongs to the job, not to a group
-of workers.
+of workers. A resumed job in the same run directory (``resume`` set) goes on with the same
+tracker runs: each tracker's ``state()`` (MLflow: its run id; TensorBoard: its directory) and
+the last step it logged are kept in ``<run dir>/trackers.json``, handed back as
+``RunInfo.resumed``, and the steps it logged already are not sent again (TensorBoard instead
+purges from the resumed job's first step and is sent every step). A tracker that starts a
+run of its own instead (its state differs) is sent every step.
 
 Each tracker runs on a thread of its own, so a slow or unreachable tracker never holds up
 the controller, and its failures never stop the job: a failed call is tried again twice
@@ -20,11 +25,13 @@ with the other keys as keyword arguments and implements ``Tracker``'s four metho
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import json
 import os
 import queue
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -54,6 +61,8 @@ class RunInfo:
     run_dir: str
     max_steps: int
     config: dict[str, Any]
+    resumed: dict[str, Any] | None = None  # this tracker's state() in the job this resumes
+    resumed_after: int = -1  # the last step it logged then
 
 
 class Tracker:
@@ -65,13 +74,21 @@ class Tracker:
 
     def log_steps(self, entries: list[dict[str, Any]]) -> None:
         """Completed steps, in order: ``step`` (as in metrics.jsonl), ``time`` (Unix
-        seconds) and the numbers of ``METRIC_KEYS`` the step has."""
+        seconds) and the numbers of ``METRIC_KEYS`` the step has. Once it returns they count
+        as kept: a resumed job does not send them again."""
 
     def log_events(self, events: list[Event]) -> None:
         """Events, in order (``kind``, ``message``, ``step``, ``time``, ``data``)."""
 
     def finish(self, status: str) -> None:
         """The job ended: ``finished``, ``failed`` or ``interrupted``."""
+
+    resends = False  # True: a resumed job sends it every step it runs, the replayed too
+
+    def state(self) -> dict[str, Any]:
+        """What a resumed job needs to go on with this run (JSON), read after ``start``.
+        Another state after a resumed ``start`` means a run of its own: every step is sent."""
+        return {}
 
 
 def _numbers(entry: dict[str, Any]) -> dict[str, float]:
@@ -88,32 +105,63 @@ def _numbers(entry: dict[str, Any]) -> dict[str, float]:
 class TensorBoardTracker(Tracker):
     """Scalars per step (``loss``, ``samples_per_s``, ...), events as text (tag
     ``events``), the settings as text (tag ``config``), in ``log_dir`` (default
-    ``<run dir>/tensorboard``). Written with tensorboardX (installed with Ray Train)."""
+    ``<run dir>/tensorboard``). Written with tensorboardX (installed with Ray Train).
+
+    A resumed job writes a new event file in the same directory that starts with
+    TensorBoard's purge (``purge_step``: the first step the resumed job completes), so the
+    earlier file's steps from there on, whether they reached the disk or not, are replaced
+    by the resumed job's: it is sent every step it runs (``resends``)."""
+
+    resends = True
 
     def __init__(self, log_dir: str | None = None) -> None:
         self.log_dir = log_dir
         self._w: Any = None
+        self._run: RunInfo | None = None
+        self._held: list[Event] = []  # a resumed job's events before its first step
 
     def start(self, run: RunInfo) -> str:
-        from tensorboardX import SummaryWriter
-
         self.log_dir = os.path.abspath(self.log_dir or os.path.join(run.run_dir, "tensorboard"))
-        self._w = SummaryWriter(self.log_dir, flush_secs=10)
-        self._w.add_text("config", "```\n" + json.dumps(run.config, indent=1, default=str)
-                         + "\n```", 0)
+        self._run = run
+        if run.resumed is None:
+            self._open(None)
         return f"tensorboard: {self.log_dir}"
 
+    def _open(self, purge_step: int | None) -> None:
+        from tensorboardX import SummaryWriter
+
+        assert self._run is not None
+        # flushed each second (a driver that dies loses ~1 s of points, not 10 s); the
+        # suffix keeps a resumed job's file from taking the name (time in s) of the last one
+        self._w = SummaryWriter(self.log_dir, flush_secs=1, purge_step=purge_step,
+                                filename_suffix=f".{time.time_ns()}")
+        self._w.add_text("config", "```\n" + json.dumps(self._run.config, indent=1,
+                                                         default=str) + "\n```",
+                         purge_step or 0)
+        held, self._held = self._held, []
+        self.log_events(held)
+
+    def state(self) -> dict[str, Any]:
+        return {"log_dir": self.log_dir}
+
     def log_steps(self, entries: list[dict[str, Any]]) -> None:
+        if self._w is None:
+            self._open(entries[0]["step"])
         for e in entries:
             for k, v in _numbers(e).items():
                 self._w.add_scalar(k, v, e["step"], walltime=e.get("time"))
 
     def log_events(self, events: list[Event]) -> None:
+        if self._w is None:
+            self._held += events
+            return
         for ev in events:
             self._w.add_text("events", f"**{ev.kind}**: {ev.message}", ev.step or 0,
                              walltime=ev.time)
 
     def finish(self, status: str) -> None:
+        if self._w is None:
+            self._open(None)
         self._w.add_text("status", status, 0)
         self._w.close()
 
@@ -158,13 +206,48 @@ class MlflowTracker(Tracker):
             eid = exp.experiment_id
         tags = {"elastic.job": run.job, "elastic.run_dir": run.run_dir,
                 **{str(k): str(v) for k, v in self.tags.items()}}
-        r = self._c.create_run(eid, run_name=self.run_name or run.job, tags=tags)
-        self.run_id = r.info.run_id
-        params = [Param(k, _param_text(v)) for k, v in sorted(run.config.items())]
+        had = self._go_on(run, eid)
+        went_on = had is not None
+        if had is None:
+            r = self._c.create_run(eid, run_name=self.run_name or run.job, tags=tags)
+            self.run_id, had = r.info.run_id, {}
+        params = [Param(k, _param_text(v)) for k, v in sorted(run.config.items())
+                  if k not in had]  # a param's value cannot change in MLflow
+        changed = [f"{k}: {had[k]} -> {_param_text(v)}" for k, v in sorted(run.config.items())
+                   if k in had and had[k] != _param_text(v)]
+        if changed:
+            self._events.append(f"step {run.resumed_after + 1}: settings: resumed with "
+                                + "; ".join(changed))
         for i in range(0, len(params), 100):  # MLflow takes 100 params a call
             self._c.log_batch(self.run_id, params=params[i:i + 100])
-        return (f"mlflow: run {self.run_id} in experiment {name!r} at "
-                f"{self._c.tracking_uri}")
+        how = "continued (the job resumed) " if went_on else ""
+        return f"mlflow: run {self.run_id} {how}in experiment {name!r} at {self._c.tracking_uri}"
+
+    def _go_on(self, run: RunInfo, eid: str) -> dict[str, str] | None:
+        """The resumed job's run, RUNNING again, with its params and its events so far (the
+        artifact is written whole at the end); None when there is none to go on with (not
+        resumed, or the run is gone from this server or experiment)."""
+        rid = (run.resumed or {}).get("run_id")
+        if not rid:
+            return None
+        try:
+            r = self._c.get_run(rid)
+        except Exception:  # noqa: BLE001 - another server, or deleted: a run of its own
+            return None
+        if r.info.experiment_id != eid or r.info.lifecycle_stage != "active":
+            return None
+        self.run_id = rid
+        self._c.update_run(rid, status="RUNNING")
+        try:
+            with tempfile.TemporaryDirectory() as d:
+                with open(self._c.download_artifacts(rid, EVENTS_TXT, d)) as f:
+                    self._events = f.read().splitlines()
+        except Exception:  # noqa: BLE001 - none yet (the job died before its end)
+            pass
+        return dict(r.data.params)
+
+    def state(self) -> dict[str, Any]:
+        return {"run_id": self.run_id}
 
     def log_steps(self, entries: list[dict[str, Any]]) -> None:
         from mlflow.entities import Metric
@@ -179,9 +262,12 @@ class MlflowTracker(Tracker):
 
     def finish(self, status: str) -> None:
         if self._events:
-            self._c.log_text(self.run_id, "\n".join(self._events) + "\n", "elastic/events.txt")
+            self._c.log_text(self.run_id, "\n".join(self._events) + "\n", EVENTS_TXT)
         self._c.set_terminated(self.run_id, {"finished": "FINISHED",
                                              "interrupted": "KILLED"}.get(status, "FAILED"))
+
+
+EVENTS_TXT = "elastic/events.txt"  # the MLflow run's artifact of the job's events
 
 
 def _param_text(v: Any) -> str:
@@ -218,14 +304,48 @@ def check_trackers_here(trackers: tuple[tuple[str, dict[str, Any]], ...]) -> Non
             _factory(kind, opts)
 
 
+class _Saved:
+    """``<run dir>/trackers.json``: each tracker's ``state()`` and the last step it logged,
+    by position and name, for a resumed job. Written whole (a rename) by the trackers'
+    threads."""
+
+    def __init__(self, run_dir: str) -> None:
+        self.path = os.path.join(run_dir, "trackers.json")
+        self.rows: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    def load(self) -> dict[str, Any]:
+        try:
+            with open(self.path) as f:
+                got = json.load(f)
+        except (OSError, ValueError):
+            return {}
+        return got if isinstance(got, dict) else {}
+
+    def put(self, key: str, state: dict[str, Any], last_step: int) -> None:
+        with self._lock:
+            self.rows[key] = {"state": state, "last_step": last_step}
+            tmp = f"{self.path}.{threading.get_ident()}.tmp"
+            try:
+                os.makedirs(os.path.dirname(self.path), exist_ok=True)
+                with open(tmp, "w") as f:
+                    json.dump(self.rows, f, default=str)
+                os.replace(tmp, self.path)
+            except OSError:  # a resumed job then starts new tracker runs: nothing is lost
+                pass
+
+
 class _Runner:
     """One tracker on a thread of its own: calls in order, batched, retried, then off."""
 
     def __init__(self, name: str, make: Callable[[], Any], notes: list[tuple[str, str]],
-                 lock: threading.Lock) -> None:
+                 lock: threading.Lock, saved: _Saved | None = None, key: str = "") -> None:
         self.name = name
         self._make = make
         self._notes, self._lock = notes, lock
+        self._saved, self._key = saved, key
+        self._floor = -1  # the last step this tracker's run holds (a resumed job's)
+        self._state: dict[str, Any] = {}
         self._q: queue.Queue[tuple[str, Any]] = queue.Queue()
         self.off = False
         self.thread = threading.Thread(target=self._serve, daemon=True,
@@ -257,6 +377,10 @@ class _Runner:
                 if op == "finish":
                     return
                 continue
+            if op == "steps":
+                arg = [e for e in arg if e["step"] > self._floor]
+                if not arg:
+                    continue
             if op == "start":
                 call: Callable[[], Any] = functools.partial(self._start, arg)
             else:
@@ -265,15 +389,28 @@ class _Runner:
             out = self._call(op, call)
             if op == "start" and not self.off:
                 tracker = out
+            if op == "steps" and not self.off:
+                self._floor = arg[-1]["step"]
+                self._save()
             if op == "finish":
                 return
 
     def _start(self, run: RunInfo) -> Any:
         tracker = self._make()
         where = tracker.start(run)
+        state: Any = getattr(tracker, "state", dict)()  # (a user's class may have none)
+        self._state = dict(state) if isinstance(state, dict) else {}
+        if (run.resumed is not None and self._state == run.resumed  # the same run, on
+                and not getattr(tracker, "resends", False)):
+            self._floor = run.resumed_after
+        self._save()
         if where:
             self._note("tracker", str(where))
         return tracker
+
+    def _save(self) -> None:
+        if self._saved is not None:
+            self._saved.put(self._key, self._state, self._floor)
 
     def _call(self, op: str, call: Callable[[], Any]) -> Any:
         for attempt in range(len(RETRY_S) + 1):
@@ -317,10 +454,15 @@ class TrackerView(View):
     def start(self, job: str, max_steps: int) -> None:
         self.inner.start(job, max_steps)
         run = RunInfo(job, os.path.abspath(self.cfg.run_path), max_steps, self.cfg.to_dict())
-        for kind, opts in self.cfg.trackers:
+        saved = _Saved(run.run_dir)
+        prior = saved.load() if self.cfg.resume else {}  # a resumed job in this run dir
+        for i, (kind, opts) in enumerate(self.cfg.trackers):
             name = kind if kind != "custom" else opts["target"]
-            r = _Runner(name, _factory(kind, opts), self._notes, self._lock)
-            r.put("start", run)
+            key = f"{i}:{name}"
+            r = _Runner(name, _factory(kind, opts), self._notes, self._lock, saved, key)
+            had = prior.get(key)
+            r.put("start", run if not isinstance(had, dict) else dataclasses.replace(
+                run, resumed=had.get("state"), resumed_after=int(had.get("last_step", -1))))
             self._runners.append(r)
 
     def workers(self, infos: list[dict[str, Any]]) -> None:

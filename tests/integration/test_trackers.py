@@ -1,6 +1,6 @@
 """A real job's trackers: TensorBoard's event files and an MLflow run (a SQLite tracking
 store) hold every completed step's numbers once, the events and the settings, across a live
-strategy switch, and say how the job ended."""
+strategy switch and a resumed job, and say how the job ended."""
 
 from __future__ import annotations
 
@@ -17,13 +17,15 @@ def test_a_jobs_steps_events_and_settings_reach_tensorboard_and_mlflow(ray_local
     from mlflow.tracking import MlflowClient
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    trackers = {"tensorboard": {}, "mlflow": {"tracking_uri": uri, "experiment": "exp",
+                                              "tags": {"team": "t"},
+                                              "artifact_location": str(tmp_path / "art")}}
+    ckpt = str(tmp_path / "ckpt")
     res = elastic.fit(
         model=mlp, optimizer=adam, loss=mse, dataset=RegressionData(), global_batch_size=G,
         max_steps=STEPS, num_workers=2, view="none", run_dir=str(tmp_path / "run"),
-        name="tracked", switch_at={6: "zero2"},
-        trackers={"tensorboard": {}, "mlflow": {"tracking_uri": uri, "experiment": "exp",
-                                                "tags": {"team": "t"},
-                                                "artifact_location": str(tmp_path / "art")}})
+        name="tracked", switch_at={6: "zero2"}, checkpoint_uri=ckpt, checkpoint_every=5,
+        trackers=trackers)
     losses = [h["loss"] for h in res.history]
     where = [e.message for e in res.events if e.kind == "tracker"]
     assert len(where) == 2 and not [e for e in res.events if e.kind == "tracker_failed"]
@@ -50,3 +52,16 @@ def test_a_jobs_steps_events_and_settings_reach_tensorboard_and_mlflow(ray_local
     with open(events) as f:
         text = f.read()
     assert ": switch: dp -> zero2" in text and ": finished: " in text
+
+    # resumed in the same run dir from step 5: steps 5-11 run again, 12-15 are new
+    more = elastic.fit(
+        model=mlp, optimizer=adam, loss=mse, dataset=RegressionData(), global_batch_size=G,
+        max_steps=STEPS + 4, num_workers=2, view="none", run_dir=str(tmp_path / "run"),
+        name="tracked", resume=f"{ckpt}/step-{5:012d}", trackers=trackers)
+    assert [h["step"] for h in more.history] == list(range(5, STEPS + 4))
+    (again,) = c.search_runs([exp.experiment_id])  # the same run, on
+    assert again.info.run_id == run.info.run_id and again.info.status == "FINISHED"
+    hist = sorted(c.get_metric_history(run.info.run_id, "loss"), key=lambda m: m.step)
+    assert [m.step for m in hist] == list(range(STEPS + 4))
+    recs = _tb_records(os.path.join(res.run_dir, "tensorboard"))
+    assert sorted(s for s, tag, _ in recs if tag == "loss") == list(range(STEPS + 4))

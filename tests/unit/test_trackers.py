@@ -201,7 +201,9 @@ def test_the_end_of_a_job_waits_for_a_slow_tracker_only_so_long(tmp_path, monkey
 
 def _tb_records(log_dir: str) -> list[tuple[int, str, Any]]:
     """(step, tag, value) of every summary in ``log_dir``'s event files (TFRecord framing:
-    length, its CRC, the Event protobuf, its CRC)."""
+    length, its CRC, the Event protobuf, its CRC), files in the order they were made, as
+    TensorBoard reads them: a session START at step s (``purge_step``) drops what came
+    before it at step s or later."""
     from tensorboardX.proto import event_pb2
 
     out = []
@@ -213,6 +215,8 @@ def _tb_records(log_dir: str) -> list[tuple[int, str, Any]]:
             (n,) = struct.unpack("<Q", data[pos:pos + 8])
             ev = event_pb2.Event.FromString(data[pos + 12:pos + 12 + n])
             pos += 12 + n + 4
+            if ev.HasField("session_log") and ev.session_log.status == ev.session_log.START:
+                out = [r for r in out if r[0] < ev.step]
             for val in ev.summary.value:
                 out.append((ev.step, val.tag, val.simple_value if val.HasField("simple_value")
                             else val.tensor.string_val[0].decode()))
@@ -249,3 +253,133 @@ def test_the_view_is_untouched_without_trackers(tmp_path):
 
     inner = View()
     assert with_trackers(inner, _cfg(tmp_path, None)) is inner
+
+
+def _job_view(tmp_path, trackers_setting, resume: str | None):
+    from elastic import trackers
+
+    cfg = _cfg(tmp_path, trackers_setting)
+    cfg.run_dir = str(tmp_path / "run")
+    cfg.resume = resume
+    v = trackers.TrackerView(View(), cfg)
+    said: list[tuple[str, str]] = []
+    v.bind(lambda kind, msg, **kw: said.append((kind, msg)))
+    return v, said
+
+
+def _logged_through(tmp_path, step: int, trackers: int) -> None:
+    """Until the run dir's ``trackers`` trackers each say they logged ``step``."""
+    import json
+
+    def done() -> bool:
+        try:
+            with open(tmp_path / "run" / "trackers.json") as f:
+                rows = json.load(f)
+        except (OSError, ValueError):
+            return False
+        return len(rows) == trackers and all(r["last_step"] >= step for r in rows.values())
+    _wait(done)
+
+
+def test_a_resumed_job_goes_on_with_its_trackers_runs_and_logs_each_step_once(tmp_path):
+    """The first job's driver dies after step 7 (no end: its MLflow run is left RUNNING,
+    TensorBoard's last steps may not be on disk); the job is resumed in the same run dir from
+    its step-4 checkpoint, so steps 4-7 run again. One MLflow run, FINISHED, each step once
+    (the first time: MLflow cannot replace a point); one TensorBoard curve, each step once
+    (the resumed job's from step 4: TensorBoard purges). A setting that changed at the
+    resume is said, not refused by MLflow."""
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    setting = ["tensorboard", {"mlflow": {"tracking_uri": uri, "experiment": "resumes",
+                                          "artifact_location": str(tmp_path / "art")}}]
+    first, said1 = _job_view(tmp_path, setting, None)
+    first.start("job-r", 12)
+    for s in range(8):
+        first.step(_entry(s))
+    _logged_through(tmp_path, 7, 2)
+    _wait(lambda: (7, "loss") in [r[:2] for r in _tb_records(str(tmp_path / "run" /
+                                                                 "tensorboard"))])
+    # and then the driver is gone: no close()
+
+    second, said2 = _job_view(tmp_path, setting, "latest")
+    second.start("job-r", 12)
+    for s in range(4, 12):
+        second.step(dict(_entry(s), loss=5.0 + s))  # a replayed step's numbers differ: not sent
+    second.event(Event("finished", "12 steps", step=11))
+    second.close()
+
+    c = MlflowClient(tracking_uri=uri)
+    (run,) = c.search_runs([c.get_experiment_by_name("resumes").experiment_id])
+    assert run.info.status == "FINISHED"
+    hist = sorted(c.get_metric_history(run.info.run_id, "loss"), key=lambda m: m.step)
+    assert [(m.step, m.value) for m in hist] == [(s, 1.0 / (s + 1)) for s in range(8)] + [
+        (s, 5.0 + s) for s in range(8, 12)]
+    assert run.data.params["resume"] == "null"  # MLflow keeps the first value ...
+    events = c.download_artifacts(run.info.run_id, "elastic/events.txt", str(tmp_path / "dl"))
+    with open(events) as f:
+        text = f.read()
+    assert "settings: resumed with resume: null -> latest" in text  # ... and the change is said
+    assert ": finished: 12 steps" in text
+    where = [m for k, m in said2 if k == "tracker"]
+    assert any(f"run {run.info.run_id} continued (the job resumed)" in m for m in where)
+
+    tb = [(s, round(x, 6)) for s, tag, x in _tb_records(str(tmp_path / "run" / "tensorboard"))
+          if tag == "loss"]
+    # TensorBoard: the resumed job's steps from its first (4) on replace the first job's
+    assert sorted(tb) == [(s, round(1.0 / (s + 1), 6)) for s in range(4)] + [
+        (s, 5.0 + s) for s in range(4, 12)]
+
+
+def test_a_resumed_job_whose_tracker_run_is_gone_starts_one_and_sends_it_every_step(tmp_path):
+    """The first job's MLflow run was deleted: the resumed job's run is a new one, and it
+    gets every step the resumed job runs, the replayed ones too. A tracker of the user's is
+    handed what it said it needs to go on."""
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    setting = [{"mlflow": {"tracking_uri": uri, "experiment": "gone",
+                           "artifact_location": str(tmp_path / "art")}},
+               {"target": "tests.unit.test_trackers:Keeping"}]
+    first, _ = _job_view(tmp_path, setting, None)
+    first.start("job-g", 12)
+    for s in range(6):
+        first.step(_entry(s))
+    first.close()
+    c = MlflowClient(tracking_uri=uri)
+    (old,) = c.search_runs([c.get_experiment_by_name("gone").experiment_id])
+    c.delete_run(old.info.run_id)
+
+    second, _ = _job_view(tmp_path, setting, "latest")
+    second.start("job-g", 12)
+    for s in range(3, 9):
+        second.step(_entry(s))
+    second.close()
+    (new,) = c.search_runs([c.get_experiment_by_name("gone").experiment_id])
+    assert new.info.run_id != old.info.run_id
+    steps = sorted(m.step for m in c.get_metric_history(new.info.run_id, "loss"))
+    assert steps == list(range(3, 9))
+    assert KEPT == [(None, -1, [0, 1, 2, 3, 4, 5]), ({"token": "t-1"}, 5, [6, 7, 8])]
+
+
+KEPT: list[Any] = []
+
+
+class Keeping:
+    """A user's tracker that keeps a token across a resume."""
+
+    def start(self, run):
+        KEPT.append((run.resumed, run.resumed_after, []))
+        self.token = (run.resumed or {}).get("token", "t-1")
+
+    def log_steps(self, entries):
+        KEPT[-1][2].extend(e["step"] for e in entries)
+
+    def log_events(self, events):
+        pass
+
+    def finish(self, status):
+        pass
+
+    def state(self):
+        return {"token": self.token}
