@@ -14,6 +14,7 @@ import logging
 import os
 import socket
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 from .errors import ClusterError
@@ -24,16 +25,30 @@ __all__ = ["connect", "disconnect", "check_reachable", "address_of", "attach", "
            "bundle_node",
            "start_in_bundle", "new_bundle", "remove_bundle", "wait_refs", "get_ref", "actor_key",
            "free_bundles", "runtime_env_now", "ray_session", "table_sizes",
-           "join_tables", "free_cpus"]
+           "join_tables", "free_cpus", "running_here"]
 
 log = logging.getLogger(__name__)
 
 
 
 def address_of(explicit: str | None) -> str | None:
-    """The Ray address a job uses: ``ray_address``, else ``$RAY_ADDRESS``, else None (a
-    private local cluster)."""
+    """The Ray address a job names: ``ray_address``, else ``$RAY_ADDRESS``, else None (the
+    cluster ``ray start`` runs on this machine if there is one, else a private local one)."""
     return explicit or os.environ.get("RAY_ADDRESS") or None
+
+
+def running_here() -> str | None:
+    """The GCS address of the Ray cluster ``ray start`` started on this machine, found as
+    ``ray.init()`` finds it (Ray's address file in its temp dir) and only while that GCS
+    runs; None when there is none. On a ``ray up`` head (``ray submit``, ``ray exec``, a
+    shell there) this is the whole cluster: a private one would leave its nodes idle."""
+    try:
+        from ray._private.services import find_bootstrap_address, find_gcs_addresses
+
+        addr = find_bootstrap_address(None)
+        return addr if addr and addr in find_gcs_addresses() else None
+    except Exception:  # noqa: BLE001 - another Ray's internals: start a private one
+        return None
 
 
 def check_reachable(addr: str) -> None:
@@ -139,15 +154,24 @@ def attach(addr: str, namespace: str | None = None) -> None:
         ) from e
 
 
-def connect(address: str | None, local_cpus: float) -> bool:
-    """Attach to ``address`` (or ``$RAY_ADDRESS``), or start a private local cluster with at
-    least ``local_cpus`` logical CPUs. Returns True when this call started Ray (the caller
-    then shuts it down). Does nothing if Ray is already initialised in this process."""
+def connect(address: str | None, local_cpus: float,
+            say: Callable[[str], Any] | None = None) -> bool:
+    """Attach to ``address`` (or ``$RAY_ADDRESS``, or the cluster ``ray start`` runs on this
+    machine, as ``ray.init()`` would: ``say`` is told), or start a private local cluster with
+    at least ``local_cpus`` logical CPUs (``address="local"`` always does). Returns True when
+    this call started Ray (the caller then shuts it down). Does nothing if Ray is already
+    initialised in this process."""
     import ray
 
     if ray.is_initialized():
         return False
     addr = address_of(address)
+    if addr is None and (here := running_here()) is not None:
+        attach(here)
+        if say is not None:
+            say(f"attached to the Ray cluster running on this machine at {here} (started "
+                "by `ray start`); ray_address: local runs the job on a private one instead")
+        return False
     if addr and addr != "local":
         attach(addr)
         return False

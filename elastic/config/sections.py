@@ -275,7 +275,8 @@ class Scaling(Section):
     max_workers: int | None = None
     resources_per_worker: dict[str, float] = field(default_factory=lambda: {"CPU": 1})
     use_gpu: bool | None = None  # None: use GPUs when the cluster has them
-    ray_address: str | None = None  # default: $RAY_ADDRESS, else a local cluster
+    ray_address: str | None = None  # default: $RAY_ADDRESS, else the cluster `ray start`
+    # runs on this machine, else a private local one ("local": always a private one)
     placement_timeout_s: float = 60.0
     scale_check_s: float = 5.0  # how often to look for room for more workers (up to max)
     # False: the job grows only when asked (a scale request: the SDK, the CLI, an elastic
@@ -312,7 +313,7 @@ class Scaling(Section):
         optional_flag(self.use_gpu, "use_gpu", "GPUs when the cluster has them")
         text(self.ray_address, "ray_address",
                     fix="e.g. ray_address: 10.0.0.1:6379, or leave it out ($RAY_ADDRESS, "
-                        "else a local cluster)")
+                        "else the cluster `ray start` runs here, else a local one)")
         number(self.placement_timeout_s, "placement_timeout_s", above=True)
         number(self.scale_check_s, "scale_check_s", above=True)
         flag(self.grow_when_room, "grow_when_room")

@@ -483,7 +483,8 @@ def _ray_connect(cfg: JobConfig, model: Any, emit: Callable[..., Any], pool: Any
     from ..ray_dataset import prepare
     from .pool import default_pool
 
-    started = connect(cfg.ray_address, cfg.max_world * float(cfg.resources_per_worker.get("CPU", 1)))
+    started = connect(cfg.ray_address, cfg.max_world * float(cfg.resources_per_worker.get(
+        "CPU", 1)), lambda m: emit("cluster", m))
     cfg.ray_blocks = {}
     try:
         cfg.ray_blocks = prepare(cfg, model, emit, pool or default_pool())
