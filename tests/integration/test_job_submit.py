@@ -192,8 +192,7 @@ def ray_head():
         [RAY, "start", "--head", f"--port={gcs}", "--num-cpus=3", "--include-dashboard=true",
          f"--dashboard-port={dash}", "--dashboard-host=127.0.0.1", "--disable-usage-stats",
          "--node-ip-address=127.0.0.1", f"--ray-client-server-port={client}",
-         f"--dashboard-agent-listen-port={agent}"],  # temp dir: $RAY_TMPDIR/ray, where
-        # ray.init() (and elastic) on this machine look for a cluster `ray start` runs
+         f"--dashboard-agent-listen-port={agent}", f"--temp-dir={tmp}"],
         env=env, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True,  # every process of the head shares this session id
     )
@@ -255,30 +254,6 @@ def test_ray_job_submit_runs_elastic_to_the_end(ray_head, tmp_path):
         assert line in logs.stdout, (line, logs.stdout)
     assert ray_head.job_status(job_id) == "SUCCEEDED"
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 5
-
-
-def test_elastic_run_on_the_head_attaches_to_the_cluster_ray_start_runs_there(ray_head,
-                                                                             tmp_path):
-    """What `ray submit cluster.yaml train.py` and `ray exec cluster.yaml 'elastic run
-    job.yaml'` do on a `ray up` head: run a driver there with no RAY_ADDRESS. It attaches to
-    the head's cluster, as ray.init() does (it started a private one before), and says so."""
-    run_dir = tmp_path / "runs" / "here"
-    wd = _workdir(tmp_path, "here", f"name: here\nrun_dir: {run_dir}\n")
-    assert "RAY_ADDRESS" not in ray_head.env
-    out = ray_head.run(ELASTIC, "run", "job.yaml", cwd=wd, timeout=240)
-    assert out.returncode == 0, out.stdout + out.stderr
-    with open(os.path.join(ray_head.tmp, "ray", "ray_current_cluster")) as f:
-        here = f.read().strip()  # what `ray start` wrote: the node's IP, the GCS port
-    assert here.endswith(ray_head.gcs.rsplit(":", 1)[1])
-    assert (f"[elastic] cluster at step 0: attached to the Ray cluster running on this machine "
-            f"at {here}") in out.stdout, out.stdout
-    assert "[elastic] done: 5 steps" in out.stdout
-    nodes = ray_head.run(RAY, "list", "nodes", "--address", ray_head.gcs, "--format", "json",
-                         timeout=60)
-    head_id = json.loads(nodes.stdout)[0]["node_id"]
-    placed = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()
-              if json.loads(x)["kind"] == "placed"][0]
-    assert {w["node_id"] for w in placed["data"]["workers"]} == {head_id}
 
 
 def test_no_wait_job_is_reached_by_elastic_status_and_stopped(ray_head, tmp_path):
