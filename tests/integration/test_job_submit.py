@@ -207,11 +207,17 @@ def ray_head():
             time.sleep(0.25)
         yield head
     finally:
-        if start.poll() is None:
-            start.kill()
-        left = _kill_head(head.sid, tmp)
-        shutil.rmtree(tmp, ignore_errors=True)
-        assert not left, f"processes of the test's Ray head survived: {left}"
+        _end_head(start, head.sid, tmp, "the test's Ray head")
+
+
+def _end_head(starter: subprocess.Popen, sid: int, tmp: str, what: str) -> None:
+    """End a head the test started (``starter``'s session ``sid``, temp dir ``tmp``): its
+    processes, then its temp dir; fails naming ``what`` if any process survived."""
+    if starter.poll() is None:
+        starter.kill()
+    left = _kill_head(sid, tmp)
+    shutil.rmtree(tmp, ignore_errors=True)
+    assert not left, f"processes of {what} survived: {left}"
 
 
 def _workdir(tmp_path, name: str, extra: str = "") -> str:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -20,7 +19,7 @@ import textwrap
 
 import pytest
 
-from tests.integration.test_job_submit import _free_port, _kill_head
+from tests.integration.test_job_submit import JOB, _end_head, _free_port
 
 pytestmark = pytest.mark.slow
 
@@ -37,19 +36,6 @@ r = elastic.fit(model=tiny_mlp, optimizer=lambda p: torch.optim.Adam(p, lr=0.01)
                 max_steps=5, num_workers=2, view="plain", run_dir={run_dir!r})
 print("TRAINED", len(r.history))
 """
-
-JOB = """\
-model: elastic.models:tiny_mlp
-optimizer: {{name: adam, lr: 0.01}}
-loss: elastic.models:mlp_loss
-dataset: elastic.models:SyntheticRegression
-global_batch_size: 16
-max_steps: 5
-num_workers: 2
-view: plain
-run_dir: {run_dir}
-"""
-
 
 def _cluster_yaml(home: str, port: int) -> str:
     return textwrap.dedent(f"""\
@@ -100,11 +86,7 @@ def launched(tmp_path):
         assert up.returncode == 0, out
         yield env, str(cfg), home
     finally:
-        if up.poll() is None:
-            up.kill()
-        left = _kill_head(up.pid, tmp)
-        shutil.rmtree(tmp, ignore_errors=True)
-        assert not left, f"processes of the launched cluster survived: {left}"
+        _end_head(up, up.pid, tmp, "the launched cluster")
 
 
 def _ray(env: dict[str, str], cwd: str, *args: str) -> subprocess.CompletedProcess:
@@ -125,7 +107,7 @@ def test_ray_submit_and_ray_exec_run_elastic_on_the_launched_cluster(launched, t
     assert "TRAINED 5" in out.stdout and said in out.stdout, out.stdout
 
     with open(os.path.join(home, "job.yaml"), "w") as f:  # (what file_mounts would sync)
-        f.write(JOB.format(run_dir=tmp_path / "cli"))
+        f.write(JOB + f"run_dir: {tmp_path / 'cli'}\n")
     out = _ray(env, str(tmp_path), "exec", cfg, "elastic run job.yaml")
     assert out.returncode == 0, out.stdout + out.stderr
     assert said in out.stdout and "[elastic] done: 5 steps" in out.stdout, out.stdout
