@@ -41,7 +41,7 @@ from .errors import ClusterError, ConfigError
 if TYPE_CHECKING:
     from .config import JobConfig
 
-__all__ = ["PoolRoom", "RayBlocks", "is_ray_dataset", "materialize", "prepare"]
+__all__ = ["PoolRoom", "RayBlocks", "is_ray_dataset", "materialize", "prepare", "data_key"]
 
 
 class RayBlocks:
@@ -302,7 +302,8 @@ def prepare(cfg: JobConfig, model: Any, emit: Callable[..., Any] | None = None,
     """On the driver, once Ray is up: the job's Ray datasets as blocks (by field), checked
     as preflight checks other datasets (enough rows; the model and loss on a sample). Each
     run is a ``data`` event (rows, blocks, seconds). ``pool``: the job's ``WorkerPool``,
-    whose idle workers give up a CPU for the pipeline when none is free."""
+    whose idle workers give up a CPU for the pipeline when none is free. Blocks already in
+    ``cfg.ray_blocks`` (a sweep's, run once for its trials) are used as they are."""
     room = PoolRoom(pool)
     try:
         return _prepare(cfg, model, emit, room)
@@ -321,6 +322,16 @@ def _prepare(cfg: JobConfig, model: Any, emit: Callable[..., Any] | None,
     for field, given in (("dataset", data.dataset), ("eval_dataset", cfg.eval_dataset)):
         if given is None or not (data.format == "ray" or is_ray_dataset(given)):
             continue
+        ran = cfg.ray_blocks.get(field)
+        if ran is not None:  # run once already, for every trial of a sweep: checked for
+            out[field] = ran  # this job's model and loss
+            if emit is not None:
+                emit("data", f"{field}: reads the {len(ran)} rows in {len(ran.refs)} blocks "
+                     "its sweep ran the Ray dataset into", data={
+                         "field": field, "rows": len(ran), "blocks": len(ran.refs),
+                         "seconds": 0.0, "shared": True})
+            check_dataset_object(cfg, model, field, ran)
+            continue
         ds = cfg.dataset_object() if field == "dataset" else cfg.eval_dataset_object()
         if not is_ray_dataset(ds):  # a factory of a map-style dataset: workers call it too
             check_dataset_object(cfg, model, field, ds)
@@ -335,3 +346,24 @@ def _prepare(cfg: JobConfig, model: Any, emit: Callable[..., Any] | None,
                        "seconds": round(secs, 3)})
         check_dataset_object(cfg, model, field, blocks)
     return out
+
+
+def data_key(cfg: JobConfig) -> Any:
+    """What makes two jobs' Ray datasets the same pipeline (its setting, format, columns and
+    dtypes, for ``dataset`` and ``eval_dataset``), so a sweep runs it once for its trials;
+    None when the job has no Ray dataset. A dataset object is keyed by its identity."""
+    import json
+
+    data = cfg.data
+    fields = [g for g in (data.dataset, cfg.eval_dataset)
+              if g is not None and (data.format == "ray" or is_ray_dataset(g))]
+    if not fields:
+        return None
+
+    def one(g: Any) -> str:
+        if isinstance(g, (str, dict, list)):
+            return json.dumps(g, sort_keys=True, default=repr)
+        return f"object {id(g)}"
+    return (tuple(one(g) if g is not None else "" for g in (data.dataset, cfg.eval_dataset)),
+            data.format, data.input_column, data.target_column, data.input_dtype,
+            data.target_dtype)

@@ -485,8 +485,7 @@ def _ray_connect(cfg: JobConfig, model: Any, emit: Callable[..., Any], pool: Any
 
     started = connect(cfg.ray_address, cfg.max_world * float(cfg.resources_per_worker.get(
         "CPU", 1)), lambda m: emit("cluster", m))
-    cfg.ray_blocks = {}
-    try:
+    try:  # (blocks a sweep ran once for its trials come in cfg.ray_blocks)
         cfg.ray_blocks = prepare(cfg, model, emit, pool or default_pool())
     except BaseException:
         _ray_release(cfg, started)

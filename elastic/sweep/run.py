@@ -93,6 +93,7 @@ def run_sweep(config: SweepConfig | dict[str, Any] | str, *, n_trials: int | Non
             callbacks=[optuna.study.MaxTrialsCallback(cfg.n_trials, states=FINISHED),
                        runner.after_trial])
     finally:
+        runner.release()
         if runner.pool is not None:
             runner.pool.close()
         disconnect(started)

@@ -49,6 +49,8 @@ class TrialRunner:
         self.promotion = PromotionPolicy(cfg.promotion) if cfg.promotion is not None else None
         self._lock = threading.Lock()
         self.pool: Any = None  # an elastic.WorkerPool the trials' jobs share (run_sweep's)
+        self._data: tuple[Any, dict[str, Any]] | None = None  # (key, blocks): the last run
+        self._data_lock = threading.Lock()
 
     def say(self, line: str) -> None:
         if self.out is not None:
@@ -89,10 +91,40 @@ class TrialRunner:
             raise optuna.TrialPruned(f"pruned at step {pruned_at}")
         return float(self.value(result))
 
+    def _shared_data(self, job: JobConfig) -> None:
+        """Give ``job`` the blocks of its Ray datasets, run once for every trial that has the
+        same pipeline (``ray_dataset.data_key``); the first such trial runs it, the others
+        wait for it. Only the last pipeline is kept: a sweep over the dataset's settings runs
+        each as its trial comes, and a running trial keeps its own blocks."""
+        from ..ray_dataset import data_key, prepare
+        from ..reference import build_model
+
+        key = data_key(job)
+        if key is None:
+            return
+        with self._data_lock:
+            if self._data is None or self._data[0] != key:
+                self._data = None  # (its blocks go once no trial holds them)
+                t0 = time.monotonic()
+                blocks = prepare(job, build_model(job.model_factory(), job.seed), None,
+                                 self.pool)
+                self._data = (key, blocks)
+                self.say("ran the Ray dataset once for the trials: " + ", ".join(
+                    f"{f} {len(b)} rows in {len(b.refs)} blocks" for f, b in blocks.items())
+                    + f" ({time.monotonic() - t0:.1f}s)")
+            job.ray_blocks = dict(self._data[1])
+
+    def release(self) -> None:
+        """Let go of the sweep's Ray dataset blocks (its end)."""
+        with self._data_lock:
+            self._data = None
+
     def _run(self, trial: optuna.Trial, job: JobConfig) -> FitResult:
         """The trial's job in this process: a controller whose ``on_step`` is the trial's."""
         from ..control import Controller, Request
         from ..view import make_view
+
+        self._shared_data(job)
 
         ctl: list[Controller] = []
         hook = TrialSteps(trial, self.prune_steps, self.promotion,

@@ -28,6 +28,9 @@ def _fails(batch: dict[str, Any]) -> dict[str, Any]:
     raise ValueError("bad row in the pipeline")
 
 
+CALLS = [0]  # how many times make_dataset ran (in this process: the driver)
+
+
 def make_dataset(fail: bool = False, slow_first: bool = False, pad: int = 0,
                  empty: bool = False) -> Any:
     """``pad``: that many zeros per row in a third column (blocks over Ray's 100 KiB inline
@@ -35,6 +38,7 @@ def make_dataset(fail: bool = False, slow_first: bool = False, pad: int = 0,
     import numpy as np
     import ray
 
+    CALLS[0] += 1
     d = RegressionData(N)
     rows = [{"x": d.x[i].numpy(), "y": d.y[i].numpy(), "i": i, "slow": slow_first,
              **({"pad": np.zeros(pad, np.float32)} if pad else {})} for i in range(N)]

@@ -8,6 +8,7 @@ arithmetic on the same numbers), so only the order of additions differs.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 
@@ -127,3 +128,31 @@ def test_a_pool_holding_every_cpu_gives_one_to_the_pipeline(ray_local, tmp_path,
     placed = next(e for e in result.events if e.kind == "placed")
     assert placed.data["warm"] == 2
     assert max_diff(result.state_dict(), ref_state) < 1e-5
+
+
+def test_a_sweep_runs_the_pipeline_once_for_all_its_trials(ray_local, tmp_path):
+    """Two trials of a sweep over the learning rate read one run of the pipeline (it ran
+    once per trial before: on a real dataset, a read of the whole dataset per trial); each
+    trial still checks the model and loss on its rows, and trains its steps."""
+    from elastic.sweep import optimize
+    from tests.integration import _ray_data_user
+
+    out = io.StringIO()
+    before = _ray_data_user.CALLS[0]
+    base = {"model": "tests.helpers:mlp", "optimizer": {"name": "adam", "lr": 0.01},
+            "loss": "mse", "dataset": "tests.integration._ray_data_user:make_dataset",
+            "dataset_format": "ray", "input_column": "features", "target_column": "label",
+            "global_batch_size": G, "max_steps": 4, "num_workers": 1}
+    study = optimize(base, {"optimizer.lr": {"type": "float", "low": 1e-3, "high": 0.1,
+                                             "log": True}}, 2,
+                     storage=f"sqlite:///{tmp_path}/s.db", pruner="none", max_concurrent=1,
+                     run_dir=str(tmp_path / "runs"), out=out)
+    assert [t.state.name for t in study.trials] == ["COMPLETE"] * 2, out.getvalue()
+    assert _ray_data_user.CALLS[0] - before == 1
+    assert out.getvalue().count("ran the Ray dataset once for the trials") == 1
+    for t in study.trials:
+        assert t.user_attrs["steps"] == 4
+        events = [json.loads(x) for x in
+                  open(os.path.join(t.user_attrs["run_dir"], "events.jsonl"))]
+        (data,) = [e for e in events if e["kind"] == "data"]
+        assert data["data"]["shared"] and data["data"]["rows"] == 96

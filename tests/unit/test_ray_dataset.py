@@ -297,3 +297,26 @@ def test_a_list_column_whose_rows_differ_in_length_is_an_error_not_a_reshape():
         column_array(t, "x", "float32")
     even = pa.table({"x": pa.array([[1.0, 2.0], [3.0, 4.0]], pa.large_list(pa.float64()))})
     assert column_array(even, "x", "float32").tolist() == [[1.0, 2.0], [3.0, 4.0]]
+
+
+def test_two_jobs_share_a_pipelines_run_only_when_it_is_the_same_pipeline():
+    """``data_key``: what a sweep keys its one run of a Ray dataset on."""
+    from elastic.ray_dataset import data_key
+
+    def job(**kw):
+        base = dict(model=mlp, optimizer=adam, loss=mse, global_batch_size=4, max_steps=2,
+                    dataset="tests.helpers:RegressionData", dataset_format="ray",
+                    input_column="x", target_column="y")
+        return JobConfig(**{**base, **kw})
+
+    assert data_key(job()) == data_key(job(optimizer={"name": "sgd", "lr": 0.1}))
+    assert data_key(job()) != data_key(job(input_column="x2"))
+    assert data_key(job()) != data_key(job(input_dtype="float64"))
+    assert data_key(job()) != data_key(job(dataset={"target": "tests.helpers:RegressionData",
+                                                    "n": 8}))
+    assert data_key(job(dataset=RegressionData(), dataset_format=None)) is None  # not Ray
+    ds, other = _FakeRayDataset(), _FakeRayDataset()
+    assert data_key(job(dataset=ds, dataset_format=None)) == data_key(
+        job(dataset=ds, dataset_format=None))
+    assert data_key(job(dataset=ds, dataset_format=None)) != data_key(
+        job(dataset=other, dataset_format=None))
