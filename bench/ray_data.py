@@ -7,7 +7,11 @@ Part 1, jobs: the same model, rows, global batch, steps and layout, in alternati
   builds;
 * ``ray``: the same rows as a ``ray.data`` pipeline (``from_numpy`` in ``--blocks`` blocks,
   then a ``map_batches`` that renames the columns), run once by the controller; workers read
-  their rows from the blocks (``elastic/ray_dataset.py``).
+  their rows from the blocks (``elastic/ray_dataset.py``);
+* ``raytrain`` (``--raytrain``): Ray Train's ``TorchTrainer`` with the same pipeline as its
+  ``train`` dataset, each worker streaming its split with ``iter_torch_batches`` into DDP
+  (the same model, Adam, G / workers rows a batch). It trains on other samples in another
+  order (a streamed split, not elastic's fixed per-step samples), so only the times compare.
 
 Per job: seconds from ``fit()`` to the first completed step, the pipeline's own seconds (its
 ``data`` event), steady samples/s (the median of steps after the first 5), and the largest
@@ -84,6 +88,55 @@ def _job(kind: str, args: argparse.Namespace, mem: SyntheticRegression,
             "samples_per_s": statistics.median(times[5:] or times), "state": r.state_dict()}
 
 
+def _raytrain_loop(cfg: dict[str, Any]) -> None:
+    """Ray Train's way with the same pipeline: each worker streams its split of the dataset
+    (``iter_torch_batches``, G / workers rows a batch, epoch after epoch) into DDP."""
+    import json
+
+    import ray.train
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = DDP(_model(cfg["width"]))
+    opt = torch.optim.Adam(model.parameters())
+    shard = ray.train.get_dataset_shard("train")
+    ends: list[float] = []
+    while len(ends) < cfg["steps"]:
+        for batch in shard.iter_torch_batches(batch_size=cfg["per_worker"], drop_last=True):
+            opt.zero_grad(set_to_none=True)
+            loss = torch.nn.functional.mse_loss(model(batch["features"]), batch["target"])
+            loss.backward()
+            opt.step()
+            ends.append(time.time())
+            if len(ends) == cfg["steps"]:
+                break
+    if ray.train.get_context().get_world_rank() == 0:
+        with open(cfg["out"], "w") as f:
+            json.dump(ends, f)
+
+
+def _raytrain(args: argparse.Namespace, mem: SyntheticRegression, root: str) -> dict[str, Any]:
+    import json
+
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    out = os.path.join(tempfile.mkdtemp(dir=root), "steps.json")
+    ds = _ray_ds(mem.x.numpy(), mem.y.numpy(), args.blocks)
+    t0 = time.time()
+    TorchTrainer(_raytrain_loop, train_loop_config={
+        "width": args.width, "steps": args.steps, "out": out,
+        "per_worker": args.global_batch // args.workers},
+        scaling_config=ScalingConfig(num_workers=args.workers, use_gpu=False),
+        run_config=RunConfig(storage_path=os.path.join(root, "raytrain"), name="data"),
+        datasets={"train": ds}).fit()
+    with open(out) as f:
+        ends = json.load(f)
+    rates = [args.global_batch / (b - a) for a, b in zip(ends, ends[1:], strict=False)]
+    return {"first_s": ends[0] - t0, "pipeline_s": 0.0,
+            "samples_per_s": statistics.median(rates[5:] or rates)}
+
+
 def _read_bench(args: argparse.Namespace) -> list[float]:
     import pyarrow as pa
 
@@ -135,6 +188,9 @@ def main() -> None:
     p.add_argument("--join-bytes", type=int, default=None,
                    help="join neighbouring blocks up to this size (default: the product's, "
                         "elastic.ray_dataset.MERGE_BYTES; 0: no join)")
+    p.add_argument("--raytrain", action="store_true",
+                   help="also Ray Train's TorchTrainer streaming the same pipeline "
+                        "(iter_torch_batches), dp only")
     p.add_argument("--read-blocks", type=int, default=1000, help="blocks (part 2)")
     p.add_argument("--batch", type=int, default=2048, help="rows per read (part 2)")
     args = p.parse_args()
@@ -150,11 +206,13 @@ def main() -> None:
     mem = SyntheticRegression(args.rows, in_features=args.width, out_features=4)
     root = tempfile.mkdtemp(prefix="bench-ray-data-")
     res: dict[str, list[dict[str, Any]]] = {"memory": [], "ray": []}
+    kinds = ["memory", "ray"] + (["raytrain"] if args.raytrain else [])
     try:
         for rnd in range(args.rounds):
-            order = ("memory", "ray") if rnd % 2 == 0 else ("ray", "memory")
+            order = kinds[rnd % len(kinds):] + kinds[:rnd % len(kinds)]  # each goes first
             for kind in order:
-                res[kind].append(_job(kind, args, mem, root))
+                res.setdefault(kind, []).append(_raytrain(args, mem, root) if kind == "raytrain"
+                                                else _job(kind, args, mem, root))
             a, b = res["memory"][-1]["state"], res["ray"][-1]["state"]
             diff = max(float((a[k] - b[k]).abs().max()) for k in a)
             print(f"round {rnd}: samples/s memory {res['memory'][-1]['samples_per_s']:.0f}, "
@@ -173,6 +231,9 @@ def main() -> None:
         print(f"{k:8} {m['first_s']:13.2f} {m['pipeline_s']:11.2f} {m['samples_per_s']:10.0f}")
     print(f"{'ray/mem':8} {med['ray']['first_s'] / med['memory']['first_s']:13.2f} "
           f"{'':>11} {med['ray']['samples_per_s'] / med['memory']['samples_per_s']:10.2f}")
+    if "raytrain" in med:
+        print(f"{'ray/raytrain':8} {med['ray']['first_s'] / med['raytrain']['first_s']:9.2f} "
+              f"{'':>11} {med['ray']['samples_per_s'] / med['raytrain']['samples_per_s']:10.2f}")
     per_block, joined, whole = _read_bench(args)
     print(f"\nread {args.batch} random rows of {args.read_blocks} blocks: numpy gather per block "
           f"{per_block:.1f} ms, the same after the small blocks are joined (what a job reads) "

@@ -46,7 +46,10 @@ def running_here() -> str | None:
         from ray._private.services import find_bootstrap_address, find_gcs_addresses
 
         addr = find_bootstrap_address(None)
-        return addr if addr and addr in find_gcs_addresses() else None
+        if not addr:
+            return None
+        getattr(find_gcs_addresses, "cache_clear", lambda: None)()  # Ray keeps what it found
+        return addr if addr in find_gcs_addresses() else None
     except Exception:  # noqa: BLE001 - another Ray's internals: start a private one
         return None
 

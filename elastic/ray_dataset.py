@@ -301,7 +301,8 @@ def prepare(cfg: JobConfig, model: Any, emit: Callable[..., Any] | None = None,
             pool: Any = None) -> dict[str, RayBlocks]:
     """On the driver, once Ray is up: the job's Ray datasets as blocks (by field), checked
     as preflight checks other datasets (enough rows; the model and loss on a sample). Each
-    run is a ``data`` event (rows, blocks, seconds). ``pool``: the job's ``WorkerPool``,
+    run is a ``data`` event (rows, blocks, seconds). ``model`` None: no checks (a sweep's
+    run, checked by each trial's job against its own model). ``pool``: the job's ``WorkerPool``,
     whose idle workers give up a CPU for the pipeline when none is free. Blocks already in
     ``cfg.ray_blocks`` (a sweep's, run once for its trials) are used as they are."""
     room = PoolRoom(pool)
@@ -330,21 +331,28 @@ def _prepare(cfg: JobConfig, model: Any, emit: Callable[..., Any] | None,
                      "its sweep ran the Ray dataset into", data={
                          "field": field, "rows": len(ran), "blocks": len(ran.refs),
                          "seconds": 0.0, "shared": True})
-            check_dataset_object(cfg, model, field, ran)
+            if model is not None:
+                check_dataset_object(cfg, model, field, ran)
             continue
         ds = cfg.dataset_object() if field == "dataset" else cfg.eval_dataset_object()
         if not is_ray_dataset(ds):  # a factory of a map-style dataset: workers call it too
-            check_dataset_object(cfg, model, field, ds)
+            if model is not None:
+                check_dataset_object(cfg, model, field, ds)
             continue
         t0 = time.monotonic()
         out[field] = blocks = materialize(ds, field, columns, dtypes, room)
         secs = time.monotonic() - t0
         if emit is not None:
+            epochs = -(-cfg.max_steps * data.global_batch_size // max(1, len(blocks)))
+            again = (f"; the job reads its rows {epochs} times (epochs), and the pipeline ran "
+                     "once: randomness in it (augmentation) was drawn once, so every epoch "
+                     "sees the same rows" if field == "dataset" and epochs > 1 else "")
             emit("data", f"{field}: ran the Ray dataset into {len(blocks)} rows in "
-                 f"{len(blocks.refs)} blocks in {secs:.1f}s",
+                 f"{len(blocks.refs)} blocks in {secs:.1f}s{again}",
                  data={"field": field, "rows": len(blocks), "blocks": len(blocks.refs),
-                       "seconds": round(secs, 3)})
-        check_dataset_object(cfg, model, field, blocks)
+                       "seconds": round(secs, 3), "epochs": epochs})
+        if model is not None:
+            check_dataset_object(cfg, model, field, blocks)
     return out
 
 

@@ -94,10 +94,10 @@ class TrialRunner:
     def _shared_data(self, job: JobConfig) -> None:
         """Give ``job`` the blocks of its Ray datasets, run once for every trial that has the
         same pipeline (``ray_dataset.data_key``); the first such trial runs it, the others
-        wait for it. Only the last pipeline is kept: a sweep over the dataset's settings runs
+        wait for it. A trial whose model or loss fails on the rows fails alone (its job
+        checks them), and the run is kept. Only the last pipeline is kept: a sweep over the dataset's settings runs
         each as its trial comes, and a running trial keeps its own blocks."""
         from ..ray_dataset import data_key, prepare
-        from ..reference import build_model
 
         key = data_key(job)
         if key is None:
@@ -106,8 +106,7 @@ class TrialRunner:
             if self._data is None or self._data[0] != key:
                 self._data = None  # (its blocks go once no trial holds them)
                 t0 = time.monotonic()
-                blocks = prepare(job, build_model(job.model_factory(), job.seed), None,
-                                 self.pool)
+                blocks = prepare(job, None, None, self.pool)  # each trial checks its model
                 self._data = (key, blocks)
                 self.say("ran the Ray dataset once for the trials: " + ", ".join(
                     f"{f} {len(b)} rows in {len(b.refs)} blocks" for f, b in blocks.items())

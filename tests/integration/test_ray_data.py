@@ -59,8 +59,11 @@ def test_a_ray_dataset_trains_what_pytorch_trains_on_its_rows(ray_local, tmp_pat
     assert cfg.ray_blocks == {}  # the job let go of its blocks
     logged = json.load(open(os.path.join(result.run_dir, "config.json")))
     assert "Dataset" in str(logged["dataset"])
-    ran = [e.data for e in result.events if e.kind == "data"]
-    assert [(d["field"], d["rows"]) for d in ran] == [("dataset", 96), ("eval_dataset", 96)]
+    ran = [e for e in result.events if e.kind == "data"]
+    assert [(e.data["field"], e.data["rows"]) for e in ran] == [("dataset", 96),
+                                                                ("eval_dataset", 96)]
+    # 12 steps of 10 read the 96 rows twice: said, since the pipeline's randomness is not
+    assert ran[0].data["epochs"] == 2 and "every epoch sees the same rows" in ran[0].message
 
 
 def test_the_rows_keep_the_pipelines_order_when_its_first_block_finishes_last(ray_local):
