@@ -4,6 +4,8 @@ sent. (Running a pipeline on Ray: tests/integration/test_ray_data.py.)"""
 from __future__ import annotations
 
 import pickle
+import time
+from typing import Any
 
 import pyarrow as pa
 import pytest
@@ -320,3 +322,58 @@ def test_two_jobs_share_a_pipelines_run_only_when_it_is_the_same_pipeline():
         job(dataset=ds, dataset_format=None))
     assert data_key(job(dataset=ds, dataset_format=None)) != data_key(
         job(dataset=other, dataset_format=None))
+
+
+def test_a_sweeps_trials_share_one_run_of_their_pipeline_and_let_go_at_the_end(monkeypatch):
+    """``TrialRunner._shared_data`` over its table, without Ray (``prepare`` counted): trials
+    of one pipeline, even at once, run it once; another pipeline runs it again and only the
+    last is kept; a trial keeps its own blocks; ``release`` lets go; no Ray dataset, no
+    run."""
+    import threading
+
+    import elastic.ray_dataset as rd
+    from elastic.sweep.runner import TrialRunner
+
+    runs: list[Any] = []
+    made: dict[str, RayBlocks] = {}
+
+    def fake_prepare(cfg, model, emit, pool):
+        assert model is None  # each trial's job checks its own model
+        time.sleep(0.05)  # a slow pipeline: the other trials wait for it
+        runs.append(cfg.input_column)
+        made[cfg.input_column] = RayBlocks(["ref"], [3], ("x", "y"), ("float32", "float32"))
+        return {"dataset": made[cfg.input_column]}
+
+    def blocks_of(col):
+        return {"dataset": made[col]}
+
+    monkeypatch.setattr(rd, "prepare", fake_prepare)
+    runner = TrialRunner.__new__(TrialRunner)  # (no sweep file: only what _shared_data uses)
+    runner.out, runner.pool, runner._lock = None, None, threading.Lock()
+    runner._data, runner._data_lock = None, threading.Lock()
+
+    def job(col="x", **kw):
+        base = dict(model=mlp, optimizer=adam, loss=mse, global_batch_size=4, max_steps=2,
+                    dataset="tests.helpers:RegressionData", dataset_format="ray",
+                    input_column=col, target_column="y")
+        return JobConfig(**{**base, **kw})
+
+    jobs = [job() for _ in range(4)]
+    threads = [threading.Thread(target=runner._shared_data, args=(j,)) for j in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert runs == ["x"] and all(j.ray_blocks == blocks_of("x") for j in jobs)
+    first = made["x"]
+    other = job("x2")
+    runner._shared_data(other)
+    assert runs == ["x", "x2"] and other.ray_blocks == blocks_of("x2")
+    assert jobs[0].ray_blocks == {"dataset": first}  # a running trial keeps its own
+    runner._shared_data(again := job())
+    assert runs == ["x", "x2", "x"] and again.ray_blocks == blocks_of("x")
+    runner.release()
+    assert runner._data is None
+    plain = job(dataset=RegressionData(), dataset_format=None)
+    runner._shared_data(plain)
+    assert runs == ["x", "x2", "x"] and plain.ray_blocks == {}
