@@ -196,6 +196,9 @@ def column_storage(table: Any, name: str) -> tuple[Any, tuple[int, ...]]:
         return c.storage, tuple(int(d) for d in shape)
     if str(c.type).startswith("fixed_size_list"):
         return c, (int(c.type.list_size),)
+    if c.null_count:  # a reshape or a cast would fail on them, or read them as numbers
+        raise ValueError(f"column {name!r} has {c.null_count} null rows: every row needs a "
+                         "value (drop or fill them in the pipeline)")
     if str(c.type).startswith(("list", "large_list")):
         if not len(c):
             return c, (0,)

@@ -493,7 +493,8 @@ def join_tables(groups: list[list[Any]]) -> list[Any]:
     columns or types)."""
     import ray
 
-    join = ray.remote(num_cpus=1, num_returns=2)(_join)
+    # rebuilt from lineage as often as Ray Data rebuilds its own blocks (-1: no limit)
+    join = ray.remote(num_cpus=1, num_returns=2, max_retries=-1)(_join)
     pairs = [join.remote(*g) for g in groups]
     ok = ray.get([p[0] for p in pairs])
     return [p[1] if good else None for p, good in zip(pairs, ok, strict=True)]

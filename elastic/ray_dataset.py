@@ -62,11 +62,18 @@ class RayBlocks:
         self._tables: dict[int, Any] = {}
         self._arrays: dict[int, tuple[Any, Any]] = {}
         self._shapes: tuple[Any, Any] | None = None  # each column's row shape (first block)
+        self.key: Any = None  # the pipeline these came from (data_key), where one ran them
 
     def __getstate__(self) -> dict[str, Any]:
         d = dict(self.__dict__)
         d["_tables"], d["_arrays"] = {}, {}
         return d
+
+    def forget(self) -> None:
+        """Drop the blocks this process fetched (the driver's check read a few rows: kept,
+        they would pin their blocks for as long as the job, or its sweep, holds these)."""
+        self._tables.clear()
+        self._arrays.clear()
 
     def __len__(self) -> int:
         return int(self._ends[-1]) if len(self._ends) else 0
@@ -176,16 +183,15 @@ def materialize(ds: Any, field: str, columns: tuple[str, str], dtypes: tuple[str
     """Run ``ds`` (in its own order) into the object store; ``ConfigError`` naming the field
     when the pipeline fails or lacks a column, ``ClusterError`` when Ray does. With no CPU
     free, ``room`` may make one."""
-    from .ray_connect import free_cpus, join_tables, table_sizes
+    from .ray_connect import free_cpus
 
-    if (type(ds).__name__ != "MaterializedDataset" and not _cpu_comes_free(free_cpus)
-            and not (room is not None and room.make())):
+    if not _cpu_comes_free(free_cpus) and not (room is not None and room.make()):
+        # (a materialized dataset too: its blocks are counted and joined by 1-CPU tasks)
         raise ClusterError(  # Ray Data's tasks would wait for a CPU, silently, for ever
             f"{field}: the Ray dataset's pipeline needs a free CPU to run on, and the cluster "
             "has none free (workers or other jobs hold them all; a WorkerPool's idle workers "
-            "give theirs). Fix: free a CPU (add a node), or run "
-            "the pipeline first, in order: ds.context.execution_options.preserve_order = True; "
-            "ds = ds.materialize()")
+            "give theirs; a materialized dataset needs one too, to count and join its "
+            "blocks). Fix: free a CPU: add a node, or run fewer workers beside the job")
     run = _own_copy(ds)  # the job's blocks go with the job; the user's dataset is untouched
     opts = run.context.execution_options
     kept_order = opts.preserve_order
@@ -209,6 +215,22 @@ def materialize(ds: Any, field: str, columns: tuple[str, str], dtypes: tuple[str
             raise ConfigError(setting, f"{col!r} is not a column of the Ray dataset "
                               f"({field}); it has {names}.",
                               f"set {setting} to one of them, or add the column in the pipeline")
+    try:
+        refs, rows = _joined(refs)
+    except Exception as e:
+        if _ray_fault(e):
+            raise ClusterError(f"{field}: Ray failed while counting or joining the dataset's "
+                               f"blocks: {type(e).__name__}: {str(e).strip()[:300]}") from e
+        raise
+    return RayBlocks(refs, rows, columns, dtypes, name=getattr(ds, "_dataset_name", None) or "")
+
+
+def _joined(refs: list[Any]) -> tuple[list[Any], list[int]]:
+    """The blocks' references and row counts, empty blocks dropped and runs of small ones
+    joined (``merge_groups``). Until the joins end the object store holds both copies of the
+    small blocks; the originals go when the last reference here does."""
+    from .ray_connect import join_tables, table_sizes
+
     sizes = table_sizes(refs)
     kept = [(r, n, b) for r, (n, b) in zip(refs, sizes, strict=True) if n]
     refs, rows = [r for r, _, _ in kept], [n for _, n, _ in kept]
@@ -225,7 +247,7 @@ def materialize(ds: Any, field: str, columns: tuple[str, str], dtypes: tuple[str
                 out_refs.append(one)
                 out_rows.append(sum(rows[i] for i in g))
         refs, rows = out_refs, out_rows
-    return RayBlocks(refs, rows, columns, dtypes, name=getattr(ds, "_dataset_name", None) or "")
+    return refs, rows
 
 
 MERGE_BYTES = 16 << 20  # blocks smaller than this are joined with their neighbours
@@ -324,7 +346,8 @@ def _prepare(cfg: JobConfig, model: Any, emit: Callable[..., Any] | None,
         if given is None or not (data.format == "ray" or is_ray_dataset(given)):
             continue
         ran = cfg.ray_blocks.get(field)
-        if ran is not None:  # run once already, for every trial of a sweep: checked for
+        if ran is not None and getattr(ran, "key", None) == data_key(cfg):  # run once
+            # already, for every trial of a sweep with this very pipeline: checked for
             out[field] = ran  # this job's model and loss
             if emit is not None:
                 emit("data", f"{field}: reads the {len(ran)} rows in {len(ran.refs)} blocks "
@@ -333,6 +356,7 @@ def _prepare(cfg: JobConfig, model: Any, emit: Callable[..., Any] | None,
                          "seconds": 0.0, "shared": True})
             if model is not None:
                 check_dataset_object(cfg, model, field, ran)
+                ran.forget()
             continue
         ds = cfg.dataset_object() if field == "dataset" else cfg.eval_dataset_object()
         if not is_ray_dataset(ds):  # a factory of a map-style dataset: workers call it too
@@ -341,6 +365,7 @@ def _prepare(cfg: JobConfig, model: Any, emit: Callable[..., Any] | None,
             continue
         t0 = time.monotonic()
         out[field] = blocks = materialize(ds, field, columns, dtypes, room)
+        blocks.key = data_key(cfg)
         secs = time.monotonic() - t0
         if emit is not None:
             epochs = -(-cfg.max_steps * data.global_batch_size // max(1, len(blocks)))
@@ -353,6 +378,7 @@ def _prepare(cfg: JobConfig, model: Any, emit: Callable[..., Any] | None,
                        "seconds": round(secs, 3), "epochs": epochs})
         if model is not None:
             check_dataset_object(cfg, model, field, blocks)
+            blocks.forget()
     return out
 
 

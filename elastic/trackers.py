@@ -230,20 +230,23 @@ class MlflowTracker(Tracker):
         rid = (run.resumed or {}).get("run_id")
         if not rid:
             return None
+        from mlflow.exceptions import MlflowException
+
         try:
             r = self._c.get_run(rid)
-        except Exception:  # noqa: BLE001 - another server, or deleted: a run of its own
+        except MlflowException as e:  # gone (another server, or deleted): a run of its own;
+            if e.error_code != "RESOURCE_DOES_NOT_EXIST":  # anything else is tried again
+                raise
             return None
         if r.info.experiment_id != eid or r.info.lifecycle_stage != "active":
             return None
         self.run_id = rid
         self._c.update_run(rid, status="RUNNING")
-        try:
+        names = {a.path for a in self._c.list_artifacts(rid, os.path.dirname(EVENTS_TXT))}
+        if EVENTS_TXT in names:  # (none: the earlier job ended before it wrote them)
             with tempfile.TemporaryDirectory() as d:
                 with open(self._c.download_artifacts(rid, EVENTS_TXT, d)) as f:
                     self._events = f.read().splitlines()
-        except Exception:  # noqa: BLE001 - none yet (the job died before its end)
-            pass
         return dict(r.data.params)
 
     def state(self) -> dict[str, Any]:
@@ -304,9 +307,21 @@ def check_trackers_here(trackers: tuple[tuple[str, dict[str, Any]], ...]) -> Non
             _factory(kind, opts)
 
 
+def _resumed(run: RunInfo, had: Any) -> RunInfo:
+    """``run`` with a tracker's saved row (a resumed job's); ``run`` itself for none, or a
+    row that is not one (a file edited or cut short: that tracker starts a run of its own)."""
+    try:
+        state, last = had["state"], int(had["last_step"])
+    except (TypeError, KeyError, ValueError):
+        return run
+    return dataclasses.replace(run, resumed=state, resumed_after=last) \
+        if isinstance(state, dict) else run
+
+
 class _Saved:
     """``<run dir>/trackers.json``: each tracker's ``state()`` and the last step it logged,
-    by position and name, for a resumed job. Written whole (a rename) by the trackers'
+    by name (and which of that name), for a resumed job; rows of trackers that did not
+    start are kept. Written whole (a rename) by the trackers'
     threads."""
 
     def __init__(self, run_dir: str) -> None:
@@ -400,8 +415,8 @@ class _Runner:
         where = tracker.start(run)
         state: Any = getattr(tracker, "state", dict)()  # (a user's class may have none)
         self._state = dict(state) if isinstance(state, dict) else {}
-        if (run.resumed is not None and self._state == run.resumed  # the same run, on
-                and not getattr(tracker, "resends", False)):
+        if (self._state and self._state == run.resumed  # the same run, on (a tracker
+                and not getattr(tracker, "resends", False)):  # that keeps no state: new)
             self._floor = run.resumed_after
         self._save()
         if where:
@@ -456,13 +471,14 @@ class TrackerView(View):
         run = RunInfo(job, os.path.abspath(self.cfg.run_path), max_steps, self.cfg.to_dict())
         saved = _Saved(run.run_dir)
         prior = saved.load() if self.cfg.resume else {}  # a resumed job in this run dir
-        for i, (kind, opts) in enumerate(self.cfg.trackers):
+        saved.rows.update(prior)  # a tracker that does not start now keeps its row
+        seen: dict[str, int] = {}
+        for kind, opts in self.cfg.trackers:
             name = kind if kind != "custom" else opts["target"]
-            key = f"{i}:{name}"
+            seen[name] = seen.get(name, 0) + 1
+            key = f"{name}#{seen[name]}"  # (not by position: adding a tracker moves none)
             r = _Runner(name, _factory(kind, opts), self._notes, self._lock, saved, key)
-            had = prior.get(key)
-            r.put("start", run if not isinstance(had, dict) else dataclasses.replace(
-                run, resumed=had.get("state"), resumed_after=int(had.get("last_step", -1))))
+            r.put("start", _resumed(run, prior.get(key)))
             self._runners.append(r)
 
     def workers(self, infos: list[dict[str, Any]]) -> None:

@@ -30,6 +30,7 @@ calls go through ``elastic.ray_connect``; this module decides and keeps the book
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -67,6 +68,8 @@ from ..ray_connect import (
 from .group import WorkerRec
 from .pool_watch import start_watch
 from .worker_group import Placement
+
+log = logging.getLogger(__name__)
 
 __all__ = ["WorkerPool", "PooledPlacement", "default_pool"]
 
@@ -130,7 +133,7 @@ class WorkerPool:
             raise ValueError(f"maintain_every_s={maintain_every_s!r}: give seconds > 0, or "
                              "None for no watch")
         cpus = float((resources_per_worker or {}).get("CPU", 1))
-        self._started_ray = connect(ray_address, max(size, 1) * cpus)
+        self._started_ray = connect(ray_address, max(size, 1) * cpus, log.warning)
         # as a job's placement decides: a pool of CPU workers on a GPU cluster matched no job
         res, use_gpu = worker_bundle(dict(resources_per_worker or {"CPU": 1}), use_gpu)
         self.bundle = res

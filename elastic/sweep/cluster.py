@@ -7,6 +7,9 @@ trials the cluster holds at once.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from ..config import JobConfig
 from ..errors import ClusterError
 from .sweep_file import SweepConfig
@@ -14,7 +17,7 @@ from .sweep_file import SweepConfig
 __all__ = ["connect", "disconnect", "concurrency"]
 
 
-def connect(probes: list[JobConfig]) -> bool:
+def connect(probes: list[JobConfig], say: Callable[[str], Any] | None = None) -> bool:
     """Attach to the job's Ray cluster (``ray_address``, ``RAY_ADDRESS``), use the Ray this
     process has, or start a local one sized for the largest trial; True if this call
     started (or attached) Ray, which ``disconnect`` then ends. ``ClusterError`` when the
@@ -26,7 +29,7 @@ def connect(probes: list[JobConfig]) -> bool:
     from ..ray_connect import connect as attach_or_start
 
     need = max(c.max_world * float(c.resources_per_worker.get("CPU", 1)) for c in probes)
-    attach_or_start(probes[0].ray_address, need)
+    attach_or_start(probes[0].ray_address, need, say)  # (say: attached to `ray start`'s)
     return True
 
 

@@ -78,7 +78,7 @@ def run_sweep(config: SweepConfig | dict[str, Any] | str, *, n_trials: int | Non
         runner.say(f"study {cfg.study_name}: {done} trials already finished (n_trials "
                    f"{cfg.n_trials}); nothing to run")
         return study
-    started = connect(probes)
+    started = connect(probes, runner.say)
     try:
         n_jobs = concurrency(cfg, probes) if cfg.scheduler is None else _queued(cfg, probes)
         if cfg.scheduler is None:  # a trial's workers go back warm, for the next trial

@@ -108,9 +108,10 @@ class TrialRunner:
                 t0 = time.monotonic()
                 blocks = prepare(job, None, None, self.pool)  # each trial checks its model
                 self._data = (key, blocks)
-                self.say("ran the Ray dataset once for the trials: " + ", ".join(
-                    f"{f} {len(b)} rows in {len(b.refs)} blocks" for f, b in blocks.items())
-                    + f" ({time.monotonic() - t0:.1f}s)")
+                if blocks:  # (a factory that gave a map-style dataset: each trial's own)
+                    self.say("ran the Ray dataset once for the trials: " + ", ".join(
+                        f"{f} {len(b)} rows in {len(b.refs)} blocks"
+                        for f, b in blocks.items()) + f" ({time.monotonic() - t0:.1f}s)")
             job.ray_blocks = dict(self._data[1])
 
     def release(self) -> None:

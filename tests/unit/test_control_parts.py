@@ -663,7 +663,7 @@ def _bare_pool(monkeypatch, session: list[str]):
     """A ``WorkerPool`` with Ray stood in for: no workers, its decisions recorded."""
     from elastic.control import pool as pool_mod
 
-    monkeypatch.setattr(pool_mod, "connect", lambda address, cpus: False)
+    monkeypatch.setattr(pool_mod, "connect", lambda address, cpus, say=None: False)
     monkeypatch.setattr(pool_mod, "runtime_env_now", lambda: {})
     monkeypatch.setattr("elastic.ray_connect.cluster_has_gpus", lambda: False)
     monkeypatch.setattr(pool_mod, "ray_session", lambda: session[0])

@@ -206,7 +206,7 @@ def test_a_pools_workers_are_the_shape_jobs_on_that_cluster_get(monkeypatch, gpu
     (``ray_connect.worker_bundle``). Ray is stood in for: the pool starts nothing (size 0)."""
     from elastic.control import pool as pool_mod
 
-    monkeypatch.setattr(pool_mod, "connect", lambda address, cpus: False)
+    monkeypatch.setattr(pool_mod, "connect", lambda address, cpus, say=None: False)
     monkeypatch.setattr("elastic.ray_connect.cluster_has_gpus", lambda: gpus > 0)
     monkeypatch.setattr(pool_mod, "runtime_env_now", lambda: {})
     p = pool_mod.WorkerPool(0, use_gpu=asked, wait=False)

@@ -130,12 +130,12 @@ def test_a_pipeline_with_no_cpu_to_run_on_is_refused_not_left_waiting(monkeypatc
     monkeypatch.setattr(rd, "CPU_WAIT_S", 0.1)
     with pytest.raises(ClusterError) as e:
         materialize(_FakeRayDataset(), "dataset", ("x", "y"), ("float32", "float32"))
-    assert "free CPU" in str(e.value) and "materialize()" in str(e.value)
+    assert "free CPU" in str(e.value) and "add a node" in str(e.value)
 
-    class MaterializedDataset(_FakeRayDataset):  # already run: needs no CPU, let through
+    class MaterializedDataset(_FakeRayDataset):  # already run, but its blocks are counted
         context = type("C", (), {"execution_options": type("O", (), {"preserve_order": False})()})()
 
-    with pytest.raises(ConfigError, match="running the Ray dataset failed: AssertionError"):
+    with pytest.raises(ClusterError, match="a materialized dataset needs one too"):
         materialize(MaterializedDataset(), "dataset", ("x", "y"), ("float32", "float32"))
 
 
@@ -377,3 +377,11 @@ def test_a_sweeps_trials_share_one_run_of_their_pipeline_and_let_go_at_the_end(m
     plain = job(dataset=RegressionData(), dataset_format=None)
     runner._shared_data(plain)
     assert runs == ["x", "x2", "x"] and plain.ray_blocks == {}
+
+
+@pytest.mark.parametrize("values", [[[1.0, 2.0], None, [5.0, 6.0]], [None, None], [1.0, None]])
+def test_a_column_with_null_rows_is_an_error_naming_it(values):
+    from elastic.data import column_array
+
+    with pytest.raises(ValueError, match="'x' has [12] null rows"):
+        column_array(pa.table({"x": pa.array(values)}), "x", "float32")

@@ -383,3 +383,48 @@ class Keeping:
 
     def state(self):
         return {"token": self.token}
+
+
+def test_a_resumed_tracker_that_keeps_no_state_is_sent_every_step_it_runs(tmp_path, monkeypatch):
+    """A user's tracker with the four methods only opens a run of its own at each start: the
+    replayed steps go to it too (they were skipped, and its new run lacked them)."""
+    for resume in (None, "latest"):
+        v, _ = _view(tmp_path, monkeypatch, name="stateless")
+        v.cfg.resume = resume
+        v.start("job-s", 10)
+        for s in (range(6) if resume is None else range(3, 9)):
+            v.step(_entry(s))
+        v.close()
+    assert [x[1] for x in SEEN["stateless"] if x[0] == "step"] == list(range(3, 9))
+
+
+def test_a_resume_keeps_the_rows_of_trackers_that_did_not_start_and_skips_bad_rows(
+        tmp_path, monkeypatch):
+    """trackers.json after a resume still has the row of a tracker whose start failed (its
+    next resume goes on with its run), and a row that is not one starts a run of its own
+    instead of failing the job."""
+    import json
+
+    from elastic import trackers
+
+    monkeypatch.setattr(trackers, "RETRY_S", (0.0, 0.0))
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = {"tests.unit.test_trackers:Recording#1": {"state": {"run": "r-7"}, "last_step": 5},
+            "tests.unit.test_trackers:Keeping#1": {"state": None, "last_step": None}}
+    (run / "trackers.json").write_text(json.dumps(rows))
+    v, said = _job_view(tmp_path, [{"target": "tests.unit.test_trackers:Recording",
+                                    "name": "down", "fail": "start", "times": -1},
+                                   {"target": "tests.unit.test_trackers:Keeping"}], "latest")
+    KEPT.clear()
+    v.start("job-k", 10)
+    for s in range(3, 6):
+        v.step(_entry(s))
+    v.close()
+    assert KEPT == [(None, -1, [3, 4, 5])]  # the bad row: a run of its own, every step
+    got = json.loads((run / "trackers.json").read_text())
+    assert got["tests.unit.test_trackers:Recording#1"] == rows[
+        "tests.unit.test_trackers:Recording#1"]
+    assert got["tests.unit.test_trackers:Keeping#1"] == {"state": {"token": "t-1"},
+                                                         "last_step": 5}
+    assert any(k == "tracker_failed" for k, _ in said)
