@@ -428,3 +428,23 @@ def test_a_resume_keeps_the_rows_of_trackers_that_did_not_start_and_skips_bad_ro
     assert got["tests.unit.test_trackers:Keeping#1"] == {"state": {"token": "t-1"},
                                                          "last_step": 5}
     assert any(k == "tracker_failed" for k, _ in said)
+
+
+def test_a_resumed_tensorboard_that_ends_before_a_step_still_writes_its_file(tmp_path):
+    """A resumed job that fails before its first step: TensorBoard's writer opens at the end
+    (no purge: nothing replaces the earlier file's steps), with the events and the status."""
+    first, _ = _job_view(tmp_path, ["tensorboard"], None)
+    first.start("job-t", 10)
+    for s in range(3):
+        first.step(_entry(s))
+    first.event(Event("finished", "3 steps", step=2))
+    first.close()
+    second, _ = _job_view(tmp_path, ["tensorboard"], "latest")
+    second.start("job-t", 10)
+    second.event(Event("failed", "no worker could be placed", step=3))
+    second.close()
+    recs = _tb_records(str(tmp_path / "run" / "tensorboard"))
+    assert [s for s, tag, _ in recs if tag == "loss"] == [0, 1, 2]  # the first job's, kept
+    assert "**failed**: no worker could be placed" in [x for _, tag, x in recs
+                                                        if tag.startswith("events")]
+    assert [x for _, tag, x in recs if tag == "status/text_summary"] == ["finished", "failed"]
