@@ -191,14 +191,14 @@ def column_storage(table: Any, name: str) -> tuple[Any, tuple[int, ...]]:
     shape of one row: () for numbers."""
     c = table.column(name)
     c = c.chunk(0) if c.num_chunks == 1 else c.combine_chunks()
+    if c.null_count:  # a reshape or a cast would fail on them, or read them as numbers
+        raise ValueError(f"column {name!r} has {c.null_count} null rows: every row needs a "
+                         "value (drop or fill them in the pipeline)")
     shape = getattr(c.type, "shape", None)
     if shape is not None and hasattr(c, "storage"):  # Ray Data's tensor extension type
         return c.storage, tuple(int(d) for d in shape)
     if str(c.type).startswith("fixed_size_list"):
         return c, (int(c.type.list_size),)
-    if c.null_count:  # a reshape or a cast would fail on them, or read them as numbers
-        raise ValueError(f"column {name!r} has {c.null_count} null rows: every row needs a "
-                         "value (drop or fill them in the pipeline)")
     if str(c.type).startswith(("list", "large_list")):
         if not len(c):
             return c, (0,)

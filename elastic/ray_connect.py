@@ -25,7 +25,8 @@ __all__ = ["connect", "disconnect", "check_reachable", "address_of", "attach", "
            "bundle_node",
            "start_in_bundle", "new_bundle", "remove_bundle", "wait_refs", "get_ref", "actor_key",
            "free_bundles", "runtime_env_now", "ray_session", "table_sizes",
-           "join_tables", "free_cpus", "running_here"]
+           "join_tables", "free_cpus", "running_here", "live_address", "cluster_for",
+           "attached_here"]
 
 log = logging.getLogger(__name__)
 
@@ -45,13 +46,36 @@ def running_here() -> str | None:
     try:
         from ray._private.services import find_bootstrap_address, find_gcs_addresses
 
-        addr = find_bootstrap_address(None)
-        if not addr:
-            return None
-        getattr(find_gcs_addresses, "cache_clear", lambda: None)()  # Ray keeps what it found
-        return addr if addr in find_gcs_addresses() else None
+        def live() -> Any:
+            getattr(find_gcs_addresses, "cache_clear", lambda: None)()  # Ray keeps its find
+            return find_gcs_addresses()
+
+        return live_address(find_bootstrap_address(None), live)
     except Exception:  # noqa: BLE001 - another Ray's internals: start a private one
         return None
+
+
+def live_address(addr: str | None, live: Callable[[], Any]) -> str | None:
+    """``addr`` (what Ray's address file says) while a GCS with that address runs
+    (``live()``: the running GCS addresses, looked up only when there is a file)."""
+    return addr if addr and addr in live() else None
+
+
+def cluster_for(address: str | None) -> tuple[str | None, bool]:
+    """Where a driver with ``ray_address=address`` attaches: (the address, or None for a
+    private local cluster; whether it is the cluster ``ray start`` runs on this machine,
+    found as ``ray.init()`` would find it). ``ray_address``, then ``$RAY_ADDRESS``, then
+    that cluster; ``"local"`` always asks for a private one."""
+    addr = address_of(address)
+    if addr is None and (here := running_here()) is not None:
+        return here, True
+    return (addr, False) if addr and addr != "local" else (None, False)
+
+
+def attached_here(addr: str) -> str:
+    """What a driver that attached to the cluster running on its machine says."""
+    return (f"attached to the Ray cluster running on this machine at {addr} (started by "
+            "`ray start`); ray_address: local runs the job on a private one instead")
 
 
 def check_reachable(addr: str) -> None:
@@ -168,15 +192,11 @@ def connect(address: str | None, local_cpus: float,
 
     if ray.is_initialized():
         return False
-    addr = address_of(address)
-    if addr is None and (here := running_here()) is not None:
-        attach(here)
-        if say is not None:
-            say(f"attached to the Ray cluster running on this machine at {here} (started "
-                "by `ray start`); ray_address: local runs the job on a private one instead")
-        return False
-    if addr and addr != "local":
+    addr, here = cluster_for(address)
+    if addr is not None:
         attach(addr)
+        if here and say is not None:
+            say(attached_here(addr))
         return False
     cpus, crowded = local_size(local_cpus, os.cpu_count() or 1)
     if crowded:

@@ -236,10 +236,10 @@ def _joined(refs: list[Any]) -> tuple[list[Any], list[int]]:
     refs, rows = [r for r, _, _ in kept], [n for _, n, _ in kept]
     groups = merge_groups([b for _, _, b in kept])
     if len(groups) < len(refs):  # small blocks, end to end: fewer, larger ones
-        joined = join_tables([[refs[i] for i in g] for g in groups if len(g) > 1])
+        joined = iter(join_tables([[refs[i] for i in g] for g in groups if len(g) > 1]))
         out_refs, out_rows = [], []
         for g in groups:
-            one = joined.pop(0) if len(g) > 1 else None
+            one = next(joined) if len(g) > 1 else None
             if one is None:  # a single block, or blocks that do not join: as they are
                 out_refs += [refs[i] for i in g]
                 out_rows += [rows[i] for i in g]
@@ -350,10 +350,11 @@ def _prepare(cfg: JobConfig, model: Any, emit: Callable[..., Any] | None,
             # already, for every trial of a sweep with this very pipeline: checked for
             out[field] = ran  # this job's model and loss
             if emit is not None:
+                epochs, again = _epochs(cfg, field, len(ran))
                 emit("data", f"{field}: reads the {len(ran)} rows in {len(ran.refs)} blocks "
-                     "its sweep ran the Ray dataset into", data={
+                     f"its sweep ran the Ray dataset into{again}", data={
                          "field": field, "rows": len(ran), "blocks": len(ran.refs),
-                         "seconds": 0.0, "shared": True})
+                         "seconds": 0.0, "shared": True, "epochs": epochs})
             if model is not None:
                 check_dataset_object(cfg, model, field, ran)
                 ran.forget()
@@ -368,10 +369,7 @@ def _prepare(cfg: JobConfig, model: Any, emit: Callable[..., Any] | None,
         blocks.key = data_key(cfg)
         secs = time.monotonic() - t0
         if emit is not None:
-            epochs = -(-cfg.max_steps * data.global_batch_size // max(1, len(blocks)))
-            again = (f"; the job reads its rows {epochs} times (epochs), and the pipeline ran "
-                     "once: randomness in it (augmentation) was drawn once, so every epoch "
-                     "sees the same rows" if field == "dataset" and epochs > 1 else "")
+            epochs, again = _epochs(cfg, field, len(blocks))
             emit("data", f"{field}: ran the Ray dataset into {len(blocks)} rows in "
                  f"{len(blocks.refs)} blocks in {secs:.1f}s{again}",
                  data={"field": field, "rows": len(blocks), "blocks": len(blocks.refs),
@@ -382,6 +380,15 @@ def _prepare(cfg: JobConfig, model: Any, emit: Callable[..., Any] | None,
     return out
 
 
+def _epochs(cfg: JobConfig, field: str, rows: int) -> tuple[int, str]:
+    """How many times the job reads ``rows`` rows, and what its ``data`` event adds when the
+    training set is read more than once (the pipeline ran once)."""
+    epochs = -(-cfg.max_steps * cfg.data.global_batch_size // max(1, rows))
+    return epochs, (f"; the job reads its rows {epochs} times (epochs), and the pipeline ran "
+                    "once: randomness in it (augmentation) was drawn once, so every epoch "
+                    "sees the same rows" if field == "dataset" and epochs > 1 else "")
+
+
 def data_key(cfg: JobConfig) -> Any:
     """What makes two jobs' Ray datasets the same pipeline (its setting, format, columns and
     dtypes, for ``dataset`` and ``eval_dataset``), so a sweep runs it once for its trials;
@@ -389,9 +396,8 @@ def data_key(cfg: JobConfig) -> Any:
     import json
 
     data = cfg.data
-    fields = [g for g in (data.dataset, cfg.eval_dataset)
-              if g is not None and (data.format == "ray" or is_ray_dataset(g))]
-    if not fields:
+    if not any(g is not None and (data.format == "ray" or is_ray_dataset(g))
+               for g in (data.dataset, cfg.eval_dataset)):
         return None
 
     def one(g: Any) -> str:

@@ -404,9 +404,9 @@ class _Runner:
             out = self._call(op, call)
             if op == "start" and not self.off:
                 tracker = out
-            if op == "steps" and not self.off:
-                self._floor = arg[-1]["step"]
-                self._save()
+            if op == "steps" and not self.off:  # written after each call that logged:
+                self._floor = arg[-1]["step"]  # a small file beside a tracker call that is
+                self._save()  # I/O itself; less often, a resume would send steps twice
             if op == "finish":
                 return
 

@@ -95,8 +95,8 @@ class TrialRunner:
         """Give ``job`` the blocks of its Ray datasets, run once for every trial that has the
         same pipeline (``ray_dataset.data_key``); the first such trial runs it, the others
         wait for it. A trial whose model or loss fails on the rows fails alone (its job
-        checks them), and the run is kept. Only the last pipeline is kept: a sweep over the dataset's settings runs
-        each as its trial comes, and a running trial keeps its own blocks."""
+        checks them), and the run is kept. Only the last pipeline is kept: a sweep over the
+        dataset's settings runs each as its trial comes; a running trial keeps its blocks."""
         from ..ray_dataset import data_key, prepare
 
         key = data_key(job)

@@ -3,8 +3,6 @@ and the one setting to change. No Ray cluster: the message is built from the env
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 
 from elastic.ray_connect import _auth_error
@@ -63,52 +61,39 @@ def test_a_local_cluster_for_more_workers_than_cores_is_sized_and_warned(want, c
         assert "share the cores" in msg and "Fix: lower num_workers" in msg
 
 
-def test_the_cluster_ray_start_runs_here_is_found_only_while_its_gcs_runs(monkeypatch, tmp_path):
-    """As ``ray.init()`` finds it: the address file in Ray's temp dir, and a GCS process with
-    that address (a file left by a cluster that is gone is not a cluster)."""
-    import ray._private.services as services
+def test_the_cluster_ray_start_runs_here_counts_only_while_its_gcs_runs():
+    """Ray's address file names a cluster; it is one while a GCS with that address runs (a
+    file left by a cluster that is gone is not), and the processes are looked at only when
+    there is a file."""
+    from elastic.ray_connect import live_address
 
-    from elastic.ray_connect import running_here
+    looked: list[int] = []
 
-    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
-    monkeypatch.setattr(services, "find_gcs_addresses", lambda: frozenset({"10.0.0.1:6379"}))
-    assert running_here() is None  # no file
-    (tmp_path / "ray").mkdir()
-    (tmp_path / "ray" / "ray_current_cluster").write_text("10.0.0.1:6379\n")
-    assert running_here() == "10.0.0.1:6379"
-    monkeypatch.setattr(services, "find_gcs_addresses", lambda: frozenset())
-    assert running_here() is None  # its GCS is gone
+    def live(*addrs: str):
+        return lambda: looked.append(1) or frozenset(addrs)
+
+    assert live_address(None, live("10.0.0.1:6379")) is None and not looked
+    assert live_address("10.0.0.1:6379", live("10.0.0.1:6379")) == "10.0.0.1:6379"
+    assert live_address("10.0.0.1:6379", live()) is None  # its GCS is gone
+    assert live_address("10.0.0.1:6379", live("10.0.0.9:6379")) is None  # another cluster
 
 
-@pytest.mark.parametrize("setting, env, found, attached, said", [
-    (None, None, "10.0.0.1:6379", "10.0.0.1:6379", True),  # ray start ran here: as ray.init()
-    (None, "10.0.0.2:6379", "10.0.0.1:6379", "10.0.0.2:6379", False),  # RAY_ADDRESS first
-    ("10.0.0.3:6379", None, "10.0.0.1:6379", "10.0.0.3:6379", False),  # ray_address first
-    ("local", None, "10.0.0.1:6379", None, False),  # a private one, asked for
-    (None, None, None, None, False),  # nothing here: a private one
+@pytest.mark.parametrize("setting, env, found, want", [
+    (None, None, "10.0.0.1:6379", ("10.0.0.1:6379", True)),  # ray start ran here: as ray.init()
+    (None, "10.0.0.2:6379", "10.0.0.1:6379", ("10.0.0.2:6379", False)),  # RAY_ADDRESS first
+    ("10.0.0.3:6379", None, "10.0.0.1:6379", ("10.0.0.3:6379", False)),  # ray_address first
+    ("local", None, "10.0.0.1:6379", (None, False)),  # a private one, asked for
+    (None, None, None, (None, False)),  # nothing here: a private one
 ])
 def test_a_job_without_an_address_attaches_to_the_cluster_ray_start_runs_here(
-        monkeypatch, setting, env, found, attached, said):
-    import ray
-
+        monkeypatch, setting, env, found, want):
     import elastic.ray_connect as rc
 
     if env is None:
         monkeypatch.delenv("RAY_ADDRESS", raising=False)
     else:
         monkeypatch.setenv("RAY_ADDRESS", env)
-    calls: list[Any] = []
-    monkeypatch.setattr(ray, "is_initialized", lambda: False)
-    monkeypatch.setattr(ray, "init", lambda **kw: calls.append(("init", kw.get("address"))))
     monkeypatch.setattr(rc, "running_here", lambda: found)
-    monkeypatch.setattr(rc, "attach", lambda addr: calls.append(("attach", addr)))
-    told: list[str] = []
-    started = rc.connect(setting, 1, told.append)
-    if attached:
-        assert calls == [("attach", attached)] and not started
-    else:
-        assert calls == [("init", "local")] and started
-    assert bool(told) == said
-    if said:
-        assert f"attached to the Ray cluster running on this machine at {found}" in told[0]
-        assert "ray_address: local" in told[0]
+    assert rc.cluster_for(setting) == want
+    said = rc.attached_here("10.0.0.1:6379")
+    assert "running on this machine at 10.0.0.1:6379" in said and "ray_address: local" in said

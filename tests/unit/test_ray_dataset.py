@@ -379,9 +379,12 @@ def test_a_sweeps_trials_share_one_run_of_their_pipeline_and_let_go_at_the_end(m
     assert runs == ["x", "x2", "x"] and plain.ray_blocks == {}
 
 
-@pytest.mark.parametrize("values", [[[1.0, 2.0], None, [5.0, 6.0]], [None, None], [1.0, None]])
-def test_a_column_with_null_rows_is_an_error_naming_it(values):
+@pytest.mark.parametrize("values, kind", [
+    ([[1.0, 2.0], None, [5.0, 6.0]], None), ([None, None], None), ([1.0, None], None),
+    ([[1.0, 2.0], None], pa.list_(pa.float32(), 2)),  # fixed-size lists too
+])
+def test_a_column_with_null_rows_is_an_error_naming_it(values, kind):
     from elastic.data import column_array
 
     with pytest.raises(ValueError, match="'x' has [12] null rows"):
-        column_array(pa.table({"x": pa.array(values)}), "x", "float32")
+        column_array(pa.table({"x": pa.array(values, kind)}), "x", "float32")
