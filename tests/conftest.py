@@ -68,6 +68,49 @@ def pytest_collection_modifyitems(config, items):
         first[str(it.fspath)], it.get_closest_marker("warm_workers") is None))
 
 
+# The tests that start no Ray (the unit layer, process groups, lint). pytest-xdist's
+# `-n 2 --dist loadgroup` (pyproject.toml) runs them in one stream beside a second that runs
+# every other test in order, one Ray instance at a time: their work fills the Ray tests' waits
+# (15-16 min in one stream, see README). A file missing here only runs in the Ray stream.
+NO_RAY = ("tests/unit/", "tests/chaos/test_leave.py", "tests/integration/test_checkpoint.py",
+          "tests/integration/test_checkpoint_safety.py", "tests/integration/test_lint.py",
+          "tests/integration/test_peer_copies.py", "tests/integration/test_strategies.py",
+          "tests/integration/test_strategies_buckets.py",
+          "tests/integration/test_strategies_gpu.py",
+          "tests/integration/test_strategies_nonfinite.py")
+
+
+def _no_ray(nodeid: str) -> bool:
+    return nodeid.startswith(NO_RAY)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadgroup``: two groups, the tests of ``NO_RAY`` and the others, each run in
+    order by one worker. (xdist's own loadgroup reads ``xdist_group`` marks through a node id
+    that pytest 9 no longer lets it change.)"""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class TwoStreams(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "noray" if _no_ray(nodeid) else "ray"
+
+    return TwoStreams(config, log)
+
+
+@pytest.hookimpl(trylast=True)  # after the test's fixtures are torn down
+def pytest_runtest_teardown(item):
+    """A ``NO_RAY`` test runs beside the Ray tests: it must not start Ray."""
+    import sys
+
+    ray = sys.modules.get("ray")
+    if _no_ray(item.nodeid) and ray is not None and ray.is_initialized():
+        ray.shutdown()
+        pytest.fail(f"{item.nodeid} is listed in conftest.NO_RAY but started Ray")
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """Each phase's report on its test (``item.rep_call``): a fixture's teardown can tell
