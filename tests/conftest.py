@@ -68,10 +68,10 @@ def pytest_collection_modifyitems(config, items):
         first[str(it.fspath)], it.get_closest_marker("warm_workers") is None))
 
 
-# The tests that start no Ray (the unit layer, process groups, lint). pytest-xdist's
-# `-n 2 --dist loadgroup` (pyproject.toml) runs them in one stream beside a second that runs
-# every other test in order, one Ray instance at a time: their work fills the Ray tests' waits
-# (15-16 min in one stream, see README). A file missing here only runs in the Ray stream.
+# The tests that start no Ray (the unit layer, process groups, lint). With pytest-xdist,
+# `pytest -n 2 --dist loadgroup` runs them in one stream beside a second that runs every
+# other test in order, one Ray instance at a time (README: what it gains, why it is not the
+# default). A file missing here only runs in the Ray stream.
 NO_RAY = ("tests/unit/", "tests/chaos/test_leave.py", "tests/integration/test_checkpoint.py",
           "tests/integration/test_checkpoint_safety.py", "tests/integration/test_lint.py",
           "tests/integration/test_peer_copies.py", "tests/integration/test_strategies.py",

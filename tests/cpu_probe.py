@@ -9,8 +9,8 @@ load on the machine counts as the test's: read it on a quiet host, and as a comp
 between runs, not an absolute. At the end it prints the tests with the most idle time and,
 with ``ELASTIC_CPU_PROBE_OUT=file.json``, writes every row ``[test id, wall s, cpu s]``.
 Session 13 read it to find the waits in the slowest tests (two of them were the product's).
-It needs one stream of tests (``pytest -n 0 -p tests.cpu_probe``): with the default two
-(pyproject.toml's ``-n 2``), the machine's CPU is both streams'."""
+It needs one stream of tests (the default): under ``pytest -n 2`` the machine's CPU is both
+streams'."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def pytest_runtest_protocol(item: Any, nextitem: Any) -> Any:
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     if getattr(terminalreporter.config.option, "numprocesses", None):
         terminalreporter.write_line("cpu probe: off with pytest -n N (both streams share the "
-                                    "CPU); run pytest -n 0 -p tests.cpu_probe")
+                                    "CPU); run pytest -p tests.cpu_probe")
         return
     if not _ROWS:
         return

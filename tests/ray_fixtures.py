@@ -54,6 +54,20 @@ def _ray_session_guard():
     _shutdown()
 
 
+def _stop_left_jobs() -> None:
+    """Stop the jobs a test left running (one that failed before its own ``stop()``): a job of
+    100,000 steps would hold the next tests' CPUs until the suite's end."""
+    import sys
+
+    api = sys.modules.get("elastic.api")
+    for handle in api.JobHandle.running() if api is not None else ():
+        try:
+            handle.stop(timeout=60)
+            handle.result(timeout=60)
+        except Exception as e:  # noqa: BLE001 - the test's own failure is the one to read
+            print(f"a job the test left running did not stop: {e!r}", file=sys.stderr)
+
+
 @pytest.fixture
 def ray_local(request):
     import ray
@@ -72,7 +86,8 @@ def ray_local(request):
         from elastic.control.pool import WorkerPool
 
         _POOL.append(WorkerPool(0, max_idle=4).make_default())
-    return ray
+    yield ray
+    _stop_left_jobs()
 
 
 # Ray Data's detached actors (0 CPUs), which outlive the driver that ran a pipeline
@@ -254,6 +269,7 @@ def ray_cluster(request, _kept_cluster):
         return c
 
     yield make
+    _stop_left_jobs()
     report = getattr(request.node, "rep_call", None)
     passed = report is not None and report.passed
     for c in made[:-1]:
