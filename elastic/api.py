@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import weakref
 from collections.abc import Callable
 from typing import Any, overload
 
@@ -47,21 +46,12 @@ def fit(config: JobConfig | dict[str, Any] | str | None = None, *, display: View
 class JobHandle:
     """A job running in a background thread of this process. Thread-safe."""
 
-    _live: weakref.WeakSet[JobHandle] = weakref.WeakSet()  # see ``running()``
-
     def __init__(self, controller: Controller) -> None:
         self.controller = controller
         self._result: FitResult | None = None
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._main, name="elastic-controller", daemon=True)
         self._thread.start()
-        JobHandle._live.add(self)
-
-    @classmethod
-    def running(cls) -> list[JobHandle]:
-        """The handles of this process's jobs that have not ended (a test's teardown stops
-        the ones its test left running)."""
-        return [h for h in list(cls._live) if not h.done()]
 
     def _main(self) -> None:
         try:

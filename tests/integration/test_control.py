@@ -33,7 +33,6 @@ def test_status_and_stop_through_named_actor_and_cli(ray_local, tmp_path):
                             global_batch_size=8, max_steps=100_000, num_workers=2, view="none",
                             name="ctl-test", run_dir=str(tmp_path))
     _wait_running(handle)
-    assert handle in elastic.api.JobHandle.running()  # a failing test's teardown stops it
     assert "ctl-test" in control.list_jobs()
     address = ray_local.get_runtime_context().gcs_address
     out = subprocess.run([sys.executable, "-m", "elastic.cli", "status", "ctl-test",
@@ -46,7 +45,6 @@ def test_status_and_stop_through_named_actor_and_cli(ray_local, tmp_path):
     reply = control.ask("ctl-test", "stop")
     assert reply["ok"] and reply["result"] == "stopped"
     result = handle.result(timeout=60)
-    assert handle not in elastic.api.JobHandle.running()
     assert 2 <= len(result.history) < 100_000
     assert any(e.kind == "stopped" for e in result.events)
     with pytest.raises(JobNotFoundError):
