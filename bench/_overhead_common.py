@@ -18,6 +18,7 @@ import torch
 
 from elastic.data import StepSampler, even_shares, share_bounds
 from elastic.models import SyntheticRegression, mlp_loss, tiny_mlp
+from strategies.dp import no_forward_buffer_sync
 
 SEED = 0
 MODEL = {"in_features": 256, "hidden": 1024, "out_features": 16, "depth": 4}  # ~2.38M params
@@ -46,7 +47,7 @@ def ddp_loop(rank: int, world: int, global_batch: int, steps: int, report_every:
     torch.set_num_threads(1)
     torch.manual_seed(SEED)
     model = model_factory()
-    ddp = DDP(model, forward_sync_buffers=False)
+    ddp = DDP(model, **no_forward_buffer_sync())
     opt = make_optimizer(ddp.parameters())
     ds = dataset_factory()
     sampler = StepSampler(len(ds), global_batch, SEED)

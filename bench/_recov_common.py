@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from elastic.models import SyntheticRegression, tiny_mlp
+from strategies.dp import no_forward_buffer_sync
 
 SEED = 0
 G = 48
@@ -89,7 +90,7 @@ def raytrain_loop(cfg: dict[str, Any]) -> None:
         model.load_state_dict(st["model"])
         opt.load_state_dict(st["optim"])
         start = int(st["next_step"])
-    ddp = DDP(model, forward_sync_buffers=False)
+    ddp = DDP(model, **no_forward_buffer_sync())
     ds = dataset_factory()
     sampler = StepSampler(len(ds), G, SEED)
     lo, hi = share_bounds(even_shares(G, world), rank)
@@ -148,7 +149,7 @@ def raytrain_preempt_loop(cfg: dict[str, Any]) -> None:
         model.load_state_dict(st["model"])
         opt.load_state_dict(st["optim"])
         start = int(st["next_step"])
-    ddp = DDP(model, forward_sync_buffers=False)
+    ddp = DDP(model, **no_forward_buffer_sync())
     ds = dataset_factory()
     sampler = StepSampler(len(ds), G, SEED)
     lo, hi = share_bounds(even_shares(G, world), rank)

@@ -27,7 +27,19 @@ from .canonical import (
 from .health import record
 from .spec import StrategySpec
 
-__all__ = ["DataParallel", "recording_allreduce"]
+__all__ = ["DataParallel", "no_forward_buffer_sync", "recording_allreduce"]
+
+
+def no_forward_buffer_sync() -> dict[str, bool]:
+    """DDP's keyword that keeps the buffers out of a broadcast at every forward (the layouts
+    keep replicas equal themselves): ``forward_sync_buffers`` since torch 2.13, which deprecates
+    ``broadcast_buffers``; torch 2.11, which GPU images ship, knows only the older one (that one
+    also leaves the buffers out of the sync at construction: every rank builds them alike)."""
+    import inspect
+
+    if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
 
 
 def recording_allreduce(state: object, bucket: dist.GradBucket
@@ -82,7 +94,7 @@ class DataParallel(Strategy):
         # gradient_as_bucket_view: gradients live in DDP's all-reduce buckets instead of being
         # copied into them and back every step (measured 3-5 % of a step of the overhead
         # benchmark's model on one CPU thread; also one gradient copy less in memory).
-        self.ddp = DDP(self.model, device_ids=ids, forward_sync_buffers=False,
+        self.ddp = DDP(self.model, device_ids=ids, **no_forward_buffer_sync(),
                        init_sync=spec.options.init_sync,
                        gradient_as_bucket_view=spec.options.bucket_view)
         self.ddp.register_comm_hook(None, recording_allreduce)

@@ -250,3 +250,25 @@ def test_every_module_that_forms_a_group_imports_strategies_first() -> None:
         "assert 'torch.distributed.nn.functional' in sys.modules\n")
     out = _python(code)
     assert out.returncode == 0, (mods, out.stderr)
+
+
+def test_dp_turns_buffer_sync_off_with_the_keyword_this_torch_knows(monkeypatch):
+    """DDP's ``forward_sync_buffers`` is new in torch 2.13; the torch that GPU images ship
+    (2.11, seen on the device machine) refuses it, and ``dp`` failed to build there. The older
+    ``broadcast_buffers`` is taken when DDP's signature lacks the new one."""
+    import inspect
+
+    import strategies.dp as dp
+
+    kw = dp.no_forward_buffer_sync()
+    assert kw == {"forward_sync_buffers": False}  # torch 2.13 here: it deprecates the other
+    assert set(kw) <= set(inspect.signature(dp.DDP.__init__).parameters)
+
+    class DDP211:  # torch 2.11's signature, in the part that matters
+        def __init__(self, module, device_ids=None, broadcast_buffers=True, init_sync=True,
+                     gradient_as_bucket_view=False):
+            pass
+
+    monkeypatch.setattr(dp, "DDP", DDP211)
+    assert dp.no_forward_buffer_sync() == {"broadcast_buffers": False}
+    DDP211(nn.Linear(2, 2), **dp.no_forward_buffer_sync())
