@@ -30,7 +30,7 @@ from .spec import StrategySpec
 __all__ = ["DataParallel", "no_forward_buffer_sync", "recording_allreduce"]
 
 
-def no_forward_buffer_sync() -> dict[str, bool]:
+def no_forward_buffer_sync() -> dict[str, Any]:
     """DDP's keyword that keeps the buffers out of a broadcast at every forward (the layouts
     keep replicas equal themselves): ``forward_sync_buffers`` since torch 2.13, which deprecates
     ``broadcast_buffers``; torch 2.11, which GPU images ship, knows only the older one (that one

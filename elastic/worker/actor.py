@@ -67,6 +67,18 @@ def _node_id() -> str | None:
         return None
 
 
+def _node_ip() -> str:
+    """This node's address as Ray knows it; outside Ray (a unit test, bench/gpu_check.py,
+    where Ray may not even be installed) the host's own."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        return str(ray.util.get_node_ip_address())
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
 # a job whose set-up left more tracked objects than this (a large library its code imports)
 # has them frozen as well, so ``leave``'s collection skips them, and its ``reset`` collects the
 # whole heap again (unfreeze: ~0.16 s of CPU for torch's ~320k objects here, a tenth of a warm
@@ -216,8 +228,6 @@ class Worker:
     # ------------------------------------------------------------------ identity and group
 
     def info(self) -> dict[str, Any]:
-        import ray
-
         dev = self.device
         name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
         prof = getattr(self, "profiler", None)  # None: a pooled worker between jobs
@@ -225,7 +235,7 @@ class Worker:
         return {
             "worker_id": getattr(self, "worker_id", -1),
             "node_id": _node_id(),  # (never starts a Ray outside one: a unit test's did)
-            "ip": ray.util.get_node_ip_address(),
+            "ip": _node_ip(),
             "hostname": socket.gethostname(),
             "pid": os.getpid(),
             "device": str(dev),

@@ -869,3 +869,20 @@ def test_a_pooled_workers_reset_drops_the_state_without_parking_it(tmp_path, mon
         assert getattr(w, "config", None) is None and "layout" not in w.__dict__
     finally:
         gc.unfreeze()
+
+
+def test_a_worker_outside_ray_needs_no_ray(tmp_path, monkeypatch):
+    """bench/gpu_check.py runs the worker where Ray is not installed (the GPU host has none):
+    a pooled worker's ``assign`` failed there, its ``info()`` asking Ray for the node's
+    address. Outside Ray it gives the host's own and no node."""
+    import gc
+
+    from elastic.worker import Worker
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises, as on that host
+    w = Worker(_cfg(tmp_path), 0, False, 1)
+    try:
+        info = w.info()
+        assert info["node_id"] is None and info["ip"] and info["pid"] == os.getpid()
+    finally:
+        gc.unfreeze()
