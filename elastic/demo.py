@@ -140,7 +140,8 @@ def _chaos_lines(events: list[Any]) -> list[str]:
                        f"(noticed by {d.get('noticed_by') or 'the group'} in "
                        f"{d.get('detect_s', 0):.2f}s)")
         elif e.kind == "recovered":
+            n = d.get("world_size")
             out.append(f"  step {e.step}: recovered from {d.get('source')} in "
                        f"{d.get('seconds', 0):.2f}s, {d.get('steps_lost', 0)} step(s) run again,"
-                       f" {d.get('world_size')} workers")
+                       f" going on with {n} worker{'' if n == 1 else 's'}")
     return out or ["  nothing (the run ended first)"]

@@ -268,8 +268,25 @@ class LocalNodes:
             raise ClusterError(f"Ray refused to drain node {node_id[:8]}: {msg}")
 
     def remove(self, node_id: str) -> None:
-        """Take a node away at once, as a cloud does at a preemption's deadline."""
+        """Take a node away at once, as a cloud does at a preemption's deadline: the machine
+        goes, its Ray agents with its raylet. They are killed first: an agent that outlives
+        its raylet reports the death to the driver as a crash ("Raylet is terminated.
+        Termination is unexpected ..." and the raylet's last log lines), which the demo
+        printed under its summary."""
+        import importlib
+
+        import ray  # noqa: F401 - then Ray's own psutil (ray/thirdparty_files) imports
+
+        psutil = importlib.import_module("psutil")
+
         node = next(n for n in self.nodes if n.node_id == node_id)
+        for info in node.all_processes.get("raylet", []):
+            try:
+                for child in psutil.Process(info.process.pid).children(recursive=True):
+                    if "agent" in " ".join(child.cmdline()).lower():  # ray::DashboardAgent
+                        child.kill()
+            except psutil.Error:  # already gone
+                pass
         self._cluster.remove_node(node, allow_graceful=False)
         self.nodes.remove(node)
 

@@ -252,7 +252,8 @@ def test_the_chaos_demo_says_what_happened_and_what_it_cost():
         "  step 25: evacuated (moved onto the other workers): training paused 0.31s, 0 step(s) "
         "lost, no checkpoint read, nobody restarted",
         "  step 32: rank(s) [1] lost without notice (noticed by liveness in 0.04s)",
-        "  step 30: recovered from buddies in 0.90s, 2 step(s) run again, 1 workers",
+        "  step 30: recovered from buddies in 0.90s, 2 step(s) run again, going on with 1 "
+        "worker",
         "  step 9: evacuated (recover), state from checkpoint"]
     assert _chaos_lines([]) == ["  nothing (the run ended first)"]
 
