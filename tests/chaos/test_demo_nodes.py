@@ -20,7 +20,7 @@ def test_a_node_taken_away_is_not_reported_as_a_crash(capfd):
     from tests.ray_fixtures import _shutdown
 
     _shutdown()  # this test runs its own nodes (the suite's local Ray is started again later)
-    nodes = LocalNodes(2)
+    nodes = LocalNodes(1)
     try:
         node = nodes.nodes[-1]
         nodes.remove(node.node_id)
@@ -28,7 +28,7 @@ def test_a_node_taken_away_is_not_reported_as_a_crash(capfd):
         while any(n["NodeID"] == node.node_id and n["Alive"] for n in ray.nodes()):
             assert time.time() < deadline, "the node was not marked dead"
             time.sleep(0.2)
-        time.sleep(3)  # an agent's report reached the driver within a second of the loss
+        time.sleep(1.5)  # an agent's report reached the driver within a second of the loss
         out, err = capfd.readouterr()
         assert "Termination is unexpected" not in out + err, (out + err)[-2000:]
     finally:
