@@ -17,6 +17,11 @@ __all__ = ["explain"]
 _GB = 1e9
 
 
+def _size(n_bytes: float) -> str:
+    """GB, or MB below 0.1 GB (a small model's peak was "0.0 GB")."""
+    return f"{n_bytes / _GB:.1f} GB" if n_bytes >= 0.1 * _GB else f"{n_bytes / 1e6:.3g} MB"
+
+
 def _devices_summary(cluster: Cluster, ids: Sequence[str]) -> str:
     counts: dict[str, int] = {}
     for i in ids:
@@ -47,7 +52,7 @@ def explain(
     lines.append(
         f"chose {p.label} on {_devices_summary(cluster, p.devices)} ({choice.subset}): "
         f"predicted {e.step_time:.4g} s/step (compute {e.compute:.3g}, comm {e.comm:.3g} on "
-        f"{e.link}, optimizer {e.optimizer:.3g}), peak {peak.total / _GB:.1f} GB per device"
+        f"{e.link}, optimizer {e.optimizer:.3g}), peak {_size(peak.total)} per device"
     )
     if len(ranked) > 1:
         r = ranked[1]

@@ -177,6 +177,7 @@ def test_planner_on_a_single_h100_node():
     _check_result(r, c, 256, prof.n_blocks)
     assert r.choice is not None and r.plan.world_size == 8
     assert r.plan.reason.startswith("chose ")
+    assert re.search(r"peak \d+\.\d GB per device", r.plan.reason), r.plan.reason
     times = [x.estimate.step_time for x in r.ranked[1:]]
     assert times == sorted(times)
     assert r.ranked[0].estimate.step_time <= times[0] * 1.01 + 1e-12
@@ -320,3 +321,11 @@ def test_rejections_name_every_counted_part():
         assert (buf > 1.0) if strategy == "zero3" else (buf < 0.5)
     pipe = [x.rejection for x in r.rejected if x.plan.is_pipeline]
     assert any(re.search(r"= model states .* \+ activations [\d.]+ GB", w) for w in pipe), pipe
+
+
+def test_a_small_models_peak_is_said_in_mb():
+    """The tiny GPT of examples/gpt.yaml peaks under 0.05 GB: the reason said "peak 0.0 GB"."""
+    from clusters.explain import _size
+
+    assert _size(80e9) == "80.0 GB" and _size(0.1e9) == "0.1 GB"
+    assert _size(31.4e6) == "31.4 MB" and _size(2.5e6) == "2.5 MB"
