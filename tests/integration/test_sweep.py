@@ -29,7 +29,7 @@ from sqlalchemy import text
 from elastic import cli
 from elastic.errors import ConfigError
 from elastic.sweep import load_sweep, open_study, run_sweep, trial_counts, trial_line
-from elastic.sweep.cluster import concurrency
+from elastic.sweep.cluster import concurrency, held_back
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PRUNE_STEPS = 200  # with slow_mse, ~2 s: a pruned job is still running when it is stopped
@@ -189,6 +189,7 @@ def test_resume_counts_finished_trials_and_retries_a_dead_trial(ray_local, tmp_p
     ({"type": "int", "low": 1, "high": 3}, None, 1),  # sized for a trial's largest world
     ({"type": "categorical", "choices": [1]}, 3, 3),
     ({"type": "categorical", "choices": [1]}, None, 4),
+    ({"type": "int", "low": 1, "high": 3}, 2, 1),  # the file asks for more than fits
 ])
 def test_concurrency_is_what_the_cluster_holds(ray_local, tmp_path, workers, max_concurrent,
                                                expected):
@@ -196,6 +197,14 @@ def test_concurrency_is_what_the_cluster_holds(ray_local, tmp_path, workers, max
                             base={**BASE, "global_batch_size": 8},
                             params={"optimizer.lr": dict(LR), "num_workers": workers}))
     assert concurrency(cfg, cfg.probe_configs()) == expected
+    # the sweep's first line says why fewer run at once than max_concurrent asks (it said
+    # "1 at a time" under a file's max_concurrent: 2, and nothing more)
+    why = held_back(cfg, cfg.probe_configs(), expected)
+    if max_concurrent is None or expected >= max_concurrent:
+        assert why == ""
+    else:
+        assert why == (" (max_concurrent is 2, but the cluster has 4 CPU and one trial at its "
+                       "largest takes 3 CPU)"), why
 
 
 @pytest.mark.parametrize("mutate, field", [
