@@ -50,11 +50,17 @@ EVENT_COLORS: dict[str, str] = {
     "stopped": "#000000",
     "plan": "#00c0a0",
     "control_lost": "#808000",
+    "preemption_notice": "#ff6000",
+    "evacuated": "#0040c0",
+    "evacuation_failed": "#600060",
 }
 OTHER_EVENT_COLOR = "#c000c0"  # kinds not listed above and not routine
 # Start-up and bookkeeping: listed in the HTML table, not drawn on the plot.
+# unprotected: a setting, not an incident; claimed: the checkpoint URI taken for the job;
+# evacuating: the decision an "evacuated" (or a failure) follows; replan: a switch follows
+# when it changes anything
 ROUTINE_EVENTS = frozenset({"start", "placed", "group", "layout", "finished", "profiled",
-                            "state", "unprotected"})  # unprotected: a setting, not an incident
+                            "state", "unprotected", "claimed", "evacuating", "replan"})
 
 _LOSS_COLOR = "#1f77b4"
 _SPEED_COLOR = "#2f6f2f"
@@ -74,6 +80,7 @@ class RunData:
     events: list[dict[str, Any]]
     config: dict[str, Any] = field(default_factory=dict)
     skipped_lines: int = 0
+    rerun_steps: int = 0  # records of steps a recovery ran again (only the last one is kept)
 
     @property
     def job(self) -> str:
@@ -142,7 +149,13 @@ def load_run(run_dir: str) -> RunData:
             "directory of a job that completed at least one step (it holds metrics.jsonl and "
             "events.jsonl)."
         )
-    metrics.sort(key=lambda m: m["step"])
+    # a recovery runs the steps since its restore point again: the step's last record is the
+    # one that counts (plotting both drew the world size back and forth over those steps)
+    last: dict[int, dict[str, Any]] = {}
+    for m in metrics:
+        last[m["step"]] = m
+    rerun = len(metrics) - len(last)
+    metrics = sorted(last.values(), key=lambda m: m["step"])
     config: dict[str, Any] = {}
     try:
         with open(os.path.join(run_dir, "config.json")) as f:
@@ -151,7 +164,7 @@ def load_run(run_dir: str) -> RunData:
             config = loaded
     except (OSError, json.JSONDecodeError):
         pass
-    return RunData(run_dir, metrics, events, config, bad_m + bad_e)
+    return RunData(run_dir, metrics, events, config, bad_m + bad_e, rerun)
 
 
 def event_color(kind: str) -> str | None:
@@ -225,7 +238,8 @@ def write_report(run_dir: str, out_dir: str | None = None, x_axis: str = "step")
         gridspec_kw={"height_ratios": [3, 2, 1], "left": 0.08, "right": 0.97, "top": 0.92,
                      "bottom": 0.14, "hspace": 0.08},
     )
-    fig.suptitle(f"elastic run {run.job}: {len(ms)} steps", fontsize=12)
+    again = f" ({run.rerun_steps} run again after a recovery)" if run.rerun_steps else ""
+    fig.suptitle(f"elastic run {run.job}: {len(ms)} steps{again}", fontsize=12)
     ax_loss.plot(xs, loss, color=_LOSS_COLOR, linewidth=1.2, label="loss")
     finite = [v for v in loss if _num(v) and v > 0]
     if finite and max(finite) / min(finite) > 50:
@@ -340,6 +354,7 @@ def _html(run: RunData, png: str, xlabel: str) -> str:
     summary = [
         ("job", run.job), ("run directory", os.path.abspath(run.run_dir)),
         ("steps completed", str(last["step"] + 1)),
+        ("steps run again after a recovery", str(run.rerun_steps)),
         ("final loss", f"{losses[-1]:.4f}" if losses else "-"),
         ("mean samples/s", f"{sum(speeds) / len(speeds):,.0f}" if speeds else "-"),
         ("world sizes", ", ".join(str(int(w)) for w in worlds) or "-"),

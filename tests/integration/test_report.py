@@ -216,6 +216,45 @@ def test_report_marks_failure_recovery_checkpoint_and_world_size(tmp_path):
     assert "Connection closed &lt;b&gt;" in page and "unreadable log lines skipped" in page
 
 
+def test_steps_run_again_after_a_recovery_are_drawn_once(tmp_path):
+    """Steps 15-17 ran on 3 workers, a node went, the job restored step 15 and ran 15-29 on 2:
+    each step is drawn once, as it counted (the world-size line went 3 -> 2 -> 3 -> 2 over
+    the re-run steps, as in `elastic demo --chaos`'s report), and the title says 3 ran again."""
+    run_dir = str(tmp_path / "run")
+    log = RunLog(run_dir)
+    log.write_config({"name": "rerun", "max_steps": 30})
+    t = 1000.0
+    log.event(Event("start", "job rerun", step=0, time=t))
+    for i, s in enumerate([*range(18), *range(15, 30)]):
+        world = 3 if i < 18 else 2
+        if i == 18:
+            log.event(Event("failure", "1 worker(s) lost", step=18, time=t))
+            log.event(Event("recovered", "from buddies", step=15, time=t + 0.5))
+            t += 0.5
+        t += 0.1
+        log.metric({"step": s, "loss": 1.0 / (s + 1), "samples_per_s": 100.0 * world,
+                    "step_time": 0.1, "world_size": world, "strategy": "zero3", "time": t})
+    log.close()
+    run = load_run(run_dir)
+    assert [m["step"] for m in run.metrics] == list(range(30)) and run.rerun_steps == 3
+    assert [m["world_size"] for m in run.metrics[14:18]] == [3, 2, 2, 2]
+    files = write_report(run_dir)
+    layout = files.layout
+    img = _image(files.png)
+    a = layout["axes"]["world_size"]
+    left, top, right, bottom = a["bbox_px"]
+    y0, y1 = a["ylim"]
+    world_color = _rgb(layout["colors"]["world_size"])
+    for step_x in (16.3, 16.7, 17.5):  # inside steps 16 and 17 (re-run on 2 workers)
+        col = int(_expected_x(layout, step_x))
+        column = img[int(top):int(bottom), col]
+        rows = int(top) + np.flatnonzero((column == world_color).all(axis=1))
+        want = bottom - (2 - y0) / (y1 - y0) * (bottom - top)
+        assert len(rows) >= 2 and all(abs(r + 0.5 - want) <= 2.0 for r in rows), (step_x, rows)
+    page = open(files.html).read()
+    assert "steps run again after a recovery" in page
+
+
 def test_report_over_wall_time(tmp_path):
     run_dir = str(tmp_path / "run")
     _synthetic_run(run_dir)
