@@ -22,14 +22,12 @@ from .errors import ClusterError
 __all__ = ["connect", "disconnect", "check_reachable", "address_of", "attach", "LocalNodes",
            "named_actors", "named_actor", "start_named", "call", "kill", "dumps", "loads",
            "draining_nodes", "node_infos", "request_drain", "node_alive", "pg_ready",
-           "bundle_node",
-           "start_in_bundle", "new_bundle", "remove_bundle", "wait_refs", "get_ref", "actor_key",
-           "free_bundles", "runtime_env_now", "ray_session", "table_sizes",
-           "join_tables", "free_cpus", "running_here", "live_address", "cluster_for",
-           "attached_here"]
+           "bundle_node", "start_in_bundle", "new_bundle", "remove_bundle", "wait_refs",
+           "get_ref", "actor_key", "free_bundles", "runtime_env_now", "ray_session",
+           "table_sizes", "join_tables", "free_cpus", "running_here", "live_address",
+           "cluster_for", "attached_here"]
 
 log = logging.getLogger(__name__)
-
 
 
 def address_of(explicit: str | None) -> str | None:
@@ -268,17 +266,10 @@ class LocalNodes:
             raise ClusterError(f"Ray refused to drain node {node_id[:8]}: {msg}")
 
     def remove(self, node_id: str) -> None:
-        """Take a node away at once, as a cloud does at a preemption's deadline: the machine
-        goes, its Ray agents with its raylet. They are killed first: an agent that outlives
-        its raylet reports the death to the driver as a crash ("Raylet is terminated.
-        Termination is unexpected ..." and the raylet's last log lines), which the demo
-        printed under its summary."""
-        import importlib
-
+        """Take a node away at once, as a cloud does: the machine goes, its Ray agents first
+        (one that outlived its raylet told the driver of an "unexpected termination")."""
         import ray  # noqa: F401 - then Ray's own psutil (ray/thirdparty_files) imports
-
-        psutil = importlib.import_module("psutil")
-
+        psutil = __import__("psutil")
         node = next(n for n in self.nodes if n.node_id == node_id)
         for info in node.all_processes.get("raylet", []):
             try:
@@ -294,10 +285,7 @@ class LocalNodes:
         self.nodes.append(self._cluster.add_node(num_cpus=self._cpus))
 
     def shutdown(self) -> None:
-        import ray
-
-        if ray.is_initialized():
-            ray.shutdown()
+        disconnect()
         self._cluster.shutdown()
 
 
