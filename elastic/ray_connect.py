@@ -266,15 +266,15 @@ class LocalNodes:
             raise ClusterError(f"Ray refused to drain node {node_id[:8]}: {msg}")
 
     def remove(self, node_id: str) -> None:
-        """Take a node away at once, as a cloud does: the machine goes, its Ray agents first
-        (one that outlived its raylet told the driver of an "unexpected termination")."""
+        """Take a node away at once, its Ray agents first (else they report a crash)."""
         import ray  # noqa: F401 - then Ray's own psutil (ray/thirdparty_files) imports
         psutil = __import__("psutil")
         node = next(n for n in self.nodes if n.node_id == node_id)
         for info in node.all_processes.get("raylet", []):
             try:
                 for child in psutil.Process(info.process.pid).children(recursive=True):
-                    if "agent" in " ".join(child.cmdline()).lower():  # ray::DashboardAgent
+                    title = " ".join(child.cmdline()).strip()  # the agents' process titles
+                    if title.startswith(("ray::DashboardAgent", "ray::RuntimeEnvAgent")):
                         child.kill()
             except psutil.Error:  # already gone
                 pass

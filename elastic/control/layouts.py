@@ -30,6 +30,15 @@ __all__ = ["Layouts"]
 _SHARE_BALANCED = DP_MODES  # layouts whose ranks each run a share of the batch
 
 
+
+def unprotected(spec: Any, cfg: Any) -> bool:
+    """Whether one lost node loses state no survivor holds (``spec``: zero1/2/3, a pipeline
+    stage without a replica) while ``cfg`` takes neither periodic checkpoints nor peer copies:
+    its recovery would start over from step 0 (or the checkpoint it resumed from)."""
+    return (spec.world_size > 1 and not spec_survives_loss(spec)
+            and getattr(cfg, "checkpoint_every", 0) <= 0
+            and getattr(cfg, "peer_copies_every", 0) <= 0)
+
 class Layouts:
     """Choosing and applying layouts for one job (``probe_model``: the job's model built once
     on the driver, for validation and planning)."""
@@ -379,9 +388,7 @@ class Layouts:
         loses state no survivor holds (zero1/2/3, a pipeline stage without a replica) while
         it takes neither periodic checkpoints nor peer copies: the recovery then starts over
         from step 0 (or the checkpoint it resumed from). Said once per such stretch."""
-        exposed = (spec.world_size > 1 and not spec_survives_loss(spec)
-                   and getattr(self.cfg, "checkpoint_every", 0) <= 0
-                   and getattr(self.cfg, "peer_copies_every", 0) <= 0)
+        exposed = unprotected(spec, self.cfg)
         if exposed and not self._exposed:
             self._emit("unprotected", f"{spec.name} on {spec.world_size} workers keeps parts "
                        "of the training state on one rank only, and this job takes no "

@@ -41,8 +41,13 @@ def disconnect(started: bool) -> None:
         ray.shutdown()
 
 
-def _need(probes: list[JobConfig], total: dict[str, float]) -> dict[str, float]:
-    """What one trial takes at its largest world, per resource."""
+def concurrency(cfg: SweepConfig, probes: list[JobConfig]) -> tuple[int, str]:
+    """How many trials the cluster holds at once (each at its largest), capped by
+    ``max_concurrent``, and why fewer than ``max_concurrent`` ("" when not fewer);
+    ``ClusterError`` if not even one fits."""
+    import ray
+
+    total = ray.cluster_resources()
     need: dict[str, float] = {}
     for c in probes:
         res = dict(c.resources_per_worker)
@@ -51,32 +56,14 @@ def _need(probes: list[JobConfig], total: dict[str, float]) -> dict[str, float]:
             res["GPU"] = max(1.0, float(res.get("GPU", 1)))
         for k, v in res.items():
             need[k] = max(need.get(k, 0.0), float(v) * c.max_world)
-    return need
-
-
-def concurrency(cfg: SweepConfig, probes: list[JobConfig]) -> int:
-    """How many trials the cluster holds at once (each at its largest), capped by
-    ``max_concurrent``; ``ClusterError`` if not even one fits."""
-    import ray
-
-    total = ray.cluster_resources()
-    need = _need(probes, total)
     fits = min((int(total.get(k, 0) // v) for k, v in need.items() if v > 0), default=1)
     if fits < 1:
         raise ClusterError(f"one trial needs {need} but the cluster has {total}. Fix: search "
                            "smaller num_workers/resources_per_worker, or add nodes.")
-    return max(1, min(fits, cfg.max_concurrent or fits))
-
-
-def held_back(cfg: SweepConfig, probes: list[JobConfig], n_jobs: int) -> str:
-    """Why fewer trials run at once than ``max_concurrent`` asks ("" when as many do)."""
-    import ray
-
-    if not cfg.max_concurrent or n_jobs >= cfg.max_concurrent:
-        return ""
-    total = ray.cluster_resources()
-    need = _need(probes, total)
+    n = max(1, min(fits, cfg.max_concurrent or fits))
+    if not cfg.max_concurrent or n >= cfg.max_concurrent:
+        return n, ""
     has = ", ".join(f"{total.get(k, 0):g} {k}" for k in need)
     one = ", ".join(f"{v:g} {k}" for k, v in need.items())
-    return (f" (max_concurrent is {cfg.max_concurrent}, but the cluster has {has} and one "
-            f"trial at its largest takes {one})")
+    return n, (f" (max_concurrent is {cfg.max_concurrent}, but the cluster has {has} and one "
+               f"trial at its largest takes {one})")

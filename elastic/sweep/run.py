@@ -17,7 +17,7 @@ import optuna
 
 from ..config import JobConfig
 from ..errors import ElasticError
-from .cluster import concurrency, connect, disconnect, held_back
+from .cluster import concurrency, connect, disconnect
 from .factories import check_factories
 from .report import format_summary
 from .runner import TrialRunner
@@ -80,10 +80,11 @@ def run_sweep(config: SweepConfig | dict[str, Any] | str, *, n_trials: int | Non
         return study
     started = connect(probes, runner.say)
     try:
-        n_jobs = concurrency(cfg, probes) if cfg.scheduler is None else _queued(cfg, probes)
+        n_jobs, why = concurrency(cfg, probes) if cfg.scheduler is None else \
+            (_queued(cfg, probes), "")
         if cfg.scheduler is None:  # a trial's workers go back warm, for the next trial
             runner.pool = _pool(probes, n_jobs)
-        where = (f"{n_jobs} at a time{held_back(cfg, probes, n_jobs)}" if cfg.scheduler is None else
+        where = (f"{n_jobs} at a time{why}" if cfg.scheduler is None else
                  f"up to {n_jobs} queued at a time in scheduler {cfg.scheduler!r}")
         runner.say(f"study {cfg.study_name} in {cfg.storage_shown}: {done} finished, "
                    f"running {remaining} more, {where}; trial runs under {cfg.run_path}")

@@ -54,12 +54,19 @@ _JOB_PARTS = ("membership", "data", "held", "profiler", "layout", "copies", "fau
               "checkpoints", "loop")
 
 
+def _live_ray() -> Any:
+    """Ray, when this process runs in it; else None (Ray may not be installed: bench/
+    gpu_check.py on a GPU host, the unit tests). Never imports or starts it."""
+    ray = sys.modules.get("ray")
+    return ray if ray is not None and ray.is_initialized() else None
+
+
 def _node_id() -> str | None:
     """The Ray node this process runs on (None outside Ray). Never starts Ray: asked
     outside a Ray worker, ``get_runtime_context`` starts a local instance (a unit test's
     ``reset`` did, and the next tests found a 2-CPU Ray instead of their own)."""
-    ray = sys.modules.get("ray")
-    if ray is None or not ray.is_initialized():
+    ray = _live_ray()
+    if ray is None:
         return None
     try:
         return str(ray.get_runtime_context().get_node_id())
@@ -68,10 +75,9 @@ def _node_id() -> str | None:
 
 
 def _node_ip() -> str:
-    """This node's address as Ray knows it; outside Ray (a unit test, bench/gpu_check.py,
-    where Ray may not even be installed) the host's own."""
-    ray = sys.modules.get("ray")
-    if ray is not None and ray.is_initialized():
+    """This node's address as Ray knows it; outside Ray the host's own."""
+    ray = _live_ray()
+    if ray is not None:
         return str(ray.util.get_node_ip_address())
     try:
         return socket.gethostbyname(socket.gethostname())

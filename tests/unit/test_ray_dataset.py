@@ -261,12 +261,11 @@ def test_the_example_job_files_build(name):
     # copies gets an "unprotected" warning (ray_data.yaml under zero2 got it)
     from types import SimpleNamespace
 
-    from strategies.traits import spec_survives_loss
+    from elastic.control.layouts import unprotected
 
     spec = SimpleNamespace(name=cfg.strategy, world_size=cfg.num_workers, pp_degree=1,
-                           dp_mode=None)
-    assert (spec_survives_loss(spec) or cfg.checkpoint_every > 0
-            or cfg.peer_copies_every > 0), name
+                           dp_mode=None)  # neither example is a pipeline
+    assert not unprotected(spec, cfg), name
 
 
 @pytest.mark.parametrize(("nbytes", "target", "want"), [
