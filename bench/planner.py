@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{commit} ({common.code_version()}); others' load before: "
           f"{common.busy_cores(2.0):.2f} cores, loadavg {os.getloadavg()[0]:.1f}", flush=True)
     t0 = time.time()
-    ray.init(address="local", num_cpus=max(args.workers) + 1, include_dashboard=False,
+    ray.init(address="local", num_cpus=max(args.workers) + 1, num_gpus=0, include_dashboard=False,
              logging_level="ERROR", log_to_driver=False)
     results = []
     try:
