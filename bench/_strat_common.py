@@ -98,6 +98,42 @@ def pids_mentioning(text: str) -> list[int]:
     return out
 
 
+def _descendants(root: int) -> list[int]:
+    """Every live process below ``root`` (the Ray a bench started: GCS, raylet, workers)."""
+    parent: dict[int, int] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    st = f.read()
+                parent[int(d)] = int(st[st.rindex(")") + 2:].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    out, todo = [], [root]
+    while todo:
+        p = todo.pop()
+        kids = [c for c, pp in parent.items() if pp == p]
+        out += kids
+        todo += kids
+    return out
+
+
+def wait_settled(max_wait_s: float = 30.0, cores: float = 0.25, seconds: float = 1.0) -> float:
+    """Wait (up to ``max_wait_s``) until the processes this one started (a fresh Ray's GCS,
+    raylet and pre-started workers importing) use under ``cores`` together over ``seconds``;
+    returns the seconds waited. So that no configuration is timed while the bench's own Ray is
+    still starting, or the previous job's workers are still exiting."""
+    t0 = time.time()
+    me = os.getpid()
+    while True:
+        pids = _descendants(me)
+        a = sum(proc_cpu_s(p) for p in pids)
+        time.sleep(seconds)
+        used = (sum(proc_cpu_s(p) for p in pids) - a) / seconds
+        if used < cores or time.time() - t0 > max_wait_s:
+            return time.time() - t0
+
+
 def kill_leftovers(tmp: str) -> int:
     """SIGTERM, then SIGKILL, every process whose command line names ``tmp`` (our private Ray
     temp dir: raylets, GCS, workers). Returns how many there were."""

@@ -9,8 +9,11 @@ what runs):
    repeated, the noise reported) and the planner's choice, the *pick*;
 2. the pick runs ``--first`` steps (the closed loop's window), then the job is switched through
    dp, zero1, zero2, zero3 and a pipeline (pp = world, 1F1B, 4 micro-batches, stages cut by the
-   measured per-block times), each for ``--warmup`` + ``--steps`` steps, and dp once more at
-   the end (the drift of the machine during the run);
+   measured per-block times), each for ``--warmup`` + ``--steps`` steps, and back through the
+   same layouts in reverse (``--passes 2``, the default): each layout's figure pools both
+   passes, so a drift of the machine over the run cancels to first order instead of favouring
+   whichever layout ran in its quiet moment, and the two passes' difference is the noise
+   shown (``--passes 1``: one pass, then dp once more, as before 2026-12-04);
 3. per layout: the measured median step and its spread, the profiled prediction of that exact
    layout (``CostModel.estimate`` of ``elastic.planning.spec_plan`` of the spec that ran, on
    the model the job planned with), and the **closed-loop** prediction: the profiled model
@@ -86,15 +89,23 @@ def run_config(tmp: str, fam: pm.Family, world: int, args: argparse.Namespace) -
         mm, cluster, ids = lay.measured, lay.cluster, list(lay.ids)
         plan_ev = next(e for e in ctl.events if e.kind == "plan")
         pick = ctl.spec
-        order = [("pick", pick.name, args.first)] + [(n, n, args.warmup + args.steps)
-                                                      for n in LAYOUTS] + [
-            ("dp-again", "dp", args.warmup + args.steps)]
-        for key, strat, n_steps in order:
-            if key != "pick":
+        seg = args.warmup + args.steps
+        if args.passes == 2:  # there and back: a drift of the machine cancels to first order
+            order = [("pick", pick.name, args.first, 0)] + [
+                (n, n, seg, 0) for n in LAYOUTS] + [(n, n, seg, 1) for n in LAYOUTS[::-1]]
+        else:
+            order = [("pick", pick.name, args.first, 0)] + [(n, n, seg, 0) for n in LAYOUTS] + [
+                ("dp-again", "dp", seg, 0)]
+        runs: dict[str, list[list[float]]] = {}
+        for key, strat, n_steps, _ in order:
+            if key in runs and not runs[key]:
+                continue  # refused on the way there
+            if key != "pick" and ctl.spec.name != strat:
                 try:
                     handle.switch(strat, reason="bench", timeout=600)
                 except Exception as e:  # noqa: BLE001 - a layout this model cannot run
                     print(f"  {name} {key}: not run ({type(e).__name__}: {e})", flush=True)
+                    runs[key] = []
                     continue
             start = ctl.step
             spec = ctl.spec
@@ -103,17 +114,23 @@ def run_config(tmp: str, fam: pm.Family, world: int, args: argparse.Namespace) -
             times = _segment(ctl, start + skip, n_steps - skip)
             assert all(h["strategy"] == spec.name
                        for h in list(ctl.history)[start:start + n_steps]), key
+            runs.setdefault(key, []).append(times)
+            if key in rows:
+                continue
             plan = spec_plan(spec, ids, lay.probe_model)
             est = mm.model.estimate(plan, cluster, mm.profile)
-            st = robust(times)
             rows[key] = {"strategy": spec.name, "plan": plan.label, "shares": list(spec.shares),
-                         "split": list(plan.stage_split), "measured_s": st.median,
-                         "sd_s": st.sd, "n": st.n, "profiled_s": est.step_time,
+                         "split": list(plan.stage_split), "profiled_s": est.step_time,
                          "parts": {"compute": est.compute, "comm": est.comm,
-                                   "optimizer": est.optimizer},
-                         "plan_obj": plan, "times": times}
-            print(f"  {name} {key:9s} {plan.label:22s} measured {st.median * 1e3:7.1f} ms "
-                  f"(sd {st.sd * 1e3:5.1f}) profiled {est.step_time * 1e3:7.1f} ms", flush=True)
+                                   "optimizer": est.optimizer}, "plan_obj": plan}
+        for key, r in rows.items():  # the passes pooled; each pass's median kept
+            st = robust([t for ts in runs[key] for t in ts])
+            r.update(measured_s=st.median, sd_s=st.sd, n=st.n, times=runs[key][0],
+                     passes=[robust(ts).median for ts in runs[key]])
+            print(f"  {name} {key:9s} {r['plan']:22s} measured {st.median * 1e3:7.1f} ms "
+                  f"(sd {st.sd * 1e3:5.1f}; passes "
+                  f"{', '.join(f'{m * 1e3:.1f}' for m in r['passes'])}) profiled "
+                  f"{r['profiled_s'] * 1e3:7.1f} ms", flush=True)
     finally:
         handle.stop(timeout=300)
         try:
@@ -154,7 +171,7 @@ def _pct(x: float) -> str:
 def table(results: list[dict[str, Any]]) -> str:
     lines = ["| config | layout | plan | measured ms (sd) | / dp | profiled ms | error | / dp "
              "predicted | after loop ms | error |", "|---|---|---|---|---|---|---|---|---|---|"]
-    errs_p, errs_l, picks, drift = [], [], [], []
+    errs_p, errs_l, picks, drift, passes = [], [], [], [], []
     for res in results:
         rows = res["rows"]
         ref = rows.get("dp") or rows["pick"]
@@ -177,6 +194,10 @@ def table(results: list[dict[str, Any]]) -> str:
         picks.append(res["pick_over_fastest"] <= 1.05)
         if "dp" in rows and "dp-again" in rows:
             drift.append(abs(rows["dp-again"]["measured_s"] / rows["dp"]["measured_s"] - 1))
+        for key in LAYOUTS:  # measured there and back
+            ps = rows.get(key, {}).get("passes", ())
+            if len(ps) == 2:
+                passes.append(abs(ps[1] / ps[0] - 1))
     lines += ["", "| config | pick (auto) | measured fastest | pick / fastest (its row; its "
               "first 50 steps) | speeds (equalized; raw) | trial overhead ms | overlap |",
               "|---|---|---|---|---|---|---|"]
@@ -198,6 +219,9 @@ def table(results: list[dict[str, Any]]) -> str:
     if drift:
         lines.append(f"noise: dp measured twice in one run (dp, dp-again) differs by a median "
                      f"{statistics.median(drift):.0%} (max {max(drift):.0%})")
+    if passes:
+        lines.append(f"noise: each layout measured there and back differs by a median "
+                     f"{statistics.median(passes):.0%} (max {max(passes):.0%}) between the passes")
     return "\n".join(lines)
 
 
@@ -214,6 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--first", type=int, default=52, help="steps of the pick (2 warm-up)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=25)
+    ap.add_argument("--passes", type=int, choices=(1, 2), default=2,
+                    help="2: every layout there and back (dp .. pipeline, pipeline .. dp), "
+                         "pooled; 1: once, then dp again")
     ap.add_argument("--json")
     ap.add_argument("--tables", nargs="+", metavar="JSON",
                     help="print the tables of earlier runs' --json files together, run nothing")
@@ -238,12 +265,15 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     ray.init(address="local", num_cpus=max(args.workers) + 1, num_gpus=0, include_dashboard=False,
              logging_level="ERROR", log_to_driver=False)
+    print(f"Ray settled {common.wait_settled():.0f} s after start", flush=True)
     results = []
     try:
         for fam in args.families:
             for w in args.workers:
+                settle = common.wait_settled()  # the last job's workers gone
                 busy = common.busy_cores(1.0)
-                print(f"{fam} x {w} workers (others' load {busy:.2f} cores)", flush=True)
+                print(f"{fam} x {w} workers (others' load {busy:.2f} cores; waited {settle:.0f} s "
+                      "for this Ray to settle)", flush=True)
                 try:
                     res = run_config(tmp, pm.FAMILIES[fam], w, args)
                 except Exception as e:  # noqa: BLE001 - said, and the next configuration runs
