@@ -100,6 +100,7 @@ def run_config(tmp: str, fam: pm.Family, world: int, args: argparse.Namespace) -
         for key, strat, n_steps, _ in order:
             if key in runs and not runs[key]:
                 continue  # refused on the way there
+            start = len(ctl.history)  # the turn (pipeline twice): its steps from here on
             if key != "pick" and ctl.spec.name != strat:
                 try:
                     handle.switch(strat, reason="bench", timeout=600)
@@ -107,7 +108,9 @@ def run_config(tmp: str, fam: pm.Family, world: int, args: argparse.Namespace) -
                     print(f"  {name} {key}: not run ({type(e).__name__}: {e})", flush=True)
                     runs[key] = []
                     continue
-            start = ctl.step
+                start = ctl.step  # the boundary the switch took effect at
+            elif key == "pick":
+                start = ctl.step
             spec = ctl.spec
             _wait_steps(handle, ctl, start + n_steps)
             skip = 2 if key == "pick" else args.warmup
