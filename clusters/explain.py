@@ -7,7 +7,8 @@ decides nothing.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from .candidates import Candidate
 from .topology import Cluster
@@ -36,6 +37,7 @@ def explain(
     rejected: Sequence[Candidate],
     cluster: Cluster,
     global_batch: int,
+    more_work: Callable[[Any, Any], bool] | None = None,
 ) -> str:
     """Why the planner chose what it chose (first line: the decision), or why nothing fits."""
     lines = []
@@ -58,7 +60,12 @@ def explain(
         r = ranked[1]
         slower = r.step_time / e.step_time - 1.0
         line = f"runner-up: {r.plan.label} ({r.subset}), {slower:+.1%} step time"
-        if slower < 0:
+        if slower < 0 and more_work is not None and more_work(r.plan, p):
+            line += (
+                f"; within the tie tolerance the choice does less work per step, with memory "
+                f"to spare ({choice.peak_fraction:.0%} of usable)"
+            )
+        elif slower < 0:
             line += (
                 f"; within the tie tolerance the choice keeps more memory headroom "
                 f"({choice.peak_fraction:.0%} vs {r.peak_fraction:.0%} of usable)"

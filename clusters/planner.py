@@ -24,7 +24,7 @@ from .plan import DP_MODES, SCHEDULES, STRATEGIES, Plan
 from .profile import ModelProfile
 from .topology import Cluster
 
-__all__ = ["Candidate", "PlanResult", "plan"]
+__all__ = ["Candidate", "PlanResult", "break_tie", "more_work", "plan"]
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,7 @@ def plan(
     max_pp: int | None = None,
     subsets: bool = True,
     tie_tolerance: float = 0.01,
+    comfortable: float = 0.5,
 ) -> PlanResult:
     """Choose a plan for training ``profile`` with global batch ``global_batch`` on ``cluster``.
 
@@ -69,7 +70,9 @@ def plan(
     ``speeds``: measured samples/s per device id (the live system's numbers); they replace the
     model's compute estimate for those devices. ``subsets=False`` uses every device.
     Ranking is by predicted step time; among plans within ``tie_tolerance`` of the fastest
-    (the model is not that precise) the one with the most memory headroom is chosen.
+    (the model is not that precise) the one with the most memory headroom is chosen, except
+    one that does more work than another near plan whose peak memory is at most
+    ``comfortable`` of usable (``break_tie``: zero2 beside zero1 with memory to spare).
     Never raises for "nothing fits": ``choice`` is then ``None`` and ``explanation`` says why.
     """
     if global_batch < 1:
@@ -94,17 +97,50 @@ def plan(
     ranked = sorted(fitting, key=lambda c: (c.step_time, c.peak_fraction))
     rejected = tuple(c for c in cands if not c.fits)
     if ranked:
-        near = [c for c in ranked if c.step_time <= ranked[0].step_time * (1 + tie_tolerance)]
-        best = min(near, key=lambda c: c.peak_fraction)
+        best = break_tie(ranked, tie_tolerance, comfortable)
         ranked.remove(best)
         ranked.insert(0, best)
     choice = ranked[0] if ranked else None
-    text = explain(choice, ranked, rejected, cluster, global_batch)
+    text = explain(choice, ranked, rejected, cluster, global_batch, more_work)
     if choice is not None:
         choice = replace(choice, plan=replace(choice.plan, reason=text.splitlines()[0]))
         ranked[0] = choice
     emulated = any(d.emulated for d in cluster.devices)
     return PlanResult(choice, tuple(ranked), rejected, text, global_batch, cluster.name, emulated)
+
+
+_WORK_CHAIN = ("zero1", "zero2", "zero3")  # each sends what the one before sends, and more
+
+
+def break_tie(ranked: Sequence[Candidate], tie_tolerance: float,
+              comfortable: float) -> Candidate:
+    """The choice among fitting candidates sorted by predicted step time. Of those within
+    ``tie_tolerance`` of the fastest (the model is not that precise), a candidate that does
+    more work than another near one whose memory is comfortable (at most ``comfortable`` of
+    usable) is set aside (``more_work``); of the rest, the one with the most memory headroom
+    (an OOM costs more than 1 %)."""
+    near = [c for c in ranked if c.step_time <= ranked[0].step_time * (1 + tie_tolerance)]
+    easy = [c for c in near if c.peak_fraction <= comfortable]
+    keep = [c for c in near if not any(more_work(c.plan, d.plan) for d in easy)]
+    return min(keep, key=lambda c: c.peak_fraction)
+
+
+def more_work(a: Plan, b: Plan) -> bool:
+    """Whether ``a`` does all that ``b`` does per step and more: the same layout on the same
+    devices and shares, one ZeRO stage up (zero2 = zero1's messages + staging its gradient
+    buckets and re-allocating the gradients it drops; zero3 = zero2's + per-unit gathers).
+    The model predicts zero1 and zero2 alike; on a 16-core host zero2 measured 1.02x zero1 on
+    average (slower in 18 of 28 configurations; docs/benchmarks.md, planner, 2026-12-04).
+    dp against zero1 is no such pair: zero1 updates 1/N of the optimizer and broadcasts."""
+    ma = a.dp_mode if a.is_pipeline else a.strategy
+    mb = b.dp_mode if b.is_pipeline else b.strategy
+    if ma not in _WORK_CHAIN or mb not in _WORK_CHAIN:
+        return False
+    same = (a.is_pipeline == b.is_pipeline and a.devices == b.devices and a.shares == b.shares
+            and a.pp_degree == b.pp_degree and a.micro_batches == b.micro_batches
+            and a.schedule == b.schedule and a.virtual_stages == b.virtual_stages
+            and a.stage_split == b.stage_split)
+    return same and _WORK_CHAIN.index(ma) > _WORK_CHAIN.index(mb)
 
 
 def _peak_fraction(c: Candidate) -> float:

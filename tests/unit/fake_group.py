@@ -54,6 +54,7 @@ class FakeGroup:
                                         "all_gather": 1e-3, "reduce_scatter": 1e-3,
                                         "p2p": 1e-3}
         self.step_times: dict[str, float] = {}  # strategy -> measured step seconds
+        self.opt_cost = (1e-5, 1e-8)  # the optimizer's seconds per tensor, per element
         self.compute: dict[int, float] = {}  # rank -> compute seconds per sample (forward x 3)
         self.block_seconds: list[float] | None = None  # profile(detail=True)'s per-block times
         self.spec: Any = None
@@ -280,11 +281,12 @@ class FakeGroup:
     def profile_terms(self, shares: list[int], rounds: int = 7) -> list[dict[str, Any]]:
         """Every rank's report as ``elastic.worker.measure.profile_terms`` gives it, from ``alpha``
         (per collective kind, beta 1 ns/byte), ``compute`` (per rank; 1 ms per sample) and an
-        optimizer of 10 us per tensor + 10 ns per element; the trial dp step is what that
-        model predicts plus 1 ms."""
+        optimizer of ``opt_cost`` (10 us per tensor + 10 ns per element); the trial dp step
+        is what that model predicts plus 1 ms."""
         from clusters.collectives import assign_owners, latency_hops, volume_factor
 
         n = len(self.workers)
+        pt, pe = self.opt_cost
         tensors = [t for b in self.block_tensors for t in b]
         owner = assign_owners(tensors, n)
         out = []
@@ -305,18 +307,18 @@ class FakeGroup:
                                                    for t in self.block_tensors],
                            "boundary_bytes": [64.0] * len(self.block_tensors),
                            "tensors": self.block_tensors},
-                "optimizer": {"plain": [[len(tensors), total, [1e-5 * len(tensors)
-                                                               + 1e-8 * total] * rounds],
-                                        [len(own), sum(own), [1e-5 * len(own)
-                                                              + 1e-8 * sum(own)] * rounds]],
+                "optimizer": {"plain": [[len(tensors), total, [pt * len(tensors)
+                                                               + pe * total] * rounds],
+                                        [len(own), sum(own), [pt * len(own)
+                                                              + pe * sum(own)] * rounds]],
                               "sharded": [len(tensors), total / n,
-                                          [2e-5 * len(tensors) + 1e-8 * total / n] * rounds]},
+                                          [2 * pt * len(tensors) + pe * total / n] * rounds]},
                 "collectives": coll,
             })
         # the trial dp step: the terms of the slowest rank + 1 ms (its per-step overhead)
         ar = self.alpha["all_reduce"] * 2 * (n - 1) + 8 * sum(tensors) * 1e-9 * (n - 1) / n
         trial = (max(self.compute.get(r, 1e-3) * int(shares[r]) for r in range(n)) + ar
-                 + 1e-5 * len(tensors) + 1e-8 * sum(tensors) + 1e-3)
+                 + pt * len(tensors) + pe * sum(tensors) + 1e-3)
         for rep in out:
             rep["trial"] = {"shares": list(shares), "seconds": [trial] * rounds}
         return out

@@ -329,3 +329,84 @@ def test_a_small_models_peak_is_said_in_mb():
 
     assert _size(80e9) == "80.0 GB" and _size(0.1e9) == "0.1 GB"
     assert _size(31.4e6) == "31.4 MB" and _size(2.5e6) == "2.5 MB"
+
+
+# ------------------------------------------------------------------ near-ties
+
+
+def _cand(strategy: str, step_s: float, peak: float, **plan_kw) -> object:
+    from clusters import Plan
+    from clusters.estimate import Estimate
+    from clusters.planner import Candidate
+
+    p = Plan(strategy=strategy, world_size=plan_kw.pop("world", 2), shares=(8, 8), **plan_kw)
+    return Candidate(p, Estimate(step_s, 0.0, 0.0, 0.0, 0.0, ()), peak_fraction=peak)
+
+
+@pytest.mark.parametrize("cands, tol, want", [
+    # zero1 and zero2 alike, memory to spare: zero1 (zero2 only adds work)
+    ([("zero2", 1.000, 0.1), ("zero1", 1.000, 0.2)], 0.01, "zero1"),
+    ([("zero3", 1.000, 0.05), ("zero2", 1.004, 0.1), ("zero1", 1.008, 0.2)], 0.01, "zero1"),
+    # dp against zero1 is not such a pair: the headroom decides, as before
+    ([("zero1", 1.000, 0.2), ("dp", 1.004, 0.3)], 0.01, "zero1"),
+    ([("dp", 1.000, 0.3), ("zero1", 1.004, 0.2), ("zero2", 1.004, 0.1)], 0.01, "zero1"),
+    # outside the tolerance: the fastest
+    ([("zero2", 1.000, 0.1), ("zero1", 1.02, 0.2)], 0.01, "zero2"),
+    ([("zero2", 1.000, 0.1), ("zero1", 1.001, 0.2)], 0.0, "zero2"),
+    # zero1 memory-tight: zero2's headroom is worth its work
+    ([("zero2", 1.000, 0.3), ("zero1", 1.000, 0.8)], 0.01, "zero2"),
+    # a different layout (a pipeline) is never "more work" than a flat one
+    ([("pipeline", 1.000, 0.1), ("zero1", 1.005, 0.2)], 0.01, "pipeline"),
+])
+def test_a_near_tie_never_goes_to_more_work_with_memory_to_spare(cands, tol, want):
+    from clusters.planner import break_tie
+
+    ranked = sorted((_cand(s, t, m, **({"pp_degree": 2, "dp_mode": "zero2"}
+                                       if s == "pipeline" else {})) for s, t, m in cands),
+                    key=lambda c: c.step_time)
+    assert break_tie(ranked, tol, comfortable=0.5).plan.strategy == want
+
+
+def test_more_work_is_one_zero_stage_up_on_the_same_layout():
+    from clusters import Plan
+    from clusters.planner import more_work
+
+    def p(strategy, **kw):
+        kw.setdefault("shares", (4, 4, 4, 4))
+        return Plan(strategy=strategy, world_size=4, **kw)
+
+    assert more_work(p("zero2"), p("zero1")) and more_work(p("zero3"), p("zero1"))
+    assert not more_work(p("zero1"), p("zero2")) and not more_work(p("zero1"), p("zero1"))
+    assert not more_work(p("zero1"), p("dp")) and not more_work(p("dp"), p("zero1"))
+    assert not more_work(p("zero2", shares=(5, 3, 4, 4)), p("zero1"))  # not the same shares
+    pipe = {"pp_degree": 2, "micro_batches": 4}
+    assert more_work(p("pipeline", dp_mode="zero2", **pipe), p("pipeline", dp_mode="zero1", **pipe))
+    assert not more_work(p("pipeline", dp_mode="zero2", **pipe),
+                         p("pipeline", dp_mode="zero1", pp_degree=2, micro_batches=8))
+    assert not more_work(p("pipeline", dp_mode="zero2", **pipe), p("zero1"))
+
+
+def test_the_explanation_says_why_a_slower_tie_won():
+    """When the runner-up is predicted faster, the planner's text says which rule chose: less
+    work with memory to spare, or more memory headroom."""
+    from dataclasses import replace
+
+    from clusters.explain import explain
+    from clusters.planner import more_work
+
+    cluster = load_cluster({"name": "two", "pools": [{"name": "p", "nodes": 1,
+                                                      "devices_per_node": 2, "device": "A100-80GB",
+                                                      "network": "nvlink3"}]})
+    prof = ModelProfile(block_params=(1000,) * 4, bytes_per_param=4,
+                        optimizer_bytes_per_param=8, precision="fp32",
+                        block_flops=(6e6,) * 4)
+    res = plan(cluster, prof, 16)
+    dp = next(c for c in res.ranked if c.plan.strategy == "dp")
+    z1 = next(c for c in res.ranked if c.plan.strategy == "zero1")
+    z2 = next(c for c in res.ranked if c.plan.strategy == "zero2")
+    faster = replace(z2, estimate=replace(z2.estimate, step_time=z1.step_time * 0.995))
+    text = explain(z1, [z1, faster], [], cluster, 16, more_work).splitlines()[1]
+    assert "runner-up: zero2" in text and "does less work per step, with memory to spare" in text
+    dp_faster = replace(dp, estimate=replace(dp.estimate, step_time=z2.step_time * 0.995))
+    text = explain(z2, [z2, dp_faster], [], cluster, 16, more_work).splitlines()[1]
+    assert "runner-up: dp" in text and "keeps more memory headroom" in text
