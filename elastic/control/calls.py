@@ -65,6 +65,7 @@ class WorkerCalls:
     """Typed worker calls over ``_call(method, *args, workers=, timeout_s=)``."""
 
     workers: list[WorkerRec]
+    segment_id: int = 0  # the last segment started (``start_segment`` numbers them)
 
     def _call(self, method: str, *args: Any, workers: Sequence[WorkerRec] | None = None,
               timeout_s: float | None = None) -> list[Any]:
@@ -74,8 +75,10 @@ class WorkerCalls:
         raise NotImplementedError
 
     def request_stop(self) -> None:
-        """Ask every worker to stop at the next step boundary (thread-safe, fire and forget)."""
-        self._tell("request_stop")
+        """Ask every worker to stop the last segment started at its next step boundary
+        (thread-safe, fire and forget; it holds even where the worker has not begun that
+        segment yet)."""
+        self._tell("request_stop", self.segment_id)
 
     def send_gate(self, gate: Any) -> None:
         """Hand every worker a sweep pruner's gate (fire and forget, like a stop)."""

@@ -416,7 +416,8 @@ class WorkerGroup(PlacementCalls, WorkerCalls):
     # ------------------------------------------------------------------ segments
 
     def start_segment(self, start: int, end: int) -> Segment:
-        futs = [w.handle.run.remote(start, end) for w in self.workers]
+        self.segment_id += 1  # before the calls go: a stop sent from here on names it
+        futs = [w.handle.run.remote(start, end, self.segment_id) for w in self.workers]
         return Segment(start, end, list(zip(self.workers, futs, strict=True)))
 
     def poll_segment(self, seg: Segment, timeout_s: float) -> SegmentPoll:

@@ -310,17 +310,19 @@ class Worker:
         (an in-memory switch), else from a fresh seeded model, then ``state`` if given."""
         return self._guard(self.layout.build, spec, state)
 
-    def run(self, start: int, end: int) -> dict[str, Any]:
-        """Train steps ``start..end-1``; stop early at a step boundary if any rank was asked.
+    def run(self, start: int, end: int, segment: int | None = None) -> dict[str, Any]:
+        """Train steps ``start..end-1`` as the controller's segment ``segment``; stop early at
+        a step boundary if any rank was asked (``StepLoop.run``).
 
         Returns ``{"status": "done"|"stopped", "next_step": n}``. Raises ``WorkerError`` for
         user-code failures and ``GroupError`` for group failures.
         """
-        return self._guard(self.loop.run, start, end)
+        return self._guard(self.loop.run, start, end, segment)
 
-    def request_stop(self) -> None:
-        """Ask the loop to stop after the current step (all ranks agree on the same step)."""
-        self.loop.request_stop()
+    def request_stop(self, segment: int | None = None) -> None:
+        """Ask segment ``segment`` to stop after the current step, whether or not it has
+        started here yet (all ranks agree on the same step)."""
+        self.loop.request_stop(segment)
 
     def set_gate(self, gate: Any) -> None:
         """A sweep pruner's decision handed ahead (``clusters.sweep_policy.PruneGate``)."""

@@ -64,9 +64,11 @@ class StepLoop:
     the controller drains and the stop flag it sets.
 
     ``run`` runs on the actor's training thread; ``request_stop``, ``drain`` and
-    ``memory_counts`` on its other thread (an ``Event``, a ``deque``, and a request the
+    ``memory_counts`` on its other thread (a segment number, a ``deque``, and a request the
     training thread answers between steps: never a read of the live tensors from the other
-    thread).
+    thread). A stop names the segment it is for: the actor's two threads run calls in no
+    fixed order, so a stop sent right after its segment was started can arrive before
+    ``run`` does, and must still count there.
     """
 
     def __init__(self, config: JobConfig | WorkerConfig, membership: Membership, layout: Layout,
@@ -81,7 +83,9 @@ class StepLoop:
         self._faults = faults
         self._copies = copies
         self._metrics: deque[dict[str, Any]] = deque()
-        self._stop = threading.Event()
+        self._segment = 0  # the segment run() runs (or ran last)
+        self._stops: set[int] = set()  # the segments asked to stop (this one's, or later)
+        self._stop_lock = threading.Lock()
         self._nonfinite_run = 0  # non-finite steps in a row (agreed by every rank)
         self._nonfinite = NonFinitePolicy(config.on_nonfinite, config.max_nonfinite_skips)
         self._running = threading.Lock()  # held by run() for its whole segment
@@ -147,9 +151,16 @@ class StepLoop:
         self._counts_of = self._shown_of = weakref.ref(strategy)
         return dict(self._counts)
 
-    def request_stop(self) -> None:
-        """Ask the loop to stop after the current step (all ranks agree on the same step)."""
-        self._stop.set()
+    def request_stop(self, segment: int | None = None) -> None:
+        """Ask segment ``segment`` (None: the one running, or the last one) to stop after its
+        current step; all ranks agree on the same step. A stop for a segment that has not
+        started yet holds when it starts; one for a segment that ended never reaches
+        another."""
+        with self._stop_lock:
+            self._stops.add(self._segment if segment is None else segment)
+
+    def _stop_asked(self) -> bool:
+        return self._segment in self._stops
 
     def set_gate(self, gate: PruneGate | None) -> None:
         """A sweep pruner's decision at ``gate.step``, to apply to the loss the ranks agree
@@ -173,17 +184,21 @@ class StepLoop:
             out.append(self._metrics.popleft())
         return out
 
-    def run(self, start: int, end: int) -> dict[str, Any]:
-        """Train steps ``start..end-1``; stop early at a step boundary if any rank was asked.
-        Collective. Returns ``{"status": "done"|"stopped", "next_step": n}``."""
+    def run(self, start: int, end: int, segment: int | None = None) -> dict[str, Any]:
+        """Train steps ``start..end-1`` as segment ``segment`` (None: the one after the last;
+        the controller numbers its segments, and ``request_stop`` names one); stop early at
+        a step boundary if any rank was asked. Collective. Returns
+        ``{"status": "done"|"stopped", "next_step": n}``."""
         with self._running:
+            with self._stop_lock:
+                self._segment = self._segment + 1 if segment is None else segment
+                self._stops = {k for k in self._stops if k >= self._segment}
             return self._run(start, end)
 
     def _run(self, start: int, end: int) -> dict[str, Any]:
         layout, m = self._layout, self._membership
         strategy, spec = layout.strategy, layout.spec
         assert strategy is not None and spec is not None
-        self._stop.clear()
         self._gated_next = None
         lo, hi = share_bounds(spec.shares, m.rank)
         pending: _Pending | None = None
@@ -212,7 +227,7 @@ class StepLoop:
             gate = self._held_gate(step, pending)
             v = float(gate.version) if gate is not None else 0.0
             ahead = self._gate is not None and self._gate.step == step + 1
-            ctrl = torch.tensor([local, 1.0 if self._stop.is_set() else 0.0, float(hi - lo), busy,
+            ctrl = torch.tensor([local, 1.0 if self._stop_asked() else 0.0, float(hi - lo), busy,
                                  1.0 if bad else 0.0, copies.flag() if copies else 1.0,
                                  1.0 if gate is not None else 0.0, v, v * v,
                                  1.0 if ahead else 0.0], dtype=torch.float64)

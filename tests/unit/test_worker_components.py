@@ -886,3 +886,29 @@ def test_a_worker_outside_ray_needs_no_ray(tmp_path, monkeypatch):
         assert info["node_id"] is None and info["ip"] and info["pid"] == os.getpid()
     finally:
         gc.unfreeze()
+
+
+def test_a_stop_sent_before_its_segment_starts_still_stops_it(tmp_path):
+    """The actor runs calls on two threads in no fixed order: the controller's stop for a
+    segment it has just started (a request already waiting) could reach the worker before
+    ``run`` did, and ``run`` cleared it: the segment then ran to its end (``elastic switch``
+    on a job of 100,000 steps waited out its 300 s; CI, 2026-12-04). A stop names its
+    segment now; one for an earlier segment does not stop a later one."""
+    import gc
+
+    from elastic.worker import Worker
+
+    w = Worker(_cfg(tmp_path), 0, False, 1)
+    try:
+        w.join("127.0.0.1", free_port(), 0, 1, 1, 30.0)
+        w.restart_fresh(_spec("dp"), None, 0)
+        w.request_stop(7)  # before segment 7 runs
+        assert w.run(0, 50, 7) == {"status": "stopped", "next_step": 1}
+        w.request_stop(7)  # a late stop for segment 7
+        assert w.run(1, 4, 8) == {"status": "done", "next_step": 4}
+        assert w.run(4, 6) == {"status": "done", "next_step": 6}  # unnumbered, as gpu_check
+        w.request_stop()  # the last segment's: not the next one's
+        assert w.run(6, 8) == {"status": "done", "next_step": 8}
+        w.leave()
+    finally:
+        gc.unfreeze()
