@@ -98,35 +98,16 @@ def pids_mentioning(text: str) -> list[int]:
     return out
 
 
-def _descendants(root: int) -> list[int]:
-    """Every live process below ``root`` (the Ray a bench started: GCS, raylet, workers)."""
-    parent: dict[int, int] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    st = f.read()
-                parent[int(d)] = int(st[st.rindex(")") + 2:].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-    out, todo = [], [root]
-    while todo:
-        p = todo.pop()
-        kids = [c for c, pp in parent.items() if pp == p]
-        out += kids
-        todo += kids
-    return out
-
-
 def wait_settled(max_wait_s: float = 30.0, cores: float = 0.25, seconds: float = 1.0) -> float:
     """Wait (up to ``max_wait_s``) until the processes this one started (a fresh Ray's GCS,
     raylet and pre-started workers importing) use under ``cores`` together over ``seconds``;
     returns the seconds waited. So that no configuration is timed while the bench's own Ray is
     still starting, or the previous job's workers are still exiting."""
+    import psutil  # Ray's own (ray/thirdparty_files), importable once Ray is
+
     t0 = time.time()
-    me = os.getpid()
     while True:
-        pids = _descendants(me)
+        pids = [p.pid for p in psutil.Process().children(recursive=True)]
         a = sum(proc_cpu_s(p) for p in pids)
         time.sleep(seconds)
         used = (sum(proc_cpu_s(p) for p in pids) - a) / seconds

@@ -45,6 +45,14 @@ def _wait(handle, n: int, timeout: float = 120.0) -> None:
         time.sleep(0.02)
 
 
+def _gpus_free(ray, total: float, timeout: float = 30.0) -> float:
+    """Ray's free GPUs once they are all back (or what is free after ``timeout``)."""
+    t0 = time.time()
+    while (free := ray.available_resources().get("GPU", 0)) < total and time.time() - t0 < timeout:
+        time.sleep(0.1)
+    return free
+
+
 def _diff(state: dict, ref: dict) -> float:
     return max(float((state[k] - v).abs().max()) for k, v in ref.items())
 
@@ -102,8 +110,7 @@ def main() -> int:
         check("job 1 matches the CPU reference", d < 1e-4,
               f"{len(res.history)} steps, max |diff| {d:.2e} (tolerance 1e-4: CUDA kernels "
               "sum in another order)")
-        time.sleep(1.0)
-        free = ray.available_resources().get("GPU", 0)
+        free = _gpus_free(ray, total)
         check("the GPU is free after the job", free == total, f"{free} of {total}")
         h2 = elastic.submit(**common_kw, strategy="zero2", max_steps=n1 + 6, resume="latest",
                             name="gpu-a", run_dir=os.path.join(tmp, "b"))
@@ -114,8 +121,7 @@ def main() -> int:
         d2 = _diff(res2.state_dict(), ref2)
         check("job 2 resumed the checkpoint under zero2 and matches", first == n1
               and d2 < 1e-4, f"first step {first}, max |diff| {d2:.2e}")
-        time.sleep(1.0)
-        free = ray.available_resources().get("GPU", 0)
+        free = _gpus_free(ray, total)
         check("the GPU is free after the second job", free == total, f"{free} of {total}")
     finally:
         ray.shutdown()

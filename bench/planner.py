@@ -91,26 +91,25 @@ def run_config(tmp: str, fam: pm.Family, world: int, args: argparse.Namespace) -
         pick = ctl.spec
         seg = args.warmup + args.steps
         if args.passes == 2:  # there and back: a drift of the machine cancels to first order
-            order = [("pick", pick.name, args.first, 0)] + [
-                (n, n, seg, 0) for n in LAYOUTS] + [(n, n, seg, 1) for n in LAYOUTS[::-1]]
+            order = [("pick", pick.name, args.first)] + [
+                (n, n, seg) for n in (*LAYOUTS, *LAYOUTS[::-1])]
         else:
-            order = [("pick", pick.name, args.first, 0)] + [(n, n, seg, 0) for n in LAYOUTS] + [
-                ("dp-again", "dp", seg, 0)]
+            order = [("pick", pick.name, args.first)] + [(n, n, seg) for n in LAYOUTS] + [
+                ("dp-again", "dp", seg)]
         runs: dict[str, list[list[float]]] = {}
-        for key, strat, n_steps, _ in order:
+        for key, strat, n_steps in order:
             if key in runs and not runs[key]:
                 continue  # refused on the way there
-            start = len(ctl.history)  # the turn (pipeline twice): its steps from here on
-            if key != "pick" and ctl.spec.name != strat:
+            switch = key != "pick" and ctl.spec.name != strat  # not at the turn
+            if switch:
                 try:
                     handle.switch(strat, reason="bench", timeout=600)
                 except Exception as e:  # noqa: BLE001 - a layout this model cannot run
                     print(f"  {name} {key}: not run ({type(e).__name__}: {e})", flush=True)
                     runs[key] = []
                     continue
-                start = ctl.step  # the boundary the switch took effect at
-            elif key == "pick":
-                start = ctl.step
+            # a switch's (or the job's first) boundary; at the turn, the steps from here on
+            start = ctl.step if switch or key == "pick" else len(ctl.history)
             spec = ctl.spec
             _wait_steps(handle, ctl, start + n_steps)
             skip = 2 if key == "pick" else args.warmup

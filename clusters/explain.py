@@ -7,10 +7,10 @@ decides nothing.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 from .candidates import Candidate
+from .plan import more_work
 from .topology import Cluster
 
 __all__ = ["explain"]
@@ -37,7 +37,6 @@ def explain(
     rejected: Sequence[Candidate],
     cluster: Cluster,
     global_batch: int,
-    more_work: Callable[[Any, Any], bool] | None = None,
 ) -> str:
     """Why the planner chose what it chose (first line: the decision), or why nothing fits."""
     lines = []
@@ -60,7 +59,7 @@ def explain(
         r = ranked[1]
         slower = r.step_time / e.step_time - 1.0
         line = f"runner-up: {r.plan.label} ({r.subset}), {slower:+.1%} step time"
-        if slower < 0 and more_work is not None and more_work(r.plan, p):
+        if slower < 0 and more_work(r.plan, p):
             line += (
                 f"; within the tie tolerance the choice does less work per step, with memory "
                 f"to spare ({choice.peak_fraction:.0%} of usable)"

@@ -22,7 +22,7 @@ from strategies.traits import TRAITS
 
 from .errors import PlanError
 
-__all__ = ["Plan", "STRATEGIES", "SCHEDULES", "DP_MODES"]
+__all__ = ["Plan", "STRATEGIES", "SCHEDULES", "DP_MODES", "more_work"]
 
 STRATEGIES = tuple(TRAITS)  # the registry's names (strategies/traits.py, torch-free)
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -149,3 +149,24 @@ class Plan:
             "dp_mode": self.dp_mode,
             "options": {"virtual_stages": self.virtual_stages} if self.virtual_stages > 1 else {},
         }
+
+
+_WORK_CHAIN = ("zero1", "zero2", "zero3")  # each sends what the one before sends, and more
+
+
+def more_work(a: Plan, b: Plan) -> bool:
+    """Whether ``a`` does all that ``b`` does per step and more: the same layout on the same
+    devices and shares, one ZeRO stage up (zero2 = zero1's messages + staging its gradient
+    buckets and re-allocating the gradients it drops; zero3 = zero2's + per-unit gathers).
+    The model predicts zero1 and zero2 alike; on a 16-core host zero2 measured 1.02x zero1 on
+    average (slower in 18 of 28 configurations; docs/benchmarks.md, planner, 2026-12-04).
+    dp against zero1 is no such pair: zero1 updates 1/N of the optimizer and broadcasts."""
+    ma = a.dp_mode if a.is_pipeline else a.strategy
+    mb = b.dp_mode if b.is_pipeline else b.strategy
+    if ma not in _WORK_CHAIN or mb not in _WORK_CHAIN:
+        return False
+    same = (a.is_pipeline == b.is_pipeline and a.devices == b.devices and a.shares == b.shares
+            and a.pp_degree == b.pp_degree and a.micro_batches == b.micro_batches
+            and a.schedule == b.schedule and a.virtual_stages == b.virtual_stages
+            and a.stage_split == b.stage_split)
+    return same and _WORK_CHAIN.index(ma) > _WORK_CHAIN.index(mb)

@@ -20,11 +20,11 @@ from .cost import CostModel
 from .errors import PlanError
 from .explain import explain
 from .pipeline_plans import pipeline_candidates
-from .plan import DP_MODES, SCHEDULES, STRATEGIES, Plan
+from .plan import DP_MODES, SCHEDULES, STRATEGIES, Plan, more_work
 from .profile import ModelProfile
 from .topology import Cluster
 
-__all__ = ["Candidate", "PlanResult", "break_tie", "more_work", "plan"]
+__all__ = ["Candidate", "PlanResult", "break_tie", "plan"]
 
 
 @dataclass(frozen=True)
@@ -101,15 +101,12 @@ def plan(
         ranked.remove(best)
         ranked.insert(0, best)
     choice = ranked[0] if ranked else None
-    text = explain(choice, ranked, rejected, cluster, global_batch, more_work)
+    text = explain(choice, ranked, rejected, cluster, global_batch)
     if choice is not None:
         choice = replace(choice, plan=replace(choice.plan, reason=text.splitlines()[0]))
         ranked[0] = choice
     emulated = any(d.emulated for d in cluster.devices)
     return PlanResult(choice, tuple(ranked), rejected, text, global_batch, cluster.name, emulated)
-
-
-_WORK_CHAIN = ("zero1", "zero2", "zero3")  # each sends what the one before sends, and more
 
 
 def break_tie(ranked: Sequence[Candidate], tie_tolerance: float,
@@ -123,24 +120,6 @@ def break_tie(ranked: Sequence[Candidate], tie_tolerance: float,
     easy = [c for c in near if c.peak_fraction <= comfortable]
     keep = [c for c in near if not any(more_work(c.plan, d.plan) for d in easy)]
     return min(keep, key=lambda c: c.peak_fraction)
-
-
-def more_work(a: Plan, b: Plan) -> bool:
-    """Whether ``a`` does all that ``b`` does per step and more: the same layout on the same
-    devices and shares, one ZeRO stage up (zero2 = zero1's messages + staging its gradient
-    buckets and re-allocating the gradients it drops; zero3 = zero2's + per-unit gathers).
-    The model predicts zero1 and zero2 alike; on a 16-core host zero2 measured 1.02x zero1 on
-    average (slower in 18 of 28 configurations; docs/benchmarks.md, planner, 2026-12-04).
-    dp against zero1 is no such pair: zero1 updates 1/N of the optimizer and broadcasts."""
-    ma = a.dp_mode if a.is_pipeline else a.strategy
-    mb = b.dp_mode if b.is_pipeline else b.strategy
-    if ma not in _WORK_CHAIN or mb not in _WORK_CHAIN:
-        return False
-    same = (a.is_pipeline == b.is_pipeline and a.devices == b.devices and a.shares == b.shares
-            and a.pp_degree == b.pp_degree and a.micro_batches == b.micro_batches
-            and a.schedule == b.schedule and a.virtual_stages == b.virtual_stages
-            and a.stage_split == b.stage_split)
-    return same and _WORK_CHAIN.index(ma) > _WORK_CHAIN.index(mb)
 
 
 def _peak_fraction(c: Candidate) -> float:

@@ -30,7 +30,6 @@ __all__ = ["Layouts"]
 _SHARE_BALANCED = DP_MODES  # layouts whose ranks each run a share of the batch
 
 
-
 def unprotected(spec: Any, cfg: Any) -> bool:
     """Whether one lost node loses state no survivor holds (``spec``: zero1/2/3, a pipeline
     stage without a replica) while ``cfg`` takes neither periodic checkpoints nor peer copies:
@@ -38,6 +37,7 @@ def unprotected(spec: Any, cfg: Any) -> bool:
     return (spec.world_size > 1 and not spec_survives_loss(spec)
             and getattr(cfg, "checkpoint_every", 0) <= 0
             and getattr(cfg, "peer_copies_every", 0) <= 0)
+
 
 class Layouts:
     """Choosing and applying layouts for one job (``probe_model``: the job's model built once

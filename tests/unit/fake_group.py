@@ -65,7 +65,8 @@ class FakeGroup:
         self.faults: list[Fault] = []
         self.hung: list[WorkerRec] = []
         self.calls: list[tuple[str, Any]] = []  # (method, argument) in order
-        self.stop_asked = False
+        self.segment_id = 0  # the last segment started, as WorkerGroup numbers them
+        self.stops: set[int] = set()  # the segments asked to stop (as StepLoop keeps them)
         self.gates: list[Any] = []
         self.checkpoint_every = 0  # the job's: steps after which the fake begins a checkpoint
         self.nonfinite_at: dict[int, list[str]] = {}  # checkpoint step -> keys with NaN
@@ -161,7 +162,7 @@ class FakeGroup:
 
     def start_segment(self, start: int, end: int) -> Segment:
         self.calls.append(("segment", (start, end)))
-        self.stop_asked = False
+        self.segment_id += 1  # as WorkerGroup: a stop names the last segment started
         seg = Segment(start, end, [(w, None) for w in self.workers])
         self._pos = {id(seg): start}  # only this segment runs (ids of dead ones are reused)
         return seg
@@ -184,7 +185,7 @@ class FakeGroup:
             node = str(w.info["node_id"])
             self.draining[node] = DrainNotice(node, (w.rank,), None if left is None else
                                               time.time() + left, "preemption", "spot", 0.0)
-        if at >= seg.end or self.stop_asked:
+        if at >= seg.end or self.segment_id in self.stops:
             return SegmentPoll(done=True, next_step=at)
         return SegmentPoll()
 
@@ -243,7 +244,7 @@ class FakeGroup:
         return hung
 
     def request_stop(self) -> None:
-        self.stop_asked = True
+        self.stops.add(self.segment_id)
 
     def send_gate(self, gate: Any) -> None:
         self.gates.append(gate)

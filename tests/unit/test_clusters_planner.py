@@ -369,7 +369,7 @@ def test_a_near_tie_never_goes_to_more_work_with_memory_to_spare(cands, tol, wan
 
 def test_more_work_is_one_zero_stage_up_on_the_same_layout():
     from clusters import Plan
-    from clusters.planner import more_work
+    from clusters.plan import more_work
 
     def p(strategy, **kw):
         kw.setdefault("shares", (4, 4, 4, 4))
@@ -392,7 +392,6 @@ def test_the_explanation_says_why_a_slower_tie_won():
     from dataclasses import replace
 
     from clusters.explain import explain
-    from clusters.planner import more_work
 
     cluster = load_cluster({"name": "two", "pools": [{"name": "p", "nodes": 1,
                                                       "devices_per_node": 2, "device": "A100-80GB",
@@ -405,8 +404,8 @@ def test_the_explanation_says_why_a_slower_tie_won():
     z1 = next(c for c in res.ranked if c.plan.strategy == "zero1")
     z2 = next(c for c in res.ranked if c.plan.strategy == "zero2")
     faster = replace(z2, estimate=replace(z2.estimate, step_time=z1.step_time * 0.995))
-    text = explain(z1, [z1, faster], [], cluster, 16, more_work).splitlines()[1]
+    text = explain(z1, [z1, faster], [], cluster, 16).splitlines()[1]
     assert "runner-up: zero2" in text and "does less work per step, with memory to spare" in text
     dp_faster = replace(dp, estimate=replace(dp.estimate, step_time=z2.step_time * 0.995))
-    text = explain(z2, [z2, dp_faster], [], cluster, 16, more_work).splitlines()[1]
+    text = explain(z2, [z2, dp_faster], [], cluster, 16).splitlines()[1]
     assert "runner-up: dp" in text and "keeps more memory headroom" in text
