@@ -25,7 +25,14 @@ Rules:
 * a job takes idle workers of its key, most on one node first (its ranks talk over local
   sockets), then the most recently returned (its memory is warm); what is missing starts
   cold, and idle workers of *other* keys are retired, longest idle first, when the cluster
-  has no free bundle for it;
+  has no free bundle for it (bundles that earlier hand-outs left other jobs to start cold in
+  count as taken: two jobs asking at once both saw the one free bundle, and the second waited
+  for it until its placement timed out); what this pool cannot free is ``room_short``, and
+  the pool asks the other pools of its process for it;
+* a pool asked to make ``room`` for a job of another pool of the same process retires that
+  many idle workers, longest idle first, of any key: a job waiting for resources comes
+  before a cache of processes (a sweep's trials waited 60 s and failed while the session's
+  default pool kept every CPU idle);
 * at most ``max_idle`` workers are kept idle (the longest idle go first), and none idle
   longer than ``idle_timeout_s``, except the ``min_idle`` of the pool's own key (retiring
   those would only start them again);
@@ -42,8 +49,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 DRAINING = "its node is draining (a preemption or maintenance notice)"
+ROOM = "room for a job of another pool"
 
-__all__ = ["DRAINING", "PoolKey", "IdleWorker", "Returned", "Want", "PoolObservation",
+__all__ = ["DRAINING", "ROOM", "PoolKey", "IdleWorker", "Returned", "Want", "PoolObservation",
            "PoolDecision", "PoolPolicy"]
 
 
@@ -118,6 +126,8 @@ class PoolObservation:
     draining: frozenset[str] = frozenset()  # ids of the nodes Ray is draining
     # workers jobs were told to start cold by earlier hand-outs and have not placed yet
     cold_pending: int = 0
+    # bundles a job of another pool of this process is short of: idle workers to retire
+    room: int = 0
 
 
 @dataclass(frozen=True)
@@ -127,6 +137,8 @@ class PoolDecision:
     retire: tuple[tuple[int, str], ...] = ()  # (worker id, why)
     start: int = 0  # new workers of the pool's own key
     reasons: tuple[str, ...] = field(default=())
+    # bundles the wanting job still lacks after this pool's retirements (other pools' turn)
+    room_short: int = 0
 
     def retired(self) -> dict[int, str]:
         return dict(self.retire)
@@ -194,19 +206,25 @@ class PoolPolicy:
                 retire.append((r.id, why))
         hand: list[int] = []
         reasons: list[str] = []
-        cold = 0
+        cold = room_short = 0
         if obs.want is not None and obs.want.n > 0:
             hand = self._pick(idle, obs.want.key, obs.want.n)
             idle = [w for w in idle if w.id not in hand]
             cold = obs.want.n - len(hand)
-            short = cold - max(obs.want.free_bundles, 0)
+            short = cold - max(obs.want.free_bundles - obs.cold_pending, 0)
             if short > 0:  # room for the cold ones: other keys' idle workers go first
                 others = sorted((w for w in idle if w.key != obs.want.key),
                                 key=lambda w: (w.idle_since_s, w.id))[:short]
                 retire += [(w.id, f"room for a job of {obs.want.key.describe()}")
                            for w in others]
                 idle = [w for w in idle if w not in others]
+                room_short = short - len(others)
             reasons.append(f"{len(hand)} warm, {cold} cold for {obs.want.key.describe()}")
+        if obs.room > 0:  # another pool's job waits for resources these idle workers hold
+            freed = sorted(idle, key=lambda w: (w.idle_since_s, w.id))[:obs.room]
+            retire += [(w.id, ROOM) for w in freed]
+            idle = [w for w in idle if w not in freed]
+            reasons.append(f"{len(freed)} of {obs.room} retired for another pool's job")
         if len(idle) > self.max_idle:
             over = sorted(idle, key=lambda w: (w.idle_since_s, w.id))[:len(idle) - self.max_idle]
             retire += [(w.id, f"more than max_idle={self.max_idle} idle") for w in over]
@@ -219,18 +237,20 @@ class PoolPolicy:
         if start and cold and obs.want is not None:
             # the job starts `cold` workers now: a refill must leave them the room they need
             # (a pool of 2 warm on 3 CPUs took the last one, and a 3-worker job failed)
-            room = obs.want.free_bundles - cold if obs.want.key == self.key else 0
-            if room < start:
-                reasons.append(f"refill {max(room, 0)} of {start}: {cold} start cold")
-                start = max(room, 0)
-        if start and obs.cold_pending > 0:
-            # an earlier hand-out left a job to start workers cold: a refill now would take
-            # the room they are about to be placed in (the pool's watch decides between them)
+            free = obs.want.free_bundles - cold if obs.want.key == self.key else 0
+            if free < start:
+                reasons.append(f"refill {max(free, 0)} of {start}: {cold} start cold")
+                start = max(free, 0)
+        if start and (obs.cold_pending > 0 or obs.room > 0):
+            # an earlier hand-out left a job to start workers cold, or another pool's job
+            # waits for room: a refill now would take the room they are about to be placed
+            # in (the pool's watch decides between them)
             reasons.append(f"refill waits: {obs.cold_pending} start cold for a job")
             start = 0
         if start:
             reasons.append(f"start {start} to keep {self.min_idle} warm")
-        return PoolDecision(tuple(hand), tuple(keep), tuple(retire), start, tuple(reasons))
+        return PoolDecision(tuple(hand), tuple(keep), tuple(retire), start, tuple(reasons),
+                            room_short)
 
     @staticmethod
     def _pick(idle: list[IdleWorker], key: PoolKey, n: int) -> list[int]:

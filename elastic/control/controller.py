@@ -509,7 +509,11 @@ def _ray_group(cfg: JobConfig, *, pool: Any = None) -> Any:
         pool = default_pool()
     from .worker_group import WorkerGroup
 
-    return WorkerGroup(cfg, cfg.emulate, pool)
+    if pool is None:
+        return WorkerGroup(cfg, cfg.emulate)
+    from .pooled import PooledPlacement
+
+    return WorkerGroup(cfg, cfg.emulate, functools.partial(PooledPlacement, pool))
 
 
 def _ray_mailbox(job: str) -> Any:

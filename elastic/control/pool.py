@@ -33,12 +33,13 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from clusters.pool_policy import (
+    ROOM,
     IdleWorker,
     PoolDecision,
     PoolKey,
@@ -54,7 +55,6 @@ from ..ray_connect import (
     connect,
     disconnect,
     draining_nodes,
-    free_bundles,
     get_ref,
     kill,
     new_bundle,
@@ -67,13 +67,13 @@ from ..ray_connect import (
 )
 from .group import WorkerRec
 from .pool_watch import start_watch
-from .worker_group import Placement
 
 log = logging.getLogger(__name__)
 
-__all__ = ["WorkerPool", "PooledPlacement", "default_pool"]
+__all__ = ["WorkerPool", "default_pool"]
 
 _DEFAULT: list[WorkerPool] = []  # the pool this process's jobs use when given none
+_LIVE: weakref.WeakSet[WorkerPool] = weakref.WeakSet()  # this process's open pools
 
 
 def default_pool() -> WorkerPool | None:
@@ -166,13 +166,9 @@ class WorkerPool:
                 raise
         if maintain_every_s and self._session is not None:
             start_watch(self, self._stop, self._lock, maintain_every_s)
+        _LIVE.add(self)
 
     # ------------------------------------------------------------------ public
-
-    def placement(self, config: Any, emulate: Sequence[dict[str, Any]] | None,
-                  liveness: tuple[str, int, str] | None) -> PooledPlacement:
-        """The placement of one job's workers through this pool (``WorkerGroup`` calls it)."""
-        return PooledPlacement(self, config, emulate, liveness)
 
     def wait_ready(self, timeout_s: float | None = 120.0) -> int:
         """Wait for the workers starting to be up; returns the idle count. ``ClusterError``
@@ -234,6 +230,7 @@ class WorkerPool:
         default pool, if it was."""
         if _DEFAULT and _DEFAULT[0] is self:
             _DEFAULT.clear()
+        _LIVE.discard(self)
         self._stop.set()
         with self._lock:
             self._closed = True
@@ -254,8 +251,10 @@ class WorkerPool:
     def take(self, key: PoolKey, n: int, free_bundles: int) -> list[_Proc]:
         """Up to ``n`` idle workers of ``key``, each pinged first (a dead one is retired,
         never handed out); idle workers of other keys are retired when the cluster has no
-        room for the ones that must start cold. The caller says ``cold_placed`` for those
-        once it has placed them (or given up): until then the pool starts no refill."""
+        room for the ones that must start cold, and then, for what is still missing, those
+        of the other pools of this process (``make_room``). The caller says ``cold_placed``
+        for those once it has placed them (or given up): until then the pool starts no
+        refill."""
         with self._lock:
             self._settle()
             alive = self._ping(list(self._idle.values()))
@@ -269,7 +268,25 @@ class WorkerPool:
             self.stats.handed_out += len(out)
             self._apply(d)
             self._cold_pending += max(0, n - len(out))
-            return out
+        short = d.room_short  # (outside this pool's lock: the others take theirs)
+        for other in list(_LIVE):
+            if short <= 0:
+                break
+            if other is not self:
+                short -= other.make_room(short)
+        return out
+
+    def make_room(self, n: int) -> int:
+        """Retire up to ``n`` idle workers, longest idle first, for a job of another pool
+        of this process whose workers must start cold and find no free resources (these
+        hold them); returns how many. Nothing once the pool is closed or from another Ray."""
+        with self._lock:
+            if n <= 0 or self._closed or ray_session() != self._session:
+                return 0
+            self._settle()
+            d = self.policy.decide(self._observe(room=n))
+            self._apply(d)
+            return sum(1 for _, why in d.retire if why == ROOM)
 
     def reserve_cold(self, n: int) -> None:
         """``n`` more workers a job is about to start cold (warm ones that failed to take
@@ -334,7 +351,7 @@ class WorkerPool:
     def _observe(self, alive: dict[str, bool] | None = None,
                  returned: Sequence[tuple[_Proc, Returned]] = (),
                  want: Want | None = None,
-                 draining: frozenset[str] = frozenset()) -> PoolObservation:
+                 draining: frozenset[str] = frozenset(), room: int = 0) -> PoolObservation:
         """The policy's view; ``self._ix`` maps the ids it uses back to processes (idle
         ones first, then the returned ones)."""
         self._ix = {}
@@ -351,7 +368,7 @@ class WorkerPool:
             rets.append(dataclasses.replace(r, id=i))
         return PoolObservation(self.clock(), tuple(idle), tuple(rets), want,
                                lent=len(self._lent), starting=len(self._starting),
-                               draining=draining, cold_pending=self._cold_pending)
+                               draining=draining, cold_pending=self._cold_pending, room=room)
 
     @staticmethod
     def _draining() -> frozenset[str]:
@@ -432,160 +449,3 @@ class WorkerPool:
         if p.pg is not None:
             remove_bundle(p.pg)
 
-
-class PooledPlacement(Placement):
-    """A job's placement through a ``WorkerPool``: warm workers first, the rest started
-    cold (blank, then assigned, each in a one-bundle group of its own, so that it can join
-    the pool); at the job's end, or when a shrink lets a worker go, the pool takes its
-    workers back instead of killing them. Workers lost or released from a draining node are
-    killed as usual, and never come back."""
-
-    def __init__(self, pool: WorkerPool, config: Any, emulate: Sequence[dict[str, Any]] | None,
-                 liveness: tuple[str, int, str] | None) -> None:
-        if config.placement != "per_worker":  # each worker's bundle must be its own
-            config = config.replace(placement="per_worker")
-        super().__init__(config, emulate, liveness)
-        self.pool = pool
-        # the pool's workers this job holds: actor id -> (handle, placement group)
-        self._mine: dict[str, tuple[Any, Any]] = {}
-
-    def _key(self) -> PoolKey:
-        return PoolKey.of(self.bundle(), self.use_gpu, self.pool.env)
-
-    def _assign(self, handle: Any, pg: Any, warm: bool) -> tuple[WorkerRec, Any]:
-        wid = self._next_id
-        self._next_id += 1
-        self._mine[actor_key(handle)] = (handle, pg)
-        return (WorkerRec(handle, wid, info={"warm": warm}, pg=pg, slot=0),
-                handle.assign.remote(self._worker_cfg, wid, self._liveness))
-
-    def _warm(self, n: int) -> list[tuple[WorkerRec, Any]]:
-        """Up to ``n`` idle workers of this job's key, assigned to it (not waited for). The
-        ``n - len(result)`` left to start cold hold the pool's refill back until the
-        caller's ``cold_placed``."""
-        if n <= 0:
-            return []
-        bundle = self.bundle()
-        procs = self.pool.take(self._key(), n, free_bundles(bundle))
-        try:
-            return [self._assign(p.handle, p.pg, True) for p in procs]
-        except BaseException:
-            self.pool.cold_placed(n - len(procs))
-            raise
-
-    def _collect(self, launched: list[tuple[WorkerRec, Any]], wait_s: float | None
-                 ) -> list[WorkerRec]:
-        warm = {id(w) for w, _ in launched if w.info.get("warm")}
-        up = super()._collect(launched, wait_s)
-        for w in up:
-            w.info["warm"] = id(w) in warm
-        return up
-
-    def _launch(self, pg: Any, slots: list[int], bundle: dict[str, float]
-                ) -> list[tuple[WorkerRec, Any]]:
-        out = []
-        for i in slots:
-            h = self.pool._start_blank(pg, i, bundle, self.use_gpu)
-            # a lost worker's bundle taken over: the books no longer tie it to the lost one,
-            # whose end (release) would otherwise remove it under the new worker, wherever
-            # that worker is by then (given back early by a shrink, lent to another job)
-            self._mine = {a: (hh, None if p is pg else p) for a, (hh, p) in self._mine.items()}
-            self.pool.adopt(h, pg, self._key())
-            rec, ref = self._assign(h, pg, False)
-            rec.slot = i
-            out.append((rec, ref))
-        return out
-
-    def _drop_failed(self, launched: list[tuple[WorkerRec, Any]], up: list[WorkerRec]
-                     ) -> int:
-        """Warm workers that failed to take the job (its code does not import there, ...):
-        ``_collect`` killed them; their one-bundle groups are removed too, and the pool
-        forgets them. Kept as free slots, those bundles held the CPUs that the cold workers
-        started next needed: the job waited out its placement timeout, then said the
-        cluster was too small instead of why the workers failed."""
-        ok = {id(w) for w in up}
-        lost = []
-        for w, _ in launched:
-            if id(w) in ok:
-                continue
-            a = actor_key(w.handle)
-            lost.append(a)
-            self._mine.pop(a, None)
-            self.free_slots = [(pg, i) for pg, i in self.free_slots if pg is not w.pg]
-            remove_bundle(w.pg)
-        if lost:  # they start cold instead: their room is held before it is freed
-            self.pool.reserve_cold(len(lost))
-            self.pool.give_back([], lost=lost)
-        return len(lost)
-
-    @contextmanager
-    def _warm_first(self, n: int, wait_s: float | None) -> Iterator[list[WorkerRec]]:
-        """Up to ``n`` warm workers that took the job (those that failed to are dropped);
-        the pool's refill stays held back for the rest, which the block starts cold."""
-        launched = self._warm(n)
-        pending = max(0, n - len(launched))
-        try:
-            warm = self._collect(launched, wait_s=wait_s)
-            pending += self._drop_failed(launched, warm)
-            yield warm
-        finally:
-            self.pool.cold_placed(pending)
-
-    def place(self, n: int, min_workers: int) -> list[WorkerRec]:
-        with self._warm_first(n, None) as warm:
-            if len(warm) >= n:
-                return warm
-            try:
-                cold = super().place(n - len(warm), max(0, min_workers - len(warm)))
-            except BaseException:  # the warm ones go back (they were kept out of the pool's
-                # books and held their bundles for good: the next jobs could not be placed)
-                for w in warm:
-                    self._mine.pop(actor_key(w.handle), None)
-                self.pool.give_back(warm)
-                raise
-            return warm + cold
-
-    def start_spares(self, n: int) -> None:
-        warm = self._warm(n)
-        self._warming += warm
-        try:
-            super().start_spares(n - len(warm))
-        finally:
-            self.pool.cold_placed(max(0, n - len(warm)))
-
-    def try_place(self, n: int, timeout_s: float) -> list[WorkerRec]:
-        with self._warm_first(n, max(timeout_s, 1.0)) as warm:
-            return warm + super().try_place(n - len(warm), timeout_s)
-
-    def room(self) -> bool:
-        return bool(self.pool.info()["idle_by_key"].get(self._key().describe())) or super().room()
-
-    def vacate(self, gone: Sequence[WorkerRec], kept: Sequence[WorkerRec]) -> None:
-        back = [w for w in gone if actor_key(w.handle) in self._mine]
-        for w in back:
-            self._mine.pop(actor_key(w.handle), None)
-        self.pool.give_back(back)
-        super().vacate([w for w in gone if w not in back], kept)
-
-    def release(self, extra: Sequence[WorkerRec]) -> None:
-        # a spare's assign may still run: its reset must not overlap it (the worker is
-        # threaded; the reset unloaded the job's modules under the assign's unpickling, a
-        # KeyError in the suite). A spare still assigning after 30 s is killed, not kept.
-        spares = [(w, r) for w, r in self._warming if actor_key(w.handle) in self._mine]
-        ready, _ = wait_refs([r for _, r in spares], 30.0) if spares else ([], [])
-        done = {id(r) for r in ready}
-        back = [w for w in list(extra) + [w for w, r in spares if id(r) in done]
-                if actor_key(w.handle) in self._mine]
-        returned = {actor_key(w.handle) for w in back}
-        lost = sorted(set(self._mine) - returned)
-        self.pool.give_back(back, lost=lost)
-        for a in lost:  # leave the books: killed (a no-op for one already dead) and its
-            # bundle freed, whatever path lost track of it (one left alive held a CPU); a
-            # bundle a replacement took over is no longer on its books (``_launch``)
-            handle, pg = self._mine[a]
-            WorkerPool._kill(_Proc(handle, pg, self._key()))
-        self._mine = {}
-        self._warming = [(w, r) for w, r in self._warming if w not in back]
-        kept = {id(w.pg) for w in back}
-        self.free_slots = [(pg, i) for pg, i in self.free_slots if id(pg) not in kept]
-        super().release([w for w in extra if w not in back])

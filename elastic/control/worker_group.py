@@ -49,6 +49,17 @@ def _typed(e: BaseException, w: WorkerRec | None = None) -> BaseException:
     return e
 
 
+def capacity(bundle: dict[str, float], total: dict[str, float], free: dict[str, float]) -> str:
+    """What the cluster has of each resource a worker needs, and what of it is free: "0 of
+    4 CPU free; the rest is held by placement groups (other jobs, idle pooled workers)".
+    (Ray's free resources also list a wildcard per placement group bundle, which only hid
+    the CPUs in the message.)"""
+    parts = ", ".join(f"{free.get(k, 0.0):g} of {total.get(k, 0.0):g} {k} free" for k in bundle)
+    held = any(free.get(k, 0.0) < total.get(k, 0.0) for k in bundle)
+    return parts + ("; the rest is held by placement groups (other jobs, idle pooled "
+                    "workers)" if held else "")
+
+
 class Placement:
     """Where the job's workers run: its placement groups, the bundles without a worker
     (free slots), and the spares starting in the background. Returns the workers it starts;
@@ -95,7 +106,8 @@ class Placement:
                 ray.util.remove_placement_group(pg)
             raise ClusterError(
                 f"the cluster cannot host {n} workers of {bundle} within "
-                f"{self.cfg.placement_timeout_s:.0f}s (it has {ray.available_resources()}). "
+                f"{self.cfg.placement_timeout_s:.0f}s ("
+                f"{capacity(bundle, ray.cluster_resources(), ray.available_resources())}). "
                 "Fix: lower num_workers or resources_per_worker, or add nodes.")
         launched = (self._launch(pgs[0], list(range(n)), bundle) if len(pgs) == 1 else
                     [x for pg in pgs for x in self._launch(pg, [0], bundle)])
@@ -319,8 +331,9 @@ class WorkerGroup(PlacementCalls, WorkerCalls):
     ``Placement``), membership, and every call to them."""
 
     def __init__(self, config: Any, emulate: Sequence[dict[str, Any]] | None = None,
-                 pool: Any = None) -> None:
-        """``pool``: a ``WorkerPool`` the job's workers come from and go back to."""
+                 placement: Any = None) -> None:
+        """``placement``: how the workers are placed, made as ``placement(config, emulate,
+        liveness)``; default ``Placement`` (a ``WorkerPool``'s jobs: ``PooledPlacement``)."""
         self.cfg = config
         self.workers: list[WorkerRec] = []
         self.generation = 0
@@ -328,7 +341,7 @@ class WorkerGroup(PlacementCalls, WorkerCalls):
 
         self.liveness = Liveness(ray.util.get_node_ip_address(), config.heartbeat_timeout_s)
         self.watch = SegmentWatch(self.liveness, self._answers)
-        self.placement = (Placement if pool is None else pool.placement)(
+        self.placement = (placement or Placement)(
             config, emulate, (*self.liveness.address, self.liveness.token))
         self.drains = NodeDrains()  # Ray's drains of the job's nodes
 

@@ -79,11 +79,18 @@ def run_sweep(config: SweepConfig | dict[str, Any] | str, *, n_trials: int | Non
                    f"{cfg.n_trials}); nothing to run")
         return study
     started = connect(probes, runner.say)
+    own = False  # a pool made here, closed here
     try:
         n_jobs, why = concurrency(cfg, probes) if cfg.scheduler is None else \
             (_queued(cfg, probes), "")
-        if cfg.scheduler is None:  # a trial's workers go back warm, for the next trial
-            runner.pool = _pool(probes, n_jobs)
+        if cfg.scheduler is None:  # a trial's workers go back warm, for the next trial:
+            # to this process's default pool when it has one (its idle workers would
+            # otherwise hold the resources the trials need), else to a pool of the sweep's
+            from ..control.pool import default_pool
+
+            runner.pool = default_pool()
+            if runner.pool is None:
+                runner.pool, own = _pool(probes, n_jobs), True
         where = (f"{n_jobs} at a time{why}" if cfg.scheduler is None else
                  f"up to {n_jobs} queued at a time in scheduler {cfg.scheduler!r}")
         runner.say(f"study {cfg.study_name} in {cfg.storage_shown}: {done} finished, "
@@ -95,7 +102,7 @@ def run_sweep(config: SweepConfig | dict[str, Any] | str, *, n_trials: int | Non
                        runner.after_trial])
     finally:
         runner.release()
-        if runner.pool is not None:
+        if own:
             runner.pool.close()
         disconnect(started)
     return study

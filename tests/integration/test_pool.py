@@ -205,3 +205,23 @@ def test_scheduler_jobs_run_on_its_warm_workers(ray_local, tmp_path, reference):
 
         ray.get(sched.shutdown.remote())
         ray.kill(sched)
+
+
+def test_a_job_of_another_pool_gets_the_room_idle_workers_hold(ray_local, tmp_path, reference):
+    """One pool's idle workers hold every CPU; a job of another pool of the same process must
+    start its 2 workers cold: the first pool retires 2 idle workers for it (before, the job
+    waited out its placement timeout and failed while 4 idle processes held the CPUs)."""
+    from clusters.pool_policy import ROOM
+
+    full = elastic.WorkerPool(4, max_idle=4)
+    mine = elastic.WorkerPool(0)
+    try:
+        assert full.info()["idle"] == 4  # ray_local's 4 CPUs
+        res, _, _ = _job(mine, tmp_path, "room", placement_timeout_s=20)
+        assert max_diff(res.state_dict(), reference) < TOL
+        info = full.info()
+        assert info["retired"] == {ROOM: 2} and info["idle"] == 2, info
+        assert mine.info()["idle"] == 2 and mine.info()["cold"] == 2, mine.info()
+    finally:
+        mine.close()
+        full.close()

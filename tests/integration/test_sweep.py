@@ -144,6 +144,28 @@ def test_optuna_dashboard_reads_the_study(pruned):
     assert sorted(t["state"] for t in detail["trials"]) == ["Complete", "Pruned"]
 
 
+def test_a_sweep_draws_its_trials_workers_from_the_default_pool(ray_local, tmp_path):
+    """A sweep in a process with a default pool (here ray_local's) uses it and leaves it
+    open. Before, it made a pool of its own: with the default pool's idle workers holding
+    every CPU (a 4-worker job had just ended), its second trial waited 60 s and failed."""
+    import elastic
+    from elastic.control.pool import default_pool
+    from tests.helpers import RegressionData, adam, mlp, mse
+
+    pool = default_pool()
+    assert pool is not None
+    elastic.fit(model=mlp, optimizer=adam, loss=mse, dataset=RegressionData(),
+                global_batch_size=8, max_steps=2, num_workers=4, view="none",
+                run_dir=str(tmp_path / "four"))
+    assert pool.info()["idle"] == 4  # ray_local's 4 CPUs
+    before = pool.info()["handed_out"]
+    study = run_sweep(_write(tmp_path / "sweep.yaml", _sweep(tmp_path, n_trials=2,
+                                                             max_concurrent=2)))
+    assert trial_counts(study)["complete"] == 2
+    assert pool.info()["handed_out"] >= before + 2, pool.info()
+    assert default_pool() is pool and pool.info()["idle"] == 4
+
+
 def test_resume_counts_finished_trials_and_retries_a_dead_trial(ray_local, tmp_path):
     data = _sweep(tmp_path, n_trials=2, max_concurrent=2)
     path = _write(tmp_path / "sweep.yaml", data)

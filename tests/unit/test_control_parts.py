@@ -317,7 +317,7 @@ def test_a_pooled_placement_whose_cold_part_fails_gives_its_warm_workers_back(mo
     pool. They were dropped from the pool's books while their processes lived on, each
     holding a CPU, and the next jobs could not be placed (bench/scheduler.py, warm pool)."""
     from elastic.config import JobConfig
-    from elastic.control import pool as pool_mod
+    from elastic.control import pooled as pooled_mod
     from elastic.control.group import WorkerRec
     from elastic.control.worker_group import Placement
     from elastic.errors import ClusterError
@@ -341,12 +341,12 @@ def test_a_pooled_placement_whose_cold_part_fails_gives_its_warm_workers_back(mo
 
     cfg = JobConfig(model=mlp, optimizer=adam, loss=mse, dataset=RegressionData(),
                     global_batch_size=8, max_steps=5, num_workers=3)
-    pp = pool_mod.PooledPlacement(Pool(), cfg, None, None)
+    pp = pooled_mod.PooledPlacement(Pool(), cfg, None, None)
     warm = [WorkerRec(Handle(i), i, info={"warm": True}) for i in range(2)]
     pp._mine = {f"a{i}": (w.handle, None) for i, w in enumerate(warm)}
-    monkeypatch.setattr(pool_mod.PooledPlacement, "_warm", lambda self, n: [(w, None)
+    monkeypatch.setattr(pooled_mod.PooledPlacement, "_warm", lambda self, n: [(w, None)
                                                                             for w in warm])
-    monkeypatch.setattr(pool_mod.PooledPlacement, "_collect",
+    monkeypatch.setattr(pooled_mod.PooledPlacement, "_collect",
                         lambda self, launched, wait_s: [w for w, _ in launched])
 
     def no_room(self, n, min_workers):
@@ -367,6 +367,7 @@ def test_a_pooled_jobs_end_keeps_the_bundle_a_replacement_took_over(monkeypatch)
     review). A bundle taken over is now untied from the lost worker's books."""
     from elastic.config import JobConfig
     from elastic.control import pool as pool_mod
+    from elastic.control import pooled as pooled_mod
     from elastic.control.group import WorkerRec
     from elastic.control.worker_group import Placement
     from tests.helpers import RegressionData, adam, mlp, mse
@@ -391,17 +392,18 @@ def test_a_pooled_jobs_end_keeps_the_bundle_a_replacement_took_over(monkeypatch)
             pass
 
     monkeypatch.setattr(pool_mod, "remove_bundle", removed.append)
+    monkeypatch.setattr(pooled_mod, "remove_bundle", removed.append)
     monkeypatch.setattr(pool_mod, "kill", lambda handle: None)
     monkeypatch.setattr(Placement, "release", lambda self, extra: None)
     monkeypatch.setattr(Placement, "vacate", lambda self, gone, kept: None)
-    monkeypatch.setattr(pool_mod.PooledPlacement, "_key", lambda self: None)
+    monkeypatch.setattr(pooled_mod.PooledPlacement, "_key", lambda self: None)
     cfg = JobConfig(model=mlp, optimizer=adam, loss=mse, dataset=RegressionData(),
                     global_batch_size=8, max_steps=5, num_workers=2)
     pg_a, pg_b = object(), object()
     alive, hung = WorkerRec(Handle(0), 0, pg=pg_a), WorkerRec(Handle(1), 1, pg=pg_b)
 
-    def job() -> tuple[pool_mod.PooledPlacement, WorkerRec]:
-        pp = pool_mod.PooledPlacement(Pool(), cfg, None, None)
+    def job() -> tuple[pooled_mod.PooledPlacement, WorkerRec]:
+        pp = pooled_mod.PooledPlacement(Pool(), cfg, None, None)
         pp._mine = {"a0": (alive.handle, pg_a), "a1": (hung.handle, pg_b)}
         (rec, _), = pp._launch(pg_b, [0], {"CPU": 1})  # the replacement, in the hung one's
         return pp, rec
@@ -414,7 +416,7 @@ def test_a_pooled_jobs_end_keeps_the_bundle_a_replacement_took_over(monkeypatch)
     pp.release([alive])
     assert removed == [], "the bundle the replacement (now the pool's) runs in was removed"
     # a lost worker whose bundle nobody took over: its bundle goes with it
-    pp = pool_mod.PooledPlacement(Pool(), cfg, None, None)
+    pp = pooled_mod.PooledPlacement(Pool(), cfg, None, None)
     pp._mine = {"a0": (alive.handle, pg_a), "a1": (hung.handle, pg_b)}
     pp.release([alive])
     assert removed == [pg_b]
@@ -427,6 +429,7 @@ def test_a_pooled_jobs_end_resets_no_spare_whose_assign_still_runs(monkeypatch):
     whose assign has ended are given back; one still assigning is killed."""
     from elastic.config import JobConfig
     from elastic.control import pool as pool_mod
+    from elastic.control import pooled as pooled_mod
     from elastic.control.group import WorkerRec
     from elastic.control.worker_group import Placement
     from tests.helpers import RegressionData, adam, mlp, mse
@@ -446,16 +449,17 @@ def test_a_pooled_jobs_end_resets_no_spare_whose_assign_still_runs(monkeypatch):
 
     waited: list[float] = []
     done_ref, running_ref = object(), object()
-    monkeypatch.setattr(pool_mod, "wait_refs", lambda refs, t: waited.append(t) or (
+    monkeypatch.setattr(pooled_mod, "wait_refs", lambda refs, t: waited.append(t) or (
         [r for r in refs if r is done_ref], [r for r in refs if r is not done_ref]))
     monkeypatch.setattr(pool_mod, "remove_bundle", lambda pg: None)
+    monkeypatch.setattr(pooled_mod, "remove_bundle", lambda pg: None)
     monkeypatch.setattr(pool_mod, "kill", killed.append)
     monkeypatch.setattr(Placement, "release", lambda self, extra: None)
-    monkeypatch.setattr(pool_mod.PooledPlacement, "_key", lambda self: None)
+    monkeypatch.setattr(pooled_mod.PooledPlacement, "_key", lambda self: None)
     cfg = JobConfig(model=mlp, optimizer=adam, loss=mse, dataset=RegressionData(),
                     global_batch_size=8, max_steps=5, num_workers=2)
     member, up, assigning = (WorkerRec(Handle(i), i, pg=object()) for i in range(3))
-    pp = pool_mod.PooledPlacement(Pool(), cfg, None, None)
+    pp = pooled_mod.PooledPlacement(Pool(), cfg, None, None)
     pp._mine = {f"a{i}": (w.handle, w.pg) for i, w in enumerate((member, up, assigning))}
     pp._warming = [(up, done_ref), (assigning, running_ref)]
     pp.release([member])
@@ -741,3 +745,16 @@ def test_a_job_that_outlives_the_wait_says_what_it_is_doing():
             handle.result(timeout=0.01)
     finally:
         gate.set()
+
+
+def test_a_placement_timeout_says_what_is_free_of_what_a_worker_needs():
+    """Ray's free resources list a wildcard per placement-group bundle (999.999 each), which
+    hid that every CPU was held; the message names each resource a worker needs."""
+    from elastic.control.worker_group import capacity
+
+    free = {"CPU": 0.0, "memory": 1e10, "bundle_group_0_ab": 999.999, "node:__internal_head__": 1}
+    text = capacity({"CPU": 1.0}, {"CPU": 4.0, "memory": 2e10}, free)
+    assert text.startswith("0 of 4 CPU free; the rest is held by placement groups"), text
+    assert "bundle_group" not in text and "memory" not in text
+    assert capacity({"CPU": 1.0, "GPU": 1.0}, {"CPU": 8.0, "GPU": 1.0},
+                    {"CPU": 8.0, "GPU": 1.0}) == "8 of 8 CPU free, 1 of 1 GPU free"

@@ -6,6 +6,7 @@ import pytest
 
 from clusters.pool_policy import (
     DRAINING,
+    ROOM,
     IdleWorker,
     PoolDecision,
     PoolKey,
@@ -143,6 +144,47 @@ def test_cold_workers_make_room_by_retiring_other_keys():
     # enough room: nobody retired
     d = policy().decide(PoolObservation(10.0, ws, want=Want(CPU1, 3, free_bundles=2)))
     assert not d.retire
+
+
+def test_bundles_left_to_earlier_cold_starts_count_as_taken():
+    """Two jobs ask at once and both see the one free bundle: the first was left to start 1
+    cold there (``cold_pending``), so the second's cold worker finds none and an other-key
+    idle worker makes room (without the count, neither asked for room and the second waited
+    out its placement timeout)."""
+    ws = (idle(1, CPU2, since=1),)
+    first = policy().decide(PoolObservation(10.0, ws, want=Want(CPU1, 1, free_bundles=1)))
+    assert not first.retire and first.room_short == 0
+    second = policy().decide(PoolObservation(10.0, ws, want=Want(CPU1, 1, free_bundles=1),
+                                             cold_pending=1))
+    assert list(second.retired()) == [1] and second.room_short == 0
+
+
+@pytest.mark.parametrize("idle_keys, free, pending, short", [
+    ((CPU2,), 0, 0, 1),          # one other-key worker retired, one bundle still missing
+    ((), 0, 0, 2),               # nothing of this pool can go: both missing
+    ((CPU2, GPU1, ENV), 0, 0, 0),  # enough other keys here (two retired)
+    ((), 2, 0, 0),               # free bundles for both
+    ((), 2, 1, 1),               # one of them promised to an earlier cold start
+    ((CPU1,), 0, 0, 1),          # the same key is handed out, not retired: one cold, missing
+])
+def test_what_this_pool_cannot_free_is_room_short(idle_keys, free, pending, short):
+    ws = tuple(idle(i, k, since=float(i)) for i, k in enumerate(idle_keys, 1))
+    d = policy().decide(PoolObservation(10.0, ws, want=Want(CPU1, 2, free_bundles=free),
+                                        cold_pending=pending))
+    assert d.room_short == short, d
+
+
+def test_room_for_another_pools_job_retires_the_longest_idle_of_any_key():
+    """Another pool of the process has a job whose cold workers find no free resources:
+    ``room`` idle workers go, longest idle first, whatever their key, the pool's own
+    ``min_idle`` too (a job waiting comes before a cache), and no refill takes the room back
+    in the same decision."""
+    ws = (idle(1, CPU1, since=5), idle(2, CPU2, since=1), idle(3, CPU1, since=3))
+    d = policy(min_idle=3).decide(PoolObservation(10.0, ws, room=2))
+    assert d.retired() == {2: ROOM, 3: ROOM} and d.start == 0, d
+    d = policy().decide(PoolObservation(10.0, ws, room=5))
+    assert sorted(d.retired()) == [1, 2, 3]
+    assert not policy().decide(PoolObservation(10.0, ws)).retire  # no room asked: all stay
 
 
 def test_min_idle_starts_ahead_of_demand_within_max_total():
