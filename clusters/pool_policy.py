@@ -27,12 +27,16 @@ Rules:
   cold, and idle workers of *other* keys are retired, longest idle first, when the cluster
   has no free bundle for it (bundles that earlier hand-outs left other jobs to start cold in
   count as taken: two jobs asking at once both saw the one free bundle, and the second waited
-  for it until its placement timed out); what this pool cannot free is ``room_short``, and
-  the pool asks the other pools of its process for it;
+  for it until its placement timed out; a job's bundles stay counted there from its
+  hand-out until its workers are up, so for that while a bundle already reserved counts
+  twice, and at worst an idle worker more than needed is retired); what this pool cannot
+  free is ``room_short``, and the pool asks the other pools of its process for it;
 * a pool asked to make ``room`` for a job of another pool of the same process retires that
   many idle workers, longest idle first, of any key: a job waiting for resources comes
   before a cache of processes (a sweep's trials waited 60 s and failed while the session's
-  default pool kept every CPU idle);
+  default pool kept every CPU idle); it then starts no refill while ``room_held`` (the
+  live pool holds it for a placement timeout, ``ROOM_HOLD_S``), or the refill could take
+  the room back before the job asks for its bundles;
 * at most ``max_idle`` workers are kept idle (the longest idle go first), and none idle
   longer than ``idle_timeout_s``, except the ``min_idle`` of the pool's own key (retiring
   those would only start them again);
@@ -50,8 +54,9 @@ from typing import Any
 
 DRAINING = "its node is draining (a preemption or maintenance notice)"
 ROOM = "room for a job of another pool"
+ROOM_HOLD_S = 60.0  # no refill this long after making room (a job's default placement timeout)
 
-__all__ = ["DRAINING", "ROOM", "PoolKey", "IdleWorker", "Returned", "Want", "PoolObservation",
+__all__ = ["DRAINING", "ROOM", "ROOM_HOLD_S", "PoolKey", "IdleWorker", "Returned", "Want", "PoolObservation",
            "PoolDecision", "PoolPolicy"]
 
 
@@ -128,6 +133,8 @@ class PoolObservation:
     cold_pending: int = 0
     # bundles a job of another pool of this process is short of: idle workers to retire
     room: int = 0
+    # this pool made room for another pool's job lately: its refill would take it back
+    room_held: bool = False
 
 
 @dataclass(frozen=True)
@@ -241,10 +248,11 @@ class PoolPolicy:
             if free < start:
                 reasons.append(f"refill {max(free, 0)} of {start}: {cold} start cold")
                 start = max(free, 0)
-        if start and (obs.cold_pending > 0 or obs.room > 0):
+        if start and (obs.cold_pending > 0 or obs.room > 0 or obs.room_held):
             # an earlier hand-out left a job to start workers cold, or another pool's job
-            # waits for room: a refill now would take the room they are about to be placed
-            # in (the pool's watch decides between them)
+            # waits for room (or was given room lately, ``room_held``: it may still be
+            # waiting for its warm workers before it asks for the bundles): a refill now
+            # would take the room they are about to be placed in
             reasons.append(f"refill waits: {obs.cold_pending} start cold for a job")
             start = 0
         if start:

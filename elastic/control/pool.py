@@ -40,6 +40,7 @@ from typing import Any
 
 from clusters.pool_policy import (
     ROOM,
+    ROOM_HOLD_S,
     IdleWorker,
     PoolDecision,
     PoolKey,
@@ -74,12 +75,18 @@ __all__ = ["WorkerPool", "default_pool"]
 
 _DEFAULT: list[WorkerPool] = []  # the pool this process's jobs use when given none
 _LIVE: weakref.WeakSet[WorkerPool] = weakref.WeakSet()  # this process's open pools
+_LIVE_LOCK = threading.Lock()  # pools are made and closed from any thread
 
 
 def default_pool() -> WorkerPool | None:
     """The pool that jobs started in this process take warm workers from when they are given
-    none (``WorkerPool.make_default``); None when there is none, or it was closed."""
-    return _DEFAULT[0] if _DEFAULT else None
+    none (``WorkerPool.make_default``); None when there is none, it was closed, or it was
+    made in another Ray connection than this process has now (its handles mean nothing)."""
+    pool = _DEFAULT[0] if _DEFAULT else None
+    now = ray_session()
+    if pool is not None and now is not None and pool._session != now:
+        return None
+    return pool
 
 
 @dataclass
@@ -153,6 +160,7 @@ class WorkerPool:
         self._starting: dict[str, _Proc] = {}
         self._closed = False
         self._cold_pending = 0  # left to start cold by hand-outs, not placed yet
+        self._room_until = float("-inf")  # no refill before (room made for another pool)
         self.start_error = ""  # why the last worker that failed to start failed
         self._ix: dict[int, _Proc] = {}
         self._apply(self.policy.decide(self._observe()))
@@ -166,7 +174,8 @@ class WorkerPool:
                 raise
         if maintain_every_s and self._session is not None:
             start_watch(self, self._stop, self._lock, maintain_every_s)
-        _LIVE.add(self)
+        with _LIVE_LOCK:
+            _LIVE.add(self)
 
     # ------------------------------------------------------------------ public
 
@@ -230,7 +239,8 @@ class WorkerPool:
         default pool, if it was."""
         if _DEFAULT and _DEFAULT[0] is self:
             _DEFAULT.clear()
-        _LIVE.discard(self)
+        with _LIVE_LOCK:
+            _LIVE.discard(self)
         self._stop.set()
         with self._lock:
             self._closed = True
@@ -269,11 +279,16 @@ class WorkerPool:
             self._apply(d)
             self._cold_pending += max(0, n - len(out))
         short = d.room_short  # (outside this pool's lock: the others take theirs)
-        for other in list(_LIVE):
+        with _LIVE_LOCK:
+            others = [p for p in _LIVE if p is not self]
+        for other in others:
             if short <= 0:
                 break
-            if other is not self:
+            try:
                 short -= other.make_room(short)
+            except Exception as e:  # noqa: BLE001 - the job's own placement goes on (and
+                # says what it lacks if it times out); the workers handed out stay its
+                log.warning("pool could not make room for another pool's job: %r", e)
         return out
 
     def make_room(self, n: int) -> int:
@@ -286,7 +301,10 @@ class WorkerPool:
             self._settle()
             d = self.policy.decide(self._observe(room=n))
             self._apply(d)
-            return sum(1 for _, why in d.retire if why == ROOM)
+            made = sum(1 for _, why in d.retire if why == ROOM)
+            if made:
+                self._room_until = self.clock() + ROOM_HOLD_S
+            return made
 
     def reserve_cold(self, n: int) -> None:
         """``n`` more workers a job is about to start cold (warm ones that failed to take
@@ -368,7 +386,8 @@ class WorkerPool:
             rets.append(dataclasses.replace(r, id=i))
         return PoolObservation(self.clock(), tuple(idle), tuple(rets), want,
                                lent=len(self._lent), starting=len(self._starting),
-                               draining=draining, cold_pending=self._cold_pending, room=room)
+                               draining=draining, cold_pending=self._cold_pending, room=room,
+                               room_held=self.clock() < self._room_until)
 
     @staticmethod
     def _draining() -> frozenset[str]:

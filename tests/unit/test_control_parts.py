@@ -758,3 +758,64 @@ def test_a_placement_timeout_says_what_is_free_of_what_a_worker_needs():
     assert "bundle_group" not in text and "memory" not in text
     assert capacity({"CPU": 1.0, "GPU": 1.0}, {"CPU": 8.0, "GPU": 1.0},
                     {"CPU": 8.0, "GPU": 1.0}) == "8 of 8 CPU free, 1 of 1 GPU free"
+
+
+def test_a_pool_makes_room_for_another_pools_job_and_holds_its_refill(monkeypatch):
+    """The live books behind ``room``: a job of one pool finds no idle worker and no free
+    bundle; the other pool of the process retires its longest idle workers for it, starts
+    no refill while the room is held (its watch would take it back), and a failing pool
+    does not fail the job's hand-out."""
+    from clusters.pool_policy import ROOM, ROOM_HOLD_S
+    from elastic.control import pool as pool_mod
+
+    class Handle:
+        def __init__(self, i: int) -> None:
+            self.i = i
+            self._actor_id = type("Id", (), {"hex": lambda _self: f"h{i}"})()
+
+    killed: list[int] = []
+    monkeypatch.setattr(pool_mod, "kill", lambda h: killed.append(h.i))
+    monkeypatch.setattr(pool_mod, "remove_bundle", lambda pg: None)
+    monkeypatch.setattr(pool_mod.WorkerPool, "_ping",
+                        lambda self, procs, timeout_s=2.0: {pool_mod.actor_key(p.handle): True
+                                                            for p in procs})
+    now = [100.0]
+    full, seen = _bare_pool(monkeypatch, ["s"])
+    mine, _ = _bare_pool(monkeypatch, ["s"])
+    broken, _ = _bare_pool(monkeypatch, ["s"])
+    monkeypatch.setattr(broken, "make_room", lambda n: 1 / 0)
+    full.clock = lambda: now[0]
+    full.policy.min_idle = 3
+    full._idle = {f"h{i}": pool_mod._Proc(Handle(i), None, full.key, idle_since=float(i))
+                  for i in range(3)}
+    try:
+        assert mine.take(mine.key, 2, 0) == []  # 2 to start cold, nothing free
+        assert killed == [0, 1] and full.stats.retired == {ROOM: 2}
+        assert sorted(full._idle) == ["h2"]
+        assert full.maintain() and seen[-1].room_held and full.stats.started == 0
+        now[0] += ROOM_HOLD_S + 1
+        monkeypatch.setattr(pool_mod.WorkerPool, "_apply", lambda self, d: seen.append(d))
+        assert full.maintain() and not seen[-2].room_held and seen[-1].start == 2
+    finally:
+        for p in (full, mine, broken):
+            p._idle = {}
+            p.close()
+
+
+def test_the_default_pool_of_another_ray_connection_is_not_used(monkeypatch):
+    """A default pool made in an earlier Ray connection (the driver re-initialised Ray
+    without closing it) is not handed to a job or a sweep: its handles mean nothing now."""
+    from elastic.control.pool import default_pool
+
+    session = ["s"]
+    p, _ = _bare_pool(monkeypatch, session)
+    try:
+        p.make_default()
+        assert default_pool() is p
+        session[0] = "t"
+        assert default_pool() is None
+        session[0] = None  # no Ray yet: the job's connect comes first, the pool is asked again
+        assert default_pool() is p
+    finally:
+        p.close()
+    assert default_pool() is None

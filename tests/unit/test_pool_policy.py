@@ -187,6 +187,15 @@ def test_room_for_another_pools_job_retires_the_longest_idle_of_any_key():
     assert not policy().decide(PoolObservation(10.0, ws)).retire  # no room asked: all stay
 
 
+def test_no_refill_while_room_made_for_another_pools_job_is_held():
+    """After making room, the pool's watch would start its ``min_idle`` again within 5 s and
+    could take the room back before the other job asks for its bundles (it first waits for
+    its warm workers): while ``room_held``, no refill."""
+    d = policy(min_idle=2).decide(PoolObservation(10.0, (), room_held=True))
+    assert d.start == 0 and any("waits" in r for r in d.reasons), d
+    assert policy(min_idle=2).decide(PoolObservation(10.0, ())).start == 2
+
+
 def test_min_idle_starts_ahead_of_demand_within_max_total():
     p = policy(min_idle=2, max_total=4)
     assert p.decide(PoolObservation(0.0)).start == 2
