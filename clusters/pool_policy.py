@@ -220,20 +220,19 @@ class PoolPolicy:
             cold = obs.want.n - len(hand)
             short = cold - max(obs.want.free_bundles - obs.cold_pending, 0)
             if short > 0:  # room for the cold ones: other keys' idle workers go first
-                others = sorted((w for w in idle if w.key != obs.want.key),
-                                key=lambda w: (w.idle_since_s, w.id))[:short]
+                others = _longest_idle([w for w in idle if w.key != obs.want.key], short)
                 retire += [(w.id, f"room for a job of {obs.want.key.describe()}")
                            for w in others]
                 idle = [w for w in idle if w not in others]
                 room_short = short - len(others)
             reasons.append(f"{len(hand)} warm, {cold} cold for {obs.want.key.describe()}")
         if obs.room > 0:  # another pool's job waits for resources these idle workers hold
-            freed = sorted(idle, key=lambda w: (w.idle_since_s, w.id))[:obs.room]
+            freed = _longest_idle(idle, obs.room)
             retire += [(w.id, ROOM) for w in freed]
             idle = [w for w in idle if w not in freed]
             reasons.append(f"{len(freed)} of {obs.room} retired for another pool's job")
         if len(idle) > self.max_idle:
-            over = sorted(idle, key=lambda w: (w.idle_since_s, w.id))[:len(idle) - self.max_idle]
+            over = _longest_idle(idle, len(idle) - self.max_idle)
             retire += [(w.id, f"more than max_idle={self.max_idle} idle") for w in over]
             idle = [w for w in idle if w not in over]
         own = sum(1 for w in idle if w.key == self.key)
@@ -270,3 +269,8 @@ class PoolPolicy:
             per_node[w.node] = per_node.get(w.node, 0) + 1
         match.sort(key=lambda w: (-per_node[w.node], w.node, -w.idle_since_s, w.id))
         return [w.id for w in match[:n]]
+
+
+def _longest_idle(idle: list[IdleWorker], n: int) -> list[IdleWorker]:
+    """The ``n`` workers of ``idle`` that have idled longest (the first to retire)."""
+    return sorted(idle, key=lambda w: (w.idle_since_s, w.id))[:max(n, 0)]
