@@ -78,24 +78,43 @@ def robust(xs: Sequence[float]) -> Spread:
 
 def equal_within_noise(values: Sequence[float], spreads: Sequence[Spread] | None = None,
                        kinds: Sequence[object] | None = None, *, floor: float = 0.1,
-                       z: float = 3.0) -> tuple[float, ...]:
+                       z: float = 3.0, hosts: Sequence[object] | None = None
+                       ) -> tuple[float, ...]:
     """``values`` (speeds) with those that agree within their noise replaced by their group's
     median, so equal devices get equal shares and equal stages.
 
     Two values agree when they differ by at most ``z`` combined standard errors of their
     medians; devices of one kind (``kinds[i]`` equal: same type, same emulation) also agree
     within ``floor`` (relative), since they are built alike and a persistent difference is the
-    closed loop's to find (a straggler), not one profile's. Groups are runs of the sorted
-    values in which the smallest and the largest agree. Returns one value per input.
+    closed loop's to find (a straggler), not one profile's. Devices of one kind on one host
+    (``hosts[i]`` equal too) always agree: a profile times them at once, and what it sees
+    between them is how the host shared its cores, buses and memory during it (3 ranks on
+    2 cores measured 172, 377 and 189 samples/s), which the job's synchronous steps even
+    out; a profile passes ``hosts``, the closed loop does not. Groups are runs of the sorted
+    values in which the smallest and the largest agree; devices that always agree are
+    merged first. Returns one value per input.
     """
     n = len(values)
     if n <= 1:
         return tuple(values)
+    values = list(values)
     ses = [s.se for s in spreads] if spreads is not None else [0.0] * n
+    if kinds is not None and hosts is not None:
+        twins: dict[tuple[object, object], list[int]] = {}
+        for i, key in enumerate(zip(kinds, hosts, strict=True)):
+            if key[1] is not None:
+                twins.setdefault(key, []).append(i)
+        for group in twins.values():  # one value and one spread: they stay together below
+            mid = statistics.median(values[i] for i in group)
+            se = max(ses[i] for i in group)
+            for i in group:
+                values[i], ses[i] = mid, se
     kind = list(kinds) if kinds is not None else [None] * n
 
     def agree(i: int, j: int) -> bool:
         a, b = values[i], values[j]
+        if a == b:
+            return True
         noise = z * math.hypot(ses[i], ses[j])
         if kinds is not None and kind[i] == kind[j]:
             noise = max(noise, floor * max(a, b))
@@ -198,7 +217,8 @@ def _rank_compute(rep: Mapping[str, Any]) -> tuple[float, float, Spread]:
 
 def terms_model(reports: Sequence[Mapping[str, Any]], ids: Sequence[str], base: ModelProfile,
                 *, kinds: Sequence[object] | None = None, comm: CommConfig | None = None,
-                cluster: Cluster | None = None, floor: float = 0.1) -> MeasuredModel:
+                cluster: Cluster | None = None, floor: float = 0.1,
+                hosts: Sequence[object] | None = None) -> MeasuredModel:
     """The cost model and profile of the live group from each rank's ``profile_terms`` report
     (``reports[r]`` for device ``ids[r]``). A report holds lists of repeated seconds:
 
@@ -216,7 +236,7 @@ def terms_model(reports: Sequence[Mapping[str, Any]], ids: Sequence[str], base: 
       optional.
 
     Speeds that agree within their noise are equalized (``equal_within_noise``; ``kinds``
-    marks devices built alike). The trial dp step sets ``step_overhead`` to what it took
+    marks devices built alike, ``hosts`` the host each one is on). The trial dp step sets ``step_overhead`` to what it took
     beyond the model's terms, or, when the terms already exceed it, the overlap of
     communication with backward that makes them meet. ``cluster`` (the live one) is needed
     for that. Raises ``ClustersError`` on a malformed report.
@@ -230,7 +250,7 @@ def terms_model(reports: Sequence[Mapping[str, Any]], ids: Sequence[str], base: 
                             ) from None
     raw = tuple(1.0 / c for _, c, _ in per_rank)
     spreads = [Spread(1.0 / s.median, s.sd / s.median ** 2, s.n) for _, _, s in per_rank]
-    speeds = equal_within_noise(raw, spreads, kinds, floor=floor)
+    speeds = equal_within_noise(raw, spreads, kinds, floor=floor, hosts=hosts)
     sps = {i: 1.0 / v for i, v in zip(ids, speeds, strict=True)}
     nb = base.n_blocks
     passes = statistics.median(f for f, _, _ in per_rank) / max(1, nb)

@@ -33,8 +33,8 @@ from strategies import StrategyOptions, StrategySpec
 from strategies.blocks import block_params, blocks_of
 
 __all__ = ["live_cluster", "model_profile", "auto_spec", "auto_plan", "plan_spec",
-           "balanced_shares", "block_params", "comm_config", "device_kinds", "measured_model",
-           "block_stage_split", "spec_plan"]
+           "balanced_shares", "block_params", "comm_config", "device_hosts", "device_kinds",
+           "measured_model", "block_stage_split", "spec_plan"]
 
 _OPT_BYTES = {"adam": 8, "adamw": 8, "sgd": 0, "rmsprop": 4, "adagrad": 4}
 
@@ -96,13 +96,30 @@ def device_kinds(infos: Sequence[dict[str, Any]]) -> list[tuple[Any, ...]]:
             for i in infos]
 
 
+def device_hosts(infos: Sequence[dict[str, Any]]) -> list[Any]:
+    """For each worker, its host (Ray node) where the job's CPU workers there need more
+    threads than the cores they may run on (3 single-thread ranks on 2 cores), else None.
+    Such workers are timed at once while the host's scheduler shares its cores among them,
+    so what a profile sees between them is that sharing, not their speed (``balanced_shares``
+    makes them equal). GPU workers and CPU workers with cores of their own are measured
+    apart as before: a slow device among them is real."""
+    need: dict[Any, int] = {}
+    for i in infos:
+        if i.get("device") == "cpu" and i.get("node_id") is not None:
+            need[i["node_id"]] = need.get(i["node_id"], 0) + max(1, int(i.get("threads") or 1))
+    return [i["node_id"] if (i.get("device") == "cpu" and i.get("node_id") in need
+                             and need[i["node_id"]] > int(i.get("host_cores") or 1 << 30))
+            else None for i in infos]
+
+
 def balanced_shares(global_batch: int, speeds: Sequence[float],
-                    kinds: Sequence[Any] | None = None) -> tuple[int, ...]:
+                    kinds: Sequence[Any] | None = None,
+                    hosts: Sequence[Any] | None = None) -> tuple[int, ...]:
     """Each worker's share of the global batch follows its measured samples/s; workers of one
-    kind whose speeds agree within the noise floor get equal shares
+    kind whose speeds agree within the noise floor, or that share a host, get equal shares
     (``clusters.measured.equal_within_noise``)."""
-    return tuple(proportional_shares(global_batch, list(equal_within_noise(speeds,
-                                                                           kinds=kinds))))
+    return tuple(proportional_shares(global_batch, list(equal_within_noise(
+        speeds, kinds=kinds, hosts=hosts))))
 
 
 def comm_config() -> CommConfig:
@@ -124,6 +141,7 @@ def measured_model(model: nn.Module, optimizer: Any, infos: Sequence[dict[str, A
     cluster, ids = live_cluster(infos)
     base = model_profile(model, optimizer, precision=precision)
     return cluster, terms_model(reports, ids, base, kinds=device_kinds(infos),
+                                hosts=device_hosts(infos),
                                 comm=comm_config(), cluster=cluster)
 
 

@@ -68,7 +68,13 @@ class Layouts:
         return dataclasses.replace(spec, options=spec.options.over(self.cfg.strategy_options()))
 
     def _plan(self, name: str, world: int, group: Any) -> StrategySpec:
-        from ..planning import balanced_shares, block_stage_split, device_kinds, speed_stage_split
+        from ..planning import (
+            balanced_shares,
+            block_stage_split,
+            device_hosts,
+            device_kinds,
+            speed_stage_split,
+        )
 
         cfg = self.cfg
         g = cfg.global_batch_size
@@ -84,16 +90,18 @@ class Layouts:
         shares = even_shares(g, world)
         split = None
         balancing = placed and self.balancing(group)
-        kinds = device_kinds([w.info for w in group.workers]) if placed else None
+        infos = [w.info for w in group.workers] if placed else []
+        kinds = device_kinds(infos) if placed else None
+        hosts = device_hosts(infos) if placed else None
         if balancing and name in _SHARE_BALANCED:
-            speeds = list(equal_within_noise(self.speeds(group), kinds=kinds))
-            shares = balanced_shares(g, speeds, kinds)
+            speeds = list(equal_within_noise(self.speeds(group), kinds=kinds, hosts=hosts))
+            shares = balanced_shares(g, speeds, kinds, hosts)
             self.used_speeds = speeds
         elif placed and pipeline and world % pp == 0:
             d = world // pp
             stage = [1.0] * pp
             if balancing:
-                speeds = list(equal_within_noise(self.speeds(group), kinds=kinds))
+                speeds = list(equal_within_noise(self.speeds(group), kinds=kinds, hosts=hosts))
                 stage = [min(speeds[s * d:(s + 1) * d]) for s in range(pp)]
             v = 2 if cfg.schedule == "interleaved" else 1
             costs = self._block_costs(group)
@@ -293,6 +301,8 @@ class Layouts:
             for (w, key), o in zip(todo, outs, strict=True):
                 self.speed[w.worker_id] = o["samples_per_s"]
                 w.info["profiled_samples_per_s"] = o["samples_per_s"]
+                if "emulation" in o:  # what it measured under (it may change mid-run)
+                    w.info["emulation"] = o["emulation"]
                 if cache is not None:
                     cache.put(key, o["samples_per_s"])
             self._emit("profiled", "samples/s per worker: " + ", ".join(
@@ -309,11 +319,12 @@ class Layouts:
         if (every <= 0 or step % every or not self.balancing(group)
                 or spec.name not in _SHARE_BALANCED):
             return None
-        from ..planning import device_kinds
+        from ..planning import device_hosts, device_kinds
 
         used = self.used_speeds or [1.0] * spec.world_size
-        kinds = device_kinds([w.info for w in group.workers])
-        measured = list(equal_within_noise(self.speeds(group, force=True), kinds=kinds))
+        infos = [w.info for w in group.workers]
+        measured = list(equal_within_noise(self.speeds(group, force=True),
+                                           kinds=device_kinds(infos), hosts=device_hosts(infos)))
         decision = rebalance_decision(spec.shares, used, measured)
         if not decision.rebalance:
             return None

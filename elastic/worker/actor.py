@@ -247,6 +247,7 @@ class Worker:
             "device": str(dev),
             "device_name": prof.display_name(name) if prof is not None else name,
             "threads": torch.get_num_threads(),
+            "host_cores": len(os.sched_getaffinity(0)),
             "emulation": dict(emulation),
             "emulated": bool(emulation),
             "jobs": self.jobs,

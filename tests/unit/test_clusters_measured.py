@@ -149,6 +149,29 @@ def test_alike_devices_within_the_noise_get_equal_speeds():
         243.0, 243.0, 121.0, 61.0)
 
 
+def test_devices_of_one_kind_on_one_host_are_equal_whatever_the_profile_saw():
+    # mixer-w3 on the 2-core VM: 3 identical ranks on one host measured 172, 377, 189
+    # samples/s at once; the 10 % floor merged the two slow ones and planned a rank 2x faster
+    raw = [172.0, 377.0, 189.0]
+    tight = [Spread(v, 0.01 * v, 7) for v in raw]
+    kinds = ["cpu"] * 3
+    assert equal_within_noise(raw, tight, kinds) == (180.5, 377.0, 180.5)
+    assert equal_within_noise(raw, tight, kinds, hosts=["n1"] * 3) == (189.0,) * 3
+    # on two hosts only the twins merge; the other host's device keeps its own figure
+    assert equal_within_noise(raw, tight, kinds, hosts=["n1", "n2", "n1"]) == (
+        180.5, 377.0, 180.5)
+    # another kind on the same host (an emulated slower device, a T4 beside an A100) stays
+    assert equal_within_noise([240.0, 480.0, 121.0], tight, ["a", "a", "b"],
+                              hosts=["n1"] * 3) == (360.0, 360.0, 121.0)
+    # an unknown host (None) is no host: the noise rule alone
+    assert equal_within_noise(raw, tight, kinds, hosts=[None] * 3) == (180.5, 377.0, 180.5)
+    # twins keep one value even where a third device joins only one of them by noise
+    mixed = [Spread(100.0, 0.1, 9), Spread(104.0, 30.0, 3), Spread(140.0, 30.0, 3)]
+    out = equal_within_noise([100.0, 104.0, 140.0], mixed, ["a", "b", "a"],
+                             hosts=["h", "h", "h"])
+    assert out[0] == out[2]
+
+
 # ------------------------------------------------------------------ fits
 
 
@@ -425,3 +448,34 @@ def test_a_zero3_trial_sets_the_wait_at_each_of_its_units():
     dp = Plan(strategy="dp", world_size=2, shares=(32, 32), devices=tuple(ids))
     assert mm.model.estimate(dp, cluster, mm.profile).step_time == pytest.approx(
         plain.model.estimate(dp, cluster, mm.profile).step_time)
+
+
+def test_only_cpu_workers_that_share_their_hosts_cores_are_made_equal_by_host():
+    from elastic.planning import balanced_shares, device_hosts, device_kinds
+
+    def info(node, device="cpu", threads=1, cores=2, emulation=None):
+        return {"node_id": node, "device": device, "device_name": device, "threads": threads,
+                "host_cores": cores, "emulation": emulation or {}}
+
+    # 3 single-thread ranks on a 2-core host: timed while sharing its cores
+    crowded = [info("n1"), info("n1"), info("n1")]
+    assert device_hosts(crowded) == ["n1"] * 3
+    speeds = [172.0, 377.0, 189.0]
+    assert balanced_shares(96, speeds, device_kinds(crowded), device_hosts(crowded)) == (
+        32, 32, 32)
+    assert balanced_shares(96, speeds, device_kinds(crowded)) != (32, 32, 32)  # the old rule
+    # cores of their own (2 ranks on 2 cores, or 3 on 16): measured apart, a slow one is real
+    assert device_hosts([info("n1"), info("n1")]) == [None, None]
+    assert device_hosts([info("n1", cores=16)] * 3) == [None] * 3
+    # threads count: 2 ranks of 2 threads on 2 cores share them
+    assert device_hosts([info("n1", threads=2)] * 2) == ["n1"] * 2
+    # GPUs on one host are measured apart whatever the CPU count
+    gpus = [info("n1", device="cuda:0", cores=1), info("n1", device="cuda:1", cores=1)]
+    assert device_hosts(gpus) == [None, None]
+    # per host: a crowded host and one with room
+    mixed = [info("n1"), info("n1"), info("n1"), info("n2"), info("n2")]
+    assert device_hosts(mixed) == ["n1", "n1", "n1", None, None]
+    # a worker emulating a slower device is another kind and keeps its figure
+    emu = [info("n1"), info("n1"), info("n1", emulation={"slowdown": 4})]
+    shares = balanced_shares(90, [200.0, 300.0, 60.0], device_kinds(emu), device_hosts(emu))
+    assert abs(shares[0] - shares[1]) <= 1 and shares[2] < shares[0] / 3  # 250, 250, 60
