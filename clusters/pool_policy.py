@@ -29,10 +29,15 @@ Rules:
   count as taken: two jobs asking at once both saw the one free bundle, and the second waited
   for it until its placement timed out; a job's bundles stay counted there from its
   hand-out until its workers are up, so for that while a bundle already reserved counts
-  twice, and at worst an idle worker more than needed is retired); what this pool cannot
-  free is ``room_short``, and the pool asks the other pools of its process for it;
-* a pool asked to make ``room`` for a job of another pool of the same process retires that
-  many idle workers, longest idle first, of any key: a job waiting for resources comes
+  twice, and at worst an idle worker more than needed is retired); room is counted in
+  resources, not workers: a job of 4-CPU bundles short of one needs four 1-CPU workers
+  retired, and a worker that holds none of what the job lacks is not retired for it (the
+  count is per cluster, not per node: four CPUs freed on four nodes do not host a 4-CPU
+  bundle); what this pool cannot free is ``room_short``, and the pool asks the other pools
+  of its process for it;
+* a pool asked to make ``room`` (resources) for a job of another pool of the same process
+  retires idle workers that hold some of it, longest idle first, of any key, until it is
+  covered (what it could not cover is its ``room_short``): a job waiting for resources comes
   before a cache of processes (a sweep's trials waited 60 s and failed while the session's
   default pool kept every CPU idle); it then starts no refill while ``room_held`` (the
   live pool holds it for a placement timeout, ``ROOM_HOLD_S``), or the refill could take
@@ -56,8 +61,10 @@ DRAINING = "its node is draining (a preemption or maintenance notice)"
 ROOM = "room for a job of another pool"
 ROOM_HOLD_S = 60.0  # no refill this long after making room (a job's default placement timeout)
 
-__all__ = ["DRAINING", "ROOM", "ROOM_HOLD_S", "PoolKey", "IdleWorker", "Returned", "Want", "PoolObservation",
-           "PoolDecision", "PoolPolicy"]
+__all__ = ["DRAINING", "ROOM", "ROOM_HOLD_S", "PoolKey", "IdleWorker", "Returned", "Want",
+           "PoolObservation", "PoolDecision", "PoolPolicy", "Room", "room_of"]
+
+Room = tuple[tuple[str, float], ...]  # resource amounts (name, amount > 0), sorted by name
 
 
 @dataclass(frozen=True, order=True)
@@ -131,8 +138,8 @@ class PoolObservation:
     draining: frozenset[str] = frozenset()  # ids of the nodes Ray is draining
     # workers jobs were told to start cold by earlier hand-outs and have not placed yet
     cold_pending: int = 0
-    # bundles a job of another pool of this process is short of: idle workers to retire
-    room: int = 0
+    # resources a job of another pool of this process is short of: idle workers to retire
+    room: Room = ()
     # this pool made room for another pool's job lately: its refill would take it back
     room_held: bool = False
 
@@ -144,8 +151,9 @@ class PoolDecision:
     retire: tuple[tuple[int, str], ...] = ()  # (worker id, why)
     start: int = 0  # new workers of the pool's own key
     reasons: tuple[str, ...] = field(default=())
-    # bundles the wanting job still lacks after this pool's retirements (other pools' turn)
-    room_short: int = 0
+    # resources the wanting job (or the job ``room`` was asked for) still lacks after this
+    # pool's retirements: the other pools' turn
+    room_short: Room = ()
 
     def retired(self) -> dict[int, str]:
         return dict(self.retire)
@@ -213,24 +221,26 @@ class PoolPolicy:
                 retire.append((r.id, why))
         hand: list[int] = []
         reasons: list[str] = []
-        cold = room_short = 0
+        cold = 0
+        room_short: Room = ()
         if obs.want is not None and obs.want.n > 0:
             hand = self._pick(idle, obs.want.key, obs.want.n)
             idle = [w for w in idle if w.id not in hand]
             cold = obs.want.n - len(hand)
             short = cold - max(obs.want.free_bundles - obs.cold_pending, 0)
             if short > 0:  # room for the cold ones: other keys' idle workers go first
-                others = _longest_idle([w for w in idle if w.key != obs.want.key], short)
+                others, room_short = _free(
+                    [w for w in idle if w.key != obs.want.key], room_of(obs.want.key, short))
                 retire += [(w.id, f"room for a job of {obs.want.key.describe()}")
                            for w in others]
                 idle = [w for w in idle if w not in others]
-                room_short = short - len(others)
             reasons.append(f"{len(hand)} warm, {cold} cold for {obs.want.key.describe()}")
-        if obs.room > 0:  # another pool's job waits for resources these idle workers hold
-            freed = _longest_idle(idle, obs.room)
+        if obs.room:  # another pool's job waits for resources these idle workers hold
+            freed, room_short = _free(idle, obs.room)
             retire += [(w.id, ROOM) for w in freed]
             idle = [w for w in idle if w not in freed]
-            reasons.append(f"{len(freed)} of {obs.room} retired for another pool's job")
+            reasons.append(f"{len(freed)} retired for another pool's job short of "
+                           f"{_describe(obs.room)}")
         if len(idle) > self.max_idle:
             over = _longest_idle(idle, len(idle) - self.max_idle)
             retire += [(w.id, f"more than max_idle={self.max_idle} idle") for w in over]
@@ -247,7 +257,7 @@ class PoolPolicy:
             if free < start:
                 reasons.append(f"refill {max(free, 0)} of {start}: {cold} start cold")
                 start = max(free, 0)
-        if start and (obs.cold_pending > 0 or obs.room > 0 or obs.room_held):
+        if start and (obs.cold_pending > 0 or obs.room or obs.room_held):
             # an earlier hand-out left a job to start workers cold, or another pool's job
             # waits for room (or was given room lately, ``room_held``: it may still be
             # waiting for its warm workers before it asks for the bundles): a refill now
@@ -274,3 +284,30 @@ class PoolPolicy:
 def _longest_idle(idle: list[IdleWorker], n: int) -> list[IdleWorker]:
     """The ``n`` workers of ``idle`` that have idled longest (the first to retire)."""
     return sorted(idle, key=lambda w: (w.idle_since_s, w.id))[:max(n, 0)]
+
+
+def room_of(key: PoolKey, bundles: int) -> Room:
+    """The resources of ``bundles`` bundles of ``key``'s shape."""
+    return tuple((r, a * bundles) for r, a in key.resources if a * bundles > 0)
+
+
+def _free(idle: list[IdleWorker], need: Room) -> tuple[list[IdleWorker], Room]:
+    """Idle workers to retire, longest idle first, that together free ``need``: each holds
+    some resource still lacking (one that holds none of it would free nothing the job can
+    use). Returns them and what is still lacking after them."""
+    left = dict(need)
+    out: list[IdleWorker] = []
+    for w in sorted(idle, key=lambda w: (w.idle_since_s, w.id)):
+        if all(v <= 1e-9 for v in left.values()):
+            break
+        held = dict(w.key.resources)
+        if not any(held.get(r, 0.0) > 0 and v > 1e-9 for r, v in left.items()):
+            continue
+        out.append(w)
+        for r in left:
+            left[r] -= held.get(r, 0.0)
+    return out, tuple((r, v) for r, v in sorted(left.items()) if v > 1e-9)
+
+
+def _describe(room: Room) -> str:
+    return "{" + ", ".join(f"{r}={v:g}" for r, v in room) + "}"

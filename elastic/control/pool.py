@@ -47,6 +47,7 @@ from clusters.pool_policy import (
     PoolObservation,
     PoolPolicy,
     Returned,
+    Room,
     Want,
 )
 
@@ -282,29 +283,29 @@ class WorkerPool:
         with _LIVE_LOCK:
             others = [p for p in _LIVE if p is not self]
         for other in others:
-            if short <= 0:
+            if not short:
                 break
             try:
-                short -= other.make_room(short)
+                short = other.make_room(short)
             except Exception as e:  # noqa: BLE001 - the job's own placement goes on (and
                 # says what it lacks if it times out); the workers handed out stay its
                 log.warning("pool could not make room for another pool's job: %r", e)
         return out
 
-    def make_room(self, n: int) -> int:
-        """Retire up to ``n`` idle workers, longest idle first, for a job of another pool
-        of this process whose workers must start cold and find no free resources (these
-        hold them); returns how many. Nothing once the pool is closed or from another Ray."""
+    def make_room(self, need: Room) -> Room:
+        """Retire idle workers, longest idle first, that hold some of ``need`` (resources a
+        job of another pool of this process lacks: its workers must start cold and find none
+        free); returns what is still lacking. Nothing once the pool is closed or from
+        another Ray."""
         with self._lock:
-            if n <= 0 or self._closed or ray_session() != self._session:
-                return 0
+            if not need or self._closed or ray_session() != self._session:
+                return need
             self._settle()
-            d = self.policy.decide(self._observe(room=n))
+            d = self.policy.decide(self._observe(room=need))
             self._apply(d)
-            made = sum(1 for _, why in d.retire if why == ROOM)
-            if made:
+            if any(why == ROOM for _, why in d.retire):
                 self._room_until = self.clock() + ROOM_HOLD_S
-            return made
+            return d.room_short
 
     def reserve_cold(self, n: int) -> None:
         """``n`` more workers a job is about to start cold (warm ones that failed to take
@@ -369,7 +370,7 @@ class WorkerPool:
     def _observe(self, alive: dict[str, bool] | None = None,
                  returned: Sequence[tuple[_Proc, Returned]] = (),
                  want: Want | None = None,
-                 draining: frozenset[str] = frozenset(), room: int = 0) -> PoolObservation:
+                 draining: frozenset[str] = frozenset(), room: Room = ()) -> PoolObservation:
         """The policy's view; ``self._ix`` maps the ids it uses back to processes (idle
         ones first, then the returned ones)."""
         self._ix = {}

@@ -225,3 +225,24 @@ def test_a_job_of_another_pool_gets_the_room_idle_workers_hold(ray_local, tmp_pa
     finally:
         mine.close()
         full.close()
+
+
+def test_room_for_a_job_of_larger_workers_is_counted_in_cpus(ray_local, tmp_path, reference):
+    """The same, for a job of 2-CPU workers: it lacks 4 CPUs, so all 4 idle 1-CPU workers go
+    (counted in workers, 2 went, 2 CPUs stayed held and the job failed at its placement
+    timeout)."""
+    from clusters.pool_policy import ROOM
+
+    full = elastic.WorkerPool(4, max_idle=4)
+    mine = elastic.WorkerPool(0)
+    try:
+        assert full.info()["idle"] == 4
+        res, _, _ = _job(mine, tmp_path, "room2", placement_timeout_s=20,
+                         resources_per_worker={"CPU": 2})
+        assert max_diff(res.state_dict(), reference) < TOL
+        info = full.info()
+        assert info["retired"] == {ROOM: 4} and info["idle"] == 0, info
+        assert mine.info()["cold"] == 2, mine.info()
+    finally:
+        mine.close()
+        full.close()

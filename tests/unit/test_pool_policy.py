@@ -14,6 +14,7 @@ from clusters.pool_policy import (
     PoolPolicy,
     Returned,
     Want,
+    room_of,
 )
 
 CPU1 = PoolKey.of({"CPU": 1}, False)
@@ -153,14 +154,15 @@ def test_bundles_left_to_earlier_cold_starts_count_as_taken():
     out its placement timeout)."""
     ws = (idle(1, CPU2, since=1),)
     first = policy().decide(PoolObservation(10.0, ws, want=Want(CPU1, 1, free_bundles=1)))
-    assert not first.retire and first.room_short == 0
+    assert not first.retire and first.room_short == ()
     second = policy().decide(PoolObservation(10.0, ws, want=Want(CPU1, 1, free_bundles=1),
                                              cold_pending=1))
-    assert list(second.retired()) == [1] and second.room_short == 0
+    assert list(second.retired()) == [1] and second.room_short == ()
 
 
 @pytest.mark.parametrize("idle_keys, free, pending, short", [
-    ((CPU2,), 0, 0, 1),          # one other-key worker retired, one bundle still missing
+    ((CPU2,), 0, 0, 0),          # a 2-CPU worker of another key frees room for both
+    ((ENV,), 0, 0, 1),           # a 1-CPU one for one: one bundle still missing
     ((), 0, 0, 2),               # nothing of this pool can go: both missing
     ((CPU2, GPU1, ENV), 0, 0, 0),  # enough other keys here (two retired)
     ((), 2, 0, 0),               # free bundles for both
@@ -171,7 +173,7 @@ def test_what_this_pool_cannot_free_is_room_short(idle_keys, free, pending, shor
     ws = tuple(idle(i, k, since=float(i)) for i, k in enumerate(idle_keys, 1))
     d = policy().decide(PoolObservation(10.0, ws, want=Want(CPU1, 2, free_bundles=free),
                                         cold_pending=pending))
-    assert d.room_short == short, d
+    assert d.room_short == room_of(CPU1, short), d
 
 
 def test_room_for_another_pools_job_retires_the_longest_idle_of_any_key():
@@ -180,11 +182,37 @@ def test_room_for_another_pools_job_retires_the_longest_idle_of_any_key():
     ``min_idle`` too (a job waiting comes before a cache), and no refill takes the room back
     in the same decision."""
     ws = (idle(1, CPU1, since=5), idle(2, CPU2, since=1), idle(3, CPU1, since=3))
-    d = policy(min_idle=3).decide(PoolObservation(10.0, ws, room=2))
-    assert d.retired() == {2: ROOM, 3: ROOM} and d.start == 0, d
-    d = policy().decide(PoolObservation(10.0, ws, room=5))
-    assert sorted(d.retired()) == [1, 2, 3]
+    d = policy(min_idle=3).decide(PoolObservation(10.0, ws, room=(("CPU", 3.0),)))
+    assert d.retired() == {2: ROOM, 3: ROOM} and d.start == 0 and d.room_short == (), d
+    d = policy().decide(PoolObservation(10.0, ws, room=(("CPU", 5.0),)))
+    assert sorted(d.retired()) == [1, 2, 3] and d.room_short == (("CPU", 1.0),)
     assert not policy().decide(PoolObservation(10.0, ws)).retire  # no room asked: all stay
+
+
+def test_room_is_counted_in_resources_not_workers():
+    """A job of 4-CPU bundles short of one bundle needs four 1-CPU workers gone, not one
+    (counted in workers, one was retired, 3 CPUs stayed held, and the job waited out its
+    placement timeout); a worker that holds none of what is lacking is not retired."""
+    cpu4 = PoolKey.of({"CPU": 4}, False)
+    ws = tuple(idle(i, CPU1, since=float(i)) for i in range(1, 6))
+    d = PoolPolicy(cpu4).decide(PoolObservation(10.0, ws, want=Want(cpu4, 1, free_bundles=0)))
+    assert sorted(d.retired()) == [1, 2, 3, 4] and d.room_short == (), d
+    # this pool holds 2 CPUs of other keys: the other pools are asked for the other 6
+    d = PoolPolicy(cpu4).decide(PoolObservation(10.0, ws[:2], want=Want(cpu4, 2)))
+    assert sorted(d.retired()) == [1, 2] and d.room_short == (("CPU", 6.0),), d
+    # longest idle first until covered: a 1-CPU worker, then a 2-CPU one (1 CPU lacked)
+    ws2 = (idle(1, CPU1, since=0), idle(2, CPU2, since=1), idle(3, CPU1, since=2))
+    d = policy().decide(PoolObservation(10.0, ws2, room=(("CPU", 2.0),)))
+    assert sorted(d.retired()) == [1, 2] and d.room_short == ()
+    d = policy().decide(PoolObservation(10.0, (idle(2, CPU2),), room=(("CPU", 2.0),)))
+    assert d.retired() == {2: ROOM} and d.room_short == ()
+    # a GPU job lacks a GPU: CPU-only workers hold none of it and stay
+    gpu_only = (("GPU", 1.0),)
+    d = policy().decide(PoolObservation(10.0, ws, room=gpu_only))
+    assert not d.retire and d.room_short == gpu_only
+    d = policy().decide(PoolObservation(10.0, ws + (idle(9, GPU1, since=20.0),), room=gpu_only))
+    assert d.retired() == {9: ROOM} and d.room_short == ()
+    assert room_of(cpu4, 2) == (("CPU", 8.0),) and room_of(cpu4, 0) == ()
 
 
 def test_no_refill_while_room_made_for_another_pools_job_is_held():
