@@ -210,7 +210,10 @@ def test_scheduler_jobs_run_on_its_warm_workers(ray_local, tmp_path, reference):
 def test_a_job_of_another_pool_gets_the_room_idle_workers_hold(ray_local, tmp_path, reference):
     """One pool's idle workers hold every CPU; a job of another pool of the same process must
     start its 2 workers cold: the first pool retires 2 idle workers for it (before, the job
-    waited out its placement timeout and failed while 4 idle processes held the CPUs)."""
+    waited out its placement timeout and failed while 4 idle processes held the CPUs). Then
+    a job of 2-CPU workers lacks 4 CPUs: its own pool's 2 idle 1-CPU workers go, and the other
+    pool's last 2 (room is counted in CPUs: counted in workers, the first 2 covered the
+    2 missing bundles, 2 CPUs stayed held, and the job failed at its placement timeout)."""
     from clusters.pool_policy import ROOM
 
     full = elastic.WorkerPool(4, max_idle=4)
@@ -222,27 +225,13 @@ def test_a_job_of_another_pool_gets_the_room_idle_workers_hold(ray_local, tmp_pa
         info = full.info()
         assert info["retired"] == {ROOM: 2} and info["idle"] == 2, info
         assert mine.info()["idle"] == 2 and mine.info()["cold"] == 2, mine.info()
-    finally:
-        mine.close()
-        full.close()
-
-
-def test_room_for_a_job_of_larger_workers_is_counted_in_cpus(ray_local, tmp_path, reference):
-    """The same, for a job of 2-CPU workers: it lacks 4 CPUs, so all 4 idle 1-CPU workers go
-    (counted in workers, 2 went, 2 CPUs stayed held and the job failed at its placement
-    timeout)."""
-    from clusters.pool_policy import ROOM
-
-    full = elastic.WorkerPool(4, max_idle=4)
-    mine = elastic.WorkerPool(0)
-    try:
-        assert full.info()["idle"] == 4
         res, _, _ = _job(mine, tmp_path, "room2", placement_timeout_s=20,
                          resources_per_worker={"CPU": 2})
         assert max_diff(res.state_dict(), reference) < TOL
         info = full.info()
         assert info["retired"] == {ROOM: 4} and info["idle"] == 0, info
-        assert mine.info()["cold"] == 2, mine.info()
+        assert mine.info()["cold"] == 4, mine.info()
     finally:
         mine.close()
         full.close()
+
