@@ -15,7 +15,9 @@ nodes cost 5-15 s here, more than many of these tests' jobs. Each test still get
 processes and group on real nodes, and every node a test removed is gone (a new one replaces
 it), as on a real cluster where jobs come and go (``bench/stress_node_loss.py`` reuses clusters
 the same way). A cluster that is not idle in time, or whose test failed, is shut down and a new
-one made. Whatever a fixture starts is stopped: the kept cluster at the end of the module, the
+one made. A module's kept cluster serves the next module's first ``ray_cluster`` too (the
+chaos modules follow each other), unless it holds a warm pool. Whatever a fixture starts is
+stopped: a kept cluster when a ``ray_local`` test comes or at the end of the session, the
 local instance at the end of the session.
 
 A ``ray_cluster`` test marked ``warm_workers`` runs its jobs on a warm ``WorkerPool`` kept
@@ -32,6 +34,7 @@ from __future__ import annotations
 import pytest
 
 _POOL: list = []  # the warm pool of the ray_local tests (see ``ray_local``)
+_SESSION_KEPT: list = []  # a module's kept cluster, for the next module (no pool, detached)
 
 
 def _close_pool() -> None:
@@ -48,9 +51,15 @@ def _shutdown() -> None:
         ray.shutdown()
 
 
+def _drop_session_kept() -> None:
+    while _SESSION_KEPT:
+        _SESSION_KEPT.pop().shutdown()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _ray_session_guard():
     yield
+    _drop_session_kept()
     _shutdown()
 
 
@@ -82,6 +91,7 @@ def _stop_left_jobs() -> None:
 def ray_local(request):
     import ray
 
+    _drop_session_kept()  # a multi-node cluster kept for the next chaos module is not needed
     if not ray.is_initialized():
         ray.init(
             address="local",
@@ -252,11 +262,18 @@ def _end_orphans(raylets: set[int]) -> None:
 
 @pytest.fixture(scope="module")
 def _kept_cluster():
-    """The cluster kept between one module's tests (``ray_cluster``), shut down at its end."""
+    """The cluster kept between one module's tests (``ray_cluster``). At the module's end it
+    is kept on for the next module's ``ray_cluster`` (the chaos modules follow each other;
+    a fresh head and nodes cost ~10 s) unless it holds a warm pool (its driver stays attached
+    for it) or a ``ray_local`` test comes first (``_drop_session_kept``); the session's end
+    shuts it down."""
     kept: list[ChaosCluster] = []
     yield kept
     for c in kept:
-        c.shutdown()
+        if c.pool is None:
+            _SESSION_KEPT.append(c)
+        else:
+            c.shutdown()
 
 
 @pytest.fixture
@@ -267,6 +284,8 @@ def ray_cluster(request, _kept_cluster):
 
     def make(n_nodes: int) -> ChaosCluster:
         c = None
+        if not _kept_cluster and _SESSION_KEPT and not made:
+            _kept_cluster.append(_SESSION_KEPT.pop())  # the last module's
         if _kept_cluster and not made:
             c = _kept_cluster.pop()
             if not c.reuse(n_nodes):
