@@ -138,7 +138,9 @@ def part_balance(tmp: str, args: argparse.Namespace, g: int) -> list[dict[str, A
         rounds.append({"g": g, "round": rnd, "solo": solo, "balanced": bal, "equal": eq,
                        "ideal": ideal, "bal_over_ideal": bal["samples_per_s"] / ideal,
                        "bal_over_equal": bal["samples_per_s"] / eq["samples_per_s"],
-                       "at_share_s": {f"x{k:g}/{n}": t for (k, n), t in at_share.items()},
+                       "at_share_s": {f"rank{i}": [n, at_share[(k, n)]] for i, (k, n)
+                                      in enumerate(zip(SLOWDOWNS, bal["shares"],
+                                                       strict=True))},
                        "compute_bound_s": bound, "bound_over_ideal": g / bound / ideal,
                        "homogeneous": homo, "homogeneous_slowdown": homo_k,
                        "bal_over_homogeneous": bal["samples_per_s"] / homo["samples_per_s"],
@@ -318,10 +320,11 @@ def balance_table(rounds: list[dict[str, Any]]) -> str:
         lines.append(f"| homogeneous, same total speed (4 x slowdown "
                      f"{rounds[0]['homogeneous_slowdown']:.4f}, equal shares) | {_med(xs):.1f} | "
                      f"{', '.join(f'{x:.1f}' for x in xs)} | {g // 4} each | {_med(st):.0f} |")
-        for key in rounds[0]["at_share_s"]:
-            st = [r["at_share_s"].get(key, float("nan")) * 1e3 for r in rounds]
-            lines.append(f"| alone on its balanced share: {key} | - | - | "
-                         f"{key.split('/')[1]} | {_med(st):.1f} |")
+        for i, k in enumerate(SLOWDOWNS):
+            got = [r["at_share_s"][f"rank{i}"] for r in rounds]
+            lines.append(f"| device {i} (speed {1 / k:g}) alone on its balanced share | - | - "
+                         f"| {'; '.join(str(n) for n, _ in got)} | "
+                         f"{_med([t * 1e3 for _, t in got]):.1f} |")
     bi = [r["bal_over_ideal"] for r in rounds]
     be = [r["bal_over_equal"] for r in rounds]
     lines += [""]

@@ -106,7 +106,8 @@ def equal_within_noise(values: Sequence[float], spreads: Sequence[Spread] | None
                 twins.setdefault(key, []).append(i)
         for group in twins.values():  # one value and one spread: they stay together below
             mid = statistics.median(values[i] for i in group)
-            se = max(ses[i] for i in group)
+            finite = [ses[i] for i in group if math.isfinite(ses[i])]
+            se = statistics.median(finite) if finite else math.inf
             for i in group:
                 values[i], ses[i] = mid, se
     kind = list(kinds) if kinds is not None else [None] * n

@@ -31,10 +31,12 @@ Rules:
   hand-out until its workers are up, so for that while a bundle already reserved counts
   twice, and at worst an idle worker more than needed is retired); room is counted in
   resources, not workers: a job of 4-CPU bundles short of one needs four 1-CPU workers
-  retired, and a worker that holds none of what the job lacks is not retired for it (the
-  count is per cluster, not per node: four CPUs freed on four nodes do not host a 4-CPU
-  bundle); what this pool cannot free is ``room_short``, and the pool asks the other pools
-  of its process for it;
+  retired (fewer when some CPUs are free), and what is free enough is not lacking (a GPU
+  job lacks the GPU, not the CPU beside it), so a worker that holds none of what the job
+  lacks is not retired for it. The count is per cluster, not per node: four CPUs freed on
+  four nodes do not host a 4-CPU bundle; when the free totals would do but no node holds a
+  bundle, whole bundles are lacking. What this pool cannot free is ``room_short``, and the
+  pool asks the other pools of its process for it;
 * a pool asked to make ``room`` (resources) for a job of another pool of the same process
   retires idle workers that hold some of it, longest idle first, of any key, until it is
   covered (what it could not cover is its ``room_short``): a job waiting for resources comes
@@ -120,11 +122,13 @@ class Returned:
 @dataclass(frozen=True)
 class Want:
     """A job asks for ``n`` workers of ``key``; ``free_bundles``: how many more bundles of
-    its shape the cluster has free now (for the workers that must start cold)."""
+    its shape the cluster has free now (for the workers that must start cold); ``free``: the
+    cluster's free resources, summed over its nodes (None: not known)."""
 
     key: PoolKey
     n: int
     free_bundles: int = 0
+    free: Room | None = None
 
 
 @dataclass(frozen=True)
@@ -229,8 +233,8 @@ class PoolPolicy:
             cold = obs.want.n - len(hand)
             short = cold - max(obs.want.free_bundles - obs.cold_pending, 0)
             if short > 0:  # room for the cold ones: other keys' idle workers go first
-                others, room_short = _free(
-                    [w for w in idle if w.key != obs.want.key], room_of(obs.want.key, short))
+                others, room_short = _free([w for w in idle if w.key != obs.want.key],
+                                           _lacking(obs.want, cold, short, obs.cold_pending))
                 retire += [(w.id, f"room for a job of {obs.want.key.describe()}")
                            for w in others]
                 idle = [w for w in idle if w not in others]
@@ -289,6 +293,22 @@ def _longest_idle(idle: list[IdleWorker], n: int) -> list[IdleWorker]:
 def room_of(key: PoolKey, bundles: int) -> Room:
     """The resources of ``bundles`` bundles of ``key``'s shape."""
     return tuple((r, a * bundles) for r, a in key.resources if a * bundles > 0)
+
+
+def _lacking(want: Want, cold: int, short: int, pending: int) -> Room:
+    """What ``cold`` new workers of ``want.key`` lack, ``short`` bundles of them finding no
+    node: each resource's amount beyond what is free (less what ``pending`` earlier cold
+    starts take, counted in this shape); resources free enough are not lacking (a GPU job
+    lacks the GPU, not the CPU beside it). When every resource is free enough in total but
+    no node holds a bundle (free amounts spread over nodes), or ``free`` is not known: the
+    whole bundles."""
+    if want.free is None:
+        return room_of(want.key, short)
+    free = dict(want.free)
+    out = tuple((r, cold * a - max(0.0, free.get(r, 0.0) - pending * a))
+                for r, a in want.key.resources)
+    out = tuple((r, v) for r, v in out if v > 1e-9)
+    return out or room_of(want.key, short)
 
 
 def _free(idle: list[IdleWorker], need: Room) -> tuple[list[IdleWorker], Room]:

@@ -97,18 +97,22 @@ def device_kinds(infos: Sequence[dict[str, Any]]) -> list[tuple[Any, ...]]:
 
 
 def device_hosts(infos: Sequence[dict[str, Any]]) -> list[Any]:
-    """For each worker, its host (Ray node) where the job's CPU workers there need more
+    """For each worker, its host (the machine: its hostname, else its Ray node; Ray nodes
+    started on one machine share its cores) where the job's CPU workers there need more
     threads than the cores they may run on (3 single-thread ranks on 2 cores), else None.
     Such workers are timed at once while the host's scheduler shares its cores among them,
     so what a profile sees between them is that sharing, not their speed (``balanced_shares``
     makes them equal). GPU workers and CPU workers with cores of their own are measured
     apart as before: a slow device among them is real."""
+    def host(i: dict[str, Any]) -> Any:
+        return i.get("hostname") or i.get("node_id") if i.get("device") == "cpu" else None
+
     need: dict[Any, int] = {}
     for i in infos:
-        if i.get("device") == "cpu" and i.get("node_id") is not None:
-            need[i["node_id"]] = need.get(i["node_id"], 0) + max(1, int(i.get("threads") or 1))
-    return [i["node_id"] if (i.get("device") == "cpu" and i.get("node_id") in need
-                             and need[i["node_id"]] > int(i.get("host_cores") or 1 << 30))
+        if host(i) is not None:
+            need[host(i)] = need.get(host(i), 0) + max(1, int(i.get("threads") or 1))
+    return [host(i) if (host(i) is not None
+                        and need[host(i)] > int(i.get("host_cores") or 1 << 30))
             else None for i in infos]
 
 

@@ -288,7 +288,12 @@ def ray_cluster(request, _kept_cluster):
             _kept_cluster.append(_SESSION_KEPT.pop())  # the last module's
         if _kept_cluster and not made:
             c = _kept_cluster.pop()
-            if not c.reuse(n_nodes):
+            try:
+                reused = c.reuse(n_nodes)
+            except BaseException:
+                c.shutdown()
+                raise
+            if not reused:
                 c.shutdown()
                 c = None
         if c is None:

@@ -90,18 +90,22 @@ class Layouts:
         shares = even_shares(g, world)
         split = None
         balancing = placed and self.balancing(group)
-        infos = [w.info for w in group.workers] if placed else []
-        kinds = device_kinds(infos) if placed else None
-        hosts = device_hosts(infos) if placed else None
+
+        def equalized() -> tuple[list[float], list[Any], list[Any]]:
+            raw = self.speeds(group)  # first: a profile may update the workers' infos
+            infos = [w.info for w in group.workers]
+            kinds, hosts = device_kinds(infos), device_hosts(infos)
+            return list(equal_within_noise(raw, kinds=kinds, hosts=hosts)), kinds, hosts
+
         if balancing and name in _SHARE_BALANCED:
-            speeds = list(equal_within_noise(self.speeds(group), kinds=kinds, hosts=hosts))
+            speeds, kinds, hosts = equalized()
             shares = balanced_shares(g, speeds, kinds, hosts)
             self.used_speeds = speeds
         elif placed and pipeline and world % pp == 0:
             d = world // pp
             stage = [1.0] * pp
             if balancing:
-                speeds = list(equal_within_noise(self.speeds(group), kinds=kinds, hosts=hosts))
+                speeds = equalized()[0]
                 stage = [min(speeds[s * d:(s + 1) * d]) for s in range(pp)]
             v = 2 if cfg.schedule == "interleaved" else 1
             costs = self._block_costs(group)
@@ -301,8 +305,9 @@ class Layouts:
             for (w, key), o in zip(todo, outs, strict=True):
                 self.speed[w.worker_id] = o["samples_per_s"]
                 w.info["profiled_samples_per_s"] = o["samples_per_s"]
-                if "emulation" in o:  # what it measured under (it may change mid-run)
-                    w.info["emulation"] = o["emulation"]
+                if o.get("as_info"):  # what it measured as (the emulation may change mid-run)
+                    w.info.update(o["as_info"])
+                    key = ProfileCache.key(w.info, self.probe_model, batch)
                 if cache is not None:
                     cache.put(key, o["samples_per_s"])
             self._emit("profiled", "samples/s per worker: " + ", ".join(
@@ -322,9 +327,10 @@ class Layouts:
         from ..planning import device_hosts, device_kinds
 
         used = self.used_speeds or [1.0] * spec.world_size
+        raw = self.speeds(group, force=True)  # first: it may update the workers' infos
         infos = [w.info for w in group.workers]
-        measured = list(equal_within_noise(self.speeds(group, force=True),
-                                           kinds=device_kinds(infos), hosts=device_hosts(infos)))
+        measured = list(equal_within_noise(raw, kinds=device_kinds(infos),
+                                           hosts=device_hosts(infos)))
         decision = rebalance_decision(spec.shares, used, measured)
         if not decision.rebalance:
             return None

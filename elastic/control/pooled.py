@@ -10,7 +10,7 @@ from typing import Any
 
 from clusters.pool_policy import PoolKey
 
-from ..ray_connect import actor_key, free_bundles, remove_bundle, wait_refs
+from ..ray_connect import actor_key, free_room, remove_bundle, wait_refs
 from .group import WorkerRec
 from .pool import WorkerPool, _Proc
 from .worker_group import Placement
@@ -51,7 +51,8 @@ class PooledPlacement(Placement):
         if n <= 0:
             return []
         bundle = self.bundle()
-        procs = self.pool.take(self._key(), n, free_bundles(bundle))
+        bundles, free = free_room(bundle)
+        procs = self.pool.take(self._key(), n, bundles, free)
         try:
             return [self._assign(p.handle, p.pg, True) for p in procs]
         except BaseException:

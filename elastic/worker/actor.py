@@ -20,6 +20,7 @@ keep their memory when a node is lost.
 from __future__ import annotations
 
 import gc
+import math
 import os
 import socket
 import sys
@@ -59,6 +60,21 @@ def _live_ray() -> Any:
     gpu_check.py on a GPU host, the unit tests). Never imports or starts it."""
     ray = sys.modules.get("ray")
     return ray if ray is not None and ray.is_initialized() else None
+
+
+def _host_cores() -> int:
+    """The cores this process may run on: its CPU affinity (all cores where there is none,
+    off Linux), and no more than its cgroup's CPU quota (a container's limit)."""
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    n = n or 1
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max" and float(period) > 0:
+            n = min(n, max(1, math.ceil(float(quota) / float(period))))
+    except (OSError, ValueError):
+        pass
+    return n
 
 
 def _node_id() -> str | None:
@@ -247,7 +263,7 @@ class Worker:
             "device": str(dev),
             "device_name": prof.display_name(name) if prof is not None else name,
             "threads": torch.get_num_threads(),
-            "host_cores": len(os.sched_getaffinity(0)),
+            "host_cores": _host_cores(),
             "emulation": dict(emulation),
             "emulated": bool(emulation),
             "jobs": self.jobs,
@@ -357,8 +373,12 @@ class Worker:
         return self.info()
 
     def profile(self, batch: int, detail: bool = False) -> dict[str, Any]:
-        """This worker's speed for the job's model (``Profiler.profile``)."""
-        return self._guard(self.profiler.profile, batch, detail)
+        """This worker's speed for the job's model (``Profiler.profile``), with ``as_info``:
+        the emulation it was measured under, as ``info()`` says it (it may change mid-run)."""
+        out = self._guard(self.profiler.profile, batch, detail)
+        info = self.info()
+        return {**out, "as_info": {k: info[k] for k in ("emulation", "emulated",
+                                                          "device_name")}}
 
     def profile_terms(self, shares: list[int], rounds: int = 7) -> dict[str, Any]:
         """Collective: this rank's measurements for the planner's cost model, each repeated

@@ -101,7 +101,7 @@ class Profiler:
         per sample each block hands on (what a pipeline split needs)."""
         base = self._base(batch)
         out: dict[str, Any] = {"samples_per_s": 1.0 / (base * self.slowdown),
-                               "base_s_per_sample": base, "emulation": dict(self.emulation)}
+                               "base_s_per_sample": base}
         if detail:
             out.update(self._blocks(batch))
         return out

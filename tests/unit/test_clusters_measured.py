@@ -472,6 +472,11 @@ def test_only_cpu_workers_that_share_their_hosts_cores_are_made_equal_by_host():
     # GPUs on one host are measured apart whatever the CPU count
     gpus = [info("n1", device="cuda:0", cores=1), info("n1", device="cuda:1", cores=1)]
     assert device_hosts(gpus) == [None, None]
+    # Ray nodes started on one machine share its cores: grouped by the machine's hostname
+    local = [dict(info(f"node{k}"), hostname="vm") for k in range(3)]
+    assert device_hosts(local) == ["vm"] * 3
+    assert device_hosts([dict(info(f"node{k}"), hostname=f"h{k}") for k in range(3)]) == [
+        None] * 3
     # per host: a crowded host and one with room
     mixed = [info("n1"), info("n1"), info("n1"), info("n2"), info("n2")]
     assert device_hosts(mixed) == ["n1", "n1", "n1", None, None]

@@ -215,6 +215,34 @@ def test_room_is_counted_in_resources_not_workers():
     assert room_of(cpu4, 2) == (("CPU", 8.0),) and room_of(cpu4, 0) == ()
 
 
+def test_what_is_free_is_not_lacking():
+    """Counted from the cluster's free resources: a GPU job whose CPU is free lacks the GPU
+    only, so a CPU-only idle worker stays (a whole bundle's CPU counted as lacking retired
+    it for nothing); with 1 CPU free a 2-CPU bundle lacks 1 CPU, one 1-CPU worker; when the
+    totals would do but no node holds a bundle, whole bundles are lacking."""
+    cpu_only = (idle(1, CPU1, since=0.0), idle(2, CPU2, since=1.0))
+    gpu_job = Want(GPU1, 1, free_bundles=0, free=(("CPU", 3.0), ("GPU", 0.0)))
+    d = policy().decide(PoolObservation(10.0, cpu_only, want=gpu_job))
+    assert not d.retire and d.room_short == (("GPU", 1.0),), d
+    gpu_other_env = PoolKey.of({"CPU": 1, "GPU": 1}, True, {"env_vars": {"Y": "1"}})
+    d = policy().decide(PoolObservation(10.0, cpu_only + (idle(3, gpu_other_env, since=5.0),),
+                                        want=gpu_job))
+    assert d.retired() == {3: f"room for a job of {GPU1.describe()}"} and d.room_short == ()
+    two = Want(CPU2, 1, free_bundles=0, free=(("CPU", 1.0),))
+    ws = tuple(idle(i, CPU1, since=float(i)) for i in range(1, 4))
+    d = PoolPolicy(CPU2).decide(PoolObservation(10.0, ws, want=two))
+    assert sorted(d.retired()) == [1] and d.room_short == (), d
+    # 2 CPUs free in total, one on each of two nodes: no 2-CPU bundle fits, 2 CPUs lacking
+    spread = Want(CPU2, 1, free_bundles=0, free=(("CPU", 2.0),))
+    d = PoolPolicy(CPU2).decide(PoolObservation(10.0, ws, want=spread))
+    assert sorted(d.retired()) == [1, 2] and d.room_short == (), d
+    # an earlier cold start (counted in this shape) takes 2 of the 3 free CPUs: 4 needed,
+    # 1 free, 3 lacking
+    d = PoolPolicy(CPU2).decide(PoolObservation(
+        10.0, ws, want=Want(CPU2, 2, free_bundles=1, free=(("CPU", 3.0),)), cold_pending=1))
+    assert sorted(d.retired()) == [1, 2, 3] and d.room_short == (), d
+
+
 def test_no_refill_while_room_made_for_another_pools_job_is_held():
     """After making room, the pool's watch would start its ``min_idle`` again within 5 s and
     could take the room back before the other job asks for its bundles (it first waits for
