@@ -30,13 +30,14 @@ Rules:
   for it until its placement timed out; a job's bundles stay counted there from its
   hand-out until its workers are up, so for that while a bundle already reserved counts
   twice, and at worst an idle worker more than needed is retired); room is counted in
-  resources, not workers: a job of 4-CPU bundles short of one needs four 1-CPU workers
-  retired (fewer when some CPUs are free), and what is free enough is not lacking (a GPU
-  job lacks the GPU, not the CPU beside it), so a worker that holds none of what the job
-  lacks is not retired for it. The count is per cluster, not per node: four CPUs freed on
-  four nodes do not host a 4-CPU bundle; when the free totals would do but no node holds a
-  bundle, whole bundles are lacking. What this pool cannot free is ``room_short``, and the
-  pool asks the other pools of its process for it;
+  resources, node by node, not in workers: a job of 4-CPU bundles short of one needs four
+  1-CPU workers of one node retired (fewer where that node has CPUs free), on the node
+  where the fewest must go; four CPUs freed on four nodes host no 4-CPU bundle; and what a
+  node has free is not lacking there (a GPU job lacks the GPU, not the CPU beside it), so
+  a worker that holds none of what the job lacks is not retired for it. What this pool
+  cannot free is ``room_short`` (a resource amount: beyond the free totals, else whole
+  bundles), and the pool asks the other pools of its process for it, which count it in
+  totals, not per node;
 * a pool asked to make ``room`` (resources) for a job of another pool of the same process
   retires idle workers that hold some of it, longest idle first, of any key, until it is
   covered (what it could not cover is its ``room_short``): a job waiting for resources comes
@@ -122,13 +123,13 @@ class Returned:
 @dataclass(frozen=True)
 class Want:
     """A job asks for ``n`` workers of ``key``; ``free_bundles``: how many more bundles of
-    its shape the cluster has free now (for the workers that must start cold); ``free``: the
-    cluster's free resources, summed over its nodes (None: not known)."""
+    its shape the cluster has free now (for the workers that must start cold); ``free``: each
+    node's free resources, ``(node, Room)`` pairs (None: not known)."""
 
     key: PoolKey
     n: int
     free_bundles: int = 0
-    free: Room | None = None
+    free: tuple[tuple[str, Room], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -233,8 +234,8 @@ class PoolPolicy:
             cold = obs.want.n - len(hand)
             short = cold - max(obs.want.free_bundles - obs.cold_pending, 0)
             if short > 0:  # room for the cold ones: other keys' idle workers go first
-                others, room_short = _free([w for w in idle if w.key != obs.want.key],
-                                           _lacking(obs.want, cold, short, obs.cold_pending))
+                others, room_short = _make_room([w for w in idle if w.key != obs.want.key],
+                                                obs.want, cold, short, obs.cold_pending)
                 retire += [(w.id, f"room for a job of {obs.want.key.describe()}")
                            for w in others]
                 idle = [w for w in idle if w not in others]
@@ -295,20 +296,69 @@ def room_of(key: PoolKey, bundles: int) -> Room:
     return tuple((r, a * bundles) for r, a in key.resources if a * bundles > 0)
 
 
-def _lacking(want: Want, cold: int, short: int, pending: int) -> Room:
-    """What ``cold`` new workers of ``want.key`` lack, ``short`` bundles of them finding no
-    node: each resource's amount beyond what is free (less what ``pending`` earlier cold
-    starts take, counted in this shape); resources free enough are not lacking (a GPU job
-    lacks the GPU, not the CPU beside it). When every resource is free enough in total but
-    no node holds a bundle (free amounts spread over nodes), or ``free`` is not known: the
-    whole bundles."""
+def _make_room(cands: list[IdleWorker], want: Want, cold: int, short: int, pending: int
+               ) -> tuple[list[IdleWorker], Room]:
+    """Idle workers of ``cands`` to retire so that ``short`` more bundles of ``want.key``
+    fit, and what is still lacking (the other pools' turn). Node by node when each node's
+    free resources are known: the bundles that fit now are claimed first (``pending`` left
+    to earlier cold starts, then this job's own ``cold - short``, counted in this shape),
+    then each missing bundle goes where the fewest idle workers, longest idle first, must
+    go for it to fit; a worker holding nothing the node lacks for it stays (a GPU job whose
+    CPUs are free retires no CPU-only worker). Else from the free totals (``_free``)."""
     if want.free is None:
-        return room_of(want.key, short)
-    free = dict(want.free)
-    out = tuple((r, cold * a - max(0.0, free.get(r, 0.0) - pending * a))
-                for r, a in want.key.resources)
-    out = tuple((r, v) for r, v in out if v > 1e-9)
-    return out or room_of(want.key, short)
+        return _free(cands, room_of(want.key, short))
+    shape = dict(want.key.resources)
+    free = {n: dict(room) for n, room in want.free}
+
+    def fits(f: dict[str, float]) -> bool:
+        return all(f.get(r, 0.0) + 1e-9 >= a for r, a in shape.items())
+
+    def claim(f: dict[str, float]) -> None:
+        for r, a in shape.items():
+            f[r] = f.get(r, 0.0) - a
+
+    for _ in range(pending + cold - short):
+        node = next((n for n in sorted(free) if fits(free[n])), None)
+        if node is None:
+            break
+        claim(free[node])
+    by_node: dict[str, list[IdleWorker]] = {}
+    for w in sorted(cands, key=lambda w: (w.idle_since_s, w.id)):
+        by_node.setdefault(w.node, []).append(w)
+    out: list[IdleWorker] = []
+    placed = 0
+    for _ in range(short):
+        best: tuple[str, list[IdleWorker], dict[str, float]] | None = None
+        for node in sorted(set(free) | set(by_node)):
+            f = dict(free.get(node, {}))
+            picks: list[IdleWorker] = []
+            for w in by_node.get(node, []):
+                if fits(f):
+                    break
+                held = dict(w.key.resources)
+                if any(held.get(r, 0.0) > 0 and f.get(r, 0.0) + 1e-9 < a
+                       for r, a in shape.items()):
+                    picks.append(w)
+                    for r, v in held.items():
+                        f[r] = f.get(r, 0.0) + v
+            if fits(f) and (best is None or len(picks) < len(best[1])):
+                best = (node, picks, f)
+        if best is None:
+            break
+        node, picks, f = best
+        claim(f)
+        free[node] = f
+        by_node[node] = [w for w in by_node.get(node, []) if w not in picks]
+        out += picks
+        placed += 1
+    left = short - placed
+    if left <= 0:
+        return out, ()
+    total = {r: sum(max(0.0, f.get(r, 0.0)) for f in free.values()) for r in shape}
+    lacking = tuple((r, v) for r, a in want.key.resources
+                    if (v := left * a - total[r]) > 1e-9)
+    # free enough in total but on no one node: whole bundles are lacking
+    return out, lacking or room_of(want.key, left)
 
 
 def _free(idle: list[IdleWorker], need: Room) -> tuple[list[IdleWorker], Room]:

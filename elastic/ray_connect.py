@@ -574,9 +574,9 @@ def worker_bundle(resources: dict[str, float], use_gpu: bool | None
     return res, bool(use_gpu)
 
 
-def free_room(bundle: dict[str, float]) -> tuple[int, dict[str, float]]:
+def free_room(bundle: dict[str, float]) -> tuple[int, dict[str, dict[str, float]]]:
     """How many ``bundle``s the cluster's free resources hold now, node by node, and each
-    of the bundle's resources free, summed over the nodes."""
+    node's free amount of the bundle's resources."""
     import ray
 
     try:
@@ -586,7 +586,7 @@ def free_room(bundle: dict[str, float]) -> tuple[int, dict[str, float]]:
     need = {k: v for k, v in bundle.items() if v > 0}
     total = sum(int(min((f.get(k, 0.0) + 1e-9) // v for k, v in need.items()))
                 for f in per_node.values()) if need else 0
-    return total, {k: sum(float(f.get(k, 0.0)) for f in per_node.values()) for k in need}
+    return total, {str(n): {k: float(f.get(k, 0.0)) for k in need} for n, f in per_node.items()}
 
 
 def runtime_env_now() -> dict[str, Any]:

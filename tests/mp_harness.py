@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import queue
+import random
 import socket
 import traceback
 from collections.abc import Callable
@@ -30,8 +31,29 @@ class WorkerFailed(RuntimeError):
     """A rank raised (or the pool timed out); the message holds the rank's traceback."""
 
 
+_RNG = random.Random()  # its own: a test that seeds ``random`` must not make ports repeat
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port free now, for a store or server a test starts next. Not from the kernel's
+    ephemeral range: the port is closed again before the store binds it, and any outgoing
+    connection meanwhile (Ray opens many) may take an ephemeral port (a store once failed on
+    one, EADDRINUSE); nor from Ray's worker ports (10002-19999)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            first = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        first = 32768
+    lo, hi = 20000, min(32767, first - 1)
+    for _ in range(200 if hi > lo else 0):
+        port = _RNG.randint(lo, hi)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # no room below the ephemeral range: the kernel's pick
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 

@@ -260,18 +260,19 @@ class WorkerPool:
     # ------------------------------------------------------------------ for placements
 
     def take(self, key: PoolKey, n: int, free_bundles: int,
-             free: Mapping[str, float] | None = None) -> list[_Proc]:
+             free: Mapping[str, Mapping[str, float]] | None = None) -> list[_Proc]:
         """Up to ``n`` idle workers of ``key``, each pinged first (a dead one is retired,
         never handed out); idle workers of other keys are retired when the cluster has no
         room for the ones that must start cold, and then, for what is still missing, those
-        of the other pools of this process (``make_room``). ``free``: the cluster's free
-        resources summed over its nodes (what the cold ones lack is counted from it). The
+        of the other pools of this process (``make_room``). ``free``: each node's free
+        resources, by node id (what the cold ones lack is counted from it). The
         caller says ``cold_placed`` for those once it has placed them (or given up): until
         then the pool starts no refill."""
         with self._lock:
             self._settle()
             alive = self._ping(list(self._idle.values()))
-            room = tuple(sorted((k, float(v)) for k, v in free.items())) if free else None
+            room = tuple(sorted((str(n), tuple(sorted((k, float(v)) for k, v in f.items())))
+                                for n, f in free.items())) if free else None
             d = self.policy.decide(self._observe(alive=alive, want=Want(key, n, free_bundles,
                                                                         room),
                                                  draining=self._draining()))

@@ -16,7 +16,6 @@ import re
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,8 @@ import time
 from typing import Any
 
 import pytest
+
+from tests.mp_harness import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -44,9 +45,7 @@ view: plain
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_port()  # outside the ephemeral range (tests/mp_harness.py)
 
 
 # ---------------------------------------------------------------------------- processes

@@ -216,31 +216,48 @@ def test_room_is_counted_in_resources_not_workers():
 
 
 def test_what_is_free_is_not_lacking():
-    """Counted from the cluster's free resources: a GPU job whose CPU is free lacks the GPU
+    """Counted from each node's free resources: a GPU job whose CPU is free lacks the GPU
     only, so a CPU-only idle worker stays (a whole bundle's CPU counted as lacking retired
-    it for nothing); with 1 CPU free a 2-CPU bundle lacks 1 CPU, one 1-CPU worker; when the
-    totals would do but no node holds a bundle, whole bundles are lacking."""
+    it for nothing); with 1 CPU free on a node, a 2-CPU bundle needs one 1-CPU worker of
+    that node retired; a 4-CPU bundle goes to the node where the fewest must go, not to
+    CPUs freed one per node (which host no bundle)."""
     cpu_only = (idle(1, CPU1, since=0.0), idle(2, CPU2, since=1.0))
-    gpu_job = Want(GPU1, 1, free_bundles=0, free=(("CPU", 3.0), ("GPU", 0.0)))
+    gpu_job = Want(GPU1, 1, free_bundles=0, free=(("a", (("CPU", 3.0), ("GPU", 0.0))),))
     d = policy().decide(PoolObservation(10.0, cpu_only, want=gpu_job))
     assert not d.retire and d.room_short == (("GPU", 1.0),), d
     gpu_other_env = PoolKey.of({"CPU": 1, "GPU": 1}, True, {"env_vars": {"Y": "1"}})
     d = policy().decide(PoolObservation(10.0, cpu_only + (idle(3, gpu_other_env, since=5.0),),
                                         want=gpu_job))
     assert d.retired() == {3: f"room for a job of {GPU1.describe()}"} and d.room_short == ()
-    two = Want(CPU2, 1, free_bundles=0, free=(("CPU", 1.0),))
-    ws = tuple(idle(i, CPU1, since=float(i)) for i in range(1, 4))
+    ws = tuple(idle(i, CPU1, since=float(i)) for i in range(1, 4))  # all on node "a"
+    two = Want(CPU2, 1, free_bundles=0, free=(("a", (("CPU", 1.0),)),))
     d = PoolPolicy(CPU2).decide(PoolObservation(10.0, ws, want=two))
     assert sorted(d.retired()) == [1] and d.room_short == (), d
-    # 2 CPUs free in total, one on each of two nodes: no 2-CPU bundle fits, 2 CPUs lacking
-    spread = Want(CPU2, 1, free_bundles=0, free=(("CPU", 2.0),))
+    # 1 CPU free on each of a and b: one worker of a frees the second CPU there
+    spread = Want(CPU2, 1, free_bundles=0, free=(("a", (("CPU", 1.0),)), ("b", (("CPU", 1.0),))))
     d = PoolPolicy(CPU2).decide(PoolObservation(10.0, ws, want=spread))
-    assert sorted(d.retired()) == [1, 2] and d.room_short == (), d
-    # an earlier cold start (counted in this shape) takes 2 of the 3 free CPUs: 4 needed,
-    # 1 free, 3 lacking
+    assert sorted(d.retired()) == [1] and d.room_short == (), d
+    # an earlier cold start (counted in this shape) claims 2 of the 3 free CPUs of a:
+    # the job's 2 bundles need 3 more, so all three go
     d = PoolPolicy(CPU2).decide(PoolObservation(
-        10.0, ws, want=Want(CPU2, 2, free_bundles=1, free=(("CPU", 3.0),)), cold_pending=1))
+        10.0, ws, want=Want(CPU2, 2, free_bundles=1, free=(("a", (("CPU", 3.0),)),)),
+        cold_pending=1))
     assert sorted(d.retired()) == [1, 2, 3] and d.room_short == (), d
+    # 8-CPU nodes with 1 CPU free each; a 4-CPU bundle: the 3 workers of node b go (with
+    # b's free CPU, 4), not the longest idle worker of a (totals: 3 free, 1 "lacking")
+    cpu4 = PoolKey.of({"CPU": 4}, False)
+    nodes = (idle(1, CPU1, "a", 0.0), idle(2, CPU1, "a", 1.0), idle(3, CPU1, "b", 2.0),
+             idle(4, CPU1, "b", 3.0), idle(5, CPU1, "b", 4.0), idle(6, CPU1, "c", 5.0))
+    free = tuple((n, (("CPU", 1.0),)) for n in "abc")
+    d = PoolPolicy(cpu4).decide(PoolObservation(10.0, nodes, want=Want(cpu4, 1, 0, free)))
+    assert sorted(d.retired()) == [3, 4, 5] and d.room_short == (), d
+    # no node can be made to hold one: what is lacking goes to the other pools
+    d = PoolPolicy(cpu4).decide(PoolObservation(10.0, nodes[:2], want=Want(cpu4, 1, 0, free)))
+    assert not d.retire and d.room_short == (("CPU", 1.0),), d
+    # free enough in total (4) but spread over nodes, nothing here to retire: whole bundle
+    d = PoolPolicy(cpu4).decide(PoolObservation(10.0, (), want=Want(
+        cpu4, 1, 0, tuple((n, (("CPU", 1.0),)) for n in "abcd"))))
+    assert d.room_short == (("CPU", 4.0),), d
 
 
 def test_no_refill_while_room_made_for_another_pools_job_is_held():
