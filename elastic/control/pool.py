@@ -271,10 +271,11 @@ class WorkerPool:
         with self._lock:
             self._settle()
             alive = self._ping(list(self._idle.values()))
-            room = tuple(sorted((str(n), tuple(sorted((k, float(v)) for k, v in f.items())))
-                                for n, f in free.items())) if free else None
+            per_node = tuple(sorted(
+                (str(node), tuple(sorted((r, float(v)) for r, v in f.items())))
+                for node, f in free.items())) if free else None
             d = self.policy.decide(self._observe(alive=alive, want=Want(key, n, free_bundles,
-                                                                        room),
+                                                                        per_node),
                                                  draining=self._draining()))
             out = [self._ix[i] for i in d.hand_out]
             for p in out:
