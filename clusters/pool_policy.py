@@ -65,7 +65,7 @@ ROOM = "room for a job of another pool"
 ROOM_HOLD_S = 60.0  # no refill this long after making room (a job's default placement timeout)
 
 __all__ = ["DRAINING", "ROOM", "ROOM_HOLD_S", "PoolKey", "IdleWorker", "Returned", "Want",
-           "PoolObservation", "PoolDecision", "PoolPolicy", "Room", "room_of"]
+           "PoolObservation", "PoolDecision", "PoolPolicy", "Room", "room_of", "fitting"]
 
 Room = tuple[tuple[str, float], ...]  # resource amounts (name, amount > 0), sorted by name
 
@@ -286,14 +286,28 @@ class PoolPolicy:
         return [w.id for w in match[:n]]
 
 
+def _by_idle(idle: list[IdleWorker]) -> list[IdleWorker]:
+    """``idle``, the longest idle first (the first to retire)."""
+    return sorted(idle, key=lambda w: (w.idle_since_s, w.id))
+
+
 def _longest_idle(idle: list[IdleWorker], n: int) -> list[IdleWorker]:
-    """The ``n`` workers of ``idle`` that have idled longest (the first to retire)."""
-    return sorted(idle, key=lambda w: (w.idle_since_s, w.id))[:max(n, 0)]
+    """The ``n`` workers of ``idle`` that have idled longest."""
+    return _by_idle(idle)[:max(n, 0)]
 
 
 def room_of(key: PoolKey, bundles: int) -> Room:
     """The resources of ``bundles`` bundles of ``key``'s shape."""
     return tuple((r, a * bundles) for r, a in key.resources if a * bundles > 0)
+
+
+def fitting(key: PoolKey, free: tuple[tuple[str, Room], ...]) -> int:
+    """How many bundles of ``key``'s shape the nodes' ``free`` resources hold, node by node."""
+    shape = [(r, a) for r, a in key.resources if a > 0]
+    if not shape:
+        return 0
+    return sum(int(min((dict(room).get(r, 0.0) + 1e-9) // a for r, a in shape))
+               for _, room in free)
 
 
 def _make_room(cands: list[IdleWorker], want: Want, cold: int, short: int, pending: int
@@ -323,7 +337,7 @@ def _make_room(cands: list[IdleWorker], want: Want, cold: int, short: int, pendi
             break
         claim(free[node])
     by_node: dict[str, list[IdleWorker]] = {}
-    for w in sorted(cands, key=lambda w: (w.idle_since_s, w.id)):
+    for w in _by_idle(cands):
         by_node.setdefault(w.node, []).append(w)
     out: list[IdleWorker] = []
     placed = 0
@@ -367,7 +381,7 @@ def _free(idle: list[IdleWorker], need: Room) -> tuple[list[IdleWorker], Room]:
     use). Returns them and what is still lacking after them."""
     left = dict(need)
     out: list[IdleWorker] = []
-    for w in sorted(idle, key=lambda w: (w.idle_since_s, w.id)):
+    for w in _by_idle(idle):
         if all(v <= 1e-9 for v in left.values()):
             break
         held = dict(w.key.resources)

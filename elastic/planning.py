@@ -104,16 +104,14 @@ def device_hosts(infos: Sequence[dict[str, Any]]) -> list[Any]:
     so what a profile sees between them is that sharing, not their speed (``balanced_shares``
     makes them equal). GPU workers and CPU workers with cores of their own are measured
     apart as before: a slow device among them is real."""
-    def host(i: dict[str, Any]) -> Any:
-        return i.get("hostname") or i.get("node_id") if i.get("device") == "cpu" else None
-
+    hosts = [(i.get("hostname") or i.get("node_id")) if i.get("device") == "cpu" else None
+             for i in infos]
     need: dict[Any, int] = {}
-    for i in infos:
-        if host(i) is not None:
-            need[host(i)] = need.get(host(i), 0) + max(1, int(i.get("threads") or 1))
-    return [host(i) if (host(i) is not None
-                        and need[host(i)] > int(i.get("host_cores") or 1 << 30))
-            else None for i in infos]
+    for h, i in zip(hosts, infos, strict=True):
+        if h is not None:
+            need[h] = need.get(h, 0) + max(1, int(i.get("threads") or 1))
+    return [h if h is not None and need[h] > int(i.get("host_cores") or 1 << 30) else None
+            for h, i in zip(hosts, infos, strict=True)]
 
 
 def balanced_shares(global_batch: int, speeds: Sequence[float],

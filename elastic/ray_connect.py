@@ -23,7 +23,7 @@ __all__ = ["connect", "disconnect", "check_reachable", "address_of", "attach", "
            "named_actors", "named_actor", "start_named", "call", "kill", "dumps", "loads",
            "draining_nodes", "node_infos", "request_drain", "node_alive", "pg_ready",
            "bundle_node", "start_in_bundle", "new_bundle", "remove_bundle", "wait_refs",
-           "get_ref", "actor_key", "free_room", "runtime_env_now", "ray_session",
+           "get_ref", "actor_key", "free_by_node", "runtime_env_now", "ray_session",
            "table_sizes", "join_tables", "free_cpus", "running_here", "live_address",
            "cluster_for", "attached_here"]
 
@@ -574,19 +574,16 @@ def worker_bundle(resources: dict[str, float], use_gpu: bool | None
     return res, bool(use_gpu)
 
 
-def free_room(bundle: dict[str, float]) -> tuple[int, dict[str, dict[str, float]]]:
-    """How many ``bundle``s the cluster's free resources hold now, node by node, and each
-    node's free amount of the bundle's resources."""
+def free_by_node(bundle: dict[str, float]) -> dict[str, dict[str, float]]:
+    """Each node's free amount of ``bundle``'s resources now, by node id."""
     import ray
 
     try:
         per_node = ray._private.state.available_resources_per_node()
     except Exception:  # noqa: BLE001 - an older Ray: the cluster's total
         per_node = {"all": ray.available_resources()}
-    need = {k: v for k, v in bundle.items() if v > 0}
-    total = sum(int(min((f.get(k, 0.0) + 1e-9) // v for k, v in need.items()))
-                for f in per_node.values()) if need else 0
-    return total, {str(n): {k: float(f.get(k, 0.0)) for k in need} for n, f in per_node.items()}
+    need = [k for k, v in bundle.items() if v > 0]
+    return {str(n): {k: float(f.get(k, 0.0)) for k in need} for n, f in per_node.items()}
 
 
 def runtime_env_now() -> dict[str, Any]:

@@ -49,6 +49,7 @@ from clusters.pool_policy import (
     Returned,
     Room,
     Want,
+    fitting,
 )
 
 from ..errors import ClusterError
@@ -259,13 +260,14 @@ class WorkerPool:
 
     # ------------------------------------------------------------------ for placements
 
-    def take(self, key: PoolKey, n: int, free_bundles: int,
+    def take(self, key: PoolKey, n: int, free_bundles: int = 0,
              free: Mapping[str, Mapping[str, float]] | None = None) -> list[_Proc]:
         """Up to ``n`` idle workers of ``key``, each pinged first (a dead one is retired,
         never handed out); idle workers of other keys are retired when the cluster has no
         room for the ones that must start cold, and then, for what is still missing, those
         of the other pools of this process (``make_room``). ``free``: each node's free
-        resources, by node id (what the cold ones lack is counted from it). The
+        resources, by node id (how many bundles fit and what the cold ones lack are counted
+        from it), else ``free_bundles``: how many bundles of ``key`` fit. The
         caller says ``cold_placed`` for those once it has placed them (or given up): until
         then the pool starts no refill."""
         with self._lock:
@@ -274,6 +276,8 @@ class WorkerPool:
             per_node = tuple(sorted(
                 (str(node), tuple(sorted((r, float(v)) for r, v in f.items())))
                 for node, f in free.items())) if free else None
+            if per_node is not None:
+                free_bundles = fitting(key, per_node)
             d = self.policy.decide(self._observe(alive=alive, want=Want(key, n, free_bundles,
                                                                         per_node),
                                                  draining=self._draining()))

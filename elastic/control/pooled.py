@@ -10,7 +10,7 @@ from typing import Any
 
 from clusters.pool_policy import PoolKey
 
-from ..ray_connect import actor_key, free_room, remove_bundle, wait_refs
+from ..ray_connect import actor_key, free_by_node, remove_bundle, wait_refs
 from .group import WorkerRec
 from .pool import WorkerPool, _Proc
 from .worker_group import Placement
@@ -51,8 +51,7 @@ class PooledPlacement(Placement):
         if n <= 0:
             return []
         bundle = self.bundle()
-        bundles, free = free_room(bundle)
-        procs = self.pool.take(self._key(), n, bundles, free)
+        procs = self.pool.take(self._key(), n, free=free_by_node(bundle))
         try:
             return [self._assign(p.handle, p.pg, True) for p in procs]
         except BaseException:

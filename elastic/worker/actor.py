@@ -19,6 +19,7 @@ keep their memory when a node is lost.
 
 from __future__ import annotations
 
+import functools
 import gc
 import math
 import os
@@ -62,6 +63,7 @@ def _live_ray() -> Any:
     return ray if ray is not None and ray.is_initialized() else None
 
 
+@functools.cache
 def _host_cores() -> int:
     """The cores this process may run on: its CPU affinity (all cores where there is none,
     off Linux), and no more than its cgroup's CPU quota (a container's limit)."""

@@ -14,6 +14,7 @@ from clusters.pool_policy import (
     PoolPolicy,
     Returned,
     Want,
+    fitting,
     room_of,
 )
 
@@ -258,6 +259,10 @@ def test_what_is_free_is_not_lacking():
     d = PoolPolicy(cpu4).decide(PoolObservation(10.0, (), want=Want(
         cpu4, 1, 0, tuple((n, (("CPU", 1.0),)) for n in "abcd"))))
     assert d.room_short == (("CPU", 4.0),), d
+    # how many bundles the nodes hold: node by node, never from the totals
+    assert fitting(CPU2, (("a", (("CPU", 3.0),)), ("b", (("CPU", 1.0),)))) == 1
+    assert fitting(GPU1, (("a", (("CPU", 8.0), ("GPU", 0.0))),)) == 0
+    assert fitting(GPU1, (("a", (("CPU", 8.0), ("GPU", 2.0))),)) == 2
 
 
 def test_no_refill_while_room_made_for_another_pools_job_is_held():
