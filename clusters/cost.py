@@ -30,7 +30,14 @@ from .collectives import (
 from .errors import PlanError, ProfileError
 from .estimate import Estimate
 from .memory import MemoryBreakdown, layout_memory, model_state_bytes
-from .pipeline_cost import MeshLayout, bubble_fraction, estimate_pipeline, mesh_layout, stage_blocks
+from .pipeline_cost import (
+    MeshLayout,
+    SharedCores,
+    bubble_fraction,
+    estimate_pipeline,
+    mesh_layout,
+    stage_blocks,
+)
 from .plan import Plan
 from .profile import ModelProfile
 from .topology import Cluster, Device, Path
@@ -84,6 +91,9 @@ class CostModel:
     ``comm_scale``: a factor on each collective kind's time (the closed loop's re-fit,
     ``clusters.refit``: what the running layouts' messages really cost against their
     profiled alpha and beta); 1 for a kind not in it.
+    ``shared_cores``: by device id, the CPU ranks that share a crowded host's cores
+    (``pipeline_cost.SharedCores``); a pipeline's waiting ranks leave their cores to the busy
+    ones. Data-parallel layouts keep every rank busy at once, as the profile did.
     """
 
     compute_efficiency: float = 0.4
@@ -102,6 +112,7 @@ class CostModel:
     pass_overhead_s: float = 5e-5
     comm: CommConfig = field(default_factory=CommConfig)
     comm_scale: Mapping[str, float] = field(default_factory=dict)
+    shared_cores: Mapping[str, SharedCores] = field(default_factory=dict)
 
     # ---------------------------------------------------------------- parts
     def alpha_beta(self, path: Path | None, kind: str | None = None) -> tuple[float, float]:

@@ -35,6 +35,7 @@ from .collectives import (
 from .cost import CostModel
 from .errors import ClustersError
 from .estimate import Estimate
+from .pipeline_cost import SharedCores
 from .plan import Plan
 from .profile import ModelProfile
 from .topology import Cluster
@@ -219,7 +220,8 @@ def _rank_compute(rep: Mapping[str, Any]) -> tuple[float, float, Spread]:
 def terms_model(reports: Sequence[Mapping[str, Any]], ids: Sequence[str], base: ModelProfile,
                 *, kinds: Sequence[object] | None = None, comm: CommConfig | None = None,
                 cluster: Cluster | None = None, floor: float = 0.1,
-                hosts: Sequence[object] | None = None) -> MeasuredModel:
+                hosts: Sequence[object] | None = None,
+                shared: Sequence[SharedCores | None] | None = None) -> MeasuredModel:
     """The cost model and profile of the live group from each rank's ``profile_terms`` report
     (``reports[r]`` for device ``ids[r]``). A report holds lists of repeated seconds:
 
@@ -237,7 +239,9 @@ def terms_model(reports: Sequence[Mapping[str, Any]], ids: Sequence[str], base: 
       optional.
 
     Speeds that agree within their noise are equalized (``equal_within_noise``; ``kinds``
-    marks devices built alike, ``hosts`` the host each one is on). The trial dp step sets ``step_overhead`` to what it took
+    marks devices built alike, ``hosts`` the host each one is on; ``shared`` says how a crowded
+host's cores were shared among its ranks, for pipelines). The trial dp step sets
+``step_overhead`` to what it took
     beyond the model's terms, or, when the terms already exceed it, the overlap of
     communication with backward that makes them meet. ``cluster`` (the live one) is needed
     for that. Raises ``ClustersError`` on a malformed report.
@@ -287,7 +291,9 @@ def terms_model(reports: Sequence[Mapping[str, Any]], ids: Sequence[str], base: 
     coll, cspread, wait, burst_wait = _collectives(reports[0])
     model = CostModel(seconds_per_sample=sps, collectives=coll, optimizer_fit=opt,
                       pass_overhead_s=passes, comm=comm or CommConfig(), sync_wait_s=wait,
-                      burst_wait_s=burst_wait)
+                      burst_wait_s=burst_wait,
+                      shared_cores={i: c for i, c in zip(ids, shared or [None] * len(ids),
+                                                         strict=True) if c is not None})
     trial = reports[0].get("trial")
     trial_spread = None
     if trial and trial.get("seconds") and cluster is not None:  # the ranks step together

@@ -8,6 +8,11 @@ and its gradient (backward). Replica time m max_j t_j + (sum_j t_j - max_j t_j) 
 slowest, then for the data-parallel sync of each position's parameters (positions in
 parallel; contention between them on shared NICs is not modelled).
 
+CPU ranks that share a crowded host's cores (``SharedCores``) were profiled all busy at once,
+each on its part of the cores. In a pipeline some of them wait, and the busy ones get more:
+the compute is then the larger of the schedule above at the speed a rank has on its own and
+each host's total work over its cores (the two bounds of a fluid schedule).
+
 A ``MeshLayout`` groups the replicas of a (pp, dp) device arrangement by everything these
 numbers depend on (device speed keys, memory, links), so an estimate costs one computation per
 distinct replica, not per rank: on 10,000 alike GPUs a few classes instead of 10,000 rows. The
@@ -33,8 +38,33 @@ from .plan import Plan
 from .profile import ModelProfile
 from .topology import Cluster, Device, Path
 
-__all__ = ["PartCosts", "MeshLayout", "DeviceClasses", "device_classes", "mesh_layout", "estimate_pipeline",
+__all__ = ["PartCosts", "SharedCores", "MeshLayout", "DeviceClasses", "device_classes", "mesh_layout", "estimate_pipeline",
            "bubble_fraction", "stage_blocks"]
+
+
+@dataclass(frozen=True)
+class SharedCores:
+    """A CPU rank on a host whose ranks need more threads than it has cores: ``host`` (what
+    groups them), its ``cores``, the rank's ``threads`` and ``host_threads``, the threads of
+    all the ranks that were profiled there at once. Profiled, the rank ran on
+    ``cores x threads / host_threads`` cores; on its own it runs on ``min(threads, cores)``."""
+
+    host: object
+    cores: float
+    threads: float
+    host_threads: float
+
+    @property
+    def alone(self) -> float:
+        """Its time on its own over its profiled time (below 1)."""
+        return min(1.0, self.cores * self.threads / self.host_threads
+                   / min(self.threads, self.cores))
+
+    @property
+    def weight(self) -> float:
+        """Its profiled seconds' share of the host's cores: the host is busy for the sum of
+        its ranks' profiled seconds times their weights."""
+        return self.threads / self.host_threads
 
 
 class PartCosts(Protocol):
@@ -51,6 +81,9 @@ class PartCosts(Protocol):
 
     @property
     def sync_wait_s(self) -> float: ...
+
+    @property
+    def shared_cores(self) -> Mapping[str, SharedCores]: ...
 
     def alpha_beta(self, path: Path | None, kind: str | None = None) -> tuple[float, float]: ...
 
@@ -128,7 +161,8 @@ def device_classes(
     cls: dict[str, int] = {}
     node: dict[str, str] = {}
     for d in devices:
-        key = (model.device_key(d, profile), d.type.name, d.slowdown, d.memory_bytes, d.pool)
+        key = (model.device_key(d, profile), d.type.name, d.slowdown, d.memory_bytes, d.pool,
+               model.shared_cores.get(d.id))
         cls[d.id] = index.setdefault(key, len(index))
         node[d.id] = d.node
     return DeviceClasses(cls, node)
@@ -227,12 +261,15 @@ def estimate_pipeline(
     chunks = [[k for k in range(n_st) if k % p == j] for j in range(p)]
 
     # One replica time per distinct (micro-batch size, class): replicas run in parallel.
+    # ``times``: each position's compute alone (no messages), the work a crowded host shares.
     st_memo: dict[tuple[object, int], float] = {}
     compute = 0.0
+    shared = model.shared_cores
+    times: dict[tuple[int, int], list[float]] = {}
     kinds = set(zip(plan.shares, layout.replica_class, strict=True))
     for b, c in {(s // m, c) for s, c in kinds}:
         row, links = layout.rows[c], layout.links[c]
-        t = []
+        t, work = [], []
         for j in range(p):
             key = model.device_key(row[j], profile)
             tj = 0.0
@@ -241,13 +278,26 @@ def estimate_pipeline(
                     st_memo[key, k] = model.sample_time(row[j], profile, stages[k])
                 tj += b * st_memo[key, k]
                 tj += len(stages[k]) * model.pass_overhead_s * row[j].slowdown
+            work.append(tj)
+            for k in chunks[j]:
                 if k < n_st - 1:
                     a, beta = model.alpha_beta(links[k % p], "p2p")
                     nbytes = b * profile.boundary(stages[k][-1])
                     tj += 2 * collective_time("p2p", nbytes, 2, a, beta)
             t.append(tj)
+        times[b, c] = work
+        if shared:  # on its own a rank of a crowded host is faster than profiled
+            t = [tj * (shared[d.id].alone if d.id in shared else 1.0) for tj, d in zip(t, row, strict=True)]
         tmax = max(t)
         compute = max(compute, m * tmax + (sum(t) - tmax) / v)
+    if shared:
+        busy: dict[object, float] = {}
+        for r, (s, c) in enumerate(zip(plan.shares, layout.replica_class, strict=True)):
+            for j in range(p):
+                sc = shared.get(layout.devices[j * dp + r].id)
+                if sc is not None:
+                    busy[sc.host] = busy.get(sc.host, 0.0) + m * times[s // m, c][j] * sc.weight
+        compute = max(compute, *busy.values()) if busy else compute
 
     pos_blocks = [[i for k in chunks[j] for i in stages[k]] for j in range(p)]
     pos_params = [sum(profile.block_params[i] for i in pos_blocks[j]) for j in range(p)]

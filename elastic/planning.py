@@ -29,11 +29,12 @@ from clusters import (
 from clusters import stage_split as split_stages
 from clusters.collectives import CommConfig
 from clusters.measured import MeasuredModel, equal_within_noise, terms_model
+from clusters.pipeline_cost import SharedCores
 from strategies import StrategyOptions, StrategySpec
 from strategies.blocks import block_params, blocks_of
 
 __all__ = ["live_cluster", "model_profile", "auto_spec", "auto_plan", "plan_spec",
-           "balanced_shares", "block_params", "comm_config", "device_hosts", "device_kinds",
+           "balanced_shares", "block_params", "comm_config", "device_hosts", "device_kinds", "shared_cores",
            "measured_model", "block_stage_split", "spec_plan"]
 
 _OPT_BYTES = {"adam": 8, "adamw": 8, "sgd": 0, "rmsprop": 4, "adagrad": 4}
@@ -114,6 +115,19 @@ def device_hosts(infos: Sequence[dict[str, Any]]) -> list[Any]:
             for h, i in zip(hosts, infos, strict=True)]
 
 
+def shared_cores(infos: Sequence[dict[str, Any]]) -> list[SharedCores | None]:
+    """For each worker on a crowded host (``device_hosts``), how the profile shared that
+    host's cores among the job's ranks there; None for the others."""
+    hosts = device_hosts(infos)
+    need: dict[Any, int] = {}
+    for h, i in zip(hosts, infos, strict=True):
+        if h is not None:
+            need[h] = need.get(h, 0) + max(1, int(i.get("threads") or 1))
+    return [SharedCores(h, float(i["host_cores"]), float(max(1, int(i.get("threads") or 1))),
+                        float(need[h])) if h is not None else None
+            for h, i in zip(hosts, infos, strict=True)]
+
+
 def balanced_shares(global_batch: int, speeds: Sequence[float],
                     kinds: Sequence[Any] | None = None,
                     hosts: Sequence[Any] | None = None) -> tuple[int, ...]:
@@ -143,7 +157,7 @@ def measured_model(model: nn.Module, optimizer: Any, infos: Sequence[dict[str, A
     cluster, ids = live_cluster(infos)
     base = model_profile(model, optimizer, precision=precision)
     return cluster, terms_model(reports, ids, base, kinds=device_kinds(infos),
-                                hosts=device_hosts(infos),
+                                hosts=device_hosts(infos), shared=shared_cores(infos),
                                 comm=comm_config(), cluster=cluster)
 
 
