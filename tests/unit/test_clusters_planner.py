@@ -367,6 +367,31 @@ def test_a_near_tie_never_goes_to_more_work_with_memory_to_spare(cands, tol, wan
     assert break_tie(ranked, tol, comfortable=0.5).plan.strategy == want
 
 
+@pytest.mark.parametrize("cands, seen, want", [
+    # a pipeline 1 % under dp, memory to spare: dp, whose estimate a trial step met
+    # (mixer on 3 CPU workers, 2026-12-05: pp3 m=8 picked this way ran 1.36x dp)
+    ([("pipeline", 1.000, 0.1), ("dp", 1.009, 0.3)], ("dp",), "dp"),
+    ([("zero1", 1.000, 0.2), ("dp", 1.004, 0.3)], ("dp",), "dp"),
+    ([("zero1", 1.000, 0.2), ("dp", 1.004, 0.3), ("zero3", 1.006, 0.1)], ("dp", "zero3"),
+     "dp"),
+    # no trial: the headroom, as before
+    ([("pipeline", 1.000, 0.1), ("dp", 1.009, 0.3)], (), "pipeline"),
+    # the tried one memory-tight: the headroom
+    ([("pipeline", 1.000, 0.1), ("dp", 1.009, 0.8)], ("dp",), "pipeline"),
+    # outside the tolerance: the fastest
+    ([("pipeline", 1.000, 0.1), ("dp", 1.02, 0.3)], ("dp",), "pipeline"),
+    # a pipeline with dp replicas is not what the trial ran
+    ([("zero1", 1.000, 0.2), ("pipeline", 1.004, 0.1)], ("dp",), "pipeline"),
+])
+def test_a_near_tie_goes_to_the_layout_a_trial_step_measured(cands, seen, want):
+    from clusters.planner import break_tie
+
+    ranked = sorted((_cand(s, t, m, **({"pp_degree": 2, "dp_mode": "dp"}
+                                       if s == "pipeline" else {})) for s, t, m in cands),
+                    key=lambda c: c.step_time)
+    assert break_tie(ranked, 0.01, comfortable=0.5, seen=seen).plan.strategy == want
+
+
 def test_more_work_is_one_zero_stage_up_on_the_same_layout():
     from clusters import Plan
     from clusters.plan import more_work
