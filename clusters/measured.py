@@ -236,7 +236,10 @@ def terms_model(reports: Sequence[Mapping[str, Any]], ids: Sequence[str], base: 
       ``bytes`` each, one from every rank, all in flight at once (fitted per message);
     * ``trial``: seconds of real dp steps (the strategy, the step loop's data fetch and
       control all-reduce) with ``shares`` (``{"shares": [...], "seconds": [...]}``);
-      optional.
+      optional;
+    * ``trial_no_update``: the same steps with an optimizer step that does nothing;
+      optional. The difference is the optimizer's cost inside a step, which scales its
+      timed-alone figures (``_fit_update``).
 
     Speeds that agree within their noise are equalized (``equal_within_noise``; ``kinds``
     marks devices built alike, ``hosts`` the host each one is on; ``shared`` says how a crowded
@@ -296,8 +299,15 @@ host's cores were shared among its ranks, for pipelines). The trial dp step sets
                                                          strict=True) if c is not None})
     trial = reports[0].get("trial")
     trial_spread = None
+    bare = reports[0].get("trial_no_update")
+    bare_spread, opt_scale = None, None
     if trial and trial.get("seconds") and cluster is not None:  # the ranks step together
         trial_spread = robust(trial["seconds"])
+        if bare and bare.get("seconds"):
+            bare_spread = robust(bare["seconds"])
+            model, opt_scale = _fit_update(model, profile, cluster, ids,
+                                           tuple(trial["shares"]),
+                                           trial_spread.median - bare_spread.median)
         model = _fit_overhead(model, profile, cluster, ids, tuple(trial["shares"]),
                               trial_spread.median)
     z3 = reports[0].get("trial_zero3")
@@ -316,6 +326,8 @@ host's cores were shared among its ranks, for pipelines). The trial dp step sets
         "sync_wait": model.sync_wait_s, "unit_wait": model.unit_wait_s,
         "burst_wait": model.burst_wait_s,
         "trial_zero3": z3_spread.as_dict() if z3_spread else None,
+        "trial_no_update": bare_spread.as_dict() if bare_spread else None,
+        "optimizer_scale": opt_scale,
         "step_overhead": model.step_overhead, "overlap": model.overlap})
 
 
@@ -380,6 +392,24 @@ def _fit_unit_wait(model: CostModel, profile: ModelProfile, cluster: Cluster,
         lo, hi = (mid, hi) if t < measured else (lo, mid)
     return replace(model, unit_wait_s=lo,
                    trial_strategies=(*model.trial_strategies, "zero3"))
+
+
+def _fit_update(model: CostModel, profile: ModelProfile, cluster: Cluster,
+                ids: Sequence[str], shares: tuple[int, ...], in_step: float
+                ) -> tuple[CostModel, float | None]:
+    """``model`` with its measured optimizer figures scaled so that the dp plan with
+    ``shares`` charges ``in_step`` seconds for the update (a trial step with the update less
+    one without), and the factor; at most 4x (a slow second in one trial is not the
+    optimizer) and never negative. Inside a step the update also costs what it evicts from
+    the caches the next forward would use; timed alone it does not. Unchanged (None) without
+    a measured optimizer."""
+    plan = Plan(strategy="dp", world_size=len(ids), shares=shares, devices=tuple(ids))
+    alone = model.estimate(plan, cluster, profile).optimizer
+    if not model.optimizer_fit or alone <= 0:
+        return model, None
+    f = min(4.0, max(0.0, in_step / alone))
+    return replace(model, optimizer_fit={k: (a * f, b * f, c * f) for k, (a, b, c) in
+                                         model.optimizer_fit.items()}), f
 
 
 def _fit_overhead(model: CostModel, profile: ModelProfile, cluster: Cluster,
