@@ -337,8 +337,8 @@ def profile_terms(*, model_factory: Callable[[], nn.Module], loss_fn: Any,
     ``control()``: starts the step loop's per-step control all-reduce and returns something
     to ``wait()`` on (waited for after the next step, as the loop does); ``slowdown``: an
     emulated device's factor (its compute figures are scaled by it, and the trial steps run
-    under its hooks). Trial steps: ``trial_steps`` of dp, and with world > 1 as many of dp
-    without the optimizer's update and half as many of zero3. Every rank must call it with
+    under its hooks). Trial steps: ``trial_steps`` of dp; with world > 1, as many of dp
+    without the optimizer's update too, in alternating blocks, and half as many of zero3. Every rank must call it with
     the same ``rounds``, ``trial_steps`` and ``shares``."""
     from strategies.blocks import blocks_of
 
@@ -375,15 +375,22 @@ def profile_terms(*, model_factory: Callable[[], nn.Module], loss_fn: Any,
     run = {"shares": shares, "world": world, "rank": rank, "device": device,
            "model_factory": model_factory, "optimizer_factory": optimizer_factory,
            "loss_fn": loss_fn, "batch": batch, "control": control, "slowdown": slowdown}
-    report["trial"] = {"shares": [int(s) for s in shares],
-                       "seconds": _trial_steps("dp", trial_steps, **run)}
     if world > 1:
-        # the same steps without the optimizer's update: what it costs inside a step, where
-        # the state it streams through also evicts what the next forward would have found
-        # cached (dlrm on 3 CPU ranks: 7.5 ms, against 3.9 ms timed around its step alone)
-        report["trial_no_update"] = {
-            "shares": [int(s) for s in shares],
-            "seconds": _trial_steps("dp", trial_steps, update=False, **run)}
+        # and steps without the optimizer's update: what it costs inside a step, where the
+        # state it streams through also evicts what the next forward would find cached
+        # (dlrm on 3 CPU ranks: 7.5 ms, against 3.9 ms timed around its step alone). In
+        # alternating blocks of 3, so that drift falls on both alike; each block's first
+        # step, which follows the other kind, is not counted.
+        updates = ([True] * 3 + [False] * 3) * max(2, trial_steps // 2)
+        secs = _trial_steps("dp", len(updates), updates=updates, **run)
+        kept = [(u, t) for i, (u, t) in enumerate(zip(updates, secs, strict=False)) if i % 3]
+        report["trial"] = {"shares": [int(s) for s in shares],
+                           "seconds": [t for u, t in kept if u]}
+        report["trial_no_update"] = {"shares": [int(s) for s in shares],
+                                     "seconds": [t for u, t in kept if not u]}
+    else:
+        report["trial"] = {"shares": [int(s) for s in shares],
+                           "seconds": _trial_steps("dp", trial_steps, **run)}
         secs = _trial_steps("zero3", max(2, trial_steps // 2), **run)
         if secs:
             report["trial_zero3"] = {"shares": [int(s) for s in shares], "seconds": secs}
@@ -394,12 +401,12 @@ def _trial_steps(name: str, n: int, *, shares: Sequence[int], world: int, rank: 
                  device: torch.device, model_factory: Callable[[], nn.Module],
                  optimizer_factory: Callable[[Any], Any], loss_fn: Any,
                  batch: Callable[[int], Any], control: Callable[[], Any] | None,
-                 slowdown: float, update: bool = True) -> list[float]:
+                 slowdown: float, updates: Sequence[bool] | None = None) -> list[float]:
     """Seconds of ``n`` steps of layout ``name`` (after 2 warm-up steps) as the step loop
     runs them: the data fetch, the strategy's step, the control all-reduce issued after it
-    and waited for after the next one; ``update=False``: the optimizer's step does nothing.
-    [] when the layout refuses the model (on every rank alike: ``validate`` is
-    deterministic)."""
+    and waited for after the next one; ``updates[i]``: whether step i runs the optimizer's
+    update (default: every step). [] when the layout refuses the model (on every rank
+    alike: ``validate`` is deterministic)."""
     from strategies import Runtime, StrategySpec
     from strategies import get as get_strategy
     from strategies.blocks import blocks_of
@@ -413,7 +420,8 @@ def _trial_steps(name: str, n: int, *, shares: Sequence[int], world: int, rank: 
         get_strategy(name).validate(spec, model)
     except StrategyError:
         return []
-    factory = optimizer_factory if update else _without_step(optimizer_factory)
+    live = [True]
+    factory = optimizer_factory if updates is None else _switchable(optimizer_factory, live)
     strat = get_strategy(name)(spec, Runtime(rank, world, device), model, factory, loss_fn)
     hooks = SpanHooks()
     try:
@@ -421,6 +429,7 @@ def _trial_steps(name: str, n: int, *, shares: Sequence[int], world: int, rank: 
         steps: list[float] = []
         pending: Any = None
         for step in range(n + 2):
+            live[0] = updates is None or step < 2 or bool(updates[step - 2])
             t0 = time.perf_counter()
             xs, ys = batch(step)
             strat.train_step(xs, ys)
@@ -439,11 +448,13 @@ def _trial_steps(name: str, n: int, *, shares: Sequence[int], world: int, rank: 
         strat.close()
 
 
-def _without_step(factory: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    """``factory``'s optimizers, with a step that leaves the parameters as they are."""
+def _switchable(factory: Callable[[Any], Any], live: list[bool]) -> Callable[[Any], Any]:
+    """``factory``'s optimizers, whose step leaves the parameters as they are while
+    ``live[0]`` is False."""
     def make(params: Any) -> Any:
         opt = factory(params)
-        opt.step = lambda *a, **k: None
+        real = opt.step
+        opt.step = lambda *a, **k: real(*a, **k) if live[0] else None
         return opt
     return make
 
