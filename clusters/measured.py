@@ -305,9 +305,10 @@ host's cores were shared among its ranks, for pipelines). The trial dp step sets
         trial_spread = robust(trial["seconds"])
         if bare and bare.get("seconds"):
             bare_spread = robust(bare["seconds"])
-            model, opt_scale = _fit_update(model, profile, cluster, ids,
-                                           tuple(trial["shares"]),
-                                           trial_spread.median - bare_spread.median)
+            model, opt_scale = _fit_update(
+                model, profile, cluster, ids, tuple(trial["shares"]),
+                trial_spread.median - bare_spread.median,
+                math.hypot(trial_spread.se, bare_spread.se))
         model = _fit_overhead(model, profile, cluster, ids, tuple(trial["shares"]),
                               trial_spread.median)
     z3 = reports[0].get("trial_zero3")
@@ -395,18 +396,21 @@ def _fit_unit_wait(model: CostModel, profile: ModelProfile, cluster: Cluster,
 
 
 def _fit_update(model: CostModel, profile: ModelProfile, cluster: Cluster,
-                ids: Sequence[str], shares: tuple[int, ...], in_step: float
+                ids: Sequence[str], shares: tuple[int, ...], in_step: float, se: float
                 ) -> tuple[CostModel, float | None]:
     """``model`` with its measured optimizer figures scaled so that the dp plan with
     ``shares`` charges ``in_step`` seconds for the update (a trial step with the update less
-    one without), and the factor; at most 4x (a slow second in one trial is not the
-    optimizer) and never negative. Inside a step the update also costs what it evicts from
-    the caches the next forward would use; timed alone it does not. Unchanged (None) without
-    a measured optimizer."""
+    one without, with standard error ``se``), and the factor. Inside a step the update also
+    costs what it evicts from the caches the next forward would use; timed alone it does
+    not. Within 2 standard errors of the timed figure the factor is 1 (where the update is a
+    small part of a noisy step the difference is noise); else at most 4x and never negative.
+    Unchanged (None) without a measured optimizer."""
     plan = Plan(strategy="dp", world_size=len(ids), shares=shares, devices=tuple(ids))
     alone = model.estimate(plan, cluster, profile).optimizer
     if not model.optimizer_fit or alone <= 0:
         return model, None
+    if abs(in_step - alone) <= 2 * se:
+        return model, 1.0
     f = min(4.0, max(0.0, in_step / alone))
     return replace(model, optimizer_fit={k: (a * f, b * f, c * f) for k, (a, b, c) in
                                          model.optimizer_fit.items()}), f

@@ -38,8 +38,8 @@ from .plan import Plan
 from .profile import ModelProfile
 from .topology import Cluster, Device, Path
 
-__all__ = ["PartCosts", "SharedCores", "MeshLayout", "DeviceClasses", "device_classes", "mesh_layout", "estimate_pipeline",
-           "bubble_fraction", "stage_blocks"]
+__all__ = ["PartCosts", "SharedCores", "MeshLayout", "DeviceClasses", "device_classes",
+           "mesh_layout", "estimate_pipeline", "bubble_fraction", "stage_blocks"]
 
 
 @dataclass(frozen=True)
@@ -287,7 +287,8 @@ def estimate_pipeline(
             t.append(tj)
         times[b, c] = work
         if shared:  # on its own a rank of a crowded host is faster than profiled
-            t = [tj * (shared[d.id].alone if d.id in shared else 1.0) for tj, d in zip(t, row, strict=True)]
+            t = [tj * (shared[d.id].alone if d.id in shared else 1.0)
+                 for tj, d in zip(t, row, strict=True)]
         tmax = max(t)
         compute = max(compute, m * tmax + (sum(t) - tmax) / v)
     if shared:

@@ -551,10 +551,11 @@ def test_the_update_costs_what_a_step_without_it_saves():
     before = {p.strategy: plain.model.estimate(p, cluster, plain.profile) for p in (dp, z1)}
     trial = _reports()[0]["trial"]["seconds"][0]
 
-    def with_bare(in_step):
+    def with_bare(in_step, noise=0.0):
         reps = _reports()
         for r in reps:
-            r["trial_no_update"] = {"shares": [32, 32], "seconds": [trial - in_step] * 3}
+            r["trial_no_update"] = {"shares": [32, 32], "seconds": [
+                trial - in_step + noise * k for k in (-1, 0, 1)]}
         return terms_model(reps, ids, _base(), cluster=cluster)
 
     opt_dp, opt_z1 = before["dp"].optimizer, before["zero1"].optimizer
@@ -571,3 +572,7 @@ def test_the_update_costs_what_a_step_without_it_saves():
     assert with_bare(-1e-3).spreads["optimizer_scale"] == 0.0
     assert with_bare(100 * opt_dp).spreads["optimizer_scale"] == 4.0
     assert plain.spreads["optimizer_scale"] is None
+    # within 2 standard errors of the timed figure: noise, the factor stays 1
+    assert with_bare(2 * opt_dp, noise=opt_dp).spreads["optimizer_scale"] == 1.0
+    assert with_bare(2 * opt_dp, noise=opt_dp / 10).spreads["optimizer_scale"] == (
+        pytest.approx(2.0))
