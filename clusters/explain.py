@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .candidates import Candidate
-from .plan import more_work
+from .plan import more_work, trial_ran
 from .topology import Cluster
 
 __all__ = ["explain"]
@@ -37,8 +37,10 @@ def explain(
     rejected: Sequence[Candidate],
     cluster: Cluster,
     global_batch: int,
+    seen: Sequence[str] = (),
 ) -> str:
-    """Why the planner chose what it chose (first line: the decision), or why nothing fits."""
+    """Why the planner chose what it chose (first line: the decision), or why nothing fits.
+    ``seen``: the strategies the profiler's trial steps ran (``planner.break_tie``)."""
     lines = []
     if choice is None or choice.estimate is None:
         lines.append(
@@ -63,6 +65,11 @@ def explain(
             line += (
                 f"; within the tie tolerance the choice does less work per step, with memory "
                 f"to spare ({choice.peak_fraction:.0%} of usable)"
+            )
+        elif slower < 0 and trial_ran(p, seen) and not trial_ran(r.plan, seen):
+            line += (
+                "; within the tie tolerance the choice is what the profiler's trial steps "
+                f"ran, with memory to spare ({choice.peak_fraction:.0%} of usable)"
             )
         elif slower < 0:
             line += (

@@ -242,11 +242,10 @@ def terms_model(reports: Sequence[Mapping[str, Any]], ids: Sequence[str], base: 
       timed-alone figures (``_fit_update``).
 
     Speeds that agree within their noise are equalized (``equal_within_noise``; ``kinds``
-    marks devices built alike, ``hosts`` the host each one is on; ``shared`` says how a crowded
-host's cores were shared among its ranks, for pipelines). The trial dp step sets
-``step_overhead`` to what it took
-    beyond the model's terms, or, when the terms already exceed it, the overlap of
-    communication with backward that makes them meet. ``cluster`` (the live one) is needed
+    marks devices built alike, ``hosts`` the host each one is on; ``shared`` says how a
+    crowded host's cores were shared among its ranks, for pipelines). The trial dp step sets
+    ``step_overhead`` to what it took beyond the model's terms, or, when the terms already
+    exceed it, the overlap of communication with backward that makes them meet. ``cluster`` (the live one) is needed
     for that. Raises ``ClustersError`` on a malformed report.
     """
     if len(reports) != len(ids) or not reports:

@@ -13,7 +13,7 @@ in ``micro_batches`` micro-batches of ``shares[r] // micro_batches`` samples. Fo
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -22,7 +22,7 @@ from strategies.traits import TRAITS
 
 from .errors import PlanError
 
-__all__ = ["Plan", "STRATEGIES", "SCHEDULES", "DP_MODES", "more_work"]
+__all__ = ["Plan", "STRATEGIES", "SCHEDULES", "DP_MODES", "more_work", "trial_ran"]
 
 STRATEGIES = tuple(TRAITS)  # the registry's names (strategies/traits.py, torch-free)
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -152,6 +152,13 @@ class Plan:
 
 
 _WORK_CHAIN = ("zero1", "zero2", "zero3")  # each sends what the one before sends, and more
+
+
+def trial_ran(p: Plan, seen: Sequence[str]) -> bool:
+    """Whether ``p`` is a layout the profiler's trial steps ran (``seen``:
+    ``CostModel.trial_strategies``, data-parallel strategies on every live device; a
+    pipeline is never one, whatever its ``dp_mode``)."""
+    return not p.is_pipeline and p.strategy in seen
 
 
 def more_work(a: Plan, b: Plan) -> bool:

@@ -20,7 +20,7 @@ from .cost import CostModel
 from .errors import PlanError
 from .explain import explain
 from .pipeline_plans import pipeline_candidates
-from .plan import DP_MODES, SCHEDULES, STRATEGIES, Plan, more_work
+from .plan import DP_MODES, SCHEDULES, STRATEGIES, Plan, more_work, trial_ran
 from .profile import ModelProfile
 from .topology import Cluster
 
@@ -103,7 +103,7 @@ def plan(
         ranked.remove(best)
         ranked.insert(0, best)
     choice = ranked[0] if ranked else None
-    text = explain(choice, ranked, rejected, cluster, global_batch)
+    text = explain(choice, ranked, rejected, cluster, global_batch, model.trial_strategies)
     if choice is not None:
         choice = replace(choice, plan=replace(choice.plan, reason=text.splitlines()[0]))
         ranked[0] = choice
@@ -123,8 +123,7 @@ def break_tie(ranked: Sequence[Candidate], tie_tolerance: float,
     near = [c for c in ranked if c.step_time <= ranked[0].step_time * (1 + tie_tolerance)]
     easy = [c for c in near if c.peak_fraction <= comfortable]
     keep = [c for c in near if not any(more_work(c.plan, d.plan) for d in easy)]
-    tried = [c for c in keep if c.peak_fraction <= comfortable and not c.plan.is_pipeline
-             and c.plan.strategy in seen]
+    tried = [c for c in keep if c.peak_fraction <= comfortable and trial_ran(c.plan, seen)]
     if tried:
         return tried[0]
     return min(keep, key=lambda c: c.peak_fraction)

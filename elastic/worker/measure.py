@@ -338,7 +338,8 @@ def profile_terms(*, model_factory: Callable[[], nn.Module], loss_fn: Any,
     to ``wait()`` on (waited for after the next step, as the loop does); ``slowdown``: an
     emulated device's factor (its compute figures are scaled by it, and the trial steps run
     under its hooks). Trial steps: ``trial_steps`` of dp; with world > 1, as many of dp
-    without the optimizer's update too, in alternating blocks, and half as many of zero3. Every rank must call it with
+    without the optimizer's update too (each rounded up to even), in alternating blocks, and
+    half as many of zero3. Every rank must call it with
     the same ``rounds``, ``trial_steps`` and ``shares``."""
     from strategies.blocks import blocks_of
 
@@ -381,19 +382,19 @@ def profile_terms(*, model_factory: Callable[[], nn.Module], loss_fn: Any,
         # (dlrm on 3 CPU ranks: 7.5 ms, against 3.9 ms timed around its step alone). In
         # alternating blocks of 3, so that drift falls on both alike; each block's first
         # step, which follows the other kind, is not counted.
-        updates = ([True] * 3 + [False] * 3) * max(2, trial_steps // 2)
+        updates = ([True] * 3 + [False] * 3) * max(2, -(-trial_steps // 2))
         secs = _trial_steps("dp", len(updates), updates=updates, **run)
         kept = [(u, t) for i, (u, t) in enumerate(zip(updates, secs, strict=False)) if i % 3]
         report["trial"] = {"shares": [int(s) for s in shares],
                            "seconds": [t for u, t in kept if u]}
         report["trial_no_update"] = {"shares": [int(s) for s in shares],
                                      "seconds": [t for u, t in kept if not u]}
-    else:
-        report["trial"] = {"shares": [int(s) for s in shares],
-                           "seconds": _trial_steps("dp", trial_steps, **run)}
         secs = _trial_steps("zero3", max(2, trial_steps // 2), **run)
         if secs:
             report["trial_zero3"] = {"shares": [int(s) for s in shares], "seconds": secs}
+    else:
+        report["trial"] = {"shares": [int(s) for s in shares],
+                           "seconds": _trial_steps("dp", trial_steps, **run)}
     return report
 
 
@@ -450,7 +451,9 @@ def _trial_steps(name: str, n: int, *, shares: Sequence[int], world: int, rank: 
 
 def _switchable(factory: Callable[[Any], Any], live: list[bool]) -> Callable[[Any], Any]:
     """``factory``'s optimizers, whose step leaves the parameters as they are while
-    ``live[0]`` is False."""
+    ``live[0]`` is False. The instance's ``step`` is replaced: fine for the strategies'
+    direct ``optimizer.step()`` (torch's step hooks still run when live); a torch
+    ``LRScheduler`` attached to it would not accept the wrapper."""
     def make(params: Any) -> Any:
         opt = factory(params)
         real = opt.step

@@ -576,3 +576,26 @@ def test_the_update_costs_what_a_step_without_it_saves():
     assert with_bare(2 * opt_dp, noise=opt_dp).spreads["optimizer_scale"] == 1.0
     assert with_bare(2 * opt_dp, noise=opt_dp / 10).spreads["optimizer_scale"] == (
         pytest.approx(2.0))
+
+
+def test_a_crowded_hosts_work_is_counted_rank_by_rank_in_a_hybrid():
+    """pp2 x dp2: ranks are stage-major (rank = stage * dp + replica). Stage 0's two ranks
+    share a 1-core host A, stage 1's a 1-core host B; stage 1 does twice stage 0's work, so
+    B's work bounds the step: 8 c0, against 9 c0 for the all-busy schedule (a replica-major
+    count would put 6 c0 on each host)."""
+    from clusters.pipeline_cost import SharedCores
+
+    cluster, ids = _live(4)
+    reps = _reports(4, c=(1e-3,) * 4)
+    even = {i: (2e-4, 2e-4, 2e-4) for i in ids}
+    shared = [SharedCores(h, 1.0, 1.0, 2.0) for h in ("A", "A", "B", "B")]
+    plain = terms_model(reps, ids, _base(), cluster=cluster)
+    mm = terms_model(reps, ids, _base(), cluster=cluster, shared=shared)
+    free = {**plain.model.collectives, "p2p": (0.0, 0.0)}
+    pp = Plan(strategy="pipeline", world_size=4, shares=(32, 32), devices=tuple(ids),
+              pp_degree=2, micro_batches=4, schedule="1f1b", stage_split=(1, 2))
+    before = replace(plain.model, collectives=free).estimate(
+        pp, cluster, replace(plain.profile, block_seconds=even)).compute
+    after = replace(mm.model, collectives=free).estimate(
+        pp, cluster, replace(mm.profile, block_seconds=even)).compute
+    assert after == pytest.approx(before * 8 / 9)

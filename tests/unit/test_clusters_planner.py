@@ -434,3 +434,24 @@ def test_the_explanation_says_why_a_slower_tie_won():
     dp_faster = replace(dp, estimate=replace(dp.estimate, step_time=z2.step_time * 0.995))
     text = explain(z2, [z2, dp_faster], [], cluster, 16).splitlines()[1]
     assert "runner-up: dp" in text and "keeps more memory headroom" in text
+
+
+def test_the_explanation_names_the_trial_rule_when_it_decides():
+    from dataclasses import replace
+
+    from clusters.explain import explain
+    from clusters.memory import layout_memory
+
+    dp = _cand("dp", 1.009, 0.3)
+    pp = _cand("pipeline", 1.000, 0.1, pp_degree=2, dp_mode="dp")
+    cluster = load_cluster({"name": "c", "pools": [
+        {"name": "p", "nodes": 1, "devices_per_node": 2, "device": "CPU"}]})
+    ids = tuple(d.id for d in cluster.devices)
+    mem = (layout_memory("dp", 1e6, 2),) * 2
+    dp = replace(dp, plan=replace(dp.plan, devices=ids),
+                 estimate=replace(dp.estimate, memory=mem))
+    pp = replace(pp, plan=replace(pp.plan, devices=ids),
+                 estimate=replace(pp.estimate, memory=mem))
+    text = explain(dp, [dp, pp], [], cluster, 16, seen=("dp",))
+    assert "trial steps ran" in text.splitlines()[1]
+    assert "headroom" in explain(dp, [dp, pp], [], cluster, 16).splitlines()[1]
