@@ -129,12 +129,12 @@ def main() -> int:
     for lay, s in res["steps"].items():
         print(f"  {lay:22s} {s * 1e3:7.2f}")
     for lay, s in res["alone"].items():
-        print(f"  {lay + ': update':22s} {s * 1e3:7.2f}  (its optimizer.step() alone)")
+        print(f"  {lay + ': update':22s} {s * 1e3:7.2f}  (timed around its optimizer.step() call)")
     st = res["steps"]
     dp_alone = res["alone"].get("dp")
     inside = st["dp"] - st["dp, no update"]
     print(f"  update inside a dp step {inside * 1e3:.2f} ms"
-          + (f" = {inside / dp_alone:.2f}x its step alone" if dp_alone else ""))
+          + (f" = {inside / dp_alone:.2f}x its optimizer.step() call" if dp_alone else ""))
     return 0
 
 
