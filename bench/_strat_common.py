@@ -60,6 +60,7 @@ import signal  # noqa: E402
 import tempfile  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
+from typing import Any  # noqa: E402
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(BENCH)
@@ -226,3 +227,27 @@ def code_version() -> str:
         return head + ("+dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
+
+
+def run_gloo_ranks(target: Any, workers: int, args: Any, timeout_s: float = 3600) -> Any:
+    """Spawn ``workers`` processes running ``target(rank, workers, port, args, queue)`` (one
+    gloo group on a free local port) and return what rank 0 puts on the queue."""
+    import torch.multiprocessing as mp
+
+    from tests.mp_harness import free_port
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=target, args=(r, workers, port, args, q))
+             for r in range(workers)]
+    for p in procs:
+        p.start()
+    try:
+        return q.get(timeout=timeout_s)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()

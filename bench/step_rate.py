@@ -130,26 +130,10 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--json", help="write every round's samples/s here")
     args = ap.parse_args()
-    os.environ["OMP_NUM_THREADS"] = "1"
-    import torch.multiprocessing as mp
+    import _strat_common
 
-    from tests.mp_harness import free_port
-
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_port()
     t0 = time.time()
-    procs = [ctx.Process(target=_rank, args=(r, args.workers, port, args, q))
-             for r in range(args.workers)]
-    for p in procs:
-        p.start()
-    try:
-        results = q.get(timeout=3600)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    results = _strat_common.run_gloo_ranks(_rank, args.workers, args)
     print(f"{args.workers} gloo workers, {args.rounds} rounds x {args.steps} steps "
           f"({args.warmup} warm-up), {time.time() - t0:.0f} s")
     for model_name, per in results.items():

@@ -104,26 +104,10 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     args = ap.parse_args()
-    os.environ["OMP_NUM_THREADS"] = "1"
-    import torch.multiprocessing as mp
+    import _strat_common
 
-    from tests.mp_harness import free_port
-
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_port()
     t0 = time.time()
-    procs = [ctx.Process(target=_rank, args=(r, args.workers, port, args, q))
-             for r in range(args.workers)]
-    for p in procs:
-        p.start()
-    try:
-        res = q.get(timeout=1800)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    res = _strat_common.run_gloo_ranks(_rank, args.workers, args, timeout_s=1800)
     print(f"{args.family}, {args.workers} gloo workers, {args.rounds} rounds x {args.steps} "
           f"steps ({args.warmup} warm-up), {time.time() - t0:.0f} s; median ms per step")
     for lay, s in res["steps"].items():
