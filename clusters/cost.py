@@ -87,9 +87,9 @@ class CostModel:
     None: ``sync_wait_s``.
     ``trial_kinds``: the collective kinds the profiler's trial steps sent (dp's); a real step
     validated their cost, so the closed loop's re-fit leaves them alone.
-    ``trial_strategies``: the data-parallel strategies the profiler ran trial steps of on
-    these devices (dp; zero3 too when it ran those): a real step met their estimate, so a
-    near tie goes to one of them (``planner.break_tie``).
+    ``trial_layouts``: (strategy, device ids) of the profiler's trial steps (dp; zero3 too
+    when it ran those), each over every live device with the profile's shares: a real step met
+    their estimate, so a near tie goes to one of them (``planner.break_tie``).
     ``comm``: how the layouts group their messages (``collectives.CommConfig``).
     ``comm_scale``: a factor on each collective kind's time (the closed loop's re-fit,
     ``clusters.refit``: what the running layouts' messages really cost against their
@@ -110,7 +110,7 @@ class CostModel:
     burst_wait_s: float | None = None
     unit_wait_s: float | None = None
     trial_kinds: tuple[str, ...] = ()
-    trial_strategies: tuple[str, ...] = ()
+    trial_layouts: tuple[tuple[str, tuple[str, ...]], ...] = ()
     overlap: float = 0.0
     usable_memory_fraction: float = 0.9
     pass_overhead_s: float = 5e-5

@@ -37,10 +37,11 @@ def explain(
     rejected: Sequence[Candidate],
     cluster: Cluster,
     global_batch: int,
-    seen: Sequence[str] = (),
+    seen: Sequence[tuple[str, Sequence[str]]] = (),
 ) -> str:
     """Why the planner chose what it chose (first line: the decision), or why nothing fits.
-    ``seen``: the strategies the profiler's trial steps ran (``planner.break_tie``)."""
+    ``seen``: the (strategy, device ids) the profiler's trial steps ran
+    (``planner.break_tie``)."""
     lines = []
     if choice is None or choice.estimate is None:
         lines.append(

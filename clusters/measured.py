@@ -391,7 +391,7 @@ def _fit_unit_wait(model: CostModel, profile: ModelProfile, cluster: Cluster,
         t = replace(model, unit_wait_s=mid).estimate(plan, cluster, profile).step_time
         lo, hi = (mid, hi) if t < measured else (lo, mid)
     return replace(model, unit_wait_s=lo,
-                   trial_strategies=(*model.trial_strategies, "zero3"))
+                   trial_layouts=(*model.trial_layouts, ("zero3", tuple(ids))))
 
 
 def _fit_update(model: CostModel, profile: ModelProfile, cluster: Cluster,
@@ -425,7 +425,7 @@ def _fit_overhead(model: CostModel, profile: ModelProfile, cluster: Cluster,
     g, tensors = profile.grad_bytes, profile.tensors(range(profile.n_blocks))
     sent = layout_messages("dp", len(ids), [t * g for t in tensors], comm=model.comm)
     model = replace(model, trial_kinds=tuple(sorted({m.kind for m in sent})),
-                    trial_strategies=("dp",))
+                    trial_layouts=(("dp", tuple(ids)),))
     gap = measured - est.step_time
     if gap >= 0:
         return replace(model, step_overhead=gap)

@@ -154,11 +154,12 @@ class Plan:
 _WORK_CHAIN = ("zero1", "zero2", "zero3")  # each sends what the one before sends, and more
 
 
-def trial_ran(p: Plan, seen: Sequence[str]) -> bool:
+def trial_ran(p: Plan, seen: Sequence[tuple[str, Sequence[str]]]) -> bool:
     """Whether ``p`` is a layout the profiler's trial steps ran (``seen``:
-    ``CostModel.trial_strategies``, data-parallel strategies on every live device; a
-    pipeline is never one, whatever its ``dp_mode``)."""
-    return not p.is_pipeline and p.strategy in seen
+    ``CostModel.trial_layouts``, (strategy, device ids) pairs): the same data-parallel
+    strategy on the same devices. A pipeline is never one, whatever its ``dp_mode``."""
+    return not p.is_pipeline and any(p.strategy == s and set(p.devices) == set(ids)
+                                     for s, ids in seen)
 
 
 def more_work(a: Plan, b: Plan) -> bool:

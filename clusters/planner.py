@@ -71,7 +71,7 @@ def plan(
     model's compute estimate for those devices. ``subsets=False`` uses every device.
     Ranking is by predicted step time; among plans within ``tie_tolerance`` of the fastest
     (the model is not that precise) one whose strategy the profiler's trial steps ran
-    (``model.trial_strategies``) is chosen if its memory is comfortable (at most
+    (``model.trial_layouts``) is chosen if its memory is comfortable (at most
     ``comfortable`` of usable), else the one with the most memory headroom, never one that
     does more work than another near plan with comfortable memory (``break_tie``: zero2
     beside zero1 with memory to spare).
@@ -99,11 +99,11 @@ def plan(
     ranked = sorted(fitting, key=lambda c: (c.step_time, c.peak_fraction))
     rejected = tuple(c for c in cands if not c.fits)
     if ranked:
-        best = break_tie(ranked, tie_tolerance, comfortable, model.trial_strategies)
+        best = break_tie(ranked, tie_tolerance, comfortable, model.trial_layouts)
         ranked.remove(best)
         ranked.insert(0, best)
     choice = ranked[0] if ranked else None
-    text = explain(choice, ranked, rejected, cluster, global_batch, model.trial_strategies)
+    text = explain(choice, ranked, rejected, cluster, global_batch, model.trial_layouts)
     if choice is not None:
         choice = replace(choice, plan=replace(choice.plan, reason=text.splitlines()[0]))
         ranked[0] = choice
@@ -112,14 +112,16 @@ def plan(
 
 
 def break_tie(ranked: Sequence[Candidate], tie_tolerance: float,
-              comfortable: float, seen: Sequence[str] = ()) -> Candidate:
+              comfortable: float, seen: Sequence[tuple[str, Sequence[str]]] = ()
+              ) -> Candidate:
     """The choice among fitting candidates sorted by predicted step time. Of those within
     ``tie_tolerance`` of the fastest (the model is not that precise), a candidate that does
     more work than another near one whose memory is comfortable (at most ``comfortable`` of
     usable) is set aside (``more_work``). Of the rest, the fastest whose strategy a trial ran
-    (``seen``: ``CostModel.trial_strategies``; a real step met its estimate, the others'
-    edge is extrapolated and below what the model can tell) if its memory is comfortable,
-    else the one with the most memory headroom (an OOM costs more than 1 %)."""
+    on the same devices (``seen``: ``CostModel.trial_layouts``; a real step met its
+    estimate, the others' edge is extrapolated and below what the model can tell) if its
+    memory is comfortable, else the one with the most memory headroom (an OOM costs more
+    than 1 %)."""
     near = [c for c in ranked if c.step_time <= ranked[0].step_time * (1 + tie_tolerance)]
     easy = [c for c in near if c.peak_fraction <= comfortable]
     keep = [c for c in near if not any(more_work(c.plan, d.plan) for d in easy)]

@@ -247,7 +247,7 @@ def test_terms_model_from_reports():
     assert mm.spreads["forward_fraction"] == pytest.approx(1 / 3)
     # the trial dp step took 2 ms beyond its terms: the per-step overhead
     assert m.step_overhead == pytest.approx(2e-3, rel=1e-6)
-    assert m.trial_strategies == ("dp",)  # a near tie goes to it (planner.break_tie)
+    assert m.trial_layouts == (("dp", tuple(ids)),)  # near ties go to it (planner.break_tie)
     est = m.estimate(Plan(strategy="dp", world_size=2, shares=(32, 32), devices=tuple(ids)),
                      cluster, prof)
     assert est.step_time == pytest.approx(_reports()[0]["trial"]["seconds"][0])
@@ -445,7 +445,7 @@ def test_a_zero3_trial_sets_the_wait_at_each_of_its_units():
     assert mm.model.unit_wait_s == pytest.approx(
         plain.model.sync_wait_s + 12e-3 / sync_points("zero3", 2, units), rel=1e-6)
     assert mm.model.estimate(z3, cluster, mm.profile).step_time == pytest.approx(want, rel=1e-6)
-    assert mm.model.trial_strategies == ("dp", "zero3")
+    assert mm.model.trial_layouts == (("dp", tuple(ids)), ("zero3", tuple(ids)))
     # dp is untouched (its one meeting point keeps sync_wait_s)
     dp = Plan(strategy="dp", world_size=2, shares=(32, 32), devices=tuple(ids))
     assert mm.model.estimate(dp, cluster, mm.profile).step_time == pytest.approx(

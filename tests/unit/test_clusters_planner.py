@@ -370,18 +370,20 @@ def test_a_near_tie_never_goes_to_more_work_with_memory_to_spare(cands, tol, wan
 @pytest.mark.parametrize("cands, seen, want", [
     # a pipeline 1 % under dp, memory to spare: dp, whose estimate a trial step met
     # (mixer on 3 CPU workers, 2026-12-05: pp3 m=8 picked this way ran 1.36x dp)
-    ([("pipeline", 1.000, 0.1), ("dp", 1.009, 0.3)], ("dp",), "dp"),
-    ([("zero1", 1.000, 0.2), ("dp", 1.004, 0.3)], ("dp",), "dp"),
-    ([("zero1", 1.000, 0.2), ("dp", 1.004, 0.3), ("zero3", 1.006, 0.1)], ("dp", "zero3"),
-     "dp"),
+    ([("pipeline", 1.000, 0.1), ("dp", 1.009, 0.3)], (("dp", ()),), "dp"),
+    ([("zero1", 1.000, 0.2), ("dp", 1.004, 0.3)], (("dp", ()),), "dp"),
+    ([("zero1", 1.000, 0.2), ("dp", 1.004, 0.3), ("zero3", 1.006, 0.1)],
+     (("dp", ()), ("zero3", ())), "dp"),
     # no trial: the headroom, as before
     ([("pipeline", 1.000, 0.1), ("dp", 1.009, 0.3)], (), "pipeline"),
     # the tried one memory-tight: the headroom
-    ([("pipeline", 1.000, 0.1), ("dp", 1.009, 0.8)], ("dp",), "pipeline"),
+    ([("pipeline", 1.000, 0.1), ("dp", 1.009, 0.8)], (("dp", ()),), "pipeline"),
     # outside the tolerance: the fastest
-    ([("pipeline", 1.000, 0.1), ("dp", 1.02, 0.3)], ("dp",), "pipeline"),
+    ([("pipeline", 1.000, 0.1), ("dp", 1.02, 0.3)], (("dp", ()),), "pipeline"),
+    # dp on other devices than the trial's: not what it ran, the headroom decides
+    ([("pipeline", 1.000, 0.1), ("dp", 1.009, 0.3)], (("dp", ("other",)),), "pipeline"),
     # a pipeline with dp replicas is not what the trial ran
-    ([("zero1", 1.000, 0.2), ("pipeline", 1.004, 0.1)], ("dp",), "pipeline"),
+    ([("zero1", 1.000, 0.2), ("pipeline", 1.004, 0.1)], (("dp", ()),), "pipeline"),
 ])
 def test_a_near_tie_goes_to_the_layout_a_trial_step_measured(cands, seen, want):
     from clusters.planner import break_tie
@@ -452,6 +454,6 @@ def test_the_explanation_names_the_trial_rule_when_it_decides():
                  estimate=replace(dp.estimate, memory=mem))
     pp = replace(pp, plan=replace(pp.plan, devices=ids),
                  estimate=replace(pp.estimate, memory=mem))
-    text = explain(dp, [dp, pp], [], cluster, 16, seen=("dp",))
+    text = explain(dp, [dp, pp], [], cluster, 16, seen=(("dp", ids),))
     assert "trial steps ran" in text.splitlines()[1]
     assert "headroom" in explain(dp, [dp, pp], [], cluster, 16).splitlines()[1]
