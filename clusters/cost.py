@@ -88,8 +88,8 @@ class CostModel:
     ``trial_kinds``: the collective kinds the profiler's trial steps sent (dp's); a real step
     validated their cost, so the closed loop's re-fit leaves them alone.
     ``trial_layouts``: (strategy, device ids) of the profiler's trial steps (dp; zero3 too
-    when it ran those), each over every live device with the profile's shares: a real step met
-    their estimate, so a near tie goes to one of them (``planner.break_tie``).
+    when it ran those), each over every live device with the profile's shares: a real step
+    met their estimate, so a near tie goes to one of them (``planner.break_tie``).
     ``comm``: how the layouts group their messages (``collectives.CommConfig``).
     ``comm_scale``: a factor on each collective kind's time (the closed loop's re-fit,
     ``clusters.refit``: what the running layouts' messages really cost against their
