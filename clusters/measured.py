@@ -245,8 +245,8 @@ def terms_model(reports: Sequence[Mapping[str, Any]], ids: Sequence[str], base: 
     marks devices built alike, ``hosts`` the host each one is on; ``shared`` says how a
     crowded host's cores were shared among its ranks, for pipelines). The trial dp step sets
     ``step_overhead`` to what it took beyond the model's terms, or, when the terms already
-    exceed it, the overlap of communication with backward that makes them meet. ``cluster`` (the live one) is needed
-    for that. Raises ``ClustersError`` on a malformed report.
+    exceed it, the overlap of communication with backward that makes them meet. ``cluster``
+    (the live one) is needed for that. Raises ``ClustersError`` on a malformed report.
     """
     if len(reports) != len(ids) or not reports:
         raise ClustersError(f"{len(reports)} profile reports for {len(ids)} devices")

@@ -157,9 +157,9 @@ _WORK_CHAIN = ("zero1", "zero2", "zero3")  # each sends what the one before send
 def trial_ran(p: Plan, seen: Sequence[tuple[str, Sequence[str]]]) -> bool:
     """Whether ``p`` is a layout the profiler's trial steps ran (``seen``:
     ``CostModel.trial_layouts``, (strategy, device ids) pairs): the same data-parallel
-    strategy on the same devices. A pipeline is never one, whatever its ``dp_mode``."""
-    return not p.is_pipeline and any(p.strategy == s and set(p.devices) == set(ids)
-                                     for s, ids in seen)
+    strategy on the same devices (the trials run data-parallel layouts, so a pipeline,
+    strategy ``"pipeline"``, never is one, whatever its ``dp_mode``)."""
+    return any(p.strategy == s and set(p.devices) == set(ids) for s, ids in seen)
 
 
 def more_work(a: Plan, b: Plan) -> bool:

@@ -34,8 +34,8 @@ from strategies import StrategyOptions, StrategySpec
 from strategies.blocks import block_params, blocks_of
 
 __all__ = ["live_cluster", "model_profile", "auto_spec", "auto_plan", "plan_spec",
-           "balanced_shares", "block_params", "comm_config", "device_hosts", "device_kinds", "shared_cores",
-           "measured_model", "block_stage_split", "spec_plan"]
+           "balanced_shares", "block_params", "comm_config", "device_hosts", "device_kinds",
+           "shared_cores", "measured_model", "block_stage_split", "spec_plan"]
 
 _OPT_BYTES = {"adam": 8, "adamw": 8, "sgd": 0, "rmsprop": 4, "adagrad": 4}
 
@@ -105,12 +105,7 @@ def device_hosts(infos: Sequence[dict[str, Any]]) -> list[Any]:
     so what a profile sees between them is that sharing, not their speed (``balanced_shares``
     makes them equal). GPU workers and CPU workers with cores of their own are measured
     apart as before: a slow device among them is real."""
-    hosts = [(i.get("hostname") or i.get("node_id")) if i.get("device") == "cpu" else None
-             for i in infos]
-    need: dict[Any, int] = {}
-    for h, i in zip(hosts, infos, strict=True):
-        if h is not None:
-            need[h] = need.get(h, 0) + max(1, int(i.get("threads") or 1))
+    hosts, need = _cpu_hosts(infos)
     return [h if h is not None and need[h] > int(i.get("host_cores") or 1 << 30) else None
             for h, i in zip(hosts, infos, strict=True)]
 
@@ -118,14 +113,26 @@ def device_hosts(infos: Sequence[dict[str, Any]]) -> list[Any]:
 def shared_cores(infos: Sequence[dict[str, Any]]) -> list[SharedCores | None]:
     """For each worker on a crowded host (``device_hosts``), how the profile shared that
     host's cores among the job's ranks there; None for the others."""
-    hosts = device_hosts(infos)
+    _, need = _cpu_hosts(infos)
+    return [SharedCores(h, float(i["host_cores"]), float(_threads(i)), float(need[h]))
+            if h is not None else None
+            for h, i in zip(device_hosts(infos), infos, strict=True)]
+
+
+def _threads(info: dict[str, Any]) -> int:
+    return max(1, int(info.get("threads") or 1))
+
+
+def _cpu_hosts(infos: Sequence[dict[str, Any]]) -> tuple[list[Any], dict[Any, int]]:
+    """Each CPU worker's host (its hostname, else its Ray node; None for a GPU worker) and
+    the threads the job's CPU workers need on each host."""
+    hosts = [(i.get("hostname") or i.get("node_id")) if i.get("device") == "cpu" else None
+             for i in infos]
     need: dict[Any, int] = {}
     for h, i in zip(hosts, infos, strict=True):
         if h is not None:
-            need[h] = need.get(h, 0) + max(1, int(i.get("threads") or 1))
-    return [SharedCores(h, float(i["host_cores"]), float(max(1, int(i.get("threads") or 1))),
-                        float(need[h])) if h is not None else None
-            for h, i in zip(hosts, infos, strict=True)]
+            need[h] = need.get(h, 0) + _threads(i)
+    return hosts, need
 
 
 def balanced_shares(global_batch: int, speeds: Sequence[float],

@@ -339,8 +339,8 @@ def profile_terms(*, model_factory: Callable[[], nn.Module], loss_fn: Any,
     emulated device's factor (its compute figures are scaled by it, and the trial steps run
     under its hooks). Trial steps: ``trial_steps`` of dp; with world > 1, as many of dp
     without the optimizer's update too (each rounded up to even), in alternating blocks, and
-    half as many of zero3. Every rank must call it with
-    the same ``rounds``, ``trial_steps`` and ``shares``."""
+    half as many of zero3. Every rank must call it with the same ``rounds``,
+    ``trial_steps`` and ``shares``."""
     from strategies.blocks import blocks_of
 
     sync = _sync_fn(device)

@@ -44,10 +44,6 @@ view: plain
 """
 
 
-def _free_port() -> int:
-    return free_port()  # outside the ephemeral range (tests/mp_harness.py)
-
-
 # ---------------------------------------------------------------------------- processes
 
 
@@ -185,7 +181,7 @@ def ray_head():
     env.update(RAY_TMPDIR=tmp, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32),
                RAY_JOB_STOP_WAIT_TIME_S="60",
                PATH=BIN + os.pathsep + env.get("PATH", ""), PYTHONUNBUFFERED="1")
-    gcs, dash, client, agent = (_free_port() for _ in range(4))
+    gcs, dash, client, agent = (free_port() for _ in range(4))  # below the ephemeral range
     head = Head(tmp, env, gcs, dash)
     start = subprocess.Popen(
         [RAY, "start", "--head", f"--port={gcs}", "--num-cpus=3", "--include-dashboard=true",
