@@ -10,7 +10,6 @@ restart loses every bucket: ``start()`` re-creates the test's bucket.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -22,16 +21,12 @@ from typing import Any
 
 import pytest
 
+from tests.mp_harness import free_port
+
 __all__ = ["S3Server", "s3_server"]
 
 _START_TIMEOUT_S = 30.0
 _CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class S3Server:
@@ -39,7 +34,7 @@ class S3Server:
 
     def __init__(self, port: int | None = None) -> None:
         self.host = "127.0.0.1"
-        self.port = port or _free_port()
+        self.port = port or free_port()  # below the ephemeral range
         self.bucket = ""
         self._proc: subprocess.Popen[bytes] | None = None
 

@@ -19,7 +19,8 @@ import textwrap
 
 import pytest
 
-from tests.integration.test_job_submit import JOB, _end_head, _free_port
+from tests.integration.test_job_submit import JOB, _end_head
+from tests.mp_harness import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -77,7 +78,7 @@ def launched(tmp_path):
                PYTHONPATH=os.pathsep.join([HERE, os.path.dirname(os.path.dirname(HERE))]),
                PYTHONUNBUFFERED="1")
     cfg = tmp_path / "cluster.yaml"
-    cfg.write_text(_cluster_yaml(home, _free_port()))
+    cfg.write_text(_cluster_yaml(home, free_port()))
     up = subprocess.Popen([os.path.join(BIN, "ray"), "up", "-y", "--no-config-cache", str(cfg)],
                           env=env, cwd=str(tmp_path), stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, start_new_session=True)
