@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from clusters.collectives import BROADCAST_BURST, KINDS
+from clusters.measured import more_update_steps
 
 __all__ = ["SpanHooks", "profile_terms", "COLLECTIVE_SIZES"]
 
@@ -382,9 +383,26 @@ def profile_terms(*, model_factory: Callable[[], nn.Module], loss_fn: Any,
         # (dlrm on 3 CPU ranks: 7.5 ms, against 3.9 ms timed around its step alone). In
         # alternating blocks of 3, so that drift falls on both alike; each block's first
         # step, which follows the other kind, is not counted.
+        # More pairs of blocks while the difference is unresolved where it matters
+        # (``clusters.measured.more_update_steps``), as rank 0 sees it, for every rank.
         updates = ([True] * 3 + [False] * 3) * max(2, -(-trial_steps // 2))
-        secs = _trial_steps("dp", len(updates), updates=updates, **run)
-        kept = [(u, t) for i, (u, t) in enumerate(zip(updates, secs, strict=False)) if i % 3]
+        alone = statistics_median(report["optimizer"]["plain"][0][2])
+
+        block = updates[:6]
+
+        def more(secs: Sequence[float]) -> list[bool]:
+            kept = _kept(updates, secs)
+            go = torch.tensor([float(rank == 0 and more_update_steps(
+                [t for u, t in kept if u], [t for u, t in kept if not u], alone))],
+                device=device)
+            dist.broadcast(go, src=0)
+            if not go.item():
+                return []
+            updates.extend(block)
+            return block
+
+        secs = _trial_steps("dp", len(updates), updates=list(updates), more=more, **run)
+        kept = _kept(updates, secs)
         report["trial"] = {"shares": [int(s) for s in shares],
                            "seconds": [t for u, t in kept if u]}
         report["trial_no_update"] = {"shares": [int(s) for s in shares],
@@ -402,12 +420,16 @@ def _trial_steps(name: str, n: int, *, shares: Sequence[int], world: int, rank: 
                  device: torch.device, model_factory: Callable[[], nn.Module],
                  optimizer_factory: Callable[[Any], Any], loss_fn: Any,
                  batch: Callable[[int], Any], control: Callable[[], Any] | None,
-                 slowdown: float, updates: Sequence[bool] | None = None) -> list[float]:
+                 slowdown: float, updates: Sequence[bool] | None = None,
+                 more: Callable[[Sequence[float]], Sequence[bool]] | None = None
+                 ) -> list[float]:
     """Seconds of ``n`` steps of layout ``name`` (after 2 warm-up steps) as the step loop
     runs them: the data fetch, the strategy's step, the control all-reduce issued after it
     and waited for after the next one; ``updates[i]``: whether step i runs the optimizer's
-    update (default: every step). [] when the layout refuses the model (on every rank
-    alike: ``validate`` is deterministic)."""
+    update (default: every step). When they are done, ``more(seconds so far)`` (called on
+    every rank alike) gives the ``updates`` of further steps, until it gives none.
+    [] when the layout refuses the model (on every rank alike: ``validate`` is
+    deterministic)."""
     from strategies import Runtime, StrategySpec
     from strategies import get as get_strategy
     from strategies.blocks import blocks_of
@@ -429,7 +451,14 @@ def _trial_steps(name: str, n: int, *, shares: Sequence[int], world: int, rank: 
         hooks.install(blocks_of(strat.local_model()), slowdown, device, time_forward=False)
         steps: list[float] = []
         pending: Any = None
-        for step in range(n + 2):
+        step = 0
+        while True:
+            if step == n + 2:
+                extra = list(more(steps[2:])) if more is not None else []
+                if not extra:
+                    break
+                updates = [*(updates or [True] * n), *extra]
+                n += len(extra)
             live[0] = updates is None or step < 2 or bool(updates[step - 2])
             t0 = time.perf_counter()
             xs, ys = batch(step)
@@ -441,12 +470,19 @@ def _trial_steps(name: str, n: int, *, shares: Sequence[int], world: int, rank: 
                 pending = work
             sync()
             steps.append(time.perf_counter() - t0)
+            step += 1
         if pending is not None:
             pending.wait()
         return steps[2:]
     finally:
         hooks.remove()
         strat.close()
+
+
+def _kept(updates: Sequence[bool], secs: Sequence[float]) -> list[tuple[bool, float]]:
+    """(update?, seconds) of the trial steps that count: each block of 3's first step, which
+    follows the other kind, does not."""
+    return [(u, t) for i, (u, t) in enumerate(zip(updates, secs, strict=False)) if i % 3]
 
 
 def _switchable(factory: Callable[[Any], Any], live: list[bool]) -> Callable[[Any], Any]:

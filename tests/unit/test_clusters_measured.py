@@ -28,6 +28,7 @@ from clusters.measured import (
     fit_alpha_beta,
     fit_optimizer,
     fit_pass,
+    more_update_steps,
     robust,
     terms_model,
 )
@@ -599,3 +600,27 @@ def test_a_crowded_hosts_work_is_counted_rank_by_rank_in_a_hybrid():
     after = replace(mm.model, collectives=free).estimate(
         pp, cluster, replace(mm.profile, block_seconds=even)).compute
     assert after == pytest.approx(before * 8 / 9)
+
+
+def _steps(med: float, sd: float, n: int) -> list[float]:
+    """n step times of median ``med`` whose robust sd is about ``sd``."""
+    return [med + sd * (k - (n - 1) / 2) / (n / 2) * 1.5 for k in range(n)]
+
+
+@pytest.mark.parametrize("case, with_u, without, alone, more", [
+    # dlrm on 3 CPU ranks: 7.5 ms inside a 20 ms step, 3.9 timed, sd 4: unresolved at 6
+    ("unresolved", (20e-3, 4e-3, 6), (12.5e-3, 4e-3, 6), 3.9e-3, True),
+    # the same at 24 of each: the cap
+    ("at the cap", (20e-3, 4e-3, 24), (12.5e-3, 4e-3, 24), 3.9e-3, False),
+    # a quiet host: beyond 2 standard errors at 6 steps
+    ("resolved: differs", (20e-3, 0.3e-3, 6), (12.5e-3, 0.3e-3, 6), 3.9e-3, False),
+    # as timed, and known within half of it
+    ("resolved: as timed", (20e-3, 0.3e-3, 6), (16.1e-3, 0.3e-3, 6), 3.9e-3, False),
+    # gpt: 3 ms of a 100 ms step, not worth a factor however noisy
+    ("small share", (100e-3, 5e-3, 6), (93e-3, 5e-3, 6), 3e-3, False),
+    ("no timed figure", (20e-3, 4e-3, 6), (12.5e-3, 4e-3, 6), 0.0, False),
+    ("no steps without", (20e-3, 4e-3, 6), (12.5e-3, 4e-3, 0), 3.9e-3, False),
+])
+def test_more_trial_steps_while_the_update_is_unresolved_where_it_matters(
+        case, with_u, without, alone, more):
+    assert more_update_steps(_steps(*with_u), _steps(*without), alone) is more, case
