@@ -8,8 +8,8 @@ what runs):
 1. **profiled** (before any training step): the workers' ``profile_terms`` (every term
    repeated, the noise reported) and the planner's choice, the *pick*;
 2. the pick runs ``--first`` steps (the closed loop's window), then the job is switched through
-   dp, zero1, zero2, zero3 and a pipeline (pp = world, 1F1B, 4 micro-batches, stages cut by the
-   measured per-block times), each for ``--warmup`` + ``--steps`` steps, and back through the
+   dp, zero1, zero2, zero3 and a pipeline (pp = world, 1F1B, 4 micro-batches by default
+   (``--micro-batches``), stages cut by the measured per-block times), each for ``--warmup`` + ``--steps`` steps, and back through the
    same layouts in reverse (``--passes 2``, the default): each layout's figure pools both
    passes, so a drift of the machine over the run cancels to first order instead of favouring
    whichever layout ran in its quiet moment, and the two passes' difference is the noise
@@ -79,7 +79,7 @@ def run_config(tmp: str, fam: pm.Family, world: int, args: argparse.Namespace) -
         model=fam.model, optimizer={"name": "adam", "lr": 1e-3}, loss=fam.loss,
         dataset=fam.dataset, global_batch_size=fam.global_batch, num_workers=world,
         strategy="auto", view="none", run_dir=os.path.join(tmp, name), name=name,
-        max_steps=10_000_000, replan_every=0, pp_degree=world, micro_batches=4,
+        max_steps=10_000_000, replan_every=0, pp_degree=world, micro_batches=args.micro_batches,
         schedule="1f1b", hang_timeout_s=300)
     ctl = handle.controller
     rows: dict[str, dict[str, Any]] = {}
@@ -243,6 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--passes", type=int, choices=(1, 2), default=2,
                     help="2: every layout there and back (dp .. pipeline, pipeline .. dp), "
                          "pooled; 1: once, then dp again")
+    ap.add_argument("--micro-batches", type=int, default=4,
+                    help="the pipeline row's (the profiler's pipeline trial runs the fewest "
+                    ">= world that divide the batch: 4 at 3 workers, 2 at 2)")
     ap.add_argument("--json")
     ap.add_argument("--tables", nargs="+", metavar="JSON",
                     help="print the tables of earlier runs' --json files together, run nothing")

@@ -94,6 +94,11 @@ class CostModel:
     ``comm_scale``: a factor on each collective kind's time (the closed loop's re-fit,
     ``clusters.refit``: what the running layouts' messages really cost against their
     profiled alpha and beta); 1 for a kind not in it.
+    ``pipe_action_s``: seconds each pipeline stage spends per micro-batch beyond its compute
+    and p2p messages (the schedule's own work per action; may be negative down to the compute
+    alone), and ``pipe_msg_scale``: a factor on a pipeline step's messages outside the
+    schedule (its batch's all-gathers, the norm's and the commit's all-reduces), both fitted
+    to the profiler's pipeline trial steps (``measured._fit_pipeline``); 0 and 1 without one.
     ``shared_cores``: by device id, the CPU ranks that share a crowded host's cores
     (``pipeline_cost.SharedCores``); a pipeline's waiting ranks leave their cores to the busy
     ones. Data-parallel layouts keep every rank busy at once, as the profile did.
@@ -117,6 +122,8 @@ class CostModel:
     comm: CommConfig = field(default_factory=CommConfig)
     comm_scale: Mapping[str, float] = field(default_factory=dict)
     shared_cores: Mapping[str, SharedCores] = field(default_factory=dict)
+    pipe_action_s: float = 0.0
+    pipe_msg_scale: float = 1.0
 
     # ---------------------------------------------------------------- parts
     def alpha_beta(self, path: Path | None, kind: str | None = None) -> tuple[float, float]:

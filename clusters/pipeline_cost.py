@@ -85,6 +85,12 @@ class PartCosts(Protocol):
     @property
     def shared_cores(self) -> Mapping[str, SharedCores]: ...
 
+    @property
+    def pipe_action_s(self) -> float: ...
+
+    @property
+    def pipe_msg_scale(self) -> float: ...
+
     def alpha_beta(self, path: Path | None, kind: str | None = None) -> tuple[float, float]: ...
 
     def sample_time(self, device: Device, profile: ModelProfile,
@@ -248,7 +254,7 @@ def _step_messages(model: PartCosts, plan: Plan, layout: MeshLayout) -> float:
     ar = model.alpha_beta(world_path, "all_reduce")
     t = 2 * collective_time("all_gather", 8.0, p, *ag) if p > 1 else 0.0
     t += 2 * collective_time("all_reduce", 8.0, world, *ar)
-    return t + 2 * model.sync_wait_s
+    return (t + 2 * model.sync_wait_s) * model.pipe_msg_scale
 
 
 def estimate_pipeline(
@@ -284,7 +290,7 @@ def estimate_pipeline(
                     a, beta = model.alpha_beta(links[k % p], "p2p")
                     nbytes = b * profile.boundary(stages[k][-1])
                     tj += 2 * collective_time("p2p", nbytes, 2, a, beta)
-            t.append(tj)
+            t.append(max(tj + len(chunks[j]) * model.pipe_action_s, work[-1]))
         times[b, c] = work
         if shared:  # on its own a rank of a crowded host is faster than profiled
             t = [tj * (shared[d.id].alone if d.id in shared else 1.0)

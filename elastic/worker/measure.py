@@ -410,10 +410,43 @@ def profile_terms(*, model_factory: Callable[[], nn.Module], loss_fn: Any,
         secs = _trial_steps("zero3", max(2, trial_steps // 2), **run)
         if secs:
             report["trial_zero3"] = {"shares": [int(s) for s in shares], "seconds": secs}
+        pipe = _pipeline_trial(max(2, trial_steps // 2), model_factory, run)
+        if pipe:
+            report["trial_pipeline"] = pipe
     else:
         report["trial"] = {"shares": [int(s) for s in shares],
                            "seconds": _trial_steps("dp", trial_steps, **run)}
     return report
+
+
+def _pipeline_trial(n: int, model_factory: Callable[[], nn.Module], run: dict[str, Any]
+                    ) -> dict[str, Any] | None:
+    """``n`` steps of a pipeline over every rank (pp = world, 1F1B, the fewest micro-batches
+    that divide the global batch, at least world; stages cut by parameters), each step's
+    seconds and its schedule's (micro-batches, p2p, bubble) on this rank: what a pipeline's
+    schedule costs per micro-batch beyond compute and messages, and what its step's other
+    messages cost. None when the model cannot be cut into that many stages."""
+    from strategies import StrategySpec
+    from strategies.errors import StrategyError
+    from strategies.pipeline import _resolve_split, pipeline_blocks
+
+    world, shares = run["world"], [int(s) for s in run["shares"]]
+    g = sum(shares)
+    m = next((k for k in range(world, g + 1) if g % k == 0), 0)
+    if not m:
+        return None
+    kw = {"pp_degree": world, "micro_batches": m, "schedule": "1f1b"}
+    try:
+        split = _resolve_split(StrategySpec("pipeline", world, tuple(shares), **kw),
+                               pipeline_blocks(model_factory()))
+    except StrategyError:
+        return None
+    sched: list[float] = []
+    secs = _trial_steps("pipeline", n, spec_kw=kw, schedule_secs=sched, **run)
+    if not secs:
+        return None
+    return {"shares": shares, "micro_batches": m, "schedule": "1f1b", "split": list(split),
+            "seconds": secs, "schedule_seconds": sched[-len(secs):]}
 
 
 def _trial_steps(name: str, n: int, *, shares: Sequence[int], world: int, rank: int,
@@ -421,14 +454,16 @@ def _trial_steps(name: str, n: int, *, shares: Sequence[int], world: int, rank: 
                  optimizer_factory: Callable[[Any], Any], loss_fn: Any,
                  batch: Callable[[int], Any], control: Callable[[], Any] | None,
                  slowdown: float, updates: Sequence[bool] | None = None,
-                 more: Callable[[Sequence[float]], Sequence[bool]] | None = None
-                 ) -> list[float]:
+                 more: Callable[[Sequence[float]], Sequence[bool]] | None = None,
+                 spec_kw: dict[str, Any] | None = None,
+                 schedule_secs: list[float] | None = None) -> list[float]:
     """Seconds of ``n`` steps of layout ``name`` (after 2 warm-up steps) as the step loop
     runs them: the data fetch, the strategy's step, the control all-reduce issued after it
     and waited for after the next one; ``updates[i]``: whether step i runs the optimizer's
     update (default: every step). When they are done, ``more(seconds so far)`` (called on
     every rank alike) gives the ``updates`` of further steps, until it gives none.
-    [] when the layout refuses the model (on every rank alike: ``validate`` is
+    ``spec_kw``: the spec's other fields (a pipeline's); ``schedule_secs``: appended with
+    each step's pipeline schedule (``schedule.step``), warm-up steps included. [] when the layout refuses the model (on every rank alike: ``validate`` is
     deterministic)."""
     from strategies import Runtime, StrategySpec
     from strategies import get as get_strategy
@@ -436,7 +471,7 @@ def _trial_steps(name: str, n: int, *, shares: Sequence[int], world: int, rank: 
     from strategies.errors import StrategyError
 
     sync = _sync_fn(device)
-    spec = StrategySpec(name, world, tuple(int(s) for s in shares))
+    spec = StrategySpec(name, world, tuple(int(s) for s in shares), **(spec_kw or {}))
     torch.manual_seed(0)
     model = model_factory()
     try:
@@ -446,6 +481,8 @@ def _trial_steps(name: str, n: int, *, shares: Sequence[int], world: int, rank: 
     live = [True]
     factory = optimizer_factory if updates is None else _switchable(optimizer_factory, live)
     strat = get_strategy(name)(spec, Runtime(rank, world, device), model, factory, loss_fn)
+    if schedule_secs is not None:
+        _time_calls(strat.schedule, "step", schedule_secs, sync)  # type: ignore[attr-defined]
     hooks = SpanHooks()
     try:
         hooks.install(blocks_of(strat.local_model()), slowdown, device, time_forward=False)
@@ -477,6 +514,22 @@ def _trial_steps(name: str, n: int, *, shares: Sequence[int], world: int, rank: 
     finally:
         hooks.remove()
         strat.close()
+
+
+def _time_calls(obj: Any, name: str, into: list[float], sync: Callable[[], None]) -> None:
+    """Append the seconds of each call of ``obj.name`` to ``into``, the device synchronized
+    on both sides (the instance's method is replaced)."""
+    real = getattr(obj, name)
+
+    def timed(*a: Any, **k: Any) -> Any:
+        sync()
+        t0 = time.perf_counter()
+        try:
+            return real(*a, **k)
+        finally:
+            sync()
+            into.append(time.perf_counter() - t0)
+    setattr(obj, name, timed)
 
 
 def _kept(updates: Sequence[bool], secs: Sequence[float]) -> list[tuple[bool, float]]:

@@ -1,6 +1,7 @@
 """The profiler's trial steps on two spawned gloo ranks (``tests/mp_harness.py``): the dp steps
 with and without the optimizer's update run on until rank 0's rule says the difference is
-resolved, and every rank runs as many as rank 0 (``elastic.worker.measure.profile_terms``,
+resolved, and every rank runs as many as rank 0; then pipeline steps with their schedule
+timed (``elastic.worker.measure.profile_terms``,
 ``clusters.measured.more_update_steps``)."""
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def _adam(params: Any) -> torch.optim.Optimizer:
 
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(step)
-    return torch.randn(8, 16, generator=g), torch.randn(8, 1, generator=g)
+    return torch.randn(4, 16, generator=g), torch.randn(4, 1, generator=g)  # a share
 
 
 def _profile(want: int | None) -> dict[str, int]:
@@ -51,15 +52,22 @@ def _profile(want: int | None) -> dict[str, int]:
         model_factory=_model, loss_fn=torch.nn.functional.mse_loss, optimizer_factory=_adam,
         batch=_batch, shares=[4, 4], rank=rank, world=2, device=torch.device("cpu"),
         autocast=contextlib.nullcontext, rounds=2)
+    pipe = rep.get("trial_pipeline", {})
+    assert all(0 < s <= t for s, t in zip(pipe["schedule_seconds"], pipe["seconds"],
+                                          strict=True))
     return {"with": len(rep["trial"]["seconds"]),
             "without": len(rep["trial_no_update"]["seconds"]),
-            "zero3": len(rep.get("trial_zero3", {}).get("seconds", []))}
+            "zero3": len(rep.get("trial_zero3", {}).get("seconds", [])),
+            "pipeline": (len(pipe["seconds"]), pipe["micro_batches"], pipe["split"])}
 
 
 def test_the_ranks_run_as_many_trial_steps_as_rank_0_asks(pool) -> None:
     # 6 of each kind first; each further pair of blocks of 3 adds 2 of each (a block's
     # first step, which follows the other kind, is not counted)
-    assert pool.run(_profile, 10) == [{"with": 10, "without": 10, "zero3": 3}] * 2
+    # and a pipeline over both ranks: 1F1B, 2 micro-batches (the fewest >= 2 that divide 8),
+    # its 3 blocks cut by parameters
+    assert pool.run(_profile, 10) == [{"with": 10, "without": 10, "zero3": 3,
+                                       "pipeline": (3, 2, [1, 2])}] * 2
     real = pool.run(_profile, None)
     assert real[0] == real[1]
     assert 6 <= real[0]["with"] == real[0]["without"] <= 24

@@ -34,6 +34,10 @@ def test_a_live_auto_job_names_a_straggler_and_re_cuts_its_share(ray_local, tmp_
     assert plan.data["spreads"]["trial_no_update"]["n"] >= 5
     assert 0.0 <= plan.data["spreads"]["optimizer_scale"] <= 4.0
     assert plan.data["spreads"]["trial_zero3"]["n"] >= 2  # zero3's per-unit wait, world > 1
+    # and a pipeline's: its schedule timed apart from the rest of its step
+    pipe = plan.data["spreads"]["trial_pipeline"]
+    assert pipe["step"]["n"] >= 3 and 0 < pipe["schedule"]["median"] < pipe["step"]["median"]
+    assert 0.0 <= pipe["msg_scale"] <= 4.0
     picked = ctl.spec.name
     ray_local.get(ctl.workers[1].handle.set_emulation.remote({"slowdown": 6}))
 

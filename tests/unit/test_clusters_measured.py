@@ -624,3 +624,53 @@ def _steps(med: float, sd: float, n: int) -> list[float]:
 def test_more_trial_steps_while_the_update_is_unresolved_where_it_matters(
         case, with_u, without, alone, more):
     assert more_update_steps(_steps(*with_u), _steps(*without), alone) is more, case
+
+
+def test_a_pipeline_trial_sets_its_schedules_cost_and_its_other_messages():
+    """bench/pipeline_phases.py on 3 CPU ranks: the messages outside a pipeline's schedule
+    predicted +44 to +132 %, the schedule -16 to -70 %; the step's error hid both. The
+    profiler's pipeline trial times the schedule apart, and each part is fitted to it."""
+    cluster, ids = _live()
+
+    def pipe(m, sched="1f1b"):
+        return Plan(strategy="pipeline", world_size=2, shares=(64,), pp_degree=2,
+                    micro_batches=m, schedule=sched, stage_split=(1, 2), devices=tuple(ids))
+
+    plain = terms_model(_reports(), ids, _base(), cluster=cluster)
+    before = plain.model.estimate(pipe(2), cluster, plain.profile)
+    rest_before = before.step_time - before.compute
+
+    def with_trial(step, schedule, m=2):
+        reps = _reports()
+        for r in reps:
+            r["trial_pipeline"] = {"shares": [32, 32], "micro_batches": m, "schedule": "1f1b",
+                                   "split": [1, 2], "seconds": [step] * 3,
+                                   "schedule_seconds": [schedule * (0.9 + 0.1 * r["rank"])] * 3}
+        return terms_model(reps, ids, _base(), cluster=cluster)
+
+    # the schedule ran 3x its prediction, the rest of the step at half of its prediction
+    mm = with_trial(3 * before.compute + rest_before / 2, 3 * before.compute)
+    est = mm.model.estimate(pipe(2), cluster, mm.profile)
+    assert est.compute == pytest.approx(3 * before.compute, rel=1e-6)  # the slowest rank's
+    assert est.step_time == pytest.approx(3 * before.compute + rest_before / 2, rel=1e-6)
+    fit = mm.spreads["trial_pipeline"]
+    assert fit["micro_batches"] == 2 and fit["action_s"] > 0 and 0 < fit["msg_scale"] < 1
+    # other micro-batch counts and schedules take the fitted seconds per action
+    for m, sched in ((4, "1f1b"), (8, "gpipe")):
+        a = plain.model.estimate(pipe(m, sched), cluster, plain.profile).compute
+        b = mm.model.estimate(pipe(m, sched), cluster, mm.profile).compute
+        assert b - a == pytest.approx((m + 1) * fit["action_s"], rel=1e-6)
+    # dp and zero3 are left as they were
+    dp = Plan(strategy="dp", world_size=2, shares=(32, 32), devices=tuple(ids))
+    assert mm.model.estimate(dp, cluster, mm.profile).step_time == pytest.approx(
+        plain.model.estimate(dp, cluster, plain.profile).step_time)
+    # a schedule faster than compute alone: the stages cost their compute, never less; a
+    # step with nothing beyond its schedule: messages free, never negative
+    fast = with_trial(before.compute / 100, before.compute / 100)
+    est = fast.model.estimate(pipe(2), cluster, fast.profile)
+    assert 0 < est.compute < before.compute and fast.model.pipe_msg_scale == 0.0
+    assert plain.spreads["trial_pipeline"] is None
+    # a malformed trial is ignored
+    reps = _reports()
+    reps[0]["trial_pipeline"] = {"seconds": [1.0], "schedule_seconds": [0.5]}
+    assert terms_model(reps, ids, _base(), cluster=cluster).spreads["trial_pipeline"] is None
