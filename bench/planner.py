@@ -39,6 +39,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from typing import Any
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
@@ -125,6 +126,9 @@ def run_config(tmp: str, fam: pm.Family, world: int, args: argparse.Namespace) -
                          "split": list(plan.stage_split), "profiled_s": est.step_time,
                          "parts": {"compute": est.compute, "comm": est.comm,
                                    "optimizer": est.optimizer}, "plan_obj": plan}
+            if plan.is_pipeline:  # and as the model predicted it before a pipeline trial
+                bare = replace(mm.model, pipe_action_s=0.0, pipe_msg_scale=1.0)
+                rows[key]["untrialed_s"] = bare.estimate(plan, cluster, mm.profile).step_time
         for key, r in rows.items():  # the passes pooled; each pass's median kept
             st = robust([t for ts in runs[key] for t in ts])
             r.update(measured_s=st.median, sd_s=st.sd, n=st.n, times=runs[key][0],
@@ -193,6 +197,10 @@ def table(results: list[dict[str, Any]]) -> str:
                 f"({r['sd_s'] * 1e3:.1f}) | {r['measured_s'] / dp_m:.2f} | "
                 f"{r['profiled_s'] * 1e3:.1f} | {_pct(ep)} | {r['profiled_s'] / dp_p:.2f} | "
                 f"{r['loop_s'] * 1e3:.1f} | {_pct(el)} |")
+            if "untrialed_s" in r:
+                lines.append(f"| {res['config']} | {key}, no pipeline trial | {r['plan']} | | | "
+                             f"{r['untrialed_s'] * 1e3:.1f} | "
+                             f"{_pct(r['untrialed_s'] / r['measured_s'] - 1)} | | | |")
         picks.append(res["pick_over_fastest"] <= 1.05)
         if "dp" in rows and "dp-again" in rows:
             drift.append(abs(rows["dp-again"]["measured_s"] / rows["dp"]["measured_s"] - 1))

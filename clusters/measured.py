@@ -27,6 +27,7 @@ from .collectives import (
     BROADCAST_BURST,
     KINDS,
     CommConfig,
+    collective_time,
     latency_hops,
     layout_messages,
     sync_points,
@@ -35,7 +36,7 @@ from .collectives import (
 from .cost import CostModel
 from .errors import ClustersError
 from .estimate import Estimate
-from .pipeline_cost import SharedCores
+from .pipeline_cost import SharedCores, stage_blocks
 from .plan import Plan
 from .profile import ModelProfile
 from .topology import Cluster
@@ -460,7 +461,15 @@ def _fit_pipeline(model: CostModel, profile: ModelProfile, cluster: Cluster,
     scale = min(4.0, max(0.0, (rest - (bare.step_time - bare.compute)) / msgs)) if msgs > 0 \
         else 1.0
     model = replace(model, pipe_msg_scale=scale)
-    lo, hi = -max(est.compute, sched.median), max(1e-3, sched.median)
+    # at the least, no stage's p2p messages cost anything: below that the trial's stages
+    # are at their compute and the fit would take every other plan's messages too
+    devs = [cluster.device(i) for i in ids]
+    b = plan.shares[0] / plan.micro_batches
+    lo = -max((2 * collective_time(
+        "p2p", b * profile.boundary(st[-1]), 2,
+        *model.alpha_beta(cluster.p2p_path(devs[k], devs[k + 1]), "p2p"))
+        for k, st in enumerate(stage_blocks(plan)[:-1])), default=0.0)
+    hi = max(1e-3, sched.median)
     for _ in range(50):  # the schedule grows with the seconds per action
         mid = (lo + hi) / 2
         c = replace(model, pipe_action_s=mid).estimate(plan, cluster, profile).compute

@@ -410,7 +410,7 @@ def profile_terms(*, model_factory: Callable[[], nn.Module], loss_fn: Any,
         secs = _trial_steps("zero3", max(2, trial_steps // 2), **run)
         if secs:
             report["trial_zero3"] = {"shares": [int(s) for s in shares], "seconds": secs}
-        pipe = _pipeline_trial(max(2, trial_steps // 2), model_factory, run)
+        pipe = _pipeline_trial(max(2, trial_steps // 2), len(blocks), block_secs, run)
         if pipe:
             report["trial_pipeline"] = pipe
     else:
@@ -419,33 +419,35 @@ def profile_terms(*, model_factory: Callable[[], nn.Module], loss_fn: Any,
     return report
 
 
-def _pipeline_trial(n: int, model_factory: Callable[[], nn.Module], run: dict[str, Any]
-                    ) -> dict[str, Any] | None:
+def _pipeline_trial(n: int, n_blocks: int, block_secs: Sequence[Sequence[float]],
+                    run: dict[str, Any]) -> dict[str, Any] | None:
     """``n`` steps of a pipeline over every rank (pp = world, 1F1B, the fewest micro-batches
-    that divide the global batch, at least world; stages cut by parameters), each step's
-    seconds and its schedule's (micro-batches, p2p, bubble) on this rank: what a pipeline's
-    schedule costs per micro-batch beyond compute and messages, and what its step's other
-    messages cost. None when the model cannot be cut into that many stages."""
-    from strategies import StrategySpec
-    from strategies.errors import StrategyError
-    from strategies.pipeline import _resolve_split, pipeline_blocks
+    that divide the global batch, at least world; stages cut by rank 0's ``block_secs``, as
+    the planner cuts equal devices), each step's seconds and its schedule's (micro-batches,
+    p2p, bubble) on this rank: what a pipeline's schedule costs per micro-batch beyond
+    compute and messages, and what its step's other messages cost. None when the model has
+    fewer blocks than ranks or cannot be pipelined."""
+    from strategies.pipeline import balanced_split
 
-    world, shares = run["world"], [int(s) for s in run["shares"]]
+    world, shares, device = run["world"], [int(s) for s in run["shares"]], run["device"]
     g = sum(shares)
     m = next((k for k in range(world, g + 1) if g % k == 0), 0)
-    if not m:
+    if not m or n_blocks < world:
         return None
-    kw = {"pp_degree": world, "micro_batches": m, "schedule": "1f1b"}
-    try:
-        split = _resolve_split(StrategySpec("pipeline", world, tuple(shares), **kw),
-                               pipeline_blocks(model_factory()))
-    except StrategyError:
-        return None
+    cut = [0] * world
+    if run["rank"] == 0:  # one split for every rank
+        cut = list(balanced_split([1 + int(1e7 * statistics_median(ts)) for ts in block_secs],
+                                  world))
+    split = torch.tensor(cut, dtype=torch.int64, device=device)
+    dist.broadcast(split, src=0)
+    kw = {"pp_degree": world, "micro_batches": m, "schedule": "1f1b",
+          "stage_split": tuple(int(x) for x in split.tolist())}
     sched: list[float] = []
     secs = _trial_steps("pipeline", n, spec_kw=kw, schedule_secs=sched, **run)
     if not secs:
         return None
-    return {"shares": shares, "micro_batches": m, "schedule": "1f1b", "split": list(split),
+    return {"shares": shares, "micro_batches": m, "schedule": "1f1b",
+            "split": list(kw["stage_split"]),
             "seconds": secs, "schedule_seconds": sched[-len(secs):]}
 
 
