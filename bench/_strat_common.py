@@ -251,3 +251,23 @@ def run_gloo_ranks(target: Any, workers: int, args: Any, timeout_s: float = 3600
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
+
+
+def join_gloo_family(rank: int, world: int, port: int, family: str
+                     ) -> tuple[Any, Any, list[int], int]:
+    """In a ``run_gloo_ranks`` target: one thread, the gloo group joined, and planner family
+    ``family``'s (Family, dataset, shares of its global batch per rank, this rank's first
+    sample)."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    from _planner_models import FAMILIES
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=600))
+    fam = FAMILIES[family]
+    g = fam.global_batch
+    shares = [g // world + (1 if i < g % world else 0) for i in range(world)]
+    return fam, fam.dataset(), shares, sum(shares[:rank])

@@ -4,7 +4,7 @@ workers do (``elastic.worker.measure.profile_terms``), rank 0 builds the cost mo
 reports (``elastic.planning.measured_model``), then each pipeline layout (pp = N) runs with its
 phases timed on every rank: the schedule (``schedule.step``: micro-batches, p2p, bubble), and
 the rest of the step (the batch's all-gathers, the norm's and the commit's all-reduces, the
-update). Printed side by side with the model's compute (its schedule) and the rest of its
+update), as the profiler's pipeline trial times them (``measure._pipeline_trial``). Printed side by side with the model's compute (its schedule) and the rest of its
 step, so that a term whose count or level is off shows as the phase that misses.
 
     python bench/pipeline_phases.py --family dlrm --workers 3 --layouts 1f1b:4 1f1b:8 gpipe:4
@@ -21,7 +21,6 @@ import socket
 import statistics
 import sys
 import time
-from datetime import timedelta
 from typing import Any
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
@@ -44,20 +43,14 @@ def _timed(obj: Any, name: str, into: list[float]) -> None:
 def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) -> None:
     import torch
     import torch.distributed as dist
-    from _planner_models import FAMILIES
+    from _strat_common import join_gloo_family
 
     from elastic.worker.measure import profile_terms
     from strategies import Runtime, StrategySpec, get
     from strategies.errors import StrategyError
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=600))
-    fam = FAMILIES[args.family]
-    data = fam.dataset()
+    fam, data, shares, lo = join_gloo_family(rank, world, port, args.family)
     g = fam.global_batch
-    shares = [g // world + (1 if i < g % world else 0) for i in range(world)]
-    lo = sum(shares[:rank])
 
     def batch(step: int) -> Any:
         start = (step * g) % (len(data) - g)
@@ -117,10 +110,8 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) 
         finally:
             strat.close()
         w = args.warmup
-        rest = [s - c for s, c in zip(steps[w:], sched[w:], strict=True)]
         measured[lay] = {"step": statistics.median(steps[w:]),
-                         "schedule": statistics.median(sched[w:]),
-                         "rest": statistics.median(rest)}
+                         "schedule": statistics.median(sched[w:])}
     every: list[Any] = [None] * world
     dist.all_gather_object(every, measured)
     if rank == 0:
@@ -143,13 +134,15 @@ def main() -> int:
     t0 = time.time()
     res = _strat_common.run_gloo_ranks(_rank, args.workers, args, timeout_s=1800)
     print(f"{args.family}, pp = {args.workers} gloo workers, {args.steps} steps per layout "
-          f"({args.warmup} warm-up), {time.time() - t0:.0f} s; ms, measured: the median over "
-          "steps of the slowest rank's figure")
+          f"({args.warmup} warm-up), {time.time() - t0:.0f} s; ms, measured: the slowest "
+          "rank's median step and schedule, the rest the difference (the model's split: the "
+          "first stage's schedule spans the pipeline, the others wait for it after theirs)")
     print("| layout | step measured | predicted | error | schedule measured | predicted | "
           "error | rest measured | predicted | error |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for lay, p in res["predicted"].items():
-        m = {k: max(r[lay][k] for r in res["measured"]) for k in ("step", "schedule", "rest")}
+        m = {k: max(r[lay][k] for r in res["measured"]) for k in ("step", "schedule")}
+        m["rest"] = m["step"] - m["schedule"]
         cells = [f"{m[k] * 1e3:.1f} | {p[k] * 1e3:.1f} | {p[k] / m[k] - 1:+.0%}"
                  for k in ("step", "schedule", "rest")]
         print(f"| {lay} | " + " | ".join(cells) + " |")

@@ -18,7 +18,6 @@ import os
 import statistics
 import sys
 import time
-from datetime import timedelta
 from typing import Any
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
@@ -31,19 +30,13 @@ LAYOUTS = ("dp", "dp, no update", "zero1", "zero1, no update", "zero1, no broadc
 def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) -> None:
     import torch
     import torch.distributed as dist
-    from _planner_models import FAMILIES
+    from _strat_common import join_gloo_family
 
     import strategies.zero as zero
     from strategies import Runtime, StrategySpec, get
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=600))
-    fam = FAMILIES[args.family]
-    data = fam.dataset()
+    fam, data, shares, lo = join_gloo_family(rank, world, port, args.family)
     g = fam.global_batch
-    shares = [g // world + (1 if i < g % world else 0) for i in range(world)]
-    lo = sum(shares[:rank])
     steps: dict[str, list[float]] = {lay: [] for lay in LAYOUTS}
     alone: dict[str, list[float]] = {}
     full_step = zero.ShardedUpdate.step

@@ -284,13 +284,16 @@ def estimate_pipeline(
                     st_memo[key, k] = model.sample_time(row[j], profile, stages[k])
                 tj += b * st_memo[key, k]
                 tj += len(stages[k]) * model.pass_overhead_s * row[j].slowdown
-            work.append(tj)
+            # the schedule's own work per action: the host's too; below 0, what the messages
+            # cost less than their profiled figure, never a stage below its compute
+            act = len(chunks[j]) * model.pipe_action_s
+            work.append(tj + max(0.0, act))
             for k in chunks[j]:
                 if k < n_st - 1:
                     a, beta = model.alpha_beta(links[k % p], "p2p")
                     nbytes = b * profile.boundary(stages[k][-1])
                     tj += 2 * collective_time("p2p", nbytes, 2, a, beta)
-            t.append(max(tj + len(chunks[j]) * model.pipe_action_s, work[-1]))
+            t.append(max(tj + act, work[-1]))
         times[b, c] = work
         if shared:  # on its own a rank of a crowded host is faster than profiled
             t = [tj * (shared[d.id].alone if d.id in shared else 1.0)

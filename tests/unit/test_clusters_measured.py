@@ -674,3 +674,37 @@ def test_a_pipeline_trial_sets_its_schedules_cost_and_its_other_messages():
     reps = _reports()
     reps[0]["trial_pipeline"] = {"seconds": [1.0], "schedule_seconds": [0.5]}
     assert terms_model(reps, ids, _base(), cluster=cluster).spreads["trial_pipeline"] is None
+
+
+def test_a_pipelines_own_work_per_action_is_a_crowded_hosts_work_too():
+    """On 3 CPU ranks on 2 cores a pipeline's schedule grew with m faster than m t_max + the
+    bubble (dlrm, 1F1B m 4 -> 8: 2.2x against the formula's 1.67x): the schedule's own work
+    per action is work the host's cores share, so it enters the host's bound, which grows
+    with m alone. A negative figure (messages cheaper than profiled) is no work."""
+    from elastic.planning import shared_cores
+
+    infos = [{"node_id": "n1", "device": "cpu", "device_name": "cpu", "threads": 1,
+              "host_cores": 2, "emulation": {}} for _ in range(3)]
+    cluster, ids = _live(3)
+    mm = terms_model(_reports(3, c=(1e-3,) * 3), ids, _base(), cluster=cluster,
+                     shared=shared_cores(infos))
+    even = replace(mm.profile, block_seconds={i: (2e-4, 2e-4, 2e-4) for i in ids})
+    free = replace(mm.model, collectives={**mm.model.collectives, "p2p": (0.0, 0.0)})
+
+    def compute(model, m):
+        pp = Plan(strategy="pipeline", world_size=3, shares=(48,), devices=tuple(ids),
+                  pp_degree=3, micro_batches=m, schedule="1f1b", stage_split=(1, 1, 1))
+        return model.estimate(pp, cluster, even).compute
+
+    o = 0.05  # far above a stage's compute
+    acting = replace(free, pipe_action_s=o)
+    # m = 8: the host's work (3 ranks x 8 actions, each o at the profiled 2/3 of a core, over
+    # 2 cores) is above the schedule's bound ((8 + 2) o at a full core): it binds, and the
+    # compute doubles from m = 4, where the two bounds meet, not the formula's 10/6
+    assert compute(acting, 8) == pytest.approx(8 * o, rel=0.05)
+    assert compute(acting, 8) / compute(acting, 4) == pytest.approx(2.0, rel=0.05)
+    without = replace(acting, shared_cores={})
+    assert compute(without, 8) / compute(without, 4) == pytest.approx(10 / 6, rel=0.05)
+    # messages cheaper than profiled: never below the stages' compute
+    cheap = replace(mm.model, pipe_action_s=-1.0)
+    assert compute(cheap, 4) == pytest.approx(compute(free, 4))
