@@ -96,9 +96,11 @@ class CostModel:
     profiled alpha and beta); 1 for a kind not in it.
     ``pipe_action_s``: seconds each pipeline stage spends per micro-batch beyond its compute
     and p2p messages (the schedule's own work per action; may be negative down to the compute
-    alone), and ``pipe_msg_scale``: a factor on a pipeline step's messages outside the
-    schedule (its batch's all-gathers, the norm's and the commit's all-reduces), both fitted
-    to the profiler's pipeline trial steps (``measured._fit_pipeline``); 0 and 1 without one.
+    alone), ``pipe_bubble_scale``: a factor on the schedule's part that does not grow with
+    the micro-batches (the bubble), and ``pipe_msg_scale``: a factor on a pipeline step's
+    messages outside the schedule (its batch's all-gathers, the norm's and the commit's
+    all-reduces), all fitted to the profiler's pipeline trial steps
+    (``measured._fit_pipeline``); 0, 1 and 1 without one.
     ``shared_cores``: by device id, the CPU ranks that share a crowded host's cores
     (``pipeline_cost.SharedCores``); a pipeline's waiting ranks leave their cores to the busy
     ones. Data-parallel layouts keep every rank busy at once, as the profile did.
@@ -123,6 +125,7 @@ class CostModel:
     comm_scale: Mapping[str, float] = field(default_factory=dict)
     shared_cores: Mapping[str, SharedCores] = field(default_factory=dict)
     pipe_action_s: float = 0.0
+    pipe_bubble_scale: float = 1.0
     pipe_msg_scale: float = 1.0
 
     # ---------------------------------------------------------------- parts

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -349,10 +349,9 @@ def terms_model(reports: Sequence[Mapping[str, Any]], ids: Sequence[str], base: 
                                z3_spread.median)
     pipes = [r.get("trial_pipeline") for r in reports]
     pipe_fit = None
-    if (pipes[0] and pipes[0].get("seconds") and cluster is not None
-            and trial_spread is not None):
+    if pipes[0] and pipes[0].get("runs") and cluster is not None and trial_spread is not None:
         model, pipe_fit = _fit_pipeline(model, profile, cluster, ids,
-                                        [p for p in pipes if p and p.get("schedule_seconds")])
+                                        [p for p in pipes if p and p.get("runs")])
     fwd = [robust(r["compute"]["forward"]).median / robust(r["compute"]["seconds"][0]).median
            for r in reports if r["compute"].get("forward")]
     return MeasuredModel(model, profile, speeds, raw, {
@@ -435,48 +434,81 @@ def _fit_unit_wait(model: CostModel, profile: ModelProfile, cluster: Cluster,
 def _fit_pipeline(model: CostModel, profile: ModelProfile, cluster: Cluster,
                   ids: Sequence[str], trials: Sequence[Mapping[str, Any]]
                   ) -> tuple[CostModel, dict[str, Any] | None]:
-    """``model`` with ``pipe_msg_scale`` and ``pipe_action_s`` fitted to the profiler's
-    pipeline trial (``trials``: each rank's; the first one's steps, every rank's schedule):
-    the step beyond its slowest rank's schedule sets the factor on the step's messages
-    outside the schedule (0 to 4), and that schedule the seconds per stage and micro-batch
-    beyond compute and p2p (bisection; a stage never below its compute). Timed apart, the
-    two missed in opposite directions: on 3 CPU ranks the messages outside the schedule were
-    predicted +44 to +132 % and the schedule -16 to -70 % (``bench/pipeline_phases.py``).
-    Unchanged (None) when the trial is malformed or its plan cannot be estimated."""
+    """``model`` with a pipeline's terms fitted to the profiler's pipeline trial (``trials``:
+    each rank's; per micro-batch count, the first rank's steps and the slowest rank's
+    schedule): the step beyond the schedule sets ``pipe_msg_scale`` (the step's messages
+    outside it, 0 to 4, the median over the runs); the schedule's growth from the first
+    run's micro-batches to the second's sets ``pipe_action_s`` (per stage and micro-batch,
+    a stage never below its compute, at the least free p2p), and the first run's schedule
+    then ``pipe_bubble_scale`` (what does not grow with m, 0 to 2). With one run, the seconds
+    per action meet its schedule. Timed apart, the parts missed in opposite directions: on 3
+    CPU ranks the messages outside the schedule were predicted +44 to +132 % and the
+    schedule -16 to -70 %, and from one micro-batch count to twice it the schedule grew
+    faster than m t_max + the bubble (``bench/pipeline_phases.py``). Unchanged (None) when
+    the trial is malformed or its plans cannot be estimated."""
     t0 = trials[0] if trials else {}
     try:
-        plan = Plan(strategy="pipeline", world_size=len(ids), shares=(sum(t0["shares"]),),
-                    pp_degree=len(ids), micro_batches=int(t0["micro_batches"]),
-                    schedule=str(t0.get("schedule", "1f1b")),
-                    stage_split=tuple(int(x) for x in t0["split"]), devices=tuple(ids))
-        step = robust(t0["seconds"])
-        sched = max((robust(t["schedule_seconds"]) for t in trials),
-                    key=lambda sp: sp.median)
-        est = model.estimate(plan, cluster, profile)
-    except (KeyError, TypeError, ValueError, ClustersError):
+        ms = sorted({int(r["micro_batches"]) for r in t0["runs"]})
+        plans = {m: Plan(strategy="pipeline", world_size=len(ids), shares=(sum(t0["shares"]),),
+                         pp_degree=len(ids), micro_batches=m,
+                         schedule=str(t0.get("schedule", "1f1b")),
+                         stage_split=tuple(int(x) for x in t0["split"]), devices=tuple(ids))
+                 for m in ms}
+        step = {m: robust(next(r["seconds"] for r in t0["runs"]
+                               if int(r["micro_batches"]) == m)) for m in ms}
+        sched = {m: max((robust(r["schedule_seconds"]) for t in trials for r in t["runs"]
+                         if int(r["micro_batches"]) == m), key=lambda sp: sp.median)
+                 for m in ms}
+        for m in ms:
+            model.estimate(plans[m], cluster, profile)
+    except (KeyError, TypeError, ValueError, StopIteration, ClustersError):
         return model, None
-    bare = replace(model, pipe_msg_scale=0.0).estimate(plan, cluster, profile)
-    msgs = est.step_time - bare.step_time
-    rest = step.median - sched.median  # the schedule runs on every rank at once
-    scale = min(4.0, max(0.0, (rest - (bare.step_time - bare.compute)) / msgs)) if msgs > 0 \
-        else 1.0
+
+    def compute(m: int, **kw: float) -> float:
+        return replace(model, **kw).estimate(plans[m], cluster, profile).compute
+
+    def solve(f: Callable[[float], float], target: float, lo: float, hi: float) -> float:
+        for _ in range(50):  # f grows with its argument
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if f(mid) < target else (lo, mid)
+        return lo
+
+    factors = []
+    for m in ms:
+        est = model.estimate(plans[m], cluster, profile)
+        bare = replace(model, pipe_msg_scale=0.0).estimate(plans[m], cluster, profile)
+        if est.step_time > bare.step_time:  # the schedule runs on every rank at once
+            factors.append((step[m].median - sched[m].median - (bare.step_time - bare.compute))
+                           / (est.step_time - bare.step_time))
+    scale = min(4.0, max(0.0, statistics.median(factors))) if factors else 1.0
     model = replace(model, pipe_msg_scale=scale)
     # at the least, no stage's p2p messages cost anything: below that the trial's stages
     # are at their compute and the fit would take every other plan's messages too
+    m1, m2 = ms[0], ms[-1]
     devs = [cluster.device(i) for i in ids]
-    b = plan.shares[0] / plan.micro_batches
+    b = plans[m1].shares[0] / m1
     lo = -max((2 * collective_time(
         "p2p", b * profile.boundary(st[-1]), 2,
         *model.alpha_beta(cluster.p2p_path(devs[k], devs[k + 1]), "p2p"))
-        for k, st in enumerate(stage_blocks(plan)[:-1])), default=0.0)
-    hi = max(1e-3, sched.median)
-    for _ in range(50):  # the schedule grows with the seconds per action
-        mid = (lo + hi) / 2
-        c = replace(model, pipe_action_s=mid).estimate(plan, cluster, profile).compute
-        lo, hi = (mid, hi) if c < sched.median else (lo, mid)
-    model = replace(model, pipe_action_s=lo)
-    return model, {"step": step.as_dict(), "schedule": sched.as_dict(),
-                   "micro_batches": plan.micro_batches, "action_s": lo, "msg_scale": scale}
+        for k, st in enumerate(stage_blocks(plans[m1])[:-1])), default=0.0)
+    hi = max(1e-3, sched[m2].median)
+    bubble = 1.0
+    if m2 > m1:  # each term moves both runs: in turns until they settle
+        for _ in range(8):
+            act = solve(lambda o: compute(m2, pipe_action_s=o) - compute(m1, pipe_action_s=o),
+                        sched[m2].median - sched[m1].median, lo, hi)
+            model = replace(model, pipe_action_s=act)
+            if compute(m1, pipe_bubble_scale=2.0) <= compute(m1, pipe_bubble_scale=0.0):
+                break  # no bubble in what binds (a crowded host's work)
+            bubble = solve(lambda f: compute(m1, pipe_bubble_scale=f), sched[m1].median,
+                           0.0, 2.0)
+            model = replace(model, pipe_bubble_scale=bubble)
+    else:
+        act = solve(lambda o: compute(m1, pipe_action_s=o), sched[m1].median, lo, hi)
+        model = replace(model, pipe_action_s=act)
+    return model, {"step": step[m1].as_dict(), "schedule": sched[m1].as_dict(),
+                   "micro_batches": ms, "schedules": [sched[m].median for m in ms],
+                   "action_s": act, "bubble_scale": bubble, "msg_scale": scale}
 
 
 def _fit_update(model: CostModel, profile: ModelProfile, cluster: Cluster,

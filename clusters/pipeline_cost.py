@@ -89,6 +89,9 @@ class PartCosts(Protocol):
     def pipe_action_s(self) -> float: ...
 
     @property
+    def pipe_bubble_scale(self) -> float: ...
+
+    @property
     def pipe_msg_scale(self) -> float: ...
 
     def alpha_beta(self, path: Path | None, kind: str | None = None) -> tuple[float, float]: ...
@@ -299,7 +302,7 @@ def estimate_pipeline(
             t = [tj * (shared[d.id].alone if d.id in shared else 1.0)
                  for tj, d in zip(t, row, strict=True)]
         tmax = max(t)
-        compute = max(compute, m * tmax + (sum(t) - tmax) / v)
+        compute = max(compute, m * tmax + model.pipe_bubble_scale * (sum(t) - tmax) / v)
     if shared:
         busy: dict[object, float] = {}
         for r, (s, c) in enumerate(zip(plan.shares, layout.replica_class, strict=True)):

@@ -421,34 +421,39 @@ def profile_terms(*, model_factory: Callable[[], nn.Module], loss_fn: Any,
 
 def _pipeline_trial(n: int, n_blocks: int, block_secs: Sequence[Sequence[float]],
                     run: dict[str, Any]) -> dict[str, Any] | None:
-    """``n`` steps of a pipeline over every rank (pp = world, 1F1B, the fewest micro-batches
-    that divide the global batch, at least world; stages cut by rank 0's ``block_secs``, as
-    the planner cuts equal devices), each step's seconds and its schedule's (micro-batches,
-    p2p, bubble) on this rank: what a pipeline's schedule costs per micro-batch beyond
-    compute and messages, and what its step's other messages cost. None when the model has
-    fewer blocks than ranks or cannot be pipelined."""
+    """``n`` steps of a pipeline over every rank (pp = world, 1F1B; stages cut by rank 0's
+    ``block_secs``, as the planner cuts equal devices) at the fewest micro-batches that
+    divide the global batch, at least world, and again at the fewest of at least twice that:
+    each step's seconds and its schedule's (micro-batches, p2p, bubble) on this rank. What a
+    schedule costs per micro-batch and beyond, and what the step's other messages cost.
+    None when the model has fewer blocks than ranks or cannot be pipelined."""
     from strategies.pipeline import balanced_split
 
     world, shares, device = run["world"], [int(s) for s in run["shares"]], run["device"]
     g = sum(shares)
-    m = next((k for k in range(world, g + 1) if g % k == 0), 0)
-    if not m or n_blocks < world:
+    m1 = next((k for k in range(world, g + 1) if g % k == 0), 0)
+    if not m1 or n_blocks < world:
         return None
+    m2 = next((k for k in range(2 * m1, g + 1) if g % k == 0), 0)
     cut = [0] * world
     if run["rank"] == 0:  # one split for every rank
         cut = list(balanced_split([1 + int(1e7 * statistics_median(ts)) for ts in block_secs],
                                   world))
     split = torch.tensor(cut, dtype=torch.int64, device=device)
     dist.broadcast(split, src=0)
-    kw = {"pp_degree": world, "micro_batches": m, "schedule": "1f1b",
-          "stage_split": tuple(int(x) for x in split.tolist())}
-    sched: list[float] = []
-    secs = _trial_steps("pipeline", n, spec_kw=kw, schedule_secs=sched, **run)
-    if not secs:
+    stage_split = tuple(int(x) for x in split.tolist())
+    runs = []
+    for m in (m1, m2) if m2 else (m1,):
+        kw = {"pp_degree": world, "micro_batches": m, "schedule": "1f1b",
+              "stage_split": stage_split}
+        sched: list[float] = []
+        secs = _trial_steps("pipeline", n, spec_kw=kw, schedule_secs=sched, **run)
+        if secs:  # (refused on every rank alike)
+            runs.append({"micro_batches": m, "seconds": secs,
+                         "schedule_seconds": sched[-len(secs):]})
+    if not runs:
         return None
-    return {"shares": shares, "micro_batches": m, "schedule": "1f1b",
-            "split": list(kw["stage_split"]),
-            "seconds": secs, "schedule_seconds": sched[-len(secs):]}
+    return {"shares": shares, "schedule": "1f1b", "split": list(stage_split), "runs": runs}
 
 
 def _trial_steps(name: str, n: int, *, shares: Sequence[int], world: int, rank: int,

@@ -53,21 +53,22 @@ def _profile(want: int | None) -> dict[str, int]:
         batch=_batch, shares=[4, 4], rank=rank, world=2, device=torch.device("cpu"),
         autocast=contextlib.nullcontext, rounds=2)
     pipe = rep.get("trial_pipeline", {})
-    assert all(0 < s <= t for s, t in zip(pipe["schedule_seconds"], pipe["seconds"],
-                                          strict=True))
+    assert all(0 < s <= t for r in pipe["runs"]
+               for s, t in zip(r["schedule_seconds"], r["seconds"], strict=True))
     return {"with": len(rep["trial"]["seconds"]),
             "without": len(rep["trial_no_update"]["seconds"]),
             "zero3": len(rep.get("trial_zero3", {}).get("seconds", [])),
-            "pipeline": (len(pipe["seconds"]), pipe["micro_batches"], sorted(pipe["split"]))}
+            "pipeline": ([(r["micro_batches"], len(r["seconds"])) for r in pipe["runs"]],
+                         sorted(pipe["split"]))}
 
 
 def test_the_ranks_run_as_many_trial_steps_as_rank_0_asks(pool) -> None:
     # 6 of each kind first; each further pair of blocks of 3 adds 2 of each (a block's
     # first step, which follows the other kind, is not counted)
-    # and a pipeline over both ranks: 1F1B, 2 micro-batches (the fewest >= 2 that divide 8),
-    # its 3 blocks cut by rank 0's block times, one split for both
+    # and a pipeline over both ranks: 1F1B at 2 micro-batches (the fewest >= 2 that divide
+    # 8) and at 4, its 3 blocks cut by rank 0's block times, one split for both
     assert pool.run(_profile, 10) == [{"with": 10, "without": 10, "zero3": 3,
-                                       "pipeline": (3, 2, [1, 2])}] * 2
+                                       "pipeline": ([(2, 3), (4, 3)], [1, 2])}] * 2
     real = pool.run(_profile, None)
     assert real[0] == real[1]
     assert 6 <= real[0]["with"] == real[0]["without"] <= 24

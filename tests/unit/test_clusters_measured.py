@@ -640,12 +640,16 @@ def test_a_pipeline_trial_sets_its_schedules_cost_and_its_other_messages():
     before = plain.model.estimate(pipe(2), cluster, plain.profile)
     rest_before = before.step_time - before.compute
 
-    def with_trial(step, schedule, m=2):
+    def with_trial(step, schedule, more=None):
+        """A trial at m = 2 (and at 4 when ``more`` gives that run's (step, schedule))."""
         reps = _reports()
         for r in reps:
-            r["trial_pipeline"] = {"shares": [32, 32], "micro_batches": m, "schedule": "1f1b",
-                                   "split": [1, 2], "seconds": [step] * 3,
-                                   "schedule_seconds": [schedule * (0.9 + 0.1 * r["rank"])] * 3}
+            pairs = [(2, (step, schedule))] + ([(4, more)] if more else [])
+            runs = [{"micro_batches": m, "seconds": [st] * 3,
+                     "schedule_seconds": [sc * (0.9 + 0.1 * r["rank"])] * 3}
+                    for m, (st, sc) in pairs]
+            r["trial_pipeline"] = {"shares": [32, 32], "schedule": "1f1b", "split": [1, 2],
+                                   "runs": runs}
         return terms_model(reps, ids, _base(), cluster=cluster)
 
     # the schedule ran 3x its prediction, the rest of the step at half of its prediction
@@ -654,12 +658,26 @@ def test_a_pipeline_trial_sets_its_schedules_cost_and_its_other_messages():
     assert est.compute == pytest.approx(3 * before.compute, rel=1e-6)  # the slowest rank's
     assert est.step_time == pytest.approx(3 * before.compute + rest_before / 2, rel=1e-6)
     fit = mm.spreads["trial_pipeline"]
-    assert fit["micro_batches"] == 2 and fit["action_s"] > 0 and 0 < fit["msg_scale"] < 1
+    assert fit["micro_batches"] == [2] and fit["action_s"] > 0 and 0 < fit["msg_scale"] < 1
+    assert fit["bubble_scale"] == 1.0  # one run cannot tell the bubble from the rest
     # other micro-batch counts and schedules take the fitted seconds per action
     for m, sched in ((4, "1f1b"), (8, "gpipe")):
         a = plain.model.estimate(pipe(m, sched), cluster, plain.profile).compute
         b = mm.model.estimate(pipe(m, sched), cluster, mm.profile).compute
         assert b - a == pytest.approx((m + 1) * fit["action_s"], rel=1e-6)
+    # two runs: the growth from m = 2 to 4 sets the seconds per action, m = 2's schedule the
+    # bubble; both runs are met, and m = 8 grows on from there
+    c2, c4 = 3 * before.compute, 5 * before.compute
+    two = with_trial(c2 + rest_before, c2, more=(c4 + rest_before, c4))
+    fit = two.spreads["trial_pipeline"]
+    assert fit["micro_batches"] == [2, 4] and 0 < fit["bubble_scale"] < 1
+    def at(model, m):
+        return model.estimate(pipe(m), cluster, two.profile).compute
+
+    assert [at(two.model, 2), at(two.model, 4)] == pytest.approx([c2, c4], rel=1e-6)
+    assert at(two.model, 8) > c4 + (c4 - c2)  # the bubble's share shrinks with m
+    # with one run at m = 2 the same schedule is all per-action: m = 4 comes out lower
+    assert at(mm.model, 4) < c4
     # dp and zero3 are left as they were
     dp = Plan(strategy="dp", world_size=2, shares=(32, 32), devices=tuple(ids))
     assert mm.model.estimate(dp, cluster, mm.profile).step_time == pytest.approx(
@@ -672,7 +690,7 @@ def test_a_pipeline_trial_sets_its_schedules_cost_and_its_other_messages():
     assert plain.spreads["trial_pipeline"] is None
     # a malformed trial is ignored
     reps = _reports()
-    reps[0]["trial_pipeline"] = {"seconds": [1.0], "schedule_seconds": [0.5]}
+    reps[0]["trial_pipeline"] = {"runs": [{"seconds": [1.0], "schedule_seconds": [0.5]}]}
     assert terms_model(reps, ids, _base(), cluster=cluster).spreads["trial_pipeline"] is None
 
 
