@@ -464,7 +464,7 @@ def _fit_pipeline(model: CostModel, profile: ModelProfile, cluster: Cluster,
     except (KeyError, TypeError, ValueError, StopIteration, ClustersError):
         return model, None
 
-    def compute(m: int, **kw: float) -> float:
+    def compute(m: int, **kw: Any) -> float:
         return replace(model, **kw).estimate(plans[m], cluster, profile).compute
 
     def solve(f: Callable[[float], float], target: float, lo: float, hi: float) -> float:
