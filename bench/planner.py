@@ -127,7 +127,8 @@ def run_config(tmp: str, fam: pm.Family, world: int, args: argparse.Namespace) -
                          "parts": {"compute": est.compute, "comm": est.comm,
                                    "optimizer": est.optimizer}, "plan_obj": plan}
             if plan.is_pipeline:  # and as the model predicted it before a pipeline trial
-                bare = replace(mm.model, pipe_action_s=0.0, pipe_msg_scale=1.0)
+                bare = replace(mm.model, pipe_action_s=0.0, pipe_bubble_scale=1.0,
+                               pipe_msg_scale=1.0)
                 rows[key]["untrialed_s"] = bare.estimate(plan, cluster, mm.profile).step_time
         for key, r in rows.items():  # the passes pooled; each pass's median kept
             st = robust([t for ts in runs[key] for t in ts])
@@ -253,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
                          "pooled; 1: once, then dp again")
     ap.add_argument("--micro-batches", type=int, default=4,
                     help="the pipeline row's (the profiler's pipeline trial runs the fewest "
-                    ">= world that divide the batch: 4 at 3 workers, 2 at 2)")
+                    ">= world that divide the batch and the fewest >= twice that: 4 and 8 "
+                    "at 3 workers, 2 and 4 at 2)")
     ap.add_argument("--json")
     ap.add_argument("--tables", nargs="+", metavar="JSON",
                     help="print the tables of earlier runs' --json files together, run nothing")

@@ -347,11 +347,12 @@ def terms_model(reports: Sequence[Mapping[str, Any]], ids: Sequence[str], base: 
         z3_spread = robust(z3["seconds"])
         model = _fit_unit_wait(model, profile, cluster, ids, tuple(z3["shares"]),
                                z3_spread.median)
-    pipes = [r.get("trial_pipeline") for r in reports]
+    pipes = [p for p in (r.get("trial_pipeline") for r in reports)
+             if isinstance(p, Mapping) and isinstance(p.get("runs"), list)]
     pipe_fit = None
-    if pipes[0] and pipes[0].get("runs") and cluster is not None and trial_spread is not None:
-        model, pipe_fit = _fit_pipeline(model, profile, cluster, ids,
-                                        [p for p in pipes if p and p.get("runs")])
+    first = reports[0].get("trial_pipeline")
+    if pipes and pipes[0] is first and cluster is not None and trial_spread is not None:
+        model, pipe_fit = _fit_pipeline(model, profile, cluster, ids, pipes)
     fwd = [robust(r["compute"]["forward"]).median / robust(r["compute"]["seconds"][0]).median
            for r in reports if r["compute"].get("forward")]
     return MeasuredModel(model, profile, speeds, raw, {
@@ -457,7 +458,7 @@ def _fit_pipeline(model: CostModel, profile: ModelProfile, cluster: Cluster,
         step = {m: robust(next(r["seconds"] for r in t0["runs"]
                                if int(r["micro_batches"]) == m)) for m in ms}
         sched = {m: max((robust(r["schedule_seconds"]) for t in trials for r in t["runs"]
-                         if int(r["micro_batches"]) == m), key=lambda sp: sp.median)
+                         if _run_at(r, m)), key=lambda sp: sp.median)
                  for m in ms}
         for m in ms:
             model.estimate(plans[m], cluster, profile)
@@ -482,33 +483,50 @@ def _fit_pipeline(model: CostModel, profile: ModelProfile, cluster: Cluster,
                            / (est.step_time - bare.step_time))
     scale = min(4.0, max(0.0, statistics.median(factors))) if factors else 1.0
     model = replace(model, pipe_msg_scale=scale)
-    # at the least, no stage's p2p messages cost anything: below that the trial's stages
-    # are at their compute and the fit would take every other plan's messages too
     m1, m2 = ms[0], ms[-1]
-    devs = [cluster.device(i) for i in ids]
-    b = plans[m1].shares[0] / m1
-    lo = -max((2 * collective_time(
-        "p2p", b * profile.boundary(st[-1]), 2,
-        *model.alpha_beta(cluster.p2p_path(devs[k], devs[k + 1]), "p2p"))
-        for k, st in enumerate(stage_blocks(plans[m1])[:-1])), default=0.0)
-    hi = max(1e-3, sched[m2].median)
-    bubble = 1.0
+    hi = max(1e-3, *(sp.median for sp in sched.values()))
+    single = replace(model, pipe_action_s=solve(lambda o: compute(m1, pipe_action_s=o),
+                                                sched[m1].median, _free_p2p(model, profile,
+                                                cluster, ids, plans[m1]), hi))
+    fitted = single
     if m2 > m1:  # each term moves both runs: in turns until they settle
+        # (from m2's messages, the smaller: below, the growth would fall again with it)
+        lo = _free_p2p(model, profile, cluster, ids, plans[m2])
         for _ in range(8):
             act = solve(lambda o: compute(m2, pipe_action_s=o) - compute(m1, pipe_action_s=o),
                         sched[m2].median - sched[m1].median, lo, hi)
             model = replace(model, pipe_action_s=act)
             if compute(m1, pipe_bubble_scale=2.0) <= compute(m1, pipe_bubble_scale=0.0):
                 break  # no bubble in what binds (a crowded host's work)
-            bubble = solve(lambda f: compute(m1, pipe_bubble_scale=f), sched[m1].median,
-                           0.0, 2.0)
-            model = replace(model, pipe_bubble_scale=bubble)
-    else:
-        act = solve(lambda o: compute(m1, pipe_action_s=o), sched[m1].median, lo, hi)
-        model = replace(model, pipe_action_s=act)
-    return model, {"step": step[m1].as_dict(), "schedule": sched[m1].as_dict(),
-                   "micro_batches": ms, "schedules": [sched[m].median for m in ms],
-                   "action_s": act, "bubble_scale": bubble, "msg_scale": scale}
+            model = replace(model, pipe_bubble_scale=solve(
+                lambda f: compute(m1, pipe_bubble_scale=f), sched[m1].median, 0.0, 2.0))
+        met = all(abs(compute(m) / sched[m].median - 1) <= 0.02 for m in (m1, m2))
+        fitted = model if met else single  # else the one run's fit
+    return fitted, {"step": step[m1].as_dict(), "schedule": sched[m1].as_dict(),
+                    "micro_batches": ms, "schedules": [sched[m].median for m in ms],
+                    "action_s": fitted.pipe_action_s, "bubble_scale": fitted.pipe_bubble_scale,
+                    "msg_scale": scale}
+
+
+def _run_at(run: Any, m: int) -> bool:
+    """Whether one rank's pipeline trial ``run`` is a well-formed one at ``m`` micro-batches."""
+    try:
+        return int(run["micro_batches"]) == m and len(run["schedule_seconds"]) > 0
+    except (KeyError, TypeError, ValueError):
+        return False
+
+
+def _free_p2p(model: CostModel, profile: ModelProfile, cluster: Cluster, ids: Sequence[str],
+              plan: Plan) -> float:
+    """The least ``pipe_action_s`` that means anything for ``plan`` (pp = its devices): no
+    stage's p2p messages cost anything; below that its stages are at their compute, and the
+    fit would take every other plan's messages too."""
+    devs = [cluster.device(i) for i in ids]
+    b = plan.shares[0] / plan.micro_batches
+    return -max((2 * collective_time(
+        "p2p", b * profile.boundary(st[-1]), 2,
+        *model.alpha_beta(cluster.p2p_path(devs[k], devs[k + 1]), "p2p"))
+        for k, st in enumerate(stage_blocks(plan)[:-1])), default=0.0)
 
 
 def _fit_update(model: CostModel, profile: ModelProfile, cluster: Cluster,

@@ -339,8 +339,10 @@ def profile_terms(*, model_factory: Callable[[], nn.Module], loss_fn: Any,
     to ``wait()`` on (waited for after the next step, as the loop does); ``slowdown``: an
     emulated device's factor (its compute figures are scaled by it, and the trial steps run
     under its hooks). Trial steps: ``trial_steps`` of dp; with world > 1, as many of dp
-    without the optimizer's update too (each rounded up to even), in alternating blocks, and
-    half as many of zero3. Every rank must call it with the same ``rounds``,
+    without the optimizer's update too (each rounded up to even; more while rank 0 finds the
+    difference unresolved, ``clusters.measured.more_update_steps``), in alternating blocks,
+    half as many of zero3, and as many of a pipeline over every rank at two micro-batch
+    counts with its schedule timed apart (``_pipeline_trial``). Every rank must call it with the same ``rounds``,
     ``trial_steps`` and ``shares``."""
     from strategies.blocks import blocks_of
 
@@ -410,7 +412,8 @@ def profile_terms(*, model_factory: Callable[[], nn.Module], loss_fn: Any,
         secs = _trial_steps("zero3", max(2, trial_steps // 2), **run)
         if secs:
             report["trial_zero3"] = {"shares": [int(s) for s in shares], "seconds": secs}
-        pipe = _pipeline_trial(max(2, trial_steps // 2), len(blocks), block_secs, run)
+        pipe = _pipeline_trial(max(2, trial_steps // 2), len(blocks), block_secs, run,
+                               autocast)
         if pipe:
             report["trial_pipeline"] = pipe
     else:
@@ -420,7 +423,7 @@ def profile_terms(*, model_factory: Callable[[], nn.Module], loss_fn: Any,
 
 
 def _pipeline_trial(n: int, n_blocks: int, block_secs: Sequence[Sequence[float]],
-                    run: dict[str, Any]) -> dict[str, Any] | None:
+                    run: dict[str, Any], autocast: Callable[[], Any]) -> dict[str, Any] | None:
     """``n`` steps of a pipeline over every rank (pp = world, 1F1B; stages cut by rank 0's
     ``block_secs``, as the planner cuts equal devices) at the fewest micro-batches that
     divide the global batch, at least world, and again at the fewest of at least twice that:
@@ -444,6 +447,8 @@ def _pipeline_trial(n: int, n_blocks: int, block_secs: Sequence[Sequence[float]]
     stage_split = tuple(int(x) for x in split.tolist())
     runs = []
     for m in (m1, m2) if m2 else (m1,):
+        if not _every_rank_runs(g // m, run, autocast):
+            continue
         kw = {"pp_degree": world, "micro_batches": m, "schedule": "1f1b",
               "stage_split": stage_split}
         sched: list[float] = []
@@ -454,6 +459,29 @@ def _pipeline_trial(n: int, n_blocks: int, block_secs: Sequence[Sequence[float]]
     if not runs:
         return None
     return {"shares": shares, "schedule": "1f1b", "split": list(stage_split), "runs": runs}
+
+
+def _every_rank_runs(b: int, run: dict[str, Any], autocast: Callable[[], Any]) -> bool:
+    """Whether the whole model takes a forward and backward of ``b`` of this rank's samples on
+    every rank (a MIN all-reduce of each rank's answer). A pipeline's stages run different
+    code: one that raises (a batch norm on 1 sample, out of memory) would leave the others
+    waiting in a receive until the group's timeout."""
+    ok = 1.0
+    try:
+        torch.manual_seed(0)
+        model = run["model_factory"]().to(run["device"])
+        x, y = run["batch"](0)
+        idx = torch.arange(b) % max(1, int(x.shape[0]))
+        x, y = x[idx].to(run["device"]), y[idx].to(run["device"])
+        with autocast():
+            loss = run["loss_fn"](model(x), y)
+        loss.backward()
+        del model
+    except Exception:  # noqa: BLE001 - any failure: this run is skipped on every rank
+        ok = 0.0
+    flag = torch.tensor([ok], device=run["device"])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
 
 
 def _trial_steps(name: str, n: int, *, shares: Sequence[int], world: int, rank: int,
@@ -488,10 +516,10 @@ def _trial_steps(name: str, n: int, *, shares: Sequence[int], world: int, rank: 
     live = [True]
     factory = optimizer_factory if updates is None else _switchable(optimizer_factory, live)
     strat = get_strategy(name)(spec, Runtime(rank, world, device), model, factory, loss_fn)
-    if schedule_secs is not None:
-        _time_calls(strat.schedule, "step", schedule_secs, sync)  # type: ignore[attr-defined]
     hooks = SpanHooks()
     try:
+        if schedule_secs is not None:
+            _time_calls(strat.schedule, "step", schedule_secs, sync)  # type: ignore[attr-defined]
         hooks.install(blocks_of(strat.local_model()), slowdown, device, time_forward=False)
         steps: list[float] = []
         pending: Any = None

@@ -40,14 +40,17 @@ def _profile(want: int | None) -> dict[str, int]:
     more until ``want`` steps of each kind ran (None: the real rule)."""
     import torch.distributed as dist
 
+    from clusters.measured import more_update_steps
     from elastic.worker import measure
 
     rank = dist.get_rank()
-    if want is not None:
-        def rule(with_update: Any, without: Any, alone: float) -> bool:
-            assert rank == 0, "only rank 0 decides"
-            return min(len(with_update), len(without)) < want
-        measure.more_update_steps = rule  # type: ignore[assignment]
+
+    def rule(with_update: Any, without: Any, alone: float) -> bool:
+        assert rank == 0, "only rank 0 decides"
+        return min(len(with_update), len(without)) < (want or 0)
+
+    # (the pool's processes live on: the real rule is put back for the next run)
+    measure.more_update_steps = rule if want else more_update_steps  # type: ignore
     rep = measure.profile_terms(
         model_factory=_model, loss_fn=torch.nn.functional.mse_loss, optimizer_factory=_adam,
         batch=_batch, shares=[4, 4], rank=rank, world=2, device=torch.device("cpu"),
@@ -72,3 +75,41 @@ def test_the_ranks_run_as_many_trial_steps_as_rank_0_asks(pool) -> None:
     real = pool.run(_profile, None)
     assert real[0] == real[1]
     assert 6 <= real[0]["with"] == real[0]["without"] <= 24
+
+
+class _NotFour(torch.nn.Module):
+    """Raises on a batch of 4 samples, as a batch norm does on 1: the pipeline's stage that
+    holds it fails while the others wait for it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 4:
+            raise ValueError("a batch of 4")
+        return x
+
+
+def _picky_model() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), _NotFour(),
+                               torch.nn.Linear(64, 1))
+
+
+def _batch8(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(8, 16, generator=g), torch.randn(8, 1, generator=g)
+
+
+def _picky_profile() -> list[int]:
+    import torch.distributed as dist
+
+    from elastic.worker import measure
+
+    rep = measure.profile_terms(
+        model_factory=_picky_model, loss_fn=torch.nn.functional.mse_loss,
+        optimizer_factory=_adam, batch=_batch8, shares=[8, 8], rank=dist.get_rank(), world=2,
+        device=torch.device("cpu"), autocast=contextlib.nullcontext, rounds=2)
+    return [r["micro_batches"] for r in rep["trial_pipeline"]["runs"]]
+
+
+def test_a_pipeline_run_one_stage_cannot_take_is_skipped_on_every_rank(pool) -> None:
+    # 16 samples: micro-batches of 8 (m = 2) run; of 4 (m = 4) one stage would raise while
+    # the other waits in a receive: every rank skips that run instead
+    assert pool.run(_picky_profile) == [[2], [2]]

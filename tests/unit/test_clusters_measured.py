@@ -678,6 +678,11 @@ def test_a_pipeline_trial_sets_its_schedules_cost_and_its_other_messages():
     assert at(two.model, 8) > c4 + (c4 - c2)  # the bubble's share shrinks with m
     # with one run at m = 2 the same schedule is all per-action: m = 4 comes out lower
     assert at(mm.model, 4) < c4
+    # a second run no pair of figures meets (a schedule shorter at m = 4 than its stages'
+    # compute): the one run's fit, not a point where the solve stopped
+    odd = with_trial(c2 + rest_before, c2, more=(rest_before, before.compute / 100))
+    assert at(odd.model, 2) == pytest.approx(c2, rel=1e-6)
+    assert odd.model.pipe_bubble_scale == 1.0
     # dp and zero3 are left as they were
     dp = Plan(strategy="dp", world_size=2, shares=(32, 32), devices=tuple(ids))
     assert mm.model.estimate(dp, cluster, mm.profile).step_time == pytest.approx(
@@ -688,10 +693,22 @@ def test_a_pipeline_trial_sets_its_schedules_cost_and_its_other_messages():
     est = fast.model.estimate(pipe(2), cluster, fast.profile)
     assert 0 < est.compute < before.compute and fast.model.pipe_msg_scale == 0.0
     assert plain.spreads["trial_pipeline"] is None
-    # a malformed trial is ignored
+    # a malformed trial is ignored: rank 0's, the whole fit; another rank's, that rank
     reps = _reports()
     reps[0]["trial_pipeline"] = {"runs": [{"seconds": [1.0], "schedule_seconds": [0.5]}]}
     assert terms_model(reps, ids, _base(), cluster=cluster).spreads["trial_pipeline"] is None
+    reps[0]["trial_pipeline"] = [1, 2]
+    assert terms_model(reps, ids, _base(), cluster=cluster).spreads["trial_pipeline"] is None
+    for junk in ("junk", {"runs": [{"micro_batches": 2, "schedule_seconds": []}]}):
+        reps = _reports()
+        good = with_trial(c2 + rest_before, c2)
+        reps[0]["trial_pipeline"] = {"shares": [32, 32], "schedule": "1f1b", "split": [1, 2],
+                                     "runs": [{"micro_batches": 2, "seconds": [c2] * 3,
+                                               "schedule_seconds": [c2] * 3}]}
+        reps[1]["trial_pipeline"] = junk
+        fit = terms_model(reps, ids, _base(), cluster=cluster).spreads["trial_pipeline"]
+        assert fit is not None and fit["schedule"]["median"] == pytest.approx(c2)
+        assert good.spreads["trial_pipeline"] is not None
 
 
 def test_a_pipelines_own_work_per_action_is_a_crowded_hosts_work_too():
