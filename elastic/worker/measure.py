@@ -498,8 +498,8 @@ def _trial_steps(name: str, n: int, *, shares: Sequence[int], world: int, rank: 
     update (default: every step). When they are done, ``more(seconds so far)`` (called on
     every rank alike) gives the ``updates`` of further steps, until it gives none.
     ``spec_kw``: the spec's other fields (a pipeline's); ``schedule_secs``: appended with
-    each step's pipeline schedule (``schedule.step``), warm-up steps included. [] when the layout refuses the model (on every rank alike: ``validate`` is
-    deterministic)."""
+    each step's pipeline schedule (``schedule.step``), warm-up steps included. [] when the
+    layout refuses the model (on every rank alike: ``validate`` is deterministic)."""
     from strategies import Runtime, StrategySpec
     from strategies import get as get_strategy
     from strategies.blocks import blocks_of
