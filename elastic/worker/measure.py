@@ -340,10 +340,10 @@ def profile_terms(*, model_factory: Callable[[], nn.Module], loss_fn: Any,
     emulated device's factor (its compute figures are scaled by it, and the trial steps run
     under its hooks). Trial steps: ``trial_steps`` of dp; with world > 1, as many of dp
     without the optimizer's update too (each rounded up to even; more while rank 0 finds the
-    difference unresolved, ``clusters.measured.more_update_steps``), in alternating blocks,
-    half as many of zero3, and as many of a pipeline over every rank at two micro-batch
-    counts with its schedule timed apart (``_pipeline_trial``). Every rank must call it with the same ``rounds``,
-    ``trial_steps`` and ``shares``."""
+    difference unresolved, ``clusters.measured.more_update_steps``), in alternating blocks;
+    half as many of zero3, and as many of a pipeline over every rank at each of two
+    micro-batch counts, its schedule timed apart (``_pipeline_trial``). Every rank must call
+    it with the same ``rounds``, ``trial_steps`` and ``shares``."""
     from strategies.blocks import blocks_of
 
     sync = _sync_fn(device)
