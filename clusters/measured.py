@@ -500,7 +500,8 @@ def _fit_pipeline(model: CostModel, profile: ModelProfile, cluster: Cluster,
                 break  # no bubble in what binds (a crowded host's work)
             model = replace(model, pipe_bubble_scale=solve(
                 lambda f: compute(m1, pipe_bubble_scale=f), sched[m1].median, 0.0, 2.0))
-        met = all(abs(compute(m) / sched[m].median - 1) <= 0.02 for m in (m1, m2))
+        met = all(abs(compute(m) - sched[m].median) <= 0.02 * sched[m].median
+                  for m in (m1, m2))
         fitted = model if met else single  # else the one run's fit
     return fitted, {"step": step[m1].as_dict(), "schedule": sched[m1].as_dict(),
                     "micro_batches": ms, "schedules": [sched[m].median for m in ms],
