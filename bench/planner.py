@@ -9,8 +9,8 @@ what runs):
    repeated, the noise reported) and the planner's choice, the *pick*;
 2. the pick runs ``--first`` steps (the closed loop's window), then the job is switched through
    dp, zero1, zero2, zero3 and a pipeline (pp = world, 1F1B, 4 micro-batches by default
-   (``--micro-batches``), stages cut by the measured per-block times), each for ``--warmup`` + ``--steps`` steps, and back through the
-   same layouts in reverse (``--passes 2``, the default): each layout's figure pools both
+   (``--micro-batches``), stages cut by the measured per-block times), each for ``--warmup``
+   + ``--steps`` steps, and back through the same layouts in reverse (``--passes 2``, the default): each layout's figure pools both
    passes, so a drift of the machine over the run cancels to first order instead of favouring
    whichever layout ran in its quiet moment, and the two passes' difference is the noise
    shown (``--passes 1``: one pass, then dp once more, as before 2026-12-04);
@@ -80,8 +80,8 @@ def run_config(tmp: str, fam: pm.Family, world: int, args: argparse.Namespace) -
         model=fam.model, optimizer={"name": "adam", "lr": 1e-3}, loss=fam.loss,
         dataset=fam.dataset, global_batch_size=fam.global_batch, num_workers=world,
         strategy="auto", view="none", run_dir=os.path.join(tmp, name), name=name,
-        max_steps=10_000_000, replan_every=0, pp_degree=world, micro_batches=args.micro_batches,
-        schedule="1f1b", hang_timeout_s=300)
+        max_steps=10_000_000, replan_every=0, pp_degree=world,
+        micro_batches=args.micro_batches, schedule="1f1b", hang_timeout_s=300)
     ctl = handle.controller
     rows: dict[str, dict[str, Any]] = {}
     try:

@@ -423,12 +423,10 @@ def _fit_unit_wait(model: CostModel, profile: ModelProfile, cluster: Cluster,
     units = sum(1 for p in profile.block_params if p > 0)
     if sync_points("zero3", len(ids), units) <= 0:
         return model
-    lo, hi = 0.0, max(1e-3, measured)  # the step grows with the wait (bisection, 1e-15 s)
-    for _ in range(50):
-        mid = (lo + hi) / 2
-        t = replace(model, unit_wait_s=mid).estimate(plan, cluster, profile).step_time
-        lo, hi = (mid, hi) if t < measured else (lo, mid)
-    return replace(model, unit_wait_s=lo,
+    wait = _bisect(lambda w: replace(model, unit_wait_s=w).estimate(plan, cluster,
+                                                                  profile).step_time,
+                   measured, 0.0, max(1e-3, measured))
+    return replace(model, unit_wait_s=wait,
                    trial_layouts=(*model.trial_layouts, ("zero3", tuple(ids))))
 
 
@@ -468,12 +466,6 @@ def _fit_pipeline(model: CostModel, profile: ModelProfile, cluster: Cluster,
     def compute(m: int, **kw: Any) -> float:
         return replace(model, **kw).estimate(plans[m], cluster, profile).compute
 
-    def solve(f: Callable[[float], float], target: float, lo: float, hi: float) -> float:
-        for _ in range(50):  # f grows with its argument
-            mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if f(mid) < target else (lo, mid)
-        return lo
-
     factors = []
     for m in ms:
         est = model.estimate(plans[m], cluster, profile)
@@ -485,7 +477,7 @@ def _fit_pipeline(model: CostModel, profile: ModelProfile, cluster: Cluster,
     model = replace(model, pipe_msg_scale=scale)
     m1, m2 = ms[0], ms[-1]
     hi = max(1e-3, *(sp.median for sp in sched.values()))
-    single = replace(model, pipe_action_s=solve(lambda o: compute(m1, pipe_action_s=o),
+    single = replace(model, pipe_action_s=_bisect(lambda o: compute(m1, pipe_action_s=o),
                                                 sched[m1].median, _free_p2p(model, profile,
                                                 cluster, ids, plans[m1]), hi))
     fitted = single
@@ -493,12 +485,12 @@ def _fit_pipeline(model: CostModel, profile: ModelProfile, cluster: Cluster,
         # (from m2's messages, the smaller: below, the growth would fall again with it)
         lo = _free_p2p(model, profile, cluster, ids, plans[m2])
         for _ in range(8):
-            act = solve(lambda o: compute(m2, pipe_action_s=o) - compute(m1, pipe_action_s=o),
+            act = _bisect(lambda o: compute(m2, pipe_action_s=o) - compute(m1, pipe_action_s=o),
                         sched[m2].median - sched[m1].median, lo, hi)
             model = replace(model, pipe_action_s=act)
             if compute(m1, pipe_bubble_scale=2.0) <= compute(m1, pipe_bubble_scale=0.0):
                 break  # no bubble in what binds (a crowded host's work)
-            model = replace(model, pipe_bubble_scale=solve(
+            model = replace(model, pipe_bubble_scale=_bisect(
                 lambda f: compute(m1, pipe_bubble_scale=f), sched[m1].median, 0.0, 2.0))
         met = all(abs(compute(m) - sched[m].median) <= 0.02 * sched[m].median
                   for m in (m1, m2))
@@ -507,6 +499,15 @@ def _fit_pipeline(model: CostModel, profile: ModelProfile, cluster: Cluster,
                     "micro_batches": ms, "schedules": [sched[m].median for m in ms],
                     "action_s": fitted.pipe_action_s, "bubble_scale": fitted.pipe_bubble_scale,
                     "msg_scale": scale}
+
+
+def _bisect(f: Callable[[float], float], target: float, lo: float, hi: float) -> float:
+    """The largest x in [lo, hi] found with f(x) < target, for f that grows with x (50
+    halvings: hi - lo over 1e15)."""
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if f(mid) < target else (lo, mid)
+    return lo
 
 
 def _run_at(run: Any, m: int) -> bool:

@@ -105,7 +105,11 @@ def device_hosts(infos: Sequence[dict[str, Any]]) -> list[Any]:
     so what a profile sees between them is that sharing, not their speed (``balanced_shares``
     makes them equal). GPU workers and CPU workers with cores of their own are measured
     apart as before: a slow device among them is real."""
-    hosts, need = _cpu_hosts(infos)
+    return _crowded(infos, *_cpu_hosts(infos))
+
+
+def _crowded(infos: Sequence[dict[str, Any]], hosts: Sequence[Any], need: dict[Any, int]
+             ) -> list[Any]:
     return [h if h is not None and need[h] > int(i.get("host_cores") or 1 << 30) else None
             for h, i in zip(hosts, infos, strict=True)]
 
@@ -113,10 +117,10 @@ def device_hosts(infos: Sequence[dict[str, Any]]) -> list[Any]:
 def shared_cores(infos: Sequence[dict[str, Any]]) -> list[SharedCores | None]:
     """For each worker on a crowded host (``device_hosts``), how the profile shared that
     host's cores among the job's ranks there; None for the others."""
-    _, need = _cpu_hosts(infos)
+    hosts, need = _cpu_hosts(infos)
     return [SharedCores(h, float(i["host_cores"]), float(_threads(i)), float(need[h]))
             if h is not None else None
-            for h, i in zip(device_hosts(infos), infos, strict=True)]
+            for h, i in zip(_crowded(infos, hosts, need), infos, strict=True)]
 
 
 def _threads(info: dict[str, Any]) -> int:
