@@ -445,9 +445,11 @@ def _pipeline_trial(n: int, n_blocks: int, block_secs: Sequence[Sequence[float]]
     split = torch.tensor(cut, dtype=torch.int64, device=device)
     dist.broadcast(split, src=0)
     stage_split = tuple(int(x) for x in split.tolist())
+    counts = (m1, m2) if m2 else (m1,)
     runs = []
-    for m in (m1, m2) if m2 else (m1,):
-        if not _every_rank_runs(g // m, run, autocast):
+    for m, ok in zip(counts, _every_rank_runs([g // m for m in counts], run, autocast),
+                     strict=True):
+        if not ok:
             continue
         kw = {"pp_degree": world, "micro_batches": m, "schedule": "1f1b",
               "stage_split": stage_split}
@@ -461,27 +463,34 @@ def _pipeline_trial(n: int, n_blocks: int, block_secs: Sequence[Sequence[float]]
     return {"shares": shares, "schedule": "1f1b", "split": list(stage_split), "runs": runs}
 
 
-def _every_rank_runs(b: int, run: dict[str, Any], autocast: Callable[[], Any]) -> bool:
-    """Whether the whole model takes a forward and backward of ``b`` of this rank's samples on
-    every rank (a MIN all-reduce of each rank's answer). A pipeline's stages run different
-    code: one that raises (a batch norm on 1 sample, out of memory) would leave the others
-    waiting in a receive until the group's timeout."""
-    ok = 1.0
+def _every_rank_runs(sizes: Sequence[int], run: dict[str, Any],
+                     autocast: Callable[[], Any]) -> list[bool]:
+    """For each micro-batch size, whether the whole model takes a forward and backward of
+    that many of this rank's samples on every rank (one model, one MIN all-reduce of every
+    rank's answers). A pipeline's stages run different code: one that raises (a batch norm
+    on 1 sample, out of memory) would leave the others waiting in a receive until the
+    group's timeout."""
+    ok = [0.0] * len(sizes)
     try:
         torch.manual_seed(0)
         model = run["model_factory"]().to(run["device"])
         x, y = run["batch"](0)
-        idx = torch.arange(b) % max(1, int(x.shape[0]))
-        x, y = x[idx].to(run["device"]), y[idx].to(run["device"])
-        with autocast():
-            loss = run["loss_fn"](model(x), y)
-        loss.backward()
+        for i, b in enumerate(sizes):
+            try:
+                idx = torch.arange(b) % max(1, int(x.shape[0]))
+                with autocast():
+                    loss = run["loss_fn"](model(x[idx].to(run["device"])),
+                                          y[idx].to(run["device"]))
+                loss.backward()
+                ok[i] = 1.0
+            except Exception:  # noqa: BLE001 - any failure: that run is skipped on every rank
+                pass
         del model
-    except Exception:  # noqa: BLE001 - any failure: this run is skipped on every rank
-        ok = 0.0
-    flag = torch.tensor([ok], device=run["device"])
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
+    except Exception:  # noqa: BLE001 - no model here: every run is skipped
+        pass
+    flags = torch.tensor(ok, device=run["device"])
+    dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+    return [bool(f) for f in flags.tolist()]
 
 
 def _trial_steps(name: str, n: int, *, shares: Sequence[int], world: int, rank: int,
