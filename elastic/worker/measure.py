@@ -387,24 +387,19 @@ def profile_terms(*, model_factory: Callable[[], nn.Module], loss_fn: Any,
         # step, which follows the other kind, is not counted.
         # More pairs of blocks while the difference is unresolved where it matters
         # (``clusters.measured.more_update_steps``), as rank 0 sees it, for every rank.
-        updates = ([True] * 3 + [False] * 3) * max(2, -(-trial_steps // 2))
         alone = statistics_median(report["optimizer"]["plain"][0][2])
 
-        block = updates[:6]
-
-        def more(secs: Sequence[float]) -> list[bool]:
-            kept = _kept(updates, secs)
+        def more(secs: Sequence[float]) -> int:
+            kept = _kept(secs)
             go = torch.tensor([float(rank == 0 and more_update_steps(
                 [t for u, t in kept if u], [t for u, t in kept if not u], alone))],
                 device=device)
             dist.broadcast(go, src=0)
-            if not go.item():
-                return []
-            updates.extend(block)
-            return block
+            return 6 if go.item() else 0  # another pair of blocks
 
-        secs = _trial_steps("dp", len(updates), updates=list(updates), more=more, **run)
-        kept = _kept(updates, secs)
+        secs = _trial_steps("dp", 6 * max(2, -(-trial_steps // 2)), update_at=_alternating,
+                            more=more, **run)
+        kept = _kept(secs)
         report["trial"] = {"shares": [int(s) for s in shares],
                            "seconds": [t for u, t in kept if u]}
         report["trial_no_update"] = {"shares": [int(s) for s in shares],
@@ -497,15 +492,15 @@ def _trial_steps(name: str, n: int, *, shares: Sequence[int], world: int, rank: 
                  device: torch.device, model_factory: Callable[[], nn.Module],
                  optimizer_factory: Callable[[Any], Any], loss_fn: Any,
                  batch: Callable[[int], Any], control: Callable[[], Any] | None,
-                 slowdown: float, updates: Sequence[bool] | None = None,
-                 more: Callable[[Sequence[float]], Sequence[bool]] | None = None,
+                 slowdown: float, update_at: Callable[[int], bool] | None = None,
+                 more: Callable[[Sequence[float]], int] | None = None,
                  spec_kw: dict[str, Any] | None = None,
                  schedule_secs: list[float] | None = None) -> list[float]:
     """Seconds of ``n`` steps of layout ``name`` (after 2 warm-up steps) as the step loop
     runs them: the data fetch, the strategy's step, the control all-reduce issued after it
-    and waited for after the next one; ``updates[i]``: whether step i runs the optimizer's
+    and waited for after the next one; ``update_at(i)``: whether step i runs the optimizer's
     update (default: every step). When they are done, ``more(seconds so far)`` (called on
-    every rank alike) gives the ``updates`` of further steps, until it gives none.
+    every rank alike) gives how many steps to run on, until it gives 0.
     ``spec_kw``: the spec's other fields (a pipeline's); ``schedule_secs``: appended with
     each step's pipeline schedule (``schedule.step``), warm-up steps included. [] when the
     layout refuses the model (on every rank alike: ``validate`` is deterministic)."""
@@ -523,7 +518,7 @@ def _trial_steps(name: str, n: int, *, shares: Sequence[int], world: int, rank: 
     except StrategyError:
         return []
     live = [True]
-    factory = optimizer_factory if updates is None else _switchable(optimizer_factory, live)
+    factory = optimizer_factory if update_at is None else _switchable(optimizer_factory, live)
     strat = get_strategy(name)(spec, Runtime(rank, world, device), model, factory, loss_fn)
     hooks = SpanHooks()
     try:
@@ -535,12 +530,11 @@ def _trial_steps(name: str, n: int, *, shares: Sequence[int], world: int, rank: 
         step = 0
         while True:
             if step == n + 2:
-                extra = list(more(steps[2:])) if more is not None else []
-                if not extra:
+                extra = more(steps[2:]) if more is not None else 0
+                if extra <= 0:
                     break
-                updates = [*(updates or [True] * n), *extra]
-                n += len(extra)
-            live[0] = updates is None or step < 2 or bool(updates[step - 2])
+                n += extra
+            live[0] = update_at is None or step < 2 or update_at(step - 2)
             t0 = time.perf_counter()
             xs, ys = batch(step)
             strat.train_step(xs, ys)
@@ -576,10 +570,15 @@ def _time_calls(obj: Any, name: str, into: list[float], sync: Callable[[], None]
     setattr(obj, name, timed)
 
 
-def _kept(updates: Sequence[bool], secs: Sequence[float]) -> list[tuple[bool, float]]:
-    """(update?, seconds) of the trial steps that count: each block of 3's first step, which
-    follows the other kind, does not."""
-    return [(u, t) for i, (u, t) in enumerate(zip(updates, secs, strict=False)) if i % 3]
+def _alternating(i: int) -> bool:
+    """Whether trial step i runs the update: blocks of 3 with, 3 without, in turn."""
+    return (i // 3) % 2 == 0
+
+
+def _kept(secs: Sequence[float]) -> list[tuple[bool, float]]:
+    """(update?, seconds) of the alternating trial steps that count: each block's first
+    step, which follows the other kind, does not."""
+    return [(_alternating(i), t) for i, t in enumerate(secs) if i % 3]
 
 
 def _switchable(factory: Callable[[Any], Any], live: list[bool]) -> Callable[[Any], Any]:
