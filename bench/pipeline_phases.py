@@ -4,7 +4,7 @@ workers do (``elastic.worker.measure.profile_terms``), rank 0 builds the cost mo
 reports (``elastic.planning.measured_model``), then each pipeline layout (pp = N) runs with its
 phases timed on every rank: the schedule (``schedule.step``: micro-batches, p2p, bubble), and
 the rest of the step (the batch's all-gathers, the norm's and the commit's all-reduces, the
-update), as the profiler's pipeline trial times them (``measure._pipeline_trial``). Printed
+update), as the profiler's pipeline trial times them (``elastic.worker.trial.pipeline_trial``). Printed
 side by side with the model's compute (its schedule) and the rest of its step, so that a
 term whose count or level is off shows as the phase that misses. The model is fitted to the
 profile's own pipeline trial: a layout at the trial's micro-batch counts is in its sample.

@@ -17,7 +17,8 @@ from ..config import JobConfig, WorkerConfig
 from ..reference import build_model
 from .inputs import JobData
 from .layout import compute_blocks
-from .measure import SpanHooks, profile_terms
+from .measure import profile_terms
+from .spans import SpanHooks
 
 __all__ = ["Profiler"]
 
@@ -73,7 +74,7 @@ class Profiler:
         slow where it happens: a slow pipeline stage on every micro-batch, a slow zero3 rank
         in each block's forward *and* backward (whose gathers and reduce-scatters synchronize
         the ranks block by block), and collectives between blocks are not slowed
-        (``measure.SpanHooks``)."""
+        (``spans.SpanHooks``)."""
         self._dirty = False
         if strategy is None:
             self._spans.remove()

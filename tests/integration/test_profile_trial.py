@@ -1,7 +1,7 @@
 """The profiler's trial steps on two spawned gloo ranks (``tests/mp_harness.py``): the dp steps
 with and without the optimizer's update run on until rank 0's rule says the difference is
-resolved, and every rank runs as many as rank 0; then pipeline steps with their schedule
-timed (``elastic.worker.measure.profile_terms``,
+resolved, and every rank runs as many as rank 0; then pipeline steps at two micro-batch counts
+in alternating blocks, their schedule timed (``elastic.worker.measure.profile_terms``,
 ``clusters.measured.more_update_steps``)."""
 
 from __future__ import annotations
@@ -69,9 +69,10 @@ def test_the_ranks_run_as_many_trial_steps_as_rank_0_asks(pool) -> None:
     # 6 of each kind first; each further pair of blocks of 3 adds 2 of each (a block's
     # first step, which follows the other kind, is not counted)
     # and a pipeline over both ranks: 1F1B at 2 micro-batches (the fewest >= 2 that divide
-    # 8) and at 4, its 3 blocks cut by rank 0's block times, one split for both
+    # 8) and at 4, in 2 pairs of alternating blocks of 3 (2 counted steps of each count per
+    # pair), its 3 blocks cut by rank 0's block times, one split for both
     assert pool.run(_profile, 10) == [{"with": 10, "without": 10, "zero3": 3,
-                                       "pipeline": ([(2, 3), (4, 3)], [1, 2])}] * 2
+                                       "pipeline": ([(2, 4), (4, 4)], [1, 2])}] * 2
     real = pool.run(_profile, None)
     assert real[0] == real[1]
     assert 6 <= real[0]["with"] == real[0]["without"] <= 24
@@ -106,10 +107,11 @@ def _picky_profile() -> list[int]:
         model_factory=_picky_model, loss_fn=torch.nn.functional.mse_loss,
         optimizer_factory=_adam, batch=_batch8, shares=[8, 8], rank=dist.get_rank(), world=2,
         device=torch.device("cpu"), autocast=contextlib.nullcontext, rounds=2)
-    return [r["micro_batches"] for r in rep["trial_pipeline"]["runs"]]
+    return [(r["micro_batches"], len(r["seconds"])) for r in rep["trial_pipeline"]["runs"]]
 
 
 def test_a_pipeline_run_one_stage_cannot_take_is_skipped_on_every_rank(pool) -> None:
     # 16 samples: micro-batches of 8 (m = 2) run; of 4 (m = 4) one stage would raise while
-    # the other waits in a receive: every rank skips that run instead
-    assert pool.run(_picky_profile) == [[2], [2]]
+    # the other waits in a receive: every rank skips that run instead, and m = 2 runs alone
+    # as many counted steps as it would beside m = 4
+    assert pool.run(_picky_profile) == [[(2, 4)], [(2, 4)]]

@@ -1,0 +1,92 @@
+"""The per-block hooks that time (and, for emulated devices, slow) a rank's compute, shared by
+the step loop (``elastic.worker.profiling``) and the profiler's measurements
+(``elastic.worker.measure``, ``elastic.worker.trial``).
+
+``SpanHooks`` wraps every compute block of a layout: it sums the seconds spent inside the
+blocks' forwards (this rank's own compute, without the collectives between blocks, which the
+controller's closed loop reads per rank) and, on an emulated slower device, sleeps ``(slowdown
+- 1) x`` each forward's and each backward's time where it happens.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["SpanHooks", "sync_fn", "median"]
+
+
+def sync_fn(device: torch.device) -> Callable[[], None]:
+    return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+
+class SpanHooks:
+    """Forward (and, when slowed, backward) hooks on a layout's compute blocks.
+
+    ``take()`` returns the seconds spent inside the blocks' forwards since the last call
+    (emulated sleep included). Not thread-safe: the step loop owns it."""
+
+    def __init__(self) -> None:
+        self._handles: list[Any] = []
+        self._fwd = 0.0
+
+    def install(self, blocks: Sequence[nn.Module], slowdown: float, device: torch.device,
+                time_forward: bool = True) -> None:
+        """(Re)install on ``blocks`` (no reference to them is kept beyond the hooks)."""
+        self.remove()
+        extra = max(0.0, slowdown - 1.0)
+        if extra <= 0 and not time_forward:
+            return
+        sync = sync_fn(device)
+        started: dict[tuple[int, str], float] = {}
+
+        def start(phase: str) -> Callable[..., None]:
+            def hook(mod: Any, *_args: Any) -> None:
+                if extra > 0:
+                    sync()
+                started[(id(mod), phase)] = time.perf_counter()
+            return hook
+
+        def stop(phase: str) -> Callable[..., None]:
+            def hook(mod: Any, *_args: Any) -> None:
+                t = started.pop((id(mod), phase), None)
+                if t is None:
+                    return
+                if extra > 0:
+                    sync()
+                    time.sleep(extra * (time.perf_counter() - t))
+                if phase == "fwd":
+                    self._fwd += time.perf_counter() - t
+            return hook
+
+        for m in blocks:
+            self._handles += [m.register_forward_pre_hook(start("fwd")),
+                              m.register_forward_hook(stop("fwd"))]
+            if extra > 0:
+                # the first block's inputs need no gradient: its backward hook then fires on
+                # the gradients of its outputs, which torch warns about; that timing is wanted
+                warnings.filterwarnings("ignore",
+                                        message="Full backward hook is firing when gradients")
+                self._handles += [m.register_full_backward_pre_hook(start("bwd")),
+                                  m.register_full_backward_hook(stop("bwd"))]
+
+    def take(self) -> float:
+        out, self._fwd = self._fwd, 0.0
+        return out
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self._fwd = 0.0
+
+
+def median(xs: Sequence[float]) -> float:
+    """The upper median (no interpolation: one of the figures)."""
+    s = sorted(xs)
+    return s[len(s) // 2] if s else 0.0

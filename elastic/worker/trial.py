@@ -1,0 +1,230 @@
+"""The profiler's trial steps: a layout's real steps as the step loop runs them (the data
+fetch, the strategy's step, the control all-reduce issued after it and waited for after the
+next one), timed on every rank. ``elastic.worker.measure.profile_terms`` runs dp's (with and
+without the optimizer's update, in alternating blocks), zero3's, and a pipeline's over every
+rank at two micro-batch counts (``pipeline_trial``), also in alternating blocks, so that a slow
+phase of a shared host falls on both counts alike instead of on whichever ran in it (on this
+2-core VM, phases 1.3-2x slower for 10-40 steps come and go during any run).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .spans import SpanHooks, median, sync_fn
+
+__all__ = ["trial_steps", "pipeline_trial", "alternating", "kept", "layout_at"]
+
+
+def alternating(i: int) -> bool:
+    """Whether trial step i is of the first kind: blocks of 3 of the first, 3 of the second,
+    in turn."""
+    return (i // 3) % 2 == 0
+
+
+def layout_at(step: int, layouts: int) -> int:
+    """Which of ``layouts`` instances runs trial step ``step`` (warm-up included): 2 warm-up
+    steps of each in turn, then, of two, the first where ``alternating``."""
+    warm = 2 * layouts
+    if step < warm:
+        return step // 2
+    return int(layouts > 1 and not alternating(step - warm))
+
+
+def kept(secs: Sequence[float]) -> list[tuple[bool, float]]:
+    """(first kind?, seconds) of the alternating trial steps that count: each block's first
+    step, which follows the other kind, does not."""
+    return [(alternating(i), t) for i, t in enumerate(secs) if i % 3]
+
+
+def pipeline_trial(pairs: int, n_blocks: int, block_secs: Sequence[Sequence[float]],
+                   run: dict[str, Any], autocast: Callable[[], Any]) -> dict[str, Any] | None:
+    """Steps of a pipeline over every rank (pp = world, 1F1B; stages cut by rank 0's
+    ``block_secs``, as the planner cuts equal devices) at the fewest micro-batches that divide
+    the global batch, at least world, and at the fewest of at least twice that, in ``pairs``
+    pairs of alternating blocks (2 counted steps of each count per pair): each step's seconds
+    and its schedule's (micro-batches, p2p, bubble) on this rank. What a schedule costs per
+    micro-batch and beyond, and what the step's other messages cost. Both counts' stages are
+    held at once: together 2/world of the model's states, less than the whole model the
+    profile runs before. None when the model has fewer blocks than ranks or cannot be
+    pipelined."""
+    from strategies.pipeline import balanced_split
+
+    world, shares, device = run["world"], [int(s) for s in run["shares"]], run["device"]
+    g = sum(shares)
+    m1 = next((k for k in range(world, g + 1) if g % k == 0), 0)
+    if not m1 or n_blocks < world:
+        return None
+    m2 = next((k for k in range(2 * m1, g + 1) if g % k == 0), 0)
+    cut = [0] * world
+    if run["rank"] == 0:  # one split for every rank
+        cut = list(balanced_split([1 + int(1e7 * median(ts)) for ts in block_secs], world))
+    split = torch.tensor(cut, dtype=torch.int64, device=device)
+    dist.broadcast(split, src=0)
+    stage_split = tuple(int(x) for x in split.tolist())
+    counts = [m for m, ok in zip((m1, m2) if m2 else (m1,),
+                                 every_rank_runs([g // m for m in (m1, m2) if m], run, autocast),
+                                 strict=True) if ok]
+    kws = [{"pp_degree": world, "micro_batches": m, "schedule": "1f1b",
+            "stage_split": stage_split} for m in counts]
+    sched: list[float] = []
+    if len(kws) == 2:
+        secs = trial_steps("pipeline", 6 * pairs, spec_kws=kws, schedule_secs=sched, **run)
+        both = list(zip(kept(secs), kept(sched[-len(secs):] if secs else []), strict=True))
+        runs = [{"micro_batches": m, "seconds": [t for (a, t), _ in both if a is first],
+                 "schedule_seconds": [s for (a, _), (_, s) in both if a is first]}
+                for m, first in zip(counts, (True, False), strict=True)]
+    elif kws:  # (one count: as many counted steps as two would give it)
+        secs = trial_steps("pipeline", 2 * pairs, spec_kws=kws, schedule_secs=sched, **run)
+        runs = [{"micro_batches": counts[0], "seconds": secs,
+                 "schedule_seconds": sched[-len(secs):] if secs else []}]
+    else:
+        return None
+    if not any(r["seconds"] for r in runs):  # (refused on every rank alike)
+        return None
+    return {"shares": shares, "schedule": "1f1b", "split": list(stage_split), "runs": runs}
+
+
+def every_rank_runs(sizes: Sequence[int], run: dict[str, Any],
+                    autocast: Callable[[], Any]) -> list[bool]:
+    """For each micro-batch size, whether the whole model takes a forward and backward of
+    that many of this rank's samples on every rank (one model, one MIN all-reduce of every
+    rank's answers). A pipeline's stages run different code: one that raises (a batch norm
+    on 1 sample, out of memory) would leave the others waiting in a receive until the
+    group's timeout."""
+    ok = [0.0] * len(sizes)
+    try:
+        torch.manual_seed(0)
+        model = run["model_factory"]().to(run["device"])
+        x, y = run["batch"](0)
+        for i, b in enumerate(sizes):
+            try:
+                idx = torch.arange(b) % max(1, int(x.shape[0]))
+                with autocast():
+                    loss = run["loss_fn"](model(x[idx].to(run["device"])),
+                                          y[idx].to(run["device"]))
+                loss.backward()
+                ok[i] = 1.0
+            except Exception:  # noqa: BLE001 - any failure: that run is skipped on every rank
+                pass
+        del model
+    except Exception:  # noqa: BLE001 - no model here: every run is skipped
+        pass
+    flags = torch.tensor(ok, device=run["device"])
+    dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+    return [bool(f) for f in flags.tolist()]
+
+
+def trial_steps(name: str, n: int, *, shares: Sequence[int], world: int, rank: int,
+                device: torch.device, model_factory: Callable[[], nn.Module],
+                optimizer_factory: Callable[[Any], Any], loss_fn: Any,
+                batch: Callable[[int], Any], control: Callable[[], Any] | None,
+                slowdown: float, update_at: Callable[[int], bool] | None = None,
+                more: Callable[[Sequence[float]], int] | None = None,
+                spec_kws: Sequence[dict[str, Any]] = ({},),
+                schedule_secs: list[float] | None = None) -> list[float]:
+    """Seconds of ``n`` steps of layout ``name`` (after 2 warm-up steps of each of its
+    ``spec_kws``) as the step loop runs them: the data fetch, the strategy's step, the control
+    all-reduce issued after it and waited for after the next one. ``update_at(i)``: whether
+    step i runs the optimizer's update (default: every step). When they are done, ``more(
+    seconds so far)`` (called on every rank alike) gives how many steps to run on, until it
+    gives 0. ``spec_kws``: the spec's other fields (a pipeline's); two of them: two instances
+    of the layout, held at once, step i on the first where ``alternating(i)``.
+    ``schedule_secs``: appended with each step's pipeline schedule (``schedule.step``),
+    warm-up steps included. [] when the layout refuses the model (on every rank alike:
+    ``validate`` is deterministic)."""
+    from strategies import Runtime, StrategySpec
+    from strategies import get as get_strategy
+    from strategies.blocks import blocks_of
+    from strategies.errors import StrategyError
+
+    sync = sync_fn(device)
+    specs = [StrategySpec(name, world, tuple(int(s) for s in shares), **kw) for kw in spec_kws]
+    live = [True]
+    factory = optimizer_factory if update_at is None else _switchable(optimizer_factory, live)
+    strats: list[Any] = []
+    hooks: list[SpanHooks] = []
+    try:
+        for spec in specs:
+            torch.manual_seed(0)
+            model = model_factory()
+            try:
+                get_strategy(name).validate(spec, model)
+            except StrategyError:
+                return []
+            strat = get_strategy(name)(spec, Runtime(rank, world, device), model, factory,
+                                       loss_fn)
+            strats.append(strat)
+            if schedule_secs is not None:  # (a pipeline's)
+                sched = strat.schedule  # type: ignore[attr-defined]
+                _time_calls(sched, "step", schedule_secs, sync)
+            hooks.append(SpanHooks())
+            hooks[-1].install(blocks_of(strat.local_model()), slowdown, device,
+                              time_forward=False)
+        warm = 2 * len(strats)
+        steps: list[float] = []
+        pending: Any = None
+        step = 0
+        while True:
+            if step == n + warm:
+                extra = more(steps[warm:]) if more is not None else 0
+                if extra <= 0:
+                    break
+                n += extra
+            i = step - warm
+            live[0] = update_at is None or i < 0 or update_at(i)
+            strat = strats[layout_at(step, len(strats))]
+            t0 = time.perf_counter()
+            xs, ys = batch(step)
+            strat.train_step(xs, ys)
+            if control is not None:  # as the step loop: issued now, waited for a step on
+                work = control()
+                if pending is not None:
+                    pending.wait()
+                pending = work
+            sync()
+            steps.append(time.perf_counter() - t0)
+            step += 1
+        if pending is not None:
+            pending.wait()
+        return steps[warm:]
+    finally:
+        for h in hooks:
+            h.remove()
+        for s in strats:
+            s.close()
+
+
+def _time_calls(obj: Any, name: str, into: list[float], sync: Callable[[], None]) -> None:
+    """Append the seconds of each call of ``obj.name`` to ``into``, the device synchronized
+    on both sides (the instance's method is replaced)."""
+    real = getattr(obj, name)
+
+    def timed(*a: Any, **k: Any) -> Any:
+        sync()
+        t0 = time.perf_counter()
+        try:
+            return real(*a, **k)
+        finally:
+            sync()
+            into.append(time.perf_counter() - t0)
+    setattr(obj, name, timed)
+
+
+def _switchable(factory: Callable[[Any], Any], live: list[bool]) -> Callable[[Any], Any]:
+    """``factory``'s optimizers, whose step leaves the parameters as they are while
+    ``live[0]`` is False. The instance's ``step`` is replaced: fine for the strategies'
+    direct ``optimizer.step()`` (torch's step hooks still run when live); a torch
+    ``LRScheduler`` attached to it would not accept the wrapper."""
+    def make(params: Any) -> Any:
+        opt = factory(params)
+        real = opt.step
+        opt.step = lambda *a, **k: real(*a, **k) if live[0] else None
+        return opt
+    return make
