@@ -100,7 +100,7 @@ class CostModel:
     the micro-batches (the bubble), and ``pipe_msg_scale``: a factor on a pipeline step's
     messages outside the schedule (its batch's all-gathers, the norm's and the commit's
     all-reduces), all fitted to the profiler's pipeline trial steps
-    (``measured._fit_pipeline``); 0, 1 and 1 without one.
+    (``clusters.pipeline_fit.fit_pipeline``); 0, 1 and 1 without one.
     ``shared_cores``: by device id, the CPU ranks that share a crowded host's cores
     (``pipeline_cost.SharedCores``); a pipeline's waiting ranks leave their cores to the busy
     ones. Data-parallel layouts keep every rank busy at once, as the profile did.

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -27,7 +27,6 @@ from .collectives import (
     BROADCAST_BURST,
     KINDS,
     CommConfig,
-    collective_time,
     latency_hops,
     layout_messages,
     sync_points,
@@ -36,49 +35,16 @@ from .collectives import (
 from .cost import CostModel
 from .errors import ClustersError
 from .estimate import Estimate
-from .pipeline_cost import SharedCores, stage_blocks
+from .pipeline_cost import SharedCores
+from .pipeline_fit import fit_pipeline
 from .plan import Plan
 from .profile import ModelProfile
+from .spread import Spread, bisect_below, dp_level, robust
 from .topology import Cluster
 
 __all__ = ["Spread", "robust", "equal_within_noise", "fit_alpha_beta", "fit_optimizer",
            "fit_pass", "terms_model", "MeasuredModel"]
 
-_MAD_TO_SD = 1.4826
-
-
-@dataclass(frozen=True)
-class Spread:
-    """A repeated measurement: ``median``, ``sd`` (1.4826 x median absolute deviation, a
-    standard deviation robust to outliers), ``n`` repeats; ``se`` the standard error of the
-    median (1.2533 sd / sqrt(n)); ``rel`` = sd / median."""
-
-    median: float
-    sd: float
-    n: int
-
-    @property
-    def se(self) -> float:
-        return 1.2533 * self.sd / math.sqrt(self.n) if self.n else math.inf
-
-    @property
-    def rel(self) -> float:
-        return self.sd / self.median if self.median > 0 else math.inf
-
-    def as_dict(self) -> dict[str, float]:
-        return {"median": self.median, "sd": self.sd, "n": self.n, "rel": self.rel}
-
-
-def robust(xs: Sequence[float]) -> Spread:
-    """Median and robust spread of ``xs``. Raises ``ClustersError`` when empty."""
-    if not xs:
-        raise ClustersError("no measurement to summarise")
-    med = statistics.median(xs)
-    mad = statistics.median(abs(x - med) for x in xs)
-    return Spread(med, _MAD_TO_SD * mad, len(xs))
-
-
-# the profiler's trial steps with and without the optimizer's update (``more_update_steps``)
 UPDATE_WORTH = 0.05  # its timed share of a step below which a factor on it is not chased
 UPDATE_MAX_KEPT = 24  # steps of each kind, at most
 
@@ -342,9 +308,10 @@ def terms_model(reports: Sequence[Mapping[str, Any]], ids: Sequence[str], base: 
         model = _fit_overhead(model, profile, cluster, ids, tuple(trial["shares"]),
                               trial_spread.median)
     z3 = reports[0].get("trial_zero3")
-    z3_spread = None
+    z3_spread, z3_level = None, 1.0
     if z3 and z3.get("seconds") and cluster is not None and trial_spread is not None:
-        z3_spread = robust(z3["seconds"])
+        z3_level = dp_level(trial_spread.median, z3.get("dp_seconds"))
+        z3_spread = robust([t * z3_level for t in z3["seconds"]])
         model = _fit_unit_wait(model, profile, cluster, ids, tuple(z3["shares"]),
                                z3_spread.median)
     pipes = [p for p in (r.get("trial_pipeline") for r in reports)
@@ -352,7 +319,8 @@ def terms_model(reports: Sequence[Mapping[str, Any]], ids: Sequence[str], base: 
     pipe_fit = None
     first = reports[0].get("trial_pipeline")
     if pipes and pipes[0] is first and cluster is not None and trial_spread is not None:
-        model, pipe_fit = _fit_pipeline(model, profile, cluster, ids, pipes)
+        level = dp_level(trial_spread.median, pipes[0].get("dp_seconds"))
+        model, pipe_fit = fit_pipeline(model, profile, cluster, ids, pipes, level)
     fwd = [robust(r["compute"]["forward"]).median / robust(r["compute"]["seconds"][0]).median
            for r in reports if r["compute"].get("forward")]
     return MeasuredModel(model, profile, speeds, raw, {
@@ -362,7 +330,7 @@ def terms_model(reports: Sequence[Mapping[str, Any]], ids: Sequence[str], base: 
         "trial": trial_spread.as_dict() if trial_spread else None,
         "sync_wait": model.sync_wait_s, "unit_wait": model.unit_wait_s,
         "burst_wait": model.burst_wait_s,
-        "trial_zero3": z3_spread.as_dict() if z3_spread else None,
+        "trial_zero3": ({**z3_spread.as_dict(), "level": z3_level} if z3_spread else None),
         "trial_no_update": bare_spread.as_dict() if bare_spread else None,
         "trial_pipeline": pipe_fit,
         "optimizer_scale": opt_scale,
@@ -423,112 +391,11 @@ def _fit_unit_wait(model: CostModel, profile: ModelProfile, cluster: Cluster,
     units = sum(1 for p in profile.block_params if p > 0)
     if sync_points("zero3", len(ids), units) <= 0:
         return model
-    wait = _bisect(lambda w: replace(model, unit_wait_s=w).estimate(plan, cluster,
+    wait = bisect_below(lambda w: replace(model, unit_wait_s=w).estimate(plan, cluster,
                                                                   profile).step_time,
                    measured, 0.0, max(1e-3, measured))
     return replace(model, unit_wait_s=wait,
                    trial_layouts=(*model.trial_layouts, ("zero3", tuple(ids))))
-
-
-def _fit_pipeline(model: CostModel, profile: ModelProfile, cluster: Cluster,
-                  ids: Sequence[str], trials: Sequence[Mapping[str, Any]]
-                  ) -> tuple[CostModel, dict[str, Any] | None]:
-    """``model`` with a pipeline's terms fitted to the profiler's pipeline trial (``trials``:
-    each rank's; per micro-batch count, the first rank's steps and the slowest rank's
-    schedule): the step beyond the schedule sets ``pipe_msg_scale`` (the step's messages
-    outside it, 0 to 4, the median over the runs); the schedule's growth from the first
-    run's micro-batches to the second's sets ``pipe_action_s`` (per stage and micro-batch,
-    a stage never below its compute, at the least free p2p), and the first run's schedule
-    then ``pipe_bubble_scale`` (what does not grow with m, 0 to 2). With one run, the seconds
-    per action meet its schedule. Timed apart, the parts missed in opposite directions: on 3
-    CPU ranks the messages outside the schedule were predicted +44 to +132 % and the
-    schedule -16 to -70 %, and from one micro-batch count to twice it the schedule grew
-    faster than m t_max + the bubble (``bench/pipeline_phases.py``). Unchanged (None) when
-    the trial is malformed or its plans cannot be estimated."""
-    t0 = trials[0] if trials else {}
-    try:
-        ms = sorted({int(r["micro_batches"]) for r in t0["runs"]})
-        plans = {m: Plan(strategy="pipeline", world_size=len(ids), shares=(sum(t0["shares"]),),
-                         pp_degree=len(ids), micro_batches=m,
-                         schedule=str(t0.get("schedule", "1f1b")),
-                         stage_split=tuple(int(x) for x in t0["split"]), devices=tuple(ids))
-                 for m in ms}
-        step = {m: robust(next(r["seconds"] for r in t0["runs"]
-                               if int(r["micro_batches"]) == m)) for m in ms}
-        sched = {m: max((robust(r["schedule_seconds"]) for t in trials for r in t["runs"]
-                         if _run_at(r, m)), key=lambda sp: sp.median)
-                 for m in ms}
-        for m in ms:
-            model.estimate(plans[m], cluster, profile)
-    except (KeyError, TypeError, ValueError, StopIteration, ClustersError):
-        return model, None
-
-    def compute(m: int, **kw: Any) -> float:
-        return replace(model, **kw).estimate(plans[m], cluster, profile).compute
-
-    factors = []
-    for m in ms:
-        est = model.estimate(plans[m], cluster, profile)
-        bare = replace(model, pipe_msg_scale=0.0).estimate(plans[m], cluster, profile)
-        if est.step_time > bare.step_time:  # the schedule runs on every rank at once
-            factors.append((step[m].median - sched[m].median - (bare.step_time - bare.compute))
-                           / (est.step_time - bare.step_time))
-    scale = min(4.0, max(0.0, statistics.median(factors))) if factors else 1.0
-    model = replace(model, pipe_msg_scale=scale)
-    m1, m2 = ms[0], ms[-1]
-    hi = max(1e-3, *(sp.median for sp in sched.values()))
-    single = replace(model, pipe_action_s=_bisect(lambda o: compute(m1, pipe_action_s=o),
-                                                sched[m1].median, _free_p2p(model, profile,
-                                                cluster, ids, plans[m1]), hi))
-    fitted = single
-    if m2 > m1:  # each term moves both runs: in turns until they settle
-        # (from m2's messages, the smaller: below, the growth would fall again with it)
-        lo = _free_p2p(model, profile, cluster, ids, plans[m2])
-        for _ in range(8):
-            act = _bisect(lambda o: compute(m2, pipe_action_s=o) - compute(m1, pipe_action_s=o),
-                        sched[m2].median - sched[m1].median, lo, hi)
-            model = replace(model, pipe_action_s=act)
-            if compute(m1, pipe_bubble_scale=2.0) <= compute(m1, pipe_bubble_scale=0.0):
-                break  # no bubble in what binds (a crowded host's work)
-            model = replace(model, pipe_bubble_scale=_bisect(
-                lambda f: compute(m1, pipe_bubble_scale=f), sched[m1].median, 0.0, 2.0))
-        met = all(abs(compute(m) - sched[m].median) <= 0.02 * sched[m].median
-                  for m in (m1, m2))
-        fitted = model if met else single  # else the one run's fit
-    return fitted, {"step": step[m1].as_dict(), "schedule": sched[m1].as_dict(),
-                    "micro_batches": ms, "schedules": [sched[m].median for m in ms],
-                    "action_s": fitted.pipe_action_s, "bubble_scale": fitted.pipe_bubble_scale,
-                    "msg_scale": scale}
-
-
-def _bisect(f: Callable[[float], float], target: float, lo: float, hi: float) -> float:
-    """The largest x in [lo, hi] found with f(x) < target, for f that grows with x (50
-    halvings: hi - lo over 1e15)."""
-    for _ in range(50):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if f(mid) < target else (lo, mid)
-    return lo
-
-
-def _run_at(run: Any, m: int) -> bool:
-    """Whether one rank's pipeline trial ``run`` is a well-formed one at ``m`` micro-batches."""
-    try:
-        return int(run["micro_batches"]) == m and len(run["schedule_seconds"]) > 0
-    except (KeyError, TypeError, ValueError):
-        return False
-
-
-def _free_p2p(model: CostModel, profile: ModelProfile, cluster: Cluster, ids: Sequence[str],
-              plan: Plan) -> float:
-    """The least ``pipe_action_s`` that means anything for ``plan`` (pp = its devices): no
-    stage's p2p messages cost anything; below that its stages are at their compute, and the
-    fit would take every other plan's messages too."""
-    devs = [cluster.device(i) for i in ids]
-    b = plan.shares[0] / plan.micro_batches
-    return -max((2 * collective_time(
-        "p2p", b * profile.boundary(st[-1]), 2,
-        *model.alpha_beta(cluster.p2p_path(devs[k], devs[k + 1]), "p2p"))
-        for k, st in enumerate(stage_blocks(plan)[:-1])), default=0.0)
 
 
 def _fit_update(model: CostModel, profile: ModelProfile, cluster: Cluster,

@@ -32,7 +32,7 @@ from clusters.collectives import BROADCAST_BURST, KINDS
 from clusters.measured import more_update_steps
 
 from .spans import SpanHooks, median, sync_fn
-from .trial import alternating, kept, pipeline_trial
+from .trial import alternating, of_kind, pipeline_trial
 from .trial import trial_steps as run_trial
 
 __all__ = ["SpanHooks", "profile_terms", "COLLECTIVE_SIZES"]
@@ -274,9 +274,9 @@ def profile_terms(*, model_factory: Callable[[], nn.Module], loss_fn: Any,
     under its hooks). Trial steps: ``trial_steps`` of dp; with world > 1, as many of dp
     without the optimizer's update too (each rounded up to even; more while rank 0 finds the
     difference unresolved, ``clusters.measured.more_update_steps``), in alternating blocks;
-    half as many of zero3; a pipeline over every rank at two micro-batch counts in
-    alternating blocks, its schedule timed apart (``trial_steps // 3`` pairs of blocks:
-    ``elastic.worker.trial.pipeline_trial``). Every rank must call it with the same
+    then ``trial_steps // 3`` blocks each of zero3 and dp in rotation (blocks of 3, 2 counted),
+    and of a pipeline over every rank at two micro-batch counts and dp, its schedule timed
+    apart (``elastic.worker.trial.pipeline_trial``). Every rank must call it with the same
     ``rounds``, ``trial_steps`` and ``shares``."""
     from strategies.blocks import blocks_of
 
@@ -324,28 +324,28 @@ def profile_terms(*, model_factory: Callable[[], nn.Module], loss_fn: Any,
         alone = median(report["optimizer"]["plain"][0][2])
 
         def more(secs: Sequence[float]) -> int:
-            counted = kept(secs)
             go = torch.tensor([float(rank == 0 and more_update_steps(
-                [t for u, t in counted if u], [t for u, t in counted if not u], alone))],
-                device=device)
+                of_kind(secs, 2, 0), of_kind(secs, 2, 1), alone))], device=device)
             dist.broadcast(go, src=0)
             return 6 if go.item() else 0  # another pair of blocks
 
-        secs = run_trial("dp", 6 * max(2, -(-trial_steps // 2)), update_at=alternating,
-                         more=more, **run)
-        counted = kept(secs)
+        secs = run_trial([("dp", {})], 6 * max(2, -(-trial_steps // 2)),
+                         update_at=alternating, more=more, **run)
         report["trial"] = {"shares": [int(s) for s in shares],
-                           "seconds": [t for u, t in counted if u]}
+                           "seconds": of_kind(secs, 2, 0)}
         report["trial_no_update"] = {"shares": [int(s) for s in shares],
-                                     "seconds": [t for u, t in counted if not u]}
-        secs = run_trial("zero3", max(2, trial_steps // 2), **run)
+                                     "seconds": of_kind(secs, 2, 1)}
+        # zero3's and a pipeline's in rotation with dp's: each taken at the dp trial's level
+        pairs = max(1, trial_steps // 3)
+        secs = run_trial([("dp", {}), ("zero3", {})], 6 * pairs, **run)
         if secs:
-            report["trial_zero3"] = {"shares": [int(s) for s in shares], "seconds": secs}
-        pipe = pipeline_trial(max(1, trial_steps // 3), len(blocks), block_secs, run,
-                              autocast)
+            report["trial_zero3"] = {"shares": [int(s) for s in shares],
+                                     "seconds": of_kind(secs, 2, 1),
+                                     "dp_seconds": of_kind(secs, 2, 0)}
+        pipe = pipeline_trial(pairs, len(blocks), block_secs, run, autocast)
         if pipe:
             report["trial_pipeline"] = pipe
     else:
         report["trial"] = {"shares": [int(s) for s in shares],
-                           "seconds": run_trial("dp", trial_steps, **run)}
+                           "seconds": run_trial([("dp", {})], trial_steps, **run)}
     return report

@@ -19,41 +19,50 @@ from torch import nn
 
 from .spans import SpanHooks, median, sync_fn
 
-__all__ = ["trial_steps", "pipeline_trial", "alternating", "kept", "layout_at"]
+__all__ = ["trial_steps", "pipeline_trial", "rotation", "alternating", "kept", "of_kind",
+           "layout_at"]
+
+
+def rotation(i: int, kinds: int) -> int:
+    """Which of ``kinds`` kinds trial step i is: blocks of 3 of each, in turn."""
+    return (i // 3) % kinds
 
 
 def alternating(i: int) -> bool:
-    """Whether trial step i is of the first kind: blocks of 3 of the first, 3 of the second,
-    in turn."""
-    return (i // 3) % 2 == 0
+    """Whether trial step i is of the first of two kinds (``rotation``)."""
+    return rotation(i, 2) == 0
 
 
 def layout_at(step: int, layouts: int) -> int:
     """Which of ``layouts`` instances runs trial step ``step`` (warm-up included): 2 warm-up
-    steps of each in turn, then, of two, the first where ``alternating``."""
+    steps of each in turn, then blocks of 3 of each in turn (``rotation``)."""
     warm = 2 * layouts
-    if step < warm:
-        return step // 2
-    return int(layouts > 1 and not alternating(step - warm))
+    return step // 2 if step < warm else rotation(step - warm, layouts)
 
 
-def kept(secs: Sequence[float]) -> list[tuple[bool, float]]:
-    """(first kind?, seconds) of the alternating trial steps that count: each block's first
-    step, which follows the other kind, does not."""
-    return [(alternating(i), t) for i, t in enumerate(secs) if i % 3]
+def kept(secs: Sequence[float], kinds: int = 2) -> list[tuple[int, float]]:
+    """(kind, seconds) of the rotating trial steps that count: each block's first step,
+    which follows another kind, does not."""
+    return [(rotation(i, kinds), t) for i, t in enumerate(secs) if i % 3]
+
+
+def of_kind(secs: Sequence[float], kinds: int, kind: int) -> list[float]:
+    """The counted seconds of one kind (``kept``)."""
+    return [t for k, t in kept(secs, kinds) if k == kind]
 
 
 def pipeline_trial(pairs: int, n_blocks: int, block_secs: Sequence[Sequence[float]],
                    run: dict[str, Any], autocast: Callable[[], Any]) -> dict[str, Any] | None:
     """Steps of a pipeline over every rank (pp = world, 1F1B; stages cut by rank 0's
     ``block_secs``, as the planner cuts equal devices) at the fewest micro-batches that divide
-    the global batch, at least world, and at the fewest of at least twice that, in ``pairs``
-    pairs of alternating blocks (2 counted steps of each count per pair): each step's seconds
-    and its schedule's (micro-batches, p2p, bubble) on this rank. What a schedule costs per
-    micro-batch and beyond, and what the step's other messages cost. Both counts' stages are
-    held at once: together 2/world of the model's states, less than the whole model the
-    profile runs before. None when the model has fewer blocks than ranks or cannot be
-    pipelined."""
+    the global batch, at least world, and at the fewest of at least twice that, with dp's
+    in rotation, ``pairs`` blocks of each (2 counted steps per block): each step's seconds
+    and its schedule's (micro-batches, p2p, bubble) on this rank, and dp's seconds beside them
+    (a slow phase of the host falls on all alike: ``clusters.measured`` takes each layout at
+    the dp trial's level). What a schedule costs per micro-batch and beyond, and what the
+    step's other messages cost. The layouts are held at once: dp's replica and both counts'
+    stages (2/world of the model's states more than dp's). None when the model has fewer
+    blocks than ranks or cannot be pipelined."""
     from strategies.pipeline import balanced_split
 
     world, shares, device = run["world"], [int(s) for s in run["shares"]], run["device"]
@@ -71,24 +80,20 @@ def pipeline_trial(pairs: int, n_blocks: int, block_secs: Sequence[Sequence[floa
     counts = [m for m, ok in zip((m1, m2) if m2 else (m1,),
                                  every_rank_runs([g // m for m in (m1, m2) if m], run, autocast),
                                  strict=True) if ok]
-    kws = [{"pp_degree": world, "micro_batches": m, "schedule": "1f1b",
-            "stage_split": stage_split} for m in counts]
+    if not counts:
+        return None
+    pipes = [{"pp_degree": world, "micro_batches": m, "schedule": "1f1b",
+              "stage_split": stage_split} for m in counts]
+    layouts = [("dp", {}), *(("pipeline", kw) for kw in pipes)]
+    k = len(layouts)
     sched: list[float] = []
-    if len(kws) == 2:
-        secs = trial_steps("pipeline", 6 * pairs, spec_kws=kws, schedule_secs=sched, **run)
-        both = list(zip(kept(secs), kept(sched[-len(secs):] if secs else []), strict=True))
-        runs = [{"micro_batches": m, "seconds": [t for (a, t), _ in both if a is first],
-                 "schedule_seconds": [s for (a, _), (_, s) in both if a is first]}
-                for m, first in zip(counts, (True, False), strict=True)]
-    elif kws:  # (one count: as many counted steps as two would give it)
-        secs = trial_steps("pipeline", 2 * pairs, spec_kws=kws, schedule_secs=sched, **run)
-        runs = [{"micro_batches": counts[0], "seconds": secs,
-                 "schedule_seconds": sched[-len(secs):] if secs else []}]
-    else:
+    secs = trial_steps(layouts, 3 * k * pairs, schedule_secs=sched, **run)
+    if not secs:  # (refused on every rank alike)
         return None
-    if not any(r["seconds"] for r in runs):  # (refused on every rank alike)
-        return None
-    return {"shares": shares, "schedule": "1f1b", "split": list(stage_split), "runs": runs}
+    runs = [{"micro_batches": m, "seconds": of_kind(secs, k, i + 1),
+             "schedule_seconds": of_kind(sched, k, i + 1)} for i, m in enumerate(counts)]
+    return {"shares": shares, "schedule": "1f1b", "split": list(stage_split), "runs": runs,
+            "dp_seconds": of_kind(secs, k, 0)}
 
 
 def every_rank_runs(sizes: Sequence[int], run: dict[str, Any],
@@ -121,49 +126,48 @@ def every_rank_runs(sizes: Sequence[int], run: dict[str, Any],
     return [bool(f) for f in flags.tolist()]
 
 
-def trial_steps(name: str, n: int, *, shares: Sequence[int], world: int, rank: int,
-                device: torch.device, model_factory: Callable[[], nn.Module],
-                optimizer_factory: Callable[[Any], Any], loss_fn: Any,
-                batch: Callable[[int], Any], control: Callable[[], Any] | None,
+def trial_steps(layouts: Sequence[tuple[str, dict[str, Any]]], n: int, *,
+                shares: Sequence[int], world: int, rank: int, device: torch.device,
+                model_factory: Callable[[], nn.Module], optimizer_factory: Callable[[Any], Any],
+                loss_fn: Any, batch: Callable[[int], Any], control: Callable[[], Any] | None,
                 slowdown: float, update_at: Callable[[int], bool] | None = None,
                 more: Callable[[Sequence[float]], int] | None = None,
-                spec_kws: Sequence[dict[str, Any]] = ({},),
                 schedule_secs: list[float] | None = None) -> list[float]:
-    """Seconds of ``n`` steps of layout ``name`` (after 2 warm-up steps of each of its
-    ``spec_kws``) as the step loop runs them: the data fetch, the strategy's step, the control
-    all-reduce issued after it and waited for after the next one. ``update_at(i)``: whether
-    step i runs the optimizer's update (default: every step). When they are done, ``more(
-    seconds so far)`` (called on every rank alike) gives how many steps to run on, until it
-    gives 0. ``spec_kws``: the spec's other fields (a pipeline's); two of them: two instances
-    of the layout, held at once, step i on the first where ``alternating(i)``.
-    ``schedule_secs``: appended with each step's pipeline schedule (``schedule.step``),
-    warm-up steps included. [] when the layout refuses the model (on every rank alike:
-    ``validate`` is deterministic)."""
+    """Seconds of ``n`` steps of ``layouts`` ((strategy, the spec's other fields), held at
+    once) as the step loop runs them, after 2 warm-up steps of each: the data fetch, the
+    strategy's step, the control all-reduce issued after it and waited for after the next
+    one. Step i runs on layout ``rotation(i, len(layouts))``. ``update_at(i)``: whether step
+    i runs the optimizer's update (default: every step). When they are done, ``more(seconds
+    so far)`` (called on every rank alike) gives how many steps to run on, until it gives 0.
+    ``schedule_secs``: appended with each counted step's pipeline schedule seconds
+    (``schedule.step``; 0 for a layout without one). [] when a layout refuses the model (on
+    every rank alike: ``validate`` is deterministic)."""
     from strategies import Runtime, StrategySpec
     from strategies import get as get_strategy
     from strategies.blocks import blocks_of
     from strategies.errors import StrategyError
 
     sync = sync_fn(device)
-    specs = [StrategySpec(name, world, tuple(int(s) for s in shares), **kw) for kw in spec_kws]
+    specs = [StrategySpec(name, world, tuple(int(s) for s in shares), **kw)
+             for name, kw in layouts]
     live = [True]
     factory = optimizer_factory if update_at is None else _switchable(optimizer_factory, live)
     strats: list[Any] = []
     hooks: list[SpanHooks] = []
     try:
+        calls: list[float] = []  # the schedules' seconds, this step's
         for spec in specs:
             torch.manual_seed(0)
             model = model_factory()
             try:
-                get_strategy(name).validate(spec, model)
+                get_strategy(spec.name).validate(spec, model)
             except StrategyError:
                 return []
-            strat = get_strategy(name)(spec, Runtime(rank, world, device), model, factory,
-                                       loss_fn)
+            strat: Any = get_strategy(spec.name)(spec, Runtime(rank, world, device), model,
+                                                 factory, loss_fn)
             strats.append(strat)
-            if schedule_secs is not None:  # (a pipeline's)
-                sched = strat.schedule  # type: ignore[attr-defined]
-                _time_calls(sched, "step", schedule_secs, sync)
+            if schedule_secs is not None and hasattr(strat, "schedule"):  # a pipeline's
+                _time_calls(strat.schedule, "step", calls, sync)
             hooks.append(SpanHooks())
             hooks[-1].install(blocks_of(strat.local_model()), slowdown, device,
                               time_forward=False)
@@ -190,6 +194,9 @@ def trial_steps(name: str, n: int, *, shares: Sequence[int], world: int, rank: i
                 pending = work
             sync()
             steps.append(time.perf_counter() - t0)
+            if schedule_secs is not None and i >= 0:
+                schedule_secs.append(sum(calls))
+            calls.clear()
             step += 1
         if pending is not None:
             pending.wait()

@@ -1,7 +1,8 @@
 """The profiler's trial steps on two spawned gloo ranks (``tests/mp_harness.py``): the dp steps
 with and without the optimizer's update run on until rank 0's rule says the difference is
-resolved, and every rank runs as many as rank 0; then pipeline steps at two micro-batch counts
-in alternating blocks, their schedule timed (``elastic.worker.measure.profile_terms``,
+resolved, and every rank runs as many as rank 0; then zero3's and a pipeline's at two
+micro-batch counts, each in rotation with dp's, the schedule timed
+(``elastic.worker.measure.profile_terms``,
 ``clusters.measured.more_update_steps``)."""
 
 from __future__ import annotations
@@ -60,19 +61,21 @@ def _profile(want: int | None) -> dict[str, int]:
                for s, t in zip(r["schedule_seconds"], r["seconds"], strict=True))
     return {"with": len(rep["trial"]["seconds"]),
             "without": len(rep["trial_no_update"]["seconds"]),
-            "zero3": len(rep.get("trial_zero3", {}).get("seconds", [])),
+            "zero3": (len(rep.get("trial_zero3", {}).get("seconds", [])),
+                      len(rep.get("trial_zero3", {}).get("dp_seconds", []))),
             "pipeline": ([(r["micro_batches"], len(r["seconds"])) for r in pipe["runs"]],
-                         sorted(pipe["split"]))}
+                         sorted(pipe["split"]), len(pipe["dp_seconds"]))}
 
 
 def test_the_ranks_run_as_many_trial_steps_as_rank_0_asks(pool) -> None:
     # 6 of each kind first; each further pair of blocks of 3 adds 2 of each (a block's
     # first step, which follows the other kind, is not counted)
-    # and a pipeline over both ranks: 1F1B at 2 micro-batches (the fewest >= 2 that divide
-    # 8) and at 4, in 2 pairs of alternating blocks of 3 (2 counted steps of each count per
-    # pair), its 3 blocks cut by rank 0's block times, one split for both
-    assert pool.run(_profile, 10) == [{"with": 10, "without": 10, "zero3": 3,
-                                       "pipeline": ([(2, 4), (4, 4)], [1, 2])}] * 2
+    # then zero3 and dp in rotation, 2 blocks of 3 each (2 counted steps per block); and a
+    # pipeline over both ranks: 1F1B at 2 micro-batches (the fewest >= 2 that divide 8) and
+    # at 4, with dp in rotation, as many blocks, its 3 blocks cut by rank 0's block times,
+    # one split for both
+    assert pool.run(_profile, 10) == [{"with": 10, "without": 10, "zero3": (4, 4),
+                                       "pipeline": ([(2, 4), (4, 4)], [1, 2], 4)}] * 2
     real = pool.run(_profile, None)
     assert real[0] == real[1]
     assert 6 <= real[0]["with"] == real[0]["without"] <= 24

@@ -914,18 +914,22 @@ def test_a_stop_sent_before_its_segment_starts_still_stops_it(tmp_path):
         gc.unfreeze()
 
 
-def test_the_profilers_trial_steps_alternate_in_blocks_and_count_all_but_each_blocks_first():
-    """A pipeline trial at two micro-batch counts, and dp with and without its update, run
-    their kinds in alternating blocks of 3, so that a slow phase of the host (1.3-2x for 10-40
-    steps on this VM) falls on both kinds alike; a block's first step follows the other kind
-    and is not counted. Two pipeline layouts warm up 2 steps each first."""
-    from elastic.worker.trial import alternating, kept, layout_at
+def test_the_profilers_trial_steps_rotate_in_blocks_and_count_all_but_each_blocks_first():
+    """The profiler's trial kinds (dp with and without its update; zero3 and dp; a pipeline at
+    two micro-batch counts and dp) run in blocks of 3 in turn, so that a slow phase of the host
+    (1.3-2x for 10-40 steps on this VM) falls on every kind alike; a block's first step follows
+    another kind and is not counted. Layouts held at once warm up 2 steps each first."""
+    from elastic.worker.trial import alternating, kept, layout_at, of_kind, rotation
 
     assert [layout_at(s, 2) for s in range(16)] == [0, 0, 1, 1] + [0] * 3 + [1] * 3 + [0] * 3 \
         + [1] * 3
+    assert [layout_at(s, 3) for s in range(15)] == [0, 0, 1, 1, 2, 2] + [0] * 3 + [1] * 3 \
+        + [2] * 3
     assert [layout_at(s, 1) for s in range(8)] == [0] * 8
     assert [alternating(i) for i in range(12)] == [True] * 3 + [False] * 3 + [True] * 3 \
         + [False] * 3
+    assert [rotation(i, 3) for i in range(10)] == [0, 0, 0, 1, 1, 1, 2, 2, 2, 0]
     secs = [float(i) for i in range(12)]
-    assert kept(secs) == [(True, 1.0), (True, 2.0), (False, 4.0), (False, 5.0),
-                          (True, 7.0), (True, 8.0), (False, 10.0), (False, 11.0)]
+    assert kept(secs) == [(0, 1.0), (0, 2.0), (1, 4.0), (1, 5.0), (0, 7.0), (0, 8.0),
+                          (1, 10.0), (1, 11.0)]
+    assert of_kind(secs, 3, 1) == [4.0, 5.0] and of_kind(secs, 3, 0) == [1.0, 2.0, 10.0, 11.0]

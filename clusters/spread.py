@@ -1,0 +1,78 @@
+"""Repeated timings reduced to a median and a spread, and the small numeric helpers the
+profiler's fits share (``clusters.measured``, ``clusters.pipeline_fit``). Pure."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import ClustersError
+
+__all__ = ["Spread", "robust", "bisect_below", "dp_level", "LEVEL_RANGE"]
+
+_MAD_TO_SD = 1.4826
+
+
+@dataclass(frozen=True)
+class Spread:
+    """A repeated measurement: ``median``, ``sd`` (1.4826 x median absolute deviation, a
+    standard deviation robust to outliers), ``n`` repeats; ``se`` the standard error of the
+    median (1.2533 sd / sqrt(n)); ``rel`` = sd / median."""
+
+    median: float
+    sd: float
+    n: int
+
+    @property
+    def se(self) -> float:
+        return 1.2533 * self.sd / math.sqrt(self.n) if self.n else math.inf
+
+    @property
+    def rel(self) -> float:
+        return self.sd / self.median if self.median > 0 else math.inf
+
+    def as_dict(self) -> dict[str, float]:
+        return {"median": self.median, "sd": self.sd, "n": self.n, "rel": self.rel}
+
+
+def robust(xs: Sequence[float]) -> Spread:
+    """Median and robust spread of ``xs``. Raises ``ClustersError`` when empty."""
+    if not xs:
+        raise ClustersError("no measurement to summarise")
+    med = statistics.median(xs)
+    mad = statistics.median(abs(x - med) for x in xs)
+    return Spread(med, _MAD_TO_SD * mad, len(xs))
+
+
+# the profiler's trial steps with and without the optimizer's update (``more_update_steps``)
+
+
+def bisect_below(f: Callable[[float], float], target: float, lo: float, hi: float) -> float:
+    """The largest x in [lo, hi] found with f(x) < target, for f that grows with x (50
+    halvings: hi - lo over 1e15)."""
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if f(mid) < target else (lo, mid)
+    return lo
+
+
+LEVEL_RANGE = (1 / 3, 3.0)  # a host's slow phases seen here: 1.3-2x
+
+
+def dp_level(dp_trial: float, beside: Any) -> float:
+    """The factor that takes a trial run in rotation with dp's steps (``beside``: those dp
+    steps' seconds) to the dp trial's level (``dp_trial``: its median), which the model's
+    step overhead was fitted to: a slow phase of a shared host falls on a layout and the dp
+    steps beside it alike (1.3-2x for 10-40 steps on the 2-core CI VM), and the layout is
+    then predicted at the level of the dp trial, not of its own moment. 1 without such
+    steps; within ``LEVEL_RANGE``."""
+    try:
+        here = robust([float(t) for t in beside]).median
+    except (TypeError, ValueError):
+        return 1.0
+    if not here > 0 or not dp_trial > 0:
+        return 1.0
+    return min(LEVEL_RANGE[1], max(LEVEL_RANGE[0], dp_trial / here))
