@@ -45,6 +45,7 @@ from .topology import Cluster
 __all__ = ["Spread", "robust", "equal_within_noise", "fit_alpha_beta", "fit_optimizer",
            "fit_pass", "terms_model", "MeasuredModel"]
 
+# the profiler's trial steps with and without the optimizer's update (``more_update_steps``)
 UPDATE_WORTH = 0.05  # its timed share of a step below which a factor on it is not chased
 UPDATE_MAX_KEPT = 24  # steps of each kind, at most
 
@@ -310,7 +311,7 @@ def terms_model(reports: Sequence[Mapping[str, Any]], ids: Sequence[str], base: 
     z3 = reports[0].get("trial_zero3")
     z3_spread, z3_level = None, 1.0
     if z3 and z3.get("seconds") and cluster is not None and trial_spread is not None:
-        z3_level = dp_level(trial_spread.median, z3.get("dp_seconds"))
+        z3_level = dp_level(trial_spread, z3.get("dp_seconds"))
         z3_spread = robust([t * z3_level for t in z3["seconds"]])
         model = _fit_unit_wait(model, profile, cluster, ids, tuple(z3["shares"]),
                                z3_spread.median)
@@ -319,7 +320,7 @@ def terms_model(reports: Sequence[Mapping[str, Any]], ids: Sequence[str], base: 
     pipe_fit = None
     first = reports[0].get("trial_pipeline")
     if pipes and pipes[0] is first and cluster is not None and trial_spread is not None:
-        level = dp_level(trial_spread.median, pipes[0].get("dp_seconds"))
+        level = dp_level(trial_spread, pipes[0].get("dp_seconds"))
         model, pipe_fit = fit_pipeline(model, profile, cluster, ids, pipes, level)
     fwd = [robust(r["compute"]["forward"]).median / robust(r["compute"]["seconds"][0]).median
            for r in reports if r["compute"].get("forward")]

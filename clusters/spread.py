@@ -47,7 +47,6 @@ def robust(xs: Sequence[float]) -> Spread:
     return Spread(med, _MAD_TO_SD * mad, len(xs))
 
 
-# the profiler's trial steps with and without the optimizer's update (``more_update_steps``)
 
 
 def bisect_below(f: Callable[[float], float], target: float, lo: float, hi: float) -> float:
@@ -62,17 +61,21 @@ def bisect_below(f: Callable[[float], float], target: float, lo: float, hi: floa
 LEVEL_RANGE = (1 / 3, 3.0)  # a host's slow phases seen here: 1.3-2x
 
 
-def dp_level(dp_trial: float, beside: Any) -> float:
+def dp_level(dp_trial: Spread, beside: Any) -> float:
     """The factor that takes a trial run in rotation with dp's steps (``beside``: those dp
-    steps' seconds) to the dp trial's level (``dp_trial``: its median), which the model's
-    step overhead was fitted to: a slow phase of a shared host falls on a layout and the dp
-    steps beside it alike (1.3-2x for 10-40 steps on the 2-core CI VM), and the layout is
-    then predicted at the level of the dp trial, not of its own moment. 1 without such
-    steps; within ``LEVEL_RANGE``."""
+    steps' seconds) to the dp trial's level (``dp_trial``), which the model's step overhead
+    was fitted to: a slow phase of a shared host falls on a layout and the dp steps beside
+    it alike (1.3-2x for 10-40 steps on the 2-core CI VM), and the layout is then predicted
+    at the level of the dp trial, not of its own moment. 1 without such steps, or where the
+    two dp medians differ by less than 2 standard errors (a correction within the noise of
+    a few steps would only add theirs: dlrm's 15 ms steps, sd 20-30 %, moved zero3 by 31 %);
+    within ``LEVEL_RANGE``."""
     try:
-        here = robust([float(t) for t in beside]).median
-    except (TypeError, ValueError):
+        here = robust([float(t) for t in beside])
+    except (TypeError, ValueError, ClustersError):
         return 1.0
-    if not here > 0 or not dp_trial > 0:
+    if not here.median > 0 or not dp_trial.median > 0:
         return 1.0
-    return min(LEVEL_RANGE[1], max(LEVEL_RANGE[0], dp_trial / here))
+    if abs(dp_trial.median - here.median) <= 2 * math.hypot(dp_trial.se, here.se):
+        return 1.0
+    return min(LEVEL_RANGE[1], max(LEVEL_RANGE[0], dp_trial.median / here.median))

@@ -458,7 +458,9 @@ def test_a_zero3_trial_sets_the_wait_at_each_of_its_units():
     (1.25, 1 / 1.25),  # the host was 25 % slower while zero3 and the pipeline ran
     (0.8, 1.25),  # faster
     (10.0, 1 / 3),  # a factor beyond what a host's phase explains: held at the bound
+    ([0.7, 1.3, 1.0, 1.2], 1.0),  # 10 % off, within 2 standard errors of 4 noisy steps
     ("junk", 1.0),
+    ([], 1.0),
 ])
 def test_zero3_and_pipeline_trials_are_taken_at_the_dp_trials_level(beside, level):
     """A host's slow phases (1.3-2x for 10-40 steps on the CI VM) came and went between the
@@ -479,7 +481,8 @@ def test_zero3_and_pipeline_trials_are_taken_at_the_dp_trials_level(beside, leve
     step = sched + (pp_est.step_time - pp_est.compute) / 2  # its other messages at half
     reps = _reports()
     for r in reps:
-        near = ([med * beside] * 4 if isinstance(beside, float) else beside)
+        near = ([med * beside] * 4 if isinstance(beside, float)
+                else [med * b for b in beside] if isinstance(beside, list) else beside)
         r["trial_zero3"] = {"shares": [32, 32], "seconds": [z3_want] * 4,
                             **({"dp_seconds": near} if near is not None else {})}
         r["trial_pipeline"] = {"shares": [32, 32], "schedule": "1f1b", "split": [1, 2],
