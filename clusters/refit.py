@@ -15,9 +15,12 @@ over its steps) and each rank its own compute time per sample (the seconds insid
    predicted is so in what no trial step checked, its own messages, which other layouts share
    only as far as they send the same kinds. So 50 slow steps of zero2 raise its broadcasts'
    cost, not dp's all-reduce, and dp can win the next decision;
+   The solve is linear and an estimate is not (a pipeline stage takes the larger of its
+   messages and its work): the factors go only as far along the solved step as meets the
+   segments best;
 3. what is left (a layout with no unchecked kind, such as dp itself, or the factors at 0)
    becomes the per-step overhead, the median over the layouts seen: the drift of the machine
-   since profiling, shared by every layout. Fitted on dp alone, a residual used to land on
+   since profiling, shared by every layout, never below half the fastest segment seen. Fitted on dp alone, a residual used to land on
    the all-reduce factor and made zero1, which sent an all-reduce per tensor, +1722 %.
 
 ``predictions`` then lists every candidate plan with its predicted step: a layout the job ran
@@ -104,12 +107,29 @@ def _fit_comm(model: CostModel, profile: ModelProfile, cluster: Cluster,
             a.append([w if i == j else 0.0 for i in range(len(kinds))])
             y.append(0.0)
         delta = _solve(a, y)
-        for k, d in zip(kinds, delta, strict=True):
-            scale[k] = max(0.0, scale.get(k, 1.0) * (1.0 + d))
+        base = dict(scale)
+
+        def at(lam: float) -> CostModel:
+            return replace(model, comm_scale={**base, **{
+                k: max(0.0, base.get(k, 1.0) * (1.0 + lam * d))
+                for k, d in zip(kinds, delta, strict=True)}})
+
+        def sq(lam: float) -> float:
+            return sum((o.step.median - at(lam).estimate(o.plan, cluster, profile).step_time)
+                       ** 2 for o in observed)
+
+        # the solve is linear, an estimate is not (a stage's time is the larger of its
+        # messages and its work): the step along the solved factors that meets the segments
+        # best, never past them (mlp on 2 ranks, a pipeline pick: p2p x21 overshot, and the
+        # overhead that took the rest made zero3's prediction negative)
+        scale = dict(at(min((i / 20 for i in range(21)), key=sq)).comm_scale)
     out = replace(model, comm_scale=scale)
     left = [o.step.median - out.estimate(o.plan, cluster, profile).step_time
             for o in observed]
-    return replace(out, step_overhead=model.step_overhead + statistics.median(left))
+    # the machine's drift since profiling, shared by every layout; never more negative than
+    # half the fastest segment seen, so that no layout is predicted to take no time
+    floor = -0.5 * min(o.step.median for o in observed)
+    return replace(out, step_overhead=max(floor, model.step_overhead + statistics.median(left)))
 
 
 @dataclass(frozen=True)

@@ -318,6 +318,34 @@ def test_per_block_timings_drive_the_stage_split():
 # ------------------------------------------------------------------ the closed loop's re-fit
 
 
+def test_refit_steps_along_its_factors_no_further_than_the_segments_say():
+    """The solve is linear, a pipeline's estimate is not (a stage takes the larger of its
+    messages and its work): live, mlp on 2 ranks with a pipeline pick came out of the loop
+    with p2p x21, a step overhead of -227 ms and zero3 predicted at -57 ms. The factors are
+    taken only as far along the solved step as meets the segments, and the overhead that
+    takes the rest never goes below half the fastest segment."""
+    cluster, ids = _live()
+    mm = terms_model(_reports(), ids, _base(), cluster=cluster)
+    m = replace(mm.model, collectives={**mm.model.collectives, "p2p": (1e-3, 0.0),
+                                       "all_gather": (1e-3, 0.0)}, pipe_action_s=-1e-3)
+    pp = Plan(strategy="pipeline", world_size=2, shares=(64,), pp_degree=2, micro_batches=2,
+              schedule="1f1b", stage_split=(1, 2), devices=tuple(ids))
+    dp = Plan(strategy="dp", world_size=2, shares=(32, 32), devices=tuple(ids))
+    est = m.estimate(pp, cluster, mm.profile).step_time
+    for factor in (1.5, 3.0):
+        seen = [Observed(pp, Spread(est * factor, 1e-4, 50))]
+        fitted = refit(m, mm.profile, cluster, seen)
+        assert fitted.estimate(pp, cluster, mm.profile).step_time == pytest.approx(
+            est * factor, rel=0.02)
+        assert fitted.step_overhead >= 0  # the pick was slower, not the machine faster
+        assert fitted.estimate(dp, cluster, mm.profile).step_time >= m.estimate(
+            dp, cluster, mm.profile).step_time
+    # a machine faster than profiled: a negative drift, but no layout at or below zero
+    fast = refit(m, mm.profile, cluster, [Observed(pp, Spread(est / 10, 1e-4, 50))])
+    assert fast.step_overhead >= -0.5 * est / 10
+    assert fast.estimate(dp, cluster, mm.profile).step_time > 0
+
+
 def test_refit_puts_a_slow_layout_on_its_own_messages():
     cluster, ids = _live()
     mm = terms_model(_reports(), ids, _base(), cluster=cluster)
@@ -756,6 +784,29 @@ def test_a_pipeline_trial_sets_its_schedules_cost_and_its_other_messages():
         fit = terms_model(reps, ids, _base(), cluster=cluster).spreads["trial_pipeline"]
         assert fit is not None and fit["schedule"]["median"] == pytest.approx(c2)
         assert good.spreads["trial_pipeline"] is not None
+
+
+def test_a_negative_figure_per_action_does_not_cheapen_an_interleaved_schedule():
+    """The pipeline trial runs 1F1B, one chunk per rank. A negative per-action figure (its
+    messages cheaper than profiled) doubled over an interleaved schedule's two chunks made it
+    look 29-39 % faster than it ran, and auto picked it at 1.29x and 1.35x dp (mlp and dlrm
+    on 2 CPU ranks). 1F1B and GPipe take the figure; interleaved only a positive one."""
+    cluster, ids = _live()
+    mm = terms_model(_reports(), ids, _base(), cluster=cluster)
+    prof = ModelProfile(block_params=(1010,) * 4, bytes_per_param=4,
+                        optimizer_bytes_per_param=8, precision="fp32",
+                        boundary_bytes=(64.0,) * 4)
+    model = replace(mm.model, collectives={**mm.model.collectives, "p2p": (2e-3, 0.0)})
+
+    def at(act, sched, v=1):
+        p = Plan(strategy="pipeline", world_size=2, shares=(64,), pp_degree=2, micro_batches=4,
+                 schedule=sched, virtual_stages=v, stage_split=(1,) * 4 if v > 1 else (2, 2),
+                 devices=tuple(ids))
+        return replace(model, pipe_action_s=act).estimate(p, cluster, prof).compute
+
+    for sched in ("1f1b", "gpipe"):
+        assert at(-1e-3, sched) < at(0.0, sched) < at(1e-3, sched)
+    assert at(-1e-3, "interleaved", 2) == at(0.0, "interleaved", 2) < at(1e-3, "interleaved", 2)
 
 
 def test_a_pipelines_own_work_per_action_is_a_crowded_hosts_work_too():
