@@ -268,8 +268,8 @@ def main(argv: list[str] | None = None) -> int:
                          "pooled; 1: once, then dp again")
     ap.add_argument("--micro-batches", type=int, default=4,
                     help="the pipeline row's (the profiler's pipeline trial runs the fewest "
-                    ">= world that divide the batch and the fewest >= twice that: 4 and 8 "
-                    "at 3 workers, 2 and 4 at 2)")
+                    ">= world that divide the batch and the most that divide it from twice to 4 "
+                    "times that: 4 and 16 at 3 workers, 2 and 8 at 2, for G = 64)")
     ap.add_argument("--json")
     ap.add_argument("--tables", nargs="+", metavar="JSON",
                     help="print the tables of earlier runs' --json files together, run nothing")

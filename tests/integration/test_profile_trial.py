@@ -72,33 +72,33 @@ def test_the_ranks_run_as_many_trial_steps_as_rank_0_asks(pool) -> None:
     # first step, which follows the other kind, is not counted)
     # then zero3 and dp in rotation, 2 blocks of 3 each (2 counted steps per block); and a
     # pipeline over both ranks: 1F1B at 2 micro-batches (the fewest >= 2 that divide 8) and
-    # at 4, with dp in rotation, as many blocks, its 3 blocks cut by rank 0's block times,
-    # one split for both
+    # at 8 (the most that divide 8 up to 4 times 2), with dp in rotation, as many blocks, its
+    # 3 blocks cut by rank 0's block times, one split for both
     assert pool.run(_profile, 10) == [{"with": 10, "without": 10, "zero3": (4, 4),
-                                       "pipeline": ([(2, 4), (4, 4)], [1, 2], 4)}] * 2
+                                       "pipeline": ([(2, 4), (8, 4)], [1, 2], 4)}] * 2
     real = pool.run(_profile, None)
     assert real[0] == real[1]
     assert 6 <= real[0]["with"] == real[0]["without"] <= 24
 
 
-class _NotFour(torch.nn.Module):
-    """Raises on a batch of 4 samples, as a batch norm does on 1: the pipeline's stage that
+class _NotTwo(torch.nn.Module):
+    """Raises on a batch of 2 samples, as a batch norm does on 1: the pipeline's stage that
     holds it fails while the others wait for it."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] == 4:
-            raise ValueError("a batch of 4")
+        if x.shape[0] == 2:
+            raise ValueError("a batch of 2")
         return x
 
 
 def _picky_model() -> torch.nn.Module:
-    return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), _NotFour(),
+    return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), _NotTwo(),
                                torch.nn.Linear(64, 1))
 
 
-def _batch8(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _batch6(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(step)
-    return torch.randn(8, 16, generator=g), torch.randn(8, 1, generator=g)
+    return torch.randn(6, 16, generator=g), torch.randn(6, 1, generator=g)
 
 
 def _picky_profile() -> list[int]:
@@ -108,13 +108,13 @@ def _picky_profile() -> list[int]:
 
     rep = measure.profile_terms(
         model_factory=_picky_model, loss_fn=torch.nn.functional.mse_loss,
-        optimizer_factory=_adam, batch=_batch8, shares=[8, 8], rank=dist.get_rank(), world=2,
+        optimizer_factory=_adam, batch=_batch6, shares=[6, 6], rank=dist.get_rank(), world=2,
         device=torch.device("cpu"), autocast=contextlib.nullcontext, rounds=2)
     return [(r["micro_batches"], len(r["seconds"])) for r in rep["trial_pipeline"]["runs"]]
 
 
 def test_a_pipeline_run_one_stage_cannot_take_is_skipped_on_every_rank(pool) -> None:
-    # 16 samples: micro-batches of 8 (m = 2) run; of 4 (m = 4) one stage would raise while
+    # 12 samples: micro-batches of 6 (m = 2) run; of 2 (m = 6) one stage would raise while
     # the other waits in a receive: every rank skips that run instead, and m = 2 runs alone
     # as many counted steps as it would beside m = 4
     assert pool.run(_picky_profile) == [[(2, 4)], [(2, 4)]]
