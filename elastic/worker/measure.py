@@ -32,7 +32,7 @@ from clusters.collectives import BROADCAST_BURST, KINDS
 from clusters.measured import more_update_steps
 
 from .spans import SpanHooks, median, sync_fn
-from .trial import alternating, of_kind, pipeline_trial
+from .trial import alternating, every_rank_has_room, of_kind, pipeline_trial
 from .trial import trial_steps as run_trial
 
 __all__ = ["SpanHooks", "profile_terms", "COLLECTIVE_SIZES"]
@@ -309,6 +309,8 @@ def profile_terms(*, model_factory: Callable[[], nn.Module], loss_fn: Any,
             world, rank, device, rounds, busy_s, COLLECTIVE_SIZES)
     # trial steps: the real strategy and the step loop's data fetch and control all-reduce;
     # dp's set the per-step overhead, zero3's its per-unit wait (FSDP's gathers under load)
+    # dp's replica: parameters, gradients and two optimizer moments
+    replica_bytes = 4.0 * sum(p.numel() * p.element_size() for p in model.parameters())
     del model
     run = {"shares": shares, "world": world, "rank": rank, "device": device,
            "model_factory": model_factory, "optimizer_factory": optimizer_factory,
@@ -336,13 +338,16 @@ def profile_terms(*, model_factory: Callable[[], nn.Module], loss_fn: Any,
         report["trial_no_update"] = {"shares": [int(s) for s in shares],
                                      "seconds": of_kind(secs, 2, 1)}
         # zero3's and a pipeline's in rotation with dp's: each taken at the dp trial's level
+        # (where every device has room for dp's replica beside them; else each alone)
         pairs = max(1, trial_steps // 3)
-        secs = run_trial([("dp", {}), ("zero3", {})], 6 * pairs, **run)
+        beside = every_rank_has_room(replica_bytes, world, device)
+        k = 1 + int(beside)
+        secs = run_trial([("dp", {})] * int(beside) + [("zero3", {})], 3 * k * pairs, **run)
         if secs:
             report["trial_zero3"] = {"shares": [int(s) for s in shares],
-                                     "seconds": of_kind(secs, 2, 1),
-                                     "dp_seconds": of_kind(secs, 2, 0)}
-        pipe = pipeline_trial(pairs, len(blocks), block_secs, run, autocast)
+                                     "seconds": of_kind(secs, k, k - 1),
+                                     **({"dp_seconds": of_kind(secs, k, 0)} if beside else {})}
+        pipe = pipeline_trial(pairs, len(blocks), block_secs, run, autocast, beside_dp=beside)
         if pipe:
             report["trial_pipeline"] = pipe
     else:

@@ -20,7 +20,7 @@ from torch import nn
 from .spans import SpanHooks, median, sync_fn
 
 __all__ = ["trial_steps", "pipeline_trial", "rotation", "alternating", "kept", "of_kind",
-           "layout_at"]
+           "layout_at", "room_beside", "every_rank_has_room"]
 
 
 def rotation(i: int, kinds: int) -> int:
@@ -51,8 +51,30 @@ def of_kind(secs: Sequence[float], kinds: int, kind: int) -> list[float]:
     return [t for k, t in kept(secs, kinds) if k == kind]
 
 
+ROOM_MARGIN = 1.25  # free device memory over what holding dp's replica beside needs
+
+
+def room_beside(free_bytes: float | None, replica_bytes: float, world: int) -> bool:
+    """Whether a device with ``free_bytes`` free (None: host memory, not measured) can hold
+    dp's replica (``replica_bytes``: parameters, gradients and two optimizer moments) beside
+    zero3's shards or two pipeline stages (each about 1/world of it), with a margin."""
+    if free_bytes is None:
+        return True
+    return free_bytes >= ROOM_MARGIN * replica_bytes * (1 + 2 / max(1, world))
+
+
+def every_rank_has_room(replica_bytes: float, world: int, device: torch.device) -> bool:
+    """``room_beside`` on every rank (a MIN all-reduce): the rotation with dp's steps runs on
+    every rank or on none."""
+    free = float(torch.cuda.mem_get_info(device)[0]) if device.type == "cuda" else None
+    ok = torch.tensor([float(room_beside(free, replica_bytes, world))], device=device)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    return bool(ok.item())
+
+
 def pipeline_trial(pairs: int, n_blocks: int, block_secs: Sequence[Sequence[float]],
-                   run: dict[str, Any], autocast: Callable[[], Any]) -> dict[str, Any] | None:
+                   run: dict[str, Any], autocast: Callable[[], Any],
+                   beside_dp: bool = True) -> dict[str, Any] | None:
     """Steps of a pipeline over every rank (pp = world, 1F1B; stages cut by rank 0's
     ``block_secs``, as the planner cuts equal devices) at the fewest micro-batches that divide
     the global batch, at least world, and at the most that divide it from twice to 4 times
@@ -64,8 +86,8 @@ def pipeline_trial(pairs: int, n_blocks: int, block_secs: Sequence[Sequence[floa
     (a slow phase of the host falls on all alike: ``clusters.measured`` takes each layout at
     the dp trial's level). What a schedule costs per micro-batch and beyond, and what the
     step's other messages cost. The layouts are held at once: dp's replica and both counts'
-    stages (2/world of the model's states more than dp's). None when the model has fewer
-    blocks than ranks or cannot be pipelined."""
+    stages (2/world of the model's states more than dp's; ``beside_dp`` False: without dp's,
+    and no level). None when the model has fewer blocks than ranks or cannot be pipelined."""
     from strategies.pipeline import balanced_split
 
     world, shares, device = run["world"], [int(s) for s in run["shares"]], run["device"]
@@ -87,16 +109,18 @@ def pipeline_trial(pairs: int, n_blocks: int, block_secs: Sequence[Sequence[floa
         return None
     pipes = [{"pp_degree": world, "micro_batches": m, "schedule": "1f1b",
               "stage_split": stage_split} for m in counts]
-    layouts = [("dp", {}), *(("pipeline", kw) for kw in pipes)]
+    first = int(beside_dp)
+    layouts: list[tuple[str, dict[str, Any]]] = [("dp", {})] * first
+    layouts += [("pipeline", kw) for kw in pipes]
     k = len(layouts)
     sched: list[float] = []
     secs = trial_steps(layouts, 3 * k * pairs, schedule_secs=sched, **run)
     if not secs:  # (refused on every rank alike)
         return None
-    runs = [{"micro_batches": m, "seconds": of_kind(secs, k, i + 1),
-             "schedule_seconds": of_kind(sched, k, i + 1)} for i, m in enumerate(counts)]
-    return {"shares": shares, "schedule": "1f1b", "split": list(stage_split), "runs": runs,
-            "dp_seconds": of_kind(secs, k, 0)}
+    runs = [{"micro_batches": m, "seconds": of_kind(secs, k, i + first),
+             "schedule_seconds": of_kind(sched, k, i + first)} for i, m in enumerate(counts)]
+    out = {"shares": shares, "schedule": "1f1b", "split": list(stage_split), "runs": runs}
+    return {**out, "dp_seconds": of_kind(secs, k, 0)} if beside_dp else out
 
 
 def every_rank_runs(sizes: Sequence[int], run: dict[str, Any],

@@ -81,6 +81,36 @@ def test_the_ranks_run_as_many_trial_steps_as_rank_0_asks(pool) -> None:
     assert 6 <= real[0]["with"] == real[0]["without"] <= 24
 
 
+def _profile_without_room_on_rank_1() -> dict[str, Any]:
+    """The trial as rank 1 would run it on a device with no room for dp's replica beside
+    zero3's shards or two pipeline stages."""
+    import torch.distributed as dist
+
+    from elastic.worker import measure, trial
+
+    real = trial.room_beside
+    trial.room_beside = lambda *a: dist.get_rank() != 1  # type: ignore[assignment]
+    try:
+        rep = measure.profile_terms(
+            model_factory=_model, loss_fn=torch.nn.functional.mse_loss,
+            optimizer_factory=_adam, batch=_batch, shares=[4, 4], rank=dist.get_rank(),
+            world=2, device=torch.device("cpu"), autocast=contextlib.nullcontext, rounds=2)
+    finally:
+        trial.room_beside = real
+    z3, pipe = rep["trial_zero3"], rep["trial_pipeline"]
+    return {"zero3": (len(z3["seconds"]), "dp_seconds" in z3),
+            "pipeline": ([(r["micro_batches"], len(r["seconds"])) for r in pipe["runs"]],
+                         "dp_seconds" in pipe)}
+
+
+def test_without_room_on_one_device_every_rank_runs_each_layout_alone(pool) -> None:
+    # one rank's device cannot hold dp's replica beside the others: no rank rotates (the
+    # ranks would otherwise run different collectives), each layout runs alone, at no level
+    assert pool.run(_profile_without_room_on_rank_1) == [
+        {"zero3": (4, False), "pipeline": ([(2, 4), (8, 4)], False)}] * 2
+    assert pool.run(_profile, 10)[0]["zero3"] == (4, 4)  # the rule put back: rotated
+
+
 class _NotTwo(torch.nn.Module):
     """Raises on a batch of 2 samples, as a batch norm does on 1: the pipeline's stage that
     holds it fails while the others wait for it."""

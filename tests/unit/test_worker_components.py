@@ -933,3 +933,19 @@ def test_the_profilers_trial_steps_rotate_in_blocks_and_count_all_but_each_block
     assert kept(secs) == [(0, 1.0), (0, 2.0), (1, 4.0), (1, 5.0), (0, 7.0), (0, 8.0),
                           (1, 10.0), (1, 11.0)]
     assert of_kind(secs, 3, 1) == [4.0, 5.0] and of_kind(secs, 3, 0) == [1.0, 2.0, 10.0, 11.0]
+
+
+@pytest.mark.parametrize("free, replica, world, room", [
+    (None, 1e12, 2, True),  # host memory (CPU): not measured, the rotation runs
+    (10e9, 4e9, 2, True),  # 4 GB beside 2 x 2 GB, with a 25 % margin: 10 GB
+    (9.9e9, 4e9, 2, False),
+    (6.3e9, 4e9, 8, True),  # 4 GB beside 2 x 0.5 GB with 8 ranks, with the margin: 6.25 GB
+    (6e9, 4e9, 8, False),
+])
+def test_dp_is_held_beside_the_trial_layouts_only_where_the_device_has_room(free, replica,
+                                                                            world, room):
+    """zero3's and the pipeline's trial steps run in rotation with dp's, all held at once:
+    on a device without room for that (a GPU near its limit), each runs alone."""
+    from elastic.worker.trial import room_beside
+
+    assert room_beside(free, replica, world) is room
