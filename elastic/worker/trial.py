@@ -95,16 +95,17 @@ def pipeline_trial(pairs: int, n_blocks: int, block_secs: Sequence[Sequence[floa
     m1 = next((k for k in range(world, g + 1) if g % k == 0), 0)
     if not m1 or n_blocks < world:
         return None
-    m2 = next((k for k in range(min(4 * m1, g), 2 * m1 - 1, -1) if g % k == 0), 0)
+    far = [k for k in range(min(4 * m1, g), 2 * m1 - 1, -1) if g % k == 0]  # most first
     cut = [0] * world
     if run["rank"] == 0:  # one split for every rank
         cut = list(balanced_split([1 + int(1e7 * median(ts)) for ts in block_secs], world))
     split = torch.tensor(cut, dtype=torch.int64, device=device)
     dist.broadcast(split, src=0)
     stage_split = tuple(int(x) for x in split.tolist())
-    counts = [m for m, ok in zip((m1, m2) if m2 else (m1,),
-                                 every_rank_runs([g // m for m in (m1, m2) if m], run, autocast),
-                                 strict=True) if ok]
+    # the second count: the most of those that every rank's stages take (a batch norm
+    # refuses 1 sample)
+    oks = every_rank_runs([g // m for m in (m1, *far)], run, autocast)
+    counts = [m1] * oks[0] + [m for m, ok in zip(far, oks[1:], strict=True) if ok][:1]
     if not counts:
         return None
     pipes = [{"pp_degree": world, "micro_batches": m, "schedule": "1f1b",

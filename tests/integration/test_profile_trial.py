@@ -143,8 +143,8 @@ def _picky_profile() -> list[int]:
     return [(r["micro_batches"], len(r["seconds"])) for r in rep["trial_pipeline"]["runs"]]
 
 
-def test_a_pipeline_run_one_stage_cannot_take_is_skipped_on_every_rank(pool) -> None:
-    # 12 samples: micro-batches of 6 (m = 2) run; of 2 (m = 6) one stage would raise while
-    # the other waits in a receive: every rank skips that run instead, and m = 2 runs alone
-    # as many counted steps as it would beside m = 4
-    assert pool.run(_picky_profile) == [[(2, 4)], [(2, 4)]]
+def test_a_pipeline_count_one_stage_cannot_take_is_skipped_on_every_rank(pool) -> None:
+    # 12 samples: micro-batches of 6 (m = 2) run; of 2 (m = 6, the most that divide 12 up
+    # to 4 times 2) one stage would raise while the other waits in a receive: every rank
+    # takes the next most instead, m = 4 (3 samples)
+    assert pool.run(_picky_profile) == [[(2, 4), (4, 4)]] * 2
