@@ -20,8 +20,9 @@ over its steps) and each rank its own compute time per sample (the seconds insid
    segments best;
 3. what is left (a layout with no unchecked kind, such as dp itself, or the factors at 0)
    becomes the per-step overhead, the median over the layouts seen: the drift of the machine
-   since profiling, shared by every layout, never below half the fastest segment seen. Fitted on dp alone, a residual used to land on
-   the all-reduce factor and made zero1, which sent an all-reduce per tensor, +1722 %.
+   since profiling, shared by every layout, never below half the fastest segment seen.
+   Fitted on dp alone, a residual used to land on the all-reduce factor and made zero1,
+   which sent an all-reduce per tensor, +1722 %.
 
 ``predictions`` then lists every candidate plan with its predicted step: a layout the job ran
 is predicted by its own measured median (the best figure there is), any other by the re-fitted

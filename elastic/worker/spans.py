@@ -10,6 +10,7 @@ controller's closed loop reads per rank) and, on an emulated slower device, slee
 
 from __future__ import annotations
 
+import statistics
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -87,6 +88,5 @@ class SpanHooks:
 
 
 def median(xs: Sequence[float]) -> float:
-    """The upper median (no interpolation: one of the figures)."""
-    s = sorted(xs)
-    return s[len(s) // 2] if s else 0.0
+    """The upper median (one of the figures; ``statistics.median_high``), 0 when empty."""
+    return statistics.median_high(xs) if xs else 0.0

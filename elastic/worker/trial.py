@@ -42,8 +42,8 @@ def layout_at(step: int, layouts: int) -> int:
 
 def kept(secs: Sequence[float], kinds: int = 2) -> list[tuple[int, float]]:
     """(kind, seconds) of the rotating trial steps that count: each block's first step,
-    which follows another kind, does not."""
-    return [(rotation(i, kinds), t) for i, t in enumerate(secs) if i % 3]
+    which follows another kind, does not (with one kind, every step counts)."""
+    return [(rotation(i, kinds), t) for i, t in enumerate(secs) if kinds == 1 or i % 3]
 
 
 def of_kind(secs: Sequence[float], kinds: int, kind: int) -> list[float]:
@@ -64,12 +64,22 @@ def room_beside(free_bytes: float | None, replica_bytes: float, world: int) -> b
 
 
 def every_rank_has_room(replica_bytes: float, world: int, device: torch.device) -> bool:
-    """``room_beside`` on every rank (a MIN all-reduce): the rotation with dp's steps runs on
-    every rank or on none."""
-    free = float(torch.cuda.mem_get_info(device)[0]) if device.type == "cuda" else None
-    ok = torch.tensor([float(room_beside(free, replica_bytes, world))], device=device)
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    return bool(ok.item())
+    """``room_beside`` on every rank (``on_every_rank``): the rotation with dp's steps runs
+    on every rank or on none. Free device memory counts what the caching allocator holds
+    unused (the layouts before it were closed, their blocks kept for reuse)."""
+    free = None
+    if device.type == "cuda":
+        free = float(torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
+                     - torch.cuda.memory_allocated(device))
+    return on_every_rank([room_beside(free, replica_bytes, world)], device)[0]
+
+
+def on_every_rank(flags: Sequence[bool], device: torch.device) -> list[bool]:
+    """Each of ``flags`` where it holds on every rank (one MIN all-reduce), so that every
+    rank takes the same branch of a collective."""
+    t = torch.tensor([float(f) for f in flags], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return [bool(f) for f in t.tolist()]
 
 
 def pipeline_trial(pairs: int, n_blocks: int, block_secs: Sequence[Sequence[float]],
@@ -149,9 +159,7 @@ def every_rank_runs(sizes: Sequence[int], run: dict[str, Any],
         del model
     except Exception:  # noqa: BLE001 - no model here: every run is skipped
         pass
-    flags = torch.tensor(ok, device=run["device"])
-    dist.all_reduce(flags, op=dist.ReduceOp.MIN)
-    return [bool(f) for f in flags.tolist()]
+    return on_every_rank([bool(f) for f in ok], run["device"])
 
 
 def trial_steps(layouts: Sequence[tuple[str, dict[str, Any]]], n: int, *,

@@ -933,6 +933,7 @@ def test_the_profilers_trial_steps_rotate_in_blocks_and_count_all_but_each_block
     assert kept(secs) == [(0, 1.0), (0, 2.0), (1, 4.0), (1, 5.0), (0, 7.0), (0, 8.0),
                           (1, 10.0), (1, 11.0)]
     assert of_kind(secs, 3, 1) == [4.0, 5.0] and of_kind(secs, 3, 0) == [1.0, 2.0, 10.0, 11.0]
+    assert of_kind(secs, 1, 0) == secs  # one kind: every step counts
 
 
 @pytest.mark.parametrize("free, replica, world, room", [
