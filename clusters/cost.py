@@ -100,7 +100,8 @@ class CostModel:
     the micro-batches (the bubble), and ``pipe_msg_scale``: a factor on a pipeline step's
     messages outside the schedule (its batch's all-gathers, the norm's and the commit's
     all-reduces), all fitted to the profiler's pipeline trial steps
-    (``clusters.pipeline_fit.fit_pipeline``); 0, 1 and 1 without one.
+    (``clusters.pipeline_fit.fit_pipeline``); 0, 1 and 1 without one. ``pipe_fit_schedule``:
+    the schedule those steps ran; another schedule takes a positive ``pipe_action_s`` only.
     ``shared_cores``: by device id, the CPU ranks that share a crowded host's cores
     (``pipeline_cost.SharedCores``); a pipeline's waiting ranks leave their cores to the busy
     ones. Data-parallel layouts keep every rank busy at once, as the profile did.
@@ -127,6 +128,7 @@ class CostModel:
     pipe_action_s: float = 0.0
     pipe_bubble_scale: float = 1.0
     pipe_msg_scale: float = 1.0
+    pipe_fit_schedule: str = "1f1b"
 
     # ---------------------------------------------------------------- parts
     def alpha_beta(self, path: Path | None, kind: str | None = None) -> tuple[float, float]:

@@ -94,6 +94,9 @@ class PartCosts(Protocol):
     @property
     def pipe_msg_scale(self) -> float: ...
 
+    @property
+    def pipe_fit_schedule(self) -> str: ...
+
     def alpha_beta(self, path: Path | None, kind: str | None = None) -> tuple[float, float]: ...
 
     def sample_time(self, device: Device, profile: ModelProfile,
@@ -289,10 +292,11 @@ def estimate_pipeline(
                 tj += len(stages[k]) * model.pass_overhead_s * row[j].slowdown
             # the schedule's own work per action: the host's too; below 0, what the messages
             # cost less than their profiled figure, never a stage below its compute, and only
-            # for one chunk per rank as the trial ran (1F1B): an interleaved schedule made
-            # cheaper by it was picked at 1.29-1.35x dp on 2 CPU ranks (mlp, dlrm)
+            # for the schedule the trial ran (1F1B, one chunk per rank): an interleaved
+            # schedule made cheaper by it was picked at 1.29-1.35x dp on 2 CPU ranks (mlp,
+            # dlrm), and GPipe's schedule measured 8-51 % above 1F1B's there
             act = len(chunks[j]) * model.pipe_action_s
-            if v > 1:
+            if v > 1 or plan.schedule != model.pipe_fit_schedule:
                 act = max(0.0, act)
             work.append(tj + max(0.0, act))
             for k in chunks[j]:

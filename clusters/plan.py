@@ -168,13 +168,19 @@ def more_work(a: Plan, b: Plan) -> bool:
     buckets and re-allocating the gradients it drops; zero3 = zero2's + per-unit gathers).
     The model predicts zero1 and zero2 alike; on a 16-core host zero2 measured 1.02x zero1 on
     average (slower in 18 of 28 configurations; docs/benchmarks.md, planner, 2026-12-04).
-    dp against zero1 is no such pair: zero1 updates 1/N of the optimizer and broadcasts."""
+    dp against zero1 is no such pair: zero1 updates 1/N of the optimizer and broadcasts.
+    Or a GPipe pipeline against the same 1F1B one: the same bubble and messages, with all m
+    micro-batches' activations held where 1F1B holds p (its schedule measured 8-51 % slower
+    on 2 CPU ranks, mlp and dlrm at m = 2 and 8; the model prices the two alike)."""
     ma = a.dp_mode if a.is_pipeline else a.strategy
     mb = b.dp_mode if b.is_pipeline else b.strategy
-    if ma not in _WORK_CHAIN or mb not in _WORK_CHAIN:
-        return False
     same = (a.is_pipeline == b.is_pipeline and a.devices == b.devices and a.shares == b.shares
             and a.pp_degree == b.pp_degree and a.micro_batches == b.micro_batches
-            and a.schedule == b.schedule and a.virtual_stages == b.virtual_stages
-            and a.stage_split == b.stage_split)
-    return same and _WORK_CHAIN.index(ma) > _WORK_CHAIN.index(mb)
+            and a.virtual_stages == b.virtual_stages and a.stage_split == b.stage_split)
+    if not same:
+        return False
+    if a.schedule != b.schedule:
+        return (a.is_pipeline and a.schedule == "gpipe" and b.schedule == "1f1b"
+                and ma == mb)
+    return (ma in _WORK_CHAIN and mb in _WORK_CHAIN
+            and _WORK_CHAIN.index(ma) > _WORK_CHAIN.index(mb))

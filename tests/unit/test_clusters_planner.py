@@ -357,14 +357,22 @@ def _cand(strategy: str, step_s: float, peak: float, **plan_kw) -> object:
     ([("zero2", 1.000, 0.3), ("zero1", 1.000, 0.8)], 0.01, "zero2"),
     # a different layout (a pipeline) is never "more work" than a flat one
     ([("pipeline", 1.000, 0.1), ("zero1", 1.005, 0.2)], 0.01, "pipeline"),
+    # GPipe against the same 1F1B (auto picked pp2 gpipe m=2 for mlp on 2 CPU ranks at
+    # 1.16x dp; GPipe's schedule measured 8-51 % above 1F1B's there)
+    ([("pipeline:gpipe", 1.000, 0.1), ("pipeline:1f1b", 1.000, 0.1)], 0.01, "pipeline:1f1b"),
+    ([("pipeline:gpipe", 1.000, 0.1), ("pipeline:1f1b", 1.000, 0.8)], 0.01, "pipeline:gpipe"),
 ])
 def test_a_near_tie_never_goes_to_more_work_with_memory_to_spare(cands, tol, want):
     from clusters.planner import break_tie
 
-    ranked = sorted((_cand(s, t, m, **({"pp_degree": 2, "dp_mode": "zero2"}
-                                       if s == "pipeline" else {})) for s, t, m in cands),
-                    key=lambda c: c.step_time)
-    assert break_tie(ranked, tol, comfortable=0.5).plan.strategy == want
+    def cand(s, t, m):
+        name, _, sched = s.partition(":")
+        kw = {"pp_degree": 2, "dp_mode": "zero2", "schedule": sched or "gpipe"}
+        return _cand(name, t, m, **(kw if name == "pipeline" else {}))
+
+    ranked = sorted((cand(s, t, m) for s, t, m in cands), key=lambda c: c.step_time)
+    got = break_tie(ranked, tol, comfortable=0.5).plan
+    assert got.strategy + (":" + got.schedule if ":" in want else "") == want
 
 
 @pytest.mark.parametrize("cands, seen, want", [
@@ -411,6 +419,13 @@ def test_more_work_is_one_zero_stage_up_on_the_same_layout():
     assert not more_work(p("pipeline", dp_mode="zero2", **pipe),
                          p("pipeline", dp_mode="zero1", pp_degree=2, micro_batches=8))
     assert not more_work(p("pipeline", dp_mode="zero2", **pipe), p("zero1"))
+    # GPipe holds m micro-batches' activations where 1F1B holds p, with the same bubble
+    gp, f1 = (p("pipeline", dp_mode="dp", schedule=s, **pipe) for s in ("gpipe", "1f1b"))
+    assert more_work(gp, f1) and not more_work(f1, gp)
+    assert not more_work(gp, p("pipeline", dp_mode="zero1", schedule="1f1b", **pipe))
+    assert not more_work(gp, p("pipeline", dp_mode="dp", schedule="1f1b", pp_degree=2,
+                               micro_batches=8))
+    assert not more_work(p("pipeline", dp_mode="dp", schedule="interleaved", **pipe), f1)
 
 
 def test_the_explanation_says_why_a_slower_tie_won():
