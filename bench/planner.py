@@ -166,9 +166,17 @@ def run_config(tmp: str, fam: pm.Family, world: int, args: argparse.Namespace) -
             "pick_over_fastest": pick_s / rows[fastest]["measured_s"],
             "pick_segment_over_fastest": first["measured_s"] / rows[fastest]["measured_s"],
             "plan_event": plan_ev.message, "speeds": list(mm.speeds),
+            "profile_s": plan_ev.data.get("profile_s"), "plan_s": plan_ev.data.get("plan_s"),
             "raw_speeds": list(mm.raw_speeds), "spreads": mm.spreads,
             "step_overhead_s": mm.model.step_overhead, "overlap": mm.model.overlap,
             "loop_overhead_s": fitted.step_overhead, "loop_comm_scale": dict(fitted.comm_scale)}
+
+
+def _startup(res: dict[str, Any]) -> str:
+    """What auto spent before its first step: the profile (trial steps included) + the plan."""
+    if res.get("profile_s") is None:
+        return "-"  # a result from before session 31
+    return f"{res['profile_s']:.1f} + {res['plan_s']:.2f}"
 
 
 def _pct(x: float) -> str:
@@ -217,8 +225,8 @@ def table(results: list[dict[str, Any]]) -> str:
             if len(ps) == 2:
                 passes.append(abs(ps[1] / ps[0] - 1))
     lines += ["", "| config | pick (auto) | measured fastest | pick / fastest (its row; its "
-              "first 50 steps) | speeds (equalized; raw) | trial overhead ms | overlap |",
-              "|---|---|---|---|---|---|---|"]
+              "first 50 steps) | speeds (equalized; raw) | trial overhead ms | overlap | "
+              "profile + plan s |", "|---|---|---|---|---|---|---|---|"]
     for res in results:
         lines.append(
             f"| {res['config']} | {res['pick']} | {res['fastest']} | "
@@ -226,7 +234,8 @@ def table(results: list[dict[str, Any]]) -> str:
             f"{res.get('pick_segment_over_fastest', res['pick_over_fastest']):.3f} | "
             f"{', '.join(f'{s:.0f}' for s in res['speeds'])}; "
             f"{', '.join(f'{s:.0f}' for s in res['raw_speeds'])} | "
-            f"{res['step_overhead_s'] * 1e3:.1f} | {res['overlap']:.2f} |")
+            f"{res['step_overhead_s'] * 1e3:.1f} | {res['overlap']:.2f} | "
+            f"{_startup(res)} |")
     if errs_p:
         lines += ["", f"profiled: {sum(e <= 0.10 for e in errs_p)}/{len(errs_p)} layouts within "
                   f"10 % (median |error| {statistics.median(errs_p):.0%}, max "

@@ -128,10 +128,13 @@ class Layouts:
         cfg, world = self.cfg, len(group.workers)
         g = cfg.global_batch_size
         infos = self._budgets("zero3", [w.info for w in group.workers])  # copies' share
+        t0 = time.perf_counter()
         reports = group.profile_terms(list(even_shares(g, world)))
+        t1 = time.perf_counter()
         cluster, mm = measured_model(self.probe_model, cfg.optimizer, infos, reports,
                                      cfg.precision)
         result = auto_plan(cluster, mm, g)
+        t2 = time.perf_counter()
         self.measured, self.cluster, self.ids = mm, cluster, [d.id for d in cluster.devices]
         self.kinds = device_kinds(infos)
         for w, v in zip(group.workers, mm.speeds, strict=True):
@@ -143,6 +146,7 @@ class Layouts:
         why = result.explanation
         self._emit("plan", why.splitlines()[0], data={
             "explanation": why, "speeds": list(mm.speeds), "raw_speeds": list(mm.raw_speeds),
+            "profile_s": t1 - t0, "plan_s": t2 - t1,  # what auto's start costs
             "spreads": mm.spreads, "predictions": [
                 {"plan": c.plan.label, "step_s": c.step_time,
                  "parts": {"compute": c.estimate.compute, "comm": c.estimate.comm,

@@ -433,6 +433,7 @@ def test_auto_replans_to_a_faster_plan_when_the_running_one_measures_slow(tmp_pa
     result = ctl.run()
     plan = next(e for e in ctl.events if e.kind == "plan")
     assert plan.message.startswith("chose zero1"), plan.message
+    assert plan.data["profile_s"] > 0 and plan.data["plan_s"] > 0  # what auto's start cost
     assert [c for c in fake.calls if c[0] == "build"][:2] == [("build", "zero1"), ("build", "dp")]
     replans = [e for e in ctl.events if e.kind == "replan"]
     # decided while the segment runs, once 10 steps past the 2 of warm-up are measured
