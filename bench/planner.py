@@ -167,6 +167,7 @@ def run_config(tmp: str, fam: pm.Family, world: int, args: argparse.Namespace) -
             "pick_segment_over_fastest": first["measured_s"] / rows[fastest]["measured_s"],
             "plan_event": plan_ev.message, "speeds": list(mm.speeds),
             "profile_s": plan_ev.data.get("profile_s"), "plan_s": plan_ev.data.get("plan_s"),
+            "profile_phases": plan_ev.data.get("profile_phases", {}),
             "raw_speeds": list(mm.raw_speeds), "spreads": mm.spreads,
             "step_overhead_s": mm.model.step_overhead, "overlap": mm.model.overlap,
             "loop_overhead_s": fitted.step_overhead, "loop_comm_scale": dict(fitted.comm_scale)}
@@ -256,6 +257,14 @@ def table(results: list[dict[str, Any]]) -> str:
     if passes:
         lines.append(f"noise: each layout measured there and back differs by a median "
                      f"{statistics.median(passes):.0%} (max {max(passes):.0%}) between the passes")
+    phased = [r for r in results if r.get("profile_phases")]
+    if phased:  # where auto's start goes (the slowest rank's seconds in each part)
+        names = list(phased[0]["profile_phases"])
+        lines += ["", "| config | profile s | " + " | ".join(names) + " | plan s |",
+                  "|---|---|" + "---|" * len(names) + "---|"]
+        lines += [f"| {r['config']} | {r['profile_s']:.1f} | " + " | ".join(
+            f"{r['profile_phases'].get(n, 0.0):.1f}" for n in names) + f" | {r['plan_s']:.2f} |"
+            for r in phased]
     return "\n".join(lines)
 
 

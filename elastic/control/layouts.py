@@ -39,6 +39,15 @@ def unprotected(spec: Any, cfg: Any) -> bool:
             and getattr(cfg, "peer_copies_every", 0) <= 0)
 
 
+def _phases(reports: list[Any]) -> dict[str, float]:
+    """Each part of the profile's seconds, the most over the ranks (they run it together)."""
+    out: dict[str, float] = {}
+    for r in reports:
+        for k, v in (r.get("phases") or {}).items() if isinstance(r, dict) else ():
+            out[k] = max(out.get(k, 0.0), float(v))
+    return out
+
+
 class Layouts:
     """Choosing and applying layouts for one job (``probe_model``: the job's model built once
     on the driver, for validation and planning)."""
@@ -147,6 +156,7 @@ class Layouts:
         self._emit("plan", why.splitlines()[0], data={
             "explanation": why, "speeds": list(mm.speeds), "raw_speeds": list(mm.raw_speeds),
             "profile_s": t1 - t0, "plan_s": t2 - t1,  # what auto's start costs
+            "profile_phases": _phases(reports),
             "spreads": mm.spreads, "predictions": [
                 {"plan": c.plan.label, "step_s": c.step_time,
                  "parts": {"compute": c.estimate.compute, "comm": c.estimate.comm,

@@ -281,6 +281,14 @@ def profile_terms(*, model_factory: Callable[[], nn.Module], loss_fn: Any,
     from strategies.blocks import blocks_of
 
     sync = sync_fn(device)
+    phases: dict[str, float] = {}  # this rank's seconds in each part of the profile
+    clock = [time.perf_counter()]
+
+    def lap(name: str) -> None:
+        now = time.perf_counter()
+        phases[name] = now - clock[0]
+        clock[0] = now
+
     share = max(1, int(shares[rank]))
     small = max(1, share // 4)
     torch.manual_seed(0)
@@ -293,8 +301,10 @@ def profile_terms(*, model_factory: Callable[[], nn.Module], loss_fn: Any,
         fns.append(_fwd_bwd(model, loss_fn, x[:small], y[:small], autocast, sync, slowdown))
     times = _interleaved(fns, rounds)
     compute = [times[0]] + times[2:]
+    lap("compute")
     blocks = blocks_of(model)
     block_secs, bounds = _block_times(blocks, x, autocast, sync, slowdown, rounds)
+    lap("blocks")
     report: dict[str, Any] = {
         "rank": rank, "world": world,
         "compute": {"batches": [share, small][:len(compute)], "seconds": compute,
@@ -302,11 +312,14 @@ def profile_terms(*, model_factory: Callable[[], nn.Module], loss_fn: Any,
         "blocks": {"batch": share, "seconds": block_secs, "boundary_bytes": bounds,
                    "tensors": [[p.numel() for p in b.parameters()] for b in blocks]},
         "optimizer": _optimizer_times(model, optimizer_factory, world, rank, rounds),
+        "phases": phases,
     }
+    lap("optimizer")
     if world > 1:
         busy_s = min(0.005, max(0.0005, median(compute[0]) / max(1, len(blocks))))
         report["collectives"], report["collectives_idle"] = _collective_times(
             world, rank, device, rounds, busy_s, COLLECTIVE_SIZES)
+        lap("collectives")
     # trial steps: the real strategy and the step loop's data fetch and control all-reduce;
     # dp's set the per-step overhead, zero3's its per-unit wait (FSDP's gathers under load)
     # dp's replica: parameters, gradients and two optimizer moments
@@ -337,6 +350,7 @@ def profile_terms(*, model_factory: Callable[[], nn.Module], loss_fn: Any,
                            "seconds": of_kind(secs, 2, 0)}
         report["trial_no_update"] = {"shares": [int(s) for s in shares],
                                      "seconds": of_kind(secs, 2, 1)}
+        lap("trial_dp")
         # zero3's and a pipeline's in rotation with dp's: each taken at the dp trial's level
         # (where every device has room for dp's replica beside them; else each alone)
         pairs = max(1, trial_steps // 3)
@@ -347,10 +361,13 @@ def profile_terms(*, model_factory: Callable[[], nn.Module], loss_fn: Any,
             report["trial_zero3"] = {"shares": [int(s) for s in shares],
                                      "seconds": of_kind(secs, k, k - 1),
                                      **({"dp_seconds": of_kind(secs, k, 0)} if beside else {})}
+        lap("trial_zero3")
         pipe = pipeline_trial(pairs, len(blocks), block_secs, run, autocast, beside_dp=beside)
         if pipe:
             report["trial_pipeline"] = pipe
+        lap("trial_pipeline")
     else:
         report["trial"] = {"shares": [int(s) for s in shares],
                            "seconds": run_trial([("dp", {})], trial_steps, **run)}
+        lap("trial_dp")
     return report

@@ -57,6 +57,10 @@ def _profile(want: int | None) -> dict[str, int]:
         batch=_batch, shares=[4, 4], rank=rank, world=2, device=torch.device("cpu"),
         autocast=contextlib.nullcontext, rounds=2)
     pipe = rep.get("trial_pipeline", {})
+    # where the profile's time went, each part once, in the order it ran
+    assert list(rep["phases"]) == ["compute", "blocks", "optimizer", "collectives", "trial_dp",
+                                   "trial_zero3", "trial_pipeline"]
+    assert all(v > 0 for v in rep["phases"].values()), rep["phases"]
     assert all(0 < s <= t for r in pipe["runs"]
                for s, t in zip(r["schedule_seconds"], r["seconds"], strict=True))
     return {"with": len(rep["trial"]["seconds"]),
