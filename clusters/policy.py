@@ -17,9 +17,9 @@ Policies:
   allowed.
 * ``RetentionPolicy``: which committed checkpoints to delete.
 * ``NonFinitePolicy``: what a step whose loss or gradient is not finite does.
-* ``ReplanPolicy``: while a job runs, keep its layout, switch to a faster plan, or re-cut
-  the shares around a straggler, when the predicted gain over the remaining steps pays for
-  the re-layout.
+* ``ReplanPolicy`` (``clusters.replan_policy``): while a job runs, keep its layout, switch
+  to a faster plan, or re-cut the shares around a straggler, when the predicted gain over the
+  remaining steps pays for the re-layout; try a plan predicted too close to order.
 * ``EvacuationPolicy``: what a job does about a node that will go away at a known time (a
   preemption notice or a maintenance drain): move its state onto the survivors now,
   checkpoint it and then recover, or let the node go and recover at once.
@@ -31,6 +31,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .evacuation import EVACUATION_PATHS, Evacuate, EvacuationObservation, EvacuationPolicy
+from .replan_policy import (
+    KeepPlan,
+    RecutShares,
+    ReplanObservation,
+    ReplanPolicy,
+    SwitchPlan,
+    TryPlan,
+)
 
 __all__ = [
     "FailureObservation",
@@ -58,6 +66,7 @@ __all__ = [
     "ReplanObservation",
     "KeepPlan",
     "SwitchPlan",
+    "TryPlan",
     "RecutShares",
     "ReplanPolicy",
     "EvacuationObservation",
@@ -401,145 +410,3 @@ class NonFinitePolicy:
                         f"max_nonfinite_skips={self.max_skips}): the run diverged")
         return SkipStep(f"non-finite loss or gradient at {where}: update skipped "
                         f"({obs.consecutive} in a row)")
-
-
-# --------------------------------------------------------------------------- re-planning
-
-
-@dataclass(frozen=True)
-class ReplanObservation:
-    """What the running job measured since its layout started, and what the re-fitted model
-    predicts (``clusters.refit``).
-
-    ``current``: the running plan's label; ``step_s`` / ``step_sd`` / ``steps``: its measured
-    step time (median, robust standard deviation) over ``steps`` steps. ``candidates``:
-    (label, predicted seconds per step) of the other plans, from the re-fitted model.
-    ``remaining``: steps left. ``switch_s``: the measured (or estimated) seconds of one
-    re-layout. ``rank_s``: each rank's own compute seconds per sample (median over the
-    window; empty when not measured) and ``rank_rel_sd`` their relative spreads;
-    ``shares``: the running shares; ``recut``: the shares that follow the measured speeds
-    (empty when the layout's shares are not cut by speed); ``recut_step_s``: the step the
-    model predicts with them."""
-
-    current: str
-    step_s: float
-    step_sd: float
-    steps: int
-    candidates: tuple[tuple[str, float], ...]
-    remaining: int
-    switch_s: float
-    rank_s: tuple[float, ...] = ()
-    rank_rel_sd: tuple[float, ...] = ()
-    shares: tuple[int, ...] = ()
-    recut: tuple[int, ...] = ()
-    recut_step_s: float = 0.0
-
-
-@dataclass(frozen=True)
-class KeepPlan:
-    """Stay on the running layout. ``stragglers``: ranks persistently slower than their peers
-    (named even when re-cutting does not pay)."""
-
-    reason: str
-    stragglers: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True)
-class SwitchPlan:
-    """Switch to the plan labelled ``target``: ``gain_s`` per step over ``remaining`` steps
-    against a re-layout of ``cost_s``."""
-
-    target: str
-    gain_s: float
-    cost_s: float
-    reason: str
-
-
-@dataclass(frozen=True)
-class RecutShares:
-    """Re-cut the shares to ``shares`` (the same layout): ``gain_s`` per step against a
-    re-layout of ``cost_s``; ``stragglers`` named."""
-
-    shares: tuple[int, ...]
-    stragglers: tuple[int, ...]
-    gain_s: float
-    cost_s: float
-    reason: str
-
-
-@dataclass(frozen=True)
-class ReplanPolicy:
-    """Act only on what pays: a change of layout (a faster plan, or shares re-cut around a
-    straggler) is made when its predicted gain per step times the remaining steps exceeds
-    ``margin`` x the measured cost of a re-layout, and the gain per step is at least
-    ``min_gain`` of the step and beyond the noise (``z`` standard errors of the measured
-    median). A rank is a straggler when its compute per sample exceeds its peers' median by
-    more than ``straggler`` (relative) and by ``z`` times its spread. At least ``min_steps``
-    measured steps are needed before anything but ``KeepPlan``."""
-
-    min_steps: int = 10
-    min_gain: float = 0.05
-    margin: float = 1.0
-    straggler: float = 0.1
-    z: float = 3.0
-
-    def stragglers(self, obs: ReplanObservation) -> tuple[int, ...]:
-        n = len(obs.rank_s)
-        if n < 2:
-            return ()
-        out = []
-        for r, t in enumerate(obs.rank_s):
-            peers = sorted(x for i, x in enumerate(obs.rank_s) if i != r)
-            ref = peers[len(peers) // 2] if len(peers) % 2 else \
-                (peers[len(peers) // 2 - 1] + peers[len(peers) // 2]) / 2
-            rel = obs.rank_rel_sd[r] if r < len(obs.rank_rel_sd) else 0.0
-            if ref > 0 and t > ref * (1 + max(self.straggler, self.z * rel)):
-                out.append(r)
-        return tuple(out)
-
-    def decide(self, obs: ReplanObservation) -> KeepPlan | SwitchPlan | RecutShares:
-        if obs.steps < self.min_steps:
-            return KeepPlan(f"{obs.steps} steps measured on {obs.current}, "
-                            f"{self.min_steps} needed")
-        slow = self.stragglers(obs)
-        named = (f"; rank{'s' if len(slow) > 1 else ''} {', '.join(map(str, slow))} "
-                 f"slower than {'their' if len(slow) > 1 else 'its'} peers") if slow else ""
-        noise = self.z * 1.2533 * obs.step_sd / max(1, obs.steps) ** 0.5
-        cost = self.margin * obs.switch_s
-
-        def pays(gain: float) -> bool:
-            return (gain > noise and gain >= self.min_gain * obs.step_s
-                    and gain * obs.remaining > cost)
-
-        options: list[SwitchPlan | RecutShares] = []
-        best = min(obs.candidates, key=lambda c: c[1], default=None)
-        if best is not None and best[0] != obs.current:
-            gain = obs.step_s - best[1]
-            if pays(gain):
-                options.append(SwitchPlan(
-                    best[0], gain, obs.switch_s,
-                    f"{best[0]} predicted {best[1] * 1e3:.1f} ms/step against {obs.current}'s "
-                    f"measured {obs.step_s * 1e3:.1f} ms (sd {obs.step_sd * 1e3:.1f} ms, "
-                    f"{obs.steps} steps): {gain * 1e3:.1f} ms x {obs.remaining} steps = "
-                    f"{gain * obs.remaining:.1f} s > switch {obs.switch_s:.2f} s{named}"))
-        if obs.recut and obs.recut != obs.shares and slow:  # beyond the noise only
-            gain = obs.step_s - obs.recut_step_s
-            if pays(gain):
-                options.append(RecutShares(
-                    obs.recut, slow, gain, obs.switch_s,
-                    f"shares {list(obs.shares)} -> {list(obs.recut)}{named}: predicted "
-                    f"{obs.recut_step_s * 1e3:.1f} ms/step against {obs.step_s * 1e3:.1f} ms "
-                    f"measured, {gain * 1e3:.1f} ms x {obs.remaining} steps = "
-                    f"{gain * obs.remaining:.1f} s > re-layout {obs.switch_s:.2f} s"))
-        if options:
-            return max(options, key=lambda o: o.gain_s)
-        if best is None or best[0] == obs.current:
-            why = f"{obs.current} is the fastest plan ({obs.step_s * 1e3:.1f} ms/step measured)"
-        else:
-            gain = obs.step_s - best[1]
-            why = (f"{best[0]} predicted {best[1] * 1e3:.1f} ms/step against {obs.current}'s "
-                   f"{obs.step_s * 1e3:.1f} ms: a gain of {gain * 1e3:.1f} ms x "
-                   f"{obs.remaining} steps = {gain * obs.remaining:.1f} s does not pay for a "
-                   f"switch of {obs.switch_s:.2f} s, or is within the noise "
-                   f"({noise * 1e3:.1f} ms) or under {self.min_gain:.0%}")
-        return KeepPlan(why + named, slow)

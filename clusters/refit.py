@@ -41,7 +41,7 @@ from .balance import recut_shares
 from .collectives import KINDS, SYNC_MODES
 from .cost import CostModel
 from .measured import Spread, equal_within_noise
-from .plan import Plan
+from .plan import Plan, more_work
 from .planner import plan as plan_fn
 from .policy import ReplanObservation
 from .profile import ModelProfile
@@ -180,7 +180,7 @@ def observe(*, model: CostModel | None, profile: ModelProfile | None, cluster: C
             current: Plan, step: Spread, observed: Sequence[Observed], remaining: int,
             switch_s: float, rank_s: Sequence[float] = (), rank_rel_sd: Sequence[float] = (),
             kinds: Mapping[str, object] | None = None, replan: bool = True,
-            recut: bool = True) -> Observation:
+            recut: bool = True, tried_from: str = "") -> Observation:
     """The closed loop's view of the running layout ``current`` (devices set), measured at
     ``step`` over its window, with the layouts run before it (``observed``).
 
@@ -188,9 +188,11 @@ def observe(*, model: CostModel | None, profile: ModelProfile | None, cluster: C
     compute seconds per sample, when the layout's ranks each run a share) and rank every
     candidate (``predictions``); else no candidates. ``recut``: offer shares that follow
     ``rank_s`` (share-balanced layouts only) and the step they save
-    (``balance.recut_shares``)."""
+    (``balance.recut_shares``). ``tried_from``: the label ``current`` was tried from (the
+    decision after a ``TryPlan``), else ""."""
     shared = current.strategy in SYNC_MODES and len(rank_s) == len(current.devices)
     candidates: tuple[tuple[str, float], ...] = ()
+    untried: tuple[str, ...] = ()
     plans: dict[str, Plan] = {}
     fitted = None
     if replan and model is not None and profile is not None and cluster is not None:
@@ -207,6 +209,7 @@ def observe(*, model: CostModel | None, profile: ModelProfile | None, cluster: C
         best[current.label] = step.median
         plans[current.label] = current
         candidates = tuple(sorted(best.items(), key=lambda kv: kv[1]))
+        untried = _untried(preds, current)
     new: tuple[int, ...] = ()
     new_s = 0.0
     if recut and shared and rank_s:
@@ -216,5 +219,16 @@ def observe(*, model: CostModel | None, profile: ModelProfile | None, cluster: C
         current=current.label, step_s=step.median, step_sd=step.sd, steps=step.n,
         candidates=candidates, remaining=max(0, remaining), switch_s=switch_s,
         rank_s=tuple(rank_s) if shared else (), rank_rel_sd=tuple(rank_rel_sd) if shared
-        else (), shares=tuple(current.shares), recut=new, recut_step_s=new_s)
+        else (), shares=tuple(current.shares), recut=new, recut_step_s=new_s, untried=untried,
+        tried_from=tried_from)
     return Observation(obs, plans, fitted)
+
+
+def _untried(preds: Sequence[Prediction], current: Plan) -> tuple[str, ...]:
+    """Labels of the predicted (never run) plans the loop may try: not one that does more
+    work than another plan (``more_work``: zero2 beside zero1, GPipe beside 1F1B)."""
+    ran = {p.plan.label for p in preds if p.measured} | {current.label}
+    every = [p.plan for p in preds] + [current]
+    return tuple(dict.fromkeys(
+        p.plan.label for p in preds if p.plan.label not in ran
+        and not any(more_work(p.plan, q) for q in every)))

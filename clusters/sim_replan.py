@@ -19,7 +19,7 @@ from .cost import CostModel
 from .measured import robust
 from .plan import Plan
 from .planner import plan as plan_fn
-from .policy import KeepPlan, RecutShares, ReplanPolicy, SwitchPlan
+from .policy import KeepPlan, RecutShares, ReplanPolicy, SwitchPlan, TryPlan
 from .profile import ModelProfile
 from .refit import Observed, observe
 from .topology import Cluster
@@ -78,6 +78,7 @@ def simulate_loop(cluster: Cluster, profile: ModelProfile, global_batch: int, *,
     cache: dict[tuple[object, ...], float] = {}
     seconds = static_s = 0.0
     since = 0
+    tried_from = ""  # the label the running plan was tried from (the decision after a try)
 
     def true_step(p: Plan) -> float:
         key = (p.label, p.shares, p.stage_split)
@@ -111,8 +112,9 @@ def simulate_loop(cluster: Cluster, profile: ModelProfile, global_batch: int, *,
                        global_batch=global_batch, current=cur, step=robust(window),
                        observed=list(observed.values()), remaining=steps - step - 1,
                        switch_s=switch_s, rank_s=[s.median for s in spreads],
-                       rank_rel_sd=[s.rel for s in spreads])
+                       rank_rel_sd=[s.rel for s in spreads], tried_from=tried_from)
         decision = pol.decide(view.obs)
+        tried_from = cur.label if isinstance(decision, TryPlan) else ""
         events.append(LoopEvent(step + 1, type(decision).__name__, cur.label, decision.reason))
         if isinstance(decision, KeepPlan):
             window, ranks = window[-_WINDOW:], [xs[-_WINDOW:] for xs in ranks]

@@ -21,7 +21,14 @@ from typing import Any
 
 from clusters.measured import Spread, robust
 from clusters.plan import Plan
-from clusters.policy import KeepPlan, RecutShares, ReplanObservation, ReplanPolicy, SwitchPlan
+from clusters.policy import (
+    KeepPlan,
+    RecutShares,
+    ReplanObservation,
+    ReplanPolicy,
+    SwitchPlan,
+    TryPlan,
+)
 from strategies import StrategySpec
 from strategies.traits import DP_MODES
 
@@ -51,6 +58,7 @@ class Replanner:
         self.observed: dict[tuple[Any, ...], tuple[Plan, Spread]] = {}
         self.decisions: list[KeepPlan | SwitchPlan | RecutShares] = []
         self._named: tuple[int, ...] = ()  # the stragglers the last decision named
+        self._tried_from = ""  # after a TryPlan: the label of the layout it left
 
     # ------------------------------------------------------------------ feeding
 
@@ -146,6 +154,7 @@ class Replanner:
         self._start = step  # the next decision after another replan_every steps
         obs, plans, parts = self._observe(step, spec, times, group)
         decision = self.policy.decide(obs)
+        self._tried_from = obs.current if isinstance(decision, TryPlan) else ""
         self.decisions.append(decision)
         kind = type(decision).__name__
         data = {"decision": kind, "current": obs.current, "step_s": obs.step_s,
@@ -206,7 +215,8 @@ class Replanner:
             observed=[Observed(p, sp) for p, sp in self.observed.values()],
             remaining=remaining, switch_s=switch_s, rank_s=rank_s, rank_rel_sd=rel,
             kinds=dict(zip(ids, lay.kinds, strict=False)),
-            replan=self.cfg.strategy == "auto" and mm is not None, recut=self.cfg.balance != "off")
+            replan=self.cfg.strategy == "auto" and mm is not None, recut=self.cfg.balance != "off",
+            tried_from=self._tried_from)
         parts: dict[str, Any] = {}
         if view.model is not None:
             parts = {"step_overhead_s": view.model.step_overhead,

@@ -84,3 +84,61 @@ def test_the_policy_is_the_live_one_and_a_stricter_one_waits():
     strict = simulate_loop(cluster, PROFILE, 64, truth=truth, profiled=profiled, steps=400,
                            policy=ReplanPolicy(margin=1e6))
     assert not strict.changes and isinstance(strict.start, Plan)
+
+
+def _near_tie(ids):
+    """dp measured as profiled; zero1 profiled 4 % slower than dp (its owners' broadcasts
+    timed dear) and 13 % faster in truth (as dlrm's on 3 CPU ranks: predicted 1.03-1.04x dp,
+    measured 0.85-0.89x)."""
+    opt, gathers = (1e-6, 1e-7, 1e-6), {"all_gather": 5e-3, "reduce_scatter": 5e-3}
+    profiled = _model(ids, opt, all_reduce=3e-3, reduce=1.5e-3, broadcast=1.5e-3, **gathers)
+    truth = _model(ids, opt, all_reduce=3e-3, reduce=2e-4, broadcast=2e-4, **gathers)
+    return profiled, truth
+
+
+def test_the_loop_tries_a_plan_the_model_cannot_order_and_keeps_the_faster():
+    cluster, ids = _cluster()
+    profiled, truth = _near_tie(ids)
+    run = {"steps": 3000, "replan_every": 50, "switch_s": 0.2}
+    res = simulate_loop(cluster, PROFILE, 64, truth=truth, profiled=profiled, **run)
+    assert res.start.strategy == "dp" and res.final.strategy == "zero1"
+    first = res.changes[0]
+    assert first.decision == "TryPlan" and first.step == 52 and "never ran here" in first.reason
+    assert len(res.changes) == 1 and res.seconds < 0.9 * res.static_s
+    # without trying, the loop keeps dp: nothing it measures says otherwise
+    off = simulate_loop(cluster, PROFILE, 64, truth=truth, profiled=profiled,
+                        policy=ReplanPolicy(explore=0.0), **run)
+    assert not off.changes and off.seconds == pytest.approx(off.static_s, rel=0.01)
+    # zero1 as slow as profiled: tried, then dp again at the next decision, for ~1 % of the job
+    back = simulate_loop(cluster, PROFILE, 64, truth=profiled, profiled=profiled, **run)
+    assert [(e.decision, e.step) for e in back.changes] == [("TryPlan", 52), ("SwitchPlan", 104)]
+    assert "the try of zero1" in back.changes[1].reason and back.final.strategy == "dp"
+    assert back.seconds < 1.02 * back.static_s
+    # and never tried where finding a faster plan cannot pay: a short job
+    short = simulate_loop(cluster, PROFILE, 64, truth=truth, profiled=profiled, steps=300,
+                          replan_every=50, switch_s=0.2)
+    assert not short.changes
+
+
+def test_the_loop_tries_neither_more_work_nor_what_it_measured():
+    """zero2 beside zero1 (more work, predicted alike) and GPipe beside 1F1B are never tried;
+    a layout the job ran is a measured figure, not a try."""
+    from clusters.measured import Spread
+    from clusters.refit import Observed, observe
+
+    cluster, ids = _cluster()
+    profiled, _ = _near_tie(ids)
+    dp = Plan(strategy="dp", world_size=2, shares=(32, 32), devices=tuple(ids))
+    view = observe(model=profiled, profile=PROFILE, cluster=cluster, global_batch=64,
+                   current=dp, step=Spread(0.015, 1e-4, 50), observed=[], remaining=3000,
+                   switch_s=0.2)
+    labels = {c for c, _ in view.obs.candidates}
+    assert {"zero1", "zero2", "pp2 gpipe m=2", "pp2 1f1b m=2"} <= labels
+    assert "zero1" in view.obs.untried and "pp2 1f1b m=2" in view.obs.untried
+    assert not {"dp", "zero2", "pp2 gpipe m=2"} & set(view.obs.untried)
+    z1 = view.plans["zero1"]
+    ran = observe(model=profiled, profile=PROFILE, cluster=cluster, global_batch=64,
+                  current=dp, step=Spread(0.015, 1e-4, 50),
+                  observed=[Observed(z1, Spread(0.013, 1e-4, 50))], remaining=3000,
+                  switch_s=0.2)
+    assert "zero1" not in ran.obs.untried and dict(ran.obs.candidates)["zero1"] == 0.013

@@ -693,3 +693,28 @@ def test_a_recovery_into_an_unrecoverable_layout_says_so(tmp_path):
     kinds = _kinds(ctl)
     assert kinds.count("unprotected") == 1 and "recovered" in kinds, kinds
     assert kinds.index("failure") < kinds.index("unprotected")  # said by the regroup
+
+
+@pytest.mark.parametrize("zero1_s, final", [(0.008, "zero1"), (0.012, "dp")])
+def test_auto_tries_a_plan_predicted_too_close_to_order_and_keeps_the_faster(
+        tmp_path, zero1_s, final):
+    """``auto`` plans dp, zero1 predicted within 10 % of dp's measured step (its owners'
+    broadcasts cheap). The model cannot order them; the loop tries zero1 (a ``TryPlan``
+    decision that says so) and, at the next decision, goes back to dp if zero1 measured
+    slower beyond the noise, else stays."""
+    ctl, fake = _controller(tmp_path, strategy="auto", max_steps=300, replan_every=10)
+    fake.alpha.update(reduce=1e-4, broadcast=1e-4)
+    fake.step_times = {"zero1": zero1_s, "dp": 0.01}
+    result = ctl.run()
+    assert next(e for e in ctl.events if e.kind == "plan").message.startswith("chose dp")
+    changes = [e for e in ctl.events if e.kind == "replan" and e.data["decision"] != "KeepPlan"]
+    assert changes[0].step == 12 and changes[0].data["decision"] == "TryPlan"
+    assert "zero1 never ran here" in changes[0].message
+    strategies = [h["strategy"] for h in result.history]
+    assert strategies[:13] == ["dp"] * 13 and strategies[13] == "zero1"
+    if final == "dp":
+        back = changes[1]
+        assert back.step == 25 and back.data["decision"] == "SwitchPlan"
+        assert "the try of zero1 measured 12.0 ms/step" in back.message
+    assert len(changes) == (1 if final == "zero1" else 2)  # each plan tried once
+    assert strategies[-1] == final

@@ -35,6 +35,7 @@ from clusters.policy import (
     StartSpares,
     Stop,
     SwitchPlan,
+    TryPlan,
 )
 
 # ------------------------------------------------------------------ failure budget
@@ -305,6 +306,48 @@ def test_replan_policy(obs, want, why):
         assert d.gain_s * obs.remaining > d.cost_s
     if "rank 1 slower" in why and not isinstance(d, SwitchPlan):
         assert d.stragglers == (1,)
+
+
+_NEAR = (("dp", 0.100), ("zero1", 0.104))  # zero1 predicted 4 % slower than dp measured
+
+
+@pytest.mark.parametrize(
+    ("obs", "policy", "want", "why"),
+    [
+        # never ran, predicted within 10 %: tried (a plan 5 % faster would save 5 s over
+        # 1000 steps > 2 x 1 s of switches + 50 steps at up to 10 % slower)
+        (_rp(candidates=_NEAR, untried=("zero1",)), {}, TryPlan, "zero1 never ran here"),
+        (_rp(candidates=(("dp", 0.1), ("zero1", 0.111)), untried=("zero1",)), {}, KeepPlan,
+         "fastest plan"),
+        (_rp(candidates=_NEAR), {}, KeepPlan, "fastest plan"),  # zero1 measured already
+        (_rp(candidates=_NEAR, untried=("zero1",), remaining=400), {}, KeepPlan, "fastest"),
+        (_rp(candidates=_NEAR, untried=("zero1",)), {"explore": 0.0}, KeepPlan, "fastest"),
+        # the nearest of two untried ones
+        (_rp(candidates=_NEAR + (("pp2 1f1b m=4", 0.102),), untried=("zero1", "pp2 1f1b m=4")),
+         {}, TryPlan, "pp2 1f1b m=4 never ran"),
+        # a switch that pays comes first
+        (_rp(candidates=(("zero2", 0.08),) + _NEAR, untried=("zero1", "zero2")), {},
+         SwitchPlan, "zero2 predicted 80.0 ms/step"),
+        # after a try: back when the one it left measured faster beyond the noise (2.1 ms)
+        (_rp(current="zero1", step_s=0.104, candidates=_NEAR, tried_from="dp"), {}, SwitchPlan,
+         "the try of zero1 measured 104.0 ms/step"),
+        (_rp(current="zero1", step_s=0.101, candidates=(("dp", 0.1), ("zero1", 0.101)),
+             tried_from="dp"), {}, KeepPlan, "dp predicted 100.0"),
+        (_rp(current="zero1", step_s=0.095, candidates=(("zero1", 0.095), ("dp", 0.1)),
+             tried_from="dp"), {}, KeepPlan, "zero1 is the fastest plan"),
+        # not back when the switch does not pay for the steps left
+        (_rp(current="zero1", step_s=0.104, candidates=_NEAR, tried_from="dp", remaining=200),
+         {}, KeepPlan, "does not pay"),
+    ],
+)
+def test_replan_policy_tries_a_plan_the_model_cannot_order(obs, policy, want, why):
+    d = ReplanPolicy(**policy).decide(obs)
+    assert type(d) is want, d
+    assert why in d.reason, d.reason
+    if want is TryPlan:
+        assert d.target == why.split(" never")[0] and "trying it" in d.reason
+    if "the try of" in why:
+        assert d.target == "dp" and d.gain_s == pytest.approx(0.004)
 
 
 def test_replan_policy_numbers_in_its_reasons():

@@ -1,0 +1,208 @@
+"""The closed loop's policy (re-exported by ``clusters.policy``): while a job runs, keep its
+layout, switch to a faster plan, re-cut the shares around a straggler, or try a plan the model
+cannot order against the running one. Pure, as every policy there: the live controller
+(``elastic.control.replan``) and the simulator (``clusters.sim_replan``) build the same
+observation (``clusters.refit.observe``) and carry the decision out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["ReplanObservation", "KeepPlan", "SwitchPlan", "TryPlan", "RecutShares",
+           "ReplanPolicy"]
+
+
+@dataclass(frozen=True)
+class ReplanObservation:
+    """What the running job measured since its layout started, and what the re-fitted model
+    predicts (``clusters.refit``).
+
+    ``current``: the running plan's label; ``step_s`` / ``step_sd`` / ``steps``: its measured
+    step time (median, robust standard deviation) over ``steps`` steps. ``candidates``:
+    (label, predicted seconds per step) of the other plans, from the re-fitted model.
+    ``remaining``: steps left. ``switch_s``: the measured (or estimated) seconds of one
+    re-layout. ``rank_s``: each rank's own compute seconds per sample (median over the
+    window; empty when not measured) and ``rank_rel_sd`` their relative spreads;
+    ``shares``: the running shares; ``recut``: the shares that follow the measured speeds
+    (empty when the layout's shares are not cut by speed); ``recut_step_s``: the step the
+    model predicts with them. ``untried``: the labels of candidates that never ran in this
+    job and do no more work than another candidate (``plan.more_work``): predicted, not
+    measured. ``tried_from``: when the running layout is a ``TryPlan``'s, the label of the
+    one it was tried from (its measured figure is among the candidates)."""
+
+    current: str
+    step_s: float
+    step_sd: float
+    steps: int
+    candidates: tuple[tuple[str, float], ...]
+    remaining: int
+    switch_s: float
+    rank_s: tuple[float, ...] = ()
+    rank_rel_sd: tuple[float, ...] = ()
+    shares: tuple[int, ...] = ()
+    recut: tuple[int, ...] = ()
+    recut_step_s: float = 0.0
+    untried: tuple[str, ...] = ()
+    tried_from: str = ""
+
+
+@dataclass(frozen=True)
+class KeepPlan:
+    """Stay on the running layout. ``stragglers``: ranks persistently slower than their peers
+    (named even when re-cutting does not pay)."""
+
+    reason: str
+    stragglers: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class SwitchPlan:
+    """Switch to the plan labelled ``target``: ``gain_s`` per step over ``remaining`` steps
+    against a re-layout of ``cost_s``."""
+
+    target: str
+    gain_s: float
+    cost_s: float
+    reason: str
+
+
+@dataclass(frozen=True)
+class TryPlan(SwitchPlan):
+    """Switch to ``target`` to measure it: a plan predicted close to the running one that
+    never ran (``gain_s``: what the model predicts, maybe below 0); the next decision compares
+    the two measured figures and switches back when that pays."""
+
+
+@dataclass(frozen=True)
+class RecutShares:
+    """Re-cut the shares to ``shares`` (the same layout): ``gain_s`` per step against a
+    re-layout of ``cost_s``; ``stragglers`` named."""
+
+    shares: tuple[int, ...]
+    stragglers: tuple[int, ...]
+    gain_s: float
+    cost_s: float
+    reason: str
+
+
+@dataclass(frozen=True)
+class ReplanPolicy:
+    """Act only on what pays: a change of layout (a faster plan, or shares re-cut around a
+    straggler) is made when its predicted gain per step times the remaining steps exceeds
+    ``margin`` x the measured cost of a re-layout, and the gain per step is at least
+    ``min_gain`` of the step and beyond the noise (``z`` standard errors of the measured
+    median). A rank is a straggler when its compute per sample exceeds its peers' median by
+    more than ``straggler`` (relative) and by ``z`` times its spread. At least ``min_steps``
+    measured steps are needed before anything but ``KeepPlan``.
+
+    When nothing pays, a candidate that never ran (``untried``) and is predicted within
+    ``explore`` of the running step is tried (``TryPlan``): the model cannot order plans that
+    close (on 3 CPU ranks dlrm's zero1 was predicted 1.03-1.04x dp and measured 0.85-0.89x in
+    three runs), and a measured figure can. It is tried only where finding a plan ``min_gain``
+    faster would pay, over the remaining steps, for going there and back plus a window as
+    long as the running one's at up to ``explore`` slower. At the decision after a try, the
+    layout it was tried from comes back when it measured faster beyond the noise and the
+    switch pays (not held to ``min_gain``: the try was the loop's, not the model's). 0 turns
+    it off."""
+
+    min_steps: int = 10
+    min_gain: float = 0.05
+    margin: float = 1.0
+    straggler: float = 0.1
+    z: float = 3.0
+    explore: float = 0.10
+
+    def stragglers(self, obs: ReplanObservation) -> tuple[int, ...]:
+        n = len(obs.rank_s)
+        if n < 2:
+            return ()
+        out = []
+        for r, t in enumerate(obs.rank_s):
+            peers = sorted(x for i, x in enumerate(obs.rank_s) if i != r)
+            ref = peers[len(peers) // 2] if len(peers) % 2 else \
+                (peers[len(peers) // 2 - 1] + peers[len(peers) // 2]) / 2
+            rel = obs.rank_rel_sd[r] if r < len(obs.rank_rel_sd) else 0.0
+            if ref > 0 and t > ref * (1 + max(self.straggler, self.z * rel)):
+                out.append(r)
+        return tuple(out)
+
+    def decide(self, obs: ReplanObservation) -> KeepPlan | SwitchPlan | RecutShares:
+        if obs.steps < self.min_steps:
+            return KeepPlan(f"{obs.steps} steps measured on {obs.current}, "
+                            f"{self.min_steps} needed")
+        slow = self.stragglers(obs)
+        named = (f"; rank{'s' if len(slow) > 1 else ''} {', '.join(map(str, slow))} "
+                 f"slower than {'their' if len(slow) > 1 else 'its'} peers") if slow else ""
+        noise = self.z * 1.2533 * obs.step_sd / max(1, obs.steps) ** 0.5
+        cost = self.margin * obs.switch_s
+
+        def pays(gain: float) -> bool:
+            return (gain > noise and gain >= self.min_gain * obs.step_s
+                    and gain * obs.remaining > cost)
+
+        options: list[SwitchPlan | RecutShares] = []
+        best = min(obs.candidates, key=lambda c: c[1], default=None)
+        back = dict(obs.candidates).get(obs.tried_from) if obs.tried_from else None
+        if back is not None and best is not None and best[0] in (obs.tried_from, obs.current):
+            gain = obs.step_s - back
+            if gain > noise and gain * obs.remaining > cost:
+                return SwitchPlan(
+                    obs.tried_from, gain, obs.switch_s,
+                    f"the try of {obs.current} measured {obs.step_s * 1e3:.1f} ms/step (sd "
+                    f"{obs.step_sd * 1e3:.1f} ms, {obs.steps} steps) against "
+                    f"{obs.tried_from}'s {back * 1e3:.1f} ms: back, {gain * 1e3:.1f} ms x "
+                    f"{obs.remaining} steps = {gain * obs.remaining:.1f} s > switch "
+                    f"{obs.switch_s:.2f} s{named}")
+        if best is not None and best[0] != obs.current:
+            gain = obs.step_s - best[1]
+            if pays(gain):
+                options.append(SwitchPlan(
+                    best[0], gain, obs.switch_s,
+                    f"{best[0]} predicted {best[1] * 1e3:.1f} ms/step against {obs.current}'s "
+                    f"measured {obs.step_s * 1e3:.1f} ms (sd {obs.step_sd * 1e3:.1f} ms, "
+                    f"{obs.steps} steps): {gain * 1e3:.1f} ms x {obs.remaining} steps = "
+                    f"{gain * obs.remaining:.1f} s > switch {obs.switch_s:.2f} s{named}"))
+        if obs.recut and obs.recut != obs.shares and slow:  # beyond the noise only
+            gain = obs.step_s - obs.recut_step_s
+            if pays(gain):
+                options.append(RecutShares(
+                    obs.recut, slow, gain, obs.switch_s,
+                    f"shares {list(obs.shares)} -> {list(obs.recut)}{named}: predicted "
+                    f"{obs.recut_step_s * 1e3:.1f} ms/step against {obs.step_s * 1e3:.1f} ms "
+                    f"measured, {gain * 1e3:.1f} ms x {obs.remaining} steps = "
+                    f"{gain * obs.remaining:.1f} s > re-layout {obs.switch_s:.2f} s"))
+        if options:
+            return max(options, key=lambda o: o.gain_s)
+        tried = self._to_try(obs)
+        if tried is not None:
+            return tried
+        if best is None or best[0] == obs.current:
+            why = f"{obs.current} is the fastest plan ({obs.step_s * 1e3:.1f} ms/step measured)"
+        else:
+            gain = obs.step_s - best[1]
+            why = (f"{best[0]} predicted {best[1] * 1e3:.1f} ms/step against {obs.current}'s "
+                   f"{obs.step_s * 1e3:.1f} ms: a gain of {gain * 1e3:.1f} ms x "
+                   f"{obs.remaining} steps = {gain * obs.remaining:.1f} s does not pay for a "
+                   f"switch of {obs.switch_s:.2f} s, or is within the noise "
+                   f"({noise * 1e3:.1f} ms) or under {self.min_gain:.0%}")
+        return KeepPlan(why + named, slow)
+
+    def _to_try(self, obs: ReplanObservation) -> TryPlan | None:
+        """The untried candidate predicted fastest, if it is within ``explore`` of the
+        running step and a plan ``min_gain`` faster would pay for trying it."""
+        near = [c for c in obs.candidates if c[0] in obs.untried and c[0] != obs.current
+                and c[1] <= obs.step_s * (1 + self.explore)]
+        if not near or self.explore <= 0:
+            return None
+        label, pred = min(near, key=lambda c: c[1])
+        cost = self.margin * (2 * obs.switch_s + self.explore * obs.step_s * obs.steps)
+        found = self.min_gain * obs.step_s * obs.remaining
+        if found <= cost:
+            return None
+        return TryPlan(label, obs.step_s - pred, obs.switch_s,
+                       f"{label} never ran here and is predicted {pred * 1e3:.1f} ms/step "
+                       f"against {obs.current}'s measured {obs.step_s * 1e3:.1f} ms (within "
+                       f"{self.explore:.0%}, closer than the model can order them): trying it; "
+                       f"a plan {self.min_gain:.0%} faster would save "
+                       f"{found:.1f} s over {obs.remaining} steps > {cost:.1f} s (there and "
+                       f"back, and {obs.steps} steps up to {self.explore:.0%} slower)")
