@@ -69,6 +69,52 @@ def _segment(ctl: Any, start: int, n: int) -> list[float]:
     return [h["step_time"] for h in hist]
 
 
+def run_loop(tmp: str, fam: pm.Family, world: int, args: argparse.Namespace) -> dict[str, Any]:
+    """A second ``auto`` job of the configuration with the closed loop on (``--loop-every``),
+    long as a real job is (its remaining steps make a try pay), stopped after
+    ``--loop-steps``: the layouts it ran, in order, each with its steps and median, and the
+    ``replan`` decisions that were not to keep the layout."""
+    import elastic
+    from clusters.measured import robust
+    from elastic.planning import spec_plan
+
+    name = f"{fam.name}-w{world}-loop"
+    handle = elastic.submit(
+        model=fam.model, optimizer={"name": "adam", "lr": 1e-3}, loss=fam.loss,
+        dataset=fam.dataset, global_batch_size=fam.global_batch, num_workers=world,
+        strategy="auto", view="none", run_dir=os.path.join(tmp, name), name=name,
+        max_steps=10_000_000, replan_every=args.loop_every, pp_degree=world,
+        micro_batches=args.micro_batches, schedule="1f1b", hang_timeout_s=300)
+    ctl = handle.controller
+    try:
+        _wait_steps(handle, ctl, args.loop_steps)
+        hist = list(ctl.history)[:args.loop_steps]
+        segs: list[dict[str, Any]] = []
+        for h in hist:
+            if not segs or segs[-1]["strategy"] != h["strategy"]:
+                segs.append({"strategy": h["strategy"], "start": h["step"], "times": []})
+            segs[-1]["times"].append(h["step_time"])
+        for sg in segs:
+            st = robust(sg.pop("times")[2:] or [0.0])
+            sg.update(steps=st.n + 2, median_s=st.median)
+        final = spec_plan(ctl.spec, list(ctl.layouts.ids), ctl.layouts.probe_model).label
+        decisions = [{"step": e.step, "decision": e.data.get("decision"), "why": e.message}
+                     for e in ctl.events if e.kind == "replan"
+                     and e.data.get("decision") != "KeepPlan"]
+    finally:
+        handle.stop(timeout=300)
+        try:
+            handle.result(timeout=300)
+        except Exception as e:  # noqa: BLE001 - report, go on
+            print(f"  {name}: the job ended with {type(e).__name__}: {e}", flush=True)
+    print(f"  {name}: " + " -> ".join(f"{sg['strategy']} ({sg['steps']} steps, "
+                                      f"{sg['median_s'] * 1e3:.1f} ms)" for sg in segs)
+          + f"; settled on {final}", flush=True)
+    for d in decisions:
+        print(f"    step {d['step']}: {d['why'][:160]}", flush=True)
+    return {"segments": segs, "final": final, "decisions": decisions}
+
+
 def run_config(tmp: str, fam: pm.Family, world: int, args: argparse.Namespace) -> dict[str, Any]:
     import elastic
     from clusters.measured import robust
@@ -173,6 +219,29 @@ def run_config(tmp: str, fam: pm.Family, world: int, args: argparse.Namespace) -
             "loop_overhead_s": fitted.step_overhead, "loop_comm_scale": dict(fitted.comm_scale)}
 
 
+def _settled(res: dict[str, Any]) -> float | None:
+    """The loop job's last layout over the fastest, each as the passes measured it (None: no
+    loop, or it settled on a plan the passes did not run)."""
+    loop = res.get("loop")
+    rows = res["rows"]
+    if not loop:
+        return None
+    row = next((r for k, r in rows.items() if k != "pick" and r["plan"] == loop["final"]), None)
+    fast = next((r for r in rows.values() if r["plan"] == res["fastest"]), None)
+    if row is None or fast is None:
+        return None
+    return row["measured_s"] / fast["measured_s"]
+
+
+def _loop_cell(res: dict[str, Any]) -> str:
+    loop = res.get("loop")
+    if not loop:
+        return "-"
+    ran = " > ".join(f"{sg['strategy']} {sg['steps']}" for sg in loop["segments"])
+    ratio = _settled(res)
+    return f"{ran}; {loop['final']}, " + (f"{ratio:.3f}" if ratio is not None else "not in the passes")
+
+
 def _startup(res: dict[str, Any]) -> str:
     """What auto spent before its first step: the profile (trial steps included) + the plan."""
     if res.get("profile_s") is None:
@@ -188,6 +257,7 @@ def table(results: list[dict[str, Any]]) -> str:
     lines = ["| config | layout | plan | measured ms (sd) | / dp | profiled ms | error | / dp "
              "predicted | after loop ms | error |", "|---|---|---|---|---|---|---|---|---|---|"]
     errs_p, errs_l, picks, drift, passes = [], [], [], [], []
+    settled: list[bool] = []
     ratios_p: list[float] = []
     ratios_l: list[float] = []
     for res in results:
@@ -219,6 +289,8 @@ def table(results: list[dict[str, Any]]) -> str:
                              f"{r['untrialed_s'] * 1e3:.1f} | "
                              f"{_pct(r['untrialed_s'] / r['measured_s'] - 1)} | | | |")
         picks.append(res["pick_over_fastest"] <= 1.05)
+        if _settled(res) is not None:
+            settled.append(_settled(res) <= 1.05)
         if "dp" in rows and "dp-again" in rows:
             drift.append(abs(rows["dp-again"]["measured_s"] / rows["dp"]["measured_s"] - 1))
         for key in LAYOUTS:  # measured there and back
@@ -227,7 +299,8 @@ def table(results: list[dict[str, Any]]) -> str:
                 passes.append(abs(ps[1] / ps[0] - 1))
     lines += ["", "| config | pick (auto) | measured fastest | pick / fastest (its row; its "
               "first 50 steps) | speeds (equalized; raw) | trial overhead ms | overlap | "
-              "profile + plan s |", "|---|---|---|---|---|---|---|---|"]
+              "profile + plan s | loop: layouts run; settled / fastest |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for res in results:
         lines.append(
             f"| {res['config']} | {res['pick']} | {res['fastest']} | "
@@ -236,7 +309,7 @@ def table(results: list[dict[str, Any]]) -> str:
             f"{', '.join(f'{s:.0f}' for s in res['speeds'])}; "
             f"{', '.join(f'{s:.0f}' for s in res['raw_speeds'])} | "
             f"{res['step_overhead_s'] * 1e3:.1f} | {res['overlap']:.2f} | "
-            f"{_startup(res)} |")
+            f"{_startup(res)} | {_loop_cell(res)} |")
     if errs_p:
         lines += ["", f"profiled: {sum(e <= 0.10 for e in errs_p)}/{len(errs_p)} layouts within "
                   f"10 % (median |error| {statistics.median(errs_p):.0%}, max "
@@ -244,6 +317,9 @@ def table(results: list[dict[str, Any]]) -> str:
                   f"closed loop (out of sample): {sum(e <= 0.05 for e in errs_l)}/{len(errs_l)} "
                   f"within 5 % (median |error| {statistics.median(errs_l) if errs_l else 0:.0%})",
                   f"pick within 5 % of the fastest: {sum(picks)}/{len(picks)} configurations"]
+        if settled:
+            lines.append(f"closed loop on (its own job): settled within 5 % of the fastest: "
+                         f"{sum(settled)}/{len(settled)} configurations")
     if ratios_p:  # the host's slow phases come and go (1.3-2x for 10-40 steps on the CI VM):
         # each layout as a ratio to dp measured in the same passes, against the same ratio
         # predicted, leaves out the level of the phase each was measured in
@@ -288,6 +364,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="the pipeline row's (the profiler's pipeline trial runs the fewest "
                     ">= world that divide the batch and the most that divide it from twice to 4 "
                     "times that: 4 and 16 at 3 workers, 2 and 8 at 2, for G = 64)")
+    ap.add_argument("--loop-steps", type=int, default=0,
+                    help="then a second auto job with the closed loop on, this many steps: "
+                    "where it settles against the fastest the passes measured (0: not run)")
+    ap.add_argument("--loop-every", type=int, default=25, help="its replan_every")
     ap.add_argument("--json")
     ap.add_argument("--tables", nargs="+", metavar="JSON",
                     help="print the tables of earlier runs' --json files together, run nothing")
@@ -327,6 +407,11 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"  {fam} x {w}: FAILED {type(e).__name__}: {e}", flush=True)
                     continue
                 res["busy_before"] = busy
+                if args.loop_steps > 0:
+                    try:
+                        res["loop"] = run_loop(tmp, pm.FAMILIES[fam], w, args)
+                    except Exception as e:  # noqa: BLE001 - said; the passes' figures stand
+                        print(f"  {fam} x {w} loop: FAILED {type(e).__name__}: {e}", flush=True)
                 results.append(res)
                 print(f"  pick {res['pick']}, fastest {res['fastest']}, pick/fastest "
                       f"{res['pick_over_fastest']:.3f}", flush=True)
