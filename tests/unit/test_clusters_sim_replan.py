@@ -142,3 +142,49 @@ def test_the_loop_tries_neither_more_work_nor_what_it_measured():
                   observed=[Observed(z1, Spread(0.013, 1e-4, 50))], remaining=3000,
                   switch_s=0.2)
     assert "zero1" not in ran.obs.untried and dict(ran.obs.candidates)["zero1"] == 0.013
+
+
+def test_candidates_stand_on_the_running_layouts_footing():
+    """A label the job ran is its measured figure, even where the re-fitted planner gives
+    that strategy other shares; any other is its prediction times the running layout's
+    measured over predicted, never under the measured figure of a plan it does all the work
+    of. (Live, gpt on 3 CPU ranks went dp, zero2, zero1, dp, zero1, dp, zero2 in 250 steps:
+    dp "predicted 83.1 ms" against its own 103.7 measured.)"""
+    from clusters.refit import Prediction, _figures
+
+    def plan(strategy, shares=(22, 21, 21), **kw):
+        return Plan(strategy=strategy, world_size=3, shares=shares, devices=("a", "b", "c"),
+                    **kw)
+
+    preds = [Prediction(plan("dp"), 0.100, True), Prediction(plan("dp", (21, 21, 22)), 0.080,
+                                                                False),
+             Prediction(plan("zero1"), 0.090, False), Prediction(plan("zero2"), 0.090, False)]
+    best, plans = _figures(preds, 1.2)
+    assert best == pytest.approx({"dp": 0.100, "zero1": 0.108, "zero2": 0.108})
+    assert plans["dp"].shares == (22, 21, 21)  # the one that ran
+    ran = [Prediction(plan("zero1"), 0.095, True), Prediction(plan("zero2"), 0.070, False),
+           Prediction(plan("pipeline", pp_degree=3, micro_batches=4, schedule="gpipe"), 0.05,
+                      False),
+           Prediction(plan("pipeline", pp_degree=3, micro_batches=4, schedule="1f1b"), 0.11,
+                      True)]
+    best, _ = _figures(ran, 1.2)
+    assert best["zero2"] == 0.095 and best["pp3 gpipe m=4"] == 0.11
+
+
+def test_a_layout_that_ran_is_not_predicted_again_under_new_shares():
+    """The planner re-fitted to ranks that computed unequally cuts dp's shares anew; dp ran
+    with the old ones: its figure is still what it measured."""
+    from clusters.measured import Spread
+    from clusters.refit import Observed, observe
+
+    cluster, ids = _cluster(3)
+    profiled, _ = _near_tie(ids)
+    old = Plan(strategy="dp", world_size=3, shares=(22, 21, 21), devices=tuple(ids))
+    cur = Plan(strategy="zero1", world_size=3, shares=(22, 21, 21), devices=tuple(ids))
+    view = observe(model=profiled, profile=PROFILE, cluster=cluster, global_batch=64,
+                   current=cur, step=Spread(0.030, 1e-4, 50),
+                   observed=[Observed(old, Spread(0.031, 1e-4, 50))], remaining=3000,
+                   switch_s=0.2, rank_s=(1e-4, 1e-4, 1.4e-4), rank_rel_sd=(0.01,) * 3)
+    cands = dict(view.obs.candidates)
+    assert cands["dp"] == 0.031 and view.plans["dp"].shares == (22, 21, 21)
+    assert "dp" not in view.obs.untried
