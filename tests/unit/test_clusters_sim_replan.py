@@ -188,3 +188,28 @@ def test_a_layout_that_ran_is_not_predicted_again_under_new_shares():
     cands = dict(view.obs.candidates)
     assert cands["dp"] == 0.031 and view.plans["dp"].shares == (22, 21, 21)
     assert "dp" not in view.obs.untried
+
+
+def test_another_strategy_is_judged_at_the_running_shares():
+    """Ranks that computed unequally in the window (3 ranks sharing 2 cores, as the OS hands
+    them out): the re-fitted planner cuts every strategy's shares anew, and another strategy
+    looked faster by the cut alone (zero2 "predicted 85.7 ms" against zero1's 100.9
+    measured, mixer on 3 CPU ranks). A candidate that never ran is judged at the running
+    shares; re-cutting them is ``RecutShares``' decision, on a straggler's evidence."""
+    from clusters.measured import Spread
+    from clusters.refit import observe
+
+    cluster, ids = _cluster(3)
+    profiled, _ = _near_tie(ids)
+    cur = Plan(strategy="dp", world_size=3, shares=(22, 21, 21), devices=tuple(ids))
+    est = profiled.estimate(cur, cluster, PROFILE).step_time
+    view = observe(model=profiled, profile=PROFILE, cluster=cluster, global_batch=64,
+                   current=cur, step=Spread(est, 1e-4, 50), observed=[], remaining=3000,
+                   switch_s=0.2, rank_s=(1e-4, 1e-4, 1.4e-4), rank_rel_sd=(0.01,) * 3)
+    for lab in ("zero1", "zero2", "zero3"):
+        assert view.plans[lab].shares == (22, 21, 21), lab
+    cands = dict(view.obs.candidates)
+    # at the same shares zero1 is zero1 to dp as profiled, not made faster by a new cut
+    same = replace(cur, strategy="zero1")
+    ratio = profiled.estimate(same, cluster, PROFILE).step_time / est
+    assert cands["zero1"] / cands["dp"] == pytest.approx(ratio, rel=0.05)
