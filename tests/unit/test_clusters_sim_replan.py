@@ -159,16 +159,21 @@ def test_candidates_stand_on_the_running_layouts_footing():
     preds = [Prediction(plan("dp"), 0.100, True), Prediction(plan("dp", (21, 21, 22)), 0.080,
                                                                 False),
              Prediction(plan("zero1"), 0.090, False), Prediction(plan("zero2"), 0.090, False)]
-    best, plans = _figures(preds, 1.2)
+    best, plans = _figures(preds, {"*": 1.2})
     assert best == pytest.approx({"dp": 0.100, "zero1": 0.108, "zero2": 0.108})
     assert plans["dp"].shares == (22, 21, 21)  # the one that ran
     ran = [Prediction(plan("zero1"), 0.095, True), Prediction(plan("zero2"), 0.070, False),
            Prediction(plan("pipeline", pp_degree=3, micro_batches=4, schedule="gpipe"), 0.05,
                       False),
-           Prediction(plan("pipeline", pp_degree=3, micro_batches=4, schedule="1f1b"), 0.11,
-                      True)]
-    best, _ = _figures(ran, 1.2)
+           Prediction(plan("pipeline", pp_degree=3, micro_batches=4, schedule="1f1b",
+                           stage_split=(1, 2, 1)), 0.11, True),
+           Prediction(plan("pipeline", pp_degree=3, micro_batches=8, schedule="1f1b"), 0.06,
+                      False)]
+    # GPipe beside its 1F1B twin that ran (another split: the planner cut it anew); another
+    # pipeline at the pipelines' level (measured 1.5x their model), not the running one's
+    best, _ = _figures(ran, {"*": 1.2, "pipeline": 1.5})
     assert best["zero2"] == 0.095 and best["pp3 gpipe m=4"] == 0.11
+    assert best["pp3 1f1b m=8"] == pytest.approx(0.09)
 
 
 def test_a_layout_that_ran_is_not_predicted_again_under_new_shares():

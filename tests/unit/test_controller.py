@@ -428,7 +428,7 @@ def test_auto_replans_to_a_faster_plan_when_the_running_one_measures_slow(tmp_pa
     ctl, fake = _controller(tmp_path, strategy="auto", max_steps=60, replan_every=10)
     fake.alpha.update(all_reduce=3e-3, reduce=1e-5, broadcast=1e-5, all_gather=20e-3,
                       reduce_scatter=20e-3, p2p=50e-3)
-    fake.opt_cost = (1e-5, 1e-6)
+    fake.opt_cost = (5e-5, 5e-6)  # zero1 predicted ~9 % under dp: beyond the trial tolerance
     fake.step_times = {"zero1": 0.05, "dp": 0.01}
     result = ctl.run()
     plan = next(e for e in ctl.events if e.kind == "plan")
