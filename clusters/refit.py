@@ -181,7 +181,8 @@ def observe(*, model: CostModel | None, profile: ModelProfile | None, cluster: C
             current: Plan, step: Spread, observed: Sequence[Observed], remaining: int,
             switch_s: float, rank_s: Sequence[float] = (), rank_rel_sd: Sequence[float] = (),
             kinds: Mapping[str, object] | None = None, replan: bool = True,
-            recut: bool = True, tried_from: str = "") -> Observation:
+            recut: bool = True, tried_from: str = "",
+            recut_from: tuple[tuple[int, ...], float] | None = None) -> Observation:
     """The closed loop's view of the running layout ``current`` (devices set), measured at
     ``step`` over its window, with the layouts run before it (``observed``).
 
@@ -190,7 +191,8 @@ def observe(*, model: CostModel | None, profile: ModelProfile | None, cluster: C
     candidate (``predictions``); else no candidates. ``recut``: offer shares that follow
     ``rank_s`` (share-balanced layouts only) and the step they save
     (``balance.recut_shares``). ``tried_from``: the label ``current`` was tried from (the
-    decision after a ``TryPlan``), else ""."""
+    decision after a ``TryPlan``), else "". ``recut_from``: after a ``RecutShares``, the shares
+    it left and their measured step."""
     shared = current.strategy in SYNC_MODES and len(rank_s) == len(current.devices)
     candidates: tuple[tuple[str, float], ...] = ()
     untried: tuple[str, ...] = ()
@@ -221,7 +223,8 @@ def observe(*, model: CostModel | None, profile: ModelProfile | None, cluster: C
         candidates=candidates, remaining=max(0, remaining), switch_s=switch_s,
         rank_s=tuple(rank_s) if shared else (), rank_rel_sd=tuple(rank_rel_sd) if shared
         else (), shares=tuple(current.shares), recut=new, recut_step_s=new_s, untried=untried,
-        tried_from=tried_from)
+        tried_from=tried_from, recut_from=recut_from[0] if recut_from else (),
+        recut_from_s=recut_from[1] if recut_from else 0.0)
     return Observation(obs, plans, fitted)
 
 

@@ -28,7 +28,9 @@ class ReplanObservation:
     model predicts with them. ``untried``: the labels of candidates that never ran in this
     job and do no more work than another candidate (``plan.more_work``): predicted, not
     measured. ``tried_from``: when the running layout is a ``TryPlan``'s, the label of the
-    one it was tried from (its measured figure is among the candidates)."""
+    one it was tried from (its measured figure is among the candidates). ``recut_from`` /
+    ``recut_from_s``: when the running shares are a ``RecutShares``' (the decision after it),
+    the shares it left and their measured step."""
 
     current: str
     step_s: float
@@ -44,6 +46,8 @@ class ReplanObservation:
     recut_step_s: float = 0.0
     untried: tuple[str, ...] = ()
     tried_from: str = ""
+    recut_from: tuple[int, ...] = ()
+    recut_from_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -76,13 +80,15 @@ class TryPlan(SwitchPlan):
 @dataclass(frozen=True)
 class RecutShares:
     """Re-cut the shares to ``shares`` (the same layout): ``gain_s`` per step against a
-    re-layout of ``cost_s``; ``stragglers`` named."""
+    re-layout of ``cost_s``; ``stragglers`` named. ``back``: the shares a re-cut left, which
+    measured faster than the re-cut did (the loop re-cuts this layout no more)."""
 
     shares: tuple[int, ...]
     stragglers: tuple[int, ...]
     gain_s: float
     cost_s: float
     reason: str
+    back: bool = False
 
 
 @dataclass(frozen=True)
@@ -140,6 +146,17 @@ class ReplanPolicy:
             return (gain > noise and gain >= self.min_gain * obs.step_s
                     and gain * obs.remaining > cost)
 
+        if obs.recut_from and obs.recut_from != obs.shares and obs.recut_from_s > 0:
+            gain = obs.step_s - obs.recut_from_s  # a re-cut that measured slower goes back
+            if gain > noise and gain * obs.remaining > cost:
+                return RecutShares(
+                    obs.recut_from, slow, gain, obs.switch_s,
+                    f"the re-cut to {list(obs.shares)} measured {obs.step_s * 1e3:.1f} ms/step "
+                    f"(sd {obs.step_sd * 1e3:.1f} ms, {obs.steps} steps) against "
+                    f"{list(obs.recut_from)}'s {obs.recut_from_s * 1e3:.1f} ms: back, "
+                    f"{gain * 1e3:.1f} ms x {obs.remaining} steps = "
+                    f"{gain * obs.remaining:.1f} s > re-layout {obs.switch_s:.2f} s{named}",
+                    back=True)
         options: list[SwitchPlan | RecutShares] = []
         best = min(obs.candidates, key=lambda c: c[1], default=None)
         back = dict(obs.candidates).get(obs.tried_from) if obs.tried_from else None

@@ -79,6 +79,8 @@ def simulate_loop(cluster: Cluster, profile: ModelProfile, global_batch: int, *,
     seconds = static_s = 0.0
     since = 0
     tried_from = ""  # the label the running plan was tried from (the decision after a try)
+    recut_from: tuple[tuple[int, ...], float] | None = None  # the shares a re-cut left
+    recut_ok = True  # a re-cut that measured slower went back: no more re-cuts
 
     def true_step(p: Plan) -> float:
         key = (p.label, p.shares, p.stage_split)
@@ -112,9 +114,15 @@ def simulate_loop(cluster: Cluster, profile: ModelProfile, global_batch: int, *,
                        global_batch=global_batch, current=cur, step=robust(window),
                        observed=list(observed.values()), remaining=steps - step - 1,
                        switch_s=switch_s, rank_s=[s.median for s in spreads],
-                       rank_rel_sd=[s.rel for s in spreads], tried_from=tried_from)
+                       rank_rel_sd=[s.rel for s in spreads], tried_from=tried_from,
+                       recut=recut_ok, recut_from=recut_from)
         decision = pol.decide(view.obs)
         tried_from = cur.label if isinstance(decision, TryPlan) else ""
+        recut_from = None
+        if isinstance(decision, RecutShares):
+            recut_ok = recut_ok and not decision.back
+            if not decision.back:
+                recut_from = (cur.shares, robust(window).median)
         events.append(LoopEvent(step + 1, type(decision).__name__, cur.label, decision.reason))
         if isinstance(decision, KeepPlan):
             window, ranks = window[-_WINDOW:], [xs[-_WINDOW:] for xs in ranks]

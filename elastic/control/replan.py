@@ -59,6 +59,8 @@ class Replanner:
         self.decisions: list[KeepPlan | SwitchPlan | RecutShares] = []
         self._named: tuple[int, ...] = ()  # the stragglers the last decision named
         self._tried_from = ""  # after a TryPlan: the label of the layout it left
+        self._recut_from: tuple[tuple[int, ...], float] | None = None  # after a RecutShares
+        self._recut_ok = True  # False once a re-cut measured slower and went back
 
     # ------------------------------------------------------------------ feeding
 
@@ -155,6 +157,13 @@ class Replanner:
         obs, plans, parts = self._observe(step, spec, times, group)
         decision = self.policy.decide(obs)
         self._tried_from = obs.current if isinstance(decision, TryPlan) else ""
+        self._recut_from = None
+        if isinstance(decision, RecutShares):  # checked at the next decision, once
+            self._recut_ok = self._recut_ok and not decision.back
+            if not decision.back:
+                self._recut_from = (tuple(spec.shares), obs.step_s)
+        elif isinstance(decision, SwitchPlan):
+            self._recut_ok = True  # another layout: its ranks may re-cut again
         self.decisions.append(decision)
         kind = type(decision).__name__
         data = {"decision": kind, "current": obs.current, "step_s": obs.step_s,
@@ -215,8 +224,9 @@ class Replanner:
             observed=[Observed(p, sp) for p, sp in self.observed.values()],
             remaining=remaining, switch_s=switch_s, rank_s=rank_s, rank_rel_sd=rel,
             kinds=dict(zip(ids, lay.kinds, strict=False)),
-            replan=self.cfg.strategy == "auto" and mm is not None, recut=self.cfg.balance != "off",
-            tried_from=self._tried_from)
+            replan=self.cfg.strategy == "auto" and mm is not None,
+            recut=self.cfg.balance != "off" and self._recut_ok, tried_from=self._tried_from,
+            recut_from=self._recut_from)
         parts: dict[str, Any] = {}
         if view.model is not None:
             parts = {"step_overhead_s": view.model.step_overhead,

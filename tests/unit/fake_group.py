@@ -53,7 +53,8 @@ class FakeGroup:
         self.alpha: dict[str, float] = {"all_reduce": 1e-3, "reduce": 1e-3, "broadcast": 1e-3,
                                         "all_gather": 1e-3, "reduce_scatter": 1e-3,
                                         "p2p": 1e-3}
-        self.step_times: dict[str, float] = {}  # strategy -> measured step seconds
+        # strategy (or (strategy, shares)) -> measured step seconds
+        self.step_times: dict[object, float] = {}
         self.opt_cost = (1e-5, 1e-8)  # the optimizer's seconds per tensor, per element
         self.compute: dict[int, float] = {}  # rank -> compute seconds per sample (forward x 3)
         self.block_seconds: list[float] | None = None  # profile(detail=True)'s per-block times
@@ -214,7 +215,8 @@ class FakeGroup:
 
     def _train(self, start: int, end: int) -> None:
         name = self.spec.name if self.spec is not None else "dp"
-        dt = self.step_times.get(name, 0.01)
+        shares = tuple(self.spec.shares) if self.spec is not None else ()
+        dt = self.step_times.get((name, shares), self.step_times.get(name, 0.01))
         seqs = {}  # step -> the name (sequence number) of the checkpoint begun after it
         for s in range(start, end):
             if self.checkpoint_every and (s + 1) % self.checkpoint_every == 0:

@@ -470,6 +470,24 @@ def test_a_straggler_is_named_and_its_share_re_cut(tmp_path):
     assert fake.spec.shares == (6, 2) and result.history[-1]["strategy"] == "dp"
 
 
+def test_a_re_cut_that_measures_slower_goes_back_and_is_not_made_again(tmp_path):
+    """Rank 1 computes 3x slower per sample, but the step is bound elsewhere: the shares
+    re-cut around it measure slower (a rank the OS starves for a while, on a crowded host).
+    At the next decision the shares it left come back, said with both figures, and the loop
+    re-cuts this layout no more (it had re-cut the same way every 130 steps: mixer on 2 CPU
+    ranks, predicted 82.6 ms, measured 97.2)."""
+    ctl, fake = _controller(tmp_path, max_steps=80, replan_every=10)
+    fake.compute = {0: 1e-3, 1: 3e-3}
+    fake.step_times = {"dp": 0.02, ("dp", (6, 2)): 0.03}
+    result = ctl.run()
+    changes = [e for e in ctl.events if e.kind == "replan" and e.data["decision"] != "KeepPlan"]
+    assert changes[0].data["decision"] == "RecutShares" and changes[0].data["recut"] == [6, 2]
+    assert len(changes) == 2 and changes[1].data["decision"] == "RecutShares"
+    assert "the re-cut to [6, 2] measured 30.0 ms/step" in changes[1].message
+    assert "against [4, 4]'s 20.0 ms: back" in changes[1].message
+    assert fake.spec.shares == (4, 4) and result.history[-1]["strategy"] == "dp"
+
+
 def test_the_closed_loop_keeps_a_plan_when_a_change_does_not_pay(tmp_path):
     """Equal ranks, the running plan the fastest: every decision is to keep it, with why."""
     ctl, fake = _controller(tmp_path, max_steps=40, replan_every=10)

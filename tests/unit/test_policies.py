@@ -350,6 +350,31 @@ def test_replan_policy_tries_a_plan_the_model_cannot_order(obs, policy, want, wh
         assert d.target == "dp" and d.gain_s == pytest.approx(0.004)
 
 
+@pytest.mark.parametrize(
+    ("obs", "back"),
+    [
+        # re-cut from [32, 32] (90 ms) to [36, 28], measured 97 ms: back, said
+        (_rp(shares=(36, 28), step_s=0.097, step_sd=0.003, recut_from=(32, 32),
+             recut_from_s=0.090), True),
+        # within the noise (3 SE of 50 steps at sd 3 ms: 1.6 ms): kept
+        (_rp(shares=(36, 28), step_s=0.091, step_sd=0.003, recut_from=(32, 32),
+             recut_from_s=0.090), False),
+        # faster: kept
+        (_rp(shares=(36, 28), step_s=0.080, step_sd=0.003, recut_from=(32, 32),
+             recut_from_s=0.090), False),
+        # not worth a re-layout for the steps left
+        (_rp(shares=(36, 28), step_s=0.097, step_sd=0.003, recut_from=(32, 32),
+             recut_from_s=0.090, remaining=100), False),
+    ],
+)
+def test_replan_policy_takes_back_a_re_cut_that_measured_slower(obs, back):
+    d = ReplanPolicy().decide(obs)
+    assert isinstance(d, RecutShares) == back, d
+    if back:
+        assert d.back and d.shares == (32, 32) and d.gain_s == pytest.approx(0.007)
+        assert "the re-cut to [36, 28] measured 97.0 ms/step" in d.reason
+
+
 def test_replan_policy_numbers_in_its_reasons():
     d = ReplanPolicy().decide(_rp(candidates=_FAST))
     assert isinstance(d, SwitchPlan) and d.target == "zero2"
