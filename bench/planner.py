@@ -334,7 +334,7 @@ def table(results: list[dict[str, Any]]) -> str:
         lines.append(f"noise: each layout measured there and back differs by a median "
                      f"{statistics.median(passes):.0%} (max {max(passes):.0%}) between the passes")
     phased = [r for r in results if r.get("profile_phases")]
-    if phased:  # where auto's start goes (the slowest rank's seconds in each part)
+    if phased:  # where auto's start goes (each part's most over the ranks)
         names = list(phased[0]["profile_phases"])
         lines += ["", "| config | profile s | " + " | ".join(names) + " | plan s |",
                   "|---|---|" + "---|" * len(names) + "---|"]

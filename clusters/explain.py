@@ -69,8 +69,9 @@ def explain(
             )
         elif slower < 0 and trial_ran(p, seen) and not trial_ran(r.plan, seen):
             line += (
-                "; within the tie tolerance the choice is what the profiler's trial steps "
-                f"ran, with memory to spare ({choice.peak_fraction:.0%} of usable)"
+                "; too close for the model to order (within 5 %), the choice is what the "
+                f"profiler's trial steps ran, with memory to spare ({choice.peak_fraction:.0%} of "
+                "usable)"
             )
         elif slower < 0:
             line += (

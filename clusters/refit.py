@@ -34,7 +34,7 @@ and the simulator (``clusters.sim_replan``) both build it here. Pure: no clock, 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from .balance import recut_shares
@@ -182,7 +182,8 @@ def observe(*, model: CostModel | None, profile: ModelProfile | None, cluster: C
             switch_s: float, rank_s: Sequence[float] = (), rank_rel_sd: Sequence[float] = (),
             kinds: Mapping[str, object] | None = None, replan: bool = True,
             recut: bool = True, tried_from: str = "",
-            recut_from: tuple[tuple[int, ...], float] | None = None) -> Observation:
+            recut_from: tuple[tuple[int, ...], float] | None = None,
+            tried: Collection[str] = ()) -> Observation:
     """The closed loop's view of the running layout ``current`` (devices set), measured at
     ``step`` over its window, with the layouts run before it (``observed``).
 
@@ -192,7 +193,8 @@ def observe(*, model: CostModel | None, profile: ModelProfile | None, cluster: C
     ``rank_s`` (share-balanced layouts only) and the step they save
     (``balance.recut_shares``). ``tried_from``: the label ``current`` was tried from (the
     decision after a ``TryPlan``), else "". ``recut_from``: after a ``RecutShares``, the shares
-    it left and their measured step."""
+    it left and their measured step. ``tried``: labels a ``TryPlan`` named before (never
+    offered again, as when its switch failed)."""
     shared = current.strategy in SYNC_MODES and len(rank_s) == len(current.devices)
     candidates: tuple[tuple[str, float], ...] = ()
     untried: tuple[str, ...] = ()
@@ -212,7 +214,7 @@ def observe(*, model: CostModel | None, profile: ModelProfile | None, cluster: C
         best[current.label] = step.median
         plans[current.label] = current
         candidates = tuple(sorted(best.items(), key=lambda kv: kv[1]))
-        untried = _untried(preds, current)
+        untried = tuple(lab for lab in _untried(preds, current) if lab not in tried)
     new: tuple[int, ...] = ()
     new_s = 0.0
     if recut and shared and rank_s:
@@ -301,7 +303,7 @@ def _figures(preds: Sequence[Prediction], levels: Mapping[str, float]
     plans: dict[str, Plan] = {lab: p.plan for lab, p in ran.items()}
     for p in preds:
         lab = p.plan.label
-        if lab in ran:
+        if lab in ran or p.step_s <= 0:  # the re-fit's floor can leave a figure at 0
             continue
         floor = max((q.step_s for q in ran.values()
                      if more_work(_loose(p.plan), _loose(q.plan))), default=0.0)

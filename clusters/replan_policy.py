@@ -160,7 +160,7 @@ class ReplanPolicy:
         options: list[SwitchPlan | RecutShares] = []
         best = min(obs.candidates, key=lambda c: c[1], default=None)
         back = dict(obs.candidates).get(obs.tried_from) if obs.tried_from else None
-        if back is not None and best is not None and best[0] in (obs.tried_from, obs.current):
+        if back is not None:  # measured against measured, whatever the model predicts
             gain = obs.step_s - back
             if gain > noise and gain * obs.remaining > cost:
                 return SwitchPlan(

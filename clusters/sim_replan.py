@@ -80,7 +80,8 @@ def simulate_loop(cluster: Cluster, profile: ModelProfile, global_batch: int, *,
     since = 0
     tried_from = ""  # the label the running plan was tried from (the decision after a try)
     recut_from: tuple[tuple[int, ...], float] | None = None  # the shares a re-cut left
-    recut_ok = True  # a re-cut that measured slower went back: no more re-cuts
+    tried: set[str] = set()  # labels a TryPlan named
+    no_recut: set[str] = set()  # labels whose re-cut measured slower and went back
 
     def true_step(p: Plan) -> float:
         key = (p.label, p.shares, p.stage_split)
@@ -115,14 +116,17 @@ def simulate_loop(cluster: Cluster, profile: ModelProfile, global_batch: int, *,
                        observed=list(observed.values()), remaining=steps - step - 1,
                        switch_s=switch_s, rank_s=[s.median for s in spreads],
                        rank_rel_sd=[s.rel for s in spreads], tried_from=tried_from,
-                       recut=recut_ok, recut_from=recut_from)
+                       recut=cur.label not in no_recut, recut_from=recut_from, tried=tried)
         decision = pol.decide(view.obs)
-        tried_from = cur.label if isinstance(decision, TryPlan) else ""
-        recut_from = None
+        tried_from, recut_from = "", None
+        if isinstance(decision, TryPlan):
+            tried_from = cur.label
+            tried.add(decision.target)
         if isinstance(decision, RecutShares):
-            recut_ok = recut_ok and not decision.back
-            if not decision.back:
-                recut_from = (cur.shares, robust(window).median)
+            if decision.back:
+                no_recut.add(cur.label)
+            else:  # against the same recent span the ranks' evidence covers
+                recut_from = (cur.shares, robust(window[-replan_every:]).median)
         events.append(LoopEvent(step + 1, type(decision).__name__, cur.label, decision.reason))
         if isinstance(decision, KeepPlan):
             window, ranks = window[-_WINDOW:], [xs[-_WINDOW:] for xs in ranks]

@@ -58,9 +58,14 @@ class Replanner:
         self.observed: dict[tuple[Any, ...], tuple[Plan, Spread]] = {}
         self.decisions: list[KeepPlan | SwitchPlan | RecutShares] = []
         self._named: tuple[int, ...] = ()  # the stragglers the last decision named
-        self._tried_from = ""  # after a TryPlan: the label of the layout it left
-        self._recut_from: tuple[tuple[int, ...], float] | None = None  # after a RecutShares
-        self._recut_ok = True  # False once a re-cut measured slower and went back
+        # what the next decision checks of the last one, kept only while the layout running
+        # is the one that decision asked for (``_expect``): after a TryPlan the label it left,
+        # after a RecutShares the shares it left and their recent median
+        self._expect: StrategySpec | None = None
+        self._tried_from = ""
+        self._recut_from: tuple[tuple[int, ...], float] | None = None
+        self._tried: set[str] = set()  # labels a TryPlan named (each tried once a job)
+        self._no_recut: set[str] = set()  # labels whose re-cut measured slower and went back
 
     # ------------------------------------------------------------------ feeding
 
@@ -126,7 +131,11 @@ class Replanner:
 
     def _new_layout(self, spec: StrategySpec) -> None:
         """A new layout runs: keep the last one's median as a measured point, start a new
-        window."""
+        window. One the last decision did not ask for (a user's switch, a node loss, a
+        re-balance that took over) is no try and no re-cut of it."""
+        if self._expect is None or not _same(spec, self._expect):
+            self._tried_from, self._recut_from = "", None
+        self._expect = None
         if self._spec is not None and self.layouts.ids:
             self._remember(self._spec)
         self._spec = spec
@@ -156,14 +165,15 @@ class Replanner:
         self._start = step  # the next decision after another replan_every steps
         obs, plans, parts = self._observe(step, spec, times, group)
         decision = self.policy.decide(obs)
-        self._tried_from = obs.current if isinstance(decision, TryPlan) else ""
-        self._recut_from = None
+        self._tried_from, self._recut_from = "", None
+        if isinstance(decision, TryPlan):
+            self._tried_from = obs.current
+            self._tried.add(decision.target)
         if isinstance(decision, RecutShares):  # checked at the next decision, once
-            self._recut_ok = self._recut_ok and not decision.back
-            if not decision.back:
-                self._recut_from = (tuple(spec.shares), obs.step_s)
-        elif isinstance(decision, SwitchPlan):
-            self._recut_ok = True  # another layout: its ranks may re-cut again
+            if decision.back:
+                self._no_recut.add(obs.current)
+            else:  # against the same recent span the ranks' evidence covers
+                self._recut_from = (tuple(spec.shares), robust(times[-self.every:]).median)
         self.decisions.append(decision)
         kind = type(decision).__name__
         data = {"decision": kind, "current": obs.current, "step_s": obs.step_s,
@@ -187,9 +197,12 @@ class Replanner:
             from ..planning import plan_spec
 
             new = plan_spec(plans[decision.target])
-            return dataclasses.replace(new, options=new.options.over(self.cfg.strategy_options()))
+            self._expect = dataclasses.replace(
+                new, options=new.options.over(self.cfg.strategy_options()))
+            return self._expect
         if isinstance(decision, RecutShares):
-            return dataclasses.replace(spec, shares=decision.shares)
+            self._expect = dataclasses.replace(spec, shares=decision.shares)
+            return self._expect
         return None
 
     def _observe(self, step: int, spec: StrategySpec, times: list[float], group: Any
@@ -225,8 +238,8 @@ class Replanner:
             remaining=remaining, switch_s=switch_s, rank_s=rank_s, rank_rel_sd=rel,
             kinds=dict(zip(ids, lay.kinds, strict=False)),
             replan=self.cfg.strategy == "auto" and mm is not None,
-            recut=self.cfg.balance != "off" and self._recut_ok, tried_from=self._tried_from,
-            recut_from=self._recut_from)
+            recut=self.cfg.balance != "off" and current.label not in self._no_recut,
+            tried_from=self._tried_from, recut_from=self._recut_from, tried=self._tried)
         parts: dict[str, Any] = {}
         if view.model is not None:
             parts = {"step_overhead_s": view.model.step_overhead,
@@ -239,6 +252,13 @@ class Replanner:
         mm = self.layouts.measured
         frac = getattr(mm, "spreads", {}).get("forward_fraction") if mm is not None else None
         return float(frac) if frac else 1.0 / 3.0
+
+
+def _same(a: StrategySpec, b: StrategySpec) -> bool:
+    """Whether ``a`` is the layout ``b`` asked for (options aside)."""
+    return (a.name, a.world_size, tuple(a.shares), a.pp_degree, a.micro_batches, a.schedule,
+            a.dp_mode) == (b.name, b.world_size, tuple(b.shares), b.pp_degree,
+                           b.micro_batches, b.schedule, b.dp_mode)
 
 
 def _key(p: Plan) -> tuple[Any, ...]:

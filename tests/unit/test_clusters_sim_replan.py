@@ -142,6 +142,25 @@ def test_the_loop_tries_neither_more_work_nor_what_it_measured():
                   observed=[Observed(z1, Spread(0.013, 1e-4, 50))], remaining=3000,
                   switch_s=0.2)
     assert "zero1" not in ran.obs.untried and dict(ran.obs.candidates)["zero1"] == 0.013
+    # a label a TryPlan named before (its switch may have failed) is not offered again
+    again = observe(model=profiled, profile=PROFILE, cluster=cluster, global_batch=64,
+                    current=dp, step=Spread(0.015, 1e-4, 50), observed=[], remaining=3000,
+                    switch_s=0.2, tried={"zero1"})
+    assert "zero1" not in again.obs.untried and "pp2 1f1b m=2" in again.obs.untried
+
+
+def test_a_re_cut_around_a_new_straggler_is_judged_on_the_recent_steps():
+    """A rank slows at step 300 of a long job: the window's median is still the fast
+    steps from before, so a re-cut judged against it looked slower than what it replaced
+    and went back, and re-cutting stopped for the rest of the job. The shares it left are
+    measured over the same recent span the ranks' evidence covers."""
+    cluster, ids = _cluster()
+    m = _model(ids)
+    res = simulate_loop(cluster, PROFILE, 64, truth=m, profiled=m, steps=3000, replan_every=50,
+                        switch_s=1.0, slowdowns={300: {ids[1]: 3.0}})
+    recuts = [e for e in res.changes if e.decision == "RecutShares"]
+    assert recuts and not any("back" in e.reason for e in recuts), [e.reason for e in recuts]
+    assert res.final.shares[1] < res.final.shares[0]
 
 
 def test_candidates_stand_on_the_running_layouts_footing():

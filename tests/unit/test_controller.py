@@ -470,6 +470,20 @@ def test_a_straggler_is_named_and_its_share_re_cut(tmp_path):
     assert fake.spec.shares == (6, 2) and result.history[-1]["strategy"] == "dp"
 
 
+def test_a_switch_the_loop_did_not_ask_for_is_no_try(tmp_path):
+    """The loop tries zero1 from dp; before its next decision the user's switch_at moves the
+    job to zero2. zero2 is no try of the loop's: no decision says "the try of zero2" and
+    takes it back on the try's lower bar."""
+    ctl, fake = _controller(tmp_path, strategy="auto", max_steps=300, replan_every=10,
+                            switch_at={16: "zero2"})
+    fake.alpha.update(reduce=1e-4, broadcast=1e-4)
+    fake.step_times = {"zero1": 0.012, "zero2": 0.0104, "dp": 0.01}
+    ctl.run()
+    changes = [e for e in ctl.events if e.kind == "replan" and e.data["decision"] != "KeepPlan"]
+    assert changes[0].step == 12 and changes[0].data["decision"] == "TryPlan"
+    assert not any("the try of" in e.message for e in changes), [e.message for e in changes]
+
+
 def test_a_re_cut_that_measures_slower_goes_back_and_is_not_made_again(tmp_path):
     """Rank 1 computes 3x slower per sample, but the step is bound elsewhere: the shares
     re-cut around it measure slower (a rank the OS starves for a while, on a crowded host).

@@ -335,6 +335,10 @@ _NEAR = (("dp", 0.100), ("zero1", 0.104))  # zero1 predicted 4 % slower than dp 
              tried_from="dp"), {}, KeepPlan, "dp predicted 100.0"),
         (_rp(current="zero1", step_s=0.095, candidates=(("zero1", 0.095), ("dp", 0.1)),
              tried_from="dp"), {}, KeepPlan, "zero1 is the fastest plan"),
+        # back on measured figures even where the model predicts a third plan fastest
+        (_rp(current="zero1", step_s=0.104, candidates=(("pp2 1f1b m=4", 0.099),) + _NEAR,
+             tried_from="dp", untried=("pp2 1f1b m=4",)), {}, SwitchPlan,
+         "the try of zero1 measured 104.0 ms/step"),
         # not back when the switch does not pay for the steps left
         (_rp(current="zero1", step_s=0.104, candidates=_NEAR, tried_from="dp", remaining=200),
          {}, KeepPlan, "does not pay"),
