@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from .evacuation import EVACUATION_PATHS, Evacuate, EvacuationObservation, EvacuationPolicy
 from .replan_policy import (
     KeepPlan,
+    LoopMemory,
     RecutShares,
     ReplanObservation,
     ReplanPolicy,
@@ -67,6 +68,7 @@ __all__ = [
     "KeepPlan",
     "SwitchPlan",
     "TryPlan",
+    "LoopMemory",
     "RecutShares",
     "ReplanPolicy",
     "EvacuationObservation",

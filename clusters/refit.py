@@ -240,18 +240,18 @@ def _at_running_shares(preds: Sequence[Prediction], current: Plan, model: CostMo
     100.9 measured on the running shares (mixer; gpt and mlp alike)."""
     out = []
     for p in preds:
-        q = replace(p.plan, shares=current.shares)
         if (p.measured or p.plan.strategy not in SYNC_MODES or p.plan.shares == current.shares
                 or p.plan.devices != current.devices):
             out.append(p)
             continue
+        q = replace(p.plan, shares=current.shares)
         try:
             est = model.estimate(q, cluster, profile)
         except ClustersError:
             est = None
         out.append(Prediction(q, est.step_time, False) if est is not None
                    and est.memory_use <= 1.0 else p)
-    return tuple(sorted(out, key=lambda p: p.step_s))
+    return tuple(out)
 
 
 def _family(p: Plan) -> str:

@@ -6,10 +6,11 @@ observation (``clusters.refit.observe``) and carry the decision out."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = ["ReplanObservation", "KeepPlan", "SwitchPlan", "TryPlan", "RecutShares",
-           "ReplanPolicy"]
+           "ReplanPolicy", "LoopMemory"]
 
 
 @dataclass(frozen=True)
@@ -223,3 +224,44 @@ class ReplanPolicy:
                        f"a plan {self.min_gain:.0%} faster would save "
                        f"{found:.1f} s over {obs.remaining} steps > {cost:.1f} s (there and "
                        f"back, and {obs.steps} steps up to {self.explore:.0%} slower)")
+
+
+@dataclass
+class LoopMemory:
+    """What the loop's next decision checks of its last one, kept by the live controller
+    (``elastic.control.replan``) and the simulator (``clusters.sim_replan``) alike: after a
+    ``TryPlan`` the label it left (``tried_from``), after a ``RecutShares`` the shares it left
+    and their recent median (``recut_from``); for the whole job the labels a try named
+    (``tried``: never offered again) and those whose re-cut went back (``no_recut``)."""
+
+    tried_from: str = ""
+    recut_from: tuple[tuple[int, ...], float] | None = None
+    tried: set[str] = field(default_factory=set)
+    no_recut: set[str] = field(default_factory=set)
+
+    def after(self, decision: object, current: str, shares: tuple[int, ...],
+              recent_s: float) -> None:
+        """Record ``decision`` taken on the layout labelled ``current`` running ``shares``,
+        whose last ``replan_every`` steps took ``recent_s`` (the span the ranks' evidence
+        covers: over a whole window, a rank that had just slowed left a fast median no re-cut
+        could meet)."""
+        self.forget_last()
+        if isinstance(decision, TryPlan):
+            self.tried_from = current
+            self.tried.add(decision.target)
+        if isinstance(decision, RecutShares):
+            if decision.back:
+                self.no_recut.add(current)
+            else:
+                self.recut_from = (tuple(shares), recent_s)
+
+    def forget_last(self) -> None:
+        """The layout running is not the one the last decision asked for (a user's switch, a
+        node loss, a re-balance that took over): nothing of it to check."""
+        self.tried_from, self.recut_from = "", None
+
+    def observe_args(self, current: str) -> dict[str, Any]:
+        """``refit.observe``'s keywords from this memory for the layout labelled ``current``."""
+        return {"tried_from": self.tried_from, "recut_from": self.recut_from,
+                "tried": self.tried, "recut": current not in self.no_recut}
+

@@ -19,7 +19,7 @@ from .cost import CostModel
 from .measured import robust
 from .plan import Plan
 from .planner import plan as plan_fn
-from .policy import KeepPlan, RecutShares, ReplanPolicy, SwitchPlan, TryPlan
+from .policy import KeepPlan, LoopMemory, RecutShares, ReplanPolicy, SwitchPlan
 from .profile import ModelProfile
 from .refit import Observed, observe
 from .topology import Cluster
@@ -78,10 +78,7 @@ def simulate_loop(cluster: Cluster, profile: ModelProfile, global_batch: int, *,
     cache: dict[tuple[object, ...], float] = {}
     seconds = static_s = 0.0
     since = 0
-    tried_from = ""  # the label the running plan was tried from (the decision after a try)
-    recut_from: tuple[tuple[int, ...], float] | None = None  # the shares a re-cut left
-    tried: set[str] = set()  # labels a TryPlan named
-    no_recut: set[str] = set()  # labels whose re-cut measured slower and went back
+    memory = LoopMemory()  # what the next decision checks of the last (as live)
 
     def true_step(p: Plan) -> float:
         key = (p.label, p.shares, p.stage_split)
@@ -115,18 +112,9 @@ def simulate_loop(cluster: Cluster, profile: ModelProfile, global_batch: int, *,
                        global_batch=global_batch, current=cur, step=robust(window),
                        observed=list(observed.values()), remaining=steps - step - 1,
                        switch_s=switch_s, rank_s=[s.median for s in spreads],
-                       rank_rel_sd=[s.rel for s in spreads], tried_from=tried_from,
-                       recut=cur.label not in no_recut, recut_from=recut_from, tried=tried)
+                       rank_rel_sd=[s.rel for s in spreads], **memory.observe_args(cur.label))
         decision = pol.decide(view.obs)
-        tried_from, recut_from = "", None
-        if isinstance(decision, TryPlan):
-            tried_from = cur.label
-            tried.add(decision.target)
-        if isinstance(decision, RecutShares):
-            if decision.back:
-                no_recut.add(cur.label)
-            else:  # against the same recent span the ranks' evidence covers
-                recut_from = (cur.shares, robust(window[-replan_every:]).median)
+        memory.after(decision, cur.label, cur.shares, robust(window[-replan_every:]).median)
         events.append(LoopEvent(step + 1, type(decision).__name__, cur.label, decision.reason))
         if isinstance(decision, KeepPlan):
             window, ranks = window[-_WINDOW:], [xs[-_WINDOW:] for xs in ranks]

@@ -43,7 +43,7 @@ def _phases(reports: list[Any]) -> dict[str, float]:
     """Each part of the profile's seconds, the most over the ranks (they run it together)."""
     out: dict[str, float] = {}
     for r in reports:
-        for k, v in (r.get("phases") or {}).items() if isinstance(r, dict) else ():
+        for k, v in r.get("phases", {}).items():
             out[k] = max(out.get(k, 0.0), float(v))
     return out
 

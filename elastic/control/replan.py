@@ -23,11 +23,11 @@ from clusters.measured import Spread, robust
 from clusters.plan import Plan
 from clusters.policy import (
     KeepPlan,
+    LoopMemory,
     RecutShares,
     ReplanObservation,
     ReplanPolicy,
     SwitchPlan,
-    TryPlan,
 )
 from strategies import StrategySpec
 from strategies.traits import DP_MODES
@@ -58,14 +58,10 @@ class Replanner:
         self.observed: dict[tuple[Any, ...], tuple[Plan, Spread]] = {}
         self.decisions: list[KeepPlan | SwitchPlan | RecutShares] = []
         self._named: tuple[int, ...] = ()  # the stragglers the last decision named
-        # what the next decision checks of the last one, kept only while the layout running
-        # is the one that decision asked for (``_expect``): after a TryPlan the label it left,
-        # after a RecutShares the shares it left and their recent median
+        # what the next decision checks of the last one (as the simulator keeps it), kept
+        # only while the layout running is the one that decision asked for (``_expect``)
+        self.memory = LoopMemory()
         self._expect: StrategySpec | None = None
-        self._tried_from = ""
-        self._recut_from: tuple[tuple[int, ...], float] | None = None
-        self._tried: set[str] = set()  # labels a TryPlan named (each tried once a job)
-        self._no_recut: set[str] = set()  # labels whose re-cut measured slower and went back
 
     # ------------------------------------------------------------------ feeding
 
@@ -134,7 +130,7 @@ class Replanner:
         window. One the last decision did not ask for (a user's switch, a node loss, a
         re-balance that took over) is no try and no re-cut of it."""
         if self._expect is None or not _same(spec, self._expect):
-            self._tried_from, self._recut_from = "", None
+            self.memory.forget_last()
         self._expect = None
         if self._spec is not None and self.layouts.ids:
             self._remember(self._spec)
@@ -165,15 +161,8 @@ class Replanner:
         self._start = step  # the next decision after another replan_every steps
         obs, plans, parts = self._observe(step, spec, times, group)
         decision = self.policy.decide(obs)
-        self._tried_from, self._recut_from = "", None
-        if isinstance(decision, TryPlan):
-            self._tried_from = obs.current
-            self._tried.add(decision.target)
-        if isinstance(decision, RecutShares):  # checked at the next decision, once
-            if decision.back:
-                self._no_recut.add(obs.current)
-            else:  # against the same recent span the ranks' evidence covers
-                self._recut_from = (tuple(spec.shares), robust(times[-self.every:]).median)
+        self.memory.after(decision, obs.current, tuple(spec.shares),
+                          robust(times[-self.every:]).median)
         self.decisions.append(decision)
         kind = type(decision).__name__
         data = {"decision": kind, "current": obs.current, "step_s": obs.step_s,
@@ -230,6 +219,8 @@ class Replanner:
         ids = lay.ids if planned else [str(r) for r in range(spec.world_size)]
         current = spec_plan(spec, ids, lay.probe_model)
         mm = lay.measured if planned else None
+        mem = self.memory.observe_args(current.label)
+        mem["recut"] = mem["recut"] and self.cfg.balance != "off"
         view = observe(  # without a planned model: the window and the ranks' compute only
             model=mm.model if mm else None, profile=mm.profile if mm else None,
             cluster=lay.cluster if mm else None,
@@ -238,8 +229,7 @@ class Replanner:
             remaining=remaining, switch_s=switch_s, rank_s=rank_s, rank_rel_sd=rel,
             kinds=dict(zip(ids, lay.kinds, strict=False)),
             replan=self.cfg.strategy == "auto" and mm is not None,
-            recut=self.cfg.balance != "off" and current.label not in self._no_recut,
-            tried_from=self._tried_from, recut_from=self._recut_from, tried=self._tried)
+            **mem)
         parts: dict[str, Any] = {}
         if view.model is not None:
             parts = {"step_overhead_s": view.model.step_overhead,

@@ -431,3 +431,23 @@ def test_evacuation_policy_margin_and_slack_are_settings():
     assert EvacuationPolicy().decide(obs).path == "move"  # 2.0 <= 3.0 - 1.0
     assert EvacuationPolicy(margin=3.0).decide(obs).path == "recover"
     assert EvacuationPolicy(slack_s=1.5).decide(obs).path == "recover"
+
+
+def test_loop_memory_is_what_the_next_decision_checks():
+    """One memory for the live loop and the simulator: after a try the label it left, after
+    a re-cut the shares it left and their recent median; tries and failed re-cuts for the
+    job; nothing of the last decision once the layout is not the one it asked for."""
+    from clusters.policy import LoopMemory
+
+    mem = LoopMemory()
+    mem.after(TryPlan("zero1", -0.001, 0.2, "try"), "dp", (32, 32), 0.1)
+    assert mem.observe_args("zero1") == {"tried_from": "dp", "recut_from": None,
+                                         "tried": {"zero1"}, "recut": True}
+    mem.after(KeepPlan("keep"), "zero1", (32, 32), 0.1)
+    assert mem.tried_from == "" and mem.tried == {"zero1"}  # checked once; tried for good
+    mem.after(RecutShares((36, 28), (1,), 0.01, 0.2, "recut"), "dp", (32, 32), 0.095)
+    assert mem.recut_from == ((32, 32), 0.095)
+    mem.forget_last()  # a user's switch came first
+    assert mem.recut_from is None and mem.tried_from == ""
+    mem.after(RecutShares((32, 32), (1,), 0.01, 0.2, "back", back=True), "dp", (36, 28), 0.1)
+    assert mem.observe_args("dp")["recut"] is False and mem.observe_args("zero1")["recut"]
