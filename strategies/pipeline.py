@@ -63,12 +63,11 @@ from .fsdp import (
     sharded_full_state,
 )
 from .spec import StrategySpec
-from .traits import DP_MODES
+from .traits import DP_MODES, SCHEDULES
 from .zero import ShardedUpdate, owned_needs
 
 __all__ = ["Pipeline", "balanced_split", "replica_batches", "SCHEDULES"]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
 def balanced_split(weights: Sequence[int], stages: int) -> tuple[int, ...]:

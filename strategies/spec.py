@@ -10,7 +10,8 @@ micro-batch count of the layouts whose every micro-batch is a collective. What n
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +25,7 @@ __all__ = [
     "StrategySpec",
     "micro_batch_count",
     "lockstep_micro_batches",
+    "pipeline_defaults",
 ]
 
 PRECISIONS = ("fp32", "bf16")
@@ -237,3 +239,29 @@ def lockstep_micro_batches(spec: StrategySpec) -> int:
             f"is {min(spec.shares)} samples; raise micro_batch_size to at least "
             f"{-(-max(spec.shares) // min(spec.shares))}")
     return k
+
+
+def pipeline_defaults(batches: Sequence[int], pp: int, micro_batches: int | None = None,
+                      schedule: str | None = None) -> tuple[int, str]:
+    """The micro-batch count and schedule of a pipeline whose job leaves either out (None),
+    for replica batches ``batches`` on ``pp`` stages. Unset, the schedule is 1F1B (torchtitan's
+    default: GPipe's bubble, with at most ``pp`` micro-batches' activations held instead of
+    all) and the count is the one that divides every replica's batch closest to ``2 pp``
+    within ``[pp, 4 pp]`` (a bubble of (pp-1)/(m+pp-1), 20-33 %; each micro-batch adds a fixed
+    cost, which on a small batch outgrows the bubble it saves: ``docs/benchmarks.md``). Where
+    no count in that range divides the batches, GPipe at the largest count up to ``4 pp``
+    that does (1 at worst: the stages take turns). A given value is kept: a given count runs
+    1F1B from ``pp`` up, GPipe below; a given schedule gets the count it needs, or ``pp``
+    when none divides (``Pipeline.validate`` then says why)."""
+    if micro_batches is not None:
+        return micro_batches, schedule or ("1f1b" if micro_batches >= pp else "gpipe")
+    g = math.gcd(*batches) if batches else 1
+    divisors = [m for m in range(1, g + 1) if g % m == 0]
+    step = pp if schedule == "interleaved" else 1  # interleaved: a multiple of pp
+    fits = [m for m in divisors if m >= pp and m % step == 0]
+    near = [m for m in fits if m <= 4 * pp]
+    if near:
+        return min(near, key=lambda m: (abs(m - 2 * pp), m)), schedule or "1f1b"
+    if schedule in (None, "gpipe"):
+        return max(m for m in divisors if m <= 4 * pp), "gpipe"
+    return (min(fits) if fits else pp), schedule

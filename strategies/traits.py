@@ -33,8 +33,8 @@ from typing import Any
 
 from .errors import StrategyError
 
-__all__ = ["Traits", "StateBytes", "TRAITS", "traits_of", "spec_survives_loss", "DP_MODES", "BUCKET_BYTES",
-           "FIRST_BUCKET_BYTES"]
+__all__ = ["Traits", "StateBytes", "TRAITS", "traits_of", "spec_survives_loss", "DP_MODES",
+           "SCHEDULES", "BUCKET_BYTES", "FIRST_BUCKET_BYTES"]
 
 # Gradient buckets of zero1/zero2 (strategies.buckets): DDP's sizes, 1 MiB for the first
 # bucket (communication starts early in backward), then 25 MiB (bucket_cap_mb).
@@ -142,6 +142,7 @@ TRAITS: Mapping[str, Traits] = MappingProxyType({t.name: t for t in (
 
 # The layouts a pipeline can run inside each stage's data-parallel group.
 DP_MODES: tuple[str, ...] = tuple(n for n, t in TRAITS.items() if not t.pipeline)
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved")  # a pipeline's
 
 
 def traits_of(name: str) -> Traits:

@@ -86,8 +86,8 @@ class JobConfig(JobCode):
     # parallelism
     strategy = Setting[str]("parallelism")
     pp_degree = Setting[int]("parallelism")
-    micro_batches = Setting[int]("parallelism")
-    schedule = Setting[str]("parallelism")
+    micro_batches = Setting[int | None]("parallelism")
+    schedule = Setting[str | None]("parallelism")
     dp_mode = Setting[str]("parallelism")
     switch_at = Setting[dict[int, str]]("parallelism")
     switch_check = Setting[str]("parallelism")

@@ -335,8 +335,10 @@ class Parallelism(Section):
 
     strategy: str = "dp"
     pp_degree: int = 1
-    micro_batches: int = 1
-    schedule: str = "gpipe"
+    # a pipeline's micro-batches and schedule (gpipe | 1f1b | interleaved); unset, 1f1b at
+    # about 2 x pp micro-batches (strategies.pipeline.pipeline_defaults)
+    micro_batches: int | None = None
+    schedule: str | None = None
     dp_mode: str = "dp"
     switch_at: dict[int, str] = field(default_factory=dict)  # step -> strategy
     # how a switch proves the state unchanged: pieces | rehash | off
@@ -357,8 +359,12 @@ class Parallelism(Section):
         known = [*strategy_names(), "auto"]
         _strategy(self.strategy, "strategy", known)
         integer(self.pp_degree, "pp_degree")
-        integer(self.micro_batches, "micro_batches")
-        text(self.schedule, "schedule", optional=False)
+        optional_integer(self.micro_batches, "micro_batches",
+                         fix="set micro_batches: 1 or more, or leave it out (about 2 x pp_degree)")
+        if self.schedule is not None:
+            from strategies.traits import SCHEDULES
+
+            one_of(self.schedule, "schedule", SCHEDULES)
         text(self.dp_mode, "dp_mode", optional=False)
         self._put("switch_at", _switch_at(self.switch_at, known))
         one_of(self.switch_check, "switch_check", SWITCH_CHECKS)

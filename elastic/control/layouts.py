@@ -19,6 +19,7 @@ from typing import Any
 from clusters.measured import equal_within_noise
 from strategies import StrategyError, StrategySpec
 from strategies import get as get_strategy
+from strategies.spec import pipeline_defaults
 from strategies.traits import DP_MODES, TRAITS, spec_survives_loss, traits_of
 
 from ..data import even_shares
@@ -77,13 +78,7 @@ class Layouts:
         return dataclasses.replace(spec, options=spec.options.over(self.cfg.strategy_options()))
 
     def _plan(self, name: str, world: int, group: Any) -> StrategySpec:
-        from ..planning import (
-            balanced_shares,
-            block_stage_split,
-            device_hosts,
-            device_kinds,
-            speed_stage_split,
-        )
+        from ..planning import balanced_shares, device_hosts, device_kinds
 
         cfg = self.cfg
         g = cfg.global_batch_size
@@ -110,24 +105,37 @@ class Layouts:
             speeds, kinds, hosts = equalized()
             shares = balanced_shares(g, speeds, kinds, hosts)
             self.used_speeds = speeds
-        elif placed and pipeline and world % pp == 0:
+        m, schedule = cfg.micro_batches or 1, cfg.schedule or "gpipe"  # not a pipeline: unused
+        if pipeline and world % pp == 0:  # its shares are even: stages, not shares, balance
             d = world // pp
-            stage = [1.0] * pp
-            if balancing:
-                speeds = equalized()[0]
-                stage = [min(speeds[s * d:(s + 1) * d]) for s in range(pp)]
-            v = 2 if cfg.schedule == "interleaved" else 1
-            costs = self._block_costs(group)
-            try:  # measured per-block times when there are any, else parameters
-                split = (block_stage_split(costs, [stage[k % pp] for k in range(pp * v)])
-                         if costs is not None else
-                         speed_stage_split(self.probe_model, stage) if balancing and v == 1
-                         else None)
-            except Exception:  # noqa: BLE001 - fewer blocks than stages: validate says so
-                split = None
+            m, schedule = pipeline_defaults([sum(shares[j::d]) for j in range(d)], pp,
+                                            cfg.micro_batches, cfg.schedule)
+            split = self._stage_split(group, pp, d, schedule, balancing, equalized) \
+                if placed else None
         return StrategySpec(name=name, world_size=world, shares=shares, pp_degree=pp,
-                            micro_batches=cfg.micro_batches, schedule=cfg.schedule,
+                            micro_batches=m, schedule=schedule,
                             dp_mode=cfg.dp_mode, stage_split=split)
+
+    def _stage_split(self, group: Any, pp: int, d: int, schedule: str, balancing: bool,
+                     equalized: Callable[[], tuple[list[float], list[Any], list[Any]]]
+                     ) -> tuple[int, ...] | None:
+        """Blocks per stage: by measured per-block times when there are any, else by
+        parameters and (balancing) each stage's slowest device; None: the strategy's own."""
+        from ..planning import block_stage_split, speed_stage_split
+
+        stage = [1.0] * pp
+        if balancing:
+            speeds = equalized()[0]
+            stage = [min(speeds[s * d:(s + 1) * d]) for s in range(pp)]
+        v = 2 if schedule == "interleaved" else 1
+        costs = self._block_costs(group)
+        try:
+            return (block_stage_split(costs, [stage[k % pp] for k in range(pp * v)])
+                    if costs is not None else
+                    speed_stage_split(self.probe_model, stage) if balancing and v == 1
+                    else None)
+        except Exception:  # noqa: BLE001 - fewer blocks than stages: validate says so
+            return None
 
     def _auto(self, group: Any) -> StrategySpec:
         """The planner's choice from what the workers measure (``profile_terms``: every term
@@ -196,6 +204,15 @@ class Layouts:
         """``StrategyError`` if ``spec`` cannot run on the job's model."""
         get_strategy(spec.name).validate(spec, self.probe_model)
 
+    def _at_degree(self, spec: StrategySpec, pp: int) -> StrategySpec:
+        """``spec`` with ``pp`` stages (the strategy's own split), its micro-batches and
+        schedule the job's or, left unset, those for that degree."""
+        d = spec.world_size // pp
+        m, schedule = pipeline_defaults([sum(spec.shares[j::d]) for j in range(d)], pp,
+                                        self.cfg.micro_batches, self.cfg.schedule)
+        return dataclasses.replace(spec, pp_degree=pp, micro_batches=m, schedule=schedule,
+                                   stage_split=None)
+
     def validate(self, spec: StrategySpec, field_name: str) -> None:
         """``ConfigError`` naming ``field_name`` if ``spec`` cannot run."""
         try:
@@ -213,7 +230,7 @@ class Layouts:
         if traits_of(name).pipeline:
             degrees = sorted((d for d in range(2, world + 1) if world % d == 0),
                              key=lambda d: (abs(d - first.pp_degree), d))
-            candidates += [dataclasses.replace(first, pp_degree=d) for d in degrees]
+            candidates += [self._at_degree(first, d) for d in degrees]
         for spec in candidates:
             try:
                 self.check(spec)

@@ -368,6 +368,7 @@ class FakeGroup:
         self._set(spec, 0)
 
     def _set(self, spec: Any, step: int) -> None:
+        self.spec = spec
         for w in self.workers:
             f = self.fw(w)
             f.has_state, f.strategy, f.next_step = True, spec.name, step

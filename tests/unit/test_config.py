@@ -159,6 +159,8 @@ def test_assigning_a_setting_checks_it_and_the_controllers_writes_still_work():
     ({"emulate": [{"slowdwn": 2}]}, "emulate[0].slowdwn", "did you mean slowdown"),
     ({"dataset_format": "csv"}, "dataset_format", "unknown value"),
     ({"target_dtype": "long"}, "target_dtype", "unknown value"),
+    ({"schedule": "1F1B"}, "schedule", "unknown value '1F1B'"),
+    ({"micro_batches": 0}, "micro_batches", "positive integer"),
     ({"log_every": 0}, "log_every", "positive integer"),
     ({"loss": "crossentropy"}, "loss", "did you mean cross_entropy"),
     ({"model": torch.nn.Linear(2, 2)}, "model", "not a factory"),

@@ -536,6 +536,24 @@ def test_a_named_pipeline_cuts_its_stages_by_the_measured_block_times(tmp_path):
                               micro_batches=2)
     ctl2.run()
     assert fake2.spec.stage_split is None
+
+
+@pytest.mark.parametrize("given, want", [
+    ({}, (4, "1f1b")),                                  # 8 samples, 2 stages: m = 2 pp
+    ({"micro_batches": 1}, (1, "gpipe")),               # a count below pp: GPipe
+    ({"schedule": "gpipe"}, (4, "gpipe")),
+    ({"micro_batches": 2, "schedule": "interleaved"}, (2, "interleaved")),
+])
+def test_a_named_pipeline_left_unset_runs_1f1b_and_a_given_setting_is_kept(tmp_path, given,
+                                                                           want):
+    """`strategy: pipeline` alone had run GPipe on one micro-batch: the stages took turns."""
+    ctl, fake = _controller(tmp_path, strategy="pipeline", **given)
+    ctl.run()
+    assert (fake.spec.micro_batches, fake.spec.schedule, fake.spec.pp_degree) == (*want, 2)
+    layout = _events(ctl, "layout")[0].data
+    assert (layout["spec"]["micro_batches"], layout["spec"]["schedule"]) == want
+
+
 # ------------------------------------------------------------------ notices and evacuation
 
 
@@ -725,6 +743,11 @@ def test_a_recovery_into_an_unrecoverable_layout_says_so(tmp_path):
     kinds = _kinds(ctl)
     assert kinds.count("unprotected") == 1 and "recovered" in kinds, kinds
     assert kinds.index("failure") < kinds.index("unprotected")  # said by the regroup
+    # pp2 does not divide 3: pp3, with the micro-batches and schedule of that degree (8
+    # samples: 4 micro-batches of 1F1B), not pp2's defaults carried over
+    s = fake.spec
+    assert (s.world_size, s.pp_degree, s.micro_batches, s.schedule, s.stage_split) == \
+        (3, 3, 4, "1f1b", None)
 
 
 @pytest.mark.parametrize("zero1_s, final", [(0.008, "zero1"), (0.012, "dp")])

@@ -23,6 +23,7 @@ from strategies import (
     names,
 )
 from strategies.blocks import block_params, blocks_of
+from strategies.spec import pipeline_defaults
 from strategies.traits import BUCKET_BYTES, traits_of
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent.parent
@@ -188,6 +189,41 @@ def test_spec_checks_shares() -> None:
         StrategySpec("dp", 3, (4, 4)).validate()
     with pytest.raises(StrategyError, match="at least one sample"):
         StrategySpec("zero1", 2, (4, 0)).validate()
+
+
+@pytest.mark.parametrize("batches, pp, given, want", [
+    # unset: 1F1B at the divisor of every replica's batch nearest 2 pp within [pp, 4 pp]
+    ([64], 2, (None, None), (4, "1f1b")),
+    ([64], 3, (None, None), (4, "1f1b")),        # 6 does not divide 64; 4 and 8: the fewer
+    ([12], 4, (None, None), (6, "1f1b")),        # 8 does not divide 12; 6 is nearest
+    ([36, 24], 2, (None, None), (4, "1f1b")),    # the gcd (12) of uneven replicas
+    ([30, 45], 2, (None, None), (3, "1f1b")),    # gcd 15: 3 and 5 are as near; the fewer
+    ([13], 2, (None, None), (1, "gpipe")),       # no count in [2, 8] divides 13: GPipe
+    ([18], 5, (None, None), (9, "1f1b")),        # 6, 9 and 18 in [5, 20]: 9 nearest 10
+    ([7], 8, (None, None), (7, "gpipe")),        # fewer samples than stages: GPipe at 7
+    # a given count is kept; its schedule follows it
+    ([64], 2, (1, None), (1, "gpipe")),
+    ([64], 2, (8, None), (8, "1f1b")),
+    ([64], 2, (2, "interleaved"), (2, "interleaved")),
+    # a given schedule gets the count it needs
+    ([64], 2, (None, "gpipe"), (4, "gpipe")),
+    ([13], 2, (None, "1f1b"), (13, "1f1b")),     # the smallest count 1F1B can run
+    ([24], 4, (None, "interleaved"), (8, "interleaved")),   # a multiple of pp
+    ([12], 8, (None, "interleaved"), (8, "interleaved")),   # none divides: validate says so
+])
+def test_a_pipeline_left_unset_runs_1f1b_near_twice_its_stages(batches, pp, given, want):
+    assert pipeline_defaults(batches, pp, *given) == want
+
+
+def test_every_default_a_pipeline_takes_passes_its_checks() -> None:
+    """What ``pipeline_defaults`` gives unset always validates: every count divides the
+    replicas' batches, 1F1B never below pp."""
+    for pp in range(2, 9):
+        for b in range(1, 97):
+            for batches in ([b], [b, b + b % 5]):
+                m, sched = pipeline_defaults(batches, pp)
+                assert all(x % m == 0 for x in batches) and (sched == "gpipe" or m >= pp), \
+                    (batches, pp, m, sched)
 
 
 # --------------------------------------------------------------------------- blocks
