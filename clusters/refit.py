@@ -183,7 +183,7 @@ def observe(*, model: CostModel | None, profile: ModelProfile | None, cluster: C
             kinds: Mapping[str, object] | None = None, replan: bool = True,
             recut: bool = True, tried_from: str = "",
             recut_from: tuple[tuple[int, ...], float] | None = None,
-            tried: Collection[str] = ()) -> Observation:
+            tried: Collection[str] = (), drift: float = 0.0) -> Observation:
     """The closed loop's view of the running layout ``current`` (devices set), measured at
     ``step`` over its window, with the layouts run before it (``observed``).
 
@@ -194,10 +194,12 @@ def observe(*, model: CostModel | None, profile: ModelProfile | None, cluster: C
     (``balance.recut_shares``). ``tried_from``: the label ``current`` was tried from (the
     decision after a ``TryPlan``), else "". ``recut_from``: after a ``RecutShares``, the shares
     it left and their measured step. ``tried``: labels a ``TryPlan`` named before (never
-    offered again, as when its switch failed)."""
+    offered again, as when its switch failed). ``drift``: how far the host's phases move a
+    layout's figure (``LoopMemory.note_window``)."""
     shared = current.strategy in SYNC_MODES and len(rank_s) == len(current.devices)
     candidates: tuple[tuple[str, float], ...] = ()
     untried: tuple[str, ...] = ()
+    ran: tuple[str, ...] = ()
     plans: dict[str, Plan] = {}
     fitted = None
     if replan and model is not None and profile is not None and cluster is not None:
@@ -215,6 +217,8 @@ def observe(*, model: CostModel | None, profile: ModelProfile | None, cluster: C
         plans[current.label] = current
         candidates = tuple(sorted(best.items(), key=lambda kv: kv[1]))
         untried = tuple(lab for lab in _untried(preds, current) if lab not in tried)
+        ran = tuple(dict.fromkeys(p.plan.label for p in preds
+                                  if p.measured and p.plan.label != current.label))
     new: tuple[int, ...] = ()
     new_s = 0.0
     if recut and shared and rank_s:
@@ -226,7 +230,7 @@ def observe(*, model: CostModel | None, profile: ModelProfile | None, cluster: C
         rank_s=tuple(rank_s) if shared else (), rank_rel_sd=tuple(rank_rel_sd) if shared
         else (), shares=tuple(current.shares), recut=new, recut_step_s=new_s, untried=untried,
         tried_from=tried_from, recut_from=recut_from[0] if recut_from else (),
-        recut_from_s=recut_from[1] if recut_from else 0.0)
+        recut_from_s=recut_from[1] if recut_from else 0.0, ran=ran, drift=drift)
     return Observation(obs, plans, fitted)
 
 

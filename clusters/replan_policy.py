@@ -6,8 +6,12 @@ observation (``clusters.refit.observe``) and carry the decision out."""
 
 from __future__ import annotations
 
+import statistics
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from .spread import phase_drift
 
 __all__ = ["ReplanObservation", "KeepPlan", "SwitchPlan", "TryPlan", "RecutShares",
            "ReplanPolicy", "LoopMemory"]
@@ -31,7 +35,10 @@ class ReplanObservation:
     measured. ``tried_from``: when the running layout is a ``TryPlan``'s, the label of the
     one it was tried from (its measured figure is among the candidates). ``recut_from`` /
     ``recut_from_s``: when the running shares are a ``RecutShares``' (the decision after it),
-    the shares it left and their measured step."""
+    the shares it left and their measured step. ``ran``: the labels among the candidates
+    whose figure is their own measured median from an earlier segment; ``drift``: how far the
+    job's step times moved between phases of one layout (``spread.phase_drift``, relative):
+    what a figure measured in another phase may be off by."""
 
     current: str
     step_s: float
@@ -49,6 +56,8 @@ class ReplanObservation:
     tried_from: str = ""
     recut_from: tuple[int, ...] = ()
     recut_from_s: float = 0.0
+    ran: tuple[str, ...] = ()
+    drift: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -110,7 +119,13 @@ class ReplanPolicy:
     long as the running one's at up to ``explore`` slower. At the decision after a try, the
     layout it was tried from comes back when it measured faster beyond the noise and the
     switch pays (not held to ``min_gain``: the try was the loop's, not the model's). 0 turns
-    it off."""
+    it off.
+
+    A switch to a layout that ran earlier, on its measured figure, must also gain more than
+    that figure may have moved since (``drift`` x the step): on 3 CPU ranks gpt went zero1
+    (120 ms) -> dp (113 ms, measured 100 steps before) -> dp measured 138 -> zero1, each
+    time comparing two phases of the host, not two layouts. The way back after a try is
+    exempt: its two figures are adjacent."""
 
     min_steps: int = 10
     min_gain: float = 0.05
@@ -171,14 +186,17 @@ class ReplanPolicy:
                     f"{obs.tried_from}'s {back * 1e3:.1f} ms: back, {gain * 1e3:.1f} ms x "
                     f"{obs.remaining} steps = {gain * obs.remaining:.1f} s > switch "
                     f"{obs.switch_s:.2f} s{named}")
+        stale = obs.drift * obs.step_s if best is not None and best[0] in obs.ran else 0.0
         if best is not None and best[0] != obs.current:
             gain = obs.step_s - best[1]
-            if pays(gain):
+            if pays(gain) and gain > noise + stale:
+                how = "measured earlier" if best[0] in obs.ran else "predicted"
+                past = f", beyond the host's {obs.drift:.0%} drift" if stale else ""
                 options.append(SwitchPlan(
                     best[0], gain, obs.switch_s,
-                    f"{best[0]} predicted {best[1] * 1e3:.1f} ms/step against {obs.current}'s "
+                    f"{best[0]} {how} {best[1] * 1e3:.1f} ms/step against {obs.current}'s "
                     f"measured {obs.step_s * 1e3:.1f} ms (sd {obs.step_sd * 1e3:.1f} ms, "
-                    f"{obs.steps} steps): {gain * 1e3:.1f} ms x {obs.remaining} steps = "
+                    f"{obs.steps} steps{past}): {gain * 1e3:.1f} ms x {obs.remaining} steps = "
                     f"{gain * obs.remaining:.1f} s > switch {obs.switch_s:.2f} s{named}"))
         if obs.recut and obs.recut != obs.shares and slow:  # beyond the noise only
             gain = obs.step_s - obs.recut_step_s
@@ -198,11 +216,15 @@ class ReplanPolicy:
             why = f"{obs.current} is the fastest plan ({obs.step_s * 1e3:.1f} ms/step measured)"
         else:
             gain = obs.step_s - best[1]
-            why = (f"{best[0]} predicted {best[1] * 1e3:.1f} ms/step against {obs.current}'s "
+            how = "measured earlier" if best[0] in obs.ran else "predicted"
+            why = (f"{best[0]} {how} {best[1] * 1e3:.1f} ms/step against {obs.current}'s "
                    f"{obs.step_s * 1e3:.1f} ms: a gain of {gain * 1e3:.1f} ms x "
                    f"{obs.remaining} steps = {gain * obs.remaining:.1f} s does not pay for a "
                    f"switch of {obs.switch_s:.2f} s, or is within the noise "
-                   f"({noise * 1e3:.1f} ms) or under {self.min_gain:.0%}")
+                   f"({noise * 1e3:.1f} ms"
+                   + (f" and the {obs.drift:.0%} the host's phases moved a measured figure: "
+                      f"{(noise + stale) * 1e3:.1f} ms" if stale else "")
+                   + f") or under {self.min_gain:.0%}")
         return KeepPlan(why + named, slow)
 
     def _to_try(self, obs: ReplanObservation) -> TryPlan | None:
@@ -232,12 +254,51 @@ class LoopMemory:
     (``elastic.control.replan``) and the simulator (``clusters.sim_replan``) alike: after a
     ``TryPlan`` the label it left (``tried_from``), after a ``RecutShares`` the shares it left
     and their recent median (``recut_from``); for the whole job the labels a try named
-    (``tried``: never offered again) and those whose re-cut went back (``no_recut``)."""
+    (``tried``: never offered again), those whose re-cut went back (``no_recut``), and the
+    host's drift: within each window decided on (``drifts``) and of a layout between its
+    segments (``moves``, from the ``figures`` kept)."""
 
     tried_from: str = ""
     recut_from: tuple[tuple[int, ...], float] | None = None
     tried: set[str] = field(default_factory=set)
     no_recut: set[str] = field(default_factory=set)
+    drifts: list[float] = field(default_factory=list)
+    moves: list[float] = field(default_factory=list)
+    figures: dict[Hashable, float] = field(default_factory=dict)
+    _move: float | None = None  # the running window's, against its layout's earlier figure
+
+    def note_window(self, times: Sequence[float], chunk: int, key: Hashable = None) -> None:
+        """Before a decision: the running window's step times, whose phases
+        (``phase_drift`` over ``chunk``-step runs) say how far the host moves a layout's
+        figure within a window, and (``key``: the running layout, as ``kept`` names it) how
+        far its median moved from that layout's figure of an earlier segment."""
+        d = phase_drift(times, chunk)
+        if d > 0:
+            self.drifts.append(d)
+        old = self.figures.get(key) if key is not None else None
+        now = statistics.median(times) if times else 0.0
+        self._move = abs(now - old) / old if old and old > 0 and now > 0 else None
+
+    def kept(self, key: Hashable, median: float) -> None:
+        """A segment ended and its layout (``key``: the same plan, shares and split) measured
+        ``median``: where that layout ran before, how far its figure moved between the two
+        is the host's drift between segments, which a window of one phase cannot show (in
+        the simulator a dp/zero1 pair 3 % apart, on a host alternating 1.0x and 1.3x every
+        130 steps, switched every 52 steps on phases)."""
+        old = self.figures.get(key)
+        if old and old > 0 and median > 0:
+            self.moves.append(abs(median - old) / old)
+        self.figures[key] = median
+        self._move = None
+
+    @property
+    def drift(self) -> float:
+        """How far a figure measured in another phase may be off: the larger of the median
+        drift within the windows decided on and the median move of a layout between its
+        segments (0 without evidence)."""
+        moves = self.moves + ([self._move] if self._move is not None else [])
+        return max(statistics.median(self.drifts) if self.drifts else 0.0,
+                   statistics.median(moves) if moves else 0.0)
 
     def after(self, decision: object, current: str, shares: tuple[int, ...],
               recent_s: float) -> None:
@@ -263,5 +324,6 @@ class LoopMemory:
     def observe_args(self, current: str) -> dict[str, Any]:
         """``refit.observe``'s keywords from this memory for the layout labelled ``current``."""
         return {"tried_from": self.tried_from, "recut_from": self.recut_from,
-                "tried": self.tried, "recut": current not in self.no_recut}
+                "tried": self.tried, "recut": current not in self.no_recut,
+                "drift": self.drift}
 

@@ -60,12 +60,14 @@ def simulate_loop(cluster: Cluster, profile: ModelProfile, global_batch: int, *,
                   truth: CostModel, profiled: CostModel, steps: int, replan_every: int = 50,
                   switch_s: float = 2.0, noise: float = 0.02, seed: int = 0,
                   slowdowns: Mapping[int, Mapping[str, float]] | None = None,
+                  phases: Mapping[int, float] | None = None,
                   policy: ReplanPolicy | None = None, warmup: int = 2) -> LoopResult:
     """Run ``steps`` steps of a job on ``cluster`` that starts on the plan ``profiled``
     picks. ``truth``: what steps really take (each step's time and each rank's compute get a
     relative Gaussian ``noise``); ``slowdowns[step][device id]``: from that step on the
-    device's true compute is that many times slower. The first ``warmup`` steps of every
-    layout are left out of its window, as live."""
+    device's true compute is that many times slower; ``phases[step]``: from that step on,
+    every step of every layout takes that many times its true time (a shared host's phase).
+    The first ``warmup`` steps of every layout are left out of its window, as live."""
     pol = policy or ReplanPolicy()
     rng = random.Random(seed)
     slow = {k: dict(v) for k, v in (slowdowns or {}).items()}
@@ -79,6 +81,7 @@ def simulate_loop(cluster: Cluster, profile: ModelProfile, global_batch: int, *,
     seconds = static_s = 0.0
     since = 0
     memory = LoopMemory()  # what the next decision checks of the last (as live)
+    level = 1.0
 
     def true_step(p: Plan) -> float:
         key = (p.label, p.shares, p.stage_split)
@@ -93,9 +96,10 @@ def simulate_loop(cluster: Cluster, profile: ModelProfile, global_batch: int, *,
                 sps[dev] = true_model.sample_time(cluster.device(dev), profile) * k
             true_model = replace(true_model, seconds_per_sample=sps)
             cache.clear()
-        t = true_step(cur) * max(0.0, 1.0 + rng.gauss(0.0, noise))
+        level = (phases or {}).get(step, level)
+        t = true_step(cur) * level * max(0.0, 1.0 + rng.gauss(0.0, noise))
         seconds += t
-        static_s += true_step(start)
+        static_s += true_step(start) * level
         since += 1
         if since <= warmup:
             continue
@@ -108,6 +112,8 @@ def simulate_loop(cluster: Cluster, profile: ModelProfile, global_batch: int, *,
         if since - warmup < replan_every or step + 1 >= steps:
             continue
         spreads = [robust(xs[-replan_every:]) for xs in ranks]  # the ranks as they are now
+        memory.note_window(window, max(pol.min_steps, replan_every // 2),
+                           (cur.label, cur.shares, cur.stage_split))
         view = observe(model=profiled, profile=profile, cluster=cluster,
                        global_batch=global_batch, current=cur, step=robust(window),
                        observed=list(observed.values()), remaining=steps - step - 1,
@@ -121,6 +127,7 @@ def simulate_loop(cluster: Cluster, profile: ModelProfile, global_batch: int, *,
             since = warmup  # the next decision after another replan_every steps
             continue
         observed[cur.label] = Observed(cur, robust(window))
+        memory.kept((cur.label, cur.shares, cur.stage_split), observed[cur.label].step.median)
         if isinstance(decision, SwitchPlan):
             cur = view.plans[decision.target]
         elif isinstance(decision, RecutShares):

@@ -11,7 +11,7 @@ from typing import Any
 
 from .errors import ClustersError
 
-__all__ = ["Spread", "robust", "bisect_below", "dp_level", "LEVEL_RANGE"]
+__all__ = ["Spread", "robust", "phase_drift", "bisect_below", "dp_level", "LEVEL_RANGE"]
 
 _MAD_TO_SD = 1.4826
 
@@ -47,6 +47,21 @@ def robust(xs: Sequence[float]) -> Spread:
     return Spread(med, _MAD_TO_SD * mad, len(xs))
 
 
+
+
+def phase_drift(xs: Sequence[float], chunk: int) -> float:
+    """How far a run of step times moved between its phases: the range of the medians of
+    its consecutive ``chunk``-long runs (the last ones, whole runs only) over their median,
+    0 with fewer than two. Steps of one layout on a shared host move together for tens of
+    steps (1.3-2x here: ``LEVEL_RANGE``); a figure measured in another such phase differs
+    by that much, which no standard error of either window shows."""
+    k = len(xs) // chunk if chunk > 0 else 0
+    if k < 2:
+        return 0.0
+    tail = list(xs)[len(xs) - k * chunk:]
+    meds = [statistics.median(tail[i * chunk:(i + 1) * chunk]) for i in range(k)]
+    mid = statistics.median(meds)
+    return (max(meds) - min(meds)) / mid if mid > 0 else 0.0
 
 
 def bisect_below(f: Callable[[float], float], target: float, lo: float, hi: float) -> float:

@@ -354,6 +354,54 @@ def test_replan_policy_tries_a_plan_the_model_cannot_order(obs, policy, want, wh
         assert d.target == "dp" and d.gain_s == pytest.approx(0.004)
 
 
+_RAN = (("dp", 0.100), ("zero1", 0.112))  # dp measured 100 ms in an earlier segment
+
+
+@pytest.mark.parametrize(
+    ("obs", "want", "why"),
+    [
+        # zero1 runs at 112 ms; dp measured 100 earlier (10.7 %): without drift evidence, back
+        (_rp(current="zero1", step_s=0.112, candidates=_RAN, ran=("dp",)), SwitchPlan,
+         "dp measured earlier 100.0 ms/step"),
+        (_rp(current="zero1", step_s=0.112, candidates=_RAN, ran=("dp",), drift=0.05),
+         SwitchPlan, "beyond the host's 5% drift"),
+        # the host moved figures by 15 % between phases: 12 ms is within it
+        (_rp(current="zero1", step_s=0.112, candidates=_RAN, ran=("dp",), drift=0.15),
+         KeepPlan, "the 15% the host's phases moved a measured figure"),
+        # a predicted figure is of this phase (the running layout's level): no drift bar
+        (_rp(current="zero1", step_s=0.112, candidates=_RAN, drift=0.15), SwitchPlan,
+         "dp predicted 100.0"),
+        # the way back after a try compares adjacent figures: no drift bar
+        (_rp(current="zero1", step_s=0.112, candidates=_RAN, ran=("dp",), drift=0.15,
+             tried_from="dp"), SwitchPlan, "the try of zero1"),
+    ],
+)
+def test_a_figure_from_another_phase_must_beat_the_hosts_drift(obs, want, why):
+    d = ReplanPolicy().decide(obs)
+    assert type(d) is want, d
+    assert why in d.reason, d.reason
+
+
+def test_the_loop_memory_learns_the_hosts_drift():
+    """Within a window (its phases) and between segments of one layout (its moves)."""
+    from clusters.policy import LoopMemory
+
+    mem = LoopMemory()
+    mem.note_window([0.1] * 50, 25, "dp")  # flat, never ran before: no evidence
+    assert mem.drift == 0.0
+    mem.kept("dp", 0.1)
+    mem.note_window([0.12] * 50, 25, "zero1")
+    assert mem.drift == 0.0
+    mem.kept("zero1", 0.12)
+    mem.note_window([0.13] * 50, 25, "dp")  # dp again, 30 % above its earlier figure
+    assert mem.drift == pytest.approx(0.3) and mem.observe_args("dp")["drift"] == mem.drift
+    mem.kept("dp", 0.13)
+    assert mem.moves == [pytest.approx(0.3)] and mem.drift == pytest.approx(0.3)
+    mem.note_window([0.1] * 25 + [0.11] * 25, 25, "zero2")  # a 10 % phase inside a window
+    assert mem.drifts == [pytest.approx(0.01 / 0.105)]
+    assert mem.drift == pytest.approx(0.3)  # the larger evidence
+
+
 @pytest.mark.parametrize(
     ("obs", "back"),
     [
@@ -442,7 +490,7 @@ def test_loop_memory_is_what_the_next_decision_checks():
     mem = LoopMemory()
     mem.after(TryPlan("zero1", -0.001, 0.2, "try"), "dp", (32, 32), 0.1)
     assert mem.observe_args("zero1") == {"tried_from": "dp", "recut_from": None,
-                                         "tried": {"zero1"}, "recut": True}
+                                         "tried": {"zero1"}, "recut": True, "drift": 0.0}
     mem.after(KeepPlan("keep"), "zero1", (32, 32), 0.1)
     assert mem.tried_from == "" and mem.tried == {"zero1"}  # checked once; tried for good
     mem.after(RecutShares((36, 28), (1,), 0.01, 0.2, "recut"), "dp", (32, 32), 0.095)
