@@ -55,6 +55,7 @@ class FakeGroup:
                                         "p2p": 1e-3}
         # strategy (or (strategy, shares)) -> measured step seconds
         self.step_times: dict[object, float] = {}
+        self.phases: dict[int, float] = {}  # step -> every step's time x this from then on
         self.opt_cost = (1e-5, 1e-8)  # the optimizer's seconds per tensor, per element
         self.compute: dict[int, float] = {}  # rank -> compute seconds per sample (forward x 3)
         self.block_seconds: list[float] | None = None  # profile(detail=True)'s per-block times
@@ -229,8 +230,10 @@ class FakeGroup:
             share = (self.spec.shares[w.rank] if self.spec is not None
                      and w.rank < len(self.spec.shares) else 4)
             for s in range(start, end):
+                level = self.phases[max((k for k in self.phases if k <= s), default=-1)] \
+                    if any(k <= s for k in self.phases) else 1.0
                 m = {"step": s, "rank": w.rank, "loss": 1.0 / (s + 1),
-                     "step_time": dt, "samples": share, "samples_per_s": 400.0,
+                     "step_time": dt * level, "samples": share, "samples_per_s": 400.0,
                      "time": 0.0, "generation": self.generation,
                      "global_samples": 4 * len(self.workers),
                      "compute_s": self.compute.get(w.rank, 1e-3) * share / 3}

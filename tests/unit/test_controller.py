@@ -773,3 +773,23 @@ def test_auto_tries_a_plan_predicted_too_close_to_order_and_keeps_the_faster(
         assert "the try of zero1 measured 12.0 ms/step" in back.message
     assert len(changes) == (1 if final == "zero1" else 2)  # each plan tried once
     assert strategies[-1] == final
+
+
+def test_auto_does_not_switch_on_a_phase_of_the_host(tmp_path):
+    """dp 10 ms, zero1 10.3: the loop tries zero1 and goes back. From step 26 every step of
+    the host takes 1.3x: dp now measures 13 ms against zero1's 10.3 from before the phase.
+    dp's move from its own earlier figure (30 %) is the host's drift; the loop stays on dp
+    (it had switched to zero1 on the phase, the live path of ``LoopMemory.drift``)."""
+    ctl, fake = _controller(tmp_path, strategy="auto", max_steps=300, replan_every=10)
+    fake.alpha.update(reduce=1e-4, broadcast=1e-4)
+    fake.step_times = {"zero1": 0.0103, "dp": 0.01}
+    fake.phases = {26: 1.3}
+    result = ctl.run()
+    changes = [e for e in ctl.events if e.kind == "replan" and e.data["decision"] != "KeepPlan"]
+    assert [e.data["decision"] for e in changes] == ["TryPlan", "SwitchPlan"], \
+        [e.message for e in changes]
+    assert "the try of zero1" in changes[1].message
+    kept = [e for e in ctl.events if e.kind == "replan" and e.step > changes[1].step]
+    assert kept and "the 30% the host's phases moved a measured figure" in kept[0].message, \
+        kept[0].message
+    assert result.history[-1]["strategy"] == "dp"
