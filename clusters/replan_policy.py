@@ -11,7 +11,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .spread import phase_drift
+from .spread import Spread, moved, phase_drift, robust
 
 __all__ = ["ReplanObservation", "KeepPlan", "SwitchPlan", "TryPlan", "RecutShares",
            "ReplanPolicy", "LoopMemory"]
@@ -264,31 +264,30 @@ class LoopMemory:
     no_recut: set[str] = field(default_factory=set)
     drifts: list[float] = field(default_factory=list)
     moves: list[float] = field(default_factory=list)
-    figures: dict[Hashable, float] = field(default_factory=dict)
+    figures: dict[Hashable, Spread] = field(default_factory=dict)
     _move: float | None = None  # the running window's, against its layout's earlier figure
 
-    def note_window(self, times: Sequence[float], chunk: int, key: Hashable = None) -> None:
-        """Before a decision: the running window's step times, whose phases
-        (``phase_drift`` over ``chunk``-step runs) say how far the host moves a layout's
-        figure within a window, and (``key``: the running layout, as ``kept`` names it) how
-        far its median moved from that layout's figure of an earlier segment."""
-        d = phase_drift(times, chunk)
-        if d > 0:
-            self.drifts.append(d)
+    def note_window(self, times: Sequence[float], least: int, key: Hashable = None) -> None:
+        """Before a decision: the running window's step times, whose two halves
+        (``phase_drift``, each at least ``least`` steps) say how far the host moves a layout's
+        figure within a window beyond the noise, and (``key``: the running layout, as
+        ``kept`` names it) how far the window moved from that layout's figure of an earlier
+        segment."""
+        if len(times) >= 2 * least:  # a calm window is evidence too
+            self.drifts.append(phase_drift(times, least))
         old = self.figures.get(key) if key is not None else None
-        now = statistics.median(times) if times else 0.0
-        self._move = abs(now - old) / old if old and old > 0 and now > 0 else None
+        self._move = moved(old, robust(times)) if old is not None and times else None
 
-    def kept(self, key: Hashable, median: float) -> None:
+    def kept(self, key: Hashable, step: Spread) -> None:
         """A segment ended and its layout (``key``: the same plan, shares and split) measured
-        ``median``: where that layout ran before, how far its figure moved between the two
-        is the host's drift between segments, which a window of one phase cannot show (in
-        the simulator a dp/zero1 pair 3 % apart, on a host alternating 1.0x and 1.3x every
-        130 steps, switched every 52 steps on phases)."""
+        ``step``: where that layout ran before, how far its figure moved between the two
+        (beyond their noise) is the host's drift between segments, which a window of one
+        phase cannot show (in the simulator a dp/zero1 pair 3 % apart, on a host alternating
+        1.0x and 1.3x every 130 steps, switched every 52 steps on phases)."""
         old = self.figures.get(key)
-        if old and old > 0 and median > 0:
-            self.moves.append(abs(median - old) / old)
-        self.figures[key] = median
+        if old is not None:
+            self.moves.append(moved(old, step))
+        self.figures[key] = step
         self._move = None
 
     @property

@@ -112,8 +112,7 @@ def simulate_loop(cluster: Cluster, profile: ModelProfile, global_batch: int, *,
         if since - warmup < replan_every or step + 1 >= steps:
             continue
         spreads = [robust(xs[-replan_every:]) for xs in ranks]  # the ranks as they are now
-        memory.note_window(window, max(pol.min_steps, replan_every // 2),
-                           (cur.label, cur.shares, cur.stage_split))
+        memory.note_window(window, pol.min_steps, (cur.label, cur.shares, cur.stage_split))
         view = observe(model=profiled, profile=profile, cluster=cluster,
                        global_batch=global_batch, current=cur, step=robust(window),
                        observed=list(observed.values()), remaining=steps - step - 1,
@@ -127,7 +126,7 @@ def simulate_loop(cluster: Cluster, profile: ModelProfile, global_batch: int, *,
             since = warmup  # the next decision after another replan_every steps
             continue
         observed[cur.label] = Observed(cur, robust(window))
-        memory.kept((cur.label, cur.shares, cur.stage_split), observed[cur.label].step.median)
+        memory.kept((cur.label, cur.shares, cur.stage_split), observed[cur.label].step)
         if isinstance(decision, SwitchPlan):
             cur = view.plans[decision.target]
         elif isinstance(decision, RecutShares):

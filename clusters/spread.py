@@ -11,7 +11,7 @@ from typing import Any
 
 from .errors import ClustersError
 
-__all__ = ["Spread", "robust", "phase_drift", "bisect_below", "dp_level", "LEVEL_RANGE"]
+__all__ = ["Spread", "robust", "phase_drift", "moved", "bisect_below", "dp_level", "LEVEL_RANGE"]
 
 _MAD_TO_SD = 1.4826
 
@@ -49,19 +49,26 @@ def robust(xs: Sequence[float]) -> Spread:
 
 
 
-def phase_drift(xs: Sequence[float], chunk: int) -> float:
-    """How far a run of step times moved between its phases: the range of the medians of
-    its consecutive ``chunk``-long runs (the last ones, whole runs only) over their median,
-    0 with fewer than two. Steps of one layout on a shared host move together for tens of
-    steps (1.3-2x here: ``LEVEL_RANGE``); a figure measured in another such phase differs
-    by that much, which no standard error of either window shows."""
-    k = len(xs) // chunk if chunk > 0 else 0
-    if k < 2:
+def phase_drift(xs: Sequence[float], least: int) -> float:
+    """How far a run of step times moved between its two halves beyond their noise: the
+    difference of the halves' medians less two standard errors of it, over the run's median
+    (0 with halves under ``least`` steps). Steps of one layout on a shared host move together
+    for tens of steps (1.3-2x here: ``LEVEL_RANGE``); a figure measured in another such phase
+    differs by that much, which no standard error of either window shows."""
+    n = len(xs) // 2
+    if n < max(1, least):
         return 0.0
-    tail = list(xs)[len(xs) - k * chunk:]
-    meds = [statistics.median(tail[i * chunk:(i + 1) * chunk]) for i in range(k)]
-    mid = statistics.median(meds)
-    return (max(meds) - min(meds)) / mid if mid > 0 else 0.0
+    run = list(xs)[len(xs) - 2 * n:]
+    return moved(robust(run[:n]), robust(run[n:]), statistics.median(run))
+
+
+def moved(a: Spread, b: Spread, base: float | None = None) -> float:
+    """How far figure ``b`` lies from ``a`` beyond two standard errors of their difference,
+    relative to ``base`` (``a``'s median by default); 0 within the noise."""
+    ref = a.median if base is None else base
+    if not ref > 0 or not (math.isfinite(a.se) and math.isfinite(b.se)):
+        return 0.0
+    return max(0.0, abs(b.median - a.median) - 2 * math.hypot(a.se, b.se)) / ref
 
 
 def bisect_below(f: Callable[[float], float], target: float, lo: float, hi: float) -> float:

@@ -149,7 +149,7 @@ class Replanner:
         if len(times) >= self.policy.min_steps:
             p = spec_plan(spec, self.layouts.ids, self.layouts.probe_model)
             self.observed[_key(p)] = (p, robust(times))
-            self.memory.kept(_key(p), self.observed[_key(p)][1].median)
+            self.memory.kept(_key(p), self.observed[_key(p)][1])
 
     # ------------------------------------------------------------------ deciding
 
@@ -220,8 +220,7 @@ class Replanner:
         ids = lay.ids if planned else [str(r) for r in range(spec.world_size)]
         current = spec_plan(spec, ids, lay.probe_model)
         mm = lay.measured if planned else None
-        self.memory.note_window(times, max(self.policy.min_steps, self.every // 2),
-                                _key(current))
+        self.memory.note_window(times, self.policy.min_steps, _key(current))
         mem = self.memory.observe_args(current.label)
         mem["recut"] = mem["recut"] and self.cfg.balance != "off"
         view = observe(  # without a planned model: the window and the ranks' compute only
