@@ -315,6 +315,11 @@ class LoopMemory:
             else:
                 self.recut_from = (tuple(shares), recent_s)
 
+    def new_world(self) -> LoopMemory:
+        """The memory for the same job on another set of workers: nothing of its layouts
+        (their labels name other layouts there), the host's drift kept."""
+        return LoopMemory(drifts=list(self.drifts), moves=list(self.moves))
+
     def forget_last(self) -> None:
         """The layout running is not the one the last decision asked for (a user's switch, a
         node loss, a re-balance that took over): nothing of it to check."""

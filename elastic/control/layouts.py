@@ -227,7 +227,7 @@ class Layouts:
         world, else takes the nearest degree that does), else the planner's choice."""
         first = self.make(name, world, group)
         candidates = [first]
-        if traits_of(name).pipeline:
+        if name in TRAITS and traits_of(name).pipeline:  # not "auto": the planner's anew
             degrees = sorted((d for d in range(2, world + 1) if world % d == 0),
                              key=lambda d: (abs(d - first.pp_degree), d))
             candidates += [self._at_degree(first, d) for d in degrees]

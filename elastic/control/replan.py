@@ -132,7 +132,12 @@ class Replanner:
         if self._expect is None or not _same(spec, self._expect):
             self.memory.forget_last()
         self._expect = None
-        if self._spec is not None and self.layouts.ids:
+        if self._spec is not None and spec.world_size != self._spec.world_size:
+            # another world (a node lost or joined): the figures were of other devices; the
+            # host's drift is the host's
+            self.observed.clear()
+            self.memory = self.memory.new_world()
+        elif self._spec is not None and self.layouts.ids:
             self._remember(self._spec)
         self._spec = spec
         self._start = None

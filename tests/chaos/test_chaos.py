@@ -118,6 +118,27 @@ def test_worker_node_lost_survivors_continue_from_peers(ray_cluster, tmp_path, r
     _check_data_log(result.run_dir, result.history)
 
 
+def test_an_auto_job_loses_a_node_and_plans_again_for_the_survivors(ray_cluster, tmp_path,
+                                                                   reference):
+    """``strategy: auto`` on 3 workers; rank 1 pauses at step 8 and its node goes. The
+    survivors are profiled and planned for again (a second ``plan`` event, on 2 workers), the
+    job ends with the uninterrupted run's parameters. Was: the recovery asked the traits
+    table about "auto" and the job failed with StrategyError."""
+    cluster = ray_cluster(3)
+    fault, path = _lose_at(tmp_path, 1, 8)
+    handle = _submit(tmp_path, strategy="auto", replan_every=10, faults=[fault])
+    paused = _wait_paused(handle, path)
+    cluster.remove(paused["node_id"])
+    result = handle.result(timeout=180)
+    assert max_diff(result.state_dict(), reference[0]) < TOL
+    plans = [e for e in result.events if e.kind == "plan"]
+    assert len(plans) == 2 and " on 2 x " in plans[1].message, [e.message for e in plans]
+    rec = [e for e in result.events if e.kind == "recovered"]
+    assert len(rec) == 1 and rec[0].data["world_size"] == 2
+    assert [h["step"] for h in result.history] == list(range(STEPS))
+    assert result.history[-1]["world_size"] == 2
+
+
 @pytest.mark.warm_workers
 def test_worker_process_exits_and_the_job_recovers(ray_cluster, tmp_path, reference):
     """Rank 2's process dies at the start of step 5 (``exit``); its node lives. The fault

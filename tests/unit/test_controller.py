@@ -793,3 +793,23 @@ def test_auto_does_not_switch_on_a_phase_of_the_host(tmp_path):
     assert kept and "the 30% the host's phases moved a measured figure" in kept[0].message, \
         kept[0].message
     assert result.history[-1]["strategy"] == "dp"
+
+
+def test_an_auto_job_that_loses_a_node_plans_again_and_its_loop_goes_on(tmp_path):
+    """``strategy: auto`` on 3 workers tries zero1 and goes back (a figure of each); at step
+    40 a node goes. The survivors are planned for anew, and the closed loop decides on the
+    new world's figures only. Was: the recovery asked the traits table about "auto"
+    (StrategyError), and then the loop re-fitted the 3-worker figures on 2 devices
+    (PlanError: "devices must list world_size distinct device ids")."""
+    ctl, fake = _controller(tmp_path, strategy="auto", num_workers=3, min_workers=2,
+                            max_steps=120, replan_every=10)
+    fake.alpha.update(reduce=1e-4, broadcast=1e-4)
+    fake.step_times = {"zero1": 0.0103, "dp": 0.01}
+    fake.fail(step=40, rank=2, kind="lost")
+    result = ctl.run()
+    assert [h["step"] for h in result.history][-1] == 119
+    plans = [e for e in ctl.events if e.kind == "plan"]
+    assert len(plans) == 2 and " on 2 x " in plans[1].message
+    after = [e for e in ctl.events if e.kind == "replan" and e.step > 40]
+    assert after and after[0].data["decision"] == "TryPlan"  # zero1 is untried on 2 workers
+    assert all(e.data["observed"] and len(e.data["observed"]) <= 2 for e in after)
