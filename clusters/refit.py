@@ -183,7 +183,8 @@ def observe(*, model: CostModel | None, profile: ModelProfile | None, cluster: C
             kinds: Mapping[str, object] | None = None, replan: bool = True,
             recut: bool = True, tried_from: str = "",
             recut_from: tuple[tuple[int, ...], float] | None = None,
-            tried: Collection[str] = (), drift: float = 0.0) -> Observation:
+            tried: Collection[str] = (), drift: float = 0.0,
+            switched_from: str = "") -> Observation:
     """The closed loop's view of the running layout ``current`` (devices set), measured at
     ``step`` over its window, with the layouts run before it (``observed``).
 
@@ -195,11 +196,13 @@ def observe(*, model: CostModel | None, profile: ModelProfile | None, cluster: C
     decision after a ``TryPlan``), else "". ``recut_from``: after a ``RecutShares``, the shares
     it left and their measured step. ``tried``: labels a ``TryPlan`` named before (never
     offered again, as when its switch failed). ``drift``: how far the host's phases move a
-    layout's figure (``LoopMemory.note_window``)."""
+    layout's figure (``LoopMemory.drift``); ``switched_from``: the layout the last switch
+    left (``LoopMemory``)."""
     shared = current.strategy in SYNC_MODES and len(rank_s) == len(current.devices)
     candidates: tuple[tuple[str, float], ...] = ()
     untried: tuple[str, ...] = ()
     ran: tuple[str, ...] = ()
+    stale: tuple[str, ...] = ()
     plans: dict[str, Plan] = {}
     fitted = None
     if replan and model is not None and profile is not None and cluster is not None:
@@ -212,13 +215,18 @@ def observe(*, model: CostModel | None, profile: ModelProfile | None, cluster: C
         preds = predictions(fitted, profile, cluster, global_batch, obs_all)
         if current.strategy in SYNC_MODES:
             preds = _at_running_shares(preds, current, fitted, profile, cluster)
-        best, plans = _figures(preds, _levels(fitted, profile, cluster, obs_all, current))
+        levels = _levels(fitted, profile, cluster, obs_all, current)
+        best, plans = _figures(preds, levels)
         best[current.label] = step.median
         plans[current.label] = current
         candidates = tuple(sorted(best.items(), key=lambda kv: kv[1]))
         untried = tuple(lab for lab in _untried(preds, current) if lab not in tried)
         ran = tuple(dict.fromkeys(p.plan.label for p in preds
                                   if p.measured and p.plan.label != current.label))
+        # a prediction of another family stands on that family's layouts that ran earlier
+        stale = tuple(lab for lab, p in plans.items() if lab not in ran
+                      and lab != current.label and _family(p) != _family(current)
+                      and _family(p) in levels)
     new: tuple[int, ...] = ()
     new_s = 0.0
     if recut and shared and rank_s:
@@ -230,7 +238,8 @@ def observe(*, model: CostModel | None, profile: ModelProfile | None, cluster: C
         rank_s=tuple(rank_s) if shared else (), rank_rel_sd=tuple(rank_rel_sd) if shared
         else (), shares=tuple(current.shares), recut=new, recut_step_s=new_s, untried=untried,
         tried_from=tried_from, recut_from=recut_from[0] if recut_from else (),
-        recut_from_s=recut_from[1] if recut_from else 0.0, ran=ran, drift=drift)
+        recut_from_s=recut_from[1] if recut_from else 0.0, ran=ran, stale=stale,
+        switched_from=switched_from, drift=drift)
     return Observation(obs, plans, fitted)
 
 

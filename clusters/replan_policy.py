@@ -9,7 +9,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from .spread import Spread, moved, phase_drift, robust
 
@@ -36,9 +36,12 @@ class ReplanObservation:
     one it was tried from (its measured figure is among the candidates). ``recut_from`` /
     ``recut_from_s``: when the running shares are a ``RecutShares``' (the decision after it),
     the shares it left and their measured step. ``ran``: the labels among the candidates
-    whose figure is their own measured median from an earlier segment; ``drift``: how far the
-    job's step times moved between phases of one layout (``spread.phase_drift``, relative):
-    what a figure measured in another phase may be off by."""
+    whose figure is their own measured median from an earlier segment; ``stale``: other
+    labels whose figure stands on an earlier segment (a prediction scaled by the level of
+    another family's layouts that ran); ``switched_from``: the layout the last ``SwitchPlan``
+    left (its figure is adjacent to the running one's); ``drift``: how far the job has seen
+    a figure move without a change of layout (``LoopMemory.drift``, relative): what a figure
+    measured in another phase may be off by."""
 
     current: str
     step_s: float
@@ -57,6 +60,8 @@ class ReplanObservation:
     recut_from: tuple[int, ...] = ()
     recut_from_s: float = 0.0
     ran: tuple[str, ...] = ()
+    stale: tuple[str, ...] = ()
+    switched_from: str = ""
     drift: float = 0.0
 
 
@@ -72,12 +77,14 @@ class KeepPlan:
 @dataclass(frozen=True)
 class SwitchPlan:
     """Switch to the plan labelled ``target``: ``gain_s`` per step over ``remaining`` steps
-    against a re-layout of ``cost_s``."""
+    against a re-layout of ``cost_s``. ``measured``: the target's figure was its own measured
+    one (a way back, a layout that ran earlier), not a prediction."""
 
     target: str
     gain_s: float
     cost_s: float
     reason: str
+    measured: bool = False
 
 
 @dataclass(frozen=True)
@@ -121,11 +128,13 @@ class ReplanPolicy:
     switch pays (not held to ``min_gain``: the try was the loop's, not the model's). 0 turns
     it off.
 
-    A switch to a layout that ran earlier, on its measured figure, must also gain more than
-    that figure may have moved since (``drift`` x the step): on 3 CPU ranks gpt went zero1
-    (120 ms) -> dp (113 ms, measured 100 steps before) -> dp measured 138 -> zero1, each
-    time comparing two phases of the host, not two layouts. The way back after a try is
-    exempt: its two figures are adjacent."""
+    A switch to a layout that ran earlier, on its measured figure (or a prediction scaled
+    by earlier segments' level), must also gain more than that figure may have moved since
+    (``drift`` x the step): on 3 CPU ranks gpt went zero1 (120 ms) -> dp (113 ms, measured
+    100 steps before) -> dp measured 138 -> zero1, each time comparing two phases of the
+    host, not two layouts. The way back after a try, and to the layout the last switch
+    left, is exempt: the two figures are adjacent. Every candidate is weighed against its
+    own bar; the largest gain that clears it is taken."""
 
     min_steps: int = 10
     min_gain: float = 0.05
@@ -180,24 +189,31 @@ class ReplanPolicy:
             gain = obs.step_s - back
             if gain > noise and gain * obs.remaining > cost:
                 return SwitchPlan(
-                    obs.tried_from, gain, obs.switch_s,
+                    obs.tried_from, gain, obs.switch_s, measured=True, reason=(
                     f"the try of {obs.current} measured {obs.step_s * 1e3:.1f} ms/step (sd "
                     f"{obs.step_sd * 1e3:.1f} ms, {obs.steps} steps) against "
                     f"{obs.tried_from}'s {back * 1e3:.1f} ms: back, {gain * 1e3:.1f} ms x "
                     f"{obs.remaining} steps = {gain * obs.remaining:.1f} s > switch "
-                    f"{obs.switch_s:.2f} s{named}")
-        stale = obs.drift * obs.step_s if best is not None and best[0] in obs.ran else 0.0
-        if best is not None and best[0] != obs.current:
-            gain = obs.step_s - best[1]
-            if pays(gain) and gain > noise + stale:
-                how = "measured earlier" if best[0] in obs.ran else "predicted"
-                past = f", beyond the host's {obs.drift:.0%} drift" if stale else ""
-                options.append(SwitchPlan(
-                    best[0], gain, obs.switch_s,
-                    f"{best[0]} {how} {best[1] * 1e3:.1f} ms/step against {obs.current}'s "
-                    f"measured {obs.step_s * 1e3:.1f} ms (sd {obs.step_sd * 1e3:.1f} ms, "
-                    f"{obs.steps} steps{past}): {gain * 1e3:.1f} ms x {obs.remaining} steps = "
-                    f"{gain * obs.remaining:.1f} s > switch {obs.switch_s:.2f} s{named}"))
+                    f"{obs.switch_s:.2f} s{named}"))
+        old = set(obs.ran) | set(obs.stale)
+
+        def stale(label: str) -> float:  # what an earlier phase may have moved its figure
+            return (obs.drift * obs.step_s if label in old and label != obs.switched_from
+                    else 0.0)
+
+        passing = [(obs.step_s - t, lab, t) for lab, t in obs.candidates
+                   if lab != obs.current and pays(obs.step_s - t)
+                   and obs.step_s - t > noise + stale(lab)]
+        if passing:
+            gain, lab, t = max(passing)
+            how = "measured earlier" if lab in obs.ran else "predicted"
+            past = f", beyond the host's {obs.drift:.1%} drift" if stale(lab) else ""
+            options.append(SwitchPlan(
+                lab, gain, obs.switch_s, measured=lab in obs.ran, reason=(
+                f"{lab} {how} {t * 1e3:.1f} ms/step against {obs.current}'s "
+                f"measured {obs.step_s * 1e3:.1f} ms (sd {obs.step_sd * 1e3:.1f} ms, "
+                f"{obs.steps} steps{past}): {gain * 1e3:.1f} ms x {obs.remaining} steps = "
+                f"{gain * obs.remaining:.1f} s > switch {obs.switch_s:.2f} s{named}")))
         if obs.recut and obs.recut != obs.shares and slow:  # beyond the noise only
             gain = obs.step_s - obs.recut_step_s
             if pays(gain):
@@ -215,15 +231,15 @@ class ReplanPolicy:
         if best is None or best[0] == obs.current:
             why = f"{obs.current} is the fastest plan ({obs.step_s * 1e3:.1f} ms/step measured)"
         else:
-            gain = obs.step_s - best[1]
+            gain, bar = obs.step_s - best[1], stale(best[0])
             how = "measured earlier" if best[0] in obs.ran else "predicted"
             why = (f"{best[0]} {how} {best[1] * 1e3:.1f} ms/step against {obs.current}'s "
                    f"{obs.step_s * 1e3:.1f} ms: a gain of {gain * 1e3:.1f} ms x "
                    f"{obs.remaining} steps = {gain * obs.remaining:.1f} s does not pay for a "
                    f"switch of {obs.switch_s:.2f} s, or is within the noise "
                    f"({noise * 1e3:.1f} ms"
-                   + (f" and the {obs.drift:.0%} the host's phases moved a measured figure: "
-                      f"{(noise + stale) * 1e3:.1f} ms" if stale else "")
+                   + (f" and the {obs.drift:.1%} the host's phases moved a measured figure: "
+                      f"{(noise + bar) * 1e3:.1f} ms" if bar else "")
                    + f") or under {self.min_gain:.0%}")
         return KeepPlan(why + named, slow)
 
@@ -252,29 +268,36 @@ class ReplanPolicy:
 class LoopMemory:
     """What the loop's next decision checks of its last one, kept by the live controller
     (``elastic.control.replan``) and the simulator (``clusters.sim_replan``) alike: after a
-    ``TryPlan`` the label it left (``tried_from``), after a ``RecutShares`` the shares it left
-    and their recent median (``recut_from``); for the whole job the labels a try named
-    (``tried``: never offered again), those whose re-cut went back (``no_recut``), and the
-    host's drift: within each window decided on (``drifts``) and of a layout between its
-    segments (``moves``, from the ``figures`` kept)."""
+    ``TryPlan`` the label it left (``tried_from``), after a ``SwitchPlan`` on a prediction the
+    label it left (``switched_from``), after a ``RecutShares`` the shares it left and their recent
+    median (``recut_from``); for the whole job the labels a try named (``tried``: never
+    offered again), those whose re-cut went back (``no_recut``), and the host's drift: within
+    the steps of each decision (``drifts``) and of a layout between its segments (``moves``,
+    from the ``figures`` kept), the last ``EVIDENCE`` of each."""
+
+    EVIDENCE: ClassVar[int] = 8  # the host's phases change: the recent evidence counts
 
     tried_from: str = ""
+    switched_from: str = ""
     recut_from: tuple[tuple[int, ...], float] | None = None
     tried: set[str] = field(default_factory=set)
     no_recut: set[str] = field(default_factory=set)
     drifts: list[float] = field(default_factory=list)
     moves: list[float] = field(default_factory=list)
     figures: dict[Hashable, Spread] = field(default_factory=dict)
-    _move: float | None = None  # the running window's, against its layout's earlier figure
+    # the running window's move from its layout's earlier figure (until the segment is kept)
+    _move: float | None = field(default=None, init=False, repr=False, compare=False)
 
-    def note_window(self, times: Sequence[float], least: int, key: Hashable = None) -> None:
-        """Before a decision: the running window's step times, whose two halves
-        (``phase_drift``, each at least ``least`` steps) say how far the host moves a layout's
-        figure within a window beyond the noise, and (``key``: the running layout, as
-        ``kept`` names it) how far the window moved from that layout's figure of an earlier
-        segment."""
-        if len(times) >= 2 * least:  # a calm window is evidence too
-            self.drifts.append(phase_drift(times, least))
+    def note_window(self, times: Sequence[float], least: int, key: Hashable = None,
+                    recent: int | None = None) -> None:
+        """Before a decision: the running window's step times. The two halves of its last
+        ``recent`` steps (those since the last decision: a window overlaps the one before;
+        ``phase_drift``, each half at least ``least`` steps) say how far the host moved the
+        layout's figure beyond the noise; with ``key`` (the running layout, as ``kept`` names
+        it), the whole window's move from that layout's figure of an earlier segment."""
+        span = list(times)[-recent:] if recent else list(times)
+        if len(span) >= 2 * least:  # a calm span is evidence too
+            self.drifts = [*self.drifts, phase_drift(span, least)][-self.EVIDENCE:]
         old = self.figures.get(key) if key is not None else None
         self._move = moved(old, robust(times)) if old is not None and times else None
 
@@ -286,18 +309,18 @@ class LoopMemory:
         1.0x and 1.3x every 130 steps, switched every 52 steps on phases)."""
         old = self.figures.get(key)
         if old is not None:
-            self.moves.append(moved(old, step))
+            self.moves = [*self.moves, moved(old, step)][-self.EVIDENCE:]
         self.figures[key] = step
         self._move = None
 
     @property
     def drift(self) -> float:
         """How far a figure measured in another phase may be off: the larger of the median
-        drift within the windows decided on and the median move of a layout between its
+        drift within the spans decided on and the median move of a layout between its
         segments (0 without evidence)."""
         moves = self.moves + ([self._move] if self._move is not None else [])
         return max(statistics.median(self.drifts) if self.drifts else 0.0,
-                   statistics.median(moves) if moves else 0.0)
+                   statistics.median(moves[-self.EVIDENCE:]) if moves else 0.0)
 
     def after(self, decision: object, current: str, shares: tuple[int, ...],
               recent_s: float) -> None:
@@ -309,6 +332,8 @@ class LoopMemory:
         if isinstance(decision, TryPlan):
             self.tried_from = current
             self.tried.add(decision.target)
+        elif isinstance(decision, SwitchPlan) and not decision.measured:
+            self.switched_from = current  # on a prediction: its check is the next decision
         if isinstance(decision, RecutShares):
             if decision.back:
                 self.no_recut.add(current)
@@ -323,11 +348,10 @@ class LoopMemory:
     def forget_last(self) -> None:
         """The layout running is not the one the last decision asked for (a user's switch, a
         node loss, a re-balance that took over): nothing of it to check."""
-        self.tried_from, self.recut_from = "", None
+        self.tried_from, self.switched_from, self.recut_from = "", "", None
 
     def observe_args(self, current: str) -> dict[str, Any]:
         """``refit.observe``'s keywords from this memory for the layout labelled ``current``."""
-        return {"tried_from": self.tried_from, "recut_from": self.recut_from,
-                "tried": self.tried, "recut": current not in self.no_recut,
-                "drift": self.drift}
-
+        return {"tried_from": self.tried_from, "switched_from": self.switched_from,
+                "recut_from": self.recut_from, "tried": self.tried,
+                "recut": current not in self.no_recut, "drift": self.drift}

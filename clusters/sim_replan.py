@@ -112,7 +112,8 @@ def simulate_loop(cluster: Cluster, profile: ModelProfile, global_batch: int, *,
         if since - warmup < replan_every or step + 1 >= steps:
             continue
         spreads = [robust(xs[-replan_every:]) for xs in ranks]  # the ranks as they are now
-        memory.note_window(window, pol.min_steps, (cur.label, cur.shares, cur.stage_split))
+        memory.note_window(window, pol.min_steps, (cur.label, cur.shares, cur.stage_split),
+                           recent=replan_every)
         view = observe(model=profiled, profile=profile, cluster=cluster,
                        global_batch=global_batch, current=cur, step=robust(window),
                        observed=list(observed.values()), remaining=steps - step - 1,

@@ -242,26 +242,36 @@ def lockstep_micro_batches(spec: StrategySpec) -> int:
 
 
 def pipeline_defaults(batches: Sequence[int], pp: int, micro_batches: int | None = None,
-                      schedule: str | None = None) -> tuple[int, str]:
+                      schedule: str | None = None, micro_batch_size: int | None = None
+                      ) -> tuple[int, str]:
     """The micro-batch count and schedule of a pipeline whose job leaves either out (None),
     for replica batches ``batches`` on ``pp`` stages. Unset, the schedule is 1F1B (torchtitan's
     default: GPipe's bubble, with at most ``pp`` micro-batches' activations held instead of
-    all) and the count is the one that divides every replica's batch closest to ``2 pp``
-    within ``[pp, 4 pp]`` (a bubble of (pp-1)/(m+pp-1), 20-33 %; each micro-batch adds a fixed
-    cost, which on a small batch outgrows the bubble it saves: ``docs/benchmarks.md``). Where
-    no count in that range divides the batches, GPipe at the largest count up to ``4 pp``
-    that does (1 at worst: the stages take turns). A given value is kept: a given count runs
-    1F1B from ``pp`` up, GPipe below; a given schedule gets the count it needs, or ``pp``
-    when none divides (``Pipeline.validate`` then says why)."""
+    all) and the count is the one that divides every replica's batch nearest ``2 pp`` within
+    ``[pp, 4 pp]`` (a bubble of (pp-1)/(m+pp-1): 20-33 % at 2 pp; each micro-batch adds a
+    fixed cost, which on a small batch outgrows the bubble it saves: ``docs/benchmarks.md``),
+    leaving two samples or more per micro-batch where any count can (BatchNorm needs two; a
+    one-sample micro-batch starves a GPU). The job's ``micro_batch_size`` caps the samples
+    per micro-batch: the count is then at least ``max(batches) / micro_batch_size``. Where no
+    count in range divides the batches, the largest count up to ``4 pp`` that does, under
+    GPipe when it is below ``pp`` (1 at worst: the stages take turns). A given value is kept: a given count runs 1F1B from
+    ``pp`` up, GPipe below; a given schedule gets the count it needs, or ``pp`` when none
+    divides (``Pipeline.validate`` then says why)."""
     if micro_batches is not None:
         return micro_batches, schedule or ("1f1b" if micro_batches >= pp else "gpipe")
-    g = math.gcd(*batches) if batches else 1
+    if not batches or min(batches) < 1:  # an empty replica: validate says so
+        return 1, schedule or "gpipe"
+    g = math.gcd(*batches)
+    least = -(-max(batches) // micro_batch_size) if micro_batch_size else 1
+    top = max(4 * pp, 2 * least)
     divisors = [m for m in range(1, g + 1) if g % m == 0]
     step = pp if schedule == "interleaved" else 1  # interleaved: a multiple of pp
-    fits = [m for m in divisors if m >= pp and m % step == 0]
-    near = [m for m in fits if m <= 4 * pp]
+    fits = [m for m in divisors if m >= max(pp, least) and m % step == 0]
+    near = [m for m in ([m for m in fits if min(batches) // m >= 2] or fits) if m <= top]
     if near:
-        return min(near, key=lambda m: (abs(m - 2 * pp), m)), schedule or "1f1b"
+        return min(near, key=lambda m: (abs(m - max(2 * pp, least)), m)), schedule or "1f1b"
     if schedule in (None, "gpipe"):
-        return max(m for m in divisors if m <= 4 * pp), "gpipe"
-    return (min(fits) if fits else pp), schedule
+        within = [m for m in divisors if least <= m <= top]
+        m = max(within) if within else min((m for m in divisors if m >= least), default=g)
+        return m, schedule or ("1f1b" if m >= pp else "gpipe")
+    return (min(fits) if fits else max(pp, least)), schedule

@@ -336,7 +336,7 @@ class Parallelism(Section):
     strategy: str = "dp"
     pp_degree: int = 1
     # a pipeline's micro-batches and schedule (gpipe | 1f1b | interleaved); unset, 1f1b at
-    # about 2 x pp micro-batches (strategies.pipeline.pipeline_defaults)
+    # about 2 x pp micro-batches (strategies.spec.pipeline_defaults)
     micro_batches: int | None = None
     schedule: str | None = None
     dp_mode: str = "dp"

@@ -109,7 +109,8 @@ class Layouts:
         if pipeline and world % pp == 0:  # its shares are even: stages, not shares, balance
             d = world // pp
             m, schedule = pipeline_defaults([sum(shares[j::d]) for j in range(d)], pp,
-                                            cfg.micro_batches, cfg.schedule)
+                                            cfg.micro_batches, cfg.schedule,
+                                            cfg.micro_batch_size)
             split = self._stage_split(group, pp, d, schedule, balancing, equalized) \
                 if placed else None
         return StrategySpec(name=name, world_size=world, shares=shares, pp_degree=pp,
@@ -209,7 +210,8 @@ class Layouts:
         schedule the job's or, left unset, those for that degree."""
         d = spec.world_size // pp
         m, schedule = pipeline_defaults([sum(spec.shares[j::d]) for j in range(d)], pp,
-                                        self.cfg.micro_batches, self.cfg.schedule)
+                                        self.cfg.micro_batches, self.cfg.schedule,
+                                        self.cfg.micro_batch_size)
         return dataclasses.replace(spec, pp_degree=pp, micro_batches=m, schedule=schedule,
                                    stage_split=None)
 

@@ -225,7 +225,8 @@ class Replanner:
         ids = lay.ids if planned else [str(r) for r in range(spec.world_size)]
         current = spec_plan(spec, ids, lay.probe_model)
         mm = lay.measured if planned else None
-        self.memory.note_window(times, self.policy.min_steps, _key(current))
+        self.memory.note_window(times, self.policy.min_steps, _key(current),
+                                recent=self.every)
         mem = self.memory.observe_args(current.label)
         mem["recut"] = mem["recut"] and self.cfg.balance != "off"
         view = observe(  # without a planned model: the window and the ranks' compute only

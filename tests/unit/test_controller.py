@@ -790,7 +790,7 @@ def test_auto_does_not_switch_on_a_phase_of_the_host(tmp_path):
         [e.message for e in changes]
     assert "the try of zero1" in changes[1].message
     kept = [e for e in ctl.events if e.kind == "replan" and e.step > changes[1].step]
-    assert kept and "the 30% the host's phases moved a measured figure" in kept[0].message, \
+    assert kept and "the 30.0% the host's phases moved a measured figure" in kept[0].message, \
         kept[0].message
     assert result.history[-1]["strategy"] == "dp"
 

@@ -364,16 +364,25 @@ _RAN = (("dp", 0.100), ("zero1", 0.112))  # dp measured 100 ms in an earlier seg
         (_rp(current="zero1", step_s=0.112, candidates=_RAN, ran=("dp",)), SwitchPlan,
          "dp measured earlier 100.0 ms/step"),
         (_rp(current="zero1", step_s=0.112, candidates=_RAN, ran=("dp",), drift=0.05),
-         SwitchPlan, "beyond the host's 5% drift"),
+         SwitchPlan, "beyond the host's 5.0% drift"),
         # the host moved figures by 15 % between phases: 12 ms is within it
         (_rp(current="zero1", step_s=0.112, candidates=_RAN, ran=("dp",), drift=0.15),
-         KeepPlan, "the 15% the host's phases moved a measured figure"),
+         KeepPlan, "the 15.0% the host's phases moved a measured figure"),
         # a predicted figure is of this phase (the running layout's level): no drift bar
         (_rp(current="zero1", step_s=0.112, candidates=_RAN, drift=0.15), SwitchPlan,
          "dp predicted 100.0"),
         # the way back after a try compares adjacent figures: no drift bar
         (_rp(current="zero1", step_s=0.112, candidates=_RAN, ran=("dp",), drift=0.15,
              tried_from="dp"), SwitchPlan, "the try of zero1"),
+        # so does the layout a switch on a prediction left (its check)
+        (_rp(current="zero1", step_s=0.112, candidates=_RAN, ran=("dp",), drift=0.15,
+             switched_from="dp"), SwitchPlan, "dp measured earlier 100.0"),
+        # a prediction of another family, scaled by its layouts that ran earlier: the bar too
+        (_rp(current="zero1", step_s=0.112, candidates=_RAN, stale=("dp",), drift=0.15),
+         KeepPlan, "dp predicted 100.0"),
+        # the fastest held back by the drift, the next that pays is taken (review, session 32)
+        (_rp(current="zero1", step_s=0.112, candidates=_RAN + (("zero2", 0.104),),
+             ran=("dp",), drift=0.15), SwitchPlan, "zero2 predicted 104.0"),
     ],
 )
 def test_a_figure_from_another_phase_must_beat_the_hosts_drift(obs, want, why):
@@ -497,8 +506,9 @@ def test_loop_memory_is_what_the_next_decision_checks():
 
     mem = LoopMemory()
     mem.after(TryPlan("zero1", -0.001, 0.2, "try"), "dp", (32, 32), 0.1)
-    assert mem.observe_args("zero1") == {"tried_from": "dp", "recut_from": None,
-                                         "tried": {"zero1"}, "recut": True, "drift": 0.0}
+    assert mem.observe_args("zero1") == {"tried_from": "dp", "switched_from": "",
+                                         "recut_from": None, "tried": {"zero1"},
+                                         "recut": True, "drift": 0.0}
     mem.after(KeepPlan("keep"), "zero1", (32, 32), 0.1)
     assert mem.tried_from == "" and mem.tried == {"zero1"}  # checked once; tried for good
     mem.after(RecutShares((36, 28), (1,), 0.01, 0.2, "recut"), "dp", (32, 32), 0.095)
@@ -507,3 +517,9 @@ def test_loop_memory_is_what_the_next_decision_checks():
     assert mem.recut_from is None and mem.tried_from == ""
     mem.after(RecutShares((32, 32), (1,), 0.01, 0.2, "back", back=True), "dp", (36, 28), 0.1)
     assert mem.observe_args("dp")["recut"] is False and mem.observe_args("zero1")["recut"]
+    # a switch on a prediction: the layout it left is adjacent at the next decision only;
+    # a switch to a measured figure (a way back) leaves nothing to check
+    mem.after(SwitchPlan("zero2", 0.01, 0.2, "predicted"), "dp", (32, 32), 0.1)
+    assert mem.switched_from == "dp" and mem.tried_from == ""
+    mem.after(SwitchPlan("dp", 0.01, 0.2, "back", measured=True), "zero2", (32, 32), 0.1)
+    assert mem.switched_from == ""

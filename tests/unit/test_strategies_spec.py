@@ -210,6 +210,15 @@ def test_spec_checks_shares() -> None:
     ([13], 2, (None, "1f1b"), (13, "1f1b")),     # the smallest count 1F1B can run
     ([24], 4, (None, "interleaved"), (8, "interleaved")),   # a multiple of pp
     ([12], 8, (None, "interleaved"), (8, "interleaved")),   # none divides: validate says so
+    # two samples or more per micro-batch where a count can leave them
+    ([16], 8, (None, None), (8, "1f1b")),        # not 16 one-sample micro-batches
+    ([2], 2, (None, None), (2, "1f1b")),         # none can: one sample each
+    # the job's micro_batch_size caps the samples per micro-batch
+    ([64], 2, (None, None, 4), (16, "1f1b")),    # at least 16
+    ([64], 2, (None, None, 64), (4, "1f1b")),    # no cap below the default
+    ([13], 2, (None, None, 4), (13, "1f1b")),    # 4 needed; 13 is the first count that divides
+    ([64], 2, (2, None, 4), (2, "1f1b")),        # a given count wins
+    ([0, 8], 2, (None, None), (1, "gpipe")),     # an empty replica: validate says so
 ])
 def test_a_pipeline_left_unset_runs_1f1b_near_twice_its_stages(batches, pp, given, want):
     assert pipeline_defaults(batches, pp, *given) == want
@@ -221,9 +230,10 @@ def test_every_default_a_pipeline_takes_passes_its_checks() -> None:
     for pp in range(2, 9):
         for b in range(1, 97):
             for batches in ([b], [b, b + b % 5]):
-                m, sched = pipeline_defaults(batches, pp)
-                assert all(x % m == 0 for x in batches) and (sched == "gpipe" or m >= pp), \
-                    (batches, pp, m, sched)
+                for cap in (None, 3, 16):
+                    m, sched = pipeline_defaults(batches, pp, micro_batch_size=cap)
+                    assert all(x % m == 0 for x in batches) and (sched == "gpipe" or m >= pp), \
+                        (batches, pp, cap, m, sched)
 
 
 # --------------------------------------------------------------------------- blocks
