@@ -260,14 +260,20 @@ def test_scale_up_waits_for_spares_without_pausing_then_refuses(tmp_path, monkey
     assert len(result.history) == STEPS and result.history[-1]["world_size"] == 2
 
 
-def test_scale_up_takes_spares_in_at_a_boundary(tmp_path):
-    ctl, fake = _controller(tmp_path, room=1, min_workers=1, max_workers=3)
+@pytest.mark.parametrize("strategy", ["dp", "auto"])
+def test_scale_up_takes_spares_in_at_a_boundary(tmp_path, strategy):
+    """Under ``auto`` the grown group is planned for anew (it had failed: the traits table
+    has no "auto")."""
+    ctl, fake = _controller(tmp_path, room=1, min_workers=1, max_workers=3, strategy=strategy)
     q = _ask(ctl, "scale", 3)
     result = ctl.run()
     assert q.get_nowait() == 3
     assert result.history[-1]["world_size"] == 3
     scaled = next(e for e in ctl.events if e.kind == "scaled")
     assert scaled.data["source"] == "peers"
+    if strategy == "auto":
+        plans = _events(ctl, "plan")
+        assert len(plans) == 2 and " on 3 x " in plans[1].message, [e.message for e in plans]
 
 
 def test_a_resize_lets_the_checkpoint_in_flight_end_and_one_that_gives_up_keeps_the_group(
