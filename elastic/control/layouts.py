@@ -69,15 +69,18 @@ class Layouts:
 
     # ------------------------------------------------------------------ specs
 
-    def make(self, name: str, world: int, group: Any = None) -> StrategySpec:
+    def make(self, name: str, world: int, group: Any = None, pp: int | None = None
+             ) -> StrategySpec:
         """The layout for ``name`` on ``world`` workers, carrying the job's settings every
         layout applies (clipping, precision, micro-batch size), so validating it validates
         them too. With the live ``group`` of that size, shares follow measured speeds when
-        balancing and ``auto`` asks the planner."""
-        spec = self._plan(name, world, group)
+        balancing and ``auto`` asks the planner. ``pp``: a pipeline's degree instead of the
+        job's."""
+        spec = self._plan(name, world, group, pp)
         return dataclasses.replace(spec, options=spec.options.over(self.cfg.strategy_options()))
 
-    def _plan(self, name: str, world: int, group: Any) -> StrategySpec:
+    def _plan(self, name: str, world: int, group: Any, pp_degree: int | None = None
+              ) -> StrategySpec:
         from ..planning import balanced_shares, device_hosts, device_kinds
 
         cfg = self.cfg
@@ -87,7 +90,7 @@ class Layouts:
             if not placed:  # before placement: validated again once workers exist
                 return StrategySpec("dp", world, even_shares(g, world))
             return self._auto(group)
-        pp = cfg.pp_degree
+        pp = pp_degree or cfg.pp_degree
         pipeline = name in TRAITS and TRAITS[name].pipeline
         if pipeline and pp == 1:
             pp = world
@@ -205,16 +208,6 @@ class Layouts:
         """``StrategyError`` if ``spec`` cannot run on the job's model."""
         get_strategy(spec.name).validate(spec, self.probe_model)
 
-    def _at_degree(self, spec: StrategySpec, pp: int) -> StrategySpec:
-        """``spec`` with ``pp`` stages (the strategy's own split), its micro-batches and
-        schedule the job's or, left unset, those for that degree."""
-        d = spec.world_size // pp
-        m, schedule = pipeline_defaults([sum(spec.shares[j::d]) for j in range(d)], pp,
-                                        self.cfg.micro_batches, self.cfg.schedule,
-                                        self.cfg.micro_batch_size)
-        return dataclasses.replace(spec, pp_degree=pp, micro_batches=m, schedule=schedule,
-                                   stage_split=None)
-
     def validate(self, spec: StrategySpec, field_name: str) -> None:
         """``ConfigError`` naming ``field_name`` if ``spec`` cannot run."""
         try:
@@ -232,7 +225,7 @@ class Layouts:
         if name in TRAITS and traits_of(name).pipeline:  # not "auto": the planner's anew
             degrees = sorted((d for d in range(2, world + 1) if world % d == 0),
                              key=lambda d: (abs(d - first.pp_degree), d))
-            candidates += [self._at_degree(first, d) for d in degrees]
+            candidates += [self.make(name, world, group, pp=d) for d in degrees]
         for spec in candidates:
             try:
                 self.check(spec)
