@@ -66,7 +66,8 @@ def simulate_loop(cluster: Cluster, profile: ModelProfile, global_batch: int, *,
     picks. ``truth``: what steps really take (each step's time and each rank's compute get a
     relative Gaussian ``noise``); ``slowdowns[step][device id]``: from that step on the
     device's true compute is that many times slower; ``phases[step]``: from that step on,
-    every step of every layout takes that many times its true time (a shared host's phase).
+    every step of every layout, and every rank's compute, takes that many times its true time
+    (a shared host's phase).
     The first ``warmup`` steps of every layout are left out of its window, as live."""
     pol = policy or ReplanPolicy()
     rng = random.Random(seed)
@@ -104,8 +105,8 @@ def simulate_loop(cluster: Cluster, profile: ModelProfile, global_batch: int, *,
         if since <= warmup:
             continue
         window.append(t)
-        per = [true_model.sample_time(cluster.device(d), profile)
-               * max(1e-9, 1.0 + rng.gauss(0.0, noise)) for d in cur.devices]
+        per = [true_model.sample_time(cluster.device(d), profile) * level  # a host phase
+               * max(1e-9, 1.0 + rng.gauss(0.0, noise)) for d in cur.devices]  # slows all
         ranks = ranks or [[] for _ in per]
         for r, x in enumerate(per):
             ranks[r].append(x)
