@@ -102,6 +102,9 @@ class CostModel:
     all-reduces), all fitted to the profiler's pipeline trial steps
     (``clusters.pipeline_fit.fit_pipeline``); 0, 1 and 1 without one. ``pipe_fit_schedule``:
     the schedule those steps ran; another schedule takes a positive ``pipe_action_s`` only.
+    ``pipe_fit_reach``: the most micro-batches per stage those steps ran (their largest count
+    over their degree; 0 without a fit): the planner offers no pipeline beyond it, where
+    the per-micro-batch cost was never measured.
     ``shared_cores``: by device id, the CPU ranks that share a crowded host's cores
     (``pipeline_cost.SharedCores``); a pipeline's waiting ranks leave their cores to the busy
     ones. Data-parallel layouts keep every rank busy at once, as the profile did.
@@ -129,6 +132,7 @@ class CostModel:
     pipe_bubble_scale: float = 1.0
     pipe_msg_scale: float = 1.0
     pipe_fit_schedule: str = "1f1b"
+    pipe_fit_reach: float = 0.0
 
     # ---------------------------------------------------------------- parts
     def alpha_beta(self, path: Path | None, kind: str | None = None) -> tuple[float, float]:

@@ -68,7 +68,8 @@ def fit_pipeline(model: CostModel, profile: ModelProfile, cluster: Cluster,
             factors.append((step[m].median - sched[m].median - (bare.step_time - bare.compute))
                            / (est.step_time - bare.step_time))
     scale = min(4.0, max(0.0, statistics.median(factors))) if factors else 1.0
-    model = replace(model, pipe_msg_scale=scale, pipe_fit_schedule=plans[ms[0]].schedule)
+    model = replace(model, pipe_msg_scale=scale, pipe_fit_schedule=plans[ms[0]].schedule,
+                    pipe_fit_reach=max(ms) / len(ids))
     m1, m2 = ms[0], ms[-1]
     hi = max(1e-3, *(sp.median for sp in sched.values()))
     single = replace(model, pipe_action_s=bisect_below(lambda o: compute(m1, pipe_action_s=o),

@@ -480,3 +480,21 @@ def test_the_explanation_names_the_trial_rule_when_it_decides():
     text = explain(dp, [dp, pp], [], cluster, 16, seen=(("dp", ids),))
     assert "trial steps ran" in text.splitlines()[1]
     assert "headroom" in explain(dp, [dp, pp], [], cluster, 16).splitlines()[1]
+
+
+def test_no_pipeline_beyond_the_micro_batches_the_trial_measured():
+    """A fitted pipeline trial ran up to ``pipe_fit_reach`` micro-batches per stage; beyond
+    it the per-micro-batch cost was never measured (convnet on 2 CPU ranks: pp2 1F1B m=32
+    predicted 82.8 ms, measured 140, the trial at m = 2 and 8), so no candidate goes there.
+    Without a fit the planner ranges up to 64 as before."""
+    from dataclasses import replace
+
+    c = load_cluster(example_path("h100x8"))
+    prof = ModelProfile.uniform(n_params=4e9, n_blocks=16, flops_per_sample=1e12,
+                                activation_bytes=1e7)
+    kw = dict(strategies=("pipeline",), subsets=False, schedules=("1f1b",))
+    free = plan(c, prof, 512, **kw)
+    assert max(x.plan.micro_batches for x in free.ranked) == 64
+    held = plan(c, prof, 512, model=replace(CostModel(), pipe_fit_reach=4.0), **kw)
+    assert all(x.plan.micro_batches <= 4 * x.plan.pp_degree for x in held.ranked)
+    assert held.plan.label == "pp8 1f1b m=32"
