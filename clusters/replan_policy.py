@@ -68,10 +68,13 @@ class ReplanObservation:
 @dataclass(frozen=True)
 class KeepPlan:
     """Stay on the running layout. ``stragglers``: ranks persistently slower than their peers
-    (named even when re-cutting does not pay)."""
+    (named even when re-cutting does not pay). ``checking``: after a try that measured
+    slower than the layout it left but within the noise, that layout: the next decision,
+    on a longer window, checks again."""
 
     reason: str
     stragglers: tuple[int, ...] = ()
+    checking: str = ""
 
 
 @dataclass(frozen=True)
@@ -195,6 +198,10 @@ class ReplanPolicy:
                     f"{obs.tried_from}'s {back * 1e3:.1f} ms: back, {gain * 1e3:.1f} ms x "
                     f"{obs.remaining} steps = {gain * obs.remaining:.1f} s > switch "
                     f"{obs.switch_s:.2f} s{named}"))
+        # slower within the noise: undecided; the next decision checks on more steps
+        back_s = back if back is not None else 0.0
+        undecided = (obs.tried_from if back is not None and 0 < obs.step_s - back_s <= noise
+                     else "")
         old = set(obs.ran) | set(obs.stale)
 
         def stale(label: str) -> float:  # what an earlier phase may have moved its figure
@@ -225,7 +232,7 @@ class ReplanPolicy:
                     f"{gain * obs.remaining:.1f} s > re-layout {obs.switch_s:.2f} s"))
         if options:
             return max(options, key=lambda o: o.gain_s)
-        tried = self._to_try(obs)
+        tried = None if undecided else self._to_try(obs)  # one try at a time
         if tried is not None:
             return tried
         if best is None or best[0] == obs.current:
@@ -241,7 +248,11 @@ class ReplanPolicy:
                    + (f" and the {obs.drift:.1%} the host's phases moved a measured figure: "
                       f"{(noise + bar) * 1e3:.1f} ms" if bar else "")
                    + f") or under {self.min_gain:.0%}")
-        return KeepPlan(why + named, slow)
+        if undecided:
+            why += (f"; the try of {obs.current} measured {obs.step_s * 1e3:.1f} ms/step "
+                    f"against {undecided}'s {back_s * 1e3:.1f} ms, within the noise "
+                    f"({noise * 1e3:.1f} ms): checked again at the next decision")
+        return KeepPlan(why + named, slow, checking=undecided)
 
     def _to_try(self, obs: ReplanObservation) -> TryPlan | None:
         """The untried candidate predicted fastest, if it is within ``explore`` of the
@@ -276,8 +287,10 @@ class LoopMemory:
     from the ``figures`` kept), the last ``EVIDENCE`` of each."""
 
     EVIDENCE: ClassVar[int] = 8  # the host's phases change: the recent evidence counts
+    TRY_CHECKS: ClassVar[int] = 3  # decisions that check a try measured slower within noise
 
     tried_from: str = ""
+    try_checks: int = 0  # the checks of the try made so far (``TRY_CHECKS`` at most)
     switched_from: str = ""
     recut_from: tuple[tuple[int, ...], float] | None = None
     tried: set[str] = field(default_factory=set)
@@ -328,9 +341,12 @@ class LoopMemory:
         whose last ``replan_every`` steps took ``recent_s`` (the span the ranks' evidence
         covers: over a whole window, a rank that had just slowed left a fast median no re-cut
         could meet)."""
+        checks = self.try_checks + 1 if self.tried_from else 0
         self.forget_last()
+        if isinstance(decision, KeepPlan) and decision.checking and checks < self.TRY_CHECKS:
+            self.tried_from, self.try_checks = decision.checking, checks
         if isinstance(decision, TryPlan):
-            self.tried_from = current
+            self.tried_from, self.try_checks = current, 0
             self.tried.add(decision.target)
         elif isinstance(decision, SwitchPlan) and not decision.measured:
             self.switched_from = current  # on a prediction: its check is the next decision

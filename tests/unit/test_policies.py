@@ -342,6 +342,10 @@ _NEAR = (("dp", 0.100), ("zero1", 0.104))  # zero1 predicted 4 % slower than dp 
         # not back when the switch does not pay for the steps left
         (_rp(current="zero1", step_s=0.104, candidates=_NEAR, tried_from="dp", remaining=200),
          {}, KeepPlan, "does not pay"),
+        # slower within the noise (1 ms < 2.1 ms): undecided, checked again, no other try
+        (_rp(current="zero1", step_s=0.101, candidates=(("dp", 0.1), ("zero1", 0.101)),
+             tried_from="dp", untried=("pp2 1f1b m=4",)), {}, KeepPlan,
+         "checked again at the next decision"),
     ],
 )
 def test_replan_policy_tries_a_plan_the_model_cannot_order(obs, policy, want, why):
@@ -352,6 +356,9 @@ def test_replan_policy_tries_a_plan_the_model_cannot_order(obs, policy, want, wh
         assert d.target == why.split(" never")[0] and "trying it" in d.reason
     if "the try of" in why:
         assert d.target == "dp" and d.gain_s == pytest.approx(0.004)
+    if want is KeepPlan:  # undecided: slower than the one it left, within the noise
+        assert d.checking == ("dp" if obs.tried_from and 0 < obs.step_s - 0.1 <= 0.0022
+                              else "")
 
 
 _RAN = (("dp", 0.100), ("zero1", 0.112))  # dp measured 100 ms in an earlier segment
@@ -523,3 +530,10 @@ def test_loop_memory_is_what_the_next_decision_checks():
     assert mem.switched_from == "dp" and mem.tried_from == ""
     mem.after(SwitchPlan("dp", 0.01, 0.2, "back", measured=True), "zero2", (32, 32), 0.1)
     assert mem.switched_from == ""
+    # a try slower within the noise is checked at up to three decisions, then kept
+    mem.after(TryPlan("zero3", 0.0, 0.2, "try"), "dp", (32, 32), 0.1)
+    for _ in range(2):
+        mem.after(KeepPlan("undecided", checking="dp"), "zero3", (32, 32), 0.1)
+        assert mem.tried_from == "dp"
+    mem.after(KeepPlan("undecided", checking="dp"), "zero3", (32, 32), 0.1)
+    assert mem.tried_from == ""
