@@ -132,7 +132,8 @@ def pipeline_candidates(
             # m < pp only adds bubble and (1F1B) memory, so it is never considered; nor, when
             # the profiler's trial fitted the schedule, m beyond the micro-batches per stage
             # it ran (reach), whose per-micro-batch cost it never measured: convnet on 2 CPU
-            # ranks, pp2 1F1B m=32 predicted 82.8 ms, measured 140 (trial at m = 2 and 8)
+            # ranks, pp2 1F1B m=32 predicted 82.8 ms, measured 140 (trial at m = 2 and 8);
+            # where no count within reach divides G, the whole range as before
             ms = [
                 m
                 for m in _divisors(ctx.g)

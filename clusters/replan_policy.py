@@ -7,7 +7,7 @@ observation (``clusters.refit.observe``) and carry the decision out."""
 from __future__ import annotations
 
 import statistics
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -283,8 +283,9 @@ class LoopMemory:
     label it left (``switched_from``), after a ``RecutShares`` the shares it left and their recent
     median (``recut_from``); for the whole job the labels a try named (``tried``: never
     offered again), those whose re-cut went back (``no_recut``), and the host's drift: within
-    the steps of each decision (``drifts``) and of a layout between its segments (``moves``,
-    from the ``figures`` kept), the last ``EVIDENCE`` of each."""
+    the steps of each decision (``drifts``) and of a layout between its segments (``moves``),
+    the last ``EVIDENCE`` of each. The layouts' figures themselves are the caller's (the
+    observed segments it hands ``refit.observe``)."""
 
     EVIDENCE: ClassVar[int] = 8  # the host's phases change: the recent evidence counts
     TRY_CHECKS: ClassVar[int] = 3  # decisions that check a try measured slower within noise
@@ -297,33 +298,30 @@ class LoopMemory:
     no_recut: set[str] = field(default_factory=set)
     drifts: list[float] = field(default_factory=list)
     moves: list[float] = field(default_factory=list)
-    figures: dict[Hashable, Spread] = field(default_factory=dict)
     # the running window's move from its layout's earlier figure (until the segment is kept)
     _move: float | None = field(default=None, init=False, repr=False, compare=False)
 
-    def note_window(self, times: Sequence[float], least: int, key: Hashable = None,
+    def note_window(self, times: Sequence[float], least: int, earlier: Spread | None = None,
                     recent: int | None = None) -> None:
         """Before a decision: the running window's step times. The two halves of its last
         ``recent`` steps (those since the last decision: a window overlaps the one before;
         ``phase_drift``, each half at least ``least`` steps) say how far the host moved the
-        layout's figure beyond the noise; with ``key`` (the running layout, as ``kept`` names
-        it), the whole window's move from that layout's figure of an earlier segment."""
+        layout's figure beyond the noise; ``earlier``, the same layout's figure from an
+        earlier segment (same plan, shares and split), how far the whole window moved from
+        it."""
         span = list(times)[-recent:] if recent else list(times)
         if len(span) >= 2 * least:  # a calm span is evidence too
             self.drifts = [*self.drifts, phase_drift(span, least)][-self.EVIDENCE:]
-        old = self.figures.get(key) if key is not None else None
-        self._move = moved(old, robust(times)) if old is not None and times else None
+        self._move = moved(earlier, robust(times)) if earlier is not None and times else None
 
-    def kept(self, key: Hashable, step: Spread) -> None:
-        """A segment ended and its layout (``key``: the same plan, shares and split) measured
-        ``step``: where that layout ran before, how far its figure moved between the two
-        (beyond their noise) is the host's drift between segments, which a window of one
-        phase cannot show (in the simulator a dp/zero1 pair 3 % apart, on a host alternating
-        1.0x and 1.3x every 130 steps, switched every 52 steps on phases)."""
-        old = self.figures.get(key)
-        if old is not None:
-            self.moves = [*self.moves, moved(old, step)][-self.EVIDENCE:]
-        self.figures[key] = step
+    def kept(self, earlier: Spread | None, step: Spread) -> None:
+        """A segment ended and its layout measured ``step``; where that layout ran before
+        (``earlier``), how far its figure moved between the two (beyond their noise) is the
+        host's drift between segments, which a window of one phase cannot show (in the
+        simulator a dp/zero1 pair 3 % apart, on a host alternating 1.0x and 1.3x every 130
+        steps, switched every 52 steps on phases)."""
+        if earlier is not None:
+            self.moves = [*self.moves, moved(earlier, step)][-self.EVIDENCE:]
         self._move = None
 
     @property

@@ -76,7 +76,7 @@ def simulate_loop(cluster: Cluster, profile: ModelProfile, global_batch: int, *,
     cur, true_model = start, truth
     window: list[float] = []
     ranks: list[list[float]] = []
-    observed: dict[str, Observed] = {}
+    observed: dict[tuple[object, ...], Observed] = {}  # by plan, shares and split, as live
     events: list[LoopEvent] = []
     cache: dict[tuple[object, ...], float] = {}
     seconds = static_s = 0.0
@@ -113,7 +113,8 @@ def simulate_loop(cluster: Cluster, profile: ModelProfile, global_batch: int, *,
         if since - warmup < replan_every or step + 1 >= steps:
             continue
         spreads = [robust(xs[-replan_every:]) for xs in ranks]  # the ranks as they are now
-        memory.note_window(window, pol.min_steps, (cur.label, cur.shares, cur.stage_split),
+        key = (cur.label, cur.shares, cur.stage_split)
+        memory.note_window(window, pol.min_steps, observed[key].step if key in observed else None,
                            recent=replan_every)
         view = observe(model=profiled, profile=profile, cluster=cluster,
                        global_batch=global_batch, current=cur, step=robust(window),
@@ -127,8 +128,8 @@ def simulate_loop(cluster: Cluster, profile: ModelProfile, global_batch: int, *,
             window, ranks = window[-_WINDOW:], [xs[-_WINDOW:] for xs in ranks]
             since = warmup  # the next decision after another replan_every steps
             continue
-        observed[cur.label] = Observed(cur, robust(window))
-        memory.kept((cur.label, cur.shares, cur.stage_split), observed[cur.label].step)
+        memory.kept(observed[key].step if key in observed else None, robust(window))
+        observed[key] = Observed(cur, robust(window))
         if isinstance(decision, SwitchPlan):
             cur = view.plans[decision.target]
         elif isinstance(decision, RecutShares):

@@ -153,8 +153,9 @@ class Replanner:
         times = self._window()
         if len(times) >= self.policy.min_steps:
             p = spec_plan(spec, self.layouts.ids, self.layouts.probe_model)
+            earlier = self.observed.get(_key(p))
             self.observed[_key(p)] = (p, robust(times))
-            self.memory.kept(_key(p), self.observed[_key(p)][1])
+            self.memory.kept(earlier[1] if earlier else None, self.observed[_key(p)][1])
 
     # ------------------------------------------------------------------ deciding
 
@@ -225,7 +226,8 @@ class Replanner:
         ids = lay.ids if planned else [str(r) for r in range(spec.world_size)]
         current = spec_plan(spec, ids, lay.probe_model)
         mm = lay.measured if planned else None
-        self.memory.note_window(times, self.policy.min_steps, _key(current),
+        earlier = self.observed.get(_key(current))
+        self.memory.note_window(times, self.policy.min_steps, earlier[1] if earlier else None,
                                 recent=self.every)
         mem = self.memory.observe_args(current.label)
         mem["recut"] = mem["recut"] and self.cfg.balance != "off"

@@ -230,8 +230,8 @@ class FakeGroup:
             share = (self.spec.shares[w.rank] if self.spec is not None
                      and w.rank < len(self.spec.shares) else 4)
             for s in range(start, end):
-                level = self.phases[max((k for k in self.phases if k <= s), default=-1)] \
-                    if any(k <= s for k in self.phases) else 1.0
+                since = [k for k in self.phases if k <= s]  # the phase step s falls in
+                level = self.phases[max(since)] if since else 1.0
                 m = {"step": s, "rank": w.rank, "loss": 1.0 / (s + 1),
                      "step_time": dt * level, "samples": share, "samples_per_s": 400.0,
                      "time": 0.0, "generation": self.generation,

@@ -405,24 +405,24 @@ def test_the_loop_memory_learns_the_hosts_drift():
     from clusters.policy import LoopMemory
 
     mem = LoopMemory()
-    mem.note_window([0.1] * 50, 10, "dp")  # flat, never ran before: calm, no move
+    dp, zero1 = Spread(0.1, 0.0, 50), Spread(0.12, 0.0, 50)
+    mem.note_window([0.1] * 50, 10)  # flat, never ran before: calm, no move
     assert mem.drift == 0.0 and mem.drifts == [0.0]
-    mem.kept("dp", Spread(0.1, 0.0, 50))
-    mem.note_window([0.12] * 50, 10, "zero1")
-    mem.kept("zero1", Spread(0.12, 0.0, 50))
-    mem.note_window([0.13] * 50, 10, "dp")  # dp again, 30 % above its earlier figure
+    mem.kept(None, dp)
+    mem.note_window([0.12] * 50, 10)
+    mem.kept(None, zero1)
+    mem.note_window([0.13] * 50, 10, dp)  # dp again, 30 % above its earlier figure
     assert mem.drift == pytest.approx(0.3) and mem.observe_args("dp")["drift"] == mem.drift
-    mem.kept("dp", Spread(0.13, 0.0, 50))
+    mem.kept(dp, Spread(0.13, 0.0, 50))
     assert mem.moves == [pytest.approx(0.3)] and mem.drift == pytest.approx(0.3)
-    mem.note_window([0.1] * 25 + [0.11] * 25, 10, "zero2")  # a 10 % phase inside a window
+    mem.note_window([0.1] * 25 + [0.11] * 25, 10)  # a 10 % phase inside a window
     assert mem.drifts[-1] == pytest.approx(0.01 / 0.105)
     assert mem.drift == pytest.approx(0.3)  # the larger evidence
-    mem.kept("zero1", Spread(0.1202, 0.002, 50))  # zero1 again, within its noise: no move
+    mem.kept(zero1, Spread(0.1202, 0.002, 50))  # zero1 again, within its noise: no move
     assert mem.moves[-1] == 0.0 and mem.drift == pytest.approx(0.15)  # median of 0.3, 0
     # a move within the noise of the two figures is none: 2 ms apart, each sd 10 ms
     noisy = LoopMemory()
-    noisy.kept("dp", Spread(0.100, 0.010, 20))
-    noisy.kept("dp", Spread(0.102, 0.010, 20))
+    noisy.kept(Spread(0.100, 0.010, 20), Spread(0.102, 0.010, 20))
     assert noisy.moves == [0.0]
 
 
