@@ -5,6 +5,11 @@ Every model is an ``nn.Sequential`` of blocks (so pipelines, per-block profiling
 FSDP units apply) and computes on the CPU for real (no waits): an MLP, a small conv net, a
 small GPT, an MLP-Mixer and a DLRM-style recommendation model (embedding tables, a bottom
 MLP, pairwise interactions, a top MLP).
+
+``HELD_OUT`` are families added after the planner's tuning (session 33), run to check that
+what was tuned on the five above holds: a ResNet (BatchNorm buffers, residual blocks), an
+LSTM language model (recurrent, cuDNN-style flat weights) and a bag-of-words text classifier
+(a 2.6 M-parameter embedding and little compute: communication-bound).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["FAMILIES", "Family"]
+__all__ = ["ALL", "FAMILIES", "HELD_OUT", "Family"]
 
 
 class _Data:
@@ -183,6 +188,56 @@ def _gpt() -> nn.Module:
     return gpt(vocab_size=96, block_size=64, n_layer=4, n_head=4, n_embd=128)
 
 
+# ------------------------------------------------------------------- held-out families
+
+
+class _ResBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(),
+            nn.Conv2d(cout, cout, 3, 1, 1, bias=False), nn.BatchNorm2d(cout))
+        self.skip = (nn.Identity() if stride == 1 and cin == cout else nn.Sequential(
+            nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(self.body(x) + self.skip(x))
+
+
+def resnet(classes: int = 10) -> nn.Sequential:
+    stem = nn.Sequential(nn.Conv2d(3, 32, 3, 1, 1, bias=False), nn.BatchNorm2d(32), nn.ReLU())
+    return nn.Sequential(stem, _ResBlock(32, 32, 1), _ResBlock(32, 64, 2), _ResBlock(64, 64, 1),
+                         _ResBlock(64, 128, 2), _Head(128, classes))
+
+
+class _Lstm(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.rnn = nn.LSTM(dim, dim, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.rnn(x)[0]
+
+
+def lstm(vocab: int = 96, dim: int = 192, layers: int = 2) -> nn.Sequential:
+    return nn.Sequential(nn.Embedding(vocab, dim), *[_Lstm(dim) for _ in range(layers)],
+                         nn.Linear(dim, vocab))
+
+
+class _Bag(nn.Module):
+    def __init__(self, vocab: int, dim: int) -> None:
+        super().__init__()
+        self.emb = nn.EmbeddingBag(vocab, dim, mode="mean")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.emb(x)
+
+
+def bow(vocab: int = 20_000, dim: int = 128, classes: int = 4) -> nn.Sequential:
+    return nn.Sequential(_Bag(vocab, dim), nn.Sequential(nn.Linear(dim, 256), nn.ReLU()),
+                         nn.Linear(256, classes))
+
+
 @dataclass(frozen=True)
 class Family:
     """A model family: its factory, dataset factory, loss and global batch."""
@@ -206,3 +261,15 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            functools.partial(_Data, 2048, (3, 32, 32), classes=10), _ce, 64),
     Family("dlrm", functools.partial(dlrm), functools.partial(_DlrmData), _bce, 256),
 )}
+
+HELD_OUT: dict[str, Family] = {f.name: f for f in (
+    Family("resnet", functools.partial(resnet),
+           functools.partial(_Data, 2048, (3, 32, 32), classes=10), _ce, 64),
+    Family("lstm", functools.partial(lstm),
+           functools.partial(_Data, 2048, (48,), vocab=96, classes=96, target_shape=(48,)),
+           _ce, 32),
+    Family("bow", functools.partial(bow),
+           functools.partial(_Data, 4096, (64,), vocab=20_000, classes=4), _ce, 128),
+)}
+
+ALL: dict[str, Family] = {**FAMILIES, **HELD_OUT}

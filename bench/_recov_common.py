@@ -51,7 +51,7 @@ def workload(family: str) -> tuple[Any, Any, Any, int]:
     wait per step in its loss (elastic only: Ray Train's loop is written for ``recov``)."""
     if family == "recov":
         return model_factory, dataset_factory, slow_mse, G
-    from _planner_models import FAMILIES
+    from _planner_models import ALL as FAMILIES
 
     f = FAMILIES[family]
     return f.model, f.dataset, functools.partial(_slow, f.loss), f.global_batch

@@ -262,7 +262,7 @@ def join_gloo_family(rank: int, world: int, port: int, family: str
 
     import torch
     import torch.distributed as dist
-    from _planner_models import FAMILIES
+    from _planner_models import ALL as FAMILIES
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,

@@ -31,7 +31,7 @@ import _planner_models as pm  # noqa: E402
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--family", default="mixer", choices=sorted(pm.FAMILIES))
+    ap.add_argument("--family", default="mixer", choices=sorted(pm.ALL))
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--strategy", default="dp")
     ap.add_argument("--steps", type=int, default=120)
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         [BENCH, ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
     import elastic
 
-    fam = pm.FAMILIES[args.family]
+    fam = pm.ALL[args.family]
     with tempfile.TemporaryDirectory(prefix="step-trace-") as tmp:
         handle = elastic.submit(
             model=fam.model, optimizer={"name": "adam", "lr": 1e-3}, loss=fam.loss,

@@ -85,12 +85,16 @@ __all__ = [
 class FailureObservation:
     """A failure of a running job. ``kind`` is an ``elastic.failures.FailureKind`` value
     (``"node_lost"``, ``"user_code"``...); ``failures`` counts the job's failures so far,
-    this one included."""
+    this one included. ``lost``: workers it took; ``repeats``: how many failures just before
+    it, in a row, were this one (kind, message, ``step``), none of them taking a worker."""
 
     kind: str
     recoverable: bool
     failures: int
     message: str = ""
+    lost: int = 0
+    repeats: int = 0
+    step: int | None = None
 
 
 @dataclass(frozen=True)
@@ -111,13 +115,23 @@ class GiveUp:
 class FailureBudget:
     """Recover from infrastructure failures (lost workers, hangs, broken groups) up to
     ``max_failures`` times (-1: unlimited); give up at once on anything else (user code, a
-    configuration, the cluster), since doing the same again would fail the same way."""
+    configuration, the cluster), since doing the same again would fail the same way. A
+    failure that took no worker and comes back the same at the same step after a recovery
+    is the job's or the layout's, not the cluster's (a collective refusing a strided tensor
+    failed a pipeline four times, then said "fix the cluster"; with ``max_failures: -1`` it
+    would never have ended): the second time ends the job."""
 
     max_failures: int = 3
 
     def decide(self, obs: FailureObservation) -> Recover | GiveUp:
         if not obs.recoverable:
             return GiveUp(f"{obs.kind.replace('_', ' ')} is not recoverable: {obs.message}")
+        if obs.repeats >= 1 and obs.lost == 0:
+            at = f" at step {obs.step}" if obs.step is not None else ""
+            return GiveUp(f"the same failure came back{at} after a recovery, {obs.repeats + 1} "
+                          f"times in a row, and no worker was lost: {obs.message}. It follows "
+                          "the job, not the cluster. Fix: the layout or the job's code (run "
+                          "`strategy: dp` to tell which; the workers' logs have the traceback)")
         if 0 <= self.max_failures < obs.failures:
             return GiveUp(f"giving up after {obs.failures} failures (max_failures="
                           f"{self.max_failures}): {obs.message}. Fix: raise max_failures (-1 for "

@@ -127,10 +127,28 @@ class _Stage(nn.Module):
         self.block_names = [name for name, _ in blocks]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.requires_grad:  # an activation received from the stage before
+            x = _ContiguousGrad.apply(x)
         with self._autocast():
             for block in self.blocks:
                 x = block(x)
-        return x
+        # sent as it is by torch's p2p, which refuses a strided view (an LSTM's batch-first
+        # output, a transpose)
+        return x.contiguous()
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous: the gradient of a received
+    activation is sent back to the stage before, and a block that starts with a transpose
+    hands back a strided one."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
 
 
 def _stages_per_rank(schedule: str) -> int:

@@ -144,6 +144,7 @@ class Regroup:
         self.restore_policy = InPlaceRecovery()
         self.budget = FailureBudget(cfg.max_failures)
         self.scaling = ScalingPolicy(cfg.replacement_timeout_s, cfg.min_workers_timeout_s)
+        self._last: tuple[tuple[object, ...], int] | None = None  # FailureObservation.repeats
 
     # ------------------------------------------------------------------ restore
 
@@ -253,8 +254,14 @@ class Regroup:
                          "nodes": lost_nodes, "detect_s": t_detect - t_fail,
                          "noticed_by": noticed_by,
                          "survivor_pids": [w.info.get("pid") for w in survivors]})
+        at = failure.step if failure.step is not None else self.steps.next_step
+        same = (failure.kind, failure.message, at)
+        repeats = (self._last[1] + 1 if not dead and self._last is not None
+                   and self._last[0] == same else 0)
+        self._last = (same, repeats) if not dead else None
         verdict = self.budget.decide(FailureObservation(
-            failure.kind.value, True, failures, failure.message))
+            failure.kind.value, True, failures, failure.message, lost=len(dead),
+            repeats=repeats, step=at))
         if isinstance(verdict, GiveUp):
             return verdict
         group.remove(dead)

@@ -140,6 +140,31 @@ def test_failure_budget_gives_up_with_the_fix(tmp_path):
         ctl.run()
 
 
+@pytest.mark.parametrize("max_failures", [-1, 5])
+def test_a_failure_that_comes_back_where_it_was_ends_the_job_as_the_jobs(tmp_path, max_failures):
+    # a collective refusing what a layout handed it fails the group at the same step with
+    # every worker alive, again after every recovery: it was retried to the budget, then
+    # blamed on the cluster (and never ended at max_failures: -1)
+    ctl, fake = _controller(tmp_path, num_workers=2, min_workers=1, max_failures=max_failures)
+    for _ in range(3):
+        fake.fail(step=5, rank=1, kind="group")
+    with pytest.raises(InfrastructureError, match="same failure came back at step 5 after a "
+                       "recovery, 2 times in a row, and no worker was lost.*not the cluster"):
+        ctl.run()
+    assert len([e for e in ctl.events if e.kind == "recovered"]) == 1
+
+
+def test_group_failures_at_other_steps_or_with_a_worker_lost_are_recovered(tmp_path):
+    ctl, fake = _controller(tmp_path, num_workers=3, min_workers=1, max_failures=-1)
+    fake.fail(step=4, rank=1, kind="group")
+    fake.fail(step=7, rank=1, kind="group")
+    fake.fail(step=9, rank=2, kind="lost")
+    fake.fail(step=9, rank=1, kind="lost")
+    result = ctl.run()
+    assert len([e for e in ctl.events if e.kind == "recovered"]) == 4
+    assert [h["step"] for h in result.history] == list(range(STEPS))
+
+
 def test_below_min_workers_waits_then_gives_up(tmp_path):
     ctl, fake = _controller(tmp_path, num_workers=2, min_workers=2, min_workers_timeout_s=0.01)
     fake.fail(step=4, rank=1)

@@ -65,6 +65,25 @@ def test_failure_budget_gives_up_at_once_on_what_is_not_recoverable(max_failures
     assert d.reason == "user code is not recoverable: ZeroDivisionError"
 
 
+@pytest.mark.parametrize(
+    ("repeats", "lost", "max_failures", "recover"),
+    [(0, 0, 3, True), (1, 0, 3, False), (1, 0, -1, False), (2, 0, -1, False), (1, 1, 3, True),
+     (1, 1, -1, True)],
+)
+def test_failure_budget_ends_a_failure_that_recurs_with_no_worker_lost(repeats, lost,
+                                                                      max_failures, recover):
+    d = FailureBudget(max_failures).decide(FailureObservation(
+        "group", True, 2, "rank 0: the process group failed (RuntimeError: input tensor has "
+        "to be contiguous)", lost=lost, repeats=repeats, step=12))
+    if recover:
+        assert isinstance(d, Recover)
+    else:
+        assert isinstance(d, GiveUp)
+        assert (f"came back at step 12 after a recovery, {repeats + 1} times in a row, and no "
+                "worker was lost: rank 0" in d.reason)
+        assert "not the cluster" in d.reason and "strategy: dp" in d.reason
+
+
 # ------------------------------------------------------------------ restore source
 
 
