@@ -104,7 +104,9 @@ class CostModel:
     the schedule those steps ran; another schedule takes a positive ``pipe_action_s`` only.
     ``pipe_fit_reach``: the most micro-batches per stage those steps ran (their largest count
     over their degree; 0 without a fit): the planner offers no pipeline beyond it, where
-    the per-micro-batch cost was never measured.
+    the per-micro-batch cost was never measured. ``pipe_step_overhead``: a pipeline step's
+    fixed seconds in place of ``step_overhead``, where those steps spent less outside their
+    schedule than ``step_overhead`` and the update together (None: ``step_overhead``).
     ``shared_cores``: by device id, the CPU ranks that share a crowded host's cores
     (``pipeline_cost.SharedCores``); a pipeline's waiting ranks leave their cores to the busy
     ones. Data-parallel layouts keep every rank busy at once, as the profile did.
@@ -133,6 +135,7 @@ class CostModel:
     pipe_msg_scale: float = 1.0
     pipe_fit_schedule: str = "1f1b"
     pipe_fit_reach: float = 0.0
+    pipe_step_overhead: float | None = None
 
     # ---------------------------------------------------------------- parts
     def alpha_beta(self, path: Path | None, kind: str | None = None) -> tuple[float, float]:

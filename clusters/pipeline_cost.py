@@ -97,6 +97,9 @@ class PartCosts(Protocol):
     @property
     def pipe_fit_schedule(self) -> str: ...
 
+    @property
+    def pipe_step_overhead(self) -> float | None: ...
+
     def alpha_beta(self, path: Path | None, kind: str | None = None) -> tuple[float, float]: ...
 
     def sample_time(self, device: Device, profile: ModelProfile,
@@ -372,6 +375,7 @@ def estimate_pipeline(
             opt = max(opt, model.layout_optimizer_time(plan.dp_mode, d, pos_blocks[j], dp,
                                                        profile))
 
-    step = compute + exposed + opt + model.step_overhead + _step_messages(model, plan, layout)
+    fixed = model.step_overhead if model.pipe_step_overhead is None else model.pipe_step_overhead
+    step = compute + exposed + opt + fixed + _step_messages(model, plan, layout)
     return Estimate(step, compute, exposed, opt, bubble_fraction(p, m, plan.schedule, v),
                             tuple(mem), link, use, tight)

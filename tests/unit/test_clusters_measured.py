@@ -479,6 +479,23 @@ def test_a_zero3_trial_sets_the_wait_at_each_of_its_units():
     dp = Plan(strategy="dp", world_size=2, shares=(32, 32), devices=tuple(ids))
     assert mm.model.estimate(dp, cluster, mm.profile).step_time == pytest.approx(
         plain.model.estimate(dp, cluster, mm.profile).step_time)
+    # a trial below the terms with no wait at all: zero3's messages cost less in its steps
+    # (a bag of words on 3 CPU ranks: trial 104 ms, predicted 151), no wait
+    nowait = plain.model.estimate(z3, cluster, plain.profile)
+    want = nowait.step_time - 0.4 * nowait.comm
+    for r in reps:
+        r["trial_zero3"] = {"shares": [32, 32], "seconds": [want] * 3}
+    low = terms_model(reps, ids, _base(), cluster=cluster)
+    assert low.model.estimate(z3, cluster, low.profile).step_time == pytest.approx(want,
+                                                                                 rel=1e-6)
+    assert low.model.unit_wait_s == 0.0 and set(low.model.comm_scale) == {"all_gather",
+                                                                         "reduce_scatter"}
+    assert low.model.estimate(dp, cluster, low.profile).step_time == pytest.approx(
+        plain.model.estimate(dp, cluster, plain.profile).step_time)
+    for r in reps:  # never below a quarter of them
+        r["trial_zero3"] = {"shares": [32, 32], "seconds": [want / 100] * 3}
+    floor = terms_model(reps, ids, _base(), cluster=cluster).model
+    assert floor.comm_scale["all_gather"] == pytest.approx(0.25)
 
 
 @pytest.mark.parametrize("beside, level", [
@@ -767,6 +784,17 @@ def test_a_pipeline_trial_sets_its_schedules_cost_and_its_other_messages():
     fast = with_trial(before.compute / 100, before.compute / 100)
     est = fast.model.estimate(pipe(2), cluster, fast.profile)
     assert 0 < est.compute < before.compute and fast.model.pipe_msg_scale == 0.0
+    # less outside the schedule than dp's step overhead (2 ms) and the update: the fixed
+    # part is the pipeline's own (a bag of words on 3 CPU ranks: predicted +38 % before)
+    short = with_trial(c2 + before.optimizer + 0.5e-3, c2)
+    est = short.model.estimate(pipe(2), cluster, short.profile)
+    assert short.model.pipe_step_overhead == pytest.approx(0.5e-3, rel=1e-6)
+    assert short.model.pipe_msg_scale == 0.0 and short.model.step_overhead == pytest.approx(2e-3)
+    assert est.step_time == pytest.approx(c2 + before.optimizer + 0.5e-3, rel=1e-6)
+    assert short.spreads["trial_pipeline"]["step_overhead"] == pytest.approx(0.5e-3, rel=1e-6)
+    assert mm.model.pipe_step_overhead is None  # more than that: messages, as before
+    assert short.model.estimate(dp, cluster, short.profile).step_time == pytest.approx(
+        plain.model.estimate(dp, cluster, plain.profile).step_time)
     assert plain.spreads["trial_pipeline"] is None
     # a malformed trial is ignored: rank 0's, the whole fit; another rank's, that rank
     reps = _reports()
