@@ -62,6 +62,7 @@ from .fsdp import (
     sharded_counts,
     sharded_full_state,
 )
+from .running_stats import average_running_stats, running_stats
 from .spec import StrategySpec
 from .traits import DP_MODES, SCHEDULES
 from .zero import ShardedUpdate, owned_needs
@@ -135,6 +136,36 @@ class _Stage(nn.Module):
         # sent as it is by torch's p2p, which refuses a strided view (an LSTM's batch-first
         # output, a transpose)
         return x.contiguous()
+
+
+@functools.cache
+def _quiet_stage_class() -> type[Any]:
+    """torch's ``PipelineStage``, whose metadata inference (the first step of a stage) runs
+    the stage's forward once more in training mode, on an uninitialised tensor past the
+    first stage: a BatchNorm took its running statistics from that memory (1e10 to 1e36,
+    inf). Here the stage's buffers are put back after it."""
+    from torch.distributed.pipelining import PipelineStage
+
+    class QuietStage(PipelineStage):
+        def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
+            with _buffers_kept(self.submod):  # torch 2.13
+                return super()._forward_metadata_inference(*args, **kwargs)
+
+        def _shape_inference(self, *args: Any, **kwargs: Any) -> Any:
+            with _buffers_kept(self.submod):  # torch before 2.12 (GPU images ship 2.11)
+                return super()._shape_inference(*args, **kwargs)  # type: ignore[misc]
+
+    return QuietStage
+
+
+@contextlib.contextmanager
+def _buffers_kept(module: nn.Module) -> Any:
+    saved = [(b, b.detach().clone()) for b in module.buffers()]
+    try:
+        yield
+    finally:
+        for b, v in saved:  # through .data: the backward inference that follows holds the
+            b.data.copy_(v)  # forward's graph, which checks the buffers' version counters
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -234,7 +265,6 @@ class Pipeline(Strategy):
         super().__init__(spec, rt, model, optimizer_factory, loss_fn)
         self.validate(spec, model)
         from torch.distributed.pipelining import (
-            PipelineStage,
             Schedule1F1B,
             ScheduleGPipe,
             ScheduleInterleaved1F1B,
@@ -293,7 +323,7 @@ class Pipeline(Strategy):
         self._mb_scale = sum(self._slices) * fsdp_factor / (m * g)
         self._report = 1.0 / fsdp_factor
         pstages = [
-            PipelineStage(st, i, self.n_stages, rt.device, group=self.pp_group)
+            _quiet_stage_class()(st, i, self.n_stages, rt.device, group=self.pp_group)
             for st, i in zip(self.stages, self.stage_ids, strict=True)
         ]
         self.is_first = 0 in self.stage_ids
@@ -342,6 +372,7 @@ class Pipeline(Strategy):
         )
         if self.update is not None:
             self.update.reduce_grads()
+        self.sync_running_stats()
         # the global norm (one world all-reduce; clipping with it) before the commit below,
         # see clip_grads; not finite: no rank commits or updates (all see the same norm)
         if not self.update_allowed():
@@ -361,6 +392,16 @@ class Pipeline(Strategy):
             before_update()
             self.optimizer.step()
         return self._loss(losses)
+
+    def sync_running_stats(self) -> None:
+        """Over the stage's replicas (its dp group), each weighted by its replica's batch;
+        nothing at dp 1 (one holder of each stage)."""
+        if self.dp_group is None:
+            return
+        if self._stats is None:
+            self._stats = running_stats(self.stages)
+        average_running_stats(self._stats, sum(self._slices) / self.spec.global_batch_size,
+                              self.dp_group)
 
     def _loss(self, losses: list[torch.Tensor]) -> float:
         """What ``train_step`` returns: the replica's loss share on the last stage, else 0."""

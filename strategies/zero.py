@@ -308,6 +308,7 @@ class _Zero(Strategy):
                 self.update.wait()
         self.update.sync = True
         self.update.wait()
+        self.sync_running_stats()
         if self.update_allowed():  # the global norm, every step (no message: clip_grads)
             self.update.step()
         return total * self._scale
