@@ -310,17 +310,25 @@ def make_bn() -> nn.Sequential:
     return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 4))
 
 
-def _train_bn(name: str, spec_kw: dict[str, Any], steps: int) -> dict[str, torch.Tensor]:
-    """This rank's running statistics after ``steps`` steps of ``make_bn``."""
+def _trained(name: str, spec_kw: dict[str, Any], steps: int, factory: Any = make_mlp
+             ) -> tuple[Any, StrategySpec, int, int]:
+    """On every rank: ``factory``'s model under ``name``, trained ``steps`` steps on DATA;
+    (the strategy, its spec, this rank's share bounds)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     spec = StrategySpec(name=name, world_size=world, **spec_kw)
-    strat = registry.get(name)(spec, Runtime.current("cpu"), build_model(make_bn, SEED),
+    strat = registry.get(name)(spec, Runtime.current("cpu"), build_model(factory, SEED),
                                make_adam, F.mse_loss)
     sampler = StepSampler(len(DATA), spec.global_batch_size, SEED)
     lo, hi = share_bounds(spec.shares, rank)
     for s in range(steps):
         x, y = fetch_batch(DATA, sampler.indices(s))
         strat.train_step(x[lo:hi], y[lo:hi])
+    return strat, spec, lo, hi
+
+
+def _train_bn(name: str, spec_kw: dict[str, Any], steps: int) -> dict[str, torch.Tensor]:
+    """This rank's running statistics after ``steps`` steps of ``make_bn``."""
+    strat = _trained(name, spec_kw, steps, make_bn)[0]
     held = {k: v.clone() for k, v in strat.local_state().items() if "running" in k}
     strat.close()
     return held
@@ -473,15 +481,7 @@ def test_activation_checkpointing_needs_blocks() -> None:
 def _eval_run(name: str, spec_kw: dict[str, Any], steps: int) -> list[float]:
     """Train ``steps`` steps, then score all of DATA: in training-shaped batches (every
     layout), then (not pipelines) in a 2-sample batch that leaves rank 2 an empty part."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    spec = StrategySpec(name=name, world_size=world, **spec_kw)
-    strat = registry.get(name)(spec, Runtime.current("cpu"), build_model(make_mlp, SEED),
-                               make_adam, F.mse_loss)
-    sampler = StepSampler(len(DATA), spec.global_batch_size, SEED)
-    lo, hi = share_bounds(spec.shares, rank)
-    for s in range(steps):
-        x, y = fetch_batch(DATA, sampler.indices(s))
-        strat.train_step(x[lo:hi], y[lo:hi])
+    strat, spec, lo, hi = _trained(name, spec_kw, steps)
     g = spec.global_batch_size
     total = torch.zeros(2, dtype=torch.float64)
     for start in range(0, len(DATA), g):
@@ -491,6 +491,7 @@ def _eval_run(name: str, spec_kw: dict[str, Any], steps: int) -> list[float]:
     out = [float(total[0] / total[1])]
     if name != "pipeline":
         x, y = fetch_batch(DATA, torch.arange(0, 2))
+        rank = dist.get_rank()
         part = slice(min(rank, 2), min(rank + 1, 2))  # ranks 0 and 1 one sample, rank 2 none
         small = torch.tensor(strat.eval_step(x[part], y[part]), dtype=torch.float64)
         dist.all_reduce(small)
