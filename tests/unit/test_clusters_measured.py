@@ -475,6 +475,20 @@ def test_a_zero3_trial_sets_the_wait_at_each_of_its_units():
         plain.model.sync_wait_s + 12e-3 / sync_points("zero3", 2, units), rel=1e-6)
     assert mm.model.estimate(z3, cluster, mm.profile).step_time == pytest.approx(want, rel=1e-6)
     assert mm.model.trial_layouts == (("dp", tuple(ids)), ("zero3", tuple(ids)))
+    # a real zero3 step validated its kinds: a pipeline pick that ran slower than predicted
+    # does not scale zero3's all-gathers by its one small batch all-gather in the loop
+    assert mm.model.trial_kinds == ("all_gather", "all_reduce", "reduce_scatter")
+    pipe = Plan(strategy="pipeline", world_size=2, shares=(64,), pp_degree=2, micro_batches=2,
+                schedule="1f1b", stage_split=(1, 2), devices=tuple(ids))
+    for m in (plain.model, mm.model):
+        slow = m.estimate(pipe, cluster, mm.profile).step_time * 1.5
+        fitted = refit(m, mm.profile, cluster, [Observed(pipe, Spread(slow, 1e-4, 50))])
+        if m is mm.model:
+            assert "all_gather" not in fitted.comm_scale
+            assert fitted.estimate(z3, cluster, mm.profile).step_time == pytest.approx(
+                want, rel=0.02)
+        else:
+            assert fitted.comm_scale.get("all_gather", 1.0) > 1.0  # as before: no trial
     # dp is untouched (its one meeting point keeps sync_wait_s)
     dp = Plan(strategy="dp", world_size=2, shares=(32, 32), devices=tuple(ids))
     assert mm.model.estimate(dp, cluster, mm.profile).step_time == pytest.approx(
