@@ -38,7 +38,7 @@ from torch import nn
 from .blocks import checkpoint_blocks, pipeline_blocks_or_none
 from .canonical import CanonicalState
 from .errors import StrategyError
-from .running_stats import average_running_stats, running_stats
+from .running_stats import RunningStats, running_stats
 from .spec import StrategySpec, micro_batch_count
 
 __all__ = [
@@ -165,7 +165,7 @@ class Strategy(ABC):
         if spec.options.activation_checkpointing:
             checkpoint_blocks(model)  # before any wrapper sees the model
         self.precision = spec.options.precision
-        self._stats: list[torch.Tensor] | None = None  # see sync_running_stats
+        self._stats: RunningStats | None = None  # see sync_running_stats
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The forward's (and loss's) precision context: ``torch.autocast`` to bfloat16 for
@@ -303,11 +303,11 @@ class Strategy(ABC):
 
     def sync_running_stats(self) -> None:
         """After a step's forwards, on every rank: the normalisation layers' running
-        statistics averaged over the replicas, each weighted by its share of G
-        (``strategies.running_stats``; nothing to do for a model without them)."""
+        statistics averaged over the replicas, each weighted by its share of G, never left
+        non-finite (``strategies.running_stats``; nothing to do for a model without them)."""
         if self._stats is None:
-            self._stats = running_stats([self.local_model()])
-        average_running_stats(self._stats, self.share / self.spec.global_batch_size)
+            self._stats = RunningStats(running_stats([self.local_model()]))
+        self._stats.average(self.share / self.spec.global_batch_size)
 
     def update_allowed(self) -> bool:
         """Called by every layout on every step once the gradients are reduced, before any

@@ -62,7 +62,7 @@ from .fsdp import (
     sharded_counts,
     sharded_full_state,
 )
-from .running_stats import average_running_stats, running_stats
+from .running_stats import RunningStats, running_stats
 from .spec import StrategySpec
 from .traits import DP_MODES, SCHEDULES
 from .zero import ShardedUpdate, owned_needs
@@ -394,14 +394,12 @@ class Pipeline(Strategy):
         return self._loss(losses)
 
     def sync_running_stats(self) -> None:
-        """Over the stage's replicas (its dp group), each weighted by its replica's batch;
-        nothing at dp 1 (one holder of each stage)."""
-        if self.dp_group is None:
-            return
+        """Over the stage's replicas (its dp group; at dp 1 its one holder), each weighted by
+        its replica's batch."""
         if self._stats is None:
-            self._stats = running_stats(self.stages)
-        average_running_stats(self._stats, sum(self._slices) / self.spec.global_batch_size,
-                              self.dp_group)
+            self._stats = RunningStats(running_stats(self.stages))
+        self._stats.average(sum(self._slices) / self.spec.global_batch_size, self.dp_group,
+                            alone=self.dp_group is None)
 
     def _loss(self, losses: list[torch.Tensor]) -> float:
         """What ``train_step`` returns: the replica's loss share on the last stage, else 0."""

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["average_running_stats", "running_stats"]
+__all__ = ["RunningStats", "running_stats"]
 
 
 def running_stats(modules: Iterable[nn.Module]) -> list[torch.Tensor]:
@@ -35,16 +35,37 @@ def running_stats(modules: Iterable[nn.Module]) -> list[torch.Tensor]:
     return out
 
 
-def average_running_stats(stats: list[torch.Tensor], weight: float,
-                          group: dist.ProcessGroup | None = None) -> None:
-    """Replace ``stats`` with their average over ``group``, this rank's weighted by ``weight``
-    (the weights of the group's ranks sum to 1): one all-reduce of them flattened, in fp32.
-    Collective over ``group`` when there are statistics (the same on every rank)."""
-    if not stats or dist.get_world_size(group) <= 1:
-        return
-    flat = torch.cat([s.detach().reshape(-1).float() for s in stats]).mul_(weight)
-    dist.all_reduce(flat, group=group)
-    at = 0
-    for s in stats:
-        s.detach().copy_(flat[at:at + s.numel()].view_as(s))
-        at += s.numel()
+class RunningStats:
+    """A layout's running statistics (``running_stats``) and their last finite values.
+
+    ``average`` replaces them with their average over ``group``, this rank's weighted by
+    ``weight`` (the weights of the group's ranks sum to 1): one all-reduce of them
+    flattened, in fp32, collective over ``group`` when there are statistics (the same on
+    every rank). Where the average is not finite (a NaN or inf in some replica's samples,
+    a step the layouts then skip), every replica keeps the last finite values instead: NaN
+    statistics would stay NaN for the rest of the job, and no checkpoint holding them would
+    ever be committed. (Not at a layout's first step: there are no earlier values yet.)"""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.tensors = tensors
+        self._good: torch.Tensor | None = None
+
+    def average(self, weight: float, group: dist.ProcessGroup | None = None,
+                alone: bool = False) -> None:
+        """``alone``: this rank is its statistics' only holder (a pipeline stage at dp 1):
+        no all-reduce, the finite check only."""
+        if not self.tensors:
+            return
+        flat = torch.cat([s.detach().reshape(-1).float() for s in self.tensors])
+        if not alone and dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(flat.mul_(weight), group=group)
+        if not bool(torch.isfinite(flat).all()):
+            if self._good is None:
+                return
+            flat = self._good
+        else:
+            self._good = flat
+        at = 0
+        for s in self.tensors:
+            s.detach().copy_(flat[at:at + s.numel()].view_as(s))
+            at += s.numel()
