@@ -131,7 +131,10 @@ def _fit_comm(model: CostModel, profile: ModelProfile, cluster: Cluster,
     # the machine's drift since profiling, shared by every layout; never more negative than
     # half the fastest segment seen, so that no layout is predicted to take no time
     floor = -0.5 * min(o.step.median for o in observed)
-    return replace(out, step_overhead=max(floor, model.step_overhead + statistics.median(left)))
+    drift = statistics.median(left)
+    pipe = model.pipe_step_overhead  # a pipeline's own fixed cost (pipeline_fit) moves alike
+    return replace(out, step_overhead=max(floor, model.step_overhead + drift),
+                   pipe_step_overhead=None if pipe is None else max(floor, pipe + drift))
 
 
 @dataclass(frozen=True)

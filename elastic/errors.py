@@ -82,7 +82,12 @@ class InfrastructureError(ElasticError):
 
 class GroupError(InfrastructureError):
     """A collective of the process group failed on this rank: a peer was lost, closed its
-    connection or timed out. Usually the consequence of another rank's failure."""
+    connection or timed out. Usually the consequence of another rank's failure.
+    ``transport``: False when torch.distributed's own code refused the call itself (a plain
+    exception raised there, not a network, store or timeout error, nothing recorded by the
+    layout's collectives): what a layout or the job handed it, which a retry repeats."""
+
+    transport: bool = True
 
 
 class WorkerLostError(InfrastructureError):

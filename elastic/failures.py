@@ -190,8 +190,11 @@ def worker_error(exc: BaseException, rank: int, group_failed: str | None = None
     )
     if is_group:
         why = f"; the group had recorded: {group_failed}" if group_failed else ""
-        return GroupError(f"rank {rank}: the process group failed "
-                          f"({type(exc).__name__}: {_first_line(exc)}){why}")
+        err = GroupError(f"rank {rank}: the process group failed "
+                         f"({type(exc).__name__}: {_first_line(exc)}){why}")
+        err.transport = not (type(exc) in (RuntimeError, ValueError, TypeError)
+                             and group_failed is None)
+        return err
     return WorkerError(rank, socket.gethostname(), f"{type(exc).__name__}: {exc}",
                        "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
 

@@ -258,6 +258,7 @@ class Strategy(ABC):
         dev = self.rt.device
         inputs, targets = inputs.to(dev, non_blocking=True), targets.to(dev, non_blocking=True)
         optimizer.zero_grad(set_to_none=True)
+        self.running().hold()
         n = len(inputs)
         parts = self.chunks(n, count)
         total = 0.0
@@ -301,13 +302,21 @@ class Strategy(ABC):
             module.train(was)
         return loss * n, n
 
-    def sync_running_stats(self) -> None:
-        """After a step's forwards, on every rank: the normalisation layers' running
-        statistics averaged over the replicas, each weighted by its share of G, never left
-        non-finite (``strategies.running_stats``; nothing to do for a model without them)."""
+    def running(self) -> RunningStats:
+        """The normalisation layers' running statistics this rank holds
+        (``strategies.running_stats``); ``hold()`` them before a step's forwards."""
         if self._stats is None:
-            self._stats = RunningStats(running_stats([self.local_model()]))
-        self._stats.average(self.share / self.spec.global_batch_size)
+            self._stats = RunningStats(running_stats(self._stats_modules()))
+        return self._stats
+
+    def _stats_modules(self) -> list[nn.Module]:
+        return [self.local_model()]
+
+    def sync_running_stats(self) -> None:
+        """After a step's forwards, on every rank: the running statistics averaged over the
+        replicas, each weighted by its share of G, never left non-finite (nothing to do for
+        a model without them)."""
+        self.running().average(self.share / self.spec.global_batch_size)
 
     def update_allowed(self) -> bool:
         """Called by every layout on every step once the gradients are reduced, before any

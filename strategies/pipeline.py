@@ -62,7 +62,6 @@ from .fsdp import (
     sharded_counts,
     sharded_full_state,
 )
-from .running_stats import RunningStats, running_stats
 from .spec import StrategySpec
 from .traits import DP_MODES, SCHEDULES
 from .zero import ShardedUpdate, owned_needs
@@ -143,13 +142,18 @@ def _quiet_stage_class() -> type[Any]:
     """torch's ``PipelineStage``, whose metadata inference (the first step of a stage) runs
     the stage's forward once more in training mode, on an uninitialised tensor past the
     first stage: a BatchNorm took its running statistics from that memory (1e10 to 1e36,
-    inf). Here the stage's buffers are put back after it."""
+    inf). Here the stage's buffers are put back after it, after the backward inference too
+    (with activation checkpointing it runs the blocks' forwards again)."""
     from torch.distributed.pipelining import PipelineStage
 
     class QuietStage(PipelineStage):
         def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
             with _buffers_kept(self.submod):  # torch 2.13
                 return super()._forward_metadata_inference(*args, **kwargs)
+
+        def _backward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
+            with _buffers_kept(self.submod):  # torch 2.13
+                return super()._backward_metadata_inference(*args, **kwargs)
 
         def _shape_inference(self, *args: Any, **kwargs: Any) -> Any:
             with _buffers_kept(self.submod):  # torch before 2.12 (GPU images ship 2.11)
@@ -363,6 +367,7 @@ class Pipeline(Strategy):
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         """Feed this rank's own share; see the module docstring for the loss it returns."""
         self._zero_grad()
+        self.running().hold()
         inputs, targets = self._replica_batch(inputs), self._replica_batch(targets)
         args = (inputs,) if self.is_first else ()
         target = targets if self.is_last else None
@@ -396,10 +401,11 @@ class Pipeline(Strategy):
     def sync_running_stats(self) -> None:
         """Over the stage's replicas (its dp group; at dp 1 its one holder), each weighted by
         its replica's batch."""
-        if self._stats is None:
-            self._stats = RunningStats(running_stats(self.stages))
-        self._stats.average(sum(self._slices) / self.spec.global_batch_size, self.dp_group,
-                            alone=self.dp_group is None)
+        self.running().average(sum(self._slices) / self.spec.global_batch_size, self.dp_group,
+                               alone=self.dp_group is None)
+
+    def _stats_modules(self) -> list[nn.Module]:
+        return list(self.stages)
 
     def _loss(self, losses: list[torch.Tensor]) -> float:
         """What ``train_step`` returns: the replica's loss share on the last stage, else 0."""

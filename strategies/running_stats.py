@@ -44,11 +44,20 @@ class RunningStats:
     every rank). Where the average is not finite (a NaN or inf in some replica's samples,
     a step the layouts then skip), every replica keeps the last finite values instead: NaN
     statistics would stay NaN for the rest of the job, and no checkpoint holding them would
-    ever be committed. (Not at a layout's first step: there are no earlier values yet.)"""
+    ever be committed. ``hold`` before a layout's first step's forwards takes the values
+    to fall back to there."""
 
     def __init__(self, tensors: list[torch.Tensor]) -> None:
         self.tensors = tensors
         self._good: torch.Tensor | None = None
+
+    def hold(self) -> None:
+        """Before a step's forwards: keep the current values to fall back to, if none are
+        kept yet (a layout's first step; later ones keep each finite average)."""
+        if self._good is None and self.tensors:
+            flat = torch.cat([s.detach().reshape(-1).float() for s in self.tensors])
+            if bool(torch.isfinite(flat).all()):
+                self._good = flat
 
     def average(self, weight: float, group: dist.ProcessGroup | None = None,
                 alone: bool = False) -> None:

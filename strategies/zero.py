@@ -291,6 +291,7 @@ class _Zero(Strategy):
         dev = self.rt.device
         inputs, targets = inputs.to(dev, non_blocking=True), targets.to(dev, non_blocking=True)
         self.update.zero_grad()
+        self.running().hold()
         n = len(inputs)
         # micro-batches: ZeRO-1 reduces after the last one only; ZeRO-2 reduces each to the
         # owners (whose gradients accumulate the sums; the others drop theirs each time, so

@@ -16,6 +16,7 @@ again, no storage read), else the newest committed checkpoint that loads, else s
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -127,6 +128,9 @@ class Regrouped:
     step: int
     source: str
     detail: str
+
+
+_RANK = re.compile(r"^rank \d+: ")
 
 
 class Regroup:
@@ -255,10 +259,13 @@ class Regroup:
                          "noticed_by": noticed_by,
                          "survivor_pids": [w.info.get("pid") for w in survivors]})
         at = failure.step if failure.step is not None else self.steps.next_step
-        same = (failure.kind, failure.message, at)
-        repeats = (self._last[1] + 1 if not dead and self._last is not None
+        # the same refusal by torch.distributed's own code (not a network, store or timeout
+        # error: a degraded link repeats those too), whichever rank reported it first
+        same = (failure.kind, _RANK.sub("", failure.message), at)
+        refused = not getattr(failure.error, "transport", True)
+        repeats = (self._last[1] + 1 if refused and not dead and self._last is not None
                    and self._last[0] == same else 0)
-        self._last = (same, repeats) if not dead else None
+        self._last = (same, repeats) if refused and not dead else None
         verdict = self.budget.decide(FailureObservation(
             failure.kind.value, True, failures, failure.message, lost=len(dead),
             repeats=repeats, step=at))

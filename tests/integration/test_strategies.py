@@ -387,6 +387,10 @@ BN_CASES = {k: CASES[k] for k in ("dp-2", "zero1-3", "zero2-2", "zero3-3")} | {
     "pp2xdp2": ("pipeline", 4, pp(2, (4, 2, 2, 4), 2, "1f1b", "dp")),
     "pp2xzero3": ("pipeline", 4, pp(2, (2, 4, 4, 2), 2, "gpipe", "zero3")),
     "pp2-m1": ("pipeline", 2, pp(2, (6, 6), 1, "gpipe")),  # one micro-batch: the whole G
+    # activation checkpointing: the backward metadata inference may re-run the checkpointed
+    # forwards (kept quiet too; this case also passes without that, on this torch)
+    "pp2-ac": ("pipeline", 2, {**pp(2, (6, 6), 2, "1f1b"),
+                               "options": {"activation_checkpointing": True}}),
 }
 
 
@@ -400,8 +404,8 @@ def test_replicas_keep_one_set_of_batch_norm_statistics(pool: _Pool, case: str) 
     held = [r for r in ranks if r]  # a pipeline's ranks of the stage with the batch norm
     assert len(held) == world // kw.get("pp_degree", 1)
     for k, v in held[0].items():
-        assert torch.isfinite(v).all() and all(torch.allclose(r[k], v, atol=1e-6)
-                                               for r in held), k
+        assert float(v.abs().max()) < 10 and all(torch.allclose(r[k], v, atol=1e-6)
+                                                 for r in held), k
     if kw.get("micro_batches", 1) > 1:
         return  # one update per micro-batch: not one process's figure
     # the share-weighted average of the running means is one process's over the batch (a
@@ -413,16 +417,18 @@ def test_replicas_keep_one_set_of_batch_norm_statistics(pool: _Pool, case: str) 
     assert torch.allclose(one["model/1.running_mean"], ref["1.running_mean"], atol=1e-6)
 
 
-@pytest.mark.parametrize("case", ["dp-2", "zero3-3", "pp2xdp2", "pp2-m1"])
+@pytest.mark.parametrize("case", ["dp-2", "zero1-3", "zero3-3", "pp2xdp2", "pp2-m1"])
+@pytest.mark.parametrize("at", [0, 2])  # a layout's first step too (start, switch, restore)
 def test_a_nan_batch_leaves_the_batch_norm_statistics_of_the_step_before(pool: _Pool,
-                                                                          case: str) -> None:
+                                                                          case: str,
+                                                                          at: int) -> None:
     # the step is skipped (its gradient norm is NaN) but its forward had already folded the
     # NaN into the running statistics: NaN for the rest of the job (on every replica once
     # they are averaged), and no checkpoint holding them is ever committed
     name, world, kw = BN_CASES[case]
     last = world - 1  # a rank of the stage with the batch norm, for the pipelines too
-    bad = [r for r in pool.run(_train_bn, name, kw, 3, (last, 2), world_size=world) if r]
-    good = [r for r in pool.run(_train_bn, name, kw, 2, world_size=world) if r]
+    bad = [r for r in pool.run(_train_bn, name, kw, at + 1, (last, at), world_size=world) if r]
+    good = [r for r in pool.run(_train_bn, name, kw, at, world_size=world) if r]
     for k, v in good[0].items():
         assert all(torch.equal(r[k], v) for r in bad), k
 

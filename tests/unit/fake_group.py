@@ -25,8 +25,18 @@ _OPTIM_ENTRIES = ("exp_avg", "exp_avg_sq", "step")
 class Fault:
     step: int
     rank: int
-    kind: str  # "lost" | "user" | "hang" | "group" | "nonfinite" | "nonfinite-rollback"
+    kind: str  # "lost" | "user" | "hang" | "group" | "refused" | "nonfinite" | ...-rollback
     fired: bool = False
+
+
+def _peer_error(rank: int, kind: str) -> GroupError:
+    """What a peer of the failing rank reports: the same refusal where torch.distributed
+    refused every rank's call alike, else the lost peer."""
+    if kind != "refused":
+        return GroupError(f"rank {rank}: peer gone")
+    err = GroupError(f"rank {rank}: the process group failed")
+    err.transport = False
+    return err
 
 
 @dataclass
@@ -208,9 +218,10 @@ class FakeGroup:
                 classify(NonFiniteError(f"non-finite loss or gradient at step {fault.step}",
                                         step=fault.step, rank=w.rank if w is victim else None,
                                         rollback=rb), w.rank) for w in self.workers))
-        else:
+        else:  # "group": the transport's; "refused": torch.distributed refused the call
             err = GroupError(f"rank {fault.rank}: the process group failed")
-        others = [classify(GroupError(f"rank {w.rank}: peer gone"), w.rank)
+            err.transport = fault.kind != "refused"
+        others = [classify(_peer_error(w.rank, fault.kind), w.rank)
                   for w in self.workers if w is not victim]
         return SegmentPoll(failures=(classify(err, fault.rank), *others))
 

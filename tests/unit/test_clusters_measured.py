@@ -807,6 +807,14 @@ def test_a_pipeline_trial_sets_its_schedules_cost_and_its_other_messages():
     assert est.step_time == pytest.approx(c2 + before.optimizer + 0.5e-3, rel=1e-6)
     assert short.spreads["trial_pipeline"]["step_overhead"] == pytest.approx(0.5e-3, rel=1e-6)
     assert mm.model.pipe_step_overhead is None  # more than that: messages, as before
+    # the closed loop's drift (dp 3 ms slower than predicted) moves the pipeline's own fixed
+    # cost alike: it had moved every other layout and left the pipeline where it was
+    dp_s = short.model.estimate(dp, cluster, short.profile).step_time
+    moved = refit(short.model, short.profile, cluster, [Observed(dp, Spread(dp_s + 3e-3, 1e-5,
+                                                                            50))])
+    assert moved.pipe_step_overhead == pytest.approx(0.5e-3 + 3e-3, rel=1e-3)
+    assert moved.estimate(pipe(2), cluster, short.profile).step_time == pytest.approx(
+        est.step_time + 3e-3, rel=1e-3)
     assert short.model.estimate(dp, cluster, short.profile).step_time == pytest.approx(
         plain.model.estimate(dp, cluster, plain.profile).step_time)
     assert plain.spreads["trial_pipeline"] is None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import queue
 from typing import Any
 
@@ -111,15 +112,24 @@ def test_the_worker_boundary_types_errors_by_where_they_were_raised():
     try:
         dist.all_reduce(__import__("torch").ones(1))  # no group: raised inside torch.distributed
     except Exception as e:  # noqa: BLE001
-        assert isinstance(worker_error(e, 0), GroupError)
+        err = worker_error(e, 0)
+        # refused by torch.distributed's own code (a plain exception, nothing recorded): not
+        # the transport's, so a recovery that meets it again at the same step ends the job
+        assert isinstance(err, GroupError) and err.transport is False
+        assert pickle.loads(pickle.dumps(err)).transport is False  # as Ray carries it
     health.record("all-reduce failed")
     try:
         try:
             raise RuntimeError("Connection closed by peer")
         except RuntimeError as e:
-            assert isinstance(worker_error(e, 0, health.failed()), GroupError)
+            err = worker_error(e, 0, health.failed())
+            assert isinstance(err, GroupError) and err.transport is True
     finally:
         health.reset()
+    try:
+        raise TimeoutError("no answer")
+    except TimeoutError as e:
+        assert worker_error(e, 0).transport is True  # type: ignore[attr-defined]
 
 
 def test_run_logs_are_strict_json(tmp_path):

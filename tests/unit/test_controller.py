@@ -146,8 +146,8 @@ def test_a_failure_that_comes_back_where_it_was_ends_the_job_as_the_jobs(tmp_pat
     # every worker alive, again after every recovery: it was retried to the budget, then
     # blamed on the cluster (and never ended at max_failures: -1)
     ctl, fake = _controller(tmp_path, num_workers=2, min_workers=1, max_failures=max_failures)
-    for _ in range(3):
-        fake.fail(step=5, rank=1, kind="group")
+    for rank in (1, 0, 1):  # whichever rank reports it first
+        fake.fail(step=5, rank=rank, kind="refused")
     with pytest.raises(InfrastructureError, match="same failure came back at step 5 after a "
                        "recovery, 2 times in a row, and no worker was lost.*not the cluster"):
         ctl.run()
@@ -155,13 +155,17 @@ def test_a_failure_that_comes_back_where_it_was_ends_the_job_as_the_jobs(tmp_pat
 
 
 def test_group_failures_at_other_steps_or_with_a_worker_lost_are_recovered(tmp_path):
+    # a refusal at another step, a transport's failure (a degraded link times out at the
+    # same step again), a worker lost: none is the job's
     ctl, fake = _controller(tmp_path, num_workers=3, min_workers=1, max_failures=-1)
-    fake.fail(step=4, rank=1, kind="group")
-    fake.fail(step=7, rank=1, kind="group")
+    fake.fail(step=4, rank=1, kind="refused")
+    fake.fail(step=7, rank=1, kind="refused")
+    for _ in range(3):
+        fake.fail(step=8, rank=1, kind="group")
     fake.fail(step=9, rank=2, kind="lost")
     fake.fail(step=9, rank=1, kind="lost")
     result = ctl.run()
-    assert len([e for e in ctl.events if e.kind == "recovered"]) == 4
+    assert len([e for e in ctl.events if e.kind == "recovered"]) == 7
     assert [h["step"] for h in result.history] == list(range(STEPS))
 
 
