@@ -48,7 +48,7 @@ from .policy import ReplanObservation
 from .profile import ModelProfile
 from .topology import Cluster
 
-__all__ = ["Observed", "refit", "Prediction", "predictions", "Observation", "observe"]
+__all__ = ["Observed", "plan_key", "refit", "Prediction", "predictions", "Observation", "observe"]
 
 
 @dataclass(frozen=True)
@@ -151,20 +151,22 @@ def predictions(model: CostModel, profile: ModelProfile, cluster: Cluster, globa
                 observed: Sequence[Observed] = ()) -> tuple[Prediction, ...]:
     """Every fitting plan the planner ranks for the whole cluster, fastest first, each with
     its measured median if the job ran it, else the model's prediction."""
-    seen = {_key(o.plan): o.step.median for o in observed}
+    seen = {plan_key(o.plan): o.step.median for o in observed}
     result = plan_fn(cluster, profile, global_batch, model=model, subsets=False,
                      tie_tolerance=0.0)
     out = []
     for c in result.ranked:
-        k = _key(c.plan)
+        k = plan_key(c.plan)
         out.append(Prediction(c.plan, seen.get(k, c.step_time), k in seen))
     for o in observed:  # a layout that ran but the planner no longer ranks (shares re-cut)
-        if _key(o.plan) not in {_key(p.plan) for p in out}:
+        if plan_key(o.plan) not in {plan_key(p.plan) for p in out}:
             out.append(Prediction(o.plan, o.step.median, True))
     return tuple(sorted(out, key=lambda p: p.step_s))
 
 
-def _key(p: Plan) -> tuple[object, ...]:
+def plan_key(p: Plan) -> tuple[object, ...]:
+    """What makes two plans the same layout for the loop's figures: strategy, degrees,
+    schedule, micro-batches, stage split and shares (the label leaves the last two out)."""
     return (p.strategy, p.pp_degree, p.dp_mode, p.schedule, p.micro_batches, p.virtual_stages,
             p.stage_split, p.shares)
 
@@ -211,8 +213,8 @@ def observe(*, model: CostModel | None, profile: ModelProfile | None, cluster: C
     if replan and model is not None and profile is not None and cluster is not None:
         compute = ({current.devices[r]: Spread(t, 0.0, step.n) for r, t in enumerate(rank_s)}
                    if shared else None)
-        seen = {_key(o.plan): o for o in observed}
-        seen[_key(current)] = Observed(current, step)
+        seen = {plan_key(o.plan): o for o in observed}
+        seen[plan_key(current)] = Observed(current, step)
         obs_all = list(seen.values())
         fitted = refit(model, profile, cluster, obs_all, compute, kinds if compute else None)
         preds = predictions(fitted, profile, cluster, global_batch, obs_all)

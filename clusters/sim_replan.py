@@ -21,7 +21,7 @@ from .plan import Plan
 from .planner import plan as plan_fn
 from .policy import KeepPlan, LoopMemory, RecutShares, ReplanPolicy, SwitchPlan
 from .profile import ModelProfile
-from .refit import Observed, observe
+from .refit import Observed, observe, plan_key
 from .topology import Cluster
 
 __all__ = ["LoopEvent", "LoopResult", "simulate_loop"]
@@ -76,7 +76,7 @@ def simulate_loop(cluster: Cluster, profile: ModelProfile, global_batch: int, *,
     cur, true_model = start, truth
     window: list[float] = []
     ranks: list[list[float]] = []
-    observed: dict[tuple[object, ...], Observed] = {}  # by plan, shares and split, as live
+    observed: dict[tuple[object, ...], Observed] = {}  # by plan_key, as live
     events: list[LoopEvent] = []
     cache: dict[tuple[object, ...], float] = {}
     seconds = static_s = 0.0
@@ -113,7 +113,7 @@ def simulate_loop(cluster: Cluster, profile: ModelProfile, global_batch: int, *,
         if since - warmup < replan_every or step + 1 >= steps:
             continue
         spreads = [robust(xs[-replan_every:]) for xs in ranks]  # the ranks as they are now
-        key = (cur.label, cur.shares, cur.stage_split)
+        key = plan_key(cur)
         memory.note_window(window, pol.min_steps, observed[key].step if key in observed else None,
                            recent=replan_every)
         view = observe(model=profiled, profile=profile, cluster=cluster,

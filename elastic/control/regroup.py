@@ -261,11 +261,11 @@ class Regroup:
         at = failure.step if failure.step is not None else self.steps.next_step
         # the same refusal by torch.distributed's own code (not a network, store or timeout
         # error: a degraded link repeats those too), whichever rank reported it first
-        same = (failure.kind, _RANK.sub("", failure.message), at)
         refused = not getattr(failure.error, "transport", True)
-        repeats = (self._last[1] + 1 if refused and not dead and self._last is not None
+        same = (failure.kind, _RANK.sub("", failure.message), at) if refused else None
+        repeats = (self._last[1] + 1 if same is not None and self._last is not None
                    and self._last[0] == same else 0)
-        self._last = (same, repeats) if refused and not dead else None
+        self._last = (same, repeats) if same is not None else None  # lost workers: the policy
         verdict = self.budget.decide(FailureObservation(
             failure.kind.value, True, failures, failure.message, lost=len(dead),
             repeats=repeats, step=at))

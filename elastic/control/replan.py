@@ -29,6 +29,7 @@ from clusters.policy import (
     ReplanPolicy,
     SwitchPlan,
 )
+from clusters.refit import plan_key
 from strategies import StrategySpec
 from strategies.traits import DP_MODES
 
@@ -153,9 +154,9 @@ class Replanner:
         times = self._window()
         if len(times) >= self.policy.min_steps:
             p = spec_plan(spec, self.layouts.ids, self.layouts.probe_model)
-            earlier = self.observed.get(_key(p))
-            self.observed[_key(p)] = (p, robust(times))
-            self.memory.kept(earlier[1] if earlier else None, self.observed[_key(p)][1])
+            earlier = self.observed.get(plan_key(p))
+            self.observed[plan_key(p)] = (p, robust(times))
+            self.memory.kept(earlier[1] if earlier else None, self.observed[plan_key(p)][1])
 
     # ------------------------------------------------------------------ deciding
 
@@ -226,7 +227,7 @@ class Replanner:
         ids = lay.ids if planned else [str(r) for r in range(spec.world_size)]
         current = spec_plan(spec, ids, lay.probe_model)
         mm = lay.measured if planned else None
-        earlier = self.observed.get(_key(current))
+        earlier = self.observed.get(plan_key(current))
         self.memory.note_window(times, self.policy.min_steps, earlier[1] if earlier else None,
                                 recent=self.every)
         mem = self.memory.observe_args(current.label)
@@ -260,7 +261,3 @@ def _same(a: StrategySpec, b: StrategySpec) -> bool:
             a.dp_mode) == (b.name, b.world_size, tuple(b.shares), b.pp_degree,
                            b.micro_batches, b.schedule, b.dp_mode)
 
-
-def _key(p: Plan) -> tuple[Any, ...]:
-    return (p.strategy, p.pp_degree, p.dp_mode, p.schedule, p.micro_batches,
-            p.virtual_stages, p.stage_split, p.shares)

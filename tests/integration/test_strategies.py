@@ -318,19 +318,10 @@ class _Tokens(Synthetic):
 def _train_on(make: Any, data_cls: Any, name: str, spec_kw: dict[str, Any], steps: int
               ) -> dict[str, torch.Tensor] | None:
     """``make``'s model under ``name`` for ``steps`` steps on ``data_cls()``; rank 0's state."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    spec = StrategySpec(name=name, world_size=world, **spec_kw)
-    strat = registry.get(name)(spec, Runtime.current("cpu"), build_model(make, SEED),
-                               make_adam, F.mse_loss)
-    data = data_cls()
-    sampler = StepSampler(len(data), spec.global_batch_size, SEED)
-    lo, hi = share_bounds(spec.shares, rank)
-    for s in range(steps):
-        x, y = fetch_batch(data, sampler.indices(s))
-        strat.train_step(x[lo:hi], y[lo:hi])
+    strat = _trained(name, spec_kw, steps, make, data=data_cls())[0]
     out = strat.full_state()
     strat.close()
-    return out if rank == 0 else None
+    return out if dist.get_rank() == 0 else None
 
 
 @pytest.mark.parametrize("case", ["dp-2", "zero1-3", "zero3-3", "pp3-1f1b", "pp2-interleaved",
@@ -355,18 +346,19 @@ def make_bn() -> nn.Sequential:
 
 
 def _trained(name: str, spec_kw: dict[str, Any], steps: int, factory: Any = make_mlp,
-             nan_at: tuple[int, int] | None = None) -> tuple[Any, StrategySpec, int, int]:
-    """On every rank: ``factory``'s model under ``name``, trained ``steps`` steps on DATA
+             nan_at: tuple[int, int] | None = None, data: Any = DATA
+             ) -> tuple[Any, StrategySpec, int, int]:
+    """On every rank: ``factory``'s model under ``name``, trained ``steps`` steps on ``data``
     (``nan_at=(rank, step)``: that rank's inputs NaN at that step); (the strategy, its spec,
     this rank's share bounds)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     spec = StrategySpec(name=name, world_size=world, **spec_kw)
     strat = registry.get(name)(spec, Runtime.current("cpu"), build_model(factory, SEED),
                                make_adam, F.mse_loss)
-    sampler = StepSampler(len(DATA), spec.global_batch_size, SEED)
+    sampler = StepSampler(len(data), spec.global_batch_size, SEED)
     lo, hi = share_bounds(spec.shares, rank)
     for s in range(steps):
-        x, y = fetch_batch(DATA, sampler.indices(s))
+        x, y = fetch_batch(data, sampler.indices(s))
         if nan_at == (rank, s):
             x = torch.full_like(x, float("nan"))
         strat.train_step(x[lo:hi], y[lo:hi])
