@@ -13,9 +13,9 @@ rank broadcasts its chunk, all in flight at once; timed one at a time, its broad
 charged in series), and trial steps of real layouts (``elastic.worker.trial``): dp's with
 the step loop's data fetch and control all-reduce, with and without the update; zero3's (its
 per-unit gathers meet busy peers: what they wait beyond their messages is measured, not
-assumed); a pipeline's at two micro-batch counts. Each figure is a list of repeated seconds;
-``clusters.measured.terms_model`` reduces them to medians and spreads and builds the cost
-model. ``SpanHooks`` (``elastic.worker.spans``) time and slow the compute blocks.
+assumed); zero1's (what its broadcast burst waits); a pipeline's at two micro-batch
+counts. Each figure is a list of repeated seconds; ``clusters.measured.terms_model`` reduces
+them to medians and spreads and builds the cost model. ``SpanHooks`` (``elastic.worker.spans``) time and slow the compute blocks.
 """
 
 from __future__ import annotations
@@ -274,8 +274,8 @@ def profile_terms(*, model_factory: Callable[[], nn.Module], loss_fn: Any,
     under its hooks). Trial steps: ``trial_steps`` of dp; with world > 1, as many of dp
     without the optimizer's update too (each rounded up to even; more while rank 0 finds the
     difference unresolved, ``clusters.measured.more_update_steps``), in alternating blocks;
-    then ``trial_steps // 3`` blocks each of zero3 and dp in rotation (blocks of 3, 2 counted),
-    and of a pipeline over every rank at two micro-batch counts and dp, its schedule timed
+    then ``trial_steps // 3`` blocks each of zero1 and dp in rotation (blocks of 3, 2
+    counted), as many of zero3 and dp, and of a pipeline over every rank at two micro-batch counts and dp, its schedule timed
     apart (``elastic.worker.trial.pipeline_trial``). Every rank must call it with the same
     ``rounds``, ``trial_steps`` and ``shares``."""
     from strategies.blocks import blocks_of
@@ -351,17 +351,23 @@ def profile_terms(*, model_factory: Callable[[], nn.Module], loss_fn: Any,
         report["trial_no_update"] = {"shares": [int(s) for s in shares],
                                      "seconds": of_kind(secs, 2, 1)}
         lap("trial_dp")
-        # zero3's and a pipeline's in rotation with dp's: each taken at the dp trial's level
-        # (where every device has room for dp's replica beside them; else each alone)
+        # zero1's, zero3's and a pipeline's in rotation with dp's: each taken at the dp
+        # trial's level (where every device has room for dp's replica beside them; else each
+        # alone). zero1's sets the wait at its broadcast burst: from the terms alone, zero1's
+        # step less dp's was predicted 2-6 ms too high in 6 of 8 model families on 3 CPU
+        # ranks (the planner bench, 2026-12-05); zero2 sends the same messages
         pairs = max(1, trial_steps // 3)
-        beside = every_rank_has_room(replica_bytes, world, device)
-        k = 1 + int(beside)
-        secs = run_trial([("dp", {})] * int(beside) + [("zero3", {})], 3 * k * pairs, **run)
-        if secs:
-            report["trial_zero3"] = {"shares": [int(s) for s in shares],
-                                     "seconds": of_kind(secs, k, k - 1),
-                                     **({"dp_seconds": of_kind(secs, k, 0)} if beside else {})}
-        lap("trial_zero3")
+        # zero1 holds the parameters and gradients whole and 1/world of the moments
+        for name, other in (("zero1", 0.5 + 0.5 / world), ("zero3", None)):
+            beside = every_rank_has_room(replica_bytes, world, device, other=other)
+            k = 1 + int(beside)
+            secs = run_trial([("dp", {})] * int(beside) + [(name, {})], 3 * k * pairs, **run)
+            if secs:
+                report[f"trial_{name}"] = {
+                    "shares": [int(s) for s in shares], "seconds": of_kind(secs, k, k - 1),
+                    **({"dp_seconds": of_kind(secs, k, 0)} if beside else {})}
+            lap(f"trial_{name}")
+        # (two stages take about what zero3's shards do: the last room found stands)
         pipe = pipeline_trial(pairs, len(blocks), block_secs, run, autocast, beside_dp=beside)
         if pipe:
             report["trial_pipeline"] = pipe

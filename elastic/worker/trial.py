@@ -1,10 +1,10 @@
 """The profiler's trial steps: a layout's real steps as the step loop runs them (the data
 fetch, the strategy's step, the control all-reduce issued after it and waited for after the
 next one), timed on every rank. ``elastic.worker.measure.profile_terms`` runs dp's (with and
-without the optimizer's update, in alternating blocks), zero3's, and a pipeline's over every
-rank at two micro-batch counts (``pipeline_trial``), also in alternating blocks, so that a slow
-phase of a shared host falls on both counts alike instead of on whichever ran in it (on this
-2-core VM, phases 1.3-2x slower for 10-40 steps come and go during any run).
+without the optimizer's update, in alternating blocks), zero1's, zero3's, and a pipeline's
+over every rank at two micro-batch counts (``pipeline_trial``), each in rotation with dp's, so
+that a slow phase of a shared host falls on both alike instead of on whichever ran in it (on
+this 2-core VM, phases 1.3-2x slower for 10-40 steps come and go during any run).
 """
 
 from __future__ import annotations
@@ -54,16 +54,20 @@ def of_kind(secs: Sequence[float], kinds: int, kind: int) -> list[float]:
 ROOM_MARGIN = 1.25  # free device memory over what holding dp's replica beside needs
 
 
-def room_beside(free_bytes: float | None, replica_bytes: float, world: int) -> bool:
+def room_beside(free_bytes: float | None, replica_bytes: float, world: int,
+                other: float | None = None) -> bool:
     """Whether a device with ``free_bytes`` free (None: host memory, not measured) can hold
     dp's replica (``replica_bytes``: parameters, gradients and two optimizer moments) beside
-    zero3's shards or two pipeline stages (each about 1/world of it), with a margin."""
+    another layout holding ``other`` times it (default: zero3's shards or two pipeline
+    stages, each about 1/world of it), with a margin."""
     if free_bytes is None:
         return True
-    return free_bytes >= ROOM_MARGIN * replica_bytes * (1 + 2 / max(1, world))
+    beside = 2 / max(1, world) if other is None else other
+    return free_bytes >= ROOM_MARGIN * replica_bytes * (1 + beside)
 
 
-def every_rank_has_room(replica_bytes: float, world: int, device: torch.device) -> bool:
+def every_rank_has_room(replica_bytes: float, world: int, device: torch.device,
+                        other: float | None = None) -> bool:
     """``room_beside`` on every rank (``on_every_rank``): the rotation with dp's steps runs
     on every rank or on none. Free device memory counts what the caching allocator holds
     unused (the layouts before it were closed, their blocks kept for reuse)."""
@@ -71,7 +75,7 @@ def every_rank_has_room(replica_bytes: float, world: int, device: torch.device) 
     if device.type == "cuda":
         free = float(torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
                      - torch.cuda.memory_allocated(device))
-    return on_every_rank([room_beside(free, replica_bytes, world)], device)[0]
+    return on_every_rank([room_beside(free, replica_bytes, world, other)], device)[0]
 
 
 def on_every_rank(flags: Sequence[bool], device: torch.device) -> list[bool]:

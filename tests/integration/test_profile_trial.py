@@ -59,12 +59,14 @@ def _profile(want: int | None) -> dict[str, int]:
     pipe = rep.get("trial_pipeline", {})
     # where the profile's time went, each part once, in the order it ran
     assert list(rep["phases"]) == ["compute", "blocks", "optimizer", "collectives", "trial_dp",
-                                   "trial_zero3", "trial_pipeline"]
+                                   "trial_zero1", "trial_zero3", "trial_pipeline"]
     assert all(v > 0 for v in rep["phases"].values()), rep["phases"]
     assert all(0 < s <= t for r in pipe["runs"]
                for s, t in zip(r["schedule_seconds"], r["seconds"], strict=True))
     return {"with": len(rep["trial"]["seconds"]),
             "without": len(rep["trial_no_update"]["seconds"]),
+            "zero1": (len(rep.get("trial_zero1", {}).get("seconds", [])),
+                      len(rep.get("trial_zero1", {}).get("dp_seconds", []))),
             "zero3": (len(rep.get("trial_zero3", {}).get("seconds", [])),
                       len(rep.get("trial_zero3", {}).get("dp_seconds", []))),
             "pipeline": ([(r["micro_batches"], len(r["seconds"])) for r in pipe["runs"]],
@@ -74,11 +76,13 @@ def _profile(want: int | None) -> dict[str, int]:
 def test_the_ranks_run_as_many_trial_steps_as_rank_0_asks(pool) -> None:
     # 6 of each kind first; each further pair of blocks of 3 adds 2 of each (a block's
     # first step, which follows the other kind, is not counted)
-    # then zero3 and dp in rotation, 2 blocks of 3 each (2 counted steps per block); and a
+    # then zero1 and dp in rotation, 2 blocks of 3 each (2 counted steps per block), zero3
+    # and dp the same way; and a
     # pipeline over both ranks: 1F1B at 2 micro-batches (the fewest >= 2 that divide 8) and
     # at 8 (the most that divide 8 up to 4 times 2), with dp in rotation, as many blocks, its
     # 3 blocks cut by rank 0's block times, one split for both
-    assert pool.run(_profile, 10) == [{"with": 10, "without": 10, "zero3": (4, 4),
+    assert pool.run(_profile, 10) == [{"with": 10, "without": 10, "zero1": (4, 4),
+                                       "zero3": (4, 4),
                                        "pipeline": ([(2, 4), (8, 4)], [1, 2], 4)}] * 2
     real = pool.run(_profile, None)
     assert real[0] == real[1]
@@ -101,8 +105,9 @@ def _profile_without_room_on_rank_1() -> dict[str, Any]:
             world=2, device=torch.device("cpu"), autocast=contextlib.nullcontext, rounds=2)
     finally:
         trial.room_beside = real
-    z3, pipe = rep["trial_zero3"], rep["trial_pipeline"]
-    return {"zero3": (len(z3["seconds"]), "dp_seconds" in z3),
+    z1, z3, pipe = rep["trial_zero1"], rep["trial_zero3"], rep["trial_pipeline"]
+    return {"zero1": (len(z1["seconds"]), "dp_seconds" in z1),
+            "zero3": (len(z3["seconds"]), "dp_seconds" in z3),
             "pipeline": ([(r["micro_batches"], len(r["seconds"])) for r in pipe["runs"]],
                          "dp_seconds" in pipe)}
 
@@ -110,9 +115,9 @@ def _profile_without_room_on_rank_1() -> dict[str, Any]:
 def test_without_room_on_one_device_every_rank_runs_each_layout_alone(pool) -> None:
     # one rank's device cannot hold dp's replica beside the others: no rank rotates (the
     # ranks would otherwise run different collectives), each layout runs alone, at no level
-    # (zero3 alone: all of its 6 steps count, no block follows another layout)
+    # (zero1 or zero3 alone: all of its 6 steps count, no block follows another layout)
     assert pool.run(_profile_without_room_on_rank_1) == [
-        {"zero3": (6, False), "pipeline": ([(2, 4), (8, 4)], False)}] * 2
+        {"zero1": (6, False), "zero3": (6, False), "pipeline": ([(2, 4), (8, 4)], False)}] * 2
 
 
 class _NotTwo(torch.nn.Module):

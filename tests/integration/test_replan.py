@@ -33,6 +33,7 @@ def test_a_live_auto_job_names_a_straggler_and_re_cuts_its_share(ray_local, tmp_
     # and the update's cost inside a step (a trial without it), as a factor on its timed figure
     assert plan.data["spreads"]["trial_no_update"]["n"] >= 5
     assert 0.0 <= plan.data["spreads"]["optimizer_scale"] <= 4.0
+    assert plan.data["spreads"]["trial_zero1"]["n"] >= 2  # the wait at zero1's burst
     assert plan.data["spreads"]["trial_zero3"]["n"] >= 2  # zero3's per-unit wait, world > 1
     # and a pipeline's: its schedule timed apart from the rest of its step
     pipe = plan.data["spreads"]["trial_pipeline"]

@@ -936,17 +936,21 @@ def test_the_profilers_trial_steps_rotate_in_blocks_and_count_all_but_each_block
     assert of_kind(secs, 1, 0) == secs  # one kind: every step counts
 
 
-@pytest.mark.parametrize("free, replica, world, room", [
-    (None, 1e12, 2, True),  # host memory (CPU): not measured, the rotation runs
-    (10e9, 4e9, 2, True),  # 4 GB beside 2 x 2 GB, with a 25 % margin: 10 GB
-    (9.9e9, 4e9, 2, False),
-    (6.3e9, 4e9, 8, True),  # 4 GB beside 2 x 0.5 GB with 8 ranks, with the margin: 6.25 GB
-    (6e9, 4e9, 8, False),
+@pytest.mark.parametrize("free, replica, world, other, room", [
+    (None, 1e12, 2, None, True),  # host memory (CPU): not measured, the rotation runs
+    (10e9, 4e9, 2, None, True),  # 4 GB beside 2 x 2 GB, with a 25 % margin: 10 GB
+    (9.9e9, 4e9, 2, None, False),
+    (6.3e9, 4e9, 8, None, True),  # 4 GB beside 2 x 0.5 GB with 8 ranks, with the margin
+    (6e9, 4e9, 8, None, False),
+    # zero1 beside dp: its parameters and gradients whole, 1/world of the two moments
+    (8.2e9, 4e9, 8, 0.5 + 0.5 / 8, True),  # 4 GB beside 2.25 GB, with the margin: 7.8 GB
+    (7.7e9, 4e9, 8, 0.5 + 0.5 / 8, False),  # room beside zero3's shards, not beside zero1
 ])
 def test_dp_is_held_beside_the_trial_layouts_only_where_the_device_has_room(free, replica,
-                                                                            world, room):
-    """zero3's and the pipeline's trial steps run in rotation with dp's, all held at once:
-    on a device without room for that (a GPU near its limit), each runs alone."""
+                                                                            world, other,
+                                                                            room):
+    """zero1's, zero3's and the pipeline's trial steps run in rotation with dp's, all held
+    at once: on a device without room for that (a GPU near its limit), each runs alone."""
     from elastic.worker.trial import room_beside
 
-    assert room_beside(free, replica, world) is room
+    assert room_beside(free, replica, world, other) is room
