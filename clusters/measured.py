@@ -247,8 +247,9 @@ def terms_model(reports: Sequence[Mapping[str, Any]], ids: Sequence[str], base: 
 
     Speeds that agree within their noise are equalized (``equal_within_noise``; ``kinds``
     marks devices built alike, ``hosts`` the host each one is on; ``shared`` says how a
-    crowded host's cores were shared among its ranks, for pipelines). The trial dp step sets
-    ``step_overhead`` to what it took beyond the model's terms, or, when the terms already
+    crowded host's cores were shared among its ranks, for pipelines). The trial dp steps (with
+    the dp steps beside the other trials, ``_beside_dp``) set ``step_overhead`` to what they
+    took beyond the model's terms, or, when the terms already
     exceed it, the overlap of communication with backward that makes them meet. ``cluster``
     (the live one) is needed for that. Raises ``ClustersError`` on a malformed report.
     """
@@ -305,13 +306,15 @@ def terms_model(reports: Sequence[Mapping[str, Any]], ids: Sequence[str], base: 
     bare = reports[0].get("trial_no_update")
     bare_spread, opt_scale = None, None
     if trial and trial.get("seconds") and cluster is not None:  # the ranks step together
-        trial_spread = robust(trial["seconds"])
-        if bare and bare.get("seconds"):
+        own = robust(trial["seconds"])
+        if bare and bare.get("seconds"):  # against the steps it alternated with
             bare_spread = robust(bare["seconds"])
             model, opt_scale = _fit_update(
                 model, profile, cluster, ids, tuple(trial["shares"]),
-                trial_spread.median - bare_spread.median,
-                math.hypot(trial_spread.se, bare_spread.se))
+                own.median - bare_spread.median, math.hypot(own.se, bare_spread.se))
+        # with dp's steps beside the other trials: spread over the whole profile, so that
+        # a phase of the host during the dp trial alone does not set every layout's level
+        trial_spread = robust([*trial["seconds"], *_beside_dp(reports[0])])
         model = _fit_overhead(model, profile, cluster, ids, tuple(trial["shares"]),
                               trial_spread.median)
     z1 = reports[0].get("trial_zero1")
@@ -349,6 +352,24 @@ def terms_model(reports: Sequence[Mapping[str, Any]], ids: Sequence[str], base: 
         "trial_pipeline": pipe_fit,
         "optimizer_scale": opt_scale,
         "step_overhead": model.step_overhead, "overlap": model.overlap})
+
+
+def _beside_dp(rep: Mapping[str, Any]) -> list[float]:
+    """The seconds of dp's steps run in rotation beside the other trials of one rank's
+    report (their ``dp_seconds``), which count with the dp trial's own (``terms_model``):
+    those 6 steps alone set the step overhead and the level of every other trial, and run
+    in a slow phase of the host they moved every layout with them (dlrm on 3 CPU ranks: dp
+    +23 %, zero3 +24 %, the pipeline +60 % before any step; resnet on 2: +51 to +97 %), in
+    a fast one every layout came out low (-11 to -13 %; the planner bench, 2026-12-05)."""
+    out: list[float] = []
+    for name in ("trial_zero1", "trial_zero3", "trial_pipeline"):
+        t = rep.get(name)
+        xs = t.get("dp_seconds") if isinstance(t, Mapping) else None
+        try:
+            out += [float(x) for x in xs] if isinstance(xs, list) else []
+        except (TypeError, ValueError):
+            continue
+    return out
 
 
 def _collectives(rep: Mapping[str, Any]) -> tuple[dict[str, tuple[float, float]],

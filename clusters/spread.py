@@ -85,8 +85,9 @@ LEVEL_RANGE = (1 / 3, 3.0)  # a host's slow phases seen here: 1.3-2x
 
 def dp_level(dp_trial: Spread, beside: Any) -> float:
     """The factor that takes a trial run in rotation with dp's steps (``beside``: those dp
-    steps' seconds) to the dp trial's level (``dp_trial``), which the model's step overhead
-    was fitted to: a slow phase of a shared host falls on a layout and the dp steps beside
+    steps' seconds) to the dp trial's level (``dp_trial``: its steps with every dp step
+    beside the trials, ``clusters.measured``), which the model's step overhead was fitted
+    to: a slow phase of a shared host falls on a layout and the dp steps beside
     it alike (1.3-2x for 10-40 steps on the 2-core CI VM), and the layout is then predicted
     at the level of the dp trial, not of its own moment. 1 without such steps, or where the
     two dp medians differ by less than 2 standard errors (a correction within the noise of

@@ -577,6 +577,34 @@ def test_a_zero1_trial_sets_the_wait_at_its_broadcast_burst():
     assert step(lev.model, z1) == pytest.approx(want, rel=1e-6)
 
 
+@pytest.mark.parametrize("phase", [1.35, 1 / 1.3])
+def test_the_dp_steps_beside_the_other_trials_count_with_the_dp_trial(phase):
+    """The dp trial's 6 steps set the step overhead and the level every other trial is taken
+    at: run in a slow phase of the host, they moved every layout with them (dlrm on 3 CPU
+    ranks: dp +23 %, zero3 +24 % and the pipeline +60 % before any step; resnet on 2: +51 %
+    to +97 %; 2026-12-05), in a fast one every layout came out low (-11 to -13 %). The dp
+    steps run in rotation beside zero1's, zero3's and the pipeline's, spread over the rest
+    of the profile, count with them."""
+    cluster, ids = _live()
+    z3 = Plan(strategy="zero3", world_size=2, shares=(32, 32), devices=tuple(ids))
+    dp = Plan(strategy="dp", world_size=2, shares=(32, 32), devices=tuple(ids))
+    plain = terms_model(_reports(), ids, _base(), cluster=cluster)
+    med = robust(_reports()[0]["trial"]["seconds"]).median
+    z3_want = plain.model.estimate(z3, cluster, plain.profile).step_time + 5e-3
+    reps = _reports()
+    for r in reps:
+        r["trial"]["seconds"] = [med * phase] * 6  # the dp trial alone in its phase
+        for name in ("trial_zero1", "trial_zero3"):  # the rest beside dp at the usual level
+            r[name] = {"shares": [32, 32], "seconds": [z3_want] * 4, "dp_seconds": [med] * 4}
+        r["trial_zero1"]["seconds"] = [plain.model.estimate(
+            replace(dp, strategy="zero1"), cluster, plain.profile).step_time] * 4
+    mm = terms_model(reps, ids, _base(), cluster=cluster)
+    assert mm.spreads["trial"]["n"] == 14 and mm.spreads["trial"]["median"] == pytest.approx(med)
+    assert mm.model.estimate(dp, cluster, mm.profile).step_time == pytest.approx(med)
+    assert mm.spreads["trial_zero3"]["level"] == 1.0
+    assert mm.model.estimate(z3, cluster, mm.profile).step_time == pytest.approx(z3_want)
+
+
 @pytest.mark.parametrize("beside, level", [
     (None, 1.0),  # no dp steps beside it (an older report): as measured
     (1.25, 1 / 1.25),  # the host was 25 % slower while zero3 and the pipeline ran
