@@ -5,7 +5,15 @@ over its steps) and each rank its own compute time per sample (the seconds insid
 ``refit`` folds them into the cost model the planner uses:
 
 1. each rank's seconds per sample become its measured compute (ranks of one kind whose figures
-   agree within the noise made equal, as at profiling);
+   agree within the noise made equal, as at profiling), as the ranks compare: scaled so that
+   their sum is the model's for those devices. The live figure (the seconds inside a rank's
+   blocks' forwards over the profile's forward fraction) is not on the model's scale, whose
+   compute was fitted to the trial steps (``measured._fit_overhead`` scales it down to half
+   where they ran faster than its terms): on a small GPT on 3 CPU ranks it came out 2.1x
+   the model's compute on every rank, and the overhead went to -27 ms to meet the step
+   (every layout's compute doubled, every step 27 ms shorter: a pipeline, all compute,
+   moved against dp by the difference). How fast the job runs is the step times' to say
+   (3.);
 2. what each observed layout took beyond the model's terms, re-predicted with those speeds, is
    put on its messages of the kinds the profiler's trial steps did not send
    (``CostModel.trial_kinds``: dp's all-reduce, whose cost a real step validated): a factor
@@ -72,7 +80,12 @@ def refit(model: CostModel, profile: ModelProfile, cluster: Cluster,
         speeds = equal_within_noise([1.0 / compute[i].median for i in ids], spreads,
                                     [kinds.get(i) for i in ids] if kinds else None)
         sps = dict(model.seconds_per_sample)
-        sps.update({i: 1.0 / v for i, v in zip(ids, speeds, strict=True)})
+        live = {i: 1.0 / v for i, v in zip(ids, speeds, strict=True)}
+        old = [sps.get(i, 0.0) for i in ids]
+        if all(o > 0 for o in old):  # profiled per device: keep their sum (step 1)
+            k = sum(old) / sum(live.values())
+            live = {i: t * k for i, t in live.items()}
+        sps.update(live)
         out = replace(out, seconds_per_sample=sps)
     if observed:
         out = _fit_comm(out, profile, cluster, observed)
