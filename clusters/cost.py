@@ -81,15 +81,18 @@ class CostModel:
     after another message (the profiler measures both; 0: the collectives' figures include
     the wait, charged per message).
     ``burst_wait_s``: the same wait at zero1/zero2's broadcast burst, measured on the burst
-    itself; None: ``sync_wait_s``.
+    itself, then fitted to the profiler's zero1 trial steps where they ran; None:
+    ``sync_wait_s``.
     ``unit_wait_s``: the same wait for each of zero3's per-unit gathers and reduce-scatters
     (FSDP's per-unit hooks run there too), measured by the profiler's zero3 trial steps;
     None: ``sync_wait_s``.
-    ``trial_kinds``: the collective kinds the profiler's trial steps sent (dp's); a real step
-    validated their cost, so the closed loop's re-fit leaves them alone.
-    ``trial_layouts``: (strategy, device ids) of the profiler's trial steps (dp; zero3 too
-    when it ran those), each over every live device with the profile's shares: a real step
-    met their estimate, so a near tie goes to one of them (``planner.break_tie``).
+    ``trial_kinds``: the collective kinds the profiler's trial steps sent (dp's; zero3's; the
+    burst where zero1's fit met its trial); a real step validated their cost, so the closed
+    loop's re-fit leaves them alone.
+    ``trial_layouts``: (strategy, device ids) of the profiler's trial steps (dp; zero1 and
+    zero3 too where they ran those and their fit met them), each over every live device with
+    the profile's shares: a real step met their estimate, so a near tie goes to one of them
+    (``planner.break_tie``).
     ``comm``: how the layouts group their messages (``collectives.CommConfig``).
     ``comm_scale``: a factor on each collective kind's time (the closed loop's re-fit,
     ``clusters.refit``: what the running layouts' messages really cost against their

@@ -5,15 +5,8 @@ over its steps) and each rank its own compute time per sample (the seconds insid
 ``refit`` folds them into the cost model the planner uses:
 
 1. each rank's seconds per sample become its measured compute (ranks of one kind whose figures
-   agree within the noise made equal, as at profiling), as the ranks compare: scaled so that
-   their sum is the model's for those devices. The live figure (the seconds inside a rank's
-   blocks' forwards over the profile's forward fraction) is not on the model's scale, whose
-   compute was fitted to the trial steps (``measured._fit_overhead`` scales it down to half
-   where they ran faster than its terms): on a small GPT on 3 CPU ranks it came out 2.1x
-   the model's compute on every rank, and the overhead went to -27 ms to meet the step
-   (every layout's compute doubled, every step 27 ms shorter: a pipeline, all compute,
-   moved against dp by the difference). How fast the job runs is the step times' to say
-   (3.);
+   agree within the noise made equal, as at profiling). The live controller takes its
+   figures to the model's scale first (``LiveScale``);
 2. what each observed layout took beyond the model's terms, re-predicted with those speeds, is
    put on its messages of the kinds the profiler's trial steps did not send
    (``CostModel.trial_kinds``: dp's all-reduce, whose cost a real step validated): a factor
@@ -56,7 +49,8 @@ from .policy import ReplanObservation
 from .profile import ModelProfile
 from .topology import Cluster
 
-__all__ = ["Observed", "plan_key", "refit", "Prediction", "predictions", "Observation", "observe"]
+__all__ = ["Observed", "plan_key", "refit", "LiveScale", "Prediction", "predictions",
+           "Observation", "observe"]
 
 
 @dataclass(frozen=True)
@@ -80,12 +74,7 @@ def refit(model: CostModel, profile: ModelProfile, cluster: Cluster,
         speeds = equal_within_noise([1.0 / compute[i].median for i in ids], spreads,
                                     [kinds.get(i) for i in ids] if kinds else None)
         sps = dict(model.seconds_per_sample)
-        live = {i: 1.0 / v for i, v in zip(ids, speeds, strict=True)}
-        old = [sps.get(i, 0.0) for i in ids]
-        if all(o > 0 for o in old):  # profiled per device: keep their sum (step 1)
-            k = sum(old) / sum(live.values())
-            live = {i: t * k for i, t in live.items()}
-        sps.update(live)
+        sps.update({i: 1.0 / v for i, v in zip(ids, speeds, strict=True)})
         out = replace(out, seconds_per_sample=sps)
     if observed:
         out = _fit_comm(out, profile, cluster, observed)
@@ -148,6 +137,34 @@ def _fit_comm(model: CostModel, profile: ModelProfile, cluster: Cluster,
     pipe = model.pipe_step_overhead  # a pipeline's own fixed cost (pipeline_fit) moves alike
     return replace(out, step_overhead=max(floor, model.step_overhead + drift),
                    pipe_step_overhead=None if pipe is None else max(floor, pipe + drift))
+
+
+class LiveScale:
+    """What takes a layout's live per-rank compute to the model's scale, fixed at the first
+    window of each layout on each set of devices (``key``): the model's seconds per sample
+    summed over those devices over the window's. The live figure (the seconds inside a
+    rank's blocks' forwards over the profile's forward fraction, timed with autograd on and
+    the loss outside) is not on the model's scale, whose compute was fitted to the trial
+    steps: on a small GPT on 3 CPU ranks it came out 2.1x the model's on every rank, and the
+    re-fit's overhead went to -27 ms to meet the step (every layout's compute doubled, every
+    step 27 ms shorter). Fixed once, not per window, so that a rank that slows later (a
+    straggler) or a host that slows as a whole still shows in the compute as it is; the
+    window it is fixed at stands for the profile, which ran just before the job's first
+    layout (a layout switched to later is taken at its own first window: zero3's forwards
+    hold its gathers, dp's do not). 1 where the model has no per-device figure (profiled by
+    device type, as the simulator's clusters are) or a window has none."""
+
+    def __init__(self) -> None:
+        self._factor: dict[object, float] = {}
+
+    def __call__(self, key: object, rank_s: Sequence[float], ids: Sequence[str],
+                 model: CostModel) -> tuple[float, ...]:
+        if key not in self._factor:
+            have = [model.seconds_per_sample.get(i, 0.0) for i in ids]
+            live = sum(rank_s)
+            ok = len(have) == len(rank_s) > 0 and all(h > 0 for h in have) and live > 0
+            self._factor[key] = sum(have) / live if ok else 1.0
+        return tuple(t * self._factor[key] for t in rank_s)
 
 
 @dataclass(frozen=True)

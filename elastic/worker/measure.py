@@ -321,7 +321,8 @@ def profile_terms(*, model_factory: Callable[[], nn.Module], loss_fn: Any,
             world, rank, device, rounds, busy_s, COLLECTIVE_SIZES)
         lap("collectives")
     # trial steps: the real strategy and the step loop's data fetch and control all-reduce;
-    # dp's set the per-step overhead, zero3's its per-unit wait (FSDP's gathers under load)
+    # dp's set the per-step overhead, zero1's the wait at its burst, zero3's its per-unit
+    # wait (FSDP's gathers under load), a pipeline's its schedule's terms
     # dp's replica: parameters, gradients and two optimizer moments
     replica_bytes = 4.0 * sum(p.numel() * p.element_size() for p in model.parameters())
     del model
@@ -367,7 +368,7 @@ def profile_terms(*, model_factory: Callable[[], nn.Module], loss_fn: Any,
                     "shares": [int(s) for s in shares], "seconds": of_kind(secs, k, k - 1),
                     **({"dp_seconds": of_kind(secs, k, 0)} if beside else {})}
             lap(f"trial_{name}")
-        # (two stages take about what zero3's shards do: the last room found stands)
+        beside = every_rank_has_room(replica_bytes, world, device)  # two stages' worth
         pipe = pipeline_trial(pairs, len(blocks), block_secs, run, autocast, beside_dp=beside)
         if pipe:
             report["trial_pipeline"] = pipe
