@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -433,18 +433,8 @@ def _fit_unit_wait(model: CostModel, profile: ModelProfile, cluster: Cluster,
     if sync_points("zero3", len(ids), units) <= 0:
         return model
     model = replace(model, trial_kinds=tuple(sorted({*model.trial_kinds, *ZERO3_KINDS})))
-    bare = replace(model, unit_wait_s=0.0)
-    if bare.estimate(plan, cluster, profile).step_time > measured:
-        def scaled(f: float) -> CostModel:
-            return replace(bare, comm_scale={**bare.comm_scale, **{
-                k: bare.comm_scale.get(k, 1.0) * f for k in ZERO3_KINDS}})
-
-        fitted = scaled(bisect_below(lambda f: scaled(f).estimate(plan, cluster, profile)
-                                     .step_time, measured, 0.25, 1.0))
-    else:
-        fitted = replace(model, unit_wait_s=bisect_below(
-            lambda w: replace(model, unit_wait_s=w).estimate(plan, cluster, profile)
-            .step_time, measured, 0.0, max(1e-3, measured)))
+    fitted = _meet(model, plan, cluster, profile, measured,
+                   lambda m, w: replace(m, unit_wait_s=w), ZERO3_KINDS)
     if not _met(fitted.estimate(plan, cluster, profile).step_time, measured):
         return fitted  # (a near tie is not given to what its trial did not meet)
     return replace(fitted, trial_layouts=(*fitted.trial_layouts, ("zero3", tuple(ids))))
@@ -472,22 +462,32 @@ def _fit_burst(model: CostModel, profile: ModelProfile, cluster: Cluster,
     plan = Plan(strategy="zero1", world_size=len(ids), shares=shares, devices=tuple(ids))
     if burst_points("zero1", len(ids)) <= 0:
         return model
-    bare = replace(model, burst_wait_s=0.0)
-    if bare.estimate(plan, cluster, profile).step_time > measured:
-        def scaled(f: float) -> CostModel:
-            k = bare.comm_scale.get(BROADCAST_BURST, 1.0) * f
-            return replace(bare, comm_scale={**bare.comm_scale, BROADCAST_BURST: k})
-
-        fitted = scaled(bisect_below(lambda f: scaled(f).estimate(plan, cluster, profile)
-                                     .step_time, measured, 0.25, 1.0))
-    else:
-        fitted = replace(model, burst_wait_s=bisect_below(
-            lambda w: replace(model, burst_wait_s=w).estimate(plan, cluster, profile)
-            .step_time, measured, 0.0, max(1e-3, measured)))
+    fitted = _meet(model, plan, cluster, profile, measured,
+                   lambda m, w: replace(m, burst_wait_s=w), (BROADCAST_BURST,))
     if not _met(fitted.estimate(plan, cluster, profile).step_time, measured):
         return fitted
     return replace(fitted, trial_kinds=tuple(sorted({*fitted.trial_kinds, BROADCAST_BURST})),
                    trial_layouts=(*fitted.trial_layouts, ("zero1", tuple(ids))))
+
+
+def _meet(model: CostModel, plan: Plan, cluster: Cluster, profile: ModelProfile,
+          measured: float, wait: Callable[[CostModel, float], CostModel],
+          kinds: Sequence[str]) -> CostModel:
+    """``model`` with a wait (``wait(model, seconds)`` sets it, >= 0) so that ``plan``
+    predicts the ``measured`` trial step; where the plan's terms alone already exceed it, no
+    wait and ``kinds``' messages scaled down to meet it (``comm_scale``, a quarter at
+    least)."""
+    bare = wait(model, 0.0)
+    if bare.estimate(plan, cluster, profile).step_time > measured:
+        def scaled(f: float) -> CostModel:
+            return replace(bare, comm_scale={**bare.comm_scale, **{
+                k: bare.comm_scale.get(k, 1.0) * f for k in kinds}})
+
+        return scaled(bisect_below(lambda f: scaled(f).estimate(plan, cluster, profile)
+                                   .step_time, measured, 0.25, 1.0))
+    return wait(model, bisect_below(
+        lambda w: wait(model, w).estimate(plan, cluster, profile).step_time,
+        measured, 0.0, max(1e-3, measured)))
 
 
 MET = 0.02  # a fit within 2 % of its trial step met it
