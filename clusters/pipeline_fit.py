@@ -100,6 +100,7 @@ def fit_pipeline(model: CostModel, profile: ModelProfile, cluster: Cluster,
         fitted = model if met else single  # else the one run's fit
     return fitted, {"step": step[m1].as_dict(), "schedule": sched[m1].as_dict(),
                     "micro_batches": ms, "schedules": [sched[m].median for m in ms],
+                    "steps": [step[m].median for m in ms],
                     "action_s": fitted.pipe_action_s, "bubble_scale": fitted.pipe_bubble_scale,
                     "msg_scale": fitted.pipe_msg_scale, "step_overhead": fitted.pipe_step_overhead,
                     "level": level}

@@ -906,6 +906,7 @@ def test_a_pipeline_trial_sets_its_schedules_cost_and_its_other_messages():
     two = with_trial(c2 + rest_before, c2, more=(c4 + rest_before, c4))
     fit = two.spreads["trial_pipeline"]
     assert fit["micro_batches"] == [2, 4] and 0 < fit["bubble_scale"] < 1
+    assert len(fit["steps"]) == len(fit["schedules"]) == 2  # each count's, for the bench
     def at(model, m):
         return model.estimate(pipe(m), cluster, two.profile).compute
 
