@@ -133,6 +133,8 @@ class ChaosCluster:
                 },
             },
         )
+        self._raylets: set[int] = set()  # of the nodes removed (``_drop``)
+        self._node_ids: set[str] = set()
         self.nodes = [self.add_node() for _ in range(n_nodes)]
         self.pool = None  # the warm_workers tests' pool (see the module's docstring)
 
@@ -167,7 +169,7 @@ class ChaosCluster:
             return False
         for node in list(self.cluster.worker_nodes):
             if not node.remaining_processes_alive():
-                self.cluster.remove_node(node, allow_graceful=False)
+                self._drop(node)
         if self.pool is None:  # with a pool, the driver that owns its workers stays
             _shutdown()
             self.cluster.connected = False
@@ -175,9 +177,9 @@ class ChaosCluster:
         draining = draining_nodes()
         for node in list(self.cluster.worker_nodes):  # a drained node is on its way out
             if node.node_id in draining:
-                self.cluster.remove_node(node, allow_graceful=False)
+                self._drop(node)
         while len(self.cluster.worker_nodes) > n_nodes:
-            self.cluster.remove_node(next(iter(self.cluster.worker_nodes)), allow_graceful=False)
+            self._drop(next(iter(self.cluster.worker_nodes)))
         while len(self.cluster.worker_nodes) < n_nodes:
             self.cluster.add_node(num_cpus=1)
         self.cluster.wait_for_nodes()
@@ -205,6 +207,14 @@ class ChaosCluster:
               file=sys.stderr)
         return False
 
+    def _drop(self, node) -> None:
+        """Remove ``node`` (SIGKILL, as a lost node), remembering its raylet: the agents it
+        started outlive it, adopted by init (a node removed mid-test left its dashboard and
+        runtime-env agents running after the suite), and ``shutdown`` ends them."""
+        self._raylets.update(info.process.pid for info in node.all_processes.get("raylet", ()))
+        self._node_ids.add(node.node_id)
+        self.cluster.remove_node(node, allow_graceful=False)
+
     def node_of(self, node_id: str):
         for n in self.nodes:
             if n.node_id == node_id:
@@ -213,7 +223,7 @@ class ChaosCluster:
 
     def remove(self, node_id: str) -> None:
         node = self.node_of(node_id)
-        self.cluster.remove_node(node, allow_graceful=False)
+        self._drop(node)
         self.nodes.remove(node)
 
     def shutdown(self) -> None:
@@ -225,24 +235,28 @@ class ChaosCluster:
             self.pool = None
         raylets = {info.process.pid for node in [self.cluster.head_node,
                                                  *self.cluster.worker_nodes] if node
-                   for info in node.all_processes.get("raylet", ())}
+                   for info in node.all_processes.get("raylet", ())} | self._raylets
+        ids = {n.node_id for n in [self.cluster.head_node, *self.cluster.worker_nodes]
+               if n} | self._node_ids
         _shutdown()
         for node in list(self.cluster.worker_nodes):
-            self.cluster.remove_node(node, allow_graceful=False)
+            self._drop(node)
         if self.cluster.head_node is not None:
             try:
-                self.cluster.remove_node(self.cluster.head_node, allow_graceful=False)
+                self._drop(self.cluster.head_node)
             except ValueError:  # the driver was still attached (after a failed test):
                 # cluster_utils disconnected it before refusing; the head can go now
-                self.cluster.remove_node(self.cluster.head_node, allow_graceful=False)
+                self._drop(self.cluster.head_node)
         self.cluster.shutdown()
-        _end_orphans(raylets)
+        _end_orphans(raylets, ids)
 
 
-def _end_orphans(raylets: set[int]) -> None:
+def _end_orphans(raylets: set[int], node_ids: set[str] | frozenset[str] = frozenset()) -> None:
     """Kill what the killed raylets had started and left behind (their dashboard and
     runtime-env agents, adopted by init): an agent whose raylet died reports it to the GCS,
-    which is gone too, and lingered ~2 min after the suite (seen here)."""
+    which is gone too, and lingered ~2 min after the suite (seen here). Each is known by its
+    raylet's pid in its environment or, for the dashboard agent, which has none there, by
+    its node's id (one was left running 6 min after a whole ``.ci/run``)."""
     import os
     import signal
 
@@ -254,7 +268,9 @@ def _end_orphans(raylets: set[int]) -> None:
                 ppid = int(f.read().rsplit(")", 1)[1].split()[1])
             with open(f"/proc/{pid}/environ", "rb") as f:
                 env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
-            if ppid == 1 and int(env.get(b"RAY_RAYLET_PID", b"0")) in raylets:
+            ours = (int(env.get(b"RAY_RAYLET_PID", b"0")) in raylets
+                    or env.get(b"RAY_NODE_ID", b"").decode() in node_ids)
+            if ppid == 1 and ours:
                 os.kill(int(pid), signal.SIGKILL)
         except (OSError, ValueError, IndexError):  # gone meanwhile, not ours, not Linux
             continue
