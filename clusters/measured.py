@@ -317,19 +317,15 @@ def terms_model(reports: Sequence[Mapping[str, Any]], ids: Sequence[str], base: 
         trial_spread = robust([*trial["seconds"], *_beside_dp(reports[0])])
         model = _fit_overhead(model, profile, cluster, ids, tuple(trial["shares"]),
                               trial_spread.median)
-    z1 = reports[0].get("trial_zero1")
-    z1_spread, z1_level = None, 1.0
-    if z1 and z1.get("seconds") and cluster is not None and trial_spread is not None:
-        z1_level = dp_level(trial_spread, z1.get("dp_seconds"))
-        z1_spread = robust([t * z1_level for t in z1["seconds"]])
-        model = _fit_burst(model, profile, cluster, ids, tuple(z1["shares"]), z1_spread.median)
-    z3 = reports[0].get("trial_zero3")
-    z3_spread, z3_level = None, 1.0
-    if z3 and z3.get("seconds") and cluster is not None and trial_spread is not None:
-        z3_level = dp_level(trial_spread, z3.get("dp_seconds"))
-        z3_spread = robust([t * z3_level for t in z3["seconds"]])
-        model = _fit_unit_wait(model, profile, cluster, ids, tuple(z3["shares"]),
-                               z3_spread.median)
+    layouts: dict[str, dict[str, Any] | None] = {}  # zero1's and zero3's trial, as fitted
+    for name, fit in (("trial_zero1", _fit_burst), ("trial_zero3", _fit_unit_wait)):
+        t = reports[0].get(name)
+        layouts[name] = None
+        if t and t.get("seconds") and cluster is not None and trial_spread is not None:
+            level = dp_level(trial_spread, t.get("dp_seconds"))
+            sp = robust([x * level for x in t["seconds"]])
+            model = fit(model, profile, cluster, ids, tuple(t["shares"]), sp.median)
+            layouts[name] = {**sp.as_dict(), "level": level}
     pipes = [p for p in (r.get("trial_pipeline") for r in reports)
              if isinstance(p, Mapping) and isinstance(p.get("runs"), list)]
     pipe_fit = None
@@ -346,8 +342,7 @@ def terms_model(reports: Sequence[Mapping[str, Any]], ids: Sequence[str], base: 
         "trial": trial_spread.as_dict() if trial_spread else None,
         "sync_wait": model.sync_wait_s, "unit_wait": model.unit_wait_s,
         "burst_wait": model.burst_wait_s,
-        "trial_zero1": ({**z1_spread.as_dict(), "level": z1_level} if z1_spread else None),
-        "trial_zero3": ({**z3_spread.as_dict(), "level": z3_level} if z3_spread else None),
+        **layouts,
         "trial_no_update": bare_spread.as_dict() if bare_spread else None,
         "trial_pipeline": pipe_fit,
         "optimizer_scale": opt_scale,

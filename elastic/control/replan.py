@@ -29,7 +29,7 @@ from clusters.policy import (
     ReplanPolicy,
     SwitchPlan,
 )
-from clusters.refit import plan_key
+from clusters.refit import LiveScale, plan_key
 from strategies import StrategySpec
 from strategies.traits import DP_MODES
 
@@ -63,7 +63,7 @@ class Replanner:
         # only while the layout running is the one that decision asked for (``_expect``)
         self.memory = LoopMemory()
         self._expect: StrategySpec | None = None
-        self._scale: Any = None  # clusters.refit.LiveScale, made at the first window
+        self._scale = LiveScale()  # the live per-rank compute on the model's scale
 
     # ------------------------------------------------------------------ feeding
 
@@ -207,7 +207,7 @@ class Replanner:
                  ) -> tuple[ReplanObservation, dict[str, Plan], dict[str, Any]]:
         """The observation for the policy (``clusters.refit.observe``, as the simulator
         builds it), the candidate plans by label, and the re-fit's figures for the event."""
-        from clusters.refit import LiveScale, Observed, observe
+        from clusters.refit import Observed, observe
 
         from ..planning import spec_plan
 
@@ -228,8 +228,7 @@ class Replanner:
         ids = lay.ids if planned else [str(r) for r in range(spec.world_size)]
         current = spec_plan(spec, ids, lay.probe_model)
         mm = lay.measured if planned else None
-        if mm is not None and rank_s:  # on the model's scale (its first window fixes it)
-            self._scale = self._scale or LiveScale()
+        if mm is not None and rank_s:  # (a layout's first window fixes the factor)
             rank_s = self._scale((spec.name, spec.dp_mode, tuple(ids)), rank_s, ids, mm.model)
         earlier = self.observed.get(plan_key(current))
         self.memory.note_window(times, self.policy.min_steps, earlier[1] if earlier else None,

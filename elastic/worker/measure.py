@@ -15,7 +15,8 @@ the step loop's data fetch and control all-reduce, with and without the update; 
 per-unit gathers meet busy peers: what they wait beyond their messages is measured, not
 assumed); zero1's (what its broadcast burst waits); a pipeline's at two micro-batch
 counts. Each figure is a list of repeated seconds; ``clusters.measured.terms_model`` reduces
-them to medians and spreads and builds the cost model. ``SpanHooks`` (``elastic.worker.spans``) time and slow the compute blocks.
+them to medians and spreads and builds the cost model. ``SpanHooks``
+(``elastic.worker.spans``) time and slow the compute blocks.
 """
 
 from __future__ import annotations
@@ -275,8 +276,8 @@ def profile_terms(*, model_factory: Callable[[], nn.Module], loss_fn: Any,
     without the optimizer's update too (each rounded up to even; more while rank 0 finds the
     difference unresolved, ``clusters.measured.more_update_steps``), in alternating blocks;
     then ``trial_steps // 3`` blocks each of zero1 and dp in rotation (blocks of 3, 2
-    counted), as many of zero3 and dp, and of a pipeline over every rank at two micro-batch counts and dp, its schedule timed
-    apart (``elastic.worker.trial.pipeline_trial``). Every rank must call it with the same
+    counted), as many of zero3 and dp, and of a pipeline over every rank at two micro-batch
+    counts and dp, its schedule timed apart (``elastic.worker.trial.pipeline_trial``). Every rank must call it with the same
     ``rounds``, ``trial_steps`` and ``shares``."""
     from strategies.blocks import blocks_of
 
