@@ -6,7 +6,8 @@ dp -> zero3 -> zero1 -> dp moving CUDA state in memory, an asynchronous checkpoi
 tensors (pinned host copy), commit, and a restore into a fresh worker; parameters are compared
 with the single-process CPU reference; then bf16 autocast with gradient clipping and an lr
 schedule on the device through a switch; then the warm pool's path (a pooled worker serving two
-jobs in turn, reset between them). Prints one line per check and exits non-zero on failure.
+jobs in turn, reset between them); then the live per-rank compute spans (CUDA events) against a
+synchronized wall time. Prints one line per check and exits non-zero on failure.
 
     python bench/gpu_check.py            # on the GPU machine
     python bench/gpu_check.py --device cpu
@@ -31,6 +32,7 @@ from elastic.config import JobConfig  # noqa: E402
 from elastic.models import SyntheticRegression, mlp_loss, tiny_mlp  # noqa: E402
 from elastic.reference import reference_train  # noqa: E402
 from elastic.worker import Worker  # noqa: E402
+from elastic.worker.spans import SpanHooks  # noqa: E402
 from strategies import StrategySpec  # noqa: E402
 
 G = 32
@@ -182,6 +184,29 @@ def main() -> int:
         check(f"reset after pooled job {n + 1}", out["ok"] and out["cuda_bytes"] <= before
               and out["threads"] == 0, f"cuda_bytes {out['cuda_bytes']} (before the pool: {before}), threads "
               f"{out['threads']}, modules dropped {len(out['modules_dropped'])}")
+    # the closed loop's per-rank compute: the seconds inside the blocks' forwards, which on
+    # CUDA must be the kernels' time (events), not the host's time to launch them
+    dev = torch.device("cuda" if gpu else "cpu")
+    n = 4096 if gpu else 512
+    blocks = [torch.nn.Linear(n, n).to(dev) for _ in range(3)]
+    x = torch.randn(2 * n, n, device=dev)
+    hooks = SpanHooks()
+    hooks.install(blocks, 1.0, dev)
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
+    with torch.no_grad():
+        for i in range(3):
+            sync()
+            hooks.take()
+            t0 = time.perf_counter()
+            y = x
+            for b in blocks:
+                y = b(y)
+            sync()
+            wall = time.perf_counter() - t0
+    span = hooks.take()
+    hooks.remove()
+    check("live compute spans timed on the device", 0.5 * wall <= span <= 1.05 * wall,
+          f"spans {span * 1e3:.2f} ms, synchronized wall {wall * 1e3:.2f} ms")
     print("ALL PASS" if ok else "SOME FAILED", flush=True)
     return 0 if ok else 1
 

@@ -6,6 +6,12 @@ the step loop (``elastic.worker.profiling``) and the profiler's measurements
 blocks' forwards (this rank's own compute, without the collectives between blocks, which the
 controller's closed loop reads per rank) and, on an emulated slower device, sleeps ``(slowdown
 - 1) x`` each forward's and each backward's time where it happens.
+
+On a CUDA device a forward's host time is the time to launch its kernels, not to run them:
+there each span is timed by a pair of CUDA events on the current stream, read when the step's
+figure is taken (``take``, after the step's loss came back to the host, so the events have
+completed). No synchronization per block; the emulated slowdown, which must sleep the time a
+block ran, synchronizes as before.
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ class SpanHooks:
     def __init__(self) -> None:
         self._handles: list[Any] = []
         self._fwd = 0.0
+        self._spans: list[tuple[Any, Any]] = []  # CUDA: (start, end) events not yet read
+        self._free: list[Any] = []  # CUDA events read, for reuse
 
     def install(self, blocks: Sequence[nn.Module], slowdown: float, device: torch.device,
                 time_forward: bool = True) -> None:
@@ -44,6 +52,9 @@ class SpanHooks:
         if extra <= 0 and not time_forward:
             return
         sync = sync_fn(device)
+        if device.type == "cuda" and extra <= 0:
+            self._install_events(blocks)
+            return
         started: dict[tuple[int, str], float] = {}
 
         def start(phase: str) -> Callable[..., None]:
@@ -76,7 +87,38 @@ class SpanHooks:
                 self._handles += [m.register_full_backward_pre_hook(start("bwd")),
                                   m.register_full_backward_hook(stop("bwd"))]
 
+    def _install_events(self, blocks: Sequence[nn.Module]) -> None:
+        started: dict[int, Any] = {}
+
+        def event() -> Any:
+            if self._free:
+                return self._free.pop()
+            return torch.cuda.Event(enable_timing=True)
+
+        def start(mod: Any, *_args: Any) -> None:
+            e = event()
+            e.record()
+            started[id(mod)] = e
+
+        def stop(mod: Any, *_args: Any) -> None:
+            s = started.pop(id(mod), None)
+            if s is None:
+                return
+            e = event()
+            e.record()
+            self._spans.append((s, e))
+
+        for m in blocks:
+            self._handles += [m.register_forward_pre_hook(start),
+                              m.register_forward_hook(stop)]
+
     def take(self) -> float:
+        if self._spans:
+            for _, e in self._spans:  # done already (the loss was read): no wait
+                e.synchronize()
+            self._fwd += sum(s.elapsed_time(e) for s, e in self._spans) / 1e3
+            self._free += [ev for pair in self._spans for ev in pair]
+            self._spans = []
         out, self._fwd = self._fwd, 0.0
         return out
 
@@ -85,6 +127,7 @@ class SpanHooks:
             h.remove()
         self._handles = []
         self._fwd = 0.0
+        self._spans = []
 
 
 def median(xs: Sequence[float]) -> float:
