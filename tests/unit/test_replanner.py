@@ -1,0 +1,67 @@
+"""The live controller's closed loop (``elastic.control.replan.Replanner``) on the figures the
+workers report, without Ray: what it hands the policy is what the re-fit and the straggler
+check need (the policy and the re-fit are tested over their tables in
+``test_clusters_measured.py`` and ``test_policies.py``)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from clusters.measured import terms_model
+from elastic.control.replan import Replanner
+from elastic.planning import spec_plan
+from strategies import StrategySpec
+from tests.unit.test_clusters_measured import _base, _live, _reports
+
+
+def _loop() -> tuple[Replanner, Any, list[tuple[str, str, dict[str, Any]]], list[float]]:
+    cluster, ids = _live()
+    mm = terms_model(_reports(), ids, _base(), cluster=cluster)
+    cfg = SimpleNamespace(replan_every=20, strategy="auto", balance="auto", max_steps=10_000,
+                          global_batch_size=64, strategy_options=dict)
+    layouts = SimpleNamespace(measured=mm, cluster=cluster, ids=ids, kinds=["cpu", "cpu"],
+                              probe_model=None, apply_s=[0.5], rebalanced=lambda *a: None)
+    events: list[tuple[str, str, dict[str, Any]]] = []
+
+    def emit(kind: str, msg: str, data: dict[str, Any] | None = None, step: int = 0) -> None:
+        events.append((kind, msg, data or {}))
+
+    c = [mm.model.seconds_per_sample[i] for i in ids]
+    return Replanner(cfg, layouts, emit), mm, events, c
+
+
+def _feed(rp: Replanner, spec: StrategySpec, steps: range, step_s: float,
+          rank_s_per_sample: list[float], frac: float) -> None:
+    """Each rank's metric for each step, as the workers report them: the seconds inside the
+    blocks' forwards (``compute_s``) for its share of the batch."""
+    for s in steps:
+        for r, t in enumerate(rank_s_per_sample):
+            n = spec.shares[r]
+            rp.on_metric({"step": s, "rank": r, "step_time": step_s if r == 0 else None,
+                          "compute_s": t * frac * n, "samples": n}, spec)
+
+
+def test_the_live_compute_reaches_the_policy_on_the_models_scale_and_a_later_straggler_shows():
+    """The workers' forward seconds come out 2.1x the model's compute (as on a small GPT on 3
+    CPU ranks): the first window is taken to the model's scale, and a rank that slows 3x
+    later shows 3x slower, its peer where it was, and is named."""
+    rp, mm, events, c = _loop()
+    frac = mm.spreads["forward_fraction"]
+    spec = StrategySpec("dp", world_size=2, shares=(32, 32))
+    step = mm.model.estimate(spec_plan(spec, rp.layouts.ids, None), rp.layouts.cluster,
+                             mm.profile).step_time
+    group = SimpleNamespace(workers=[SimpleNamespace(worker_id=f"w{r}") for r in range(2)])
+    _feed(rp, spec, range(0, 30), step, [2.1 * t for t in c], frac)
+    rp.decide(30, spec, group)
+    (kind, _, data), = events
+    assert kind == "replan"
+    assert data["rank_s_per_sample"] == pytest.approx(c, rel=1e-6)
+    _feed(rp, spec, range(30, 60), step * 1.5, [2.1 * c[0], 3 * 2.1 * c[1]], frac)
+    rp.decide(60, spec, group)
+    assert events[-2][0] == "replan"
+    assert events[-2][2]["rank_s_per_sample"] == pytest.approx([c[0], 3 * c[1]], rel=1e-6)
+    kind, msg, data = events[-1]
+    assert kind == "straggler" and data["ranks"] == [1] and data["workers"] == ["w1"], msg
