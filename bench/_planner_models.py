@@ -10,6 +10,11 @@ MLP, pairwise interactions, a top MLP).
 what was tuned on the five above holds: a ResNet (BatchNorm buffers, residual blocks), an
 LSTM language model (recurrent, cuDNN-style flat weights) and a bag-of-words text classifier
 (a 2.6 M-parameter embedding and little compute: communication-bound).
+
+``HELD_OUT_2`` were added in session 35, after the tuning of sessions 33-34, and first run
+then: a ViT (torch's own ``TransformerEncoderLayer`` blocks, pre-norm), a convolutional
+autoencoder (transposed convolutions, a regression loss on the image) and a wide MLP (9.6 M
+parameters and little compute per parameter: the optimizer and the messages weigh).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["ALL", "FAMILIES", "HELD_OUT", "Family"]
+__all__ = ["ALL", "FAMILIES", "HELD_OUT", "HELD_OUT_2", "Family"]
 
 
 class _Data:
@@ -238,6 +243,57 @@ def bow(vocab: int = 20_000, dim: int = 128, classes: int = 4) -> nn.Sequential:
                          nn.Linear(256, classes))
 
 
+# ------------------------------------------------------------- second held-out set
+
+
+class _VitPatches(nn.Module):
+    def __init__(self, patch: int, dim: int, tokens: int) -> None:
+        super().__init__()
+        self.proj = nn.Conv2d(3, dim, patch, stride=patch)
+        self.pos = nn.Parameter(torch.zeros(1, tokens, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x).flatten(2).transpose(1, 2) + self.pos
+
+
+def vit(image: int = 32, patch: int = 4, dim: int = 128, depth: int = 4, heads: int = 4,
+        classes: int = 10) -> nn.Sequential:
+    tokens = (image // patch) ** 2
+    return nn.Sequential(
+        _VitPatches(patch, dim, tokens),
+        *[nn.TransformerEncoderLayer(dim, heads, 2 * dim, dropout=0.0, batch_first=True,
+                                     norm_first=True) for _ in range(depth)],
+        _MixerHead(dim, classes))
+
+
+def autoenc() -> nn.Sequential:
+    def up(cin: int, cout: int) -> nn.Sequential:
+        return nn.Sequential(nn.ConvTranspose2d(cin, cout, 4, 2, 1), nn.GroupNorm(8, cout),
+                             nn.ReLU())
+    return nn.Sequential(_ConvBlock(3, 32, True), _ConvBlock(32, 64, True),
+                         _ConvBlock(64, 128, True), up(128, 64), up(64, 32),
+                         nn.ConvTranspose2d(32, 3, 4, 2, 1))
+
+
+def _mse(pred: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(pred, y)
+
+
+class _ImageTargets(_Data):
+    """Images whose targets are the images themselves (an autoencoder's)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(n, (3, 32, 32), target_shape=(1,))
+        self.y = self.x
+
+
+def wide(d_in: int = 512, width: int = 2048, classes: int = 100) -> nn.Sequential:
+    return nn.Sequential(nn.Sequential(nn.Linear(d_in, width), nn.ReLU()),
+                         nn.Sequential(nn.Linear(width, width), nn.ReLU()),
+                         nn.Linear(width, width), nn.Sequential(nn.ReLU(),
+                                                                nn.Linear(width, classes)))
+
+
 @dataclass(frozen=True)
 class Family:
     """A model family: its factory, dataset factory, loss and global batch."""
@@ -272,4 +328,12 @@ HELD_OUT: dict[str, Family] = {f.name: f for f in (
            functools.partial(_Data, 4096, (64,), vocab=20_000, classes=4), _ce, 128),
 )}
 
-ALL: dict[str, Family] = {**FAMILIES, **HELD_OUT}
+HELD_OUT_2: dict[str, Family] = {f.name: f for f in (
+    Family("vit", functools.partial(vit),
+           functools.partial(_Data, 2048, (3, 32, 32), classes=10), _ce, 64),
+    Family("autoenc", autoenc, functools.partial(_ImageTargets, 2048), _mse, 64),
+    Family("wide", functools.partial(wide),
+           functools.partial(_Data, 4096, (512,), classes=100), _ce, 128),
+)}
+
+ALL: dict[str, Family] = {**FAMILIES, **HELD_OUT, **HELD_OUT_2}

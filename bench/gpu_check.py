@@ -194,7 +194,7 @@ def main() -> int:
     hooks.install(blocks, 1.0, dev)
     sync = torch.cuda.synchronize if gpu else (lambda: None)
     with torch.no_grad():
-        for i in range(3):
+        for _ in range(3):
             sync()
             hooks.take()
             t0 = time.perf_counter()

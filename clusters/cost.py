@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .collectives import (
+    BROADCAST_BURST,
     FALLBACK_KIND,
     CommConfig,
     burst_points,
@@ -70,7 +71,8 @@ class CostModel:
     tensor, seconds per element, seconds per tensor when sharded as zero3's DTensors); without
     it the update is charged as memory-bound.
     ``overlap``: fraction of backward compute (2/3 of compute) that hides data-parallel
-    communication (0 = none, the conservative default).
+    communication (0 = none, the conservative default); not zero1's and zero2's broadcasts,
+    which go after the update (``sync_over``).
     ``pass_overhead_s``: fixed seconds per block per forward+backward pass (kernel launches,
     Python), paid once per micro-batch: what makes very small micro-batches a bad deal.
     ``step_overhead``: fixed seconds per step beyond its terms (the step loop, the control
@@ -262,13 +264,16 @@ class CostModel:
         profile: ModelProfile,
         micro_batches: int = 1,
         hooks: bool = True,
-    ) -> float:
+    ) -> tuple[float, float]:
         """Seconds of ``mode``'s collectives per step for a data-parallel group of ``n`` ranks
         over ``blocks`` whose bottleneck is ``path``: every message the layout sends
-        (``collectives.layout_messages``), each at its kind's alpha and beta. ``hooks``: False
-        for a pipeline stage's reduction after its schedule."""
+        (``collectives.layout_messages``), each at its kind's alpha and beta, and the waits
+        where the ranks meet; and of those seconds, what goes after the optimizer's update:
+        zero1's and zero2's broadcast burst and its wait, which no backward is left to hide
+        (``overlap`` hides the rest). ``hooks``: False for a pipeline stage's reduction after
+        its schedule."""
         if n <= 1:
-            return 0.0
+            return 0.0, 0.0
         g, p = profile.grad_bytes, profile.bytes_per_param
         tensors = [t * g for t in profile.tensors(blocks)]
         units = [profile.block_params[i] * p for i in blocks if profile.block_params[i] > 0]
@@ -279,24 +284,12 @@ class CostModel:
         points = sync_points(mode, n, len(units), micro_batches, hooks)
         burst = burst_points(mode, n)  # zero1/zero2's broadcasts: the burst's own wait
         at_burst = self.burst_wait_s if self.burst_wait_s is not None else per
-        wait = self.comm_scale.get("sync", 1.0) * (per * (points - burst) + at_burst * burst)
-        return wait + messages_time(msgs, n,
-                                    {m.kind: self.alpha_beta(path, m.kind) for m in msgs})
-
-    def sync_time(
-        self,
-        mode: str,
-        group: Sequence[Device],
-        cluster: Cluster,
-        profile: ModelProfile,
-        micro_batches: int = 1,
-    ) -> tuple[float, str]:
-        """Seconds of gradient/parameter collectives per step for one data-parallel group of
-        the whole model, and the name of its bottleneck link (``sync_over``)."""
-        path = cluster.path(group)
-        t = self.sync_over(mode, range(profile.n_blocks), len(group), path, profile,
-                           micro_batches)
-        return t, path.name if path else "-"
+        scale = self.comm_scale.get("sync", 1.0)
+        ab = {m.kind: self.alpha_beta(path, m.kind) for m in msgs}
+        after = scale * at_burst * burst + messages_time(
+            [m for m in msgs if m.kind == BROADCAST_BURST], n, ab)
+        return scale * per * (points - burst) + after + messages_time(
+            [m for m in msgs if m.kind != BROADCAST_BURST], n, ab), after
 
     def _estimate_data_parallel(
         self, plan: Plan, cluster: Cluster, profile: ModelProfile, devs: list[Device]
@@ -312,8 +305,11 @@ class CostModel:
             s * memo[self.device_key(d, profile)] + passes * d.slowdown
             for s, d in zip(plan.shares, devs, strict=True)
         ]
-        comm, link = self.sync_time(plan.strategy, devs, cluster, profile, m)
-        exposed = max(0.0, comm - self.overlap * (2 / 3) * max(comp))
+        path = cluster.path(devs)
+        comm, after = self.sync_over(plan.strategy, range(profile.n_blocks), n, path, profile,
+                                      m)
+        link = path.name if path else "-"
+        exposed = max(0.0, comm - after - self.overlap * (2 / 3) * max(comp)) + after
         everything = range(profile.n_blocks)
         opt = max(
             self.layout_optimizer_time(plan.strategy, d, everything, n, profile)

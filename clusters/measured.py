@@ -51,6 +51,23 @@ UPDATE_WORTH = 0.05  # its timed share of a step below which a factor on it is n
 UPDATE_MAX_KEPT = 24  # steps of each kind, at most
 
 
+# the profiler's trial steps of zero1 and zero3 (``more_trial_steps``)
+TRIAL_SE = 0.04  # the standard error of a trial's median, relative, to settle for
+TRIAL_MAX_KEPT = 12  # steps of the trial's layout, at most
+
+
+def more_trial_steps(secs: Sequence[float]) -> bool:
+    """Whether the profiler should run another round of a layout's trial steps (``secs``:
+    its counted seconds so far): yes while the standard error of their median is over
+    ``TRIAL_SE`` of it and fewer than ``TRIAL_MAX_KEPT`` ran. 4 steps of zero3 on 2 CPU ranks
+    (a ViT) came out at 190 and 500 ms, two each: the median, 355 ms, set the per-unit wait,
+    and zero3 was predicted +91 % (a wide MLP on 3 ranks: +27 % at a 22 % spread)."""
+    if not secs or len(secs) >= TRIAL_MAX_KEPT:
+        return False
+    st = robust(secs)
+    return st.se > TRIAL_SE * st.median
+
+
 def update_differs(in_step: float, se: float, alone: float) -> bool:
     """Whether the update's cost inside a step (``in_step``, with standard error ``se``)
     differs from its ``alone`` timed figure beyond 2 standard errors."""

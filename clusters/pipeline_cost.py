@@ -114,7 +114,7 @@ class PartCosts(Protocol):
 
     def sync_over(self, mode: str, blocks: Sequence[int], n: int, path: Path | None,
                   profile: ModelProfile, micro_batches: int = 1, hooks: bool = True
-                  ) -> float: ...
+                  ) -> tuple[float, float]: ...
 
 
 def bubble_fraction(
@@ -326,16 +326,16 @@ def estimate_pipeline(
     pos_blocks = [[i for k in chunks[j] for i in stages[k]] for j in range(p)]
     pos_params = [sum(profile.block_params[i] for i in pos_blocks[j]) for j in range(p)]
     pos_big = [max(profile.block_params[i] for k in chunks[j] for i in stages[k]) for j in range(p)]
-    comm, link = 0.0, "-"
+    comm, after, link = 0.0, 0.0, "-"
     if dp > 1:
         for j in range(p):
             path = layout.group_paths[j]
             # a stage reduces once after its schedule; zero3's units gather per micro-batch
-            t_sync = model.sync_over(plan.dp_mode, pos_blocks[j], dp, path, profile, m,
-                                     hooks=False)
+            t_sync, t_after = model.sync_over(plan.dp_mode, pos_blocks[j], dp, path, profile,
+                                              m, hooks=False)
             if t_sync >= comm:
-                comm, link = t_sync, path.name if path else "-"
-    exposed = max(0.0, comm - model.overlap * (2 / 3) * compute)
+                comm, after, link = t_sync, t_after, path.name if path else "-"
+    exposed = max(0.0, comm - after - model.overlap * (2 / 3) * compute) + after
 
     stored = [sum(profile.stored(i) for k in chunks[j] for i in stages[k]) for j in range(p)]
     sizes = sorted(set(plan.shares))

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from clusters.collectives import BROADCAST_BURST, KINDS
-from clusters.measured import more_update_steps
+from clusters.measured import more_trial_steps, more_update_steps
 
 from .spans import SpanHooks, median, sync_fn
 from .trial import alternating, every_rank_has_room, of_kind, pipeline_trial
@@ -276,7 +276,8 @@ def profile_terms(*, model_factory: Callable[[], nn.Module], loss_fn: Any,
     without the optimizer's update too (each rounded up to even; more while rank 0 finds the
     difference unresolved, ``clusters.measured.more_update_steps``), in alternating blocks;
     then ``trial_steps // 3`` blocks each of zero1 and dp in rotation (blocks of 3, 2
-    counted), as many of zero3 and dp, and of a pipeline over every rank at two micro-batch
+    counted; more while rank 0 finds zero1's median unsettled,
+    ``clusters.measured.more_trial_steps``), as many of zero3 and dp (alike), and of a pipeline over every rank at two micro-batch
     counts and dp, its schedule timed apart (``elastic.worker.trial.pipeline_trial``). Every rank must call it with the same
     ``rounds``, ``trial_steps`` and ``shares``."""
     from strategies.blocks import blocks_of
@@ -360,10 +361,19 @@ def profile_terms(*, model_factory: Callable[[], nn.Module], loss_fn: Any,
         # ranks (the planner bench, 2026-12-05); zero2 sends the same messages
         pairs = max(1, trial_steps // 3)
         # zero1 holds the parameters and gradients whole and 1/world of the moments
+        # More rounds while rank 0 finds the layout's median unsettled (``more_trial_steps``)
         for name, other in (("zero1", 0.5 + 0.5 / world), ("zero3", None)):
             beside = every_rank_has_room(replica_bytes, world, device, other=other)
             k = 1 + int(beside)
-            secs = run_trial([("dp", {})] * int(beside) + [(name, {})], 3 * k * pairs, **run)
+
+            def again(secs: Sequence[float], k: int = k) -> int:
+                go = torch.tensor([float(rank == 0 and more_trial_steps(
+                    of_kind(secs, k, k - 1)))], device=device)
+                dist.broadcast(go, src=0)
+                return 3 * k if go.item() else 0  # another block of each
+
+            secs = run_trial([("dp", {})] * int(beside) + [(name, {})], 3 * k * pairs,
+                             more=again, **run)
             if secs:
                 report[f"trial_{name}"] = {
                     "shares": [int(s) for s in shares], "seconds": of_kind(secs, k, k - 1),

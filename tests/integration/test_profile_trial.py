@@ -1,9 +1,9 @@
 """The profiler's trial steps on two spawned gloo ranks (``tests/mp_harness.py``): the dp steps
 with and without the optimizer's update run on until rank 0's rule says the difference is
-resolved, and every rank runs as many as rank 0; then zero3's and a pipeline's at two
-micro-batch counts, each in rotation with dp's, the schedule timed
-(``elastic.worker.measure.profile_terms``,
-``clusters.measured.more_update_steps``)."""
+resolved, and every rank runs as many as rank 0; then zero1's and zero3's, each on until rank
+0 finds its median settled, and a pipeline's at two micro-batch counts, each in rotation with
+dp's, the schedule timed (``elastic.worker.measure.profile_terms``,
+``clusters.measured.more_update_steps``, ``more_trial_steps``)."""
 
 from __future__ import annotations
 
@@ -36,12 +36,13 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(4, 16, generator=g), torch.randn(4, 1, generator=g)  # a share
 
 
-def _profile(want: int | None) -> dict[str, int]:
-    """This rank's counts of trial steps; ``want``: rank 0's rule replaced by one asking for
-    more until ``want`` steps of each kind ran (None: the real rule)."""
+def _profile(want: int | None, want_trial: int | None = None) -> dict[str, int]:
+    """This rank's counts of trial steps; ``want``: rank 0's rule for the steps with and
+    without the update replaced by one asking for more until ``want`` steps of each kind
+    ran, ``want_trial`` the same for zero1's and zero3's (None: the real rules)."""
     import torch.distributed as dist
 
-    from clusters.measured import more_update_steps
+    from clusters.measured import more_trial_steps, more_update_steps
     from elastic.worker import measure
 
     rank = dist.get_rank()
@@ -50,8 +51,13 @@ def _profile(want: int | None) -> dict[str, int]:
         assert rank == 0, "only rank 0 decides"
         return min(len(with_update), len(without)) < (want or 0)
 
-    # (the pool's processes live on: the real rule is put back for the next run)
+    def trial_rule(secs: Any) -> bool:
+        assert rank == 0, "only rank 0 decides"
+        return len(secs) < (want_trial or 0)
+
+    # (the pool's processes live on: the real rules are put back for the next run)
     measure.more_update_steps = rule if want else more_update_steps  # type: ignore
+    measure.more_trial_steps = trial_rule if want_trial else more_trial_steps  # type: ignore
     rep = measure.profile_terms(
         model_factory=_model, loss_fn=torch.nn.functional.mse_loss, optimizer_factory=_adam,
         batch=_batch, shares=[4, 4], rank=rank, world=2, device=torch.device("cpu"),
@@ -76,17 +82,19 @@ def _profile(want: int | None) -> dict[str, int]:
 def test_the_ranks_run_as_many_trial_steps_as_rank_0_asks(pool) -> None:
     # 6 of each kind first; each further pair of blocks of 3 adds 2 of each (a block's
     # first step, which follows the other kind, is not counted)
-    # then zero1 and dp in rotation, 2 blocks of 3 each (2 counted steps per block), zero3
-    # and dp the same way; and a
+    # then zero1 and dp in rotation, blocks of 3 each (2 counted steps per block) until 8 of
+    # zero1's counted, zero3 and dp the same way; and a
     # pipeline over both ranks: 1F1B at 2 micro-batches (the fewest >= 2 that divide 8) and
     # at 8 (the most that divide 8 up to 4 times 2), with dp in rotation, as many blocks, its
     # 3 blocks cut by rank 0's block times, one split for both
-    assert pool.run(_profile, 10) == [{"with": 10, "without": 10, "zero1": (4, 4),
-                                       "zero3": (4, 4),
-                                       "pipeline": ([(2, 4), (8, 4)], [1, 2], 4)}] * 2
+    assert pool.run(_profile, 10, 8) == [{"with": 10, "without": 10, "zero1": (8, 8),
+                                          "zero3": (8, 8),
+                                          "pipeline": ([(2, 4), (8, 4)], [1, 2], 4)}] * 2
     real = pool.run(_profile, None)
     assert real[0] == real[1]
     assert 6 <= real[0]["with"] == real[0]["without"] <= 24
+    assert 4 <= real[0]["zero1"][0] == real[0]["zero1"][1] <= 12
+    assert 4 <= real[0]["zero3"][0] == real[0]["zero3"][1] <= 12
 
 
 def _profile_without_room_on_rank_1() -> dict[str, Any]:
@@ -94,10 +102,12 @@ def _profile_without_room_on_rank_1() -> dict[str, Any]:
     zero3's shards or two pipeline stages."""
     import torch.distributed as dist
 
+    from clusters.measured import more_trial_steps
     from elastic.worker import measure, trial
 
     real = trial.room_beside
     trial.room_beside = lambda *a: dist.get_rank() != 1  # type: ignore[assignment]
+    measure.more_trial_steps = lambda secs: False  # type: ignore[assignment]
     try:
         rep = measure.profile_terms(
             model_factory=_model, loss_fn=torch.nn.functional.mse_loss,
@@ -105,6 +115,7 @@ def _profile_without_room_on_rank_1() -> dict[str, Any]:
             world=2, device=torch.device("cpu"), autocast=contextlib.nullcontext, rounds=2)
     finally:
         trial.room_beside = real
+        measure.more_trial_steps = more_trial_steps  # type: ignore[assignment]
     z1, z3, pipe = rep["trial_zero1"], rep["trial_zero3"], rep["trial_pipeline"]
     return {"zero1": (len(z1["seconds"]), "dp_seconds" in z1),
             "zero3": (len(z3["seconds"]), "dp_seconds" in z3),

@@ -108,11 +108,16 @@ def test_a_pipeline_stages_zero1_and_zero2_use_the_same_rule():
     blocks = range(3, 7)  # a middle stage: 52 tensors, 26 per owner
     bcast = collective_time("broadcast", 4 * 4000 * 26, 2, 1e-3, 1e-9)
     for mode in ("zero1", "zero2"):
-        a = serial.sync_over(mode, blocks, 2, None, prof, micro_batches=4, hooks=False)
-        b = burst.sync_over(mode, blocks, 2, None, prof, micro_batches=4, hooks=False)
+        a = serial.sync_over(mode, blocks, 2, None, prof, micro_batches=4, hooks=False)[0]
+        b = burst.sync_over(mode, blocks, 2, None, prof, micro_batches=4, hooks=False)[0]
         assert a - b == pytest.approx(2 * bcast - bcast + 1e-3)
     assert (serial.sync_over("dp", blocks, 2, None, prof, 4, hooks=False)
             == burst.sync_over("dp", blocks, 2, None, prof, 4, hooks=False))
+    # a stage's burst and its wait go after the update, as a whole layout's do
+    after = burst.sync_over("zero1", blocks, 2, None, prof, 4, hooks=False)[1]
+    assert after > 0 and after == burst.sync_over("zero2", blocks, 2, None, prof, 4,
+                                                  hooks=False)[1]
+    assert burst.sync_over("dp", blocks, 2, None, prof, 4, hooks=False)[1] == 0
 
 
 def _with_series(reports, kinds, wait, burst_whole=None, burst_wait=None):
@@ -206,3 +211,28 @@ def test_the_profiler_sends_the_burst_as_the_strategy_does(monkeypatch):
     measure._collective("broadcast_burst", 4096, 3, 1, torch.device("cpu"))()
     assert log == [("issue", r, 1024) for r in range(3)] + [("wait", r, 1024) for r in range(3)]
     assert set(measure._KINDS) <= set(KINDS) and BURST in measure._KINDS
+
+
+def test_overlap_hides_the_gradients_messages_not_the_burst_after_the_update():
+    """``overlap`` is the part of backward that hides the gradients' messages (DDP's buckets
+    go from the hooks). zero1's and zero2's broadcasts go after the owners' optimizer steps,
+    when no backward is left to hide them: with every message hidden (overlap 1 and a long
+    backward), dp exposes none of its messages and zero1 still its whole burst and the
+    burst's wait."""
+    cluster, ids = _live()
+    prof = _many_tensors()
+    base = replace(_model(ids, (1e-3, 1e-9), 2e-3), seconds_per_sample={i: 1e-2 for i in ids})
+    hidden = replace(base, overlap=1.0)
+    devs = [cluster.device(i) for i in ids]
+    path = cluster.path(devs)
+    for mode in ("dp", "zero1", "zero2"):
+        p = Plan(strategy=mode, world_size=2, shares=(32, 32), devices=tuple(ids))
+        e0, e1 = base.estimate(p, cluster, prof), hidden.estimate(p, cluster, prof)
+        burst = [m for m in layout_messages(mode, 2, [t * prof.grad_bytes for t in
+                                                      prof.tensors(range(prof.n_blocks))],
+                                            comm=base.comm) if m.kind == BURST]
+        after = sum(m.count * collective_time(BURST, m.nbytes, 2, *base.alpha_beta(path, BURST))
+                    for m in burst) + (2e-3 if burst else 0.0)
+        assert e0.comm > after  # the gradients' messages are there to hide
+        assert e1.comm == pytest.approx(after), mode
+        assert (after > 0) == (mode != "dp")

@@ -28,6 +28,7 @@ from clusters.measured import (
     fit_alpha_beta,
     fit_optimizer,
     fit_pass,
+    more_trial_steps,
     more_update_steps,
     robust,
     terms_model,
@@ -859,6 +860,19 @@ def _steps(med: float, sd: float, n: int) -> list[float]:
 def test_more_trial_steps_while_the_update_is_unresolved_where_it_matters(
         case, with_u, without, alone, more):
     assert more_update_steps(_steps(*with_u), _steps(*without), alone) is more, case
+
+
+@pytest.mark.parametrize("case, secs, more", [
+    # a ViT's zero3 on 2 CPU ranks: two steps at 190 ms, two at 500 (predicted +91 %)
+    ("two modes", [0.19, 0.19, 0.5, 0.5], True),
+    ("settled", _steps(0.2, 0.01, 4), False),  # se 3.5 % of the median
+    ("spread, more steps", _steps(0.2, 0.02, 8), True),  # se 4.9 %
+    ("spread, enough steps", _steps(0.2, 0.015, 10), False),  # se 3.3 %
+    ("at the cap", [0.19, 0.5] * 6, False),
+    ("none", [], False),
+])
+def test_more_trial_steps_of_a_layout_while_its_median_is_unsettled(case, secs, more):
+    assert more_trial_steps(secs) is more, case
 
 
 def test_a_pipeline_trial_sets_its_schedules_cost_and_its_other_messages():
