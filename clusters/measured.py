@@ -53,7 +53,7 @@ UPDATE_MAX_KEPT = 24  # steps of each kind, at most
 
 # the profiler's trial steps of zero1 and zero3 (``more_trial_steps``)
 TRIAL_SE = 0.04  # the standard error of a trial's median, relative, to settle for
-TRIAL_MAX_KEPT = 12  # steps of the trial's layout, at most
+TRIAL_MAX_KEPT = 8  # steps of the trial's layout, at most (twice the default)
 
 
 def more_trial_steps(secs: Sequence[float]) -> bool:
@@ -470,7 +470,7 @@ def _fit_burst(model: CostModel, profile: ModelProfile, cluster: Cluster,
     running zero1 or zero2 segment takes beyond it on the host's drift, as for zero3's
     kinds, not on the burst: with one segment seen, a 7 % drift would have multiplied a 1 ms
     burst and moved zero1 and zero2 alone). Where it does not (the rest of the gap in the
-    owners' update or the all-reduce, or hidden by ``overlap``), neither."""
+    owners' update or the all-reduce), neither."""
     plan = Plan(strategy="zero1", world_size=len(ids), shares=shares, devices=tuple(ids))
     if burst_points("zero1", len(ids)) <= 0:
         return model

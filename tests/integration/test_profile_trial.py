@@ -93,8 +93,8 @@ def test_the_ranks_run_as_many_trial_steps_as_rank_0_asks(pool) -> None:
     real = pool.run(_profile, None)
     assert real[0] == real[1]
     assert 6 <= real[0]["with"] == real[0]["without"] <= 24
-    assert 4 <= real[0]["zero1"][0] == real[0]["zero1"][1] <= 12
-    assert 4 <= real[0]["zero3"][0] == real[0]["zero3"][1] <= 12
+    assert 4 <= real[0]["zero1"][0] == real[0]["zero1"][1] <= 8
+    assert 4 <= real[0]["zero3"][0] == real[0]["zero3"][1] <= 8
 
 
 def _profile_without_room_on_rank_1() -> dict[str, Any]:

@@ -866,9 +866,9 @@ def test_more_trial_steps_while_the_update_is_unresolved_where_it_matters(
     # a ViT's zero3 on 2 CPU ranks: two steps at 190 ms, two at 500 (predicted +91 %)
     ("two modes", [0.19, 0.19, 0.5, 0.5], True),
     ("settled", _steps(0.2, 0.01, 4), False),  # se 3.5 % of the median
-    ("spread, more steps", _steps(0.2, 0.02, 8), True),  # se 4.9 %
-    ("spread, enough steps", _steps(0.2, 0.015, 10), False),  # se 3.3 %
-    ("at the cap", [0.19, 0.5] * 6, False),
+    ("spread, more steps", _steps(0.2, 0.02, 6), True),  # se 5.7 %
+    ("spread, enough steps", _steps(0.2, 0.012, 6), False),  # se 3.4 %
+    ("at the cap", [0.19, 0.5] * 4, False),
     ("none", [], False),
 ])
 def test_more_trial_steps_of_a_layout_while_its_median_is_unsettled(case, secs, more):
