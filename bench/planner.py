@@ -174,7 +174,8 @@ def run_config(tmp: str, fam: pm.Family, world: int, args: argparse.Namespace) -
                                    "optimizer": est.optimizer}, "plan_obj": plan}
             if plan.is_pipeline:  # and as the model predicted it before a pipeline trial
                 bare = replace(mm.model, pipe_action_s=0.0, pipe_bubble_scale=1.0,
-                               pipe_msg_scale=1.0, pipe_step_overhead=None)
+                               pipe_msg_scale=1.0, pipe_step_overhead=None,
+                               pipe_update_scale=1.0)
                 rows[key]["untrialed_s"] = bare.estimate(plan, cluster, mm.profile).step_time
         for key, r in rows.items():  # the passes pooled; each pass's median kept
             st = robust([t for ts in runs[key] for t in ts])

@@ -100,6 +100,9 @@ class PartCosts(Protocol):
     @property
     def pipe_step_overhead(self) -> float | None: ...
 
+    @property
+    def pipe_update_scale(self) -> float: ...
+
     def alpha_beta(self, path: Path | None, kind: str | None = None) -> tuple[float, float]: ...
 
     def sample_time(self, device: Device, profile: ModelProfile,
@@ -375,6 +378,7 @@ def estimate_pipeline(
             opt = max(opt, model.layout_optimizer_time(plan.dp_mode, d, pos_blocks[j], dp,
                                                        profile))
 
+    opt *= model.pipe_update_scale
     fixed = model.step_overhead if model.pipe_step_overhead is None else model.pipe_step_overhead
     step = compute + exposed + opt + fixed + _step_messages(model, plan, layout)
     return Estimate(step, compute, exposed, opt, bubble_fraction(p, m, plan.schedule, v),

@@ -29,7 +29,9 @@ def fit_pipeline(model: CostModel, profile: ModelProfile, cluster: Cluster,
     outside it, 0 to 4, the median over the runs); the schedule's growth from the first
     run's micro-batches to the second's sets ``pipe_action_s`` (per stage and micro-batch,
     a stage never below its compute, at the least free p2p), and the first run's schedule
-    then ``pipe_bubble_scale`` (what does not grow with m, 0 to 2). With one run, the seconds
+    then ``pipe_bubble_scale`` (what does not grow with m, 0 to 2). A step outside its
+    schedule shorter than ``step_overhead`` and the update sets ``pipe_step_overhead``, and
+    shorter than the update alone ``pipe_update_scale`` (0 to 1) too. With one run, the seconds
     per action meet its schedule. Timed apart, the parts missed in opposite directions: on 3
     CPU ranks the messages outside the schedule were predicted +44 to +132 % and the
     schedule -16 to -70 %, and from one micro-batch count to twice it the schedule grew
@@ -60,10 +62,11 @@ def fit_pipeline(model: CostModel, profile: ModelProfile, cluster: Cluster,
     def compute(m: int, **kw: Any) -> float:
         return replace(model, **kw).estimate(plans[m], cluster, profile).compute
 
-    factors, beyond = [], []
+    factors, beyond, update = [], [], 0.0
     for m in ms:
         est = model.estimate(plans[m], cluster, profile)
         bare = replace(model, pipe_msg_scale=0.0).estimate(plans[m], cluster, profile)
+        update = bare.optimizer
         # the step outside its schedule (which runs on every rank at once), beyond the
         # update, the dp sync and the step overhead
         beyond.append(step[m].median - sched[m].median - (bare.step_time - bare.compute))
@@ -73,11 +76,17 @@ def fit_pipeline(model: CostModel, profile: ModelProfile, cluster: Cluster,
     # Less than that: no messages, and a smaller fixed cost than dp's trial left (a bag of
     # words on 3 CPU ranks: 16.8 ms outside the schedule against dp's 13.5 ms overhead and
     # an 18.4 ms update, the pipeline predicted +38 %; its ranks do not all update at once)
+    # Less than the update alone too: the stages update as their own backward ends (the
+    # last first, while the first still drains), a factor on the update takes the rest
     short = statistics.median(beyond)
-    fixed = max(0.0, model.step_overhead + short) if short < 0 else None
+    fixed = model.step_overhead + short if short < 0 else None
+    upd = 1.0
+    if fixed is not None and fixed < 0:
+        upd = max(0.0, 1.0 + fixed / update) if update > 0 else 1.0
+        fixed = 0.0
     model = replace(model, pipe_msg_scale=0.0 if fixed is not None else scale,
-                    pipe_step_overhead=fixed, pipe_fit_schedule=plans[ms[0]].schedule,
-                    pipe_fit_reach=max(ms) / len(ids))
+                    pipe_step_overhead=fixed, pipe_update_scale=upd,
+                    pipe_fit_schedule=plans[ms[0]].schedule, pipe_fit_reach=max(ms) / len(ids))
     m1, m2 = ms[0], ms[-1]
     hi = max(1e-3, *(sp.median for sp in sched.values()))
     single = replace(model, pipe_action_s=bisect_below(lambda o: compute(m1, pipe_action_s=o),
@@ -103,6 +112,7 @@ def fit_pipeline(model: CostModel, profile: ModelProfile, cluster: Cluster,
                     "steps": [step[m].median for m in ms],
                     "action_s": fitted.pipe_action_s, "bubble_scale": fitted.pipe_bubble_scale,
                     "msg_scale": fitted.pipe_msg_scale, "step_overhead": fitted.pipe_step_overhead,
+                    "update_scale": fitted.pipe_update_scale,
                     "level": level}
 
 

@@ -951,6 +951,18 @@ def test_a_pipeline_trial_sets_its_schedules_cost_and_its_other_messages():
     assert est.step_time == pytest.approx(c2 + before.optimizer + 0.5e-3, rel=1e-6)
     assert short.spreads["trial_pipeline"]["step_overhead"] == pytest.approx(0.5e-3, rel=1e-6)
     assert mm.model.pipe_step_overhead is None  # more than that: messages, as before
+    assert short.model.pipe_update_scale == 1.0
+    # less than the update alone: no fixed part, and the update takes a factor that meets
+    # the trial (the stages update as their own backward ends: a wide MLP on 3 CPU ranks
+    # spent 28-33 ms outside its schedule against a 39 ms update, predicted +14-18 %)
+    under = with_trial(c2 + 0.6 * before.optimizer, c2)
+    assert under.model.pipe_step_overhead == 0.0
+    assert under.model.pipe_update_scale == pytest.approx(0.6, rel=1e-6)
+    assert under.spreads["trial_pipeline"]["update_scale"] == pytest.approx(0.6, rel=1e-6)
+    assert under.model.estimate(pipe(2), cluster, under.profile).step_time == pytest.approx(
+        c2 + 0.6 * before.optimizer, rel=1e-6)
+    assert under.model.estimate(dp, cluster, under.profile).step_time == pytest.approx(
+        plain.model.estimate(dp, cluster, plain.profile).step_time)  # dp's update as it was
     # the closed loop's drift (dp 3 ms slower than predicted) moves the pipeline's own fixed
     # cost alike: it had moved every other layout and left the pipeline where it was
     dp_s = short.model.estimate(dp, cluster, short.profile).step_time
