@@ -115,7 +115,8 @@ class CostModel:
     ``pipe_update_scale``: a factor on a pipeline step's update, where they spent less than
     the update alone (the stages update as their own backward ends, the last stage first,
     while the first still drains: a wide MLP on 3 CPU ranks spent 28-33 ms outside its
-    schedule against a 39 ms update on its largest stage).
+    schedule against a 39 ms update on its largest stage). Fitted on a trial of one stage per
+    rank without data parallelism, and applied to every pipeline.
     ``shared_cores``: by device id, the CPU ranks that share a crowded host's cores
     (``pipeline_cost.SharedCores``); a pipeline's waiting ranks leave their cores to the busy
     ones. Data-parallel layouts keep every rank busy at once, as the profile did.

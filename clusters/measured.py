@@ -56,13 +56,14 @@ TRIAL_SE = 0.04  # the standard error of a trial's median, relative, to settle f
 TRIAL_MAX_KEPT = 8  # steps of the trial's layout, at most (twice the default)
 
 
-def more_trial_steps(secs: Sequence[float]) -> bool:
+def more_trial_steps(secs: Sequence[float], per_round: int = 2) -> bool:
     """Whether the profiler should run another round of a layout's trial steps (``secs``:
-    its counted seconds so far): yes while the standard error of their median is over
-    ``TRIAL_SE`` of it and fewer than ``TRIAL_MAX_KEPT`` ran. 4 steps of zero3 on 2 CPU ranks
+    its counted seconds so far; ``per_round``: how many another round counts): yes while the
+    standard error of their median is over ``TRIAL_SE`` of it and another round stays within
+    ``TRIAL_MAX_KEPT``. 4 steps of zero3 on 2 CPU ranks
     (a ViT) came out at 190 and 500 ms, two each: the median, 355 ms, set the per-unit wait,
     and zero3 was predicted +91 % (a wide MLP on 3 ranks: +27 % at a 22 % spread)."""
-    if not secs or len(secs) >= TRIAL_MAX_KEPT:
+    if not secs or len(secs) + per_round > TRIAL_MAX_KEPT:
         return False
     st = robust(secs)
     return st.se > TRIAL_SE * st.median

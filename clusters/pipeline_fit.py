@@ -59,6 +59,9 @@ def fit_pipeline(model: CostModel, profile: ModelProfile, cluster: Cluster,
     except (KeyError, TypeError, ValueError, StopIteration, ClustersError):
         return model, None
 
+    # what an earlier fit set is set anew (the fixed parts below are measured without it)
+    model = replace(model, pipe_step_overhead=None, pipe_update_scale=1.0)
+
     def compute(m: int, **kw: Any) -> float:
         return replace(model, **kw).estimate(plans[m], cluster, profile).compute
 

@@ -368,7 +368,7 @@ def profile_terms(*, model_factory: Callable[[], nn.Module], loss_fn: Any,
 
             def again(secs: Sequence[float], k: int = k) -> int:
                 go = torch.tensor([float(rank == 0 and more_trial_steps(
-                    of_kind(secs, k, k - 1)))], device=device)
+                    of_kind(secs, k, k - 1), 2 if k > 1 else 3))], device=device)
                 dist.broadcast(go, src=0)
                 return 3 * k if go.item() else 0  # another block of each
 

@@ -53,7 +53,7 @@ class SpanHooks:
             return
         sync = sync_fn(device)
         if device.type == "cuda" and extra <= 0:
-            self._install_events(blocks)
+            self._install_events(blocks, device)
             return
         started: dict[tuple[int, str], float] = {}
 
@@ -87,8 +87,9 @@ class SpanHooks:
                 self._handles += [m.register_full_backward_pre_hook(start("bwd")),
                                   m.register_full_backward_hook(stop("bwd"))]
 
-    def _install_events(self, blocks: Sequence[nn.Module]) -> None:
+    def _install_events(self, blocks: Sequence[nn.Module], device: torch.device) -> None:
         started: dict[int, Any] = {}
+        stream = torch.cuda.current_stream(device)  # the one the step's kernels run on
 
         def event() -> Any:
             if self._free:
@@ -97,7 +98,7 @@ class SpanHooks:
 
         def start(mod: Any, *_args: Any) -> None:
             e = event()
-            e.record()
+            e.record(stream)
             started[id(mod)] = e
 
         def stop(mod: Any, *_args: Any) -> None:
@@ -105,7 +106,7 @@ class SpanHooks:
             if s is None:
                 return
             e = event()
-            e.record()
+            e.record(stream)
             self._spans.append((s, e))
 
         for m in blocks:

@@ -869,10 +869,13 @@ def test_more_trial_steps_while_the_update_is_unresolved_where_it_matters(
     ("spread, more steps", _steps(0.2, 0.02, 6), True),  # se 5.7 %
     ("spread, enough steps", _steps(0.2, 0.012, 6), False),  # se 3.4 %
     ("at the cap", [0.19, 0.5] * 4, False),
+    ("a round would pass the cap", [0.19, 0.5] * 3, False),  # 6 + 3 counted alone
+    ("a round stays within it", [0.19, 0.5] * 3, True),  # 6 + 2 beside dp's
     ("none", [], False),
 ])
 def test_more_trial_steps_of_a_layout_while_its_median_is_unsettled(case, secs, more):
-    assert more_trial_steps(secs) is more, case
+    per_round = 3 if case == "a round would pass the cap" else 2
+    assert more_trial_steps(secs, per_round) is more, case
 
 
 def test_a_pipeline_trial_sets_its_schedules_cost_and_its_other_messages():
