@@ -354,7 +354,7 @@ def _dump(args: argparse.Namespace, commit: str, results: list[dict[str, Any]]) 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--families", nargs="+", default=list(pm.FAMILIES), choices=list(pm.ALL),
-                    help="default: the five tuned on; also the held-out resnet, lstm, bow")
+                    help="default: the five tuned on; also the held-out resnet, lstm, bow (session 33) and vit, autoenc, wide (session 35)")
     ap.add_argument("--workers", nargs="+", type=int, default=[2, 3])
     ap.add_argument("--first", type=int, default=52, help="steps of the pick (2 warm-up)")
     ap.add_argument("--warmup", type=int, default=3)
