@@ -361,26 +361,30 @@ def profile_terms(*, model_factory: Callable[[], nn.Module], loss_fn: Any,
         # ranks (the planner bench, 2026-12-05); zero2 sends the same messages
         pairs = max(1, trial_steps // 3)
         # zero1 holds the parameters and gradients whole and 1/world of the moments
-        # More rounds while rank 0 finds the layout's median unsettled (``more_trial_steps``)
+        # More rounds while rank 0 finds a layout's median unsettled (``more_trial_steps``)
+        def settle(kinds: Sequence[int], k: int) -> Callable[[Sequence[float]], int]:
+            """Another block of each of ``k`` layouts in rotation while rank 0 finds the
+            median of any of ``kinds`` unsettled; every rank alike."""
+            def again(secs: Sequence[float]) -> int:
+                go = torch.tensor([float(rank == 0 and any(more_trial_steps(
+                    of_kind(secs, k, i), 2 if k > 1 else 3) for i in kinds))], device=device)
+                dist.broadcast(go, src=0)
+                return 3 * k if go.item() else 0
+            return again
+
         for name, other in (("zero1", 0.5 + 0.5 / world), ("zero3", None)):
             beside = every_rank_has_room(replica_bytes, world, device, other=other)
             k = 1 + int(beside)
-
-            def again(secs: Sequence[float], k: int = k) -> int:
-                go = torch.tensor([float(rank == 0 and more_trial_steps(
-                    of_kind(secs, k, k - 1), 2 if k > 1 else 3))], device=device)
-                dist.broadcast(go, src=0)
-                return 3 * k if go.item() else 0  # another block of each
-
             secs = run_trial([("dp", {})] * int(beside) + [(name, {})], 3 * k * pairs,
-                             more=again, **run)
+                             more=settle([k - 1], k), **run)
             if secs:
                 report[f"trial_{name}"] = {
                     "shares": [int(s) for s in shares], "seconds": of_kind(secs, k, k - 1),
                     **({"dp_seconds": of_kind(secs, k, 0)} if beside else {})}
             lap(f"trial_{name}")
         beside = every_rank_has_room(replica_bytes, world, device)  # two stages' worth
-        pipe = pipeline_trial(pairs, len(blocks), block_secs, run, autocast, beside_dp=beside)
+        pipe = pipeline_trial(pairs, len(blocks), block_secs, run, autocast, beside_dp=beside,
+                              settle=settle)
         if pipe:
             report["trial_pipeline"] = pipe
         lap("trial_pipeline")

@@ -88,7 +88,9 @@ def on_every_rank(flags: Sequence[bool], device: torch.device) -> list[bool]:
 
 def pipeline_trial(pairs: int, n_blocks: int, block_secs: Sequence[Sequence[float]],
                    run: dict[str, Any], autocast: Callable[[], Any],
-                   beside_dp: bool = True) -> dict[str, Any] | None:
+                   beside_dp: bool = True,
+                   settle: Callable[[Sequence[int], int], Callable[[Sequence[float]], int]]
+                   | None = None) -> dict[str, Any] | None:
     """Steps of a pipeline over every rank (pp = world, 1F1B; stages cut by rank 0's
     ``block_secs``, as the planner cuts equal devices) at the fewest micro-batches that divide
     the global batch, at least world, and at the most that divide it from twice to 4 times
@@ -101,7 +103,9 @@ def pipeline_trial(pairs: int, n_blocks: int, block_secs: Sequence[Sequence[floa
     the dp trial's level). What a schedule costs per micro-batch and beyond, and what the
     step's other messages cost. The layouts are held at once: dp's replica and both counts'
     stages (2/world of the model's states more than dp's; ``beside_dp`` False: without dp's,
-    and no level). None when the model has fewer blocks than ranks or cannot be pipelined."""
+    and no level). ``settle(kinds, k)``: the ``more`` rule of ``trial_steps`` for ``k``
+    layouts in rotation, on until the figures of ``kinds`` settle (both counts'). None when
+    the model has fewer blocks than ranks or cannot be pipelined."""
     from strategies.pipeline import balanced_split
 
     world, shares, device = run["world"], [int(s) for s in run["shares"]], run["device"]
@@ -129,7 +133,8 @@ def pipeline_trial(pairs: int, n_blocks: int, block_secs: Sequence[Sequence[floa
     layouts += [("pipeline", kw) for kw in pipes]
     k = len(layouts)
     sched: list[float] = []
-    secs = trial_steps(layouts, 3 * k * pairs, schedule_secs=sched, **run)
+    more = settle(range(first, k), k) if settle is not None else None
+    secs = trial_steps(layouts, 3 * k * pairs, schedule_secs=sched, more=more, **run)
     if not secs:  # (refused on every rank alike)
         return None
     runs = [{"micro_batches": m, "seconds": of_kind(secs, k, i + first),

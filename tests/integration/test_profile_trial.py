@@ -1,8 +1,8 @@
 """The profiler's trial steps on two spawned gloo ranks (``tests/mp_harness.py``): the dp steps
 with and without the optimizer's update run on until rank 0's rule says the difference is
-resolved, and every rank runs as many as rank 0; then zero1's and zero3's, each on until rank
-0 finds its median settled, and a pipeline's at two micro-batch counts, each in rotation with
-dp's, the schedule timed (``elastic.worker.measure.profile_terms``,
+resolved, and every rank runs as many as rank 0; then zero1's and zero3's, and a pipeline's
+at two micro-batch counts, each in rotation with dp's and on until rank 0 finds its medians
+settled, the schedule timed (``elastic.worker.measure.profile_terms``,
 ``clusters.measured.more_update_steps``, ``more_trial_steps``)."""
 
 from __future__ import annotations
@@ -85,16 +85,18 @@ def test_the_ranks_run_as_many_trial_steps_as_rank_0_asks(pool) -> None:
     # then zero1 and dp in rotation, blocks of 3 each (2 counted steps per block) until 8 of
     # zero1's counted, zero3 and dp the same way; and a
     # pipeline over both ranks: 1F1B at 2 micro-batches (the fewest >= 2 that divide 8) and
-    # at 8 (the most that divide 8 up to 4 times 2), with dp in rotation, as many blocks, its
-    # 3 blocks cut by rank 0's block times, one split for both
+    # at 8 (the most that divide 8 up to 4 times 2), with dp in rotation, blocks of each
+    # until 8 of each count, its 3 blocks cut by rank 0's block times, one split for both
     assert pool.run(_profile, 10, 8) == [{"with": 10, "without": 10, "zero1": (8, 8),
                                           "zero3": (8, 8),
-                                          "pipeline": ([(2, 4), (8, 4)], [1, 2], 4)}] * 2
+                                          "pipeline": ([(2, 8), (8, 8)], [1, 2], 8)}] * 2
     real = pool.run(_profile, None)
     assert real[0] == real[1]
     assert 6 <= real[0]["with"] == real[0]["without"] <= 24
     assert 4 <= real[0]["zero1"][0] == real[0]["zero1"][1] <= 8
     assert 4 <= real[0]["zero3"][0] == real[0]["zero3"][1] <= 8
+    (_, a), (_, b) = real[0]["pipeline"][0]
+    assert 4 <= a == b == real[0]["pipeline"][2] <= 8
 
 
 def _profile_without_room_on_rank_1() -> dict[str, Any]:
@@ -167,4 +169,6 @@ def test_a_pipeline_count_one_stage_cannot_take_is_skipped_on_every_rank(pool) -
     # 12 samples: micro-batches of 6 (m = 2) run; of 2 (m = 6, the most that divide 12 up
     # to 4 times 2) one stage would raise while the other waits in a receive: every rank
     # takes the next most instead, m = 4 (3 samples)
-    assert pool.run(_picky_profile) == [[(2, 4), (4, 4)]] * 2
+    a, b = pool.run(_picky_profile)
+    assert a == b and [m for m, _ in a] == [2, 4]
+    assert all(4 <= n <= 8 for _, n in a)  # on while rank 0 finds them unsettled
