@@ -65,11 +65,10 @@ def fit_pipeline(model: CostModel, profile: ModelProfile, cluster: Cluster,
     def compute(m: int, **kw: Any) -> float:
         return replace(model, **kw).estimate(plans[m], cluster, profile).compute
 
-    factors, beyond, update = [], [], 0.0
+    factors, beyond = [], []
     for m in ms:
         est = model.estimate(plans[m], cluster, profile)
         bare = replace(model, pipe_msg_scale=0.0).estimate(plans[m], cluster, profile)
-        update = bare.optimizer
         # the step outside its schedule (which runs on every rank at once), beyond the
         # update, the dp sync and the step overhead
         beyond.append(step[m].median - sched[m].median - (bare.step_time - bare.compute))
@@ -84,6 +83,7 @@ def fit_pipeline(model: CostModel, profile: ModelProfile, cluster: Cluster,
     short = statistics.median(beyond)
     fixed = model.step_overhead + short if short < 0 else None
     upd = 1.0
+    update = bare.optimizer  # the stages' update: alike at every count
     if fixed is not None and fixed < 0:
         upd = max(0.0, 1.0 + fixed / update) if update > 0 else 1.0
         fixed = 0.0

@@ -33,7 +33,7 @@ from clusters.collectives import BROADCAST_BURST, KINDS
 from clusters.measured import more_trial_steps, more_update_steps
 
 from .spans import SpanHooks, median, sync_fn
-from .trial import alternating, every_rank_has_room, of_kind, pipeline_trial
+from .trial import alternating, every_rank_has_room, of_kind, pipeline_trial, rank0_says
 from .trial import trial_steps as run_trial
 
 __all__ = ["SpanHooks", "profile_terms", "COLLECTIVE_SIZES"]
@@ -342,10 +342,8 @@ def profile_terms(*, model_factory: Callable[[], nn.Module], loss_fn: Any,
         alone = median(report["optimizer"]["plain"][0][2])
 
         def more(secs: Sequence[float]) -> int:
-            go = torch.tensor([float(rank == 0 and more_update_steps(
-                of_kind(secs, 2, 0), of_kind(secs, 2, 1), alone))], device=device)
-            dist.broadcast(go, src=0)
-            return 6 if go.item() else 0  # another pair of blocks
+            return 6 if rank0_says(rank == 0 and more_update_steps(  # another pair of blocks
+                of_kind(secs, 2, 0), of_kind(secs, 2, 1), alone), device) else 0
 
         secs = run_trial([("dp", {})], 6 * max(2, -(-trial_steps // 2)),
                          update_at=alternating, more=more, **run)
@@ -360,18 +358,17 @@ def profile_terms(*, model_factory: Callable[[], nn.Module], loss_fn: Any,
         # step less dp's was predicted 2-6 ms too high in 6 of 8 model families on 3 CPU
         # ranks (the planner bench, 2026-12-05); zero2 sends the same messages
         pairs = max(1, trial_steps // 3)
-        # zero1 holds the parameters and gradients whole and 1/world of the moments
-        # More rounds while rank 0 finds a layout's median unsettled (``more_trial_steps``)
+
         def settle(kinds: Sequence[int], k: int) -> Callable[[Sequence[float]], int]:
             """Another block of each of ``k`` layouts in rotation while rank 0 finds the
-            median of any of ``kinds`` unsettled; every rank alike."""
+            median of any of ``kinds`` unsettled (``more_trial_steps``; a block counts 2 of
+            each beside another layout, 3 alone)."""
             def again(secs: Sequence[float]) -> int:
-                go = torch.tensor([float(rank == 0 and any(more_trial_steps(
-                    of_kind(secs, k, i), 2 if k > 1 else 3) for i in kinds))], device=device)
-                dist.broadcast(go, src=0)
-                return 3 * k if go.item() else 0
+                return 3 * k if rank0_says(rank == 0 and any(more_trial_steps(
+                    of_kind(secs, k, i), 2 if k > 1 else 3) for i in kinds), device) else 0
             return again
 
+        # zero1 holds the parameters and gradients whole and 1/world of the moments
         for name, other in (("zero1", 0.5 + 0.5 / world), ("zero3", None)):
             beside = every_rank_has_room(replica_bytes, world, device, other=other)
             k = 1 + int(beside)

@@ -51,10 +51,10 @@ class SpanHooks:
         extra = max(0.0, slowdown - 1.0)
         if extra <= 0 and not time_forward:
             return
-        sync = sync_fn(device)
         if device.type == "cuda" and extra <= 0:
             self._install_events(blocks, device)
             return
+        sync = sync_fn(device)
         started: dict[tuple[int, str], float] = {}
 
         def start(phase: str) -> Callable[..., None]:
@@ -115,8 +115,7 @@ class SpanHooks:
 
     def take(self) -> float:
         if self._spans:
-            for _, e in self._spans:  # done already (the loss was read): no wait
-                e.synchronize()
+            self._spans[-1][1].synchronize()  # one stream: every earlier span is done too
             self._fwd += sum(s.elapsed_time(e) for s, e in self._spans) / 1e3
             self._free += [ev for pair in self._spans for ev in pair]
             self._spans = []

@@ -86,6 +86,14 @@ def on_every_rank(flags: Sequence[bool], device: torch.device) -> list[bool]:
     return [bool(f) for f in t.tolist()]
 
 
+def rank0_says(yes: bool, device: torch.device) -> bool:
+    """Rank 0's ``yes`` on every rank (one broadcast; the others' value is not read): what
+    rank 0 alone decides from its own timings, every rank then does alike."""
+    go = torch.tensor([float(yes)], device=device)
+    dist.broadcast(go, src=0)
+    return bool(go.item())
+
+
 def pipeline_trial(pairs: int, n_blocks: int, block_secs: Sequence[Sequence[float]],
                    run: dict[str, Any], autocast: Callable[[], Any],
                    beside_dp: bool = True,

@@ -102,6 +102,7 @@ class _Event:
 def test_on_a_cuda_device_spans_are_read_from_events_and_the_events_reused(monkeypatch) -> None:
     """The CUDA path's bookkeeping without a GPU: each forward between two events, read at
     ``take`` (ms to s), the events then reused; ``remove`` drops unread spans."""
+    monkeypatch.setattr(_Event, "made", 0)
     monkeypatch.setattr(torch.cuda, "Event", _Event)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
     blocks = [_Sleep(0.01) for _ in range(3)]
