@@ -233,11 +233,6 @@ class ChaosCluster:
         if self.pool is not None:
             self.pool.close()
             self.pool = None
-        raylets = {info.process.pid for node in [self.cluster.head_node,
-                                                 *self.cluster.worker_nodes] if node
-                   for info in node.all_processes.get("raylet", ())} | self._raylets
-        ids = {n.node_id for n in [self.cluster.head_node, *self.cluster.worker_nodes]
-               if n} | self._node_ids
         _shutdown()
         for node in list(self.cluster.worker_nodes):
             self._drop(node)
@@ -248,7 +243,7 @@ class ChaosCluster:
                 # cluster_utils disconnected it before refusing; the head can go now
                 self._drop(self.cluster.head_node)
         self.cluster.shutdown()
-        _end_orphans(raylets, ids)
+        _end_orphans(self._raylets, self._node_ids)  # every node went through ``_drop``
 
 
 def _end_orphans(raylets: set[int], node_ids: set[str] | frozenset[str] = frozenset()) -> None:
