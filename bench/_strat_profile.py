@@ -2,7 +2,7 @@
 phase, outside Ray. Historical: since 2026-12-01 a switch moves pieces instead
 (``switch_move: reshard``, ``strategies.resharding``), which skips every phase below but the
 build and the load; this profiles ``switch_move: gather`` as it was on 2026-11-29 (the
-figures of docs/benchmarks.md of that day). bench/strategies.py times both moves.
+figures of docs/benchmarks.md at 2d38cfc of that day). bench/strategies.py times both moves.
 
     python bench/_strat_profile.py [--workers 2] [--rounds 1] [--json OUT]
 

@@ -249,7 +249,7 @@ def pipeline_defaults(batches: Sequence[int], pp: int, micro_batches: int | None
     default: GPipe's bubble, with at most ``pp`` micro-batches' activations held instead of
     all) and the count is the one that divides every replica's batch nearest ``2 pp`` within
     ``[pp, 4 pp]`` (a bubble of (pp-1)/(m+pp-1): 20-33 % at 2 pp; each micro-batch adds a
-    fixed cost, which on a small batch outgrows the bubble it saves: ``docs/benchmarks.md``),
+    fixed cost, which on a small batch outgrows the bubble it saves: ``docs/benchmarks.md`` at 2d38cfc, Planner, sessions 30 and 32),
     leaving two samples or more per micro-batch where any count can (BatchNorm needs two; a
     one-sample micro-batch starves a GPU). The job's ``micro_batch_size`` caps the samples
     per micro-batch: the count is then at least ``max(batches) / micro_batch_size``. Where no

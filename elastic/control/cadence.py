@@ -2,7 +2,7 @@
 
 Each poll drains every worker's metrics by an RPC its second thread answers, taking the GIL
 from the training thread: at 4 polls/s that cost ~7 % of a 2-core host's throughput
-(docs/benchmarks.md). So the controller polls fast only while it matters; failures do not
+(docs/benchmarks.md at 2d38cfc, Overhead, 2026-11-30). So the controller polls fast only while it matters; failures do not
 wait for a poll (a segment's end wakes it at once).
 """
 
