@@ -46,8 +46,8 @@ class ConfigError(ElasticError, ValueError):
         self.problem = problem
         self.fix = fix
         msg = f"{field}: {problem}"
-        if fix:
-            msg += f" Fix: {fix}"
+        if fix:  # (a problem that does not end a sentence gets its full stop)
+            msg += f"{'' if problem.rstrip().endswith(('.', '?', '!')) else '.'} Fix: {fix}"
         super().__init__(msg)
 
     def __reduce__(self) -> tuple[Any, ...]:  # keep the three fields through pickling

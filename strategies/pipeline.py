@@ -108,29 +108,40 @@ def replica_batches(spec: StrategySpec) -> list[int]:
 
 
 class _Stage(nn.Module):
-    """Some consecutive blocks of a pipeline-ready model, under their original FQNs."""
+    """Some consecutive blocks of a pipeline-ready model, under their original FQNs. The
+    stage's own attributes have names no model's blocks take (``_stage_*``): a model keeping
+    its blocks in ``self.blocks`` names them ``blocks.0``, ``blocks.1``, ..., and the stage's
+    list was once an attribute ``blocks`` too (torch refused the second assignment)."""
 
     def __init__(self, blocks: Sequence[tuple[str, nn.Module]],
                  autocast: Callable[[], contextlib.AbstractContextManager[Any]] | None = None
                  ) -> None:
         super().__init__()
-        self._autocast = autocast or contextlib.nullcontext
         for name, block in blocks:
             parent: nn.Module = self
             *path, leaf = name.split(".")
+            if name.split(".")[0].startswith("_stage_"):
+                raise StrategyError(f"block {name!r}: names starting with '_stage_' are the "
+                                    "pipeline stage's own; rename that attribute of the model")
             for part in path:
                 if part not in parent._modules:
                     parent.add_module(part, nn.Module())
                 parent = parent._modules[part]  # type: ignore[assignment]
             parent.add_module(leaf, block)
-        self.blocks = [block for _, block in blocks]  # a plain list: not registered twice
-        self.block_names = [name for name, _ in blocks]
+        self._stage_autocast = autocast or contextlib.nullcontext
+        self._stage_blocks = [block for _, block in blocks]  # a plain list: not registered twice
+        self._stage_names = [name for name, _ in blocks]
+
+    @property
+    def stage_blocks(self) -> list[nn.Module]:
+        """The stage's blocks, in order."""
+        return self._stage_blocks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.requires_grad:  # an activation received from the stage before
             x = _ContiguousGrad.apply(x)
-        with self._autocast():
-            for block in self.blocks:
+        with self._stage_autocast():
+            for block in self._stage_blocks:
                 x = block(x)
         # sent as it is by torch's p2p, which refuses a strided view (an LSTM's batch-first
         # output, a transpose)
@@ -194,7 +205,8 @@ def _resolve_split(spec: StrategySpec, blocks: Sequence[tuple[str, nn.Module]]) 
     n_stages = spec.pp_degree * _stages_per_rank(spec.schedule)
     if n_stages > len(blocks):
         raise StrategyError(
-            f"{n_stages} pipeline stages but the model has only {len(blocks)} blocks; "
+            f"{n_stages} pipeline stages but the model has only {len(blocks)} block"
+            f"{'s' if len(blocks) != 1 else ''}; "
             "lower pp_degree (or use a non-interleaved schedule)"
         )
     if spec.stage_split is None:
@@ -306,7 +318,7 @@ class Pipeline(Strategy):
         reshard = spec.options.reshard_after_forward
         if self.mode == "zero3":
             for st in self.stages:
-                self._meshes.append(shard_module(st, self.dp_group, rt.device, st.blocks, reshard))
+                self._meshes.append(shard_module(st, self.dp_group, rt.device, st.stage_blocks, reshard))
             params = [p for st in self.stages for p in st.parameters()]
             self.optimizer: torch.optim.Optimizer | None = optimizer_factory(params)
             self.update = None

@@ -358,7 +358,8 @@ class CheckpointTracker:
                    f"{read_detail(outs)}",
                    data={"step": step, "uri": store.uri,
                          "bytes_read": [o["bytes"] for o in outs],
-                         "state_bytes": outs[0]["total_bytes"] if outs else 0})
+                         "state_bytes": outs[0]["total_bytes"] if outs else 0},
+                   step=step if reason == "resume" else None)  # (a resume: the job's step)
 
     def valid_steps(self) -> tuple[int, ...]:
         """Committed steps a restore may use, newest first (found-corrupt ones excluded)."""

@@ -17,7 +17,7 @@ from strategies import StrategySpec
 from ..failures import Failure
 
 __all__ = ["WorkerRec", "Segment", "SegmentPoll", "DrainNotice", "drain_notices", "drain_reason",
-           "Group"]
+           "Group", "capacity"]
 
 
 @dataclass
@@ -169,3 +169,14 @@ class Group(Protocol):
                         seq: int | None = None) -> None: ...
     def final_state(self) -> dict[str, Any]: ...
     def close(self) -> None: ...
+
+
+def capacity(bundle: dict[str, float], total: dict[str, float], free: dict[str, float]) -> str:
+    """What the cluster has of each resource a worker needs, and what of it is free: "0 of
+    4 CPU free; the rest is held by placement groups (other jobs, idle pooled workers)".
+    (Ray's free resources also list a wildcard per placement group bundle, which only hid
+    the CPUs in the message.)"""
+    parts = ", ".join(f"{free.get(k, 0.0):g} of {total.get(k, 0.0):g} {k} free" for k in bundle)
+    held = any(free.get(k, 0.0) < total.get(k, 0.0) for k in bundle)
+    return parts + ("; the rest is held by placement groups (other jobs, idle pooled "
+                    "workers)" if held else "")

@@ -7,7 +7,7 @@ kills workers, watches Ray's draining nodes, and makes every call to them (named
 never sees a Ray exception and runs without Ray over ``tests/unit/fake_group.py``.
 
 Not thread-safe except ``request_stop`` (the SDK's thread calls it while the controller's
-thread waits on a segment).
+thread waits on a segment; its Ray calls go through ``teller.Teller``).
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ from ..failures import Failure, classify, first_cause
 from ..ray_connect import bundle_node, node_alive, pg_ready, wait_refs, worker_bundle
 from .calls import PlacementCalls, WorkerCalls
 from .drains import NodeDrains
-from .group import DrainNotice, Segment, SegmentPoll, WorkerRec
+from .group import DrainNotice, Segment, SegmentPoll, WorkerRec, capacity
 from .liveness import Liveness
+from .teller import Teller
 from .watch import SLICE_S, SegmentWatch
 
 __all__ = ["WorkerGroup", "Placement", "WorkerRec", "Segment", "SegmentPoll"]
@@ -47,17 +48,6 @@ def _typed(e: BaseException, w: WorkerRec | None = None) -> BaseException:
                                f"{str(e).strip().splitlines()[0][:200] if str(e) else ''}",
                                rank=rank, node_lost=lost)
     return e
-
-
-def capacity(bundle: dict[str, float], total: dict[str, float], free: dict[str, float]) -> str:
-    """What the cluster has of each resource a worker needs, and what of it is free: "0 of
-    4 CPU free; the rest is held by placement groups (other jobs, idle pooled workers)".
-    (Ray's free resources also list a wildcard per placement group bundle, which only hid
-    the CPUs in the message.)"""
-    parts = ", ".join(f"{free.get(k, 0.0):g} of {total.get(k, 0.0):g} {k} free" for k in bundle)
-    held = any(free.get(k, 0.0) < total.get(k, 0.0) for k in bundle)
-    return parts + ("; the rest is held by placement groups (other jobs, idle pooled "
-                    "workers)" if held else "")
 
 
 class Placement:
@@ -344,6 +334,7 @@ class WorkerGroup(PlacementCalls, WorkerCalls):
         self.placement = (placement or Placement)(
             config, emulate, (*self.liveness.address, self.liveness.token))
         self.drains = NodeDrains()  # Ray's drains of the job's nodes
+        self._teller = Teller()  # ``_tell`` from threads other than the job's
 
     def _answers(self, w: WorkerRec) -> bool:
         """Whether a silent worker answers a ping within 1 s (its second thread)."""
@@ -479,12 +470,8 @@ class WorkerGroup(PlacementCalls, WorkerCalls):
         return [w for w, _ in pending]
 
     def _tell(self, method: str, *args: Any) -> None:
-        """Fire and forget, thread-safe: ``method`` on every worker."""
-        for w in list(self.workers):
-            try:
-                getattr(w.handle, method).remote(*args)
-            except Exception:  # noqa: BLE001 - a dead worker: failure handling sees it
-                pass
+        """Fire and forget, thread-safe: ``method`` on every worker (``Teller``)."""
+        self._teller.call(_tell_all, list(self.workers), method, args)
 
     def drain(self) -> list[list[dict[str, Any]]]:
         """Each worker's metrics since the last drain (empty for one that does not answer
@@ -581,10 +568,19 @@ class WorkerGroup(PlacementCalls, WorkerCalls):
         import ray
 
         self.liveness.close()
+        self._teller.close()
         if not ray.is_initialized():
             return
         self.placement.release(self.workers)
         self.workers = []
+
+
+def _tell_all(workers: Sequence[WorkerRec], method: str, args: tuple[Any, ...]) -> None:
+    for w in workers:
+        try:
+            getattr(w.handle, method).remote(*args)
+        except Exception:  # noqa: BLE001 - a dead worker: failure handling sees it
+            pass
 
 
 def _kill(w: WorkerRec) -> None:

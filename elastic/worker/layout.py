@@ -36,7 +36,7 @@ def compute_blocks(strategy: Any) -> list[torch.nn.Module]:
 
     stages = getattr(strategy, "stages", None)
     if stages:
-        return [b for st in stages for b in st.blocks]
+        return [b for st in stages for b in st.stage_blocks]
     model = strategy.local_model()
     blocks = pipeline_blocks_or_none(model)
     return [b for _, b in blocks] if blocks else [model]

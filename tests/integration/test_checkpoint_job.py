@@ -131,7 +131,8 @@ def test_resume_falls_back_past_a_corrupt_newest_checkpoint(ray_local, tmp_path)
                            name="fallback-job", run_dir=str(tmp_path / "run2")))
     bad = [e for e in r.events if e.kind == "checkpoint_corrupt"]
     assert len(bad) == 1 and bad[0].data["step"] == 8 and shard in bad[0].message, bad
-    assert next(e for e in r.events if e.kind == "resumed").data["step"] == 4
+    resumed = next(e for e in r.events if e.kind == "resumed")
+    assert resumed.data["step"] == 4 and resumed.step == 4  # (the event said step 0)
     assert [h["step"] for h in r.history] == list(range(4, 12))
     ref, _ = reference_train(mlp, adam, mse, RegressionData(), G, 12, seed=0)
     assert max_diff(r.state_dict(), ref) < TOL

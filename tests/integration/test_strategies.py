@@ -341,6 +341,46 @@ def test_other_model_families_match_the_reference(pool: _Pool, case: str) -> Non
         assert float((mine - v).abs().max()) < ATOL, k
 
 
+class _Blocks(nn.Module):
+    """Pipeline-ready through the protocol, its blocks in ``self.blocks`` (names
+    ``blocks.0``...), as many models keep them: the stage's own list was an attribute
+    ``blocks`` too, and torch refused it (a user's model, 2026-12-05)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Tanh(), nn.Linear(16, 16))
+                                     for _ in range(3)])
+        self.head = nn.Linear(16, 4)
+
+    def pipeline_blocks(self) -> list[tuple[str, nn.Module]]:
+        return [("stem", self.stem), *((f"blocks.{i}", b) for i, b in enumerate(self.blocks)),
+                ("head", self.head)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _, b in self.pipeline_blocks():
+            x = b(x)
+        return x
+
+
+@pytest.mark.parametrize("case", ["pp2-gpipe", "pp2-interleaved", "pp2xzero3"])
+def test_a_model_keeping_its_blocks_in_self_blocks_pipelines(pool: _Pool, case: str) -> None:
+    name, world, kw = CASES[case]
+    state = pool.run(_train_on, _Blocks, Synthetic, name, kw, 4, world_size=world)[0]
+    ref, _ = reference_train(_Blocks, make_adam, F.mse_loss, Synthetic(), sum(kw["shares"]), 4,
+                             SEED)
+    assert set(state) == {f"model/{k}" for k in ref} | {
+        k for k in state if not k.startswith("model/")}
+    assert max(float((state[f"model/{k}"] - v).abs().max()) for k, v in ref.items()) < ATOL
+
+
+def test_a_block_name_the_stage_keeps_for_itself_is_refused() -> None:
+    from strategies.pipeline import _Stage
+
+    with pytest.raises(StrategyError, match="_stage_blocks.*rename"):
+        _Stage([("_stage_blocks", nn.Linear(2, 2))])
+
+
 def make_bn() -> nn.Sequential:
     return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 4))
 

@@ -372,3 +372,13 @@ def test_grow_when_room_is_a_flag_and_read_from_the_scaling_section():
     with pytest.raises(ConfigError) as ei:
         JobConfig(**_base(grow_when_room="no"))
     assert ei.value.field == "grow_when_room"
+
+
+def test_an_error_whose_problem_ends_without_a_full_stop_still_reads_as_two_sentences() -> None:
+    """A strategy's refusal ("...: choose a pp_degree that divides 2") ran into the fix
+    ("...divides 2 Fix: choose another strategy"; a user's bad pipeline degree)."""
+    e = ConfigError("strategy", "pipeline cannot run here: choose a pp_degree that divides 2",
+                    "choose another strategy")
+    assert str(e) == ("strategy: pipeline cannot run here: choose a pp_degree that divides 2. "
+                      "Fix: choose another strategy")
+    assert str(ConfigError("x", "is wrong.", "do y")) == "x: is wrong. Fix: do y"

@@ -760,7 +760,7 @@ def test_a_job_that_outlives_the_wait_says_what_it_is_doing():
 def test_a_placement_timeout_says_what_is_free_of_what_a_worker_needs():
     """Ray's free resources list a wildcard per placement-group bundle (999.999 each), which
     hid that every CPU was held; the message names each resource a worker needs."""
-    from elastic.control.worker_group import capacity
+    from elastic.control.group import capacity
 
     free = {"CPU": 0.0, "memory": 1e10, "bundle_group_0_ab": 999.999, "node:__internal_head__": 1}
     text = capacity({"CPU": 1.0}, {"CPU": 4.0, "memory": 2e10}, free)

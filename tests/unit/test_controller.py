@@ -852,3 +852,47 @@ def test_an_auto_job_that_loses_a_node_plans_again_and_its_loop_goes_on(tmp_path
     after = [e for e in ctl.events if e.kind == "replan" and e.step > 40]
     assert after and after[0].data["decision"] == "TryPlan"  # zero1 is untried on 2 workers
     assert all(e.data["observed"] and len(e.data["observed"]) <= 2 for e in after)
+
+
+def test_a_stop_posted_from_another_thread_reaches_ray_from_a_thread_of_this_session() -> None:
+    """``WorkerGroup._tell`` from a thread other than the job's goes through a thread started
+    in this Ray session (``Teller``). Was: the SDK's thread called Ray itself; after an
+    earlier ``fit`` on that thread (an earlier Ray session), its call reused a task id the
+    job's thread had taken, and Ray aborted the process at the second ``switch`` (a user's
+    script)."""
+    import threading
+
+    from elastic.control.teller import Teller
+    from elastic.control.worker_group import WorkerGroup
+
+    seen: list[tuple[str, tuple[object, ...]]] = []
+    arrived = threading.Event()
+
+    class _Method:
+        def remote(self, *args: object) -> None:
+            seen.append((threading.current_thread().name, args))
+            arrived.set()
+
+    class _Handle:
+        request_stop = _Method()
+
+    class _Rec:
+        handle = _Handle()
+
+    group = WorkerGroup.__new__(WorkerGroup)  # its Ray parts are not what is tested
+    group.workers = [_Rec()]  # type: ignore[list-item]
+    group._teller = Teller()  # made on the job's thread, as __init__ makes it
+
+    group._tell("request_stop", 1)  # the job's own thread: at once, on it
+    assert seen == [(threading.current_thread().name, (1,))]
+    arrived.clear()
+    sdk = threading.Thread(target=group._tell, args=("request_stop", 2), name="sdk-thread")
+    sdk.start()
+    sdk.join()
+    assert arrived.wait(5)
+    assert seen[1][1] == (2,) and seen[1][0].startswith("elastic-tell"), seen
+    group._teller.close()  # (what close does first); a later post from elsewhere is dropped
+    late = threading.Thread(target=group._tell, args=("request_stop", 3))
+    late.start()
+    late.join()
+    assert len(seen) == 2
