@@ -49,13 +49,15 @@ def layout_memory(
     optimizer_bytes: int = 12,
     biggest_block: float = 0.0,
     activations: float = 0.0,
+    units: int | None = None,
 ) -> MemoryBreakdown:
     """Per-device bytes of ``n_params`` parameters laid out by ``strategy`` over ``n`` ranks.
 
     Model states (ZeRO paper, Rajbhandari et al. 2020, Fig. 1): dp (2+2+K) psi, zero1
     2psi + 2psi + K psi/n, zero2 2psi + (2+K) psi/n, zero3 (2+2+K) psi/n. Buffers, from
     ``biggest_block`` (the largest block's parameters): zero2 holds one block of unsharded
-    gradients; zero3 two gathered blocks (prefetch) plus one block of unsharded gradients.
+    gradients; zero3 two gathered blocks (prefetch) plus one block of unsharded gradients,
+    one gathered where ``units`` is 1 (a model without blocks, wrapped whole).
     ``activations`` is passed through. Raises ``PlanError`` for an unknown strategy.
     """
     from strategies.traits import TRAITS  # torch-free: what each layout shards, once
@@ -65,7 +67,8 @@ def layout_memory(
         raise PlanError(f"no model-state rule for {strategy!r}; use dp or zero1..3")
     st = t.state_bytes(n_params, n, param_bytes=bytes_per_param, grad_bytes=grad_bytes,
                        optimizer_bytes=optimizer_bytes)
-    buffers = t.buffer_bytes(biggest_block, param_bytes=bytes_per_param, grad_bytes=grad_bytes)
+    buffers = t.buffer_bytes(biggest_block, param_bytes=bytes_per_param, grad_bytes=grad_bytes,
+                             units=units)
     return MemoryBreakdown(st.params, st.grads, st.optimizer, activations, buffers)
 
 

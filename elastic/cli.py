@@ -73,8 +73,11 @@ def _attach(address: str | None) -> None:
     except ClusterError as e:
         if addr != "auto":
             raise
-        raise ClusterError(f"no Ray cluster to attach to ({e}). Fix: pass --address or set "
-                           "RAY_ADDRESS to the cluster that runs the job.") from None
+        why = "" if "Could not find any running Ray instance" in str(e) else (
+            f" ({str(e).split('. Fix:')[0]})")
+        raise ClusterError(f"no Ray cluster runs on this machine to attach to{why}. Fix: start "
+                           "one with `ray start --head`, or pass --address (or set "
+                           "RAY_ADDRESS) to a running cluster's address.") from None
 
 
 def _cmd_status(a: argparse.Namespace) -> int:

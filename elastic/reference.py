@@ -34,7 +34,7 @@ def build_model_for_load(model_factory: Callable[[], nn.Module], seed: int) -> n
         with torch.device("meta"):
             model = model_factory()
         if _loadable_in_full(model):
-            return model.to_empty(device="cpu")
+            return _materialized(model)
     except Exception:  # noqa: BLE001 - anything the factory cannot do on meta: build normally
         pass
     finally:
@@ -42,6 +42,32 @@ def build_model_for_load(model_factory: Callable[[], nn.Module], seed: int) -> n
     model = build_model(model_factory, seed)
     torch.set_rng_state(rng)
     return model
+
+
+def _materialized(model: nn.Module) -> nn.Module:
+    """``model`` (on the meta device) on the CPU, uninitialized, each tensor it shares
+    between modules shared again: ``to_empty`` gives every module its own copy, and a
+    language model's output head tied to its embedding came out of a switch, a resize or a
+    resume as two parameters, trained apart from then on (a user's model, 2026-12-05)."""
+    groups = _shared(model)
+    model.to_empty(device="cpu")
+    for holders in groups:
+        m0, slot0, name0 = holders[0]
+        for m, slot, name in holders[1:]:
+            getattr(m, slot)[name] = getattr(m0, slot0)[name0]
+    return model
+
+
+def _shared(model: nn.Module) -> list[list[tuple[nn.Module, str, str]]]:
+    """Each tensor held by more than one (module, slot) of ``model``: its holders, as
+    (module, "_parameters" or "_buffers", name)."""
+    held: dict[int, list[tuple[nn.Module, str, str]]] = {}
+    for m in model.modules():
+        for slot in ("_parameters", "_buffers"):
+            for name, t in getattr(m, slot).items():
+                if t is not None:
+                    held.setdefault(id(t), []).append((m, slot, name))
+    return [h for h in held.values() if len(h) > 1]
 
 
 def _loadable_in_full(model: nn.Module) -> bool:

@@ -113,15 +113,20 @@ class Traits:
 
     def buffer_bytes(self, unit_params: float, *, param_bytes: float = 2,
                      grad_bytes: float = 2, dp_mode: str = "dp",
-                     n_params: float | None = None) -> float:
+                     n_params: float | None = None, units: int | None = None) -> float:
         """Working-buffer bytes per rank beside the model states, for a largest unit of
         ``unit_params`` parameters among ``n_params`` (default: the unit's) that the rank
-        reduces (a pipeline: its stage's, as its ``dp_mode`` lays them out)."""
+        reduces (a pipeline: its stage's, as its ``dp_mode`` lays them out). ``units``: how
+        many units there are (None: many); one unit (a model without blocks: zero3 gathers
+        it whole) has no next one gathered beside it."""
         if self.pipeline:
             return traits_of(dp_mode).buffer_bytes(unit_params, param_bytes=param_bytes,
-                                                   grad_bytes=grad_bytes, n_params=n_params)
+                                                   grad_bytes=grad_bytes, n_params=n_params,
+                                                   units=units)
         grads = (unit_params if n_params is None else n_params) * grad_bytes
-        return (unit_params * (self.buffer_param_units * param_bytes
+        gathered = self.buffer_param_units if units is None else min(self.buffer_param_units,
+                                                                     units)
+        return (unit_params * (gathered * param_bytes
                                + self.buffer_grad_units * grad_bytes)
                 + self.buffer_buckets * min(grads, BUCKET_BYTES))
 

@@ -26,6 +26,21 @@ def mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 2))
 
 
+class TiedMlp(nn.Module):
+    """``mlp``'s shape with its middle layer's weight shared by a fourth (as a language
+    model's output head shares its embedding): one parameter under two names."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.mid, self.again = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+        self.again.weight = self.mid.weight
+        self.out = nn.Linear(16, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.tanh(self.mid(torch.tanh(self.inp(x))))
+        return self.out(torch.tanh(self.again(x)))
+
+
 def wide_mlp() -> nn.Module:
     """``mlp``'s shape at width 256: enough compute per sample that a slower rank shows."""
     return nn.Sequential(nn.Linear(8, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(),

@@ -80,7 +80,10 @@ class Controller:
         config.validate()
         self.cfg = config
         self.view = with_trackers(view or View(), config)
-        self.sink = EventSink(config, self.view, lambda: max(self.step, self.steps.next_step))
+        # (a resumed job's first events carry the step it resumes at, not 0: a tracker's
+        # step 0 after a resume reads as the run starting over)
+        self.sink = EventSink(config, self.view, lambda: max(
+            self.step, self.steps.next_step, self._resume[1] if self._resume else 0))
         self._emit = self.sink.emit
         self.inbox = Inbox(None, self._emit)
         self.spec: StrategySpec | None = None
@@ -235,6 +238,7 @@ class Controller:
         self.spec = spec
         if self._resume is not None:
             self.step = self.tracker.resume(self.group, spec, *self._resume)
+            self._resume = None  # (it may have fallen back to an older step)
         return self._next_segment()
 
     def _run(self, st: Running) -> State:

@@ -214,7 +214,7 @@ class Layouts:
             self.check(spec)
         except StrategyError as e:
             raise ConfigError(field_name, f"{spec.name} cannot run here: {e}",
-                              "choose another strategy, world size or batch settings") from None
+                              "change what it names, or choose another strategy") from None
 
     def fit(self, name: str, world: int, group: Any) -> StrategySpec:
         """A valid layout for ``name`` on ``world`` workers after a membership change: the

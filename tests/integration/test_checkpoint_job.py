@@ -133,6 +133,10 @@ def test_resume_falls_back_past_a_corrupt_newest_checkpoint(ray_local, tmp_path)
     assert len(bad) == 1 and bad[0].data["step"] == 8 and shard in bad[0].message, bad
     resumed = next(e for e in r.events if e.kind == "resumed")
     assert resumed.data["step"] == 4 and resumed.step == 4  # (the event said step 0)
+    # the job's first events carry the step found first (8; they said 0), later ones the
+    # step it fell back to
+    assert [e.step for e in r.events if e.kind in ("start", "placed")] == [8, 8], r.events
+    assert all(e.step >= 4 for e in r.events) and r.events[-1].step == 12
     assert [h["step"] for h in r.history] == list(range(4, 12))
     ref, _ = reference_train(mlp, adam, mse, RegressionData(), G, 12, seed=0)
     assert max_diff(r.state_dict(), ref) < TOL

@@ -180,3 +180,4 @@ def test_drain_and_demo_chaos_parse(monkeypatch):
     monkeypatch.setattr(elastic.demo, "run_chaos_demo", lambda **kw: demo.append(kw) or 0)
     assert cli.main(["demo", "--chaos", "--steps", "50"]) == 0
     assert demo and demo[0]["max_steps"] == 50
+

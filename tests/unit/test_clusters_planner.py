@@ -498,3 +498,26 @@ def test_no_pipeline_beyond_the_micro_batches_the_trial_measured():
     held = plan(c, prof, 512, model=replace(CostModel(), pipe_fit_reach=4.0), **kw)
     assert all(x.plan.micro_batches <= 4 * x.plan.pp_degree for x in held.ranked)
     assert held.plan.label == "pp8 1f1b m=32"
+
+
+def test_a_model_of_one_block_gathers_it_once_and_is_told_why_it_has_no_pipeline():
+    """A model that is not pipeline-ready (one block: zero3 wraps it whole). Was: zero3's
+    peak counted two gathered blocks (the next one's prefetch), i.e. the whole model twice,
+    above dp's on a user's 230 M-parameter language model; and no pipeline appeared in the
+    table with nothing saying why."""
+    from clusters.memory import layout_memory
+
+    one = layout_memory("zero3", 1e6, 4, biggest_block=1e6, units=1)
+    many = layout_memory("zero3", 1e6, 4, biggest_block=1e6)
+    assert one.buffers == 1e6 * (2 + 2) and many.buffers == 1e6 * (2 * 2 + 2)
+    c = load_cluster(example_path("h100x8"))
+    whole = ModelProfile.uniform(n_params=2.3e8, n_blocks=1, flops_per_sample=1e9)
+    r = plan(c, whole, 64)
+    z3 = next(x for x in r.ranked if x.plan.strategy == "zero3")
+    dp = next(x for x in r.ranked if x.plan.strategy == "dp")
+    assert max(m.total for m in z3.estimate.memory) < max(m.total for m in dp.estimate.memory)
+    why = [x.rejection for x in r.rejected if x.plan.is_pipeline]
+    assert any("one block (not pipeline-ready" in w for w in why), why
+    four = plan(c, ModelProfile.uniform(n_params=2.3e8, n_blocks=4, flops_per_sample=1e9), 64)
+    why = [x.rejection for x in four.rejected if x.plan.is_pipeline and x.subset == "all devices"]
+    assert any("pp8: more stages than the model's 4 blocks" in w for w in why), why

@@ -208,3 +208,16 @@ def test_demo_dataset_splits_hold_out_the_corpus_end():
     assert abs(len(held.text) / len(whole.text) - m.DEMO_EVAL_FRACTION) < 1e-3
     with pytest.raises(ValueError, match="split"):
         m.demo_dataset(split="test")
+
+
+def test_a_model_built_for_a_load_keeps_the_tensors_it_shares() -> None:
+    """``build_model_for_load`` (a switch, a resize, a resume) materializes a meta-device
+    model with ``to_empty``, which gives every module its own copy. Was: a tied weight came
+    out as two parameters, and the job trained another model from then on (a user's
+    language model, its head tied to its embedding)."""
+    from elastic.reference import build_model, build_model_for_load
+    from tests.helpers import TiedMlp
+
+    for model in (build_model(TiedMlp, 0), build_model_for_load(TiedMlp, 0)):
+        assert model.again.weight is model.mid.weight
+        assert len(list(model.parameters())) == 7  # 4 biases, 3 distinct weights

@@ -97,3 +97,28 @@ def test_a_job_without_an_address_attaches_to_the_cluster_ray_start_runs_here(
     assert rc.cluster_for(setting) == want
     said = rc.attached_here("10.0.0.1:6379")
     assert "running on this machine at 10.0.0.1:6379" in said and "ray_address: local" in said
+
+
+def test_a_command_with_no_cluster_to_attach_to_says_so_once_with_one_fix(monkeypatch) -> None:
+    """``elastic status`` (the scheduler, ``plan --cluster live``, ...) with no address and no
+    cluster on the machine. Was: Ray's own text and elastic's first fix inside a second
+    "Fix:" about "the cluster that runs the job", with "unset RAY_ADDRESS" though none was
+    set."""
+    from elastic import cli, ray_connect
+    from elastic.errors import ClusterError
+
+    def attach(addr: str, namespace: str | None = None) -> None:
+        assert addr == "auto"
+        raise ClusterError(  # as ray_connect.attach words Ray's refusal
+            "cannot connect to the Ray cluster at auto: Could not find any running Ray "
+            "instance. Please specify the one to connect to by setting `--address` flag or "
+            "`RAY_ADDRESS` environment variable.. Fix: check the address or start a cluster "
+            "with `ray start --head`, or unset RAY_ADDRESS for a local one.")
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(ray_connect, "attach", attach)
+    with pytest.raises(ClusterError) as ei:
+        cli._attach(None)
+    msg = str(ei.value)
+    assert msg.startswith("no Ray cluster runs on this machine to attach to. Fix: "), msg
+    assert msg.count("Fix:") == 1 and "ray start --head" in msg and "unset" not in msg, msg
