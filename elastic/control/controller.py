@@ -80,9 +80,7 @@ class Controller:
         config.validate()
         self.cfg = config
         self.view = with_trackers(view or View(), config)
-        # (a resumed job's first events carry the step it resumes at, not 0: a tracker's
-        # step 0 after a resume reads as the run starting over)
-        self.sink = EventSink(config, self.view, lambda: max(
+        self.sink = EventSink(config, self.view, lambda: max(  # (a resume's: from its step)
             self.step, self.steps.next_step, self._resume[1] if self._resume else 0))
         self._emit = self.sink.emit
         self.inbox = Inbox(None, self._emit)
