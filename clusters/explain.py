@@ -80,7 +80,10 @@ def explain(
             )
         lines.append(line)
     if len(set(p.shares)) > 1:
-        lines.append(f"unequal shares by device speed: {list(p.shares)}")
+        alike = len({cluster.device(i).short for i in p.devices}) == 1
+        lines.append(f"unequal shares: {list(p.shares)}, " + (
+            f"{sum(p.shares)} samples do not divide evenly by {len(p.shares)}"
+            if alike and max(p.shares) - min(p.shares) <= 1 else "by device speed"))
     if rejected:
         lines.append(f"{len(rejected)} candidate(s) rejected, e.g. {rejected[0].rejection}")
     emu = sorted({cluster.device(i).label for i in p.devices if cluster.device(i).emulated})

@@ -87,6 +87,22 @@ def watch(fetch: Callable[[], tuple[list[dict[str, Any]], dict[str, Any]]], *,
 
     console = console or Console()
     rounds = 0
+    if not console.is_terminal:  # a pipe or a file: the table again whenever it changes
+        last = None              # (a Live redraw writes nothing there until it ends)
+        try:
+            while True:
+                now = fetch()
+                if now != last:
+                    console.print(render_queue(*now))
+                    last = now
+                rounds += 1
+                if (until is not None and until()) or (max_rounds is not None
+                                                       and rounds >= max_rounds):
+                    break
+                time.sleep(interval_s)
+        except KeyboardInterrupt:
+            pass
+        return
     with Live(render_queue(*fetch()), console=console, refresh_per_second=4) as live:
         try:
             while not (until is not None and until()):

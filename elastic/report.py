@@ -53,6 +53,9 @@ EVENT_COLORS: dict[str, str] = {
     "preemption_notice": "#ff6000",
     "evacuated": "#0040c0",
     "evacuation_failed": "#600060",
+    "resumed": "#b8860b",
+    "restored": "#2e8b57",
+    "interrupted": "#ff1493",
 }
 OTHER_EVENT_COLOR = "#c000c0"  # kinds not listed above and not routine
 # Start-up and bookkeeping: listed in the HTML table, not drawn on the plot.
@@ -60,7 +63,10 @@ OTHER_EVENT_COLOR = "#c000c0"  # kinds not listed above and not routine
 # evacuating: the decision an "evacuated" (or a failure) follows; replan: a switch follows
 # when it changes anything
 ROUTINE_EVENTS = frozenset({"start", "placed", "group", "layout", "finished", "profiled",
-                            "state", "unprotected", "claimed", "evacuating", "replan"})
+                            "state", "unprotected", "claimed", "evacuating", "replan",
+                            "tracker"})
+# drawn, but named by the legend only: every few steps, their labels ran into one band
+UNLABELLED_EVENTS = frozenset({"checkpoint"})
 
 _LOSS_COLOR = "#1f77b4"
 _SPEED_COLOR = "#2f6f2f"
@@ -298,9 +304,11 @@ def write_report(run_dir: str, out_dir: str | None = None, x_axis: str = "step")
             tr = offset_copy(ax.get_xaxis_transform(), fig=fig, x=k * _SHIFT_PX, units="dots")
             ax.plot([x, x], [0, 1], transform=tr, color=color, linewidth=2.0, antialiased=False,
                     zorder=5, solid_capstyle="butt")
-    for i, (ev, x, color) in enumerate(drawn[:_MAX_LABELS]):
+    labelled = [(i, ev, x, color) for i, (ev, x, color) in enumerate(drawn)
+                if str(ev.get("kind")) not in UNLABELLED_EVENTS][:_MAX_LABELS]
+    for j, (i, ev, x, color) in enumerate(labelled):
         ax_loss.annotate(str(ev.get("kind")), (x, 1.0), xycoords=("data", "axes fraction"),
-                         xytext=(3 + shifts[i] * 72 / _DPI, -4 - 10 * (i % 3)),
+                         xytext=(3 + shifts[i] * 72 / _DPI, -4 - 10 * (j % 3)),
                          textcoords="offset points", fontsize=8, color=color, va="top",
                          ha="left", zorder=6)
     kinds = list(dict.fromkeys(str(ev.get("kind")) for ev, _, _ in drawn))
@@ -318,10 +326,12 @@ def write_report(run_dir: str, out_dir: str | None = None, x_axis: str = "step")
         axes[name] = {"bbox_px": _bbox_px(ax, height), "xlim": list(ax.get_xlim()),
                       "ylim": list(ax.get_ylim()), "yscale": ax.get_yscale()}
     markers = []
-    for (ev, x, color), shift in zip(drawn, shifts, strict=True):
+    named = {i for i, *_ in labelled}
+    for i, ((ev, x, color), shift) in enumerate(zip(drawn, shifts, strict=True)):
         px = float(ax_loss.transData.transform((x, 0.0))[0]) + shift
         markers.append({"kind": ev.get("kind"), "step": ev.get("step"), "x": x, "x_px": px,
-                        "color": color, "message": ev.get("message", "")})
+                        "color": color, "message": ev.get("message", ""),
+                        "labelled": i in named})
     layout = {
         "width_px": width, "height_px": height, "dpi": _DPI, "x_axis": x_axis, "axes": axes,
         "markers": markers, "colors": {"loss": _LOSS_COLOR, "samples_per_s": _SPEED_COLOR,

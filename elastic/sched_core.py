@@ -60,6 +60,9 @@ class Runner(Protocol):
         ...
 
 
+_ENDED = ("finished", "failed", "cancelled")
+
+
 @dataclass
 class QueuedJob:
     """A job the scheduler holds. ``state``: queued | running | finished | failed |
@@ -100,7 +103,8 @@ class QueuedJob:
                 "min_workers": c.min_world if c is not None else None,
                 "max_workers": c.max_world if c is not None else None,
                 "submitted_s": self.submitted_s, "started_s": self.started_s,
-                "ended_s": self.ended_s, "remaining_s": self.remaining_s,
+                "ended_s": self.ended_s,  # (an ended job: nothing left, whatever was predicted)
+                "remaining_s": 0.0 if self.state in _ENDED else self.remaining_s,
                 "reason": self.reason, "error": self.error, "resizes": self.resizes,
                 "resize_s": self.resize_s, "worker_s": self.worker_s,
                 "resizing": self.busy}

@@ -189,6 +189,8 @@ def test_report_marks_failure_recovery_checkpoint_and_world_size(tmp_path):
     got = [(m["kind"], m["x"]) for m in layout["markers"]]
     assert got == [("switch", 10), ("failure", 15), ("recovered", 15), ("checkpoint", 18),
                    ("joined", 22), ("rebalanced", 25)]
+    # a checkpoint (every few steps) is named by the legend only: labels ran into one band
+    assert [m["labelled"] for m in layout["markers"]] == [True, True, True, False, True, True]
     colors = [m["color"] for m in layout["markers"]]
     assert len(set(colors)) == len(colors)  # one distinct colour per kind
     assert colors[1] == EVENT_COLORS["failure"] and colors[2] == EVENT_COLORS["recovered"]

@@ -521,3 +521,13 @@ def test_a_model_of_one_block_gathers_it_once_and_is_told_why_it_has_no_pipeline
     four = plan(c, ModelProfile.uniform(n_params=2.3e8, n_blocks=4, flops_per_sample=1e9), 64)
     why = [x.rejection for x in four.rejected if x.plan.is_pipeline and x.subset == "all devices"]
     assert any("pp8: more stages than the model's 4 blocks" in w for w in why), why
+
+
+def test_shares_that_differ_only_by_the_remainder_are_not_said_to_follow_speed():
+    """8 identical devices and 36 samples: [5, 5, 5, 5, 4, 4, 4, 4]. Was: "unequal shares by
+    device speed" (a user's 3 identical CPUs, 32 samples)."""
+    c = load_cluster(example_path("h100x8"))
+    r = plan(c, ModelProfile.uniform(n_params=1e8, n_blocks=1, flops_per_sample=1e12), 36)
+    assert r.plan.world_size == 8 and len(set(r.plan.shares)) == 2, r.plan
+    assert "36 samples do not divide evenly by 8" in r.explanation, r.explanation
+    assert "device speed" not in r.explanation

@@ -92,6 +92,25 @@ def test_watch_redraws_what_it_fetches():
     assert "3/100" in c.export_text()
 
 
+def test_watch_into_a_file_writes_each_change_as_it_comes():
+    """``elastic queue watch > file`` (no terminal) stopped by a signal. Was: nothing written
+    (a Live redraw writes to a file only when it ends)."""
+    from rich.console import Console
+
+    calls: list[int] = []
+
+    def fetch():
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return [_row("j", "running", 2, step=min(len(calls), 2), remaining_s=1.0)], INFO
+
+    out = io.StringIO()
+    watch(fetch, console=Console(file=out, width=160, force_terminal=False), interval_s=0.0)
+    text = out.getvalue()
+    assert text.count("1/100") == 1 and text.count("2/100") == 1, text  # changes only
+
+
 def test_queue_lines_keep_long_job_names_apart_from_their_state():
     """`elastic queue list`: a sweep's trial names (``<study>-trial-<n>``) are longer than
     the job column was, and ran into the state ("sweep-demo-trial-1finished")."""

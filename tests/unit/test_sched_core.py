@@ -329,3 +329,13 @@ def test_a_job_whose_thread_is_still_ending_counts_as_done():
         assert runner.done(SimpleNamespace(ended_at=3.0, thread=t))
     finally:
         hold.set()
+
+
+def test_an_ended_job_has_nothing_left_in_the_queue_list() -> None:
+    """``elastic queue list --json`` gave finished jobs the time left last predicted (0.47
+    and 1.19 s in a user's queue)."""
+    from elastic.sched_core import QueuedJob
+
+    for state in ("finished", "failed", "cancelled"):
+        assert QueuedJob("j", None, 0.0, state=state, remaining_s=1.19).row()["remaining_s"] == 0
+    assert QueuedJob("j", None, 0.0, state="running", remaining_s=1.19).row()["remaining_s"] == 1.19
