@@ -127,6 +127,17 @@ def test_plain_view_lines():
     assert len(lines) == 1 + 3 + 1 + 4 + 2
 
 
+def test_plain_view_says_a_failure_once_the_error_itself_is_raised():
+    """The error that ended a job is raised (``elastic run`` prints it as its one
+    ``elastic: error:`` line); the plain view says where, not the whole text again (two users
+    found each error printed twice)."""
+    from elastic.events import Event
+
+    out = io.StringIO()
+    PlainView(out=out).event(Event("failed", "strategy: pipeline cannot run here: ...", step=0))
+    assert out.getvalue() == "[elastic] failed at step 0 (the error follows)\n"
+
+
 def test_make_view_modes():
     assert type(make_view("none")) is View
     assert isinstance(make_view("plain", log_every=5), PlainView)
