@@ -59,20 +59,25 @@ class ClusterError(ElasticError):
 
 
 class WorkerError(ElasticError):
-    """User code raised on a worker; carries the worker's rank and its traceback."""
+    """User code raised on a worker; carries the worker's rank, the step it was in (None:
+    outside a step) and its traceback."""
 
-    def __init__(self, rank: int, node: str, message: str, traceback_text: str) -> None:
+    def __init__(self, rank: int, node: str, message: str, traceback_text: str,
+                 step: int | None = None) -> None:
         self.rank = rank
         self.node = node
         self.message = message
         self.traceback_text = traceback_text
+        self.step = step
+        at = f" at step {step}" if step is not None else ""
         super().__init__(
-            f"user code failed on worker rank {rank} (node {node}): {message}\n"
+            f"user code failed on worker rank {rank} (node {node}){at}: {message}\n"
             f"--- worker traceback (rank {rank}) ---\n{traceback_text}"
         )
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.rank, self.node, self.message, self.traceback_text))
+        return (type(self), (self.rank, self.node, self.message, self.traceback_text,
+                             self.step))
 
 
 class InfrastructureError(ElasticError):

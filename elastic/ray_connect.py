@@ -27,8 +27,6 @@ __all__ = ["connect", "disconnect", "check_reachable", "address_of", "attach", "
            "table_sizes", "join_tables", "free_cpus", "running_here", "live_address",
            "cluster_for", "attached_here"]
 
-log = logging.getLogger(__name__)
-
 
 def address_of(explicit: str | None) -> str | None:
     """The Ray address a job names: ``ray_address``, else ``$RAY_ADDRESS``, else None (the
@@ -198,8 +196,7 @@ def connect(address: str | None, local_cpus: float,
         return False
     cpus, crowded = local_size(local_cpus, os.cpu_count() or 1)
     if crowded:
-        warnings.warn(crowded, RuntimeWarning, stacklevel=3)
-        log.warning("%s", crowded)
+        warnings.warn(crowded, RuntimeWarning, stacklevel=3)  # (no log line beside: twice)
     ray.init(address="local", num_cpus=cpus, include_dashboard=False,
              logging_level=logging.ERROR, log_to_driver=False, _system_config=LOCAL_CONFIG)
     return True

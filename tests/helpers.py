@@ -76,13 +76,19 @@ def failing_model() -> nn.Module:
 
 
 class ExplodingLoss:
-    """A loss that raises on one rank's first call: user code failing on a worker."""
+    """A loss that raises on rank 1's call after ``after`` good ones (default: its first):
+    user code failing on a worker."""
+
+    def __init__(self, after: int = 0) -> None:
+        self.after = after
 
     def __call__(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
 
         if dist.is_initialized() and dist.get_rank() == 1:
-            raise ValueError("bad loss on purpose")
+            if self.after <= 0:
+                raise ValueError("bad loss on purpose")
+            self.after -= 1
         return nn.functional.mse_loss(out, y)
 
 

@@ -184,7 +184,7 @@ class Controller:
                        data={"from": old.phase.value, "to": new.phase.value})
         if isinstance(new, Failed) and isinstance(new.error, ElasticError):
             self._emit("failed", str(new.error).splitlines()[0] if str(new.error) else
-                       type(new.error).__name__)
+                       type(new.error).__name__, step=getattr(new.error, "step", None))
         if isinstance(new, Finished):
             self._emit("finished", new.message)
 

@@ -237,9 +237,14 @@ class Regroup:
         group = self.group
         t_fail = time.time()
         if not failure.recoverable:  # user code, bad numbers, ...: the same again would fail
+            try:  # the steps the ranks finished before it (were lost: no history, no
+                self._drain()  # metrics.jsonl, and the failure said step 0)
+            except Exception:  # noqa: BLE001 - the job fails on ``failure`` whatever this did
+                pass
             self._emit("failure", f"{failure.kind.value} on rank {failure.rank}: "
                        f"{failure.message[:300]}", data={"kind": failure.kind.value,
-                                                         "rank": failure.rank})
+                                                         "rank": failure.rank},
+                       step=failure.step)
             return GiveUp(f"{failure.kind.value.replace('_', ' ')}: {failure.message}")
         hung = (group.wind_down(segment, self.steps.hang_wait_s(self.cfg.hang_timeout_s))
                 if segment else [])

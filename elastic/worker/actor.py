@@ -334,9 +334,15 @@ class Worker:
         a step boundary if any rank was asked (``StepLoop.run``).
 
         Returns ``{"status": "done"|"stopped", "next_step": n}``. Raises ``WorkerError`` for
-        user-code failures and ``GroupError`` for group failures.
+        user-code failures (naming the step it was in) and ``GroupError`` for group failures.
         """
-        return self._guard(self.loop.run, start, end, segment)
+        try:
+            return self._guard(self.loop.run, start, end, segment)
+        except WorkerError as e:  # (a step's data, forward, loss, backward or update)
+            if e.step is not None:
+                raise
+            raise WorkerError(e.rank, e.node, e.message, e.traceback_text,
+                              step=self.layout.next_step) from None
 
     def request_stop(self, segment: int | None = None) -> None:
         """Ask segment ``segment`` to stop after the current step, whether or not it has

@@ -77,3 +77,21 @@ def test_user_error_on_worker_has_rank_and_traceback(ray_local, tmp_path):
     assert err.rank == 1
     assert "bad loss on purpose" in str(err)
     assert "Traceback" in err.traceback_text and "helpers.py" in err.traceback_text
+
+
+def test_user_error_mid_run_says_its_step_and_keeps_the_steps_before(ray_local, tmp_path):
+    """Rank 1's loss raises at step 4. Was: the error named no step, and the steps done
+    before it were lost (metrics.jsonl empty, the failure at step 0) when no poll had
+    drained them yet. Step 3 is not among them: a step's agreed values (loss, ...) are read
+    during the next step, which failed first (its update was applied)."""
+    import json
+
+    with pytest.raises(WorkerError) as ei:
+        elastic.fit(**_cfg(loss=ExplodingLoss(after=4), max_steps=8, run_dir=str(tmp_path)))
+    assert ei.value.step == 4 and "at step 4: ValueError: bad loss on purpose" in str(ei.value)
+    with open(tmp_path / "metrics.jsonl") as f:
+        assert [json.loads(x)["step"] for x in f] == [0, 1, 2]
+    with open(tmp_path / "events.jsonl") as f:
+        ends = [(e["kind"], e["step"]) for e in map(json.loads, f)
+                if e["kind"] in ("failure", "failed")]
+    assert ends == [("failure", 4), ("failed", 4)], ends

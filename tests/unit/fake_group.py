@@ -81,6 +81,7 @@ class FakeGroup:
         self.stops: set[int] = set()  # the segments asked to stop (as StepLoop keeps them)
         self.gates: list[Any] = []
         self.checkpoint_every = 0  # the job's: steps after which the fake begins a checkpoint
+        self.steps_per_poll = 1  # steps trained between two polls (live: often many)
         self.nonfinite_at: dict[int, list[str]] = {}  # checkpoint step -> keys with NaN
         # preemption notices: step reached -> (rank whose node drains, seconds left or None)
         self.announce_at: dict[int, tuple[int, float | None]] = {}
@@ -183,22 +184,23 @@ class FakeGroup:
         """One step per poll (so requests and ``on_step`` act as they would live): a stop
         asked ends the segment after the step in progress; a scripted fault at the step
         reached reports it."""
-        at = self._pos.get(id(seg), seg.start)
-        fault = next((f for f in self.faults if not f.fired and f.step == at
-                      and f.rank < len(self.workers)), None)
-        if fault is not None:
-            return self._fault(fault)
-        self._train(at, at + 1)
-        at += 1
-        self._pos[id(seg)] = at
-        if at in self.announce_at:  # a node announces its end once this step is done
-            rank, left = self.announce_at.pop(at)
-            w = self.workers[rank]
-            node = str(w.info["node_id"])
-            self.draining[node] = DrainNotice(node, (w.rank,), None if left is None else
-                                              time.time() + left, "preemption", "spot", 0.0)
-        if at >= seg.end or self.segment_id in self.stops:
-            return SegmentPoll(done=True, next_step=at)
+        for _ in range(self.steps_per_poll):
+            at = self._pos.get(id(seg), seg.start)
+            fault = next((f for f in self.faults if not f.fired and f.step == at
+                          and f.rank < len(self.workers)), None)
+            if fault is not None:  # (the steps before it in this poll: not drained yet)
+                return self._fault(fault)
+            self._train(at, at + 1)
+            at += 1
+            self._pos[id(seg)] = at
+            if at in self.announce_at:  # a node announces its end once this step is done
+                rank, left = self.announce_at.pop(at)
+                w = self.workers[rank]
+                node = str(w.info["node_id"])
+                self.draining[node] = DrainNotice(node, (w.rank,), None if left is None else
+                                                  time.time() + left, "preemption", "spot", 0.0)
+            if at >= seg.end or self.segment_id in self.stops:
+                return SegmentPoll(done=True, next_step=at)
         return SegmentPoll()
 
     def _fault(self, fault: Fault) -> SegmentPoll:
@@ -208,7 +210,8 @@ class FakeGroup:
             self.fw(victim).alive = False
             err: BaseException = WorkerLostError("worker died", rank=fault.rank, node_lost=True)
         elif fault.kind == "user":
-            err = WorkerError(fault.rank, "host", "ValueError: bad on purpose", "Traceback...")
+            err = WorkerError(fault.rank, "host", "ValueError: bad on purpose", "Traceback...",
+                              step=fault.step)
         elif fault.kind == "hang":
             self.hung = [victim]
             err = GroupError(f"rank {(fault.rank + 1) % len(self.workers)}: timed out")

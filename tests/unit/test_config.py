@@ -205,6 +205,18 @@ def test_a_model_factory_must_return_a_module(no_ray):
     assert ei.value.field == "model" and "returned a dict, not a torch.nn.Module" in str(ei.value)
 
 
+def test_activation_checkpointing_on_a_model_without_blocks_names_its_own_setting(no_ray):
+    """Every layout refuses it there. Was: "strategy: dp cannot run here: ... Fix: choose
+    another strategy", which no strategy fixes (a user's model)."""
+    from tests.helpers import TiedMlp  # a plain nn.Module: no blocks
+
+    with pytest.raises(ConfigError) as ei:
+        elastic.fit(**_base(model=TiedMlp, activation_checkpointing=True, run_dir=str(no_ray)))
+    assert ei.value.field == "activation_checkpointing", str(ei.value)
+    assert "TiedMlp names no blocks" in str(ei.value)
+    assert "set activation_checkpointing: false" in str(ei.value)
+
+
 def _classifier():
     return torch.nn.Sequential(torch.nn.Linear(8, 3))
 

@@ -132,6 +132,23 @@ def test_user_code_error_fails_at_once_with_its_traceback(tmp_path):
     assert fake.closed and ctl.state.value == "failed"
 
 
+def test_a_user_code_error_keeps_the_steps_done_before_it_and_says_where(tmp_path):
+    """Rank 1's loss raises at step 5; the controller last heard from the workers before
+    step 0 (live, polls are seconds apart). Was: steps 0-4 lost (no history, no
+    metrics.jsonl, ``on_step`` never called) and the failure said step 0."""
+    seen: list[int] = []
+    fake = FakeGroup(mlp())
+    ctl = Controller(_cfg(tmp_path), group_factory=lambda cfg: fake,
+                     mailbox_factory=lambda job: None, on_step=lambda h: seen.append(h["step"]))
+    fake.steps_per_poll = 10
+    fake.fail(step=5, rank=1, kind="user")
+    with pytest.raises(WorkerError, match="at step 5: ValueError: bad on purpose"):
+        ctl.run()
+    assert [h["step"] for h in ctl.history] == seen == [0, 1, 2, 3, 4]
+    assert [(e.kind, e.step) for e in ctl.events if e.kind in ("failure", "failed")] == [
+        ("failure", 5), ("failed", 5)]
+
+
 def test_failure_budget_gives_up_with_the_fix(tmp_path):
     ctl, fake = _controller(tmp_path, num_workers=3, min_workers=1, max_failures=1)
     fake.fail(step=3, rank=2)
