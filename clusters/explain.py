@@ -80,7 +80,7 @@ def explain(
             )
         lines.append(line)
     if len(set(p.shares)) > 1:
-        alike = len({cluster.device(i).short for i in p.devices}) == 1
+        alike = len({cluster.device(i).speed_key for i in p.devices}) == 1
         lines.append(f"unequal shares: {list(p.shares)}, " + (
             f"{sum(p.shares)} samples do not divide evenly by {len(p.shares)}"
             if alike and max(p.shares) - min(p.shares) <= 1 else "by device speed"))

@@ -122,11 +122,11 @@ def pipeline_candidates(
     by_speed = sorted(devs, key=ctx.t)  # stable: node order among equals; stage 0 fastest
     classes = device_classes(ctx.model, ctx.profile, devs)
     deep = [pp for pp in _divisors(n) if pp > max(1, nb) and (max_pp is None or pp <= max_pp)]
-    if deep:  # said once, not per degree (was: left out of the table without a word)
+    if deep:  # said once per subset, not per degree (was: left out without a word)
         stub = Plan(strategy="pipeline", world_size=n, shares=(ctx.g,), pp_degree=deep[0],
                     micro_batches=1, stage_split=(1,) * deep[0])
-        why = ("the model is one block (not pipeline-ready: an nn.Sequential, or a "
-               "pipeline_blocks() method; strategies/blocks.py)" if nb < 2 else
+        why = ("the model is one block to the planner (not pipeline-ready, or a single "
+               "block: strategies/blocks.py; a pipeline job says which)" if nb < 2 else
                f"{', '.join(f'pp{pp}' for pp in deep)}: more stages than the model's {nb} blocks")
         out.append(Candidate(stub, None, f"pipeline: {why}", subset))
     for pp in _divisors(n):

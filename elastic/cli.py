@@ -70,14 +70,12 @@ def _attach(address: str | None) -> None:
     try:
         attach(addr, namespace="elastic")
         _plain_signals()
-    except ClusterError as e:
-        if addr != "auto":
+    except ClusterError as e:  # (any other refusal, a token's, says its own fix)
+        if addr != "auto" or "Could not find any running Ray instance" not in str(e):
             raise
-        why = "" if "Could not find any running Ray instance" in str(e) else (
-            f" ({str(e).split('. Fix:')[0]})")
-        raise ClusterError(f"no Ray cluster runs on this machine to attach to{why}. Fix: start "
-                           "one with `ray start --head`, or pass --address (or set "
-                           "RAY_ADDRESS) to a running cluster's address.") from None
+        raise ClusterError("no Ray cluster runs on this machine to attach to. Fix: start one "
+                           "with `ray start --head`, or pass --address (or set RAY_ADDRESS) "
+                           "to a running cluster's address.") from None
 
 
 def _cmd_status(a: argparse.Namespace) -> int:

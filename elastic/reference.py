@@ -51,8 +51,8 @@ def _materialized(model: nn.Module) -> nn.Module:
     resume as two parameters, trained apart from then on (a user's model, 2026-12-05)."""
     groups = _shared(model)
     model.to_empty(device="cpu")
-    for holders in groups:
-        m0, slot0, name0 = holders[0]
+    for holders in groups:  # (from a parameter's slot where one holds it: never a buffer's)
+        m0, slot0, name0 = min(holders, key=lambda h: h[1] != "_parameters")
         for m, slot, name in holders[1:]:
             getattr(m, slot)[name] = getattr(m0, slot0)[name0]
     return model

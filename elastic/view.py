@@ -65,8 +65,8 @@ class PlainView(View):
 
     def event(self, ev: Event) -> None:
         at = f" at step {ev.step}" if ev.step is not None else ""
-        if ev.kind == "failed":  # the error itself is raised (the CLI's one `elastic: error:`
-            self._p(f"[elastic] failed{at} (the error follows)")  # line): said once, not twice
+        if ev.kind == "failed":  # the error itself is raised (`elastic run` prints it as its
+            self._p(f"[elastic] failed{at}: its error is raised to the caller")  # one line)
             return
         self._p(f"[elastic] {ev.kind}{at}: {ev.message}")
 

@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.distributed.nn.functional  # noqa: F401
 from torch import nn
 
-from .blocks import checkpoint_blocks, pipeline_blocks_or_none
+from .blocks import checkpoint_blocks, checkpointable
 from .canonical import CanonicalState
 from .errors import StrategyError
 from .running_stats import RunningStats, running_stats
@@ -138,11 +138,8 @@ class Strategy(ABC):
         """Raise ``StrategyError`` if this strategy cannot run with ``spec`` on ``model``:
         the spec's own checks (``StrategySpec.validate``), then what needs the model."""
         spec.validate()
-        if spec.options.activation_checkpointing and pipeline_blocks_or_none(model) is None:
-            raise StrategyError(
-                f"activation checkpointing works block by block, and "
-                f"{type(model).__name__} names no blocks; make it an nn.Sequential or give "
-                "it pipeline_blocks() (strategies/blocks.py)")
+        if spec.options.activation_checkpointing and (why := checkpointable(model)):
+            raise StrategyError(f"activation checkpointing works block by block: {why}")
 
     def __init__(
         self,

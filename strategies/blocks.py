@@ -32,6 +32,7 @@ __all__ = [
     "blocks_of",
     "block_params",
     "checkpoint_blocks",
+    "checkpointable",
 ]
 
 
@@ -114,6 +115,16 @@ def blocks_of(model: nn.Module) -> list[nn.Module]:
 def block_params(model: nn.Module) -> list[int]:
     """Parameters per block of ``blocks_of(model)``."""
     return [sum(p.numel() for p in b.parameters()) for b in blocks_of(model)]
+
+
+def checkpointable(model: nn.Module) -> str | None:
+    """Why activation checkpointing cannot run on ``model`` (``pipeline_blocks``'s refusal:
+    no blocks, a tensor shared across blocks, ...), or None when it can."""
+    try:
+        pipeline_blocks(model)
+    except StrategyError as e:
+        return str(e)
+    return None
 
 
 def checkpoint_blocks(model: nn.Module) -> int:

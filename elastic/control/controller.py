@@ -26,6 +26,7 @@ from ..errors import (
     InfrastructureError,
     InterruptedJobError,
     SwitchError,
+    WorkerError,
 )
 from ..events import Event, RunLog
 from ..failures import classify, root_cause
@@ -184,7 +185,7 @@ class Controller:
                        data={"from": old.phase.value, "to": new.phase.value})
         if isinstance(new, Failed) and isinstance(new.error, ElasticError):
             self._emit("failed", str(new.error).splitlines()[0] if str(new.error) else
-                       type(new.error).__name__, step=getattr(new.error, "step", None))
+                       type(new.error).__name__, step=_error_step(new.error))
         if isinstance(new, Finished):
             self._emit("finished", new.message)
 
@@ -476,6 +477,12 @@ def _placed(infos: list[dict[str, Any]]) -> tuple[str, dict[str, Any]]:
             + (f", {warm} warm from the pool" if warm else ""),
             {"warm": warm, "workers": [{"pid": i.get("pid"), "node_id": i.get("node_id"),
                                         "warm": bool(i.get("warm"))} for i in infos]})
+
+
+def _error_step(e: BaseException) -> int | None:
+    """The step user code failed in (a ``failed`` event's step), None for other errors (a
+    ``CheckpointCorruptError``'s step is the checkpoint's, not where the job was)."""
+    return e.step if isinstance(e, WorkerError) else None
 
 
 def _ray_connect(cfg: JobConfig, model: Any, emit: Callable[..., Any], pool: Any) -> bool:

@@ -40,13 +40,13 @@ def preflight(cfg: JobConfig, emit: Callable[..., Any]) -> Preflight:
                           "fix the factory; it must return an nn.Module") from e
     _check_datasets(cfg, model)
     if cfg.activation_checkpointing:  # (every layout refuses it: not the strategy's fault)
-        from strategies.blocks import pipeline_blocks_or_none
+        from strategies.blocks import checkpointable
 
-        if pipeline_blocks_or_none(model) is None:
-            raise ConfigError(
-                "activation_checkpointing", f"works block by block, and {type(model).__name__} "
-                "names no blocks.", "set activation_checkpointing: false, or make the model "
-                "an nn.Sequential or give it pipeline_blocks() (strategies/blocks.py)")
+        why = checkpointable(model)
+        if why:
+            raise ConfigError("activation_checkpointing", f"works block by block: {why}.",
+                              "set activation_checkpointing: false, or mend the model's "
+                              "blocks as it says (strategies/blocks.py)")
     cfg.optimizer_factory()
     cfg.loss_fn()
     check_trackers_here(cfg.trackers)

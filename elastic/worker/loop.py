@@ -87,6 +87,7 @@ class StepLoop:
         self._stops: set[int] = set()  # the segments asked to stop (this one's, or later)
         self._stop_lock = threading.Lock()
         self._nonfinite_run = 0  # non-finite steps in a row (agreed by every rank)
+        self.at_step: int | None = None  # the step whose iteration runs (an error's step)
         self._nonfinite = NonFinitePolicy(config.on_nonfinite, config.max_nonfinite_skips)
         self._running = threading.Lock()  # held by run() for its whole segment
         self._counts_wanted = threading.Event()  # memory_counts asked during a segment
@@ -204,6 +205,7 @@ class StepLoop:
         pending: _Pending | None = None
         step = start
         while step < end:
+            self.at_step = step  # (its eval and the step before's finish count to it too)
             t0 = time.perf_counter()
             nan = self._faults.at_step(m.rank, step, m.generation)
             self._profiler.refresh(strategy)

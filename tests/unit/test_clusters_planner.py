@@ -517,7 +517,7 @@ def test_a_model_of_one_block_gathers_it_once_and_is_told_why_it_has_no_pipeline
     dp = next(x for x in r.ranked if x.plan.strategy == "dp")
     assert max(m.total for m in z3.estimate.memory) < max(m.total for m in dp.estimate.memory)
     why = [x.rejection for x in r.rejected if x.plan.is_pipeline]
-    assert any("one block (not pipeline-ready" in w for w in why), why
+    assert any("one block to the planner (not pipeline-ready" in w for w in why), why
     four = plan(c, ModelProfile.uniform(n_params=2.3e8, n_blocks=4, flops_per_sample=1e9), 64)
     why = [x.rejection for x in four.rejected if x.plan.is_pipeline and x.subset == "all devices"]
     assert any("pp8: more stages than the model's 4 blocks" in w for w in why), why

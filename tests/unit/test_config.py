@@ -213,8 +213,18 @@ def test_activation_checkpointing_on_a_model_without_blocks_names_its_own_settin
     with pytest.raises(ConfigError) as ei:
         elastic.fit(**_base(model=TiedMlp, activation_checkpointing=True, run_dir=str(no_ray)))
     assert ei.value.field == "activation_checkpointing", str(ei.value)
-    assert "TiedMlp names no blocks" in str(ei.value)
+    assert "works block by block: TiedMlp cannot be pipelined" in str(ei.value)
     assert "set activation_checkpointing: false" in str(ei.value)
+    with pytest.raises(ConfigError) as ei:  # blocks that share a weight: that, not "no blocks"
+        elastic.fit(**_base(model=_tied_blocks, activation_checkpointing=True,
+                            run_dir=str(no_ray)))
+    assert "blocks '0' and '2' share a tensor (tied weights)" in str(ei.value), str(ei.value)
+
+
+def _tied_blocks() -> torch.nn.Module:
+    a, b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+    b.weight = a.weight
+    return torch.nn.Sequential(a, torch.nn.Tanh(), b, torch.nn.Linear(8, 2))
 
 
 def _classifier():

@@ -122,3 +122,13 @@ def test_a_command_with_no_cluster_to_attach_to_says_so_once_with_one_fix(monkey
     msg = str(ei.value)
     assert msg.startswith("no Ray cluster runs on this machine to attach to. Fix: "), msg
     assert msg.count("Fix:") == 1 and "ray start --head" in msg and "unset" not in msg, msg
+    token = ClusterError("the Ray cluster at auto refused this driver: it requires an "
+                         "authentication token. Fix: set RAY_AUTH_MODE=token ...")
+
+    def refuses(addr: str, namespace: str | None = None) -> None:
+        raise token
+
+    monkeypatch.setattr(ray_connect, "attach", refuses)  # a cluster that is there: its own fix
+    with pytest.raises(ClusterError) as ei:
+        cli._attach(None)
+    assert ei.value is token

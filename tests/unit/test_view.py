@@ -135,7 +135,7 @@ def test_plain_view_says_a_failure_once_the_error_itself_is_raised():
 
     out = io.StringIO()
     PlainView(out=out).event(Event("failed", "strategy: pipeline cannot run here: ...", step=0))
-    assert out.getvalue() == "[elastic] failed at step 0 (the error follows)\n"
+    assert out.getvalue() == "[elastic] failed at step 0: its error is raised to the caller\n"
 
 
 def test_make_view_modes():
