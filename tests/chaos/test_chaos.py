@@ -126,7 +126,9 @@ def test_an_auto_job_loses_a_node_and_plans_again_for_the_survivors(ray_cluster,
     table about "auto" and the job failed with StrategyError."""
     cluster = ray_cluster(3)
     fault, path = _lose_at(tmp_path, 1, 8)
-    handle = _submit(tmp_path, strategy="auto", replan_every=10, faults=[fault])
+    # (the plain loss: the pause holds step 8 whatever its length, and the slow one's sleep
+    # ran in every profiling step of both plans: 36 s of the suite)
+    handle = _submit(tmp_path, strategy="auto", replan_every=10, faults=[fault], loss=mse)
     paused = _wait_paused(handle, path)
     cluster.remove(paused["node_id"])
     result = handle.result(timeout=180)
