@@ -125,7 +125,7 @@ def data_parallel_candidate(
         grad_bytes=prof.grad_bytes,
         optimizer_bytes=prof.optimizer_bytes_per_param,
         biggest_block=max(prof.block_params),
-        units=sum(1 for p in prof.block_params if p > 0),
+        units=prof.units,
     )
     fixed = fixed_parts.total
     worst = min(devs, key=ctx.usable)

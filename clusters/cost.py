@@ -332,7 +332,7 @@ class CostModel:
                 grad_bytes=profile.grad_bytes,
                 optimizer_bytes=profile.optimizer_bytes_per_param,
                 biggest_block=max(profile.block_params),
-                units=sum(1 for p in profile.block_params if p > 0),
+                units=profile.units,
                 activations=math.ceil(s / m) * act_per_sample,
             )
             for s in set(plan.shares)

@@ -442,8 +442,7 @@ def _fit_unit_wait(model: CostModel, profile: ModelProfile, cluster: Cluster,
     had scaled all-gathers by its one small batch all-gather (x2 to x9.8) and predicted
     zero3 +46 to +188 %."""
     plan = Plan(strategy="zero3", world_size=len(ids), shares=shares, devices=tuple(ids))
-    units = sum(1 for p in profile.block_params if p > 0)
-    if sync_points("zero3", len(ids), units) <= 0:
+    if sync_points("zero3", len(ids), profile.units) <= 0:
         return model
     model = replace(model, trial_kinds=tuple(sorted({*model.trial_kinds, *ZERO3_KINDS})))
     fitted = _meet(model, plan, cluster, profile, measured,

@@ -91,6 +91,11 @@ class ModelProfile:
         return len(self.block_params)
 
     @property
+    def units(self) -> int:
+        """Blocks with parameters: zero3's FSDP units (one for a model without blocks)."""
+        return sum(1 for p in self.block_params if p > 0)
+
+    @property
     def n_params(self) -> int:
         return sum(self.block_params)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 __all__ = ["render_queue", "watch", "STATE_STYLE"]
@@ -81,35 +81,37 @@ def watch(fetch: Callable[[], tuple[list[dict[str, Any]], dict[str, Any]]], *,
           console: Any = None, interval_s: float = 1.0, until: Callable[[], bool] | None = None,
           max_rounds: int | None = None) -> None:
     """Redraw ``render_queue(*fetch())`` every ``interval_s`` until ``until()`` (or Ctrl-C,
-    or ``max_rounds`` redraws)."""
+    or ``max_rounds`` redraws). Into a pipe or a file (no terminal) the table is printed
+    again whenever it changes: a Live redraw writes nothing there until it ends."""
     from rich.console import Console
     from rich.live import Live
 
     console = console or Console()
-    rounds = 0
-    if not console.is_terminal:  # a pipe or a file: the table again whenever it changes
-        last = None              # (a Live redraw writes nothing there until it ends)
-        try:
-            while True:
-                now = fetch()
-                if now != last:
-                    console.print(render_queue(*now))
-                    last = now
-                rounds += 1
-                if (until is not None and until()) or (max_rounds is not None
-                                                       and rounds >= max_rounds):
-                    break
-                time.sleep(interval_s)
-        except KeyboardInterrupt:
-            pass
+    rounds = _rounds(fetch, interval_s, until, max_rounds)
+    if not console.is_terminal:
+        last = None
+        for now in rounds:
+            if now != last:
+                console.print(render_queue(*now))
+                last = now
         return
-    with Live(render_queue(*fetch()), console=console, refresh_per_second=4) as live:
-        try:
-            while not (until is not None and until()):
-                rounds += 1
-                if max_rounds is not None and rounds >= max_rounds:
-                    break
-                time.sleep(interval_s)
-                live.update(render_queue(*fetch()))
-        except KeyboardInterrupt:
-            pass
+    with Live("", console=console, refresh_per_second=4) as live:
+        for now in rounds:
+            live.update(render_queue(*now))
+
+
+def _rounds(fetch: Callable[[], Any], interval_s: float, until: Callable[[], bool] | None,
+            max_rounds: int | None) -> Iterator[Any]:
+    """``fetch()`` now and every ``interval_s`` after, until ``until()``, ``max_rounds``
+    fetches or Ctrl-C."""
+    done = 0
+    try:
+        while True:
+            yield fetch()
+            done += 1
+            if (until is not None and until()) or (max_rounds is not None
+                                                   and done >= max_rounds):
+                return
+            time.sleep(interval_s)
+    except KeyboardInterrupt:
+        return

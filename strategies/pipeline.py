@@ -130,7 +130,6 @@ class _Stage(nn.Module):
             parent.add_module(leaf, block)
         self._stage_autocast = autocast or contextlib.nullcontext
         self._stage_blocks = [block for _, block in blocks]  # a plain list: not registered twice
-        self._stage_names = [name for name, _ in blocks]
 
     @property
     def stage_blocks(self) -> list[nn.Module]:

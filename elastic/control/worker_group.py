@@ -515,8 +515,7 @@ class WorkerGroup(PlacementCalls, WorkerCalls):
     def checkpoint_done(self, step: int, committed: bool, generation: int | None = None,
                         seq: int | None = None) -> None:
         """Tell every worker (not waited for: each acts only on the checkpoint named)."""
-        for w in self.workers:
-            w.handle.checkpoint_done.remote(step, committed, generation, seq)
+        self._tell("checkpoint_done", step, committed, generation, seq)
 
     def final_state(self) -> dict[str, Any]:
         """The full canonical state, from rank 0 (collective over the group)."""
