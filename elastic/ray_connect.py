@@ -241,7 +241,9 @@ class LocalNodes:
 
         self._cluster = Cluster(initialize_head=True, connect=True, head_node_args={
             "num_cpus": 0, "include_dashboard": False,
-            "_system_config": {"health_check_period_ms": 500,
+            # a node lost is known in ~1.5 s, from its first second on (Ray's first check
+            # waits 5 s after a node joins)
+            "_system_config": {"health_check_period_ms": 500, "health_check_initial_delay_ms": 0,
                                "health_check_failure_threshold": 3, **LOCAL_CONFIG}})
         self._cpus = cpus
         self.nodes = [self._cluster.add_node(num_cpus=cpus) for _ in range(n)]

@@ -129,12 +129,14 @@ class ChaosCluster:
                 "include_dashboard": False,
                 "_system_config": {
                     "health_check_period_ms": 500,
+                    "health_check_initial_delay_ms": 0,
                     "health_check_failure_threshold": 3,
                 },
             },
         )
         self._raylets: set[int] = set()  # of the nodes removed (``_drop``)
         self._node_ids: set[str] = set()
+        self._session_dir = self.cluster.head_node.get_session_dir_path()
         self.nodes = [self.add_node() for _ in range(n_nodes)]
         self.pool = None  # the warm_workers tests' pool (see the module's docstring)
 
@@ -243,17 +245,34 @@ class ChaosCluster:
                 # cluster_utils disconnected it before refusing; the head can go now
                 self._drop(self.cluster.head_node)
         self.cluster.shutdown()
-        _end_orphans(self._raylets, self._node_ids)  # every node went through ``_drop``
+        # every node went through ``_drop``
+        _end_orphans(self._raylets, self._node_ids, self._session_dir)
 
 
-def _end_orphans(raylets: set[int], node_ids: set[str] | frozenset[str] = frozenset()) -> None:
+def _end_orphans(raylets: set[int], node_ids: set[str] | frozenset[str] = frozenset(),
+                 session_dir: str = "") -> None:
     """Kill what the killed raylets had started and left behind (their dashboard and
     runtime-env agents, adopted by init): an agent whose raylet died reports it to the GCS,
     which is gone too, and lingered ~2 min after the suite (seen here). Each is known by its
     raylet's pid in its environment or, for the dashboard agent, which has none there, by
-    its node's id (one was left running 6 min after a whole ``.ci/run``)."""
+    its node's id (one was left running 6 min after a whole ``.ci/run``), or by a file it
+    holds open in the cluster's session directory (its logs): a runtime-env agent whose
+    environment and command line read empty (Ray's setproctitle wrote over them) outlived a
+    run of the chaos module alone."""
     import os
     import signal
+
+    def holds_file_in_session(pid: str) -> bool:
+        if not session_dir:
+            return False
+        fds = f"/proc/{pid}/fd"
+        for fd in os.listdir(fds):
+            try:
+                if os.readlink(f"{fds}/{fd}").startswith(session_dir + "/"):
+                    return True
+            except OSError:
+                continue
+        return False
 
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
@@ -263,9 +282,12 @@ def _end_orphans(raylets: set[int], node_ids: set[str] | frozenset[str] = frozen
                 ppid = int(f.read().rsplit(")", 1)[1].split()[1])
             with open(f"/proc/{pid}/environ", "rb") as f:
                 env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+            if ppid != 1:
+                continue
             ours = (int(env.get(b"RAY_RAYLET_PID", b"0")) in raylets
-                    or env.get(b"RAY_NODE_ID", b"").decode() in node_ids)
-            if ppid == 1 and ours:
+                    or env.get(b"RAY_NODE_ID", b"").decode() in node_ids
+                    or holds_file_in_session(pid))
+            if ours:
                 os.kill(int(pid), signal.SIGKILL)
         except (OSError, ValueError, IndexError):  # gone meanwhile, not ours, not Linux
             continue

@@ -27,6 +27,12 @@ def _slow_mse(out, y):
     return mse(out, y)
 
 
+# The tests that stop a rank with a ``pause`` fault (or kill it with ``exit``) train on the
+# plain loss: the fault holds its step however long it is, and the slow loss's sleep only
+# lengthened the steps after it (2 s a test; 10 s for a pipeline, which calls the loss once
+# per micro-batch). A test that acts between steps (``_wait_step``) keeps the slow one.
+
+
 def _submit(tmp_path, **kw):
     cfg = dict(
         model=mlp,
@@ -99,7 +105,8 @@ def test_worker_node_lost_survivors_continue_from_peers(ray_cluster, tmp_path, r
     """Rank 1 pauses at the start of step 8 (a fault, not a timed guess), and its node goes."""
     cluster = ray_cluster(3)
     faults = str(tmp_path / "faults")
-    handle = _submit(tmp_path, faults=[{"rank": 1, "step": 8, "action": "pause", "dir": faults}])
+    handle = _submit(tmp_path, loss=mse,
+                     faults=[{"rank": 1, "step": 8, "action": "pause", "dir": faults}])
     paused = _wait_paused(handle, os.path.join(faults, "paused-rank1-step8.json"))
     ctl = handle.controller
     assert paused["rank"] == 1 and paused["step"] == 8 and paused["generation"] == 1
@@ -146,7 +153,7 @@ def test_worker_process_exits_and_the_job_recovers(ray_cluster, tmp_path, refere
     """Rank 2's process dies at the start of step 5 (``exit``); its node lives. The fault
     fires once: the recovered job replays no step into it again."""
     ray_cluster(3)
-    handle = _submit(tmp_path, faults=[{"rank": 2, "step": 5, "action": "exit"}])
+    handle = _submit(tmp_path, loss=mse, faults=[{"rank": 2, "step": 5, "action": "exit"}])
     result = handle.result(timeout=180)
     assert os.path.exists(os.path.join(result.run_dir, "faults", "fired-rank2-step5"))
     rec = [e for e in result.events if e.kind == "recovered"]
@@ -164,7 +171,7 @@ def test_rank0_node_lost_then_replacement_node_taken_in(ray_cluster, tmp_path, r
     generous (the recovery goes on as soon as the worker is up, not at the timeout)."""
     cluster = ray_cluster(3)
     fault, report = _lose_at(tmp_path, 0, 8, action="pause_silent")
-    handle = _submit(tmp_path, replacement_timeout_s=90, faults=[fault])
+    handle = _submit(tmp_path, loss=mse, replacement_timeout_s=90, faults=[fault])
     cluster.remove(_wait_paused(handle, report)["node_id"])
     cluster.add_node()
     result = handle.result(timeout=180)
@@ -178,8 +185,8 @@ def test_rank0_node_lost_then_replacement_node_taken_in(ray_cluster, tmp_path, r
 def test_below_min_workers_fails_clearly(ray_cluster, tmp_path):
     cluster = ray_cluster(2)
     fault, report = _lose_at(tmp_path, 1, 5)
-    handle = _submit(tmp_path, num_workers=2, min_workers=2, max_workers=2, min_workers_timeout_s=2,
-                     faults=[fault])
+    handle = _submit(tmp_path, loss=mse, num_workers=2, min_workers=2, max_workers=2,
+                     min_workers_timeout_s=2, faults=[fault])
     cluster.remove(_wait_paused(handle, report)["node_id"])
     with pytest.raises(elastic.InfrastructureError, match="fewer than min_workers=2"):
         handle.result(timeout=120)
@@ -216,7 +223,7 @@ def test_zero3_loss_restores_from_checkpoint_and_replays(ray_cluster, tmp_path, 
     checkpoint; the steps since are trained again and the result is unchanged."""
     cluster = ray_cluster(3)
     fault, report = _lose_at(tmp_path, 2, 12)  # checkpoints after steps 5 and 10
-    handle = _submit(tmp_path, strategy="zero3", checkpoint_every=5,
+    handle = _submit(tmp_path, loss=mse, strategy="zero3", checkpoint_every=5,
                      checkpoint_uri=str(tmp_path / "ckpt"), faults=[fault])
     cluster.remove(_wait_paused(handle, report)["node_id"])
     result = handle.result(timeout=180)
@@ -236,8 +243,8 @@ def test_pipeline_x_dp_loss_restores_from_surviving_stage_replicas(ray_cluster, 
     """pp2 x dp2: every stage keeps a live replica after one worker is lost."""
     cluster = ray_cluster(4)
     fault, report = _lose_at(tmp_path, 3, 6)
-    handle = _submit(tmp_path, num_workers=4, min_workers=3, max_workers=4, strategy="pipeline",
-                     pp_degree=2, faults=[fault])
+    handle = _submit(tmp_path, loss=mse, num_workers=4, min_workers=3, max_workers=4,
+                     strategy="pipeline", pp_degree=2, faults=[fault])
     cluster.remove(_wait_paused(handle, report)["node_id"])
     result = handle.result(timeout=180)
     rec = [e for e in result.events if e.kind == "recovered"]
@@ -296,7 +303,7 @@ def test_a_slow_step_is_no_loss(ray_cluster, tmp_path, reference):
     and nothing takes either for lost (no failure, no recovery, the same processes and
     generation throughout)."""
     ray_cluster(2)
-    handle = _submit(tmp_path, num_workers=2, max_workers=2, heartbeat_timeout_s=0.3,
+    handle = _submit(tmp_path, loss=mse, num_workers=2, max_workers=2, heartbeat_timeout_s=0.3,
                      faults=[{"rank": 1, "step": 5, "action": "slow", "seconds": 2.0}])
     result = handle.result(timeout=180)
     assert os.path.exists(os.path.join(result.run_dir, "faults", "fired-rank1-step5"))

@@ -181,7 +181,7 @@ def test_a_resize_during_an_upload_keeps_checkpointing(ray_local, tmp_path):
         time.sleep(0.02)
     assert handle.scale(3, timeout=90) == 3
     grown = handle.status()["step"]
-    while handle.status().get("step", 0) < grown + 12:
+    while handle.status().get("step", 0) < grown + 7:  # one checkpoint after the resize
         assert not handle.done(), handle.result()
         assert time.time() - t0 < 180, [e.message for e in handle.controller.events]
         time.sleep(0.05)
@@ -191,7 +191,7 @@ def test_a_resize_during_an_upload_keeps_checkpointing(ray_local, tmp_path):
     assert not [k for k in kinds if k[0] in ("checkpoint_skipped", "checkpoint_failed")], kinds
     committed = [e.data["step"] for e in result.events if e.kind == "checkpoint"]
     n = len(result.history)  # the stop's final checkpoint is of the step it stopped at
-    assert committed == sorted(set(range(5, n + 1, 5)) | {n}) and n > grown + 10, kinds
+    assert committed == sorted(set(range(5, n + 1, 5)) | {n}) and n > grown + 5, kinds
     scaled = [e for e in result.events if e.kind == "scaled"]
     assert [(e.data["from"], e.data["to"]) for e in scaled] == [(2, 3)], kinds
     wait = scaled[0].data["checkpoint_wait"]

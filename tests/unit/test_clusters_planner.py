@@ -531,3 +531,19 @@ def test_shares_that_differ_only_by_the_remainder_are_not_said_to_follow_speed()
     assert r.plan.world_size == 8 and len(set(r.plan.shares)) == 2, r.plan
     assert "36 samples do not divide evenly by 8" in r.explanation, r.explanation
     assert "device speed" not in r.explanation
+
+
+def test_a_pipeline_stage_of_one_block_gathers_it_once_under_zero3():
+    """pp x zero3 where each stage holds one block with parameters: the stage is one FSDP
+    unit (gathered once, no next block to prefetch), as a one-block model is for plain zero3.
+    Was: two gathered blocks counted per stage."""
+    c = load_cluster(example_path("h100x8"))
+    prof = ModelProfile.uniform(n_params=8e8, n_blocks=2, flops_per_sample=1e9)
+    r = plan(c, prof, 64, strategies=("pipeline",), dp_modes=("zero3",), subsets=False,
+             schedules=("1f1b",))
+    pp2 = [x for x in r.ranked if x.plan.pp_degree == 2]
+    assert pp2, [x.rejection for x in r.rejected]
+    block = 4e8  # each stage's one block
+    for x in pp2:
+        b = {round(m.buffers) for m in x.estimate.memory}
+        assert b == {round(block * (prof.bytes_per_param + prof.grad_bytes))}, (x.plan.label, b)
