@@ -77,27 +77,47 @@ def render_queue(rows: list[dict[str, Any]], info: dict[str, Any] | None = None,
     return Panel(Group(*parts), title="elastic queue", border_style="blue")
 
 
+# what only a running job's progress changes: into a file, not a table every interval
+_PROGRESS = ("step", "remaining_s")
+
+
 def watch(fetch: Callable[[], tuple[list[dict[str, Any]], dict[str, Any]]], *,
           console: Any = None, interval_s: float = 1.0, until: Callable[[], bool] | None = None,
-          max_rounds: int | None = None) -> None:
+          max_rounds: int | None = None, progress_every_s: float = 60.0) -> None:
     """Redraw ``render_queue(*fetch())`` every ``interval_s`` until ``until()`` (or Ctrl-C,
     or ``max_rounds`` redraws). Into a pipe or a file (no terminal) the table is printed
-    again whenever it changes: a Live redraw writes nothing there until it ends."""
+    again when it changes (a Live redraw writes nothing there until it ends): at once when
+    a job's state, workers, reason or the scheduler's line change; when only steps and time
+    left moved, at most every ``progress_every_s``; and the last table at the end."""
     from rich.console import Console
     from rich.live import Live
 
     console = console or Console()
     rounds = _rounds(fetch, interval_s, until, max_rounds)
     if not console.is_terminal:
-        last = None
+        printed: Any = None
+        now: Any = None
+        at = 0.0
         for now in rounds:
-            if now != last:
-                console.print(render_queue(*now))
-                last = now
+            if now == printed:
+                continue
+            if (printed is not None and _shape(now) == _shape(printed)
+                    and time.monotonic() - at < progress_every_s):
+                continue
+            console.print(render_queue(*now))
+            printed, at = now, time.monotonic()
+        if now is not None and now != printed:
+            console.print(render_queue(*now))
         return
     with Live("", console=console, refresh_per_second=4) as live:
         for now in rounds:
             live.update(render_queue(*now))
+
+
+def _shape(fetched: tuple[list[dict[str, Any]], dict[str, Any]]) -> Any:
+    """The queue less its jobs' progress (``_PROGRESS``)."""
+    rows, info = fetched
+    return [{k: v for k, v in r.items() if k not in _PROGRESS} for r in rows], info
 
 
 def _rounds(fetch: Callable[[], Any], interval_s: float, until: Callable[[], bool] | None,

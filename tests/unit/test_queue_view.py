@@ -106,9 +106,34 @@ def test_watch_into_a_file_writes_each_change_as_it_comes():
         return [_row("j", "running", 2, step=min(len(calls), 2), remaining_s=1.0)], INFO
 
     out = io.StringIO()
-    watch(fetch, console=Console(file=out, width=160, force_terminal=False), interval_s=0.0)
+    watch(fetch, console=Console(file=out, width=160, force_terminal=False), interval_s=0.0,
+          progress_every_s=0.0)
     text = out.getvalue()
     assert text.count("1/100") == 1 and text.count("2/100") == 1, text  # changes only
+
+
+def test_watch_into_a_file_prints_progress_alone_at_most_every_so_often():
+    """A running job's steps and time left change every round. Was: a table written into the
+    file every interval while any job ran. Now a change of state (or workers, reason, the
+    scheduler's line) is printed at once, progress alone at most every ``progress_every_s``,
+    and the last table at the end."""
+    from rich.console import Console
+
+    states = ["running"] * 5 + ["finished"] + ["finished"] * 3
+
+    def fetch():
+        i = len(seen)
+        seen.append(i)
+        return [_row("j", states[i], 2, step=i + 1, remaining_s=9.0 - i)], INFO
+
+    seen: list[int] = []
+    out = io.StringIO()
+    watch(fetch, console=Console(file=out, width=160, force_terminal=False), interval_s=0.0,
+          max_rounds=len(states), progress_every_s=3600.0)
+    text = out.getvalue()
+    assert len(seen) == len(states)
+    # the first table, the change to finished (step 6), the last (step 9); no other step
+    assert [n for n in range(1, 10) if f" {n}/100" in text] == [1, 6, 9], text
 
 
 def test_queue_lines_keep_long_job_names_apart_from_their_state():
