@@ -62,18 +62,19 @@ def explain(
         r = ranked[1]
         slower = r.step_time / e.step_time - 1.0
         line = f"runner-up: {r.plan.label} ({r.subset}), {slower:+.1%} step time"
-        if slower < 0 and more_work(r.plan, p):
+        # (an equal runner-up too: zero2 beside zero1 once both reduce in buckets)
+        if slower <= 0 and more_work(r.plan, p):
             line += (
                 f"; within the tie tolerance the choice does less work per step, with memory "
                 f"to spare ({choice.peak_fraction:.0%} of usable)"
             )
-        elif slower < 0 and trial_ran(p, seen) and not trial_ran(r.plan, seen):
+        elif slower <= 0 and trial_ran(p, seen) and not trial_ran(r.plan, seen):
             line += (
                 "; too close for the model to order (within 5 %), the choice is what the "
                 f"profiler's trial steps ran, with memory to spare ({choice.peak_fraction:.0%} of "
                 "usable)"
             )
-        elif slower < 0:
+        elif slower < 0 or (slower == 0 and choice.peak_fraction < r.peak_fraction):
             line += (
                 f"; within the tie tolerance the choice keeps more memory headroom "
                 f"({choice.peak_fraction:.0%} vs {r.peak_fraction:.0%} of usable)"

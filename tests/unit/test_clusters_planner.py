@@ -459,6 +459,13 @@ def test_the_explanation_says_why_a_slower_tie_won():
     dp_faster = replace(dp, estimate=replace(dp.estimate, step_time=z2.step_time * 0.995))
     text = explain(z2, [z2, dp_faster], [], cluster, 16).splitlines()[1]
     assert "runner-up: dp" in text and "keeps more memory headroom" in text
+    # an equal runner-up: the same rules, said (was: "+0.0% step time" and no reason)
+    equal = replace(z2, estimate=replace(z2.estimate, step_time=z1.step_time))
+    text = explain(z1, [z1, equal], [], cluster, 16).splitlines()[1]
+    assert "+0.0% step time" in text and "does less work per step" in text, text
+    dp_equal = replace(dp, estimate=replace(dp.estimate, step_time=z2.step_time))
+    text = explain(z2, [z2, dp_equal], [], cluster, 16).splitlines()[1]
+    assert "keeps more memory headroom" in text, text
 
 
 def test_the_explanation_names_the_trial_rule_when_it_decides():
