@@ -44,7 +44,7 @@ def _rank(rank: int, world: int, port: int, layout: str, results, done) -> None:
     kw = {"pp_degree": 2, "micro_batches": 2, "dp_mode": dp_mode or "dp"} if name == "pipeline" else {}
     w.build(StrategySpec(name, world, shares=(8,) * world, **kw))
     if rank == 1:  # dies mid-run, as on a lost node
-        threading.Timer(2.0, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+        threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
     try:
         w.run(0, 10**6)
     except Exception:  # noqa: BLE001 - the group failure is what this test waits for

@@ -184,7 +184,7 @@ def ray_head():
     gcs, dash, client, agent = (free_port() for _ in range(4))  # below the ephemeral range
     head = Head(tmp, env, gcs, dash)
     start = subprocess.Popen(
-        [RAY, "start", "--head", f"--port={gcs}", "--num-cpus=4", "--include-dashboard=true",
+        [RAY, "start", "--head", f"--port={gcs}", "--num-cpus=3", "--include-dashboard=true",
          f"--dashboard-port={dash}", "--dashboard-host=127.0.0.1", "--disable-usage-stats",
          "--node-ip-address=127.0.0.1", f"--ray-client-server-port={client}",
          f"--dashboard-agent-listen-port={agent}", f"--temp-dir={tmp}"],
@@ -257,41 +257,19 @@ def test_ray_job_submit_runs_elastic_to_the_end(ray_head, tmp_path):
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 5
 
 
-def _wait_logged(head: Head, job_id: str, line: str, timeout: float = 120) -> None:
-    """Until the job's driver has logged ``line`` (training, not starting)."""
-    deadline = time.monotonic() + timeout
-    while line not in head.job_logs(job_id):
-        assert head.job_status(job_id) in ("PENDING", "RUNNING"), head.job_logs(job_id)
-        assert time.monotonic() < deadline, head.job_logs(job_id)
-        time.sleep(0.25)
-
-
-def test_no_wait_jobs_are_stopped_by_elastic_stop_and_by_ray_job_stop(ray_head, tmp_path):
-    """Two jobs submitted with ``--no-wait``, side by side (one after the other: ~12 s more).
-    The first is reached by ``elastic status`` and stopped by ``elastic stop``: it ends
-    cleanly (exit 0, Ray says SUCCEEDED). The second is stopped by ``ray job stop``, which
-    sends SIGTERM: the driver stops the job at the next step boundary, takes a final
-    checkpoint, writes an ``interrupted`` event and exits 143 (128 + SIGTERM)."""
-    from elastic.checkpoint import CheckpointStore, committed_steps
-
+def test_no_wait_job_is_reached_by_elastic_status_and_stopped(ray_head, tmp_path):
     wd = _workdir(tmp_path, "long", f"run_dir: {tmp_path / 'runs' / 'js-long'}\n")
-    run_dir = tmp_path / "runs" / "js-term"
-    wd2 = _workdir(tmp_path, "term", f"run_dir: {run_dir}\nname: js-term\n"
-                   "max_steps: 1000000\nlog_every: 100\ncheckpoint_every: 1000000\n")
     out = ray_head.run(RAY, "job", "submit", "--address", ray_head.api, "--no-wait",
                        "--working-dir", wd, "--", "elastic", "run", "job.yaml",
                        "--set", "name=js-long", "--set", "max_steps=1000000",
                        "--set", "log_every=100")
     assert out.returncode == 0, out.stdout + out.stderr
     job_id = _submitted_id(out.stdout + out.stderr)
-    out = ray_head.run(RAY, "job", "submit", "--address", ray_head.api, "--no-wait",
-                       "--working-dir", wd2, "--", "elastic", "run", "job.yaml")
-    assert out.returncode == 0, out.stdout + out.stderr
-    term_id = _submitted_id(out.stdout + out.stderr)
-    for jid in (job_id, term_id):
-        _wait_logged(ray_head, jid, "[elastic] step 100/")
-
-    # the first: elastic status, then elastic stop
+    deadline = time.monotonic() + 120
+    while "[elastic] step 100/" not in ray_head.job_logs(job_id):  # training, not starting
+        assert ray_head.job_status(job_id) in ("PENDING", "RUNNING"), ray_head.job_logs(job_id)
+        assert time.monotonic() < deadline, ray_head.job_logs(job_id)
+        time.sleep(0.25)
     st = ray_head.run(ELASTIC, "status", "js-long", "--address", ray_head.gcs, timeout=60)
     assert st.returncode == 0, st.stdout + st.stderr
     assert '"state": "running"' in st.stdout and '"max_steps": 1000000' in st.stdout
@@ -299,16 +277,33 @@ def test_no_wait_jobs_are_stopped_by_elastic_stop_and_by_ray_job_stop(ray_head, 
     stop = ray_head.run(ELASTIC, "stop", "js-long", "--address", ray_head.gcs, timeout=120)
     assert stop.returncode == 0, stop.stdout + stop.stderr
     assert '"result": "stopped"' in stop.stdout
-    # the second: ray job stop
-    stop = ray_head.ray_job("stop", term_id, timeout=120)
-    assert stop.returncode == 0, stop.stdout + stop.stderr
-
+    # a job stopped through elastic ends cleanly: the driver exits 0, Ray says SUCCEEDED
     assert ray_head.wait_terminal(job_id) == "SUCCEEDED"
     logs = ray_head.job_logs(job_id)
     assert re.search(r"\[elastic\] stopped at step \d+: stopped on request", logs), logs
     assert "[elastic] done:" in logs
 
-    assert ray_head.wait_terminal(term_id) == "STOPPED"
+
+def test_ray_job_stop_ends_the_job_at_a_boundary_with_a_final_checkpoint(ray_head, tmp_path):
+    """`ray job stop` sends SIGTERM: the driver stops the job at the next step boundary, takes
+    a final checkpoint, writes an `interrupted` event and exits 143 (128 + SIGTERM)."""
+    from elastic.checkpoint import CheckpointStore, committed_steps
+
+    run_dir = tmp_path / "runs" / "js-term"
+    wd = _workdir(tmp_path, "term", f"run_dir: {run_dir}\nname: js-term\n"
+                  "max_steps: 1000000\nlog_every: 100\ncheckpoint_every: 1000000\n")
+    out = ray_head.run(RAY, "job", "submit", "--address", ray_head.api, "--no-wait",
+                       "--working-dir", wd, "--", "elastic", "run", "job.yaml")
+    assert out.returncode == 0, out.stdout + out.stderr
+    job_id = _submitted_id(out.stdout + out.stderr)
+    deadline = time.monotonic() + 120
+    while "[elastic] step 100/" not in ray_head.job_logs(job_id):
+        assert ray_head.job_status(job_id) in ("PENDING", "RUNNING"), ray_head.job_logs(job_id)
+        assert time.monotonic() < deadline, ray_head.job_logs(job_id)
+        time.sleep(0.25)
+    stop = ray_head.ray_job("stop", job_id, timeout=120)
+    assert stop.returncode == 0, stop.stdout + stop.stderr
+    assert ray_head.wait_terminal(job_id) == "STOPPED"
     events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
     kinds = [e["kind"] for e in events]
     assert "interrupted" in kinds and "SIGTERM" in events[kinds.index("interrupted")]["message"]
@@ -316,7 +311,7 @@ def test_no_wait_jobs_are_stopped_by_elastic_stop_and_by_ray_job_stop(ray_head, 
                      (run_dir / "metrics.jsonl").read_text().splitlines()) + 1
     steps = committed_steps(CheckpointStore(str(run_dir / "checkpoints")))
     assert steps == [stopped_at], (steps, stopped_at, kinds)
-    logs = ray_head.job_logs(term_id)
+    logs = ray_head.job_logs(job_id)
     assert "interrupted by SIGTERM" in logs, logs
 
 

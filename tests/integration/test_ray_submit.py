@@ -16,7 +16,6 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -46,7 +45,7 @@ def _cluster_yaml(home: str, port: int) -> str:
         provider: {{type: external, module: _this_machine.ThisMachine, home: {home}}}
         auth: {{ssh_user: {os.environ.get("USER", "root")}}}
         available_node_types:
-          head: {{resources: {{CPU: 4}}, node_config: {{}}, max_workers: 0}}
+          head: {{resources: {{CPU: 3}}, node_config: {{}}, max_workers: 0}}
         head_node_type: head
         file_mounts: {{}}
         cluster_synced_files: []
@@ -57,7 +56,7 @@ def _cluster_yaml(home: str, port: int) -> str:
         head_setup_commands: []
         worker_setup_commands: []
         head_start_ray_commands:
-          - ray start --head --port={port} --num-cpus=4 --include-dashboard=false
+          - ray start --head --port={port} --num-cpus=3 --include-dashboard=false
             --disable-usage-stats --autoscaling-config=~/ray_bootstrap_config.yaml
         worker_start_ray_commands: []
         upscaling_speed: 1.0
@@ -104,17 +103,15 @@ def test_ray_submit_and_ray_exec_run_elastic_on_the_launched_cluster(launched, t
 
     script = tmp_path / "train.py"
     script.write_text(TRAIN.format(run_dir=str(tmp_path / "sdk")))
-    with open(os.path.join(home, "job.yaml"), "w") as f:  # (what file_mounts would sync)
-        f.write(JOB + f"run_dir: {tmp_path / 'cli'}\n")
-    # both at once, 2 workers each on the head's 4 CPUs (one after the other: 8 s more)
-    with ThreadPoolExecutor(2) as ex:
-        sub = ex.submit(_ray, env, str(tmp_path), "submit", cfg, str(script))
-        exe = ex.submit(_ray, env, str(tmp_path), "exec", cfg, "elastic run job.yaml")
-        out, ran = sub.result(), exe.result()
+    out = _ray(env, str(tmp_path), "submit", cfg, str(script))
     assert out.returncode == 0, out.stdout + out.stderr
     assert "TRAINED 5" in out.stdout and said in out.stdout, out.stdout
-    assert ran.returncode == 0, ran.stdout + ran.stderr
-    assert said in ran.stdout and "[elastic] done: 5 steps" in ran.stdout, ran.stdout
+
+    with open(os.path.join(home, "job.yaml"), "w") as f:  # (what file_mounts would sync)
+        f.write(JOB + f"run_dir: {tmp_path / 'cli'}\n")
+    out = _ray(env, str(tmp_path), "exec", cfg, "elastic run job.yaml")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert said in out.stdout and "[elastic] done: 5 steps" in out.stdout, out.stdout
     # both ran on the launched cluster's node, not on a private cluster's
     ask = (f"import json, ray; ray.init(address={head!r}, logging_level='ERROR'); "
            "print(json.dumps([n['NodeID'] for n in ray.nodes() if n['Alive']]))")
