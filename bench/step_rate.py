@@ -13,7 +13,8 @@ elastic.models' TinyGPT (4 layers, n_embd 128, 0.82M parameters in 53 tensors) o
 corpus, 64-token blocks, global batch 32, cross entropy.
 
 Layouts: any strategy name; ``dp-nohook`` is dp with DDP's built-in all-reduce instead of
-``strategies.dp.recording_allreduce`` (the health hook), to measure what the hook costs.
+``strategies.dp.recording_allreduce`` (the health hook), to measure what the hook costs;
+``ddp-plain`` is a user's own DDP loop (``_PlainLoop``), to measure what elastic's dp step adds.
 
 Each round builds every layout once (the order rotates round by round), runs ``--warmup``
 steps, then times ``--steps`` steps between two barriers (rank 0's clock). A benchmark, not a
@@ -58,6 +59,31 @@ def _model(name: str) -> Any:
                                          nn.Linear(2 * w, w)) for _ in range(24)])
 
 
+class _PlainLoop:
+    """``ddp-plain``: a user's own loop, as torchrun's in bench/overhead.py (DDP with its
+    defaults, zero_grad, forward, loss, backward, Adam step): what elastic's ``dp`` step adds
+    beside it (the health hook, the gradient norm every step, running statistics, bucket
+    views) shows in the ratio."""
+
+    def __init__(self, model: Any, loss_fn: Any) -> None:
+        import torch
+        from torch.nn.parallel import DistributedDataParallel
+
+        self.ddp = DistributedDataParallel(model)
+        self.opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+        self.loss_fn = loss_fn
+
+    def train_step(self, x: Any, y: Any) -> float:
+        self.opt.zero_grad(set_to_none=True)
+        loss = self.loss_fn(self.ddp(x), y)
+        loss.backward()
+        self.opt.step()
+        return float(loss.detach())
+
+    def close(self) -> None:
+        pass
+
+
 def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) -> None:
     import torch
     import torch.distributed as dist
@@ -94,17 +120,21 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) 
         for rnd in range(args.rounds):
             k = rnd % len(args.layouts)
             for lay in args.layouts[k:] + args.layouts[:k]:
-                name = "dp" if lay == "dp-nohook" else lay
-                real = dp_mod.DDP
-                if lay == "dp-nohook":
-                    dp_mod.DDP = _PlainDDP  # type: ignore[misc]
-                try:
-                    spec = StrategySpec(name, world, shares)
-                    model = build_model(lambda mn=model_name: _model(mn), 0)
-                    strat = get(name)(spec, Runtime.current(), model,
-                                      lambda p: torch.optim.Adam(p, lr=1e-4), loss_fn)
-                finally:
-                    dp_mod.DDP = real  # type: ignore[misc]
+                if lay == "ddp-plain":
+                    strat: Any = _PlainLoop(build_model(lambda mn=model_name: _model(mn), 0),
+                                            loss_fn)
+                else:
+                    name = "dp" if lay == "dp-nohook" else lay
+                    real = dp_mod.DDP
+                    if lay == "dp-nohook":
+                        dp_mod.DDP = _PlainDDP  # type: ignore[misc]
+                    try:
+                        spec = StrategySpec(name, world, shares)
+                        model = build_model(lambda mn=model_name: _model(mn), 0)
+                        strat = get(name)(spec, Runtime.current(), model,
+                                          lambda p: torch.optim.Adam(p, lr=1e-4), loss_fn)
+                    finally:
+                        dp_mod.DDP = real  # type: ignore[misc]
                 for step in range(args.warmup + args.steps):
                     if step == args.warmup:
                         dist.barrier()
