@@ -77,8 +77,11 @@ def render_queue(rows: list[dict[str, Any]], info: dict[str, Any] | None = None,
     return Panel(Group(*parts), title="elastic queue", border_style="blue")
 
 
-# what only a running job's progress changes: into a file, not a table every interval
-_PROGRESS = ("step", "remaining_s")
+# what the table shows of a job and of the scheduler (not the clock, ``now_s``, nor the
+# worker-seconds, which change every round); a running job's progress separately
+_SHOWN_ROW = ("job", "state", "workers", "resizing", "min_workers", "max_workers",
+              "max_steps", "resizes", "reason", "error")
+_SHOWN_INFO = ("name", "policy", "workers", "decisions", "errors")
 
 
 def watch(fetch: Callable[[], tuple[list[dict[str, Any]], dict[str, Any]]], *,
@@ -86,38 +89,41 @@ def watch(fetch: Callable[[], tuple[list[dict[str, Any]], dict[str, Any]]], *,
           max_rounds: int | None = None, progress_every_s: float = 60.0) -> None:
     """Redraw ``render_queue(*fetch())`` every ``interval_s`` until ``until()`` (or Ctrl-C,
     or ``max_rounds`` redraws). Into a pipe or a file (no terminal) the table is printed
-    again when it changes (a Live redraw writes nothing there until it ends): at once when
-    a job's state, workers, reason or the scheduler's line change; when only steps and time
-    left moved, at most every ``progress_every_s``; and the last table at the end."""
+    again when what it shows changes (a Live redraw writes nothing there until it ends): at
+    once for a job's state, workers, reason or the scheduler's line; when only steps and
+    time left moved, at most every ``progress_every_s``; and the last table at the end."""
     from rich.console import Console
     from rich.live import Live
 
     console = console or Console()
     rounds = _rounds(fetch, interval_s, until, max_rounds)
     if not console.is_terminal:
-        printed: Any = None
-        now: Any = None
+        printed: Any = None  # what the last table printed showed: (the rest, progress)
+        last: Any = None
         at = 0.0
-        for now in rounds:
-            if now == printed:
+        for last in rounds:
+            rest, progress = _shown(*last)
+            if printed is not None and rest == printed[0] and (
+                    progress == printed[1] or time.monotonic() - at < progress_every_s):
                 continue
-            if (printed is not None and _shape(now) == _shape(printed)
-                    and time.monotonic() - at < progress_every_s):
-                continue
-            console.print(render_queue(*now))
-            printed, at = now, time.monotonic()
-        if now is not None and now != printed:
-            console.print(render_queue(*now))
+            console.print(render_queue(*last))
+            printed, at = (rest, progress), time.monotonic()
+        if last is not None and _shown(*last) != printed:
+            console.print(render_queue(*last))
         return
     with Live("", console=console, refresh_per_second=4) as live:
         for now in rounds:
             live.update(render_queue(*now))
 
 
-def _shape(fetched: tuple[list[dict[str, Any]], dict[str, Any]]) -> Any:
-    """The queue less its jobs' progress (``_PROGRESS``)."""
-    rows, info = fetched
-    return [{k: v for k, v in r.items() if k not in _PROGRESS} for r in rows], info
+def _shown(rows: list[dict[str, Any]], info: dict[str, Any]) -> tuple[Any, Any]:
+    """What ``render_queue(rows, info)`` shows: everything but the running jobs' progress,
+    and that progress (steps, time left as printed)."""
+    rest = (tuple(tuple(r.get(k) for k in _SHOWN_ROW) for r in rows),
+            tuple(str(info.get(k)) for k in _SHOWN_INFO))
+    progress = tuple((r.get("step"), _secs(r.get("remaining_s"))
+                      if r.get("state") == "running" else "-") for r in rows)
+    return rest, progress
 
 
 def _rounds(fetch: Callable[[], Any], interval_s: float, until: Callable[[], bool] | None,

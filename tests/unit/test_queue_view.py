@@ -116,15 +116,17 @@ def test_watch_into_a_file_prints_progress_alone_at_most_every_so_often():
     """A running job's steps and time left change every round. Was: a table written into the
     file every interval while any job ran. Now a change of state (or workers, reason, the
     scheduler's line) is printed at once, progress alone at most every ``progress_every_s``,
-    and the last table at the end."""
+    and the last table at the end; what the table does not show (the scheduler's clock, a
+    job's worker-seconds) prints nothing."""
     from rich.console import Console
 
     states = ["running"] * 5 + ["finished"] + ["finished"] * 3
 
-    def fetch():
+    def fetch():  # as the scheduler answers: its clock and the worker-seconds move too
         i = len(seen)
         seen.append(i)
-        return [_row("j", states[i], 2, step=i + 1, remaining_s=9.0 - i)], INFO
+        return ([_row("j", states[i], 2, step=i + 1, remaining_s=9.0 - i, worker_s=2.0 * i)],
+                dict(INFO, now_s=100.0 + i))
 
     seen: list[int] = []
     out = io.StringIO()
