@@ -282,7 +282,7 @@ class CostModel:
             return 0.0, 0.0
         g, p = profile.grad_bytes, profile.bytes_per_param
         tensors = [t * g for t in profile.tensors(blocks)]
-        units = [profile.block_params[i] * p for i in blocks if profile.block_params[i] > 0]
+        units = [u * p for u in profile.unit_params(blocks)]
         msgs = layout_messages(mode, n, tensors, units, micro_batches=micro_batches,
                                comm=self.comm, hooks=hooks)
         per = (self.unit_wait_s if mode == "zero3" and self.unit_wait_s is not None

@@ -354,7 +354,7 @@ def estimate_pipeline(
                 grad_bytes=profile.grad_bytes,
                 optimizer_bytes=profile.optimizer_bytes_per_param,
                 biggest_block=pos_big[j],
-                units=sum(1 for i in pos_blocks[j] if profile.block_params[i] > 0),
+                units=len(profile.unit_params(pos_blocks[j])),
                 activations=_in_flight(plan.schedule, m, p, v, j) * (s // m) * stored[j],
             )
             for s in sizes

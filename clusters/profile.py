@@ -93,7 +93,13 @@ class ModelProfile:
     @property
     def units(self) -> int:
         """Blocks with parameters: zero3's FSDP units (one for a model without blocks)."""
-        return sum(1 for p in self.block_params if p > 0)
+        return len(self.unit_params())
+
+    def unit_params(self, blocks: Sequence[int] | None = None) -> tuple[int, ...]:
+        """Parameters of each of zero3's FSDP units among ``blocks`` (default all): the
+        blocks that have parameters, in order."""
+        idx = range(self.n_blocks) if blocks is None else blocks
+        return tuple(self.block_params[i] for i in idx if self.block_params[i] > 0)
 
     @property
     def n_params(self) -> int:
@@ -108,10 +114,10 @@ class ModelProfile:
         """Element counts of the parameter tensors of ``blocks`` (default all), in order; a
         block without ``block_tensors`` counts as one tensor, and one with no parameters as
         none."""
+        if self.block_tensors is None:
+            return self.unit_params(blocks)
         idx = range(self.n_blocks) if blocks is None else blocks
-        if self.block_tensors is not None:
-            return tuple(t for i in idx for t in self.block_tensors[i])
-        return tuple(self.block_params[i] for i in idx if self.block_params[i] > 0)
+        return tuple(t for i in idx for t in self.block_tensors[i])
 
     def boundary(self, i: int) -> float:
         return self.boundary_bytes[i] if self.boundary_bytes is not None else 0.0
