@@ -27,17 +27,15 @@ def _slow_mse(out, y):
     return mse(out, y)
 
 
-# The tests that stop a rank with a ``pause`` fault (or kill it with ``exit``) train on the
-# plain loss: the fault holds its step however long it is, and the slow loss's sleep only
-# lengthened the steps after it (2 s a test; 10 s for a pipeline, which calls the loss once
-# per micro-batch). A test that acts between steps (``_wait_step``) keeps the slow one.
-
-
 def _submit(tmp_path, **kw):
+    """The plain loss by default: a test that stops a rank with a fault (``pause``, ``exit``)
+    holds its step however long the step is, and a slow loss only lengthens the steps after
+    it (2 s a test; 10 s for a pipeline, which calls the loss once per micro-batch). A test
+    that acts between steps (``_wait_step``, a drain) passes ``loss=_slow_mse``."""
     cfg = dict(
         model=mlp,
         optimizer=adam,
-        loss=_slow_mse,
+        loss=mse,
         dataset=RegressionData(),
         global_batch_size=G,
         max_steps=STEPS,
@@ -105,8 +103,7 @@ def test_worker_node_lost_survivors_continue_from_peers(ray_cluster, tmp_path, r
     """Rank 1 pauses at the start of step 8 (a fault, not a timed guess), and its node goes."""
     cluster = ray_cluster(3)
     faults = str(tmp_path / "faults")
-    handle = _submit(tmp_path, loss=mse,
-                     faults=[{"rank": 1, "step": 8, "action": "pause", "dir": faults}])
+    handle = _submit(tmp_path, faults=[{"rank": 1, "step": 8, "action": "pause", "dir": faults}])
     paused = _wait_paused(handle, os.path.join(faults, "paused-rank1-step8.json"))
     ctl = handle.controller
     assert paused["rank"] == 1 and paused["step"] == 8 and paused["generation"] == 1
@@ -133,9 +130,7 @@ def test_an_auto_job_loses_a_node_and_plans_again_for_the_survivors(ray_cluster,
     table about "auto" and the job failed with StrategyError."""
     cluster = ray_cluster(3)
     fault, path = _lose_at(tmp_path, 1, 8)
-    # (the plain loss: the pause holds step 8 whatever its length, and the slow one's sleep
-    # ran in every profiling step of both plans: 36 s of the suite)
-    handle = _submit(tmp_path, strategy="auto", replan_every=10, faults=[fault], loss=mse)
+    handle = _submit(tmp_path, strategy="auto", replan_every=10, faults=[fault])
     paused = _wait_paused(handle, path)
     cluster.remove(paused["node_id"])
     result = handle.result(timeout=180)
@@ -153,7 +148,7 @@ def test_worker_process_exits_and_the_job_recovers(ray_cluster, tmp_path, refere
     """Rank 2's process dies at the start of step 5 (``exit``); its node lives. The fault
     fires once: the recovered job replays no step into it again."""
     ray_cluster(3)
-    handle = _submit(tmp_path, loss=mse, faults=[{"rank": 2, "step": 5, "action": "exit"}])
+    handle = _submit(tmp_path, faults=[{"rank": 2, "step": 5, "action": "exit"}])
     result = handle.result(timeout=180)
     assert os.path.exists(os.path.join(result.run_dir, "faults", "fired-rank2-step5"))
     rec = [e for e in result.events if e.kind == "recovered"]
@@ -171,7 +166,7 @@ def test_rank0_node_lost_then_replacement_node_taken_in(ray_cluster, tmp_path, r
     generous (the recovery goes on as soon as the worker is up, not at the timeout)."""
     cluster = ray_cluster(3)
     fault, report = _lose_at(tmp_path, 0, 8, action="pause_silent")
-    handle = _submit(tmp_path, loss=mse, replacement_timeout_s=90, faults=[fault])
+    handle = _submit(tmp_path, replacement_timeout_s=90, faults=[fault])
     cluster.remove(_wait_paused(handle, report)["node_id"])
     cluster.add_node()
     result = handle.result(timeout=180)
@@ -185,7 +180,7 @@ def test_rank0_node_lost_then_replacement_node_taken_in(ray_cluster, tmp_path, r
 def test_below_min_workers_fails_clearly(ray_cluster, tmp_path):
     cluster = ray_cluster(2)
     fault, report = _lose_at(tmp_path, 1, 5)
-    handle = _submit(tmp_path, loss=mse, num_workers=2, min_workers=2, max_workers=2,
+    handle = _submit(tmp_path, num_workers=2, min_workers=2, max_workers=2,
                      min_workers_timeout_s=2, faults=[fault])
     cluster.remove(_wait_paused(handle, report)["node_id"])
     with pytest.raises(elastic.InfrastructureError, match="fewer than min_workers=2"):
@@ -195,7 +190,8 @@ def test_below_min_workers_fails_clearly(ray_cluster, tmp_path):
 def test_scale_up_when_a_node_joins(ray_cluster, tmp_path):
     cluster = ray_cluster(2)
     steps = 400  # long enough that the new node surely joins mid-run; stopped once it has
-    handle = _submit(tmp_path, num_workers=2, min_workers=1, max_workers=3, scale_check_s=0.5,
+    handle = _submit(tmp_path, loss=_slow_mse, num_workers=2, min_workers=1, max_workers=3,
+                     scale_check_s=0.5,
                      max_steps=steps)
     _wait_step(handle, 5)
     cluster.add_node()
@@ -223,7 +219,7 @@ def test_zero3_loss_restores_from_checkpoint_and_replays(ray_cluster, tmp_path, 
     checkpoint; the steps since are trained again and the result is unchanged."""
     cluster = ray_cluster(3)
     fault, report = _lose_at(tmp_path, 2, 12)  # checkpoints after steps 5 and 10
-    handle = _submit(tmp_path, loss=mse, strategy="zero3", checkpoint_every=5,
+    handle = _submit(tmp_path, strategy="zero3", checkpoint_every=5,
                      checkpoint_uri=str(tmp_path / "ckpt"), faults=[fault])
     cluster.remove(_wait_paused(handle, report)["node_id"])
     result = handle.result(timeout=180)
@@ -243,7 +239,7 @@ def test_pipeline_x_dp_loss_restores_from_surviving_stage_replicas(ray_cluster, 
     """pp2 x dp2: every stage keeps a live replica after one worker is lost."""
     cluster = ray_cluster(4)
     fault, report = _lose_at(tmp_path, 3, 6)
-    handle = _submit(tmp_path, loss=mse, num_workers=4, min_workers=3, max_workers=4,
+    handle = _submit(tmp_path, num_workers=4, min_workers=3, max_workers=4,
                      strategy="pipeline", pp_degree=2, faults=[fault])
     cluster.remove(_wait_paused(handle, report)["node_id"])
     result = handle.result(timeout=180)
@@ -267,7 +263,8 @@ def test_two_losses_in_a_row_and_one_during_a_checkpoint_upload(ray_cluster, tmp
     cluster = ray_cluster(4)
     first, report1 = _lose_at(tmp_path, 1, 6)
     second, report2 = _lose_at(tmp_path, 2, 12, action="pause_upload")
-    handle = _submit(tmp_path, num_workers=4, min_workers=1, max_workers=4, checkpoint_every=3,
+    handle = _submit(tmp_path, loss=_slow_mse, num_workers=4, min_workers=1, max_workers=4,
+                     checkpoint_every=3,
                      checkpoint_uri=str(tmp_path / "ckpt"), faults=[first, second])
     cluster.remove(_wait_paused(handle, report1)["node_id"])
     paused = _wait_paused(handle, report2)
@@ -285,7 +282,7 @@ def test_two_losses_in_a_row_and_one_during_a_checkpoint_upload(ray_cluster, tmp
 def test_hung_worker_is_cut_off_by_the_watchdog(ray_cluster, tmp_path, reference):
     """Rank 1 stops answering inside step 5 (the ``hang`` fault: once per run)."""
     ray_cluster(3)
-    result = _submit(tmp_path, loss=mse, hang_timeout_s=4, replacement_timeout_s=1,
+    result = _submit(tmp_path, hang_timeout_s=4, replacement_timeout_s=1,
                      faults=[{"rank": 1, "step": 5, "action": "hang"}]).result(timeout=180)
     assert os.path.exists(os.path.join(result.run_dir, "faults", "fired-rank1-step5"))
     kinds = [e.kind for e in result.events]
@@ -303,7 +300,7 @@ def test_a_slow_step_is_no_loss(ray_cluster, tmp_path, reference):
     and nothing takes either for lost (no failure, no recovery, the same processes and
     generation throughout)."""
     ray_cluster(2)
-    handle = _submit(tmp_path, loss=mse, num_workers=2, max_workers=2, heartbeat_timeout_s=0.3,
+    handle = _submit(tmp_path, num_workers=2, max_workers=2, heartbeat_timeout_s=0.3,
                      faults=[{"rank": 1, "step": 5, "action": "slow", "seconds": 2.0}])
     result = handle.result(timeout=180)
     assert os.path.exists(os.path.join(result.run_dir, "faults", "fired-rank1-step5"))

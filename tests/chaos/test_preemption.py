@@ -12,10 +12,17 @@ import time
 import pytest
 
 from elastic.reference import reference_train
-from tests.chaos.test_chaos import STEPS, TOL, G, _check_data_log, _submit, _wait_paused, _wait_step
+from tests.chaos import test_chaos
+from tests.chaos.test_chaos import STEPS, TOL, G, _check_data_log, _wait_paused, _wait_step
 from tests.helpers import RegressionData, adam, max_diff, mlp, mse
 
 pytestmark = pytest.mark.chaos
+
+
+def _submit(tmp_path, **kw):
+    """``test_chaos._submit`` on the slow loss: a drain is acted on between steps, and the
+    job must still be running when the notice comes (``_wait_step``)."""
+    return test_chaos._submit(tmp_path, **{"loss": test_chaos._slow_mse, **kw})
 
 
 @pytest.fixture(scope="module")
