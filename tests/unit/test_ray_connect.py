@@ -132,3 +132,22 @@ def test_a_command_with_no_cluster_to_attach_to_says_so_once_with_one_fix(monkey
     with pytest.raises(ClusterError) as ei:
         cli._attach(None)
     assert ei.value is token
+
+
+def test_with_no_cluster_the_cli_says_so_from_rays_own_refusal(tmp_path):
+    """The test above supplies Ray's refusal text itself; this one has Ray refuse for real
+    (no cluster in a private RAY_TMPDIR, no RAY_ADDRESS), so a reworded refusal in a new Ray
+    release shows here: Ray is imported, none is started."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["RAY_TMPDIR"] = str(tmp_path)
+    out = subprocess.run([sys.executable, "-m", "elastic.cli", "status"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip() == (
+        "elastic: error: no Ray cluster runs on this machine to attach to. Fix: start one with "
+        "`ray start --head`, or pass --address (or set RAY_ADDRESS) to a running cluster's "
+        "address."), out.stderr
