@@ -13,7 +13,8 @@ elastic.models' TinyGPT (4 layers, n_embd 128, 0.82M parameters in 53 tensors) o
 corpus, 64-token blocks, global batch 32, cross entropy.
 
 Layouts: any strategy name; ``dp-nohook`` is dp with DDP's built-in all-reduce instead of
-``strategies.dp.recording_allreduce`` (the health hook), to measure what the hook costs;
+``strategies.dp.recording_allreduce`` (the health hook, which also leaves out the built-in's
+division and takes the gradient norm on CPU), to measure what the hook saves or costs;
 ``ddp-plain`` is a user's own DDP loop (``_PlainLoop``), to measure what elastic's dp step adds.
 
 Each round builds every layout once (the order rotates round by round), runs ``--warmup``
@@ -133,6 +134,8 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) 
                         model = build_model(lambda mn=model_name: _model(mn), 0)
                         strat = get(name)(spec, Runtime.current(), model,
                                           lambda p: torch.optim.Adam(p, lr=1e-4), loss_fn)
+                        if lay == "dp-nohook":  # DDP's own hook divides by the world size
+                            strat._scale *= world
                     finally:
                         dp_mod.DDP = real  # type: ignore[misc]
                 for step in range(args.warmup + args.steps):

@@ -1,10 +1,19 @@
 """Data parallel: a full replica per rank, gradients all-reduced by DDP (bucketed, overlapped).
 
-DDP's bucket all-reduce runs through a comm hook of ours that does what DDP's built-in one
-does (scale each bucket by 1 / world size, sum it over the group, in place, so
-``gradient_as_bucket_view`` keeps working) and records a failure in ``strategies.health``
-before it propagates: DDP's reducer re-raises it from the autograd engine, where nothing
-tells it from a user's error.
+DDP's bucket all-reduce runs through a comm hook of ours (``recording_allreduce``): it sums
+each bucket over the group in place (so ``gradient_as_bucket_view`` keeps working) and records
+a failure in ``strategies.health`` before it propagates (DDP's reducer re-raises it from the
+autograd engine, where nothing tells it from a user's error). Two passes over the gradient
+that DDP's built-in hook and a separate norm would make are left out:
+
+* The built-in hook divides every bucket by the world size before the sum. Here the loss
+  carries that factor (``share / G`` instead of ``share * N / G``): the same gradient, exact
+  for a world size that is a power of two and within a rounding otherwise.
+* On CPU the hook also takes each reduced bucket's squared norm as it arrives (``BucketNorms``):
+  the global gradient norm every step needs (clipping, the non-finite check) is then their
+  sum, without another pass over the gradient (together ~4 % of the overhead benchmark's
+  step, docs/benchmarks.md). On CUDA the norm stays one fused ``_foreach_norm`` after the
+  backward: cheap there, and a reduction inside NCCL's future callback has never been run.
 """
 
 # No ``from __future__ import annotations`` here: DDP checks a comm hook's annotations against
@@ -27,7 +36,7 @@ from .canonical import (
 from .health import record
 from .spec import StrategySpec
 
-__all__ = ["DataParallel", "no_forward_buffer_sync", "recording_allreduce"]
+__all__ = ["BucketNorms", "DataParallel", "no_forward_buffer_sync", "recording_allreduce"]
 
 
 def no_forward_buffer_sync() -> dict[str, Any]:
@@ -42,28 +51,54 @@ def no_forward_buffer_sync() -> dict[str, Any]:
     return {"broadcast_buffers": False}
 
 
-def recording_allreduce(state: object, bucket: dist.GradBucket
+class BucketNorms:
+    """One step's reduced gradient buckets' squared norms, filled by ``recording_allreduce``
+    (DDP's callbacks may run on the process group's threads: a dict store each). ``take``
+    gives their float64 sum once the buckets cover every gradient element, else None (a
+    step that failed part-way, a backward that reached only some buckets)."""
+
+    def __init__(self, numel: int) -> None:
+        self.numel = numel
+        self.sq: dict[int, tuple[int, torch.Tensor]] = {}
+
+    def add(self, index: int, reduced: torch.Tensor) -> None:
+        self.sq[index] = (reduced.numel(), torch.linalg.vector_norm(reduced))
+
+    def clear(self) -> None:
+        self.sq = {}
+
+    def take(self) -> torch.Tensor | None:
+        got, self.sq = self.sq, {}
+        if sum(n for n, _ in got.values()) != self.numel:
+            return None
+        return torch.stack([v for _, v in got.values()]).double().square().sum()
+
+
+def recording_allreduce(state: "BucketNorms | None", bucket: dist.GradBucket
                         ) -> torch.futures.Future[torch.Tensor]:
-    """A DDP comm hook: DDP's own averaging all-reduce of one gradient bucket (divide by the
-    world size, then sum over the default group, in place: the same arithmetic as the
-    built-in reducer), recording a failure with ``strategies.health.record`` before it is
-    raised. ``state`` is unused (None): the group is the default group when the hook runs,
-    so the hook keeps no reference to a group."""
+    """A DDP comm hook: the sum of one gradient bucket over the default group, in place (the
+    loss carries DDP's 1 / world size), recording a failure with
+    ``strategies.health.record`` before it is raised; with ``state``, the reduced bucket's
+    squared norm goes there. The group is the default group when the hook runs, so the hook
+    keeps no reference to a group."""
     group = dist.group.WORLD
     buf = bucket.buffer()
-    buf.div_(dist.get_world_size(group))  # as the built-in reducer: bit-equal results
+    index = bucket.index()
     try:
         work = dist.all_reduce(buf, group=group, async_op=True)
     except Exception as e:
-        record(f"DDP gradient all-reduce of bucket {bucket.index()}: {_what(e)}")
+        record(f"DDP gradient all-reduce of bucket {index}: {_what(e)}")
         raise
 
     def done(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
         try:
-            return fut.value()[0]
+            out = fut.value()[0]
         except Exception as e:
-            record(f"DDP gradient all-reduce of bucket {bucket.index()}: {_what(e)}")
+            record(f"DDP gradient all-reduce of bucket {index}: {_what(e)}")
             raise
+        if state is not None:
+            state.add(index, out)
+        return out
 
     return work.get_future().then(done)  # type: ignore[no-any-return]
 
@@ -97,21 +132,31 @@ class DataParallel(Strategy):
         self.ddp = DDP(self.model, device_ids=ids, **no_forward_buffer_sync(),
                        init_sync=spec.options.init_sync,
                        gradient_as_bucket_view=spec.options.bucket_view)
-        self.ddp.register_comm_hook(None, recording_allreduce)
+        self.norms = (BucketNorms(sum(p.numel() for p in self.model.parameters()
+                                      if p.requires_grad))
+                      if rt.device.type == "cpu" else None)
+        self.ddp.register_comm_hook(self.norms, recording_allreduce)
         self.optimizer = optimizer_factory(self.model.parameters())
-        # DDP averages gradients over world size; scale so the result is the mean over G.
-        self._scale = self.share * rt.world_size / spec.global_batch_size
+        # the hook sums the buckets (no 1 / world size): the loss's scale makes it the mean
+        # over G
+        self._scale = self.share / spec.global_batch_size
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        if self.norms is not None:
+            self.norms.clear()  # what a failed step left
         return self._wrapped_step(self.ddp, self.optimizer, inputs, targets, self._scale)
 
     def accumulate(self, module: nn.Module) -> contextlib.AbstractContextManager[Any]:
         return self.ddp.no_sync()  # the last micro-batch's backward all-reduces the sum
 
     def clip_grads(self) -> None:
-        """DDP leaves every rank the full averaged gradient: the norm needs no communication."""
+        """DDP leaves every rank the full reduced gradient: the norm needs no communication
+        (on CPU the hook has taken it bucket by bucket)."""
         grads = [p.grad for p in self.model.parameters()]
-        self._clip_by(grad_sq_sum(grads, self.rt.device), grads, reduce=False)
+        sq = self.norms.take() if self.norms is not None else None
+        if sq is None:
+            sq = grad_sq_sum(grads, self.rt.device)
+        self._clip_by(sq, grads, reduce=False)
 
     def full_state(self) -> CanonicalState:
         out = model_state_to_canonical(self.model.state_dict().items())

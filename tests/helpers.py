@@ -77,14 +77,18 @@ def failing_model() -> nn.Module:
 
 class ExplodingLoss:
     """A loss that raises on rank 1's call after ``after`` good ones (default: its first):
-    user code failing on a worker."""
+    user code failing on a worker. ``in_eval``: only its calls without gradients count and
+    raise (an evaluation's)."""
 
-    def __init__(self, after: int = 0) -> None:
+    def __init__(self, after: int = 0, in_eval: bool = False) -> None:
         self.after = after
+        self.in_eval = in_eval
 
     def __call__(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
 
+        if self.in_eval and torch.is_grad_enabled():
+            return nn.functional.mse_loss(out, y)
         if dist.is_initialized() and dist.get_rank() == 1:
             if self.after <= 0:
                 raise ValueError("bad loss on purpose")

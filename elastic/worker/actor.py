@@ -342,7 +342,9 @@ class Worker:
             if e.step is not None:
                 raise
             raise WorkerError(e.rank, e.node, e.message, e.traceback_text,
-                              step=self.loop.at_step) from None
+                              step=self.loop.at_step,
+                              during="the evaluation after it" if self.loop.at_eval
+                              else None) from None
 
     def request_stop(self, segment: int | None = None) -> None:
         """Ask segment ``segment`` to stop after the current step, whether or not it has

@@ -88,6 +88,7 @@ class StepLoop:
         self._stop_lock = threading.Lock()
         self._nonfinite_run = 0  # non-finite steps in a row (agreed by every rank)
         self.at_step: int | None = None  # the step whose iteration runs (an error's step)
+        self.at_eval = False  # in the evaluation after ``at_step`` (an error says so)
         self._nonfinite = NonFinitePolicy(config.on_nonfinite, config.max_nonfinite_skips)
         self._running = threading.Lock()  # held by run() for its whole segment
         self._counts_wanted = threading.Event()  # memory_counts asked during a segment
@@ -206,6 +207,7 @@ class StepLoop:
         step = start
         while step < end:
             self.at_step = step  # (its eval and the step before's finish count to it too)
+            self.at_eval = False
             t0 = time.perf_counter()
             nan = self._faults.at_step(m.rank, step, m.generation)
             self._profiler.refresh(strategy)
@@ -240,7 +242,9 @@ class StepLoop:
             pending = _Pending(step, work, ctrl, t0, time.perf_counter(), time.time(), lo, hi,
                                lr, norm, ctrl_local_bad=bad, compute_s=compute_s, gate=gate)
             if self._eval_due(step):  # between steps: its time counts in neither
+                self.at_eval = True  # (left set when it raises)
                 pending.eval_loss = self._evaluate()
+                self.at_eval = False
             if (self._checkpoints.due(step) or step + 1 == end or stop or m.world == 1
                     or self._gated_next == step):
                 # (a group of one has nothing to overlap: its values are known at once, and a

@@ -95,3 +95,22 @@ def test_user_error_mid_run_says_its_step_and_keeps_the_steps_before(ray_local, 
         ends = [(e["kind"], e["step"]) for e in map(json.loads, f)
                 if e["kind"] in ("failure", "failed")]
     assert ends == [("failure", 4), ("failed", 4)], ends
+
+
+def test_user_error_in_an_evaluation_says_its_step_and_that_it_was_the_evaluation(
+        ray_local, tmp_path):
+    """Rank 1's loss raises in the evaluation after step 2 (every 3 steps), not in a step:
+    the error names step 2 and the evaluation (was: "at step 2" alone, read as the training
+    step), with the evaluation's frames in the traceback; steps 0 and 1 are kept."""
+    import json
+
+    with pytest.raises(WorkerError) as ei:
+        elastic.fit(**_cfg(loss=ExplodingLoss(in_eval=True), max_steps=8,
+                           eval_dataset=RegressionData(16, seed=1), eval_every=3,
+                           run_dir=str(tmp_path)))
+    err = ei.value
+    assert err.rank == 1 and err.step == 2 and err.during == "the evaluation after it"
+    assert "at step 2, in the evaluation after it: ValueError: bad loss on purpose" in str(err)
+    assert "_evaluate" in err.traceback_text
+    with open(tmp_path / "metrics.jsonl") as f:
+        assert [json.loads(x)["step"] for x in f] == [0, 1]

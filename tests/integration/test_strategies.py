@@ -119,6 +119,17 @@ def _train(
     hooks = [m.register_forward_hook(lambda _m, _i, o: out_dtypes.add(str(o.dtype)))
              for m in linears]
     losses, norms, skipped = [], [], []
+    from_hook: list[bool] = []  # dp on CPU: whether each step's norm came from the comm hook
+    bucket_norms = getattr(strat, "norms", None)
+    if bucket_norms is not None:
+        take = bucket_norms.take
+
+        def taken() -> Any:
+            sq = take()
+            from_hook.append(sq is not None)
+            return sq
+
+        bucket_norms.take = taken
     for s in range(start_step, start_step + steps):
         x, y = fetch_batch(DATA, sampler.indices(s))
         if nan_at == (rank, s):
@@ -137,6 +148,7 @@ def _train(
     strat.close()
     return {
         "losses": losses,
+        "norms_from_hook": from_hook,
         "hash": state_hash(out),
         "state": out if rank == 0 else None,
         "counts": counts,
@@ -200,6 +212,7 @@ def pp(pp_degree: int, shares: tuple[int, ...], m: int, schedule: str, dp_mode: 
 # (id, strategy, world size, spec fields). Unequal shares wherever the layout allows them.
 CASES = {
     "dp-2": ("dp", 2, dict(shares=(5, 3))),
+    "dp-3": ("dp", 3, dict(shares=(3, 3, 2))),  # a world size the loss's 1 / N rounds for
     "zero1-2": ("zero1", 2, dict(shares=(5, 3))),
     "zero1-3": ("zero1", 3, dict(shares=(3, 3, 2))),
     "zero2-2": ("zero2", 2, dict(shares=(5, 3))),
@@ -466,7 +479,7 @@ def test_a_nan_batch_leaves_the_batch_norm_statistics_of_the_step_before(pool: _
 
 
 CLIP = 0.4  # the reference's gradient norms here are 0.24-0.62: about half the steps clip
-CLIP_CASES = ["dp-2", "zero1-3", "zero2-3", "zero3-3", "pp3-1f1b", "pp2-interleaved",
+CLIP_CASES = ["dp-2", "dp-3", "zero1-3", "zero2-3", "zero3-3", "pp3-1f1b", "pp2-interleaved",
               "pp2xdp2", "pp2xzero1", "pp2xzero2", "pp2xzero3"]
 
 
@@ -488,6 +501,9 @@ def test_gradient_clipping_matches_clip_grad_norm(pool: _Pool, case: str) -> Non
     assert 0 < clipped < STEPS, norms  # the test exercises both branches
     for r in results:  # every rank knows the global norm
         assert r["grad_norms"] == pytest.approx(norms, rel=1e-5)
+        # dp takes it from its reduced buckets as they arrive, not in a pass of its own
+        assert r["norms_from_hook"] == ([True] * STEPS if name == "dp" else []), r
+
     assert max_param_diff(results[0]["state"], ref_state) < ATOL
     unclipped, _ = reference(g, STEPS)
     assert max_param_diff(results[0]["state"], unclipped) > 100 * ATOL  # clipping changed it
@@ -523,7 +539,8 @@ def test_bf16_autocast_matches_the_autocast_reference(pool: _Pool, case: str) ->
 
 
 # (case, micro_batch_size, the micro-batches each rank runs per step)
-ACCUMULATION = [("dp-2", 2, [[2, 2, 1], [2, 1]]), ("zero1-3", 2, [[2, 1], [2, 1], [2]]),
+ACCUMULATION = [("dp-2", 2, [[2, 2, 1], [2, 1]]), ("dp-3", 2, [[2, 1], [2, 1], [2]]),
+                ("zero1-3", 2, [[2, 1], [2, 1], [2]]),
                 ("zero2-3", 2, [[1, 1], [2, 1], [2, 1]]),
                 ("zero3-3", 2, [[2, 1], [2, 1], [1, 1]])]
 
