@@ -80,6 +80,37 @@ def test_scale_through_cli_and_sdk_keeps_the_trajectory(ray_local, tmp_path):
     assert max_diff(result.state_dict(), ref) < 1e-5
 
 
+def test_a_tied_weight_stays_tied_through_live_resizes(ray_local, tmp_path):
+    """A model sharing one weight between two layers, under zero3 (the shared tensor is
+    sharded once), grown 2 -> 3 and shrunk 3 -> 1 while it trains: each resize moves the
+    state between ranks from their peers (not a switch's in-place re-layout nor a
+    checkpoint's load, which test_fit's tied-weight test covers), and the result matches one
+    process with the two layers still one tensor."""
+    import torch
+
+    from elastic.reference import reference_train
+    from tests.helpers import TiedMlp, max_diff
+
+    handle = elastic.submit(model=TiedMlp, optimizer=adam, loss=mse, dataset=RegressionData(),
+                            global_batch_size=12, max_steps=100_000, num_workers=2,
+                            min_workers=1, max_workers=3, strategy="zero3", view="none",
+                            name="tied-scale", run_dir=str(tmp_path), scale_check_s=3600)
+    _wait_running(handle)
+    assert handle.scale(3) == 3
+    assert handle.scale(1) == 1
+    handle.stop()
+    result = handle.result(timeout=60)
+    scaled = [(e.data["from"], e.data["to"], e.data["source"]) for e in result.events
+              if e.kind == "scaled"]
+    assert scaled == [(2, 3, "peers"), (3, 1, "peers")], [
+        (e.kind, e.message) for e in result.events]
+    ref, _ = reference_train(TiedMlp, adam, mse, RegressionData(), 12, len(result.history),
+                             seed=0)
+    state = result.state_dict()
+    assert max_diff(state, ref) < 1e-5
+    assert torch.equal(state["again.weight"], state["mid.weight"])
+
+
 def test_malformed_and_unmeetable_requests_do_not_touch_the_job(ray_local, tmp_path):
     """Through the mailbox: 'abc', None and 2.9 workers are refused by the mailbox itself
     and the job goes on; a growth no room can meet is refused after a bounded wait while
