@@ -248,8 +248,8 @@ class Strategy(ABC):
     def _wrapped_step(self, module: nn.Module, optimizer: torch.optim.Optimizer,
                       inputs: torch.Tensor, targets: torch.Tensor, scale: float,
                       count: int | None = None) -> float:
-        """One step through a wrapper that averages gradients over the world (DDP, FSDP2):
-        ``scale`` turns that average into the mean over G. Each micro-batch's mean loss is
+        """One step through a wrapper that reduces gradients over the world (DDP through
+        dp's hook: a sum; FSDP2: an average): ``scale`` turns that into the mean over G. Each micro-batch's mean loss is
         weighted by its part of the share, so the accumulated gradient is the same as one
         pass over the whole share. Returns ``mean_loss * share / G``."""
         dev = self.rt.device

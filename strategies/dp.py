@@ -55,14 +55,33 @@ class BucketNorms:
     """One step's reduced gradient buckets' squared norms, filled by ``recording_allreduce``
     (DDP's callbacks may run on the process group's threads: a dict store each). ``take``
     gives their float64 sum once the buckets cover every gradient element, else None (a
-    step that failed part-way, a backward that reached only some buckets)."""
+    step that failed part-way, a backward that reached only some buckets).
+
+    A bucket's squared norm is the float64 sum of its rows' squared norms, ``CHUNK``
+    elements a row (one kernel for all rows): one float32 norm of a 25 MB bucket is off by
+    ~4e-4 relative, this by ~1e-8, for ~15 % more time than the one norm (a norm per
+    chunk, ``_foreach_norm``, paid ~10 us a chunk). The buckets are added in index order,
+    not in the order their callbacks ran (which may differ between ranks): every rank gets
+    the same bits, so every rank clips and skips alike."""
+
+    CHUNK = 4096
 
     def __init__(self, numel: int) -> None:
         self.numel = numel
         self.sq: dict[int, tuple[int, torch.Tensor]] = {}
 
     def add(self, index: int, reduced: torch.Tensor) -> None:
-        self.sq[index] = (reduced.numel(), torch.linalg.vector_norm(reduced))
+        flat = reduced.reshape(-1)
+        n = flat.numel()
+        rows = n // self.CHUNK
+        parts = []
+        if rows:
+            parts.append(torch.linalg.vector_norm(
+                flat[:rows * self.CHUNK].view(rows, self.CHUNK), dim=1))
+        if n > rows * self.CHUNK:
+            parts.append(torch.linalg.vector_norm(flat[rows * self.CHUNK:]).reshape(1))
+        self.sq[index] = (n, torch.cat(parts).double().square().sum() if parts
+                          else torch.zeros((), dtype=torch.float64))
 
     def clear(self) -> None:
         self.sq = {}
@@ -71,7 +90,7 @@ class BucketNorms:
         got, self.sq = self.sq, {}
         if sum(n for n, _ in got.values()) != self.numel:
             return None
-        return torch.stack([v for _, v in got.values()]).double().square().sum()
+        return torch.stack([got[i][1] for i in sorted(got)]).sum()
 
 
 def recording_allreduce(state: "BucketNorms | None", bucket: dist.GradBucket
