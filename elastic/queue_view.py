@@ -13,9 +13,22 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["render_queue", "watch", "STATE_STYLE"]
+__all__ = ["render_queue", "shown_state", "watch", "STATE_STYLE"]
 
-STATE_STYLE = {"queued": "yellow", "running": "green", "finished": "blue",
+# a running job's controller phases before its first step: its workers are still starting
+# (a cold worker takes seconds here, a GPU node's image minutes), nothing trains yet
+_STARTING = ("starting", "placing", "forming")
+FILE_WIDTH = 160  # a table's width into a file or a pipe (no terminal, no COLUMNS)
+
+
+def shown_state(row: dict[str, Any]) -> str:
+    """A job's state as the queue shows it: ``starting`` for a running job whose workers
+    are not placed and grouped yet (the scheduler counts it running: it holds its
+    workers), else the scheduler's state."""
+    state = str(row.get("state"))
+    return "starting" if state == "running" and row.get("phase") in _STARTING else state
+
+STATE_STYLE = {"queued": "yellow", "starting": "cyan", "running": "green", "finished": "blue",
                "cancelled": "magenta", "failed": "red"}
 _ORDER = {"running": 0, "queued": 1, "failed": 2, "cancelled": 3, "finished": 4}
 
@@ -66,8 +79,9 @@ def render_queue(rows: list[dict[str, Any]], info: dict[str, Any] | None = None,
         step = f"{r.get('step', 0)}/{r.get('max_steps')}"
         left = _secs(r.get("remaining_s")) if state == "running" else "-"
         why = r.get("error") or r.get("reason") or ""
-        style = STATE_STYLE.get(state, "white")
-        t.add_row(escape(str(r.get("job"))), f"[{style}]{escape(state)}[/]", workers,
+        shown = shown_state(r)
+        style = STATE_STYLE.get(shown, "white")
+        t.add_row(escape(str(r.get("job"))), f"[{style}]{escape(shown)}[/]", workers,
                   bar if state == "running" else "", step, left, str(r.get("resizes", 0)),
                   escape(str(why)))
     parts: list[Any] = [head, t if rows else "[dim]the queue is empty[/]"]
@@ -91,11 +105,18 @@ def watch(fetch: Callable[[], tuple[list[dict[str, Any]], dict[str, Any]]], *,
     or ``max_rounds`` redraws). Into a pipe or a file (no terminal) the table is printed
     again when what it shows changes (a Live redraw writes nothing there until it ends): at
     once for a job's state, workers, reason or the scheduler's line; when only steps and
-    time left moved, at most every ``progress_every_s``; and the last table at the end."""
+    time left moved, at most every ``progress_every_s``; and the last table at the end.
+    There, without ``COLUMNS``, tables are ``FILE_WIDTH`` wide (rich's 80 cut the states
+    and wrapped every reason over six lines)."""
+    import os
+
     from rich.console import Console
     from rich.live import Live
 
-    console = console or Console()
+    if console is None:
+        console = Console()
+        if not console.is_terminal and not os.environ.get("COLUMNS"):
+            console = Console(width=FILE_WIDTH)
     rounds = _rounds(fetch, interval_s, until, max_rounds)
     if not console.is_terminal:
         printed: Any = None  # what the last table printed showed: (the rest, progress)
@@ -119,7 +140,7 @@ def watch(fetch: Callable[[], tuple[list[dict[str, Any]], dict[str, Any]]], *,
 def _shown(rows: list[dict[str, Any]], info: dict[str, Any]) -> tuple[Any, Any]:
     """What ``render_queue(rows, info)`` shows: everything but the running jobs' progress,
     and that progress (steps, time left as printed)."""
-    rest = (tuple(tuple(r.get(k) for k in _SHOWN_ROW) for r in rows),
+    rest = (tuple((shown_state(r), *(r.get(k) for k in _SHOWN_ROW)) for r in rows),
             tuple(str(info.get(k)) for k in _SHOWN_INFO))
     progress = tuple((r.get("step"), _secs(r.get("remaining_s"))
                       if r.get("state") == "running" else "-") for r in rows)

@@ -26,12 +26,14 @@ def format_queue(rows: list[dict[str, Any]]) -> str:
     n = max(16, *(len(str(r["job"])) + 2 for r in rows))  # the names fit their column
     hdr = f"{'job':<{n}}{'state':<11}{'workers':>9}{'steps':>14}{'left':>8}  why"
     out = [hdr, "-" * len(hdr)]
+    from .queue_view import shown_state
+
     for r in rows:
         w = f"{r['workers']}{'*' if r.get('resizing') else ''} ({r['min_workers']}..{r['max_workers']})"
         steps = f"{r['step']}/{r['max_steps']}"
         left = _fmt_s(r["remaining_s"]) if r["state"] == "running" else "-"
         why = r.get("error") or r["reason"]
-        out.append(f"{r['job']:<{n}}{r['state']:<11}{w:>9}{steps:>14}{left:>8}  {why}")
+        out.append(f"{r['job']:<{n}}{shown_state(r):<11}{w:>9}{steps:>14}{left:>8}  {why}")
     return "\n".join(out)
 
 

@@ -88,6 +88,7 @@ class QueuedJob:
     worker_s: float = 0.0  # workers x seconds held, counted up to ``counted_s``
     counted_s: float = 0.0
     busy: bool = False  # a resize is under way (its workers are reserved)
+    phase: str | None = None  # a running job's controller phase (its status()["state"])
 
     def hold(self, now: float) -> None:
         """Count the workers held since the last count (utilisation)."""
@@ -107,7 +108,8 @@ class QueuedJob:
                 "remaining_s": 0.0 if self.state in _ENDED else self.remaining_s,
                 "reason": self.reason, "error": self.error, "resizes": self.resizes,
                 "resize_s": self.resize_s, "worker_s": self.worker_s,
-                "resizing": self.busy}
+                "resizing": self.busy,
+                "phase": self.phase if self.state == "running" else None}
 
 
 def live_options(lo: int, hi: int, measured: Mapping[int, float], batch: int,
@@ -278,6 +280,7 @@ class SchedulerCore:
     def _measure(self, j: QueuedJob) -> None:
         st = self._status(j)
         j.step = int(st.get("step") or j.step)
+        j.phase = st.get("state") or j.phase
         sps, world = st.get("samples_per_s"), st.get("world_size")
         if sps and world and world == j.workers and math.isfinite(sps) and sps > 0:
             t = j.cfg.global_batch_size / sps
@@ -294,7 +297,7 @@ class SchedulerCore:
             j.state, j.error, j.ended_s = "failed", f"{type(e).__name__}: {e}", self.clock()
             return
         j.state, j.workers, j.started_s = "running", n, self.clock()
-        j.counted_s = j.started_s
+        j.counted_s, j.phase = j.started_s, "starting"
 
     def _resize(self, j: QueuedJob, n: int) -> None:
         """Carry out a resize (in the pool's thread): the job's scale request, answered at

@@ -149,3 +149,48 @@ def test_queue_lines_keep_long_job_names_apart_from_their_state():
     assert lines[2].split()[:2] == ["sweep-demo-trial-1", "finished"]
     assert lines[3].split()[:2] == ["a", "finished"]
     assert lines[2].index("finished") == lines[3].index("finished") == lines[0].index("state")
+
+
+def test_a_running_job_whose_workers_are_starting_shows_starting_and_its_start_is_printed():
+    """The scheduler counts a job running from its start (it holds its workers), while
+    its workers may take seconds (a GPU node's image: minutes) to start: the queue shows
+    "starting" until they are placed and grouped, and into a file the change to running is
+    printed at once (a state change), not with the progress at most once a minute."""
+    from rich.console import Console
+
+    from elastic.sched_cli import format_queue
+
+    starting = _row("j", "running", 2, phase="placing", remaining_s=9.0)
+    assert format_queue([starting]).splitlines()[2].split()[:2] == ["j", "starting"]
+    assert format_queue([dict(starting, phase="at_boundary")]).splitlines()[2].split()[1] == \
+        "running"
+    phases = ["starting", "placing", "placing", "running", "running"]
+
+    def fetch():
+        i = len(seen)
+        seen.append(i)
+        return [_row("j", "running", 2, phase=phases[i], step=i, remaining_s=9.0)], INFO
+
+    seen: list[int] = []
+    out = io.StringIO()
+    watch(fetch, console=Console(file=out, width=160, force_terminal=False), interval_s=0.0,
+          max_rounds=len(phases), progress_every_s=3600.0)
+    text = out.getvalue()
+    tables = text.split("elastic queue")[1:]
+    assert len(tables) == 3, text  # the first, the change to running, the last
+    assert ["starting" in t for t in tables] == [True, False, False], text
+
+
+def test_into_a_file_the_table_is_wide_enough_for_its_states_and_reasons(monkeypatch, capsys):
+    """`elastic queue watch > file`: rich's 80 columns cut "starting" to "starti…" and
+    wrapped each reason over six lines (a scheduler walked live); without COLUMNS the file
+    gets ``FILE_WIDTH``."""
+    from elastic.queue_view import FILE_WIDTH
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    row = _row("second", "running", 1, phase="placing", remaining_s=4.0,
+               reason="#1 by remaining work; keeps 1 worker (2 would save under 1s); 4s left")
+    watch(lambda: ([row], INFO), interval_s=0.0, max_rounds=1)
+    text = capsys.readouterr().out
+    assert "starting" in text and "4s left" in text, text
+    assert max(len(ln) for ln in text.splitlines()) <= FILE_WIDTH

@@ -28,6 +28,7 @@ class Job:
         self.fail = False
         self.stopped = False
         self.ended_at: float | None = None  # the end the job stamped itself (None: unknown)
+        self.phase = "running"  # its controller's phase (status()["state"])
 
 
 class Script:
@@ -66,7 +67,7 @@ class Script:
 
     def status(self, h: Job) -> dict[str, Any]:
         return {"step": int(h.step), "world_size": h.workers,
-                "samples_per_s": h.cfg.global_batch_size * h.workers}
+                "samples_per_s": h.cfg.global_batch_size * h.workers, "state": h.phase}
 
     def done(self, h: Job) -> bool:
         return h.stopped or h.fail or h.step >= h.cfg.max_steps
@@ -339,3 +340,23 @@ def test_an_ended_job_has_nothing_left_in_the_queue_list() -> None:
     for state in ("finished", "failed", "cancelled"):
         assert QueuedJob("j", None, 0.0, state=state, remaining_s=1.19).row()["remaining_s"] == 0
     assert QueuedJob("j", None, 0.0, state="running", remaining_s=1.19).row()["remaining_s"] == 1.19
+
+
+def test_a_job_whose_workers_are_still_starting_says_so_in_its_row() -> None:
+    """A running job's row carries its controller's phase: "starting" from its start, what
+    its status says from the next round on (a cold start took 5 s on a scheduler walked
+    live, its row "running 0/300" meanwhile); none once it ended."""
+    c, s = core(ShortestRemaining(resize_s=0.0, starvation=StarvationGuard(None)))
+    c.submit(cfg("a", 40, n=1))
+    c.tick()
+    assert c.rows()[0]["phase"] == "starting"
+    s.jobs["a"].phase = "placing"
+    c.tick()
+    assert c.rows()[0]["phase"] == "placing"
+    s.jobs["a"].phase = "running"
+    s.advance(5)
+    c.tick()
+    assert c.rows()[0]["phase"] == "running"
+    s.advance(100)
+    c.tick()
+    assert c.rows()[0]["state"] == "finished" and c.rows()[0]["phase"] is None
