@@ -54,12 +54,14 @@ def render_queue(rows: list[dict[str, Any]], info: dict[str, Any] | None = None,
     info = info or {}
     cap = int(info.get("workers") or 0)
     used = sum(int(r.get("workers") or 0) for r in rows if r.get("state") == "running")
+    states = [shown_state(r) for r in rows]
     head = Table.grid(padding=(0, 2))
     head.add_row(f"[bold]scheduler {escape(str(info.get('name', '?')))}[/]",
                  f"policy [magenta]{escape(str(info.get('policy', '?')))}[/]",
                  f"workers {used}/{cap if cap else '?'} in use",
-                 f"{sum(r.get('state') == 'running' for r in rows)} running, "
-                 f"{sum(r.get('state') == 'queued' for r in rows)} queued",
+                 f"{states.count('running')} running, "
+                 + (f"{states.count('starting')} starting, " if "starting" in states else "")
+                 + f"{states.count('queued')} queued",
                  f"decisions {info.get('decisions', 0)}")
     t = Table(expand=False, show_edge=False)
     for col, just in (("job", "left"), ("state", "left"), ("workers", "right"),

@@ -193,4 +193,5 @@ def test_into_a_file_the_table_is_wide_enough_for_its_states_and_reasons(monkeyp
     watch(lambda: ([row], INFO), interval_s=0.0, max_rounds=1)
     text = capsys.readouterr().out
     assert "starting" in text and "4s left" in text, text
+    assert "0 running, 1 starting, 0 queued" in text, text
     assert max(len(ln) for ln in text.splitlines()) <= FILE_WIDTH
