@@ -28,6 +28,7 @@ def shown_state(row: dict[str, Any]) -> str:
     state = str(row.get("state"))
     return "starting" if state == "running" and row.get("phase") in _STARTING else state
 
+
 STATE_STYLE = {"queued": "yellow", "starting": "cyan", "running": "green", "finished": "blue",
                "cancelled": "magenta", "failed": "red"}
 _ORDER = {"running": 0, "queued": 1, "failed": 2, "cancelled": 3, "finished": 4}

@@ -9,6 +9,8 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from .queue_view import shown_state
+
 __all__ = ["add_parsers", "format_queue"]
 
 
@@ -26,8 +28,6 @@ def format_queue(rows: list[dict[str, Any]]) -> str:
     n = max(16, *(len(str(r["job"])) + 2 for r in rows))  # the names fit their column
     hdr = f"{'job':<{n}}{'state':<11}{'workers':>9}{'steps':>14}{'left':>8}  why"
     out = [hdr, "-" * len(hdr)]
-    from .queue_view import shown_state
-
     for r in rows:
         w = f"{r['workers']}{'*' if r.get('resizing') else ''} ({r['min_workers']}..{r['max_workers']})"
         steps = f"{r['step']}/{r['max_steps']}"

@@ -51,10 +51,27 @@ def test_status_and_stop_through_named_actor_and_cli(ray_local, tmp_path):
         control.lookup("ctl-test")
 
 
-def test_scale_through_cli_and_sdk_keeps_the_trajectory(ray_local, tmp_path):
+def _stop_after_2_3_1(handle, model):
+    """Stop a job (global batch 12) that was resized 2 -> 3 -> 1: both resizes took the
+    state from peers, and its parameters match one process over the steps it ran; returns
+    them."""
     from elastic.reference import reference_train
     from tests.helpers import max_diff
 
+    handle.stop()
+    result = handle.result(timeout=60)
+    scaled = [(e.data["from"], e.data["to"], e.data["source"]) for e in result.events
+              if e.kind == "scaled"]
+    assert scaled == [(2, 3, "peers"), (3, 1, "peers")], [
+        (e.kind, e.message) for e in result.events]
+    ref, _ = reference_train(model, adam, mse, RegressionData(), 12, len(result.history),
+                             seed=0)
+    state = result.state_dict()
+    assert max_diff(state, ref) < 1e-5
+    return state
+
+
+def test_scale_through_cli_and_sdk_keeps_the_trajectory(ray_local, tmp_path):
     handle = elastic.submit(model=mlp, optimizer=adam, loss=mse, dataset=RegressionData(),
                             global_batch_size=12, max_steps=100_000, num_workers=2,
                             min_workers=1, max_workers=3, view="none", name="scaly",
@@ -70,14 +87,7 @@ def test_scale_through_cli_and_sdk_keeps_the_trajectory(ray_local, tmp_path):
     out = subprocess.run([sys.executable, "-m", "elastic.cli", "scale", "scaly", "7",
                           "--address", address], capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "outside min_workers..max_workers" in out.stderr
-    handle.stop()
-    result = handle.result(timeout=60)
-    scaled = [(e.data["from"], e.data["to"], e.data["source"]) for e in result.events
-              if e.kind == "scaled"]
-    assert scaled == [(2, 3, "peers"), (3, 1, "peers")], [
-        (e.kind, e.message) for e in result.events]
-    ref, _ = reference_train(mlp, adam, mse, RegressionData(), 12, len(result.history), seed=0)
-    assert max_diff(result.state_dict(), ref) < 1e-5
+    _stop_after_2_3_1(handle, mlp)
 
 
 def test_a_tied_weight_stays_tied_through_live_resizes(ray_local, tmp_path):
@@ -88,8 +98,7 @@ def test_a_tied_weight_stays_tied_through_live_resizes(ray_local, tmp_path):
     process with the two layers still one tensor."""
     import torch
 
-    from elastic.reference import reference_train
-    from tests.helpers import TiedMlp, max_diff
+    from tests.helpers import TiedMlp
 
     handle = elastic.submit(model=TiedMlp, optimizer=adam, loss=mse, dataset=RegressionData(),
                             global_batch_size=12, max_steps=100_000, num_workers=2,
@@ -98,16 +107,7 @@ def test_a_tied_weight_stays_tied_through_live_resizes(ray_local, tmp_path):
     _wait_running(handle)
     assert handle.scale(3) == 3
     assert handle.scale(1) == 1
-    handle.stop()
-    result = handle.result(timeout=60)
-    scaled = [(e.data["from"], e.data["to"], e.data["source"]) for e in result.events
-              if e.kind == "scaled"]
-    assert scaled == [(2, 3, "peers"), (3, 1, "peers")], [
-        (e.kind, e.message) for e in result.events]
-    ref, _ = reference_train(TiedMlp, adam, mse, RegressionData(), 12, len(result.history),
-                             seed=0)
-    state = result.state_dict()
-    assert max_diff(state, ref) < 1e-5
+    state = _stop_after_2_3_1(handle, TiedMlp)
     assert torch.equal(state["again.weight"], state["mid.weight"])
 
 

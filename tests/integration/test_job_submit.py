@@ -257,6 +257,15 @@ def test_ray_job_submit_runs_elastic_to_the_end(ray_head, tmp_path):
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 5
 
 
+def _wait_logged(head: Head, job_id: str, line: str, timeout: float = 120) -> None:
+    """Until the job's driver has logged ``line`` (training, not starting)."""
+    deadline = time.monotonic() + timeout
+    while line not in head.job_logs(job_id):
+        assert head.job_status(job_id) in ("PENDING", "RUNNING"), head.job_logs(job_id)
+        assert time.monotonic() < deadline, head.job_logs(job_id)
+        time.sleep(0.25)
+
+
 def test_no_wait_job_is_reached_by_elastic_status_and_stopped(ray_head, tmp_path):
     wd = _workdir(tmp_path, "long", f"run_dir: {tmp_path / 'runs' / 'js-long'}\n")
     out = ray_head.run(RAY, "job", "submit", "--address", ray_head.api, "--no-wait",
@@ -265,11 +274,7 @@ def test_no_wait_job_is_reached_by_elastic_status_and_stopped(ray_head, tmp_path
                        "--set", "log_every=100")
     assert out.returncode == 0, out.stdout + out.stderr
     job_id = _submitted_id(out.stdout + out.stderr)
-    deadline = time.monotonic() + 120
-    while "[elastic] step 100/" not in ray_head.job_logs(job_id):  # training, not starting
-        assert ray_head.job_status(job_id) in ("PENDING", "RUNNING"), ray_head.job_logs(job_id)
-        assert time.monotonic() < deadline, ray_head.job_logs(job_id)
-        time.sleep(0.25)
+    _wait_logged(ray_head, job_id, "[elastic] step 100/")
     st = ray_head.run(ELASTIC, "status", "js-long", "--address", ray_head.gcs, timeout=60)
     assert st.returncode == 0, st.stdout + st.stderr
     assert '"state": "running"' in st.stdout and '"max_steps": 1000000' in st.stdout
@@ -296,11 +301,7 @@ def test_ray_job_stop_ends_the_job_at_a_boundary_with_a_final_checkpoint(ray_hea
                        "--working-dir", wd, "--", "elastic", "run", "job.yaml")
     assert out.returncode == 0, out.stdout + out.stderr
     job_id = _submitted_id(out.stdout + out.stderr)
-    deadline = time.monotonic() + 120
-    while "[elastic] step 100/" not in ray_head.job_logs(job_id):
-        assert ray_head.job_status(job_id) in ("PENDING", "RUNNING"), ray_head.job_logs(job_id)
-        assert time.monotonic() < deadline, ray_head.job_logs(job_id)
-        time.sleep(0.25)
+    _wait_logged(ray_head, job_id, "[elastic] step 100/")
     stop = ray_head.ray_job("stop", job_id, timeout=120)
     assert stop.returncode == 0, stop.stdout + stop.stderr
     assert ray_head.wait_terminal(job_id) == "STOPPED"
