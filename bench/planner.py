@@ -27,6 +27,12 @@ each figure is also given as a ratio to dp measured in the same run.
     python bench/planner.py --json /tmp/planner.json
     python bench/planner.py --families mlp mixer --workers 2
     python bench/planner.py --tables /tmp/a.json /tmp/b.json   # runs printed as one table
+    python bench/planner.py --tables /tmp/a.json --replay   # predicted again by this code
+
+Each run's JSON keeps the workers' profile reports (``profile``): ``--replay`` fits the model
+from them again with the code as it is now and re-predicts every row and the pick, against
+the run's own measured steps, so a change to the cost model, its fit or the ranking is judged
+on every stored run at once (not a change to what the profiler measures: that needs new runs).
 """
 
 from __future__ import annotations
@@ -134,6 +140,8 @@ def run_config(tmp: str, fam: pm.Family, world: int, args: argparse.Namespace) -
         _wait_steps(handle, ctl, 1)
         lay = ctl.layouts
         mm, cluster, ids = lay.measured, lay.cluster, list(lay.ids)
+        profiled = lay.profiled
+        optimizer, precision = ctl.cfg.optimizer, ctl.cfg.precision
         plan_ev = next(e for e in ctl.events if e.kind == "plan")
         pick = ctl.spec
         seg = args.warmup + args.steps
@@ -169,6 +177,7 @@ def run_config(tmp: str, fam: pm.Family, world: int, args: argparse.Namespace) -
             plan = spec_plan(spec, ids, lay.probe_model)
             est = mm.model.estimate(plan, cluster, mm.profile)
             rows[key] = {"strategy": spec.name, "plan": plan.label, "shares": list(spec.shares),
+                         "spec": _spec_dict(spec),
                          "split": list(plan.stage_split), "profiled_s": est.step_time,
                          "parts": {"compute": est.compute, "comm": est.comm,
                                    "optimizer": est.optimizer}, "plan_obj": plan}
@@ -217,7 +226,78 @@ def run_config(tmp: str, fam: pm.Family, world: int, args: argparse.Namespace) -
             "profile_phases": plan_ev.data.get("profile_phases", {}),
             "raw_speeds": list(mm.raw_speeds), "spreads": mm.spreads,
             "step_overhead_s": mm.model.step_overhead, "overlap": mm.model.overlap,
-            "loop_overhead_s": fitted.step_overhead, "loop_comm_scale": dict(fitted.comm_scale)}
+            "loop_overhead_s": fitted.step_overhead, "loop_comm_scale": dict(fitted.comm_scale),
+            # what the model was fitted from, for ``--replay``
+            "profile": {"infos": profiled[0], "reports": profiled[1],
+                        "optimizer": optimizer, "precision": precision}}
+
+
+def _spec_dict(spec: Any) -> dict[str, Any]:
+    import dataclasses
+    return dataclasses.asdict(spec)
+
+
+def _spec_from(d: dict[str, Any]) -> Any:
+    from strategies import StrategySpec
+    from strategies.spec import StrategyOptions
+    kw = dict(d)
+    kw["shares"] = tuple(kw["shares"])
+    if kw.get("stage_split") is not None:
+        kw["stage_split"] = tuple(kw["stage_split"])
+    options = StrategyOptions(**kw.pop("options"))
+    return StrategySpec(**kw, options=options)
+
+
+def replay(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The runs' predictions made again by the code as it is now, from the profile reports
+    each run kept (``profile``): every row's profiled and closed-loop figure, and auto's pick
+    (``pick_over_fastest``: the run's own for the same pick; for another, where the passes
+    measured its plan, else the configuration is left out of the pick count). The measured side is the runs' own: a
+    change to the cost model or the fit is judged on every stored run at once, without the
+    host's noise of a new one. Runs without reports (before 2026-12-06) are skipped."""
+    import torch
+
+    from clusters.measured import robust
+    from clusters.refit import Observed, refit
+    from elastic.planning import auto_plan, measured_model, spec_plan
+
+    out = []
+    for res in results:
+        prof = res.get("profile")
+        if not prof:
+            print(f"  {res['config']}: no profile reports kept; skipped", flush=True)
+            continue
+        fam = pm.ALL[res["family"]]
+        torch.manual_seed(0)
+        model = fam.model()
+        cluster, mm = measured_model(model, prof["optimizer"], prof["infos"], prof["reports"],
+                                     prof["precision"])
+        ids = [d.id for d in cluster.devices]
+        rows = {k: dict(r) for k, r in res["rows"].items()}
+        plans = {k: spec_plan(_spec_from(r["spec"]), ids, model) for k, r in rows.items()}
+        first = rows["pick"]
+        fitted = refit(mm.model, mm.profile, cluster,
+                       [Observed(plans["pick"], robust(first["times"][:50]))])
+        for k, r in rows.items():
+            r.pop("untrialed_s", None)  # not made again
+            r["profiled_s"] = mm.model.estimate(plans[k], cluster, mm.profile).step_time
+            r["loop_s"] = (robust(first["times"][:50]).median if k == "pick" else
+                           fitted.estimate(plans[k], cluster, mm.profile).step_time)
+        pick = auto_plan(cluster, mm, fam.global_batch).plan.label
+        ran = next((r for k, r in rows.items() if k in LAYOUTS and r["plan"] == pick), None)
+        fast = min((r for k, r in rows.items() if k in LAYOUTS), key=lambda r: r["measured_s"])
+        new = {**res, "rows": rows, "pick": pick, "speeds": list(mm.speeds),
+               "raw_speeds": list(mm.raw_speeds), "step_overhead_s": mm.model.step_overhead,
+               "overlap": mm.model.overlap}
+        if pick == res["pick"]:  # the same pick: as the run measured it (its first 50
+            pass  # steps stand for it where the passes did not run its plan)
+        elif ran is None:
+            new["pick_over_fastest"] = None  # a plan the passes did not run
+        else:
+            new["pick_over_fastest"] = new["pick_segment_over_fastest"] = (
+                ran["measured_s"] / fast["measured_s"])
+        out.append(new)
+    return out
 
 
 def _settled(res: dict[str, Any]) -> float | None:
@@ -248,6 +328,10 @@ def _startup(res: dict[str, Any]) -> str:
     if res.get("profile_s") is None:
         return "-"  # a result from before session 31
     return f"{res['profile_s']:.1f} + {res['plan_s']:.2f}"
+
+
+def _ratio(x: float | None) -> str:
+    return "not measured" if x is None else f"{x:.3f}"
 
 
 def _pct(x: float) -> str:
@@ -289,7 +373,8 @@ def table(results: list[dict[str, Any]]) -> str:
                 lines.append(f"| {res['config']} | {key}, no pipeline trial | {r['plan']} | | | "
                              f"{r['untrialed_s'] * 1e3:.1f} | "
                              f"{_pct(r['untrialed_s'] / r['measured_s'] - 1)} | | | |")
-        picks.append(res["pick_over_fastest"] <= 1.05)
+        if res["pick_over_fastest"] is not None:
+            picks.append(res["pick_over_fastest"] <= 1.05)
         if _settled(res) is not None:
             settled.append(_settled(res) <= 1.05)
         if "dp" in rows and "dp-again" in rows:
@@ -305,8 +390,8 @@ def table(results: list[dict[str, Any]]) -> str:
     for res in results:
         lines.append(
             f"| {res['config']} | {res['pick']} | {res['fastest']} | "
-            f"{res['pick_over_fastest']:.3f}; "
-            f"{res.get('pick_segment_over_fastest', res['pick_over_fastest']):.3f} | "
+            f"{_ratio(res['pick_over_fastest'])}; "
+            f"{_ratio(res.get('pick_segment_over_fastest', res['pick_over_fastest']))} | "
             f"{', '.join(f'{s:.0f}' for s in res['speeds'])}; "
             f"{', '.join(f'{s:.0f}' for s in res['raw_speeds'])} | "
             f"{res['step_overhead_s'] * 1e3:.1f} | {res['overlap']:.2f} | "
@@ -373,6 +458,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json")
     ap.add_argument("--tables", nargs="+", metavar="JSON",
                     help="print the tables of earlier runs' --json files together, run nothing")
+    ap.add_argument("--replay", action="store_true",
+                    help="with --tables: the predictions made again by this code from the "
+                    "profile reports the runs kept (``replay``), the measured side as it was")
     args = ap.parse_args(argv)
     if args.tables:
         merged = []
@@ -381,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
                 d = json.load(f)
             print(f"{path}: code {d['commit']}", flush=True)
             merged += d["results"]
-        print(table(merged))
+        print(table(replay(merged) if args.replay else merged))
         return 0
     tmp = common.private_ray_env("rpl-")
     import ray

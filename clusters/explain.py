@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .candidates import Candidate
-from .plan import more_work, trial_ran
+from .plan import keeps_state, more_work, trial_ran
 from .topology import Cluster
 
 __all__ = ["explain"]
@@ -67,6 +67,13 @@ def explain(
             line += (
                 f"; within the tie tolerance the choice does less work per step, with memory "
                 f"to spare ({choice.peak_fraction:.0%} of usable)"
+            )
+        elif (slower <= 0 and trial_ran(p, seen) and trial_ran(r.plan, seen)
+              and keeps_state(p) and not keeps_state(r.plan)):
+            line += (
+                "; too close for the model to order (within 5 %), the choice keeps every "
+                "rank's state on a peer (a lost worker costs no rollback), with memory to spare "
+                f"({choice.peak_fraction:.0%} of usable)"
             )
         elif slower <= 0 and trial_ran(p, seen) and not trial_ran(r.plan, seen):
             line += (

@@ -162,6 +162,15 @@ def trial_ran(p: Plan, seen: Sequence[tuple[str, Sequence[str]]]) -> bool:
     return any(p.strategy == s and set(p.devices) == set(ids) for s, ids in seen)
 
 
+def keeps_state(p: Plan) -> bool:
+    """Whether every entry of ``p``'s training state stays on a live rank after any one rank
+    is lost (``strategies.traits``: dp's replicas; a pipeline whose ``dp_mode`` is dp with at
+    least two replicas): the job then recovers from its peers with no rollback. Sharded
+    layouts (ZeRO) keep each shard on one rank only."""
+    dp = p.dp_degree if p.is_pipeline else p.world_size
+    return TRAITS[p.strategy].survives_loss(dp, p.dp_mode)
+
+
 def more_work(a: Plan, b: Plan) -> bool:
     """Whether ``a`` does all that ``b`` does per step and more: the same layout on the same
     devices and shares, one ZeRO stage up (zero2 = zero1's messages + staging its gradient

@@ -20,7 +20,7 @@ from .cost import CostModel
 from .errors import PlanError
 from .explain import explain
 from .pipeline_plans import pipeline_candidates
-from .plan import DP_MODES, SCHEDULES, STRATEGIES, Plan, more_work, trial_ran
+from .plan import DP_MODES, SCHEDULES, STRATEGIES, Plan, keeps_state, more_work, trial_ran
 from .profile import ModelProfile
 from .topology import Cluster
 
@@ -76,7 +76,8 @@ def plan(
     ``comfortable`` of usable), else the one with the most memory headroom, never one that
     does more work than another near plan with comfortable memory (``break_tie``: zero2
     beside zero1 with memory to spare). A plan a trial ran with comfortable memory is also
-    chosen over faster ones predicted within ``trial_tolerance`` that no trial ran.
+    chosen over faster ones predicted within ``trial_tolerance`` that no trial ran, and of
+    those, one that keeps every rank's state on a peer (dp) first.
     Never raises for "nothing fits": ``choice`` is then ``None`` and ``explanation`` says why.
     """
     if global_batch < 1:
@@ -128,7 +129,11 @@ def break_tie(ranked: Sequence[Candidate], tie_tolerance: float,
     the model's edge for a plan no trial ran is extrapolated, and the planner bench's picks
     that missed by 16-35 % on 2 CPU ranks were such plans 1-3 % under dp (pp2 GPipe and
     interleaved m=2, mlp and dlrm; 2026-12-05); the closed loop tries them on the job's own
-    steps instead (``TryPlan``)."""
+    steps instead (``TryPlan``). Of the plans a trial ran within it, one that keeps every
+    rank's state on a peer (``keeps_state``: dp) goes before one that shards it: the model
+    cannot order them, and a lost worker then costs the job no rollback (the planner
+    bench's pick misses on 2026-12-06 were all zero1 picked 0.5-11 % under dp that ran
+    1.06-1.24x dp)."""
     def kept(tol: float) -> list[Candidate]:
         near = [c for c in ranked if c.step_time <= ranked[0].step_time * (1 + tol)]
         easy = [c for c in near if c.peak_fraction <= comfortable]
@@ -138,7 +143,7 @@ def break_tie(ranked: Sequence[Candidate], tie_tolerance: float,
     tried = [c for c in kept(max(tie_tolerance, trial_tolerance))
              if c.peak_fraction <= comfortable and trial_ran(c.plan, seen)]
     if tried:
-        return tried[0]
+        return next((c for c in tried if keeps_state(c.plan)), tried[0])
     return min(keep, key=lambda c: c.peak_fraction)
 
 

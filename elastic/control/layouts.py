@@ -63,6 +63,9 @@ class Layouts:
         self.measured: Any = None  # clusters.measured.MeasuredModel of auto's last plan
         self.cluster: Any = None  # the live clusters.Cluster it was planned on
         self.ids: list[str] = []  # its device id per rank
+        # what that model was fitted from: the workers' infos (budgets applied) and their
+        # ``profile_terms`` reports (a few KB; bench/planner.py replays them)
+        self.profiled: tuple[list[dict[str, Any]], list[dict[str, Any]]] | None = None
         self.kinds: list[Any] = []  # what makes its devices alike (planning.device_kinds)
         self.apply_s: list[float] = []  # seconds of each re-layout (build or switch)
         self._exposed = False  # the last layout applied could not survive a lost node
@@ -157,6 +160,7 @@ class Layouts:
         result = auto_plan(cluster, mm, g)
         t2 = time.perf_counter()
         self.measured, self.cluster, self.ids = mm, cluster, [d.id for d in cluster.devices]
+        self.profiled = (list(infos), list(reports))
         self.kinds = device_kinds(infos)
         for w, v in zip(group.workers, mm.speeds, strict=True):
             self.speed[w.worker_id] = v

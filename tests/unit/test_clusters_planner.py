@@ -410,6 +410,42 @@ def test_a_near_tie_goes_to_the_layout_a_trial_step_measured(cands, seen, want):
     assert got.plan.strategy == want
 
 
+@pytest.mark.parametrize("cands, want", [
+    # both trial-run, zero1 predicted under dp within 5 %: dp, whose replicas lose nothing
+    # with a worker (small GPT on 2 and 3 CPU ranks, 2026-12-06: zero1 picked 0.5 % and 2.7 %
+    # under dp measured 1.22x and 1.24x dp)
+    ([("zero1", 1.000, 0.2), ("dp", 1.005, 0.3)], "dp"),
+    ([("zero1", 1.000, 0.2), ("dp", 1.049, 0.3)], "dp"),
+    ([("zero3", 1.000, 0.1), ("zero1", 1.01, 0.2), ("dp", 1.03, 0.3)], "dp"),
+    # a clear edge (beyond the trial tolerance): the fastest
+    ([("zero1", 1.000, 0.2), ("dp", 1.06, 0.3)], "zero1"),
+    # dp memory-tight: the sharded layout
+    ([("zero1", 1.000, 0.2), ("dp", 1.01, 0.8)], "zero1"),
+])
+def test_within_the_trial_tolerance_a_layout_that_keeps_every_ranks_state_goes_first(cands, want):
+    from clusters.planner import break_tie
+
+    ranked = sorted((_cand(s, t, m) for s, t, m in cands), key=lambda c: c.step_time)
+    seen = (("dp", ()), ("zero1", ()), ("zero3", ()))
+    got = break_tie(ranked, 0.01, comfortable=0.5, seen=seen, trial_tolerance=0.05)
+    assert got.plan.strategy == want
+
+
+def test_keeps_state_is_a_replica_of_every_entry_after_one_rank_is_lost():
+    from clusters import Plan
+    from clusters.plan import keeps_state
+
+    def p(strategy, world=4, **kw):
+        return Plan(strategy=strategy, world_size=world, shares=(4,) * world, **kw)
+
+    assert keeps_state(p("dp")) and not keeps_state(p("dp", world=1))
+    assert not any(keeps_state(p(s)) for s in ("zero1", "zero2", "zero3"))
+    pipe = {"pp_degree": 2, "micro_batches": 4}
+    assert keeps_state(p("pipeline", dp_mode="dp", **pipe))  # two replicas of each stage
+    assert not keeps_state(p("pipeline", dp_mode="zero1", **pipe))
+    assert not keeps_state(p("pipeline", world=2, dp_mode="dp", **pipe))  # one per stage
+
+
 def test_more_work_is_one_zero_stage_up_on_the_same_layout():
     from clusters import Plan
     from clusters.plan import more_work
@@ -487,6 +523,12 @@ def test_the_explanation_names_the_trial_rule_when_it_decides():
     text = explain(dp, [dp, pp], [], cluster, 16, seen=(("dp", ids),))
     assert "trial steps ran" in text.splitlines()[1]
     assert "headroom" in explain(dp, [dp, pp], [], cluster, 16).splitlines()[1]
+    # dp over a trial-run zero1 predicted faster: its replicas are the reason given
+    z1 = _cand("zero1", 1.000, 0.2)
+    z1 = replace(z1, plan=replace(z1.plan, devices=ids),
+                 estimate=replace(z1.estimate, memory=mem))
+    text = explain(dp, [dp, z1], [], cluster, 16, seen=(("dp", ids), ("zero1", ids)))
+    assert "keeps every rank's state on a peer" in text.splitlines()[1], text
 
 
 def test_no_pipeline_beyond_the_micro_batches_the_trial_measured():
