@@ -56,17 +56,21 @@ TRIAL_SE = 0.04  # the standard error of a trial's median, relative, to settle f
 TRIAL_MAX_KEPT = 8  # steps of the trial's layout, at most (twice the default)
 
 
-def more_trial_steps(secs: Sequence[float], per_round: int = 2) -> bool:
+def more_trial_steps(secs: Sequence[float], per_round: int = 2, noise: float = 0.0) -> bool:
     """Whether the profiler should run another round of a layout's trial steps (``secs``:
     its counted seconds so far; ``per_round``: how many another round counts): yes while the
     standard error of their median is over ``TRIAL_SE`` of it and another round stays within
     ``TRIAL_MAX_KEPT``. 4 steps of zero3 on 2 CPU ranks
     (a ViT) came out at 190 and 500 ms, two each: the median, 355 ms, set the per-unit wait,
-    and zero3 was predicted +91 % (a wide MLP on 3 ranks: +27 % at a 22 % spread)."""
+    and zero3 was predicted +91 % (a wide MLP on 3 ranks: +27 % at a 22 % spread).
+    ``noise``: the host's spread per step relative to its median, from a longer run (dp's
+    trial): a floor under these few steps' own, which 4 of them under-state when 3 land
+    close (mlp's zero1 on 2 CPU ranks: 18.3, 32.4, 19.2, 19.3 ms "settled" at 3.7 % where
+    dp's 40 trial steps spread 17 %; zero1 was predicted 25 % under its job's steps)."""
     if not secs or len(secs) + per_round > TRIAL_MAX_KEPT:
         return False
     st = robust(secs)
-    return st.se > TRIAL_SE * st.median
+    return max(st.se, Spread(st.median, noise * st.median, st.n).se) > TRIAL_SE * st.median
 
 
 def update_differs(in_step: float, se: float, alone: float) -> bool:

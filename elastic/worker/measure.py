@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from clusters.collectives import BROADCAST_BURST, KINDS
-from clusters.measured import more_trial_steps, more_update_steps
+from clusters.measured import more_trial_steps, more_update_steps, robust
 
 from .spans import SpanHooks, median, sync_fn
 from .trial import alternating, every_rank_has_room, of_kind, pipeline_trial, rank0_says
@@ -358,14 +358,17 @@ def profile_terms(*, model_factory: Callable[[], nn.Module], loss_fn: Any,
         # step less dp's was predicted 2-6 ms too high in 6 of 8 model families on 3 CPU
         # ranks (the planner bench, 2026-12-05); zero2 sends the same messages
         pairs = max(1, trial_steps // 3)
+        # the host's spread per step, from dp's trial steps: a floor under a few steps' own
+        noise = robust(report["trial"]["seconds"]).rel if report["trial"]["seconds"] else 0.0
 
         def settle(kinds: Sequence[int], k: int) -> Callable[[Sequence[float]], int]:
             """Another block of each of ``k`` layouts in rotation while rank 0 finds the
-            median of any of ``kinds`` unsettled (``more_trial_steps``; a block counts 2 of
-            each beside another layout, 3 alone)."""
+            median of any of ``kinds`` unsettled (``more_trial_steps``, at least the dp
+            trial's spread; a block counts 2 of each beside another layout, 3 alone)."""
             def again(secs: Sequence[float]) -> int:
                 return 3 * k if rank0_says(rank == 0 and any(more_trial_steps(
-                    of_kind(secs, k, i), 2 if k > 1 else 3) for i in kinds), device) else 0
+                    of_kind(secs, k, i), 2 if k > 1 else 3, noise) for i in kinds),
+                    device) else 0
             return again
 
         # zero1 holds the parameters and gradients whole and 1/world of the moments

@@ -51,8 +51,9 @@ def _profile(want: int | None, want_trial: int | None = None) -> dict[str, int]:
         assert rank == 0, "only rank 0 decides"
         return min(len(with_update), len(without)) < (want or 0)
 
-    def trial_rule(secs: Any, per_round: int) -> bool:
+    def trial_rule(secs: Any, per_round: int, noise: float) -> bool:
         assert rank == 0, "only rank 0 decides"
+        assert 0 < noise < 10, noise  # the dp trial's spread per step, relative
         return len(secs) < (want_trial or 0)
 
     # (the pool's processes live on: the real rules are put back for the next run)
@@ -109,7 +110,7 @@ def _profile_without_room_on_rank_1() -> dict[str, Any]:
 
     real = trial.room_beside
     trial.room_beside = lambda *a: dist.get_rank() != 1  # type: ignore[assignment]
-    measure.more_trial_steps = lambda secs, per_round: False  # type: ignore[assignment]
+    measure.more_trial_steps = lambda secs, per_round, noise: False  # type: ignore[assignment]
     try:
         rep = measure.profile_terms(
             model_factory=_model, loss_fn=torch.nn.functional.mse_loss,
