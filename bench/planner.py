@@ -254,7 +254,8 @@ def replay(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     (``pick_over_fastest``: the run's own for the same pick; for another, where the passes
     measured its plan, else the configuration is left out of the pick count). The measured side is the runs' own: a
     change to the cost model or the fit is judged on every stored run at once, without the
-    host's noise of a new one. Runs without reports (before 2026-12-06) are skipped."""
+    host's noise of a new one. Runs without reports (before 2026-12-06) are skipped; a loop
+    job's figures (``--loop-steps``) are the run's own, not made again."""
     import torch
 
     from clusters.measured import robust
@@ -285,7 +286,8 @@ def replay(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
                            fitted.estimate(plans[k], cluster, mm.profile).step_time)
         pick = auto_plan(cluster, mm, fam.global_batch).plan.label
         ran = next((r for k, r in rows.items() if k in LAYOUTS and r["plan"] == pick), None)
-        fast = min((r for k, r in rows.items() if k in LAYOUTS), key=lambda r: r["measured_s"])
+        fast = next(r for k, r in sorted(rows.items(), key=lambda kv: kv[0] == "pick")
+                    if r["plan"] == res["fastest"])  # the run's fastest (its pick's row too)
         new = {**res, "rows": rows, "pick": pick, "speeds": list(mm.speeds),
                "raw_speeds": list(mm.raw_speeds), "step_overhead_s": mm.model.step_overhead,
                "overlap": mm.model.overlap}
@@ -402,7 +404,9 @@ def table(results: list[dict[str, Any]]) -> str:
                   f"{max(errs_p):.0%})",
                   f"closed loop (out of sample): {sum(e <= 0.05 for e in errs_l)}/{len(errs_l)} "
                   f"within 5 % (median |error| {statistics.median(errs_l) if errs_l else 0:.0%})",
-                  f"pick within 5 % of the fastest: {sum(picks)}/{len(picks)} configurations"]
+                  f"pick within 5 % of the fastest: {sum(picks)}/{len(picks)} configurations"
+                  + (f" ({len(results) - len(picks)} left out: a replayed pick the passes did "
+                     "not run)" if len(picks) < len(results) else "")]
         if settled:
             lines.append(f"closed loop on (its own job): settled within 5 % of the fastest: "
                          f"{sum(settled)}/{len(settled)} configurations")

@@ -38,10 +38,11 @@ def explain(
     cluster: Cluster,
     global_batch: int,
     seen: Sequence[tuple[str, Sequence[str]]] = (),
+    trial_tolerance: float = 0.05,
 ) -> str:
     """Why the planner chose what it chose (first line: the decision), or why nothing fits.
-    ``seen``: the (strategy, device ids) the profiler's trial steps ran
-    (``planner.break_tie``)."""
+    ``seen``: the (strategy, device ids) the profiler's trial steps ran, and
+    ``trial_tolerance`` the margin within which they go first (``planner.break_tie``)."""
     lines = []
     if choice is None or choice.estimate is None:
         lines.append(
@@ -61,6 +62,10 @@ def explain(
     if len(ranked) > 1:
         r = ranked[1]
         slower = r.step_time / e.step_time - 1.0
+        tol = trial_tolerance
+        shed = next((c for c in ranked[1:] if c.step_time < e.step_time
+                     and trial_ran(c.plan, seen) and not keeps_state(c.plan)),
+                    None) if trial_ran(p, seen) and keeps_state(p) else None
         line = f"runner-up: {r.plan.label} ({r.subset}), {slower:+.1%} step time"
         # (an equal runner-up too: zero2 beside zero1 once both reduce in buckets)
         if slower <= 0 and more_work(r.plan, p):
@@ -68,18 +73,21 @@ def explain(
                 f"; within the tie tolerance the choice does less work per step, with memory "
                 f"to spare ({choice.peak_fraction:.0%} of usable)"
             )
-        elif (slower <= 0 and trial_ran(p, seen) and trial_ran(r.plan, seen)
-              and keeps_state(p) and not keeps_state(r.plan)):
+        elif shed is not None:  # a faster tried plan that shards the state
+            if shed is not r:
+                line += (f"; {shed.plan.label}, which a trial ran too, "
+                         f"{shed.step_time / e.step_time - 1.0:+.1%}")
             line += (
-                "; too close for the model to order (within 5 %), the choice keeps every "
-                "rank's state on a peer (a lost worker costs no rollback), with memory to spare "
+                f"; too close for the model to order (within {tol * 100:.0f} %), the choice is what "
+                "the profiler's trial steps ran and keeps every rank's state on a peer (a lost "
+                f"worker process costs no rollback), with memory to spare "
                 f"({choice.peak_fraction:.0%} of usable)"
             )
         elif slower <= 0 and trial_ran(p, seen) and not trial_ran(r.plan, seen):
             line += (
-                "; too close for the model to order (within 5 %), the choice is what the "
-                f"profiler's trial steps ran, with memory to spare ({choice.peak_fraction:.0%} of "
-                "usable)"
+                f"; too close for the model to order (within {tol * 100:.0f} %), the choice is what "
+                f"the profiler's trial steps ran, with memory to spare "
+                f"({choice.peak_fraction:.0%} of usable)"
             )
         elif slower < 0 or (slower == 0 and choice.peak_fraction < r.peak_fraction):
             line += (

@@ -65,12 +65,15 @@ def more_trial_steps(secs: Sequence[float], per_round: int = 2, noise: float = 0
     and zero3 was predicted +91 % (a wide MLP on 3 ranks: +27 % at a 22 % spread).
     ``noise``: the host's spread per step relative to its median, from a longer run (dp's
     trial): a floor under these few steps' own, which 4 of them under-state when 3 land
-    close (mlp's zero1 on 2 CPU ranks: 18.3, 32.4, 19.2, 19.3 ms "settled" at 3.7 % where
-    dp's 40 trial steps spread 17 %; zero1 was predicted 25 % under its job's steps)."""
+    close (mlp's zero1 on 2 CPU ranks: 18.3, 32.4, 19.2, 19.3 ms, a standard error of 2.4 %,
+    settled, where dp's 24 trial steps spread 23 %; zero1 was predicted 25 % under its
+    job's steps). Above a spread of about 6 % the floor alone keeps a trial going to the
+    cap: on a noisy host every such trial runs ``TRIAL_MAX_KEPT`` steps."""
     if not secs or len(secs) + per_round > TRIAL_MAX_KEPT:
         return False
     st = robust(secs)
-    return max(st.se, Spread(st.median, noise * st.median, st.n).se) > TRIAL_SE * st.median
+    floor = noise if math.isfinite(noise) and noise > 0 else 0.0
+    return max(st.se, Spread(st.median, floor * st.median, st.n).se) > TRIAL_SE * st.median
 
 
 def update_differs(in_step: float, se: float, alone: float) -> bool:

@@ -107,7 +107,8 @@ def plan(
         ranked.remove(best)
         ranked.insert(0, best)
     choice = ranked[0] if ranked else None
-    text = explain(choice, ranked, rejected, cluster, global_batch, model.trial_layouts)
+    text = explain(choice, ranked, rejected, cluster, global_batch, model.trial_layouts,
+                   trial_tolerance)
     if choice is not None:
         choice = replace(choice, plan=replace(choice.plan, reason=text.splitlines()[0]))
         ranked[0] = choice

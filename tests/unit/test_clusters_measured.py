@@ -879,13 +879,15 @@ def test_more_trial_steps_of_a_layout_while_its_median_is_unsettled(case, secs, 
 
 
 def test_few_trial_steps_that_land_close_are_not_settled_on_a_noisy_host():
-    """mlp's zero1 trial on 2 CPU ranks: 3 of 4 steps close, their own spread 3.7 % (settled),
-    while the host's dp trial steps spread 17 %: that spread is the floor."""
+    """mlp's zero1 trial on 2 CPU ranks: 3 of 4 steps close, the standard error of their
+    median 2.4 % (settled), while the host's dp trial steps spread 23 %: that is the floor."""
     secs = [0.0183, 0.0324, 0.0192, 0.0193]
     assert not more_trial_steps(secs)
-    assert more_trial_steps(secs, noise=0.17)
+    assert more_trial_steps(secs, noise=0.23)
     assert not more_trial_steps(secs, noise=0.05)  # a quiet host: 3.1 %, settled
-    assert not more_trial_steps(secs * 2, noise=0.17)  # at the cap, whatever the noise
+    assert not more_trial_steps(secs * 2, noise=0.23)  # at the cap, whatever the noise
+    for bad in (float("nan"), float("inf"), -1.0):  # no floor from a figure that is none
+        assert not more_trial_steps(secs, noise=bad)
 
 
 def test_a_pipeline_trial_sets_its_schedules_cost_and_its_other_messages():

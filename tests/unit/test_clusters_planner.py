@@ -529,6 +529,13 @@ def test_the_explanation_names_the_trial_rule_when_it_decides():
                  estimate=replace(z1.estimate, memory=mem))
     text = explain(dp, [dp, z1], [], cluster, 16, seen=(("dp", ids), ("zero1", ids)))
     assert "keeps every rank's state on a peer" in text.splitlines()[1], text
+    assert "within 5 %" in text
+    # the runner-up a pipeline no trial ran, and a tried zero1 faster too: both said
+    z1 = replace(z1, estimate=replace(z1.estimate, step_time=1.004))
+    text = explain(dp, [dp, pp, z1], [], cluster, 16, seen=(("dp", ids), ("zero1", ids)),
+                   trial_tolerance=0.03).splitlines()[1]
+    assert text.startswith("runner-up: pp2") and "zero1, which a trial ran too, -0.5%" in text
+    assert "trial steps ran and keeps every rank's state" in text and "within 3 %" in text
 
 
 def test_no_pipeline_beyond_the_micro_batches_the_trial_measured():
