@@ -228,8 +228,28 @@ def run_config(tmp: str, fam: pm.Family, world: int, args: argparse.Namespace) -
             "step_overhead_s": mm.model.step_overhead, "overlap": mm.model.overlap,
             "loop_overhead_s": fitted.step_overhead, "loop_comm_scale": dict(fitted.comm_scale),
             # what the model was fitted from, for ``--replay``
-            "profile": {"infos": profiled[0], "reports": profiled[1],
+            "profile": {"infos": _shareable(profiled[0]), "reports": profiled[1],
                         "optimizer": optimizer, "precision": precision}}
+
+
+def _shareable(infos: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The workers' infos without what names the machine (its address, process ids): a
+    hostname becomes ``host-<n>``, the same for the same host, which is all the planner
+    reads of it (``planning.device_hosts``)."""
+    names: dict[Any, str] = {}
+    out = []
+    for i in infos:
+        i = {k: v for k, v in i.items() if k not in ("ip", "pid")}
+        if "hostname" in i:
+            i["hostname"] = names.setdefault(i["hostname"], f"host-{len(names)}")
+        out.append(i)
+    return out
+
+
+def _load(path: str) -> dict[str, Any]:
+    import gzip
+    with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
+        return json.load(f)
 
 
 def _spec_dict(spec: Any) -> dict[str, Any]:
@@ -469,8 +489,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.tables:
         merged = []
         for path in args.tables:
-            with open(path) as f:
-                d = json.load(f)
+            d = _load(path)
             print(f"{path}: code {d['commit']}", flush=True)
             merged += d["results"]
         print(table(replay(merged) if args.replay else merged))
