@@ -689,7 +689,7 @@ def test_zero3_and_pipeline_trials_are_taken_at_the_dp_trials_level(beside, leve
         assert est.step_time == pytest.approx(step * level, rel=1e-6)
 
 
-def test_only_cpu_workers_that_share_their_hosts_cores_are_made_equal_by_host():
+def test_only_cpu_workers_that_take_their_hosts_cores_are_made_equal_by_host():
     from elastic.planning import balanced_shares, device_hosts, device_kinds
 
     def info(node, device="cpu", threads=1, cores=2, emulation=None):
@@ -703,8 +703,13 @@ def test_only_cpu_workers_that_share_their_hosts_cores_are_made_equal_by_host():
     assert balanced_shares(96, speeds, device_kinds(crowded), device_hosts(crowded)) == (
         32, 32, 32)
     assert balanced_shares(96, speeds, device_kinds(crowded)) != (32, 32, 32)  # the old rule
-    # cores of their own (2 ranks on 2 cores, or 3 on 16): measured apart, a slow one is real
-    assert device_hosts([info("n1"), info("n1")]) == [None, None]
+    # every core taken (2 ranks on 2 cores): the driver and Ray's daemons share them too
+    # (the CI VM: 11-71 % apart in 6 of 23 configurations, dp then on shares [162, 94])
+    assert device_hosts([info("n1"), info("n1")]) == ["n1", "n1"]
+    assert balanced_shares(256, [69653.0, 40815.0], device_kinds([info("n1")] * 2),
+                           device_hosts([info("n1")] * 2)) == (128, 128)
+    # a core to spare (2 ranks on 3 cores, 3 on 16): measured apart, a slow one is real
+    assert device_hosts([info("n1", cores=3)] * 2) == [None, None]
     assert device_hosts([info("n1", cores=16)] * 3) == [None] * 3
     # threads count: 2 ranks of 2 threads on 2 cores share them
     assert device_hosts([info("n1", threads=2)] * 2) == ["n1"] * 2
@@ -717,7 +722,7 @@ def test_only_cpu_workers_that_share_their_hosts_cores_are_made_equal_by_host():
     assert device_hosts([dict(info(f"node{k}"), hostname=f"h{k}") for k in range(3)]) == [
         None] * 3
     # per host: a crowded host and one with room
-    mixed = [info("n1"), info("n1"), info("n1"), info("n2"), info("n2")]
+    mixed = [info("n1"), info("n1"), info("n1"), info("n2", cores=4), info("n2", cores=4)]
     assert device_hosts(mixed) == ["n1", "n1", "n1", None, None]
     # a worker emulating a slower device is another kind and keeps its figure
     emu = [info("n1"), info("n1"), info("n1", emulation={"slowdown": 4})]
