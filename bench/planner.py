@@ -124,7 +124,6 @@ def run_loop(tmp: str, fam: pm.Family, world: int, args: argparse.Namespace) -> 
 def run_config(tmp: str, fam: pm.Family, world: int, args: argparse.Namespace) -> dict[str, Any]:
     import elastic
     from clusters.measured import robust
-    from clusters.refit import Observed, refit
     from elastic.planning import spec_plan
 
     name = f"{fam.name}-w{world}"
@@ -200,15 +199,8 @@ def run_config(tmp: str, fam: pm.Family, world: int, args: argparse.Namespace) -
             handle.result(timeout=300)
         except Exception as e:  # noqa: BLE001 - report, go on with the next configuration
             print(f"  {name}: the job ended with {type(e).__name__}: {e}", flush=True)
-    # the closed loop: the profiled model re-fitted to the pick's first 50 steps only
     first = rows["pick"]
-    obs = [Observed(first["plan_obj"], robust(first["times"][:50]))]
-    fitted = refit(mm.model, mm.profile, cluster, obs)
-    for r in rows.values():
-        r["loop_s"] = fitted.estimate(r["plan_obj"], cluster, mm.profile).step_time
-        if r is first:
-            r["loop_s"] = obs[0].step.median
-        del r["plan_obj"]
+    fitted = _predict(rows, {k: r.pop("plan_obj") for k, r in rows.items()}, mm, cluster)
     # the pick against the fastest, like with like: every layout's row is measured the same
     # way (after a switch, back to back); the pick's own first 50 steps (the job's start) are
     # that row when the pick is one of them, and otherwise stand for it
@@ -230,6 +222,23 @@ def run_config(tmp: str, fam: pm.Family, world: int, args: argparse.Namespace) -
             # what the model was fitted from, for ``--replay``
             "profile": {"infos": _shareable(profiled[0]), "reports": profiled[1],
                         "optimizer": optimizer, "precision": precision}}
+
+
+def _predict(rows: dict[str, dict[str, Any]], plans: dict[str, Any], mm: Any,
+             cluster: Any) -> Any:
+    """Each row's ``profiled_s`` (the profiled model's estimate of its plan) and ``loop_s``:
+    the closed loop's, the profiled model re-fitted (``clusters.refit``) to the pick's first
+    50 steps only (the pick's own: their median). Returns the re-fitted model."""
+    from clusters.measured import robust
+    from clusters.refit import Observed, refit
+
+    seen = robust(rows["pick"]["times"][:50])
+    fitted = refit(mm.model, mm.profile, cluster, [Observed(plans["pick"], seen)])
+    for k, r in rows.items():
+        r["profiled_s"] = mm.model.estimate(plans[k], cluster, mm.profile).step_time
+        r["loop_s"] = (seen.median if k == "pick"
+                       else fitted.estimate(plans[k], cluster, mm.profile).step_time)
+    return fitted
 
 
 def _shareable(infos: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -272,14 +281,12 @@ def replay(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The runs' predictions made again by the code as it is now, from the profile reports
     each run kept (``profile``): every row's profiled and closed-loop figure, and auto's pick
     (``pick_over_fastest``: the run's own for the same pick; for another, where the passes
-    measured its plan, else the configuration is left out of the pick count). The measured side is the runs' own: a
-    change to the cost model or the fit is judged on every stored run at once, without the
-    host's noise of a new one. Runs without reports (before 2026-12-06) are skipped; a loop
-    job's figures (``--loop-steps``) are the run's own, not made again."""
+    measured its plan, else the configuration is left out of the pick count). The measured
+    side is the runs' own: a change to the cost model or the fit is judged on every stored
+    run at once, without the host's noise of a new one. Runs without reports (before
+    2026-12-06) are skipped; a loop job's figures (``--loop-steps``) are the run's own."""
     import torch
 
-    from clusters.measured import robust
-    from clusters.refit import Observed, refit
     from elastic.planning import auto_plan, measured_model, spec_plan
 
     out = []
@@ -294,30 +301,21 @@ def replay(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
         cluster, mm = measured_model(model, prof["optimizer"], prof["infos"], prof["reports"],
                                      prof["precision"])
         ids = [d.id for d in cluster.devices]
-        rows = {k: dict(r) for k, r in res["rows"].items()}
-        plans = {k: spec_plan(_spec_from(r["spec"]), ids, model) for k, r in rows.items()}
-        first = rows["pick"]
-        fitted = refit(mm.model, mm.profile, cluster,
-                       [Observed(plans["pick"], robust(first["times"][:50]))])
-        for k, r in rows.items():
-            r.pop("untrialed_s", None)  # not made again
-            r["profiled_s"] = mm.model.estimate(plans[k], cluster, mm.profile).step_time
-            r["loop_s"] = (robust(first["times"][:50]).median if k == "pick" else
-                           fitted.estimate(plans[k], cluster, mm.profile).step_time)
+        rows = {k: {f: v for f, v in r.items() if f != "untrialed_s"}  # not made again
+                for k, r in res["rows"].items()}
+        _predict(rows, {k: spec_plan(_spec_from(r["spec"]), ids, model)
+                        for k, r in rows.items()}, mm, cluster)
         pick = auto_plan(cluster, mm, fam.global_batch).plan.label
-        ran = next((r for k, r in rows.items() if k in LAYOUTS and r["plan"] == pick), None)
-        fast = next(r for k, r in sorted(rows.items(), key=lambda kv: kv[0] == "pick")
-                    if r["plan"] == res["fastest"])  # the run's fastest (its pick's row too)
         new = {**res, "rows": rows, "pick": pick, "speeds": list(mm.speeds),
                "raw_speeds": list(mm.raw_speeds), "step_overhead_s": mm.model.step_overhead,
                "overlap": mm.model.overlap}
-        if pick == res["pick"]:  # the same pick: as the run measured it (its first 50
-            pass  # steps stand for it where the passes did not run its plan)
-        elif ran is None:
-            new["pick_over_fastest"] = None  # a plan the passes did not run
-        else:
+        if pick != res["pick"]:  # (the same pick keeps the run's figures: its first 50
+            # steps stand for it where the passes did not run its plan)
+            ran = next((r for k, r in rows.items() if k in LAYOUTS and r["plan"] == pick), None)
+            fast = next(r for k, r in sorted(rows.items(), key=lambda kv: kv[0] == "pick")
+                        if r["plan"] == res["fastest"])  # the run's fastest (its pick's too)
             new["pick_over_fastest"] = new["pick_segment_over_fastest"] = (
-                ran["measured_s"] / fast["measured_s"])
+                None if ran is None else ran["measured_s"] / fast["measured_s"])
         out.append(new)
     return out
 

@@ -62,33 +62,24 @@ def explain(
     if len(ranked) > 1:
         r = ranked[1]
         slower = r.step_time / e.step_time - 1.0
-        tol = trial_tolerance
         shed = next((c for c in ranked[1:] if c.step_time < e.step_time
                      and trial_ran(c.plan, seen) and not keeps_state(c.plan)),
                     None) if trial_ran(p, seen) and keeps_state(p) else None
+        close = (f"; too close for the model to order (within {trial_tolerance * 100:.0f} %), "
+                 "the choice is what the profiler's trial steps ran")
+        spare = f", with memory to spare ({choice.peak_fraction:.0%} of usable)"
         line = f"runner-up: {r.plan.label} ({r.subset}), {slower:+.1%} step time"
         # (an equal runner-up too: zero2 beside zero1 once both reduce in buckets)
         if slower <= 0 and more_work(r.plan, p):
-            line += (
-                f"; within the tie tolerance the choice does less work per step, with memory "
-                f"to spare ({choice.peak_fraction:.0%} of usable)"
-            )
+            line += "; within the tie tolerance the choice does less work per step" + spare
         elif shed is not None:  # a faster tried plan that shards the state
             if shed is not r:
                 line += (f"; {shed.plan.label}, which a trial ran too, "
                          f"{shed.step_time / e.step_time - 1.0:+.1%}")
-            line += (
-                f"; too close for the model to order (within {tol * 100:.0f} %), the choice is what "
-                "the profiler's trial steps ran and keeps every rank's state on a peer (a lost "
-                f"worker process costs no rollback), with memory to spare "
-                f"({choice.peak_fraction:.0%} of usable)"
-            )
+            line += (f"{close} and keeps every rank's state on a peer (a lost worker process "
+                     f"costs no rollback){spare}")
         elif slower <= 0 and trial_ran(p, seen) and not trial_ran(r.plan, seen):
-            line += (
-                f"; too close for the model to order (within {tol * 100:.0f} %), the choice is what "
-                f"the profiler's trial steps ran, with memory to spare "
-                f"({choice.peak_fraction:.0%} of usable)"
-            )
+            line += close + spare
         elif slower < 0 or (slower == 0 and choice.peak_fraction < r.peak_fraction):
             line += (
                 f"; within the tie tolerance the choice keeps more memory headroom "

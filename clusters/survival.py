@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .plan import Plan
+from .plan import Plan, keeps_state
 
 __all__ = ["fatal_nodes"]
 
@@ -30,10 +30,8 @@ def fatal_nodes(plan: Plan | None, node_of: Callable[[str], str]) -> frozenset[s
     if plan is None:
         return frozenset()
     nodes = [node_of(d) for d in plan.devices]
-    from strategies.traits import traits_of
-
-    dp = plan.dp_degree if plan.is_pipeline else plan.world_size
-    if not traits_of(plan.strategy).survives_loss(dp, plan.dp_mode):
+    if not keeps_state(plan):
         return frozenset(nodes)
+    dp = plan.dp_degree if plan.is_pipeline else plan.world_size
     groups = [nodes[j * dp:(j + 1) * dp] for j in range(len(nodes) // dp)]
     return frozenset(g[0] for g in groups if len(set(g)) == 1)

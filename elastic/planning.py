@@ -115,11 +115,8 @@ def _crowded(infos: Sequence[dict[str, Any]], hosts: Sequence[Any], need: dict[A
              full: bool = False) -> list[Any]:
     """Each worker's host where the job's CPU workers there need more threads than its
     cores (``full``: at least as many), else None."""
-    def over(h: Any, i: dict[str, Any]) -> bool:
-        cores = int(i.get("host_cores") or 1 << 30)
-        return need[h] >= cores if full else need[h] > cores
-    return [h if h is not None and over(h, i) else None
-            for h, i in zip(hosts, infos, strict=True)]
+    return [h if h is not None and need[h] + full > int(i.get("host_cores") or 1 << 30)
+            else None for h, i in zip(hosts, infos, strict=True)]
 
 
 def shared_cores(infos: Sequence[dict[str, Any]]) -> list[SharedCores | None]:

@@ -69,9 +69,10 @@ def render_queue(rows: list[dict[str, Any]], info: dict[str, Any] | None = None,
                       ("allocation", "left"), ("steps", "right"), ("left", "right"),
                       ("resizes", "right"), ("why", "left")):
         t.add_column(col, justify=just)  # type: ignore[arg-type]
-    ordered = sorted(rows, key=lambda r: (_ORDER.get(str(r.get("state")), 5),
-                                          r.get("submitted_s") or 0.0))
-    for r in ordered:
+    ordered = sorted(zip(rows, states, strict=True),
+                     key=lambda rs: (_ORDER.get(str(rs[0].get("state")), 5),
+                                     rs[0].get("submitted_s") or 0.0))
+    for r, shown in ordered:
         state = str(r.get("state"))
         n = int(r.get("workers") or 0)
         bar_w = max(1, min(width, cap)) if cap else width
@@ -82,7 +83,6 @@ def render_queue(rows: list[dict[str, Any]], info: dict[str, Any] | None = None,
         step = f"{r.get('step', 0)}/{r.get('max_steps')}"
         left = _secs(r.get("remaining_s")) if state == "running" else "-"
         why = r.get("error") or r.get("reason") or ""
-        shown = shown_state(r)
         style = STATE_STYLE.get(shown, "white")
         t.add_row(escape(str(r.get("job"))), f"[{style}]{escape(shown)}[/]", workers,
                   bar if state == "running" else "", step, left, str(r.get("resizes", 0)),
