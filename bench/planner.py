@@ -13,7 +13,10 @@ what runs):
    + ``--steps`` steps, and back through the same layouts in reverse (``--passes 2``, the default): each layout's figure pools both
    passes, so a drift of the machine over the run cancels to first order instead of favouring
    whichever layout ran in its quiet moment, and the two passes' difference is the noise
-   shown (``--passes 1``: one pass, then dp once more, as before 2026-12-04);
+   shown (``--passes 4``: there and back twice, and the table says how far the figure of
+   passes 1 + 4 agrees with that of 2 + 3, the goals' yardsticks applied to the measurement
+   itself, ``_planner_noise.py``; ``--passes 1``: one pass, then dp once more, as before
+   2026-12-04);
 3. per layout: the measured median step and its spread, the profiled prediction of that exact
    layout (``CostModel.estimate`` of ``elastic.planning.spec_plan`` of the spec that ran, on
    the model the job planned with), and the **closed-loop** prediction: the profiled model
@@ -55,9 +58,10 @@ for _p in (BENCH, ROOT):
         sys.path.insert(0, _p)
 
 import _planner_models as pm  # noqa: E402
+import _planner_noise as noise  # noqa: E402
 import _strat_common as common  # noqa: E402
 
-LAYOUTS = ("dp", "zero1", "zero2", "zero3", "pipeline")
+LAYOUTS = noise.LAYOUTS
 
 
 def _wait_steps(handle: Any, ctl: Any, n: int, timeout_s: float = 900.0) -> None:
@@ -144,9 +148,9 @@ def run_config(tmp: str, fam: pm.Family, world: int, args: argparse.Namespace) -
         plan_ev = next(e for e in ctl.events if e.kind == "plan")
         pick = ctl.spec
         seg = args.warmup + args.steps
-        if args.passes == 2:  # there and back: a drift of the machine cancels to first order
+        if args.passes > 1:  # there and back: a drift of the machine cancels to first order
             order = [("pick", pick.name, args.first)] + [
-                (n, n, seg) for n in (*LAYOUTS, *LAYOUTS[::-1])]
+                (n, n, seg) for p in range(args.passes) for n in LAYOUTS[::1 - 2 * (p % 2)]]
         else:
             order = [("pick", pick.name, args.first)] + [(n, n, seg) for n in LAYOUTS] + [
                 ("dp-again", "dp", seg)]
@@ -188,7 +192,7 @@ def run_config(tmp: str, fam: pm.Family, world: int, args: argparse.Namespace) -
         for key, r in rows.items():  # the passes pooled; each pass's median kept
             st = robust([t for ts in runs[key] for t in ts])
             r.update(measured_s=st.median, sd_s=st.sd, n=st.n, times=runs[key][0],
-                     passes=[robust(ts).median for ts in runs[key]])
+                     passes=[robust(ts).median for ts in runs[key]], pass_times=runs[key])
             print(f"  {name} {key:9s} {r['plan']:22s} measured {st.median * 1e3:7.1f} ms "
                   f"(sd {st.sd * 1e3:5.1f}; passes "
                   f"{', '.join(f'{m * 1e3:.1f}' for m in r['passes'])}) profiled "
@@ -401,7 +405,7 @@ def table(results: list[dict[str, Any]]) -> str:
             drift.append(abs(rows["dp-again"]["measured_s"] / rows["dp"]["measured_s"] - 1))
         for key in LAYOUTS:  # measured there and back
             ps = rows.get(key, {}).get("passes", ())
-            if len(ps) == 2:
+            if len(ps) >= 2:
                 passes.append(abs(ps[1] / ps[0] - 1))
     lines += ["", "| config | pick (auto) | measured fastest | pick / fastest (its row; its "
               "first 50 steps) | speeds (equalized; raw) | trial overhead ms | overlap | "
@@ -441,6 +445,7 @@ def table(results: list[dict[str, Any]]) -> str:
     if passes:
         lines.append(f"noise: each layout measured there and back differs by a median "
                      f"{statistics.median(passes):.0%} (max {max(passes):.0%}) between the passes")
+    lines += noise.repeatability(results)
     phased = [r for r in results if r.get("profile_phases")]
     if phased:  # where auto's start goes (each part's most over the ranks)
         names = list(phased[0]["profile_phases"])
@@ -466,9 +471,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--first", type=int, default=52, help="steps of the pick (2 warm-up)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=25)
-    ap.add_argument("--passes", type=int, choices=(1, 2), default=2,
+    ap.add_argument("--passes", type=int, choices=(1, 2, 4, 6, 8), default=2,
                     help="2: every layout there and back (dp .. pipeline, pipeline .. dp), "
-                         "pooled; 1: once, then dp again")
+                         "pooled; 4 or more: there and back again, and the table says how far "
+                         "passes 1 + 4 agree with 2 + 3 (_planner_noise.py); 1: once, then dp "
+                         "again")
     ap.add_argument("--micro-batches", type=int, default=4,
                     help="the pipeline row's (the profiler's pipeline trial runs the fewest "
                     ">= world that divide the batch and the most that divide it from twice to 4 "
