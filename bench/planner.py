@@ -148,12 +148,9 @@ def run_config(tmp: str, fam: pm.Family, world: int, args: argparse.Namespace) -
         plan_ev = next(e for e in ctl.events if e.kind == "plan")
         pick = ctl.spec
         seg = args.warmup + args.steps
-        if args.passes > 1:  # there and back: a drift of the machine cancels to first order
-            order = [("pick", pick.name, args.first)] + [
-                (n, n, seg) for p in range(args.passes) for n in LAYOUTS[::1 - 2 * (p % 2)]]
-        else:
-            order = [("pick", pick.name, args.first)] + [(n, n, seg) for n in LAYOUTS] + [
-                ("dp-again", "dp", seg)]
+        # there and back: a drift of the machine cancels to first order
+        order = [("pick", pick.name, args.first)] + [
+            (n, "dp" if n == "dp-again" else n, seg) for n in noise.pass_order(args.passes)]
         runs: dict[str, list[list[float]]] = {}
         for key, strat, n_steps in order:
             if key in runs and not runs[key]:
@@ -209,10 +206,10 @@ def run_config(tmp: str, fam: pm.Family, world: int, args: argparse.Namespace) -
     # way (after a switch, back to back); the pick's own first 50 steps (the job's start) are
     # that row when the pick is one of them, and otherwise stand for it
     measured = [k for k in LAYOUTS if k in rows]
-    same = next((k for k in measured if rows[k]["plan"] == first["plan"]), None)
+    same = noise.passes_row(rows, first["plan"])
     cands = measured if same is not None else measured + ["pick"]
     fastest = min(cands, key=lambda k: rows[k]["measured_s"])
-    pick_s = rows[same or "pick"]["measured_s"]
+    pick_s = (same or first)["measured_s"]
     return {"config": name, "family": fam.name, "world": world, "rows": rows,
             "pick": first["plan"], "fastest": rows[fastest]["plan"],
             "pick_over_fastest": pick_s / rows[fastest]["measured_s"],
@@ -315,11 +312,9 @@ def replay(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
                "overlap": mm.model.overlap}
         if pick != res["pick"]:  # (the same pick keeps the run's figures: its first 50
             # steps stand for it where the passes did not run its plan)
-            ran = next((r for k, r in rows.items() if k in LAYOUTS and r["plan"] == pick), None)
-            fast = next(r for k, r in sorted(rows.items(), key=lambda kv: kv[0] == "pick")
-                        if r["plan"] == res["fastest"])  # the run's fastest (its pick's too)
+            ran = noise.passes_row(rows, pick)
             new["pick_over_fastest"] = new["pick_segment_over_fastest"] = (
-                None if ran is None else ran["measured_s"] / fast["measured_s"])
+                None if ran is None else ran["measured_s"] / _fastest_row(res)["measured_s"])
         out.append(new)
     return out
 
@@ -331,14 +326,14 @@ def _settled(res: dict[str, Any]) -> float | None:
     rows = res["rows"]
     if not loop:
         return None
-    row = next((r for k, r in rows.items() if k != "pick" and r["plan"] == loop["final"]), None)
-    # the passes' row of the fastest plan before the pick's first 50 steps (the same plan
-    # when the pick is the fastest: the passes measured both alike)
-    fast = next((r for k, r in sorted(rows.items(), key=lambda kv: kv[0] == "pick")
-                 if r["plan"] == res["fastest"]), None)
-    if row is None or fast is None:
-        return None
-    return row["measured_s"] / fast["measured_s"]
+    row = noise.passes_row(rows, loop["final"])
+    return None if row is None else row["measured_s"] / _fastest_row(res)["measured_s"]
+
+
+def _fastest_row(res: dict[str, Any]) -> dict[str, Any]:
+    """The measured fastest plan's row: the passes' (not the pick's first 50 steps, where the
+    pick is that plan too), or the pick's where the passes did not run its plan."""
+    return noise.passes_row(res["rows"], res["fastest"]) or res["rows"]["pick"]
 
 
 def _loop_cell(res: dict[str, Any]) -> str:
@@ -368,7 +363,7 @@ def _pct(x: float) -> str:
 def table(results: list[dict[str, Any]]) -> str:
     lines = ["| config | layout | plan | measured ms (sd) | / dp | profiled ms | error | / dp "
              "predicted | after loop ms | error |", "|---|---|---|---|---|---|---|---|---|---|"]
-    errs_p, errs_l, picks, drift, passes = [], [], [], [], []
+    errs_p, errs_l, picks, drift = [], [], [], []
     settled: list[bool] = []
     ratios_p: list[float] = []
     ratios_l: list[float] = []
@@ -406,10 +401,6 @@ def table(results: list[dict[str, Any]]) -> str:
             settled.append(_settled(res) <= 1.05)
         if "dp" in rows and "dp-again" in rows:
             drift.append(abs(rows["dp-again"]["measured_s"] / rows["dp"]["measured_s"] - 1))
-        for key in LAYOUTS:  # measured there and back
-            ps = rows.get(key, {}).get("passes", ())
-            if len(ps) >= 2:
-                passes.append(abs(ps[1] / ps[0] - 1))
     lines += ["", "| config | pick (auto) | measured fastest | pick / fastest (its row; its "
               "first 50 steps) | speeds (equalized; raw) | trial overhead ms | overlap | "
               "profile + plan s | loop: layouts run; settled / fastest |",
@@ -445,9 +436,6 @@ def table(results: list[dict[str, Any]]) -> str:
     if drift:
         lines.append(f"noise: dp measured twice in one run (dp, dp-again) differs by a median "
                      f"{statistics.median(drift):.0%} (max {max(drift):.0%})")
-    if passes:
-        lines.append(f"noise: each layout measured there and back differs by a median "
-                     f"{statistics.median(passes):.0%} (max {max(passes):.0%}) between the passes")
     lines += noise.repeatability(results)
     phased = [r for r in results if r.get("profile_phases")]
     if phased:  # where auto's start goes (each part's most over the ranks)
@@ -474,9 +462,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--first", type=int, default=52, help="steps of the pick (2 warm-up)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=25)
-    ap.add_argument("--passes", type=int, choices=(1, 2, 4, 6, 8), default=2,
+    ap.add_argument("--passes", type=int, choices=noise.PASSES, default=2,
                     help="2: every layout there and back (dp .. pipeline, pipeline .. dp), "
-                         "pooled; 4 or more: there and back again, and the table says how far "
+                         "pooled; 4: there and back twice, and the table says how far "
                          "passes 1 + 4 agree with 2 + 3 (_planner_noise.py); 1: once, then dp "
                          "again")
     ap.add_argument("--micro-batches", type=int, default=4,
