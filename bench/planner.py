@@ -12,10 +12,9 @@ what runs):
    (``--micro-batches``), stages cut by the measured per-block times), each for ``--warmup``
    + ``--steps`` steps, and back through the same layouts in reverse (``--passes 2``, the default): each layout's figure pools both
    passes, so a drift of the machine over the run cancels to first order instead of favouring
-   whichever layout ran in its quiet moment, and the two passes' difference is the noise
-   shown (``--passes 4``: there and back twice, and the table says how far the figure of
-   passes 1 + 4 agrees with that of 2 + 3, the goals' yardsticks applied to the measurement
-   itself, ``_planner_noise.py``; ``--passes 1``: one pass, then dp once more, as before
+   whichever layout ran in its quiet moment, and the table applies the goals' yardsticks to
+   pass 1 against pass 2, the measurement against itself (``_planner_noise.py``;
+   ``--passes 4``: there and back twice, passes 1 + 4 against 2 + 3; ``--passes 1``: one pass, then dp once more, as before
    2026-12-04);
 3. per layout: the measured median step and its spread, the profiled prediction of that exact
    layout (``CostModel.estimate`` of ``elastic.planning.spec_plan`` of the spec that ran, on
@@ -278,14 +277,15 @@ def _spec_from(d: dict[str, Any]) -> Any:
     return StrategySpec(**kw, options=options)
 
 
-def replay(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def replay(results: list[dict[str, Any]], **options: Any) -> list[dict[str, Any]]:
     """The runs' predictions made again by the code as it is now, from the profile reports
     each run kept (``profile``): every row's profiled and closed-loop figure, and auto's pick
     (``pick_over_fastest``: the run's own for the same pick; for another, where the passes
     measured its plan, else the configuration is left out of the pick count). The measured
     side is the runs' own: a change to the cost model or the fit is judged on every stored
     run at once, without the host's noise of a new one. Runs without reports (before
-    2026-12-06) are skipped; a loop job's figures (``--loop-steps``) are the run's own."""
+    2026-12-06) are skipped; a loop job's figures (``--loop-steps``) are the run's own.
+    ``options`` go to the planner (``auto_plan``), for a what-if (``planner_whatif.py``)."""
     import torch
 
     from elastic.planning import auto_plan, measured_model, spec_plan
@@ -306,7 +306,7 @@ def replay(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 for k, r in res["rows"].items()}
         _predict(rows, {k: spec_plan(_spec_from(r["spec"]), ids, model)
                         for k, r in rows.items()}, mm, cluster)
-        pick = auto_plan(cluster, mm, fam.global_batch).plan.label
+        pick = auto_plan(cluster, mm, fam.global_batch, **options).plan.label
         new = {**res, "rows": rows, "pick": pick, "speeds": list(mm.speeds),
                "raw_speeds": list(mm.raw_speeds), "step_overhead_s": mm.model.step_overhead,
                "overlap": mm.model.overlap}

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import glob
 import io
 import math
@@ -40,33 +39,33 @@ def _rel_se(xs: list[float]) -> float:
     return 1.2533 * 1.4826 * st.median([abs(x - m) for x in xs]) / m / math.sqrt(len(xs))
 
 
-def _trial_se(reports: list[dict[str, Any]]) -> float:
-    ses = [math.hypot(_rel_se(t["seconds"]), _rel_se(t["dp_seconds"]))
-           for r in reports if (t := r.get("trial_zero1") or {}).get("seconds")
-           and t.get("dp_seconds")]
-    return max(ses, default=0.0)
+def _trials(res: dict[str, Any], key: str) -> list[tuple[list[float], list[float]]]:
+    """Each rank's trial of ``key`` (``trial_zero1``, ``trial_zero3``): (its steps, the dp
+    steps beside them)."""
+    return [(t["seconds"], t["dp_seconds"]) for r in res["profile"]["reports"]
+            if (t := r.get(key) or {}).get("seconds") and t.get("dp_seconds")]
+
+
+def _trial_se(res: dict[str, Any]) -> float:
+    """The standard error of zero1's trial ratio to dp, on the rank where it is largest."""
+    return max((math.hypot(_rel_se(a), _rel_se(b)) for a, b in _trials(res, "trial_zero1")),
+               default=0.0)
 
 
 def _picks(runs: list[tuple[str, dict[str, Any]]],
            tolerance: Callable[[dict[str, Any]], float] | None = None) -> dict[str, list[int]]:
-    """Per run, [picks within 5 % of the fastest, configurations judged], replayed."""
-    import elastic.planning as ep
-
-    real = ep.plan
+    """Per run, [picks within 5 % of the fastest, configurations judged], replayed (with the
+    trial tolerance ``tolerance(result)`` where given)."""
     out: dict[str, list[int]] = {}
-    try:
-        for run, res in runs:
-            if tolerance is not None:
-                ep.plan = functools.partial(real, trial_tolerance=tolerance(res))
-            with contextlib.redirect_stdout(io.StringIO()):
-                new = P.replay([res])
-            if not new or new[0]["pick_over_fastest"] is None:
-                continue
-            tally = out.setdefault(run, [0, 0])
-            tally[0] += new[0]["pick_over_fastest"] <= 1.05
-            tally[1] += 1
-    finally:
-        ep.plan = real
+    for run, res in runs:
+        options = {} if tolerance is None else {"trial_tolerance": tolerance(res)}
+        with contextlib.redirect_stdout(io.StringIO()):
+            new = P.replay([res], **options)
+        if not new or new[0]["pick_over_fastest"] is None:
+            continue
+        tally = out.setdefault(run, [0, 0])
+        tally[0] += new[0]["pick_over_fastest"] <= 1.05
+        tally[1] += 1
     return out
 
 
@@ -79,6 +78,8 @@ def _show(what: str, tally: dict[str, list[int]]) -> None:
 def dp_first(runs: list[tuple[str, dict[str, Any]]]) -> None:
     import clusters.planner as cp
 
+    # (no option of the planner's turns the rule off: its module's keeps_state is replaced,
+    # which break_tie reads at each call)
     _show("with dp first", _picks(runs))
     real = cp.keeps_state
     cp.keeps_state = lambda plan: False  # type: ignore[assignment]
@@ -92,7 +93,7 @@ def noise_tolerance(runs: list[tuple[str, dict[str, Any]]], ks: list[float]) -> 
     _show("trial tolerance 5 %", _picks(runs))
     for k in ks:
         _show(f"max(5 %, {k:g} standard errors)",
-              _picks(runs, lambda res, k=k: max(0.05, k * _trial_se(res["profile"]["reports"]))))
+              _picks(runs, lambda res, k=k: max(0.05, k * _trial_se(res))))
 
 
 def trial_bias(runs: list[tuple[str, dict[str, Any]]]) -> None:
@@ -100,9 +101,7 @@ def trial_bias(runs: list[tuple[str, dict[str, Any]]]) -> None:
         logs: dict[str, list[float]] = {}
         for _, res in runs:
             rows = res["rows"]
-            ratios = [st.median(t["seconds"]) / st.median(t["dp_seconds"])
-                      for r in res["profile"]["reports"]
-                      if (t := r.get(key) or {}).get("seconds") and t.get("dp_seconds")]
+            ratios = [st.median(a) / st.median(b) for a, b in _trials(res, key)]
             if ratios and layout in rows and "dp" in rows:
                 passes = rows[layout]["measured_s"] / rows["dp"]["measured_s"]
                 logs.setdefault(res["family"], []).append(math.log(max(ratios) / passes))

@@ -108,14 +108,17 @@ def device_hosts(infos: Sequence[dict[str, Any]]) -> list[Any]:
     (2026-12-06), and dp then ran on shares such as [162, 94]. GPU workers and CPU workers
     with a core to spare are measured apart as before: a slow device among them is real; a
     persistent difference between equal ones is the closed loop's to find (a straggler)."""
-    return _crowded(infos, *_cpu_hosts(infos), full=True)
+    return _crowded(infos, *_cpu_hosts(infos), every_core=True)
 
 
 def _crowded(infos: Sequence[dict[str, Any]], hosts: Sequence[Any], need: dict[Any, int],
-             full: bool = False) -> list[Any]:
+             every_core: bool = False) -> list[Any]:
     """Each worker's host where the job's CPU workers there need more threads than its
-    cores (``full``: at least as many), else None."""
-    return [h if h is not None and need[h] + full > int(i.get("host_cores") or 1 << 30)
+    cores (``every_core``: at least as many), else None."""
+    def crowded(threads: int, cores: int) -> bool:
+        return threads >= cores if every_core else threads > cores
+
+    return [h if h is not None and crowded(need[h], int(i.get("host_cores") or 1 << 30))
             else None for h, i in zip(hosts, infos, strict=True)]
 
 
@@ -211,9 +214,12 @@ def link_model(points: Sequence[tuple[int, float]], world: int) -> CostModel:
     return calibrate(ms) if ms and world > 1 else CostModel()
 
 
-def auto_plan(cluster: Cluster, measured: MeasuredModel, global_batch: int) -> PlanResult:
-    """The planner on the live workers with what they measured, every worker used."""
-    return plan(cluster, measured.profile, global_batch, model=measured.model, subsets=False)
+def auto_plan(cluster: Cluster, measured: MeasuredModel, global_batch: int,
+              **options: Any) -> PlanResult:
+    """The planner on the live workers with what they measured, every worker used;
+    ``options``: the planner's others (``clusters.planner.plan``: ``trial_tolerance``...)."""
+    return plan(cluster, measured.profile, global_batch, model=measured.model, subsets=False,
+                **options)
 
 
 def auto_spec(model: nn.Module, optimizer: Any, infos: Sequence[dict[str, Any]],

@@ -779,6 +779,8 @@ def test_a_pipelines_waiting_ranks_leave_a_crowded_hosts_cores_to_the_busy_ones(
             plain.model.estimate(dp, cluster, plain.profile).step_time)
     # ranks with cores of their own are not shared
     assert shared_cores([dict(i, host_cores=16) for i in infos]) == [None] * 3
+    # nor 2 ranks on 2 cores (one each; device_hosts makes them equal, a stricter rule)
+    assert shared_cores(infos[:2]) == [None, None]
 
 
 def test_the_update_costs_what_a_step_without_it_saves():
