@@ -152,6 +152,7 @@ class SchedulerCore:
         self.jobs: dict[str, QueuedJob] = {}
         self._lock = threading.Lock()
         self._cancels: set[str] = set()
+        self._stopping: set[str] = set()  # cancelled running jobs told to stop
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="elastic-resize")
         self.decisions = 0
 
@@ -229,8 +230,10 @@ class SchedulerCore:
             j.reason, j.remaining_s = a.reason, a.remaining_s
             if j.busy:
                 j.reason = f"{a.reason} (a resize to {j.workers} is under way)"
+        stopping = set(self._cancels)  # (a cancelled job is not resized on its way out)
         shrinks = [self._pool.submit(self._resize, j, a.workers) for j, a in plan
-                   if j.state == "running" and not j.busy and 0 < a.workers < j.workers]
+                   if j.state == "running" and not j.busy and 0 < a.workers < j.workers
+                   and j.name not in stopping]
         for f in shrinks:
             f.result()
         free = self.capacity - sum(j.workers for j in active if j.state == "running")
@@ -240,7 +243,8 @@ class SchedulerCore:
                 free -= j.workers
         for j, a in plan:
             grow = a.workers - j.workers
-            if j.state == "running" and not j.busy and 0 < grow <= free:
+            if j.state == "running" and not j.busy and 0 < grow <= free \
+                    and j.name not in stopping:
                 free -= grow
                 with self._lock:
                     j.hold(self.clock())
@@ -291,13 +295,19 @@ class SchedulerCore:
         cfg = j.cfg.replace(num_workers=n, min_workers=j.cfg.min_world,
                             max_workers=j.cfg.max_world, scale_check_s=SCHED_SCALE_CHECK_S,
                             grow_when_room=False, placement="per_worker")
+        with self._lock:
+            if j.state != "queued":  # cancelled since the tick looked
+                return
         try:
             j.handle = self.runner.start(j.name, cfg, n)
         except Exception as e:  # noqa: BLE001 - a job that cannot start fails alone
             j.state, j.error, j.ended_s = "failed", f"{type(e).__name__}: {e}", self.clock()
             return
-        j.state, j.workers, j.started_s = "running", n, self.clock()
-        j.counted_s, j.phase = j.started_s, "starting"
+        with self._lock:  # a cancel while it started (the answer said "was queued"):
+            if j.state == "cancelled":  # it is stopped at once, as a running one is
+                self._cancels.add(j.name)
+            j.state, j.workers, j.started_s = "running", n, self.clock()
+            j.counted_s, j.phase = j.started_s, "starting"
 
     def _resize(self, j: QueuedJob, n: int) -> None:
         """Carry out a resize (in the pool's thread): the job's scale request, answered at
@@ -356,18 +366,26 @@ class SchedulerCore:
         j.workers = 0
         j.reason = j.error or j.state
         self._cancels.discard(j.name)
+        self._stopping.discard(j.name)
         self._changed(j)
 
     def _cancel_running(self) -> None:
+        """Stop each running job cancelled (once): it ends at its step boundary after its
+        final checkpoint, and keeps its workers until then; ``_reap`` ends it (cancelled)
+        when it has. Was: ended at once, so a final checkpoint longer than the runner's wait
+        for the result marked it failed and freed workers it still held."""
         with self._lock:
-            names = [n for n in self._cancels if self.jobs[n].state == "running"]
+            names = [n for n in self._cancels if self.jobs[n].state == "running"
+                     and n not in self._stopping]
         for n in names:
             j = self.jobs[n]
             try:
                 self.runner.stop(j.handle)
             except Exception:  # noqa: BLE001 - it ended on its own meanwhile
                 pass
-            self._end(j)
+            self._stopping.add(n)
+            if not j.busy and self.runner.done(j.handle):
+                self._end(j)
 
     def _changed(self, j: QueuedJob) -> None:
         if self.on_change is not None:

@@ -6,9 +6,9 @@ jobs' model factories and datasets come back as they went in) and the last ``row
 (JSON). ``restore`` turns the rows back into queue entries: a job that was queued is queued
 again; one that was running when the scheduler went away lost its controller with it (the
 scheduler's process ran it), so it is queued again too, marked as such, and resumes from its
-newest checkpoint if it writes checkpoints (``resume: latest``; with none committed yet it
-fails saying so), else starts over in a new run directory; ended jobs come back as
-history.
+newest checkpoint when its checkpoint URI holds one (``resume: latest``), else runs as
+submitted (a fork from its source again, or from scratch in a new run directory); ended
+jobs come back as history.
 """
 
 from __future__ import annotations
@@ -70,14 +70,25 @@ def _jsonable(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def _rerun(cfg: Any) -> Any:
-    """The config that runs an interrupted job again: with checkpoints configured, it
-    resumes from its newest one (``resume: latest``, same run directory); without, it
-    starts over in a new numbered run directory (``<run dir>.rerun<N>``: the interrupted
-    run's logs stay where they were)."""
+    """The config that runs an interrupted job again: when its own checkpoint URI holds a
+    committed checkpoint, it resumes from the newest (``resume: latest``, same run
+    directory), whatever it was submitted with (a fork goes on from its own steps, not the
+    source's again); else as submitted when it resumes from somewhere, else it starts over
+    in a new numbered run directory (``<run dir>.rerun<N>``: the interrupted run's logs stay
+    where they were). A storage that cannot be listed: ``resume: latest``, which says why
+    when the job starts (never a start over the checkpoints there)."""
+    from .checkpoint import committed_steps
+    from .checkpoint_io import job_store
+    from .errors import CheckpointError
+
+    try:
+        mine = bool(committed_steps(job_store(cfg)))
+    except CheckpointError:
+        mine = True
+    if mine:
+        return cfg if cfg.resume == "latest" else cfg.replace(resume="latest")
     if cfg.resume:
         return cfg
-    if cfg.checkpoint_every > 0 or cfg.checkpoint_uri:
-        return cfg.replace(resume="latest")
     base = cfg.run_path
     n = 1
     while os.path.exists(f"{base}.rerun{n}"):

@@ -262,21 +262,24 @@ def _shard_record(d: Any) -> ShardRecord:
     )
 
 
-def _scrub(obj: Any) -> Any:
-    """A JSON-able copy with values under secret-looking keys replaced by ``***``."""
+def _scrub(obj: Any, store: CheckpointStore | None = None) -> Any:
+    """A JSON-able copy with values under secret-looking keys replaced by ``***``, and the
+    store's secrets redacted in every string."""
     if isinstance(obj, Mapping):
         return {
             str(k): (
                 "***"
                 if is_secret_key(k) and obj[k] is not None
-                else _scrub(obj[k])
+                else _scrub(obj[k], store)
             )
             for k in obj
         }
     if isinstance(obj, (list, tuple)):
-        return [_scrub(v) for v in obj]
+        return [_scrub(v, store) for v in obj]
     if isinstance(obj, float) and not math.isfinite(obj):
         raise CheckpointError(f"checkpoint meta holds {obj}, which JSON cannot store")
+    if isinstance(obj, str) and store is not None:
+        return store.redact(obj)
     if obj is None or isinstance(obj, (str, int, float, bool)):
         return obj
     raise CheckpointError(
@@ -366,15 +369,18 @@ def commit(
         created=datetime.fromtimestamp(now, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         created_unix=now,
         strategy=strategy,
-        plan=_scrub(m.plan),
-        data_position=_scrub(m.data_position),
-        rng=_scrub(m.rng),
-        extra=_scrub(m.extra),
+        plan=_scrub(m.plan, store),
+        data_position=_scrub(m.data_position, store),
+        rng=_scrub(m.rng, store),
+        extra=_scrub(m.extra, store),
         owner=m.owner,
     )
-    text = store.redact(manifest.to_json())
+    # the free-form values are redacted one by one above; redacting the whole text (as
+    # before) replaced a short secret inside numbers, checksums or the owner's name too,
+    # and wrote a manifest that no longer read back (over a good one, on a replay)
+    text = manifest.to_json()
+    manifest = Manifest.from_json(text, f"manifest of step {step}", step)  # before writing
     _write_atomic(store, store.path(store.step_name(step), MANIFEST_NAME), text.encode())
-    manifest = Manifest.from_json(text, f"manifest of step {step}", step)  # what was written
     _drop_other_shards(store, step, {r.path for r in records})
     log.info(
         "committed checkpoint step %d (%d shards, %d bytes) at %s",

@@ -19,6 +19,7 @@ Secrets in the checkpoint or resume URI and options never leave through ``to_dic
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -239,6 +240,13 @@ class JobConfig(JobCode):
                 "get no sample.",
                 f"use global_batch_size >= {n} or fewer workers",
             )
+        top = self.scaling.max_world
+        if d.global_batch_size < top:  # the scheduler and `scale` may size the job up to it
+            raise ConfigError(
+                "max_workers",
+                f"{top} is more than global_batch_size={d.global_batch_size}: the job could be "
+                "grown to workers that get no sample.",
+                f"use max_workers <= {d.global_batch_size}, or a larger global_batch_size")
         for k in p.switch_at:
             if not 0 < k < d.max_steps:
                 raise ConfigError(f"switch_at[{k}]", f"step {k} is outside 1..{d.max_steps - 1}.",
@@ -269,6 +277,9 @@ class JobConfig(JobCode):
         if self.output.name:
             return self.output.name
         name = _ray_submission_id()
+        if name:  # a driver may run several jobs: the second unnamed one is <id>-2, ...
+            n = next(_SUBMITTED)  # (one C call: atomic under the GIL)
+            name = name if n == 1 else f"{name}-{n}"
         if not name:
             import time
 
@@ -362,6 +373,10 @@ _REQUIRED = {cls.flat_name(f) for cls in SECTIONS.values() for f in cls.required
 _DEFAULTS = {cls.flat_name(f.name): f.default for cls in SECTIONS.values()
              for f in dataclasses.fields(cls)  # type: ignore[arg-type]
              if f.init and f.default is not dataclasses.MISSING}
+
+
+# counts the unnamed jobs this driver names after its Ray submission id
+_SUBMITTED = itertools.count(1)
 
 
 def _ray_submission_id() -> str | None:

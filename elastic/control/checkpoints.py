@@ -18,7 +18,7 @@ from typing import Any
 from strategies import StrategySpec
 
 from ..checkpoint import CheckpointMeta, CheckpointStore, apply_retention, commit
-from ..errors import CheckpointError
+from ..errors import CheckpointError, ConfigError, StorageError
 
 __all__ = ["CheckpointTracker", "spec_dict", "read_detail"]
 
@@ -53,7 +53,8 @@ class CheckpointTracker:
         self.in_flight: dict[str, Any] | None = None
         self.last_event: Any = None  # the last "checkpoint" event (late waits are added to it)
         self._last_id: tuple[Any, Any] = (None, None)  # the name of that one
-        self.bad_steps: set[int] = set()  # committed steps found corrupt (never restored)
+        self.bad_steps: set[int] = set()  # committed steps of ``store`` found corrupt
+        self._fork_bad: set[int] = set()  # the same, of the URI a fork resumes from
         # the name of the checkpoint that ended last (committed or not): a rank's late report
         # of it, or of an earlier one of its group, starts nothing
         self.ended: tuple[int | None, int | None] = (None, None)
@@ -176,6 +177,8 @@ class CheckpointTracker:
             except CheckpointError as e:
                 errors.append(str(e))
         group.checkpoint_done(step, manifest is not None, *name)
+        if manifest is not None:
+            self.bad_steps.discard(step)  # written again, whole: a corrupt one it replaced
         if manifest is None:
             self._emit("checkpoint_failed", f"step {step} not committed, training goes on: "
                        f"{errors[0][:300]}", data={"step": step, "errors": errors}, step=step)
@@ -310,22 +313,47 @@ class CheckpointTracker:
         """The checkpoint ``resume`` names (``latest``, a root, or one step's directory),
         checked: the newest intact one (each newer one passed over is an event naming its
         bad object), the job's own or an explicit fork, and before ``max_steps``."""
-        from ..checkpoint import plan_resume
+        from ..checkpoint import plan_resume, resume_store
         from ..checkpoint_io import job_store
 
-        plan = plan_resume(resume, self.cfg.job_name, own=self.store or job_store(self.cfg),
-                           options=self.cfg.checkpoint_options, exclude=self.bad_steps,
+        own = self.store or job_store(self.cfg)
+        plan = plan_resume(resume, self.cfg.job_name, own=own,
+                           options=self.cfg.checkpoint_options,
+                           exclude=self._bad_of(resume_store(resume, own, self.cfg.checkpoint_options)[0]),
                            max_steps=self.cfg.max_steps)
+        bad = self._bad_of(plan.store)
         for c in plan.skipped:
-            self.bad_steps.add(c.step)
+            bad.add(c.step)
             self._emit("checkpoint_skipped", c.note, data={"step": c.step,
                                                            "object": c.bad_object})
         if plan.fork:
+            if self.store is not None:  # its steps go to its own URI: nothing may be there
+                refuse_newer(self.store, -1, "checkpoint_uri", self.bad_steps)
             self._emit("forked", f"resuming from another URI, {plan.store.uri} step {plan.step}"
                        + (f" (written by job {plan.source_owner})" if plan.source_owner else "")
                        + "; this job writes to its own", data={"uri": plan.store.uri,
                                                               "step": plan.step})
+        elif self.store is not None:  # (a job that writes no checkpoint overwrites none)
+            refuse_newer(plan.store, plan.step, "resume", self.bad_steps)
         return plan.store, plan.step
+
+    def check_fresh(self) -> None:
+        """A job that does not resume (or forks: ``find_resume``) starts where no checkpoint
+        is committed: its steps would be written over the ones there, and retention, a
+        recovery and a later ``resume: latest`` would mix the two runs (``ConfigError``
+        naming the fix)."""
+        from ..checkpoint import read_owner
+
+        if self.store is None or self.cfg.resume:
+            return
+        owner = read_owner(self.store)
+        if owner is None or owner.job == self.cfg.job_name:  # another's: ``claim`` says so
+            refuse_newer(self.store, -1, "checkpoint_uri", self.bad_steps)
+
+    def _bad_of(self, store: CheckpointStore) -> set[int]:
+        """The steps found corrupt of ``store``: the job's own, or a fork's source."""
+        own = self.store is None or store.same_place(self.store)
+        return self.bad_steps if own else self._fork_bad
 
     def resume(self, group: Any, spec: StrategySpec, store: CheckpointStore, step: int) -> int:
         """Restore the checkpoint a resume planned; when the workers find it corrupt (bytes
@@ -342,7 +370,7 @@ class CheckpointTracker:
             except CheckpointCorruptError as e:
                 if pinned:
                     raise
-                self.bad_steps.add(step)
+                self._bad_of(store).add(step)
                 self._emit("checkpoint_corrupt", f"checkpoint step {step} at {store.uri} cannot "
                            f"be restored: {str(e)[:300]}; resuming from an older one",
                            data={"step": step, "shard": getattr(e, "shard", None)})
@@ -362,16 +390,14 @@ class CheckpointTracker:
                    step=step if reason == "resume" else None)  # (a resume: the job's step)
 
     def valid_steps(self) -> tuple[int, ...]:
-        """Committed steps a restore may use, newest first (found-corrupt ones excluded)."""
+        """Committed steps a restore may use, newest first (found-corrupt ones excluded).
+        ``StorageError`` when the storage cannot list them: an outage is not "no
+        checkpoint", which would restart from scratch while the newest is intact."""
         if self.store is None:
             return ()
         from ..checkpoint import committed_steps
 
-        try:
-            steps = committed_steps(self.store)
-        except CheckpointError as e:
-            self._emit("checkpoint_skipped", f"listing checkpoints failed: {str(e)[:300]}")
-            return ()
+        steps = committed_steps(self.store)
         return tuple(s for s in reversed(steps) if s not in self.bad_steps)
 
     def restore_newest(self, group: Any, spec: StrategySpec, steps: tuple[int, ...]
@@ -379,12 +405,15 @@ class CheckpointTracker:
         """Restore the newest of ``steps`` (newest first) that loads. One that does not (a
         corrupt or missing object) is remembered as bad, said in a ``checkpoint_corrupt``
         event naming it, and the next older one is tried. Returns (step, detail), or None if
-        none loaded."""
+        none loaded. A ``StorageError`` (the storage failed, not the checkpoint) is raised:
+        an outage must not pass the newest intact step over for an older one or scratch."""
         for step in steps:
             if step in self.bad_steps:
                 continue
             try:
                 outs = group.restore_checkpoint(spec, step)
+            except StorageError:
+                raise
             except CheckpointError as e:
                 self.bad_steps.add(step)
                 uri = self.store.uri if self.store is not None else "?"
@@ -395,3 +424,31 @@ class CheckpointTracker:
             took = max(o["seconds"] for o in outs)
             return step, (f", checkpoint step {step} read in {took:.2f}s{read_detail(outs)}")
         return None
+
+
+def refuse_newer(store: CheckpointStore, step: int, field: str, bad: set[int]) -> None:
+    """A job's own URI holds one run's steps: refuse to go on from ``step`` there while
+    checkpoints newer than it (and not in ``bad``) are committed (a rewind would write its
+    steps over them; retention keeps the newest steps, theirs; a recovery or a later
+    ``resume: latest`` would take them)."""
+    from ..checkpoint import committed_steps
+
+    newer = [s for s in committed_steps(store) if s > step and s not in bad]
+    if not newer:
+        return
+    there = (f"steps {newer[0]} .. {newer[-1]}" if len(newer) > 1 else f"step {newer[0]}")
+    first = f"{store.uri}/{store.step_name(newer[0])}"
+    if step < 0:
+        raise ConfigError(
+            field, f"{store.uri} already holds committed checkpoints ({there}); a run "
+            "that does not go on from them (a fresh start, or a fork from another URI) "
+            "would write its steps over them, and mix with them in retention, recovery "
+            "and a later resume.",
+            f"set resume: latest to go on from step {newer[-1]}, give this run another "
+            f"checkpoint_uri, or delete the step-* directories there ({first} ...)")
+    raise ConfigError(
+        field, f"step {step} is not the newest checkpoint at {store.uri}: {there} came "
+        "after it, and going on from it there would write over them and mix with them in "
+        "retention, recovery and a later resume.",
+        f"keep resume and give this run a checkpoint_uri of its own (a fork), or delete "
+        f"the newer step-* directories ({first} ...) to go back to step {step} here")

@@ -67,6 +67,11 @@ __all__ = ["Controller"]
 
 
 
+# the states in which the group runs: an infrastructure error there is a recovery (a loss in
+# the final gather too); before, it ends the job
+_GROUP_RUNS = (Running, AtBoundary, Switching, Resizing, Recovering, Evacuating, Finishing)
+
+
 class Controller:
     """Runs one job to completion. Owns its workers (through its worker group) and, when it
     started one, the local Ray. Thread-safe: ``post`` and ``status`` only."""
@@ -170,12 +175,10 @@ class Controller:
         }
         try:
             return handlers[type(state)](state)
-        except InfrastructureError as e:
-            if isinstance(state, (Running, AtBoundary, Switching, Resizing, Recovering,
-                                  Evacuating, Finishing)):  # (a loss in the final gather too)
-                return Recovering(classify(e))
-            return Failed(e)
         except BaseException as e:  # noqa: BLE001 - every error ends the job, typed
+            self.inbox.fail_in_hand(e, self.status())  # a request taken, not answered yet
+            if isinstance(e, InfrastructureError) and isinstance(state, _GROUP_RUNS):
+                return Recovering(classify(e))
             return Failed(e)
 
     def _transition(self, old: State, new: State) -> None:
@@ -201,6 +204,8 @@ class Controller:
             self.layouts.validate(self.layouts.make(cfg.strategy, cfg.num_workers), "strategy")
         if cfg.resume:
             self._resume = self.tracker.find_resume(cfg.resume)
+        else:
+            self.tracker.check_fresh()  # no run's steps written over another's
         if self._group_factory is None:  # on Ray: attach, or start a local one
             self._started_ray = _ray_connect(cfg, pre.model, self._emit, self._pool)
             self.interrupts.reclaim()

@@ -160,6 +160,20 @@ class Evacuation:
         notices, self.pending = list(self.pending.values()), {}
         nodes = {n.node_id for n in notices}
         self.done |= nodes
+        try:
+            return self._run(spec, step, strategy, notices, nodes)
+        except BaseException:
+            # a failure on the way (a peer lost in the hand-off): the recovery keeps the
+            # draining workers, which live; their notices wait for the next boundary again
+            hosts = {str(w.info.get("node_id", "")) for w in self.group.workers}
+            for n in notices:
+                if n.node_id in hosts:
+                    self.pending.setdefault(n.node_id, n)
+                    self.done.discard(n.node_id)
+            raise
+
+    def _run(self, spec: StrategySpec, step: int, strategy: str, notices: list[DrainNotice],
+             nodes: set[str]) -> Regrouped | GiveUp | None:
         group = self.group
         leaving = [w for w in group.workers if str(w.info.get("node_id", "")) in nodes]
         if not leaving:

@@ -35,7 +35,7 @@ from clusters.policy import (
 )
 from strategies import StrategySpec
 
-from ..errors import HangError, InfrastructureError, StateMoveError
+from ..errors import HangError, InfrastructureError, StateMoveError, StorageError
 from ..failures import Failure, FailureKind
 from .checkpoints import CheckpointTracker
 from .layouts import Layouts
@@ -161,7 +161,11 @@ class Regroup:
                              held)
         peers = peer_plan(progress, held, need)
         position = max((p["next_step"] for p in progress if p["has_state"]), default=0)
-        steps = self.tracker.valid_steps()
+        unlisted: StorageError | None = None
+        try:
+            steps = self.tracker.valid_steps()
+        except StorageError as e:  # peers or buddies need no storage: only they may go on
+            steps, unlisted = (), e
         copies = self._copies() if peers is None and cause == "failure" else []
         buddy = buddy_step(copies, required_keys(
             list(model.state_dict()), [n for n, _ in model.named_parameters()],
@@ -182,6 +186,8 @@ class Regroup:
                 self._emit("peer_copies_refused", f"{e}; restoring from storage instead",
                            data={"step": decision.step})
                 decision = self.restore_policy.decide(dataclasses.replace(obs, buddy_step=None))
+        if unlisted is not None and decision.source in ("checkpoint", "scratch"):
+            raise unlisted  # never step 0 while the checkpoints may be intact
         if decision.source == "checkpoint":
             got = self.tracker.restore_newest(self.group, spec,
                                               tuple(s for s in steps if s <= decision.step))

@@ -101,6 +101,7 @@ class Inbox:
         self._emit = emit
         self._queue: queue.Queue[Request] = queue.Queue()
         self.parked: list[tuple[Request, float]] = []  # growth asked for, not met yet
+        self.in_hand: Request | None = None  # taken, neither answered nor parked yet
         self._lock = threading.Lock()
         self._closed: Exception | None = None  # the job ended: why
 
@@ -128,16 +129,28 @@ class Inbox:
         return any(r.kind == kind for r in list(self._queue.queue))
 
     def take(self) -> Request | None:
+        """The next request, held ``in_hand`` until it is answered or parked (an error on
+        the way: ``fail_in_hand``)."""
         try:
-            return self._queue.get_nowait()
+            self.in_hand = self._queue.get_nowait()
         except queue.Empty:
             return None
+        return self.in_hand
+
+    def fail_in_hand(self, err: BaseException, status: dict[str, Any] | None = None) -> None:
+        """The request taken was not carried out (its handling raised): its asker hears why
+        now, not at a timeout (the SDK's 300 s, and the scheduler's tick with it)."""
+        self.answer(self.in_hand, err if isinstance(err, Exception) else RequestError(
+            f"the job was interrupted ({type(err).__name__}) before the request was done"),
+            status)
 
     def answer(self, req: Request | None, result: Any, status: dict[str, Any] | None = None
                ) -> None:
         """Send ``result`` (a value, or an exception: a refusal) where ``req`` asked."""
         if req is None:
             return
+        if req is self.in_hand:
+            self.in_hand = None
         if req.reply is not None:
             req.reply.put(result)
         if req.remote_id is not None and self.mailbox is not None:
@@ -161,6 +174,8 @@ class Inbox:
                               remote_id=r["id"]))
 
     def park(self, req: Request, deadline: float) -> None:
+        if req is self.in_hand:
+            self.in_hand = None
         self.parked.append((req, deadline))
 
     def settle_parked(self, workers: int, now: float, refuse: Callable[[int], Exception]

@@ -37,6 +37,10 @@ if TYPE_CHECKING:
 __all__ = ["TrialRunner"]
 
 
+# what a trial's run says of its outcome (a retry starts without the stale trial's)
+_OUTCOME = ("pruned_at_step", "pruned_at_time", "prune_lag", "error")
+
+
 class TrialRunner:
     """Runs the trials of one sweep invocation. Trial threads share it; ``_lock`` guards
     the output."""
@@ -62,6 +66,13 @@ class TrialRunner:
         pruner stopped it; an ``ElasticError`` of the job fails the trial (its first line is
         the trial's ``error`` attribute)."""
         cfg = self.cfg
+        sys_attrs = trial.storage.get_trial_system_attrs(trial._trial_id)  # noqa: SLF001
+        if sys_attrs.get("failed_trial") is not None:
+            # a retry of a trial whose process died: Optuna copied its user attributes, and a
+            # prune decided for it would mark this run pruned at its end
+            for key in _OUTCOME:
+                if trial.user_attrs.get(key) is not None:
+                    trial.set_user_attr(key, None)
         values = {name: p.suggest(trial) for name, p in cfg.params.items()}
         fields = cfg.trial_fields(trial.number, values)
         trial.set_user_attr("run_dir", fields["run_dir"])

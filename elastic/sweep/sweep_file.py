@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import JobConfig, resolve_callable
+from ..config.flat import flatten
 from ..errors import ConfigError
 from .space import Param, set_path
 
@@ -158,7 +159,9 @@ class SweepConfig:
         when the base job sets ``checkpoint_uri``, a URI of the trial's own under it
         (``<checkpoint_uri>/trial-NNNN``): trials are jobs, and a checkpoint URI belongs to
         one job."""
-        fields = self.job_fields(values)
+        # flat: a base giving ``checkpoints: {uri: ...}`` or ``output: {name: ...}`` nested
+        # must get the trial's own URI and name too (was: every trial the base's URI)
+        fields = flatten(self.job_fields(values))
         tag = f"trial-{number:04d}"
         fields.update(name=f"{self.study_name}-trial-{number}",
                       run_dir=os.path.join(self.run_path, tag), view="none")

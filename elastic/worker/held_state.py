@@ -110,6 +110,14 @@ class HeldState:
         self._pieces = [(k, tuple(t.shape), None, t) for k, t in full.items()]
         return piece_bytes(self._pieces)
 
+    def drop_snapshot(self) -> None:
+        """The live layout trains on: a full snapshot taken for a membership change that did
+        not happen (a resize that gave up) is of an earlier step; kept, ``park`` would keep
+        it at the next leave and serve it as this rank's state (the steps since, lost
+        silently). Pieces carried for a draining rank stay."""
+        with self.lock:
+            self._pieces = self._rolled = None
+
     def pending(self, strategy: Any) -> bool:
         """Whether a step's update can still be applied here without communication: on the
         live ``strategy``, or (none) to the parked state."""

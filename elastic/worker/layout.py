@@ -155,6 +155,11 @@ class Layout:
                 "bytes_kept": res.bytes_kept, "hash_before": res.hash_before,
                 "hash_after": res.hash_after, "moves": res.moves}
 
+    def trains_on(self) -> None:
+        """A segment begins on the live layout: a full snapshot kept from before is stale."""
+        if self.strategy is not None and self._held.has_state():
+            self._held.drop_snapshot()
+
     def build_fresh(self, spec: StrategySpec, state: dict[str, torch.Tensor] | None,
                     read: Callable[[Strategy], dict[str, torch.Tensor]] | None = None) -> None:
         """Lay out ``spec`` from ``state`` (the full canonical state), from ``read(strategy)``

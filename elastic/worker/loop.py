@@ -201,6 +201,7 @@ class StepLoop:
         layout, m = self._layout, self._membership
         strategy, spec = layout.strategy, layout.spec
         assert strategy is not None and spec is not None
+        layout.trains_on()
         self._gated_next = None
         lo, hi = share_bounds(spec.shares, m.rank)
         pending: _Pending | None = None

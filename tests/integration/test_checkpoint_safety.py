@@ -26,6 +26,7 @@ from elastic.checkpoint import (
     check_steps,
     claim,
     commit,
+    committed_steps,
     find_latest_valid,
     list_checkpoints,
     load,
@@ -378,3 +379,131 @@ def test_plan_resume(store: CheckpointStore, tmp_path) -> None:
         plan_resume("latest", "job-b", own=store)
     with pytest.raises(CheckpointError, match="does not exist"):
         plan_resume(str(tmp_path / "typo"), "job-b", own=mine)
+
+
+# --------------------------------------------------------------------------- one run per URI
+
+
+def _tracker(uri: str, **kw: Any) -> Any:
+    """The controller's checkpoint tracker of a job writing to ``uri`` (no workers)."""
+    from elastic.config import JobConfig
+    from elastic.control.checkpoints import CheckpointTracker
+    from tests.helpers import RegressionData, adam, mlp, mse
+
+    cfg = JobConfig(model=mlp, optimizer=adam, loss=mse, dataset=RegressionData(),
+                    global_batch_size=8, max_steps=100, num_workers=1, view="none",
+                    name="job-a", checkpoint_uri=uri, **kw)
+    events: list[tuple[str, str]] = []
+    tracker = CheckpointTracker(cfg, CheckpointStore(uri),
+                                lambda kind, msg, **_: events.append((kind, msg)))
+    tracker.events = events
+    return tracker
+
+
+def test_a_run_that_does_not_resume_is_refused_where_checkpoints_are(tmp_path) -> None:
+    """A second run of a job on its own URI without ``resume`` (or forking from another URI
+    into it): its steps would be written over the first run's, retention (newest step numbers first) would delete its own checkpoints,
+    and a recovery or a later ``resume: latest`` would take the other run's step. Refused
+    before anything is written, naming the fix. Was: allowed (same job name)."""
+    uri = str(tmp_path / "ckpt")
+    _tracker(uri).check_fresh()  # nothing there: fine
+    store = CheckpointStore(uri)
+    claim(store, "job-a")
+    for step in (10, 20):
+        _tiny_commit(store, step, owner="job-a")
+    with pytest.raises(ConfigError, match=r"checkpoint_uri: .*steps 10 \.\. 20.*resume: latest"):
+        _tracker(uri).check_fresh()
+    # a fork into it: the same (its steps go to its own URI)
+    src = CheckpointStore(str(tmp_path / "src"))
+    _tiny_commit(src, 5)
+    with pytest.raises(ConfigError, match=r"checkpoint_uri: .*a fork from another URI"):
+        _tracker(uri, resume=src.uri).find_resume(src.uri)
+    assert committed_steps(store) == [10, 20]
+
+
+def test_a_rewind_in_the_jobs_own_uri_is_refused_while_newer_steps_are_there(tmp_path) -> None:
+    """``resume: <own uri>/step-10`` while step 20 is committed there would write the rewound
+    run's steps over the newer ones (and mix the two in retention and recovery): refused, the
+    fix a fork. A fork to a URI of its own goes on; ``resume: latest`` past a corrupt newest
+    step is no rewind (the step it passes over is known bad)."""
+    uri = str(tmp_path / "ckpt")
+    store = CheckpointStore(uri)
+    claim(store, "job-a")
+    for step in (10, 20):
+        _tiny_commit(store, step, owner="job-a")
+    pinned = f"{uri}/{store.step_name(10)}"
+    with pytest.raises(ConfigError, match=r"resume: step 10 is not the newest.*step 20.*fork"):
+        _tracker(uri, resume=pinned).find_resume(pinned)
+    fork = _tracker(str(tmp_path / "mine"), resume=pinned)
+    assert fork.find_resume(pinned)[1] == 10
+    m20 = read_manifest(store, 20)
+    _flip(store, 20, m20.shards[0].path, m20.shards[0].index_offset + 2)
+    latest = _tracker(uri, resume="latest")
+    assert latest.find_resume("latest")[1] == 10 and latest.bad_steps == {20}
+
+
+def test_steps_found_corrupt_in_a_forks_source_are_not_the_jobs_own(tmp_path) -> None:
+    """A fork passes over the source's corrupt step 20; the job's own step 20, committed later,
+    is intact and a recovery may use it. Was: one set of step numbers for both URIs, so the
+    job's own step 20 was never restored (a recovery went back further, or to step 0)."""
+    src = CheckpointStore(str(tmp_path / "src"))
+    for step in (10, 20):
+        _tiny_commit(src, step)
+    m20 = read_manifest(src, 20)
+    _flip(src, 20, m20.shards[0].path, m20.shards[0].index_offset + 2)
+    own = str(tmp_path / "own")
+    tracker = _tracker(own, resume=src.uri)
+    assert tracker.find_resume(src.uri)[1] == 10
+    _tiny_commit(CheckpointStore(own), 20, owner="job-a")
+    assert tracker.valid_steps() == (20,)
+
+
+def test_a_step_written_again_whole_is_no_longer_bad(tmp_path) -> None:
+    """``resume: latest`` passed over a corrupt step 20; the run commits step 20 again, whole:
+    it is the newest a recovery may restore. Was: still excluded for the rest of the run."""
+    from strategies import StrategySpec
+
+    uri = str(tmp_path / "ckpt")
+    store = CheckpointStore(uri)
+    claim(store, "job-a")
+    for step in (10, 20):
+        _tiny_commit(store, step, owner="job-a")
+    m20 = read_manifest(store, 20)
+    _flip(store, 20, m20.shards[0].path, m20.shards[0].index_offset + 2)
+    tracker = _tracker(uri, resume="latest")
+    assert tracker.find_resume("latest")[1] == 10 and tracker.valid_steps() == (10,)
+
+    class OneRank:
+        def __init__(self) -> None:
+            self.done: list[Any] = []
+
+        def checkpoint_poll(self) -> list[Any]:
+            info = write_shard(store, 20, 0, {"model/w": torch.ones(2) * 20})
+            return [{"info": info.to_dict()}]
+
+        def checkpoint_done(self, *args: Any) -> None:
+            self.done.append(args)
+
+    spec = StrategySpec("dp", 1, (8,))
+    tracker.on_metric({"rank": 0, "checkpoint_begun": 20, "checkpoint_blocked_s": 0.0,
+                     "generation": 0, "checkpoint_seq": 1}, spec)
+    tracker.tick(OneRank())
+    assert [k for k, _ in tracker.events][-1] in ("checkpoint", "retention_failed")
+    assert tracker.valid_steps() == (20, 10)
+
+
+def test_a_short_secret_is_redacted_in_the_manifests_values_not_its_numbers(tmp_path) -> None:
+    """A credential of one character ("1", as a test server takes) or a common word: the
+    manifest's free-form values are redacted, its numbers, checksums and owner are not, and
+    it reads back. Was: the whole JSON text redacted, so ``"version": ***`` was written (over
+    a good manifest, on a replay of the commit) and the step no longer read."""
+    store = CheckpointStore(str(tmp_path / "ckpt"), {"secret_key": "1", "access_key": "test"},
+                            filesystem=pafs.LocalFileSystem())
+    for _ in range(2):  # a replay of the same commit
+        info = write_shard(store, 1, 0, {"model/w": torch.ones(2)})
+        commit(store, 1, [info], CheckpointMeta(owner="test-job",
+                                                extra={"note": "key 1 of test", "n": 11}))
+    m = read_manifest(store, 1)
+    assert m.step == 1 and m.job == "test-job" and m.extra["n"] == 11
+    assert m.extra["note"] == "key *** of ***"
+    assert check_owner(m, "test-job") == "test-job"

@@ -128,7 +128,7 @@ def test_lr_schedule_and_clipping_follow_torch_through_switches_and_a_resharded_
     assert [h["grad_norm"] for h in result.history] == pytest.approx(norms, rel=1e-5)
 
     resumed = _fit(tmp_path, lr_schedule=sched, max_grad_norm=clip, num_workers=3, strategy="zero1",
-                   checkpoint_uri=ckpt, resume=f"{ckpt}/step-{6:012d}", run_dir=str(tmp_path / "r2"),
+                   checkpoint_uri=ckpt + "2", resume=f"{ckpt}/step-{6:012d}", run_dir=str(tmp_path / "r2"),
                    name="sched-job")
     assert [h["step"] for h in resumed.history] == list(range(6, STEPS))
     assert max_diff(resumed.state_dict(), ref) < TOL
@@ -148,7 +148,7 @@ def test_a_tied_weight_stays_tied_through_switches_and_a_resume_onto_another_wor
                   checkpoint_uri=ckpt, checkpoint_every=6, name="tied-job")
     assert max_diff(result.state_dict(), ref) < TOL
     resumed = _fit(tmp_path, model=TiedMlp, num_workers=3, strategy="zero2",
-                   checkpoint_uri=ckpt, resume=f"{ckpt}/step-{6:012d}", run_dir=str(tmp_path / "r2"),
+                   checkpoint_uri=ckpt + "2", resume=f"{ckpt}/step-{6:012d}", run_dir=str(tmp_path / "r2"),
                    name="tied-job")
     assert [h["step"] for h in resumed.history] == list(range(6, STEPS))
     state = resumed.state_dict()

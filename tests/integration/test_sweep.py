@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 import wsgiref.util
+from types import SimpleNamespace
 
 import optuna
 import pytest
@@ -27,6 +28,7 @@ from optuna.trial import TrialState
 from sqlalchemy import text
 
 from elastic import cli
+from elastic.config import JobConfig
 from elastic.errors import ConfigError
 from elastic.sweep import load_sweep, open_study, run_sweep, trial_counts, trial_line
 from elastic.sweep.cluster import concurrency
@@ -368,3 +370,43 @@ def test_each_trial_gets_its_own_checkpoint_uri(tmp_path):
     assert b["checkpoint_uri"] == "s3://b/sweep/trial-0004?region=x"
     assert (a["name"], a["view"]) == ("t-trial-3", "none")
     assert a["run_dir"] == os.path.join(cfg.run_path, "trial-0003")
+    # the base's settings given nested (as a job file may): the same, and the name and run
+    # directory the sweep owns win over the base's (was: every trial the base's URI, so the
+    # second trial was refused as another job's; a base output.name failed every trial)
+    nested = {k: v for k, v in BASE.items()}
+    nested.update(checkpoints={"uri": "s3://b/sweep", "every": 5},
+                  output={"name": "mine", "run_dir": str(tmp_path / "elsewhere")})
+    cfg = load_sweep(_sweep(tmp_path, base=nested))
+    a, b = (cfg.trial_fields(n, {"optimizer.lr": 0.01}) for n in (3, 4))
+    assert (a["checkpoint_uri"], b["checkpoint_uri"]) == ("s3://b/sweep/trial-0003",
+                                                          "s3://b/sweep/trial-0004")
+    built = JobConfig.from_dict(a)
+    assert (built.job_name, built.checkpoint_every) == ("t-trial-3", 5)
+    assert built.run_dir == os.path.join(cfg.run_path, "trial-0003")
+
+
+def test_a_retried_trial_does_not_inherit_the_stale_trials_prune(tmp_path, monkeypatch):
+    """A trial's sweep process died after its pruner had decided (the job was stopping): Optuna
+    retries it with the stale trial's user attributes. The retry runs to its end and is
+    complete, not pruned. Was: ``pruned_at_step`` read back from storage marked it pruned
+    after its full run (no value, a bogus prune lag)."""
+    from elastic.sweep.runner import TrialRunner
+
+    cfg = load_sweep(_sweep(tmp_path))
+    study = open_study(cfg)
+    dist = optuna.distributions.FloatDistribution(1.0e-5, 0.1, log=True)
+    study.add_trial(optuna.trial.create_trial(
+        state=TrialState.WAITING, params={"optimizer.lr": 0.01},
+        distributions={"optimizer.lr": dist},
+        user_attrs={"pruned_at_step": 3, "pruned_at_time": 0.0, "error": "stale"},
+        system_attrs={"failed_trial": 0, "retry_history": [0]}))
+    history = [{"step": s, "loss": 1.0 / (s + 1), "world_size": 1, "strategy": "dp"}
+               for s in range(6)]
+    runner = TrialRunner(cfg, None)
+    done = SimpleNamespace(history=history, final_loss=history[-1]["loss"])
+    monkeypatch.setattr(runner, "_run", lambda trial, job: done)
+    study.optimize(runner.objective, n_trials=1)
+    (t,) = study.get_trials()
+    assert t.state == TrialState.COMPLETE and t.value == pytest.approx(1.0 / 6)
+    assert t.user_attrs["pruned_at_step"] is None and t.user_attrs["error"] is None
+    assert t.user_attrs["steps"] == 6

@@ -122,6 +122,10 @@ def test_assigning_a_setting_checks_it_and_the_controllers_writes_still_work():
     cfg2.num_workers = 16  # each value fine; together not: validate() (fit calls it) says so
     with pytest.raises(ConfigError, match="smaller than num_workers"):
         cfg2.validate()
+    # max_workers past the batch: the scheduler (or `scale`) would grow the job to workers with
+    # no sample (was: accepted; the scheduler offered sizes up to it)
+    with pytest.raises(ConfigError, match=r"max_workers: 16 is more than global_batch_size=8"):
+        JobConfig(**_base(num_workers=2, max_workers=16))
 
 
 # ---------------------------------------------------------------------------- early errors
@@ -404,3 +408,23 @@ def test_an_error_whose_problem_ends_without_a_full_stop_still_reads_as_two_sent
     assert str(e) == ("strategy: pipeline cannot run here: choose a pp_degree that divides 2. "
                       "Fix: choose another strategy")
     assert str(ConfigError("x", "is wrong.", "do y")) == "x: is wrong. Fix: do y"
+
+
+def test_unnamed_jobs_of_one_submitted_driver_get_names_of_their_own(monkeypatch, tmp_path):
+    """Under ``ray job submit`` an unnamed job is named after the submission id; a second
+    unnamed job of the same driver gets ``<id>-2``. Was: both the id, so they shared the run
+    directory (``~/elastic-runs/<id>``), the default checkpoint URI and the owner identity:
+    the second one's ``resume: latest`` would have loaded the first one's weights."""
+    import itertools
+    import json
+
+    import elastic.config.job as job_mod
+
+    monkeypatch.setattr(job_mod, "_SUBMITTED", itertools.count(1))
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR",
+                       json.dumps({"metadata": {"job_submission_id": "raysubmit_abc"}}))
+    a, b = JobConfig(**_base()), JobConfig(**_base())
+    assert (a.job_name, b.job_name, a.job_name) == ("raysubmit_abc", "raysubmit_abc-2",
+                                                    "raysubmit_abc")
+    assert a.run_path != b.run_path and b.run_path.endswith("raysubmit_abc-2")
+    assert JobConfig(**_base(name="mine")).job_name == "mine"

@@ -123,6 +123,45 @@ def test_a_lost_shard_restores_the_newest_checkpoint(tmp_path, monkeypatch):
     assert ("restore_checkpoint", 4) in fake.calls
 
 
+def test_a_storage_outage_in_a_recovery_ends_the_job_instead_of_restarting_it(tmp_path,
+                                                                              monkeypatch):
+    """A lost shard while the storage fails (a listing, or every read): the job ends on the
+    ``StorageError``, its checkpoints untouched and none taken for corrupt. Was: each step
+    read was marked bad and the job restarted from step 0 (a listing failure: at once),
+    writing its steps over the intact checkpoints as it went."""
+    from elastic.errors import StorageError
+
+    ctl, fake = _controller(tmp_path, strategy="zero2", num_workers=2, min_workers=1)
+    monkeypatch.setattr(type(ctl.tracker), "valid_steps", lambda self: (4, 2))
+
+    def unreachable(spec, step, store=None):
+        fake.calls.append(("restore_checkpoint", step))
+        raise StorageError("reading step-000000000004 failed: connection refused")
+
+    monkeypatch.setattr(fake, "restore_checkpoint", unreachable)
+    fake.fail(step=6, rank=1, kind="lost")
+    with pytest.raises(StorageError, match="connection refused"):
+        ctl.run()
+    assert ("restore_checkpoint", 4) in fake.calls and ("restart_fresh", 0) not in fake.calls
+    assert ctl.tracker.bad_steps == set() and "recovered" not in _kinds(ctl)
+
+    def no_listing(self):
+        raise StorageError("listing checkpoints failed: connection refused")
+
+    ctl, fake = _controller(tmp_path / "b", strategy="zero2", num_workers=2, min_workers=1)
+    monkeypatch.setattr(type(ctl.tracker), "valid_steps", no_listing)
+    fake.fail(step=6, rank=1, kind="lost")
+    with pytest.raises(StorageError, match="listing"):
+        ctl.run()
+    assert ("restart_fresh", 0) not in fake.calls
+    # under dp every entry has a live holder: the outage does not matter, it recovers
+    ctl, fake = _controller(tmp_path / "c", strategy="dp", num_workers=2, min_workers=1)
+    monkeypatch.setattr(type(ctl.tracker), "valid_steps", no_listing)
+    fake.fail(step=6, rank=1, kind="lost")
+    ctl.run()
+    assert next(e for e in ctl.events if e.kind == "recovered").data["source"] == "peers"
+
+
 def test_user_code_error_fails_at_once_with_its_traceback(tmp_path):
     ctl, fake = _controller(tmp_path)
     fake.fail(step=3, rank=1, kind="user")
@@ -375,6 +414,27 @@ def test_scale_down(tmp_path):
     q = _ask(ctl, "scale", 1)
     result = ctl.run()
     assert q.get_nowait() == 1 and result.history[-1]["world_size"] == 1
+
+
+def test_a_request_whose_handling_fails_is_answered_and_the_job_recovers(tmp_path,
+                                                                         monkeypatch):
+    """A worker is lost while a scale-down takes its snapshot: the asker hears why at once and
+    the job recovers. Was: the request, taken off the inbox, was never answered (the SDK
+    waited out its 300 s; the scheduler's tick, which waits on its shrinks, with it)."""
+    from elastic.errors import GroupError
+
+    ctl, fake = _controller(tmp_path, num_workers=3, min_workers=1)
+
+    def lost_meanwhile() -> None:
+        fake.fw(fake.workers[2]).alive = False
+        raise GroupError("rank 2 left the group during the snapshot")
+
+    monkeypatch.setattr(fake, "snapshot_full", lost_meanwhile)
+    q = _ask(ctl, "scale", 1)
+    result = ctl.run()
+    answer = q.get_nowait()
+    assert isinstance(answer, GroupError) and "snapshot" in str(answer)
+    assert "recovered" in _kinds(ctl) and len(result.history) == STEPS
 
 
 def test_sigterm_stops_at_a_boundary_with_a_record_and_a_distinct_code(tmp_path):
@@ -644,6 +704,37 @@ def test_a_preemption_notice_moves_the_state_at_the_next_boundary(tmp_path, stra
     if strategy == "auto":
         plans = _events(ctl, "plan")
         assert len(plans) == 2 and " on 2 x " in plans[1].message
+
+
+def test_a_notice_whose_evacuation_a_failure_cut_short_is_acted_on_after_the_recovery(
+        tmp_path, monkeypatch):
+    """Another rank is lost during the hand-off of an announced node's state: the job
+    recovers (the draining rank lives, so it stays), and the notice is acted on at the next
+    boundary: the node's rank is released before its deadline. Was: the notice was marked
+    done before the work, so the node later went as an unannounced loss mid-step."""
+    from elastic.errors import GroupError
+
+    ctl, fake = _controller(tmp_path, strategy="dp", num_workers=3, min_workers=1,
+                            drain_poll_s=1e-9)
+    fake.announce_at[6] = (2, 60.0)
+    hand_off = fake.hand_off
+    failed: list[bool] = []
+
+    def peer_lost(leaving):
+        if not failed:
+            failed.append(True)
+            fake.fw(fake.workers[0]).alive = False
+            raise GroupError("rank 0 left the group during the hand-off")
+        return hand_off(leaving)
+
+    monkeypatch.setattr(fake, "hand_off", peer_lost)
+    result = ctl.run()
+    assert failed and "recovered" in _kinds(ctl)
+    assert [h["step"] for h in result.history] == list(range(STEPS))
+    ev = _events(ctl, "evacuated")
+    assert len(ev) == 1 and ev[0].data["path"] == "move"
+    assert any(c[0] == "release" for c in fake.calls)
+    assert result.history[-1]["world_size"] == 1
 
 
 def test_a_deadline_too_short_for_the_move_lets_the_node_go_and_says_why(tmp_path):

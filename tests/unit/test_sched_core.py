@@ -159,6 +159,56 @@ def test_cancel_a_queued_and_a_running_job():
         c.cancel("zzz")
 
 
+def test_a_cancel_while_the_job_starts_stops_it(monkeypatch):
+    """``cancel`` answers "was queued" while the tick is starting that very job: the job is
+    stopped at the next tick and ends cancelled. Was: the start set it running over the
+    cancel, and it trained to its end."""
+    c, s = core(FifoStatic(), capacity=2)
+    c.submit(cfg("a", 100, n=2))
+    start = s.start
+
+    def cancelled_meanwhile(name, conf, workers):
+        assert c.cancel(name) == "queued"
+        return start(name, conf, workers)
+
+    monkeypatch.setattr(s, "start", cancelled_meanwhile)
+    c.tick()
+    c.tick()
+    assert ("stop", "a", 2) in s.log and state(c)["a"] == ("cancelled", 0)
+
+
+def test_a_cancelled_job_keeps_its_workers_until_its_final_checkpoint_is_done():
+    """A cancelled running job answers the stop at its boundary and then takes its final
+    checkpoint: until it has ended it is running with its workers (no other job gets them,
+    it is not resized), and then it is cancelled, not failed. Was: ended at once; a final
+    checkpoint longer than the runner's 60 s wait for the result marked it failed, its
+    workers free while it still held them."""
+    c, s = core(FifoStatic(), capacity=2)
+    c.submit(cfg("a", 100, n=2))
+    c.submit(cfg("b", 100, n=2))
+    c.tick()
+    finishing = {"a"}
+    done, result = s.done, s.result
+
+    def still_writing(h):
+        return False if h.name in finishing else done(h)
+
+    def not_yet(h):
+        if h.name in finishing:
+            raise TimeoutError("the job is still running")
+        return result(h)
+
+    s.done, s.result = still_writing, not_yet
+    assert c.cancel("a") == "running"
+    for _ in range(3):
+        c.tick()
+    assert [e for e in s.log if e[:2] == ("stop", "a")] == [("stop", "a", 2)]  # once
+    assert state(c) == {"a": ("running", 2), "b": ("queued", 0)}
+    finishing.clear()
+    c.tick()
+    assert state(c)["a"] == ("cancelled", 0) and state(c)["b"] == ("running", 2)
+
+
 def test_refusals_and_a_failing_job_does_not_disturb_the_others():
     c, s = core(FifoStatic(backfill=True), capacity=4)
     c.submit(cfg("a", 100, n=2))
@@ -276,11 +326,28 @@ def test_the_queue_survives_a_restart_in_sqlite(tmp_path):
 
 
 def test_an_interrupted_job_with_checkpoints_resumes_from_its_newest(tmp_path):
+    """A job with a committed checkpoint of its own resumes from it (a fork too: from its own
+    steps, not its source's again); one without starts as submitted, a fresh one in a new
+    run directory. Was: ``resume: latest`` whenever checkpoints were configured, so a job
+    interrupted before its first commit failed ("no intact committed checkpoint"), and a
+    fork forked again from its source, over its own newer steps."""
+    import torch
+
+    from elastic.checkpoint import CheckpointMeta, commit, write_shard
+    from elastic.checkpoint_io import job_store
     from elastic.sched_store import _rerun
 
     ck = cfg("c", 10).replace(run_dir=str(tmp_path / "c"), checkpoint_every=5)
+    assert _rerun(ck).resume is None and _rerun(ck).run_path == str(tmp_path / "c.rerun1")
+    store = job_store(ck)
+    commit(store, 5, [write_shard(store, 5, 0, {"model/w": torch.ones(2)})], CheckpointMeta())
     again = _rerun(ck)
     assert again.resume == "latest" and again.run_path == ck.run_path
+    fork = ck.replace(resume=str(tmp_path / "source"))
+    assert _rerun(fork).resume == "latest"
+    fresh_fork = cfg("f", 10).replace(run_dir=str(tmp_path / "f"), checkpoint_every=5,
+                                      resume=str(tmp_path / "source"))
+    assert _rerun(fresh_fork) is fresh_fork
     plain = cfg("p", 10).replace(run_dir=str(tmp_path / "p"))
     (tmp_path / "p.rerun1").mkdir()
     assert _rerun(plain).run_path == str(tmp_path / "p.rerun2")

@@ -305,6 +305,24 @@ def test_a_full_snapshot_is_held_until_the_next_layout(tmp_path, group):
     assert not p.held.has_state()
 
 
+def test_a_snapshot_for_a_change_that_did_not_happen_is_dropped_when_training_goes_on(
+        tmp_path, group):
+    """A resize took a full snapshot, then gave up (its spare failed to start) and training
+    went on: at the next leave (a node lost) the rank parks its live state, not the stale
+    snapshot. Was: ``park`` kept the snapshot, and the recovery restored it "from peers, no
+    step lost" at the later step: the updates between the two were dropped silently."""
+    p = _parts(_cfg(tmp_path), group)
+    p.layout.build(_spec())
+    p.held.snapshot_full(p.layout.strategy)
+    assert p.loop.run(0, 3)["next_step"] == 3
+    live = {k: v.clone() for k, v in p.layout.strategy.full_state().items()}
+    with p.held.lock:
+        p.held.park(p.layout.strategy)
+    assert p.held.snapshot is not None and _diff(p.held.snapshot, _params(live)) == 0
+    ref, _ = reference_train(mlp, adam, mse, RegressionData(), G, 3, seed=0)
+    assert _diff(p.held.snapshot, ref) < TOL
+
+
 # ----------------------------------------------------------------------- the step loop
 
 def test_the_step_loop_trains_like_the_reference(tmp_path, group):
