@@ -73,4 +73,8 @@ def test_a_live_auto_job_names_a_straggler_and_re_cuts_its_share(ray_local, tmp_
     assert result.history[-1]["strategy"] == sw.data["to"]
     n = len(result.history)
     ref, _ = reference_train(wide_mlp, adam, mse, RegressionData(), G, n, seed=0)
-    assert max_diff(result.state_dict(), ref) < TOL
+    # (one failure in ~20 runs, under extra load: 1.5e-5 after an unknown number of steps,
+    # against 3.6e-7 after 195 quiet ones; the message says how many, and the layouts run)
+    diff = max_diff(result.state_dict(), ref)
+    assert diff < TOL, (n, diff, [(e.data["from"], e.data["to"], e.step)
+                                  for e in result.events if e.kind == "switch"])
