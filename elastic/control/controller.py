@@ -223,7 +223,8 @@ class Controller:
         self.regroup = Regroup(cfg, self.group, self.layouts, self.tracker, self.steps,
                                self._emit, self._drain)
         self.evacuation = Evacuation(cfg, self.group, self.layouts, self.tracker, self.regroup,
-                                     self._emit, lambda: self.steps.next_step)
+                                     self._emit, lambda: self.steps.next_step,
+                                     self.sizing.after_loss)
         return Placing(cfg.num_workers)
 
     def _place(self, st: Placing) -> State:
@@ -304,8 +305,7 @@ class Controller:
                 except SwitchError as e:
                     self._emit("switch_failed", f"{e}; training goes on as {self.spec.name}")
         while (req := self.inbox.take()) is not None:
-            nxt = self._request(req)
-            if nxt is not None:
+            if (nxt := self._request(req)) is not None:
                 return nxt
         return self._next_segment()
 
@@ -363,14 +363,14 @@ class Controller:
         self.failures += 1
         seg, self._segment = self._segment, None
         out = self.regroup.recover(st.failure, self.failures, seg, self.spec,
-                                   self._target_strategy(), max(self.cfg.num_workers,
-                                                                len(self.workers)), st.noticed_by)
+                                   self._target_strategy(), self.sizing.after_loss(
+                                       len(self.workers)), st.noticed_by)
         if isinstance(out, GiveUp):
             err = st.failure.error
             if st.failure.recoverable or not isinstance(err, BaseException):
                 err = InfrastructureError(out.reason)
             return Failed(err)
-        self.spec, self.step = out.spec, out.step
+        self.spec, self.step, self._switch_done = out.spec, out.step, -1  # (switch_at again)
         if self.evacuation is not None:
             self.evacuation.forget_gone()  # announced nodes that went before the boundary
         self._scale_check()  # replacements start now, in the background

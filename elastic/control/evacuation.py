@@ -67,8 +67,11 @@ class Evacuation:
 
     def __init__(self, cfg: Any, group: Any, layouts: Layouts, tracker: CheckpointTracker,
                  regroup: Regroup, emit: Callable[..., Any],
-                 steps_done: Callable[[], int] | None = None) -> None:
+                 steps_done: Callable[[], int] | None = None,
+                 replace_to: Callable[[int], int] | None = None) -> None:
         self.cfg = cfg
+        # the size replacements are placed up to, from the size the job had (Sizing's)
+        self._replace_to = replace_to or (lambda had: max(cfg.num_workers, had))
         self.group = group
         self.layouts = layouts
         self.tracker = tracker
@@ -272,7 +275,7 @@ class Evacuation:
         policy says."""
         group = self.group
         progress, held = group.progress(), group.held_keys()
-        got = self.regroup.acquire(max(self.cfg.num_workers, len(group.workers)))
+        got = self.regroup.acquire(self._replace_to(len(group.workers)))
         if isinstance(got, GiveUp):
             return got
         self.regroup.form()

@@ -23,7 +23,7 @@ from strategies.spec import pipeline_defaults
 from strategies.traits import DP_MODES, TRAITS, spec_survives_loss, traits_of
 
 from ..data import even_shares
-from ..errors import ConfigError, SwitchError
+from ..errors import ConfigError, InfrastructureError, SwitchError
 from .checkpoints import spec_dict
 
 __all__ = ["Layouts"]
@@ -394,8 +394,8 @@ class Layouts:
         t0 = time.perf_counter()
         try:
             outs = group.build(spec)
-        except SwitchError:
-            raise
+        except (SwitchError, InfrastructureError):
+            raise  # a worker lost (or the group broken) while switching: a failure, recovered
         except Exception as e:
             if old is None:
                 raise

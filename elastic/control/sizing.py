@@ -33,6 +33,12 @@ class Sizing:
         self.target = (cfg.max_workers if cfg.max_workers is not None and cfg.grow_when_room
                        else cfg.num_workers)
 
+    def after_loss(self, had: int) -> int:
+        """The size a recovery places replacements up to: back to ``num_workers`` (or the
+        ``had`` workers it had, if more), but never past the target a scale request set (a
+        job the scheduler shrank does not take back workers it gave to another job)."""
+        return min(max(self.cfg.num_workers, had), max(self.target, self.cfg.min_world))
+
     def check(self, group: Any) -> Request | None:
         """The scaling policy's running check: a ``grow`` request when spares are up and the
         job is below its target (taken in at the next boundary); spares started where there

@@ -106,7 +106,11 @@ class HeldState:
         """Collective over the current (healthy) group: keep the full canonical state, so
         that a planned membership change can hand every entry to the new group from any old
         rank. Returns the bytes held."""
-        full = strategy.full_state()
+        return self.hold_full(strategy.full_state())
+
+    def hold_full(self, full: dict[str, torch.Tensor]) -> int:
+        """Keep ``full`` (the whole canonical state) as this rank's held state; returns its
+        bytes."""
         self._pieces = [(k, tuple(t.shape), None, t) for k, t in full.items()]
         return piece_bytes(self._pieces)
 

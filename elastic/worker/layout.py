@@ -166,7 +166,6 @@ class Layout:
         (only what the built layout ``needs``: a checkpoint restore), else from the seeded
         model, replacing any live or held state."""
         self.drop()
-        self._held.clear()
         strat = self._new_strategy(spec, for_load=state is not None or read is not None)
         try:
             if state is not None:
@@ -176,6 +175,9 @@ class Layout:
         except BaseException:
             strat.close()
             raise
+        # only now: a build that fails (a peer lost in its collectives) leaves the held
+        # state for the next recovery (cleared first, it was gone on every survivor)
+        self._held.clear()
         self.strategy, self.spec = strat, spec
         self._on_built(strat)
 
@@ -241,8 +243,13 @@ class Layout:
         try:
             self.build_fresh(spec, state)
         except Exception:
-            # a failed switch leaves the job in its old layout, with the same state
-            self.build_fresh(old_spec, state)
+            # a failed switch leaves the job in its old layout, with the same state; when the
+            # group broke (a peer lost), that fails too: the state is held for the recovery
+            try:
+                self.build_fresh(old_spec, state)
+            except Exception:
+                self._held.hold_full(state)
+                raise
             raise
         problems: list[str] = []
         if mode == "rehash":  # a second gather and hash of the whole state

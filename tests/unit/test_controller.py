@@ -79,6 +79,31 @@ def test_node_lost_under_dp_recovers_from_peers_losing_no_step(tmp_path):
     assert (fail.step, rec[0].step) == (7, 7), (fail.step, rec[0].step)
 
 
+def test_a_worker_lost_during_a_scheduled_switch_is_a_failure_and_the_switch_still_runs(
+        tmp_path, monkeypatch):
+    """A worker dies while the job switches to zero1 at step 4 (``switch_at``): a loss,
+    recovered, and the switch then runs. Was: reported as a refused switch
+    (``switch_failed``), the job trained on in dp, and the switch was skipped for the rest
+    of the run."""
+    from elastic.errors import WorkerLostError
+
+    ctl, fake = _controller(tmp_path, num_workers=3, min_workers=1, switch_at={4: "zero1"})
+    build, lost = fake.build, []
+
+    def lost_in_switch(spec):
+        if spec.name == "zero1" and not lost:
+            lost.append(spec.name)
+            fake.fw(fake.workers[1]).alive = False
+            raise WorkerLostError("rank 1's process is gone", rank=1)
+        return build(spec)
+
+    monkeypatch.setattr(fake, "build", lost_in_switch)
+    result = ctl.run()
+    assert "recovered" in _kinds(ctl) and "switch_failed" not in _kinds(ctl)
+    assert [h["strategy"] for h in result.history][4:] == ["zero1"] * (STEPS - 4)
+    assert [h["step"] for h in result.history] == list(range(STEPS))
+
+
 def test_a_node_lost_during_the_final_gather_is_recovered(tmp_path, monkeypatch):
     """The last step is done and rank 1's node goes while the final state is gathered (seen
     in bench/stress_node_loss.py: the job failed after training every step): the job
@@ -407,6 +432,20 @@ def test_a_job_that_grows_only_when_asked_leaves_room_alone(tmp_path):
         sizing = Sizing(cfg, Inbox(None, lambda *a, **k: None))
         req = sizing.check(Roomy())
         assert sizing.target == target and (req.kind if req else None) == kind, grow
+
+
+def test_a_recovery_replaces_workers_up_to_the_size_asked_for_not_past_it(tmp_path):
+    """A job of 3 scaled down to 2 (the scheduler gave a worker to another job) loses one: the
+    recovery places a replacement up to 2, not 3. Was: up to ``num_workers``, taking back the
+    worker the scheduler had given away."""
+    ctl, fake = _controller(tmp_path, room=4, num_workers=3, min_workers=1,
+                            replacement_timeout_s=5)
+    q = _ask(ctl, "scale", 2)
+    fake.fail(step=10, rank=0, kind="lost")
+    result = ctl.run()
+    assert q.get_nowait() == 2 and "recovered" in _kinds(ctl)
+    assert [h["world_size"] for h in result.history][-1] == 2
+    assert max(h["world_size"] for h in result.history[10:]) == 2
 
 
 def test_scale_down(tmp_path):

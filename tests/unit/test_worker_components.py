@@ -323,6 +323,51 @@ def test_a_snapshot_for_a_change_that_did_not_happen_is_dropped_when_training_go
     assert _diff(p.held.snapshot, ref) < TOL
 
 
+def test_a_build_that_fails_keeps_the_held_state_for_the_next_recovery(tmp_path, group,
+                                                                      monkeypatch):
+    """A restore from peers whose new layout fails to build (a peer lost in its collectives)
+    leaves the parked state held: the next recovery still finds it. Was: cleared before the
+    build, on every survivor alike (the state then came from a checkpoint, or step 0)."""
+    p = _parts(_cfg(tmp_path), group)
+    p.layout.build(_spec())
+    p.loop.run(0, 3)
+    with p.held.lock:
+        p.held.park(p.layout.strategy)
+        p.layout.drop()
+    parked = dict(p.held.snapshot)
+    state, _ = p.held.from_peers([(k, 0, sh, dt) for k, (sh, dt) in sorted(
+        p.held.keys(None).items())], None, 0, group.device)
+
+    def broken(spec, for_load):
+        raise GroupError("rank 1 left during the new layout's subgroups")
+
+    monkeypatch.setattr(p.layout, "_new_strategy", broken)
+    with pytest.raises(GroupError):
+        p.layout.restart(_spec("zero1"), state, 3)
+    assert p.held.has_state() and p.held.snapshot.keys() == parked.keys()
+    assert all(torch.equal(p.held.snapshot[k], v) for k, v in parked.items())
+
+
+def test_a_switch_whose_way_back_fails_too_holds_the_state(tmp_path, group, monkeypatch):
+    """A live switch through a gather fails, and so does the way back to the old layout (the
+    group broke): the gathered state is held, so a recovery restores it from this rank.
+    Was: dropped (no layout, nothing held)."""
+    p = _parts(_cfg(tmp_path, switch_move="gather"), group)
+    p.layout.build(_spec())
+    p.loop.run(0, 3)
+    before = {k: v.clone() for k, v in p.layout.strategy.full_state().items()}
+
+    def broken(spec, for_load):
+        raise GroupError("a peer left the group")
+
+    monkeypatch.setattr(p.layout, "_new_strategy", broken)
+    with pytest.raises(GroupError):
+        p.layout.build(_spec("zero1"))
+    assert p.layout.strategy is None and p.held.has_state()
+    assert p.held.snapshot.keys() == before.keys()
+    assert all(torch.equal(p.held.snapshot[k], v) for k, v in before.items())
+
+
 # ----------------------------------------------------------------------- the step loop
 
 def test_the_step_loop_trains_like_the_reference(tmp_path, group):
