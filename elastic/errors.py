@@ -26,6 +26,7 @@ __all__ = [
     "NonFiniteError",
     "SwitchError",
     "StateMoveError",
+    "ActorGoneError",
     "JobNotFoundError",
     "InterruptedJobError",
 ]
@@ -168,6 +169,11 @@ class StateMoveError(ElasticError):
     """Moving the state from host memory (the pieces a draining node handed over, or the
     copies buddies keep) failed its check, or found a copy whose checksum does not match;
     nothing was loaded, and the job restores from storage instead."""
+
+
+class ActorGoneError(ElasticError):
+    """An actor elastic called (a scheduler, a job's mailbox) is gone: its process died, or
+    it was stopped."""
 
 
 class JobNotFoundError(ElasticError):

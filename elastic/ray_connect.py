@@ -330,10 +330,10 @@ def start_named(cls: type, name: str, namespace: str, *args: Any, detached: bool
 
 def call(method: Any, *args: Any) -> Any:
     """Call an actor method and wait; an ``ElasticError`` the actor raised comes back as
-    itself (not wrapped in Ray's task error)."""
+    itself (not wrapped in Ray's task error); an actor that is gone, as ``ActorGoneError``."""
     import ray
 
-    from .errors import ElasticError
+    from .errors import ActorGoneError, ElasticError
 
     try:
         return ray.get(method.remote(*args))
@@ -341,6 +341,9 @@ def call(method: Any, *args: Any) -> Any:
         if isinstance(e.cause, ElasticError):
             raise ElasticError(str(e.cause)) from None
         raise
+    except ray.exceptions.RayActorError as e:
+        raise ActorGoneError(str(e).strip().splitlines()[0] if str(e).strip() else
+                             "the actor called is gone") from None
 
 
 def kill(handle: Any) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 
 from clusters.sched_policy import POLICIES, policy_named
 
-from .errors import ElasticError
+from .errors import ActorGoneError, ElasticError
 from .ray_connect import call, dumps, kill, loads, named_actor, named_actors, start_named
 from .sched_core import QueuedJob, SchedulerCore
 from .sched_runner import ControllerRunner
@@ -234,16 +234,39 @@ class ScheduledJob:
         return self.status()["state"] not in ("queued", "running")
 
     def result(self, timeout: float | None = None) -> dict[str, Any]:
-        """Wait for the job to end: its state, error, steps and final parameters."""
+        """Wait for the job to end: its state, error, steps and final parameters. A
+        scheduler that goes away meanwhile (restarted on its queue file, which takes its jobs
+        back) is waited for up to ``RESTART_WAIT_S``, then ``ElasticError`` naming the fix.
+        Was: its dead handle's error ended the caller (a sweep: every trial after it)."""
         h = lookup(self.scheduler)
         deadline = None if timeout is None else time.monotonic() + timeout
+        gone: float | None = None  # since when the scheduler has been away
         while True:
-            out = call(h.result, self.job)
+            try:
+                out = call(h.result, self.job)
+                gone = None
+            except ActorGoneError:
+                gone = gone if gone is not None else time.monotonic()
+                if time.monotonic() - gone > RESTART_WAIT_S:
+                    raise ElasticError(
+                        f"scheduler {self.scheduler!r} went away while job {self.job!r} was in "
+                        f"it and was not back within {RESTART_WAIT_S:.0f}s. Fix: start it again "
+                        "with the same queue file (--db), which takes its jobs back; then "
+                        "resume what waited on it (a sweep: run it again)") from None
+                time.sleep(1.0)
+                try:
+                    h = lookup(self.scheduler)
+                except ElasticError:
+                    pass  # not back yet
+                continue
             if out is not None:
                 return dict(out)
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"job {self.job!r} is still {self.status()['state']}")
             time.sleep(0.5)
+
+
+RESTART_WAIT_S = 600.0  # how long a job's result waits for its scheduler to come back
 
 
 def submit_to(scheduler: str, cfg: Any, hook: Any = None) -> ScheduledJob:

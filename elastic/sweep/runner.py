@@ -164,6 +164,10 @@ class TrialRunner:
         if out["state"] != "finished":
             raise ElasticError(f"the scheduler's job {job.job_name!r} ended {out['state']}: "
                                f"{out.get('error') or 'cancelled'}")
+        if not out.get("history"):  # ended before a restart of its scheduler: kept as a row
+            raise ElasticError(f"the scheduler's job {job.job_name!r} finished before its "
+                               "scheduler restarted, which keeps no job's results: the "
+                               "trial's value is lost (its run directory has its metrics)")
         final = {f"model/{k}": v for k, v in (out.get("state_dict") or {}).items()}
         return FitResult(final, list(out.get("history") or []), [], out.get("run_dir") or "")
 

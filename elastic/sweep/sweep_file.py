@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -157,8 +158,8 @@ class SweepConfig:
         """The job of trial ``number``: ``job_fields(values)`` plus what the sweep owns: the
         name ``<study>-trial-<n>``, the run directory ``<run_dir>/trial-NNNN``, no view, and,
         when the base job sets ``checkpoint_uri``, a URI of the trial's own under it
-        (``<checkpoint_uri>/trial-NNNN``): trials are jobs, and a checkpoint URI belongs to
-        one job."""
+        (``<checkpoint_uri>/<study>/trial-NNNN``): trials are jobs, and a checkpoint URI
+        belongs to one job."""
         # flat: a base giving ``checkpoints: {uri: ...}`` or ``output: {name: ...}`` nested
         # must get the trial's own URI and name too (was: every trial the base's URI)
         fields = flatten(self.job_fields(values))
@@ -167,7 +168,9 @@ class SweepConfig:
                       run_dir=os.path.join(self.run_path, tag), view="none")
         uri = fields.get("checkpoint_uri")
         if isinstance(uri, str) and uri and "checkpoint_uri" not in self.params:
-            fields["checkpoint_uri"] = child_uri(uri, tag)
+            # under the study's name: two studies sharing a base URI never share a trial's
+            study = re.sub(r"[^A-Za-z0-9._-]", "_", self.study_name)
+            fields["checkpoint_uri"] = child_uri(uri, f"{study}/{tag}")
         return fields
 
     def probe_configs(self) -> list[JobConfig]:

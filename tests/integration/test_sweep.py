@@ -366,8 +366,8 @@ def test_each_trial_gets_its_own_checkpoint_uri(tmp_path):
     it, each to its own."""
     cfg = load_sweep(_sweep(tmp_path, base={**BASE, "checkpoint_uri": "s3://b/sweep?region=x"}))
     a, b = (cfg.trial_fields(n, {"optimizer.lr": 0.01}) for n in (3, 4))
-    assert a["checkpoint_uri"] == "s3://b/sweep/trial-0003?region=x"
-    assert b["checkpoint_uri"] == "s3://b/sweep/trial-0004?region=x"
+    assert a["checkpoint_uri"] == "s3://b/sweep/t/trial-0003?region=x"
+    assert b["checkpoint_uri"] == "s3://b/sweep/t/trial-0004?region=x"
     assert (a["name"], a["view"]) == ("t-trial-3", "none")
     assert a["run_dir"] == os.path.join(cfg.run_path, "trial-0003")
     # the base's settings given nested (as a job file may): the same, and the name and run
@@ -378,8 +378,14 @@ def test_each_trial_gets_its_own_checkpoint_uri(tmp_path):
                   output={"name": "mine", "run_dir": str(tmp_path / "elsewhere")})
     cfg = load_sweep(_sweep(tmp_path, base=nested))
     a, b = (cfg.trial_fields(n, {"optimizer.lr": 0.01}) for n in (3, 4))
-    assert (a["checkpoint_uri"], b["checkpoint_uri"]) == ("s3://b/sweep/trial-0003",
-                                                          "s3://b/sweep/trial-0004")
+    assert (a["checkpoint_uri"], b["checkpoint_uri"]) == ("s3://b/sweep/t/trial-0003",
+                                                          "s3://b/sweep/t/trial-0004")
+    # another study on the same base URI: trials of their own (was: the same trial-0003)
+    other = load_sweep(_sweep(tmp_path, study={"name": "my study/2",
+                                               "storage": f"sqlite:///{tmp_path}/o.db"},
+                              base=nested))
+    assert other.trial_fields(3, {"optimizer.lr": 0.01})["checkpoint_uri"] == (
+        "s3://b/sweep/my_study_2/trial-0003")
     built = JobConfig.from_dict(a)
     assert (built.job_name, built.checkpoint_every) == ("t-trial-3", 5)
     assert built.run_dir == os.path.join(cfg.run_path, "trial-0003")

@@ -427,3 +427,46 @@ def test_a_job_whose_workers_are_still_starting_says_so_in_its_row() -> None:
     s.advance(100)
     c.tick()
     assert c.rows()[0]["state"] == "finished" and c.rows()[0]["phase"] is None
+
+
+def test_a_jobs_result_waits_for_its_scheduler_to_come_back(monkeypatch):
+    """The scheduler goes away while a job (a sweep's trial) waits on its result, and is
+    started again on its queue file: the wait goes on with the new actor; one that does not
+    come back within RESTART_WAIT_S is an error naming the fix. Was: the dead actor's error
+    ended the caller (a sweep: every trial after it)."""
+    from types import SimpleNamespace
+
+    import elastic.scheduler as sched_mod
+    from elastic.errors import ActorGoneError
+
+    def handle(*answers):  # an actor handle whose result() gives these in turn
+        return SimpleNamespace(result=list(answers))
+
+    def call(method, job):
+        out = method.pop(0) if len(method) > 1 else method[0]  # a dead actor stays dead
+        if isinstance(out, Exception):
+            raise out
+        return out
+
+    def lookups(*handles):
+        it = iter(handles)
+
+        def lookup(name):
+            h = next(it)
+            if h is None:  # not back yet
+                raise ElasticError(f"no elastic scheduler named {name!r}")
+            return h
+        return lookup
+
+    monkeypatch.setattr(sched_mod, "call", call)
+    monkeypatch.setattr(sched_mod.time, "sleep", lambda s: None)
+    monkeypatch.setattr(sched_mod, "lookup", lookups(
+        handle(None, ActorGoneError("the actor died")), None,
+        handle(None, {"state": "finished"})))
+    job = sched_mod.ScheduledJob("default", "t-trial-3")
+    assert job.result() == {"state": "finished"}
+    monkeypatch.setattr(sched_mod, "RESTART_WAIT_S", 0.0)
+    monkeypatch.setattr(sched_mod, "lookup", lookups(handle(ActorGoneError("died")),
+                                                     handle(ActorGoneError("died"))))
+    with pytest.raises(ElasticError, match="same queue file"):
+        job.result()
