@@ -51,6 +51,12 @@ def _cmd(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespac
 def _start(a: argparse.Namespace) -> int:
     from . import scheduler
 
+    given = {f"--{k}": v for k, v in (("workers", a.workers), ("cpus", a.cpus),
+                                      ("gpus", a.gpus)) if v}
+    if len(set(given.values())) > 1:  # (was: --workers won and the others were ignored)
+        raise SystemExit(f"elastic scheduler start: {', '.join(f'{k} {v}' for k, v in given.items())}"
+                         " disagree; they are one count (the workers it owns, one device "
+                         "each): give one of them")
     workers = a.workers or a.gpus or a.cpus
     if not workers:
         raise SystemExit("elastic scheduler start needs --workers, --cpus or --gpus (how many "

@@ -195,3 +195,15 @@ def test_into_a_file_the_table_is_wide_enough_for_its_states_and_reasons(monkeyp
     assert "starting" in text and "4s left" in text, text
     assert "0 running, 1 starting, 0 queued" in text, text
     assert max(len(ln) for ln in text.splitlines()) <= FILE_WIDTH
+
+
+def test_scheduler_start_refuses_worker_counts_that_disagree():
+    """``--workers 4 --gpus 2``: one count given two ways, differently: refused, naming both.
+    Was: ``--workers`` won and ``--gpus`` was ignored silently."""
+    import argparse
+
+    from elastic.sched_cli import _start
+
+    a = argparse.Namespace(workers=4, cpus=None, gpus=2)
+    with pytest.raises(SystemExit, match="--workers 4, --gpus 2 disagree"):
+        _start(a)
