@@ -246,6 +246,9 @@ class ScheduledJob:
                 out = call(h.result, self.job)
                 gone = None
             except ActorGoneError:
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"job {self.job!r}: its scheduler {self.scheduler!r} "
+                                       "went away and is not back") from None
                 gone = gone if gone is not None else time.monotonic()
                 if time.monotonic() - gone > RESTART_WAIT_S:
                     raise ElasticError(

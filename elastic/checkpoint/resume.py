@@ -49,8 +49,9 @@ class ResumePlan:
 def resume_store(resume: str, own: CheckpointStore | None,
                  options: Mapping[str, Any] | None = None) -> tuple[CheckpointStore, int | None]:
     """The store ``resume`` names and the step it pins (None: the newest intact one).
-    ``"latest"`` is ``own``; a URI ending in ``step-<n>`` pins step n of its parent."""
-    if resume == "latest":
+    ``"latest"`` (and ``"auto"``) is ``own``; a URI ending in ``step-<n>`` pins step n of
+    its parent."""
+    if resume in ("latest", "auto"):
         if own is None:
             raise ConfigError("resume", "'latest' needs the job's checkpoint store.",
                               "set checkpoint_uri, or resume from a URI")
@@ -93,6 +94,7 @@ def plan_resume(resume: str, job: str, *, own: CheckpointStore | None,
         raise ConfigError("max_steps", f"the checkpoint to resume from ({store.uri}, step "
                           f"{manifest.step}) is already at or past max_steps {max_steps}: "
                           "nothing would be trained.",
-                          f"raise max_steps above {manifest.step}, or resume from an earlier "
-                          "step (resume: <uri>/step-<12 digits>)")
+                          f"raise max_steps above {manifest.step}, or start from an earlier "
+                          "step into a checkpoint_uri of this run's own (resume: "
+                          "<uri>/step-<12 digits>, a fork)")
     return ResumePlan(store, manifest, verdict.fork, verdict.source_owner, skipped)

@@ -63,7 +63,7 @@ class Checkpoints(Section):
                                  "http://minio:9000, region: us-east-1}")
         self._put("options", options)
         secrets = set(collect_secrets(self.uri if isinstance(self.uri, str) else None, options))
-        if isinstance(self.resume, str) and self.resume != "latest":
+        if isinstance(self.resume, str) and self.resume not in ("latest", "auto"):
             secrets.update(collect_secrets(self.resume, options))
         self._put("secrets", tuple(sorted(secrets, key=len, reverse=True)))
         text(self.uri, "checkpoint_uri",
@@ -81,16 +81,17 @@ class Checkpoints(Section):
                fix="e.g. checkpoint_upload_timeout_s: 3600 (seconds a checkpoint may take "
                    "to upload and commit before it is given up)")
         text(self.resume, "resume",
-                    fix="use resume: latest, or the URI of a checkpoint root or step directory")
+                    fix="use resume: latest (or auto: latest if there is one, else fresh), or "
+                        "the URI of a checkpoint root or step directory")
         if self.uri is not None:
             self._put("location", StorageLocation.parse(self.uri, options))
-        elif options and (self.every > 0 or self.resume == "latest"):
+        elif options and (self.every > 0 or self.resume in ("latest", "auto")):
             raise ConfigError("checkpoint_options", "are given but checkpoint_uri is not, and "
                               "the default (<run dir>/checkpoints) is a local directory, which "
                               "takes no options.",
                               "set checkpoint_uri to the s3:// or gs:// URI they are for, or "
                               "remove checkpoint_options")
-        if self.resume is not None and self.resume != "latest":
+        if self.resume is not None and self.resume not in ("latest", "auto"):
             m = _STEP_DIR.match(self.resume)
             root = m.group(1) if m else self.resume
             self._put("resume_step", int(m.group(2)) if m else None)

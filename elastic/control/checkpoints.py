@@ -337,6 +337,13 @@ class CheckpointTracker:
             refuse_newer(plan.store, plan.step, "resume", self.bad_steps)
         return plan.store, plan.step
 
+    def auto_resume(self) -> bool:
+        """``resume: auto``: whether the job's own URI holds a committed checkpoint to go on
+        from (else the job starts fresh, as a first attempt of a requeued driver does)."""
+        from ..checkpoint import committed_steps
+
+        return self.store is not None and bool(committed_steps(self.store))
+
     def check_fresh(self) -> None:
         """A job that does not resume (or forks: ``find_resume``) starts where no checkpoint
         is committed: its steps would be written over the ones there, and retention, a
@@ -344,7 +351,7 @@ class CheckpointTracker:
         naming the fix)."""
         from ..checkpoint import read_owner
 
-        if self.store is None or self.cfg.resume:
+        if self.store is None or self.cfg.resume not in (None, "auto"):
             return
         owner = read_owner(self.store)
         if owner is None or owner.job == self.cfg.job_name:  # another's: ``claim`` says so
@@ -444,8 +451,9 @@ def refuse_newer(store: CheckpointStore, step: int, field: str, bad: set[int]) -
             "that does not go on from them (a fresh start, or a fork from another URI) "
             "would write its steps over them, and mix with them in retention, recovery "
             "and a later resume.",
-            f"set resume: latest to go on from step {newer[-1]}, give this run another "
-            f"checkpoint_uri, or delete the step-* directories there ({first} ...)")
+            f"set resume: latest to go on from step {newer[-1]} (resume: auto also starts "
+            "fresh where none is), give this run another checkpoint_uri, or delete the step-* "
+            f"directories there ({first} ...)")
     raise ConfigError(
         field, f"step {step} is not the newest checkpoint at {store.uri}: {there} came "
         "after it, and going on from it there would write over them and mix with them in "

@@ -202,7 +202,7 @@ class Controller:
         self.tracker.store = pre.store
         if cfg.strategy != "auto":
             self.layouts.validate(self.layouts.make(cfg.strategy, cfg.num_workers), "strategy")
-        if cfg.resume:
+        if cfg.resume and (cfg.resume != "auto" or self.tracker.auto_resume()):
             self._resume = self.tracker.find_resume(cfg.resume)
         else:
             self.tracker.check_fresh()  # no run's steps written over another's

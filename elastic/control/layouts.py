@@ -394,11 +394,14 @@ class Layouts:
         t0 = time.perf_counter()
         try:
             outs = group.build(spec)
-        except (SwitchError, InfrastructureError):
-            raise  # a worker lost (or the group broken) while switching: a failure, recovered
+        except SwitchError:
+            raise
         except Exception as e:
-            if old is None:
-                raise
+            if old is None or (isinstance(e, InfrastructureError)
+                               and getattr(e, "transport", True)):
+                raise  # a worker lost (or the group broken) while switching: recovered
+            # (torch.distributed refusing the layout itself, every worker alive, is a
+            # refusal: a recovery would switch again into the same refusal)
             raise SwitchError(f"switch to {spec.name} failed: {e}") from None
         dt = time.perf_counter() - t0
         self.apply_s.append(dt)

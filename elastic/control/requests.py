@@ -199,6 +199,7 @@ class Inbox:
         ``why``; then close the mailbox."""
         with self._lock:
             self._closed = why
+        self.answer(self.in_hand, why)  # taken and never answered (its handling gave up)
         while (req := self.take()) is not None:
             self.answer(req, why)
         for req, _ in self.parked:

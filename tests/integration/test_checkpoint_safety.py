@@ -507,3 +507,40 @@ def test_a_short_secret_is_redacted_in_the_manifests_values_not_its_numbers(tmp_
     assert m.step == 1 and m.job == "test-job" and m.extra["n"] == 11
     assert m.extra["note"] == "key *** of ***"
     assert check_owner(m, "test-job") == "test-job"
+
+
+def test_resume_auto_goes_on_where_a_checkpoint_is_and_starts_fresh_where_none_is(tmp_path):
+    """``resume: auto`` (a driver that an outside scheduler may run again with the same
+    config): the first attempt starts fresh, a later one goes on from the newest committed
+    checkpoint of the job's own URI. ``latest`` fails where none is, and a run without
+    ``resume`` is refused where one is, so no one config served both attempts."""
+    from elastic.control import Controller
+    from tests.helpers import mlp
+    from tests.unit.fake_group import FakeGroup
+
+    uri = str(tmp_path / "ckpt")
+    first = _tracker(uri, resume="auto")
+    assert not first.auto_resume()
+    first.check_fresh()
+    store = CheckpointStore(uri)
+    claim(store, "job-a")
+    _tiny_commit(store, 10, owner="job-a")
+    again = _tracker(uri, resume="auto")
+    assert again.auto_resume() and again.find_resume("auto")[1] == 10
+
+    def run(cfg_uri: str) -> list[str]:
+        from elastic.config import JobConfig
+        from tests.helpers import RegressionData, adam, mse
+
+        fake = FakeGroup(mlp())
+        cfg = JobConfig(model=mlp, optimizer=adam, loss=mse, dataset=RegressionData(),
+                        global_batch_size=8, max_steps=20, num_workers=2, view="none",
+                        run_dir=str(tmp_path / f"run-{len(cfg_uri)}"), name="job-a",
+                        checkpoint_uri=cfg_uri, resume="auto")
+        ctl = Controller(cfg, group_factory=lambda c: fake, mailbox_factory=lambda j: None)
+        result = ctl.run()
+        return [f"{e.kind}@{e.step}" for e in ctl.events if e.kind == "resumed"] + [
+            str(result.history[0]["step"])]
+
+    assert run(uri) == ["resumed@10", "10"]
+    assert run(str(tmp_path / "empty-uri")) == ["0"]

@@ -102,6 +102,25 @@ def test_a_worker_lost_during_a_scheduled_switch_is_a_failure_and_the_switch_sti
     assert "recovered" in _kinds(ctl) and "switch_failed" not in _kinds(ctl)
     assert [h["strategy"] for h in result.history][4:] == ["zero1"] * (STEPS - 4)
     assert [h["step"] for h in result.history] == list(range(STEPS))
+    # torch.distributed refusing the layout itself (every worker alive): a refused switch,
+    # not a recovery that would switch into the same refusal and give up
+    from elastic.errors import GroupError
+
+    ctl, fake = _controller(tmp_path / "b", num_workers=3, min_workers=1,
+                            switch_at={4: "zero1"})
+    build = fake.build
+
+    def refused(spec):
+        if spec.name == "zero1":
+            err = GroupError("rank 0: the process group failed (ValueError: bad mesh)")
+            err.transport = False
+            raise err
+        return build(spec)
+
+    monkeypatch.setattr(fake, "build", refused)
+    result = ctl.run()
+    assert "switch_failed" in _kinds(ctl) and "recovered" not in _kinds(ctl)
+    assert {h["strategy"] for h in result.history} == {"dp"} and len(result.history) == STEPS
 
 
 def test_a_node_lost_during_the_final_gather_is_recovered(tmp_path, monkeypatch):
@@ -474,6 +493,20 @@ def test_a_request_whose_handling_fails_is_answered_and_the_job_recovers(tmp_pat
     answer = q.get_nowait()
     assert isinstance(answer, GroupError) and "snapshot" in str(answer)
     assert "recovered" in _kinds(ctl) and len(result.history) == STEPS
+
+
+def test_a_request_taken_and_never_answered_is_answered_when_the_job_ends():
+    """A request whose handling gave up (an evacuation's ``GiveUp`` ends the job) was taken
+    off the inbox: the job's end answers it too. Was: only queued and parked ones were, and
+    its asker waited out its timeout."""
+    from elastic.control.requests import Inbox
+
+    inbox = Inbox(None, lambda *a, **k: None)
+    q: queue.Queue = queue.Queue()
+    inbox.post(Request("evacuate", {"node": "abc"}, "test", reply=q))
+    assert inbox.take() is not None
+    inbox.close(SwitchError("the job ended (failed) before the request was handled"), {})
+    assert isinstance(q.get_nowait(), SwitchError)
 
 
 def test_sigterm_stops_at_a_boundary_with_a_record_and_a_distinct_code(tmp_path):

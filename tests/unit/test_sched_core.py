@@ -470,3 +470,9 @@ def test_a_jobs_result_waits_for_its_scheduler_to_come_back(monkeypatch):
                                                      handle(ActorGoneError("died"))))
     with pytest.raises(ElasticError, match="same queue file"):
         job.result()
+    # a caller's own timeout holds while the scheduler is away (was: 600 s, the restart wait)
+    monkeypatch.setattr(sched_mod, "RESTART_WAIT_S", 1e9)
+    monkeypatch.setattr(sched_mod, "lookup", lookups(handle(ActorGoneError("died")),
+                                                     *[None] * 5))
+    with pytest.raises(TimeoutError, match="not back"):
+        job.result(timeout=0.0)
