@@ -298,9 +298,12 @@ def commit(
     meta: CheckpointMeta | Mapping[str, Any] | None = None,
     *,
     clock: Callable[[], float] = time.time,
+    nonce: str | None = None,
 ) -> Manifest:
     """Make ``step`` visible: check every rank's shard is there with its reported size, then
-    write the manifest (last, atomically). Returns the manifest written.
+    write the manifest (last, atomically). Returns the manifest written. ``nonce``: the
+    writing run's claim (``Claim.record.nonce``); when given, a URI that a later run of the
+    same job has taken over since is refused (``CheckpointOwnerError``).
 
     ``shards``: one ``ShardInfo`` (or its ``to_dict()``) per rank 0..n-1, as the workers'
     writers reported them. Raises ``CheckpointError`` (nothing is written) if a rank is
@@ -350,6 +353,17 @@ def commit(
             )
     if m.owner:
         held = read_owner(store)
+        if held is not None and nonce is not None and held.job == m.owner \
+                and held.nonce != nonce:
+            raise CheckpointOwnerError(
+                store.redact(
+                    f"cannot commit step {step}: another run of job {m.owner!r} took "
+                    f"{store.uri} over (claimed {held.created} from host {held.host}, pid "
+                    f"{held.pid}); this run is an earlier one and must not write there. "
+                    "Fix: stop this run; the newer one goes on"
+                ),
+                owner=held.job,
+            )
         if held is not None and held.job != m.owner:
             raise CheckpointOwnerError(
                 store.redact(

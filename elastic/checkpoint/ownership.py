@@ -114,7 +114,8 @@ def _refusal(store: CheckpointStore, job: str, owner: str, how: str) -> Checkpoi
 
 def claim(store: CheckpointStore, job: str, *, clock: Callable[[], float] = time.time) -> Claim:
     """Claim ``store`` for ``job`` (its identity: the job's name) before writing anything
-    there. Returns the ``Claim``; the same job claiming again is allowed (``fresh=False``).
+    there. Returns the ``Claim``; the same job claiming again is allowed (``fresh=False``)
+    and takes the URI over: a new nonce, which an earlier run's commits then lack.
 
     Raises ``CheckpointOwnerError`` (nothing written) when another job holds the URI, or,
     without an owner record, wrote its newest committed checkpoint; ``StorageError`` when the
@@ -142,7 +143,12 @@ def claim(store: CheckpointStore, job: str, *, clock: Callable[[], float] = time
                               "claiming; another job is claiming this URI. Retry")
     if held.job != job:
         raise _refusal(store, job, held.job, f"claimed {held.created} from host {held.host}")
-    return Claim(store.uri, job, held, fresh=False, atomic=False)
+    # the same job again (a restart, a resume): this run takes the URI over with a nonce of
+    # its own, so that an earlier run of it still going (a driver cut off, not dead) can no
+    # longer commit there (``commit(..., nonce=)``); last writer wins
+    record = _new_record(job, clock)
+    _write_owner(store, record)
+    return Claim(store.uri, job, record, fresh=False, atomic=False)
 
 
 def release(store: CheckpointStore, job: str) -> bool:
@@ -305,11 +311,7 @@ def _create_s3(store: CheckpointStore, data: bytes) -> Any:
                           OSError(str(e))) from None
 
 
-def _check_then_write(store: CheckpointStore, record: OwnerRecord) -> bool:
-    """The best a store without create-if-absent allows: write if absent, then read back;
-    True if the record read back is ours."""
-    if read_owner(store) is not None:
-        return False
+def _write_owner(store: CheckpointStore, record: OwnerRecord) -> None:
     path = store.path(OWNER_NAME)
     try:
         store.ensure_dir(store.root)
@@ -317,5 +319,13 @@ def _check_then_write(store: CheckpointStore, record: OwnerRecord) -> bool:
             f.write(record.to_json())
     except (OSError, ValueError) as e:
         raise store.error(f"claiming {store.uri} (writing {OWNER_NAME}) failed", e) from None
+
+
+def _check_then_write(store: CheckpointStore, record: OwnerRecord) -> bool:
+    """The best a store without create-if-absent allows: write if absent, then read back;
+    True if the record read back is ours."""
+    if read_owner(store) is not None:
+        return False
+    _write_owner(store, record)
     back = read_owner(store)
     return back is not None and back.nonce == record.nonce

@@ -18,7 +18,7 @@ from typing import Any
 from strategies import StrategySpec
 
 from ..checkpoint import CheckpointMeta, CheckpointStore, apply_retention, commit
-from ..errors import CheckpointError, ConfigError, StorageError
+from ..errors import CheckpointError, CheckpointOwnerError, ConfigError, StorageError
 
 __all__ = ["CheckpointTracker", "spec_dict", "read_detail"]
 
@@ -55,6 +55,7 @@ class CheckpointTracker:
         self._last_id: tuple[Any, Any] = (None, None)  # the name of that one
         self.bad_steps: set[int] = set()  # committed steps of ``store`` found corrupt
         self._fork_bad: set[int] = set()  # the same, of the URI a fork resumes from
+        self._nonce: str | None = None  # this run's claim of ``store``
         # the name of the checkpoint that ended last (committed or not): a rank's late report
         # of it, or of an earlier one of its group, starts nothing
         self.ended: tuple[int | None, int | None] = (None, None)
@@ -173,7 +174,10 @@ class CheckpointTracker:
                 extra={"job": self.cfg.job_name,
                        "global_batch_size": self.cfg.global_batch_size})
             try:
-                manifest = commit(self.store, step, infos, meta)
+                manifest = commit(self.store, step, infos, meta, nonce=self._nonce)
+            except CheckpointOwnerError:
+                group.checkpoint_done(step, False, *name)
+                raise  # the job ends: another run of it writes here now
             except CheckpointError as e:
                 errors.append(str(e))
         group.checkpoint_done(step, manifest is not None, *name)
@@ -303,7 +307,8 @@ class CheckpointTracker:
         if self.store is None:
             return
         got = claim(self.store, self.cfg.job_name)
-        if got.fresh:
+        self._nonce = got.record.nonce  # this run's: its commits are refused once another
+        if got.fresh:  # run of the job takes the URI over (an earlier run still going stops)
             self._emit("claimed", f"checkpoint URI {self.store.uri} claimed for job "
                        f"{self.cfg.job_name}" + ("" if got.atomic else
                                                  " (this storage has no atomic create)"),

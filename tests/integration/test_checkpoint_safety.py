@@ -235,8 +235,15 @@ def test_one_job_per_checkpoint_uri(store: CheckpointStore) -> None:
     assert "own checkpoint_uri" in msg and "fork" in msg and OWNER_NAME in msg
     assert read_owner(store).job == "job-a"  # the refused claim wrote nothing
 
-    again = claim(store, "job-a")  # a restart or resume of the same job
-    assert not again.fresh and again.record == a.record
+    again = claim(store, "job-a")  # a restart or resume of the same job: it takes over
+    assert not again.fresh and again.record.job == "job-a" and again.record.nonce != a.record.nonce
+    assert read_owner(store).nonce == again.record.nonce
+    # the earlier run, still going (a driver cut off, not dead), can no longer commit there
+    # (was: both runs of the job committed into one URI, their steps mixed)
+    info = write_shard(store, 0, 0, {"model/w": torch.ones(2)})
+    with pytest.raises(CheckpointOwnerError, match="another run of job 'job-a' took"):
+        commit(store, 0, [info], CheckpointMeta(owner="job-a"), nonce=a.record.nonce)
+    assert commit(store, 0, [info], CheckpointMeta(owner="job-a"), nonce=again.record.nonce)
 
     m = _tiny_commit(store, 1, owner="job-a")
     assert m.owner == "job-a" and read_manifest(store, 1).job == "job-a"
@@ -544,3 +551,34 @@ def test_resume_auto_goes_on_where_a_checkpoint_is_and_starts_fresh_where_none_i
 
     assert run(uri) == ["resumed@10", "10"]
     assert run(str(tmp_path / "empty-uri")) == ["0"]
+
+
+def test_a_run_whose_uri_another_run_of_the_job_took_over_stops_at_its_next_commit(tmp_path):
+    """Two runs of one job on one URI (the first's driver cut off, not dead; the job started
+    again elsewhere): the newer claim takes the URI over, and the earlier run's next commit
+    ends it with the reason, committing nothing. Was: both committed there, their steps
+    interleaved (same job name, so the owner check let both through)."""
+    from strategies import StrategySpec
+
+    uri = str(tmp_path / "ckpt")
+    store = CheckpointStore(uri)
+    old = _tracker(uri)
+    old.claim()
+    claim(store, "job-a")  # the job started again, elsewhere
+
+    class OneRank:
+        def __init__(self) -> None:
+            self.done: list[Any] = []
+
+        def checkpoint_poll(self) -> list[Any]:
+            return [{"info": write_shard(store, 5, 0, {"model/w": torch.ones(2)}).to_dict()}]
+
+        def checkpoint_done(self, *args: Any) -> None:
+            self.done.append(args)
+
+    group = OneRank()
+    old.on_metric({"rank": 0, "checkpoint_begun": 5, "checkpoint_blocked_s": 0.0,
+                   "generation": 0, "checkpoint_seq": 1}, StrategySpec("dp", 1, (8,)))
+    with pytest.raises(CheckpointOwnerError, match="another run of job 'job-a' took"):
+        old.tick(group)
+    assert committed_steps(store) == [] and group.done and group.done[0][:2] == (5, False)
