@@ -340,6 +340,11 @@ class CheckpointTracker:
                                                               "step": plan.step})
         elif self.store is not None:  # (a job that writes no checkpoint overwrites none)
             refuse_newer(plan.store, plan.step, "resume", self.bad_steps)
+        why = sampling_changed(plan.manifest, self.cfg)
+        if why and not plan.fork:
+            raise ConfigError(why[0], why[1], why[2])
+        if why:  # a fork starts a run of its own: said, not refused (a warm start)
+            self._emit("resume_sampling", f"{why[0]}: {why[1]}", data={"field": why[0]})
         return plan.store, plan.step
 
     def auto_resume(self) -> bool:
@@ -465,3 +470,23 @@ def refuse_newer(store: CheckpointStore, step: int, field: str, bad: set[int]) -
         "retention, recovery and a later resume.",
         f"keep resume and give this run a checkpoint_uri of its own (a fork), or delete "
         f"the newer step-* directories ({first} ...) to go back to step {step} here")
+
+
+def sampling_changed(manifest: Any, cfg: Any) -> tuple[str, str, str] | None:
+    """Whether ``cfg`` draws its samples otherwise than the run that wrote ``manifest``: a
+    step number is a place in the sample stream (step s trains positions s*G .. s*G+G-1 of
+    the seeded order) only under the global batch size and seed it was trained with.
+    (field, problem, fix), or None."""
+    extra = manifest.extra if isinstance(manifest.extra, dict) else {}
+    rng = manifest.rng if isinstance(manifest.rng, dict) else {}
+    step = manifest.step
+    for field, was, now in (("global_batch_size", extra.get("global_batch_size"),
+                             cfg.global_batch_size), ("seed", rng.get("seed"), cfg.seed)):
+        if was is not None and was != now:
+            return (field, f"is {now}, but checkpoint step {step} was trained with {field} "
+                    f"{was}: going on from step {step} under {now} would skip samples of its "
+                    "order or train some twice, not the run it continues.",
+                    f"resume with {field}: {was} (the global batch stays whatever the world "
+                    "size; each worker's share follows it), or fork into a checkpoint_uri of "
+                    "this run's own to start a new run from its weights")
+    return None

@@ -99,7 +99,20 @@ class Profiler:
         """Measure this worker's speed for the job's model: samples/s of forward+backward,
         including its emulated slowdown (an emulated device reports what it emulates). With
         ``detail``: per-block forward+backward seconds per sample and the activation bytes
-        per sample each block hands on (what a pipeline split needs)."""
+        per sample each block hands on (what a pipeline split needs). The job's random state
+        is left as it was (``_own_rng``)."""
+        with self._own_rng():
+            return self._profile(batch, detail)
+
+    def _own_rng(self) -> Any:
+        """The profile's models are seeded and run in training mode (dropout draws): on a
+        fork of the random state, so that a profile mid-run (a re-balance, a re-plan) does not
+        reset or advance the job's (was: reseeded at the job's seed, then advanced by a
+        number of forwards that depended on timing)."""
+        devices = [self._device] if self._device.type == "cuda" else []
+        return torch.random.fork_rng(devices=devices)
+
+    def _profile(self, batch: int, detail: bool) -> dict[str, Any]:
         base = self._base(batch)
         out: dict[str, Any] = {"samples_per_s": 1.0 / (base * self.slowdown),
                                "base_s_per_sample": base}
@@ -162,9 +175,10 @@ class Profiler:
         step loop's data fetch and ``control`` all-reduce)."""
         lo = sum(shares[:rank])
         hi = lo + shares[rank]
-        return profile_terms(
-            model_factory=lambda: build_model(self._model_factory, self._config.seed),
-            loss_fn=self._loss_fn, optimizer_factory=self._config.optimizer_factory(),
-            batch=lambda step: self._data.batch(step, lo, hi), shares=shares, rank=rank,
-            world=world, device=self._device, autocast=self._autocast,
-            slowdown=self.slowdown, rounds=rounds, control=control)
+        with self._own_rng():
+            return profile_terms(
+                model_factory=lambda: build_model(self._model_factory, self._config.seed),
+                loss_fn=self._loss_fn, optimizer_factory=self._config.optimizer_factory(),
+                batch=lambda step: self._data.batch(step, lo, hi), shares=shares, rank=rank,
+                world=world, device=self._device, autocast=self._autocast,
+                slowdown=self.slowdown, rounds=rounds, control=control)

@@ -397,9 +397,11 @@ def _tracker(uri: str, **kw: Any) -> Any:
     from elastic.control.checkpoints import CheckpointTracker
     from tests.helpers import RegressionData, adam, mlp, mse
 
-    cfg = JobConfig(model=mlp, optimizer=adam, loss=mse, dataset=RegressionData(),
-                    global_batch_size=8, max_steps=100, num_workers=1, view="none",
-                    name="job-a", checkpoint_uri=uri, **kw)
+    settings: dict[str, Any] = dict(model=mlp, optimizer=adam, loss=mse,
+                                    dataset=RegressionData(), global_batch_size=8,
+                                    max_steps=100, num_workers=1, view="none", name="job-a",
+                                    checkpoint_uri=uri)
+    cfg = JobConfig(**{**settings, **kw})
     events: list[tuple[str, str]] = []
     tracker = CheckpointTracker(cfg, CheckpointStore(uri),
                                 lambda kind, msg, **_: events.append((kind, msg)))
@@ -582,3 +584,27 @@ def test_a_run_whose_uri_another_run_of_the_job_took_over_stops_at_its_next_comm
     with pytest.raises(CheckpointOwnerError, match="another run of job 'job-a' took"):
         old.tick(group)
     assert committed_steps(store) == [] and group.done and group.done[0][:2] == (5, False)
+
+
+def test_a_resume_under_another_global_batch_or_seed_is_refused(tmp_path) -> None:
+    """A step number is a place in the sample stream only under the global batch and seed it
+    was trained with: going on from step 10 of a G=16 run with G=8 would train positions
+    80..159 of its order again (and the rest of the epoch later than the run it continues
+    would). Refused, naming the
+    field and the fix; a fork (a new run from its weights) is said in an event. Was: not
+    checked (the manifest held both, shown by `elastic checkpoints inspect` only)."""
+    uri = str(tmp_path / "ckpt")
+    store = CheckpointStore(uri)
+    claim(store, "job-a")
+    commit(store, 10, [write_shard(store, 10, 0, {"model/w": torch.ones(2)})],
+           CheckpointMeta(owner="job-a", rng={"seed": 0},
+                          extra={"job": "job-a", "global_batch_size": 16}))
+    with pytest.raises(ConfigError, match=r"global_batch_size: is 8, but checkpoint step 10 "
+                                          r"was trained with global_batch_size 16"):
+        _tracker(uri, resume="latest").find_resume("latest")
+    fork = _tracker(str(tmp_path / "mine"), resume=uri)
+    assert fork.find_resume(uri)[1] == 10
+    assert "resume_sampling" in [k for k, _ in fork.events]
+    with pytest.raises(ConfigError, match="seed: is 3"):
+        _tracker(uri, resume="latest", seed=3, global_batch_size=16).find_resume("latest")
+    assert _tracker(uri, resume="latest", global_batch_size=16).find_resume("latest")[1] == 10

@@ -368,6 +368,20 @@ def test_a_switch_whose_way_back_fails_too_holds_the_state(tmp_path, group, monk
     assert all(torch.equal(p.held.snapshot[k], v) for k, v in before.items())
 
 
+def test_a_profile_mid_run_leaves_the_jobs_random_state_as_it_was(tmp_path, group):
+    """A profile mid-run (a re-balance, a re-plan under auto) builds seeded models and runs
+    them in training mode: the job's random stream (dropout's) is left as it was. Was:
+    reseeded at the job's seed and advanced by a number of forwards that depended on time."""
+    p = _parts(_cfg(tmp_path), group)
+    p.layout.build(_spec())
+    p.loop.run(0, 2)
+    torch.rand(5)  # the stream a dropout layer would have moved on (this MLP has none)
+    before = torch.get_rng_state()
+    p.loop._profiler.profile(4, detail=True)
+    p.loop._profiler.profile_terms([G], 0, 1, lambda: None, rounds=1)
+    assert torch.equal(torch.get_rng_state(), before)
+
+
 # ----------------------------------------------------------------------- the step loop
 
 def test_the_step_loop_trains_like_the_reference(tmp_path, group):
