@@ -138,6 +138,7 @@ class JobConfig(JobCode):
             self._s[name] = part if isinstance(part, Section) else SECTIONS[name](**part)
         self._default_location: StorageLocation | None = None
         self.ray_blocks: dict[str, Any] = {}  # a running job's Ray datasets (elastic.ray_dataset)
+        self.dataset_length: int | None = None  # what the driver read (preflight): workers agree
         self._checked = False
         self.validate()
 
@@ -218,6 +219,7 @@ class JobConfig(JobCode):
         running job's Ray dataset blocks go with it (a pooled placement's copy sends them)."""
         out = JobConfig(**merge(self.settings(), settings))
         out.ray_blocks = dict(self.ray_blocks)
+        out.dataset_length = self.dataset_length
         return out
 
     # ------------------------------------------------------------------ checks
@@ -336,7 +338,8 @@ class JobConfig(JobCode):
             max_nonfinite_skips=self.max_nonfinite_skips,
             peer_copies_every=self.peer_copies_every,
             peer_copies_memory_gb=self.peer_copies_memory_gb,
-            faults=tuple(self.faults) if self.faults is not None else None)
+            faults=tuple(self.faults) if self.faults is not None else None,
+            dataset_length=self.dataset_length)
 
     # ------------------------------------------------------------------ output
     def redact(self, text: str) -> str:

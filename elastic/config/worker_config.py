@@ -79,6 +79,7 @@ class WorkerConfig(JobCode):
     max_nonfinite_skips: int = 5
     peer_copies_every: int = 0  # every N steps a buddy keeps a copy of what only I hold
     peer_copies_memory_gb: float | None = None  # host memory those copies may use per worker
+    dataset_length: int | None = None  # the training set's length as the driver read it
 
     precision = Setting[str]("training")
     seed = Setting[int]("training")

@@ -172,7 +172,8 @@ class CheckpointTracker:
                 plan=spec_dict(spec), world_size=spec.world_size, data_position=step,
                 rng={"seed": self.cfg.seed}, strategy=spec.name, owner=self.cfg.job_name,
                 extra={"job": self.cfg.job_name,
-                       "global_batch_size": self.cfg.global_batch_size})
+                       "global_batch_size": self.cfg.global_batch_size,
+                       "dataset_length": self.cfg.dataset_length})
             try:
                 manifest = commit(self.store, step, infos, meta, nonce=self._nonce)
             except CheckpointOwnerError:
@@ -475,11 +476,13 @@ def refuse_newer(store: CheckpointStore, step: int, field: str, bad: set[int]) -
 def sampling_changed(manifest: Any, cfg: Any) -> tuple[str, str, str] | None:
     """Whether ``cfg`` draws its samples otherwise than the run that wrote ``manifest``: a
     step number is a place in the sample stream (step s trains positions s*G .. s*G+G-1 of
-    the seeded order) only under the global batch size and seed it was trained with.
-    (field, problem, fix), or None."""
+    the seeded order, a permutation of the dataset's length) only under the global batch
+    size, seed and length it was trained with. (field, problem, fix), or None."""
     extra = manifest.extra if isinstance(manifest.extra, dict) else {}
     rng = manifest.rng if isinstance(manifest.rng, dict) else {}
     step = manifest.step
+    fork = ("fork into a checkpoint_uri of this run's own to start a new run from its "
+            "weights")
     for field, was, now in (("global_batch_size", extra.get("global_batch_size"),
                              cfg.global_batch_size), ("seed", rng.get("seed"), cfg.seed)):
         if was is not None and was != now:
@@ -487,6 +490,11 @@ def sampling_changed(manifest: Any, cfg: Any) -> tuple[str, str, str] | None:
                     f"{was}: going on from step {step} under {now} would skip samples of its "
                     "order or train some twice, not the run it continues.",
                     f"resume with {field}: {was} (the global batch stays whatever the world "
-                    "size; each worker's share follows it), or fork into a checkpoint_uri of "
-                    "this run's own to start a new run from its weights")
+                    f"size; each worker's share follows it), or {fork}")
+    was, now = extra.get("dataset_length"), getattr(cfg, "dataset_length", None)
+    if was is not None and now is not None and was != now:
+        return ("dataset", f"has {now} samples, but checkpoint step {step} was trained on "
+                f"{was}: the sample order is a permutation of the length, so going on from "
+                f"step {step} would draw another order, not the run it continues.",
+                f"resume with the dataset it was trained on, or {fork}")
     return None

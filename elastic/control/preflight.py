@@ -109,6 +109,7 @@ def check_dataset_object(cfg: JobConfig, model: Any, field: str, ds: Any) -> Non
             "dataset", f"has {n} samples, fewer than one global batch "
             f"({cfg.global_batch_size}).",
             f"use global_batch_size <= {n} or a larger dataset")
+    cfg.dataset_length = n  # the sample order is a permutation of n: every worker must agree
     check_sample(cfg, model, ds)  # the model and the loss on a few samples, as workers read
 
 

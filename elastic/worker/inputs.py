@@ -8,6 +8,7 @@ import torch
 
 from ..config import JobConfig, WorkerConfig
 from ..data import StepSampler, fetch_batch
+from ..errors import ConfigError
 
 __all__ = ["JobData"]
 
@@ -28,9 +29,17 @@ class JobData:
     def load(self) -> None:
         """Read the training set (its length sets the sampler); a no-op once loaded."""
         if self._dataset is None:
-            self._dataset = self._config.dataset_object()
-            self._sampler = StepSampler(len(self._dataset), self._config.global_batch_size,
-                                        self._config.seed)
+            dataset = self._config.dataset_object()
+            n, want = len(dataset), getattr(self._config, "dataset_length", None)
+            if want is not None and n != want:
+                raise ConfigError(
+                    "dataset", f"this worker reads {n} samples, where the job read {want} "
+                    "when it started: the sample order is a permutation of the length, so "
+                    "this worker's samples would not be the ones its step stands for.",
+                    "give the job a dataset that stays the same while it runs (a fixed set of "
+                    "files, not a prefix or a table that grows), and start it again")
+            self._dataset = dataset
+            self._sampler = StepSampler(n, self._config.global_batch_size, self._config.seed)
 
     @property
     def dataset(self) -> Any:

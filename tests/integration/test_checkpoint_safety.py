@@ -608,3 +608,12 @@ def test_a_resume_under_another_global_batch_or_seed_is_refused(tmp_path) -> Non
     with pytest.raises(ConfigError, match="seed: is 3"):
         _tracker(uri, resume="latest", seed=3, global_batch_size=16).find_resume("latest")
     assert _tracker(uri, resume="latest", global_batch_size=16).find_resume("latest")[1] == 10
+    # the dataset's length, as the driver read it when each run started
+    commit(store, 20, [write_shard(store, 20, 0, {"model/w": torch.ones(2)})],
+           CheckpointMeta(owner="job-a", rng={"seed": 0}, extra={
+               "job": "job-a", "global_batch_size": 16, "dataset_length": 256}))
+    grown = _tracker(uri, resume="latest", global_batch_size=16)
+    grown.cfg.dataset_length = 300
+    with pytest.raises(ConfigError, match="dataset: has 300 samples, but checkpoint step 20 "
+                                          "was trained on 256"):
+        grown.find_resume("latest")

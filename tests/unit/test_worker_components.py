@@ -382,6 +382,23 @@ def test_a_profile_mid_run_leaves_the_jobs_random_state_as_it_was(tmp_path, grou
     assert torch.equal(torch.get_rng_state(), before)
 
 
+def test_a_worker_that_reads_another_dataset_length_than_the_job_refuses_to_train(tmp_path):
+    """The driver read 256 samples when the job started (preflight); a worker that joins
+    later reads 300 (a Parquet prefix that gained a file, a factory reading "latest" data):
+    its sample order would be another permutation. It refuses, naming the dataset and the
+    fix. Was: trained on, silently (each step mixing slices of two orders)."""
+    from elastic.worker.inputs import JobData
+
+    cfg = _cfg(tmp_path)
+    cfg.dataset_length = 256
+    assert len(JobData(cfg.for_worker()).sampler.indices(0)) == G  # the length it read
+    grown = _cfg(tmp_path, dataset=RegressionData(300))
+    grown.dataset_length = 256
+    with pytest.raises(ConfigError, match=r"dataset: this worker reads 300 samples, where the "
+                                          r"job read 256"):
+        JobData(grown.for_worker()).load()
+
+
 # ----------------------------------------------------------------------- the step loop
 
 def test_the_step_loop_trains_like_the_reference(tmp_path, group):
