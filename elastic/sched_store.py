@@ -35,6 +35,11 @@ class QueueStore:
 
     def __init__(self, path: str) -> None:
         self.path = path
+        if path != ":memory:":  # it holds the jobs' configs as given, credentials included
+            # (checkpoint options a restarted job needs): the owner's only, as ~/.aws's
+            # files are; SQLite gives its -wal and -shm files the same mode
+            os.close(os.open(path, os.O_CREAT | os.O_RDWR, 0o600))
+            os.chmod(path, 0o600)
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute(_SCHEMA)

@@ -42,6 +42,14 @@ from .errors import ConfigError
 from .events import Event
 from .view import View
 
+
+def _without_userinfo(uri: str) -> str:
+    """``uri`` with any ``user:password@`` shown as ``***@`` (a tracking URI from the
+    environment may carry one; it is said in an event, which the run's logs keep)."""
+    import re
+
+    return re.sub(r"(//)[^/@\s]*@", r"\1***@", uri)
+
 __all__ = ["Tracker", "RunInfo", "TensorBoardTracker", "MlflowTracker", "TrackerView",
            "check_trackers_here", "with_trackers", "METRIC_KEYS", "CLOSE_S"]
 
@@ -221,7 +229,8 @@ class MlflowTracker(Tracker):
         for i in range(0, len(params), 100):  # MLflow takes 100 params a call
             self._c.log_batch(self.run_id, params=params[i:i + 100])
         how = "continued (the job resumed) " if went_on else ""
-        return f"mlflow: run {self.run_id} {how}in experiment {name!r} at {self._c.tracking_uri}"
+        return (f"mlflow: run {self.run_id} {how}in experiment {name!r} at "
+                f"{_without_userinfo(str(self._c.tracking_uri))}")
 
     def _go_on(self, run: RunInfo, eid: str) -> dict[str, str] | None:
         """The resumed job's run, RUNNING again, with its params and its events so far (the

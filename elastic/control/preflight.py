@@ -10,6 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from ..config import JobConfig
 from ..config.datasets import is_ray_dataset
 from ..errors import ConfigError
@@ -47,7 +49,13 @@ def preflight(cfg: JobConfig, emit: Callable[..., Any]) -> Preflight:
             raise ConfigError("activation_checkpointing", f"works block by block: {why}.",
                               "set activation_checkpointing: false, or mend the model's "
                               "blocks as it says (strategies/blocks.py)")
-    cfg.optimizer_factory()
+    try:  # its values too (a negative lr, betas past 1, nesterov without momentum): on a
+        # stand-in parameter, as a sweep's factories are tried (was: on the workers, as
+        # "user code failed", naming no setting)
+        cfg.optimizer_factory()([torch.nn.Parameter(torch.zeros(2))])
+    except (ValueError, TypeError, RuntimeError) as e:
+        raise ConfigError("optimizer", f"building it failed: {type(e).__name__}: {e}.",
+                          "correct the value it names (torch.optim's own check)") from None
     cfg.loss_fn()
     check_trackers_here(cfg.trackers)
     addr = cfg.ray_address or os.environ.get("RAY_ADDRESS")

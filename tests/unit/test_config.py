@@ -428,3 +428,19 @@ def test_unnamed_jobs_of_one_submitted_driver_get_names_of_their_own(monkeypatch
                                                     "raysubmit_abc")
     assert a.run_path != b.run_path and b.run_path.endswith("raysubmit_abc-2")
     assert JobConfig(**_base(name="mine")).job_name == "mine"
+
+
+@pytest.mark.parametrize("optimizer, words", [
+    ({"name": "adam", "lr": -0.1}, "Invalid learning rate"),
+    ({"name": "adam", "betas": [0.9, 1.5]}, "beta"),
+    ({"name": "sgd", "lr": 0.1, "nesterov": True}, "Nesterov"),
+])
+def test_optimizer_values_torch_refuses_are_refused_before_ray(no_ray, optimizer, words):
+    """A negative lr, a beta past 1, nesterov without momentum: torch.optim refuses them when
+    the optimizer is built. Refused before Ray, naming the optimizer. Was: built only on the
+    workers, failing there as "user code failed on worker rank 0", naming no setting."""
+    with pytest.raises(ConfigError) as ei:
+        elastic.fit(**_base(optimizer=optimizer, run_dir=str(no_ray)))
+    assert ei.value.field == "optimizer" and words in str(ei.value)
+    with pytest.raises(ReachedRay):
+        elastic.fit(**_base(optimizer={"name": "adam", "lr": 0.1}, run_dir=str(no_ray)))

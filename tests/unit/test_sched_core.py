@@ -476,3 +476,23 @@ def test_a_jobs_result_waits_for_its_scheduler_to_come_back(monkeypatch):
                                                      *[None] * 5))
     with pytest.raises(TimeoutError, match="not back"):
         job.result(timeout=0.0)
+
+
+def test_the_queue_file_is_its_owners_only(tmp_path):
+    """The queue file keeps each job's config as given, checkpoint credentials included (a
+    restarted job needs them): it and its WAL are readable by their owner only. Was: the
+    process's umask (0644 here: every user of the host could read the credentials)."""
+    import os
+    import stat
+
+    from elastic.sched_store import QueueStore
+
+    path = tmp_path / "q.sqlite"
+    store = QueueStore(str(path))
+    store.add("a", b"config with secret_key=abc", 1.0)
+    for f in tmp_path.iterdir():
+        assert stat.S_IMODE(os.stat(f).st_mode) == 0o600, f
+    (tmp_path / "old.sqlite").write_bytes(b"")
+    os.chmod(tmp_path / "old.sqlite", 0o644)  # a file from before: made the owner's too
+    QueueStore(str(tmp_path / "old.sqlite"))
+    assert stat.S_IMODE(os.stat(tmp_path / "old.sqlite").st_mode) == 0o600

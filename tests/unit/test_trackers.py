@@ -448,3 +448,15 @@ def test_a_resumed_tensorboard_that_ends_before_a_step_still_writes_its_file(tmp
     assert "**failed**: no worker could be placed" in [x for _, tag, x in recs
                                                         if tag.startswith("events")]
     assert [x for _, tag, x in recs if tag == "status/text_summary"] == ["finished", "failed"]
+
+
+def test_a_tracking_uri_with_a_password_is_said_without_it():
+    """MLflow's tracking URI from the environment (``MLFLOW_TRACKING_URI``) may carry
+    ``user:password@``: the ``tracker`` event that says where the run is shows ``***@``.
+    Was: the URI as given, into events.jsonl, the view and ``FitResult.events``."""
+    from elastic.trackers import _without_userinfo
+
+    assert _without_userinfo("https://bob:HTTPPASS123@mlflow.example.com/x") == (
+        "https://***@mlflow.example.com/x")
+    assert _without_userinfo("file:///tmp/mlruns") == "file:///tmp/mlruns"
+    assert _without_userinfo("sqlite:////tmp/a.db") == "sqlite:////tmp/a.db"
