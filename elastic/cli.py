@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
@@ -19,7 +20,14 @@ def _parse_sets(pairs: list[str]) -> dict[str, Any]:
         if "=" not in p:
             raise SystemExit(f"--set expects key=value, got {p!r}")
         k, _, v = p.partition("=")
-        out[k.strip()] = yaml.safe_load(v)
+        try:
+            out[k.strip()] = yaml.safe_load(v)
+        except yaml.YAMLError as e:  # (its value is not echoed: it may hold a credential)
+            mark = getattr(e, "problem_mark", None)
+            where = f" at column {mark.column + 1}" if mark is not None else ""
+            raise SystemExit(f"elastic: --set {k.strip()}=...: the value is not YAML "
+                             f"({getattr(e, 'problem', None) or type(e).__name__}{where}). "
+                             "Fix: quote it, or close what it opens") from None
     return out
 
 
@@ -61,8 +69,6 @@ def _plain_signals() -> None:
 
 
 def _attach(address: str | None) -> None:
-    import os
-
     from .errors import ClusterError
     from .ray_connect import attach
 
@@ -126,8 +132,6 @@ def _cmd_plan(a: argparse.Namespace) -> int:
     """Ranked plans for a cluster file (or the live Ray cluster) and a job's model, with what
     each costs per hour and per 1,000 steps (the cluster file's or catalog's prices, or
     ``--prices``)."""
-    import os
-
     from clusters import example_path, format_plan_table, load_cluster, plan
     from clusters.inventory import cluster_from_ray_nodes
     from clusters.prices import parse_prices, with_prices
@@ -145,6 +149,12 @@ def _cmd_plan(a: argparse.Namespace) -> int:
         cluster = cluster_from_ray_nodes(ray.nodes())
     else:
         path = a.cluster if os.path.exists(a.cluster) else example_path(a.cluster)
+        if not os.path.exists(path):
+            shipped = sorted(f[:-5] for f in os.listdir(os.path.dirname(example_path("x")))
+                             if f.endswith(".yaml"))
+            raise SystemExit(f"elastic: --cluster {a.cluster}: no such file, and no shipped "
+                             f"example of that name. Fix: a cluster file's path, live, or one "
+                             f"of {', '.join(shipped)}")
         cluster = load_cluster(path)
     if a.prices:
         cluster = with_prices(cluster, parse_prices(a.prices))
@@ -155,7 +165,8 @@ def _cmd_plan(a: argparse.Namespace) -> int:
     else:
         tokens = tokens_per_sample(cfg.dataset_object())
     profile = model_profile(model, cfg.optimizer, tokens, precision=cfg.precision)
-    result = plan(cluster, profile, a.global_batch or cfg.global_batch_size)
+    result = plan(cluster, profile, cfg.global_batch_size if a.global_batch is None
+                  else a.global_batch)  # (0 is refused as the planner refuses -4)
     print(format_plan_table(result, cluster=cluster))
     return 0 if result.choice is not None else 1
 
@@ -174,15 +185,29 @@ def _cmd_report(a: argparse.Namespace) -> int:
     return 0
 
 
-def _store_of(a: argparse.Namespace) -> Any:
+def _options_of(a: argparse.Namespace) -> dict[str, Any]:
+    """``--options`` (JSON) with ``--endpoint``: the storage options of ``elastic
+    checkpoints``, for its URI and for an export's destination."""
     import json
 
-    from .checkpoint import CheckpointStore
-
-    opts: dict[str, Any] = json.loads(a.options) if a.options else {}
+    try:
+        opts = json.loads(a.options) if a.options else {}
+    except ValueError as e:
+        raise SystemExit(f"elastic: --options is not JSON ({e.__class__.__name__} at "
+                         f"{getattr(e, 'pos', '?')}). Fix: e.g. --options "
+                         "'{\"region\": \"us-east-1\"}'") from None
+    if not isinstance(opts, dict):
+        raise SystemExit("elastic: --options must be a JSON object ({\"name\": value, ...}), "
+                         f"got a {type(opts).__name__}")
     if a.endpoint:
         opts["endpoint_override"] = a.endpoint
-    return CheckpointStore(a.uri, opts)
+    return opts
+
+
+def _store_of(a: argparse.Namespace) -> Any:
+    from .checkpoint import CheckpointStore
+
+    return CheckpointStore(a.uri, _options_of(a))
 
 
 def _which(w: str) -> Any:
@@ -221,7 +246,11 @@ def _cmd_checkpoints(a: argparse.Namespace) -> int:
         return report.exit_code
     if not a.out:
         raise SystemExit("elastic checkpoints export needs --out FILE")
-    res = export(store, a.out, _which(a.which or "latest"), include_optimizer=a.optimizer)
+    if os.path.isdir(a.out):
+        raise SystemExit(f"elastic: --out {a.out} is a directory. Fix: give the file to write, "
+                         f"e.g. {os.path.join(a.out, 'model.safetensors')}")
+    res = export(store, a.out, _which(a.which or "latest"), include_optimizer=a.optimizer,
+                 dest_options=_options_of(a) if "://" in a.out else None)
     how = ("safetensors.torch.load_file(path)" if res.format == "safetensors"
            else "torch.load(path, weights_only=True)")
     print(f"wrote step {res.step} to {a.out} (load it with {how})")
@@ -317,8 +346,6 @@ def _see_current_folder() -> None:
     ``mymodule:factory`` in the folder the command runs in would not import. Ray's workers
     get the driver's current folder on their path from Ray itself (same machine, or the same
     layout on every node; ``ray job submit --working-dir`` ships it otherwise)."""
-    import os
-
     cwd = os.getcwd()
     if not any(p in ("", ".") or os.path.abspath(p) == cwd for p in sys.path):
         sys.path.insert(0, cwd)

@@ -26,7 +26,7 @@ from elastic.errors import CheckpointError, ConfigError
 __all__ = ["ResumePlan", "plan_resume", "resume_store"]
 
 log = logging.getLogger("elastic.checkpoint")
-_STEP_DIR = re.compile(r"^(.*?)/?step-(\d+)/?$")
+_STEP_DIR = re.compile(r"^(.*?)/?step-(\d+)/?(\?.*)?$")  # (its options after it)
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ def resume_store(resume: str, own: CheckpointStore | None,
                               "set checkpoint_uri, or resume from a URI")
         return own, None
     m = _STEP_DIR.match(resume)
-    root = m.group(1) if m else resume
+    root = m.group(1) + (m.group(3) or "") if m else resume
     return CheckpointStore(root, dict(options or {})), int(m.group(2)) if m else None
 
 

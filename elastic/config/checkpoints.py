@@ -20,7 +20,7 @@ from .sections import Section
 
 __all__ = ["Checkpoints"]
 
-_STEP_DIR = re.compile(r"^(.*?)/?step-(\d+)/?$")
+_STEP_DIR = re.compile(r"^(.*?)/?step-(\d+)/?(\?.*)?$")  # (its options after it)
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,7 @@ class Checkpoints(Section):
                               "remove checkpoint_options")
         if self.resume is not None and self.resume not in ("latest", "auto"):
             m = _STEP_DIR.match(self.resume)
-            root = m.group(1) if m else self.resume
+            root = m.group(1) + (m.group(3) or "") if m else self.resume
             self._put("resume_step", int(m.group(2)) if m else None)
             try:
                 self._put("resume_location", StorageLocation.parse(root, options))

@@ -17,7 +17,13 @@ from typing import Any
 
 from strategies import StrategySpec
 
-from ..checkpoint import CheckpointMeta, CheckpointStore, apply_retention, commit
+from ..checkpoint import (
+    CheckpointMeta,
+    CheckpointStore,
+    apply_retention,
+    commit,
+    committed_steps,
+)
 from ..errors import CheckpointError, CheckpointOwnerError, ConfigError, StorageError
 
 __all__ = ["CheckpointTracker", "spec_dict", "read_detail"]
@@ -351,8 +357,6 @@ class CheckpointTracker:
     def auto_resume(self) -> bool:
         """``resume: auto``: whether the job's own URI holds a committed checkpoint to go on
         from (else the job starts fresh, as a first attempt of a requeued driver does)."""
-        from ..checkpoint import committed_steps
-
         return self.store is not None and bool(committed_steps(self.store))
 
     def check_fresh(self) -> None:
@@ -413,8 +417,6 @@ class CheckpointTracker:
         checkpoint", which would restart from scratch while the newest is intact."""
         if self.store is None:
             return ()
-        from ..checkpoint import committed_steps
-
         steps = committed_steps(self.store)
         return tuple(s for s in reversed(steps) if s not in self.bad_steps)
 
@@ -449,8 +451,6 @@ def refuse_newer(store: CheckpointStore, step: int, field: str, bad: set[int]) -
     checkpoints newer than it (and not in ``bad``) are committed (a rewind would write its
     steps over them; retention keeps the newest steps, theirs; a recovery or a later
     ``resume: latest`` would take them)."""
-    from ..checkpoint import committed_steps
-
     newer = [s for s in committed_steps(store) if s > step and s not in bad]
     if not newer:
         return

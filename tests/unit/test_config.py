@@ -444,3 +444,39 @@ def test_optimizer_values_torch_refuses_are_refused_before_ray(no_ray, optimizer
     assert ei.value.field == "optimizer" and words in str(ei.value)
     with pytest.raises(ReachedRay):
         elastic.fit(**_base(optimizer={"name": "adam", "lr": 0.1}, run_dir=str(no_ray)))
+
+
+def test_a_resume_step_directory_with_its_options_after_it_keeps_its_step():
+    """``resume: s3://b/run/step-000000000010?region=us-east-1``: the step is pinned and the
+    root is the run's, with its options. Was: the step pattern wanted the URI to end at the
+    step directory, so the step was lost, the step directory taken for the root, and the fix
+    printed (`--which 10`, a flag of another command) led to a resume from the newest step."""
+    from elastic.checkpoint.resume import resume_store
+
+    uri = "s3://b/run/step-000000000010?region=us-east-1"
+    cfg = JobConfig(**_base(resume=uri))
+    assert cfg.checkpoints.resume_step == 10
+    assert cfg.checkpoints.resume_location.root.rstrip("/").endswith("b/run")
+    store, step = resume_store(uri, None)
+    assert step == 10 and store.root.rstrip("/").endswith("b/run")
+
+
+def test_cli_input_errors_are_one_line_naming_the_flag(tmp_path, capsys):
+    """Bad command-line input is a one-line refusal naming the flag and the fix, not a
+    traceback: a ``--set`` value that is not YAML (its value not echoed: it may hold a
+    credential), ``--options`` that is not a JSON object, ``--out`` a directory, a
+    ``--cluster`` that is neither a file nor a shipped example. Was: raw tracebacks
+    (the YAML one echoing the secret), and the export's destination ignored --endpoint."""
+    from elastic import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli._parse_sets(['checkpoint_options={secret_key: "SEKRETVALUE, region: x}'])
+    assert "--set checkpoint_options=...: the value is not YAML" in str(e.value)
+    assert "SEKRETVALUE" not in str(e.value)
+    for options, words in (("{bad", "--options is not JSON"), ("[1]", "must be a JSON object")):
+        with pytest.raises(SystemExit, match=words):
+            cli.main(["checkpoints", "list", str(tmp_path), "--options", options])
+    with pytest.raises(SystemExit, match="--out .* is a directory"):
+        cli.main(["checkpoints", "export", str(tmp_path), "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="no shipped example of that name.*a100-t4"):
+        cli.main(["plan", "examples/gpt.yaml", "--cluster", "a100-t5"])
