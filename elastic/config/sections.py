@@ -361,11 +361,12 @@ class Parallelism(Section):
         integer(self.pp_degree, "pp_degree")
         optional_integer(self.micro_batches, "micro_batches",
                          fix="set micro_batches: 1 or more, or leave it out (about 2 x pp_degree)")
-        if self.schedule is not None:
-            from strategies.traits import SCHEDULES
+        from strategies.traits import DP_MODES, SCHEDULES
 
+        if self.schedule is not None:
             one_of(self.schedule, "schedule", SCHEDULES)
-        text(self.dp_mode, "dp_mode", optional=False)
+        one_of(self.dp_mode, "dp_mode", DP_MODES)  # (was: any text, refused later by the
+        # pipeline as a strategy that cannot run, or at a switch_at to one, mid-run)
         self._put("switch_at", _switch_at(self.switch_at, known))
         one_of(self.switch_check, "switch_check", SWITCH_CHECKS)
         one_of(self.switch_move, "switch_move", SWITCH_MOVES)

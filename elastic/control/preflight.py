@@ -41,6 +41,15 @@ def preflight(cfg: JobConfig, emit: Callable[..., Any]) -> Preflight:
         raise ConfigError("model", f"the model factory raised {type(e).__name__}: {e}",
                           "fix the factory; it must return an nn.Module") from e
     _check_datasets(cfg, model)
+    if cfg.sample_prompt:  # the text generated after the run: tried now on one token
+        from ..models import generate
+
+        try:
+            generate(model, cfg.dataset_object(), cfg.sample_prompt, max_new_tokens=1)
+        except (ValueError, TypeError, KeyError) as e:  # (was: a traceback after the run)
+            raise ConfigError("sample_prompt", f"cannot be generated from: {e}.",
+                              "give a prompt of the dataset's characters, for a model with "
+                              "an elastic.models.Embedding block, or drop it") from None
     if cfg.activation_checkpointing:  # (every layout refuses it: not the strategy's fault)
         from strategies.blocks import checkpointable
 

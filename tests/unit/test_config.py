@@ -164,6 +164,7 @@ def test_assigning_a_setting_checks_it_and_the_controllers_writes_still_work():
     ({"dataset_format": "csv"}, "dataset_format", "unknown value"),
     ({"target_dtype": "long"}, "target_dtype", "unknown value"),
     ({"schedule": "1F1B"}, "schedule", "unknown value '1F1B'"),
+    ({"dp_mode": "zero9"}, "dp_mode", "unknown value 'zero9'"),  # (was: any text)
     ({"micro_batches": 0}, "micro_batches", "positive integer"),
     ({"log_every": 0}, "log_every", "positive integer"),
     ({"loss": "crossentropy"}, "loss", "did you mean cross_entropy"),
@@ -480,3 +481,12 @@ def test_cli_input_errors_are_one_line_naming_the_flag(tmp_path, capsys):
         cli.main(["checkpoints", "export", str(tmp_path), "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="no shipped example of that name.*a100-t4"):
         cli.main(["plan", "examples/gpt.yaml", "--cluster", "a100-t5"])
+
+
+def test_a_sample_prompt_that_cannot_be_generated_from_is_refused_before_ray(no_ray):
+    """``sample_prompt`` on a model that is not a character model, or with a character the
+    vocabulary lacks: refused before Ray, naming it. Was: a traceback after the run had
+    finished and said "done" (exit 1)."""
+    with pytest.raises(ConfigError) as ei:
+        elastic.fit(**_base(sample_prompt="hello", run_dir=str(no_ray)))
+    assert ei.value.field == "sample_prompt"
