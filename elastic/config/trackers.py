@@ -92,12 +92,16 @@ def _checked(kind: Any, opts: Any) -> tuple[str, dict[str, Any]]:
                               f"use {', '.join(TRACKER_OPTIONS[kind])}")
     for k in ("log_dir", "tracking_uri", "experiment", "run_name", "artifact_location"):
         text(opts.get(k), f"{field}.{k}")
-    uri = opts.get("tracking_uri")
-    if uri and (urlsplit(uri).password or urlsplit(uri).username):
-        raise ConfigError(f"{field}.tracking_uri", "carries credentials (user:password@), "
-                          "which would be written to the run's logs.",
-                          "set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or "
-                          "MLFLOW_TRACKING_TOKEN) in the environment instead")
+    for k, fix in (("tracking_uri", "set MLFLOW_TRACKING_USERNAME and "
+                    "MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) in the environment "
+                    "instead"),
+                   ("artifact_location", "give the store's credentials through the "
+                    "environment (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or the "
+                    "store's own) instead")):
+        uri = opts.get(k)  # (artifact_location's was written as given: config.json, params)
+        if uri and (urlsplit(uri).password or urlsplit(uri).username):
+            raise ConfigError(f"{field}.{k}", "carries credentials (user:password@), which "
+                              "would be written to the run's logs.", fix)
     tags = opts.get("tags")
     if tags is not None and not (isinstance(tags, Mapping)
                                  and all(isinstance(k, str) for k in tags)):

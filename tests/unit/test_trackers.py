@@ -81,6 +81,8 @@ def test_the_setting_takes_names_options_and_classes_in_either_form(tmp_path):
     ({"mlflow": {"experimnt": "x"}}, "trackers.mlflow.experimnt", "did you mean experiment?"),
     ({"mlflow": {"tracking_uri": "https://me:tok@mlflow.example"}},
      "trackers.mlflow.tracking_uri", "MLFLOW_TRACKING_PASSWORD"),
+    ({"mlflow": {"artifact_location": "s3://AKIAX:ARTSECRET1@bucket/mlruns"}},  # (was:
+     "trackers.mlflow.artifact_location", "AWS_ACCESS_KEY_ID"),  # written as given)
     ({"mlflow": "x"}, "trackers.mlflow", "takes a mapping of options"),
     ({"mlflow": {"tags": ["a"]}}, "trackers.mlflow.tags", "mapping of tag to value"),
     ({"tensorboard": {"log_dir": 3}}, "trackers.tensorboard.log_dir", "non-empty string"),
