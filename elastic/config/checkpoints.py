@@ -20,6 +20,11 @@ from .sections import Section
 
 __all__ = ["Checkpoints"]
 
+def _remote(uri: str) -> bool:
+    """Whether ``uri`` names an object store (s3://, gs://...), not a local path."""
+    return "://" in uri and not uri.startswith("file://")
+
+
 _STEP_DIR = re.compile(r"^(.*?)/?step-(\d+)/?(\?.*)?$")  # (its options after it)
 
 
@@ -83,9 +88,14 @@ class Checkpoints(Section):
         text(self.resume, "resume",
                     fix="use resume: latest (or auto: latest if there is one, else fresh), or "
                         "the URI of a checkpoint root or step directory")
+        # options for a fork from an object store with local checkpoints of its own: the
+        # resume's (was: refused, with fixes that broke the resume or moved the checkpoints)
+        remote = isinstance(self.resume, str) and self.resume not in ("latest", "auto") \
+            and _remote(self.resume)
         if self.uri is not None:
-            self._put("location", StorageLocation.parse(self.uri, options))
-        elif options and (self.every > 0 or self.resume in ("latest", "auto")):
+            mine = options if _remote(self.uri) or not remote else {}
+            self._put("location", StorageLocation.parse(self.uri, mine))
+        elif options and not remote and (self.every > 0 or self.resume in ("latest", "auto")):
             raise ConfigError("checkpoint_options", "are given but checkpoint_uri is not, and "
                               "the default (<run dir>/checkpoints) is a local directory, which "
                               "takes no options.",

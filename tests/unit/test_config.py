@@ -490,3 +490,17 @@ def test_a_sample_prompt_that_cannot_be_generated_from_is_refused_before_ray(no_
     with pytest.raises(ConfigError) as ei:
         elastic.fit(**_base(sample_prompt="hello", run_dir=str(no_ray)))
     assert ei.value.field == "sample_prompt"
+
+
+def test_a_fork_from_an_object_store_takes_the_options_with_local_checkpoints_of_its_own():
+    """``resume: s3://src/run`` with ``checkpoint_options`` (its endpoint) and local
+    checkpoints (the default directory, or a local ``checkpoint_uri``): the options are the
+    resume's. Was: refused, with fixes that broke the resume (remove the options) or moved
+    this job's checkpoints to S3."""
+    opts = {"endpoint_override": "http://127.0.0.1:9000", "region": "us-east-1"}
+    for local in ({"checkpoint_every": 5}, {"checkpoint_uri": "/tmp/elastic-ck-local"}):
+        cfg = JobConfig(**_base(resume="s3://src/run", checkpoint_options=opts, **local))
+        assert cfg.checkpoints.resume_location.endpoint == "127.0.0.1:9000"
+        assert "://" not in cfg.checkpoint_location.root
+    with pytest.raises(ConfigError, match="checkpoint_options: are given but checkpoint_uri"):
+        JobConfig(**_base(checkpoint_options=opts, checkpoint_every=5))  # for nothing
