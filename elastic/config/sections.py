@@ -311,6 +311,14 @@ class Scaling(Section):
                               'e.g. {"CPU": 1} or {"GPU": 1}')
         self._put("resources_per_worker", dict(res))
         optional_flag(self.use_gpu, "use_gpu", "GPUs when the cluster has them")
+        gpu = res.get("GPU", 0)  # one worker per device (was: rounded up, or dropped, silently)
+        if gpu and self.use_gpu is False:
+            raise ConfigError("resources_per_worker", f"asks for {gpu} GPU per worker, but "
+                              "use_gpu is false.", "drop GPU from it, or set use_gpu: true")
+        if gpu and gpu != int(gpu):
+            raise ConfigError("resources_per_worker", f"asks for {gpu} of a GPU per worker: "
+                              "each worker drives one whole device (NCCL needs a GPU of its "
+                              "own for each rank).", "ask for GPU: 1 (or a whole number)")
         text(self.ray_address, "ray_address",
                     fix="e.g. ray_address: 10.0.0.1:6379, or leave it out ($RAY_ADDRESS, "
                         "else the cluster `ray start` runs here, else a local one)")

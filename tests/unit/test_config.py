@@ -165,6 +165,9 @@ def test_assigning_a_setting_checks_it_and_the_controllers_writes_still_work():
     ({"target_dtype": "long"}, "target_dtype", "unknown value"),
     ({"schedule": "1F1B"}, "schedule", "unknown value '1F1B'"),
     ({"dp_mode": "zero9"}, "dp_mode", "unknown value 'zero9'"),  # (was: any text)
+    ({"resources_per_worker": {"GPU": 0.5}}, "resources_per_worker", "0.5 of a GPU"),
+    ({"resources_per_worker": {"GPU": 1}, "use_gpu": False}, "resources_per_worker",
+     "use_gpu is false"),  # (both were changed silently: rounded up, or dropped)
     ({"micro_batches": 0}, "micro_batches", "positive integer"),
     ({"log_every": 0}, "log_every", "positive integer"),
     ({"loss": "crossentropy"}, "loss", "did you mean cross_entropy"),
