@@ -312,8 +312,13 @@ def check_trackers_here(trackers: tuple[tuple[str, dict[str, Any]], ...]) -> Non
         if kind == "tensorboard" and importlib.util.find_spec("tensorboardX") is None:
             raise ConfigError("trackers.tensorboard", "needs tensorboardX, which is not "
                               "installed here.", "pip install tensorboardX")
-        if kind == "custom":
-            _factory(kind, opts)
+        if kind == "custom":  # its class, and its options against its signature (was:
+            # a misspelled one found when the job started it: turned off, the job went on)
+            from .config.code import check_keywords, resolve_callable
+
+            cls = resolve_callable(opts["target"], "trackers.target")
+            check_keywords("trackers", cls, {k: v for k, v in opts.items() if k != "target"},
+                           complete=True)
 
 
 def _resumed(run: RunInfo, had: Any) -> RunInfo:

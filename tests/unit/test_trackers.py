@@ -462,3 +462,16 @@ def test_a_tracking_uri_with_a_password_is_said_without_it():
         "https://***@mlflow.example.com/x")
     assert _without_userinfo("file:///tmp/mlruns") == "file:///tmp/mlruns"
     assert _without_userinfo("sqlite:////tmp/a.db") == "sqlite:////tmp/a.db"
+
+
+def test_a_custom_trackers_options_are_checked_against_its_class_before_ray():
+    """``{target: elastic.trackers:TensorBoardTracker, log_dri: tb}``: refused before Ray,
+    naming the option and the one it meant. Was: found when the job started the tracker,
+    which was then turned off while the job went on."""
+    from elastic.errors import ConfigError
+    from elastic.trackers import check_trackers_here
+
+    target = "elastic.trackers:TensorBoardTracker"
+    with pytest.raises(ConfigError, match=r"trackers.log_dri: is not an argument.*log_dir"):
+        check_trackers_here((("custom", {"target": target, "log_dri": "tb"}),))
+    check_trackers_here((("custom", {"target": target, "log_dir": "tb"}),))
