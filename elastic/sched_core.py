@@ -230,10 +230,10 @@ class SchedulerCore:
             j.reason, j.remaining_s = a.reason, a.remaining_s
             if j.busy:
                 j.reason = f"{a.reason} (a resize to {j.workers} is under way)"
-        stopping = set(self._cancels)  # (a cancelled job is not resized on its way out)
+        cancelled = set(self._cancels)  # (not resized on its way out)
         shrinks = [self._pool.submit(self._resize, j, a.workers) for j, a in plan
                    if j.state == "running" and not j.busy and 0 < a.workers < j.workers
-                   and j.name not in stopping]
+                   and j.name not in cancelled]
         for f in shrinks:
             f.result()
         free = self.capacity - sum(j.workers for j in active if j.state == "running")
@@ -244,7 +244,7 @@ class SchedulerCore:
         for j, a in plan:
             grow = a.workers - j.workers
             if j.state == "running" and not j.busy and 0 < grow <= free \
-                    and j.name not in stopping:
+                    and j.name not in cancelled:
                 free -= grow
                 with self._lock:
                     j.hold(self.clock())

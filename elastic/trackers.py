@@ -38,17 +38,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .checkpoint.location import shown_uri
 from .errors import ConfigError
 from .events import Event
 from .view import View
-
-
-def _without_userinfo(uri: str) -> str:
-    """``uri`` with any ``user:password@`` shown as ``***@`` (a tracking URI from the
-    environment may carry one; it is said in an event, which the run's logs keep)."""
-    import re
-
-    return re.sub(r"(//)[^/@\s]*@", r"\1***@", uri)
 
 __all__ = ["Tracker", "RunInfo", "TensorBoardTracker", "MlflowTracker", "TrackerView",
            "check_trackers_here", "with_trackers", "METRIC_KEYS", "CLOSE_S"]
@@ -230,7 +223,7 @@ class MlflowTracker(Tracker):
             self._c.log_batch(self.run_id, params=params[i:i + 100])
         how = "continued (the job resumed) " if went_on else ""
         return (f"mlflow: run {self.run_id} {how}in experiment {name!r} at "
-                f"{_without_userinfo(str(self._c.tracking_uri))}")
+                f"{shown_uri(str(self._c.tracking_uri))}")  # (no user:password@)
 
     def _go_on(self, run: RunInfo, eid: str) -> dict[str, str] | None:
         """The resumed job's run, RUNNING again, with its params and its events so far (the

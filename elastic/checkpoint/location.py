@@ -33,7 +33,24 @@ __all__ = [
     "scrub",
     "is_secret_key",
     "resolve_filesystem",
+    "shown_uri",
+    "split_step_dir",
+    "OWN_RESUMES",
 ]
+
+# the ``resume`` values that name the job's own checkpoint URI (``auto``: latest where a
+# checkpoint is, else a fresh start); any other value is a URI
+OWN_RESUMES = ("latest", "auto")
+_STEP_DIR = re.compile(r"^(.*?)/?step-(\d+)/?(\?.*)?$")
+
+
+def split_step_dir(uri: str) -> tuple[str, int | None]:
+    """A ``resume`` URI as (root, step): ``.../step-<n>`` (its options, if any, after it)
+    pins step n of its parent; any other URI is a root (step None)."""
+    m = _STEP_DIR.match(uri)
+    if m is None:
+        return uri, None
+    return m.group(1) + (m.group(3) or ""), int(m.group(2))
 
 SECRET_OPTIONS = frozenset(
     {
@@ -224,8 +241,8 @@ def _userinfo(netloc: str) -> dict[str, str]:
     return {k: unquote(v) for k, v in (("access_key", key), ("secret_key", secret)) if v}
 
 
-def _shown(uri: str, secrets: tuple[str, ...]) -> str:
-    """The URI for humans: no query string, no user info, secrets redacted."""
+def shown_uri(uri: str, secrets: Iterable[str] = ()) -> str:
+    """The URI for humans: no query string, no user info, ``secrets`` redacted."""
     parts = urlsplit(uri)
     base = uri.split("?", 1)[0]
     if "@" in parts.netloc:
@@ -276,7 +293,7 @@ class StorageLocation:
                 "give a local path, file://, s3:// or gs:// URI",
             )
         secrets = collect_secrets(uri, options)
-        shown = _shown(uri, secrets)
+        shown = shown_uri(uri, secrets)
         parts = urlsplit(uri)
         scheme = parts.scheme.lower()
         opts = _normalise(options or {})

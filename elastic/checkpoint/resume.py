@@ -12,12 +12,12 @@ a restore; every rank then loads ``plan.manifest``.
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from elastic.checkpoint.fallback import StepCheck, check_steps
+from elastic.checkpoint.location import OWN_RESUMES, split_step_dir
 from elastic.checkpoint.manifest import Manifest, nothing_found, read_manifest
 from elastic.checkpoint.ownership import check_resume
 from elastic.checkpoint.store import CheckpointStore
@@ -26,7 +26,6 @@ from elastic.errors import CheckpointError, ConfigError
 __all__ = ["ResumePlan", "plan_resume", "resume_store"]
 
 log = logging.getLogger("elastic.checkpoint")
-_STEP_DIR = re.compile(r"^(.*?)/?step-(\d+)/?(\?.*)?$")  # (its options after it)
 
 
 @dataclass(frozen=True)
@@ -51,14 +50,13 @@ def resume_store(resume: str, own: CheckpointStore | None,
     """The store ``resume`` names and the step it pins (None: the newest intact one).
     ``"latest"`` (and ``"auto"``) is ``own``; a URI ending in ``step-<n>`` pins step n of
     its parent."""
-    if resume in ("latest", "auto"):
+    if resume in OWN_RESUMES:
         if own is None:
             raise ConfigError("resume", "'latest' needs the job's checkpoint store.",
                               "set checkpoint_uri, or resume from a URI")
         return own, None
-    m = _STEP_DIR.match(resume)
-    root = m.group(1) + (m.group(3) or "") if m else resume
-    return CheckpointStore(root, dict(options or {})), int(m.group(2)) if m else None
+    root, step = split_step_dir(resume)
+    return CheckpointStore(root, dict(options or {})), step
 
 
 def plan_resume(resume: str, job: str, *, own: CheckpointStore | None,

@@ -8,11 +8,16 @@ proxy's password) are collected here for ``JobConfig.redact``.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from elastic.checkpoint.location import StorageLocation, collect_secrets, scrub
+from elastic.checkpoint.location import (
+    OWN_RESUMES,
+    StorageLocation,
+    collect_secrets,
+    scrub,
+    split_step_dir,
+)
 from elastic.errors import ConfigError
 
 from .checks import integer, mapping, number, text
@@ -25,7 +30,6 @@ def _remote(uri: str) -> bool:
     return "://" in uri and not uri.startswith("file://")
 
 
-_STEP_DIR = re.compile(r"^(.*?)/?step-(\d+)/?(\?.*)?$")  # (its options after it)
 
 
 @dataclass(frozen=True)
@@ -68,7 +72,7 @@ class Checkpoints(Section):
                                  "http://minio:9000, region: us-east-1}")
         self._put("options", options)
         secrets = set(collect_secrets(self.uri if isinstance(self.uri, str) else None, options))
-        if isinstance(self.resume, str) and self.resume not in ("latest", "auto"):
+        if isinstance(self.resume, str) and self.resume not in OWN_RESUMES:
             secrets.update(collect_secrets(self.resume, options))
         self._put("secrets", tuple(sorted(secrets, key=len, reverse=True)))
         text(self.uri, "checkpoint_uri",
@@ -90,21 +94,20 @@ class Checkpoints(Section):
                         "the URI of a checkpoint root or step directory")
         # options for a fork from an object store with local checkpoints of its own: the
         # resume's (was: refused, with fixes that broke the resume or moved the checkpoints)
-        remote = isinstance(self.resume, str) and self.resume not in ("latest", "auto") \
+        remote = isinstance(self.resume, str) and self.resume not in OWN_RESUMES \
             and _remote(self.resume)
         if self.uri is not None:
             mine = options if _remote(self.uri) or not remote else {}
             self._put("location", StorageLocation.parse(self.uri, mine))
-        elif options and not remote and (self.every > 0 or self.resume in ("latest", "auto")):
+        elif options and not remote and (self.every > 0 or self.resume in OWN_RESUMES):
             raise ConfigError("checkpoint_options", "are given but checkpoint_uri is not, and "
                               "the default (<run dir>/checkpoints) is a local directory, which "
                               "takes no options.",
                               "set checkpoint_uri to the s3:// or gs:// URI they are for, or "
                               "remove checkpoint_options")
-        if self.resume is not None and self.resume not in ("latest", "auto"):
-            m = _STEP_DIR.match(self.resume)
-            root = m.group(1) + (m.group(3) or "") if m else self.resume
-            self._put("resume_step", int(m.group(2)) if m else None)
+        if self.resume is not None and self.resume not in OWN_RESUMES:
+            root, step = split_step_dir(self.resume)
+            self._put("resume_step", step)
             try:
                 self._put("resume_location", StorageLocation.parse(root, options))
             except ConfigError as e:

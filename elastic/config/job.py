@@ -217,9 +217,11 @@ class JobConfig(JobCode):
     def replace(self, **settings: Any) -> JobConfig:
         """A new config: these settings (either form) over this one's. Fully checked. A
         running job's Ray dataset blocks go with it (a pooled placement's copy sends them)."""
+        given = merge({}, settings)
         out = JobConfig(**merge(self.settings(), settings))
         out.ray_blocks = dict(self.ray_blocks)
-        out.dataset_length = self.dataset_length
+        if "dataset" not in given:  # the length read of this dataset (another: read anew)
+            out.dataset_length = self.dataset_length
         return out
 
     # ------------------------------------------------------------------ checks

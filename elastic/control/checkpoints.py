@@ -61,6 +61,7 @@ class CheckpointTracker:
         self._last_id: tuple[Any, Any] = (None, None)  # the name of that one
         self.bad_steps: set[int] = set()  # committed steps of ``store`` found corrupt
         self._fork_bad: set[int] = set()  # the same, of the URI a fork resumes from
+        self._resume_bad: set[int] = set()  # one of those two: the resume's source's
         self._nonce: str | None = None  # this run's claim of ``store``
         # the name of the checkpoint that ended last (committed or not): a rank's late report
         # of it, or of an earlier one of its group, starts nothing
@@ -325,15 +326,13 @@ class CheckpointTracker:
         """The checkpoint ``resume`` names (``latest``, a root, or one step's directory),
         checked: the newest intact one (each newer one passed over is an event naming its
         bad object), the job's own or an explicit fork, and before ``max_steps``."""
-        from ..checkpoint import plan_resume, resume_store
+        from ..checkpoint import plan_resume
         from ..checkpoint_io import job_store
 
-        own = self.store or job_store(self.cfg)
-        plan = plan_resume(resume, self.cfg.job_name, own=own,
-                           options=self.cfg.checkpoint_options,
-                           exclude=self._bad_of(resume_store(resume, own, self.cfg.checkpoint_options)[0]),
+        plan = plan_resume(resume, self.cfg.job_name, own=self.store or job_store(self.cfg),
+                           options=self.cfg.checkpoint_options, exclude=self._resume_bad,
                            max_steps=self.cfg.max_steps)
-        bad = self._bad_of(plan.store)
+        bad = self._resume_bad = self._bad_of(plan.store)  # (a fallback plans again: same)
         for c in plan.skipped:
             bad.add(c.step)
             self._emit("checkpoint_skipped", c.note, data={"step": c.step,
@@ -360,13 +359,13 @@ class CheckpointTracker:
         return self.store is not None and bool(committed_steps(self.store))
 
     def check_fresh(self) -> None:
-        """A job that does not resume (or forks: ``find_resume``) starts where no checkpoint
-        is committed: its steps would be written over the ones there, and retention, a
+        """A run that starts fresh (no ``resume``, ``auto`` with nothing to go on from; a
+        fork: ``find_resume``) starts where no checkpoint is committed: its steps would be written over the ones there, and retention, a
         recovery and a later ``resume: latest`` would mix the two runs (``ConfigError``
         naming the fix)."""
         from ..checkpoint import read_owner
 
-        if self.store is None or self.cfg.resume not in (None, "auto"):
+        if self.store is None:
             return
         owner = read_owner(self.store)
         if owner is None or owner.job == self.cfg.job_name:  # another's: ``claim`` says so

@@ -67,11 +67,10 @@ class Evacuation:
 
     def __init__(self, cfg: Any, group: Any, layouts: Layouts, tracker: CheckpointTracker,
                  regroup: Regroup, emit: Callable[..., Any],
-                 steps_done: Callable[[], int] | None = None,
-                 replace_to: Callable[[int], int] | None = None) -> None:
+                 steps_done: Callable[[], int], replace_to: Callable[[int], int]) -> None:
         self.cfg = cfg
         # the size replacements are placed up to, from the size the job had (Sizing's)
-        self._replace_to = replace_to or (lambda had: max(cfg.num_workers, had))
+        self._replace_to = replace_to
         self.group = group
         self.layouts = layouts
         self.tracker = tracker
@@ -96,7 +95,7 @@ class Evacuation:
         self._next_poll = t + self.cfg.drain_poll_s
         for n in self.group.notices():
             if n.node_id not in self.pending and n.node_id not in self.done:
-                self._take(n, self._steps_done() if self._steps_done else None)
+                self._take(n, self._steps_done())
         return bool(self.pending)
 
     def _take(self, n: DrainNotice, step: int | None = None) -> None:

@@ -228,3 +228,34 @@ def test_an_upload_that_never_returns_is_given_up_and_checkpoints_go_on(ray_loca
     assert _POOL[0].info()["retired"].get("its reset failed", 0) == failed_resets + 1
     ref, _ = reference_train(mlp, adam, mse, RegressionData(), G, steps, seed=0)
     assert max_diff(result.state_dict(), ref) < TOL
+
+
+@pytest.mark.cold_workers  # a worker process dies: none of the warm pool's
+def test_a_worker_lost_while_the_storage_is_down_ends_the_job_not_restarts_it(
+        ray_local, tmp_path, s3_server):
+    """zero2 on 2 workers, checkpoints on S3; the S3 server dies, then rank 1's process dies
+    at step 60: the survivor does not hold the lost shard, and the checkpoints cannot be
+    listed. The job ends on the StorageError (its checkpoints, on a store that comes back,
+    intact). Was: the listing failure read as "no checkpoint", and the job restarted from
+    step 0 ("recovered from scratch"), to write its steps over them. The unit test holds the
+    same with a fake group; this one on real workers, a real S3 server and a real process
+    death."""
+    from elastic.errors import StorageError
+
+    s3_server.start()
+    s3_server.new_bucket()
+    handle = elastic.submit(**_cfg(tmp_path, strategy="zero2", min_workers=1, max_steps=400,
+                                   checkpoint_uri=s3_server.uri("job"),
+                                   checkpoint_options=s3_server.options(), checkpoint_every=5,
+                                   loss=_slow_mse, checkpoint_wait_s=0.5,
+                                   faults=[{"rank": 1, "step": 60, "action": "exit"}]))
+    t0 = time.time()
+    while not any(e.kind == "checkpoint" for e in handle.controller.events):
+        assert not handle.done() and time.time() - t0 < 120, handle.controller.events
+        time.sleep(0.1)
+    assert handle.status()["step"] < 50  # the storage goes before the loss
+    s3_server.stop()
+    with pytest.raises(StorageError, match="listing checkpoints"):
+        handle.result(timeout=300)
+    kinds = [e.kind for e in handle.controller.events]
+    assert "failure" in kinds and "recovered" not in kinds

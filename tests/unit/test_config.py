@@ -507,3 +507,12 @@ def test_a_fork_from_an_object_store_takes_the_options_with_local_checkpoints_of
         assert "://" not in cfg.checkpoint_location.root
     with pytest.raises(ConfigError, match="checkpoint_options: are given but checkpoint_uri"):
         JobConfig(**_base(checkpoint_options=opts, checkpoint_every=5))  # for nothing
+
+
+def test_a_copy_keeps_the_dataset_length_read_only_for_the_same_dataset():
+    """The length the driver read goes with a copy of the config (a pooled placement's, the
+    scheduler's), but not with one given another dataset: its workers would refuse it."""
+    cfg = JobConfig(**_base())
+    cfg.dataset_length = 64
+    assert cfg.replace(num_workers=2).dataset_length == 64
+    assert cfg.replace(dataset=RegressionData(80)).dataset_length is None
