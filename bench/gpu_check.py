@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from elastic.checkpoint import CheckpointMeta, commit  # noqa: E402
+from elastic.checkpoint import CheckpointMeta, commit, load  # noqa: E402
 from elastic.config import JobConfig  # noqa: E402
 from elastic.models import SyntheticRegression, mlp_loss, tiny_mlp  # noqa: E402
 from elastic.reference import reference_train  # noqa: E402
@@ -131,7 +131,15 @@ def main() -> int:
     w2 = Worker(cfg, 1, use_gpu=gpu, num_threads=4)
     w2.join("127.0.0.1", _port(), 0, 1, 2, 60)
     w2.build(spec("zero3"))
+    saved = load(w.checkpoints.store, 10, want=["rng/rank0/cuda"], strict=False)
+    if gpu:
+        torch.cuda.manual_seed(1234)  # moved on: the restore must set it back
     w2.restore_checkpoint(spec("zero3"), 10)
+    if gpu:
+        check("restore sets the CUDA generator the checkpoint kept",
+              "rng/rank0/cuda" in saved and torch.equal(
+                  torch.cuda.get_rng_state(dev), saved["rng/rank0/cuda"]),
+              f"saved keys {sorted(saved)}")
     w2.run(10, 20)
     st = w2.full_state()
     diff2 = _diff(st, ref)

@@ -204,10 +204,17 @@ def _options_of(a: argparse.Namespace) -> dict[str, Any]:
     return opts
 
 
+def _remote(uri: str | None) -> bool:
+    return bool(uri) and "://" in str(uri) and not str(uri).startswith("file://")
+
+
 def _store_of(a: argparse.Namespace) -> Any:
+    """The checkpoints' store: with the storage options, unless they can only be the export
+    destination's (a local checkpoint exported to S3)."""
     from .checkpoint import CheckpointStore
 
-    return CheckpointStore(a.uri, _options_of(a))
+    for_out = a.action == "export" and _remote(a.out) and not _remote(a.uri)
+    return CheckpointStore(a.uri, None if for_out else _options_of(a))
 
 
 def _which(w: str) -> Any:
@@ -250,10 +257,10 @@ def _cmd_checkpoints(a: argparse.Namespace) -> int:
         raise SystemExit(f"elastic: --out {a.out} is a directory. Fix: give the file to write, "
                          f"e.g. {os.path.join(a.out, 'model.safetensors')}")
     res = export(store, a.out, _which(a.which or "latest"), include_optimizer=a.optimizer,
-                 dest_options=_options_of(a) if "://" in a.out else None)
+                 dest_options=_options_of(a) if _remote(a.out) else None, overwrite=a.force)
     how = ("safetensors.torch.load_file(path)" if res.format == "safetensors"
            else "torch.load(path, weights_only=True)")
-    print(f"wrote step {res.step} to {a.out} (load it with {how})")
+    print(f"wrote step {res.step} to {res.path} (load it with {how})")
     return 0
 
 
@@ -284,6 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     ck.add_argument("--which", help="a step or 'latest' (the default; verify: all checkpoints)")
     ck.add_argument("--out", help="export: the file to write: .pt (torch.save) or .safetensors")
     ck.add_argument("--optimizer", action="store_true", help="export: include optimizer state")
+    ck.add_argument("--force", action="store_true", help="export: replace an existing --out")
     ck.add_argument("--endpoint", help="S3-compatible endpoint, e.g. http://127.0.0.1:9000")
     ck.add_argument("--options", help="store options as JSON (region, retries, ...)")
     ck.add_argument("--json", action="store_true", help="inspect: machine-readable output")

@@ -109,7 +109,7 @@ def reference_train(
     is skipped (no optimizer step: what the layouts do with a non-finite gradient); the lr
     schedule still follows the step number, as the job's does."""
     model = build_model(model_factory, seed)
-    opt = optimizer_factory(model.parameters())
+    opt = optimizer_factory(list(model.parameters()))  # as every layout gives it
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_schedule) if lr_schedule else None
     sampler = StepSampler(len(dataset), global_batch_size, seed)
     losses = []

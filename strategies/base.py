@@ -285,6 +285,12 @@ class Strategy(ABC):
             return 0.0, 0
         return self._scored(self.local_model(), inputs, targets)
 
+    def eval_empty(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, int]:
+        """``eval_step`` for a rank whose part of an evaluation batch is empty; ``inputs`` and
+        ``targets``: one sample of the batch, for a layout whose forward is collective and
+        cannot run on 0 rows (scored, not counted). Returns ``(0.0, 0)``."""
+        return self.eval_step(inputs[:0], targets[:0])
+
     def _scored(self, module: nn.Module, inputs: torch.Tensor, targets: torch.Tensor
                 ) -> tuple[float, int]:
         dev = self.rt.device

@@ -18,7 +18,9 @@ implementation for all of them, here).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -127,10 +129,27 @@ def checkpointable(model: nn.Module) -> str | None:
     return None
 
 
+@contextlib.contextmanager
+def buffers_kept(module: nn.Module) -> Iterator[None]:
+    """``module``'s buffers as they were before, after the block: a forward run again (a
+    recompute) must not update BatchNorm's running statistics a second time."""
+    saved = [(b, b.detach().clone()) for b in module.buffers()]
+    try:
+        yield
+    finally:
+        for b, v in saved:  # through .data: the backward inference that follows holds the
+            b.data.copy_(v)  # forward's graph, which checks the buffers' version counters
+
+
+def _recompute_keeps_buffers(block: nn.Module) -> tuple[Any, Any]:
+    return contextlib.nullcontext(), buffers_kept(block)
+
+
 def checkpoint_blocks(model: nn.Module) -> int:
     """Activation checkpointing: each block of a pipeline-ready model keeps only its input
     for backward and recomputes the rest (``torch.utils.checkpoint``, non-reentrant, RNG
-    state preserved, so dropout recomputes the same mask). The block's ``forward`` is
+    state preserved, so dropout recomputes the same mask; its buffers put back after the
+    recompute, so BatchNorm's running statistics are updated once). The block's ``forward`` is
     replaced on the instance, so parameter names stay those of the model (a
     ``checkpoint_wrapper`` would add a prefix) and hooks of DDP and FSDP2 stay on the block.
     Returns the number of blocks; raises ``StrategyError`` for a model without blocks."""
@@ -140,13 +159,15 @@ def checkpoint_blocks(model: nn.Module) -> int:
         blocks = pipeline_blocks(model)
     except StrategyError as e:
         raise StrategyError(f"activation checkpointing works block by block: {e}") from None
-    for _, block in blocks:
-        inner = block.forward
+    for _, blk in blocks:
+        inner = blk.forward
 
-        def forward(*args: Any, _inner: Callable[..., Any] = inner, **kwargs: Any) -> Any:
+        def forward(*args: Any, _inner: Callable[..., Any] = inner, block: nn.Module = blk,
+                    **kwargs: Any) -> Any:
             if not torch.is_grad_enabled():  # nothing to save: no recompute either
                 return _inner(*args, **kwargs)
-            return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+            return checkpoint(_inner, *args, use_reentrant=False, context_fn=functools.partial(
+                _recompute_keeps_buffers, block), **kwargs)
 
-        block.forward = forward  # type: ignore[method-assign]
+        blk.forward = forward  # type: ignore[method-assign]
     return len(blocks)

@@ -172,38 +172,46 @@ class GradBuckets:
         self._reset()
 
     def _launch(self, k: int) -> None:
+        """Send bucket ``k``: every parameter at a fixed place in its buffer, a missing
+        gradient's place zero, and after them one presence mark per parameter (1 where this
+        rank has a gradient): every rank sends every bucket alike, whichever gradients it
+        has (a parameter unused by one rank's samples, or summed on its owner by an earlier
+        micro-batch), and the sums say which parameters got a gradient anywhere."""
         b = self.buckets[k]
         b.present = [i for i in b.params if self.params[i].grad is not None]
-        if not b.present:
-            return
-        self._sent.update(b.present)
+        self._sent.update(b.params)
         self._step_sent.update(b.present)
         with torch.no_grad():
             if self.mode == "all_reduce":
                 b.flat = self._as_views(k, b)
-                b.works.append(dist.all_reduce(b.flat, group=self.group, async_op=True))
-                self._in_flight.append(b)
-                return
-            b.staging = self._take(b)
-            b.flat = b.staging[:b.numel]
-            at = 0
-            for i in b.present:
-                g = self.params[i].grad
-                assert g is not None
-                b.flat[at:at + g.numel()].copy_(g.reshape(-1))
-                at += g.numel()
+            else:
+                b.staging = self._take(b)
+                b.flat = b.staging[:b.numel + len(b.params)]
+                at = 0
+                for i in b.params:
+                    p = self.params[i]
+                    n = p.numel()
+                    if p.grad is None:
+                        b.flat[at:at + n].zero_()
+                    else:
+                        b.flat[at:at + n].copy_(p.grad.reshape(-1))
+                    at += n
+            b.flat[b.numel:].copy_(torch.tensor(
+                [float(self.params[i].grad is not None) for i in b.params], dtype=b.dtype))
             b.works.append(dist.all_reduce(b.flat, group=self.group, async_op=True))
         self._in_flight.append(b)
-        for i in b.present:  # what is not ours is in the flat buffer now: drop it
-            if self.owner[i] != self.index:
-                self.params[i].grad = None
+        if self.mode == "owned":
+            for i in b.present:  # what is not ours is in the flat buffer now: drop it
+                if self.owner[i] != self.index:
+                    self.params[i].grad = None
 
     def _as_views(self, k: int, b: _Bucket) -> torch.Tensor:
-        """Mode all_reduce: the bucket's buffer, every present gradient a view of it (copied
-        in unless it is one already); a missing gradient's place is zero (it stays None)."""
+        """Mode all_reduce: the bucket's buffer (its presence marks after the gradients),
+        every present gradient a view of it (copied in unless it is one already); a missing
+        gradient's place is zero (it stays None unless another rank had one)."""
         if k not in self._views:
             p0 = self.params[b.params[0]]
-            buf = torch.zeros(b.numel, dtype=b.dtype, device=p0.device)
+            buf = torch.zeros(b.numel + len(b.params), dtype=b.dtype, device=p0.device)
             views, at = [], 0
             for i in b.params:
                 n = self.params[i].numel()
@@ -228,7 +236,7 @@ class GradBuckets:
         while not free and self._staged.get(b.dtype, 0) >= 2:
             self._finish(next(x for x in self._in_flight if x.dtype == b.dtype))
         if not free:
-            size = max(x.numel for x in self.buckets if x.dtype == b.dtype)
+            size = max(x.numel + len(x.params) for x in self.buckets if x.dtype == b.dtype)
             p0 = self.params[b.params[0]]
             free.append(torch.empty(size, dtype=b.dtype, device=p0.device))
             self._staged[b.dtype] = self._staged.get(b.dtype, 0) + 1
@@ -251,22 +259,34 @@ class GradBuckets:
         self._in_flight.remove(b)
         flat, staging = b.flat, b.staging
         b.flat, b.staging, b.works = None, None, []
-        if flat is None or staging is None:
-            return  # all_reduce: the gradients are views of the reduced buffer
+        if flat is None:
+            return
+        # which parameters got a gradient anywhere (read only where this rank had none:
+        # reading the sums waits for the device)
+        got = ((flat[b.numel:] > 0).tolist() if len(b.present) < len(b.params)
+               else [True] * len(b.params))
+        views = self._views[self.buckets.index(b)][1] if staging is None else []
         at = 0
         sums = []
         with torch.no_grad():
-            for i in b.present:
+            for j, (i, anywhere) in enumerate(zip(b.params, got, strict=True)):
                 p = self.params[i]
                 n = p.numel()
-                sums.append(flat[at:at + n])
-                if self.owner[i] == self.index:
-                    g = p.grad
-                    assert g is not None
-                    g.copy_(flat[at:at + n].view_as(g))
+                if staging is None:  # all_reduce: the gradients are views of the sums
+                    if anywhere and p.grad is None:
+                        p.grad = views[j]
+                else:
+                    sums.append(flat[at:at + n])
+                    if self.owner[i] == self.index and anywhere:
+                        if p.grad is None:  # its gradient came from other ranks only
+                            p.grad = flat[at:at + n].view_as(p).clone()
+                        else:
+                            p.grad.copy_(flat[at:at + n].view_as(p.grad))
                 at += n
-            self._sq += grad_sq_sum(sums, self._sq.device)
-        self._staging[b.dtype].append(staging)
+            if staging is not None:
+                self._sq += grad_sq_sum(sums, self._sq.device)
+        if staging is not None:
+            self._staging[b.dtype].append(staging)
 
     def reset(self) -> None:
         """At a step's start: forget any bucket state of a backward that did not end in

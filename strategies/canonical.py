@@ -61,8 +61,9 @@ def optimizer_state_from_canonical(
 
     ``slicer(fqn, full_tensor, param)`` cuts the full entry down to what this rank holds
     (identity by default); ``owned``: it returns a new tensor on the parameter's device,
-    kept as it is (else a copy is taken). Scalar entries (such as Adam's ``step``) are
-    copied as they are.
+    kept as it is (else a copy is taken). A ``step`` stays on the CPU unless its group is
+    fused or capturable (torch's rule); other 0-dim entries (a scalar parameter's moments)
+    go to the parameter's device.
     """
     optimizer.state.clear()
     by_param: dict[str, dict[str, torch.Tensor]] = {}
@@ -72,12 +73,17 @@ def optimizer_state_from_canonical(
         fqn, _, k = key[len("optim/"):].rpartition("/")
         if fqn in params_by_fqn:
             by_param.setdefault(fqn, {})[k] = t
+    on_device = {id(q) for g in optimizer.param_groups if g.get("fused") or g.get("capturable")
+                 for q in g["params"]}
     for fqn, entries in by_param.items():
         p = params_by_fqn[fqn]
         st: dict[str, Any] = {}
         for k, t in entries.items():
-            if t.dim() == 0:  # scalar entries (Adam's step) stay as they are, on the CPU
-                st[k] = t.clone()
+            if k == "step" and t.dim() == 0:  # torch's own rule: on the CPU, unless the
+                st[k] = (t.clone().to(p.device, torch.float32) if id(p) in on_device  # group
+                         else t.clone())  # is fused or capturable
+            elif t.dim() == 0:  # a scalar parameter's moments: on its device
+                st[k] = t.clone().to(p.device)
             else:
                 if slicer is not None and owned:
                     st[k] = slicer(fqn, t, p)

@@ -155,7 +155,8 @@ class DataParallel(Strategy):
                                       if p.requires_grad))
                       if rt.device.type == "cpu" else None)
         self.ddp.register_comm_hook(self.norms, recording_allreduce)
-        self.optimizer = optimizer_factory(self.model.parameters())
+        self.optimizer = optimizer_factory(list(self.model.parameters()))  # (a factory may
+        # go over its parameters twice: weight decay for matrices only, say)
         # the hook sums the buckets (no 1 / world size): the loss's scale makes it the mean
         # over G
         self._scale = self.share / spec.global_batch_size

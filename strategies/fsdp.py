@@ -37,6 +37,7 @@ from ._gather import global_ranks
 from .base import LossFn, OptimizerFactory, Runtime, Strategy, grad_sq_sum
 from .blocks import pipeline_blocks_or_none
 from .canonical import CanonicalState, optimizer_state_from_canonical
+from .errors import StrategyError
 from .spec import StrategySpec, lockstep_micro_batches
 
 __all__ = [
@@ -287,10 +288,32 @@ def sharded_counts(
     return {"params": params, "grads": grads, "optim": optim}
 
 
+def unshardable(model: nn.Module) -> str | None:
+    """Why FSDP2 cannot shard ``model``'s parameters (it refuses 0-dim ones, which have no
+    dim 0 to split, and non-contiguous ones), or None. Said before it is built, as a
+    refusal: FSDP2's own error comes from torch.distributed's code, which reads as the
+    process group failing, and a job would retry it until its failure budget ran out."""
+    scalar = [n for n, p in model.named_parameters() if p.dim() == 0]
+    strided = [n for n, p in model.named_parameters() if p.dim() and not p.is_contiguous()]
+    if not scalar and not strided:
+        return None
+    what = (f"0-dim parameters {scalar[:5]}" if scalar else
+            f"non-contiguous parameters {strided[:5]}")
+    return (f"zero3 (FSDP2) shards every parameter along dim 0 and cannot shard {what}; "
+            "make them 1-element tensors (torch.ones(1), not torch.ones(())) and contiguous, "
+            "or choose dp, zero1 or zero2")
+
+
 class FullyShardedDataParallel(Strategy):
     """ZeRO-3: FSDP2 over all ranks (see the module docstring)."""
 
     name = "zero3"
+
+    @classmethod
+    def validate(cls, spec: StrategySpec, model: nn.Module) -> None:
+        super().validate(spec, model)
+        if why := unshardable(model):
+            raise StrategyError(why)
 
     def __init__(
         self,
@@ -310,7 +333,8 @@ class FullyShardedDataParallel(Strategy):
             units=[m for _, m in blocks],
             reshard_after_forward=spec.options.reshard_after_forward,
         )
-        self.optimizer = optimizer_factory(self.model.parameters())
+        self.optimizer = optimizer_factory(list(self.model.parameters()))  # (a factory may
+        # go over its parameters twice: weight decay for matrices only, say)
         self._index: ShardMap | None = None  # built on the first needs()
         # FSDP divides the summed gradient by the world size; undo that, then take the mean over G.
         self._scale = self.share * rt.world_size / spec.global_batch_size
@@ -325,6 +349,12 @@ class FullyShardedDataParallel(Strategy):
         """Every rank runs the forward (it all-gathers each unit's parameters), an empty
         part included."""
         return self._scored(self.model, inputs, targets)
+
+    def eval_empty(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, int]:
+        """The forward runs for its all-gathers, on the one sample given: a model's own
+        code may not take 0 rows (``x.view(x.size(0), -1)`` cannot)."""
+        self._scored(self.model, inputs, targets)
+        return 0.0, 0
 
     def clip_grads(self) -> None:
         """Each rank holds dim-0 shards of every gradient: sum their squares over the world."""

@@ -51,6 +51,7 @@ from torch import nn
 
 from ._gather import gather_union, new_subgroups
 from .base import LossFn, OptimizerFactory, Runtime, Strategy, before_update, grad_sq_sum
+from .blocks import buffers_kept as _buffers_kept
 from .blocks import pipeline_blocks
 from .canonical import CanonicalState, model_state_to_canonical
 from .errors import StrategyError
@@ -61,6 +62,7 @@ from .fsdp import (
     shard_module,
     sharded_counts,
     sharded_full_state,
+    unshardable,
 )
 from .spec import StrategySpec
 from .traits import DP_MODES, SCHEDULES
@@ -172,16 +174,6 @@ def _quiet_stage_class() -> type[Any]:
     return QuietStage
 
 
-@contextlib.contextmanager
-def _buffers_kept(module: nn.Module) -> Any:
-    saved = [(b, b.detach().clone()) for b in module.buffers()]
-    try:
-        yield
-    finally:
-        for b, v in saved:  # through .data: the backward inference that follows holds the
-            b.data.copy_(v)  # forward's graph, which checks the buffers' version counters
-
-
 class _ContiguousGrad(torch.autograd.Function):
     """Identity whose backward makes the gradient contiguous: the gradient of a received
     activation is sent back to the stage before, and a block that starts with a transpose
@@ -245,6 +237,8 @@ class Pipeline(Strategy):
             )
         if spec.dp_mode not in DP_MODES:
             raise StrategyError(f"unknown dp_mode {spec.dp_mode!r}; choose one of {DP_MODES}")
+        if spec.dp_mode == "zero3" and (why := unshardable(model)):
+            raise StrategyError(f"dp_mode {why}")
         v = spec.options.virtual_stages
         if v != 1 and v != _stages_per_rank(spec.schedule):
             raise StrategyError(

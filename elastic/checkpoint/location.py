@@ -32,6 +32,8 @@ __all__ = [
     "redact",
     "scrub",
     "is_secret_key",
+    "is_secret_option",
+    "env_secrets",
     "resolve_filesystem",
     "shown_uri",
     "split_step_dir",
@@ -115,6 +117,15 @@ _BOOL_OPTIONS = frozenset(
     {"anonymous", "background_writes", "allow_bucket_creation", "force_virtual_addressing"}
 )
 _ENV_SECRETS = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
+# an environment variable named so holds a credential (``MLFLOW_TRACKING_PASSWORD``,
+# ``WANDB_API_KEY``, ``HF_TOKEN``, ...), unless it names where one is kept (``..._PATH``)
+_ENV_SECRETISH = re.compile(r"SECRET|PASSWORD|PASSWD|TOKEN|API_?KEY|PRIVATE_?KEY|CREDENTIAL", re.I)
+_ENV_PLACES = re.compile(r"_(PATH|FILE|DIR|HOME)$", re.I)
+# a tracker option named so carries a credential (broader than ``is_secret_key``: an
+# option of a user's tracker class may be named anything)
+_OPTION_SECRETISH = re.compile(
+    r"secret|passw|token|credential|api_?key|private_?key|auth|bearer|cookie", re.I
+)
 
 
 # --------------------------------------------------------------------------- secrets
@@ -152,11 +163,22 @@ def collect_secrets(uri: str | None, options: Mapping[str, Any] | None = None) -
                 add(v)
         for v in _userinfo(parts.netloc).values():
             add(v)
-    for name in _ENV_SECRETS:
-        v = os.environ.get(name, "")
-        if len(v) >= 8:
-            found.add(v)
+    found.update(env_secrets())
     return tuple(sorted(found, key=len, reverse=True))
+
+
+def env_secrets() -> tuple[str, ...]:
+    """The values (8 characters or more) of the environment's credential variables: a
+    setting that repeats one (a tracker's option, say) is redacted wherever it is shown."""
+    return tuple(v for name, v in os.environ.items() if len(v) >= 8 and (
+        name in _ENV_SECRETS or (_ENV_SECRETISH.search(name) and not _ENV_PLACES.search(name))))
+
+
+def is_secret_option(name: object) -> bool:
+    """Whether an option of a tracker (a class of the user's, whose names elastic cannot
+    know) names a credential: ``is_secret_key``, or its name holds ``auth``, ``token``,
+    ``passw``, ``api_key``, ``cookie``, ... anywhere."""
+    return is_secret_key(name) or bool(_OPTION_SECRETISH.search(str(name)))
 
 
 def _proxy_secrets(proxy: Any, add: Any) -> None:

@@ -375,6 +375,29 @@ class CheckpointReader:
                 self._fetch(rank, segs)
             except CheckpointError as e:
                 problems.append(e)
+        return problems or self._coverage_errors()
+
+    def _coverage_errors(self) -> list[CheckpointError]:
+        """What ``read`` would refuse across shards, whose every byte is sound: pieces of one
+        key that disagree on dtype or full shape, and rows of a key no shard holds."""
+        try:
+            by_key = self._by_key()
+        except CheckpointError as e:
+            return [e]
+        problems: list[CheckpointError] = []
+        for key, items in sorted(by_key.items()):
+            full = items[0][1].full_shape
+            covered = 0
+            for _, it in sorted(items, key=lambda x: x[1].start):
+                if it.start > covered:
+                    break
+                covered = max(covered, it.stop)
+            if full and covered < full[0]:
+                have = sorted((it.start, it.stop) for _, it in items)
+                problems.append(self.store.corrupt(
+                    f"rows {covered}:{full[0]} of {key!r} are in no shard of step "
+                    f"{self.step} (shards hold rows {have}); the checkpoint is incomplete",
+                    step=self.step))
         return problems
 
     def close(self) -> None:

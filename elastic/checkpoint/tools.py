@@ -6,11 +6,14 @@ anything, and ``export`` writes a file any PyTorch can read with ``weights_only=
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import pyarrow.fs as pafs
 import torch
 
 from elastic.checkpoint.manifest import (
@@ -203,6 +206,7 @@ def export(
     include_optimizer: bool = False,
     dest_options: Mapping[str, Any] | None = None,
     fmt: str | None = None,
+    overwrite: bool = False,
 ) -> ExportResult:
     """Assemble full tensors and write ONE file, as ``fmt``: ``"torch"`` (``torch.save``) or
     ``"safetensors"``; by default, safetensors for a ``dest`` ending in ``.safetensors``.
@@ -213,12 +217,32 @@ def export(
     safetensors: one flat table, the model's tensors under their FQNs (what
     ``safetensors.torch.load_file`` and ``model.load_state_dict`` take) and, with
     ``include_optimizer``, ``optimizer/<fqn>/<key>`` beside them; the metadata holds the step,
-    strategy and world size. Either loads without elastic. ``dest``: a local path (written
-    whole, then renamed into place), or a URI (with ``dest_options``) for pyarrow.
+    strategy and world size. Either loads without elastic.
+
+    ``dest``: a local path, or a URI (with ``dest_options``) for pyarrow. An existing file
+    there is refused unless ``overwrite``. The destination is touched only once the whole
+    file is made: a local one is written beside it, then renamed into place; for a URI, the
+    file is made on local disk first, then uploaded, under a temporary name moved into
+    place when it replaces an object (one that did not exist is removed if its upload
+    fails). A failed export leaves the destination as it was. ``ExportResult.path`` is the
+    destination as it may be shown (a URI without credentials).
     """
     fmt = fmt or ("safetensors" if dest.endswith(".safetensors") else "torch")
     if fmt not in ("torch", "safetensors"):
         raise ValueError(f"export format {fmt!r}: use 'torch' or 'safetensors'")
+    remote = "://" in dest and not dest.startswith("file://")
+    out = CheckpointStore(dest, dest_options) if remote else None
+    path = "" if remote else os.path.abspath(dest.removeprefix("file://"))
+    shown = out.uri if out is not None else path
+    try:
+        existed = (out.fs.get_file_info(out.root).type != pafs.FileType.NotFound
+                   if out is not None else os.path.lexists(path))
+    except OSError as e:
+        raise (out.error(f"exporting to {shown} failed", e) if out is not None else e) from None
+    if existed and not overwrite:
+        raise CheckpointError(f"{shown} exists already: the export would replace it. Fix: give "
+                              "another destination, or replace it on purpose (elastic "
+                              "checkpoints export --force; export(..., overwrite=True))")
     with CheckpointReader(store, which) as r:
         keys = [
             k
@@ -242,24 +266,41 @@ def export(
 
         def write(f: Any) -> None:
             torch.save(obj, f)
-    if "://" in dest and not dest.startswith("file://"):
-        out = CheckpointStore(dest, dest_options)
-        try:
-            with out.fs.open_output_stream(out.root) as f:
-                write(f)
-        except (OSError, ValueError, RuntimeError) as e:
-            raise out.error(f"exporting step {step} to {out.uri} failed", e) from None
-    else:
-        path = os.path.abspath(dest.removeprefix("file://"))
+    if out is None:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-        try:
-            with open(tmp, "wb") as f:
-                write(f)
-                f.flush()
-                os.fsync(f.fileno())
+    where = os.path.dirname(path) if out is None else None
+    fd, tmp = tempfile.mkstemp(prefix=f"{os.path.basename(path) or 'export'}.tmp-", dir=where)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        if out is None:
             os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):  # a failed export leaves nothing behind
-                os.remove(tmp)
-    return ExportResult(dest, step, len(state), nbytes, fmt)
+        else:
+            _upload(out, tmp, existed, f"exporting step {step} to {shown} failed")
+    finally:
+        if os.path.exists(tmp):  # a failed export leaves nothing behind
+            os.remove(tmp)
+    return ExportResult(shown, step, len(state), nbytes, fmt)
+
+
+def _upload(out: CheckpointStore, local: str, replace: bool, failed: str) -> None:
+    """The finished file ``local`` to ``out``'s root: straight there when nothing is there
+    (removed again if the upload fails: pyarrow completes a stream it closes on an error),
+    else under a temporary name, then moved over the old object."""
+    name = f"{out.root}.tmp-{uuid.uuid4().hex[:8]}" if replace else out.root
+    try:
+        with open(local, "rb") as src, out.fs.open_output_stream(name) as f:
+            shutil.copyfileobj(src, f, 8 << 20)
+        if replace:
+            out.fs.move(name, out.root)
+    except BaseException as e:
+        try:
+            out.fs.delete_file(name)
+        except Exception:  # noqa: BLE001 - not there, or the storage is down: said below
+            pass
+        if isinstance(e, (OSError, ValueError, RuntimeError)):
+            raise out.error(failed + (" (the object there is as it was)" if replace else ""),
+                            e) from None
+        raise

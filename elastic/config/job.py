@@ -24,7 +24,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from elastic.checkpoint.location import StorageLocation, redact, scrub
+from elastic.checkpoint.location import StorageLocation, is_secret_option, redact, scrub
 from elastic.errors import ConfigError
 
 from .checkpoints import Checkpoints
@@ -344,13 +344,24 @@ class JobConfig(JobCode):
             dataset_length=self.dataset_length)
 
     # ------------------------------------------------------------------ output
+    @property
+    def secrets(self) -> tuple[str, ...]:
+        """Every credential the settings carry: the checkpoint settings' (with the
+        environment's credential variables, ``collect_secrets``), and the values of the
+        trackers' options named as credentials (``is_secret_option``), longest first."""
+        found = set(self.checkpoints.secrets)
+        for _, opts in self.trackers:
+            found.update(str(v) for k, v in opts.items()
+                         if is_secret_option(k) and isinstance(v, (str, int)) and len(str(v)) >= 4)
+        return tuple(sorted(found, key=len, reverse=True))
+
     def redact(self, text: str) -> str:
-        """``text`` with every secret of the checkpoint settings replaced by ``***``."""
-        return redact(text, self.checkpoints.secrets)
+        """``text`` with every secret of the settings replaced by ``***``."""
+        return redact(text, self.secrets)
 
     def redact_value(self, value: Any) -> Any:
         """A JSON-like value with secrets redacted and secret-looking keys masked."""
-        return scrub(value, self.checkpoints.secrets)
+        return scrub(value, self.secrets)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able summary under flat names (code shown as names, secrets as ``***``);
@@ -358,7 +369,8 @@ class JobConfig(JobCode):
         out: dict[str, Any] = {}
         for name, v in self.settings().items():
             if name == "trackers":  # (kind, options) pairs, as a job file gives them
-                v = [{kind: opts} for kind, opts in v]
+                v = [{kind: {k: "***" if is_secret_option(k) and o is not None else o
+                             for k, o in opts.items()}} for kind, opts in v]
             plain = isinstance(v, (str, int, float, bool, type(None), dict, list))
             out[name] = self.redact_value(v) if plain else describe(v)
         return out

@@ -15,7 +15,10 @@ from strategies import StrategySpec
 
 from .group import WorkerRec
 
-__all__ = ["WorkerCalls", "PlacementCalls"]
+__all__ = ["WorkerCalls", "PlacementCalls", "EVEN"]
+
+# calls whose ranks do local work of about the same size (``watch.hung_after``)
+EVEN = frozenset({"leave", "finish_pending_step", "held_keys"})
 
 
 class PlacementCalls:

@@ -91,8 +91,7 @@ class Controller:
         self._emit = self.sink.emit
         self.inbox = Inbox(None, self._emit)
         self.spec: StrategySpec | None = None
-        self.step = 0
-        self.failures = 0
+        self.step = self.failures = 0
         self.phase = ControllerState.STARTING
         self._group_factory = group_factory
         self._mailbox_factory = mailbox_factory
@@ -342,7 +341,8 @@ class Controller:
 
     def _resize(self, st: Resizing) -> State:
         assert self.regroup is not None
-        out = self.regroup.resize(st.n, self._target_strategy(), st.warm_only, st.reason)
+        with self.sizing.carrying(st.request):  # raises: the target as it was before
+            out = self.regroup.resize(st.n, self._target_strategy(), st.warm_only, st.reason)
         if out is not None:
             self.spec, self.step = out.spec, out.step
         self._answer(st.request, len(self.workers))

@@ -53,8 +53,11 @@ PeerPlan = list[tuple[str, int, tuple[int, ...], str]]  # (key, source rank, sha
 def required_keys(model_keys: Sequence[str], param_names: Sequence[str],
                   held: Sequence[dict[str, Any]]) -> set[str]:
     """Every canonical key the state must have: the model's entries, plus each optimizer
-    entry name seen on any holder for every parameter (optimizers keep the same entries for
-    all parameters once they have stepped)."""
+    entry name seen on any holder for every parameter of ``param_names`` (the trainable ones:
+    optimizers keep the same entries for all parameters once they have stepped, and none for
+    a frozen one). A trainable parameter without state (one that never had a gradient) makes
+    the state look incomplete: the restore then takes a checkpoint, never a state without
+    an entry a lost rank held."""
     entries = {k.rpartition("/")[2] for h in held for k in h if k.startswith("optim/")}
     return {f"model/{k}" for k in model_keys} | {f"optim/{p}/{e}" for p in param_names
                                                   for e in entries}
@@ -157,8 +160,8 @@ class Regroup:
         """Lay ``spec`` out on the new group with the state from where the restore policy
         says; returns (source, step, detail)."""
         model = self.layouts.probe_model
-        need = required_keys(list(model.state_dict()), [n for n, _ in model.named_parameters()],
-                             held)
+        trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+        need = required_keys(list(model.state_dict()), trainable, held)
         peers = peer_plan(progress, held, need)
         position = max((p["next_step"] for p in progress if p["has_state"]), default=0)
         unlisted: StorageError | None = None
@@ -168,7 +171,7 @@ class Regroup:
             steps, unlisted = (), e
         copies = self._copies() if peers is None and cause == "failure" else []
         buddy = buddy_step(copies, required_keys(
-            list(model.state_dict()), [n for n, _ in model.named_parameters()],
+            list(model.state_dict()), trainable,
             list(held) + [{k: None for k, _, _ in c} for st in copies
                           for c in st["steps"].values()]))
         obs = RestoreObservation(position, peers[0] if peers else None, steps, cause, buddy)

@@ -9,7 +9,9 @@ target then goes back to it). A shrink happens at the next boundary.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from clusters.policy import Proceed, Resize, ScalingObservation, ScalingPolicy, StartSpares
@@ -32,6 +34,7 @@ class Sizing:
         self.inbox = inbox
         self.target = (cfg.max_workers if cfg.max_workers is not None and cfg.grow_when_room
                        else cfg.num_workers)
+        self._before: tuple[Request, int] | None = None  # a scale in hand, the target before it
 
     def after_loss(self, had: int) -> int:
         """The size a recovery places replacements up to: back to ``num_workers`` (or the
@@ -64,6 +67,7 @@ class Sizing:
             answer(req, SwitchError(check.reason))
             return None
         n, have = check.n, len(group.workers)
+        self._before = (req, self.target)
         self.target = n
         if n < have:
             return Resizing(n, req.reason, request=req)
@@ -75,6 +79,21 @@ class Sizing:
         if group.spares_ready():
             return Resizing(n, req.reason, warm_only=True)
         return None
+
+    @contextlib.contextmanager
+    def carrying(self, req: Request | None) -> Iterator[None]:
+        """Around the resize that carries out ``req``: if it raises (its asker is told so),
+        the target goes back to what it was before ``req``, so that the recovery that
+        follows neither shrinks the job to, nor later grows it to, a size its asker was
+        told it did not get."""
+        try:
+            yield
+        except BaseException:
+            if req is not None and self._before is not None and self._before[0] is req:
+                self.target = self._before[1]
+            raise
+        finally:
+            self._before = None
 
     def settle(self, workers: int) -> None:
         """Answer parked growth the job reached; refuse what waited too long (the target

@@ -13,16 +13,53 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from ..errors import WorkerLostError
+from ..errors import HangError, WorkerLostError
 from ..failures import Failure, classify
 from .group import Segment, SegmentPoll, WorkerRec
+from .steps import HANG_SLACK_S
 
-__all__ = ["SegmentWatch", "SLICE_S", "GRACE_S", "Wait"]
+__all__ = ["SegmentWatch", "SLICE_S", "GRACE_S", "STRAGGLE", "Wait", "Gathered", "hung_after"]
 
 SLICE_S = 0.05  # how often the futures and liveness are looked at
 GRACE_S = 1.0  # after a failure, how long peers get to report a more specific cause
+STRAGGLE = 10.0  # an even call's ranks get this many times the first one's time (at least
+# the hang window) after it answered
+
+
+def hung_after(start: float, first_ok: float | None, first_failed: float | None,
+               hang_s: float, even: bool) -> float | None:
+    """When ranks still inside a worker call are hung (None: not yet known). After a rank's
+    call failed: ``hang_s`` later (the group timeout and some slack: a healthy rank blocked
+    on a hung peer in a collective has raised by then). For an ``even`` call (local work of
+    about the same size on every rank): also ``STRAGGLE`` times the first answer's time
+    after it, and at least ``hang_s``. Calls whose ranks do unequal work (peer copies,
+    profiles, rank 0's full state) are not cut after a success: only a failure says a
+    rank should have ended."""
+    due = []
+    if first_failed is not None:
+        due.append(first_failed + hang_s)
+    if even and first_ok is not None:
+        due.append(first_ok + max(hang_s, STRAGGLE * (first_ok - start)))
+    return min(due) if due else None
+
+
+@dataclass(frozen=True)
+class Gathered:
+    """What ``SegmentWatch.collect`` saw: the indices of the calls that ended, and of those
+    it stopped waiting for as hung (``why``: after what)."""
+
+    ended: frozenset[int]
+    hung: frozenset[int] = frozenset()
+    why: str = ""
+
+    def hang_error(self, w: WorkerRec, what: str, hang_s: float) -> HangError:
+        """The error of ``w``, hung in its call ``what`` (ended by the caller)."""
+        return HangError(f"worker rank {w.rank} was still inside its {what or 'call'} "
+                         f"{hang_s:.0f}s after {self.why} (failures.hang_timeout_s + "
+                         f"{HANG_SLACK_S:.0f}s): treated as hung, its process ended")
 
 Wait = Callable[[list[Any], float], tuple[list[Any], list[Any]]]
 
@@ -62,19 +99,68 @@ class SegmentWatch:
         only when Ray declares the actor dead (1.2 s after a node's loss with the tests'
         fast health checks, 15 s and more with Ray's defaults), and until then the
         controller would see nothing else. Returns the indices of the calls that ended."""
-        end = time.monotonic() + timeout_s
+        return set(self.collect(refs, workers, timeout_s, wait).ended)
+
+    def collect(self, refs: Sequence[Any], workers: Sequence[WorkerRec], timeout_s: float,
+                wait: Wait, failed: Callable[[Any], bool] | None = None,
+                hang_s: float | None = None, even: bool = False) -> Gathered:
+        """``gather``, and with ``failed`` (whether an ended call raised) and ``hang_s``:
+        stop waiting, as hung, for the calls still running at ``hung_after``."""
+        start = time.monotonic()
+        end = start + timeout_s
         pending = dict(enumerate(refs))
         ended: set[int] = set()
+        first_ok: float | None = None
+        first_failed: float | None = None
+        failed_rank = -1
         while pending:
             done, _ = wait(list(pending.values()), max(0.0, min(SLICE_S, end - time.monotonic())))
             ids = {id(r) for r in done}
-            ended |= {i for i, r in pending.items() if id(r) in ids}
+            now_ended = {i for i, r in pending.items() if id(r) in ids}
+            ended |= now_ended
+            if failed is not None and hang_s is not None:
+                now = time.monotonic()
+                for i in sorted(now_ended):
+                    if first_failed is None and failed(pending[i]):
+                        first_failed, failed_rank = now, workers[i].rank
+                    elif first_ok is None:
+                        first_ok = now
             pending = {i: r for i, r in pending.items() if i not in ended}
             if not pending or time.monotonic() >= end:
                 break
             gone = {id(w) for w in self.lost([workers[i] for i in pending])}
             pending = {i: r for i, r in pending.items() if id(workers[i]) not in gone}
-        return ended
+            if hang_s is None:
+                continue
+            due = hung_after(start, first_ok, first_failed, hang_s, even)
+            if pending and due is not None and time.monotonic() >= due:
+                why = (f"rank {failed_rank}'s call failed" if first_failed is not None
+                       and first_failed + hang_s <= due + 1e-9 else
+                       "the first rank answered")
+                return Gathered(frozenset(ended), frozenset(pending), why)
+        return Gathered(frozenset(ended))
+
+    def wind_down(self, seg: Segment, timeout_s: float, wait: Wait,
+                  leave: Callable[[WorkerRec], Any]) -> list[WorkerRec]:
+        """After a failure: tell every rank whose segment has ended to leave its group at once
+        (``leave``; its sockets close, so peers blocked on it fail now, not at the group
+        timeout), keep doing so as the others end; return the ranks still in their segment
+        after ``timeout_s`` (hung). A rank liveness finds lost is not waited for."""
+        deadline = time.monotonic() + timeout_s
+        pending = list(seg.running)
+        while pending:
+            finished, _ = wait([f for _, f in pending], 0.0)
+            done = {id(f) for f in finished}
+            gone = {id(w) for w in self.lost([w for w, _ in pending])}
+            for w, f in pending:
+                if id(f) in done and id(w) not in gone:
+                    leave(w)
+            pending = [(w, f) for w, f in pending if id(f) not in done and id(w) not in gone]
+            left = deadline - time.monotonic()
+            if not pending or left <= 0:
+                break
+            wait([f for _, f in pending], min(left, SLICE_S))
+        return [w for w, _ in pending]
 
     def lost_error(self, w: WorkerRec) -> WorkerLostError:
         """The error of a worker liveness found lost (its node, if it said so)."""

@@ -16,15 +16,22 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ..errors import ClusterError, ElasticError, InfrastructureError, WorkerError, WorkerLostError
+from ..errors import (
+    ClusterError,
+    ElasticError,
+    InfrastructureError,
+    WorkerError,
+    WorkerLostError,
+)
 from ..failures import Failure, classify, first_cause
 from ..ray_connect import bundle_node, node_alive, pg_ready, wait_refs, worker_bundle
-from .calls import PlacementCalls, WorkerCalls
+from .calls import EVEN, PlacementCalls, WorkerCalls
 from .drains import NodeDrains
 from .group import DrainNotice, Segment, SegmentPoll, WorkerRec, capacity
 from .liveness import Liveness
+from .steps import HANG_SLACK_S
 from .teller import Teller
-from .watch import SLICE_S, SegmentWatch
+from .watch import SegmentWatch
 
 __all__ = ["WorkerGroup", "Placement", "WorkerRec", "Segment", "SegmentPoll"]
 
@@ -335,6 +342,7 @@ class WorkerGroup(PlacementCalls, WorkerCalls):
             config, emulate, (*self.liveness.address, self.liveness.token))
         self.drains = NodeDrains()  # Ray's drains of the job's nodes
         self._teller = Teller()  # ``_tell`` from threads other than the job's
+        self.hung: list[WorkerRec] = []  # ended as hung in a call, not yet removed
 
     def _answers(self, w: WorkerRec) -> bool:
         """Whether a silent worker answers a ping within 1 s (its second thread)."""
@@ -359,7 +367,7 @@ class WorkerGroup(PlacementCalls, WorkerCalls):
         t0 = time.perf_counter()
         self._call_each([w.handle.join.remote(addr, port, w.rank, len(self.workers),
                                             self.generation, self.cfg.hang_timeout_s)
-                       for w in self.workers], self.workers)
+                       for w in self.workers], self.workers, what="join")
         return addr, port, time.perf_counter() - t0
 
     def remove(self, dead: Sequence[WorkerRec]) -> None:
@@ -372,6 +380,7 @@ class WorkerGroup(PlacementCalls, WorkerCalls):
                 self.placement.free_slots.append((w.pg, w.slot))
         gone = {id(w) for w in dead}
         self.workers = [w for w in self.workers if id(w) not in gone]
+        self.hung = [w for w in self.hung if id(w) not in gone]
 
     def release(self, workers: Sequence[WorkerRec]) -> None:
         """Let workers of a draining node go (killed now); their bundles become free slots
@@ -405,7 +414,8 @@ class WorkerGroup(PlacementCalls, WorkerCalls):
         """Ping every worker (its second thread answers even while the first is busy)."""
         import ray
 
-        gone = list(exclude) + [w for w in self.watch.lost(self.workers) if w not in exclude]
+        out = list(exclude) + [w for w in self.hung if w not in exclude]  # ended: no ping
+        gone = out + [w for w in self.watch.lost(self.workers) if w not in out]
         skip = {id(w) for w in gone}  # known lost (liveness): no 10 s wait on a ping
         refs = [(w, w.handle.progress.remote()) for w in self.workers if id(w) not in skip]
         alive, dead = [], gone
@@ -447,27 +457,8 @@ class WorkerGroup(PlacementCalls, WorkerCalls):
         return out
 
     def wind_down(self, seg: Segment, timeout_s: float) -> list[WorkerRec]:
-        """After a failure: tell every rank whose segment has ended to leave its group at once
-        (its sockets close, so peers blocked on it fail now, not at the group timeout), keep
-        doing so as the others end; return the ranks still in their segment after
-        ``timeout_s`` (hung). A rank liveness finds lost is not waited for."""
-        import ray
-
-        deadline = time.monotonic() + timeout_s
-        pending = list(seg.running)
-        while pending:
-            finished, _ = ray.wait([f for _, f in pending], num_returns=len(pending), timeout=0)
-            done = {id(f) for f in finished}
-            gone = {id(w) for w in self.watch.lost([w for w, _ in pending])}
-            for w, f in pending:
-                if id(f) in done and id(w) not in gone:
-                    w.handle.leave.remote()
-            pending = [(w, f) for w, f in pending if id(f) not in done and id(w) not in gone]
-            left = deadline - time.monotonic()
-            if not pending or left <= 0:
-                break
-            ray.wait([f for _, f in pending], num_returns=1, timeout=min(left, SLICE_S))
-        return [w for w, _ in pending]
+        """``SegmentWatch.wind_down``: the ranks hung in their segment after a failure."""
+        return self.watch.wind_down(seg, timeout_s, wait_refs, lambda w: w.handle.leave.remote())
 
     def _tell(self, method: str, *args: Any) -> None:
         """Fire and forget, thread-safe: ``method`` on every worker (``Teller``)."""
@@ -527,20 +518,28 @@ class WorkerGroup(PlacementCalls, WorkerCalls):
               timeout_s: float | None = None) -> list[Any]:
         ws = list(self.workers if workers is None else workers)
         refs = [getattr(w.handle, method).remote(*args) for w in ws]
-        return self._call_each(refs, ws, timeout_s)
+        return self._call_each(refs, ws, timeout_s, method)
 
     def _call_each(self, refs: list[Any], ws: Sequence[WorkerRec],
-                   timeout_s: float | None = None) -> list[Any]:
+                   timeout_s: float | None = None, what: str = "") -> list[Any]:
         """Every result, or the typed error of the lowest rank that failed (a worker that
         liveness finds lost is not waited for); an error that only echoes a peer's failure
-        (``secondary``) gives way to that peer's own."""
+        (``secondary``) gives way to that peer's own. A rank still inside the call when it is
+        hung (``watch.hung_after``) is ended and named in a ``HangError`` (a loss)."""
         import ray
 
-        ended = self.watch.gather(refs, ws, 1e9 if timeout_s is None else timeout_s, wait_refs)
+        hang_s = float(self.cfg.hang_timeout_s) + HANG_SLACK_S
+        got = self.watch.collect(refs, ws, 1e9 if timeout_s is None else timeout_s, wait_refs,
+                                 _raised, hang_s, what in EVEN)
+        for i in sorted(got.hung):
+            _kill(ws[i])
+            self.hung.append(ws[i])
+        if got.hung:
+            raise got.hang_error(ws[min(got.hung)], what, hang_s)
         errors: list[BaseException] = []
         for i, (w, ref) in enumerate(zip(ws, refs, strict=True)):
             try:
-                if i not in ended:
+                if i not in got.ended:
                     raise (self.watch.lost_error(w) if self.watch.lost([w]) else
                            InfrastructureError(f"worker rank {w.rank} did not answer within "
                                                f"{timeout_s}s"))
@@ -580,6 +579,16 @@ def _tell_all(workers: Sequence[WorkerRec], method: str, args: tuple[Any, ...]) 
             getattr(w.handle, method).remote(*args)
         except Exception:  # noqa: BLE001 - a dead worker: failure handling sees it
             pass
+
+
+def _raised(ref: Any) -> bool:  # whether a finished call raised
+    import ray
+
+    try:
+        ray.get(ref, timeout=0)
+    except Exception:  # noqa: BLE001 - only whether it did
+        return True
+    return False
 
 
 def _kill(w: WorkerRec) -> None:

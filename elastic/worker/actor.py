@@ -183,12 +183,13 @@ class Worker:
                                  self.membership, _node_id)
         self.faults = Faults(config, node_id=_node_id, corrupt=self.copies.corrupt,
                              mute=self.heartbeat.mute if self.heartbeat else lambda: None)
-        self.checkpoints = Checkpointing(config, self.membership, self.layout,
-                                         in_upload=self.faults.in_upload)
+        self.checkpoints = Checkpointing(config, self.membership, self.layout, self.faults)
         self.loop = StepLoop(config, self.membership, self.layout, self.data, self.checkpoints,
                              self.profiler, self.faults, self.copies)
 
     def _guard(self, fn: Any, *args: Any) -> Any:
+        if self.baseline is not None:  # a pooled worker: this thread as a fresh one's
+            self.baseline.on_thread(self.jobs)
         try:
             return guarded(self.membership.rank, fn, *args)
         except WorkerError:
@@ -418,11 +419,10 @@ class Worker:
                 "pending_update": self.held.pending(strategy)}
 
     def finish_pending_step(self) -> int:
-        """Local, after a failure: apply a step whose gradients were complete when its final
-        all-reduce failed here (the caller knows a peer applied it), on the live strategy or,
-        after ``leave``, by taking the parked state with that update applied. Returns the
+        """Local, after a failure: apply a step whose final all-reduce failed here after its
+        gradients were complete (a peer applied it): ``HeldState.roll_forward``. Returns the
         next step."""
-        if self.held.roll_forward(self.layout.strategy):
+        if self.held.roll_forward(lambda: self.layout.strategy):
             self.layout.next_step += 1
         return self.layout.next_step
 

@@ -31,7 +31,8 @@ from .membership import Membership
 CLOSE_WAIT_S = 5.0  # at the end of a job, an upload in flight stops at its next write: one
 # that has not stopped by then is stuck in a storage call
 
-__all__ = ["Checkpointing", "assign_writers", "checkpoint_pieces", "forget_groups"]
+__all__ = ["Checkpointing", "assign_writers", "checkpoint_pieces", "forget_groups", "rng_keys",
+           "rng_states", "set_rng_states"]
 
 log = logging.getLogger("elastic.worker")
 
@@ -54,7 +55,38 @@ def assign_writers(holdings: list[dict[str, int]]) -> dict[str, int]:
     return owner
 
 
-def checkpoint_pieces(strategy: Any, rank: int, world: int) -> list[Piece]:
+def _on_cuda(device: torch.device | None) -> bool:
+    return device is not None and device.type == "cuda"
+
+
+def rng_keys(rank: int, device: torch.device | None = None) -> list[str]:
+    """The keys a checkpoint keeps this rank's random generators under: the CPU one, and on
+    a CUDA device that device's (dropout on the GPU draws from it)."""
+    return [f"rng/rank{rank}/torch"] + ([f"rng/rank{rank}/cuda"] if _on_cuda(device) else [])
+
+
+def rng_states(rank: int, device: torch.device | None = None) -> dict[str, torch.Tensor]:
+    """This rank's random generators now, under ``rng_keys``."""
+    out = {f"rng/rank{rank}/torch": torch.get_rng_state()}
+    if device is not None and _on_cuda(device):
+        out[f"rng/rank{rank}/cuda"] = torch.cuda.get_rng_state(device)
+    return out
+
+
+def set_rng_states(states: dict[str, torch.Tensor], rank: int,
+                   device: torch.device | None = None) -> None:
+    """Set the generators ``rng_states`` saved for ``rank`` (those there are: a checkpoint
+    written on CPU workers has no CUDA one, and a CPU worker ignores a CUDA one)."""
+    cpu = states.get(f"rng/rank{rank}/torch")
+    if cpu is not None:
+        torch.set_rng_state(cpu)
+    cuda = states.get(f"rng/rank{rank}/cuda")
+    if cuda is not None and device is not None and _on_cuda(device):
+        torch.cuda.set_rng_state(cuda, device)
+
+
+def checkpoint_pieces(strategy: Any, rank: int, world: int,
+                      device: torch.device | None = None) -> list[Piece]:
     """Collective. The pieces this rank writes for the current layout: what it holds itself
     (``Strategy.local_state``: whole entries, or its rows of sharded ones, so no layout
     gathers), each written once: a piece several ranks hold alike (a replica) by the least
@@ -69,8 +101,8 @@ def checkpoint_pieces(strategy: Any, rank: int, world: int) -> list[Piece]:
             ids[k] = (k, t, 0, None)
         else:
             ids[f"{k}@{r[0]}:{r[1]}"] = (k, t, int(r[0]), tuple(shape))
-    rng = f"rng/rank{rank}/torch"
-    ids[rng] = (rng, torch.get_rng_state(), 0, None)
+    for key, state in rng_states(rank, device).items():
+        ids[key] = (key, state, 0, None)
     mine = {i: v[1].numel() * v[1].element_size() for i, v in ids.items()}
     holdings: list[Any] = [None] * world
     dist.all_gather_object(holdings, mine, group=_cpu_group())
@@ -108,9 +140,14 @@ class Checkpointing:
     """
 
     def __init__(self, config: JobConfig | WorkerConfig, membership: Membership, layout: Layout,
-                 in_upload: Callable[[int, int, int], None] | None = None) -> None:
+                 faults: Any = None) -> None:
         self._config = config
-        self._in_upload = in_upload  # (rank, step, generation) on the upload thread: faults
+        # the fault hooks (``faults.Faults``): (rank, step, generation) on the upload thread,
+        # and (rank, step) as a restore begins to read
+        self._in_upload: Callable[[int, int, int], None] | None = (
+            faults.in_upload if faults is not None else None)
+        self._in_restore: Callable[[int, int], None] | None = (
+            faults.in_restore if faults is not None else None)
         self._membership = membership
         self._layout = layout
         self.store: CheckpointStore | None = None
@@ -189,7 +226,7 @@ class Checkpointing:
         t0 = time.perf_counter()
         writer = self._ensure_writer()
         m = self._membership
-        pieces = checkpoint_pieces(self._layout.strategy, m.rank, m.world)
+        pieces = checkpoint_pieces(self._layout.strategy, m.rank, m.world, m.device)
         if self._unhook_update is None:
             self._unhook_update = on_before_update(self._before_update)
         params = self._layout.param_keys
@@ -339,9 +376,12 @@ class Checkpointing:
         if source is None:
             raise CheckpointError("no checkpoint store to restore from: give the store, or "
                                   "set checkpoint_uri or checkpoint_every for the job")
+        if self._in_restore is not None:
+            self._in_restore(self._membership.rank, step)
         with CheckpointReader(source, step) as reader:
             metas = reader.tensors()
-            rng_key = f"rng/rank{self._membership.rank}/torch"
+            rank = self._membership.rank
+            rngs = [k for k in rng_keys(rank, self._membership.device) if k in metas]
 
             def read(strat: Any) -> dict[str, torch.Tensor]:
                 # only what the new layout keeps on this rank (its shard, its stages)
@@ -354,10 +394,9 @@ class Checkpointing:
                         want[key] = None
                     elif need:
                         want[key] = (int(need[0]), int(need[1]))
-                if rng_key in metas:
-                    want[rng_key] = None
+                want.update(dict.fromkeys(rngs))
                 state = reader.read(want)
-                out["rng"] = state.pop(rng_key, None)
+                out["rng"] = {k: state.pop(k) for k in rngs}
                 out["bytes"] = sum(t.numel() * t.element_size() for t in state.values())
                 out["total_bytes"] = sum(
                     m.dtype.itemsize * math.prod(m.full_shape)
@@ -365,8 +404,7 @@ class Checkpointing:
                 return state
 
             self._layout.build_fresh(spec, None, read=read)
-        if out["rng"] is not None:
-            torch.set_rng_state(out["rng"])
+        set_rng_states(out["rng"], rank, self._membership.device)
         self._layout.next_step = step
         return {"seconds": time.perf_counter() - t0, "bytes": out["bytes"],
                 "total_bytes": out["total_bytes"]}
@@ -377,7 +415,12 @@ class Checkpointing:
         up already) is stuck in a storage call and left to its thread, since waiting for it
         would hold up the end of the job: returns what was left so (a pooled worker is then
         retired), else "". The controller's give-up word is not waited for: it is sent
-        without an answer, and the end of the job can overtake it."""
+        without an answer, and the end of the job can overtake it. Its hook before each
+        update goes too (the process's list held this job's layout, data and model for the
+        next job on a pooled worker)."""
+        if self._unhook_update is not None:
+            self._unhook_update()
+            self._unhook_update = None
         left = []
         for w in (self._writer, self._stuck):
             if w is None:

@@ -27,7 +27,10 @@ fire it again. Actions:
   the emulated slowdown makes one): its peers wait for it in their collectives, and nothing
   may take it for a lost worker;
 * ``slow_upload``: this rank's upload of checkpoint ``step`` waits ``seconds`` once it has
-  begun (slow storage), while training goes on.
+  begun (slow storage), while training goes on;
+* ``hang_restore``: this rank blocks forever when it begins to read checkpoint ``step`` in a
+  restore (a storage read that never returns, as on a hung network mount), outside any
+  training step: its peers time out in the restore's agreement.
 """
 
 from __future__ import annotations
@@ -49,6 +52,9 @@ __all__ = ["Faults", "FaultInjected", "nan_inputs"]
 
 class FaultInjected(RuntimeError):
     """The ``raise`` fault: what user code raising looks like to elastic."""
+
+
+_ELSEWHERE = ("pause_upload", "slow_upload", "hang_restore")  # not at a step's start
 
 
 def _block_forever() -> None:
@@ -87,8 +93,8 @@ class Faults:
             return False
         nan = False
         for f in entries:
-            if f["action"] in ("pause_upload", "slow_upload"):
-                continue  # fires on the upload thread (in_upload)
+            if f["action"] in _ELSEWHERE:
+                continue  # fires on the upload thread (in_upload) or in a restore
             where = f.get("dir") or self._default_dir
             if not self._claim(where, rank, step, f["action"]):
                 continue
@@ -126,6 +132,13 @@ class Faults:
                 time.sleep(float(f["seconds"]))
             else:
                 self._write_paused(where, rank, step, generation)
+                self._block()
+
+    def in_restore(self, rank: int, step: int) -> None:
+        """As ``rank`` begins to read checkpoint ``step``: a due ``hang_restore`` blocks."""
+        for f in self._at.get((rank, step), ()):
+            if f["action"] == "hang_restore" and self._claim(
+                    f.get("dir") or self._default_dir, rank, step, f["action"]):
                 self._block()
 
     @staticmethod

@@ -19,6 +19,7 @@ layout replaces whatever is held (``clear``, called by ``Layout``).
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -73,6 +74,7 @@ class HeldState:
         self._pieces: list[Piece] | None = None  # full (planned change) or parked at leave;
         # kept until the next layout
         self._rolled: list[Piece] | None = None  # parked pieces one step on
+        self._rolling = False  # ``park`` is applying a pending update (no lock: ``pending``)
         self.carried: list[Piece] = []  # handed over by a draining rank (same step)
 
     @property
@@ -96,11 +98,15 @@ class HeldState:
         ``lock``."""
         if self._pieces is not None:
             return
-        self._pieces = _copies(strategy)
-        if getattr(strategy, "pending_update", False):
+        pending = bool(getattr(strategy, "pending_update", False))
+        self._rolling = pending  # ``pending`` says so while the update is applied here
+        try:
+            self._pieces = _copies(strategy)
             # the step's final all-reduce failed here after the gradients were complete
-            if strategy.finish_pending_step():
+            if pending and strategy.finish_pending_step():
                 self._rolled = _copies(strategy)
+        finally:
+            self._rolling = False
 
     def snapshot_full(self, strategy: Any) -> int:
         """Collective over the current (healthy) group: keep the full canonical state, so
@@ -124,17 +130,20 @@ class HeldState:
 
     def pending(self, strategy: Any) -> bool:
         """Whether a step's update can still be applied here without communication: on the
-        live ``strategy``, or (none) to the parked state."""
-        if strategy is None:
-            return self._rolled is not None
-        return bool(getattr(strategy, "pending_update", False))
+        live ``strategy``, or to the parked state. Takes no lock: the controller's pings
+        ask it while a leave parks a large state."""
+        if self._rolling or self._rolled is not None:  # (a leave parking it now: the update
+            return True  # applied to the live strategy, which is about to go)
+        return strategy is not None and bool(getattr(strategy, "pending_update", False))
 
-    def roll_forward(self, strategy: Any) -> bool:
+    def roll_forward(self, strategy_of: Callable[[], Any]) -> bool:
         """Local, after a failure: apply a step whose gradients were complete when its final
-        all-reduce failed here (the caller knows a peer applied it), on the live
-        ``strategy`` or, with none, by taking the parked state with that update applied.
-        Returns whether a step was applied (the data position moves one step on)."""
+        all-reduce failed here (the caller knows a peer applied it), on the live strategy
+        (``strategy_of()``, read under ``lock``: a leave on the other thread may be parking
+        it) or, with none, by taking the parked state with that update applied. Returns
+        whether a step was applied (the data position moves one step on)."""
         with self.lock:
+            strategy = strategy_of()
             if strategy is None:
                 if self._rolled is None:
                     return False

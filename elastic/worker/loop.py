@@ -373,9 +373,9 @@ class StepLoop:
     def _eval_part(self, ds: Any, idx: torch.Tensor, shares: Sequence[int]) -> torch.Tensor:
         """This rank's ``(loss x samples, samples)`` of one evaluation batch."""
         lo, hi = share_bounds(shares, self._membership.rank)
+        strategy = self._layout.strategy
         if hi > lo:
             x, y = fetch_batch(ds, idx[lo:hi])
-        else:  # an empty part with the right trailing shapes
-            x, y = fetch_batch(ds, idx[:1])
-            x, y = x[:0], y[:0]
-        return torch.tensor(self._layout.strategy.eval_step(x, y), dtype=torch.float64)
+            return torch.tensor(strategy.eval_step(x, y), dtype=torch.float64)
+        x, y = fetch_batch(ds, idx[:1])  # an empty part: one sample, scored, not counted
+        return torch.tensor(strategy.eval_empty(x, y), dtype=torch.float64)

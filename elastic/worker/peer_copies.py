@@ -176,6 +176,9 @@ class _Gen:
     error: str | None = None
     verified: dict[int, bool] = field(default_factory=dict)
     rank: int = -1
+    payload: torch.Tensor | None = None  # the own snapshot's buffer (stamped with its CRC)
+    n_payload: int = 0  # ``own``'s first pieces, views of ``payload``; the rest replicated
+    kept: list[int] = field(default_factory=list)  # the rest's CRCs (the exchange's thread)
 
 
 class PeerCopies:
@@ -226,7 +229,8 @@ class PeerCopies:
             dst.copy_(pieces[i][3].detach().reshape(dst.shape))
         others = [(k, s, r, t.detach().to("cpu", copy=True))
                   for n, (k, s, r, t) in enumerate(pieces) if n not in set(lay.unique)]
-        gen = _Gen(next_step, own_views + others, rank=self._m.rank)
+        gen = _Gen(next_step, own_views + others, rank=self._m.rank, payload=payload,
+                   n_payload=len(own_views))
         recv = {w: torch.empty(layout_offsets(lay.ward_metas[w])[1], dtype=torch.uint8)
                 for w in lay.wards}
         gen.copies = {w: (lay.ward_metas[w], buf) for w, buf in recv.items()}
@@ -262,6 +266,7 @@ class PeerCopies:
                   recv: dict[int, torch.Tensor]) -> None:
         try:
             _stamp(payload)
+            gen.kept = [crc32c_of(t) for _, _, _, t in gen.own[gen.n_payload:]]
             works = []
             if payload.numel() > 8 and buddy != self._m.rank:
                 works.append(pg.send([payload], buddy, _TAG))
@@ -316,13 +321,21 @@ class PeerCopies:
                 "bytes": sum(_gen_bytes(g) for g in (self._committed, self._pending) if g)}
 
     def restore_pieces(self, step: int) -> list[Piece]:
-        """This rank's pieces at ``step``: its own snapshot and its wards' copies, each
-        copy's checksum verified again. ``StateMoveError`` when none is at that step or a
-        copy's bytes changed since it arrived."""
+        """This rank's pieces at ``step``: its own snapshot and its wards' copies, every
+        checksum verified again (its own too: host memory can go bad as a copy's can); none
+        when it holds nothing at that step (a replacement or a spare that joined: the
+        pieces the others hold must cover the state, which the restore checks).
+        ``StateMoveError`` when bytes changed since they were taken."""
         gen = next((g for g in (self._pending, self._committed)
                     if g is not None and g.done.is_set() and g.step == step), None)
         if gen is None:
-            raise StateMoveError(f"no copy of step {step} is held here (stale)")
+            return []
+        if (gen.payload is not None and gen.payload.numel() > 8 and not _stamped(gen.payload)
+                or len(gen.kept) != len(gen.own) - gen.n_payload
+                or any(crc32c_of(t) != c for (_, _, _, t), c in zip(
+                    gen.own[gen.n_payload:], gen.kept, strict=True))):
+            raise StateMoveError(f"rank {gen.rank}'s own snapshot of step {step} does not "
+                                 "match its checksum (host memory changed)")
         out = list(gen.own)
         for w, (metas, buf) in gen.copies.items():
             if not gen.verified.get(w):

@@ -97,6 +97,20 @@ class Baseline:
     num_threads: int
     roots: tuple[str, ...] = field(default_factory=_library_roots)
     backends: dict[str, Any] = field(default_factory=lambda: _backends())
+    _ready: set[tuple[int, int]] = field(default_factory=set)  # (thread, job): on_thread
+
+    def on_thread(self, job: int) -> None:
+        """At a job's call: per-thread torch switches a job's code may flip (grad mode,
+        anomaly detection, the intra-op thread count) set back to these on a thread job
+        ``job`` has not called on yet. ``reset`` sets them on the thread it runs on only,
+        and a worker actor has two."""
+        me = (threading.get_ident(), job)
+        if me in self._ready:
+            return
+        self._ready = {r for r in self._ready if r[1] == job} | {me}
+        torch.set_grad_enabled(True)
+        torch.autograd.set_detect_anomaly(False)
+        torch.set_num_threads(self.num_threads)
 
     @staticmethod
     def take() -> Baseline:

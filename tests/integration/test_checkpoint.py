@@ -530,6 +530,30 @@ def test_tools_inspect_verify_export(tmp_path) -> None:
 
 
 
+def test_verify_finds_what_a_load_refuses_across_shards(tmp_path) -> None:
+    """Every byte of every shard sound, but rows of a sharded key in no shard (rank 1 wrote
+    none of its slice), or one key's pieces of two dtypes: ``verify`` says BAD and names the
+    key, as ``load`` and ``export`` refuse it. Was: OK, exit 0: a CI gate passed a
+    checkpoint no restore could load."""
+    store = CheckpointStore(str(tmp_path / "ckpt"))
+    w = torch.randn(10, 4)
+    infos = [write_shard(store, 5, 0, [Piece("model/w", w[:5], start=0, full_shape=(10, 4))]),
+             write_shard(store, 5, 1, [])]
+    commit(store, 5, infos, {})
+    with pytest.raises(CheckpointError, match="rows 5:10 of 'model/w' are in no shard"):
+        load(store, 5)
+    report = verify(store)
+    assert report.exit_code == 1 and "rows 5:10 of 'model/w'" in report.problems[5][0]
+    infos = [write_shard(store, 6, 0, [Piece("model/w", w[:5], start=0, full_shape=(10, 4))]),
+             write_shard(store, 6, 1, [Piece("model/w", w[5:].double(), start=5,
+                                             full_shape=(10, 4))])]
+    commit(store, 6, infos, {})
+    report = verify(store, 6)
+    assert report.exit_code == 1 and "different dtypes" in report.problems[6][0]
+    save(store, 7, make_state())  # a whole one still passes
+    assert verify(store, 7).exit_code == 0
+
+
 @pytest.mark.parametrize("where", ["local", "s3"])
 def test_export_to_safetensors_loads_without_elastic(tmp_path, where, request) -> None:
     from safetensors import safe_open
@@ -558,6 +582,100 @@ def test_export_to_safetensors_loads_without_elastic(tmp_path, where, request) -
     assert torch.equal(flat["optimizer/fc.weight/exp_avg"], state["optim/fc.weight/exp_avg"])
     with pytest.raises(ValueError, match="use 'torch' or 'safetensors'"):
         export(store, str(tmp_path / "m.bin"), fmt="onnx")
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_an_export_never_harms_the_file_it_would_replace(tmp_path, where, request,
+                                                         monkeypatch) -> None:
+    """An existing destination is refused unless overwrite; an overwrite that fails (the
+    serializer interrupted halfway, safetensors not installed) leaves the old file as it
+    was, and an export to a new object that fails leaves nothing. Was, on S3: pyarrow
+    completed the stream on the error, so the old object became a torn file (a third of it
+    after an interrupt) or an empty one (safetensors missing)."""
+    import sys
+
+    store = CheckpointStore(str(tmp_path / "ckpt"))
+    save(store, 7, make_state())
+    save(store, 8, make_state(seed=1))
+    if where == "s3":
+        s3 = request.getfixturevalue("s3_server")
+        opts = s3.options()
+        base = s3.uri() + "/export"
+
+        def read(dest: str) -> bytes | None:
+            key = dest.split(s3.bucket + "/", 1)[1]
+            try:
+                return s3.client().get_object(Bucket=s3.bucket, Key=key)["Body"].read()
+            except Exception:  # noqa: BLE001 - not there
+                return None
+
+        def listing() -> list[str]:
+            got = s3.client().list_objects_v2(Bucket=s3.bucket, Prefix="ckpt/export/")
+            return sorted(o["Key"] for o in got.get("Contents", [])  # (not pyarrow's
+                          if not o["Key"].endswith("/"))  # directory markers)
+    else:
+        opts, base = None, str(tmp_path / "out")
+
+        def read(dest: str) -> bytes | None:
+            return open(dest, "rb").read() if os.path.exists(dest) else None
+
+        def listing() -> list[str]:
+            return sorted(os.listdir(base))
+    pt, st = base + "/model.pt", base + "/model.safetensors"
+    export(store, pt, 7, dest_options=opts)
+    export(store, st, 7, dest_options=opts)
+    old_pt, old_st = read(pt), read(st)
+    assert old_pt and old_st
+    before = listing()
+    with pytest.raises(CheckpointError, match="exists already.*--force"):
+        export(store, pt, 8, dest_options=opts)
+
+    real_save = torch.save
+
+    def interrupted(obj, f):
+        f.write(b"x" * 1000)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        export(store, pt, 8, dest_options=opts, overwrite=True)
+    with pytest.raises(KeyboardInterrupt):
+        export(store, base + "/new.pt", 8, dest_options=opts)
+    monkeypatch.setattr(torch, "save", real_save)
+    monkeypatch.setitem(sys.modules, "safetensors.torch", None)
+    with pytest.raises(CheckpointError, match="safetensors"):
+        export(store, st, 8, dest_options=opts, overwrite=True)
+    monkeypatch.delitem(sys.modules, "safetensors.torch")
+    assert read(pt) == old_pt and read(st) == old_st and read(base + "/new.pt") is None
+    assert listing() == before  # no temporary object or file left either
+    export(store, pt, 8, dest_options=opts, overwrite=True)  # on purpose: replaced whole
+    new = read(pt)
+    assert new and new != old_pt and listing() == before
+
+
+def test_the_cli_exports_a_local_checkpoint_to_s3_and_never_prints_its_credentials(
+        s3_server, tmp_path, capsys) -> None:
+    """``elastic checkpoints export LOCAL --out s3://KEY:SECRET@bucket/m.pt --endpoint URL``:
+    the endpoint is the destination's (a local checkpoint takes no storage options) and the
+    line it prints shows the URI without its credentials. Was: refused with a fix (remove
+    the options) that sent the export to AWS instead; and the success line echoed the key
+    and secret."""
+    from urllib.parse import quote
+
+    from elastic import cli
+
+    store = CheckpointStore(str(tmp_path / "ckpt"))
+    save(store, 7, make_state())
+    opts = s3_server.options()
+    key, secret = opts["access_key"], opts["secret_key"]
+    out = f"s3://{quote(key, safe='')}:{quote(secret, safe='')}@{s3_server.bucket}/exp/m.pt"
+    code = cli.main(["checkpoints", "export", str(tmp_path / "ckpt"), "--out", out,
+                     "--endpoint", s3_server.endpoint, "--options", '{"region": "us-east-1"}'])
+    said = capsys.readouterr()
+    assert code == 0, said
+    assert f"wrote step 7 to s3://{s3_server.bucket}/exp/m.pt" in said.out
+    assert secret not in said.out + said.err and key not in said.out + said.err
+    assert s3_server.client().head_object(Bucket=s3_server.bucket, Key="exp/m.pt")
+
 
 # --------------------------------------------------------------------------- storage errors & secrets
 

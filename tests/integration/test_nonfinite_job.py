@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 
 import pytest
 import torch
@@ -100,4 +101,33 @@ def test_a_rollback_while_a_checkpoint_uploads_goes_back_to_it(ray_local, tmp_pa
     assert [(e.data["from"], e.data["to"]) for e in back] == [(12, 10)], kinds
     assert not [k for k in kinds if k[0] in ("checkpoint_skipped", "checkpoint_failed")], kinds
     assert committed_steps(CheckpointStore(uri)) == [5, 10, 15, 20, 25], kinds
+    assert max_diff(result.state_dict(), _ref(steps, skip=False)) < TOL
+
+
+def test_a_rank_hung_in_a_rollbacks_restore_is_cut_off_and_replaced(ray_local, tmp_path):
+    """A rank blocks for ever reading the checkpoint a rollback goes back to (the
+    ``hang_restore`` fault: a storage read that never returns), outside any training step.
+    Its peer times out in the restore's agreement and raises; the hung rank is ended at the
+    hang window after that (``failures.hang_timeout_s`` + slack) and the job recovers
+    without it, to the reference's parameters. Before, the controller waited on the hung
+    rank's call for ever (no watchdog outside segments)."""
+    uri = str(tmp_path / "ckpt")
+    faults = str(tmp_path / "faults")
+    steps = 12
+    t0 = time.monotonic()
+    handle = elastic.submit(
+        model=mlp, optimizer=adam, loss=mse, dataset=RegressionData(), global_batch_size=G,
+        max_steps=steps, num_workers=2, min_workers=1, view="none",
+        run_dir=str(tmp_path / "run"), checkpoint_uri=uri, checkpoint_every=5, keep_last=10,
+        on_nonfinite="rollback", hang_timeout_s=3, replacement_timeout_s=2,
+        faults=[{"rank": 1, "step": 7, "action": "nan", "dir": faults},
+                {"rank": 1, "step": 5, "action": "hang_restore", "dir": faults}])
+    result = handle.result(timeout=150)
+    took = time.monotonic() - t0
+    assert sorted(os.listdir(faults)) == ["fired-rank1-step5", "fired-rank1-step7"]
+    kinds = [(e.kind, e.message) for e in result.events if e.kind != "state"]
+    hung = [m for k, m in kinds if k == "failure" and "hung" in m]
+    assert hung and "rank 1" in hung[0] and "restore_checkpoint" in hung[0], kinds
+    assert any(k == "recovered" for k, _ in kinds), kinds
+    assert took < 120, took
     assert max_diff(result.state_dict(), _ref(steps, skip=False)) < TOL

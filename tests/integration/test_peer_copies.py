@@ -10,6 +10,7 @@ hold, and the state is the one the old group had.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -106,12 +107,16 @@ def _load_from_held(target: tuple[str, dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _copy_then_lose(every: int, steps: int, corrupt: bool) -> dict[str, Any]:
+def _copy_then_lose(every: int, steps: int, corrupt: bool | str) -> dict[str, Any]:
     """3 ranks: zero3 with copies every ``every`` steps, settled through a sum as the step
     loop does; train ``steps``; return the hash of the state at the last copy."""
     strat = _layout("zero3", 3, load=False)
     node = f"node{dist.get_rank()}"
-    copies = PeerCopies(every, None, _Members(1), lambda: node)  # type: ignore[arg-type]
+    # a generation of its own each run: two runs in a row over one world reuse the pool's
+    # store, where a copies group of the same generation would find the last run's addresses
+    _KEPT["generation"] = _KEPT.get("generation", 0) + 1
+    copies = PeerCopies(every, None, _Members(_KEPT["generation"]),  # type: ignore[arg-type]
+                        lambda: node)
     hashes = {}
     for s in range(steps):
         _train(strat, s, s + 1)
@@ -124,17 +129,27 @@ def _copy_then_lose(every: int, steps: int, corrupt: bool) -> dict[str, Any]:
         flag = torch.tensor([copies.flag()], dtype=torch.float64)
         dist.all_reduce(flag)
         copies.settle(float(flag), 3)
-    if corrupt and dist.get_rank() == 0:
+    if corrupt == "own" and dist.get_rank() == 0:  # its own snapshot, not a ward's copy
+        gen = copies._committed
+        assert gen is not None
+        gen.own[0][3].view(-1)[0] += 1.0
+    elif corrupt and dist.get_rank() == 0:
         assert copies.corrupt()
     strat.close()
     _KEPT["copies"] = copies
     return {"hashes": hashes, "status": copies.status()}
 
 
-def _load_from_copies(step: int) -> dict[str, Any]:
+def _load_from_copies(step: int, joined: tuple[int, ...] = ()) -> dict[str, Any]:
+    """The survivors (and the ranks ``joined``: replacements that hold no copy) load the
+    state at ``step`` into zero2 over the new group."""
     from strategies import move_pieces
 
     copies = _KEPT.pop("copies")
+    if dist.get_rank() in joined:  # a new process: no copies (and no collective to make one)
+        new = SimpleNamespace(rank=dist.get_rank(), world=dist.get_world_size(), generation=2,
+                              copies_group=None)
+        copies = PeerCopies(2, None, new, lambda: "new-node")  # type: ignore[arg-type]
     try:
         pieces, err = copies.restore_pieces(step), ""
     except StateMoveError as e:
@@ -143,7 +158,7 @@ def _load_from_copies(step: int) -> dict[str, Any]:
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     if not ok.item():
         return {"error": err or "another rank's copy does not match its checksum"}
-    strat = _layout("zero2", 2, load=True)
+    strat = _layout("zero2", dist.get_world_size(), load=True)
     res = move_pieces(pieces, strat)
     out = {"hash": state_hash(strat.full_state()), "problems": res.problems}
     strat.close()
@@ -210,6 +225,27 @@ def test_a_lost_ranks_shard_comes_back_from_its_buddys_copy(pool):
     second = pool.run(_load_from_copies, 4, world_size=2)  # rank 2 is gone
     for r in second:
         assert r.get("problems") == [] and r["hash"] == hashes[4], r
+
+
+def test_a_replacement_that_holds_no_copy_joins_the_restore_from_the_buddies(pool):
+    """After a loss the job takes a replacement in (min_workers defaults to num_workers),
+    and the new group restores from the survivors' copies: the newcomer holds none and
+    brings nothing. Was: it refused ("no copy of step 4 is held here"), so every rank
+    refused and the job went back to its checkpoint, or to step 0."""
+    first = pool.run(_copy_then_lose, 2, 5, False, world_size=3)
+    second = pool.run(_load_from_copies, 4, (2,), world_size=3)  # rank 2 is a new process
+    for r in second:
+        assert r.get("problems") == [] and r["hash"] == first[0]["hashes"][4], r
+
+
+def test_a_rank_whose_own_snapshot_changed_refuses_it(pool):
+    """A rank's own snapshot is checked against its checksum at restore, as the copies it
+    keeps for others are. Was: loaded unchecked (about half of what a restore uses)."""
+    pool.run(_copy_then_lose, 2, 3, "own", world_size=3)
+    second = pool.run(_load_from_copies, 2, world_size=2)
+    errors = [r.get("error", "") for r in second]
+    assert "rank 0's own snapshot of step 2 does not match its checksum" in errors[0], errors
+    assert "another rank's copy" in errors[1]
 
 
 def test_a_corrupt_copy_is_refused_on_every_rank(pool):

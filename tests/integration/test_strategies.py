@@ -354,6 +354,31 @@ def test_other_model_families_match_the_reference(pool: _Pool, case: str) -> Non
         assert float((mine - v).abs().max()) < ATOL, k
 
 
+def make_decay_groups(params: Any) -> torch.optim.Optimizer:
+    """The common factory that goes over its parameters twice: weight decay for matrices
+    only (biases and norms without)."""
+    return torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2],
+                               "weight_decay": 0.1},
+                              {"params": [p for p in params if p.ndim < 2],
+                               "weight_decay": 0.0}], lr=1e-2)
+
+
+@pytest.mark.parametrize("case", ["dp-2", "zero1-3", "zero3-3", "pp2xdp2"])
+def test_an_optimizer_factory_that_reads_its_parameters_twice_trains_every_one(
+        pool: _Pool, case: str) -> None:
+    """Every layout, and the reference, give the factory a list. Was: dp, zero3 and the
+    reference gave a generator, used up by the first group, so biases never trained there,
+    while zero1, zero2 and the pipelines trained them: a live switch dp -> zero1 changed
+    what was trained, silently."""
+    name, world, kw = CASES[case]
+    runs = pool.run(_train, name, kw, 4, 0, None, "cpu", make_decay_groups, world_size=world)
+    ref, _ = reference_train(make_mlp, make_decay_groups, F.mse_loss, DATA, sum(kw["shares"]),
+                             4, SEED)
+    assert max_param_diff(runs[0]["state"], ref) < ATOL
+    untrained = build_model(make_mlp, SEED).state_dict()
+    assert float((ref["0.bias"] - untrained["0.bias"]).abs().max()) > 1e-3  # biases trained
+
+
 class _Blocks(nn.Module):
     """Pipeline-ready through the protocol, its blocks in ``self.blocks`` (names
     ``blocks.0``...), as many models keep them: the stage's own list was an attribute
@@ -635,6 +660,47 @@ def test_eval_step_scores_what_one_process_scores(pool: _Pool, case: str) -> Non
         assert r[0] == pytest.approx(whole, abs=ATOL)
         if name != "pipeline":
             assert r[1] == pytest.approx(two, abs=ATOL)
+
+
+class _Flattening(nn.Module):
+    """A model whose forward cannot take 0 rows, as a CNN's flatten cannot."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = make_mlp()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x.view(x.size(0), -1))
+
+
+def _eval_empty_run(name: str, spec_kw: dict[str, Any]) -> float:
+    strat, _, _, _ = _trained(name, spec_kw, 2, factory=_Flattening)
+    x, y = fetch_batch(DATA, torch.arange(0, 2))
+    rank = dist.get_rank()
+    got = (strat.eval_step(x[rank:rank + 1], y[rank:rank + 1]) if rank < 2 else
+           strat.eval_empty(x[:1], y[:1]))  # what the step loop gives an empty part
+    total = torch.tensor(got, dtype=torch.float64)
+    dist.all_reduce(total)
+    strat.close()
+    return float(total[0] / total[1])
+
+
+@pytest.mark.parametrize("case", ["zero3-3", "dp-3"])
+def test_an_empty_evaluation_part_never_runs_the_model_on_zero_rows(pool: _Pool,
+                                                                    case: str) -> None:
+    """Under zero3 a rank with no sample of an evaluation batch still runs the forward (its
+    all-gathers), on one sample it does not count. Was: on 0 rows, which a model's own
+    ``x.view(x.size(0), -1)`` refuses: the job failed at its last evaluation, blaming user
+    code that no other layout ever gives an empty batch."""
+    name, world, kw = CASES[case]
+    losses = pool.run(_eval_empty_run, name, kw, world_size=world)
+    ref, _ = reference_train(_Flattening, make_adam, F.mse_loss, DATA, sum(kw["shares"]), 2,
+                             SEED)
+    model = _Flattening()
+    model.load_state_dict(ref)
+    with torch.no_grad():
+        two = float(F.mse_loss(model(DATA.x[:2]), DATA.y[:2]))
+    assert all(v == pytest.approx(two, abs=ATOL) for v in losses), (losses, two)
 
 
 def test_the_planners_accumulation_steps_are_carried_out(pool: _Pool) -> None:

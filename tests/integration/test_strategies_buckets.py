@@ -132,3 +132,76 @@ def test_a_zero_step_sends_a_few_messages(pool: ProcessPool, name: str) -> None:
     zero2's add up the squares of every bucket's sums as they arrive."""
     per_step = pool.run(_messages, name, world_size=2)[0]
     assert per_step == {"all_reduce": 1, "reduce": 0, "broadcast": 2}
+
+
+_USE = {  # (pass, rank) -> the parameters whose gradient that backward has
+    (0, 0): {0, 1}, (0, 1): {0, 1},  # parameter 1: the first micro-batch only
+    (1, 0): {0, 2}, (1, 1): {0},  # parameter 2: one rank's samples only; 3: none at all
+}
+
+
+def _uneven(mode: str) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from strategies.buckets import GradBuckets
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(n)) for n in (30, 7, 20, 9)]
+    gb = GradBuckets(params, [0, 1, 1, 0], mode, None, [0, 1], rank, cap=60, first_cap=60)
+    gb.attach_hooks()
+    calls = {"all_reduce": 0}
+    real = dist.all_reduce
+
+    def counting(*a: Any, **kw: Any) -> Any:
+        calls["all_reduce"] += 1
+        return real(*a, **kw)
+
+    dist.all_reduce = counting
+    try:
+        passes = 2 if mode == "owned" else 1  # zero2 reduces every micro-batch; zero1 the last
+        for k in range(passes):
+            used = _USE[(k + (2 - passes), rank)]
+            loss = sum((p * (rank + 1) * (i + 1) * (k + 1)).sum()
+                       for i, p in enumerate(params) if i in used)
+            loss.backward()  # type: ignore[union-attr]
+            gb.flush()
+    finally:
+        dist.all_reduce = real
+    out = {"grads": [None if p.grad is None else p.grad.clone() for p in params],
+           "sq": None if gb.last_sq is None else float(gb.last_sq), "calls": calls}
+    gb.close()
+    return out
+
+
+@pytest.mark.parametrize("mode", ["owned", "all_reduce"])
+def test_ranks_whose_gradients_differ_send_the_same_buckets_and_get_the_sums(
+        pool: ProcessPool, mode: str) -> None:
+    """A parameter with a gradient in an earlier micro-batch only (summed on its owner
+    then), one that only one rank's samples reach, one that nobody's do: every rank sends
+    every bucket alike, and the gradients are the sums of what every rank and micro-batch
+    had (None where nobody had one, as in one process); zero2's norm is the same on both
+    ranks. Was: each rank packed only its own gradients, back to back, so the sums mixed
+    parameters (19 where 33 was due), a bucket without a gradient here was not sent (the
+    ranks' collectives out of step: a hang), and the norm differed between ranks."""
+    results = pool.run(_uneven, mode, world_size=2)
+    passes = 2 if mode == "owned" else 1
+    owner = [0, 1, 1, 0]
+    want: dict[int, float] = {}
+    for k in range(passes):
+        for r in range(2):
+            for i in _USE[(k + (2 - passes), r)]:
+                want[i] = want.get(i, 0.0) + (r + 1) * (i + 1) * (k + 1)
+    for rank, r in enumerate(results):
+        for i, g in enumerate(r["grads"]):
+            keeps = (mode == "all_reduce" or owner[i] == rank) and i in want
+            if not keeps:
+                assert g is None, (mode, rank, i, g)
+            else:
+                assert g is not None and torch.equal(g, torch.full_like(g, want[i])), (
+                    mode, rank, i, g)
+    assert results[0]["calls"] == results[1]["calls"]
+    if mode == "owned":
+        sizes = [30, 7, 20, 9]
+        sq = sum(sizes[i] * v ** 2 for i, v in want.items())
+        assert results[0]["sq"] == results[1]["sq"] == pytest.approx(sq, rel=1e-6)

@@ -57,7 +57,8 @@ class FakeGroup:
 
     def __init__(self, model: Any, room: int = 0) -> None:
         self.model_keys = [f"model/{k}" for k in model.state_dict()]
-        self.params = [n for n, _ in model.named_parameters()]
+        # optimizers keep state for the trainable parameters only (a frozen one has none)
+        self.params = [n for n, p in model.named_parameters() if p.requires_grad]
         self.block_tensors = [[p.numel() for p in b.parameters()] for b in model.children()]
         # what the workers "measure" (profile_terms) and how long their steps "take"
         self.alpha: dict[str, float] = {"all_reduce": 1e-3, "reduce": 1e-3, "broadcast": 1e-3,

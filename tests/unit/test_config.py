@@ -306,6 +306,33 @@ def test_secrets_never_leave_the_config(tmp_path):
     assert SECRET not in json.dumps(proxied.to_dict())
 
 
+def test_a_custom_trackers_credentials_are_never_written_under_any_name(monkeypatch):
+    """A tracker class of the user's may name its credential anything: an option whose name
+    holds auth, token, passw, api_key, cookie, ... anywhere is masked in config.json (and so
+    in the trackers' params), and its value is redacted from events and errors; a value
+    that repeats an environment credential variable's (``MYSVC_API_TOKEN``) is redacted
+    wherever it appears, whatever option carries it. Was: only names ending as
+    ``is_secret_key``'s (``api_key``, ``password``, ...): ``auth_header`` and ``conn`` were
+    written as given."""
+    import json
+
+    env_secret = "env-" + SECRET
+    monkeypatch.setenv("MYSVC_API_TOKEN", env_secret)
+    monkeypatch.setenv("MYSVC_TOKEN_PATH", "/etc/mysvc/token-file")  # a place, not a secret
+    cfg = JobConfig(**_base(trackers=[{"target": "mypkg.mod:Tracker",
+                                       "auth_header": f"Bearer {SECRET}",
+                                       "conn": f"svc://host?k={env_secret}",
+                                       "project": "demo-project"}]))
+    shown = cfg.to_dict()["trackers"][0]["custom"]
+    assert shown["auth_header"] == "***" and shown["project"] == "demo-project"
+    assert shown["target"] == "mypkg.mod:Tracker"
+    text = json.dumps(cfg.to_dict())
+    assert SECRET not in text and env_secret not in text, text
+    said = cfg.redact(f"tracker failed: 401 for Bearer {SECRET} at svc://host?k={env_secret}")
+    assert SECRET not in said and said.startswith("tracker failed: 401 for *** at svc:")
+    assert cfg.redact("reads /etc/mysvc/token-file") == "reads /etc/mysvc/token-file"
+
+
 @pytest.mark.parametrize("uri", [
     f"s3://{ACCESS}:{SECRET}@/no-bucket",
     f"s3://{ACCESS}:{SECRET}@b/p?nonsense=1",

@@ -405,6 +405,28 @@ def test_scale_up_takes_spares_in_at_a_boundary(tmp_path, strategy):
         assert len(plans) == 2 and " on 3 x " in plans[1].message, [e.message for e in plans]
 
 
+def _frozen_mlp():
+    model = mlp()
+    for p in model[0].parameters():  # fine-tuning: the first layer frozen
+        p.requires_grad_(False)
+    return model
+
+
+def test_a_model_with_a_frozen_layer_grows_and_recovers_from_peers(tmp_path):
+    """A frozen parameter has no optimizer state on any rank: the state is whole without
+    it. A growth takes its state from the live replicas. Was: the restore asked for Adam's
+    entries of every parameter, found no holder of the frozen one's, and trained again from
+    the last checkpoint (or from step 0 without one) though every rank held the state."""
+    fake = FakeGroup(_frozen_mlp(), room=1)
+    ctl = Controller(_cfg(tmp_path, model=_frozen_mlp, min_workers=1, max_workers=3),
+                     group_factory=lambda cfg: fake, mailbox_factory=lambda job: None)
+    q = _ask(ctl, "scale", 3)
+    result = ctl.run()
+    assert q.get_nowait() == 3 and result.history[-1]["world_size"] == 3
+    scaled = next(e for e in ctl.events if e.kind == "scaled")
+    assert scaled.data["source"] == "peers", scaled.message
+
+
 def test_a_resize_lets_the_checkpoint_in_flight_end_and_one_that_gives_up_keeps_the_group(
         tmp_path, monkeypatch):
     """When a resize gives up (the spare that was up is gone), the group goes on and its later
@@ -477,7 +499,7 @@ def test_scale_down(tmp_path):
 def test_a_request_whose_handling_fails_is_answered_and_the_job_recovers(tmp_path,
                                                                          monkeypatch):
     """A worker is lost while a scale-down takes its snapshot: the asker hears why at once and
-    the job recovers. Was: the request, taken off the inbox, was never answered (the SDK
+    the job recovers, to the survivors (its target back to what it was before the request). Was: the request, taken off the inbox, was never answered (the SDK
     waited out its 300 s; the scheduler's tick, which waits on its shrinks, with it)."""
     from elastic.errors import GroupError
 
@@ -493,6 +515,9 @@ def test_a_request_whose_handling_fails_is_answered_and_the_job_recovers(tmp_pat
     answer = q.get_nowait()
     assert isinstance(answer, GroupError) and "snapshot" in str(answer)
     assert "recovered" in _kinds(ctl) and len(result.history) == STEPS
+    # the asker was told the scale failed: the job's target is what it was before it (was:
+    # 1, and the recovery shrank the job to the size it had been told it did not get)
+    assert ctl.sizing.target == 3 and result.history[-1]["world_size"] == 2
 
 
 def test_a_request_taken_and_never_answered_is_answered_when_the_job_ends():

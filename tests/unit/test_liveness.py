@@ -11,7 +11,7 @@ import pytest
 
 from elastic.control.group import Segment, WorkerRec
 from elastic.control.liveness import HELLO, Liveness
-from elastic.control.watch import GRACE_S, SegmentWatch
+from elastic.control.watch import GRACE_S, STRAGGLE, SegmentWatch, hung_after
 from elastic.errors import GroupError, WorkerLostError
 from elastic.failures import classify
 from elastic.worker.heartbeat import Heartbeat
@@ -215,3 +215,46 @@ def test_a_call_on_a_lost_worker_is_not_waited_for():
     t0 = time.monotonic()
     assert watch.gather(["r0", "r1", "r2"], ws, 30.0, never) == {0, 2}
     assert time.monotonic() - t0 < 0.5
+
+
+def test_when_ranks_still_inside_a_call_are_hung():
+    """``hung_after``, its whole table: not known until a rank's call failed (then the hang
+    window after it), or, for an even call, long after the first answer (``STRAGGLE`` times
+    its time, at least the window); whichever comes first."""
+    h = 65.0
+    assert hung_after(0.0, None, None, h, even=False) is None
+    assert hung_after(0.0, None, None, h, even=True) is None
+    assert hung_after(0.0, 2.0, None, h, even=False) is None  # unequal work: no cut
+    assert hung_after(0.0, 2.0, None, h, even=True) == 2.0 + h  # 10 x 2 s < the window
+    assert hung_after(0.0, 20.0, None, h, even=True) == 20.0 + STRAGGLE * 20.0
+    assert hung_after(0.0, None, 3.0, h, even=False) == 3.0 + h
+    assert hung_after(0.0, None, 3.0, h, even=True) == 3.0 + h
+    assert hung_after(0.0, 20.0, 30.0, h, even=True) == 30.0 + h  # the failure's comes first
+    assert hung_after(0.0, 1.0, 30.0, h, even=True) == 1.0 + h
+
+
+def test_a_rank_still_inside_a_call_after_a_peer_failed_is_hung():
+    """A worker call outside a segment (a restore, a build): rank 1 never returns (blocked in
+    a storage read), rank 0's call fails (its agreement timed out). Past the hang window
+    after that failure, the watch stops waiting and names rank 1 hung; without a failure an
+    uneven call is waited for up to its timeout (its ranks' work may differ), an even one
+    until long after the first answer."""
+    watch = SegmentWatch(_Live(), lambda w: True)
+    ws = [w for w, _ in _seg(3).running]
+    stuck = lambda fs, t: ([f for f in fs if f != "r1"], [f for f in fs if f == "r1"])  # noqa: E731
+    t0 = time.monotonic()
+    got = watch.collect(["r0", "r1", "r2"], ws, 30.0, stuck, lambda r: r == "r0", hang_s=0.3)
+    assert 0.25 < time.monotonic() - t0 < 1.5
+    assert got.ended == {0, 2} and got.hung == {1} and "rank 0's call failed" in got.why
+    t0 = time.monotonic()  # no failure, uneven: only the timeout ends the wait, nobody hung
+    got = watch.collect(["r0", "r1", "r2"], ws, 0.6, stuck, lambda r: False, hang_s=0.1)
+    assert time.monotonic() - t0 > 0.55 and got.ended == {0, 2} and not got.hung
+    got = watch.collect(["r0", "r1", "r2"], ws, 30.0, stuck, lambda r: False, hang_s=0.2,
+                        even=True)
+    assert got.hung == {1} and "first rank answered" in got.why
+    # a lost worker is not hung: liveness says what it is
+    live = _Live()
+    live.closed[1] = time.monotonic()
+    got = SegmentWatch(live, lambda w: True).collect(["r0", "r1", "r2"], ws, 30.0, stuck,
+                                                     lambda r: r == "r0", hang_s=0.3)
+    assert got.ended == {0, 2} and not got.hung

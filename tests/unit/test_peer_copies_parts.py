@@ -5,10 +5,8 @@ collective parts are in ``tests/integration/test_peer_copies.py``."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
-from elastic.errors import StateMoveError
 from elastic.worker.handoff import covered, handoff_plan
 from elastic.worker.peer_copies import (
     FAILED,
@@ -92,8 +90,7 @@ def test_copies_settle_only_on_every_ranks_word():
     assert c.flag() == 1.0  # nothing in flight
     c.settle(3.0, 3)  # nothing pending: no-op
     assert c.status()["steps"] == {}
-    with pytest.raises(StateMoveError, match="stale"):
-        c.restore_pieces(5)
+    assert c.restore_pieces(5) == []  # none held here (a rank that joined): it brings none
     assert PeerCopies(0, None, _M(), lambda: None).due(5) is False  # type: ignore[arg-type]
     assert FAILED < -3
 

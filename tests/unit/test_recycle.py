@@ -151,3 +151,37 @@ def test_a_small_jobs_reset_collects_its_garbage_without_scanning_the_start_up_h
         assert large_job() is None and in_start_up() is None
     finally:
         gc.unfreeze()
+
+
+def test_a_jobs_per_thread_switches_are_set_back_on_every_thread_of_the_next_job():
+    """A worker actor runs calls on two threads; ``reset`` runs on one. A job's code that
+    turned grad mode or anomaly detection off or changed the intra-op thread count on the
+    other thread: the next job's first call there sets them back (``Baseline.on_thread``).
+    Was: left as the job set them on that thread, so the next job's backward failed there
+    (blamed as its user error, and the worker retired)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    from elastic.worker.recycle import Baseline
+
+    base = Baseline.take()
+    seen = {}
+
+    def job_code() -> None:  # job 1, on the actor's other thread
+        torch.set_grad_enabled(False)
+        torch.set_num_threads(1)
+
+    def next_job_call() -> None:  # job 2's first call on that thread
+        base.on_thread(2)
+        seen["grad"], seen["threads"] = torch.is_grad_enabled(), torch.get_num_threads()
+
+    def same_job_again() -> None:  # job 2 turning it off itself is its own business
+        torch.set_grad_enabled(False)
+        base.on_thread(2)
+        seen["again"] = torch.is_grad_enabled()
+
+    with ThreadPoolExecutor(1) as other:  # the actor's other thread, kept between calls
+        for fn in (job_code, next_job_call, same_job_again):
+            other.submit(fn).result()
+    assert seen == {"grad": True, "threads": base.num_threads, "again": False}

@@ -318,3 +318,82 @@ def test_dp_turns_buffer_sync_off_with_the_keyword_this_torch_knows(monkeypatch)
     monkeypatch.setattr(dp, "DDP", DDP211)
     assert dp.no_forward_buffer_sync() == {"broadcast_buffers": False}
     DDP211(nn.Linear(2, 2), **dp.no_forward_buffer_sync())
+
+
+def test_activation_checkpointing_updates_batch_norm_statistics_once():
+    """The recompute in backward runs a block's forward again in training mode: its
+    buffers are put back after it, so BatchNorm folds each batch into its running
+    statistics once, as without checkpointing. Was: twice (``num_batches_tracked`` 2 after
+    one step, the running mean and variance off by up to 0.07), so checkpoints and
+    evaluations drifted from a plain run."""
+    import torch
+    from torch import nn
+
+    from strategies.blocks import checkpoint_blocks
+
+    def make() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 4))
+
+    plain, ckpt = make(), make()
+    assert checkpoint_blocks(ckpt) == 4
+    x = torch.randn(6, 8)
+    for m in (plain, ckpt):
+        m(x).pow(2).sum().backward()
+    for (name, a), (_, b) in zip(plain.named_buffers(), ckpt.named_buffers(), strict=True):
+        assert torch.equal(a, b), name
+    for (name, a), (_, b) in zip(plain.named_parameters(), ckpt.named_parameters(),
+                                 strict=True):
+        assert torch.allclose(a.grad, b.grad, atol=1e-6), name
+
+
+def test_zero3_refuses_parameters_fsdp2_cannot_shard_before_it_is_built():
+    """A 0-dim parameter (a CLIP-style learnable ``logit_scale``) or a non-contiguous one:
+    zero3 and a pipeline with ``dp_mode: zero3`` refuse the model in ``validate``, naming the
+    parameter and the fix. Was: FSDP2's own AssertionError, raised inside torch.distributed,
+    read as the process group failing: a job retried it until its failure budget ran out,
+    and a live switch took it for a lost worker instead of a refusal."""
+    import torch
+
+    from strategies import StrategyError, StrategySpec, registry
+
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l = nn.Linear(4, 4)
+            self.logit_scale = nn.Parameter(torch.ones(()))
+
+        def forward(self, x):
+            return self.l(x) * self.logit_scale
+
+    with pytest.raises(StrategyError, match=r"0-dim parameters \['logit_scale'\].*torch.ones"):
+        registry.get("zero3").validate(StrategySpec("zero3", 2, (2, 2)), Scaled())
+    strided = nn.Linear(4, 4)
+    strided.weight = nn.Parameter(torch.randn(4, 4).t())
+    with pytest.raises(StrategyError, match=r"non-contiguous parameters \['weight'\]"):
+        registry.get("zero3").validate(StrategySpec("zero3", 2, (2, 2)), strided)
+    for name in ("dp", "zero1", "zero2"):  # they take it as it is
+        registry.get(name).validate(StrategySpec(name, 2, (2, 2)), Scaled())
+
+
+@pytest.mark.parametrize("group", [{}, {"capturable": True}])
+def test_a_loaded_optimizer_state_follows_torchs_device_rule(group):
+    """After a switch, restore or resume, a 0-dim parameter's moments (a learnable
+    ``logit_scale``) sit on the parameter's device, and ``step`` on the CPU unless the group
+    is fused or capturable, as ``Optimizer.load_state_dict`` puts them. Was: every 0-dim
+    entry on the CPU, so Adam's next step on a GPU mixed devices (fused and capturable
+    assert ``step`` is on the parameter's device). "meta" stands in for a GPU here."""
+    import torch
+
+    from strategies.canonical import optimizer_state_from_canonical
+
+    s = nn.Parameter(torch.empty((), device="meta"))
+    w = nn.Parameter(torch.empty(3, device="meta"))
+    opt = torch.optim.Adam([s, w], lr=1e-3, **group)
+    optimizer_state_from_canonical(opt, {"s": s, "w": w}, {
+        "optim/s/exp_avg": torch.tensor(0.5), "optim/s/step": torch.tensor(3.0),
+        "optim/w/exp_avg": torch.ones(3), "optim/w/step": torch.tensor(3.0)})
+    step_on = "meta" if group else "cpu"
+    assert opt.state[s]["exp_avg"].device.type == "meta"
+    assert opt.state[w]["exp_avg"].device.type == "meta"
+    assert opt.state[s]["step"].device.type == opt.state[w]["step"].device.type == step_on

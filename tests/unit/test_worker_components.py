@@ -182,6 +182,20 @@ def test_exit_pause_and_hang_act_through_their_hooks(tmp_path):
                                          "fired-rank2-step4", "paused-rank0-step3.json"]
 
 
+def test_hang_restore_blocks_in_the_restore_not_at_the_step(tmp_path):
+    where = str(tmp_path / "chaos")
+    cfg = _cfg(tmp_path, faults=[{"rank": 1, "step": 4, "action": "hang_restore", "dir": where}])
+    done: list[str] = []
+    faults = Faults(cfg, block=lambda: done.append("blocked"))
+    assert not faults.at_step(1, 4, 1) and done == []  # training step 4: nothing
+    faults.in_restore(0, 4)
+    faults.in_restore(1, 3)
+    assert done == []
+    faults.in_restore(1, 4)
+    faults.in_restore(1, 4)  # once per job
+    assert done == ["blocked"] and os.listdir(where) == ["fired-rank1-step4"]
+
+
 def test_a_silent_pause_mutes_the_node_watch_before_it_blocks(tmp_path):
     where = str(tmp_path / "chaos")
     cfg = _cfg(tmp_path, faults=[{"rank": 1, "step": 2, "action": "pause_silent", "dir": where}])
@@ -257,9 +271,9 @@ def test_parking_a_pending_update_keeps_both_states_and_rolls_forward_once():
         held.park(layout)
     assert held.pending(None) and held.has_state()
     assert held.snapshot is not None and held.snapshot["model/w"].eq(0).all()
-    assert held.roll_forward(None)
+    assert held.roll_forward(lambda: None)
     assert held.snapshot["model/w"].eq(1).all() and not held.pending(None)
-    assert not held.roll_forward(None)
+    assert not held.roll_forward(lambda: None)
     assert held.keys(None) == {"model/w": ((3,), "float32")}
 
 
@@ -965,6 +979,37 @@ def test_a_pooled_workers_reset_drops_the_state_without_parking_it(tmp_path, mon
         gc.unfreeze()
 
 
+def test_a_pooled_workers_reset_lets_go_of_the_jobs_checkpointing(tmp_path):
+    """A job that checkpointed hooked its writer into the process's list of calls before
+    each update; a reset takes it out. Was: it stayed, and with it that job's layout, data
+    (a whole Parquet table, Ray block references) and model, job after job on a pooled
+    worker, each later update calling the stale hooks."""
+    import gc
+    import weakref
+
+    import strategies.base as sbase
+    from elastic.worker import Worker
+    from elastic.worker.recycle import Baseline
+
+    before = list(sbase._BEFORE_UPDATE)
+    w = Worker(_cfg(tmp_path, checkpoint_every=1, checkpoint_uri=str(tmp_path / "ck")), 0,
+               False, 1)
+    try:
+        w.baseline = Baseline.take()
+        w.join("127.0.0.1", free_port(), 0, 1, 1, 30.0)
+        w.restart_fresh(_spec("dp"), None, 0)
+        w.run(0, 1)  # (a second checkpoint would wait for the first's commit: no controller)
+        assert len(sbase._BEFORE_UPDATE) == len(before) + 1  # the writer's hook
+        data = weakref.ref(w.data)
+        out = w.reset()
+        assert out["ok"], out
+        assert sbase._BEFORE_UPDATE == before
+        gc.collect()
+        assert data() is None, gc.get_referrers(data())
+    finally:
+        gc.unfreeze()
+
+
 def test_a_worker_outside_ray_needs_no_ray(tmp_path, monkeypatch):
     """bench/gpu_check.py runs the worker where Ray is not installed (the GPU host has none):
     a pooled worker's ``assign`` failed there, its ``info()`` asking Ray for the node's
@@ -1048,3 +1093,75 @@ def test_dp_is_held_beside_the_trial_layouts_only_where_the_device_has_room(free
     from elastic.worker.trial import room_beside
 
     assert room_beside(free, replica, world, other) is room
+
+
+def test_a_checkpoint_keeps_the_cuda_generator_on_a_gpu_rank_and_restores_it(monkeypatch):
+    """Dropout on a GPU draws from the device's generator: a rank on CUDA checkpoints it
+    beside the CPU one and a restore sets it again (was: the CPU one only, so a resumed GPU
+    job drew other masks than the uninterrupted one). A CPU rank writes and sets the CPU one
+    only, and ignores a CUDA one a GPU job wrote. (No GPU here: torch.cuda's two calls are
+    stood in for; bench/gpu_check.py runs the real path on a device.)"""
+    from elastic.worker.checkpointing import rng_keys, rng_states, set_rng_states
+
+    cuda = torch.device("cuda", 1)
+    calls: list[tuple[str, object]] = []
+    state = torch.arange(16, dtype=torch.uint8)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda d: calls.append(("get", d)) or state)
+    monkeypatch.setattr(torch.cuda, "set_rng_state",
+                        lambda s, d: calls.append(("set", d, bool(torch.equal(s, state)))))
+    assert rng_keys(3) == rng_keys(3, torch.device("cpu")) == ["rng/rank3/torch"]
+    assert rng_keys(3, cuda) == ["rng/rank3/torch", "rng/rank3/cuda"]
+    torch.manual_seed(5)
+    saved = rng_states(3, cuda)
+    assert list(saved) == rng_keys(3, cuda) and calls == [("get", cuda)]
+    want = torch.rand(3)
+    set_rng_states(saved, 3, cuda)  # both go back: the CPU one, and the CUDA one to its device
+    assert torch.equal(torch.rand(3), want) and calls[-1] == ("set", cuda, True)
+    calls.clear()
+    set_rng_states(saved, 3, torch.device("cpu"))  # a CPU rank: no CUDA call
+    assert calls == [] and torch.equal(torch.rand(3), want)
+
+
+def test_a_roll_forward_while_a_leave_parks_the_state_applies_the_step_once():
+    """A leave (sent fire-and-forget after a failure) parks a large state on one of the
+    actor's threads while the controller's roll-forward and progress run on the other.
+    ``progress`` says the update is pending all along (it takes no lock: it is the
+    liveness ping), and the roll-forward waits for the park and takes the parked state one
+    step on. Was: the roll-forward read the live strategy before the lock, found its update
+    applied by the park, and returned the step unchanged; progress said nothing pending."""
+    import threading
+    import time
+
+    from elastic.worker.actor import Worker
+
+    class _SlowPark(_PendingLayout):
+        def held_state(self):
+            time.sleep(0.4)
+            return super().held_state()
+
+    class _L:
+        def __init__(self):
+            self.strategy, self.next_step = _SlowPark(), 7
+
+        def drop(self):
+            self.strategy = None
+
+    class _Members:
+        def leave(self):
+            pass
+
+    w = Worker.__new__(Worker)
+    w.held, w.layout, w.membership, w._left = HeldState(), _L(), _Members(), {}
+    w.heartbeat = None
+    leaving = threading.Thread(target=w.leave, kwargs={"collect": False})
+    leaving.start()
+    time.sleep(0.1)  # the leave holds the lock, parking
+    seen = []
+    for _ in range(8):  # the controller's reads during the park, without waiting on it
+        seen.append(w.held.pending(w.layout.strategy))
+        time.sleep(0.1)
+    assert all(seen), seen
+    assert w.finish_pending_step() == 8
+    leaving.join()
+    assert w.held.snapshot["model/w"].eq(1).all() and not w.held.pending(None)
+    assert w.finish_pending_step() == 8  # once
