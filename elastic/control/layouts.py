@@ -157,7 +157,7 @@ class Layouts:
         t1 = time.perf_counter()
         cluster, mm = measured_model(self.probe_model, cfg.optimizer, infos, reports,
                                      cfg.precision)
-        result = auto_plan(cluster, mm, g)
+        result = auto_plan(cluster, mm, g, **_shardable_only(self.probe_model))
         t2 = time.perf_counter()
         self.measured, self.cluster, self.ids = mm, cluster, [d.id for d in cluster.devices]
         self.profiled = (list(infos), list(reports))
@@ -448,3 +448,16 @@ class Layouts:
                        "re-runs at most 10 steps) or checkpoint_every: N",
                        data={"strategy": spec.name})
         self._exposed = exposed
+
+
+def _shardable_only(model: Any) -> dict[str, Any]:
+    """The planner's options for a model zero3 refuses (``strategies.fsdp.unshardable``): no
+    zero3, alone or as a pipeline's dp_mode (its trial was skipped too); else none."""
+    from clusters.plan import STRATEGIES
+    from strategies.fsdp import unshardable
+    from strategies.traits import DP_MODES
+
+    if unshardable(model) is None:
+        return {}
+    return {"strategies": [s for s in STRATEGIES if s != "zero3"],
+            "dp_modes": [m for m in DP_MODES if m != "zero3"]}

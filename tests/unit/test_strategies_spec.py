@@ -397,3 +397,23 @@ def test_a_loaded_optimizer_state_follows_torchs_device_rule(group):
     assert opt.state[s]["exp_avg"].device.type == "meta"
     assert opt.state[w]["exp_avg"].device.type == "meta"
     assert opt.state[s]["step"].device.type == opt.state[w]["step"].device.type == step_on
+
+
+def test_auto_plans_without_zero3_for_a_model_it_refuses():
+    """``strategy: auto`` on a model zero3 refuses leaves zero3 out of the planner's
+    candidates, alone and as a pipeline's dp_mode (its profile trial is skipped too); a model
+    it can shard keeps every candidate."""
+    import torch
+
+    from elastic.control.layouts import _shardable_only
+
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l = nn.Linear(4, 4)
+            self.logit_scale = nn.Parameter(torch.ones(()))
+
+    opts = _shardable_only(Scaled())
+    assert "zero3" not in opts["strategies"] and "zero1" in opts["strategies"]
+    assert "pipeline" in opts["strategies"] and opts["dp_modes"] and "zero3" not in opts["dp_modes"]
+    assert _shardable_only(nn.Linear(4, 4)) == {}
