@@ -126,6 +126,7 @@ def data_parallel_candidate(
         optimizer_bytes=prof.optimizer_bytes_per_param,
         biggest_block=max(prof.block_params),
         units=prof.units,
+        biggest_tensor=prof.biggest_tensor(),
     )
     fixed = fixed_parts.total
     worst = min(devs, key=ctx.usable)

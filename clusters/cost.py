@@ -333,6 +333,7 @@ class CostModel:
                 optimizer_bytes=profile.optimizer_bytes_per_param,
                 biggest_block=max(profile.block_params),
                 units=profile.units,
+                biggest_tensor=profile.biggest_tensor(),
                 activations=math.ceil(s / m) * act_per_sample,
             )
             for s in set(plan.shares)

@@ -50,14 +50,17 @@ def layout_memory(
     biggest_block: float = 0.0,
     activations: float = 0.0,
     units: int | None = None,
+    biggest_tensor: float = 0.0,
 ) -> MemoryBreakdown:
     """Per-device bytes of ``n_params`` parameters laid out by ``strategy`` over ``n`` ranks.
 
     Model states (ZeRO paper, Rajbhandari et al. 2020, Fig. 1): dp (2+2+K) psi, zero1
     2psi + 2psi + K psi/n, zero2 2psi + (2+K) psi/n, zero3 (2+2+K) psi/n. Buffers, from
-    ``biggest_block`` (the largest block's parameters): zero2 holds one block of unsharded
-    gradients; zero3 two gathered blocks (prefetch) plus one block of unsharded gradients,
-    one gathered where ``units`` is 1 (a model without blocks, wrapped whole).
+    ``biggest_block`` (the largest block's parameters) and ``biggest_tensor`` (the largest
+    parameter tensor's): zero1 and zero2 two gradient buckets (each up to the bucket cap, or
+    the largest tensor where it passes it: a bucket of its own); zero3 two gathered blocks
+    (prefetch) plus one block of unsharded gradients, one gathered where ``units`` is 1 (a
+    model without blocks, wrapped whole).
     ``activations`` is passed through. Raises ``PlanError`` for an unknown strategy.
     """
     from strategies.traits import TRAITS  # torch-free: what each layout shards, once
@@ -68,7 +71,7 @@ def layout_memory(
     st = t.state_bytes(n_params, n, param_bytes=bytes_per_param, grad_bytes=grad_bytes,
                        optimizer_bytes=optimizer_bytes)
     buffers = t.buffer_bytes(biggest_block, param_bytes=bytes_per_param, grad_bytes=grad_bytes,
-                             units=units)
+                             units=units, tensor_params=biggest_tensor)
     return MemoryBreakdown(st.params, st.grads, st.optimizer, activations, buffers)
 
 

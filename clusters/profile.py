@@ -119,6 +119,14 @@ class ModelProfile:
         idx = range(self.n_blocks) if blocks is None else blocks
         return tuple(t for i in idx for t in self.block_tensors[i])
 
+    def biggest_tensor(self, blocks: Sequence[int] | None = None) -> int:
+        """The largest parameter tensor's elements among ``blocks`` (default all), where
+        ``block_tensors`` says; 0 without them (a block is not one tensor: a uniform
+        profile's 50-billion-parameter block would count as one)."""
+        if self.block_tensors is None:
+            return 0
+        return max(self.tensors(blocks), default=0)
+
     def boundary(self, i: int) -> float:
         return self.boundary_bytes[i] if self.boundary_bytes is not None else 0.0
 

@@ -171,7 +171,11 @@ def simulate_schedule(trace: Sequence[TraceJob], capacity: int, policy: SchedPol
         while ends and runs[ends[0][2]].version != ends[0][1]:
             heapq.heappop(ends)
         t_end = ends[0][0] if ends else math.inf
-        t_round = (math.floor(t / cfg.round_s) + 1) * cfg.round_s if dirty else math.inf
+        # a round when something changed, and every round while a job waits (the live
+        # scheduler ticks every round: a starvation guard's wait runs out between events)
+        queued = any(runs[i].workers == 0 for i in active)
+        t_round = ((math.floor(t / cfg.round_s) + 1) * cfg.round_s if dirty or queued
+                   else math.inf)
         t_next = min(t_arr, t_end, t_round, horizon)
         if not math.isfinite(t_next):
             break
@@ -213,7 +217,9 @@ def simulate_schedule(trace: Sequence[TraceJob], capacity: int, policy: SchedPol
                 r.paused_until = max(r.paused_until, t) + cfg.resize_s
             used += a.workers - r.workers
             r.workers, r.layout = a.workers, a.layout
-            r.step_s = r.options_by_size[a.workers].step_s if a.workers else math.inf
+            r.step_s = (next((o.step_s for o in r.options if o.workers == a.workers
+                              and o.layout == a.layout), r.options_by_size[a.workers].step_s)
+                        if a.workers else math.inf)  # the layout the policy chose
             r.version += 1
             if a.workers:
                 heapq.heappush(ends, (r.finish_at(), r.version, i))

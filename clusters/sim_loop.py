@@ -66,6 +66,7 @@ class _Job:
         self.committed = 0
         self.pending: deque[tuple[float, int]] = deque()  # (upload done at, step)
         self.down_until = 0.0
+        self.stall_until = 0.0  # a blocking checkpoint's stall, run out across events
         self.ended = ""
         self.done = False  # reached cfg.target_steps
         self.failures = self.rollbacks = self.preemptions = self.evacuations = 0
@@ -90,6 +91,10 @@ class _Job:
             d_end = min(self.down_until, t_to)
             self.down += d_end - self.t
             self.t = d_end
+        if self.t < self.stall_until:  # the rest of a stall an event cut into
+            s_end = min(self.stall_until, t_to)
+            self.ckpt += s_end - self.t
+            self.t = s_end
         if self.t < t_to:
             self._compute(t_to)
         self.commit(self.t)
@@ -116,7 +121,8 @@ class _Job:
                 self.done = True
                 return
             self.pending.append((self.t + self.upload_s, nxt))
-            stall = min(self.cfg.checkpoint_stall_s, t_to - self.t)
+            self.stall_until = self.t + self.cfg.checkpoint_stall_s  # (what an event before
+            stall = min(self.cfg.checkpoint_stall_s, t_to - self.t)  # its end leaves: run_to)
             self.t += stall
             self.ckpt += stall
 
@@ -155,6 +161,7 @@ class _Job:
         restart = rec.restore is not None and rec.restore.restart_all
         if cause != "join" or restart:
             self.pending.clear()
+            self.stall_until = self.t  # the checkpoint stalling died with its workers
         self.down_until = max(self.down_until, self.t + rec.downtime_s)
         self.last_change = self.position
 
@@ -173,6 +180,7 @@ class _Nodes:
         self.workers = self.target = sum(self.size.values())
         self.dead: set[str] = set()
         self.down: Counter[str] = Counter()  # self.dead by pool
+        self.gone: dict[str, str] = {}  # dead nodes no longer billed (lost, preempted): pool
         self.released: set[str] = set()  # drained before their deadline
         self.back_at: dict[str, float] = {}
         self.waiting: dict[str, deque[str]] = {p.name: deque() for p in cluster.pools}
@@ -204,6 +212,7 @@ class _Nodes:
         """``node`` is up again (the job has yet to take it in)."""
         self.dead.discard(node)
         self.down[self.plans.pool_of(node)] -= 1
+        self.gone.pop(node, None)
         self.back_at.pop(node, None)
         self.workers += self.size[node]
         self._plan = None
@@ -219,7 +228,7 @@ class _Nodes:
         if self.per_s is None:
             return 0.0
         per_s = self.per_s
-        return (self._full - sum(k * per_s[p] for p, k in self.down.items())
+        return (self._full - sum(per_s[p] for p in self.gone.values())
                 + sum(k * per_s[p] for p, k in self.spares.items()))
 
     def lose(self, node: str, kind: str, repair: float, now: float, gone_at: float) -> None:
@@ -230,7 +239,8 @@ class _Nodes:
         pool = self.plans.pool_of(node)
         self.down[pool] += 1
         self._plan = None
-        if kind in ("node_lost", "preempted"):
+        if kind in ("node_lost", "preempted"):  # the machine is gone: no bill until back
+            self.gone[node] = pool  # (a crashed or hung process's machine is still billed)
             default = self.cfg.repair_s if kind == "node_lost" else self.cfg.preemption_return_s
             done = gone_at + (repair or default)
             self._push(done, "repaired", pool)

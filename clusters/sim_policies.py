@@ -170,7 +170,9 @@ class SimPolicy:
         if k <= 0:
             return None
         copy = job.position // k * k
-        if copy > job.last_change or job.last_change == 0:
+        if job.last_change == 0:  # since the start: the live job's first copy is after k
+            return copy if copy > 0 else None  # steps (none at step 0)
+        if copy > job.last_change:
             return copy
         first = job.last_change + 1
         return first if job.position >= first else None

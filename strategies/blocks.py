@@ -130,10 +130,13 @@ def checkpointable(model: nn.Module) -> str | None:
 
 
 @contextlib.contextmanager
-def buffers_kept(module: nn.Module) -> Iterator[None]:
-    """``module``'s buffers as they were before, after the block: a forward run again (a
+def buffers_kept(module: nn.Module, stats_only: bool = False) -> Iterator[None]:
+    """``module``'s buffers (``stats_only``: those of its normalisation layers that keep
+    running statistics) as they were before, after the block: a forward run again (a
     recompute) must not update BatchNorm's running statistics a second time."""
-    saved = [(b, b.detach().clone()) for b in module.buffers()]
+    mods = [m for m in module.modules() if not stats_only or (
+        isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats)]
+    saved = [(b, b.detach().clone()) for m in mods for b in m.buffers(recurse=False)]
     try:
         yield
     finally:
@@ -142,7 +145,9 @@ def buffers_kept(module: nn.Module) -> Iterator[None]:
 
 
 def _recompute_keeps_buffers(block: nn.Module) -> tuple[Any, Any]:
-    return contextlib.nullcontext(), buffers_kept(block)
+    """The recompute's contexts: its normalisation layers' running statistics put back
+    after it (only theirs: cloning every buffer would copy a causal mask at each recompute)."""
+    return contextlib.nullcontext(), buffers_kept(block, stats_only=True)
 
 
 def checkpoint_blocks(model: nn.Module) -> int:

@@ -125,8 +125,6 @@ class GradBuckets:
         self.sync = True  # False: hooks let gradients accumulate (not the last micro-batch)
         self._device = self.params[0].device if self.params else torch.device("cpu")
         self._sq = torch.zeros((), dtype=torch.float64, device=self._device)
-        self._sent: set[int] = set()  # owned: parameters in this backward's buckets
-        self._step_sent: set[int] = set()  # owned: ... in any backward since reset()
         # owned: the squared norm of the group's summed gradient after the last flush (None:
         # not known without a message, see flush)
         self.last_sq: torch.Tensor | None = None
@@ -165,9 +163,14 @@ class GradBuckets:
                 self._next += 1
             while self._in_flight:
                 self._finish(self._in_flight[0])
-            # the norm covers the gradient only if every parameter that got a gradient in an
-            # earlier backward of the step (summed on its owner alone) was in these buckets
-            if self.mode == "owned" and self._step_sent <= self._sent:
+            if self._unsure:  # gradients only other ranks had: kept where a mark says so
+                got = torch.cat([m for _, _, m in self._unsure]).tolist()
+                for (i, g, _), anywhere in zip(self._unsure, got, strict=True):
+                    if anywhere > 0:
+                        self.params[i].grad = g
+            # every bucket went out whole (an owner's sum of an earlier micro-batch with it):
+            # the sums' squares cover the whole gradient, alike on every rank
+            if self.mode == "owned":
                 self.last_sq = self._sq
         self._reset()
 
@@ -179,8 +182,6 @@ class GradBuckets:
         micro-batch), and the sums say which parameters got a gradient anywhere."""
         b = self.buckets[k]
         b.present = [i for i in b.params if self.params[i].grad is not None]
-        self._sent.update(b.params)
-        self._step_sent.update(b.present)
         with torch.no_grad():
             if self.mode == "all_reduce":
                 b.flat = self._as_views(k, b)
@@ -196,8 +197,11 @@ class GradBuckets:
                     else:
                         b.flat[at:at + n].copy_(p.grad.reshape(-1))
                     at += n
-            b.flat[b.numel:].copy_(torch.tensor(
-                [float(self.params[i].grad is not None) for i in b.params], dtype=b.dtype))
+            marks = b.flat[b.numel:]  # written on the device: no wait for it here
+            marks.fill_(1.0)
+            for j, i in enumerate(b.params):
+                if self.params[i].grad is None:
+                    marks[j] = 0.0
             b.works.append(dist.all_reduce(b.flat, group=self.group, async_op=True))
         self._in_flight.append(b)
         if self.mode == "owned":
@@ -261,27 +265,26 @@ class GradBuckets:
         b.flat, b.staging, b.works = None, None, []
         if flat is None:
             return
-        # which parameters got a gradient anywhere (read only where this rank had none:
-        # reading the sums waits for the device)
-        got = ((flat[b.numel:] > 0).tolist() if len(b.present) < len(b.params)
-               else [True] * len(b.params))
         views = self._views[self.buckets.index(b)][1] if staging is None else []
+        marks = flat[b.numel:]
         at = 0
         sums = []
         with torch.no_grad():
-            for j, (i, anywhere) in enumerate(zip(b.params, got, strict=True)):
+            for j, i in enumerate(b.params):
                 p = self.params[i]
                 n = p.numel()
-                if staging is None:  # all_reduce: the gradients are views of the sums
-                    if anywhere and p.grad is None:
-                        p.grad = views[j]
-                else:
+                if staging is not None:
                     sums.append(flat[at:at + n])
-                    if self.owner[i] == self.index and anywhere:
-                        if p.grad is None:  # its gradient came from other ranks only
-                            p.grad = flat[at:at + n].view_as(p).clone()
-                        else:
-                            p.grad.copy_(flat[at:at + n].view_as(p.grad))
+                mine = staging is None or self.owner[i] == self.index
+                if mine and p.grad is None:  # another rank may have had one: its mark says,
+                    # read at the end of ``flush`` (one wait for all such, not one a bucket)
+                    self._unsure.append((i, views[j] if staging is None else
+                                         flat[at:at + n].view_as(p).clone(),
+                                         marks[j:j + 1].clone()))
+                elif staging is not None and mine:
+                    g = p.grad
+                    assert g is not None
+                    g.copy_(flat[at:at + n].view_as(g))
                 at += n
             if staging is not None:
                 self._sq += grad_sq_sum(sums, self._sq.device)
@@ -295,7 +298,6 @@ class GradBuckets:
         for b in self._in_flight:
             if b.staging is not None:
                 self._staging[b.dtype].append(b.staging)
-        self._step_sent.clear()
         self.last_sq = None
         self._reset()
 
@@ -304,8 +306,8 @@ class GradBuckets:
             b.waiting = len(b.params)
             b.works, b.flat, b.staging, b.present = [], None, None, []
         self._in_flight.clear()
+        self._unsure: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # see _finish
         self._next = 0
-        self._sent.clear()
         self._sq = torch.zeros((), dtype=torch.float64, device=self._device)
 
     def close(self) -> None:

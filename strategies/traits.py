@@ -113,22 +113,26 @@ class Traits:
 
     def buffer_bytes(self, unit_params: float, *, param_bytes: float = 2,
                      grad_bytes: float = 2, dp_mode: str = "dp",
-                     n_params: float | None = None, units: int | None = None) -> float:
+                     n_params: float | None = None, units: int | None = None,
+                     tensor_params: float = 0.0) -> float:
         """Working-buffer bytes per rank beside the model states, for a largest unit of
         ``unit_params`` parameters among ``n_params`` (default: the unit's) that the rank
         reduces (a pipeline: its stage's, as its ``dp_mode`` lays them out). ``units``: how
         many units there are (None: many); one unit (a model without blocks: zero3 gathers
-        it whole) has no next one gathered beside it."""
+        it whole) has no next one gathered beside it. ``tensor_params``: the largest
+        parameter tensor's elements: a tensor over the bucket cap is a bucket of its own, so
+        a bucket (each of the ``buffer_buckets`` staging buffers) is up to that large."""
         if self.pipeline:
             return traits_of(dp_mode).buffer_bytes(unit_params, param_bytes=param_bytes,
                                                    grad_bytes=grad_bytes, n_params=n_params,
-                                                   units=units)
+                                                   units=units, tensor_params=tensor_params)
         grads = (unit_params if n_params is None else n_params) * grad_bytes
         gathered = self.buffer_param_units if units is None else min(self.buffer_param_units,
                                                                      units)
+        bucket = min(grads, max(BUCKET_BYTES, tensor_params * grad_bytes))
         return (unit_params * (gathered * param_bytes
                                + self.buffer_grad_units * grad_bytes)
-                + self.buffer_buckets * min(grads, BUCKET_BYTES))
+                + self.buffer_buckets * bucket)
 
 
 TRAITS: Mapping[str, Traits] = MappingProxyType({t.name: t for t in (

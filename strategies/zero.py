@@ -140,8 +140,8 @@ class ShardedUpdate:
         self.buckets.flush()
 
     def reduce_grads(self) -> None:
-        """Reduce all present gradients now, bucket by bucket (without hooks). Every rank of
-        the group must have gradients for the same parameters."""
+        """Reduce the gradients now, bucket by bucket (without hooks); ranks may differ in
+        which parameters have one (``GradBuckets``: presence marks)."""
         self.buckets.flush()
 
     def zero_grad(self) -> None:
@@ -379,9 +379,8 @@ class Zero2(_Zero):
     def clip_grads(self) -> None:
         """The buckets' all-reduces gave every rank every sum, and each rank added up their
         squares as they finished (``GradBuckets.last_sq``, bit-equal on every rank): the
-        global norm needs no message. Where that sum does not cover the gradient (a
-        parameter without a gradient in the last micro-batch, summed earlier on its owner
-        only; a group of one), each owner's part is summed over the world (one scalar)."""
+        global norm needs no message. In a group of one (no buckets sent), each owner's part
+        is summed over the world (one scalar)."""
         sq = self.update.buckets.last_sq
         if sq is None:
             super().clip_grads()

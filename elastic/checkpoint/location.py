@@ -124,7 +124,8 @@ _ENV_PLACES = re.compile(r"_(PATH|FILE|DIR|HOME)$", re.I)
 # a tracker option named so carries a credential (broader than ``is_secret_key``: an
 # option of a user's tracker class may be named anything)
 _OPTION_SECRETISH = re.compile(
-    r"secret|passw|token|credential|api_?key|private_?key|auth|bearer|cookie", re.I
+    r"(^|_)(secrets?|passwords?|passwd|passphrase|token|credentials?|api_?key|apikey|"
+    r"private_?key|auth|authorization|bearer|cookie)(_|$)", re.I
 )
 
 
@@ -176,8 +177,9 @@ def env_secrets() -> tuple[str, ...]:
 
 def is_secret_option(name: object) -> bool:
     """Whether an option of a tracker (a class of the user's, whose names elastic cannot
-    know) names a credential: ``is_secret_key``, or its name holds ``auth``, ``token``,
-    ``passw``, ``api_key``, ``cookie``, ... anywhere."""
+    know) names a credential: ``is_secret_key``, or a word of its name (between ``_``) is
+    ``auth``, ``token``, ``password``, ``api_key``, ``cookie``, ... (``auth_header``,
+    ``bearer_token``; not ``max_tokens``, which counts, nor ``author``)."""
     return is_secret_key(name) or bool(_OPTION_SECRETISH.search(str(name)))
 
 

@@ -270,6 +270,8 @@ def export(
         os.makedirs(os.path.dirname(path), exist_ok=True)
     where = os.path.dirname(path) if out is None else None
     fd, tmp = tempfile.mkstemp(prefix=f"{os.path.basename(path) or 'export'}.tmp-", dir=where)
+    if out is None:  # as open() makes a file (mkstemp's is the owner's only), or the old one's
+        os.fchmod(fd, os.stat(path).st_mode & 0o7777 if existed else 0o666 & ~_umask())
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
@@ -285,11 +287,26 @@ def export(
     return ExportResult(shown, step, len(state), nbytes, fmt)
 
 
+S3_COPY_MAX = 5 * 2**30  # S3's CopyObject (pyarrow's move) takes objects up to this
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def _upload(out: CheckpointStore, local: str, replace: bool, failed: str) -> None:
     """The finished file ``local`` to ``out``'s root: straight there when nothing is there
     (removed again if the upload fails: pyarrow completes a stream it closes on an error),
     else under a temporary name, then moved over the old object."""
     name = f"{out.root}.tmp-{uuid.uuid4().hex[:8]}" if replace else out.root
+    if replace and out.kind == "s3" and os.path.getsize(local) > S3_COPY_MAX:
+        raise CheckpointError(
+            f"{out.uri} exists and the export is {os.path.getsize(local) / 2**30:.1f} GiB: "
+            "S3 moves an object by copying it in one request, up to 5 GiB, so it cannot be "
+            "put in place of the old one. Fix: export to a new name, or delete the old object "
+            "first")
     try:
         with open(local, "rb") as src, out.fs.open_output_stream(name) as f:
             shutil.copyfileobj(src, f, 8 << 20)

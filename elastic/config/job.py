@@ -351,8 +351,8 @@ class JobConfig(JobCode):
         trackers' options named as credentials (``is_secret_option``), longest first."""
         found = set(self.checkpoints.secrets)
         for _, opts in self.trackers:
-            found.update(str(v) for k, v in opts.items()
-                         if is_secret_option(k) and isinstance(v, (str, int)) and len(str(v)) >= 4)
+            found.update(v for k, v in opts.items()  # text only: a number or a switch
+                         if is_secret_option(k) and isinstance(v, str) and len(v) >= 8)
         return tuple(sorted(found, key=len, reverse=True))
 
     def redact(self, text: str) -> str:
@@ -369,7 +369,7 @@ class JobConfig(JobCode):
         out: dict[str, Any] = {}
         for name, v in self.settings().items():
             if name == "trackers":  # (kind, options) pairs, as a job file gives them
-                v = [{kind: {k: "***" if is_secret_option(k) and o is not None else o
+                v = [{kind: {k: "***" if is_secret_option(k) and isinstance(o, str) else o
                              for k, o in opts.items()}} for kind, opts in v]
             plain = isinstance(v, (str, int, float, bool, type(None), dict, list))
             out[name] = self.redact_value(v) if plain else describe(v)

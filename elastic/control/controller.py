@@ -295,14 +295,14 @@ class Controller:
             target = self.cfg.switch_at.get(self.step)
             if target is not None and target != self.spec.name:
                 return Switching(target, f"switch_at {self.step}")
-            change = (self.replanner.change(self.step, self.spec, self.group) if target is None
-                      else None)
+            change = self.replanner.change(self.step, self.spec, self.group)
             if change is not None:  # re-balanced shares, or the closed loop's new plan
                 try:
                     self.layouts.apply(self.group, change[0], self.spec, reason=change[1])
                     self.spec = change[0]
                 except SwitchError as e:
                     self._emit("switch_failed", f"{e}; training goes on as {self.spec.name}")
+                    self.replanner.refused(change[1])
         while (req := self.inbox.take()) is not None:
             if (nxt := self._request(req)) is not None:
                 return nxt

@@ -304,7 +304,7 @@ class Evacuation:
     def _move_s(self, spec: StrategySpec, leaving: list[WorkerRec]) -> float:
         """The hand-off's cost: what only the draining ranks hold (nothing when a replica
         survives every loss of one node), at the measured bandwidth."""
-        if spec_survives_loss(spec) and len(leaving) == 1:
+        if replicas_stay(spec, {w.rank for w in leaving}):
             return FIXED_S
         try:
             counts = self.group.memory_counts(timeout_s=10)
@@ -324,3 +324,17 @@ class Evacuation:
             return float(last.data["seconds"])
         return 2.0  # none taken yet: a cautious guess
 
+
+def replicas_stay(spec: StrategySpec, leaving: set[int]) -> bool:
+    """Whether every entry keeps a holder among the ranks that stay when ``leaving`` go: dp
+    while one rank stays; a pipeline over dp while each stage keeps a replica (rank = stage x
+    dp degree + replica); another layout only for a single rank it survives the loss of."""
+    if not leaving or len(leaving) >= spec.world_size:
+        return not leaving
+    if spec.name == "dp":
+        return True
+    if spec.name == "pipeline" and spec.dp_mode == "dp":
+        d = spec.world_size // max(1, spec.pp_degree)
+        return all(any(s * d + j not in leaving for j in range(d))
+                   for s in range(spec.pp_degree))
+    return spec_survives_loss(spec) and len(leaving) == 1

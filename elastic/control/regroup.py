@@ -161,7 +161,9 @@ class Regroup:
         says; returns (source, step, detail)."""
         model = self.layouts.probe_model
         trainable = [n for n, p in model.named_parameters() if p.requires_grad]
-        need = required_keys(list(model.state_dict()), trainable, held)
+        need = (required_keys(list(model.state_dict()), trainable, held) if cause != "join"
+                else {f"model/{k}" for k in model.state_dict()}  # a planned change: every
+                | {k for h in held for k in h if k.startswith("optim/")})  # rank holds all
         peers = peer_plan(progress, held, need)
         position = max((p["next_step"] for p in progress if p["has_state"]), default=0)
         unlisted: StorageError | None = None
@@ -225,7 +227,10 @@ class Regroup:
         group.leave([w for w in group.workers if w in old])
         self.form()
         spec = self.layouts.fit(strategy, len(group.workers), group)
+        before = self.steps.next_step
         source, step, detail = self.restore(spec, progress, held, cause="join")
+        if step != before:  # (a restore from elsewhere: the steps after it run again)
+            self.steps.truncate(step)
         waited = "" if ck is None else (
             f"; waited {ck['seconds']:.1f}s for checkpoint {ck['step']} to "
             + ("commit" if ck["committed"] else "commit, then abandoned it"))

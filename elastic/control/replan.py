@@ -63,6 +63,7 @@ class Replanner:
         # only while the layout running is the one that decision asked for (``_expect``)
         self.memory = LoopMemory()
         self._expect: StrategySpec | None = None
+        self._last: tuple[Any, str] = (None, "")  # the last decision and the label it ran on
         self._scale = LiveScale()  # the live per-rank compute on the model's scale
 
     # ------------------------------------------------------------------ feeding
@@ -87,10 +88,29 @@ class Replanner:
             return pending[1], "replan"
         return None
 
+    def refused(self, why: str) -> None:
+        """The change ``change`` handed over for ``why`` ("replan": the last decision's; a
+        re-balance is the layouts') could not be laid out (the strategy
+        refused it: a re-cut too small for zero2's micro-batches, say): it is not asked for
+        again (its plan counts as tried, its re-cut as gone back), and nothing of it is
+        checked at the next decision. Was: decided again every ``replan_every`` steps, a
+        stop and a refused build each time."""
+        if why != "replan":
+            return
+        decision, current = self._last
+        if isinstance(decision, RecutShares):
+            self.memory.no_recut.add(current)
+        elif isinstance(decision, SwitchPlan):  # (a TryPlan too)
+            self.memory.tried.add(decision.target)
+        self.memory.forget_last()
+        self._expect = None
+
     def poll(self, next_step: int, spec: StrategySpec | None, group: Any) -> bool:
         """While a segment runs: every ``replan_every`` steps of the current layout, the
         policy's decision on its window. True when a change is pending: the caller asks the
         workers to stop at the next step, and ``change`` hands it over at that boundary."""
+        if self.pending is not None and self.pending[0] is not spec:
+            self.pending = None  # another change came first (a switch_at): it is void
         if spec is None or not self.active(spec) or self.pending is not None:
             return False
         if spec is not self._spec or self._start is None:
@@ -139,6 +159,7 @@ class Replanner:
             # host's drift is the host's
             self.observed.clear()
             self.memory = self.memory.new_world()
+            self._named = ()  # rank numbers name other workers now
         elif self._spec is not None and self.layouts.ids:
             self._remember(self._spec)
         self._spec = spec
@@ -173,6 +194,7 @@ class Replanner:
         self.memory.after(decision, obs.current, tuple(spec.shares),
                           robust(times[-self.every:]).median)
         self.decisions.append(decision)
+        self._last = (decision, obs.current)
         kind = type(decision).__name__
         data = {"decision": kind, "current": obs.current, "step_s": obs.step_s,
                 "step_sd": obs.step_sd, "steps": obs.steps, "remaining": obs.remaining,

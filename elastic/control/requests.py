@@ -24,6 +24,7 @@ __all__ = ["Request", "RequestError", "Inbox", "parse", "KINDS", "PUBLIC_KINDS"]
 PUBLIC_KINDS = ("switch", "scale", "stop", "memory", "evacuate")
 # the controller's own: "grow" (a warm spare is up), "notice" (a node announced its end)
 KINDS = PUBLIC_KINDS + ("grow", "notice")
+URGENT = ("notice", "evacuate")  # taken before the others (``Inbox.take``)
 
 
 class RequestError(ElasticError):
@@ -130,7 +131,16 @@ class Inbox:
 
     def take(self) -> Request | None:
         """The next request, held ``in_hand`` until it is answered or parked (an error on
-        the way: ``fail_in_hand``)."""
+        the way: ``fail_in_hand``): a node's announced end (``URGENT``) before the others,
+        which it would otherwise wait behind (its deadline spent on a switch; a scale-down
+        letting a healthy worker go and keeping the one whose node is leaving)."""
+        with self._queue.mutex:  # (Queue's own lock: a post from another thread waits)
+            items = self._queue.queue
+            first = next((r for r in items if r.kind in URGENT), None)
+            if first is not None:
+                items.remove(first)
+                self.in_hand = first
+                return first
         try:
             self.in_hand = self._queue.get_nowait()
         except queue.Empty:

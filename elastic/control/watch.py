@@ -16,12 +16,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import HangError, WorkerLostError
-from ..failures import Failure, classify
+from ..errors import GroupError, HangError, WorkerLostError
+from ..failures import Failure, classify, first_cause
 from .group import Segment, SegmentPoll, WorkerRec
 from .steps import HANG_SLACK_S
 
-__all__ = ["SegmentWatch", "SLICE_S", "GRACE_S", "STRAGGLE", "Wait", "Gathered", "hung_after"]
+__all__ = ["SegmentWatch", "SLICE_S", "GRACE_S", "STRAGGLE", "Wait", "Gathered", "hung_after",
+           "stuck_signal"]
 
 SLICE_S = 0.05  # how often the futures and liveness are looked at
 GRACE_S = 1.0  # after a failure, how long peers get to report a more specific cause
@@ -46,6 +47,13 @@ def hung_after(start: float, first_ok: float | None, first_failed: float | None,
     return min(due) if due else None
 
 
+def stuck_signal(err: BaseException | None) -> bool:
+    """Whether a rank's error says a peer may be stuck: its collective failed or timed out,
+    a peer was lost or hung, or it only echoes another rank's failure."""
+    return err is not None and (isinstance(err, GroupError | WorkerLostError | HangError)
+                                or bool(getattr(err, "secondary", False)))
+
+
 @dataclass(frozen=True)
 class Gathered:
     """What ``SegmentWatch.collect`` saw: the indices of the calls that ended, and of those
@@ -54,6 +62,16 @@ class Gathered:
     ended: frozenset[int]
     hung: frozenset[int] = frozenset()
     why: str = ""
+
+    def cause(self, errors: Sequence[BaseException]) -> BaseException:
+        """The error to raise of the calls' ``errors`` (rank order): with hung ranks, a
+        rank's own error first (a corrupt checkpoint: the caller acts on it), then the hang;
+        else ``first_cause``."""
+        if not self.hung:
+            return first_cause(errors)
+        own = [e for e in errors if not isinstance(e, GroupError | HangError)
+               and not getattr(e, "secondary", False)]
+        return (own or [e for e in errors if isinstance(e, HangError)] or list(errors))[0]
 
     def hang_error(self, w: WorkerRec, what: str, hang_s: float) -> HangError:
         """The error of ``w``, hung in its call ``what`` (ended by the caller)."""
@@ -102,10 +120,13 @@ class SegmentWatch:
         return set(self.collect(refs, workers, timeout_s, wait).ended)
 
     def collect(self, refs: Sequence[Any], workers: Sequence[WorkerRec], timeout_s: float,
-                wait: Wait, failed: Callable[[Any], bool] | None = None,
+                wait: Wait, error_of: Callable[[Any], BaseException | None] | None = None,
                 hang_s: float | None = None, even: bool = False) -> Gathered:
-        """``gather``, and with ``failed`` (whether an ended call raised) and ``hang_s``:
-        stop waiting, as hung, for the calls still running at ``hung_after``."""
+        """``gather``, and with ``error_of`` (an ended call's error, or None) and ``hang_s``:
+        stop waiting, as hung, for the calls still running at ``hung_after``, counted from
+        the first error that says a peer may be stuck (``stuck_signal``: a collective that
+        failed or timed out; not a rank's own error, a corrupt checkpoint say, which says
+        nothing of the others). Errors are looked at only while some call still runs."""
         start = time.monotonic()
         end = start + timeout_s
         pending = dict(enumerate(refs))
@@ -118,10 +139,10 @@ class SegmentWatch:
             ids = {id(r) for r in done}
             now_ended = {i for i, r in pending.items() if id(r) in ids}
             ended |= now_ended
-            if failed is not None and hang_s is not None:
+            if error_of is not None and hang_s is not None and len(ended) < len(refs):
                 now = time.monotonic()
                 for i in sorted(now_ended):
-                    if first_failed is None and failed(pending[i]):
+                    if first_failed is None and stuck_signal(error_of(pending[i])):
                         first_failed, failed_rank = now, workers[i].rank
                     elif first_ok is None:
                         first_ok = now

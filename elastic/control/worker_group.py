@@ -23,7 +23,7 @@ from ..errors import (
     WorkerError,
     WorkerLostError,
 )
-from ..failures import Failure, classify, first_cause
+from ..failures import Failure, classify
 from ..ray_connect import bundle_node, node_alive, pg_ready, wait_refs, worker_bundle
 from .calls import EVEN, PlacementCalls, WorkerCalls
 from .drains import NodeDrains
@@ -525,20 +525,20 @@ class WorkerGroup(PlacementCalls, WorkerCalls):
         """Every result, or the typed error of the lowest rank that failed (a worker that
         liveness finds lost is not waited for); an error that only echoes a peer's failure
         (``secondary``) gives way to that peer's own. A rank still inside the call when it is
-        hung (``watch.hung_after``) is ended and named in a ``HangError`` (a loss)."""
+        hung (``watch.hung_after``) is ended, named in a ``HangError`` (``Gathered.cause``)."""
         import ray
 
         hang_s = float(self.cfg.hang_timeout_s) + HANG_SLACK_S
         got = self.watch.collect(refs, ws, 1e9 if timeout_s is None else timeout_s, wait_refs,
-                                 _raised, hang_s, what in EVEN)
+                                 _error_of, hang_s, what in EVEN)
         for i in sorted(got.hung):
             _kill(ws[i])
             self.hung.append(ws[i])
-        if got.hung:
-            raise got.hang_error(ws[min(got.hung)], what, hang_s)
         errors: list[BaseException] = []
         for i, (w, ref) in enumerate(zip(ws, refs, strict=True)):
             try:
+                if i in got.hung:
+                    raise got.hang_error(w, what, hang_s)
                 if i not in got.ended:
                     raise (self.watch.lost_error(w) if self.watch.lost([w]) else
                            InfrastructureError(f"worker rank {w.rank} did not answer within "
@@ -548,7 +548,7 @@ class WorkerGroup(PlacementCalls, WorkerCalls):
                 errors.append(_typed(e, w))
         if not errors:
             return list(ray.get(refs, timeout=0))
-        raise first_cause(errors) from None
+        raise got.cause(errors) from None
 
     def _get(self, ref: Any) -> Any:
         import ray
@@ -581,14 +581,14 @@ def _tell_all(workers: Sequence[WorkerRec], method: str, args: tuple[Any, ...]) 
             pass
 
 
-def _raised(ref: Any) -> bool:  # whether a finished call raised
+def _error_of(ref: Any) -> BaseException | None:  # a finished call's error, typed
     import ray
 
     try:
         ray.get(ref, timeout=0)
-    except Exception:  # noqa: BLE001 - only whether it did
-        return True
-    return False
+    except Exception as e:  # noqa: BLE001 - typed
+        return _typed(e)
+    return None
 
 
 def _kill(w: WorkerRec) -> None:

@@ -132,9 +132,11 @@ class HeldState:
         """Whether a step's update can still be applied here without communication: on the
         live ``strategy``, or to the parked state. Takes no lock: the controller's pings
         ask it while a leave parks a large state."""
-        if self._rolling or self._rolled is not None:  # (a leave parking it now: the update
-            return True  # applied to the live strategy, which is about to go)
-        return strategy is not None and bool(getattr(strategy, "pending_update", False))
+        # in this order: ``park`` applies the update, then sets ``_rolled``, then clears
+        # ``_rolling``, so a read between any two of its steps sees one of the three
+        if strategy is not None and bool(getattr(strategy, "pending_update", False)):
+            return True
+        return self._rolling or self._rolled is not None
 
     def roll_forward(self, strategy_of: Callable[[], Any]) -> bool:
         """Local, after a failure: apply a step whose gradients were complete when its final

@@ -647,9 +647,24 @@ def test_an_export_never_harms_the_file_it_would_replace(tmp_path, where, reques
     monkeypatch.delitem(sys.modules, "safetensors.torch")
     assert read(pt) == old_pt and read(st) == old_st and read(base + "/new.pt") is None
     assert listing() == before  # no temporary object or file left either
+    if where == "s3":  # a replacement S3 cannot move into place (over 5 GiB): refused first
+        import elastic.checkpoint.tools as tools
+
+        monkeypatch.setattr(tools, "S3_COPY_MAX", 1000)
+        with pytest.raises(CheckpointError, match="up to 5 GiB.*export to a new name"):
+            export(store, pt, 8, dest_options=opts, overwrite=True)
+        monkeypatch.setattr(tools, "S3_COPY_MAX", 5 * 2**30)
+        assert read(pt) == old_pt and listing() == before
+    else:  # a local file keeps the mode it had (was: the temporary file's 0600)
+        os.chmod(pt, 0o640)
     export(store, pt, 8, dest_options=opts, overwrite=True)  # on purpose: replaced whole
     new = read(pt)
     assert new and new != old_pt and listing() == before
+    if where == "local":
+        mask = os.umask(0)
+        os.umask(mask)
+        assert os.stat(pt).st_mode & 0o777 == 0o640
+        assert os.stat(base + "/model.safetensors").st_mode & 0o777 == 0o666 & ~mask
 
 
 def test_the_cli_exports_a_local_checkpoint_to_s3_and_never_prints_its_credentials(

@@ -140,7 +140,7 @@ _USE = {  # (pass, rank) -> the parameters whose gradient that backward has
 }
 
 
-def _uneven(mode: str) -> dict[str, Any]:
+def _uneven(mode: str, cap: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     from strategies.buckets import GradBuckets
@@ -148,7 +148,7 @@ def _uneven(mode: str) -> dict[str, Any]:
     rank = dist.get_rank()
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(n)) for n in (30, 7, 20, 9)]
-    gb = GradBuckets(params, [0, 1, 1, 0], mode, None, [0, 1], rank, cap=60, first_cap=60)
+    gb = GradBuckets(params, [0, 1, 1, 0], mode, None, [0, 1], rank, cap=cap, first_cap=cap)
     gb.attach_hooks()
     calls = {"all_reduce": 0}
     real = dist.all_reduce
@@ -174,9 +174,10 @@ def _uneven(mode: str) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.parametrize("cap", [60, 400])  # a bucket per parameter; all in one bucket
 @pytest.mark.parametrize("mode", ["owned", "all_reduce"])
 def test_ranks_whose_gradients_differ_send_the_same_buckets_and_get_the_sums(
-        pool: ProcessPool, mode: str) -> None:
+        pool: ProcessPool, mode: str, cap: int) -> None:
     """A parameter with a gradient in an earlier micro-batch only (summed on its owner
     then), one that only one rank's samples reach, one that nobody's do: every rank sends
     every bucket alike, and the gradients are the sums of what every rank and micro-batch
@@ -184,7 +185,7 @@ def test_ranks_whose_gradients_differ_send_the_same_buckets_and_get_the_sums(
     ranks. Was: each rank packed only its own gradients, back to back, so the sums mixed
     parameters (19 where 33 was due), a bucket without a gradient here was not sent (the
     ranks' collectives out of step: a hang), and the norm differed between ranks."""
-    results = pool.run(_uneven, mode, world_size=2)
+    results = pool.run(_uneven, mode, cap, world_size=2)
     passes = 2 if mode == "owned" else 1
     owner = [0, 1, 1, 0]
     want: dict[int, float] = {}

@@ -603,3 +603,31 @@ def test_a_pipeline_stage_of_one_block_gathers_it_once_under_zero3():
     for x in pp2:
         b = {round(m.buffers) for m in x.estimate.memory}
         assert b == {round(block * (prof.bytes_per_param + prof.grad_bytes))}, (x.plan.label, b)
+
+
+def test_zero2_counts_a_bucket_as_large_as_its_largest_tensor():
+    """A tensor over the bucket cap is a bucket of its own, and zero2 stages two buckets:
+    a 128256 x 8192 embedding in bf16 (2.1 GB) makes each 2.1 GB. Was: two buckets of at
+    most 25 MiB (0.05 GB), so a zero2 plan 4 GB short of memory could be chosen."""
+    from clusters.memory import layout_memory
+    from clusters.profile import ModelProfile
+
+    emb, mlp = 128256 * 8192, 8192 * 28672
+    prof = ModelProfile(block_params=(emb, 3 * mlp), block_flops=(1e9, 1e9),
+                        block_tensors=((emb,), (mlp,) * 3))
+    assert prof.biggest_tensor() == emb and prof.biggest_tensor([1]) == mlp
+    kw = dict(bytes_per_param=2, grad_bytes=2, optimizer_bytes=12,
+              biggest_block=max(prof.block_params))
+    m = layout_memory("zero2", prof.n_params, 8, biggest_tensor=prof.biggest_tensor(), **kw)
+    assert m.buffers >= 2 * emb * 2
+    small = layout_memory("zero2", prof.n_params, 8, **kw)  # tensors unknown: the cap
+    assert small.buffers < 0.1e9
+    assert ModelProfile.uniform(n_params=4e11, n_blocks=8, flops_per_sample=1e12,
+                                activation_bytes=1e9).biggest_tensor() == 0
+    # the planner's estimates charge it: zero2, and a pipeline's zero2 stage that holds it
+    c = load_cluster(example_path("h100x8"))
+    est = plan(c, prof, 64, strategies=("zero2",), subsets=False).ranked[0].estimate
+    assert est is not None and est.memory[0].buffers >= 2 * emb * 2
+    r = plan(c, prof, 64, strategies=("pipeline",), dp_modes=("zero2",), subsets=False)
+    est = r.ranked[0].estimate
+    assert est is not None and max(x.buffers for x in est.memory) >= 2 * emb * 2

@@ -159,7 +159,9 @@ def test_a_peer_copy_older_than_the_last_membership_change_is_not_used():
         return FROM_PEERS.buddy_step(JobView(position, (), 6, 8, 1, last_change=300))
 
     assert at(300) is None and at(301) == 301 and at(349) == 301 and at(350) == 350
-    assert FROM_PEERS.buddy_step(JobView(49, (), 8, 8)) == 0  # no change yet: step 0's
+    # none before step k (the live job takes its first copy after k steps; was: "step 0's",
+    # a peer restore charged where the live job starts again from its seed)
+    assert FROM_PEERS.buddy_step(JobView(49, (), 8, 8)) is None
     assert FROM_CKPT.buddy_step(JobView(349, (), 6, 8, 1, last_change=300)) is None
 
 
@@ -601,3 +603,36 @@ def test_a_notice_during_a_recovery_is_acted_on_when_the_job_runs_again():
     assert (r.failures, r.evacuations, r.preemptions) == (1, 1, 1)
     assert r.lost_steps == pytest.approx(0.2)
     assert r.downtime_s == pytest.approx(3.0 + 2.0 + 2.0 + 2.0)  # loss, move, two joins
+
+
+def test_an_event_during_a_checkpoint_stall_leaves_the_rest_of_the_stall():
+    """A blocking checkpoint stalls 50 s; an event in the middle of it (a notice the policy
+    ignores, a repair) stops the clock there, and the rest of the stall is still spent.
+    Was: the rest was dropped: an ignored notice at 110 s gave 100 steps more (700 against
+    600) and 40 s less checkpointing, biasing the interval sweep toward short intervals."""
+    c = _mixed()
+    cfg = replace(CFG, checkpoint_stall_s=50.0)
+    base = [FailureEvent(990.0, "spot-1", kind="preempted")]
+    for policy in (RestartAll(), ElasticInPlace()):
+        (a,) = simulate(c, TINY, 8, policies=[policy], config=cfg, trace=base, evaluate=_linear)
+        (b,) = simulate(c, TINY, 8, policies=[policy], config=cfg,
+                        trace=[FailureEvent(110.0, "spot-1", kind="notice"), *base],
+                        evaluate=_linear)
+        assert (b.steps, b.checkpoint_s) == (a.steps, a.checkpoint_s), (policy, a, b)
+
+
+def test_a_crashed_process_leaves_its_machine_on_the_bill():
+    """A ``process_lost`` (or ``hang``) restarts a process on a machine still there: it is
+    billed while the process restarts. Was: taken off the bill like a lost node (7400
+    against 8000 for 300 s of one node at $3600 a device-hour)."""
+    c = load_cluster({"name": "b", "pools": [{"name": "p", "device": "A100-80GB", "nodes": 4,
+                                              "devices_per_node": 2,
+                                              "price_per_device_hour": 3600.0}]})
+    cfg = replace(CFG, process_restart_s=300.0)
+    (a,) = simulate(c, TINY, 8, policies=[ElasticInPlace()], config=cfg, trace=[],
+                    evaluate=_linear)
+    (b,) = simulate(c, TINY, 8, policies=[ElasticInPlace()], config=cfg,
+                    trace=[FailureEvent(100.5, "p-1", kind="process_lost")], evaluate=_linear)
+    (lost,) = simulate(c, TINY, 8, policies=[ElasticInPlace()], config=cfg,
+                       trace=[FailureEvent(100.5, "p-1", kind="node_lost")], evaluate=_linear)
+    assert b.cost_usd == pytest.approx(a.cost_usd) and lost.cost_usd < a.cost_usd

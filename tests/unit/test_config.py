@@ -322,9 +322,14 @@ def test_a_custom_trackers_credentials_are_never_written_under_any_name(monkeypa
     cfg = JobConfig(**_base(trackers=[{"target": "mypkg.mod:Tracker",
                                        "auth_header": f"Bearer {SECRET}",
                                        "conn": f"svc://host?k={env_secret}",
-                                       "project": "demo-project"}]))
+                                       "project": "demo-project", "max_tokens": 4096,
+                                       "use_auth": True, "author": "team"}]))
     shown = cfg.to_dict()["trackers"][0]["custom"]
     assert shown["auth_header"] == "***" and shown["project"] == "demo-project"
+    # numbers, switches and words that only look alike are shown, and never redacted
+    assert (shown["max_tokens"], shown["use_auth"], shown["author"]) == (4096, True, "team")
+    plain = "checkpoint step 4096 committed: True; teammate; 40960 bytes"
+    assert cfg.redact(plain) == plain
     assert shown["target"] == "mypkg.mod:Tracker"
     text = json.dumps(cfg.to_dict())
     assert SECRET not in text and env_secret not in text, text

@@ -427,6 +427,24 @@ def test_a_model_with_a_frozen_layer_grows_and_recovers_from_peers(tmp_path):
     assert scaled.data["source"] == "peers", scaled.message
 
 
+def test_a_growth_takes_the_state_there_is_when_a_parameter_has_no_optimizer_state(tmp_path):
+    """zero1: a trainable parameter that never had a gradient has no Adam state on any rank.
+    A planned growth holds everything there is (every old rank took the full snapshot), so
+    its state comes from the peers. Was: the restore asked for Adam's entries of every
+    trainable parameter, found none for that one, and restarted the job from step 0 (its
+    history then kept the discarded run's steps)."""
+    fake = FakeGroup(mlp(), room=1)
+    fake.params = fake.params[:-1]  # the last parameter has no optimizer state anywhere
+    ctl = Controller(_cfg(tmp_path, strategy="zero1", min_workers=1, max_workers=3),
+                     group_factory=lambda cfg: fake, mailbox_factory=lambda job: None)
+    q = _ask(ctl, "scale", 3)
+    result = ctl.run()
+    assert q.get_nowait() == 3 and result.history[-1]["world_size"] == 3
+    scaled = next(e for e in ctl.events if e.kind == "scaled")
+    assert scaled.data["source"] == "peers", scaled.message
+    assert ("restart_fresh", 0) not in fake.calls
+
+
 def test_a_resize_lets_the_checkpoint_in_flight_end_and_one_that_gives_up_keeps_the_group(
         tmp_path, monkeypatch):
     """When a resize gives up (the spare that was up is gone), the group goes on and its later
@@ -679,6 +697,60 @@ def test_a_straggler_is_named_and_its_share_re_cut(tmp_path):
     assert fake.spec.shares == (6, 2) and result.history[-1]["strategy"] == "dp"
 
 
+def test_a_slow_worker_after_a_loss_is_named_though_it_has_the_rank_named_before(tmp_path):
+    """Rank 1 is named a straggler; rank 0 is lost, and the worker that becomes rank 1 is
+    slow too: it is another worker, named again. Was: compared by rank number, it was
+    taken for the one named before and not said."""
+    ctl, fake = _controller(tmp_path, num_workers=3, min_workers=1, max_steps=60,
+                            replan_every=10)
+    fake.compute = {0: 1e-3, 1: 3e-3, 2: 1e-3}
+    fake.step_times = {"dp": 0.02}
+    fake.fail(step=25, rank=0, kind="lost")
+    ctl.run()
+    strag = [e for e in ctl.events if e.kind == "straggler"]
+    assert len(strag) >= 2 and strag[0].data["workers"] != strag[-1].data["workers"], [
+        (e.step, e.data) for e in strag]
+
+
+@pytest.mark.parametrize("scheduled", ["dp", "zero1"])
+def test_the_loops_change_decided_before_a_switch_at_step_is_not_left_pending(tmp_path,
+                                                                            scheduled):
+    """The loop decides a re-cut at step 12 and a ``switch_at`` falls at 13: a switch to
+    another strategy overtakes it (void), one naming the running strategy lets it go on;
+    either way the loop decides on after. Was: the change stayed pending and the loop went
+    silent for the rest of the run (and with ``dp`` the re-cut was never applied)."""
+    ctl, fake = _controller(tmp_path, max_steps=60, replan_every=10,
+                            switch_at={13: scheduled})
+    fake.compute = {0: 1e-3, 1: 3e-3}
+    fake.step_times = {"dp": 0.02, "zero1": 0.02}
+    ctl.run()
+    replans = [e.step for e in ctl.events if e.kind == "replan"]
+    assert any(s > 20 for s in replans), replans
+    if scheduled == "dp":
+        assert fake.spec.shares == (6, 2)
+
+
+def test_a_change_the_strategy_refuses_is_not_asked_for_again(tmp_path, monkeypatch):
+    """The loop's re-cut is refused when laid out (zero2 with micro-batches the small
+    share cannot fill): said once, then not decided again every ``replan_every`` steps (a
+    stop and a refused build each time, seven times over the run)."""
+    ctl, fake = _controller(tmp_path, max_steps=80, replan_every=10)
+    fake.compute = {0: 1e-3, 1: 7e-3}
+    fake.step_times = {"dp": 0.02}
+    build = fake.build
+
+    def refusing(spec):
+        if tuple(spec.shares) != (4, 4):
+            raise SwitchError("zero2 needs 4 micro-batches of the smallest share 1")
+        return build(spec)
+
+    monkeypatch.setattr(fake, "build", refusing)
+    ctl.run()
+    failed = [e for e in ctl.events if e.kind == "switch_failed"]
+    assert len(failed) == 1, [e.message for e in failed]
+    assert fake.spec.shares == (4, 4)
+
+
 def test_a_switch_the_loop_did_not_ask_for_is_no_try(tmp_path):
     """The loop tries zero1 from dp; before its next decision the user's switch_at moves the
     job to zero2. zero2 is no try of the loop's: no decision says "the try of zero2" and
@@ -801,6 +873,28 @@ def test_a_preemption_notice_moves_the_state_at_the_next_boundary(tmp_path, stra
     if strategy == "auto":
         plans = _events(ctl, "plan")
         assert len(plans) == 2 and " on 2 x " in plans[1].message
+
+
+def test_a_notice_is_acted_on_before_a_scale_down_queued_at_the_same_boundary(tmp_path):
+    """A scale to 2 and a node's notice wait at one boundary: the notice goes first (its
+    rank is released, its state moved), then the scale finds 2 workers. Was: first in,
+    first out: the shrink let a healthy worker go and kept the leaving one, whose evacuation
+    then left the job on 1 worker of the 2 asked for."""
+    ctl, fake = _controller(tmp_path, strategy="dp", num_workers=3, min_workers=1,
+                            max_workers=3, drain_poll_s=1e-9)
+    fake.announce_at[6] = (0, 60.0)
+    asked: list[queue.Queue] = []
+
+    def on_step(entry):
+        if entry["step"] == 5 and not asked:
+            asked.append(_ask(ctl, "scale", 2))
+
+    ctl.steps.on_step = on_step
+    result = ctl.run()
+    assert len(_events(ctl, "evacuated")) == 1
+    assert asked and asked[0].get_nowait() == 2
+    assert result.history[-1]["world_size"] == 2, [e.message for e in ctl.events
+                                                  if e.kind != "state"]
 
 
 def test_a_notice_whose_evacuation_a_failure_cut_short_is_acted_on_after_the_recovery(

@@ -235,26 +235,41 @@ def test_when_ranks_still_inside_a_call_are_hung():
 
 def test_a_rank_still_inside_a_call_after_a_peer_failed_is_hung():
     """A worker call outside a segment (a restore, a build): rank 1 never returns (blocked in
-    a storage read), rank 0's call fails (its agreement timed out). Past the hang window
-    after that failure, the watch stops waiting and names rank 1 hung; without a failure an
-    uneven call is waited for up to its timeout (its ranks' work may differ), an even one
-    until long after the first answer."""
+    a storage read), rank 0's call fails in its collective (its agreement timed out). Past
+    the hang window after that failure, the watch stops waiting and names rank 1 hung;
+    without such a failure an uneven call is waited for up to its timeout (its ranks' work
+    may differ), an even one until long after the first answer. A rank's own error (a
+    corrupt checkpoint) says nothing of the others: no clock starts, and it is the error
+    raised (``Gathered.cause``), before a hang."""
+    from elastic.errors import CheckpointError, HangError
+
     watch = SegmentWatch(_Live(), lambda w: True)
     ws = [w for w, _ in _seg(3).running]
     stuck = lambda fs, t: ([f for f in fs if f != "r1"], [f for f in fs if f == "r1"])  # noqa: E731
+    timed_out = GroupError("rank 0: the process group failed (timed out)")
+    of = lambda r: timed_out if r == "r0" else None  # noqa: E731
     t0 = time.monotonic()
-    got = watch.collect(["r0", "r1", "r2"], ws, 30.0, stuck, lambda r: r == "r0", hang_s=0.3)
+    got = watch.collect(["r0", "r1", "r2"], ws, 30.0, stuck, of, hang_s=0.3)
     assert 0.25 < time.monotonic() - t0 < 1.5
     assert got.ended == {0, 2} and got.hung == {1} and "rank 0's call failed" in got.why
-    t0 = time.monotonic()  # no failure, uneven: only the timeout ends the wait, nobody hung
-    got = watch.collect(["r0", "r1", "r2"], ws, 0.6, stuck, lambda r: False, hang_s=0.1)
+    hang = got.hang_error(ws[1], "restore_checkpoint", 0.3)
+    assert got.cause([timed_out, hang]) is hang  # the group's failure only echoes the hang
+    corrupt = CheckpointError("checkpoint step 5: shard 2 is corrupt")
+    assert got.cause([timed_out, hang, corrupt]) is corrupt  # the caller acts on its own
+    assert isinstance(hang, HangError) and "restore_checkpoint" in str(hang)
+    t0 = time.monotonic()  # a rank's own error: no clock, the call's timeout only
+    got = watch.collect(["r0", "r1", "r2"], ws, 0.6, stuck,
+                        lambda r: corrupt if r == "r0" else None, hang_s=0.1)
     assert time.monotonic() - t0 > 0.55 and got.ended == {0, 2} and not got.hung
-    got = watch.collect(["r0", "r1", "r2"], ws, 30.0, stuck, lambda r: False, hang_s=0.2,
+    t0 = time.monotonic()  # no failure, uneven: only the timeout ends the wait, nobody hung
+    got = watch.collect(["r0", "r1", "r2"], ws, 0.6, stuck, lambda r: None, hang_s=0.1)
+    assert time.monotonic() - t0 > 0.55 and got.ended == {0, 2} and not got.hung
+    got = watch.collect(["r0", "r1", "r2"], ws, 30.0, stuck, lambda r: None, hang_s=0.2,
                         even=True)
     assert got.hung == {1} and "first rank answered" in got.why
     # a lost worker is not hung: liveness says what it is
     live = _Live()
     live.closed[1] = time.monotonic()
-    got = SegmentWatch(live, lambda w: True).collect(["r0", "r1", "r2"], ws, 30.0, stuck,
-                                                     lambda r: r == "r0", hang_s=0.3)
+    got = SegmentWatch(live, lambda w: True).collect(["r0", "r1", "r2"], ws, 30.0, stuck, of,
+                                                     hang_s=0.3)
     assert got.ended == {0, 2} and not got.hung

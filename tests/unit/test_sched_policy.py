@@ -268,3 +268,34 @@ def test_a_simulated_week_on_1000_gpus_takes_under_10_seconds():
         cpu = time.process_time() - t0
         assert r.unfinished == 0
         assert cpu < 10.0, f"{name}: {cpu:.1f} s of CPU for a simulated week"
+
+
+def test_the_simulator_decides_every_round_while_a_job_waits():
+    """The live scheduler decides every round; a starvation guard's wait runs out between
+    arrivals and ends. Capacity 4, A (1 h at 4 workers) holding all of it, B arriving at
+    10 s with a 600 s guard: B starts at the first round after its wait (660 s). Was: the
+    simulator decided only at arrivals and ends, so B waited for A's end (3720 s)."""
+    from clusters.job_trace import TraceJob
+    from clusters.sched_policy import Option, ShortestRemaining, StarvationGuard
+
+    opts = tuple(Option(n, "dp", 4.0 / n) for n in range(1, 5))
+    trace = [TraceJob("A", 0.0, 4, 1, 4, 3600.0, "m"), TraceJob("B", 10.0, 4, 1, 4, 7200.0, "m")]
+    pol = ShortestRemaining(resize_s=10.0, starvation=StarvationGuard(600.0))
+    r = simulate_schedule(trace, 4, pol, lambda j: opts, SchedSimConfig(round_s=60.0))
+    b = next(j for j in r.jobs if j.name == "B")
+    assert b.start_s <= 10 + 600 + 60, b
+
+
+def test_the_simulator_runs_a_job_at_the_layout_the_policy_chose():
+    """Options (2, dp, 2 s), (4, dp, 1 s), (4, zero3, 2 s): the policy gives 4 workers on
+    dp, and the job runs at dp's 1 s a step. Was: at the last option listed for 4 workers
+    (zero3's 2 s), whatever the layout chosen."""
+    from clusters.job_trace import TraceJob
+    from clusters.sched_policy import Option
+
+    opts = (Option(2, "dp", 2.0), Option(4, "dp", 1.0), Option(4, "zero3", 2.0))
+    trace = [TraceJob("A", 0.0, 2, 1, 4, 1000.0, "m")]
+    r = simulate_schedule(trace, 4, policy_named("srpt"), lambda j: opts,
+                          SchedSimConfig(round_s=1.0, start_s=0.0))
+    (a,) = r.jobs
+    assert a.end_s == pytest.approx(a.start_s + 500.0, abs=2.0), a
