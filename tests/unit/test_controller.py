@@ -412,19 +412,19 @@ def _frozen_mlp():
     return model
 
 
-def test_a_model_with_a_frozen_layer_grows_and_recovers_from_peers(tmp_path):
+def test_a_model_with_a_frozen_layer_recovers_from_peers(tmp_path):
     """A frozen parameter has no optimizer state on any rank: the state is whole without
-    it. A growth takes its state from the live replicas. Was: the restore asked for Adam's
+    it. After a loss the survivors' replicas restore it. Was: the restore asked for Adam's
     entries of every parameter, found no holder of the frozen one's, and trained again from
-    the last checkpoint (or from step 0 without one) though every rank held the state."""
-    fake = FakeGroup(_frozen_mlp(), room=1)
-    ctl = Controller(_cfg(tmp_path, model=_frozen_mlp, min_workers=1, max_workers=3),
+    the last checkpoint (or from step 0 without one) though every survivor held the state."""
+    fake = FakeGroup(_frozen_mlp())
+    ctl = Controller(_cfg(tmp_path, model=_frozen_mlp, num_workers=3, min_workers=1),
                      group_factory=lambda cfg: fake, mailbox_factory=lambda job: None)
-    q = _ask(ctl, "scale", 3)
+    fake.fail(step=7, rank=1, kind="lost")
     result = ctl.run()
-    assert q.get_nowait() == 3 and result.history[-1]["world_size"] == 3
-    scaled = next(e for e in ctl.events if e.kind == "scaled")
-    assert scaled.data["source"] == "peers", scaled.message
+    rec = next(e for e in ctl.events if e.kind == "recovered")
+    assert rec.data["source"] == "peers", rec.message
+    assert [h["step"] for h in result.history] == list(range(STEPS))
 
 
 def test_a_growth_takes_the_state_there_is_when_a_parameter_has_no_optimizer_state(tmp_path):
