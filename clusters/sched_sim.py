@@ -142,6 +142,12 @@ class _Run:
         return max(self.at, self.paused_until) + self.remaining * self.step_s
 
 
+def _placeable(r: _Run, capacity: int) -> bool:
+    """Whether some size of the job fits the capacity at all (one that cannot is left
+    unfinished: no round waits for it)."""
+    return r.spec.min_workers <= capacity and any(o.workers <= capacity for o in r.options)
+
+
 def simulate_schedule(trace: Sequence[TraceJob], capacity: int, policy: SchedPolicy,
                       options_of: Callable[[TraceJob], tuple[Option, ...]],
                       config: SchedSimConfig | None = None) -> SchedResult:
@@ -165,6 +171,7 @@ def simulate_schedule(trace: Sequence[TraceJob], capacity: int, policy: SchedPol
     used = 0
     decisions = 0
     dirty = False
+    waiting = True  # rounds while a job waits (off once one changed nothing, see below)
     horizon = cfg.horizon_s if cfg.horizon_s is not None else math.inf
     while True:
         t_arr = runs[arrivals[nxt]].spec.arrival_s if nxt < len(arrivals) else math.inf
@@ -173,7 +180,8 @@ def simulate_schedule(trace: Sequence[TraceJob], capacity: int, policy: SchedPol
         t_end = ends[0][0] if ends else math.inf
         # a round when something changed, and every round while a job waits (the live
         # scheduler ticks every round: a starvation guard's wait runs out between events)
-        queued = any(runs[i].workers == 0 for i in active)
+        queued = waiting and any(runs[i].workers == 0 and _placeable(runs[i], capacity)
+                                 for i in active)
         t_round = ((math.floor(t / cfg.round_s) + 1) * cfg.round_s if dirty or queued
                    else math.inf)
         t_next = min(t_arr, t_end, t_round, horizon)
@@ -200,6 +208,7 @@ def simulate_schedule(trace: Sequence[TraceJob], capacity: int, policy: SchedPol
         # a round: observe, decide, apply
         dirty = False
         decisions += 1
+        before = tuple(runs[i].workers for i in active)
         for i in active:
             if runs[i].workers:
                 runs[i].advance(t)
@@ -223,6 +232,10 @@ def simulate_schedule(trace: Sequence[TraceJob], capacity: int, policy: SchedPol
             r.version += 1
             if a.workers:
                 heapq.heappush(ends, (r.finish_at(), r.version, i))
+        # with nothing left to happen (no arrival, no end), a round that changed nothing
+        # is the last: nothing waiting can be placed then
+        waiting = (tuple(runs[i].workers for i in active) != before or nxt < len(arrivals)
+                   or bool(ends))
     outcomes = tuple(JobOutcome(r.spec.name, r.spec.arrival_s, r.start, r.end, r.resizes,
                                 r.resize_time) for r in runs)
     finished = [o.end_s for o in outcomes if math.isfinite(o.end_s)]

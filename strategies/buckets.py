@@ -197,11 +197,11 @@ class GradBuckets:
                     else:
                         b.flat[at:at + n].copy_(p.grad.reshape(-1))
                     at += n
-            marks = b.flat[b.numel:]  # written on the device: no wait for it here
-            marks.fill_(1.0)
+            marks = b.flat[b.numel:]  # fill_ kernels on the device: no wait for it here
+            marks.fill_(1.0)  # (``marks[j] = 0.0`` copies a CPU scalar: a sync on CUDA)
             for j, i in enumerate(b.params):
                 if self.params[i].grad is None:
-                    marks[j] = 0.0
+                    marks.narrow(0, j, 1).fill_(0.0)
             b.works.append(dist.all_reduce(b.flat, group=self.group, async_op=True))
         self._in_flight.append(b)
         if self.mode == "owned":

@@ -124,9 +124,10 @@ _ENV_PLACES = re.compile(r"_(PATH|FILE|DIR|HOME)$", re.I)
 # a tracker option named so carries a credential (broader than ``is_secret_key``: an
 # option of a user's tracker class may be named anything)
 _OPTION_SECRETISH = re.compile(
-    r"(^|_)(secrets?|passwords?|passwd|passphrase|token|credentials?|api_?key|apikey|"
-    r"private_?key|auth|authorization|bearer|cookie)(_|$)", re.I
+    r"(^|_)(secrets?|passwords?|passwd|pwd|passphrase|token|credentials?|creds?|api_?key|"
+    r"apikey|private_?key|auth|authorization|bearer|cookie)(_|$)"
 )
+_CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")
 
 
 # --------------------------------------------------------------------------- secrets
@@ -177,10 +178,12 @@ def env_secrets() -> tuple[str, ...]:
 
 def is_secret_option(name: object) -> bool:
     """Whether an option of a tracker (a class of the user's, whose names elastic cannot
-    know) names a credential: ``is_secret_key``, or a word of its name (between ``_``) is
-    ``auth``, ``token``, ``password``, ``api_key``, ``cookie``, ... (``auth_header``,
-    ``bearer_token``; not ``max_tokens``, which counts, nor ``author``)."""
-    return is_secret_key(name) or bool(_OPTION_SECRETISH.search(str(name)))
+    know) names a credential: ``is_secret_key``, or a word of its name (split at ``_``,
+    ``-`` and camelCase) is ``auth``, ``token``, ``password``, ``secret``, ``api_key``,
+    ``cookie``, ... (``auth_header``, ``accessToken``, ``clientSecret``, ``auth-token``;
+    not ``max_tokens``, which counts, nor ``author``)."""
+    words = _CAMEL.sub("_", str(name)).replace("-", "_").lower()
+    return is_secret_key(name) or bool(_OPTION_SECRETISH.search(words))
 
 
 def _proxy_secrets(proxy: Any, add: Any) -> None:

@@ -270,10 +270,11 @@ def export(
         os.makedirs(os.path.dirname(path), exist_ok=True)
     where = os.path.dirname(path) if out is None else None
     fd, tmp = tempfile.mkstemp(prefix=f"{os.path.basename(path) or 'export'}.tmp-", dir=where)
-    if out is None:  # as open() makes a file (mkstemp's is the owner's only), or the old one's
-        os.fchmod(fd, os.stat(path).st_mode & 0o7777 if existed else 0o666 & ~_umask())
     try:
         with os.fdopen(fd, "wb") as f:
+            if out is None:  # as open() makes it (mkstemp's: the owner's only), or the old one's
+                os.fchmod(f.fileno(), os.stat(path).st_mode & 0o7777 if os.path.exists(path)
+                          else 0o666 & ~_UMASK)
             write(f)
             f.flush()
             os.fsync(f.fileno())
@@ -290,10 +291,14 @@ def export(
 S3_COPY_MAX = 5 * 2**30  # S3's CopyObject (pyarrow's move) takes objects up to this
 
 
-def _umask() -> int:
-    mask = os.umask(0)
+def _read_umask() -> int:
+    """The process's umask, read once at import (setting it to read it is not thread-safe)."""
+    mask = os.umask(0o022)
     os.umask(mask)
     return mask
+
+
+_UMASK = _read_umask()
 
 
 def _upload(out: CheckpointStore, local: str, replace: bool, failed: str) -> None:

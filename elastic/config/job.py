@@ -351,8 +351,9 @@ class JobConfig(JobCode):
         trackers' options named as credentials (``is_secret_option``), longest first."""
         found = set(self.checkpoints.secrets)
         for _, opts in self.trackers:
-            found.update(v for k, v in opts.items()  # text only: a number or a switch
-                         if is_secret_option(k) and isinstance(v, str) and len(v) >= 8)
+            for k, v in opts.items():
+                if is_secret_option(k):
+                    found.update(_texts(v))
         return tuple(sorted(found, key=len, reverse=True))
 
     def redact(self, text: str) -> str:
@@ -369,7 +370,7 @@ class JobConfig(JobCode):
         out: dict[str, Any] = {}
         for name, v in self.settings().items():
             if name == "trackers":  # (kind, options) pairs, as a job file gives them
-                v = [{kind: {k: "***" if is_secret_option(k) and isinstance(o, str) else o
+                v = [{kind: {k: "***" if is_secret_option(k) and _texts(o) else o
                              for k, o in opts.items()}} for kind, opts in v]
             plain = isinstance(v, (str, int, float, bool, type(None), dict, list))
             out[name] = self.redact_value(v) if plain else describe(v)
@@ -407,3 +408,17 @@ def _ray_submission_id() -> str | None:
         return json.loads(raw).get("metadata", {}).get("job_submission_id")
     except (ValueError, AttributeError):
         return None
+
+
+def _texts(value: Any) -> list[str]:
+    """A credential option's values as they may be shown (texts of 4 characters or more; a
+    number's digits from 6 on; a list's or mapping's each), none for a switch or None."""
+    if isinstance(value, bool) or value is None:
+        return []
+    if isinstance(value, str):
+        return [value] if len(value) >= 4 else []
+    if isinstance(value, int | float):
+        return [str(value)] if len(str(value)) >= 6 else []
+    items = value.values() if isinstance(value, Mapping) else (
+        value if isinstance(value, list | tuple) else [])
+    return [t for v in items for t in _texts(v)]

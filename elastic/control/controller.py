@@ -290,7 +290,7 @@ class Controller:
         if self.step >= self._end():
             return Finishing("stopped on request" if self._stop_at is not None else
                              "max_steps reached")
-        if self._switch_done != self.step:
+        if self._switch_done != self.step and not self.inbox.urgent():  # (a notice first)
             self._switch_done = self.step
             target = self.cfg.switch_at.get(self.step)
             if target is not None and target != self.spec.name:

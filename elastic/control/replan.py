@@ -58,12 +58,13 @@ class Replanner:
         self._ranks: dict[int, dict[int, float]] = {}  # rank -> step -> compute s per sample
         self.observed: dict[tuple[Any, ...], tuple[Plan, Spread]] = {}
         self.decisions: list[KeepPlan | SwitchPlan | RecutShares] = []
-        self._named: tuple[int, ...] = ()  # the stragglers the last decision named
+        self._named: tuple[int, ...] = ()  # the workers the last decision named stragglers
         # what the next decision checks of the last one (as the simulator keeps it), kept
         # only while the layout running is the one that decision asked for (``_expect``)
         self.memory = LoopMemory()
         self._expect: StrategySpec | None = None
         self._last: tuple[Any, str] = (None, "")  # the last decision and the label it ran on
+        self._refused: set[str] = set()  # plans the strategy refused to lay out (``refused``)
         self._scale = LiveScale()  # the live per-rank compute on the model's scale
 
     # ------------------------------------------------------------------ feeding
@@ -92,8 +93,8 @@ class Replanner:
         """The change ``change`` handed over for ``why`` ("replan": the last decision's; a
         re-balance is the layouts') could not be laid out (the strategy
         refused it: a re-cut too small for zero2's micro-batches, say): it is not asked for
-        again (its plan counts as tried, its re-cut as gone back), and nothing of it is
-        checked at the next decision. Was: decided again every ``replan_every`` steps, a
+        again (its plan leaves the candidates, its re-cut counts as gone back), and nothing
+        of it is checked at the next decision. Was: decided again every ``replan_every`` steps, a
         stop and a refused build each time."""
         if why != "replan":
             return
@@ -101,7 +102,7 @@ class Replanner:
         if isinstance(decision, RecutShares):
             self.memory.no_recut.add(current)
         elif isinstance(decision, SwitchPlan):  # (a TryPlan too)
-            self.memory.tried.add(decision.target)
+            self._refused.add(decision.target)
         self.memory.forget_last()
         self._expect = None
 
@@ -159,7 +160,6 @@ class Replanner:
             # host's drift is the host's
             self.observed.clear()
             self.memory = self.memory.new_world()
-            self._named = ()  # rank numbers name other workers now
         elif self._spec is not None and self.layouts.ids:
             self._remember(self._spec)
         self._spec = spec
@@ -190,6 +190,10 @@ class Replanner:
             return None
         self._start = step  # the next decision after another replan_every steps
         obs, plans, parts = self._observe(step, spec, times, group)
+        if self._refused:  # plans the strategy refused to lay out: never decided again
+            obs = dataclasses.replace(obs, candidates=tuple(
+                c for c in obs.candidates if c[0] not in self._refused or c[0] == obs.current),
+                untried=tuple(u for u in obs.untried if u not in self._refused))
         decision = self.policy.decide(obs)
         self.memory.after(decision, obs.current, tuple(spec.shares),
                           robust(times[-self.every:]).median)
@@ -203,9 +207,10 @@ class Replanner:
                 "recut": list(obs.recut), **parts}
         self._emit("replan", f"{kind}: {decision.reason}", data=data, step=step)
         slow = tuple(getattr(decision, "stragglers", ()))
-        named, self._named = self._named, slow
-        if slow and slow != named:  # named once while it stays one (the replan events repeat)
-            ids = [group.workers[r].worker_id for r in slow]
+        ids = [group.workers[r].worker_id for r in slow]
+        named, self._named = self._named, tuple(ids)
+        if slow and tuple(ids) != named:  # named once while it stays one (by worker: a rank
+            # number may be another worker's after a change)
             self._emit("straggler", f"rank(s) {list(slow)} (workers {ids}) compute "
                        + ", ".join(f"{obs.rank_s[r] * 1e3:.2f}" for r in slow)
                        + " ms/sample against peers' "

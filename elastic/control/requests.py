@@ -129,6 +129,11 @@ class Inbox:
     def has(self, kind: str) -> bool:
         return any(r.kind == kind for r in list(self._queue.queue))
 
+    def urgent(self) -> bool:
+        """Whether a node's announced end waits (``URGENT``): acted on before anything else
+        at a boundary, a scheduled switch included."""
+        return any(r.kind in URGENT for r in list(self._queue.queue))
+
     def take(self) -> Request | None:
         """The next request, held ``in_hand`` until it is answered or parked (an error on
         the way: ``fail_in_hand``): a node's announced end (``URGENT``) before the others,

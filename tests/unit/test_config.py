@@ -323,9 +323,15 @@ def test_a_custom_trackers_credentials_are_never_written_under_any_name(monkeypa
                                        "auth_header": f"Bearer {SECRET}",
                                        "conn": f"svc://host?k={env_secret}",
                                        "project": "demo-project", "max_tokens": 4096,
-                                       "use_auth": True, "author": "team"}]))
+                                       "use_auth": True, "author": "team",
+                                       "accessToken": "tok_ABCDEFGH12345",
+                                       "auth": ["alice", "hunter2x9"], "password": "pw12345"}]))
     shown = cfg.to_dict()["trackers"][0]["custom"]
     assert shown["auth_header"] == "***" and shown["project"] == "demo-project"
+    # camelCase, a list (requests' basic auth), a short password: masked, and redacted
+    assert shown["accessToken"] == shown["auth"] == shown["password"] == "***"
+    said = cfg.redact("401 with tok_ABCDEFGH12345 for alice/hunter2x9, pw12345")
+    assert not any(x in said for x in ("tok_ABCDEFGH12345", "hunter2x9", "pw12345")), said
     # numbers, switches and words that only look alike are shown, and never redacted
     assert (shown["max_tokens"], shown["use_auth"], shown["author"]) == (4096, True, "team")
     plain = "checkpoint step 4096 committed: True; teammate; 40960 bytes"

@@ -697,11 +697,13 @@ def test_a_straggler_is_named_and_its_share_re_cut(tmp_path):
     assert fake.spec.shares == (6, 2) and result.history[-1]["strategy"] == "dp"
 
 
-def test_a_slow_worker_after_a_loss_is_named_though_it_has_the_rank_named_before(tmp_path):
+@pytest.mark.parametrize("room", [0, 1])  # the job shrinks; a replacement keeps its size
+def test_a_slow_worker_after_a_loss_is_named_though_it_has_the_rank_named_before(tmp_path,
+                                                                                  room):
     """Rank 1 is named a straggler; rank 0 is lost, and the worker that becomes rank 1 is
     slow too: it is another worker, named again. Was: compared by rank number, it was
     taken for the one named before and not said."""
-    ctl, fake = _controller(tmp_path, num_workers=3, min_workers=1, max_steps=60,
+    ctl, fake = _controller(tmp_path, room=room, num_workers=3, min_workers=1, max_steps=60,
                             replan_every=10)
     fake.compute = {0: 1e-3, 1: 3e-3, 2: 1e-3}
     fake.step_times = {"dp": 0.02}
@@ -749,6 +751,28 @@ def test_a_change_the_strategy_refuses_is_not_asked_for_again(tmp_path, monkeypa
     failed = [e for e in ctl.events if e.kind == "switch_failed"]
     assert len(failed) == 1, [e.message for e in failed]
     assert fake.spec.shares == (4, 4)
+
+
+def test_a_plan_switch_the_strategy_refuses_is_not_decided_again(tmp_path, monkeypatch):
+    """``auto`` runs zero1 and the loop decides dp pays (a ``SwitchPlan``); dp refuses to be
+    laid out here (stood in for by the build raising). Said once; the plan leaves the loop's
+    candidates. Was: decided and refused again every ``replan_every`` steps."""
+    ctl, fake = _controller(tmp_path, strategy="auto", max_steps=80, replan_every=10)
+    fake.alpha.update(all_reduce=3e-3, reduce=1e-5, broadcast=1e-5, all_gather=20e-3,
+                      reduce_scatter=20e-3, p2p=50e-3)
+    fake.opt_cost = (5e-5, 5e-6)
+    fake.step_times = {"zero1": 0.05, "dp": 0.01}
+    build = fake.build
+
+    def refusing(spec):
+        if spec.name == "dp":
+            raise SwitchError("dp cannot run here (stood in for)")
+        return build(spec)
+
+    monkeypatch.setattr(fake, "build", refusing)
+    ctl.run()
+    failed = [e for e in ctl.events if e.kind == "switch_failed"]
+    assert len(failed) == 1, [(e.step, e.message) for e in failed]
 
 
 def test_a_switch_the_loop_did_not_ask_for_is_no_try(tmp_path):
@@ -895,6 +919,18 @@ def test_a_notice_is_acted_on_before_a_scale_down_queued_at_the_same_boundary(tm
     assert asked and asked[0].get_nowait() == 2
     assert result.history[-1]["world_size"] == 2, [e.message for e in ctl.events
                                                   if e.kind != "state"]
+
+
+def test_a_notice_is_acted_on_before_a_switch_at_the_same_boundary(tmp_path):
+    """A node's notice and a scheduled switch fall at one boundary: the evacuation goes
+    first (the deadline is not spent on the switch's build), then the switch runs."""
+    ctl, fake = _controller(tmp_path, strategy="dp", num_workers=3, min_workers=1,
+                            drain_poll_s=1e-9, switch_at={8: "zero1"})
+    fake.announce_at[7] = (2, 60.0)  # seen as the segment reaches the switch's step
+    result = ctl.run()
+    kinds = [e.kind for e in ctl.events if e.kind in ("evacuated", "switch")]
+    assert kinds[:2] == ["evacuated", "switch"], kinds
+    assert result.history[-1]["strategy"] == "zero1"
 
 
 def test_a_notice_whose_evacuation_a_failure_cut_short_is_acted_on_after_the_recovery(

@@ -299,3 +299,20 @@ def test_the_simulator_runs_a_job_at_the_layout_the_policy_chose():
                           SchedSimConfig(round_s=1.0, start_s=0.0))
     (a,) = r.jobs
     assert a.end_s == pytest.approx(a.start_s + 500.0, abs=2.0), a
+
+
+@pytest.mark.parametrize("name", ["fifo-static", "srpt", "goodput"])
+def test_the_simulator_ends_with_a_job_that_can_never_be_placed(name):
+    """A job whose every size passes the capacity is left unfinished, and the simulation
+    ends (rounds while a job waits stop once nothing can change)."""
+    from clusters.job_trace import TraceJob
+    from clusters.sched_policy import Option
+
+    def options(job):
+        return ((Option(8, "dp", 1.0),) if job.name == "B" else
+                tuple(Option(n, "dp", 4.0 / n) for n in range(1, 5)))
+
+    trace = [TraceJob("A", 0.0, 4, 1, 4, 100.0, "m"), TraceJob("B", 5.0, 8, 8, 8, 100.0, "m")]
+    t0 = time.monotonic()
+    r = simulate_schedule(trace, 4, policy_named(name), options, SchedSimConfig(round_s=1.0))
+    assert time.monotonic() - t0 < 5.0 and r.unfinished == 1
