@@ -265,6 +265,8 @@ class GradBuckets:
         b.flat, b.staging, b.works = None, None, []
         if flat is None:
             return
+        if staging is None and len(b.present) == len(b.params):
+            return  # all_reduce, every gradient here: each a view of the sums already
         views = self._views[self.buckets.index(b)][1] if staging is None else []
         marks = flat[b.numel:]
         at = 0
