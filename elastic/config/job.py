@@ -349,12 +349,18 @@ class JobConfig(JobCode):
         """Every credential the settings carry: the checkpoint settings' (with the
         environment's credential variables, ``collect_secrets``), and the values of the
         trackers' options named as credentials (``is_secret_option``), longest first."""
+        parts = (self.checkpoints, self.trackers)  # (redact runs per event: worked out once
+        memo = getattr(self, "_secrets_of", None)  # per version of the settings it reads)
+        if memo is not None and memo[0][0] is parts[0] and memo[0][1] is parts[1]:
+            return memo[1]
         found = set(self.checkpoints.secrets)
         for _, opts in self.trackers:
             for k, v in opts.items():
                 if is_secret_option(k):
                     found.update(_texts(v))
-        return tuple(sorted(found, key=len, reverse=True))
+        out = tuple(sorted(found, key=len, reverse=True))
+        self._secrets_of = (parts, out)
+        return out
 
     def redact(self, text: str) -> str:
         """``text`` with every secret of the settings replaced by ``***``."""

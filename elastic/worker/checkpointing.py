@@ -67,10 +67,10 @@ def rng_keys(rank: int, device: torch.device | None = None) -> list[str]:
 
 def rng_states(rank: int, device: torch.device | None = None) -> dict[str, torch.Tensor]:
     """This rank's random generators now, under ``rng_keys``."""
-    out = {f"rng/rank{rank}/torch": torch.get_rng_state()}
+    states = [torch.get_rng_state()]
     if device is not None and _on_cuda(device):
-        out[f"rng/rank{rank}/cuda"] = torch.cuda.get_rng_state(device)
-    return out
+        states.append(torch.cuda.get_rng_state(device))
+    return dict(zip(rng_keys(rank, device), states, strict=True))
 
 
 def set_rng_states(states: dict[str, torch.Tensor], rank: int,

@@ -849,3 +849,18 @@ def test_a_nodes_evacuation_moves_nothing_while_replicas_stay():
     assert not replicas_stay(pp, {2, 3})  # stage 1's both replicas go
     z = StrategySpec("zero1", 4, (8, 8, 8, 8))
     assert not replicas_stay(z, {3})  # its shards live on one rank each
+    # and the evacuation prices its move by it (no counts asked: nothing is sent)
+    from types import SimpleNamespace
+
+    from elastic.control.evacuation import FIXED_S, Evacuation
+
+    class _NoCounts:
+        def memory_counts(self, timeout_s=None):
+            raise AssertionError("a move that sends nothing needs no counts")
+
+    ev = Evacuation.__new__(Evacuation)
+    ev.group, ev.bandwidth = _NoCounts(), 100e6
+    leaving = [SimpleNamespace(rank=2), SimpleNamespace(rank=3)]
+    assert ev._move_s(dp, leaving) == FIXED_S
+    with pytest.raises(AssertionError, match="needs no counts"):
+        ev._move_s(z, leaving)
