@@ -79,7 +79,9 @@ class Evacuation:
         self._steps_done = steps_done  # a notice's event is at the steps done when seen
         self.policy = EvacuationPolicy(cfg.evacuation_margin, cfg.evacuation_slack_s)
         self.pending: dict[str, DrainNotice] = {}  # node -> notice, not acted on yet
-        self.done: set[str] = set()  # nodes evacuated (a later sighting means nothing)
+        # node evacuated -> the workers it hosted then: a later sighting of the node's drain
+        # is news only for a worker placed there since (a hand drain Ray refused lets one land)
+        self.done: dict[str, frozenset[int]] = {}
         self.bandwidth = DEFAULT_BANDWIDTH
         self._next_poll = 0.0
 
@@ -94,9 +96,15 @@ class Evacuation:
             return bool(self.pending)
         self._next_poll = t + self.cfg.drain_poll_s
         for n in self.group.notices():
-            if n.node_id not in self.pending and n.node_id not in self.done:
+            if n.node_id not in self.pending and not self._hosts(n.node_id) <= self.done.get(
+                    n.node_id, frozenset()):
                 self._take(n, self._steps_done())
         return bool(self.pending)
+
+    def _hosts(self, node: str) -> frozenset[int]:
+        """The ids of the job's workers on ``node`` now."""
+        return frozenset(w.worker_id for w in self.group.workers
+                         if str(w.info.get("node_id", "")) == node)
 
     def _take(self, n: DrainNotice, step: int | None = None) -> None:
         self.pending[n.node_id] = n
@@ -121,7 +129,7 @@ class Evacuation:
             self._emit("drain_refused", f"Ray refused to drain node {node[:8]}: {why}; "
                        "evacuating it anyway", data={"node": node, "why": why})
         ranks = tuple(w.rank for w in self.group.workers if w.info.get("node_id") == node)
-        self.done.discard(node)
+        self.done.pop(node, None)
         self._take(DrainNotice(node, ranks, None if deadline_s is None else
                                time.time() + float(deadline_s), "maintenance", req.reason,
                                time.time()))
@@ -147,7 +155,7 @@ class Evacuation:
         gone = [n for node, n in self.pending.items() if node not in hosts]
         for n in gone:
             self.pending.pop(n.node_id, None)
-            self.done.add(n.node_id)
+            self.done[n.node_id] = frozenset()
             self._emit("preemption_missed", f"node {n.node_id[:8]} went before the next step "
                        f"boundary ({time.time() - n.seen:.1f}s after its notice); the job "
                        "recovered as after a loss", data={"node": n.node_id,
@@ -161,7 +169,7 @@ class Evacuation:
         on them any more."""
         notices, self.pending = list(self.pending.values()), {}
         nodes = {n.node_id for n in notices}
-        self.done |= nodes
+        self.done.update((node, self._hosts(node)) for node in nodes)
         try:
             return self._run(spec, step, strategy, notices, nodes)
         except BaseException:
@@ -171,7 +179,7 @@ class Evacuation:
             for n in notices:
                 if n.node_id in hosts:
                     self.pending.setdefault(n.node_id, n)
-                    self.done.discard(n.node_id)
+                    self.done.pop(n.node_id, None)
             raise
 
     def _run(self, spec: StrategySpec, step: int, strategy: str, notices: list[DrainNotice],

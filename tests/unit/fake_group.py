@@ -90,6 +90,7 @@ class FakeGroup:
         self.copies_every = 0  # the job's peer_copies_every (the fake keeps whole copies)
         self.corrupt_copies = False  # restore_from_copies finds a checksum wrong
         self.drain_refused = ""  # what Ray says to drain_node ("": accepted)
+        self.node_of: dict[int, str] = {}  # worker id -> its node (default: one of its own)
         self._ckpt: int | None = None  # the checkpoint step uploading
         self._ck_seq = 0  # checkpoints this generation has begun (their names, as the workers')
         self._ck_name: tuple[int, int] = (0, 0)  # the name of the one uploading
@@ -106,7 +107,7 @@ class FakeGroup:
         wid = self._ids
         self._ids += 1
         return WorkerRec(handle=FakeWorker(), worker_id=wid,
-                         info={"worker_id": wid, "node_id": f"node{wid}", "pid": 1000 + wid,
+                         info={"worker_id": wid, "node_id": self.node_of.get(wid, f"node{wid}"), "pid": 1000 + wid,
                                "device_name": "cpu", "device": "cpu", "ip": "127.0.0.1"})
 
     @staticmethod

@@ -1007,6 +1007,26 @@ def test_evacuate_by_hand_drains_the_node_through_ray_and_answers(tmp_path):
     assert len(result.history) == STEPS and result.history[-1]["world_size"] == 2
 
 
+def test_a_node_evacuated_by_hand_whose_drain_ray_refused_is_evacuated_again_on_a_notice(
+        tmp_path):
+    """Ray refused the hand drain of node1, so a replacement could land there later; when
+    that node then announces its end, the replacement is evacuated too. Was: the node stayed
+    marked evacuated, the notice was ignored and the worker lost unannounced."""
+    ctl, fake = _controller(tmp_path, room=1, strategy="zero3", num_workers=3, min_workers=1,
+                            max_workers=3, drain_poll_s=1e-9)
+    fake.drain_refused = "node busy"
+    fake.node_of[3] = "node1"  # the replacement is placed where the evacuated worker was
+    _ask(ctl, "evacuate", {"node": "node1"})
+    _ask(ctl, "scale", 3)
+    fake.announce_at[12] = (2, 60.0)  # rank 2 by then: the replacement, on node1
+    result = ctl.run()
+    assert "drain_refused" in _kinds(ctl)
+    notices = _events(ctl, "preemption_notice")
+    assert [n.data["node"] for n in notices] == ["node1", "node1"], notices
+    assert len(_events(ctl, "evacuated")) == 2
+    assert [h["step"] for h in result.history] == list(range(STEPS))
+
+
 def test_malformed_evacuations_are_refused_where_they_enter(tmp_path):
     ctl, _ = _controller(tmp_path)
     qs = [_ask(ctl, "evacuate"), _ask(ctl, "evacuate", 7),
