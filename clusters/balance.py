@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from .errors import BalanceError
 
 __all__ = ["proportional_shares", "stage_split", "RebalanceDecision", "rebalance_decision",
-           "recut_shares"]
+           "recut_shares", "position_work", "resplit_stages"]
 
 
 def proportional_shares(
@@ -238,3 +238,38 @@ def recut_shares(shares: Sequence[int], seconds_per_sample: Sequence[float]
     before = max(s * c for s, c in zip(shares, seconds_per_sample, strict=True))
     after = max(s * c for s, c in zip(new, seconds_per_sample, strict=True))
     return new, before - after
+
+
+def position_work(split: Sequence[int], weights: Sequence[float], pp: int) -> tuple[float, ...]:
+    """The work (``weights``, one per block) on each of ``pp`` pipeline ranks along a
+    replica under ``split`` (blocks per stage; stage k runs on position k % pp, as the
+    interleaved schedule places its chunks)."""
+    out, i = [0.0] * pp, 0
+    for k, b in enumerate(split):
+        out[k % pp] += sum(weights[i:i + b])
+        i += b
+    return tuple(out)
+
+
+def resplit_stages(split: Sequence[int], weights: Sequence[float],
+                   position_s: Sequence[float]) -> tuple[tuple[int, ...], float]:
+    """The stage split that follows the measured compute seconds per sample of each
+    pipeline position (``position_s``: its slowest replica's, for its blocks now), with
+    per-block ``weights`` to move work by, and the seconds per sample the slowest position
+    saves. Each position's speed is its work now over its time; ``stage_split`` cuts the
+    blocks to those speeds. The split given and 0 when no cut is faster. Raises
+    ``BalanceError`` on bad input."""
+    pp = len(position_s)
+    if not pp or len(split) % pp or sum(split) != len(weights) or any(b < 1 for b in split):
+        raise BalanceError(f"stage split {list(split)} does not cover {len(weights)} blocks "
+                           f"on {pp} positions")
+    if any(not (c > 0 and math.isfinite(c)) for c in position_s):
+        raise BalanceError(f"seconds per sample must be positive, got {list(position_s)}")
+    work = position_work(split, weights, pp)
+    if any(w <= 0 for w in work):
+        raise BalanceError("every position needs work of positive weight")
+    speed = [w / c for w, c in zip(work, position_s, strict=True)]
+    new = stage_split([max(1e-12, w) for w in weights], [speed[k % pp] for k in range(len(split))])
+    after = max(w / v for w, v in zip(position_work(new, weights, pp), speed, strict=True))
+    before = max(position_s)
+    return (tuple(new), before - after) if after < before else (tuple(split), 0.0)

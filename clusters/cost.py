@@ -44,6 +44,7 @@ from .profile import ModelProfile
 from .topology import Cluster, Device, Path
 
 __all__ = [
+    "block_weights",
     "CommConfig",
     "CostModel",
     "Estimate",
@@ -351,23 +352,26 @@ class CostModel:
         return Estimate(step, max(comp), exposed, opt, 0.0, mem, link, use, tight)
 
 
-def _work_fraction(profile: ModelProfile, idx: Sequence[int], device: Device | None = None
-                   ) -> float:
-    """Share of the whole model's work in ``idx``: by the per-block times measured on
-    ``device`` (its id, else its type, else any measured device's), else by FLOPs, else by
+def block_weights(profile: ModelProfile, device: Device | None = None) -> tuple[float, ...]:
+    """Each block's share of the work, unnormalized: the per-block times measured on
+    ``device`` (its id, else its type, else any measured device's), else FLOPs, else
     parameters."""
-    if len(idx) == profile.n_blocks:
-        return 1.0
     bs = profile.block_seconds
-    measured = None
     if bs:
         if device is not None and device.id in bs:
-            measured = bs[device.id]
-        elif device is not None and device.type.name in bs:
-            measured = bs[device.type.name]
-        else:
-            measured = bs[min(bs)]
-    weights = (measured if measured is not None else
-               profile.block_flops if profile.block_flops is not None else profile.block_params)
+            return tuple(bs[device.id])
+        if device is not None and device.type.name in bs:
+            return tuple(bs[device.type.name])
+        return tuple(bs[min(bs)])
+    return tuple(profile.block_flops if profile.block_flops is not None
+                 else profile.block_params)
+
+
+def _work_fraction(profile: ModelProfile, idx: Sequence[int], device: Device | None = None
+                   ) -> float:
+    """Share of the whole model's work in ``idx`` (``block_weights``)."""
+    if len(idx) == profile.n_blocks:
+        return 1.0
+    weights = block_weights(profile, device)
     total = sum(weights)
     return sum(weights[i] for i in idx) / total if total else len(idx) / profile.n_blocks

@@ -38,10 +38,10 @@ import statistics
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from .balance import recut_shares
+from .balance import recut_shares, resplit_stages
 from .collectives import KINDS, SYNC_MODES
-from .cost import CostModel
-from .errors import ClustersError
+from .cost import CostModel, _work_fraction
+from .errors import BalanceError, ClustersError
 from .measured import Spread, equal_within_noise
 from .plan import Plan, more_work
 from .planner import plan as plan_fn
@@ -49,8 +49,8 @@ from .policy import ReplanObservation
 from .profile import ModelProfile
 from .topology import Cluster
 
-__all__ = ["Observed", "plan_key", "refit", "LiveScale", "Prediction", "predictions",
-           "Observation", "observe"]
+__all__ = ["Observed", "plan_key", "refit", "LiveScale", "StageBaseline", "rank_blocks",
+           "stage_fractions", "Prediction", "predictions", "Observation", "observe"]
 
 
 @dataclass(frozen=True)
@@ -159,12 +159,66 @@ class LiveScale:
 
     def __call__(self, key: object, rank_s: Sequence[float], ids: Sequence[str],
                  model: CostModel) -> tuple[float, ...]:
+        return tuple(t * self.factor(key, rank_s, ids, model) for t in rank_s)
+
+    def factor(self, key: object, rank_s: Sequence[float], ids: Sequence[str],
+               model: CostModel) -> float:
+        """The factor itself (``rank_s``: whole-model figures; a pipeline's per ``stage_fractions``)."""
         if key not in self._factor:
             have = [model.seconds_per_sample.get(i, 0.0) for i in ids]
             live = sum(rank_s)
             ok = len(have) == len(rank_s) > 0 and all(h > 0 for h in have) and live > 0
             self._factor[key] = sum(have) / live if ok else 1.0
-        return tuple(t * self._factor[key] for t in rank_s)
+        return self._factor[key]
+
+
+def rank_blocks(plan: Plan, rank: int) -> list[int] | None:
+    """The blocks ``rank`` computes: a pipeline's stages on its position (stage k on
+    position k % pp), else all (None)."""
+    if not plan.is_pipeline:
+        return None
+    pos, i = plan.coords(rank)[0], 0
+    out: list[int] = []
+    for k, b in enumerate(plan.stage_split):
+        if k % plan.pp_degree == pos:
+            out += range(i, i + b)
+        i += b
+    return out
+
+
+def stage_fractions(plan: Plan, profile: ModelProfile, cluster: Cluster) -> tuple[float, ...]:
+    """Each rank's share of the whole model's work, as the cost model splits a device's
+    seconds per sample (1.0 for a layout whose ranks each run the whole model): a
+    pipeline rank's compute per sample over it is that device's whole-model figure."""
+    out = []
+    for r, dev in enumerate(plan.devices):
+        idx = rank_blocks(plan, r)
+        out.append(1.0 if idx is None else
+                   _work_fraction(profile, idx, cluster.device(dev)))
+    return tuple(out)
+
+
+class StageBaseline:
+    """What puts a pipeline's ranks on one footing for the straggler rule: its stages do
+    different work, so a rank's compute per sample is taken as a ratio to its stage's at
+    the layout's first window (the median of that stage's replicas then). At that window the
+    stages read alike and the replicas of one stage compare directly (a slow replica shows
+    at once); a rank that slows later reads slower than its peers, whatever the blocks'
+    weights say. Fixed once per layout (``key``), as ``LiveScale``; a re-split starts anew
+    (the straggler it answered is then part of the split)."""
+
+    def __init__(self) -> None:
+        self._base: dict[object, tuple[float, ...]] = {}
+
+    def __call__(self, key: object, plan: Plan, rank_s: Sequence[float]) -> tuple[float, ...]:
+        pp = plan.pp_degree
+        if key not in self._base:
+            pos = [statistics.median(t for r, t in enumerate(rank_s) if plan.coords(r)[0] == p)
+                   for p in range(pp)]
+            self._base[key] = tuple(pos)
+        base = self._base[key]
+        return tuple(t / base[plan.coords(r)[0]] if base[plan.coords(r)[0]] > 0 else t
+                     for r, t in enumerate(rank_s))
 
 
 @dataclass(frozen=True)
@@ -216,6 +270,7 @@ def observe(*, model: CostModel | None, profile: ModelProfile | None, cluster: C
             current: Plan, step: Spread, observed: Sequence[Observed], remaining: int,
             switch_s: float, rank_s: Sequence[float] = (), rank_rel_sd: Sequence[float] = (),
             kinds: Mapping[str, object] | None = None, replan: bool = True,
+            stage_s: Sequence[float] = (), block_weights: Sequence[float] = (),
             recut: bool = True, tried_from: str = "",
             recut_from: tuple[tuple[int, ...], float] | None = None,
             tried: Collection[str] = (), drift: float = 0.0,
@@ -226,14 +281,19 @@ def observe(*, model: CostModel | None, profile: ModelProfile | None, cluster: C
     ``replan`` (needs ``model``, ``profile`` and ``cluster``): re-fit ``model`` (``refit``: the layouts' medians, and ``rank_s``, each rank's
     compute seconds per sample, when the layout's ranks each run a share) and rank every
     candidate (``predictions``); else no candidates. ``recut``: offer shares that follow
-    ``rank_s`` (share-balanced layouts only) and the step they save
-    (``balance.recut_shares``). ``tried_from``: the label ``current`` was tried from (the
+    ``rank_s`` (share-balanced layouts) and the step they save (``balance.recut_shares``),
+    or for a pipeline the stage split that follows ``stage_s`` (each rank's compute seconds
+    per sample of its stage's blocks; ``rank_s`` are then ``StageBaseline``'s figures) with
+    per-block ``block_weights`` (``balance.resplit_stages``; the step saved: the slowest
+    position's per-sample gain over a replica's batch and the schedule's m + pp - 1 slots). ``tried_from``: the label ``current`` was tried from (the
     decision after a ``TryPlan``), else "". ``recut_from``: after a ``RecutShares``, the shares
     it left and their measured step. ``tried``: labels a ``TryPlan`` named before (never
     offered again, as when its switch failed). ``drift``: how far the host's phases move a
     layout's figure (``LoopMemory.drift``); ``switched_from``: the layout the last switch
     left (``LoopMemory``)."""
     shared = current.strategy in SYNC_MODES and len(rank_s) == len(current.devices)
+    piped = (current.is_pipeline and len(rank_s) == len(current.devices)
+             and len(stage_s) == len(rank_s))
     candidates: tuple[tuple[str, float], ...] = ()
     untried: tuple[str, ...] = ()
     ran: tuple[str, ...] = ()
@@ -241,8 +301,11 @@ def observe(*, model: CostModel | None, profile: ModelProfile | None, cluster: C
     plans: dict[str, Plan] = {}
     fitted = None
     if replan and model is not None and profile is not None and cluster is not None:
-        compute = ({current.devices[r]: Spread(t, 0.0, step.n) for r, t in enumerate(rank_s)}
-                   if shared else None)
+        whole = (rank_s if shared else
+                 [t / f for t, f in zip(stage_s, stage_fractions(current, profile, cluster),
+                                        strict=True)] if piped else None)
+        compute = ({current.devices[r]: Spread(t, 0.0, step.n) for r, t in enumerate(whole)}
+                   if whole is not None else None)
         seen = {plan_key(o.plan): o for o in observed}
         seen[plan_key(current)] = Observed(current, step)
         obs_all = list(seen.values())
@@ -267,15 +330,34 @@ def observe(*, model: CostModel | None, profile: ModelProfile | None, cluster: C
     if recut and shared and rank_s:
         new, gain = recut_shares(current.shares, rank_s)
         new_s = step.median - gain
+    elif recut and piped and block_weights:
+        new, new_s = _resplit(current, stage_s, block_weights, step.median)
     obs = ReplanObservation(
         current=current.label, step_s=step.median, step_sd=step.sd, steps=step.n,
         candidates=candidates, remaining=max(0, remaining), switch_s=switch_s,
-        rank_s=tuple(rank_s) if shared else (), rank_rel_sd=tuple(rank_rel_sd) if shared
-        else (), shares=tuple(current.shares), recut=new, recut_step_s=new_s, untried=untried,
+        rank_s=tuple(rank_s) if shared or piped else (),
+        rank_rel_sd=tuple(rank_rel_sd) if shared or piped else (),
+        shares=tuple(current.stage_split if current.is_pipeline else current.shares),
+        cut="stage split" if current.is_pipeline else "shares",
+        recut=new, recut_step_s=new_s, untried=untried,
         tried_from=tried_from, recut_from=recut_from[0] if recut_from else (),
         recut_from_s=recut_from[1] if recut_from else 0.0, ran=ran, stale=stale,
         switched_from=switched_from, drift=drift)
     return Observation(obs, plans, fitted)
+
+
+def _resplit(current: Plan, stage_s: Sequence[float], weights: Sequence[float],
+             step_s: float) -> tuple[tuple[int, ...], float]:
+    """A pipeline's re-split (``observe``) and its predicted step; ((), 0) for none."""
+    pp, m = current.pp_degree, max(1, current.micro_batches)
+    pos = [max(t for r, t in enumerate(stage_s) if current.coords(r)[0] == p) for p in range(pp)]
+    try:
+        new, per_sample = resplit_stages(current.stage_split, weights, pos)
+    except BalanceError:
+        return (), 0.0
+    if new == tuple(current.stage_split):
+        return (), 0.0
+    return new, step_s - per_sample * max(current.shares) * (m + pp - 1) / m
 
 
 def _at_running_shares(preds: Sequence[Prediction], current: Plan, model: CostModel,

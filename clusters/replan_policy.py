@@ -30,7 +30,9 @@ class ReplanObservation:
     window; empty when not measured) and ``rank_rel_sd`` their relative spreads;
     ``shares``: the running shares; ``recut``: the shares that follow the measured speeds
     (empty when the layout's shares are not cut by speed); ``recut_step_s``: the step the
-    model predicts with them. ``untried``: the labels of candidates that never ran in this
+    model predicts with them. ``cut``: what ``shares`` and ``recut`` cut, "shares" or, for
+    a pipeline, "stage split" (blocks per stage; its ``rank_s`` are then each rank's compute
+    against its stage's at the layout's first window: stages do different work). ``untried``: the labels of candidates that never ran in this
     job and do no more work than another candidate (``plan.more_work``): predicted, not
     measured. ``tried_from``: when the running layout is a ``TryPlan``'s, the label of the
     one it was tried from (its measured figure is among the candidates). ``recut_from`` /
@@ -58,6 +60,7 @@ class ReplanObservation:
     untried: tuple[str, ...] = ()
     tried_from: str = ""
     recut_from: tuple[int, ...] = ()
+    cut: str = "shares"
     recut_from_s: float = 0.0
     ran: tuple[str, ...] = ()
     stale: tuple[str, ...] = ()
@@ -101,7 +104,8 @@ class TryPlan(SwitchPlan):
 class RecutShares:
     """Re-cut the shares to ``shares`` (the same layout): ``gain_s`` per step against a
     re-layout of ``cost_s``; ``stragglers`` named. ``back``: the shares a re-cut left, which
-    measured faster than the re-cut did (the loop re-cuts this layout no more)."""
+    measured faster than the re-cut did (the loop re-cuts this layout no more). ``cut``:
+    "shares", or "stage split" for a pipeline (``shares`` are then blocks per stage)."""
 
     shares: tuple[int, ...]
     stragglers: tuple[int, ...]
@@ -109,6 +113,7 @@ class RecutShares:
     cost_s: float
     reason: str
     back: bool = False
+    cut: str = "shares"
 
 
 @dataclass(frozen=True)
@@ -184,7 +189,7 @@ class ReplanPolicy:
                     f"{list(obs.recut_from)}'s {obs.recut_from_s * 1e3:.1f} ms: back, "
                     f"{gain * 1e3:.1f} ms x {obs.remaining} steps = "
                     f"{gain * obs.remaining:.1f} s > re-layout {obs.switch_s:.2f} s{named}",
-                    back=True)
+                    back=True, cut=obs.cut)
         options: list[SwitchPlan | RecutShares] = []
         best = min(obs.candidates, key=lambda c: c[1], default=None)
         back = dict(obs.candidates).get(obs.tried_from) if obs.tried_from else None
@@ -226,10 +231,11 @@ class ReplanPolicy:
             if pays(gain):
                 options.append(RecutShares(
                     obs.recut, slow, gain, obs.switch_s,
-                    f"shares {list(obs.shares)} -> {list(obs.recut)}{named}: predicted "
+                    f"{obs.cut} {list(obs.shares)} -> {list(obs.recut)}{named}: predicted "
                     f"{obs.recut_step_s * 1e3:.1f} ms/step against {obs.step_s * 1e3:.1f} ms "
                     f"measured, {gain * 1e3:.1f} ms x {obs.remaining} steps = "
-                    f"{gain * obs.remaining:.1f} s > re-layout {obs.switch_s:.2f} s"))
+                    f"{gain * obs.remaining:.1f} s > re-layout {obs.switch_s:.2f} s",
+                    cut=obs.cut))
         if options:
             return max(options, key=lambda o: o.gain_s)
         tried = None if undecided else self._to_try(obs)  # one try at a time

@@ -15,13 +15,13 @@ import random
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
-from .cost import CostModel
+from .cost import CostModel, block_weights
 from .measured import robust
 from .plan import Plan
 from .planner import plan as plan_fn
 from .policy import KeepPlan, LoopMemory, RecutShares, ReplanPolicy, SwitchPlan
 from .profile import ModelProfile
-from .refit import Observed, observe, plan_key
+from .refit import Observed, StageBaseline, observe, plan_key, rank_blocks
 from .topology import Cluster
 
 __all__ = ["LoopEvent", "LoopResult", "simulate_loop"]
@@ -61,19 +61,25 @@ def simulate_loop(cluster: Cluster, profile: ModelProfile, global_batch: int, *,
                   switch_s: float = 2.0, noise: float = 0.02, seed: int = 0,
                   slowdowns: Mapping[int, Mapping[str, float]] | None = None,
                   phases: Mapping[int, float] | None = None,
-                  policy: ReplanPolicy | None = None, warmup: int = 2) -> LoopResult:
+                  policy: ReplanPolicy | None = None, warmup: int = 2,
+                  start: Plan | None = None) -> LoopResult:
     """Run ``steps`` steps of a job on ``cluster`` that starts on the plan ``profiled``
     picks. ``truth``: what steps really take (each step's time and each rank's compute get a
     relative Gaussian ``noise``); ``slowdowns[step][device id]``: from that step on the
     device's true compute is that many times slower; ``phases[step]``: from that step on,
     every step of every layout, and every rank's compute, takes that many times its true time
     (a shared host's phase).
-    The first ``warmup`` steps of every layout are left out of its window, as live."""
+    The first ``warmup`` steps of every layout are left out of its window, as live.
+    ``start``: the first plan (default: the one ``profiled`` picks). A pipeline rank's
+    compute is its stage's blocks', compared by ``StageBaseline`` and re-split by the
+    profile's block weights, as live."""
     pol = policy or ReplanPolicy()
     rng = random.Random(seed)
     slow = {k: dict(v) for k, v in (slowdowns or {}).items()}
-    start = plan_fn(cluster, profile, global_batch, model=profiled, subsets=False).plan
+    start = start or plan_fn(cluster, profile, global_batch, model=profiled, subsets=False).plan
     cur, true_model = start, truth
+    stages = StageBaseline()
+    weights = block_weights(profile)
     window: list[float] = []
     ranks: list[list[float]] = []
     observed: dict[tuple[object, ...], Observed] = {}  # by plan_key, as live
@@ -105,8 +111,9 @@ def simulate_loop(cluster: Cluster, profile: ModelProfile, global_batch: int, *,
         if since <= warmup:
             continue
         window.append(t)
-        per = [true_model.sample_time(cluster.device(d), profile) * level  # a host phase
-               * max(1e-9, 1.0 + rng.gauss(0.0, noise)) for d in cur.devices]  # slows all
+        per = [true_model.sample_time(cluster.device(d), profile, rank_blocks(cur, r))
+               * level * max(1e-9, 1.0 + rng.gauss(0.0, noise))  # a host phase slows all
+               for r, d in enumerate(cur.devices)]
         ranks = ranks or [[] for _ in per]
         for r, x in enumerate(per):
             ranks[r].append(x)
@@ -116,24 +123,33 @@ def simulate_loop(cluster: Cluster, profile: ModelProfile, global_batch: int, *,
         key = plan_key(cur)
         memory.note_window(window, pol.min_steps, observed[key].step if key in observed else None,
                            recent=replan_every)
+        raw = [s.median for s in spreads]
         view = observe(model=profiled, profile=profile, cluster=cluster,
                        global_batch=global_batch, current=cur, step=robust(window),
                        observed=list(observed.values()), remaining=steps - step - 1,
-                       switch_s=switch_s, rank_s=[s.median for s in spreads],
+                       switch_s=switch_s,
+                       rank_s=stages(key, cur, raw) if cur.is_pipeline else raw,
+                       stage_s=raw if cur.is_pipeline else (), block_weights=weights,
                        rank_rel_sd=[s.rel for s in spreads], **memory.observe_args(cur.label))
         decision = pol.decide(view.obs)
-        memory.after(decision, cur.label, cur.shares, robust(window[-replan_every:]).median)
+        memory.after(decision, cur.label, view.obs.shares, robust(window[-replan_every:]).median)
         events.append(LoopEvent(step + 1, type(decision).__name__, cur.label, decision.reason))
         if isinstance(decision, KeepPlan):
             window, ranks = window[-_WINDOW:], [xs[-_WINDOW:] for xs in ranks]
             since = warmup  # the next decision after another replan_every steps
             continue
-        memory.kept(observed[key].step if key in observed else None, robust(window))
-        observed[key] = Observed(cur, robust(window))
+        # a straggler named: the layout's figure is the span the ranks' evidence covers (the
+        # whole window holds steps from before the rank slowed, as live)
+        kept = robust(window[-replan_every:] if getattr(decision, "stragglers", ()) else window)
+        memory.kept(observed[key].step if key in observed else None, kept)
+        observed[key] = Observed(cur, kept)
         if isinstance(decision, SwitchPlan):
             cur = view.plans[decision.target]
+        elif isinstance(decision, RecutShares) and decision.cut == "stage split":
+            cur = replace(cur, stage_split=decision.shares)
         elif isinstance(decision, RecutShares):
             cur = replace(cur, shares=decision.shares)
         seconds += switch_s
         window, ranks, since = [], [], 0
     return LoopResult(seconds, static_s, start, cur, tuple(events))
+

@@ -1,7 +1,8 @@
 """The closed loop: the running job's own step timings re-fit the cost model, and at a
 configurable cadence (``replan_every``) ``clusters.policy.ReplanPolicy`` decides whether to
 keep the layout, switch to a faster plan (``strategy: auto``) or re-cut the shares around a
-straggler (share-balanced dp and ZeRO layouts). The decision is an event (``replan``) that
+straggler (share-balanced dp and ZeRO layouts; a pipeline's stage split, its ranks compared
+with their stage's figure at the layout's start, ``clusters.refit.StageBaseline``). The decision is an event (``replan``) that
 says why, with the numbers; a straggler is named in an event of its own (``straggler``).
 
 ``Replanner`` owns the window of the running layout: rank 0's step times and every rank's own
@@ -29,7 +30,7 @@ from clusters.policy import (
     ReplanPolicy,
     SwitchPlan,
 )
-from clusters.refit import LiveScale, plan_key
+from clusters.refit import LiveScale, StageBaseline, plan_key, stage_fractions
 from strategies import StrategySpec
 from strategies.traits import DP_MODES
 
@@ -66,16 +67,18 @@ class Replanner:
         self._last: tuple[Any, str] = (None, "")  # the last decision and the label it ran on
         self._refused: set[str] = set()  # plans the strategy refused to lay out (``refused``)
         self._scale = LiveScale()  # the live per-rank compute on the model's scale
+        self._stages = StageBaseline()  # a pipeline's ranks on one footing (stragglers)
 
     # ------------------------------------------------------------------ feeding
 
     def active(self, spec: StrategySpec | None) -> bool:
         """Whether the loop runs for ``spec``: ``auto`` (any layout), or a share-balanced
-        layout while balancing is not off (stragglers)."""
+        layout or a pipeline while balancing is not off (stragglers)."""
         if self.every <= 0 or spec is None:
             return False
-        return self.cfg.strategy == "auto" or (spec.name in _SHARE_BALANCED
-                                               and self.cfg.balance != "off")
+        return self.cfg.strategy == "auto" or (
+            (spec.name in _SHARE_BALANCED or spec.name == "pipeline")
+            and self.cfg.balance != "off")
 
     def change(self, step: int, spec: StrategySpec, group: Any
                ) -> tuple[StrategySpec, str] | None:
@@ -174,6 +177,8 @@ class Replanner:
         from ..planning import spec_plan
 
         times = self._window()
+        if self._named:  # a straggler named: the span the ranks' evidence covers (the whole
+            times = times[-self.every:]  # window holds steps from before the rank slowed)
         if len(times) >= self.policy.min_steps:
             p = spec_plan(spec, self.layouts.ids, self.layouts.probe_model)
             earlier = self.observed.get(plan_key(p))
@@ -195,7 +200,7 @@ class Replanner:
                 c for c in obs.candidates if c[0] not in self._refused or c[0] == obs.current),
                 untried=tuple(u for u in obs.untried if u not in self._refused))
         decision = self.policy.decide(obs)
-        self.memory.after(decision, obs.current, tuple(spec.shares),
+        self.memory.after(decision, obs.current, obs.shares,  # (a pipeline's: its split)
                           robust(times[-self.every:]).median)
         self.decisions.append(decision)
         self._last = (decision, obs.current)
@@ -212,10 +217,7 @@ class Replanner:
         if slow and tuple(ids) != named:  # named once while it stays one (by worker: a rank
             # number may be another worker's after a change)
             self._emit("straggler", f"rank(s) {list(slow)} (workers {ids}) compute "
-                       + ", ".join(f"{obs.rank_s[r] * 1e3:.2f}" for r in slow)
-                       + " ms/sample against peers' "
-                       + ", ".join(f"{t * 1e3:.2f}" for i, t in enumerate(obs.rank_s)
-                                   if i not in slow) + " ms/sample",
+                       + _figures(obs, slow, spec.name == "pipeline"),
                        data={"ranks": list(slow), "workers": ids,
                              "rank_s_per_sample": list(obs.rank_s)}, step=step)
         if isinstance(decision, SwitchPlan):
@@ -224,6 +226,9 @@ class Replanner:
             new = plan_spec(plans[decision.target])
             self._expect = dataclasses.replace(
                 new, options=new.options.over(self.cfg.strategy_options()))
+            return self._expect
+        if isinstance(decision, RecutShares) and decision.cut == "stage split":
+            self._expect = dataclasses.replace(spec, stage_split=decision.shares)
             return self._expect
         if isinstance(decision, RecutShares):
             self._expect = dataclasses.replace(spec, shares=decision.shares)
@@ -248,6 +253,7 @@ class Replanner:
         full = len(ranks) == spec.world_size
         rank_s = tuple(s.median / frac for s in per_rank) if full else ()
         rel = tuple(s.rel for s in per_rank) if full else ()
+        piped = spec.name == "pipeline" and bool(rank_s)
         lay = self.layouts
         switch_s = max(lay.apply_s[1:], default=2 * max(lay.apply_s, default=0.5))
         remaining = max(0, self.cfg.max_steps - step)
@@ -255,8 +261,18 @@ class Replanner:
         ids = lay.ids if planned else [str(r) for r in range(spec.world_size)]
         current = spec_plan(spec, ids, lay.probe_model)
         mm = lay.measured if planned else None
-        if mm is not None and rank_s:  # (a layout's first window fixes the factor)
-            rank_s = self._scale((spec.name, spec.dp_mode, tuple(ids)), rank_s, ids, mm.model)
+        key = (spec.name, spec.dp_mode, tuple(ids))
+        stage_s: tuple[float, ...] = ()
+        if mm is not None and rank_s and piped:  # its stages' compute, put on the scale of
+            # the devices' whole-model figures (``stage_fractions``)
+            whole = [t / f for t, f in zip(rank_s, stage_fractions(current, mm.profile,
+                                                                   lay.cluster), strict=True)]
+            k = self._scale.factor(key, whole, ids, mm.model)  # (kept across re-splits)
+            rank_s = tuple(t * k for t in rank_s)
+        elif mm is not None and rank_s:  # (a layout's first window fixes the factor)
+            rank_s = self._scale(key, rank_s, ids, mm.model)
+        if piped:
+            stage_s, rank_s = rank_s, self._stages(plan_key(current), current, rank_s)
         earlier = self.observed.get(plan_key(current))
         self.memory.note_window(times, self.policy.min_steps, earlier[1] if earlier else None,
                                 recent=self.every)
@@ -270,6 +286,7 @@ class Replanner:
             remaining=remaining, switch_s=switch_s, rank_s=rank_s, rank_rel_sd=rel,
             kinds=dict(zip(ids, lay.kinds, strict=False)),
             replan=self.cfg.strategy == "auto" and mm is not None,
+            stage_s=stage_s, block_weights=self._block_weights(mm) if piped else (),
             **mem)
         parts: dict[str, Any] = {}
         if view.model is not None:
@@ -277,6 +294,21 @@ class Replanner:
                      "observed": sorted({p.label for p, _ in self.observed.values()}
                                         | {current.label})}
         return view.obs, dict(view.plans), parts
+
+    def _block_weights(self, mm: Any) -> tuple[float, ...]:
+        """What a pipeline's blocks weigh for a re-split: as the planned model splits a
+        device's work (``clusters.cost.block_weights``), else the blocks' measured times,
+        else their parameters."""
+        from clusters.cost import block_weights
+
+        if mm is not None:
+            return block_weights(mm.profile)
+        costs = self.layouts.block_costs
+        if costs:
+            return tuple(costs)
+        from strategies.blocks import block_params
+
+        return tuple(float(max(1, p)) for p in block_params(self.layouts.probe_model))
 
     def _forward_fraction(self) -> float:
         """Forward's part of forward+backward, as the profiler measured it (else 1/3)."""
@@ -286,8 +318,23 @@ class Replanner:
 
 
 def _same(a: StrategySpec, b: StrategySpec) -> bool:
-    """Whether ``a`` is the layout ``b`` asked for (options aside)."""
-    return (a.name, a.world_size, tuple(a.shares), a.pp_degree, a.micro_batches, a.schedule,
-            a.dp_mode) == (b.name, b.world_size, tuple(b.shares), b.pp_degree,
-                           b.micro_batches, b.schedule, b.dp_mode)
+    """Whether ``a`` is the layout ``b`` asked for (options aside; a stage split left to the
+    strategy matches any)."""
+    split = None in (a.stage_split, b.stage_split) or a.stage_split == b.stage_split
+    return split and (a.name, a.world_size, tuple(a.shares), a.pp_degree, a.micro_batches,
+                      a.schedule, a.dp_mode) == (b.name, b.world_size, tuple(b.shares),
+                                                 b.pp_degree, b.micro_batches, b.schedule,
+                                                 b.dp_mode)
+
+
+def _figures(obs: ReplanObservation, slow: tuple[int, ...], pipeline: bool) -> str:
+    """The straggler event's figures: seconds per sample, or for a pipeline (whose stages do
+    different work) each rank's compute over its stage's at the layout's start."""
+    if pipeline:
+        return (", ".join(f"{obs.rank_s[r]:.2f}x" for r in slow) + " their stage's figure at "
+                "the layout's start, peers " + ", ".join(
+                    f"{t:.2f}x" for i, t in enumerate(obs.rank_s) if i not in slow))
+    return (", ".join(f"{obs.rank_s[r] * 1e3:.2f}" for r in slow) + " ms/sample against "
+            "peers' " + ", ".join(f"{t * 1e3:.2f}" for i, t in enumerate(obs.rank_s)
+                                  if i not in slow) + " ms/sample")
 

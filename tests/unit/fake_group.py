@@ -69,6 +69,7 @@ class FakeGroup:
         self.phases: dict[int, float] = {}  # step -> every step's time x this from then on
         self.opt_cost = (1e-5, 1e-8)  # the optimizer's seconds per tensor, per element
         self.compute: dict[int, float] = {}  # rank -> compute seconds per sample (forward x 3)
+        self.compute_from: dict[int, dict[int, float]] = {}  # step -> ``compute`` from then on
         self.block_seconds: list[float] | None = None  # profile(detail=True)'s per-block times
         self.spec: Any = None
         self.workers: list[WorkerRec] = []
@@ -252,7 +253,7 @@ class FakeGroup:
                      "step_time": dt * level, "samples": share, "samples_per_s": 400.0,
                      "time": 0.0, "generation": self.generation,
                      "global_samples": 4 * len(self.workers),
-                     "compute_s": self.compute.get(w.rank, 1e-3) * share / 3}
+                     "compute_s": self._compute(s).get(w.rank, 1e-3) * share / 3}
                 if s in seqs:
                     m.update(checkpoint_begun=s + 1, checkpoint_blocked_s=0.001,
                              checkpoint_seq=seqs[s])
@@ -293,6 +294,10 @@ class FakeGroup:
     def memory_counts(self, timeout_s: float | None = None) -> list[dict[str, int]]:
         self.calls.append(("memory_counts", timeout_s))
         return [{"params": 1, "grads": 1, "optim": 1} for _ in self.workers]
+
+    def _compute(self, step: int) -> dict[int, float]:
+        since = [k for k in self.compute_from if k <= step]
+        return self.compute_from[max(since)] if since else self.compute
 
     def profile(self, batch: int, detail: bool = False, workers: Any = None) -> list[Any]:
         out: dict[str, Any] = {"samples_per_s": 100.0}

@@ -273,3 +273,65 @@ def test_a_try_slower_within_one_windows_noise_is_checked_again():
         assert res.changes[0].decision == "TryPlan"
         stayed += res.final.strategy != res.start.strategy
     assert stayed <= 2
+
+
+def _pipeline_world():
+    """Two ranks where a pipeline is the fast layout: gradients cost by the byte, the
+    pipeline's own messages are a few bytes."""
+    cluster, ids = _cluster()
+    coll = {k: (1e-4, 1e-5) for k in ("all_reduce", "reduce", "broadcast", "all_gather",
+                                       "reduce_scatter")}
+    m = CostModel(seconds_per_sample=dict.fromkeys(ids, 1e-3), collectives={**coll,
+                  "p2p": (1e-4, 0.0)}, optimizer_fit=dict.fromkeys(ids, (1e-6, 1e-9, 1e-6)),
+                  pass_overhead_s=0.0, step_overhead=1e-3)
+    start = Plan(strategy="pipeline", world_size=2, shares=(64,), pp_degree=2, micro_batches=8,
+                 schedule="1f1b", stage_split=(6, 6), devices=tuple(ids))
+    return cluster, ids, m, start
+
+
+def test_a_pipeline_straggler_is_named_and_the_stages_re_split():
+    """A pipeline's ranks do different work: a rank is compared with its stage's figure at
+    the layout's first window. The one that slows is named and its blocks move to its peer
+    (the stage split re-cut); the loop stays there. Was: a pipeline's ranks were not compared
+    at all (no straggler named, nothing re-cut)."""
+    cluster, ids, m, start = _pipeline_world()
+    res = simulate_loop(cluster, PROFILE, 64, truth=m, profiled=m, steps=1500,
+                        replan_every=50, slowdowns={300: {ids[1]: 2.0}}, start=start)
+    assert [e.decision for e in res.changes] == ["RecutShares"], res.changes
+    e = res.changes[0]
+    assert 300 < e.step <= 410 and e.reason.startswith("stage split [6, 6] -> [8, 4]; rank 1 ")
+    assert res.final.stage_split == (8, 4) and res.final.label == start.label
+    assert res.seconds < 0.85 * res.static_s
+    calm = simulate_loop(cluster, PROFILE, 64, truth=m, profiled=m, steps=1500,
+                         replan_every=50, start=start)
+    assert not calm.changes and calm.final == start
+
+
+def test_stage_figures_compare_replicas_at_once_and_positions_from_their_start():
+    from clusters.refit import StageBaseline
+
+    plan = Plan(strategy="pipeline", world_size=4, shares=(32, 32), pp_degree=2,
+                micro_batches=4, schedule="1f1b", stage_split=(6, 6), devices=tuple("abcd"))
+    base = StageBaseline()
+    # ranks 0, 1: stage 0's replicas; 2, 3: stage 1's, whose blocks cost three times as much
+    first = base("k", plan, [1.0, 1.0, 3.0, 3.6])
+    assert first == pytest.approx((1.0, 1.0, 3.0 / 3.3, 3.6 / 3.3))  # a slow replica shows
+    later = base("k", plan, [1.0, 1.5, 3.0, 3.6])  # rank 1 slowed since
+    assert later[1] == pytest.approx(1.5) and later[2] == pytest.approx(first[2])
+    assert base("other layout", plan, [1.0, 1.5, 3.0, 3.6])[1] == pytest.approx(1.2)
+
+
+def test_a_re_split_follows_the_positions_measured_speeds():
+    from clusters.balance import resplit_stages
+    from clusters.errors import BalanceError
+
+    assert resplit_stages([3, 3], [1.0] * 6, [3.0, 3.0]) == ((3, 3), 0.0)  # balanced: stays
+    assert resplit_stages([3, 3], [1.0] * 6, [3.0, 6.0]) == ((4, 2), 2.0)
+    # by the blocks' weights: the heavy last block stays where it is
+    assert resplit_stages([2, 2], [1.0, 1.0, 1.0, 5.0], [2.0, 12.0]) == ((3, 1), 2.0)
+    new, saved = resplit_stages([2, 2, 2, 2], [1.0] * 8, [4.0, 6.0])  # interleaved: k % pp
+    assert sum(new) == 8 and len(new) == 4 and 0 < saved < 2.0
+    for bad in (([3, 3], [1.0] * 5, [1.0, 1.0]), ([3, 3], [1.0] * 6, [1.0, 0.0]),
+                ([3, 3], [1.0] * 6, [1.0, 1.0, 1.0])):
+        with pytest.raises(BalanceError):
+            resplit_stages(*bad)

@@ -697,6 +697,30 @@ def test_a_straggler_is_named_and_its_share_re_cut(tmp_path):
     assert fake.spec.shares == (6, 2) and result.history[-1]["strategy"] == "dp"
 
 
+def test_a_pipeline_straggler_is_named_and_the_stages_re_split(tmp_path):
+    """A named pipeline's ranks do different work: each is compared with its stage's figure
+    at the layout's start. Rank 1 slows 3x from step 25 and the step with it: the loop names
+    it and moves its blocks to rank 0 (the stage split re-cut, the same layout otherwise).
+    Was: a pipeline's ranks were not compared (nothing named, nothing re-cut)."""
+    ctl, fake = _controller(tmp_path, strategy="pipeline", max_steps=120, replan_every=10)
+    fake.block_seconds = [1e-4] * 5  # the blocks weigh alike
+    fake.step_times = {"pipeline": 0.02}
+    fake.compute = {0: 1e-3, 1: 1e-3}
+    fake.compute_from = {25: {0: 1e-3, 1: 3e-3}}
+    fake.phases = {25: 2.0}
+    result = ctl.run()
+    strag = [e for e in ctl.events if e.kind == "straggler"]
+    assert len(strag) == 1 and strag[0].data["ranks"] == [1], [e.message for e in strag]
+    assert 25 < strag[0].step <= 50 and "their stage's figure" in strag[0].message
+    recut = next(e for e in ctl.events if e.kind == "replan"
+                 and e.data["decision"] == "RecutShares")
+    assert recut.message.startswith("RecutShares: stage split ")
+    old, new = recut.data["shares"], recut.data["recut"]
+    assert sum(old) == sum(new) == 5 and new[0] > old[0], (old, new)
+    assert fake.spec.stage_split == tuple(new) and fake.spec.name == "pipeline"
+    assert fake.spec.shares == (4, 4) and result.history[-1]["step"] == 119
+
+
 @pytest.mark.parametrize("room", [0, 1])  # the job shrinks; a replacement keeps its size
 def test_a_slow_worker_after_a_loss_is_named_though_it_has_the_rank_named_before(tmp_path,
                                                                                   room):
