@@ -87,7 +87,8 @@ class Liveness:
                         pending[sock] = buf
                         continue
                     del pending[sock]
-                    wid = self._hello(buf.split(b"\n", 1)[0])
+                    line, _, rest = buf.partition(b"\n")
+                    wid = self._hello(line)
                     if wid is None or not data:
                         self._drop(sock)
                         continue
@@ -95,6 +96,8 @@ class Liveness:
                     with self._lock:
                         self._seen[wid] = now
                         self._closed.pop(wid, None)
+                        if NODE_LOST in rest:  # said in the same read as the hello
+                            self._node_lost.add(wid)
                     continue
                 wid = ids.get(sock, -1)
                 if data and NODE_LOST not in data:

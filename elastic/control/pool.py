@@ -157,6 +157,9 @@ class WorkerPool:
         self.clock = clock
         self.stats = PoolStats()
         self._lock = threading.RLock()
+        # held by a whole ``maintain`` round (its Ray calls are outside ``_lock``): ``close``
+        # and the exit wait for it, since a Ray call after Ray's shutdown starts a new Ray
+        self._round = threading.Lock()
         self._idle: dict[str, _Proc] = {}
         self._lent: dict[str, _Proc] = {}
         self._starting: dict[str, _Proc] = {}
@@ -175,7 +178,7 @@ class WorkerPool:
                 self.close()
                 raise
         if maintain_every_s and self._session is not None:
-            start_watch(self, self._stop, self._lock, maintain_every_s)
+            start_watch(self, self._stop, self._round, maintain_every_s)
         with _LIVE_LOCK:
             _LIVE.add(self)
 
@@ -216,17 +219,18 @@ class WorkerPool:
         take and give back meanwhile). False, doing nothing, once the pool is closed or
         this process has left the Ray the pool was made in (its handles mean nothing in
         the next)."""
-        with self._lock:
-            if self._closed or ray_session() != self._session:
-                return False
-            self._settle()
-            procs = list(self._idle.values())
-        alive, draining = self._ping(procs), self._draining()
-        with self._lock:  # idle workers taken meanwhile are no longer observed
-            if self._closed:
-                return False
-            self._apply(self.policy.decide(self._observe(alive=alive, draining=draining)))
-        return True
+        with self._round:
+            with self._lock:
+                if self._closed or self._stop.is_set() or ray_session() != self._session:
+                    return False
+                self._settle()
+                procs = list(self._idle.values())
+            alive, draining = self._ping(procs), self._draining()
+            with self._lock:  # idle workers taken meanwhile are no longer observed
+                if self._closed or self._stop.is_set():
+                    return False
+                self._apply(self.policy.decide(self._observe(alive=alive, draining=draining)))
+            return True
 
     def make_default(self) -> WorkerPool:
         """Make this the pool of every job started in this process without one (``fit``,
@@ -244,13 +248,19 @@ class WorkerPool:
         with _LIVE_LOCK:
             _LIVE.discard(self)
         self._stop.set()
-        with self._lock:
-            self._closed = True
-            for p in list(self._idle.values()) + list(self._starting.values()):
-                self._kill(p)
-            self._idle, self._starting = {}, {}
-        if self._started_ray:
-            disconnect()
+        # the round in progress ends first (bounded: a GCS that is gone must not hold it up)
+        waited = self._round.acquire(timeout=5.0)
+        try:
+            with self._lock:
+                self._closed = True
+                for p in list(self._idle.values()) + list(self._starting.values()):
+                    self._kill(p)
+                self._idle, self._starting = {}, {}
+            if self._started_ray:
+                disconnect()
+        finally:
+            if waited:
+                self._round.release()
 
     def __enter__(self) -> WorkerPool:
         return self

@@ -28,7 +28,8 @@ class _Maintained(Protocol):
 
 def start_watch(pool: _Maintained, stop: threading.Event, lock: Any, every_s: float) -> None:
     """Run ``pool.maintain()`` every ``every_s`` until ``stop`` is set, the pool is collected,
-    or ``maintain`` returns False; ``lock``: the pool's, held by a round in progress."""
+    or ``maintain`` returns False; ``lock``: held by a whole round in progress (its Ray calls
+    too)."""
     ref = weakref.ref(pool)
     threading.Thread(target=_watch, args=(ref, stop, every_s), daemon=True,
                      name="elastic-pool-watch").start()

@@ -52,10 +52,18 @@ class PooledPlacement(Placement):
             return []
         bundle = self.bundle()
         procs = self.pool.take(self._key(), n, free=free_by_node(bundle))
+        out: list[tuple[WorkerRec, Any]] = []
         try:
-            return [self._assign(p.handle, p.pg, True) for p in procs]
+            for p in procs:
+                out.append(self._assign(p.handle, p.pg, True))
+            return out
         except BaseException:
             self.pool.cold_placed(n - len(procs))
+            # those never handed the job (the one whose assign raised is in ``_mine``: given
+            # back at the job's end) go back now: nobody else holds them
+            rest = [p for p in procs if actor_key(p.handle) not in self._mine]
+            if rest:
+                self.pool.give_back([WorkerRec(p.handle, -1, pg=p.pg) for p in rest])
             raise
 
     def _collect(self, launched: list[tuple[WorkerRec, Any]], wait_s: float | None

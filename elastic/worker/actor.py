@@ -223,10 +223,16 @@ class Worker:
         if self.baseline is None:
             raise ElasticError("only a pooled worker (built without a config) can be reset")
         ok, why = True, ""
+        loop = self.__dict__.get("loop")
+        if loop is not None and loop.busy():  # the job ended without winding its segment
+            # down (a failure it gave up on): that thread still runs the job's step, and
+            # would err into the next job's reset or hold one of the actor's two threads
+            loop.request_stop()
+            ok, why = False, "a training segment still ran when the job ended"
         try:
             if getattr(self, "config", None) is not None:
                 stuck = self.checkpoints.close()
-                if stuck:
+                if stuck and ok:
                     ok, why = False, stuck
                 # not parked: a copy of the rank's state to host memory, only to drop it,
                 # could exhaust it (a large FSDP job) or pass the pool's 30 s reset limit

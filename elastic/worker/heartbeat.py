@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import weakref
 from collections.abc import Callable
 
 __all__ = ["Heartbeat", "NODE_LOST", "NODE_LOST_EXIT", "raylet_parent"]
@@ -44,6 +45,25 @@ def _exit() -> None:
     os._exit(NODE_LOST_EXIT)
 
 
+_LIVE: weakref.WeakSet[Heartbeat] = weakref.WeakSet()  # heartbeats whose socket is open
+
+
+def _close_in_child() -> None:
+    """In a process the job's code forked: the heartbeat's connection is its parent's. Held
+    open here, the parent's death (killed, out of memory) would send the controller no FIN,
+    and the loss would wait for the silence timeout."""
+    for hb in list(_LIVE):
+        sock, hb._sock = hb._sock, None
+        if sock is not None:
+            try:
+                sock.close()
+            except OSError:
+                pass
+
+
+os.register_at_fork(after_in_child=_close_in_child)
+
+
 class Heartbeat:
     """Started once per worker process; ``stop`` at shutdown. A connection that cannot be
     made is no error: the controller then sees this worker by its other signals.
@@ -62,6 +82,7 @@ class Heartbeat:
         try:
             self._sock = socket.create_connection((host, port), timeout=5.0)
             self._sock.sendall(HELLO + token.encode() + b" " + str(worker_id).encode() + b"\n")
+            _LIVE.add(self)
         except OSError:
             self._sock = None
             if node_pid is None:

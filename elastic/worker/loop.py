@@ -153,6 +153,10 @@ class StepLoop:
         self._counts_of = self._shown_of = weakref.ref(strategy)
         return dict(self._counts)
 
+    def busy(self) -> bool:
+        """Whether a segment is running (on the actor's other thread)."""
+        return self._running.locked()
+
     def request_stop(self, segment: int | None = None) -> None:
         """Ask segment ``segment`` (None: the one running, or the last one) to stop after its
         current step; all ranks agree on the same step. A stop for a segment that has not

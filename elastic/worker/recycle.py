@@ -9,7 +9,9 @@ left its group and dropped its components: it
 * unloads every module the job brought in that is not a library (its ``__file__`` outside
   the interpreter's prefixes): the next job imports its code afresh, so it sees neither the
   previous job's module globals nor an older version of a module it shares a name with;
-* puts the environment variables back as they were (set, changed and removed);
+* puts the environment variables back as they were (set, changed and removed), and the
+  import path (``sys.path``: a job's ``sys.path.insert`` would make the next job's
+  ``import model`` find the last job's file);
 * restores torch's default dtype, deterministic-algorithms mode, grad mode, anomaly
   detection and thread count, cuDNN's switches (benchmark, deterministic, enabled) and the
   attention kernels' (flash, memory-efficient, math); the float32 precision settings (TF32,
@@ -96,6 +98,7 @@ class Baseline:
     deterministic: bool
     num_threads: int
     roots: tuple[str, ...] = field(default_factory=_library_roots)
+    path: tuple[str, ...] = field(default_factory=lambda: tuple(sys.path))  # import path
     backends: dict[str, Any] = field(default_factory=lambda: _backends())
     _ready: set[tuple[int, int]] = field(default_factory=set)  # (thread, job): on_thread
 
@@ -205,6 +208,10 @@ def reset(base: Baseline, keep_threads: set[int] | frozenset[int] = frozenset(),
     dropped = user_modules(base)
     for name in dropped:
         sys.modules.pop(name, None)
+    path_restored = tuple(sys.path) != base.path  # a job's sys.path.insert: the next job's
+    if path_restored:  # ``import model`` would find the last job's module of that name
+        sys.path[:] = base.path
+        importlib.invalidate_caches()
     env_changed = 0
     for k in set(os.environ) - set(base.environ):
         del os.environ[k]
@@ -233,6 +240,7 @@ def reset(base: Baseline, keep_threads: set[int] | frozenset[int] = frozenset(),
     extra = [t for t in threading.enumerate() if t.is_alive() and t.ident not in base.threads
              and t.ident not in keep_threads and not t.name.startswith("elastic")
              and not isinstance(t, threading._DummyThread)]  # Ray's own (C++) threads
-    return {"modules_dropped": dropped, "env_restored": env_changed, "threads": len(extra),
+    return {"modules_dropped": dropped, "env_restored": env_changed,
+            "path_restored": path_restored, "threads": len(extra),
             "thread_names": [t.name for t in extra][:5], "cuda_bytes": cuda_bytes,
             "backends_restored": backends_restored, "precision_changed": precision_changed}

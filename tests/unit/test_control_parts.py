@@ -369,6 +369,54 @@ def test_a_pooled_placement_whose_cold_part_fails_gives_its_warm_workers_back(mo
     assert placed == [1]  # the one left to start cold no longer holds back the pool's refill
 
 
+def test_warm_workers_a_failed_assign_never_reached_go_back_to_the_pool(monkeypatch):
+    """The pool lends 3 warm workers and the second one's assign raises (its config cannot
+    be sent): the third, never handed the job, goes back to the pool at once, and the first
+    two stay the job's (given back at its end). Was: the third stayed lent with nobody
+    holding it: never reset or killed, its bundle held, the pool's size counted against it
+    for good (found by review)."""
+    from elastic.config import JobConfig
+    from elastic.control import pooled as pooled_mod
+    from tests.helpers import RegressionData, adam, mlp, mse
+
+    class Handle:
+        def __init__(self, i: int) -> None:
+            self._actor_id = type("Id", (), {"hex": lambda _self: f"a{i}"})()
+
+            def remote(*a):
+                if i == 1:
+                    raise TypeError("cannot pickle '_thread.lock' object")
+            self.assign = type("M", (), {"remote": staticmethod(remote)})()
+
+    given: list[list[str]] = []
+
+    class Proc:
+        def __init__(self, i: int) -> None:
+            self.handle, self.pg = Handle(i), object()
+
+    class Pool:
+        env: dict = {}
+
+        def take(self, key, n, free=None):
+            return [Proc(i) for i in range(n)]
+
+        def cold_placed(self, n):
+            pass
+
+        def give_back(self, recs, lost=()):
+            given.append([w.handle._actor_id.hex() for w in recs])
+
+    monkeypatch.setattr(pooled_mod.PooledPlacement, "_key", lambda self: None)
+    monkeypatch.setattr(pooled_mod, "free_by_node", lambda bundle: {})
+    monkeypatch.setattr(pooled_mod.PooledPlacement, "bundle", lambda self: {"CPU": 1})
+    cfg = JobConfig(model=mlp, optimizer=adam, loss=mse, dataset=RegressionData(),
+                    global_batch_size=8, max_steps=5, num_workers=3)
+    pp = pooled_mod.PooledPlacement(Pool(), cfg, None, None)
+    with pytest.raises(TypeError, match="pickle"):
+        pp._warm(3)
+    assert given == [["a2"]] and sorted(pp._mine) == ["a0", "a1"]
+
+
 def test_a_pooled_jobs_end_keeps_the_bundle_a_replacement_took_over(monkeypatch):
     """A pooled worker was lost (hung, killed) and its replacement started in its one-bundle
     group (a free slot). At the job's end the lost worker's bundle was removed with it, and
@@ -864,3 +912,45 @@ def test_a_nodes_evacuation_moves_nothing_while_replicas_stay():
     assert ev._move_s(dp, leaving) == FIXED_S
     with pytest.raises(AssertionError, match="needs no counts"):
         ev._move_s(z, leaving)
+
+
+def test_closing_a_pool_waits_for_the_watch_round_in_progress(monkeypatch):
+    """The pool's watch pings its idle workers outside the pool's lock; ``close`` (and the
+    exit hook) waited only for that lock, so it returned, and Ray was shut down, while the
+    round still made Ray calls, which start a new Ray (found by review). ``close`` now waits
+    for the whole round, and a round that finds the pool stopping does nothing more."""
+    import threading
+    import time
+
+    from elastic.control import pool as pool_mod
+
+    pool = pool_mod.WorkerPool.__new__(pool_mod.WorkerPool)
+    pool._lock, pool._round, pool._stop = threading.RLock(), threading.Lock(), threading.Event()
+    pool._closed, pool._started_ray, pool._session = False, False, None
+    pool._idle, pool._starting = {}, {}
+    order: list[str] = []
+    pinging, go = threading.Event(), threading.Event()
+
+    def ping(procs, timeout_s=2.0):
+        order.append("ping")
+        pinging.set()
+        go.wait(10)
+        order.append("ping done")
+        return {}
+
+    monkeypatch.setattr(pool, "_ping", ping, raising=False)
+    monkeypatch.setattr(pool, "_settle", lambda: None, raising=False)
+    monkeypatch.setattr(pool_mod.WorkerPool, "_draining", staticmethod(lambda: frozenset()))
+    monkeypatch.setattr(pool_mod, "ray_session", lambda: None)
+    rounds: list[bool] = []
+    t = threading.Thread(target=lambda: rounds.append(pool.maintain()))
+    t.start()
+    assert pinging.wait(10)
+    c = threading.Thread(target=lambda: (pool.close(), order.append("closed")))
+    c.start()
+    time.sleep(0.3)
+    assert "closed" not in order  # the round still runs: close waits for it
+    go.set()
+    t.join(10)
+    c.join(10)
+    assert order == ["ping", "ping done", "closed"] and rounds == [False]

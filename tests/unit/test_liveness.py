@@ -10,7 +10,7 @@ import time
 import pytest
 
 from elastic.control.group import Segment, WorkerRec
-from elastic.control.liveness import HELLO, Liveness
+from elastic.control.liveness import HELLO, NODE_LOST, Liveness
 from elastic.control.watch import GRACE_S, STRAGGLE, SegmentWatch, hung_after
 from elastic.errors import GroupError, WorkerLostError
 from elastic.failures import classify
@@ -55,6 +55,45 @@ def test_silence_is_a_suspicion_and_a_wrong_token_is_refused():
         assert not live.connected(4)
         s.close()
         bad.close()
+    finally:
+        live.close()
+
+
+def test_a_node_loss_said_in_the_same_read_as_the_hello_is_kept():
+    """A worker whose raylet went just after it connected: its hello and the node-loss byte
+    can reach the controller in one read. Was: everything after the hello line was dropped,
+    and the loss was reported as a closed connection, not a node lost (found by review)."""
+    live = Liveness("127.0.0.1", timeout_s=5.0)
+    try:
+        s = socket.create_connection(live.address)
+        s.sendall(HELLO + live.token.encode() + b" 5\n" + NODE_LOST)
+        _wait_until(lambda: live.node_lost(5))
+        s.close()
+        _wait_until(lambda: bool(live.lost([5])))
+    finally:
+        live.close()
+
+
+def test_a_process_the_job_forked_does_not_hold_the_heartbeat_open():
+    """The job's code forks (a data loader's workers, ``fork`` start method) and the worker
+    then dies: its connection must close with it. Was: the child held the socket, no FIN
+    reached the controller, and the loss waited for the silence timeout (found by review)."""
+    import os
+
+    live = Liveness("127.0.0.1", timeout_s=30.0)
+    try:
+        hb = Heartbeat(*live.address, live.token, 9, 0.02)
+        _wait_until(lambda: live.connected(9))
+        pid = os.fork()
+        if pid == 0:  # the child: outlives the worker's socket for a while
+            time.sleep(3.0)
+            os._exit(0)
+        try:
+            hb.stop()  # the worker's end (its process's death closes its socket alike)
+            assert _wait_until(lambda: bool(live.lost([9])), timeout=2.0) < 1.0
+        finally:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
     finally:
         live.close()
 

@@ -47,6 +47,26 @@ def test_reset_unloads_job_modules_and_restores_env_and_torch(tmp_path, monkeypa
         os.environ.pop("ELASTIC_RECYCLE_GONE", None)
 
 
+def test_reset_restores_the_import_path_a_job_changed(tmp_path):
+    """Job A puts its directory first on ``sys.path``; job B's factory imports a module of
+    the same name from its own: after the reset B's import must not find A's file. Was: the
+    path was not restored, and B trained A's model (found by review)."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "model_xyz_recycle.py").write_text("WHO = 'a'\n")
+    base = Baseline.take()
+    saved = list(sys.path)
+    try:
+        sys.path.insert(0, str(tmp_path / "a"))
+        import model_xyz_recycle  # noqa: F401 - job A's code
+
+        out = reset(base, freeze=False)
+        assert out["path_restored"] and str(tmp_path / "a") not in sys.path
+        assert tuple(sys.path) == base.path and "model_xyz_recycle" not in sys.modules
+        assert reset(base, freeze=False)["path_restored"] is False
+    finally:
+        sys.path[:] = saved
+
+
 def test_reset_restores_the_numerics_switches_a_job_flipped():
     """cuDNN autotuning and the attention kernels are process-wide: a job that set
     ``cudnn.benchmark`` would have the next job on the process run other arithmetic than a

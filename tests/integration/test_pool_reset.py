@@ -1,0 +1,53 @@
+"""A pooled worker's ``reset`` when the job ended with a segment still running on the actor's
+other thread (the controller gave up on a failure without winding the segment down). Runs a
+pooled ``Worker`` in a process of its own (a reset unloads modules and restores the
+environment of the process it runs in), without Ray."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+_SCRIPT = textwrap.dedent("""
+    import json, sys, threading, time
+    from elastic.worker import Worker
+    from tests.mp_harness import free_port
+    from tests.unit.test_worker_components import _cfg, _spec
+
+    w = Worker(None, 0, False, 1)
+    w.assign(_cfg(__import__("pathlib").Path(sys.argv[1])).for_worker(), 0, None)
+    w.join("127.0.0.1", free_port(), 0, 1, 1, 30.0)
+    w.restart_fresh(_spec("dp"), None, 0)
+    strategy = w.layout.strategy
+    train_step, in_step = strategy.train_step, threading.Event()
+
+    def slow_step(x, y):
+        in_step.set()
+        time.sleep(0.2)
+        return train_step(x, y)
+
+    strategy.train_step = slow_step
+    out = {}
+    t = threading.Thread(target=lambda: out.update(run=repr(w.run(0, 10_000))), daemon=True)
+    t.start()
+    assert in_step.wait(30)
+    got = w.reset()
+    t.join(30)
+    print(json.dumps({"ok": got["ok"], "why": got["why"], "ended": not t.is_alive()}))
+""")
+
+
+def test_a_reset_while_a_segment_runs_retires_the_worker(tmp_path):
+    """The segment still running when the job ended: the reset says so (``ok`` false: the
+    pool retires the process) and asks the segment to stop. Was: ``ok`` true, the worker
+    kept warm while its other thread still ran the old job's step (its later error then
+    blamed on the next job, or one of the actor's two threads held)."""
+    p = subprocess.run([sys.executable, "-c", _SCRIPT, str(tmp_path)], capture_output=True,
+                       text=True, timeout=120, cwd=str(__import__("pathlib").Path(
+                           __file__).resolve().parents[2]))
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert got["ok"] is False and "segment still ran" in got["why"], got
+    assert got["ended"], got
