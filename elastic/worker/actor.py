@@ -46,7 +46,7 @@ from .loop import StepLoop
 from .membership import Membership, nccl_env_defaults
 from .peer_copies import PeerCopies
 from .profiling import Profiler
-from .recycle import Baseline, warm_up
+from .recycle import Baseline, left_behind, warm_up
 from .recycle import reset as reset_process
 
 __all__ = ["Worker"]
@@ -249,9 +249,8 @@ class Worker:
         health.reset()
         out = reset_process(self.baseline, unfreeze=self._job_frozen)
         self._job_frozen = False
-        if ok and out.get("precision_changed"):
-            ok, why = False, ("the job changed torch's float32 precision ("
-                              f"{', '.join(out['precision_changed'])}): not undone in place")
+        if ok and (left := left_behind(out, self.baseline)):
+            ok, why = False, left
         user_error, self.user_error = self.user_error, False
         return {**out, "ok": ok, "why": why, "user_error": user_error, "jobs": self.jobs,
                 "pid": os.getpid(), "node_id": _node_id()}

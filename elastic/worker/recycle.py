@@ -87,6 +87,13 @@ def warm_up(device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
+def _cuda_allocated() -> int:
+    """Bytes allocated on this process's GPU (0 without CUDA in use)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return int(torch.cuda.memory_allocated())
+    return 0
+
+
 @dataclass
 class Baseline:
     """The process as it was before any job (see the module docstring)."""
@@ -99,6 +106,7 @@ class Baseline:
     num_threads: int
     roots: tuple[str, ...] = field(default_factory=_library_roots)
     path: tuple[str, ...] = field(default_factory=lambda: tuple(sys.path))  # import path
+    cuda_bytes: int = field(default_factory=lambda: _cuda_allocated())  # the start's own
     backends: dict[str, Any] = field(default_factory=lambda: _backends())
     _ready: set[tuple[int, int]] = field(default_factory=set)  # (thread, job): on_thread
 
@@ -234,7 +242,7 @@ def reset(base: Baseline, keep_threads: set[int] | frozenset[int] = frozenset(),
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        cuda_bytes = int(torch.cuda.memory_allocated())
+        cuda_bytes = _cuda_allocated()
     if freeze:
         gc.freeze()
     extra = [t for t in threading.enumerate() if t.is_alive() and t.ident not in base.threads
@@ -244,3 +252,20 @@ def reset(base: Baseline, keep_threads: set[int] | frozenset[int] = frozenset(),
             "path_restored": path_restored, "threads": len(extra),
             "thread_names": [t.name for t in extra][:5], "cuda_bytes": cuda_bytes,
             "backends_restored": backends_restored, "precision_changed": precision_changed}
+
+
+CUDA_LEFT_OK = 64 * 2**20  # GPU memory a reset may find still allocated past the start's
+
+
+def left_behind(out: dict[str, Any], base: Baseline) -> str:
+    """Why a process ``reset`` reported ``out`` for should not serve another job ("" when
+    it may): float32 precision settings the job changed (not undone in place), or GPU
+    memory still allocated past what the process held at ``base`` (a tensor the job kept
+    alive through a module global or a C++ object: the next job would have that much less)."""
+    if out.get("precision_changed"):
+        return ("the job changed torch's float32 precision ("
+                f"{', '.join(out['precision_changed'])}): not undone in place")
+    left = int(out.get("cuda_bytes") or 0) - base.cuda_bytes
+    if left > CUDA_LEFT_OK:
+        return f"the job left {left / 2**20:.0f} MiB allocated on the GPU"
+    return ""
