@@ -30,7 +30,7 @@ from clusters.sched_policy import JobState, Observation, Option, SchedPolicy
 
 from .errors import ElasticError
 
-__all__ = ["Runner", "QueuedJob", "SchedulerCore", "live_options", "FIXED_PART",
+__all__ = ["Runner", "QueuedJob", "EndedRun", "SchedulerCore", "live_options", "FIXED_PART",
            "SCHED_SCALE_CHECK_S"]
 
 FIXED_PART = 0.1  # before two sizes are measured: a tenth of the step does not shrink with n
@@ -52,7 +52,10 @@ class Runner(Protocol):
 
     def result(self, handle: Any) -> Any: ...
 
-    def stop(self, handle: Any) -> None: ...
+    def stop(self, handle: Any) -> None:
+        """Ask the job to stop at its next step boundary, without waiting for it (the core
+        reaps it once it has ended)."""
+        ...
 
     def ended_at(self, handle: Any) -> float | None:
         """When the job ended, on the scheduler's clock (None: not known; the core then
@@ -61,6 +64,25 @@ class Runner(Protocol):
 
 
 _ENDED = ("finished", "failed", "cancelled")
+
+
+@dataclass
+class EndedRun:
+    """What the scheduler keeps of an ended job's result: its history and run directory, and
+    its final parameters until they are read once (``take_params``). Was: the whole result
+    and the job's controller, kept for ever (a sweep's scheduler grew by a model a trial)."""
+
+    history: list[dict[str, Any]]
+    run_dir: str | None = None
+    params: dict[str, Any] | None = None
+    had_params: bool = False  # (set when made with them: a later read can say they went)
+
+    def __post_init__(self) -> None:
+        self.had_params = self.params is not None
+
+    def take_params(self) -> dict[str, Any] | None:
+        params, self.params = self.params, None
+        return params
 
 
 @dataclass
@@ -82,7 +104,7 @@ class QueuedJob:
     reason: str = "submitted"
     remaining_s: float = math.inf
     error: str | None = None
-    result: Any = None
+    result: EndedRun | None = None
     resizes: int = 0
     resize_s: float = 0.0
     worker_s: float = 0.0  # workers x seconds held, counted up to ``counted_s``
@@ -158,9 +180,11 @@ class SchedulerCore:
 
     # ---------------------------------------------------------------- from any thread
 
-    def submit(self, cfg: Any, submitted_s: float | None = None) -> str:
+    def submit(self, cfg: Any, submitted_s: float | None = None,
+               keep: Callable[[QueuedJob], Any] | None = None) -> str:
         """Queue ``cfg`` (a ``JobConfig``) under its job name; refuses a name held by a job
-        that has not ended, and a job that could never fit the scheduler's capacity."""
+        that has not ended, and a job that could never fit the scheduler's capacity.
+        ``keep``: called with the new job before any tick can see it (its stored row)."""
         if not cfg.name:
             cfg = cfg.replace(name=cfg.job_name)  # one name from here on
         name = cfg.job_name
@@ -174,6 +198,8 @@ class SchedulerCore:
                     f"job {name!r} needs at least {cfg.min_world} workers; the scheduler owns "
                     f"{self.capacity}. Fix: lower min_workers or start the scheduler with more")
             job = QueuedJob(name, cfg, self.clock() if submitted_s is None else submitted_s)
+            if keep is not None:  # (was: after, so a tick between could start the job and
+                keep(job)  # its row then be written queued)
             self.jobs[name] = job
         self._changed(job)
         return name
@@ -286,6 +312,10 @@ class SchedulerCore:
         j.step = int(st.get("step") or j.step)
         j.phase = st.get("state") or j.phase
         sps, world = st.get("samples_per_s"), st.get("world_size")
+        if j.phase == "running" and isinstance(world, int) and 0 < world != j.workers:
+            with self._lock:  # the size it runs at: a resize answered after its asker gave
+                j.hold(self.clock())  # up (timed out) held workers given to another job
+                j.workers = world
         if sps and world and world == j.workers and math.isfinite(sps) and sps > 0:
             t = j.cfg.global_batch_size / sps
             old = j.measured.get(world)
@@ -355,9 +385,12 @@ class SchedulerCore:
         except Exception as e:  # noqa: BLE001 - a job's failure is its own
             j.state, j.error = "failed", f"{type(e).__name__}: {e}"
         else:
-            j.result = res
+            state_dict = getattr(res, "state_dict", None)
+            j.result = EndedRun(list(getattr(res, "history", ())), getattr(res, "run_dir", None),
+                                state_dict() if callable(state_dict) else None)
             j.state = "cancelled" if j.name in self._cancels else "finished"
-            j.step = len(getattr(res, "history", ())) or j.step
+            if j.result.history:  # its last step (a resumed job's history starts there)
+                j.step = int(j.result.history[-1]["step"]) + 1
         if j.counted_s > end:  # counted past its end (a resize answered after it): undo
             j.worker_s -= j.workers * (j.counted_s - end)
             j.counted_s = end
@@ -365,6 +398,7 @@ class SchedulerCore:
         j.hold(end)
         j.workers = 0
         j.reason = j.error or j.state
+        j.handle = None  # (its controller, history and final state: not kept)
         self._cancels.discard(j.name)
         self._stopping.discard(j.name)
         self._changed(j)

@@ -15,7 +15,9 @@ from typing import Any
 from .control import Controller, FitResult, Request
 from .view import View
 
-__all__ = ["ControllerRunner", "RunningJob"]
+__all__ = ["ControllerRunner", "RunningJob", "REPLY_S"]
+
+REPLY_S = 300.0  # how long a scale request's answer is waited for
 
 
 class RunningJob:
@@ -51,7 +53,12 @@ class RunningJob:
         req = Request(kind, value, reason)
         req.reply = queue.Queue()
         self.controller.post(req)
-        out = req.reply.get(timeout=timeout)
+        try:
+            out = req.reply.get(timeout=timeout)
+        except queue.Empty:  # (was: "refused: " and nothing)
+            raise TimeoutError(f"{kind} {value} not answered within {timeout:g} s (the job's "
+                               "step boundary did not come; it may still be carried out "
+                               "there)") from None
         if isinstance(out, BaseException):
             raise out
         return out
@@ -77,7 +84,7 @@ class ControllerRunner:
                           self.clock, self.on_end)
 
     def scale(self, handle: RunningJob, workers: int) -> int:
-        return int(handle.ask("scale", workers, "the scheduler's decision", 300.0))
+        return int(handle.ask("scale", workers, "the scheduler's decision", REPLY_S))
 
     def status(self, handle: RunningJob) -> dict[str, Any]:
         return dict(handle.controller.status())
@@ -99,4 +106,7 @@ class ControllerRunner:
         return handle.ended_at
 
     def stop(self, handle: RunningJob) -> None:
-        handle.ask("stop", None, "cancelled in the scheduler's queue", 300.0)
+        """Posted, not waited for: the scheduler's loop reaps the job once it has ended. Was:
+        the tick waited for the answer (a job still placing held every job's tick up to
+        300 s)."""
+        handle.controller.post(Request("stop", None, "cancelled in the scheduler's queue"))

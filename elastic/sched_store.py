@@ -7,8 +7,10 @@ jobs' model factories and datasets come back as they went in) and the last ``row
 again; one that was running when the scheduler went away lost its controller with it (the
 scheduler's process ran it), so it is queued again too, marked as such, and resumes from its
 newest checkpoint when its checkpoint URI holds one (``resume: latest``), else runs as
-submitted (a fork from its source again, or from scratch in a new run directory); ended
-jobs come back as history.
+submitted (a fork from its source again, or from scratch in a new run directory), with the
+steps its row last showed when it resumes (none when it starts over). That decision is
+stored with it (its config, state queued): a second restart, before or while it runs again,
+goes on from there. Ended jobs come back as history.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sqlite3
 import threading
 import time
@@ -51,6 +54,12 @@ class QueueStore:
             seq = self._db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM jobs").fetchone()[0]
             self._db.execute("INSERT OR REPLACE INTO jobs VALUES (?, ?, ?, 'queued', ?, '{}')",
                              (name, seq, submitted_wall, cfg_blob))
+
+    def requeue(self, name: str, cfg_blob: bytes, row: dict[str, Any]) -> None:
+        """A job queued again at a restart, with the config it runs again with."""
+        with self._lock:
+            self._db.execute("UPDATE jobs SET state = 'queued', cfg = ?, row = ? WHERE name = ?",
+                             (cfg_blob, json.dumps(_jsonable(row)), name))
 
     def update(self, name: str, state: str, row: dict[str, Any]) -> None:
         with self._lock:
@@ -94,17 +103,19 @@ def _rerun(cfg: Any) -> Any:
         return cfg if cfg.resume == "latest" else cfg.replace(resume="latest")
     if cfg.resume:
         return cfg
-    base = cfg.run_path
+    base = re.sub(r"\.rerun\d+$", "", cfg.run_path)  # (a re-run's own re-run: the next N)
     n = 1
     while os.path.exists(f"{base}.rerun{n}"):
         n += 1
     return cfg.replace(run_dir=f"{base}.rerun{n}")
 
 
-def restore(core: SchedulerCore, store: QueueStore, loads: Callable[[bytes], Any]) -> int:
+def restore(core: SchedulerCore, store: QueueStore, loads: Callable[[bytes], Any],
+            dumps: Callable[[Any], bytes]) -> int:
     """Put the stored jobs back into ``core`` (see the module docstring); ``loads`` turns a
-    config blob back into a config. Returns how many were queued again. A config that no
-    longer loads (its code moved) comes back as a failed job naming why."""
+    config blob back into a config, ``dumps`` a config into one. Returns how many were queued
+    again. A config that no longer loads (its code moved) comes back as a failed job naming
+    why."""
     now_wall, now = time.time(), core.clock()
     queued = 0
     for name, wall, state, blob, row in store.load():
@@ -116,16 +127,20 @@ def restore(core: SchedulerCore, store: QueueStore, loads: Callable[[bytes], Any
                           error=f"its config no longer loads after the restart: {e}")
             core.jobs[name] = j
             continue
+        step = int(row.get("step") or 0)
         if state == "running":
             cfg = _rerun(cfg)
+            step = step if cfg.resume == "latest" else 0  # (else it starts over)
         if state in ("queued", "running"):
-            j = QueuedJob(name, cfg, submitted)
+            j = QueuedJob(name, cfg, submitted, step=step)
             j.reason = ("queued again: it was running when the scheduler stopped"
                         if state == "running" else "queued again after a scheduler restart")
+            if state == "running":  # stored as it runs again: a second restart goes on from
+                store.requeue(name, dumps(cfg), j.row())  # there (was: its first config)
             queued += 1
         else:
             j = QueuedJob(name, cfg, submitted, state=state, reason=row.get("reason") or state,
-                          error=row.get("error"), step=int(row.get("step") or 0),
+                          error=row.get("error"), step=step,
                           resizes=int(row.get("resizes") or 0))
         core.jobs[name] = j
     return queued

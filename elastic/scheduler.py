@@ -17,6 +17,7 @@ what one of those workers is (by default one CPU); the scheduler never hands out
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from typing import Any
@@ -61,7 +62,7 @@ class SchedulerActor:
                                   on_change=self._persist)
         self.restored = 0
         if self.store is not None:
-            self.restored = restore(self.core, self.store, loads)
+            self.restored = restore(self.core, self.store, loads, dumps)
             self._wait_for_old_jobs()
         self._stop = threading.Event()
         self.errors: list[str] = []
@@ -99,14 +100,21 @@ class SchedulerActor:
     def submit(self, cfg: Any, hook: Any = None) -> str:
         """Queue ``cfg``; ``hook`` (a ``StepHook``, e.g. a sweep trial's pruner)
         runs beside the job's controller in this process."""
-        name = self.core.submit(cfg)
+        keep = None
+        if self.store is not None:  # stored before a tick can start it (was: after: a tick
+            if not cfg.name:  # between started it, then its row was written queued)
+                cfg = cfg.replace(name=cfg.job_name)  # (as the core names it)
+            keep = functools.partial(self._stored, dumps(cfg))  # (pickled outside its lock)
+        name = self.core.submit(cfg, keep=keep)
         if hook is not None:
             self.hooks[name] = hook
             hook.open_soon()  # a trial's pruner: its study opened while queued
-        if self.store is not None:
-            self.store.add(name, dumps(self.core.jobs[name].cfg), time.time())
         self._wake.set()
         return name
+
+    def _stored(self, blob: bytes, j: QueuedJob) -> None:
+        assert self.store is not None
+        self.store.add(j.name, blob, time.time())
 
     def cancel(self, job: str) -> str:
         before = self.core.cancel(job)
@@ -125,18 +133,24 @@ class SchedulerActor:
 
     def result(self, job: str) -> dict[str, Any] | None:
         """A job that ended: its state, error, steps and final parameters; None if it has
-        not ended."""
+        not ended. The final parameters are handed out once (the scheduler keeps no ended
+        job's model): a later call has ``state_dict`` None (its checkpoints have them)."""
         j: QueuedJob | None = self.core.jobs.get(job)
         if j is None:
             raise ElasticError(f"no job named {job!r} in scheduler {self.name!r}")
         if j.state in ("queued", "running"):
             return None
         res = j.result
-        return {"state": j.state, "error": j.error, "row": j.row(),
-                "steps": len(res.history) if res is not None else 0,
-                "history": list(res.history) if res is not None else [],
-                "state_dict": res.state_dict() if res is not None else None,
-                "run_dir": getattr(res, "run_dir", None)}
+        params = res.take_params() if res is not None else None
+        out = {"state": j.state, "error": j.error, "row": j.row(),
+               "steps": j.step if res is not None else 0,  # (a resumed job's: all its steps)
+               "history": list(res.history) if res is not None else [],
+               "state_dict": params, "run_dir": res.run_dir if res is not None else None}
+        if res is not None and params is None and res.had_params:
+            out["note"] = ("the final parameters were handed out by an earlier result() call "
+                           "(the scheduler keeps no ended job's model); its checkpoints hold "
+                           "them")
+        return out
 
     def shutdown(self) -> None:
         """Stop the loop and every running job (each at a step boundary)."""
@@ -144,12 +158,15 @@ class SchedulerActor:
         self._wake.set()
         self._thread.join(timeout=60)
         self.core.wait_resizes(timeout=300)
-        for j in list(self.core.jobs.values()):
-            if j.state == "running":
-                try:
-                    self.core.runner.stop(j.handle)
-                except Exception:  # noqa: BLE001 - it ended meanwhile
-                    pass
+        running = [j.handle for j in list(self.core.jobs.values()) if j.state == "running"]
+        for h in running:
+            try:
+                self.core.runner.stop(h)
+            except Exception:  # noqa: BLE001 - it ended meanwhile
+                pass
+        deadline = time.monotonic() + 300  # the stops are posted: each job's end waited for
+        for h in running:
+            h.thread.join(max(0.0, deadline - time.monotonic()))
         if self.pool is not None:
             self.pool.close()
 

@@ -75,8 +75,10 @@ class Tracker:
 
     def log_steps(self, entries: list[dict[str, Any]]) -> None:
         """Completed steps, in order: ``step`` (as in metrics.jsonl), ``time`` (Unix
-        seconds) and the numbers of ``METRIC_KEYS`` the step has. Once it returns they count
-        as kept: a resumed job does not send them again."""
+        seconds) and the numbers of ``METRIC_KEYS`` the step has (a step completed while a
+        worker was lost, with a ``note``: no ``samples_per_s`` or ``step_time``, and a NaN
+        ``loss``: none was measured). Once it returns they count as kept: a resumed job
+        does not send them again."""
 
     def log_events(self, events: list[Event]) -> None:
         """Events, in order (``kind``, ``message``, ``step``, ``time``, ``data``)."""
@@ -210,15 +212,17 @@ class MlflowTracker(Tracker):
         had = self._go_on(run, eid)
         went_on = had is not None
         if had is None:
-            r = self._c.create_run(eid, run_name=self.run_name or run.job, tags=tags)
-            self.run_id, had = r.info.run_id, {}
+            if self.run_id is None:  # (a start tried again: the run it made, not another)
+                r = self._c.create_run(eid, run_name=self.run_name or run.job, tags=tags)
+                self.run_id = r.info.run_id
+            had = {}
         params = [Param(k, _param_text(v)) for k, v in sorted(run.config.items())
                   if k not in had]  # a param's value cannot change in MLflow
         changed = [f"{k}: {had[k]} -> {_param_text(v)}" for k, v in sorted(run.config.items())
                    if k in had and had[k] != _param_text(v)]
-        if changed:
-            self._events.append(f"step {run.resumed_after + 1}: settings: resumed with "
-                                + "; ".join(changed))
+        said = f"step {run.resumed_after + 1}: settings: resumed with " + "; ".join(changed)
+        if changed and said not in self._events:  # (once, a start tried again too)
+            self._events.append(said)
         for i in range(0, len(params), 100):  # MLflow takes 100 params a call
             self._c.log_batch(self.run_id, params=params[i:i + 100])
         how = "continued (the job resumed) " if went_on else ""
@@ -368,6 +372,7 @@ class _Runner:
         self._saved, self._key = saved, key
         self._floor = -1  # the last step this tracker's run holds (a resumed job's)
         self._state: dict[str, Any] = {}
+        self._tracker: Any = None  # made once: a start tried again goes on with it
         self._q: queue.Queue[tuple[str, Any]] = queue.Queue()
         self.off = False
         self.thread = threading.Thread(target=self._serve, daemon=True,
@@ -418,7 +423,9 @@ class _Runner:
                 return
 
     def _start(self, run: RunInfo) -> Any:
-        tracker = self._make()
+        if self._tracker is None:  # (was: one per try: an MLflow run each, left RUNNING)
+            self._tracker = self._make()
+        tracker = self._tracker
         where = tracker.start(run)
         state: Any = getattr(tracker, "state", dict)()  # (a user's class may have none)
         self._state = dict(state) if isinstance(state, dict) else {}
@@ -495,8 +502,12 @@ class TrackerView(View):
         self.inner.step(entry)
         if entry["step"] > self._logged:
             self._logged = entry["step"]
+            sent = dict(entry)
+            if "note" in sent:  # completed while a worker was lost: its speed was not
+                sent.pop("samples_per_s", None)  # measured (was: sent as 0, a drop to
+                sent.pop("step_time", None)  # nothing on the charts)
             for r in self._runners:
-                r.put("steps", [dict(entry)])
+                r.put("steps", [dict(sent)])
         self._say()
 
     def event(self, ev: Event) -> None:

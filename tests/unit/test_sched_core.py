@@ -75,7 +75,7 @@ class Script:
     def result(self, h: Job) -> Any:
         if h.fail:
             raise RuntimeError("boom")
-        return type("R", (), {"history": [0] * int(h.step)})()
+        return type("R", (), {"history": [{"step": i} for i in range(int(h.step))]})()
 
     def stop(self, h: Job) -> None:
         self.log.append(("stop", h.name, h.workers))
@@ -309,7 +309,7 @@ def test_the_queue_survives_a_restart_in_sqlite(tmp_path):
     again = QueueStore(str(tmp_path / "q.sqlite"))
     s2 = Script()
     c2 = SchedulerCore(FifoStatic(), 2, s2, clock=lambda: s2.t)
-    assert restore(c2, again, pickle.loads) == 2
+    assert restore(c2, again, pickle.loads, pickle.dumps) == 2
     assert state(c2) == {"ran": ("queued", 0), "waits": ("queued", 0), "done": ("cancelled", 0)}
     assert "was running when the scheduler stopped" in c2.jobs["ran"].reason
     assert c2.jobs["ran"].submitted_s < c2.jobs["waits"].submitted_s  # order kept
@@ -321,7 +321,7 @@ def test_the_queue_survives_a_restart_in_sqlite(tmp_path):
     broken = QueueStore(str(tmp_path / "b.sqlite"))
     broken.add("x", b"not a pickle", 1.0)
     c3 = SchedulerCore(FifoStatic(), 2, Script(), clock=lambda: 0.0)
-    assert restore(c3, broken, pickle.loads) == 0
+    assert restore(c3, broken, pickle.loads, pickle.dumps) == 0
     assert c3.rows()[0]["state"] == "failed" and "no longer loads" in c3.rows()[0]["error"]
 
 
@@ -351,6 +351,10 @@ def test_an_interrupted_job_with_checkpoints_resumes_from_its_newest(tmp_path):
     plain = cfg("p", 10).replace(run_dir=str(tmp_path / "p"))
     (tmp_path / "p.rerun1").mkdir()
     assert _rerun(plain).run_path == str(tmp_path / "p.rerun2")
+    # a re-run interrupted again before its first checkpoint: the next number (was:
+    # <run>.rerun1.rerun1)
+    rerun1 = plain.replace(run_dir=str(tmp_path / "p.rerun1"))
+    assert _rerun(rerun1).run_path == str(tmp_path / "p.rerun2")
 
 
 def test_a_job_ends_when_it_ended_not_when_the_loop_noticed():
@@ -496,3 +500,276 @@ def test_the_queue_file_is_its_owners_only(tmp_path):
     os.chmod(tmp_path / "old.sqlite", 0o644)  # a file from before: made the owner's too
     QueueStore(str(tmp_path / "old.sqlite"))
     assert stat.S_IMODE(os.stat(tmp_path / "old.sqlite").st_mode) == 0o600
+
+
+def _commit(conf: JobConfig, step: int) -> None:
+    import torch
+
+    from elastic.checkpoint import CheckpointMeta, commit, write_shard
+    from elastic.checkpoint_io import job_store
+
+    store = job_store(conf)
+    commit(store, step, [write_shard(store, step, 0, {"model/w": torch.ones(2)})],
+           CheckpointMeta())
+
+
+def test_a_restored_job_reruns_the_same_way_after_a_second_restart(tmp_path):
+    """How a restart runs an interrupted job again is stored with it: a second restart, before
+    it was admitted again or while it ran again, goes on from there, with the steps it had.
+    Was: decided in memory only, so a job queued again over its own checkpoints started
+    with ``resume`` unset (refused: it would write over them, the job failed), one that
+    started over in ``<run>.rerun1`` looked in ``<run>`` again and started over in
+    ``.rerun2``; and a restored job's step was 0 (SRPT saw all its steps left)."""
+    import pickle
+
+    from elastic.sched_store import QueueStore, restore
+
+    db = str(tmp_path / "q.sqlite")
+
+    def scheduler(restart: bool) -> tuple[SchedulerCore, Script, QueueStore]:
+        store, s = QueueStore(db), Script()
+        c = SchedulerCore(FifoStatic(), 2, s, clock=lambda: s.t,
+                          on_change=lambda j: store.update(j.name, j.state, j.row()))
+        if restart:
+            assert restore(c, store, pickle.loads, pickle.dumps) == 2
+        return c, s, store
+
+    c, s, store = scheduler(False)
+    for name in ("fresh", "ck"):  # (fifo: fresh first)
+        c.submit(cfg(name, 100, n=1, hi=1).replace(run_dir=str(tmp_path / name),
+                                                   checkpoint_every=5))
+        store.add(name, pickle.dumps(c.jobs[name].cfg), 1000.0 + len(c.jobs))
+    c.tick()
+    s.advance(30)
+    c.tick()
+    assert state(c) == {"fresh": ("running", 1), "ck": ("running", 1)}
+    _commit(c.jobs["ck"].cfg, 25)  # ck committed a checkpoint; fresh none
+    store.close()
+
+    c, s, store = scheduler(True)  # 1st restart: ck resumes, fresh starts over in .rerun1
+    assert c.jobs["ck"].cfg.resume == "latest" and c.jobs["ck"].step == 30
+    assert c.jobs["fresh"].cfg.run_path == str(tmp_path / "fresh.rerun1")
+    assert c.jobs["fresh"].step == 0
+    c.capacity = 1
+    c.tick()  # fresh runs again (in .rerun1), ck waits
+    s.advance(20)
+    c.tick()
+    assert state(c) == {"fresh": ("running", 1), "ck": ("queued", 0)}
+    _commit(c.jobs["fresh"].cfg, 15)  # in .rerun1
+    store.close()
+
+    c, s, store = scheduler(True)  # 2nd restart
+    assert c.jobs["ck"].cfg.resume == "latest" and c.jobs["ck"].step == 30
+    fresh = c.jobs["fresh"]
+    assert fresh.cfg.run_path == str(tmp_path / "fresh.rerun1"), "started over again"
+    assert fresh.cfg.resume == "latest" and fresh.step == 20
+    store.close()
+
+
+class Model:
+    """Stands for a model's tensors (weakly referenced by the test)."""
+
+
+def test_an_ended_job_keeps_neither_its_controller_nor_its_model():
+    """An ended job keeps its history and run directory; its controller (the runner's handle)
+    and its final state's other tensors go at once, its final parameters once read (the
+    scheduler's ``result``). Was: every ended job's whole result and controller, for the
+    life of the scheduler (a sweep of hundreds of trials: a model a trial)."""
+    import gc
+    import weakref
+    from types import SimpleNamespace
+
+    from elastic.scheduler import SchedulerActor
+
+    class Holding(Script):
+        def start(self, name: str, conf: Any, workers: int) -> Job:
+            h = super().start(name, conf, workers)
+            h.controller = Model()  # type: ignore[attr-defined]
+            return h
+
+        def result(self, h: Job) -> Any:
+            hist = [{"step": i} for i in range(int(h.step))]
+            final = {"model/w": Model(), "optimizer/m": Model()}
+            self.optimizer = weakref.ref(final["optimizer/m"])
+            return SimpleNamespace(history=hist, run_dir="/runs/a", final_state=final,
+                                   state_dict=lambda: {"w": final["model/w"]})
+
+    s = Holding()
+    c = SchedulerCore(FifoStatic(), 2, s, clock=lambda: s.t)
+    c.submit(cfg("a", 10, n=1, hi=1))
+    c.tick()
+    controller = weakref.ref(s.jobs["a"].controller)  # type: ignore[attr-defined]
+    s.advance(20)
+    c.tick()
+    assert state(c)["a"] == ("finished", 0)
+    s.jobs.clear()  # (the scripted runner's own references)
+    gc.collect()
+    assert controller() is None, "the ended job's controller is kept"
+    assert s.optimizer() is None, "the ended job's final state is kept whole"
+    res = c.jobs["a"].result
+    assert res is not None and res.history[-1] == {"step": 9} and res.run_dir == "/runs/a"
+    assert res.params is not None and isinstance(res.params["w"], Model)
+    model = weakref.ref(res.params["w"])
+    actor = SimpleNamespace(core=c, name="t")
+    out = SchedulerActor.result(actor, "a")  # type: ignore[arg-type]
+    assert out is not None and out["steps"] == 10 and out["run_dir"] == "/runs/a"
+    assert out["state_dict"]["w"] is model()
+    del out, res
+    gc.collect()
+    assert model() is None, "the ended job's parameters are kept after they were read"
+    again = SchedulerActor.result(actor, "a")  # type: ignore[arg-type]
+    assert again is not None and again["state_dict"] is None and len(again["history"]) == 10
+    assert "handed out by an earlier result() call" in again["note"]  # said, not just None
+
+
+class LateGrow(Script):
+    """The first growth is not answered in time (the runner gives up), and the job grows
+    anyway when the test says (its request was still in the controller's inbox)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.late: tuple[Job, int] | None = None
+
+    def scale(self, h: Job, workers: int) -> int:
+        if workers > h.workers and self.late is None:
+            self.late = (h, workers)
+            raise TimeoutError(f"scale {workers} not answered within 300 s")
+        return super().scale(h, workers)
+
+    def answer_late(self) -> None:
+        assert self.late is not None
+        h, n = self.late
+        h.workers = n
+
+
+def test_a_resize_carried_out_after_its_asker_gave_up_is_counted_where_it_runs():
+    """A growth whose answer timed out is carried out later by the job: the next tick counts
+    the job at the size it runs at (its status), so its workers are not handed to another
+    job. Was: the size from before, for good: a job admitted on workers the grown one
+    held (5 of 4)."""
+    s = LateGrow()
+    c = SchedulerCore(ShortestRemaining(resize_s=0.0, starvation=StarvationGuard(None)), 4, s,
+                      clock=lambda: s.t)
+    c.submit(cfg("a", 400, n=1, hi=1))
+    c.submit(cfg("b", 100_000, n=1, hi=4))
+    c.tick()
+    assert state(c) == {"a": ("running", 1), "b": ("running", 3)}
+    s.advance(400)  # a ends; b's growth to 4 times out
+    c.tick()
+    c.wait_resizes(5)
+    assert state(c)["b"] == ("running", 3) and "not answered within 300 s" in c.jobs["b"].reason
+    s.answer_late()  # ... and b grows at its next boundary
+    c.submit(cfg("x", 5, n=1, hi=1))
+    c.tick()
+    c.wait_resizes(5)
+    held = sum(h.workers for n, h in s.jobs.items() if c.jobs[n].state == "running")
+    assert held <= 4, state(c)
+    assert state(c) == {"a": ("finished", 0), "b": ("running", 3), "x": ("running", 1)}
+
+
+def test_the_runners_timeout_says_so_and_its_stop_does_not_wait(monkeypatch):
+    """A scale the job does not answer in time is a TimeoutError saying so (was: an empty
+    queue.Empty: "resize to 4 refused: "); a stop is posted, not waited for (was: up to
+    300 s of the scheduler's tick, for a job still placing its workers)."""
+    import threading
+    import time
+
+    import elastic.sched_runner as runner_mod
+    from elastic.sched_runner import ControllerRunner, RunningJob
+
+    posted: list[Any] = []
+    h = object.__new__(RunningJob)
+    h.controller = type("Silent", (), {"post": lambda self, req: posted.append(req)})()
+    monkeypatch.setattr(runner_mod, "REPLY_S", 0.05)
+    runner = ControllerRunner()
+    with pytest.raises(TimeoutError, match="scale 4 not answered within 0.05 s"):
+        runner.scale(h, 4)
+    done = threading.Event()
+    threading.Thread(target=lambda: (runner.stop(h), done.set()), daemon=True).start()
+    t0 = time.monotonic()
+    assert done.wait(2.0), "the stop waited for its answer"
+    assert time.monotonic() - t0 < 2.0
+    assert [r.kind for r in posted] == ["scale", "stop"]
+
+
+def test_a_resumed_jobs_steps_are_its_last_step_not_its_history_length():
+    """A job that resumed from its step-50 checkpoint has a history of the steps it ran (50
+    to 99): it completed 100. Was: 50 (the history's length)."""
+
+    class Resumed(Script):
+        def result(self, h: Job) -> Any:
+            return type("R", (), {"history": [{"step": i} for i in range(50, int(h.step))]})()
+
+    s = Resumed()
+    c = SchedulerCore(FifoStatic(), 2, s, clock=lambda: s.t)
+    c.submit(cfg("a", 100, n=1, hi=1))
+    c.tick()
+    s.advance(200)
+    c.tick()
+    assert c.rows()[0]["state"] == "finished" and c.rows()[0]["step"] == 100
+
+
+def test_a_submitted_job_is_stored_before_a_tick_can_start_it(tmp_path):
+    """The scheduler's submit writes the job's row before the loop can see the job: a tick
+    that starts it at once leaves it stored running. Was: the row was written after the
+    core had the job, so a tick in between started it and the row then said queued (a
+    restart then ran it again with its first config, over its own checkpoints)."""
+    import threading
+    from types import SimpleNamespace
+
+    from elastic.sched_store import QueueStore
+    from elastic.scheduler import SchedulerActor
+
+    store = QueueStore(str(tmp_path / "q.sqlite"))
+    s = Script()
+    ticked: list[bool] = []
+
+    def persist(j):  # the loop's tick comes right after the core has the job
+        if not ticked:
+            ticked.append(True)
+            c.tick()
+        store.update(j.name, j.state, j.row())
+
+    c = SchedulerCore(FifoStatic(), 2, s, clock=lambda: s.t, on_change=persist)
+    actor = SimpleNamespace(core=c, hooks={}, store=store, _wake=threading.Event())
+    actor._stored = lambda blob, j: SchedulerActor._stored(actor, blob, j)  # type: ignore[arg-type]
+    unnamed = cfg("x", 10, n=1, hi=1).replace(name=None)
+    name = SchedulerActor.submit(actor, unnamed)  # type: ignore[arg-type]
+    assert state(c) == {name: ("running", 1)}
+    ((stored_name, _, stored, blob, _),) = store.load()
+    assert (stored_name, stored) == (name, "running")
+    import pickle  # (Ray's cloudpickle: plain pickle reads it)
+
+    assert pickle.loads(blob).name == name  # the name it runs under, chosen once
+
+
+def test_the_schedulers_shutdown_stops_every_job_at_once_and_waits_for_their_ends():
+    """The stops are posted to every running job together (a stop no longer waits for its
+    answer), then each job's end is waited for (bounded), its final checkpoint included."""
+    import threading
+    from types import SimpleNamespace
+
+    from elastic.sched_core import QueuedJob
+    from elastic.sched_runner import ControllerRunner, RunningJob
+    from elastic.scheduler import SchedulerActor
+
+    c = SchedulerCore(FifoStatic(), 4, ControllerRunner(), clock=lambda: 0.0)
+    ends: list[str] = []
+
+    def job(name: str) -> RunningJob:  # ends 0.2 s after its stop is posted
+        stopped = threading.Event()
+        h = object.__new__(RunningJob)
+        h.controller = SimpleNamespace(post=lambda req: stopped.set())
+        h.thread = threading.Thread(target=lambda: stopped.wait(5) and (
+            threading.Event().wait(0.2), ends.append(name)), daemon=True)
+        h.thread.start()
+        return h
+
+    for name in ("a", "b"):
+        c.jobs[name] = QueuedJob(name, cfg(name, 10), 0.0, state="running", handle=job(name))
+    loop = threading.Thread(target=lambda: None)
+    loop.start()
+    actor = SimpleNamespace(_stop=threading.Event(), _wake=threading.Event(), _thread=loop,
+                            core=c, pool=None)
+    SchedulerActor.shutdown(actor)  # type: ignore[arg-type]
+    assert sorted(ends) == ["a", "b"]

@@ -480,3 +480,84 @@ def test_a_custom_trackers_options_are_checked_against_its_class_before_ray():
     with pytest.raises(ConfigError, match=r"trackers.log_dri: is not an argument.*log_dir"):
         check_trackers_here((("custom", {"target": target, "log_dri": "tb"}),))
     check_trackers_here((("custom", {"target": target, "log_dir": "tb"}),))
+
+
+def test_a_step_completed_while_a_worker_was_lost_sends_no_speed(tmp_path):
+    """A step whose metrics were lost with a worker (metrics.jsonl: ``note``, loss null,
+    ``samples_per_s`` and ``step_time`` 0) goes to the trackers without a speed or a step
+    time; its loss is NaN and its world size as it was. Was: 0 samples/s and a 0 s step, a
+    drop to nothing on the charts that never happened."""
+    import math
+
+    from elastic import trackers
+
+    cfg = _cfg(tmp_path, ["tensorboard"])
+    cfg.run_dir = str(tmp_path / "run")
+    v = trackers.TrackerView(View(), cfg)
+    v.bind(lambda *a, **kw: None)
+    v.start("job-lost", 10)
+    v.step(_entry(0))
+    v.step(dict(_entry(1), loss=float("nan"), samples_per_s=0.0, step_time=0.0,
+                note="completed while a worker was lost; its loss was not reported"))
+    v.step(_entry(2))
+    v.close()
+    got = _tb_records(str(tmp_path / "run" / "tensorboard"))
+    assert [s for s, tag, _ in got if tag == "samples_per_s"] == [0, 2]
+    assert [s for s, tag, _ in got if tag == "step_time"] == [0, 2]
+    assert [s for s, tag, _ in got if tag == "world_size"] == [0, 1, 2]
+    assert math.isnan(next(x for s, tag, x in got if tag == "loss" and s == 1))
+
+
+class FakeMlflow:
+    """MlflowClient's calls the tracker makes, in memory; the first params batch fails."""
+
+    runs: list[str] = []
+    logged: list[tuple[str, str]] = []
+    ended: list[tuple[str, str]] = []
+
+    def __init__(self, tracking_uri: str | None = None) -> None:
+        self.tracking_uri = tracking_uri
+
+    def get_experiment_by_name(self, name):
+        return type("E", (), {"experiment_id": "0"})()
+
+    def create_run(self, eid, run_name=None, tags=None):
+        FakeMlflow.runs.append(f"run{len(FakeMlflow.runs)}")
+        return type("R", (), {"info": type("I", (), {"run_id": FakeMlflow.runs[-1]})()})()
+
+    def log_batch(self, run_id, params=(), metrics=()):
+        if params and not any(what == "params failed" for what, _ in FakeMlflow.logged):
+            FakeMlflow.logged.append(("params failed", run_id))
+            raise ConnectionError("tracking server unreachable")
+        FakeMlflow.logged.append(("params" if params else "metrics", run_id))
+
+    def log_text(self, run_id, text, path):
+        pass
+
+    def set_terminated(self, run_id, status):
+        FakeMlflow.ended.append((run_id, status))
+
+
+def test_an_mlflow_start_tried_again_goes_on_with_the_run_it_made(tmp_path, monkeypatch):
+    """Logging the settings fails once after the run was made: the start is tried again on
+    that run. Was: a new run each try, the earlier ones left RUNNING for ever."""
+    import mlflow.tracking
+
+    from elastic import trackers
+
+    monkeypatch.setattr(mlflow.tracking, "MlflowClient", FakeMlflow)
+    FakeMlflow.runs, FakeMlflow.logged, FakeMlflow.ended = [], [], []
+    monkeypatch.setattr(trackers, "RETRY_S", (0.0, 0.0))
+    cfg = _cfg(tmp_path, [{"mlflow": {"tracking_uri": "http://tracking:5000"}}])
+    v = trackers.TrackerView(View(), cfg)
+    said: list[tuple[str, str]] = []
+    v.bind(lambda kind, msg, **kw: said.append((kind, msg)))
+    v.start("job-m", 10)
+    v.step(_entry(0))
+    v.event(Event("finished", "1 step"))
+    v.close()
+    assert FakeMlflow.runs == ["run0"], FakeMlflow.runs
+    assert FakeMlflow.logged == [("params failed", "run0"), ("params", "run0"),
+                                 ("metrics", "run0")]
+    assert FakeMlflow.ended == [("run0", "FINISHED")]
+    assert [k for k, _ in said] == ["tracker_failed", "tracker"]
