@@ -130,6 +130,9 @@ def _freeze_start_up() -> None:
     gc.freeze()
 
 
+SEGMENT_END_S = 2.0  # a reset's wait for a segment still running to end (twice at most)
+
+
 class Worker:
     """Body of the worker actor (wrapped with ``ray.remote`` by the controller)."""
 
@@ -224,11 +227,11 @@ class Worker:
             raise ElasticError("only a pooled worker (built without a config) can be reset")
         ok, why = True, ""
         loop = self.__dict__.get("loop")
-        if loop is not None and loop.busy():  # the job ended without winding its segment
-            # down (a failure it gave up on): that thread still runs the job's step, and
-            # would err into the next job's reset or hold one of the actor's two threads
+        running = loop is not None and loop.busy()
+        if running:  # the job ended without winding its segment down (a failure it gave up
+            # on): asked to stop; a peer's failure ends it at once, else the group's end below
             loop.request_stop()
-            ok, why = False, "a training segment still ran when the job ended"
+            running = not loop.wait_idle(SEGMENT_END_S)
         try:
             if getattr(self, "config", None) is not None:
                 stuck = self.checkpoints.close()
@@ -239,6 +242,9 @@ class Worker:
                 self.leave(park=False)
         except Exception as e:  # noqa: BLE001 - said to the pool, which retires the worker
             ok, why = False, f"{type(e).__name__}: {e}"
+        if running and not loop.wait_idle(SEGMENT_END_S):  # still in the job's step: it
+            # would err into the next job's reset or hold one of the actor's two threads
+            ok, why = False, "a training segment still ran when the job ended"
         if self.heartbeat is not None:
             self.heartbeat.stop()
             self.heartbeat = None

@@ -157,6 +157,13 @@ class StepLoop:
         """Whether a segment is running (on the actor's other thread)."""
         return self._running.locked()
 
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for no segment to run; whether none runs."""
+        if not self._running.acquire(timeout=timeout_s):
+            return False
+        self._running.release()
+        return True
+
     def request_stop(self, segment: int | None = None) -> None:
         """Ask segment ``segment`` (None: the one running, or the last one) to stop after its
         current step; all ranks agree on the same step. A stop for a segment that has not

@@ -23,9 +23,9 @@ _SCRIPT = textwrap.dedent("""
     strategy = w.layout.strategy
     train_step, in_step = strategy.train_step, threading.Event()
 
-    def slow_step(x, y):
+    def slow_step(x, y):  # a step that outlasts the reset's waits (a hung collective's)
         in_step.set()
-        time.sleep(0.2)
+        time.sleep(8.0)
         return train_step(x, y)
 
     strategy.train_step = slow_step
@@ -40,10 +40,12 @@ _SCRIPT = textwrap.dedent("""
 
 
 def test_a_reset_while_a_segment_runs_retires_the_worker(tmp_path):
-    """The segment still running when the job ended: the reset says so (``ok`` false: the
-    pool retires the process) and asks the segment to stop. Was: ``ok`` true, the worker
-    kept warm while its other thread still ran the old job's step (its later error then
-    blamed on the next job, or one of the actor's two threads held)."""
+    """The segment still running when the job ended, and still after the reset asked it to
+    stop and ended its group: the reset says so (``ok`` false: the pool retires the
+    process). Was: ``ok`` true, the worker kept warm while its other thread still ran the
+    old job's step (its later error then blamed on the next job, or one of the actor's two
+    threads held). A segment that ends when asked (a peer's failure ended it) is no reason:
+    `tests/integration/test_pool.py::test_user_error_or_leaked_thread_retires_the_worker`."""
     p = subprocess.run([sys.executable, "-c", _SCRIPT, str(tmp_path)], capture_output=True,
                        text=True, timeout=120, cwd=str(__import__("pathlib").Path(
                            __file__).resolve().parents[2]))
