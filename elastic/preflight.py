@@ -8,6 +8,9 @@ after ``fit`` is called, instead of a worker traceback after the cluster is up.
 
 A model that cannot run on the driver's CPU at all (a kernel only an accelerator has) can
 skip it: ``check_sample: false``.
+
+``check_switch_at`` lays out each ``switch_at`` target as the start strategy is checked, on the
+starting workers, so that a switch that could not run is refused before the job starts.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import Any
 from .config import JobConfig
 from .errors import ConfigError
 
-__all__ = ["check_sample"]
+__all__ = ["check_sample", "check_switch_at"]
 
 _SKIP = "to skip this check (a model that runs only on an accelerator): check_sample: false"
 
@@ -68,6 +71,42 @@ def check_sample(cfg: JobConfig, model: Any, dataset: Any) -> None:
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise ConfigError("loss", f"returned {_describe(loss)}, not one number.",
                           "return a scalar tensor (e.g. the mean over the batch)")
+
+
+def check_switch_at(cfg: JobConfig, layouts: Any) -> None:
+    """Each ``switch_at`` target as ``layouts`` (the controller's ``Layouts``) would lay it
+    out, checked against the job's model as the start strategy is, on the starting workers
+    and, where it cannot run there, on every other size the job may have (``min_workers`` ..
+    ``max_workers``: the world may have changed by its step). Raises ``ConfigError`` naming
+    ``switch_at[<step>]`` for one that could run on none (was: refused at its step, hours
+    in: "switch_failed; training goes on"). ``auto`` is the planner's choice then, on the
+    workers there are: not checked here."""
+    from strategies import StrategyError
+
+    n = cfg.num_workers
+    others = [w for w in range(cfg.min_world, min(cfg.max_world, n + 64) + 1) if w != n]
+    for step, target in sorted(cfg.switch_at.items()):
+        if target == "auto":
+            continue
+        try:
+            layouts.check(layouts.make(target, n))
+            continue
+        except StrategyError as e:
+            why = str(e)
+        for w in others:
+            try:
+                layouts.check(layouts.make(target, w))
+                break
+            except StrategyError:
+                continue
+        else:
+            sizes = (f"the {n} starting workers" if not others else
+                     f"any size the job may have ({cfg.min_world}..{cfg.max_world} workers; "
+                     f"on the {n} starting ones")
+            raise ConfigError(f"switch_at[{step}]", f"{target} could not run on {sizes}: "
+                              f"{why}{')' if others else ''}",
+                              f"change what it names, switch to another strategy at step "
+                              f"{step}, or drop this switch")
 
 
 def _forward_error(cfg: JobConfig, parquet: bool, x: Any, e: Exception) -> ConfigError:

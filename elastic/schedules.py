@@ -8,7 +8,7 @@ fork continues the schedule exactly where it was, with no scheduler state to car
 
 Built in (``{name: ..., ...}`` in YAML; ``total_steps`` defaults to the job's ``max_steps``):
 
-- ``constant``: ``warmup_steps`` of linear warm-up, then 1;
+- ``constant``: ``warmup_steps`` of linear warm-up, then 1 (it takes no ``total_steps``);
 - ``linear``: warm-up, then linear decay to ``min_ratio`` at ``total_steps``;
 - ``cosine``: warm-up, then half a cosine down to ``min_ratio`` at ``total_steps``.
 
@@ -72,15 +72,21 @@ def make_schedule(spec: dict[str, Any], max_steps: int) -> Callable[[int], float
         raise ValueError(f"unknown schedule {spec.get('name')!r}; use one of "
                          f"{', '.join(BUILT_IN)} or an import string of step -> multiplier")
     kwargs = {k: v for k, v in spec.items() if k != "name"}
-    allowed = _KEYS - {"min_ratio"} if name == "constant" else _KEYS
+    # constant has no end to reach (was: total_steps taken, and ignored)
+    allowed = {"warmup_steps"} if name == "constant" else _KEYS
     unknown = sorted(set(kwargs) - allowed)
     if unknown:
         raise ValueError(f"{name} takes {', '.join(sorted(allowed))}, not {unknown[0]}")
-    kwargs.setdefault("total_steps", max_steps)
+    if name != "constant":
+        kwargs.setdefault("total_steps", max_steps)
+        total = kwargs["total_steps"]
+        if not isinstance(total, int) or isinstance(total, bool) or total < 1:
+            raise ValueError(f"total_steps must be a positive integer, got {total!r}")
     warm = kwargs.get("warmup_steps", 0)
     if not isinstance(warm, int) or isinstance(warm, bool) or warm < 0:
         raise ValueError(f"warmup_steps must be a non-negative integer, got {warm!r}")
     ratio = kwargs.get("min_ratio", 0.0)
-    if not isinstance(ratio, (int, float)) or not 0.0 <= float(ratio) <= 1.0:
+    if not isinstance(ratio, (int, float)) or isinstance(ratio, bool) \
+            or not 0.0 <= float(ratio) <= 1.0:
         raise ValueError(f"min_ratio must be a number in [0, 1], got {ratio!r}")
     return functools.partial(BUILT_IN[name], **kwargs)

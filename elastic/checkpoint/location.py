@@ -310,8 +310,8 @@ class StorageLocation:
         ``proxy_options`` and the other ``pyarrow.fs.S3FileSystem`` keywords.
 
         Raises ``ConfigError`` (redacted) for an empty URI, an unknown option, a query value
-        of the wrong type, options given for a filesystem that takes none, or a URI pyarrow
-        cannot resolve.
+        of the wrong type, options given for a filesystem that takes none, a ``file://`` URI
+        with a host (``file://ckpt``), or a URI pyarrow cannot resolve.
         """
         if not uri or not isinstance(uri, str):
             raise ConfigError(
@@ -358,6 +358,15 @@ class StorageLocation:
                 f"options {sorted(opts)} given for {shown}.",
                 "options apply to s3:// and gs:// URIs only; remove them",
             )
+        if scheme == "file" and parts.netloc not in ("", "localhost"):
+            # file://ckpt names host "ckpt" (was: dropped, so the root was / or the cwd)
+            host = redact(parts.netloc, secrets)
+            raise ConfigError(
+                "checkpoint_uri",
+                f"{shown} names the host {host!r}: a file:// URI takes an absolute path after "
+                "its two slashes.",
+                f"write file:///abs/path (three slashes), or a plain path ({host}{parts.path}, "
+                "read from the directory the job starts in)")
         if scheme in ("", "file"):
             path = parts.path if scheme == "file" else uri
             root = os.path.abspath(os.path.expanduser(path)).rstrip("/")

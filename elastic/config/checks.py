@@ -1,14 +1,18 @@
 """Checks of single values, shared by the config sections. Each returns the value (normalised
 where said) or raises one ``ConfigError`` naming the setting and the fix.
 
-A value read from YAML may be text where a number was meant: PyYAML reads ``1e-3`` (no decimal
-point) as the string ``"1e-3"``. The number checks say so instead of a bare "not a number".
+A value read from YAML may be text where a number was meant: PyYAML reads an exponent as a number
+only with a decimal point and a signed exponent (``1.0e-3``, ``1.0e+3``), so ``1e-3`` and ``1e3``
+are strings. The number checks say so, and the value meant, instead of a bare "not a number".
+And unquoted ``on``/``off``/``yes``/``no`` are booleans in YAML: ``one_of`` takes them for the
+choices "on"/"off" where those are choices.
 """
 
 from __future__ import annotations
 
 import difflib
 import math
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -42,23 +46,52 @@ def unknown(field: str, name: str, known: Iterable[str], what: str) -> ConfigErr
     return ConfigError(field, f"is not {what}.", fix)
 
 
+_EXPONENT = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)[eE]([+-]?)\d+")
+
+
+def _text_number(value: Any, whole: bool = False) -> tuple[str, str | None]:
+    """For text that reads as a number: why it is text, and the value meant written so that
+    YAML reads it as one (None when there is none: not a whole number for an integer
+    setting). ``("", None)`` for anything else."""
+    if not isinstance(value, str):
+        return "", None
+    text = value.strip()
+    try:
+        f = float(text)
+    except ValueError:
+        return "", None
+    if not math.isfinite(f):
+        return "", None
+    if not _EXPONENT.fullmatch(text):
+        hint = " (text: a number in quotes is a string)"
+    else:
+        hint = (" (text: PyYAML reads an exponent as a number only with a decimal point and a "
+                "signed exponent, as in 1.0e+3" + (", and an integer setting takes no exponent)"
+                                                  if whole else ")"))
+    if whole:
+        return hint, str(int(f)) if f.is_integer() else None
+    mantissa, _, exponent = text.lower().partition("e")
+    if "." not in mantissa:
+        mantissa += ".0"
+    if exponent and exponent[0] not in "+-":
+        exponent = "+" + exponent
+    return hint, mantissa + ("e" + exponent if exponent else "")
+
+
 def _yaml_text(value: Any) -> str:
-    """A hint for text that reads as a number."""
-    if isinstance(value, str):
-        try:
-            float(value)
-        except ValueError:
-            return ""
-        return (" (text: YAML reads a number such as 1e-3 without a decimal point as a string;"
-                " write 1.0e-3)")
-    return ""
+    """The hint of ``_text_number`` with the value meant (for a number setting)."""
+    hint, meant = _text_number(value)
+    return hint[:-1] + f"; write {meant})" if meant else hint
 
 
 def integer(value: Any, key: str, low: int = 1, fix: str | None = None) -> int:
     """An int (not a bool) >= ``low``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         what = "a positive integer" if low == 1 else f"an integer >= {low}"
-        raise ConfigError(key, f"must be {what}, got {value!r}{_yaml_text(value)}.",
+        hint, meant = _text_number(value, whole=True)
+        if meant is not None and int(meant) >= low:  # the fix is the value meant
+            fix = f"write {key}: {meant}"
+        raise ConfigError(key, f"must be {what}, got {value!r}{hint}.",
                           fix or f"set {key}: {max(low, 1)} or more")
     return value
 
@@ -76,18 +109,27 @@ def number(value: Any, key: str, low: float = 0.0, *, above: bool = False,
           and math.isfinite(value) and (value > low if above else value >= low))
     if not ok:
         bound = f"> {low:g}" if above else f">= {low:g}"
-        raise ConfigError(key, f"must be a finite number {bound}, got {value!r}"
-                          f"{_yaml_text(value)}.", fix or f"e.g. {key}: {max(low, 1.0):g}")
+        hint, meant = _text_number(value)
+        if meant is not None and (float(meant) > low if above else float(meant) >= low):
+            fix = f"write {key}: {meant}"  # the value meant
+        raise ConfigError(key, f"must be a finite number {bound}, got {value!r}{hint}.",
+                          fix or f"e.g. {key}: {max(low, 1.0):g}")
     return value  # type: ignore[no-any-return]
 
 
 def one_of(value: Any, key: str, choices: Iterable[str], fix: str | None = None) -> str:
-    """One of ``choices`` (strings)."""
+    """One of ``choices`` (strings). YAML's booleans (unquoted ``off``/``no``/``false``,
+    ``on``/``yes``/``true``) are "off" and "on" where those are choices; the caller stores
+    the value returned."""
     choices = tuple(choices)
+    if isinstance(value, bool) and ("on" if value else "off") in choices:
+        return "on" if value else "off"
     if not isinstance(value, str) or value not in choices:
         near = did_you_mean(str(value), choices) if isinstance(value, str) else None
         hint = f"did you mean {near}? " if near else ""
-        raise ConfigError(key, f"unknown value {value!r}.",
+        said = (" (YAML reads unquoted on, yes and true as true, off, no and false as false)"
+                if isinstance(value, bool) else "")
+        raise ConfigError(key, f"unknown value {value!r}{said}.",
                           fix or f"{hint}use one of: {', '.join(choices)}")
     return value
 

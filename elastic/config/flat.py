@@ -13,6 +13,7 @@ field of one section.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any, Generic, TypeVar, overload
 
@@ -156,5 +157,57 @@ def flatten(settings: Mapping[Any, Any]) -> dict[str, Any]:
 
 
 def merge(base: Mapping[Any, Any], overrides: Mapping[Any, Any]) -> dict[str, Any]:
-    """``base`` with ``overrides`` (either form each) winning, as flat settings."""
-    return {**flatten(base), **flatten(overrides)}
+    """``base`` with ``overrides`` (either form each) winning, as flat settings. An override
+    may name a key inside a setting by a dotted name (``--set optimizer.lr=0.01``: only
+    ``lr`` of ``optimizer`` changes) or a section's field (``checkpoints.every``)."""
+    plain = {k: v for k, v in overrides.items() if not _dotted(k)}
+    out = {**flatten(base), **flatten(plain)}
+    for key, value in overrides.items():
+        if _dotted(key):
+            _set_inside(out, key, value)
+    return out
+
+
+def _dotted(key: Any) -> bool:
+    return isinstance(key, str) and "." in key  # (no setting's name has a dot)
+
+
+def _default(name: str) -> Any:
+    """The default value of flat setting ``name`` (None when it has none)."""
+    section, field = FLAT[name]
+    f = next(f for f in dataclasses.fields(SECTIONS[section])  # type: ignore[arg-type]
+             if f.name == field)
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None if f.default is dataclasses.MISSING else f.default
+
+
+def _set_inside(out: dict[str, Any], key: str, value: Any) -> None:
+    """``out`` (flat settings) with ``key`` = ``setting.k1.k2...`` set to ``value`` inside
+    the mapping the setting holds, or ``section.field`` set."""
+    head, _, rest = key.partition(".")
+    if head in SECTIONS:
+        field, dot, sub = rest.partition(".")
+        if not dot or field not in SECTIONS[head].field_names():
+            out.update(flatten({head: {field: value}}))  # checked as the nested form is
+            return
+        head, rest = SECTIONS[head].flat_name(field), sub  # checkpoints.options.region
+    if head not in FLAT:
+        raise unknown(key, head, [*FLAT, *SECTIONS], "a job setting")
+    path = rest.split(".")
+    whole = out[head] if head in out else _default(head)  # ({CPU: 1} for resources_per_worker)
+    if not isinstance(whole, Mapping):  # (values not echoed: one may hold a credential)
+        what = "not given" if whole is None else f"a {type(whole).__name__}, not a mapping"
+        raise ConfigError(key, f"sets a key inside {head}, which is {what}.",
+                          f"give {head} whole, e.g. --set {head}={{...}}")
+    top = inner = dict(whole)  # copies: the base's mappings are not changed
+    for i, k in enumerate(path[:-1]):
+        below = inner.get(k, {})
+        if not isinstance(below, Mapping):
+            at = ".".join([head, *path[:i + 1]])
+            raise ConfigError(key, f"{at} is a {type(below).__name__}, not a mapping.",
+                              f"give it whole, e.g. --set {at}={{...}}")
+        inner[k] = dict(below)
+        inner = inner[k]
+    inner[path[-1]] = value
+    out[head] = top

@@ -24,11 +24,18 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from elastic.checkpoint.location import StorageLocation, is_secret_option, redact, scrub
+from elastic.checkpoint.location import (
+    OWN_RESUMES,
+    StorageLocation,
+    is_secret_option,
+    redact,
+    scrub,
+)
 from elastic.errors import ConfigError
 
 from .checkpoints import Checkpoints
 from .code import describe
+from .datasets import check_dataset
 from .flat import FLAT, SECTIONS, Setting, merge, split
 from .sections import (
     Data,
@@ -217,10 +224,9 @@ class JobConfig(JobCode):
     def replace(self, **settings: Any) -> JobConfig:
         """A new config: these settings (either form) over this one's. Fully checked. A
         running job's Ray dataset blocks go with it (a pooled placement's copy sends them)."""
-        given = merge({}, settings)
         out = JobConfig(**merge(self.settings(), settings))
         out.ray_blocks = dict(self.ray_blocks)
-        if "dataset" not in given:  # the length read of this dataset (another: read anew)
+        if out.dataset is self.dataset:  # the length read of this dataset (another: read anew)
             out.dataset_length = self.dataset_length
         return out
 
@@ -255,8 +261,32 @@ class JobConfig(JobCode):
             if not 0 < k < d.max_steps:
                 raise ConfigError(f"switch_at[{k}]", f"step {k} is outside 1..{d.max_steps - 1}.",
                                   "switch at a step inside the run")
+        if self.evaluation.dataset is not None:  # a Parquet directory is one for both (was:
+            # refused: checked as if dataset_format were not given)
+            check_dataset(self.evaluation.dataset, "eval_dataset",
+                          "parquet" if d.format == "parquet" else None)
+        self._check_own_resume()
         self._check_schedule()
         self._checked = True
+
+    def _check_own_resume(self) -> None:
+        """``resume: auto|latest`` goes on from the job's own checkpoints, which carry its
+        name (``checkpoint.ownership``): an unnamed job is named anew each run."""
+        ck, out = self.checkpoints, self.output
+        if ck.resume not in OWN_RESUMES or out.name:
+            return
+        if ck.uri is None and not out.run_dir:  # was: auto always fresh, latest never found
+            why = ("its default checkpoint directory (<run dir>/checkpoints) is new each time, "
+                   "so it would " + ("always start fresh" if ck.resume == "auto"
+                                     else "never find one"))
+        else:  # was: refused at the next run, by the owner check, naming a generated name
+            why = ("the checkpoints an earlier run wrote there carry another name, and "
+                   "resuming them is refused")
+        raise ConfigError("resume", f"{ck.resume} goes on from this job's own checkpoints, but "
+                          "the job has no name: each run is named anew (time-stamped, or after "
+                          f"its Ray submission id): {why}.",
+                          "give the job a name that stays the same from run to run, e.g. "
+                          "name: my-job")
 
     def _check_schedule(self) -> None:
         fn = self.lr_schedule_fn()

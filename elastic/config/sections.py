@@ -154,6 +154,7 @@ class Training(Section):
         if isinstance(spec, str) and spec.lower() in BUILT_IN:
             spec = {"name": spec}
         if isinstance(spec, dict) and "name" in spec and "target" not in spec:
+            _schedule_values(spec, max_steps)
             try:
                 return make_schedule(spec, max_steps)
             except ValueError as e:
@@ -173,6 +174,38 @@ class Training(Section):
         if self.activation_checkpointing:
             out["activation_checkpointing"] = True
         return out
+
+
+def _schedule_values(spec: dict[str, Any], max_steps: int) -> None:
+    """A built-in schedule's values, each named (``lr_schedule.total_steps``); which keys a
+    schedule takes is ``make_schedule``'s to say. Was: a total_steps of -5 or "1000"
+    taken (lr 0 from step 1, or a TypeError at step 0)."""
+    if "warmup_steps" in spec:
+        integer(spec["warmup_steps"], "lr_schedule.warmup_steps", 0,
+                "e.g. warmup_steps: 100, or leave it out (no warm-up)")
+    if "min_ratio" in spec:
+        ratio = number(spec["min_ratio"], "lr_schedule.min_ratio",
+                       fix="give the final lr as a fraction of it, e.g. min_ratio: 0.1")
+        if ratio > 1:
+            raise ConfigError("lr_schedule.min_ratio", f"must be at most 1, got {ratio!r}.",
+                              "give the final lr as a fraction of it, e.g. min_ratio: 0.1")
+    name = str(spec.get("name", "")).lower()
+    if "total_steps" in spec and name == "constant":
+        raise ConfigError("lr_schedule.total_steps", "constant has no decay for it to end: it "
+                          "would be ignored.", "drop total_steps, or use linear or cosine to "
+                          "decay over it")
+    if "total_steps" not in spec or name not in ("linear", "cosine"):
+        return
+    total = integer(spec["total_steps"], "lr_schedule.total_steps", 1,
+                    "leave it out (max_steps), or e.g. total_steps: 1000")
+    if total < max_steps and not spec.get("min_ratio"):
+        raise ConfigError("lr_schedule.total_steps",
+                          f"{total} is less than max_steps={max_steps}: {name} decays to 0 at "
+                          f"step {total}, so the last {max_steps - total} steps would train "
+                          "with lr 0.",
+                          "set total_steps to max_steps or leave it out (it defaults to "
+                          "max_steps), or give min_ratio > 0 to hold that fraction of the lr "
+                          "after it")
 
 
 def _check_schedule_form(spec: Any) -> None:
@@ -243,8 +276,7 @@ class Evaluation(Section):
     batch_size: int | None = None
 
     def __post_init__(self) -> None:
-        if self.dataset is not None:
-            check_dataset(self.dataset, "eval_dataset", None)
+        # (its form is checked with the data's format: JobConfig.validate)
         integer(self.every, "eval_every", 0, "0 evaluates after the last step only")
         if self.every > 0 and self.dataset is None:
             raise ConfigError("eval_every", "is set but eval_dataset is not.",
@@ -310,6 +342,18 @@ class Scaling(Section):
                               f"non-negative numbers, got {res!r}.",
                               'e.g. {"CPU": 1} or {"GPU": 1}')
         self._put("resources_per_worker", dict(res))
+        for k, v in res.items():  # Ray's names are case-sensitive: {gpu: 1} is a custom
+            # resource no node has (was: the job waited out placement_timeout_s)
+            if k.upper() in ("CPU", "GPU") and k != k.upper():
+                raise ConfigError("resources_per_worker", f"names {k!r}: Ray's resource names "
+                                  f"are case-sensitive, so it would be a custom resource no "
+                                  f"node has.", f"did you mean {k.upper()}? write "
+                                  f"{{{k.upper()}: {v:g}}}")
+        if res.get("CPU", 1) == 0:
+            raise ConfigError("resources_per_worker", "asks for 0 CPU per worker: Ray would "
+                              "reserve no core for its training process (and refuses a "
+                              "bundle of zeros).",
+                              "ask for CPU: 1 (or more), or leave CPU out (1)")
         optional_flag(self.use_gpu, "use_gpu", "GPUs when the cluster has them")
         gpu = res.get("GPU", 0)  # one worker per device (was: rounded up, or dropped, silently)
         if gpu and self.use_gpu is False:
@@ -322,6 +366,13 @@ class Scaling(Section):
         text(self.ray_address, "ray_address",
                     fix="e.g. ray_address: 10.0.0.1:6379, or leave it out ($RAY_ADDRESS, "
                         "else the cluster `ray start` runs here, else a local one)")
+        if self.ray_address not in (None, "local", "auto"):  # its form; reached in preflight
+            from elastic.ray_connect import host_port
+
+            try:
+                host_port(self.ray_address)
+            except ValueError as e:
+                raise ConfigError("ray_address", f"{e.args[0]}.", e.args[1]) from None
         number(self.placement_timeout_s, "placement_timeout_s", above=True)
         number(self.scale_check_s, "scale_check_s", above=True)
         flag(self.grow_when_room, "grow_when_room")
@@ -376,9 +427,10 @@ class Parallelism(Section):
         one_of(self.dp_mode, "dp_mode", DP_MODES)  # (was: any text, refused later by the
         # pipeline as a strategy that cannot run, or at a switch_at to one, mid-run)
         self._put("switch_at", _switch_at(self.switch_at, known))
-        one_of(self.switch_check, "switch_check", SWITCH_CHECKS)
+        # (YAML reads unquoted off/on as booleans: stored as the words)
+        self._put("switch_check", one_of(self.switch_check, "switch_check", SWITCH_CHECKS))
         one_of(self.switch_move, "switch_move", SWITCH_MOVES)
-        one_of(self.balance, "balance", ("auto", "on", "off"))
+        self._put("balance", one_of(self.balance, "balance", ("auto", "on", "off")))
         if self.emulate is not None:
             if not isinstance(self.emulate, list):
                 raise ConfigError("emulate", f"must be a list (one entry per worker), got "

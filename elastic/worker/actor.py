@@ -226,7 +226,7 @@ class Worker:
         if self.baseline is None:
             raise ElasticError("only a pooled worker (built without a config) can be reset")
         ok, why = True, ""
-        loop = self.__dict__.get("loop")
+        loop: Any = self.__dict__.get("loop")
         running = loop is not None and loop.busy()
         if running:  # the job ended without winding its segment down (a failure it gave up
             # on): asked to stop; a peer's failure ends it at once, else the group's end below

@@ -13,6 +13,7 @@ import time
 import pytest
 
 import elastic
+from elastic.errors import ConfigError
 from elastic.reference import reference_train
 from tests.helpers import RegressionData, adam, max_diff, mlp, mse
 
@@ -76,17 +77,17 @@ def test_sdk_and_cli_switch_on_a_running_job_and_memory_is_real(ray_local, tmp_p
     assert max_diff(result.state_dict(), ref) < TOL
 
 
-def test_a_scheduled_switch_that_cannot_run_leaves_the_job_on_its_layout(ray_local, tmp_path):
-    """switch_at names a layout this world cannot run (5 micro-batches do not divide a
-    replica's 12 samples): the switch is refused before anything changes, the job says so and
-    trains on in dp to the same parameters as the reference."""
-    steps = 8
-    result = elastic.fit(**_cfg(tmp_path, max_steps=steps, micro_batches=5,
-                                switch_at={4: "pipeline"}))
-    kinds = [e.kind for e in result.events]
-    assert "switch_refused" in kinds and "switch_failed" in kinds and "switch" not in kinds
-    failed = next(e for e in result.events if e.kind == "switch_failed")
-    assert "micro-batches" in failed.message and "goes on as dp" in failed.message
-    assert [h["strategy"] for h in result.history] == ["dp"] * steps
-    ref, _ = reference_train(mlp, adam, mse, RegressionData(), G, steps, seed=0)
-    assert max_diff(result.state_dict(), ref) < TOL
+def test_a_scheduled_switch_that_cannot_run_is_refused_before_the_job_starts(tmp_path):
+    """switch_at names a layout no world of this job can run (5 micro-batches do not divide a
+    replica's samples): refused with the step named, before any worker or Ray starts. Was
+    (until session 43): accepted, and refused at its step ("switch_failed ... goes on as
+    dp"), which for a long job was hours in. A switch that fails at its step for what the
+    start cannot know (the world changed) still leaves the job on its layout:
+    tests/unit/test_controller.py (``switch_failed``)."""
+    t0 = time.monotonic()
+    with pytest.raises(ConfigError) as e:
+        elastic.fit(**_cfg(tmp_path, max_steps=8, micro_batches=5, switch_at={4: "pipeline"}))
+    assert e.value.field == "switch_at[4]" and "micro-batches" in str(e.value), str(e.value)
+    assert "drop this switch" in e.value.fix and time.monotonic() - t0 < 30
+
+
