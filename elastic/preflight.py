@@ -21,7 +21,7 @@ from typing import Any
 from .config import JobConfig
 from .errors import ConfigError
 
-__all__ = ["check_sample", "check_switch_at"]
+__all__ = ["check_sample", "check_layouts", "check_switch_at"]
 
 _SKIP = "to skip this check (a model that runs only on an accelerator): check_sample: false"
 
@@ -71,6 +71,14 @@ def check_sample(cfg: JobConfig, model: Any, dataset: Any) -> None:
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise ConfigError("loss", f"returned {_describe(loss)}, not one number.",
                           "return a scalar tensor (e.g. the mean over the batch)")
+
+
+def check_layouts(cfg: JobConfig, layouts: Any) -> None:
+    """The start strategy on the ``num_workers`` starting workers (``ConfigError`` naming
+    ``strategy``; ``auto`` is the planner's), then ``check_switch_at``."""
+    if cfg.strategy != "auto":
+        layouts.validate(layouts.make(cfg.strategy, cfg.num_workers), "strategy")
+    check_switch_at(cfg, layouts)  # (was: refused at its step, mid-run)
 
 
 def check_switch_at(cfg: JobConfig, layouts: Any) -> None:

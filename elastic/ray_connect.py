@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 from .errors import ClusterError
+from .ray_address import check_reachable, host_port
 
 __all__ = ["connect", "disconnect", "check_reachable", "host_port", "address_of", "attach",
            "LocalNodes", "named_actors", "named_actor", "start_named", "call", "kill", "dumps",
@@ -72,63 +72,6 @@ def attached_here(addr: str) -> str:
     """What a driver that attached to the cluster running on its machine says."""
     return (f"attached to the Ray cluster running on this machine at {addr} (started by "
             "`ray start`); ray_address: local runs the job on a private one instead")
-
-
-def host_port(addr: str) -> tuple[str, int]:
-    """The host and port of a Ray address: ``host:port``, ``[ipv6]:port`` or
-    ``ray://host:port``. Raises ``ValueError(problem, fix)`` saying what is wrong (was: "Name
-    or service not known" for an http:// address, "invalid literal for int()" for a missing
-    port or a bracketed IPv6 address)."""
-    if addr.lower().startswith(("http://", "https://")):
-        raise ValueError(
-            f"{addr} is an http(s) address: the Ray dashboard's or its Jobs API's, which a "
-            "driver cannot attach to",
-            "use the cluster's GCS address host:port (port 6379 unless its head was started "
-            f"with another --port), or submit the job with `ray job submit --address {addr} "
-            "--working-dir . -- elastic run job.yaml` (docs/ray-jobs.md)")
-    client = addr.lower().startswith("ray://")
-    rest = addr[len("ray://"):] if client else addr
-    usual = "10001 (the Ray Client server's)" if client else "6379 (the GCS's)"
-    if "://" in rest:
-        raise ValueError(f"{addr} is not a Ray address",
-                         "give host:port (the GCS's, usually port 6379) or ray://host:10001")
-    if rest.startswith("["):  # [ipv6]:port
-        host, closed, tail = rest[1:].partition("]")
-        port = tail[1:] if tail.startswith(":") else tail
-        if not closed:
-            raise ValueError(f"{addr} opens [ but does not close it", "write [ipv6]:port")
-    else:
-        host, colon, port = rest.rpartition(":")
-        if not colon:
-            host, port = rest, ""
-        elif ":" in host:
-            raise ValueError(f"{addr} is an IPv6 address without brackets",
-                             "write [ipv6]:port, e.g. [::1]:6379")
-    if not port:
-        raise ValueError(f"{addr} has no port",
-                         f"add it, usually {usual}: {addr.rstrip(':')}:{usual.split()[0]}")
-    if not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"{addr}: {port!r} is not a port number",
-                         f"give host:port, usually port {usual}")
-    return host or "127.0.0.1", int(port)
-
-
-def check_reachable(addr: str) -> None:
-    """Fail fast, with the fix, when ``addr`` is no Ray address (``host_port``) or nothing
-    listens there (``ray.init`` would wait)."""
-    try:
-        host, port = host_port(addr)
-    except ValueError as e:
-        problem, fix = e.args
-        raise ClusterError(f"ray_address / RAY_ADDRESS: {problem}. Fix: {fix}.") from None
-    try:
-        with socket.create_connection((host, port), timeout=3):
-            pass
-    except OSError as e:
-        raise ClusterError(
-            f"cannot reach the Ray cluster at {addr} ({e}). Fix: start one with "
-            "`ray start --head`, correct ray_address / RAY_ADDRESS, or unset it to run locally."
-        ) from None
 
 
 def _auth_metadata() -> tuple[tuple[str, str], ...]:

@@ -39,6 +39,7 @@ from .code import (
     resolve_callable,
 )
 from .datasets import DTYPES, check_dataset, dataset_object, is_parquet
+from .schedule_check import schedule_values
 from .trackers import check_trackers
 
 __all__ = [
@@ -154,7 +155,7 @@ class Training(Section):
         if isinstance(spec, str) and spec.lower() in BUILT_IN:
             spec = {"name": spec}
         if isinstance(spec, dict) and "name" in spec and "target" not in spec:
-            _schedule_values(spec, max_steps)
+            schedule_values(spec, max_steps)
             try:
                 return make_schedule(spec, max_steps)
             except ValueError as e:
@@ -174,38 +175,6 @@ class Training(Section):
         if self.activation_checkpointing:
             out["activation_checkpointing"] = True
         return out
-
-
-def _schedule_values(spec: dict[str, Any], max_steps: int) -> None:
-    """A built-in schedule's values, each named (``lr_schedule.total_steps``); which keys a
-    schedule takes is ``make_schedule``'s to say. Was: a total_steps of -5 or "1000"
-    taken (lr 0 from step 1, or a TypeError at step 0)."""
-    if "warmup_steps" in spec:
-        integer(spec["warmup_steps"], "lr_schedule.warmup_steps", 0,
-                "e.g. warmup_steps: 100, or leave it out (no warm-up)")
-    if "min_ratio" in spec:
-        ratio = number(spec["min_ratio"], "lr_schedule.min_ratio",
-                       fix="give the final lr as a fraction of it, e.g. min_ratio: 0.1")
-        if ratio > 1:
-            raise ConfigError("lr_schedule.min_ratio", f"must be at most 1, got {ratio!r}.",
-                              "give the final lr as a fraction of it, e.g. min_ratio: 0.1")
-    name = str(spec.get("name", "")).lower()
-    if "total_steps" in spec and name == "constant":
-        raise ConfigError("lr_schedule.total_steps", "constant has no decay for it to end: it "
-                          "would be ignored.", "drop total_steps, or use linear or cosine to "
-                          "decay over it")
-    if "total_steps" not in spec or name not in ("linear", "cosine"):
-        return
-    total = integer(spec["total_steps"], "lr_schedule.total_steps", 1,
-                    "leave it out (max_steps), or e.g. total_steps: 1000")
-    if total < max_steps and not spec.get("min_ratio"):
-        raise ConfigError("lr_schedule.total_steps",
-                          f"{total} is less than max_steps={max_steps}: {name} decays to 0 at "
-                          f"step {total}, so the last {max_steps - total} steps would train "
-                          "with lr 0.",
-                          "set total_steps to max_steps or leave it out (it defaults to "
-                          "max_steps), or give min_ratio > 0 to hold that fraction of the lr "
-                          "after it")
 
 
 def _check_schedule_form(spec: Any) -> None:
@@ -367,7 +336,7 @@ class Scaling(Section):
                     fix="e.g. ray_address: 10.0.0.1:6379, or leave it out ($RAY_ADDRESS, "
                         "else the cluster `ray start` runs here, else a local one)")
         if self.ray_address not in (None, "local", "auto"):  # its form; reached in preflight
-            from elastic.ray_connect import host_port
+            from elastic.ray_address import host_port
 
             try:
                 host_port(self.ray_address)

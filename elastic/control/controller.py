@@ -30,7 +30,7 @@ from ..errors import (
 )
 from ..events import Event, RunLog
 from ..failures import classify, root_cause
-from ..preflight import check_switch_at
+from ..preflight import check_layouts
 from ..trackers import with_trackers
 from ..view import View
 from .cadence import poll_interval, scale_interval
@@ -200,9 +200,7 @@ class Controller:
         self.layouts = Layouts(cfg, pre.model, self._emit)
         self.replanner.layouts = self.layouts
         self.tracker.store = pre.store
-        if cfg.strategy != "auto":
-            self.layouts.validate(self.layouts.make(cfg.strategy, cfg.num_workers), "strategy")
-        check_switch_at(cfg, self.layouts)  # (was: refused at its step, mid-run)
+        check_layouts(cfg, self.layouts)  # the start strategy and every switch_at target
         if cfg.resume and (cfg.resume != "auto" or self.tracker.auto_resume()):
             self._resume = self.tracker.find_resume(cfg.resume)
         else:

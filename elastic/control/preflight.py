@@ -69,7 +69,7 @@ def preflight(cfg: JobConfig, emit: Callable[..., Any]) -> Preflight:
     check_trackers_here(cfg.trackers)
     addr = cfg.ray_address or os.environ.get("RAY_ADDRESS")
     if addr and addr not in ("local", "auto"):
-        from ..ray_connect import check_reachable
+        from ..ray_address import check_reachable
 
         check_reachable(addr)
     cfg.run_dir = run_directory(cfg)  # the workers' default checkpoint root follows it

@@ -226,25 +226,21 @@ class Worker:
         if self.baseline is None:
             raise ElasticError("only a pooled worker (built without a config) can be reset")
         ok, why = True, ""
-        loop: Any = self.__dict__.get("loop")
-        running = loop is not None and loop.busy()
-        if running:  # the job ended without winding its segment down (a failure it gave up
-            # on): asked to stop; a peer's failure ends it at once, else the group's end below
-            loop.request_stop()
-            running = not loop.wait_idle(SEGMENT_END_S)
+        loop: Any = self.__dict__.get("loop")  # a segment the job left running (a failure it
+        # gave up on) is asked to stop: a peer's failure ends it at once, else its group's end
+        running = loop is not None and not loop.wind_down(SEGMENT_END_S)
         try:
             if getattr(self, "config", None) is not None:
                 stuck = self.checkpoints.close()
-                if stuck and ok:
+                if stuck:
                     ok, why = False, stuck
                 # not parked: a copy of the rank's state to host memory, only to drop it,
                 # could exhaust it (a large FSDP job) or pass the pool's 30 s reset limit
                 self.leave(park=False)
         except Exception as e:  # noqa: BLE001 - said to the pool, which retires the worker
             ok, why = False, f"{type(e).__name__}: {e}"
-        if running and not loop.wait_idle(SEGMENT_END_S):  # still in the job's step: it
-            # would err into the next job's reset or hold one of the actor's two threads
-            ok, why = False, "a training segment still ran when the job ended"
+        if running and not loop.wait_idle(SEGMENT_END_S):  # still in its step (it would err
+            ok, why = False, "a training segment still ran when the job ended"  # later)
         if self.heartbeat is not None:
             self.heartbeat.stop()
             self.heartbeat = None
@@ -301,18 +297,14 @@ class Worker:
         return time.perf_counter() - t0
 
     def leave(self, collect: bool = True, park: bool = True) -> dict[str, float]:
-        """Tear down the current group, if any. The state this rank holds stays in memory,
-        parked as canonical CPU tensors, and the strategy is dropped with every reference it
-        had to the group (sub-groups, the DDP reducer, FSDP meshes): a gloo group closes its
-        sockets only when its last reference goes, and only then do peers blocked on this
-        rank fail at once instead of at the group timeout. Every path after a leave lays the
-        job out again from parked, peer or checkpoint state. ``collect=False`` (a planned
-        leave: no peer is blocked on this rank) skips the collection that frees the group's
-        sockets at once (~0.2 s); they go at the next one. Returns how long the parts of the
-        last leave that dropped a layout took, and this call's wait for the lock (seconds:
-        ``park``, ``drop``, ``group``, ``gc``, ``lock``; bench/recovery.py reports them).
-        ``park=False`` (``reset``: the job is over) drops the state instead of copying it
-        to host memory first."""
+        """Tear down the current group, if any: the rank's state parked in memory (canonical
+        CPU tensors; ``park=False``, at ``reset``: dropped), the strategy dropped with every
+        reference it had to the group (a gloo group closes its sockets, and peers blocked on
+        this rank fail at once, only when its last reference goes). Every path after a leave
+        lays the job out again from parked, peer or checkpoint state. ``collect=False`` (a
+        planned leave) skips the collection that frees the sockets at once (~0.2 s). Returns
+        the last dropping leave's parts and this call's wait for the lock, in seconds
+        (``park``, ``drop``, ``group``, ``gc``, ``lock``; bench/recovery.py reports them)."""
         t0 = time.perf_counter()
         with self.held.lock:
             t = [time.perf_counter()]

@@ -157,6 +157,13 @@ class StepLoop:
         """Whether a segment is running (on the actor's other thread)."""
         return self._running.locked()
 
+    def wind_down(self, timeout_s: float) -> bool:
+        """Ask a running segment to stop and wait up to ``timeout_s`` for it to end; whether
+        none runs."""
+        if self.busy():
+            self.request_stop()
+        return self.wait_idle(timeout_s)
+
     def wait_idle(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for no segment to run; whether none runs."""
         if not self._running.acquire(timeout=timeout_s):

@@ -184,7 +184,7 @@ def test_resource_names_ray_would_take_as_custom_ones_are_refused(res, words, fi
 def test_a_ray_address_that_is_not_one_says_what_it_is(addr, words):
     """Was: "Name or service not known" (an http:// address), "invalid literal for int()" (no
     port; a bracketed IPv6 address, which is now read)."""
-    from elastic.ray_connect import check_reachable, host_port
+    from elastic.ray_address import check_reachable, host_port
 
     e = _refused(ray_address=addr)
     assert e.field == "ray_address" and words in str(e), str(e)
