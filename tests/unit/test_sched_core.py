@@ -250,14 +250,21 @@ class SlowGrow(Script):
         return super().scale(h, workers)
 
 
-def test_growth_reserves_its_workers_and_the_loop_goes_on_meanwhile():
-    s = SlowGrow()
+def _short_then_growing(s: Any) -> SchedulerCore:
+    """A core of 4 workers running a short 1-worker job "a" and a long job "b" on the other 3
+    that can grow to 4 when "a" ends."""
     c = SchedulerCore(ShortestRemaining(resize_s=0.0, starvation=StarvationGuard(None)), 4, s,
                       clock=lambda: s.t)
     c.submit(cfg("a", 400, n=1, hi=1))
     c.submit(cfg("b", 100_000, n=1, hi=4))
     c.tick()
     assert state(c) == {"a": ("running", 1), "b": ("running", 3)}
+    return c
+
+
+def test_growth_reserves_its_workers_and_the_loop_goes_on_meanwhile():
+    s = SlowGrow()
+    c = _short_then_growing(s)
     s.advance(400)  # a ends; b is asked to grow to 4 and its new worker takes a while
     c.tick()
     assert state(c) == {"a": ("finished", 0), "b": ("running", 4)} and c.jobs["b"].busy
@@ -648,12 +655,7 @@ def test_a_resize_carried_out_after_its_asker_gave_up_is_counted_where_it_runs()
     job. Was: the size from before, for good: a job admitted on workers the grown one
     held (5 of 4)."""
     s = LateGrow()
-    c = SchedulerCore(ShortestRemaining(resize_s=0.0, starvation=StarvationGuard(None)), 4, s,
-                      clock=lambda: s.t)
-    c.submit(cfg("a", 400, n=1, hi=1))
-    c.submit(cfg("b", 100_000, n=1, hi=4))
-    c.tick()
-    assert state(c) == {"a": ("running", 1), "b": ("running", 3)}
+    c = _short_then_growing(s)
     s.advance(400)  # a ends; b's growth to 4 times out
     c.tick()
     c.wait_resizes(5)
