@@ -271,6 +271,7 @@ def observe(*, model: CostModel | None, profile: ModelProfile | None, cluster: C
             switch_s: float, rank_s: Sequence[float] = (), rank_rel_sd: Sequence[float] = (),
             kinds: Mapping[str, object] | None = None, replan: bool = True,
             stage_s: Sequence[float] = (), block_weights: Sequence[float] = (),
+            recent: Spread | None = None,
             recut: bool = True, tried_from: str = "",
             recut_from: tuple[tuple[int, ...], float] | None = None,
             tried: Collection[str] = (), drift: float = 0.0,
@@ -285,7 +286,9 @@ def observe(*, model: CostModel | None, profile: ModelProfile | None, cluster: C
     or for a pipeline the stage split that follows ``stage_s`` (each rank's compute seconds
     per sample of its stage's blocks; ``rank_s`` are then ``StageBaseline``'s figures) with
     per-block ``block_weights`` (``balance.resplit_stages``; the step saved: the slowest
-    position's per-sample gain over a replica's batch and the schedule's m + pp - 1 slots). ``tried_from``: the label ``current`` was tried from (the
+    position's per-sample gain over a replica's batch and the schedule's m + pp - 1 slots).
+    ``recent``: the running layout's step over the span ``rank_s`` covers, the re-fit's
+    point for it when the ranks' compute re-fits the devices. ``tried_from``: the label ``current`` was tried from (the
     decision after a ``TryPlan``), else "". ``recut_from``: after a ``RecutShares``, the shares
     it left and their measured step. ``tried``: labels a ``TryPlan`` named before (never
     offered again, as when its switch failed). ``drift``: how far the host's phases move a
@@ -307,7 +310,10 @@ def observe(*, model: CostModel | None, profile: ModelProfile | None, cluster: C
         compute = ({current.devices[r]: Spread(t, 0.0, step.n) for r, t in enumerate(whole)}
                    if whole is not None else None)
         seen = {plan_key(o.plan): o for o in observed}
-        seen[plan_key(current)] = Observed(current, step)
+        # the devices' compute is of the last steps (``recent``): the running layout's point
+        # is of the same span (a window from before a rank slowed drove every comm factor to
+        # 0: dp predicted at 6 ms against its 2900, a pp4 job taken there)
+        seen[plan_key(current)] = Observed(current, recent if recent and compute else step)
         obs_all = list(seen.values())
         fitted = refit(model, profile, cluster, obs_all, compute, kinds if compute else None)
         preds = predictions(fitted, profile, cluster, global_batch, obs_all)

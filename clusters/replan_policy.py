@@ -152,6 +152,10 @@ class ReplanPolicy:
     explore: float = 0.10
 
     def stragglers(self, obs: ReplanObservation) -> tuple[int, ...]:
+        """Ranks slower than their peers' median (see the class docstring); for a pipeline
+        (``cut`` "stage split": figures relative to the layout's start) also slower than at
+        its own start, so that peers that did not change are not named when a straggler
+        recovered."""
         n = len(obs.rank_s)
         if n < 2:
             return ()
@@ -161,7 +165,8 @@ class ReplanPolicy:
             ref = peers[len(peers) // 2] if len(peers) % 2 else \
                 (peers[len(peers) // 2 - 1] + peers[len(peers) // 2]) / 2
             rel = obs.rank_rel_sd[r] if r < len(obs.rank_rel_sd) else 0.0
-            if ref > 0 and t > ref * (1 + max(self.straggler, self.z * rel)):
+            bar = 1 + max(self.straggler, self.z * rel)
+            if ref > 0 and t > ref * bar and (obs.cut != "stage split" or t > bar):
                 out.append(r)
         return tuple(out)
 
@@ -226,7 +231,10 @@ class ReplanPolicy:
                 f"measured {obs.step_s * 1e3:.1f} ms (sd {obs.step_sd * 1e3:.1f} ms, "
                 f"{obs.steps} steps{past}): {gain * 1e3:.1f} ms x {obs.remaining} steps = "
                 f"{gain * obs.remaining:.1f} s > switch {obs.switch_s:.2f} s{named}")))
-        if obs.recut and obs.recut != obs.shares and slow:  # beyond the noise only
+        # shares are re-cut on a straggler's evidence only (a rank the OS starves for a
+        # while); a pipeline's split follows its stages' measured times (a straggler that
+        # recovered leaves no rank slower than its peers, and its split must come back)
+        if obs.recut and obs.recut != obs.shares and (slow or obs.cut == "stage split"):
             gain = obs.step_s - obs.recut_step_s
             if pays(gain):
                 options.append(RecutShares(

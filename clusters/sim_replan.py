@@ -14,6 +14,7 @@ from __future__ import annotations
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from .cost import CostModel, block_weights
 from .measured import robust
@@ -88,6 +89,7 @@ def simulate_loop(cluster: Cluster, profile: ModelProfile, global_batch: int, *,
     seconds = static_s = 0.0
     since = 0
     memory = LoopMemory()  # what the next decision checks of the last (as live)
+    named: set[str] = set()  # the devices named stragglers at the last decision
     level = 1.0
 
     def true_step(p: Plan) -> float:
@@ -124,13 +126,23 @@ def simulate_loop(cluster: Cluster, profile: ModelProfile, global_batch: int, *,
         memory.note_window(window, pol.min_steps, observed[key].step if key in observed else None,
                            recent=replan_every)
         raw = [s.median for s in spreads]
-        view = observe(model=profiled, profile=profile, cluster=cluster,
-                       global_batch=global_batch, current=cur, step=robust(window),
-                       observed=list(observed.values()), remaining=steps - step - 1,
-                       switch_s=switch_s,
-                       rank_s=stages(key, cur, raw) if cur.is_pipeline else raw,
-                       stage_s=raw if cur.is_pipeline else (), block_weights=weights,
-                       rank_rel_sd=[s.rel for s in spreads], **memory.observe_args(cur.label))
+        args: dict[str, Any] = dict(
+            model=profiled, profile=profile, cluster=cluster, global_batch=global_batch,
+            current=cur, step=robust(window), remaining=steps - step - 1, switch_s=switch_s,
+            rank_s=stages(key, cur, raw) if cur.is_pipeline else raw,
+            stage_s=raw if cur.is_pipeline else (), block_weights=weights,
+            rank_rel_sd=[s.rel for s in spreads])
+        view = observe(observed=list(observed.values()), **args,
+                       **memory.observe_args(cur.label))
+        lagging = {cur.devices[r] for r in pol.stragglers(view.obs)}
+        if lagging:  # the re-fit's point of this layout: the span the ranks' figures cover
+            if lagging - named:  # a device newly slower: the other layouts' figures are from
+                observed = {k: o for k, o in observed.items() if k == key}  # before (as live)
+                memory.forget_last()
+            view = observe(observed=list(observed.values()), **args,
+                           recent=robust(window[-max(replan_every, pol.min_steps):]),
+                           **memory.observe_args(cur.label))
+        named = lagging
         decision = pol.decide(view.obs)
         memory.after(decision, cur.label, view.obs.shares, robust(window[-replan_every:]).median)
         events.append(LoopEvent(step + 1, type(decision).__name__, cur.label, decision.reason))
@@ -140,7 +152,8 @@ def simulate_loop(cluster: Cluster, profile: ModelProfile, global_batch: int, *,
             continue
         # a straggler named: the layout's figure is the span the ranks' evidence covers (the
         # whole window holds steps from before the rank slowed, as live)
-        kept = robust(window[-replan_every:] if getattr(decision, "stragglers", ()) else window)
+        kept = robust(window[-max(replan_every, pol.min_steps):] if pol.stragglers(view.obs)
+                      else window)
         memory.kept(observed[key].step if key in observed else None, kept)
         observed[key] = Observed(cur, kept)
         if isinstance(decision, SwitchPlan):

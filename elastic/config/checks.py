@@ -62,7 +62,8 @@ def _text_number(value: Any, whole: bool = False) -> tuple[str, str | None]:
         return "", None
     if not math.isfinite(f):
         return "", None
-    if not _EXPONENT.fullmatch(text):
+    yaml_float = re.fullmatch(r"[+-]?(\d+\.\d*|\.\d+)[eE][+-]\d+", text)  # YAML reads it
+    if not _EXPONENT.fullmatch(text) or (yaml_float and not whole):  # so: it was quoted
         hint = " (text: a number in quotes is a string)"
     else:
         hint = (" (text: PyYAML reads an exponent as a number only with a decimal point and a "

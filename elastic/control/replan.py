@@ -178,7 +178,7 @@ class Replanner:
 
         times = self._window()
         if self._named:  # a straggler named: the span the ranks' evidence covers (the whole
-            times = times[-self.every:]  # window holds steps from before the rank slowed)
+            times = times[-self._recent():]  # window holds steps from before the rank slowed)
         if len(times) >= self.policy.min_steps:
             p = spec_plan(spec, self.layouts.ids, self.layouts.probe_model)
             earlier = self.observed.get(plan_key(p))
@@ -195,6 +195,12 @@ class Replanner:
             return None
         self._start = step  # the next decision after another replan_every steps
         obs, plans, parts = self._observe(step, spec, times, group)
+        slow = self.policy.stragglers(obs)
+        ids = [group.workers[r].worker_id for r in slow]
+        if ids:  # the re-fit's point of this layout: the span the ranks' figures cover
+            if not set(ids) <= set(self._named):  # a worker newly slower: every other
+                self._forget_others(spec)  # layout's figure is from before it slowed
+            obs, plans, parts = self._observe(step, spec, times, group, recent=True)
         if self._refused:  # plans the strategy refused to lay out: never decided again
             obs = dataclasses.replace(obs, candidates=tuple(
                 c for c in obs.candidates if c[0] not in self._refused or c[0] == obs.current),
@@ -209,11 +215,9 @@ class Replanner:
                 "step_sd": obs.step_sd, "steps": obs.steps, "remaining": obs.remaining,
                 "switch_s": obs.switch_s, "candidates": [list(c) for c in obs.candidates[:8]],
                 "rank_s_per_sample": list(obs.rank_s), "shares": list(obs.shares),
-                "recut": list(obs.recut), **parts}
+                "recut": list(obs.recut), "cut": obs.cut, **parts}
         self._emit("replan", f"{kind}: {decision.reason}", data=data, step=step)
-        slow = tuple(getattr(decision, "stragglers", ()))
-        ids = [group.workers[r].worker_id for r in slow]
-        named, self._named = self._named, tuple(ids)
+        named, self._named = self._named, tuple(ids)  # (a switch that won names none)
         if slow and tuple(ids) != named:  # named once while it stays one (by worker: a rank
             # number may be another worker's after a change)
             self._emit("straggler", f"rank(s) {list(slow)} (workers {ids}) compute "
@@ -235,8 +239,8 @@ class Replanner:
             return self._expect
         return None
 
-    def _observe(self, step: int, spec: StrategySpec, times: list[float], group: Any
-                 ) -> tuple[ReplanObservation, dict[str, Plan], dict[str, Any]]:
+    def _observe(self, step: int, spec: StrategySpec, times: list[float], group: Any,
+                 recent: bool = False) -> tuple[ReplanObservation, dict[str, Plan], dict[str, Any]]:
         """The observation for the policy (``clusters.refit.observe``, as the simulator
         builds it), the candidate plans by label, and the re-fit's figures for the event."""
         from clusters.refit import Observed, observe
@@ -248,7 +252,7 @@ class Replanner:
         # the ranks as they are now: the last replan_every steps (a straggler that appears
         # after a long window shows at the next decision)
         per_rank = [robust([self._ranks[r][k] for k in sorted(self._ranks[r])[_SKIP:]
-                            ][-self.every:] or list(self._ranks[r].values())) for r in ranks]
+                            ][-self._recent():] or list(self._ranks[r].values())) for r in ranks]
         frac = self._forward_fraction()
         full = len(ranks) == spec.world_size
         rank_s = tuple(s.median / frac for s in per_rank) if full else ()
@@ -287,6 +291,7 @@ class Replanner:
             kinds=dict(zip(ids, lay.kinds, strict=False)),
             replan=self.cfg.strategy == "auto" and mm is not None,
             stage_s=stage_s, block_weights=self._block_weights(mm) if piped else (),
+            recent=robust(times[-self._recent():]) if recent else None,
             **mem)
         parts: dict[str, Any] = {}
         if view.model is not None:
@@ -294,6 +299,20 @@ class Replanner:
                      "observed": sorted({p.label for p, _ in self.observed.values()}
                                         | {current.label})}
         return view.obs, dict(view.plans), parts
+
+    def _forget_others(self, spec: StrategySpec) -> None:
+        """Drop the figures of the layouts that ran before ``spec`` (and what the last
+        decision would check against them)."""
+        from ..planning import spec_plan
+
+        if self.layouts.ids and len(self.layouts.ids) == spec.world_size:
+            key = plan_key(spec_plan(spec, self.layouts.ids, self.layouts.probe_model))
+            self.observed = {k: v for k, v in self.observed.items() if k == key}
+        self.memory.forget_last()
+
+    def _recent(self) -> int:
+        """The steps the ranks' figures cover (``replan_every``, at least the policy's least)."""
+        return max(self.every, self.policy.min_steps)
 
     def _block_weights(self, mm: Any) -> tuple[float, ...]:
         """What a pipeline's blocks weigh for a re-split: as the planned model splits a
@@ -318,10 +337,8 @@ class Replanner:
 
 
 def _same(a: StrategySpec, b: StrategySpec) -> bool:
-    """Whether ``a`` is the layout ``b`` asked for (options aside; a stage split left to the
-    strategy matches any)."""
-    split = None in (a.stage_split, b.stage_split) or a.stage_split == b.stage_split
-    return split and (a.name, a.world_size, tuple(a.shares), a.pp_degree, a.micro_batches,
+    """Whether ``a`` is the layout ``b`` asked for (options aside)."""
+    return a.stage_split == b.stage_split and (a.name, a.world_size, tuple(a.shares), a.pp_degree, a.micro_batches,
                       a.schedule, a.dp_mode) == (b.name, b.world_size, tuple(b.shares),
                                                  b.pp_degree, b.micro_batches, b.schedule,
                                                  b.dp_mode)

@@ -49,6 +49,8 @@ def test_yaml_booleans_are_on_and_off_where_those_are_choices(tmp_path):
      "write hang_timeout_s: 1.0e+3"),
     ("max_grad_norm", "1e-3", "signed exponent", "write max_grad_norm: 1.0e-3"),
     ("keep_last", "'3'", "a number in quotes is a string", "write keep_last: 3"),
+    ("hang_timeout_s", "'1.0e+3'", "a number in quotes is a string",  # (YAML's own form)
+     "write hang_timeout_s: 1.0e+3"),
 ])
 def test_text_that_reads_as_a_number_says_why_and_the_value_meant(tmp_path, setting, text,
                                                                   words, fix):
