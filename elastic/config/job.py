@@ -388,6 +388,8 @@ class JobConfig(JobCode):
             for k, v in opts.items():
                 if is_secret_option(k):
                     found.update(_texts(v))
+                else:  # a URL's password under any name (endpoint: https://u:pw@host)
+                    found.update(_url_passwords(v))
         out = tuple(sorted(found, key=len, reverse=True))
         self._secrets_of = (parts, out)
         return out
@@ -444,6 +446,22 @@ def _ray_submission_id() -> str | None:
         return json.loads(raw).get("metadata", {}).get("job_submission_id")
     except (ValueError, AttributeError):
         return None
+
+
+def _url_passwords(value: Any) -> set[str]:
+    """The passwords of the URLs (``scheme://user:password@host``) in ``value``."""
+    from urllib.parse import urlsplit
+
+    out = set()
+    for t in _texts(value):
+        if "://" in t and "@" in t:
+            try:
+                pw = urlsplit(t.strip()).password
+            except ValueError:
+                continue
+            if pw:  # (a short one only where it stands in its URL: "pw" is in many words)
+                out.add(pw if len(pw) >= 4 else f":{pw}@")
+    return out
 
 
 def _texts(value: Any) -> list[str]:

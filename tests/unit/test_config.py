@@ -325,7 +325,9 @@ def test_a_custom_trackers_credentials_are_never_written_under_any_name(monkeypa
                                        "project": "demo-project", "max_tokens": 4096,
                                        "use_auth": True, "author": "team",
                                        "accessToken": "tok_ABCDEFGH12345",
-                                       "auth": ["alice", "hunter2x9"], "password": "pw12345"}]))
+                                       "auth": ["alice", "hunter2x9"], "password": "pw12345",
+                                       "endpoint": f"https://svc:{SECRET}@host/api",
+                                       "mirror": "https://u:ab@mirror/api"}]))
     shown = cfg.to_dict()["trackers"][0]["custom"]
     assert shown["auth_header"] == "***" and shown["project"] == "demo-project"
     # camelCase, a list (requests' basic auth), a short password: masked, and redacted
@@ -342,6 +344,9 @@ def test_a_custom_trackers_credentials_are_never_written_under_any_name(monkeypa
     said = cfg.redact(f"tracker failed: 401 for Bearer {SECRET} at svc://host?k={env_secret}")
     assert SECRET not in said and said.startswith("tracker failed: 401 for *** at svc:")
     assert cfg.redact("reads /etc/mysvc/token-file") == "reads /etc/mysvc/token-file"
+    # a URL's password under a plain option name (was: written as given, found by review)
+    assert shown["endpoint"] == "https://svc:***@host/api" and ":ab@" not in text
+    assert cfg.redact("lab@work, about") == "lab@work, about"
 
 
 @pytest.mark.parametrize("uri", [
