@@ -476,6 +476,7 @@ class TrackerView(View):
         self._logged = -1  # the last step sent
         self._status = "failed"  # until the job says it finished
         self._closing = False
+        self._early: list[Event] | None = []  # events before ``start``: sent at it
 
     def bind(self, emit: Callable[..., Any]) -> None:
         self._emit = emit
@@ -494,6 +495,10 @@ class TrackerView(View):
             r = _Runner(name, _factory(kind, opts), self._notes, self._lock, saved, key)
             r.put("start", _resumed(run, prior.get(key)))
             self._runners.append(r)
+        early, self._early = self._early or [], None  # (the fork, the cluster, the claim:
+        for r in self._runners:  # said while the job started, before its run directory)
+            if early:
+                r.put("events", list(early))
 
     def workers(self, infos: list[dict[str, Any]]) -> None:
         self.inner.workers(infos)
@@ -514,7 +519,9 @@ class TrackerView(View):
         self.inner.event(ev)
         if ev.kind in ("finished", "failed", "interrupted") and self._status != "interrupted":
             self._status = ev.kind
-        if not self._closing and not ev.kind.startswith("tracker"):
+        if self._early is not None and not ev.kind.startswith("tracker"):
+            self._early.append(ev)  # not started yet
+        elif not self._closing and not ev.kind.startswith("tracker"):
             for r in self._runners:
                 r.put("events", [ev])
         self._say()

@@ -157,6 +157,19 @@ def test_each_step_goes_once_with_the_events_and_the_end(tmp_path, monkeypatch):
     assert said == [("tracker", "rec: once")]  # where the data goes, as an event
 
 
+def test_events_said_before_the_trackers_start_reach_them(tmp_path, monkeypatch):
+    """The controller says some events while the job starts, before the view's ``start``
+    (its run directory): a fork, the cluster attached, the checkpoint URI claimed. They go
+    to the trackers when they start, first. Was: never sent (found by review)."""
+    v, _ = _view(tmp_path, monkeypatch, name="early")
+    v.event(Event("forked", "from s3://b/run step 10"))
+    v.event(Event("cluster", "attached to 127.0.0.1:6379"))
+    v.start("job-e", 10)
+    v.event(Event("placed", "2 workers"))
+    v.close()
+    assert [x[1] for x in SEEN["early"] if x[0] == "event"] == ["forked", "cluster", "placed"]
+
+
 def test_a_failing_tracker_is_tried_again_then_turned_off_and_the_job_goes_on(
         tmp_path, monkeypatch):
     v, said = _view(tmp_path, monkeypatch, name="flaky", fail="steps", times=1)
