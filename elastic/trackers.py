@@ -189,6 +189,7 @@ class MlflowTracker(Tracker):
         self.run_id: str | None = None
         self._c: Any = None
         self._events: list[str] = []
+        self._written = time.monotonic()  # when the events' artifact was last written
 
     def start(self, run: RunInfo) -> str:
         from mlflow.entities import Param
@@ -268,15 +269,22 @@ class MlflowTracker(Tracker):
 
     def log_events(self, events: list[Event]) -> None:
         self._events += [f"step {ev.step}: {ev.kind}: {ev.message}" for ev in events]
+        if time.monotonic() - self._written >= EVENTS_EVERY_S:  # (a driver killed before
+            self._write_events()  # its end leaves the events up to the last minute)
+
+    def _write_events(self) -> None:
+        self._written = time.monotonic()
+        self._c.log_text(self.run_id, "\n".join(self._events) + "\n", EVENTS_TXT)
 
     def finish(self, status: str) -> None:
         if self._events:
-            self._c.log_text(self.run_id, "\n".join(self._events) + "\n", EVENTS_TXT)
+            self._write_events()
         self._c.set_terminated(self.run_id, {"finished": "FINISHED",
                                              "interrupted": "KILLED"}.get(status, "FAILED"))
 
 
 EVENTS_TXT = "elastic/events.txt"  # the MLflow run's artifact of the job's events
+EVENTS_EVERY_S = 60.0  # how often it is written again while events come (and at the end)
 
 
 def _param_text(v: Any) -> str:

@@ -545,7 +545,7 @@ class FakeMlflow:
         FakeMlflow.logged.append(("params" if params else "metrics", run_id))
 
     def log_text(self, run_id, text, path):
-        pass
+        FakeMlflow.logged.append(("text", run_id))
 
     def set_terminated(self, run_id, status):
         FakeMlflow.ended.append((run_id, status))
@@ -571,6 +571,26 @@ def test_an_mlflow_start_tried_again_goes_on_with_the_run_it_made(tmp_path, monk
     v.close()
     assert FakeMlflow.runs == ["run0"], FakeMlflow.runs
     assert FakeMlflow.logged == [("params failed", "run0"), ("params", "run0"),
-                                 ("metrics", "run0")]
+                                 ("metrics", "run0"), ("text", "run0")]
     assert FakeMlflow.ended == [("run0", "FINISHED")]
     assert [k for k, _ in said] == ["tracker_failed", "tracker"]
+
+
+def test_mlflows_events_are_written_while_the_job_runs_not_only_at_its_end(monkeypatch):
+    """A driver killed before its end (a preemption of its own) left the MLflow run without
+    any of the job's events: the artifact was written at ``finish`` only (found by review).
+    It is written again when events come, at most every ``EVENTS_EVERY_S``."""
+    import mlflow.tracking
+
+    from elastic import trackers
+
+    monkeypatch.setattr(mlflow.tracking, "MlflowClient", FakeMlflow)
+    FakeMlflow.runs, FakeMlflow.logged, FakeMlflow.ended = [], [], []
+    t = trackers.MlflowTracker()
+    t._c, t.run_id = FakeMlflow(), "run9"
+    monkeypatch.setattr(trackers, "EVENTS_EVERY_S", 0.0)
+    t.log_events([Event("recovered", "from peers", step=4)])
+    assert FakeMlflow.logged == [("text", "run9")]
+    monkeypatch.setattr(trackers, "EVENTS_EVERY_S", 3600.0)
+    t.log_events([Event("scaled", "to 3", step=9)])  # within the minute: not again yet
+    assert FakeMlflow.logged == [("text", "run9")]
