@@ -322,10 +322,11 @@ class CheckpointTracker:
                                                  " (this storage has no atomic create)"),
                        data={"uri": self.store.uri, "atomic": got.atomic})
 
-    def find_resume(self, resume: str) -> tuple[CheckpointStore, int]:
+    def find_resume(self, resume: str, model: Any = None) -> tuple[CheckpointStore, int]:
         """The checkpoint ``resume`` names (``latest``, a root, or one step's directory),
         checked: the newest intact one (each newer one passed over is an event naming its
-        bad object), the job's own or an explicit fork, and before ``max_steps``."""
+        bad object), the job's own or an explicit fork, before ``max_steps``, and (given the
+        job's ``model``, built on the driver) holding that model's entries at its shapes."""
         from ..checkpoint import plan_resume
         from ..checkpoint_io import job_store
 
@@ -351,6 +352,8 @@ class CheckpointTracker:
             raise ConfigError(why[0], why[1], why[2])
         if why:  # a fork starts a run of its own: said, not refused (a warm start)
             self._emit("resume_sampling", f"{why[0]}: {why[1]}", data={"field": why[0]})
+        if model is not None:
+            model_unlike(plan.store, plan.manifest, model)
         return plan.store, plan.step
 
     def auto_resume(self) -> bool:
@@ -470,6 +473,33 @@ def refuse_newer(store: CheckpointStore, step: int, field: str, bad: set[int]) -
         "retention, recovery and a later resume.",
         f"keep resume and give this run a checkpoint_uri of its own (a fork), or delete "
         f"the newer step-* directories ({first} ...) to go back to step {step} here")
+
+
+def model_unlike(store: Any, manifest: Any, model: Any) -> None:
+    """``ConfigError`` naming ``resume`` when the checkpoint's model entries (``model/<name>``,
+    read from its shards' indices only) are not ``model``'s state at its shapes. Was: found
+    on the workers, at the load, after the cluster was up (found by review, session 43)."""
+    from ..checkpoint import CheckpointReader
+
+    with CheckpointReader(store, manifest) as reader:
+        have = {k[len("model/"):]: tuple(m.full_shape) for k, m in reader.tensors().items()
+                if k.startswith("model/")}
+    from torch.nn.parameter import is_lazy
+
+    state = model.state_dict()
+    want = {k: tuple(v.shape) for k, v in state.items() if not is_lazy(v)}
+    missing = sorted(set(want) - set(have))
+    extra = sorted(set(have) - set(state))  # (a lazy module's: its shape is the data's)
+    shapes = sorted(k for k in set(want) & set(have) if want[k] != have[k])
+    if not (missing or extra or shapes):
+        return
+    said = [f"{k} is {list(have[k])} there, {list(want[k])} here" for k in shapes[:3]]
+    said += [f"it lacks {', '.join(missing[:3])}"] if missing else []
+    said += [f"it has {', '.join(extra[:3])}, which this model does not"] if extra else []
+    raise ConfigError("resume", f"checkpoint step {manifest.step} ({store.uri}) holds another "
+                      f"model than this job's: {'; '.join(said)}.",
+                      "resume with the model (and its settings) the checkpoint was trained "
+                      "with, or drop resume to start this model fresh")
 
 
 def sampling_changed(manifest: Any, cfg: Any) -> tuple[str, str, str] | None:

@@ -202,7 +202,7 @@ class Controller:
         self.tracker.store = pre.store
         check_layouts(cfg, self.layouts)  # the start strategy and every switch_at target
         if cfg.resume and (cfg.resume != "auto" or self.tracker.auto_resume()):
-            self._resume = self.tracker.find_resume(cfg.resume)
+            self._resume = self.tracker.find_resume(cfg.resume, self.layouts.probe_model)
         else:
             self.tracker.check_fresh()  # no run's steps written over another's
         if self._group_factory is None:  # on Ray: attach, or start a local one

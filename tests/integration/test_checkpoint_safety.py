@@ -533,7 +533,8 @@ def test_resume_auto_goes_on_where_a_checkpoint_is_and_starts_fresh_where_none_i
     first.check_fresh()
     store = CheckpointStore(uri)
     claim(store, "job-a")
-    _tiny_commit(store, 10, owner="job-a")
+    commit(store, 10, [write_shard(store, 10, 0, {f"model/{k}": v for k, v in  # (its model:
+        mlp().state_dict().items()})], CheckpointMeta(owner="job-a"))  # the job checks it)
     again = _tracker(uri, resume="auto")
     assert again.auto_resume() and again.find_resume("auto")[1] == 10
 
@@ -617,3 +618,25 @@ def test_a_resume_under_another_global_batch_or_seed_is_refused(tmp_path) -> Non
     with pytest.raises(ConfigError, match="dataset: has 300 samples, but checkpoint step 20 "
                                           "was trained on 256"):
         grown.find_resume("latest")
+
+
+def test_a_resume_into_another_model_is_refused_on_the_driver(tmp_path) -> None:
+    """The job's model is not the one its checkpoint holds (a layer widened, one added): the
+    driver reads the checkpoint's shard indices and refuses, naming the entries, before any
+    worker starts. Was: found by the workers' load after the cluster was up (found by
+    review, session 43). The model it was trained with goes on."""
+    from tests.helpers import mlp
+
+    model = mlp()
+    src = CheckpointStore(str(tmp_path / "src"))
+    commit(src, 10, [write_shard(src, 10, 0, {f"model/{k}": v for k, v in
+                                              model.state_dict().items()})], CheckpointMeta())
+    tracker = _tracker(str(tmp_path / "own"), resume=src.uri)
+    assert tracker.find_resume(src.uri, model)[1] == 10
+    wider = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 16),
+                                torch.nn.Tanh(), torch.nn.Linear(16, 2), torch.nn.Linear(2, 2))
+    with pytest.raises(ConfigError) as e:
+        _tracker(str(tmp_path / "own2"), resume=src.uri).find_resume(src.uri, wider)
+    msg = str(e.value)
+    assert e.value.field == "resume" and "holds another model than this job's" in msg, msg
+    assert "0.weight is [16, 8] there, [32, 8] here" in msg and "it lacks 5.bias, 5.weight" in msg
