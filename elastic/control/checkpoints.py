@@ -324,9 +324,8 @@ class CheckpointTracker:
 
     def find_resume(self, resume: str, model: Any = None) -> tuple[CheckpointStore, int]:
         """The checkpoint ``resume`` names (``latest``, a root, or one step's directory),
-        checked: the newest intact one (each newer one passed over is an event naming its
-        bad object), the job's own or an explicit fork, before ``max_steps``, and (given the
-        job's ``model``, built on the driver) holding that model's entries at its shapes."""
+        checked: the newest intact one (a newer one passed over is an event), the job's own
+        or an explicit fork, before ``max_steps``, holding ``model``'s entries (if given)."""
         from ..checkpoint import plan_resume
         from ..checkpoint_io import job_store
 
