@@ -8,6 +8,7 @@ proxy's password) are collected here for ``JobConfig.redact``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -84,6 +85,15 @@ class Checkpoints(Section):
                        "set keep_last: 1 or more (the newest checkpoint is always kept); "
                        "keep_every keeps older ones too")
         integer(self.keep_every, "keep_every", 0, "0 keeps no extra older checkpoints")
+        if self.every and self.keep_every and self.keep_every % self.every:
+            lcm = self.every * self.keep_every // math.gcd(self.every, self.keep_every)
+            near = sorted({max(self.every, self.keep_every // self.every * self.every),
+                           (self.keep_every // self.every + 1) * self.every})
+            raise ConfigError("keep_every", f"{self.keep_every} is not a multiple of "
+                              f"checkpoint_every {self.every}: only the steps that are both "
+                              f"checkpointed and kept, every {lcm}, would stay.",
+                              f"use a multiple of {self.every}, e.g. keep_every: "
+                              + " or ".join(map(str, near)))
         number(self.wait_s, "checkpoint_wait_s",
                       fix="e.g. checkpoint_wait_s: 30 (seconds)")
         number(self.upload_timeout_s, "checkpoint_upload_timeout_s", above=True,

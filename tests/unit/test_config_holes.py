@@ -219,3 +219,14 @@ def test_dotted_set_keys_change_one_key_of_a_setting(tmp_path):
     again = base.replace(**{"model.activation": "relu"})
     assert again.model == {"target": "tests.helpers:mlp_act", "activation": "relu"}
     assert base.model["activation"] == "tanh"  # unchanged
+
+
+def test_keep_every_must_be_a_multiple_of_the_checkpoint_interval():
+    """``checkpoint_every: 100, keep_every: 250`` kept only steps 500 and 1000 (a step is
+    kept when it is checkpointed and a multiple of keep_every). Was: taken silently (found
+    by review, session 43)."""
+    e = _refused(checkpoint_every=100, keep_every=250)
+    assert e.field == "keep_every" and "every 500, would stay" in str(e), str(e)
+    assert e.fix == "use a multiple of 100, e.g. keep_every: 200 or 300"
+    assert JobConfig(**_base(checkpoint_every=100, keep_every=300)).checkpoints.keep_every == 300
+    assert JobConfig(**_base(keep_every=250)).checkpoints.keep_every == 250  # (no interval)
