@@ -19,7 +19,17 @@ __all__ = [
     "share_bounds",
     "fetch_batch",
     "ParquetDataset",
+    "ColumnError",
 ]
+
+
+class ColumnError(ValueError):
+    """A Parquet dataset lacks a column the job reads (``setting``: the setting naming it,
+    "" when the dataset has no file at all; ``have``: its columns)."""
+
+    def __init__(self, message: str, setting: str, have: list[str]) -> None:
+        super().__init__(message)
+        self.setting, self.have = setting, have
 
 
 class StepSampler:
@@ -129,12 +139,14 @@ class ParquetDataset:
             import pyarrow.dataset as pads
 
             ds = pads.dataset(self.uri, format="parquet")
-            missing = {self.input_column, self.target_column} - set(ds.schema.names)
-            if missing:
-                raise ValueError(
-                    f"Parquet dataset {self.uri} has no column(s) {sorted(missing)}; "
-                    f"it has {ds.schema.names}. Set input_column/target_column."
-                )
+            if not ds.files:
+                raise ColumnError(f"Parquet dataset {self.uri} holds no Parquet file", "", [])
+            have = list(ds.schema.names)
+            for setting, col in (("input_column", self.input_column),
+                                 ("target_column", self.target_column)):
+                if col not in have:
+                    raise ColumnError(f"Parquet dataset {self.uri} has no column {col!r}; it "
+                                      f"has {have}. Set {setting}", setting, have)
             self._len = ds.count_rows()
         return self._len
 

@@ -13,7 +13,9 @@ from typing import Any
 import torch
 
 from ..config import JobConfig
+from ..config.checks import did_you_mean
 from ..config.datasets import is_ray_dataset
+from ..data import ColumnError
 from ..errors import ConfigError
 from ..preflight import check_sample
 from ..reference import build_model
@@ -114,6 +116,13 @@ def check_dataset_object(cfg: JobConfig, model: Any, field: str, ds: Any) -> Non
     few samples read as workers read them."""
     try:
         n = len(ds)
+    except ColumnError as e:  # (was: "cannot read the dataset's length", naming dataset)
+        if not e.setting:
+            raise ConfigError(field, f"{e}.", "point it at a directory or file holding the "
+                              "Parquet data (*.parquet)") from None
+        near = did_you_mean(getattr(cfg, e.setting), e.have)
+        raise ConfigError(e.setting, f"{e}.", f"did you mean {near}?" if near else
+                          f"use one of {e.have}") from None
     except Exception as e:
         raise ConfigError(field, f"cannot read the dataset's length ({e}).",
                           "check the dataset URI or object") from e

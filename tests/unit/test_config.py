@@ -268,6 +268,26 @@ def test_parquet_dtype_and_shape_are_checked_against_the_model_on_one_sample(no_
         elastic.fit(**{**job, "dataset": narrow, "check_sample": False})
 
 
+def test_a_parquet_column_the_job_names_that_the_data_lacks_names_the_column_setting(no_ray):
+    """Was: `dataset: cannot read the dataset's length (... no column(s) ['features'] ...).
+    Fix: check the dataset URI or object`: the wrong setting, a fix that fixes nothing; an
+    empty directory was said as its columns being [] (found by review, session 43)."""
+    data = _parquet(no_ray / "cls.parquet")
+    job = _base(model=_classifier, loss="cross_entropy", dataset=data, run_dir=str(no_ray),
+                target_dtype="int64")
+    with pytest.raises(ConfigError) as ei:
+        elastic.fit(**{**job, "input_column": "features"})
+    assert ei.value.field == "input_column" and "no column 'features'" in str(ei.value)
+    assert ei.value.fix == "use one of ['x', 'y']"
+    with pytest.raises(ConfigError) as ei:
+        elastic.fit(**{**job, "target_column": "yy"})
+    assert ei.value.field == "target_column" and ei.value.fix == "did you mean y?"
+    (no_ray / "empty").mkdir()
+    with pytest.raises(ConfigError) as ei:
+        elastic.fit(**{**job, "dataset": str(no_ray / "empty"), "dataset_format": "parquet"})
+    assert ei.value.field == "dataset" and "holds no Parquet file" in str(ei.value)
+
+
 def test_the_sample_check_leaves_the_model_as_it_was():
     from elastic.preflight import check_sample
 
