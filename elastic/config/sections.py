@@ -439,19 +439,21 @@ def _switch_at(value: Any, known: list[str]) -> dict[int, str]:
 
 FAULT_ACTIONS = ("exit", "pause", "pause_silent", "hang", "raise", "nan",  # worker/faults.py
                  "pause_upload", "corrupt_copy", "slow", "slow_upload",
-                 "hang_restore")
+                 "hang_restore", "slowdown")
 
 
 def _faults(faults: Any) -> None:
     if faults is None:
         return
     fix = ("give {rank: int >= 0, step: int >= 0, action: "
-           f"{'|'.join(FAULT_ACTIONS)}, dir: optional directory, seconds: for slow and slow_upload}}")
+           f"{'|'.join(FAULT_ACTIONS)}, dir: optional directory, seconds: for slow and "
+           "slow_upload, factor: for slowdown}")
     if not isinstance(faults, list):
         raise ConfigError("faults", f"must be a list of faults, got {faults!r}.", fix)
     for i, f in enumerate(faults):
         key = f"faults[{i}]"
-        if not isinstance(f, dict) or set(f) - {"rank", "step", "action", "dir", "seconds"} or \
+        if not isinstance(f, dict) or set(f) - {"rank", "step", "action", "dir", "seconds",
+                                                "factor"} or \
                 not {"rank", "step", "action"} <= set(f):
             raise ConfigError(key, f"{f!r} is not a fault.", fix)
         if (f.get("action") in ("slow", "slow_upload")) != ("seconds" in f):
@@ -459,6 +461,10 @@ def _faults(faults: Any) -> None:
                               "need it.", fix)
         if "seconds" in f:
             number(f["seconds"], f"{key}.seconds", above=True, fix=fix)
+        if (f.get("action") == "slowdown") != ("factor" in f):
+            raise ConfigError(key, "factor goes with action slowdown, and it needs it.", fix)
+        if "factor" in f:
+            number(f["factor"], f"{key}.factor", 1.0, fix=fix)
         for k in ("rank", "step"):
             v = f[k]
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:

@@ -185,7 +185,8 @@ class Worker:
         self.copies = PeerCopies(config.peer_copies_every, config.peer_copies_memory_gb,
                                  self.membership, _node_id)
         self.faults = Faults(config, node_id=_node_id, corrupt=self.copies.corrupt,
-                             mute=self.heartbeat.mute if self.heartbeat else lambda: None)
+                             mute=self.heartbeat.mute if self.heartbeat else lambda: None,
+                             slowdown=self.profiler.slow_down)
         self.checkpoints = Checkpointing(config, self.membership, self.layout, self.faults)
         self.loop = StepLoop(config, self.membership, self.layout, self.data, self.checkpoints,
                              self.profiler, self.faults, self.copies)
@@ -226,8 +227,7 @@ class Worker:
         if self.baseline is None:
             raise ElasticError("only a pooled worker (built without a config) can be reset")
         ok, why = True, ""
-        loop: Any = self.__dict__.get("loop")  # a segment the job left running (a failure it
-        # gave up on) is asked to stop: a peer's failure ends it at once, else its group's end
+        loop: Any = self.__dict__.get("loop")  # a segment left running is asked to stop
         running = loop is not None and not loop.wind_down(SEGMENT_END_S)
         try:
             if getattr(self, "config", None) is not None:

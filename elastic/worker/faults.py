@@ -26,6 +26,9 @@ fire it again. Actions:
 * ``slow``: that step waits ``seconds`` before it computes (a slow device or a straggler, as
   the emulated slowdown makes one): its peers wait for it in their collectives, and nothing
   may take it for a lost worker;
+* ``slowdown``: from that step on, this rank computes ``factor`` times slower (its blocks'
+  forwards and backwards, as an emulated slower device: ``Profiler.set_emulation``): a
+  straggler that appears mid-run, seen in the rank's own compute figure;
 * ``slow_upload``: this rank's upload of checkpoint ``step`` waits ``seconds`` once it has
   begun (slow storage), while training goes on;
 * ``hang_restore``: this rank blocks forever when it begins to read checkpoint ``step`` in a
@@ -65,15 +68,16 @@ class Faults:
     """The job's fault entries, indexed by (rank, step); a no-op when there are none.
 
     ``node_id`` says which node this process runs on (for ``pause``); ``block``, ``exit``,
-    ``corrupt`` and ``mute`` are what ``pause``/``hang``, ``exit``, ``corrupt_copy`` and
-    ``pause_silent`` do (tests replace them).
+    ``corrupt``, ``mute`` and ``slowdown`` are what ``pause``/``hang``, ``exit``,
+    ``corrupt_copy``, ``pause_silent`` and ``slowdown`` do (tests replace them).
     """
 
     def __init__(self, config: JobConfig | WorkerConfig, node_id: Callable[[], str | None] = lambda: None,
                  block: Callable[[], None] = _block_forever,
                  exit: Callable[[int], Any] = os._exit,
                  corrupt: Callable[[], Any] = lambda: None,
-                 mute: Callable[[], Any] = lambda: None) -> None:
+                 mute: Callable[[], Any] = lambda: None,
+                 slowdown: Callable[[float], Any] = lambda factor: None) -> None:
         self._at: dict[tuple[int, int], list[dict[str, Any]]] = {}
         for f in config.faults or []:
             self._at.setdefault((int(f["rank"]), int(f["step"])), []).append(f)
@@ -83,6 +87,7 @@ class Faults:
         self._exit = exit
         self._corrupt = corrupt
         self._mute = mute
+        self._slowdown = slowdown
 
     def at_step(self, rank: int, step: int, generation: int) -> bool:
         """At the start of ``step`` on ``rank``: fire the entries due there that have not
@@ -116,6 +121,8 @@ class Faults:
                 self._corrupt()
             elif action == "slow":
                 time.sleep(float(f["seconds"]))
+            elif action == "slowdown":
+                self._slowdown(float(f["factor"]))
         return nan
 
     def in_upload(self, rank: int, step: int, generation: int) -> None:

@@ -52,6 +52,10 @@ class Profiler:
         self.slowdown = max(1.0, float(self.emulation.get("slowdown", 1.0)))
         self._dirty = True
 
+    def slow_down(self, factor: float) -> None:
+        """From the next step, compute ``factor`` times slower (the ``slowdown`` fault)."""
+        self.set_emulation({**self.emulation, "slowdown": factor})
+
     def display_name(self, device_name: str) -> str:
         """How this device is shown: an emulated one says what it stands for."""
         if not self.emulation:

@@ -182,6 +182,28 @@ def test_exit_pause_and_hang_act_through_their_hooks(tmp_path):
                                          "fired-rank2-step4", "paused-rank0-step3.json"]
 
 
+def test_a_slowdown_fault_makes_the_rank_compute_slower_from_its_step(tmp_path):
+    """The ``slowdown`` fault (a straggler that appears mid-run): from its step the rank's
+    profiler emulates a device ``factor`` times slower, so its own compute figure shows it;
+    the fault's settings are checked (``factor`` goes with it, at least 1)."""
+    from elastic.worker.profiling import Profiler
+
+    cfg = _cfg(tmp_path, faults=[{"rank": 1, "step": 5, "action": "slowdown", "factor": 3}])
+    prof = Profiler(cfg, torch.device("cpu"), None, None, None)
+    prof.set_emulation({"memory_gb": 4})
+    faults = Faults(cfg, slowdown=prof.slow_down)
+    faults.at_step(0, 5, 1)
+    faults.at_step(1, 4, 1)
+    assert prof.slowdown == 1.0
+    faults.at_step(1, 5, 1)
+    assert prof.slowdown == 3.0 and prof.emulation == {"memory_gb": 4, "slowdown": 3.0}
+    for bad in ({"rank": 0, "step": 1, "action": "slowdown"},
+                {"rank": 0, "step": 1, "action": "slowdown", "factor": 0.5},
+                {"rank": 0, "step": 1, "action": "slow", "factor": 2, "seconds": 1}):
+        with pytest.raises(ConfigError, match=r"faults\[0\]"):
+            _cfg(tmp_path, faults=[bad])
+
+
 def test_hang_restore_blocks_in_the_restore_not_at_the_step(tmp_path):
     where = str(tmp_path / "chaos")
     cfg = _cfg(tmp_path, faults=[{"rank": 1, "step": 4, "action": "hang_restore", "dir": where}])
