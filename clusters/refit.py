@@ -272,7 +272,7 @@ def observe(*, model: CostModel | None, profile: ModelProfile | None, cluster: C
             kinds: Mapping[str, object] | None = None, replan: bool = True,
             stage_s: Sequence[float] = (), block_weights: Sequence[float] = (),
             recent: Spread | None = None,
-            recut: bool = True, tried_from: str = "",
+            recut: bool = True, own_split: bool = False, tried_from: str = "",
             recut_from: tuple[tuple[int, ...], float] | None = None,
             tried: Collection[str] = (), drift: float = 0.0,
             switched_from: str = "") -> Observation:
@@ -286,7 +286,7 @@ def observe(*, model: CostModel | None, profile: ModelProfile | None, cluster: C
     or for a pipeline the stage split that follows ``stage_s`` (each rank's compute seconds
     per sample of its stage's blocks; ``rank_s`` are then ``StageBaseline``'s figures) with
     per-block ``block_weights`` (``balance.resplit_stages``; the step saved: the slowest
-    position's per-sample gain over a replica's batch and the schedule's m + pp - 1 slots).
+    position's share of its time saved, taken off the step).
     ``recent``: the running layout's step over the span ``rank_s`` covers, the re-fit's
     point for it when the ranks' compute re-fits the devices. ``tried_from``: the label ``current`` was tried from (the
     decision after a ``TryPlan``), else "". ``recut_from``: after a ``RecutShares``, the shares
@@ -344,7 +344,7 @@ def observe(*, model: CostModel | None, profile: ModelProfile | None, cluster: C
         rank_s=tuple(rank_s) if shared or piped else (),
         rank_rel_sd=tuple(rank_rel_sd) if shared or piped else (),
         shares=tuple(current.stage_split if current.is_pipeline else current.shares),
-        cut="stage split" if current.is_pipeline else "shares",
+        cut="stage split" if current.is_pipeline else "shares", own_split=own_split,
         recut=new, recut_step_s=new_s, untried=untried,
         tried_from=tried_from, recut_from=recut_from[0] if recut_from else (),
         recut_from_s=recut_from[1] if recut_from else 0.0, ran=ran, stale=stale,
@@ -355,7 +355,7 @@ def observe(*, model: CostModel | None, profile: ModelProfile | None, cluster: C
 def _resplit(current: Plan, stage_s: Sequence[float], weights: Sequence[float],
              step_s: float) -> tuple[tuple[int, ...], float]:
     """A pipeline's re-split (``observe``) and its predicted step; ((), 0) for none."""
-    pp, m = current.pp_degree, max(1, current.micro_batches)
+    pp = current.pp_degree
     pos = [max(t for r, t in enumerate(stage_s) if current.coords(r)[0] == p) for p in range(pp)]
     try:
         new, per_sample = resplit_stages(current.stage_split, weights, pos)
@@ -363,7 +363,9 @@ def _resplit(current: Plan, stage_s: Sequence[float], weights: Sequence[float],
         return (), 0.0
     if new == tuple(current.stage_split):
         return (), 0.0
-    return new, step_s - per_sample * max(current.shares) * (m + pp - 1) / m
+    # the step follows its slowest position's compute: the same fraction saved (bounded;
+    # an absolute figure from the per-sample times went below 0 where they were off)
+    return new, step_s * (1.0 - per_sample / max(pos))
 
 
 def _at_running_shares(preds: Sequence[Prediction], current: Plan, model: CostModel,

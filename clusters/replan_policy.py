@@ -32,7 +32,8 @@ class ReplanObservation:
     (empty when the layout's shares are not cut by speed); ``recut_step_s``: the step the
     model predicts with them. ``cut``: what ``shares`` and ``recut`` cut, "shares" or, for
     a pipeline, "stage split" (blocks per stage; its ``rank_s`` are then each rank's compute
-    against its stage's at the layout's first window: stages do different work). ``untried``: the labels of candidates that never ran in this
+    against its stage's at the layout's first window: stages do different work);
+    ``own_split``: the running split is one the loop re-cut (``LoopMemory.resplit``). ``untried``: the labels of candidates that never ran in this
     job and do no more work than another candidate (``plan.more_work``): predicted, not
     measured. ``tried_from``: when the running layout is a ``TryPlan``'s, the label of the
     one it was tried from (its measured figure is among the candidates). ``recut_from`` /
@@ -61,6 +62,7 @@ class ReplanObservation:
     tried_from: str = ""
     recut_from: tuple[int, ...] = ()
     cut: str = "shares"
+    own_split: bool = False
     recut_from_s: float = 0.0
     ran: tuple[str, ...] = ()
     stale: tuple[str, ...] = ()
@@ -231,10 +233,11 @@ class ReplanPolicy:
                 f"measured {obs.step_s * 1e3:.1f} ms (sd {obs.step_sd * 1e3:.1f} ms, "
                 f"{obs.steps} steps{past}): {gain * 1e3:.1f} ms x {obs.remaining} steps = "
                 f"{gain * obs.remaining:.1f} s > switch {obs.switch_s:.2f} s{named}")))
-        # shares are re-cut on a straggler's evidence only (a rank the OS starves for a
-        # while); a pipeline's split follows its stages' measured times (a straggler that
-        # recovered leaves no rank slower than its peers, and its split must come back)
-        if obs.recut and obs.recut != obs.shares and (slow or obs.cut == "stage split"):
+        # re-cut on a straggler's evidence only (shares: a rank the OS starves for a while
+        # misled them; a split: blocks' weights measured off misled it), but a split the loop
+        # re-cut follows its stages' times (a straggler that recovered leaves no rank slower
+        # than its peers, and the split must come back)
+        if obs.recut and obs.recut != obs.shares and (slow or obs.own_split):
             gain = obs.step_s - obs.recut_step_s
             if pays(gain):
                 options.append(RecutShares(
@@ -296,7 +299,8 @@ class LoopMemory:
     ``TryPlan`` the label it left (``tried_from``), after a ``SwitchPlan`` on a prediction the
     label it left (``switched_from``), after a ``RecutShares`` the shares it left and their recent
     median (``recut_from``); for the whole job the labels a try named (``tried``: never
-    offered again), those whose re-cut went back (``no_recut``), and the host's drift: within
+    offered again), those whose re-cut went back (``no_recut``), the pipelines whose split it
+    re-cut (``resplit``: their split follows the stages' times), and the host's drift: within
     the steps of each decision (``drifts``) and of a layout between its segments (``moves``),
     the last ``EVIDENCE`` of each. The layouts' figures themselves are the caller's (the
     observed segments it hands ``refit.observe``)."""
@@ -308,6 +312,7 @@ class LoopMemory:
     try_checks: int = 0  # the checks of the try made so far (``TRY_CHECKS`` at most)
     switched_from: str = ""
     recut_from: tuple[tuple[int, ...], float] | None = None
+    resplit: set[str] = field(default_factory=set)  # pipelines whose split the loop re-cut
     tried: set[str] = field(default_factory=set)
     no_recut: set[str] = field(default_factory=set)
     drifts: list[float] = field(default_factory=list)
@@ -363,6 +368,8 @@ class LoopMemory:
         elif isinstance(decision, SwitchPlan) and not decision.measured:
             self.switched_from = current  # on a prediction: its check is the next decision
         if isinstance(decision, RecutShares):
+            if decision.cut == "stage split":
+                self.resplit.add(current)
             if decision.back:
                 self.no_recut.add(current)
             else:
@@ -382,4 +389,5 @@ class LoopMemory:
         """``refit.observe``'s keywords from this memory for the layout labelled ``current``."""
         return {"tried_from": self.tried_from, "switched_from": self.switched_from,
                 "recut_from": self.recut_from, "tried": self.tried,
-                "recut": current not in self.no_recut, "drift": self.drift}
+                "recut": current not in self.no_recut, "own_split": current in self.resplit,
+                "drift": self.drift}
