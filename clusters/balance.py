@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from .errors import BalanceError
 
 __all__ = ["proportional_shares", "stage_split", "RebalanceDecision", "rebalance_decision",
-           "recut_shares", "position_work", "resplit_stages"]
+           "recut_shares", "position_blocks", "position_work", "resplit_stages"]
 
 
 def proportional_shares(
@@ -240,25 +240,30 @@ def recut_shares(shares: Sequence[int], seconds_per_sample: Sequence[float]
     return new, before - after
 
 
-def position_work(split: Sequence[int], weights: Sequence[float], pp: int) -> tuple[float, ...]:
-    """The work (``weights``, one per block) on each of ``pp`` pipeline ranks along a
-    replica under ``split`` (blocks per stage; stage k runs on position k % pp, as the
-    interleaved schedule places its chunks)."""
-    out, i = [0.0] * pp, 0
+def position_blocks(split: Sequence[int], pp: int) -> list[list[int]]:
+    """The blocks each of ``pp`` pipeline ranks along a replica runs under ``split`` (blocks
+    per stage; stage k on position k % pp, as the interleaved schedule places its chunks)."""
+    out: list[list[int]] = [[] for _ in range(pp)]
+    i = 0
     for k, b in enumerate(split):
-        out[k % pp] += sum(weights[i:i + b])
+        out[k % pp] += range(i, i + b)
         i += b
-    return tuple(out)
+    return out
+
+
+def position_work(split: Sequence[int], weights: Sequence[float], pp: int) -> tuple[float, ...]:
+    """The work (``weights``, one per block) on each of ``pp`` pipeline positions."""
+    return tuple(sum(weights[i] for i in idx) for idx in position_blocks(split, pp))
 
 
 def resplit_stages(split: Sequence[int], weights: Sequence[float],
                    position_s: Sequence[float]) -> tuple[tuple[int, ...], float]:
     """The stage split that follows the measured compute seconds per sample of each
     pipeline position (``position_s``: its slowest replica's, for its blocks now), with
-    per-block ``weights`` to move work by, and the seconds per sample the slowest position
-    saves. Each position's speed is its work now over its time; ``stage_split`` cuts the
-    blocks to those speeds. The split given and 0 when no cut is faster. Raises
-    ``BalanceError`` on bad input."""
+    per-block ``weights`` to move work by, and the slowest position's seconds per sample
+    under it. Each position's speed is its work now over its time; ``stage_split`` cuts the
+    blocks to those speeds. The split given (and its slowest figure) when no cut is faster.
+    Raises ``BalanceError`` on bad input."""
     pp = len(position_s)
     if not pp or len(split) % pp or sum(split) != len(weights) or any(b < 1 for b in split):
         raise BalanceError(f"stage split {list(split)} does not cover {len(weights)} blocks "
@@ -272,4 +277,4 @@ def resplit_stages(split: Sequence[int], weights: Sequence[float],
     new = stage_split([max(1e-12, w) for w in weights], [speed[k % pp] for k in range(len(split))])
     after = max(w / v for w, v in zip(position_work(new, weights, pp), speed, strict=True))
     before = max(position_s)
-    return (tuple(new), before - after) if after < before else (tuple(split), 0.0)
+    return (tuple(new), after) if after < before else (tuple(split), before)

@@ -352,19 +352,18 @@ class CostModel:
         return Estimate(step, max(comp), exposed, opt, 0.0, mem, link, use, tight)
 
 
-def block_weights(profile: ModelProfile, device: Device | None = None) -> tuple[float, ...]:
+def block_weights(profile: ModelProfile, device: Device | None = None) -> Sequence[float]:
     """Each block's share of the work, unnormalized: the per-block times measured on
     ``device`` (its id, else its type, else any measured device's), else FLOPs, else
-    parameters."""
+    parameters (the profile's own sequence: ``sample_time``'s hot path)."""
     bs = profile.block_seconds
     if bs:
         if device is not None and device.id in bs:
-            return tuple(bs[device.id])
+            return bs[device.id]
         if device is not None and device.type.name in bs:
-            return tuple(bs[device.type.name])
-        return tuple(bs[min(bs)])
-    return tuple(profile.block_flops if profile.block_flops is not None
-                 else profile.block_params)
+            return bs[device.type.name]
+        return bs[min(bs)]
+    return profile.block_flops if profile.block_flops is not None else profile.block_params
 
 
 def _work_fraction(profile: ModelProfile, idx: Sequence[int], device: Device | None = None

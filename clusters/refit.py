@@ -38,7 +38,7 @@ import statistics
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from .balance import recut_shares, resplit_stages
+from .balance import position_blocks, recut_shares, resplit_stages
 from .collectives import KINDS, SYNC_MODES
 from .cost import CostModel, _work_fraction
 from .errors import BalanceError, ClustersError
@@ -173,17 +173,11 @@ class LiveScale:
 
 
 def rank_blocks(plan: Plan, rank: int) -> list[int] | None:
-    """The blocks ``rank`` computes: a pipeline's stages on its position (stage k on
-    position k % pp), else all (None)."""
+    """The blocks ``rank`` computes: a pipeline's stages on its position
+    (``balance.position_blocks``), else all (None)."""
     if not plan.is_pipeline:
         return None
-    pos, i = plan.coords(rank)[0], 0
-    out: list[int] = []
-    for k, b in enumerate(plan.stage_split):
-        if k % plan.pp_degree == pos:
-            out += range(i, i + b)
-        i += b
-    return out
+    return position_blocks(plan.stage_split, plan.pp_degree)[plan.coords(rank)[0]]
 
 
 def stage_fractions(plan: Plan, profile: ModelProfile, cluster: Cluster) -> tuple[float, ...]:
@@ -204,19 +198,19 @@ class StageBaseline:
     the layout's first window (the median of that stage's replicas then). At that window the
     stages read alike and the replicas of one stage compare directly (a slow replica shows
     at once); a rank that slows later reads slower than its peers, whatever the blocks'
-    weights say. Fixed once per layout (``key``), as ``LiveScale``; a re-split starts anew
-    (the straggler it answered is then part of the split)."""
+    weights say. One per run of a layout: the caller makes a new one when the layout (or
+    its world) changes, and a re-split starts anew (the straggler it answered is then part
+    of the split)."""
 
     def __init__(self) -> None:
-        self._base: dict[object, tuple[float, ...]] = {}
+        self._base: tuple[float, ...] | None = None
 
-    def __call__(self, key: object, plan: Plan, rank_s: Sequence[float]) -> tuple[float, ...]:
-        pp = plan.pp_degree
-        if key not in self._base:
-            pos = [statistics.median(t for r, t in enumerate(rank_s) if plan.coords(r)[0] == p)
-                   for p in range(pp)]
-            self._base[key] = tuple(pos)
-        base = self._base[key]
+    def __call__(self, plan: Plan, rank_s: Sequence[float]) -> tuple[float, ...]:
+        if self._base is None:
+            self._base = tuple(statistics.median(t for r, t in enumerate(rank_s)
+                                                 if plan.coords(r)[0] == p)
+                               for p in range(plan.pp_degree))
+        base = self._base
         return tuple(t / base[plan.coords(r)[0]] if base[plan.coords(r)[0]] > 0 else t
                      for r, t in enumerate(rank_s))
 
@@ -358,14 +352,14 @@ def _resplit(current: Plan, stage_s: Sequence[float], weights: Sequence[float],
     pp = current.pp_degree
     pos = [max(t for r, t in enumerate(stage_s) if current.coords(r)[0] == p) for p in range(pp)]
     try:
-        new, per_sample = resplit_stages(current.stage_split, weights, pos)
+        new, after = resplit_stages(current.stage_split, weights, pos)
     except BalanceError:
         return (), 0.0
     if new == tuple(current.stage_split):
         return (), 0.0
-    # the step follows its slowest position's compute: the same fraction saved (bounded;
-    # an absolute figure from the per-sample times went below 0 where they were off)
-    return new, step_s * (1.0 - per_sample / max(pos))
+    # the step follows its slowest position's compute (bounded; an absolute figure from
+    # the per-sample times went below 0 where they were off)
+    return new, step_s * after / max(pos)
 
 
 def _at_running_shares(preds: Sequence[Prediction], current: Plan, model: CostModel,

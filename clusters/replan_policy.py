@@ -154,21 +154,27 @@ class ReplanPolicy:
     explore: float = 0.10
 
     def stragglers(self, obs: ReplanObservation) -> tuple[int, ...]:
-        """Ranks slower than their peers' median (see the class docstring); for a pipeline
-        (``cut`` "stage split": figures relative to the layout's start) also slower than at
-        its own start, so that peers that did not change are not named when a straggler
-        recovered."""
-        n = len(obs.rank_s)
+        """``slower`` of the observation's ranks (a pipeline's relative to its start)."""
+        return self.slower(obs.rank_s, obs.rank_rel_sd, obs.cut == "stage split")
+
+    def slower(self, rank_s: Sequence[float], rank_rel_sd: Sequence[float] = (),
+               relative: bool = False) -> tuple[int, ...]:
+        """Ranks slower than their peers' median (see the class docstring); with
+        ``relative`` figures (a pipeline's: each rank against its stage at the layout's
+        start) also slower than at its own start, so that peers that did not change are not
+        named when a straggler recovered. Needs only the ranks' figures: the loop asks it
+        before it builds the observation (which depends on it)."""
+        n = len(rank_s)
         if n < 2:
             return ()
         out = []
-        for r, t in enumerate(obs.rank_s):
-            peers = sorted(x for i, x in enumerate(obs.rank_s) if i != r)
+        for r, t in enumerate(rank_s):
+            peers = sorted(x for i, x in enumerate(rank_s) if i != r)
             ref = peers[len(peers) // 2] if len(peers) % 2 else \
                 (peers[len(peers) // 2 - 1] + peers[len(peers) // 2]) / 2
-            rel = obs.rank_rel_sd[r] if r < len(obs.rank_rel_sd) else 0.0
+            rel = rank_rel_sd[r] if r < len(rank_rel_sd) else 0.0
             bar = 1 + max(self.straggler, self.z * rel)
-            if ref > 0 and t > ref * bar and (obs.cut != "stage split" or t > bar):
+            if ref > 0 and t > ref * bar and (not relative or t > bar):
                 out.append(r)
         return tuple(out)
 
@@ -312,7 +318,8 @@ class LoopMemory:
     try_checks: int = 0  # the checks of the try made so far (``TRY_CHECKS`` at most)
     switched_from: str = ""
     recut_from: tuple[tuple[int, ...], float] | None = None
-    resplit: set[str] = field(default_factory=set)  # pipelines whose split the loop re-cut
+    # (label, split) of the pipelines' splits the loop cut (the label leaves the split out)
+    resplit: set[tuple[str, tuple[int, ...]]] = field(default_factory=set)
     tried: set[str] = field(default_factory=set)
     no_recut: set[str] = field(default_factory=set)
     drifts: list[float] = field(default_factory=list)
@@ -368,8 +375,8 @@ class LoopMemory:
         elif isinstance(decision, SwitchPlan) and not decision.measured:
             self.switched_from = current  # on a prediction: its check is the next decision
         if isinstance(decision, RecutShares):
-            if decision.cut == "stage split":
-                self.resplit.add(current)
+            if decision.cut == "stage split" and not decision.back:
+                self.resplit.add((current, tuple(decision.shares)))
             if decision.back:
                 self.no_recut.add(current)
             else:
@@ -385,9 +392,10 @@ class LoopMemory:
         node loss, a re-balance that took over): nothing of it to check."""
         self.tried_from, self.switched_from, self.recut_from = "", "", None
 
-    def observe_args(self, current: str) -> dict[str, Any]:
-        """``refit.observe``'s keywords from this memory for the layout labelled ``current``."""
+    def observe_args(self, current: str, split: Sequence[int] = ()) -> dict[str, Any]:
+        """``refit.observe``'s keywords from this memory for the layout labelled ``current``
+        (a pipeline's running ``split``: whether the loop cut it)."""
         return {"tried_from": self.tried_from, "switched_from": self.switched_from,
                 "recut_from": self.recut_from, "tried": self.tried,
-                "recut": current not in self.no_recut, "own_split": current in self.resplit,
+                "recut": current not in self.no_recut, "own_split": (current, tuple(split)) in self.resplit,
                 "drift": self.drift}

@@ -14,7 +14,6 @@ from __future__ import annotations
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 from .cost import CostModel, block_weights
 from .measured import robust
@@ -126,23 +125,22 @@ def simulate_loop(cluster: Cluster, profile: ModelProfile, global_batch: int, *,
         memory.note_window(window, pol.min_steps, observed[key].step if key in observed else None,
                            recent=replan_every)
         raw = [s.median for s in spreads]
-        args: dict[str, Any] = dict(
+        rank_s = stages(cur, raw) if cur.is_pipeline else raw
+        lagging = {cur.devices[r]
+                   for r in pol.slower(rank_s, [s.rel for s in spreads], cur.is_pipeline)}
+        recent = max(replan_every, pol.min_steps)
+        if lagging - named:  # a device newly slower: the other layouts' figures are from
+            observed = {k: o for k, o in observed.items() if k == key}  # before it (as live)
+            memory.forget_last()
+        named = lagging
+        view = observe(  # while a straggler is named, the re-fit's point of this layout is
+            # the span the ranks' figures cover (as live)
             model=profiled, profile=profile, cluster=cluster, global_batch=global_batch,
             current=cur, step=robust(window), remaining=steps - step - 1, switch_s=switch_s,
-            rank_s=stages(key, cur, raw) if cur.is_pipeline else raw,
-            stage_s=raw if cur.is_pipeline else (), block_weights=weights,
-            rank_rel_sd=[s.rel for s in spreads])
-        view = observe(observed=list(observed.values()), **args,
-                       **memory.observe_args(cur.label))
-        lagging = {cur.devices[r] for r in pol.stragglers(view.obs)}
-        if lagging:  # the re-fit's point of this layout: the span the ranks' figures cover
-            if lagging - named:  # a device newly slower: the other layouts' figures are from
-                observed = {k: o for k, o in observed.items() if k == key}  # before (as live)
-                memory.forget_last()
-            view = observe(observed=list(observed.values()), **args,
-                           recent=robust(window[-max(replan_every, pol.min_steps):]),
-                           **memory.observe_args(cur.label))
-        named = lagging
+            observed=list(observed.values()), rank_s=rank_s,
+            rank_rel_sd=[s.rel for s in spreads], stage_s=raw if cur.is_pipeline else (),
+            block_weights=weights, recent=robust(window[-recent:]) if lagging else None,
+            **memory.observe_args(cur.label, cur.stage_split))
         decision = pol.decide(view.obs)
         memory.after(decision, cur.label, view.obs.shares, robust(window[-replan_every:]).median)
         events.append(LoopEvent(step + 1, type(decision).__name__, cur.label, decision.reason))
@@ -152,8 +150,7 @@ def simulate_loop(cluster: Cluster, profile: ModelProfile, global_batch: int, *,
             continue
         # a straggler named: the layout's figure is the span the ranks' evidence covers (the
         # whole window holds steps from before the rank slowed, as live)
-        kept = robust(window[-max(replan_every, pol.min_steps):] if pol.stragglers(view.obs)
-                      else window)
+        kept = robust(window[-recent:] if lagging else window)
         memory.kept(observed[key].step if key in observed else None, kept)
         observed[key] = Observed(cur, kept)
         if isinstance(decision, SwitchPlan):
@@ -164,5 +161,6 @@ def simulate_loop(cluster: Cluster, profile: ModelProfile, global_batch: int, *,
             cur = replace(cur, shares=decision.shares)
         seconds += switch_s
         window, ranks, since = [], [], 0
+        stages = StageBaseline()  # (a new layout: its first window is the ranks' footing)
     return LoopResult(seconds, static_s, start, cur, tuple(events))
 

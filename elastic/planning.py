@@ -33,7 +33,7 @@ from clusters.pipeline_cost import SharedCores
 from strategies import StrategyOptions, StrategySpec
 from strategies.blocks import block_params, blocks_of
 
-__all__ = ["live_cluster", "model_profile", "auto_spec", "auto_plan", "plan_spec",
+__all__ = ["live_cluster", "model_profile", "auto_spec", "auto_plan", "plan_spec", "param_costs",
            "balanced_shares", "block_params", "comm_config", "device_hosts", "device_kinds",
            "shared_cores", "measured_model", "block_stage_split", "spec_plan"]
 
@@ -252,10 +252,14 @@ def plan_spec(p: Plan) -> StrategySpec:
     return StrategySpec(**kw)
 
 
+def param_costs(model: nn.Module) -> list[float]:
+    """Each pipeline block's parameters (at least 1), the cost proxy without timings."""
+    return [float(max(1, p)) for p in block_params(model)]
+
+
 def speed_stage_split(model: nn.Module, stage_speeds: Sequence[float]) -> tuple[int, ...]:
     """Pipeline stages from layer costs (parameters as the cost proxy) and device speeds."""
-    costs = [max(1, p) for p in block_params(model)]
-    return split_stages(costs, list(stage_speeds))
+    return split_stages(param_costs(model), list(stage_speeds))
 
 
 def block_stage_split(block_costs: Sequence[float], stage_speeds: Sequence[float]

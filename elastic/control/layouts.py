@@ -196,6 +196,7 @@ class Layouts:
             return None
         self.block_costs = [statistics.median(col) for col in zip(*rows, strict=True)]
         return self.block_costs
+
     def segment_end(self, step: int, end: int, group: Any, pause: int | None = None) -> int:
         """Where a segment from ``step`` stops for the layouts' sake: a scheduled switch,
         the next re-balancing check while balancing, after step ``pause`` (the caller's:
@@ -461,3 +462,12 @@ def _shardable_only(model: Any) -> dict[str, Any]:
         return {}
     return {"strategies": [s for s in STRATEGIES if s != "zero3"],
             "dp_modes": [m for m in DP_MODES if m != "zero3"]}
+
+
+def block_weights(layouts: Layouts, group: Any) -> list[float]:
+    """What each block weighs in a pipeline's split: its measured seconds per sample, as
+    the start's split used them (``Layouts._block_costs``), else its parameters
+    (``planning.param_costs``, as ``speed_stage_split``)."""
+    from ..planning import param_costs
+
+    return layouts._block_costs(group) or param_costs(layouts.probe_model)  # noqa: SLF001

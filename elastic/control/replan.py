@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from clusters.measured import Spread, robust
 from clusters.plan import Plan
@@ -168,6 +168,7 @@ class Replanner:
         self._spec = spec
         self._start = None
         self._steps, self._ranks = {}, {}
+        self._stages = StageBaseline()  # (its first window is the ranks' footing)
 
     def _window(self) -> list[float]:
         steps = sorted(self._steps)[_SKIP:][-_WINDOW:]
@@ -194,13 +195,12 @@ class Replanner:
         if len(times) < self.policy.min_steps:
             return None
         self._start = step  # the next decision after another replan_every steps
-        obs, plans, parts = self._observe(step, spec, times, group)
-        slow = self.policy.stragglers(obs)
+        figs = self._figures(spec)
+        slow = self.policy.slower(figs.rank_s, figs.rel, spec.name == "pipeline")
         ids = [group.workers[r].worker_id for r in slow]
-        if ids:  # the re-fit's point of this layout: the span the ranks' figures cover
-            if not set(ids) <= set(self._named):  # a worker newly slower: every other
-                self._forget_others(spec)  # layout's figure is from before it slowed
-            obs, plans, parts = self._observe(step, spec, times, group, recent=True)
+        if not set(ids) <= set(self._named):  # a worker newly slower: every other layout's
+            self._forget_others(figs.current)  # figure is from before it slowed
+        obs, plans, parts = self._observe(step, times, figs, group, recent=bool(ids))
         if self._refused:  # plans the strategy refused to lay out: never decided again
             obs = dataclasses.replace(obs, candidates=tuple(
                 c for c in obs.candidates if c[0] not in self._refused or c[0] == obs.current),
@@ -217,7 +217,7 @@ class Replanner:
                 "rank_s_per_sample": list(obs.rank_s), "shares": list(obs.shares),
                 "recut": list(obs.recut), "cut": obs.cut, **parts}
         self._emit("replan", f"{kind}: {decision.reason}", data=data, step=step)
-        named, self._named = self._named, tuple(ids)  # (a switch that won names none)
+        named, self._named = self._named, tuple(ids)
         if slow and tuple(ids) != named:  # named once while it stays one (by worker: a rank
             # number may be another worker's after a change)
             self._emit("straggler", f"rank(s) {list(slow)} (workers {ids}) compute "
@@ -239,15 +239,13 @@ class Replanner:
             return self._expect
         return None
 
-    def _observe(self, step: int, spec: StrategySpec, times: list[float], group: Any,
-                 recent: bool = False) -> tuple[ReplanObservation, dict[str, Plan], dict[str, Any]]:
-        """The observation for the policy (``clusters.refit.observe``, as the simulator
-        builds it), the candidate plans by label, and the re-fit's figures for the event."""
-        from clusters.refit import Observed, observe
-
+    def _figures(self, spec: StrategySpec) -> _Figures:
+        """The running plan and each rank's compute per sample over the last steps: on the
+        model's scale (``LiveScale``) where a model was planned; a pipeline's as each
+        rank's ratio to its stage at the layout's start (``StageBaseline``), its stages'
+        own figures beside them."""
         from ..planning import spec_plan
 
-        st = robust(times)
         ranks = sorted(self._ranks)
         # the ranks as they are now: the last replan_every steps (a straggler that appears
         # after a long window shows at the next decision)
@@ -257,42 +255,52 @@ class Replanner:
         full = len(ranks) == spec.world_size
         rank_s = tuple(s.median / frac for s in per_rank) if full else ()
         rel = tuple(s.rel for s in per_rank) if full else ()
-        piped = spec.name == "pipeline" and bool(rank_s)
         lay = self.layouts
-        switch_s = max(lay.apply_s[1:], default=2 * max(lay.apply_s, default=0.5))
-        remaining = max(0, self.cfg.max_steps - step)
         planned = lay.measured is not None and len(lay.ids) == spec.world_size
         ids = lay.ids if planned else [str(r) for r in range(spec.world_size)]
         current = spec_plan(spec, ids, lay.probe_model)
         mm = lay.measured if planned else None
         key = (spec.name, spec.dp_mode, tuple(ids))
-        stage_s: tuple[float, ...] = ()
-        if mm is not None and rank_s and piped:  # its stages' compute, put on the scale of
-            # the devices' whole-model figures (``stage_fractions``)
+        if mm is not None and rank_s and current.is_pipeline:  # its stages' compute, on the
+            # scale of the devices' whole-model figures (``stage_fractions``)
             whole = [t / f for t, f in zip(rank_s, stage_fractions(current, mm.profile,
                                                                    lay.cluster), strict=True)]
             k = self._scale.factor(key, whole, ids, mm.model)  # (kept across re-splits)
             rank_s = tuple(t * k for t in rank_s)
         elif mm is not None and rank_s:  # (a layout's first window fixes the factor)
             rank_s = self._scale(key, rank_s, ids, mm.model)
-        if piped:
-            stage_s, rank_s = rank_s, self._stages(plan_key(current), current, rank_s)
+        if current.is_pipeline and rank_s:
+            return _Figures(current, mm, self._stages(current, rank_s), rel, rank_s)
+        return _Figures(current, mm, rank_s, rel, ())
+
+    def _observe(self, step: int, times: list[float], figs: _Figures, group: Any,
+                 recent: bool) -> tuple[ReplanObservation, dict[str, Plan], dict[str, Any]]:
+        """The observation for the policy (``clusters.refit.observe``, as the simulator
+        builds it), the candidate plans by label, and the re-fit's figures for the event.
+        ``recent``: a straggler is named, so the re-fit's point of this layout is the span
+        the ranks' figures cover."""
+        from clusters.refit import Observed, observe
+
+        from .layouts import block_weights
+
+        lay, current, mm = self.layouts, figs.current, figs.mm
+        switch_s = max(lay.apply_s[1:], default=2 * max(lay.apply_s, default=0.5))
         earlier = self.observed.get(plan_key(current))
         self.memory.note_window(times, self.policy.min_steps, earlier[1] if earlier else None,
                                 recent=self.every)
-        mem = self.memory.observe_args(current.label)
+        mem = self.memory.observe_args(current.label, current.stage_split)
         mem["recut"] = mem["recut"] and self.cfg.balance != "off"
         view = observe(  # without a planned model: the window and the ranks' compute only
             model=mm.model if mm else None, profile=mm.profile if mm else None,
             cluster=lay.cluster if mm else None,
-            global_batch=self.cfg.global_batch_size, current=current, step=st,
+            global_batch=self.cfg.global_batch_size, current=current, step=robust(times),
             observed=[Observed(p, sp) for p, sp in self.observed.values()],
-            remaining=remaining, switch_s=switch_s, rank_s=rank_s, rank_rel_sd=rel,
-            kinds=dict(zip(ids, lay.kinds, strict=False)),
-            replan=self.cfg.strategy == "auto" and mm is not None,
-            stage_s=stage_s, block_weights=self._block_weights(mm) if piped else (),
-            recent=robust(times[-self._recent():]) if recent else None,
-            **mem)
+            remaining=max(0, self.cfg.max_steps - step), switch_s=switch_s,
+            rank_s=figs.rank_s, rank_rel_sd=figs.rel,
+            kinds=dict(zip(current.devices, lay.kinds, strict=False)),
+            replan=self.cfg.strategy == "auto" and mm is not None, stage_s=figs.stage_s,
+            block_weights=block_weights(lay, group) if figs.stage_s else (),
+            recent=robust(times[-self._recent():]) if recent else None, **mem)
         parts: dict[str, Any] = {}
         if view.model is not None:
             parts = {"step_overhead_s": view.model.step_overhead,
@@ -300,40 +308,32 @@ class Replanner:
                                         | {current.label})}
         return view.obs, dict(view.plans), parts
 
-    def _forget_others(self, spec: StrategySpec) -> None:
-        """Drop the figures of the layouts that ran before ``spec`` (and what the last
+    def _forget_others(self, current: Plan) -> None:
+        """Drop the figures of the layouts that ran before ``current`` (and what the last
         decision would check against them)."""
-        from ..planning import spec_plan
-
-        if self.layouts.ids and len(self.layouts.ids) == spec.world_size:
-            key = plan_key(spec_plan(spec, self.layouts.ids, self.layouts.probe_model))
-            self.observed = {k: v for k, v in self.observed.items() if k == key}
+        self.observed = {k: v for k, v in self.observed.items() if k == plan_key(current)}
         self.memory.forget_last()
 
     def _recent(self) -> int:
         """The steps the ranks' figures cover (``replan_every``, at least the policy's least)."""
         return max(self.every, self.policy.min_steps)
 
-    def _block_weights(self, mm: Any) -> tuple[float, ...]:
-        """What a pipeline's blocks weigh for a re-split: as the planned model splits a
-        device's work (``clusters.cost.block_weights``), else the blocks' measured times,
-        else their parameters."""
-        from clusters.cost import block_weights
-
-        if mm is not None:
-            return block_weights(mm.profile)
-        costs = self.layouts.block_costs
-        if costs:
-            return tuple(costs)
-        from strategies.blocks import block_params
-
-        return tuple(float(max(1, p)) for p in block_params(self.layouts.probe_model))
-
     def _forward_fraction(self) -> float:
         """Forward's part of forward+backward, as the profiler measured it (else 1/3)."""
         mm = self.layouts.measured
         frac = getattr(mm, "spreads", {}).get("forward_fraction") if mm is not None else None
         return float(frac) if frac else 1.0 / 3.0
+
+
+class _Figures(NamedTuple):
+    """The running plan, its planned model (None: none) and the ranks' figures
+    (``Replanner._figures``)."""
+
+    current: Plan
+    mm: Any
+    rank_s: tuple[float, ...]
+    rel: tuple[float, ...]
+    stage_s: tuple[float, ...]
 
 
 def _same(a: StrategySpec, b: StrategySpec) -> bool:

@@ -253,7 +253,8 @@ class FakeGroup:
                      "step_time": dt * level, "samples": share, "samples_per_s": 400.0,
                      "time": 0.0, "generation": self.generation,
                      "global_samples": 4 * len(self.workers),
-                     "compute_s": self._compute(s).get(w.rank, 1e-3) * share / 3}
+                     "compute_s": self._compute(s).get(w.rank, 1e-3) * share / 3
+                     * self._blocks_share(w.rank)}
                 if s in seqs:
                     m.update(checkpoint_begun=s + 1, checkpoint_blocked_s=0.001,
                              checkpoint_seq=seqs[s])
@@ -294,6 +295,15 @@ class FakeGroup:
     def memory_counts(self, timeout_s: float | None = None) -> list[dict[str, int]]:
         self.calls.append(("memory_counts", timeout_s))
         return [{"params": 1, "grads": 1, "optim": 1} for _ in self.workers]
+
+    def _blocks_share(self, rank: int) -> float:
+        """A pipeline rank's blocks over an even split's (its compute follows its blocks)."""
+        sp = self.spec
+        if sp is None or sp.name != "pipeline" or not sp.stage_split:
+            return 1.0
+        pos = rank // (sp.world_size // sp.pp_degree)
+        mine = sum(b for k, b in enumerate(sp.stage_split) if k % sp.pp_degree == pos)
+        return mine * sp.pp_degree / sum(sp.stage_split)
 
     def _compute(self, step: int) -> dict[int, float]:
         since = [k for k in self.compute_from if k <= step]

@@ -562,7 +562,10 @@ def test_loop_memory_is_what_the_next_decision_checks():
     # a pipeline's split the loop re-cut follows its stages' times from then on
     mem.after(RecutShares((4, 2), (1,), 0.01, 0.2, "split", cut="stage split"), "pp2", (3, 3),
               0.1)
-    assert mem.observe_args("pp2")["own_split"] and not mem.observe_args("dp")["own_split"]
+    assert mem.observe_args("pp2", (4, 2))["own_split"]
+    # not the planner's split under the same label (the label leaves the split out)
+    assert not mem.observe_args("pp2", (3, 3))["own_split"]
+    assert not mem.observe_args("dp")["own_split"]
     # a switch on a prediction: the layout it left is adjacent at the next decision only;
     # a switch to a measured figure (a way back) leaves nothing to check
     mem.after(SwitchPlan("zero2", 0.01, 0.2, "predicted"), "dp", (32, 32), 0.1)

@@ -65,3 +65,25 @@ def test_the_live_compute_reaches_the_policy_on_the_models_scale_and_a_later_str
     assert events[-2][2]["rank_s_per_sample"] == pytest.approx([c[0], 3 * c[1]], rel=1e-6)
     kind, msg, data = events[-1]
     assert kind == "straggler" and data["ranks"] == [1] and data["workers"] == ["w1"], msg
+
+
+def test_a_decision_with_a_straggler_observes_once_and_counts_the_hosts_drift_once(monkeypatch):
+    """While a straggler is named, the re-fit's point of the layout is the ranks' span: the
+    loop names it from the ranks' figures first and builds the observation once. Was: it
+    built one, found the straggler in it, and built another, a planner call more at every
+    decision and the window's drift counted twice in ``LoopMemory.drifts``."""
+    import clusters.refit
+
+    rp, mm, events, c = _loop()
+    frac = mm.spreads["forward_fraction"]
+    spec = StrategySpec("dp", world_size=2, shares=(32, 32))
+    step = mm.model.estimate(spec_plan(spec, rp.layouts.ids, None), rp.layouts.cluster,
+                             mm.profile).step_time
+    group = SimpleNamespace(workers=[SimpleNamespace(worker_id=f"w{r}") for r in range(2)])
+    seen: list[Any] = []
+    real = clusters.refit.observe
+    monkeypatch.setattr(clusters.refit, "observe", lambda **kw: seen.append(kw) or real(**kw))
+    _feed(rp, spec, range(0, 60), step, [c[0], 3 * c[1]], frac)
+    rp.decide(30, spec, group)
+    assert len(seen) == 1 and seen[0]["recent"] is not None  # rank 1 named: its span
+    assert len(rp.memory.drifts) <= 1 and rp._named == ("w1",)
