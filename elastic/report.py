@@ -236,7 +236,8 @@ def write_report(run_dir: str, out_dir: str | None = None, x_axis: str = "step")
         xs = [(m["time"] - t0) if _num(m.get("time")) else float("nan") for m in ms]
         xlabel = "wall time since start (s)"
     loss = [m["loss"] if _num(m.get("loss")) else float("nan") for m in ms]
-    # a step completed while a worker was lost (a ``note``): no speed measured (was: a 0)
+    # a step completed while a worker was lost (a ``note``) has no speed: None since session
+    # 43, 0.0 in runs written before (drawn as a drop that never happened)
     speed = [m["samples_per_s"] if _num(m.get("samples_per_s")) and "note" not in m
              else float("nan") for m in ms]
     world = [float(m["world_size"]) if _num(m.get("world_size")) else float("nan") for m in ms]

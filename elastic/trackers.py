@@ -76,8 +76,8 @@ class Tracker:
     def log_steps(self, entries: list[dict[str, Any]]) -> None:
         """Completed steps, in order: ``step`` (as in metrics.jsonl), ``time`` (Unix
         seconds) and the numbers of ``METRIC_KEYS`` the step has (a step completed while a
-        worker was lost, with a ``note``: no ``samples_per_s`` or ``step_time``, and a NaN
-        ``loss``: none was measured). Once it returns they count as kept: a resumed job
+        worker was lost, with a ``note``: ``samples_per_s`` and ``step_time`` None, and a
+        NaN ``loss``: none was measured). Once it returns they count as kept: a resumed job
         does not send them again."""
 
     def log_events(self, events: list[Event]) -> None:
@@ -515,12 +515,8 @@ class TrackerView(View):
         self.inner.step(entry)
         if entry["step"] > self._logged:
             self._logged = entry["step"]
-            sent = dict(entry)
-            if "note" in sent:  # completed while a worker was lost: its speed was not
-                sent.pop("samples_per_s", None)  # measured (was: sent as 0, a drop to
-                sent.pop("step_time", None)  # nothing on the charts)
             for r in self._runners:
-                r.put("steps", [dict(sent)])
+                r.put("steps", [dict(entry)])
         self._say()
 
     def event(self, ev: Event) -> None:

@@ -60,7 +60,7 @@ class PlainView(View):
         s = e["step"] + 1
         if s % self.log_every == 0 or s == self.max_steps:
             self._p(f"[elastic] step {s}/{self.max_steps} loss {e['loss']:.4f} "
-                    f"{e['samples_per_s']:.0f} samples/s world {e['world_size']} "
+                    f"{e['samples_per_s'] or 0:.0f} samples/s world {e['world_size']} "
                     f"strategy {e['strategy']}{_optim_line(e)}")
 
     def event(self, ev: Event) -> None:
@@ -127,7 +127,7 @@ class RichView(View):
         head.add_row(
             f"[bold]{escape(self.job)}[/]", f"step {done}/{self.max_steps}",
             f"loss [cyan]{e.get('loss', float('nan')):.4f}[/]",
-            f"{e.get('samples_per_s', 0.0):,.0f} samples/s",
+            f"{e.get('samples_per_s') or 0.0:,.0f} samples/s",
             f"strategy [magenta]{escape(str(e.get('strategy', '-')))}[/]",
             f"world {e.get('world_size', len(self.infos))}",
             f"{self.clock() - self.t0:,.0f}s",

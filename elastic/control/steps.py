@@ -125,8 +125,9 @@ class StepLog:
         gen = m["generation"] if m else generation
         entry: dict[str, Any] = {
             "step": step, "loss": m["loss"] if m else float("nan"),
-            "samples_per_s": m["samples_per_s"] if m else 0.0,
-            "step_time": m["step_time"] if m else 0.0, "world_size": spec.world_size,
+            # none measured while a worker was lost (None: no tracker or chart draws a 0)
+            "samples_per_s": m["samples_per_s"] if m else None,
+            "step_time": m["step_time"] if m else None, "world_size": spec.world_size,
             "strategy": spec.name, "time": m["time"] if m else time.time(), "generation": gen}
         for key in ("lr", "grad_norm", "eval_loss", "skipped", "gate", "gate_time",
                     "peer_copies_off"):

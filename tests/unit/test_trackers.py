@@ -496,23 +496,26 @@ def test_a_custom_trackers_options_are_checked_against_its_class_before_ray():
 
 
 def test_a_step_completed_while_a_worker_was_lost_sends_no_speed(tmp_path):
-    """A step whose metrics were lost with a worker (metrics.jsonl: ``note``, loss null,
-    ``samples_per_s`` and ``step_time`` 0) goes to the trackers without a speed or a step
-    time; its loss is NaN and its world size as it was. Was: 0 samples/s and a 0 s step, a
-    drop to nothing on the charts that never happened."""
+    """A step whose metrics were lost with a worker is recorded (``StepLog.record``) with a
+    ``note``, a NaN loss and no speed or step time (None), and goes to the trackers without
+    them; its world size as it was. Was: 0 samples/s and a 0 s step, a drop to nothing on
+    the charts that never happened."""
     import math
 
     from elastic import trackers
+    from elastic.control.steps import StepLog
+    from strategies import StrategySpec
 
     cfg = _cfg(tmp_path, ["tensorboard"])
     cfg.run_dir = str(tmp_path / "run")
     v = trackers.TrackerView(View(), cfg)
     v.bind(lambda *a, **kw: None)
     v.start("job-lost", 10)
-    v.step(_entry(0))
-    v.step(dict(_entry(1), loss=float("nan"), samples_per_s=0.0, step_time=0.0,
-                note="completed while a worker was lost; its loss was not reported"))
-    v.step(_entry(2))
+    steps, spec = StepLog(None, v), StrategySpec("dp", 2, (4, 4))
+    steps.record(0, _entry(0), spec, 1)
+    steps.record(1, None, spec, 1)  # completed while a worker was lost
+    steps.record(2, _entry(2), spec, 1)
+    assert steps.history[1]["samples_per_s"] is None and "note" in steps.history[1]
     v.close()
     got = _tb_records(str(tmp_path / "run" / "tensorboard"))
     assert [s for s, tag, _ in got if tag == "samples_per_s"] == [0, 2]
