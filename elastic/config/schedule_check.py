@@ -14,9 +14,9 @@ __all__ = ["schedule_values"]
 
 
 def schedule_values(spec: dict[str, Any], max_steps: int) -> None:
-    """A built-in schedule's values, each named (``lr_schedule.total_steps``); which keys a
-    schedule takes is ``make_schedule``'s to say. Was: a total_steps of -5 or "1000"
-    taken (lr 0 from step 1, or a TypeError at step 0)."""
+    """A built-in schedule's values, each named (``lr_schedule.total_steps``), once its name
+    and keys passed ``make_schedule``. Was: a total_steps of -5 or "1000" taken (lr 0 from
+    step 1, or a TypeError at step 0)."""
     if "warmup_steps" in spec:
         integer(spec["warmup_steps"], "lr_schedule.warmup_steps", 0,
                 "e.g. warmup_steps: 100, or leave it out (no warm-up)")
@@ -27,10 +27,6 @@ def schedule_values(spec: dict[str, Any], max_steps: int) -> None:
             raise ConfigError("lr_schedule.min_ratio", f"must be at most 1, got {ratio!r}.",
                               "give the final lr as a fraction of it, e.g. min_ratio: 0.1")
     name = str(spec.get("name", "")).lower()
-    if "total_steps" in spec and name == "constant":
-        raise ConfigError("lr_schedule.total_steps", "constant has no decay for it to end: it "
-                          "would be ignored.", "drop total_steps, or use linear or cosine to "
-                          "decay over it")
     if "total_steps" not in spec or name not in ("linear", "cosine"):
         return
     total = integer(spec["total_steps"], "lr_schedule.total_steps", 1,

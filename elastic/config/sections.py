@@ -155,12 +155,13 @@ class Training(Section):
         if isinstance(spec, str) and spec.lower() in BUILT_IN:
             spec = {"name": spec}
         if isinstance(spec, dict) and "name" in spec and "target" not in spec:
-            schedule_values(spec, max_steps)
-            try:
-                return make_schedule(spec, max_steps)
+            try:  # its name and keys first, then each value by its name
+                fn = make_schedule(spec, max_steps)
             except ValueError as e:
                 raise ConfigError("lr_schedule", f"{e}.", "e.g. {name: cosine, warmup_steps: "
                                   "100, min_ratio: 0.1}") from None
+            schedule_values(spec, max_steps)
+            return fn
         return resolve_callable(spec, "lr_schedule")  # type: ignore[no-any-return]
 
     def strategy_options(self) -> dict[str, Any]:

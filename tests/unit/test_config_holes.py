@@ -154,7 +154,9 @@ def test_a_parquet_directory_is_an_eval_dataset_with_dataset_format_parquet(tmp_
     ({"name": "cosine", "min_ratio": True}, "lr_schedule.min_ratio", "finite number"),
     ({"name": "linear", "total_steps": 4}, "lr_schedule.total_steps",
      "the last 2 steps would train with lr 0"),
-    ({"name": "constant", "total_steps": 4}, "lr_schedule.total_steps", "would be ignored"),
+    ({"name": "constant", "total_steps": 4}, "lr_schedule",
+     "constant takes warmup_steps, not total_steps"),
+    ({"name": "cosin", "warmup_steps": -1}, "lr_schedule", "unknown schedule 'cosin'"),
 ])
 def test_lr_schedule_values_are_named(schedule, field, words):
     """Was: total_steps -5 taken (lr 0 from step 1), "1000" a TypeError at step 0, True a
