@@ -118,13 +118,19 @@ def number(value: Any, key: str, low: float = 0.0, *, above: bool = False,
     return value  # type: ignore[no-any-return]
 
 
-def one_of(value: Any, key: str, choices: Iterable[str], fix: str | None = None) -> str:
-    """One of ``choices`` (strings). YAML's booleans (unquoted ``off``/``no``/``false``,
-    ``on``/``yes``/``true``) are "off" and "on" where those are choices; the caller stores
+def on_off(value: Any, key: str, choices: Iterable[str]) -> str:
+    """``one_of`` for settings whose choices include "on"/"off": YAML's booleans (unquoted
+    ``off``/``no``/``false``, ``on``/``yes``/``true``) are those words. The caller stores
     the value returned."""
     choices = tuple(choices)
     if isinstance(value, bool) and ("on" if value else "off") in choices:
         return "on" if value else "off"
+    return one_of(value, key, choices)
+
+
+def one_of(value: Any, key: str, choices: Iterable[str], fix: str | None = None) -> str:
+    """One of ``choices`` (strings); a boolean is refused saying YAML read it so."""
+    choices = tuple(choices)
     if not isinstance(value, str) or value not in choices:
         near = did_you_mean(str(value), choices) if isinstance(value, str) else None
         hint = f"did you mean {near}? " if near else ""

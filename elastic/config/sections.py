@@ -22,6 +22,7 @@ from .checks import (
     flag,
     integer,
     number,
+    on_off,
     one_of,
     optional_flag,
     optional_integer,
@@ -398,9 +399,9 @@ class Parallelism(Section):
         # pipeline as a strategy that cannot run, or at a switch_at to one, mid-run)
         self._put("switch_at", _switch_at(self.switch_at, known))
         # (YAML reads unquoted off/on as booleans: stored as the words)
-        self._put("switch_check", one_of(self.switch_check, "switch_check", SWITCH_CHECKS))
+        self._put("switch_check", on_off(self.switch_check, "switch_check", SWITCH_CHECKS))
         one_of(self.switch_move, "switch_move", SWITCH_MOVES)
-        self._put("balance", one_of(self.balance, "balance", ("auto", "on", "off")))
+        self._put("balance", on_off(self.balance, "balance", ("auto", "on", "off")))
         if self.emulate is not None:
             if not isinstance(self.emulate, list):
                 raise ConfigError("emulate", f"must be a list (one entry per worker), got "
