@@ -53,3 +53,32 @@ def test_a_reset_while_a_segment_runs_retires_the_worker(tmp_path):
     got = json.loads(p.stdout.strip().splitlines()[-1])
     assert got["ok"] is False and "segment still ran" in got["why"], got
     assert got["ended"], got
+
+
+_LEFT = textwrap.dedent("""
+    import json, sys
+    import elastic.worker.actor as actor
+    from elastic.worker import Worker
+    from tests.unit.test_worker_components import _cfg
+
+    real = actor.reset_process
+    def left(base, **kw):  # as a GPU job that kept 3 GiB alive would leave it
+        out = real(base, **kw)
+        return {**out, "cuda_bytes": base.cuda_bytes + 3 * 2**30}
+    actor.reset_process = left
+    w = Worker(None, 0, False, 1)
+    w.assign(_cfg(__import__("pathlib").Path(sys.argv[1])).for_worker(), 0, None)
+    got = w.reset()
+    print(json.dumps({"ok": got["ok"], "why": got["why"]}))
+""")
+
+
+def test_a_reset_that_finds_gpu_memory_left_retires_the_worker(tmp_path):
+    """The reset's verdict on what a job left (``recycle.left_behind``) is the worker's: one
+    whose job left 3 GiB allocated on the GPU says not ok (the pool retires it)."""
+    p = subprocess.run([sys.executable, "-c", _LEFT, str(tmp_path)], capture_output=True,
+                       text=True, timeout=120, cwd=str(__import__("pathlib").Path(
+                           __file__).resolve().parents[2]))
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert got == {"ok": False, "why": "the job left 3072 MiB allocated on the GPU"}, got

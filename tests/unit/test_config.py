@@ -17,7 +17,7 @@ import torch
 import elastic
 from elastic.config import Checkpoints, JobConfig
 from elastic.errors import ConfigError
-from tests.helpers import RegressionData, adam, mlp, mse
+from tests.helpers import RegressionData, adam, mlp, mse, wide_mlp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SECRET = "Zq9-SECRET-7f3a1c"  # distinctive: searched for in everything written
@@ -286,6 +286,23 @@ def test_a_parquet_column_the_job_names_that_the_data_lacks_names_the_column_set
     with pytest.raises(ConfigError) as ei:
         elastic.fit(**{**job, "dataset": str(no_ray / "empty"), "dataset_format": "parquet"})
     assert ei.value.field == "dataset" and "holds no Parquet file" in str(ei.value)
+
+
+def test_a_resume_into_another_model_is_refused_before_ray(no_ray):
+    """The controller hands its model to the resume's check: a job whose model is wider
+    than its checkpoint's stops before Ray with the entries named, and the job with the
+    model it was trained with reaches Ray (``test_checkpoint_safety.py`` has the check)."""
+    from elastic.checkpoint import CheckpointMeta, CheckpointStore, commit, write_shard
+
+    src = CheckpointStore(str(no_ray / "src"))
+    commit(src, 3, [write_shard(src, 3, 0, {f"model/{k}": v for k, v in
+                                            mlp().state_dict().items()})], CheckpointMeta())
+    job = _base(resume=src.uri, checkpoint_uri=str(no_ray / "own"), run_dir=str(no_ray / "r"))
+    with pytest.raises(ConfigError) as ei:
+        elastic.fit(**{**job, "model": wide_mlp})
+    assert ei.value.field == "resume" and "holds another model" in str(ei.value)
+    with pytest.raises(ReachedRay):
+        elastic.fit(**job)
 
 
 def test_the_sample_check_leaves_the_model_as_it_was():

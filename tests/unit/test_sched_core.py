@@ -674,7 +674,6 @@ def test_the_runners_timeout_says_so_and_its_stop_does_not_wait(monkeypatch):
     queue.Empty: "resize to 4 refused: "); a stop is posted, not waited for (was: up to
     300 s of the scheduler's tick, for a job still placing its workers)."""
     import threading
-    import time
 
     import elastic.sched_runner as runner_mod
     from elastic.sched_runner import ControllerRunner, RunningJob
@@ -688,9 +687,7 @@ def test_the_runners_timeout_says_so_and_its_stop_does_not_wait(monkeypatch):
         runner.scale(h, 4)
     done = threading.Event()
     threading.Thread(target=lambda: (runner.stop(h), done.set()), daemon=True).start()
-    t0 = time.monotonic()
     assert done.wait(2.0), "the stop waited for its answer"
-    assert time.monotonic() - t0 < 2.0
     assert [r.kind for r in posted] == ["scale", "stop"]
 
 

@@ -197,6 +197,12 @@ def test_a_slowdown_fault_makes_the_rank_compute_slower_from_its_step(tmp_path):
     assert prof.slowdown == 1.0
     faults.at_step(1, 5, 1)
     assert prof.slowdown == 3.0 and prof.emulation == {"memory_gb": 4, "slowdown": 3.0}
+    from elastic.worker import Worker  # and a worker's own faults reach its own profiler
+
+    w = Worker(_cfg(tmp_path, faults=[{"rank": 0, "step": 2, "action": "slowdown",
+                                       "factor": 4, "dir": str(tmp_path / "w")}]), 0, False, 1)
+    w.faults.at_step(0, 2, 1)
+    assert w.profiler.slowdown == 4.0
     for bad in ({"rank": 0, "step": 1, "action": "slowdown"},
                 {"rank": 0, "step": 1, "action": "slowdown", "factor": 0.5},
                 {"rank": 0, "step": 1, "action": "slow", "factor": 2, "seconds": 1}):
