@@ -75,13 +75,11 @@ class EndedRun:
     history: list[dict[str, Any]]
     run_dir: str | None = None
     params: dict[str, Any] | None = None
-    had_params: bool = False  # (set when made with them: a later read can say they went)
-
-    def __post_init__(self) -> None:
-        self.had_params = self.params is not None
+    taken: bool = False  # its parameters were handed out (``take_params``)
 
     def take_params(self) -> dict[str, Any] | None:
         params, self.params = self.params, None
+        self.taken = self.taken or params is not None
         return params
 
 

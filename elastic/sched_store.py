@@ -55,16 +55,13 @@ class QueueStore:
             self._db.execute("INSERT OR REPLACE INTO jobs VALUES (?, ?, ?, 'queued', ?, '{}')",
                              (name, seq, submitted_wall, cfg_blob))
 
-    def requeue(self, name: str, cfg_blob: bytes, row: dict[str, Any]) -> None:
-        """A job queued again at a restart, with the config it runs again with."""
+    def update(self, name: str, state: str, row: dict[str, Any],
+               cfg_blob: bytes | None = None) -> None:
+        """A job's state and row; ``cfg_blob``: the config it runs (again) with, if new."""
         with self._lock:
-            self._db.execute("UPDATE jobs SET state = 'queued', cfg = ?, row = ? WHERE name = ?",
-                             (cfg_blob, json.dumps(_jsonable(row)), name))
-
-    def update(self, name: str, state: str, row: dict[str, Any]) -> None:
-        with self._lock:
-            self._db.execute("UPDATE jobs SET state = ?, row = ? WHERE name = ?",
-                             (state, json.dumps(_jsonable(row)), name))
+            self._db.execute("UPDATE jobs SET state = ?, row = ?, cfg = COALESCE(?, cfg) "
+                             "WHERE name = ?", (state, json.dumps(_jsonable(row)), cfg_blob,
+                                                name))
 
     def load(self) -> list[tuple[str, float, str, bytes, dict[str, Any]]]:
         """(name, submitted_wall, state, cfg blob, last row), in submission order."""
@@ -136,7 +133,8 @@ def restore(core: SchedulerCore, store: QueueStore, loads: Callable[[bytes], Any
             j.reason = ("queued again: it was running when the scheduler stopped"
                         if state == "running" else "queued again after a scheduler restart")
             if state == "running":  # stored as it runs again: a second restart goes on from
-                store.requeue(name, dumps(cfg), j.row())  # there (was: its first config)
+                store.update(name, "queued", j.row(), dumps(cfg))  # there (was: its first
+                # config)
             queued += 1
         else:
             j = QueuedJob(name, cfg, submitted, state=state, reason=row.get("reason") or state,

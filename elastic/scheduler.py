@@ -141,12 +141,14 @@ class SchedulerActor:
         if j.state in ("queued", "running"):
             return None
         res = j.result
+        taken = res is not None and res.taken
         params = res.take_params() if res is not None else None
         out = {"state": j.state, "error": j.error, "row": j.row(),
                "steps": j.step if res is not None else 0,  # (a resumed job's: all its steps)
                "history": list(res.history) if res is not None else [],
-               "state_dict": params, "run_dir": res.run_dir if res is not None else None}
-        if res is not None and params is None and res.had_params:
+               "state_dict": params, "run_dir": res.run_dir if res is not None else None,
+               "params_taken": taken}
+        if taken:
             out["note"] = ("the final parameters were handed out by an earlier result() call "
                            "(the scheduler keeps no ended job's model); its checkpoints hold "
                            "them")
@@ -165,8 +167,9 @@ class SchedulerActor:
             except Exception:  # noqa: BLE001 - it ended meanwhile
                 pass
         deadline = time.monotonic() + 300  # the stops are posted: each job's end waited for
-        for h in running:
-            h.thread.join(max(0.0, deadline - time.monotonic()))
+        while (any(not self.core.runner.done(h) for h in running)
+               and time.monotonic() < deadline):
+            time.sleep(0.1)
         if self.pool is not None:
             self.pool.close()
 

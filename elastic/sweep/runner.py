@@ -168,8 +168,8 @@ class TrialRunner:
             raise ElasticError(f"the scheduler's job {job.job_name!r} finished before its "
                                "scheduler restarted, which keeps no job's results: the "
                                "trial's value is lost (its run directory has its metrics)")
-        if out.get("state_dict") is None and out.get("note"):  # read before (it is handed
-            raise ElasticError(f"the scheduler's job {job.job_name!r}: {out['note']}")  # once)
+        if out.get("params_taken"):  # read before (they are handed out once)
+            raise ElasticError(f"the scheduler's job {job.job_name!r}: {out['note']}")
         final = {f"model/{k}": v for k, v in (out.get("state_dict") or {}).items()}
         return FitResult(final, list(out.get("history") or []), [], out.get("run_dir") or "")
 

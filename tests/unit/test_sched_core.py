@@ -758,6 +758,7 @@ def test_the_schedulers_shutdown_stops_every_job_at_once_and_waits_for_their_end
     def job(name: str) -> RunningJob:  # ends 0.2 s after its stop is posted
         stopped = threading.Event()
         h = object.__new__(RunningJob)
+        h.ended_at = None
         h.controller = SimpleNamespace(post=lambda req: stopped.set())
         h.thread = threading.Thread(target=lambda: stopped.wait(5) and (
             threading.Event().wait(0.2), ends.append(name)), daemon=True)
