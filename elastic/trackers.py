@@ -270,7 +270,8 @@ class MlflowTracker(Tracker):
     def log_events(self, events: list[Event]) -> None:
         self._events += [f"step {ev.step}: {ev.kind}: {ev.message}" for ev in events]
         if time.monotonic() - self._written >= EVENTS_EVERY_S:  # (a driver killed before
-            self._write_events()  # its end leaves the events up to the last minute)
+            self._write_events()  # its end leaves those up to its last write: the events
+            # that came within a minute of one wait for the next event, or the end)
 
     def _write_events(self) -> None:
         self._written = time.monotonic()
@@ -504,8 +505,8 @@ class TrackerView(View):
             r.put("start", _resumed(run, prior.get(key)))
             self._runners.append(r)
         early, self._early = self._early or [], None  # (the fork, the cluster, the claim:
-        for r in self._runners:  # said while the job started, before its run directory)
-            if early:
+        if early:  # said while the job started, before its run directory)
+            for r in self._runners:
                 r.put("events", list(early))
 
     def workers(self, infos: list[dict[str, Any]]) -> None:

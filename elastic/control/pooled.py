@@ -52,11 +52,8 @@ class PooledPlacement(Placement):
             return []
         bundle = self.bundle()
         procs = self.pool.take(self._key(), n, free=free_by_node(bundle))
-        out: list[tuple[WorkerRec, Any]] = []
         try:
-            for p in procs:
-                out.append(self._assign(p.handle, p.pg, True))
-            return out
+            return [self._assign(p.handle, p.pg, True) for p in procs]
         except BaseException:
             self.pool.cold_placed(n - len(procs))
             # those never handed the job (the one whose assign raised is in ``_mine``: given

@@ -106,7 +106,7 @@ class Baseline:
     num_threads: int
     roots: tuple[str, ...] = field(default_factory=_library_roots)
     path: tuple[str, ...] = field(default_factory=lambda: tuple(sys.path))  # import path
-    cuda_bytes: int = field(default_factory=lambda: _cuda_allocated())  # the start's own
+    cuda_bytes: int = field(default_factory=_cuda_allocated)  # the start's own
     backends: dict[str, Any] = field(default_factory=lambda: _backends())
     _ready: set[tuple[int, int]] = field(default_factory=set)  # (thread, job): on_thread
 
@@ -242,7 +242,7 @@ def reset(base: Baseline, keep_threads: set[int] | frozenset[int] = frozenset(),
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        cuda_bytes = _cuda_allocated()
+        cuda_bytes = int(torch.cuda.memory_allocated())
     if freeze:
         gc.freeze()
     extra = [t for t in threading.enumerate() if t.is_alive() and t.ident not in base.threads
