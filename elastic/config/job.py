@@ -27,6 +27,7 @@ from typing import Any
 from elastic.checkpoint.location import (
     OWN_RESUMES,
     StorageLocation,
+    collect_secrets,
     is_secret_option,
     redact,
     scrub,
@@ -388,8 +389,8 @@ class JobConfig(JobCode):
             for k, v in opts.items():
                 if is_secret_option(k):
                     found.update(_texts(v))
-                else:  # a URL's password under any name (endpoint: https://u:pw@host)
-                    found.update(_url_passwords(v))
+                else:  # a URL's credentials under any name (endpoint: https://u:pw@host)
+                    found.update(_url_secrets(v))
         out = tuple(sorted(found, key=len, reverse=True))
         self._secrets_of = (parts, out)
         return out
@@ -448,19 +449,25 @@ def _ray_submission_id() -> str | None:
         return None
 
 
-def _url_passwords(value: Any) -> set[str]:
-    """The passwords of the URLs (``scheme://user:password@host``) in ``value``."""
-    from urllib.parse import urlsplit
+def _url_secrets(value: Any) -> set[str]:
+    """The credentials of the URLs in ``value``: a password (``scheme://user:pw@host``, as
+    given and decoded; a short one only where it stands in its URL: "pw" is in many words)
+    and a query's credentials (``?token=...``: ``collect_secrets``'s rule; the user name is
+    not one here, as it is for an object store's key)."""
+    from urllib.parse import unquote, urlsplit
 
-    out = set()
+    out: set[str] = set()
     for t in _texts(value):
-        if "://" in t and "@" in t:
-            try:
-                pw = urlsplit(t.strip()).password
-            except ValueError:
-                continue
-            if pw:  # (a short one only where it stands in its URL: "pw" is in many words)
-                out.add(pw if len(pw) >= 4 else f":{pw}@")
+        if "://" not in t:
+            continue
+        try:
+            parts = urlsplit(t.strip())
+            pw = parts.password
+        except ValueError:
+            continue
+        out.update(collect_secrets(parts._replace(netloc=parts.hostname or "").geturl()))
+        for form in {pw, unquote(pw)} if pw else set():
+            out.add(form if len(form) >= 4 else f":{form}@")
     return out
 
 

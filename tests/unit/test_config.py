@@ -364,7 +364,8 @@ def test_a_custom_trackers_credentials_are_never_written_under_any_name(monkeypa
                                        "accessToken": "tok_ABCDEFGH12345",
                                        "auth": ["alice", "hunter2x9"], "password": "pw12345",
                                        "endpoint": f"https://svc:{SECRET}@host/api",
-                                       "mirror": "https://u:ab@mirror/api"}]))
+                                       "mirror": "https://u:ab@mirror/api",
+                                       "feed": "https://feed/x?token=tok99abc&page=2"}]))
     shown = cfg.to_dict()["trackers"][0]["custom"]
     assert shown["auth_header"] == "***" and shown["project"] == "demo-project"
     # camelCase, a list (requests' basic auth), a short password: masked, and redacted
@@ -383,6 +384,7 @@ def test_a_custom_trackers_credentials_are_never_written_under_any_name(monkeypa
     assert cfg.redact("reads /etc/mysvc/token-file") == "reads /etc/mysvc/token-file"
     # a URL's password under a plain option name (was: written as given, found by review)
     assert shown["endpoint"] == "https://svc:***@host/api" and ":ab@" not in text
+    assert shown["feed"] == "https://feed/x?token=***&page=2"
     assert cfg.redact("lab@work, about") == "lab@work, about"
 
 
