@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import difflib
 import math
-import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -46,13 +45,13 @@ def unknown(field: str, name: str, known: Iterable[str], what: str) -> ConfigErr
     return ConfigError(field, f"is not {what}.", fix)
 
 
-_EXPONENT = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)[eE]([+-]?)\d+")
-
-
 def _text_number(value: Any, whole: bool = False) -> tuple[str, str | None]:
     """For text that reads as a number: why it is text, and the value meant written so that
     YAML reads it as one (None when there is none: not a whole number for an integer
-    setting). ``("", None)`` for anything else."""
+    setting). ``("", None)`` for anything else. PyYAML itself says which: what it reads as
+    a number was quoted; what it does not is an exponent it does not take (``1e3``)."""
+    import yaml
+
     if not isinstance(value, str):
         return "", None
     text = value.strip()
@@ -62,21 +61,14 @@ def _text_number(value: Any, whole: bool = False) -> tuple[str, str | None]:
         return "", None
     if not math.isfinite(f):
         return "", None
-    yaml_float = re.fullmatch(r"[+-]?(\d+\.\d*|\.\d+)[eE][+-]\d+", text)  # YAML reads it
-    if not _EXPONENT.fullmatch(text) or (yaml_float and not whole):  # so: it was quoted
-        hint = " (text: a number in quotes is a string)"
-    else:
-        hint = (" (text: PyYAML reads an exponent as a number only with a decimal point and a "
-                "signed exponent, as in 1.0e+3" + (", and an integer setting takes no exponent)"
-                                                  if whole else ")"))
+    quoted = isinstance(yaml.safe_load(text), int | float)
+    hint = (" (text: a number in quotes is a string)" if quoted else
+            " (text: PyYAML reads an exponent as a number only with a decimal point and a "
+            "signed exponent, as in 1.0e+3" + (", and an integer setting takes no exponent)"
+                                              if whole else ")"))
     if whole:
         return hint, str(int(f)) if f.is_integer() else None
-    mantissa, _, exponent = text.lower().partition("e")
-    if "." not in mantissa:
-        mantissa += ".0"
-    if exponent and exponent[0] not in "+-":
-        exponent = "+" + exponent
-    return hint, mantissa + ("e" + exponent if exponent else "")
+    return hint, text if quoted else yaml.safe_dump(f).split("\n")[0]
 
 
 def _yaml_text(value: Any) -> str:

@@ -133,7 +133,7 @@ def test_assigning_a_setting_checks_it_and_the_controllers_writes_still_work():
 
 @pytest.mark.parametrize("settings, field, words", [
     ({"optimizer": {"name": "adam", "lr": "fast"}}, "optimizer.lr", "must be a number"),
-    ({"optimizer": {"name": "adam", "lr": "1e-3"}}, "optimizer.lr", "write 1.0e-3"),
+    ({"optimizer": {"name": "adam", "lr": "1e-3"}}, "optimizer.lr", "write 0.001"),
     ({"optimizer": {"name": "adamw", "betas": 0.9}}, "optimizer.betas", "list of 2 numbers"),
     ({"optimizer": {"name": "sgd", "nesterov": "yes"}}, "optimizer.nesterov", "true or false"),
     ({"optimizer": {"name": "adam", "params": []}}, "optimizer.params", "passed by elastic"),
