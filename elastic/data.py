@@ -24,12 +24,12 @@ __all__ = [
 
 
 class ColumnError(ValueError):
-    """A Parquet dataset lacks a column the job reads (``setting``: the setting naming it,
-    "" when the dataset has no file at all; ``have``: its columns)."""
+    """A Parquet dataset lacks ``column``, which the job's ``setting`` names (``have``:
+    its columns)."""
 
-    def __init__(self, message: str, setting: str, have: list[str]) -> None:
+    def __init__(self, message: str, setting: str, column: str, have: list[str]) -> None:
         super().__init__(message)
-        self.setting, self.have = setting, have
+        self.setting, self.column, self.have = setting, column, have
 
 
 class StepSampler:
@@ -140,13 +140,13 @@ class ParquetDataset:
 
             ds = pads.dataset(self.uri, format="parquet")
             if not ds.files:
-                raise ColumnError(f"Parquet dataset {self.uri} holds no Parquet file", "", [])
+                raise FileNotFoundError(f"Parquet dataset {self.uri} holds no Parquet file")
             have = list(ds.schema.names)
             for setting, col in (("input_column", self.input_column),
                                  ("target_column", self.target_column)):
                 if col not in have:
                     raise ColumnError(f"Parquet dataset {self.uri} has no column {col!r}; it "
-                                      f"has {have}. Set {setting}", setting, have)
+                                      f"has {have}. Set {setting}", setting, col, have)
             self._len = ds.count_rows()
         return self._len
 

@@ -117,10 +117,7 @@ def check_dataset_object(cfg: JobConfig, model: Any, field: str, ds: Any) -> Non
     try:
         n = len(ds)
     except ColumnError as e:  # (was: "cannot read the dataset's length", naming dataset)
-        if not e.setting:
-            raise ConfigError(field, f"{e}.", "point it at a directory or file holding the "
-                              "Parquet data (*.parquet)") from None
-        near = did_you_mean(getattr(cfg, e.setting), e.have)
+        near = did_you_mean(e.column, e.have)
         raise ConfigError(e.setting, f"{e}.", f"did you mean {near}?" if near else
                           f"use one of {e.have}") from None
     except Exception as e:
