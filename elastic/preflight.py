@@ -89,32 +89,30 @@ def check_switch_at(cfg: JobConfig, layouts: Any) -> None:
     ``switch_at[<step>]`` for one that could run on none (was: refused at its step, hours
     in: "switch_failed; training goes on"). ``auto`` is the planner's choice then, on the
     workers there are: not checked here."""
-    from strategies import StrategyError
-
     n = cfg.num_workers
-    others = [w for w in range(cfg.min_world, min(cfg.max_world, n + 64) + 1) if w != n]
+    sizes = [n, *(w for w in range(cfg.min_world, min(cfg.max_world, n + 64) + 1) if w != n)]
     for step, target in sorted(cfg.switch_at.items()):
         if target == "auto":
             continue
-        try:
-            layouts.check(layouts.make(target, n))
+        why = _refusal(layouts, target, n)
+        if why is None or any(_refusal(layouts, target, w) is None for w in sizes[1:]):
             continue
-        except StrategyError as e:
-            why = str(e)
-        for w in others:
-            try:
-                layouts.check(layouts.make(target, w))
-                break
-            except StrategyError:
-                continue
-        else:
-            sizes = (f"the {n} starting workers" if not others else
-                     f"any size the job may have ({cfg.min_world}..{cfg.max_world} workers; "
-                     f"on the {n} starting ones")
-            raise ConfigError(f"switch_at[{step}]", f"{target} could not run on {sizes}: "
-                              f"{why}{')' if others else ''}",
-                              f"change what it names, switch to another strategy at step "
-                              f"{step}, or drop this switch")
+        where = (f"the {n} starting workers" if len(sizes) == 1 else f"any size the job may "
+                 f"have ({cfg.min_world}..{cfg.max_world} workers), on the {n} starting ones")
+        raise ConfigError(f"switch_at[{step}]", f"{target} could not run on {where}: {why}",
+                          f"change what it names, switch to another strategy at step "
+                          f"{step}, or drop this switch")
+
+
+def _refusal(layouts: Any, name: str, world: int) -> str | None:
+    """Why ``layouts`` could not lay ``name`` out on ``world`` workers (None: it could)."""
+    from strategies import StrategyError
+
+    try:
+        layouts.check(layouts.make(name, world))
+    except StrategyError as e:
+        return str(e)
+    return None
 
 
 def _forward_error(cfg: JobConfig, parquet: bool, x: Any, e: Exception) -> ConfigError:

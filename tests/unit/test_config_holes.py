@@ -102,8 +102,8 @@ def test_a_switch_at_target_that_could_not_run_is_refused_before_the_job_starts(
     check_switch_at(grows, _layouts(grows))
     never = JobConfig(**_base(switch_at={3: "pipeline"}, pp_degree=5, num_workers=2,
                               max_workers=4, min_workers=1))
-    with pytest.raises(ConfigError, match=r"any size the job may have \(1..4 workers; on "
-                                          r"the 2 starting ones: pp_degree 5"):
+    with pytest.raises(ConfigError, match=r"any size the job may have \(1..4 workers\), "
+                                          r"on the 2 starting ones: pp_degree 5"):
         check_switch_at(never, _layouts(never))
 
 
