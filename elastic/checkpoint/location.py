@@ -27,6 +27,7 @@ from elastic.errors import ConfigError
 
 __all__ = [
     "StorageLocation",
+    "local_path",
     "SECRET_OPTIONS",
     "collect_secrets",
     "redact",
@@ -268,6 +269,22 @@ def _userinfo(netloc: str) -> dict[str, str]:
     return {k: unquote(v) for k, v in (("access_key", key), ("secret_key", secret)) if v}
 
 
+def local_path(uri: str) -> str:
+    """The local path a plain path or ``file://`` URI names (``file:///abs``, or
+    ``file://localhost/abs``). ``ValueError(problem, fix)`` for a ``file://`` URI with a
+    host: ``file://ckpt`` names host "ckpt" (was: dropped, so the path was / or the cwd)."""
+    parts = urlsplit(uri)
+    if parts.scheme != "file":
+        return uri
+    if parts.netloc not in ("", "localhost"):
+        raise ValueError(f"{uri} names the host {parts.netloc!r}: a file:// URI takes an "
+                         "absolute path after its two slashes",
+                         f"write file:///abs/path (three slashes), or a plain path "
+                         f"({parts.netloc}{parts.path}, read from the directory the job "
+                         "starts in)")
+    return parts.path
+
+
 def shown_uri(uri: str, secrets: Iterable[str] = ()) -> str:
     """The URI for humans: no query string, no user info, ``secrets`` redacted."""
     parts = urlsplit(uri)
@@ -358,17 +375,12 @@ class StorageLocation:
                 f"options {sorted(opts)} given for {shown}.",
                 "options apply to s3:// and gs:// URIs only; remove them",
             )
-        if scheme == "file" and parts.netloc not in ("", "localhost"):
-            # file://ckpt names host "ckpt" (was: dropped, so the root was / or the cwd)
-            host = redact(parts.netloc, secrets)
-            raise ConfigError(
-                "checkpoint_uri",
-                f"{shown} names the host {host!r}: a file:// URI takes an absolute path after "
-                "its two slashes.",
-                f"write file:///abs/path (three slashes), or a plain path ({host}{parts.path}, "
-                "read from the directory the job starts in)")
         if scheme in ("", "file"):
-            path = parts.path if scheme == "file" else uri
+            try:
+                path = local_path(uri)
+            except ValueError as e:
+                raise ConfigError("checkpoint_uri", redact(f"{e.args[0]}.", secrets),
+                                  redact(e.args[1], secrets)) from None
             root = os.path.abspath(os.path.expanduser(path)).rstrip("/")
             return cls("local", root, redact(root if scheme == "" else shown, secrets), None, secrets)
         try:

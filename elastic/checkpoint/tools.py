@@ -16,6 +16,7 @@ from typing import Any
 import pyarrow.fs as pafs
 import torch
 
+from elastic.checkpoint.location import local_path
 from elastic.checkpoint.manifest import (
     Manifest,
     committed_steps,
@@ -232,7 +233,10 @@ def export(
         raise ValueError(f"export format {fmt!r}: use 'torch' or 'safetensors'")
     remote = "://" in dest and not dest.startswith("file://")
     out = CheckpointStore(dest, dest_options) if remote else None
-    path = "" if remote else os.path.abspath(dest.removeprefix("file://"))
+    try:
+        path = "" if remote else os.path.abspath(local_path(dest))
+    except ValueError as e:
+        raise ValueError(f"{e.args[0]}. Fix: {e.args[1]}") from None
     shown = out.uri if out is not None else path
     try:
         existed = (out.fs.get_file_info(out.root).type != pafs.FileType.NotFound

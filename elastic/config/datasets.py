@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
+from elastic.checkpoint.location import local_path
 from elastic.errors import ConfigError
 
 from .code import check_code, resolve_callable
@@ -91,10 +92,12 @@ def dataset_object(spec: Any, field: str, fmt: str | None, input_column: str,
 
 def _exists(uri: str, field: str) -> None:
     """A local path (or ``file://``) must exist; remote URIs are left to pyarrow."""
-    parts = urlsplit(uri)
-    if parts.scheme not in ("", "file"):
+    if urlsplit(uri).scheme not in ("", "file"):
         return
-    path = parts.path if parts.scheme == "file" else uri
+    try:
+        path = local_path(uri)
+    except ValueError as e:
+        raise ConfigError(field, f"{e.args[0]}.", e.args[1]) from None
     if not os.path.exists(os.path.expanduser(path)):
         shown = os.path.abspath(os.path.expanduser(path))
         raise ConfigError(field, f"{uri} not found ({shown} does not exist).",

@@ -116,6 +116,16 @@ def test_a_file_uri_with_a_host_part_is_refused(uri):
     assert _refused(resume=uri).field == "resume"
     assert JobConfig(**_base(checkpoint_uri="file://localhost/tmp/ck")
                      ).checkpoint_location.root == "/tmp/ck"
+    # one reading of file:// everywhere (checkpoint.location.local_path): a dataset and an
+    # export destination too (were read as /x.parquet, and as a relative path)
+    with pytest.raises(ConfigError) as ei:
+        JobConfig(**_base(dataset=uri + "/x.parquet")).dataset_object()
+    assert ei.value.field == "dataset" and "names the host" in str(ei.value)
+    from elastic.checkpoint import CheckpointStore
+    from elastic.checkpoint.tools import export
+
+    with pytest.raises(ValueError, match="names the host"):
+        export(CheckpointStore("/nonexistent-elastic-ck"), uri + "/model.pt")
 
 
 @pytest.mark.parametrize("resume", ["auto", "latest"])
