@@ -118,6 +118,8 @@ class Returned:
     user_error: bool = False
     leaked_threads: int = 0
     jobs: int = 1
+    segment_ran: bool = False  # a training segment still ran at its reset, its group gone
+    cuda_left: int = 0  # GPU bytes still allocated past the process's own at its start
 
 
 @dataclass(frozen=True)
@@ -179,6 +181,7 @@ class PoolPolicy:
         self.max_total = max_total
         self.idle_timeout_s = idle_timeout_s
         self.max_jobs = max_jobs
+        self.cuda_left_ok = 64 * 2**20  # GPU bytes a returned worker may hold past its start
 
     def _returned_verdict(self, r: Returned, draining: frozenset[str]) -> str | None:
         """Why a returned worker is retired, or None to keep it."""
@@ -192,6 +195,11 @@ class PoolPolicy:
             return "its reset failed"
         if r.leaked_threads:
             return f"{r.leaked_threads} thread(s) its job started still run"
+        if r.segment_ran:  # its old step would err into the next job, or hold a thread
+            return "a training segment of its job still ran"
+        if r.cuda_left > self.cuda_left_ok:  # a tensor kept alive (a module global, a
+            # cycle through a C++ object): the next job would have that much less memory
+            return "its job left memory allocated on the GPU"
         if r.jobs >= self.max_jobs:
             return f"served {r.jobs} jobs (max_jobs)"
         return None

@@ -367,7 +367,9 @@ class WorkerPool:
                 # a spare that never joined its job has no info yet: its reset says
                 p.pid, p.node = int(out.get("pid") or p.pid), str(out.get("node_id") or p.node)
                 reports.append(Returned(0, p.key, p.node, True, bool(out["ok"]),
-                                        bool(out["user_error"]), int(out["threads"]), p.jobs))
+                                        bool(out["user_error"]), int(out["threads"]), p.jobs,
+                                        bool(out.get("segment_ran")),
+                                        int(out.get("cuda_left") or 0)))
             except Exception:  # noqa: BLE001 - dead, or did not reset in time: retired
                 reports.append(Returned(0, p.key, p.node, alive=False, reset_ok=False))
         with self._lock:

@@ -46,7 +46,7 @@ from .loop import StepLoop
 from .membership import Membership, nccl_env_defaults
 from .peer_copies import PeerCopies
 from .profiling import Profiler
-from .recycle import Baseline, left_behind, warm_up
+from .recycle import Baseline, precision_changed, warm_up
 from .recycle import reset as reset_process
 
 __all__ = ["Worker"]
@@ -217,13 +217,12 @@ class Worker:
         return self.info()
 
     def reset(self) -> dict[str, Any]:
-        """After a job: its group destroyed, its components (model, optimizer, data, held
-        state, checkpoint writer) and every tensor they held dropped, its heartbeat
-        stopped, and the process brought back to how it was before any job
-        (``recycle.reset``: user modules unloaded, environment restored, garbage
-        collected, CUDA's cache emptied). Returns what the pool decides on: ``ok``,
-        ``user_error`` (the job's code raised here), ``threads`` left running, ``jobs``
-        served, ``pid``."""
+        """After a job: its group, components (model, optimizer, data, held state,
+        checkpoint writer) and their tensors dropped, its heartbeat stopped, the process
+        brought back to how it was before any job (``recycle.reset``). Returns what the
+        pool's policy judges: ``ok``, ``user_error``, ``threads`` left running,
+        ``segment_ran`` (a segment still ran, its group gone), ``cuda_left`` (GPU bytes past
+        the process's own at its start), ``jobs``, ``pid``."""
         if self.baseline is None:
             raise ElasticError("only a pooled worker (built without a config) can be reset")
         ok, why = True, ""
@@ -239,8 +238,7 @@ class Worker:
                 self.leave(park=False)
         except Exception as e:  # noqa: BLE001 - said to the pool, which retires the worker
             ok, why = False, f"{type(e).__name__}: {e}"
-        if running and not loop.wait_idle(SEGMENT_END_S):  # still in its step (it would err
-            ok, why = False, "a training segment still ran when the job ended"  # later)
+        running = running and not loop.wait_idle(SEGMENT_END_S)  # (its group gone)
         if self.heartbeat is not None:
             self.heartbeat.stop()
             self.heartbeat = None
@@ -251,11 +249,12 @@ class Worker:
         health.reset()
         out = reset_process(self.baseline, unfreeze=self._job_frozen)
         self._job_frozen = False
-        if ok and (left := left_behind(out, self.baseline)):
-            ok, why = False, left
+        if ok and (changed := precision_changed(out)):
+            ok, why = False, changed
         user_error, self.user_error = self.user_error, False
         return {**out, "ok": ok, "why": why, "user_error": user_error, "jobs": self.jobs,
-                "pid": os.getpid(), "node_id": _node_id()}
+                "pid": os.getpid(), "node_id": _node_id(), "segment_ran": running,
+                "cuda_left": max(0, int(out.get("cuda_bytes") or 0) - self.baseline.cuda_bytes)}
 
     # ------------------------------------------------------------------ identity and group
 

@@ -254,18 +254,11 @@ def reset(base: Baseline, keep_threads: set[int] | frozenset[int] = frozenset(),
             "backends_restored": backends_restored, "precision_changed": precision_changed}
 
 
-CUDA_LEFT_OK = 64 * 2**20  # GPU memory a reset may find still allocated past the start's
 
-
-def left_behind(out: dict[str, Any], base: Baseline) -> str:
-    """Why a process ``reset`` reported ``out`` for should not serve another job ("" when
-    it may): float32 precision settings the job changed (not undone in place), or GPU
-    memory still allocated past what the process held at ``base`` (a tensor the job kept
-    alive through a module global or a C++ object: the next job would have that much less)."""
-    if out.get("precision_changed"):
-        return ("the job changed torch's float32 precision ("
-                f"{', '.join(out['precision_changed'])}): not undone in place")
-    left = int(out.get("cuda_bytes") or 0) - base.cuda_bytes
-    if left > CUDA_LEFT_OK:
-        return f"the job left {left / 2**20:.0f} MiB allocated on the GPU"
-    return ""
+def precision_changed(out: dict[str, Any]) -> str:
+    """Why a process ``reset`` reported ``out`` for should not serve another job because its
+    job changed torch's float32 precision ("": it did not); not undone in place."""
+    if not out.get("precision_changed"):
+        return ""
+    return ("the job changed torch's float32 precision ("
+            f"{', '.join(out['precision_changed'])}): not undone in place")

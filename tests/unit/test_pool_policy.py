@@ -76,6 +76,12 @@ def test_dead_idle_worker_is_retired_and_never_handed_out():
     (Returned(1, CPU1, "a", reset_ok=False), False, "reset failed"),
     (Returned(1, CPU1, "a", user_error=True), False, "user code"),
     (Returned(1, CPU1, "a", leaked_threads=2), False, "thread"),
+    # a training segment of its ended job still ran after its group was gone (session 43)
+    (Returned(1, CPU1, "a", segment_ran=True), False, "segment of its job still ran"),
+    # its GPU job kept memory alive past the reset (was reported and ignored, session 43);
+    # a few MiB past the process's own at its start pass
+    (Returned(1, CPU1, "a", cuda_left=3 * 2**30), False, "memory allocated on the GPU"),
+    (Returned(1, CPU1, "a", cuda_left=2**20), True, None),
     (Returned(1, CPU1, "a", jobs=3), False, "served 3 jobs"),
     (Returned(1, CPU1, "a", jobs=2), True, None),
 ])

@@ -47,22 +47,6 @@ def test_reset_unloads_job_modules_and_restores_env_and_torch(tmp_path, monkeypa
         os.environ.pop("ELASTIC_RECYCLE_GONE", None)
 
 
-def test_a_worker_whose_job_left_memory_on_the_gpu_is_not_kept():
-    """A GPU job kept a tensor alive past its reset (a module-level cache): the process
-    would serve the next job with that much less memory. The reset's report names it and
-    the worker says not ok (the pool retires it). Was: ``cuda_bytes`` was reported and
-    ignored (found by review). A few MiB past the start's own allocation pass."""
-    from elastic.worker.recycle import CUDA_LEFT_OK, left_behind
-
-    base = Baseline.take()
-    base.cuda_bytes = 2**20
-    assert left_behind({"cuda_bytes": 2**20 + CUDA_LEFT_OK}, base) == ""
-    why = left_behind({"cuda_bytes": 2**20 + 3 * 2**30}, base)
-    assert why == "the job left 3072 MiB allocated on the GPU"
-    assert "float32 precision (cuda.matmul.fp32_precision)" in left_behind(
-        {"precision_changed": ["cuda.matmul.fp32_precision"], "cuda_bytes": 0}, base)
-
-
 def test_reset_restores_the_import_path_a_job_changed(tmp_path):
     """Job A puts its directory first on ``sys.path``; job B's factory imports a module of
     the same name from its own: after the reset B's import must not find A's file. Was: the
