@@ -195,7 +195,8 @@ def stage_fractions(plan: Plan, profile: ModelProfile, cluster: Cluster) -> tupl
 class StageBaseline:
     """What puts a pipeline's ranks on one footing for the straggler rule: its stages do
     different work, so a rank's compute per sample is taken as a ratio to its stage's at
-    the layout's first window (the median of that stage's replicas then). At that window the
+    the layout's start (the median of that stage's replicas then: ``first``, the ranks'
+    figures over the layout's first steps, else those of the first call). There the
     stages read alike and the replicas of one stage compare directly (a slow replica shows
     at once); a rank that slows later reads slower than its peers, whatever the blocks'
     weights say. One per run of a layout: the caller makes a new one when the layout (or
@@ -205,9 +206,11 @@ class StageBaseline:
     def __init__(self) -> None:
         self._base: tuple[float, ...] | None = None
 
-    def __call__(self, plan: Plan, rank_s: Sequence[float]) -> tuple[float, ...]:
+    def __call__(self, plan: Plan, rank_s: Sequence[float],
+                 first: Sequence[float] = ()) -> tuple[float, ...]:
         if self._base is None:
-            self._base = tuple(statistics.median(t for r, t in enumerate(rank_s)
+            at = first if len(first) == len(rank_s) else rank_s
+            self._base = tuple(statistics.median(t for r, t in enumerate(at)
                                                  if plan.coords(r)[0] == p)
                                for p in range(plan.pp_degree))
         base = self._base

@@ -138,9 +138,21 @@ class Replanner:
             self._start = step
         if rank == 0 and m.get("step_time"):
             self._steps[step] = float(m["step_time"])
+            self._trim(self._steps)
         c, n = m.get("compute_s"), self._samples(spec, rank, m)
         if c and n:
-            self._ranks.setdefault(rank, {})[step] = float(c) / n
+            self._trim(d := self._ranks.setdefault(rank, {}))
+            d[step] = float(c) / n
+
+    def _trim(self, d: dict[int, float]) -> None:
+        """Keep what a decision reads of a layout's steps: its first (the ranks' footing)
+        and its last (the window, the ranks' span), pruned once they double (was every step
+        of the layout, sorted at each decision: ~8M entries at 1M steps on 8 ranks)."""
+        head, tail = _SKIP + self._recent(), max(_WINDOW, self._recent())
+        if len(d) > 2 * (head + tail):
+            keys = sorted(d)
+            for k in keys[head:-tail]:
+                del d[k]
 
     def _samples(self, spec: StrategySpec, rank: int, m: dict[str, Any]) -> int:
         """Samples that went through this rank's blocks in the step: its share, or for a
@@ -248,12 +260,16 @@ class Replanner:
 
         ranks = sorted(self._ranks)
         # the ranks as they are now: the last replan_every steps (a straggler that appears
-        # after a long window shows at the next decision)
-        per_rank = [robust([self._ranks[r][k] for k in sorted(self._ranks[r])[_SKIP:]
-                            ][-self._recent():] or list(self._ranks[r].values())) for r in ranks]
+        # after a long window shows at the next decision); and at the layout's start, its
+        # first steps, what fixes the scale and a pipeline's footing whenever the first
+        # decision comes (it waits for the drained metrics and the controller's poll)
         frac = self._forward_fraction()
+        seq = [[self._ranks[r][k] for k in sorted(self._ranks[r])] for r in ranks]
+        per_rank = [robust(xs[_SKIP:][-self._recent():] or xs) for xs in seq]
         full = len(ranks) == spec.world_size
         rank_s = tuple(s.median / frac for s in per_rank) if full else ()
+        first = tuple(robust(xs[_SKIP:][:self._recent()] or xs).median / frac
+                      for xs in seq) if full else ()
         rel = tuple(s.rel for s in per_rank) if full else ()
         lay = self.layouts
         planned = lay.measured is not None and len(lay.ids) == spec.world_size
@@ -261,16 +277,16 @@ class Replanner:
         current = spec_plan(spec, ids, lay.probe_model)
         mm = lay.measured if planned else None
         key = (spec.name, spec.dp_mode, tuple(ids))
-        if mm is not None and rank_s and current.is_pipeline:  # its stages' compute, on the
-            # scale of the devices' whole-model figures (``stage_fractions``)
-            whole = [t / f for t, f in zip(rank_s, stage_fractions(current, mm.profile,
-                                                                   lay.cluster), strict=True)]
-            k = self._scale.factor(key, whole, ids, mm.model)  # (kept across re-splits)
-            rank_s = tuple(t * k for t in rank_s)
-        elif mm is not None and rank_s:  # (a layout's first window fixes the factor)
-            rank_s = self._scale(key, rank_s, ids, mm.model)
+        if mm is not None and rank_s:  # on the model's scale, fixed at a layout's first
+            # steps; a pipeline's stages on that of the devices' whole-model figures
+            # (``stage_fractions``), its factor kept across re-splits
+            fr = (stage_fractions(current, mm.profile, lay.cluster) if current.is_pipeline
+                  else (1.0,) * len(first))
+            k = self._scale.factor(key, [t / f for t, f in zip(first, fr, strict=True)], ids,
+                                   mm.model)
+            rank_s, first = tuple(t * k for t in rank_s), tuple(t * k for t in first)
         if current.is_pipeline and rank_s:
-            return _Figures(current, mm, self._stages(current, rank_s), rel, rank_s)
+            return _Figures(current, mm, self._stages(current, rank_s, first), rel, rank_s)
         return _Figures(current, mm, rank_s, rel, ())
 
     def _observe(self, step: int, times: list[float], figs: _Figures, group: Any,

@@ -87,3 +87,41 @@ def test_a_decision_with_a_straggler_observes_once_and_counts_the_hosts_drift_on
     rp.decide(30, spec, group)
     assert len(seen) == 1 and seen[0]["recent"] is not None  # rank 1 named: its span
     assert len(rp.memory.drifts) <= 1 and rp._named == ("w1",)
+
+
+def test_a_pipeline_rank_slowed_before_the_first_decision_is_named():
+    """A pp2 pipeline whose rank 1 computes 6x slower from step 30, the first decision made
+    only at step 60 (the controller's poll and the drained metrics lag the workers' steps on
+    fast steps): the ranks' footing is the layout's first steps, so rank 1 reads 6x its
+    stage's figure and is named. Was: the footing was the first decision's own span, already
+    slow, rank 1 read as its stage and was never named (a live pp2 job ran its 3000 steps
+    without a re-split in two full suite runs)."""
+    rp, mm, events, c = _loop()
+    rp.layouts._block_costs = lambda group: [0.2, 0.6, 0.2]  # noqa: SLF001
+    frac = mm.spreads["forward_fraction"]
+    spec = StrategySpec("pipeline", 2, (32, 32), pp_degree=2, micro_batches=4,
+                        schedule="1f1b", stage_split=(2, 1))
+    group = SimpleNamespace(workers=[SimpleNamespace(worker_id=f"w{r}") for r in range(2)])
+    _feed(rp, spec, range(0, 30), 0.01, [c[0] * 0.8, c[1] * 0.2], frac)
+    _feed(rp, spec, range(30, 60), 0.02, [c[0] * 0.8, 6 * c[1] * 0.2], frac)
+    rp.decide(60, spec, group)
+    replan = next(d for k, _, d in events if k == "replan")
+    assert replan["rank_s_per_sample"][1] == pytest.approx(6 * replan["rank_s_per_sample"][0])
+    strag = [(m, d) for k, m, d in events if k == "straggler"]
+    assert strag and strag[0][1]["ranks"] == [1], events
+
+
+def test_a_long_layout_keeps_a_bounded_window_and_its_first_steps():
+    """A layout that runs for 100,000 steps: the loop keeps its first steps (the ranks'
+    footing) and its last (the window), not every step (was ~8M entries at 1M steps on 8
+    ranks, all sorted at each decision); its decision reads the same figures."""
+    rp, mm, events, c = _loop()
+    frac = mm.spreads["forward_fraction"]
+    spec = StrategySpec("dp", world_size=2, shares=(32, 32))
+    _feed(rp, spec, range(0, 100_000), 0.01, [c[0], c[1]], frac)
+    assert len(rp._steps) < 600 and all(len(d) < 600 for d in rp._ranks.values())  # noqa: SLF001
+    assert min(rp._steps) == 0 and max(rp._steps) == 99_999  # noqa: SLF001
+    group = SimpleNamespace(workers=[SimpleNamespace(worker_id=f"w{r}") for r in range(2)])
+    rp.decide(100_000, spec, group)
+    (kind, _, data), = events
+    assert data["steps"] == 200 and data["rank_s_per_sample"] == pytest.approx(c, rel=1e-6)
