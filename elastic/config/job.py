@@ -340,6 +340,25 @@ class JobConfig(JobCode):
     def max_world(self) -> int:
         return self.scaling.max_world
 
+    def unused_settings(self) -> str:
+        """What the job was given that its layouts never read, said at its start ("" when
+        nothing): a pipeline's settings (``pp_degree``, ``micro_batches``, ``schedule``,
+        ``dp_mode``) under a strategy that is not one and no ``switch_at`` to one. They stay
+        for a switch by hand; ``micro_batches`` is not dp's gradient accumulation."""
+        par = self.parallelism
+        if par.strategy in ("pipeline", "auto") or "pipeline" in par.switch_at.values():
+            return ""
+        given = [f"{k}: {v}" for k, v, unset in (
+            ("pp_degree", par.pp_degree, 1), ("micro_batches", par.micro_batches, None),
+            ("schedule", par.schedule, None), ("dp_mode", par.dp_mode, "dp")) if v != unset]
+        if not given:
+            return ""
+        accumulate = (f"; to accumulate gradients under {par.strategy} set micro_batch_size "
+                      "(samples per pass)" if par.micro_batches is not None else "")
+        return (f"{', '.join(given)}: a pipeline's setting{'s' if len(given) > 1 else ''}, "
+                f"not read by strategy "
+                f"{par.strategy} (kept for a switch to a pipeline by hand{accumulate})")
+
     @property
     def checkpoint_location(self) -> StorageLocation:
         """Where this job's checkpoints live, parsed once: ``checkpoint_uri``, else

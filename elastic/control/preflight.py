@@ -74,6 +74,8 @@ def preflight(cfg: JobConfig, emit: Callable[..., Any]) -> Preflight:
         from ..ray_address import check_reachable
 
         check_reachable(addr)
+    if unused := cfg.unused_settings():  # (said, not refused: a hand switch reads them)
+        emit("settings_unused", unused)
     cfg.run_dir = run_directory(cfg)  # the workers' default checkpoint root follows it
     store = None
     if cfg.checkpoint_every > 0 or cfg.checkpoint_uri:

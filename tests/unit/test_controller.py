@@ -1277,3 +1277,23 @@ def test_a_stop_posted_from_another_thread_reaches_ray_from_a_thread_of_this_ses
     late.start()
     late.join()
     assert group._teller._pool is None and len(seen) == 2  # no thread started again
+
+
+@pytest.mark.parametrize("kw, said", [
+    (dict(micro_batches=4, schedule="gpipe"), "micro_batches: 4, schedule: gpipe: a pipeline's "
+     "settings, not read by strategy dp (kept for a switch to a pipeline by hand; to "
+     "accumulate gradients under dp set micro_batch_size"),
+    (dict(strategy="zero2", pp_degree=2), "pp_degree: 2: a pipeline's setting, not read by "
+     "strategy zero2"),
+    (dict(strategy="zero2", dp_mode="zero1", switch_at={3: "pipeline"}), None),
+    (dict(strategy="pipeline", micro_batches=2), None),
+    (dict(strategy="zero1"), None),
+])
+def test_a_pipelines_settings_under_another_strategy_are_said_at_the_start(tmp_path, kw, said):
+    """``micro_batches: 4`` under dp (a user who meant gradient accumulation) is said, with
+    the setting that does that; a pipeline's settings a switch_at or the strategy reads are
+    not. Was: taken silently (found by review, session 43)."""
+    ctl, _ = _controller(tmp_path, **kw)
+    ctl.run()
+    got = _events(ctl, "settings_unused")
+    assert [e.message[:len(said)] for e in got] == ([said] if said else []), got
