@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import queue
 import threading
 from collections.abc import Callable
 from typing import Any, overload
 
 from .config import JobConfig
 from .control import Controller, FitResult, Request
+from .control.requests import ask
 from .view import View, make_view
 
 __all__ = ["fit", "submit", "JobHandle"]
@@ -23,7 +23,8 @@ def _config(config: JobConfig | dict[str, Any] | str | None, overrides: dict[str
         return JobConfig.from_yaml(config, overrides)
     if isinstance(config, dict):
         return JobConfig.from_dict(config, overrides)
-    return config.replace(**overrides) if overrides else config
+    return config.replace(**overrides)  # a copy: what the job derives (its name, run
+    # directory, dataset length) stays off the caller's object, which may be run again
 
 
 def fit(config: JobConfig | dict[str, Any] | str | None = None, *, display: View | None = None,
@@ -60,12 +61,7 @@ class JobHandle:
             self._error = e
 
     def _ask(self, req: Request, timeout: float | None) -> Any:
-        req.reply = queue.Queue()
-        self.controller.post(req)
-        out = req.reply.get(timeout=timeout)
-        if isinstance(out, BaseException):
-            raise out
-        return out
+        return ask(self.controller, req, timeout)
 
     def switch(self, strategy: str, reason: str = "requested by the SDK",
                timeout: float | None = 300) -> str:

@@ -6,13 +6,13 @@ module is reached from the SDK, so it must not import it back)."""
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 from .control import Controller, FitResult, Request
+from .control.requests import ask
 from .view import View
 
 __all__ = ["ControllerRunner", "RunningJob", "REPLY_S"]
@@ -50,18 +50,8 @@ class RunningJob:
                 self.on_end()  # the scheduler decides at once: its workers are free
 
     def ask(self, kind: str, value: Any, reason: str, timeout: float) -> Any:
-        req = Request(kind, value, reason)
-        req.reply = queue.Queue()
-        self.controller.post(req)
-        try:
-            out = req.reply.get(timeout=timeout)
-        except queue.Empty:  # (was: "refused: " and nothing)
-            raise TimeoutError(f"{kind} {value} not answered within {timeout:g} s (the job's "
-                               "step boundary did not come; it may still be carried out "
-                               "there)") from None
-        if isinstance(out, BaseException):
-            raise out
-        return out
+        return ask(self.controller, Request(kind, value, reason), timeout)  # (a timeout
+        # was "refused: " and nothing)
 
 
 class ControllerRunner:

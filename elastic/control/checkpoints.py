@@ -62,6 +62,9 @@ class CheckpointTracker:
         self.bad_steps: set[int] = set()  # committed steps of ``store`` found corrupt
         self._fork_bad: set[int] = set()  # the same, of the URI a fork resumes from
         self._resume_bad: set[int] = set()  # one of those two: the resume's source's
+        # a fork's source (another URI, or the run this job resumed with no store of its
+        # own): a recovery before the job's own first checkpoint restores it, not step 0
+        self._origin: tuple[CheckpointStore, int] | None = None
         self._nonce: str | None = None  # this run's claim of ``store``
         # the name of the checkpoint that ended last (committed or not): a rank's late report
         # of it, or of an earlier one of its group, starts nothing
@@ -125,9 +128,8 @@ class CheckpointTracker:
         ck = self.in_flight
         if ck is not None and (ck["step"], ck["gen"], ck["seq"]) == (step, gen, seq):
             return
-        # (one that ended: its word to the ranks was sent at its end, and the rank waited
-        # checkpoint_wait_s before it skipped; it still holds it, so that word did not act,
-        # or it has only just ended: the word again does no harm either way)
+        # (one that ended: its word did not act on this rank, or it has just ended: the
+        # word again does no harm)
         self._orphans.setdefault((gen, seq, step), rank)
 
     def _count_wait(self, rank: int, wait_s: float) -> None:
@@ -166,23 +168,15 @@ class CheckpointTracker:
                if o and "info" in o and o["info"].get("nonfinite")}
         if bad and not errors:  # never a checkpoint of a state with NaN or inf in it
             group.checkpoint_done(step, False, *name)
-            self._emit("checkpoint_refused", f"step {step} not committed: its state holds "
-                       "non-finite values (" + "; ".join(
-                           f"rank {r}: {', '.join(list(k)[:3])}" for r, k in sorted(bad.items()))
-                       + "); the newest committed checkpoint stays the last good one",
+            self._emit("checkpoint_refused", _nonfinite_note(step, bad), step=step,
                        data={"step": step, "nonfinite": {str(r): list(k)
-                                                          for r, k in bad.items()}}, step=step)
+                                                          for r, k in bad.items()}})
             return
         if not errors:
             infos = sorted((o["info"] for o in outs if o), key=lambda i: i["rank"])
-            meta = CheckpointMeta(
-                plan=spec_dict(spec), world_size=spec.world_size, data_position=step,
-                rng={"seed": self.cfg.seed}, strategy=spec.name, owner=self.cfg.job_name,
-                extra={"job": self.cfg.job_name,
-                       "global_batch_size": self.cfg.global_batch_size,
-                       "dataset_length": self.cfg.dataset_length})
             try:
-                manifest = commit(self.store, step, infos, meta, nonce=self._nonce)
+                manifest = commit(self.store, step, infos, _meta(self.cfg, spec, step),
+                                  nonce=self._nonce)
             except CheckpointOwnerError:
                 group.checkpoint_done(step, False, *name)
                 raise  # the job ends: another run of it writes here now
@@ -239,10 +233,9 @@ class CheckpointTracker:
 
     def abandon(self, group: Any) -> None:
         """At a regroup: the checkpoint in flight cannot complete without the group that
-        began it. A later report of it starts nothing (its name has ended); an evacuation may
-        still take another on the same group first. A report of one of the group's that the
-        controller had not seen (drained after this) is in flight until ``formed`` gives it
-        up. The workers release theirs when they join the next group."""
+        began it; a later report of it starts nothing (its name has ended). One the controller
+        had not seen (drained after this) is in flight until ``formed`` gives it up. The
+        workers release theirs when they join the next group."""
         self._orphans.clear()
         if self.in_flight is not None:
             self._give_up(group, "abandoned: the group that was uploading it changed (a "
@@ -280,9 +273,8 @@ class CheckpointTracker:
         last = self.last_event.data.get("step") if self.last_event is not None else None
         if last == step:
             return
-        # the one in flight first: the workers wait for its commit before they begin this one,
-        # and nothing would commit it while they wait in this call (it was skipped after
-        # checkpoint_wait_s)
+        # the one in flight first: the workers wait for its commit before they begin this
+        # one, and nothing would commit it while they wait in this call
         self.finish(group, float(self.cfg.checkpoint_wait_s), "the stop")
         for out in group.checkpoint_now():
             self.on_metric(out, spec)
@@ -307,14 +299,15 @@ class CheckpointTracker:
 
     # ------------------------------------------------------------------ restoring
 
-    def claim(self) -> None:
-        """Claim the job's checkpoint URI before anything is written there
-        (``CheckpointOwnerError`` with the fix when another job holds it)."""
+    def claim(self, planned: tuple[CheckpointStore, int] | None = None) -> None:
+        """Claim the job's checkpoint URI before anything is written there (the fix when
+        another job holds it), then check what the start ``planned`` again (``check_claimed``)."""
         from ..checkpoint import claim
 
         if self.store is None:
             return
         got = claim(self.store, self.cfg.job_name)
+        check_claimed(self.store, planned, self.bad_steps, self.cfg.job_name)
         self._nonce = got.record.nonce  # this run's: its commits are refused once another
         if got.fresh:  # run of the job takes the URI over (an earlier run still going stops)
             self._emit("claimed", f"checkpoint URI {self.store.uri} claimed for job "
@@ -389,6 +382,8 @@ class CheckpointTracker:
         while True:
             try:
                 self.restore(group, spec, store, step, reason="resume")
+                own = self.store is not None and store.same_place(self.store)
+                self._origin = None if own else (store, step)
                 return step
             except CheckpointCorruptError as e:
                 if pinned:
@@ -416,10 +411,11 @@ class CheckpointTracker:
         """Committed steps a restore may use, newest first (found-corrupt ones excluded).
         ``StorageError`` when the storage cannot list them: an outage is not "no
         checkpoint", which would restart from scratch while the newest is intact."""
-        if self.store is None:
-            return ()
-        steps = committed_steps(self.store)
-        return tuple(s for s in reversed(steps) if s not in self.bad_steps)
+        steps = committed_steps(self.store) if self.store is not None else []
+        out = tuple(s for s in reversed(steps) if s not in self.bad_steps)
+        o = self._origin  # (the job's own steps all come after it: its URI was empty)
+        fork = o is not None and o[1] not in self._fork_bad and (not out or o[1] < out[-1])
+        return out + ((o[1],) if fork and o is not None else ())
 
     def restore_newest(self, group: Any, spec: StrategySpec, steps: tuple[int, ...]
                        ) -> tuple[int, str] | None:
@@ -431,20 +427,40 @@ class CheckpointTracker:
         for step in steps:
             if step in self.bad_steps:
                 continue
+            source = origin_of(self._origin, step, self.store)
             try:
-                outs = group.restore_checkpoint(spec, step)
+                outs = group.restore_checkpoint(spec, step, source)
             except StorageError:
                 raise
             except CheckpointError as e:
-                self.bad_steps.add(step)
-                uri = self.store.uri if self.store is not None else "?"
+                (self._fork_bad if source is not None else self.bad_steps).add(step)
+                at = source or self.store
+                uri = at.uri if at is not None else "?"
                 self._emit("checkpoint_corrupt", f"checkpoint step {step} at {uri} cannot be "
                            f"restored: {str(e)[:300]}; trying an older one",
                            data={"step": step, "error": str(e)[:500]})
                 continue
             took = max(o["seconds"] for o in outs)
-            return step, (f", checkpoint step {step} read in {took:.2f}s{read_detail(outs)}")
+            fork = f" of {source.uri} (the run this job was forked from)" if source else ""
+            return step, (f", checkpoint step {step}{fork} read in {took:.2f}s"
+                          f"{read_detail(outs)}")
         return None
+
+
+def _nonfinite_note(step: int, bad: dict[int, Any]) -> str:
+    """What a refused checkpoint's event says: the ranks and entries holding NaN or inf."""
+    where = "; ".join(f"rank {r}: {', '.join(list(k)[:3])}" for r, k in sorted(bad.items()))
+    return (f"step {step} not committed: its state holds non-finite values ({where}); the "
+            "newest committed checkpoint stays the last good one")
+
+
+def _meta(cfg: Any, spec: StrategySpec, step: int) -> CheckpointMeta:
+    """What a committed checkpoint says of the job that wrote it."""
+    return CheckpointMeta(
+        plan=spec_dict(spec), world_size=spec.world_size, data_position=step,
+        rng={"seed": cfg.seed}, strategy=spec.name, owner=cfg.job_name,
+        extra={"job": cfg.job_name, "global_batch_size": cfg.global_batch_size,
+               "dataset_length": cfg.dataset_length})
 
 
 def refuse_newer(store: CheckpointStore, step: int, field: str, bad: set[int]) -> None:
@@ -526,3 +542,30 @@ def sampling_changed(manifest: Any, cfg: Any) -> tuple[str, str, str] | None:
                 f"step {step} would draw another order, not the run it continues.",
                 f"resume with the dataset it was trained on, or {fork}")
     return None
+
+
+def check_claimed(store: CheckpointStore, planned: tuple[CheckpointStore, int] | None,
+                  bad: set[int], job: str) -> None:
+    """Until the claim an earlier run of the job still alive (a driver cut off, a pod
+    terminating) could commit steps the start's plan (``planned``: a resume's store and step,
+    None: a fresh start) did not see: one that did is refused (its commits are now; the next
+    start goes on from its newest). Was: this run went on from the older step, and
+    retention, a recovery or the next resume took the other run's newer ones (found by
+    review, session 44)."""
+    at = planned[1] if planned is not None and planned[0].same_place(store) else -1
+    newer = [s for s in committed_steps(store) if s > at and s not in bad]
+    if newer:
+        raise ConfigError(
+            "resume" if at >= 0 else "checkpoint_uri",
+            f"{store.uri}: step {newer[-1]} was committed by an earlier run of job {job} "
+            "while this one started (it holds the URI no more: its later commits are "
+            "refused).", f"start the job again: resume: latest goes on from step {newer[-1]}")
+
+
+def origin_of(origin: tuple[CheckpointStore, int] | None, step: int,
+              own: CheckpointStore | None) -> CheckpointStore | None:
+    """The store ``step`` is restored from: a fork's source (``origin``) for its step while
+    the job's own URI does not hold that step, else the job's own (None)."""
+    if origin is None or step != origin[1]:
+        return None
+    return None if own is not None and step in committed_steps(own) else origin[0]

@@ -209,7 +209,7 @@ class Controller:
             self._started_ray = _ray_connect(cfg, pre.model, self._emit, self._pool)
             self.interrupts.reclaim()
         self.inbox.mailbox = (self._mailbox_factory or _ray_mailbox)(cfg.job_name)  # the name
-        self.tracker.claim()  # and the checkpoint URI, before anything is written
+        self.tracker.claim(self._resume)  # and the checkpoint URI, before anything is written
         run_dir = run_directory(cfg)
         log = RunLog(run_dir)
         self.steps.log = log

@@ -149,6 +149,8 @@ def run_directory(cfg: JobConfig) -> str:
     sibling (``runs/<name>.2``), so two runs never interleave their logs; an explicit
     ``run_dir`` that holds one is refused with the fix."""
     path = cfg.run_path
+    if cfg.resume in ("latest", "auto") and not cfg.run_dir and cfg.checkpoints.location is None:
+        return _newest_run(path)
     if cfg.resume or not _holds_run(path):
         return path
     if cfg.run_dir:
@@ -160,3 +162,21 @@ def run_directory(cfg: JobConfig) -> str:
     while _holds_run(f"{path}.{i}"):
         i += 1
     return f"{path}.{i}"
+
+
+def _newest_run(path: str) -> str:
+    """Of a default run directory and its numbered siblings (``runs/<name>.2``, ...), the
+    newest whose checkpoints (the default location) hold a committed step: what a resume of
+    the job goes on from. Was: always the first, so a second run's checkpoints were passed
+    over for the first run's (found by review, session 44)."""
+    from ..checkpoint import CheckpointStore, committed_steps
+
+    runs, i = [path], 2
+    while _holds_run(f"{path}.{i}"):
+        runs.append(f"{path}.{i}")
+        i += 1
+    for run in reversed(runs):
+        ck = os.path.join(run, "checkpoints")
+        if os.path.isdir(ck) and committed_steps(CheckpointStore(os.path.abspath(ck))):
+            return run
+    return path

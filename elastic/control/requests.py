@@ -43,6 +43,23 @@ class Request:
     remote_id: int | None = None
 
 
+def ask(controller: Any, req: Request, timeout: float | None) -> Any:
+    """Post ``req`` to ``controller`` (in this process) and wait for its answer: the answer,
+    or the error it was refused with; ``TimeoutError`` saying the request may still be
+    carried out when no answer comes in ``timeout`` seconds (was: a bare ``queue.Empty``)."""
+    req.reply = queue.Queue()
+    controller.post(req)
+    try:
+        out = req.reply.get(timeout=timeout)
+    except queue.Empty:
+        what = f"{req.kind} {req.value}" if req.value is not None else req.kind
+        raise TimeoutError(f"{what} not answered within {timeout:g} s (the job's step boundary "
+                           "did not come; it may still be carried out there)") from None
+    if isinstance(out, BaseException):
+        raise out
+    return out
+
+
 def parse(kind: Any, value: Any = None, reason: str = "requested", *,
           internal: bool = False) -> Request:
     """A validated ``Request``; ``RequestError`` naming the fix otherwise. ``internal``

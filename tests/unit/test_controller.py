@@ -4,6 +4,7 @@ drives a live job (the fake stands in for the workers only)."""
 
 from __future__ import annotations
 
+import os
 import queue
 
 import pytest
@@ -1297,3 +1298,72 @@ def test_a_pipelines_settings_under_another_strategy_are_said_at_the_start(tmp_p
     ctl.run()
     got = _events(ctl, "settings_unused")
     assert [e.message[:len(said)] for e in got] == ([said] if said else []), got
+
+
+def _source(uri: str, step: int) -> None:
+    """A committed checkpoint ``step`` of the test model at ``uri`` (another job's run)."""
+    from elastic.checkpoint import CheckpointMeta, CheckpointStore, commit, write_shard
+
+    store = CheckpointStore(uri)
+    state = {f"model/{k}": v for k, v in mlp().state_dict().items()}
+    commit(store, step, [write_shard(store, step, 0, state)], CheckpointMeta())
+
+
+@pytest.mark.parametrize("own_uri", [True, False])
+def test_a_fork_that_loses_a_shard_before_its_own_checkpoint_restores_its_source(tmp_path,
+                                                                                 own_uri):
+    """A job resumed from another run's checkpoint (step 4 of another URI; with a URI of its
+    own, or none) loses a zero2 shard at step 6, before it has committed anything: the
+    recovery restores its source's step 4, not the seeded initial model. Was: the
+    recovery listed only the job's own (empty) URI and restarted from step 0: a fine-tune
+    silently trained from random weights (found by review, session 44)."""
+    src = str(tmp_path / "source")
+    _source(src, 4)
+    kw = dict(checkpoint_uri=str(tmp_path / "own")) if own_uri else {}
+    ctl, fake = _controller(tmp_path, strategy="zero2", num_workers=2, min_workers=1,
+                            resume=src, **kw)
+    fake.fail(step=6, rank=0, kind="lost")
+    result = ctl.run()
+    rec = next(e for e in ctl.events if e.kind == "recovered")
+    assert rec.data["source"] == "checkpoint" and rec.data["steps_lost"] == 2, rec.message
+    assert "the run this job was forked from" in rec.message
+    assert ("restart_fresh", 0) not in fake.calls
+    assert fake.calls.count(("restore_checkpoint", 4)) == 2  # the resume, the recovery
+    assert result.history[-1]["step"] == STEPS - 1
+
+
+def test_resume_latest_goes_on_from_the_newest_run_of_the_name(tmp_path, monkeypatch):
+    """Job ``x`` ran twice in ./runs (the second run, started fresh, in ``runs/x.2``), then a
+    third run without checkpoints (``runs/x.3``): ``resume: latest`` goes on from the newest
+    run that has them, ``x.2``'s step 12, not the first run's step 8. Was: always
+    ``runs/x``, the second run's training passed over (found by review, session 44)."""
+    monkeypatch.chdir(tmp_path)
+    for run, step in (("x", 8), ("x.2", 12), ("x.3", None)):
+        os.makedirs(tmp_path / "runs" / run)
+        (tmp_path / "runs" / run / "events.jsonl").write_text('{"kind": "start"}\n')
+        if step is not None:
+            _source(str(tmp_path / "runs" / run / "checkpoints"), step)
+    ctl, fake = _controller(tmp_path, name="x", resume="latest", run_dir=None)
+    ctl.run()
+    resumed = next(e for e in ctl.events if e.kind == "resumed")
+    assert resumed.data["step"] == 12 and "runs/x.2/checkpoints" in resumed.data["uri"]
+    assert ctl.sink.log.run_dir == str(tmp_path / "runs" / "x.2")
+
+
+def test_a_step_an_earlier_run_commits_while_this_one_starts_is_not_passed_over(tmp_path):
+    """``resume: latest`` plans step 8 of the job's URI; before this run claims the URI an
+    earlier run of the job still alive commits step 12: the start is refused naming it (the
+    next start goes on from 12). Was: this run went on from 8 beside the other run's 12,
+    which retention, a recovery or the next resume then took (found by review, session 44)."""
+    from elastic.errors import ConfigError
+
+    uri = str(tmp_path / "ck")
+    _source(uri, 8)
+    fake = FakeGroup(mlp())
+    ctl = Controller(_cfg(tmp_path, checkpoint_uri=uri, resume="latest"),
+                     group_factory=lambda cfg: fake,
+                     mailbox_factory=lambda job: _source(uri, 12))  # (between plan and claim)
+    with pytest.raises(ConfigError, match=r"step 12 was committed by an earlier run of job "
+                                          r"unit while this one started"):
+        ctl.run()
+    assert not fake.calls
