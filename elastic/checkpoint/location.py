@@ -44,16 +44,19 @@ __all__ = [
 # the ``resume`` values that name the job's own checkpoint URI (``auto``: latest where a
 # checkpoint is, else a fresh start); any other value is a URI
 OWN_RESUMES = ("latest", "auto")
-_STEP_DIR = re.compile(r"^(.*?)/?step-(\d+)/?(\?.*)?$")
+# ``step-<n>`` as a whole path component (was: any name ending so, and
+# ``s3://b/exp/finetune-step-5000`` resumed step 5000 of ``s3://b/exp/finetune-``)
+_STEP_DIR = re.compile(r"^(?:([^?]*)/)?step-(\d+)/?(\?.*)?$")
 
 
 def split_step_dir(uri: str) -> tuple[str, int | None]:
     """A ``resume`` URI as (root, step): ``.../step-<n>`` (its options, if any, after it)
-    pins step n of its parent; any other URI is a root (step None)."""
+    pins step n of its parent; any other URI is a root (step None), and so is one whose
+    ``step-<n>`` is its bucket or host (``s3://step-5``)."""
     m = _STEP_DIR.match(uri)
-    if m is None:
+    if m is None or (m.group(1) or "").endswith(":/"):
         return uri, None
-    return m.group(1) + (m.group(3) or ""), int(m.group(2))
+    return (m.group(1) or "") + (m.group(3) or ""), int(m.group(2))
 
 SECRET_OPTIONS = frozenset(
     {

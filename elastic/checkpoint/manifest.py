@@ -29,7 +29,6 @@ import logging
 import math
 import re
 import time
-import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -408,14 +407,7 @@ def commit(
 
 def _write_atomic(store: CheckpointStore, path: str, data: bytes) -> None:
     try:
-        if store.kind == "local":
-            tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-            with store.fs.open_output_stream(tmp) as f:
-                f.write(data)
-            store.fs.move(tmp, path)  # rename(2): atomic on one filesystem
-        else:
-            with store.fs.open_output_stream(path) as f:  # an object appears whole or not
-                f.write(data)
+        store.write_atomic(path, data)  # the rule ``check_writable`` probes
     except (OSError, ValueError) as e:
         raise store.error(f"writing {path} failed; the checkpoint is not committed", e) from None
 

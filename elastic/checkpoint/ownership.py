@@ -315,8 +315,9 @@ def _write_owner(store: CheckpointStore, record: OwnerRecord) -> None:
     path = store.path(OWNER_NAME)
     try:
         store.ensure_dir(store.root)
-        with store.fs.open_output_stream(path) as f:
-            f.write(record.to_json())
+        # replaced whole or not at all (was: rewritten in place, so a full disk left a
+        # truncated record that failed every later claim and commit)
+        store.write_atomic(path, record.to_json())
     except (OSError, ValueError) as e:
         raise store.error(f"claiming {store.uri} (writing {OWNER_NAME}) failed", e) from None
 

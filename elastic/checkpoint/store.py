@@ -197,24 +197,67 @@ class CheckpointStore:
         if self.kind not in _NO_DIRS:
             self.fs.create_dir(path, recursive=True)
 
+    def write_atomic(self, path: str, data: bytes) -> None:
+        """Write ``path`` whole or not at all: on local storage a temporary file renamed over
+        it (``rename(2)``, atomic on one filesystem), elsewhere one write (an object appears
+        whole or not). Raises the filesystem's ``OSError``/``ValueError``; a failed write
+        leaves what ``path`` held before, and no temporary file where it can be deleted."""
+        if self.kind != "local":
+            with self.fs.open_output_stream(path) as f:
+                f.write(data)
+            return
+        tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+        try:
+            with self.fs.open_output_stream(tmp) as f:
+                f.write(data)
+            self.fs.move(tmp, path)
+        except BaseException:
+            self._discard(tmp)
+            raise
+
+    def _discard(self, path: str) -> None:
+        """Delete ``path`` if it is there; best effort (a failure is not reported)."""
+        try:
+            self.fs.delete_file(path)
+        except (OSError, ValueError):
+            pass
+
     # ------------------------------------------------------------------ probe
     def check_writable(self) -> None:
-        """Cheap probe: write, stat and delete a tiny object under the root.
+        """Cheap probe: write a tiny object under the root, replace it as a commit does
+        (``write_atomic``: a rename on local storage), stat and delete it.
 
-        Called by the controller before workers start. Raises ``CheckpointError`` saying what
+        Called by the controller before workers start. Raises ``StorageError`` saying what
         is wrong (missing bucket, unreachable endpoint, denied credentials, unwritable
-        directory) and how to fix it.
+        directory, storage that cannot rename, as some FUSE mounts of a bucket) and how to
+        fix it.
         """
         probe = self.path(f".elastic-probe-{uuid.uuid4().hex}")
         try:
             self.ensure_dir(self.root)
             with self.fs.open_output_stream(probe) as f:
                 f.write(b"elastic probe\n")
+        except (OSError, ValueError) as e:
+            self._discard(probe)
+            raise self.error(f"checkpoint storage {self.uri} is not writable", e) from None
+        try:
+            # a write-only probe passed on storage that cannot rename, then every commit
+            # failed (its manifest is a temporary file renamed into place)
+            self.write_atomic(probe, b"elastic probe, replaced\n")
+        except (OSError, ValueError) as e:
+            self._discard(probe)
+            raise self.error(
+                f"checkpoint storage {self.uri} cannot rename a file over another, which every "
+                "checkpoint commit does (some FUSE mounts of a bucket cannot). Fix: use a "
+                "filesystem that can rename, or the bucket's s3:// or gs:// URI instead of its "
+                "mount", e) from None
+        try:
             info = self.fs.get_file_info(probe)
             if info.type != pafs.FileType.File:
                 raise OSError(f"probe object {probe} not visible after writing it")
             self.fs.delete_file(probe)
         except (OSError, ValueError) as e:
+            self._discard(probe)
             raise self.error(f"checkpoint storage {self.uri} is not writable", e) from None
 
 
