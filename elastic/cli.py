@@ -138,10 +138,9 @@ def _cmd_plan(a: argparse.Namespace) -> int:
 
     from .config import JobConfig
     from .planning import model_profile, tokens_per_sample
-    from .reference import build_model
 
     cfg = JobConfig.from_yaml(a.job)
-    model = build_model(cfg.model_factory(), cfg.seed)
+    model = _built_model(cfg)
     if a.cluster == "live":
         import ray
 
@@ -169,6 +168,21 @@ def _cmd_plan(a: argparse.Namespace) -> int:
                   else a.global_batch)  # (0 is refused as the planner refuses -4)
     print(format_plan_table(result, cluster=cluster))
     return 0 if result.choice is not None else 1
+
+
+def _built_model(cfg: Any) -> Any:
+    """The job's model, built as ``control.preflight.preflight`` builds it (its wrapper,
+    repeated): a factory that raises is ``ConfigError("model", ...)`` (was: a traceback)."""
+    from .errors import ConfigError
+    from .reference import build_model
+
+    try:
+        return build_model(cfg.model_factory(), cfg.seed)
+    except ConfigError:
+        raise
+    except Exception as e:
+        raise ConfigError("model", f"the model factory raised {type(e).__name__}: {e}",
+                          "fix the factory; it must return an nn.Module") from e
 
 
 def _cmd_sweep(a: argparse.Namespace) -> int:
@@ -221,6 +235,25 @@ def _which(w: str) -> Any:
     return int(w) if w.isdigit() else w
 
 
+def _check_out(dest: str | None) -> None:
+    """``export --out``: given, and for a local file not a directory nor a ``file://`` URI
+    with a host (``ConfigError`` naming ``--out``; was: a ValueError's traceback)."""
+    from .checkpoint.location import local_path
+    from .errors import ConfigError
+
+    if not dest:
+        raise SystemExit("elastic checkpoints export needs --out FILE")
+    if _remote(dest):
+        return
+    try:
+        out = local_path(dest)
+    except ValueError as e:  # file://model.pt names the host "model.pt"
+        raise ConfigError("--out", *e.args) from None
+    if os.path.isdir(out):
+        raise SystemExit(f"elastic: --out {dest} is a directory. Fix: give the file to write, "
+                         f"e.g. {os.path.join(out, 'model.safetensors')}")
+
+
 def _cmd_checkpoints(a: argparse.Namespace) -> int:
     import json
 
@@ -234,6 +267,8 @@ def _cmd_checkpoints(a: argparse.Namespace) -> int:
         verify,
     )
 
+    if a.action == "export":
+        _check_out(a.out)
     store = _store_of(a)
     if a.action == "list":
         rows = list_checkpoints(store)
@@ -251,11 +286,6 @@ def _cmd_checkpoints(a: argparse.Namespace) -> int:
             probs = report.problems.get(step, [])
             print(f"step {step}: " + ("OK" if not probs else "BAD: " + "; ".join(probs)))
         return report.exit_code
-    if not a.out:
-        raise SystemExit("elastic checkpoints export needs --out FILE")
-    if os.path.isdir(a.out):
-        raise SystemExit(f"elastic: --out {a.out} is a directory. Fix: give the file to write, "
-                         f"e.g. {os.path.join(a.out, 'model.safetensors')}")
     res = export(store, a.out, _which(a.which or "latest"), include_optimizer=a.optimizer,
                  dest_options=_options_of(a) if _remote(a.out) else None, overwrite=a.force)
     how = ("safetensors.torch.load_file(path)" if res.format == "safetensors"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -42,17 +43,49 @@ _HOOKS: dict[str, Callable[..., Any]] = {}  # the CLI's attach and --set parser
 
 def _cmd(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
     def run(a: argparse.Namespace) -> int:
+        _check_flags(a)  # before the cluster is reached, or any actor started
         _HOOKS["attach"](a.address)
         return fn(a)
 
     return run
 
 
+def _check_flags(a: argparse.Namespace) -> None:
+    """``scheduler start``'s and ``queue watch``'s numbers and queue file; ``ConfigError``
+    naming the flag (exit code 2). Was: a traceback from the actor or the redraw loop."""
+    from .errors import ConfigError
+
+    def number(flag: str, v: Any, *, above: bool, fix: str) -> None:
+        if v is not None and not (math.isfinite(v) and (v > 0 if above else v >= 0)):
+            raise ConfigError(flag, f"must be {'>' if above else '>='} 0, got {v}.", fix)
+
+    if a.action == "watch":  # (the two commands' actions differ)
+        number("--interval", a.interval, above=True, fix="e.g. --interval 1 (seconds)")
+    if a.action != "start":
+        return
+    for flag in ("workers", "cpus", "gpus"):
+        v = getattr(a, flag)
+        if v is not None and v < 1:
+            raise ConfigError(f"--{flag}", f"must be 1 or more, got {v}.",
+                              f"give the number of workers the scheduler owns, e.g. --{flag} 4")
+    number("--round-s", a.round_s, above=True, fix="e.g. --round-s 2 (seconds)")
+    number("--resize-s", a.resize_s, above=False, fix="e.g. --resize-s 10 (seconds)")
+    number("--max-wait-s", a.max_wait_s, above=False, fix="e.g. --max-wait-s 1800 (seconds)")
+    number("--warm", a.warm, above=False, fix="e.g. --warm 2, or 0 for no warm workers")
+    if a.db not in (None, "none"):
+        path = os.path.abspath(os.path.expanduser(a.db))
+        if os.path.isdir(path) or not os.path.isdir(os.path.dirname(path)):
+            what = "is a directory" if os.path.isdir(path) else \
+                f"is in {os.path.dirname(path)}, which does not exist"
+            raise ConfigError("--db", f"{a.db} {what}.", "give a SQLite file (made if missing) in "
+                              "an existing directory, or none for a queue in memory")
+
+
 def _start(a: argparse.Namespace) -> int:
     from . import scheduler
 
     given = {f"--{k}": v for k, v in (("workers", a.workers), ("cpus", a.cpus),
-                                      ("gpus", a.gpus)) if v}
+                                      ("gpus", a.gpus)) if v is not None}
     if len(set(given.values())) > 1:  # (was: --workers won and the others were ignored)
         raise SystemExit(f"elastic scheduler start: {', '.join(f'{k} {v}' for k, v in given.items())}"
                          " disagree; they are one count (the workers it owns, one device "
@@ -61,10 +94,8 @@ def _start(a: argparse.Namespace) -> int:
     if not workers:
         raise SystemExit("elastic scheduler start needs --workers, --cpus or --gpus (how many "
                          "workers the scheduler owns)")
-    db = None if a.db == "none" else a.db
-    if db is None and a.db != "none":
-        import os
-
+    db = None if a.db in (None, "none") else os.path.expanduser(a.db)
+    if a.db is None:
         os.makedirs(os.path.expanduser("~/.elastic"), exist_ok=True)
         db = os.path.expanduser(f"~/.elastic/scheduler-{a.name}.sqlite")
     scheduler.start(a.name, workers=int(workers), policy=a.policy, round_s=a.round_s,

@@ -26,7 +26,7 @@ from elastic.checkpoint.manifest import (
 )
 from elastic.checkpoint.reader import CheckpointReader
 from elastic.checkpoint.store import CheckpointStore
-from elastic.errors import CheckpointError
+from elastic.errors import CheckpointError, ConfigError
 
 __all__ = [
     "CheckpointSummary",
@@ -230,13 +230,13 @@ def export(
     """
     fmt = fmt or ("safetensors" if dest.endswith(".safetensors") else "torch")
     if fmt not in ("torch", "safetensors"):
-        raise ValueError(f"export format {fmt!r}: use 'torch' or 'safetensors'")
+        raise ConfigError("fmt", f"unknown export format {fmt!r}.", "use 'torch' or 'safetensors'")
     remote = "://" in dest and not dest.startswith("file://")
     out = CheckpointStore(dest, dest_options) if remote else None
     try:
         path = "" if remote else os.path.abspath(local_path(dest))
-    except ValueError as e:
-        raise ValueError(f"{e.args[0]}. Fix: {e.args[1]}") from None
+    except ValueError as e:  # (a ConfigError is a ValueError too, as before)
+        raise ConfigError("dest", *e.args) from None
     shown = out.uri if out is not None else path
     try:
         existed = (out.fs.get_file_info(out.root).type != pafs.FileType.NotFound

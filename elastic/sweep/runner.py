@@ -63,8 +63,8 @@ class TrialRunner:
 
     def objective(self, trial: optuna.Trial) -> float:
         """Run trial ``trial`` as a job and return its value. ``optuna.TrialPruned`` when the
-        pruner stopped it; an ``ElasticError`` of the job fails the trial (its first line is
-        the trial's ``error`` attribute)."""
+        pruner stopped it; an ``ElasticError`` of the job, or of the objective on its result,
+        fails the trial (its first line is the trial's ``error`` attribute)."""
         cfg = self.cfg
         sys_attrs = trial.storage.get_trial_system_attrs(trial._trial_id)  # noqa: SLF001
         if sys_attrs.get("failed_trial") is not None:
@@ -83,8 +83,7 @@ class TrialRunner:
             result = (self._scheduled(trial, job) if cfg.scheduler is not None
                       else self._run(trial, job))
         except ElasticError as e:
-            trial.set_user_attr("error", f"{type(e).__name__}: {str(e).splitlines()[0]}"[:1000])
-            trial.set_user_attr("seconds", round(time.monotonic() - t0, 2))
+            self._failed(trial, e, t0)
             raise
         last = result.history[-1] if result.history else {}
         finite = [h["loss"] for h in result.history if math.isfinite(h["loss"])]
@@ -100,7 +99,34 @@ class TrialRunner:
                                                        float(attrs["pruned_at_time"])))
         if pruned_at is not None:
             raise optuna.TrialPruned(f"pruned at step {pruned_at}")
-        return float(self.value(result))
+        try:
+            return self._value(result)
+        except ElasticError as e:
+            self._failed(trial, e, t0)
+            raise
+
+    def _value(self, result: FitResult) -> float:
+        """The objective's value of ``result``; ``ElasticError`` naming the objective when it
+        raises or gives no number, which fails this trial only (was: the error left
+        ``study.optimize``, whose ``catch`` holds only ElasticError, and ended the sweep)."""
+        obj = self.cfg.objective
+        what = f"objective {obj if isinstance(obj, str) else getattr(obj, '__qualname__', obj)!r}"
+        try:
+            value = self.value(result)
+        except Exception as e:
+            raise ElasticError(f"{what} raised {type(e).__name__}: {e}. Fix: make it return "
+                               "a number for the trial's FitResult") from e
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ElasticError(f"{what} returned {value!r}, not a number. Fix: make it "
+                               "return a number (float) for the trial's FitResult") from None
+
+    @staticmethod
+    def _failed(trial: optuna.Trial, e: ElasticError, t0: float) -> None:
+        """Record why the trial failed (its first line) and how long it ran."""
+        trial.set_user_attr("error", f"{type(e).__name__}: {str(e).splitlines()[0]}"[:1000])
+        trial.set_user_attr("seconds", round(time.monotonic() - t0, 2))
 
     def _shared_data(self, job: JobConfig) -> None:
         """Give ``job`` the blocks of its Ray datasets, run once for every trial that has the

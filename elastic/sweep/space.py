@@ -6,6 +6,7 @@ A parameter's name is a job field, dotted for nested settings (``optimizer.lr``,
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -14,7 +15,7 @@ from ..errors import ConfigError
 if TYPE_CHECKING:
     import optuna
 
-__all__ = ["Param", "PARAM_KEYS", "set_path"]
+__all__ = ["Param", "PARAM_KEYS", "set_path", "read_number"]
 
 PARAM_KEYS = {"float": ("low", "high", "log", "step"), "int": ("low", "high", "log", "step"),
               "categorical": ("choices",)}
@@ -72,10 +73,17 @@ class Param:
             except (TypeError, ValueError):
                 raise ConfigError(f"{where}.{key}", f"{v!r} is not a number.",
                                   "write a number, e.g. 1.0e-4") from None
+            if not math.isfinite(x):  # (nan, inf: Optuna's error in the first trial)
+                raise ConfigError(f"{where}.{key}", f"{v!r} is not a finite number.",
+                                  "write a number, e.g. 1.0e-4")
             if kind == "int" and x != int(x):
                 raise ConfigError(f"{where}.{key}", f"{v!r} is not an integer.",
                                   "use whole numbers, or type: float")
             vals[key] = int(x) if kind == "int" else x
+        if vals.get("step", 1) <= 0:  # (was: Optuna's ValueError in the first trial, after
+            # Ray started; an int's 0 became step 1)
+            raise ConfigError(f"{where}.step", f"must be > 0, got {spec['step']!r}.",
+                              "give a positive step, or drop it")
         if vals["low"] > vals["high"]:
             raise ConfigError(where, f"low {vals['low']} is above high {vals['high']}.",
                               "swap them")
@@ -96,6 +104,33 @@ class Param:
                                      step=int(self.step or 1), log=self.log)
         return trial.suggest_float(self.name, self.low, self.high, step=self.step, log=self.log)
 
+    def check_value(self, value: Any, where: str) -> Any:
+        """``value`` (an ``enqueue`` point's) as the trial will get it, if it is in this
+        dimension's space; a number written as a string (YAML's ``1e-3``) is read as one.
+        ``ConfigError`` naming ``where`` otherwise (Optuna refuses a choice outside the list
+        in the trial, and runs a number outside the range as it is)."""
+        if self.type == "categorical":
+            if value not in self.choices:
+                raise ConfigError(where, f"{value!r} is not one of the choices of params."
+                                  f"{self.name}.", f"use one of: {', '.join(map(str, self.choices))}")
+            return value
+        x = read_number(value)
+        if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
+            raise ConfigError(where, f"{value!r} is not a number; params.{self.name} is a "
+                              f"{self.type} parameter.", f"give a number in [{self.low}, "
+                              f"{self.high}]")
+        if self.type == "int" and x != int(x):
+            raise ConfigError(where, f"{value!r} is not an integer; params.{self.name} is an "
+                              "int parameter.", "give a whole number")
+        x = int(x) if self.type == "int" else float(x)
+        off = (x - self.low) / self.step if self.step else 0.0  # (Optuna's own tolerance)
+        if not self.low <= x <= self.high or abs(off - round(off)) > 1e-8:
+            grid = f" on the grid of step {self.step} from {self.low}" if self.step else ""
+            raise ConfigError(where, f"{value!r} is outside params.{self.name}: "
+                              f"[{self.low}, {self.high}]{grid}.",
+                              "give a value in the searched space, or widen the space")
+        return x
+
     def probes(self) -> list[Any]:
         """Values that stand for the whole range when the base job is validated up front:
         every choice, or both ends of a range."""
@@ -113,6 +148,16 @@ class Param:
         raise ConfigError(f"params.{self.name}", "the grid sampler needs a finite set of values.",
                           "make it categorical, a non-log int, or a float with a step; or use "
                           "sampler: tpe/random")
+
+
+def read_number(value: Any) -> Any:
+    """``value``, or the float a string spells (YAML reads ``1e-3``, without a dot, as one)."""
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    return value
 
 
 def set_path(fields: dict[str, Any], dotted: str, value: Any) -> None:

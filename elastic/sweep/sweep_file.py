@@ -18,7 +18,7 @@ from typing import Any
 from ..config import JobConfig, resolve_callable
 from ..config.flat import flatten
 from ..errors import ConfigError
-from .space import Param, set_path
+from .space import Param, read_number, set_path
 
 __all__ = ["SweepConfig", "load_yaml", "child_uri", "OWNED", "OBJECTIVES"]
 
@@ -236,11 +236,8 @@ class SweepConfig:
             if top not in job_fields:
                 raise ConfigError(f"params.{name}", f"{top} is not a job field.",
                                   f"use one of: {', '.join(job_fields)}")
-        for i, point in enumerate(self.enqueue):
-            extra = sorted(set(point) - set(self.params)) if isinstance(point, dict) else ["?"]
-            if extra:
-                raise ConfigError(f"enqueue[{i}]", f"{extra[0]!r} is not a searched parameter.",
-                                  f"use names from params: {', '.join(self.params)}")
+        self._validate_enqueue()
+        self._validate_timeout()
         self._validate_promotion()
         if self.scheduler is not None and (not isinstance(self.scheduler, str)
                                            or not self.scheduler.strip()):
@@ -253,6 +250,39 @@ class SweepConfig:
             cfg.model_factory()
             cfg.optimizer_factory()
             cfg.loss_fn()
+
+    def _validate_enqueue(self) -> None:
+        """Each ``enqueue`` point: a mapping of searched names to values in their space
+        (``Param.check_value``), kept as the trials will get them. Was: only the names were
+        checked; a value outside the space ended the sweep after Ray started, or ran."""
+        if not isinstance(self.enqueue, list):
+            raise ConfigError("enqueue", f"must be a list of points, got {self.enqueue!r}.",
+                              "e.g. enqueue: [{optimizer.lr: 0.01}]")
+        points = []
+        for i, point in enumerate(self.enqueue):
+            if not isinstance(point, dict):
+                raise ConfigError(f"enqueue[{i}]", f"must be a mapping, got {point!r}.",
+                                  "e.g. {optimizer.lr: 0.01, strategy: dp}")
+            extra = sorted(set(point) - set(self.params))
+            if extra:
+                raise ConfigError(f"enqueue[{i}]", f"{extra[0]!r} is not a searched parameter.",
+                                  f"use names from params: {', '.join(self.params)}")
+            points.append({name: self.params[name].check_value(v, f"enqueue[{i}].{name}")
+                           for name, v in point.items()})
+        self.enqueue = points
+
+    def _validate_timeout(self) -> None:
+        """``timeout_s``: a finite number of seconds > 0; YAML's ``1e4`` (a string) is read as
+        one. Was: not checked, and Optuna's optimize failed on it after Ray started."""
+        v = self.timeout_s
+        if v is None:
+            return
+        x = read_number(v)
+        if isinstance(x, bool) or not isinstance(x, (int, float)) or not (
+                math.isfinite(x) and x > 0):
+            raise ConfigError("timeout_s", f"must be a number of seconds > 0, got {v!r}.",
+                              "e.g. timeout_s: 3600, or leave it out (no time limit)")
+        self.timeout_s = float(x)
 
     def _validate_promotion(self) -> None:
         """``promotion: {growth: g}``: only with a pruner that promotes (hyperband), g >= 1,
