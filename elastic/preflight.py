@@ -71,6 +71,37 @@ def check_sample(cfg: JobConfig, model: Any, dataset: Any) -> None:
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise ConfigError("loss", f"returned {_describe(loss)}, not one number.",
                           "return a scalar tensor (e.g. the mean over the batch)")
+    with torch.no_grad(), cast:
+        _check_mean(loss_fn, out, y, bf16=cfg.precision == "bf16")
+
+
+def _check_mean(loss_fn: Any, out: Any, y: Any, bf16: bool) -> None:
+    """The loss of two samples together lies between theirs apart, as any mean over the
+    batch does (over samples, tokens, elements; a penalty added to it too): the layouts
+    combine each rank's and micro-batch's loss weighted by its samples. A sum
+    (``reduction='sum'``) does not: its gradients would grow with the share (and change at
+    each resize); ``ConfigError`` naming ``loss``. Skipped where the outputs or targets are
+    not batch-first tensors, or a part of them cannot be scored alone."""
+    import torch
+
+    if not (isinstance(out, torch.Tensor) and isinstance(y, torch.Tensor)
+            and len(out) >= 2 and len(y) == len(out)):
+        return
+    try:
+        both, *alone = (float(loss_fn(out[a:b], y[a:b])) for a, b in ((0, 2), (0, 1), (1, 2)))
+    except Exception:  # noqa: BLE001 - a loss that needs more than one sample: not checked
+        return
+    lo, hi = min(alone), max(alone)
+    slack = (1e-2 if bf16 else 1e-4) * max(abs(lo), abs(hi)) + 1e-6
+    if not all(map(torch.isfinite, torch.tensor([both, lo, hi]))) or \
+            lo - slack <= both <= hi + slack:
+        return
+    raise ConfigError("loss", f"is not a mean over the batch: samples 0 and 1 together score "
+                      f"{both:.6g}, apart {alone[0]:.6g} and {alone[1]:.6g} (a sum? "
+                      "reduction='sum'). Each worker's loss is weighted by its share of the "
+                      "global batch, so a sum would scale the gradients with the share.",
+                      "return the mean over the batch (reduction='mean'); to weigh samples "
+                      "otherwise, scale inside the mean")
 
 
 def check_layouts(cfg: JobConfig, layouts: Any) -> None:

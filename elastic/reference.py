@@ -16,10 +16,16 @@ from .data import StepSampler, fetch_batch
 __all__ = ["reference_train", "build_model"]
 
 
-def build_model(model_factory: Callable[[], nn.Module], seed: int) -> nn.Module:
-    """Build the model exactly as every worker does: seeded, on the CPU."""
+def build_model(model_factory: Callable[[], nn.Module], seed: int, rank: int = 0) -> nn.Module:
+    """Build the model exactly as every worker does: seeded, on the CPU. The generators then
+    go on as one process's on rank 0 and from a seed of their own on each other ``rank``
+    (dropout's masks; was the same stream on every rank, so ranks of equal shares drew the
+    same masks for their i-th samples: found by review, session 44)."""
     torch.manual_seed(seed)
-    return model_factory()
+    model = model_factory()
+    if rank > 0:
+        torch.manual_seed((seed * 1_000_003 + rank) % 2**63)
+    return model
 
 
 def build_model_for_load(model_factory: Callable[[], nn.Module], seed: int) -> nn.Module:

@@ -249,11 +249,17 @@ def loss_function(spec: Any) -> Callable[[Any, Any], Any]:
 
 
 def _cross_entropy(outputs: Any, targets: Any) -> Any:
+    """The mean over the targets that are not ignored (-100, as ``F.cross_entropy``); 0 when
+    none is (a rank's share or a micro-batch of padding only: was NaN, the step counted
+    non-finite while its update, of zero gradients there, was applied)."""
     import torch.nn.functional as F
 
     if outputs.dim() > 2:
-        return F.cross_entropy(outputs.reshape(-1, outputs.size(-1)), targets.reshape(-1))
-    return F.cross_entropy(outputs, targets)
+        outputs, targets = outputs.reshape(-1, outputs.size(-1)), targets.reshape(-1)
+    if targets.is_floating_point():  # class probabilities: nothing is ignored
+        return F.cross_entropy(outputs, targets)
+    total = F.cross_entropy(outputs, targets, reduction="sum")  # (no device sync)
+    return total / (targets != -100).sum().clamp(min=1)
 
 
 def _mse(outputs: Any, targets: Any) -> Any:

@@ -217,7 +217,7 @@ class Layout:
         if for_load:
             model = build_model_for_load(self._model_factory, seed)
         else:
-            model = build_model(self._model_factory, seed)
+            model = build_model(self._model_factory, seed, self._membership.rank)
         self.param_keys = {f"model/{n}" for n, _ in model.named_parameters()}
         # the job's settings every layout applies (the controller's specs carry them already)
         opts = spec.options.over(self._config.strategy_options())

@@ -305,6 +305,48 @@ def test_a_resume_into_another_model_is_refused_before_ray(no_ray):
         elastic.fit(**job)
 
 
+def _sum_mse(out, y):
+    return torch.nn.functional.mse_loss(out, y, reduction="sum")
+
+
+def _penalised_mse(out, y):  # a mean plus a term that does not depend on the batch
+    return torch.nn.functional.mse_loss(out, y) + 0.5
+
+
+def test_a_loss_that_sums_over_the_batch_is_refused_before_ray(no_ray):
+    """Each worker's loss is weighted by its share of the global batch: a sum
+    (``reduction='sum'``) would scale the gradients with the share and change at each
+    resize. Refused naming ``loss``; a mean plus a penalty is a mean. Was: taken, training
+    another model than one process would (found by review, session 44)."""
+    job = _base(run_dir=str(no_ray / "r"))
+    with pytest.raises(ConfigError) as ei:
+        elastic.fit(**{**job, "loss": _sum_mse})
+    assert ei.value.field == "loss" and "not a mean over the batch" in str(ei.value)
+    assert "reduction='mean'" in ei.value.fix
+    for ok in (_penalised_mse, mse):
+        with pytest.raises(ReachedRay):
+            elastic.fit(**{**job, "loss": ok})
+
+
+def test_the_built_in_cross_entropy_of_padding_only_is_zero_not_nan():
+    """A share or micro-batch whose targets are all ignored (-100, padding) scores 0 with zero
+    gradients (was NaN: the step was counted non-finite, and skipped in the history while
+    its update was applied); otherwise it is ``F.cross_entropy``'s mean over the kept
+    targets, as one process computes it."""
+    from elastic.config import loss_function
+
+    ce = loss_function("cross_entropy")
+    torch.manual_seed(0)
+    out = torch.randn(4, 5, 7, requires_grad=True)
+    y = torch.randint(0, 7, (4, 5))
+    y[0, :2] = -100
+    want = torch.nn.functional.cross_entropy(out.reshape(-1, 7), y.reshape(-1))
+    assert torch.allclose(ce(out, y), want, rtol=1e-6)
+    pad = ce(out[:2], torch.full((2, 5), -100))
+    pad.backward()
+    assert float(pad.detach()) == 0.0 and float(out.grad.abs().max()) == 0.0
+
+
 def test_the_sample_check_leaves_the_model_as_it_was():
     from elastic.preflight import check_sample
 

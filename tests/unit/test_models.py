@@ -221,3 +221,28 @@ def test_a_model_built_for_a_load_keeps_the_tensors_it_shares() -> None:
     for model in (build_model(TiedMlp, 0), build_model_for_load(TiedMlp, 0)):
         assert model.again.weight is model.mid.weight
         assert len(list(model.parameters())) == 7  # 4 biases, 3 distinct weights
+
+
+def test_each_rank_draws_its_own_dropout_masks_and_rank_0_one_process_s():
+    """After the seeded build, rank 0's generator goes on as a single process's (a 1-worker
+    job's dropout is the reference's) and every other rank's from a seed of its own. Was:
+    the same stream on every rank: ranks of equal shares drew the same mask for their i-th
+    samples (found by review, session 44)."""
+    import torch
+    from torch import nn
+
+    from elastic.reference import build_model
+
+    def factory() -> nn.Module:
+        return nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5))
+
+    x = torch.ones(8, 4)
+    masks = []
+    for rank in (0, 1, 2, 1):
+        model = build_model(factory, 7, rank)
+        masks.append(model(x) == 0)
+    torch.manual_seed(7)
+    one = factory()
+    assert torch.equal(masks[0], one(x) == 0)  # rank 0: one process's stream
+    assert not torch.equal(masks[0], masks[1]) and not torch.equal(masks[1], masks[2])
+    assert torch.equal(masks[1], masks[3])  # a rank's own stream is the same each build
