@@ -37,9 +37,21 @@ class JobControl:
         self.inbox: list[dict[str, Any]] = []
         self.replies: dict[int, Any] = {}
         self._ids = itertools.count(1)
+        self._ended = ""  # why no request is taken any more (the job ended)
 
     def set_status(self, status: dict[str, Any]) -> None:
         self.status = status
+
+    def end(self, status: dict[str, Any]) -> None:
+        """The job ended with ``status``: every request still queued (posted while it was
+        starting or finishing, when nothing takes them) is answered that it ended first, and
+        so is any posted from now on (was: never answered; the asker then met the actor's
+        death as a Ray traceback)."""
+        self.status = status
+        self._ended = (f"job {self.job!r} ended ({status.get('state', 'ended')}) before the "
+                       "request was handled")
+        for req in self.take():
+            self.replies[req["id"]] = {"error": self._ended}
 
     def get_status(self) -> dict[str, Any]:
         return self.status
@@ -52,6 +64,9 @@ class JobControl:
             req = parse(kind, value, reason)
         except RequestError as e:
             self.replies[rid] = {"error": str(e)}
+            return rid
+        if self._ended:
+            self.replies[rid] = {"error": self._ended}
             return rid
         self.inbox.append({"id": rid, "kind": req.kind, "value": req.value, "reason": reason})
         return rid
@@ -111,7 +126,7 @@ class Mailbox:
             if self._up is not None and not ray.wait([self._up], timeout=0)[0]:
                 ray.kill(self._h)  # never up: nobody could have asked it anything
                 return
-            self._h.set_status.remote(status)
+            self._h.end.remote(status)
             deadline = time.monotonic() + linger_s
             while ray.get(self._h.unread_replies.remote()) and time.monotonic() < deadline:
                 time.sleep(0.1)
@@ -183,15 +198,21 @@ def ask(job: str, kind: str, value: Any = None, reason: str = "requested from th
         timeout_s: float = 300.0) -> Any:
     """Post a request to a running job and wait for its controller's reply."""
     import ray
+    from ray.exceptions import RayActorError
 
     h = lookup(job)
-    rid = ray.get(h.post.remote(kind, value, reason))
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        out = ray.get(h.get_reply.remote(rid))
-        if out is not None:
+    try:
+        rid = ray.get(h.post.remote(kind, value, reason))
+        while time.monotonic() < deadline:
+            out = ray.get(h.get_reply.remote(rid))
+            if out is None:
+                time.sleep(0.2)
+                continue
             if isinstance(out, dict) and out.get("error"):
                 raise ElasticError(out["error"])
             return out
-        time.sleep(0.2)
+    except RayActorError:  # its driver ended (or died) before the answer was read
+        raise ElasticError(f"job {job!r} ended before it answered (its control actor is "
+                           "gone); `elastic status` lists the running jobs") from None
     raise ElasticError(f"job {job!r} did not answer within {timeout_s:.0f}s")
