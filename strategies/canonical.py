@@ -39,10 +39,13 @@ def optimizer_state_to_canonical(
     optimizer: torch.optim.Optimizer, fqn_of: dict[int, str], copy: bool = True
 ) -> CanonicalState:
     """Per-parameter optimizer state keyed by the parameter's FQN. ``fqn_of`` maps
-    ``id(param)`` to its FQN; parameters without state are skipped. ``copy=False``: CPU
-    tensors are the live ones."""
+    ``id(param)`` to its FQN; parameters without state are skipped, and so are frozen ones
+    (``requires_grad=False``: never stepped, and zero1/zero2/pipelines never hold their
+    state; Adagrad makes it at construction). ``copy=False``: CPU tensors are the live ones."""
     out: CanonicalState = {}
     for p, st in optimizer.state.items():
+        if not p.requires_grad:
+            continue
         fqn = fqn_of[id(p)]
         for k, v in st.items():
             t = v if isinstance(v, torch.Tensor) else torch.tensor(v)
@@ -63,7 +66,8 @@ def optimizer_state_from_canonical(
     (identity by default); ``owned``: it returns a new tensor on the parameter's device,
     kept as it is (else a copy is taken). A ``step`` stays on the CPU unless its group is
     fused or capturable (torch's rule); other 0-dim entries (a scalar parameter's moments)
-    go to the parameter's device.
+    go to the parameter's device. Entries of frozen parameters are not loaded (no layout
+    exports them: ``optimizer_state_to_canonical``).
     """
     optimizer.state.clear()
     by_param: dict[str, dict[str, torch.Tensor]] = {}
@@ -71,7 +75,7 @@ def optimizer_state_from_canonical(
         if not key.startswith("optim/"):
             continue
         fqn, _, k = key[len("optim/"):].rpartition("/")
-        if fqn in params_by_fqn:
+        if fqn in params_by_fqn and params_by_fqn[fqn].requires_grad:
             by_param.setdefault(fqn, {})[k] = t
     on_device = {id(q) for g in optimizer.param_groups if g.get("fused") or g.get("capturable")
                  for q in g["params"]}

@@ -189,6 +189,14 @@ class DataParallel(Strategy):
         out.update(optimizer_state_to_canonical(self.optimizer, self.fqn_of, copy=False))
         return out
 
+    def needs(self, key: str, shape: tuple[int, ...]) -> bool | tuple[int, int]:
+        """Every entry whole, but no optimizer entry of a frozen parameter (never exported,
+        never loaded: ``strategies.canonical``)."""
+        if key.startswith("optim/"):
+            p = self.params_by_fqn.get(key[len("optim/"):].rpartition("/")[0])
+            return p is None or p.requires_grad
+        return True
+
     def load_full_state(self, state: CanonicalState) -> None:
         msd = {k[len("model/"):]: v for k, v in state.items() if k.startswith("model/")}
         self.model.load_state_dict(msd)

@@ -118,6 +118,8 @@ def sharded_full_state(
         return out
     for module in modules:
         for name, p in module.named_parameters():
+            if not p.requires_grad:  # frozen: its state is never exported (canonical.py)
+                continue
             st = optimizer.state.get(p, {})
             for k in sorted(st):
                 v = st[k]
@@ -169,7 +171,7 @@ class ShardMap:
         for k, v in self.entries.items():
             out[f"model/{k}"] = _local(v).detach().cpu()
         if optimizer is not None:
-            for name, p in self.params.items():
+            for name, p in self.stepped():
                 st = optimizer.state.get(p, {})
                 for k in sorted(st):
                     v = st[k]
@@ -190,12 +192,16 @@ class ShardMap:
         for k, v in self.entries.items():
             one(f"model/{k}", v)
         if optimizer is not None:
-            for name, p in self.params.items():
+            for name, p in self.stepped():
                 st = optimizer.state.get(p, {})
                 for k in sorted(st):
                     v = st[k]
                     one(f"optim/{name}/{k}", v if isinstance(v, torch.Tensor) else torch.tensor(v))
         return out
+
+    def stepped(self) -> list[tuple[str, torch.Tensor]]:
+        """The parameters whose optimizer state is canonical: not the frozen ones."""
+        return [(n, p) for n, p in self.params.items() if p.requires_grad]
 
     def needs(self, key: str, shape: tuple[int, ...]) -> bool | tuple[int, int]:
         if key.startswith("model/"):
@@ -203,7 +209,7 @@ class ShardMap:
             return False if like is None else self._rows_of(like, shape)
         if key.startswith("optim/"):
             p = self.params.get(key[len("optim/"):].rpartition("/")[0])
-            if p is None:
+            if p is None or not p.requires_grad:
                 return False
             return True if not shape else self._rows_of(p, shape)
         return False

@@ -55,6 +55,7 @@ from .blocks import buffers_kept as _buffers_kept
 from .blocks import pipeline_blocks
 from .canonical import CanonicalState, model_state_to_canonical
 from .errors import StrategyError
+from .factory_check import check_factory
 from .fsdp import (
     ShardMap,
     load_sharded_state,
@@ -66,7 +67,7 @@ from .fsdp import (
 )
 from .spec import StrategySpec
 from .traits import DP_MODES, SCHEDULES
-from .zero import ShardedUpdate, owned_needs
+from .zero import ShardedUpdate, owned_needs, update_subsets
 
 __all__ = ["Pipeline", "balanced_split", "replica_batches", "SCHEDULES"]
 
@@ -284,6 +285,18 @@ class Pipeline(Strategy):
         self.pending_update = False  # gradients complete, update not applied (see train_step)
         self._index: ShardMap | None = None  # zero3 inside: where its shards lie
         pp, d = spec.degrees.pp, spec.degrees.dp
+        self.mode = spec.dp_mode if d > 1 else "dp"
+        blocks = pipeline_blocks(model)
+        split = _resolve_split(spec, blocks)
+        self.n_stages = len(split)
+        starts = [sum(split[:i]) for i in range(self.n_stages)]
+        cast = (functools.partial(torch.autocast, rt.device.type, dtype=torch.bfloat16)
+                if self.precision == "bf16" else None)  # no reference back to the strategy
+        # every stage (the same blocks, not copied): every rank checks every rank's optimizer
+        # build, so all refuse alike, before any collective
+        stages = [_Stage(blocks[starts[i] : starts[i] + split[i]], cast)
+                  for i in range(self.n_stages)]
+        self._check_factory(optimizer_factory, model, stages)
         self.stage_rank, self.replica = divmod(rt.rank, d)
         self._own_groups: list[dist.ProcessGroup] = []
         if d > 1:  # every rank creates every group, in the same order
@@ -296,18 +309,9 @@ class Pipeline(Strategy):
             self.dp_group, self.pp_group = None, None
         dp_ranks = [self.stage_rank * d + j for j in range(d)]
 
-        blocks = pipeline_blocks(model)
-        split = _resolve_split(spec, blocks)
-        self.n_stages = len(split)
-        starts = [sum(split[:i]) for i in range(self.n_stages)]
         self.stage_ids = [self.stage_rank + k * pp for k in range(_stages_per_rank(spec.schedule))]
-        cast = (functools.partial(torch.autocast, rt.device.type, dtype=torch.bfloat16)
-                if self.precision == "bf16" else None)  # no reference back to the strategy
-        self.stages = [
-            _Stage(blocks[starts[i] : starts[i] + split[i]], cast).to(rt.device)
-            for i in self.stage_ids
-        ]
-        self.mode = spec.dp_mode if d > 1 else "dp"
+        self.stages = [stages[i].to(rt.device) for i in self.stage_ids]
+        del stages  # the other ranks' stages: no reference kept
         reshard = spec.options.reshard_after_forward
         if self.mode == "zero3":
             for st in self.stages:
@@ -345,6 +349,26 @@ class Pipeline(Strategy):
         else:
             cls = ScheduleGPipe if spec.schedule == "gpipe" else Schedule1F1B
             self.schedule = cls(pstages[0], m, loss_fn=self._mb_loss, scale_grads=False)
+
+    def _check_factory(self, factory: OptimizerFactory, model: nn.Module,
+                       stages: Sequence[_Stage]) -> None:
+        """``check_factory`` on the parameters each rank builds its optimizer on: its stages'
+        (zero3 inside: all of them; else the trainable ones, a rank's share under zero1 and
+        zero2), built as ``__init__`` builds them."""
+        pp, d = self.spec.degrees.pp, self.spec.degrees.dp
+        subsets: list[tuple[str, list[nn.Parameter]]] = []
+        for s in range(pp):
+            mine = [stages[s + k * pp] for k in range(_stages_per_rank(self.spec.schedule))]
+            if self.mode == "zero3":
+                subsets.append((f"rank {s * d}", [p for st in mine for p in st.parameters()]))
+                continue
+            trainable = [p for st in mine for _, p in st.named_parameters() if p.requires_grad]
+            subsets += [(f"rank {s * d + j}", ps)
+                        for j, ps in enumerate(update_subsets(trainable, self.mode, d))]
+        share = (f", a rank's share of them under {self.mode}"
+                 if self.mode in ("zero1", "zero2") else "")
+        check_factory(factory, model, subsets,
+                      f"a pipeline builds it on the parameters of a rank's stages{share}")
 
     def _mb_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         with self.autocast():

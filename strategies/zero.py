@@ -60,9 +60,10 @@ from .canonical import (
     optimizer_state_from_canonical,
     optimizer_state_to_canonical,
 )
+from .factory_check import check_factory
 from .spec import StrategySpec, lockstep_micro_batches
 
-__all__ = ["ShardedUpdate", "Zero1", "Zero2", "UPDATE_MODES"]
+__all__ = ["ShardedUpdate", "Zero1", "Zero2", "UPDATE_MODES", "update_subsets"]
 
 UPDATE_MODES = ("dp", "zero1", "zero2")
 
@@ -210,6 +211,16 @@ class ShardedUpdate:
         self.optimizer = None
 
 
+def update_subsets(params: Sequence[nn.Parameter], mode: str, n: int
+                   ) -> list[list[nn.Parameter]]:
+    """The parameters each of the ``n`` ranks of a ``ShardedUpdate`` group builds its
+    optimizer on (the same ownership; ``params``: the trainable ones, in order)."""
+    if mode == "dp":
+        return [list(params)] * n
+    owner = assign_owners([p.numel() for p in params], n)
+    return [[p for p, o in zip(params, owner, strict=True) if o == r] for r in range(n)]
+
+
 def owned_needs(key: str, owned: Mapping[str, object], model_keys: Container[str] | None = None
                 ) -> bool:
     """``Strategy.needs`` of a layout that holds ``model_keys`` (None: every model entry)
@@ -280,6 +291,12 @@ class _Zero(Strategy):
         loss_fn: LossFn,
     ) -> None:
         super().__init__(spec, rt, model, optimizer_factory, loss_fn)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        # before .to(device): Adagrad's check builds allocate where the model was built (CPU)
+        check_factory(optimizer_factory, model,
+                      [(f"rank {r}", ps) for r, ps in
+                       enumerate(update_subsets(trainable, self.mode, rt.world_size))],
+                      f"{self.name} builds it on the parameters a rank owns")
         self.model = model.to(rt.device)
         self.update = ShardedUpdate(
             list(self.model.named_parameters()), optimizer_factory, self.mode
