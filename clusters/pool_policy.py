@@ -45,9 +45,10 @@ Rules:
   default pool kept every CPU idle); it then starts no refill while ``room_held`` (the
   live pool holds it for a placement timeout, ``ROOM_HOLD_S``), or the refill could take
   the room back before the job asks for its bundles;
-* at most ``max_idle`` workers are kept idle (the longest idle go first), and none idle
-  longer than ``idle_timeout_s``, except the ``min_idle`` of the pool's own key (retiring
-  those would only start them again);
+* at most ``max_idle`` workers are kept idle (other keys' and the pool's own beyond
+  ``min_idle`` go first, the longest idle first), and none idle longer than
+  ``idle_timeout_s``, except the ``min_idle`` of the pool's own key (retiring those would
+  only start them again);
 * ``min_idle`` workers of the pool's own key are kept started ahead of demand, while the
   pool's workers (idle, lent and starting) stay within ``max_total``, and not while a job
   is placing the workers a hand-out left it to start cold (they need the room).
@@ -255,7 +256,7 @@ class PoolPolicy:
             reasons.append(f"{len(freed)} retired for another pool's job short of "
                            f"{_describe(obs.room)}")
         if len(idle) > self.max_idle:
-            over = _longest_idle(idle, len(idle) - self.max_idle)
+            over = self._over(idle, len(idle) - self.max_idle)
             retire += [(w.id, f"more than max_idle={self.max_idle} idle") for w in over]
             idle = [w for w in idle if w not in over]
         own = sum(1 for w in idle if w.key == self.key)
@@ -282,6 +283,17 @@ class PoolPolicy:
         return PoolDecision(tuple(hand), tuple(keep), tuple(retire), start, tuple(reasons),
                             room_short)
 
+    def _over(self, idle: list[IdleWorker], n: int) -> list[IdleWorker]:
+        """The ``n`` idle workers ``max_idle`` retires: other keys' and the pool's own beyond
+        ``min_idle`` (its most recent stay), longest idle first, before its ``min_idle``.
+        Was: the longest idle of any key, so the pool's own warm workers (spared by the idle
+        timeout, so the longest idle) went while another key's returned worker stayed, and
+        were started again (at ``max_total``, not: the pool ran cold)."""
+        own = sorted((w for w in idle if w.key == self.key),
+                     key=lambda w: (-w.idle_since_s, w.id))
+        warm = {w.id for w in own[:self.min_idle]}
+        return sorted(idle, key=lambda w: (w.id in warm, w.idle_since_s, w.id))[:max(n, 0)]
+
     @staticmethod
     def _pick(idle: list[IdleWorker], key: PoolKey, n: int) -> list[int]:
         """Up to ``n`` idle workers of ``key``: from the node with the most of them first,
@@ -297,11 +309,6 @@ class PoolPolicy:
 def _by_idle(idle: list[IdleWorker]) -> list[IdleWorker]:
     """``idle``, the longest idle first (the first to retire)."""
     return sorted(idle, key=lambda w: (w.idle_since_s, w.id))
-
-
-def _longest_idle(idle: list[IdleWorker], n: int) -> list[IdleWorker]:
-    """The ``n`` workers of ``idle`` that have idled longest."""
-    return _by_idle(idle)[:max(n, 0)]
 
 
 def room_of(key: PoolKey, bundles: int) -> Room:

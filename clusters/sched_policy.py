@@ -22,7 +22,8 @@ Rules every policy keeps:
 Policies:
 
 * ``FifoStatic``: the baseline: in submission order, each job gets the size it asked for
-  (``requested``) once that many workers are free, and keeps it to its end;
+  (``requested``, within the capacity) once that many workers are free, and keeps it to
+  its end;
 * ``ShortestRemaining``: A-SRPT-style: least predicted remaining work (worker-seconds) first;
   each job in that order gets the size that finishes it soonest among those that still use
   workers well (``efficiency``), running jobs shrink to make room for shorter ones;
@@ -31,7 +32,8 @@ Policies:
   grows most per worker; goodput = throughput x the statistical efficiency of the batch
   (1 when the global batch is fixed, as in elastic; ``statistical_efficiency``);
 * ``StarvationGuard``: part of both elastic policies: a job queued longer than
-  ``max_wait_s`` is admitted before any other, shrinking running jobs if it must.
+  ``max_wait_s`` is admitted before any other, shrinking running jobs if it must; while it
+  still does not fit, the workers are held for it (no other job admitted, none grown).
 """
 
 from __future__ import annotations
@@ -158,10 +160,13 @@ class JobState:
             return max(self.batch, self.batch_per_worker * n)
         return self.batch
 
-    def requested_size(self) -> int | None:
-        """The size FIFO-static gives: ``requested``, or the next size up that fits."""
-        up = [s for s in self.sizes if s >= self.requested]
-        return up[0] if up else (self.sizes[-1] if self.sizes else None)
+    def requested_size(self, capacity: int | None = None) -> int | None:
+        """The size FIFO-static gives: ``requested``, or the next size up that fits, within
+        ``capacity`` (a request beyond it: the largest size up to it); None: no size fits.
+        Was: 8 on a 4-worker scheduler, never admitted, and the line behind it blocked."""
+        fits = [s for s in self.sizes if capacity is None or s <= capacity]
+        up = [s for s in fits if s >= self.requested]
+        return up[0] if up else (fits[-1] if fits else None)
 
 
 def statistical_efficiency(batch: int, base_batch: int, noise_scale: float | None) -> float:
@@ -212,7 +217,7 @@ class Decision:
 @dataclass(frozen=True)
 class StarvationGuard:
     """A queued job that waited more than ``max_wait_s`` goes before every other (longest
-    wait first); None: no guard."""
+    wait first), and while it does not fit the workers are held for it; None: no guard."""
 
     max_wait_s: float | None = 1800.0
 
@@ -261,9 +266,11 @@ class FifoStatic:
                for j in obs.jobs if j.running}
         blocked, waiting = False, 0
         for j in (q for q in obs.jobs if not q.running):
-            n = j.requested_size()
+            n = j.requested_size(obs.capacity)
             if n is None:
-                why[j.job] = "cannot run: no size between min_workers and max_workers fits"
+                why[j.job] = ("cannot run: no size between min_workers and max_workers fits"
+                              if not j.sizes else f"cannot run: its smallest size "
+                              f"{j.sizes[0]} passes the capacity {obs.capacity}")
                 continue
             if not blocked and n <= free:
                 sizes[j.job], free = n, free - n
@@ -292,16 +299,30 @@ class _Elastic:
                 free -= j.sizes[0]
         return sizes, free
 
+    def _holds(self, j: JobState, obs: Observation) -> bool:
+        """Whether ``j``, which does not fit now, is starving and could run once workers
+        free up: the rest of the decision then holds capacity for it (no other job is
+        admitted or grown; running jobs drain into it as they end). Was: the jobs behind it
+        took the workers it waited for, and a 4-worker job among 1-worker ones waited for
+        the stream to stop (7020 s with a 1800 s guard)."""
+        return (self.starvation.starving(j, obs.now_s) and bool(j.sizes)
+                and j.sizes[0] <= obs.capacity)
+
+    @staticmethod
+    def _held(j: JobState, free: int, now_s: float) -> str:
+        return (f"starving: waited {_fmt_s(now_s - j.submitted_s)}, needs {j.sizes[0]} "
+                f"workers, {max(free, 0)} free; held for it")
+
     def _cost(self, j: JobState, n: int) -> float:
         """Remaining seconds at ``n``, with the pause a resize costs a running job."""
         return j.remaining_s(n) + (self.resize_s if j.running and n != j.workers else 0.0)
 
     def _settle(self, obs: Observation, sizes: dict[str, int], free: int,
-                why: dict[str, str]) -> int:
+                why: dict[str, str], hold: bool = False) -> int:
         """Hysteresis and fill, after the policy's pass: a running job shrunk while workers
         stayed free gets its size back; a change worth less than ``resize_s`` is undone;
         workers still free go to running jobs (shortest remaining first) when that saves more
-        than ``resize_s``."""
+        than ``resize_s``, unless they are held for a starving job (``hold``)."""
         running = [j for j in obs.jobs if j.running and j.job in sizes]
         for j in running:  # a shrink nobody needed
             n = sizes[j.job]
@@ -316,6 +337,8 @@ class _Elastic:
                 sizes[j.job] = j.workers
                 why[j.job] = (f"keeps {j.workers} workers (growing saves less than the "
                               f"{_fmt_s(self.resize_s)} a resize costs)")
+        if hold:
+            return free
         for j in sorted(running, key=lambda j: j.remaining_s(sizes[j.job])):
             n = sizes[j.job]
             best = n
@@ -385,11 +408,18 @@ class ShortestRemaining(_Elastic):
         now = obs.now_s
         order = sorted(obs.jobs, key=lambda j: self.key(j, now))
         rank = {j.job: i for i, j in enumerate(order)}
+        hold: JobState | None = None  # a starving job that does not fit yet
         for j in order:
             have = sizes.get(j.job, 0)
-            n = self._best(j, free + have)
+            if hold is not None and not j.running:
+                why[j.job] = f"queued: workers held for starving {hold.job}"
+                continue
+            # held: a running job may keep its size, not grow
+            n = self._best(j, free + have if hold is None else min(free + have, j.workers))
             if n is None:
                 why[j.job] = self._queued(j, free, rank[j.job])
+                if hold is None and self._holds(j, obs):
+                    hold, why[j.job] = j, self._held(j, free, now)
                 continue
             free -= n - have
             sizes[j.job] = n
@@ -397,7 +427,7 @@ class ShortestRemaining(_Elastic):
                     if self.starvation.starving(j, now) else
                     f"#{rank[j.job] + 1} by remaining work")
             why[j.job] = f"{lead}; {_change(j, n)}, {_fmt_s(j.remaining_s(n))} left"
-        self._settle(obs, sizes, free, why)
+        self._settle(obs, sizes, free, why, hold is not None)
         return _decision(obs, sizes, why)
 
     @staticmethod
@@ -453,8 +483,11 @@ class Goodput(_Elastic):
         queued = sorted((j for j in obs.jobs if not j.running),
                         key=lambda j: (0 if self.starvation.starving(j, now) else 1,
                                        j.submitted_s))
+        hold: JobState | None = None  # a starving job that does not fit yet
         for pos, j in enumerate(queued):
-            if j.sizes and j.sizes[0] <= free:
+            if hold is not None:
+                why[j.job] = f"queued: workers held for starving {hold.job}"
+            elif j.sizes and j.sizes[0] <= free:
                 sizes[j.job] = j.sizes[0]
                 free -= j.sizes[0]
                 why[j.job] = ("starving: admitted first" if self.starvation.starving(j, now)
@@ -463,15 +496,20 @@ class Goodput(_Elastic):
                 why[j.job] = ("cannot run: no size between min_workers and max_workers fits"
                               if not j.sizes else f"queued: {pos + 1} in line, needs "
                               f"{j.sizes[0]} workers, {max(free, 0)} free")
-        free = self._grow(obs, sizes, free, why)
-        self._settle(obs, sizes, free, why)
+                if self._holds(j, obs):
+                    hold, why[j.job] = j, self._held(j, free, now)
+        free = self._grow(obs, sizes, free, why, hold is not None)
+        self._settle(obs, sizes, free, why, hold is not None)
         return _decision(obs, sizes, why)
 
     def _grow(self, obs: Observation, sizes: dict[str, int], free: int,
-              why: dict[str, str]) -> int:
+              why: dict[str, str], hold: bool = False) -> int:
         """Greedy: the next size step with the most speedup per added worker, while any
-        step gains at least ``min_gain`` per worker and workers are free."""
+        step gains at least ``min_gain`` per worker and workers are free. ``hold``: the free
+        workers are held for a starving job: a job only gets back to the size it has."""
         jobs = {j.job: j for j in obs.jobs if j.job in sizes}
+        cap = {name: max(j.workers, sizes[name]) if hold else math.inf
+               for name, j in jobs.items()}
         speed = {name: self.speedups(j) for name, j in jobs.items()}
         heap: list[tuple[float, int, str, int]] = []
         grown: set[str] = set()
@@ -481,7 +519,7 @@ class Goodput(_Elastic):
             nonlocal seq
             n = sizes[j.job]
             s = next((s for s in j.sizes if s > n), None)
-            if s is None:
+            if s is None or s > cap[j.job]:
                 return
             sp = speed[j.job]
             gain = (sp[s] - sp[n]) / (s - n)

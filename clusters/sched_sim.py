@@ -143,9 +143,11 @@ class _Run:
 
 
 def _placeable(r: _Run, capacity: int) -> bool:
-    """Whether some size of the job fits the capacity at all (one that cannot is left
-    unfinished: no round waits for it)."""
-    return r.spec.min_workers <= capacity and any(o.workers <= capacity for o in r.options)
+    """Whether some size the job runs at fits the capacity at all (one that cannot is left
+    unfinished: no round waits for it): the policies' sizes (``JobState.sizes``: within
+    ``min_workers..max_workers``, its memory fits), whatever size it asked for. Was: any
+    option up to the capacity, one below ``min_workers`` too."""
+    return any(s <= capacity for s in r.observe().sizes)
 
 
 def simulate_schedule(trace: Sequence[TraceJob], capacity: int, policy: SchedPolicy,

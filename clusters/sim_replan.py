@@ -22,7 +22,7 @@ from .planner import plan as plan_fn
 from .policy import KeepPlan, LoopMemory, RecutShares, ReplanPolicy, SwitchPlan
 from .profile import ModelProfile
 from .refit import Observed, StageBaseline, observe, plan_key, rank_blocks
-from .topology import Cluster
+from .topology import Cluster, Device
 
 __all__ = ["LoopEvent", "LoopResult", "simulate_loop"]
 
@@ -54,6 +54,12 @@ class LoopResult:
     @property
     def changes(self) -> tuple[LoopEvent, ...]:
         return tuple(e for e in self.events if e.decision != "KeepPlan")
+
+
+def _kind(d: Device) -> tuple[object, ...]:
+    """What makes devices alike, as live (``elastic.planning.device_kinds``): the device and
+    its emulation."""
+    return (d.type.name, (d.slowdown, d.memory_bytes, d.stands_for) if d.emulated else ())
 
 
 def simulate_loop(cluster: Cluster, profile: ModelProfile, global_batch: int, *,
@@ -139,6 +145,7 @@ def simulate_loop(cluster: Cluster, profile: ModelProfile, global_batch: int, *,
             current=cur, step=robust(window), remaining=steps - step - 1, switch_s=switch_s,
             observed=list(observed.values()), rank_s=rank_s,
             rank_rel_sd=[s.rel for s in spreads], stage_s=raw if cur.is_pipeline else (),
+            kinds={d: _kind(cluster.device(d)) for d in cur.devices},  # as live: by device id
             block_weights=weights, recent=robust(window[-recent:]) if lagging else None,
             **memory.observe_args(cur.label, cur.stage_split))
         decision = pol.decide(view.obs)

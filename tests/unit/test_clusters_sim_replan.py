@@ -361,3 +361,37 @@ def test_a_pipeline_straggler_under_auto_is_not_taken_for_a_cheap_dp_and_a_recov
         assert len(cuts) == 2 and 600 < cuts[1].step <= 710, res.changes
         assert "slower than" not in cuts[1].reason, cuts[1].reason
         assert res.final.stage_split == (12 // pp,) * pp
+
+
+def test_the_loop_observes_the_device_kinds_as_live(monkeypatch):
+    """The live loop passes each device's kind (its device and emulation, by device id) to
+    ``observe``, whose re-fit holds devices of one kind equal within the noise; the
+    simulator does the same. Was: none, so per-rank noise and small slowdowns reached the
+    simulated re-fit's speeds that live are flattened."""
+    import clusters.sim_replan as sim
+
+    cluster = load_cluster({"name": "sim", "pools": [
+        {"name": "plain", "nodes": 1, "devices_per_node": 2, "network": "loopback",
+         "device": "CPU"},
+        {"name": "emu", "nodes": 1, "devices_per_node": 1, "network": "loopback",
+         "device": "CPU", "emulation": {"slowdown": 2.0, "stands_for": "T4"}}]})
+    ids = [d.id for d in cluster.devices]
+    seen: list[dict] = []
+    real = sim.observe
+
+    def spy(**kw):
+        seen.append(kw)
+        return real(**kw)
+
+    monkeypatch.setattr(sim, "observe", spy)
+    m = _model(ids)
+    simulate_loop(cluster, PROFILE, 64, truth=m, profiled=m, steps=120, replan_every=50)
+    assert seen
+    for kw in seen:
+        kinds = kw.get("kinds")
+        assert kinds is not None and set(kinds) == set(kw["current"].devices), kinds
+        by_pool: dict[str, set] = {}
+        for d, k in kinds.items():
+            by_pool.setdefault(cluster.device(d).pool, set()).add(k)
+        assert all(len(ks) == 1 for ks in by_pool.values()), by_pool  # one type: one kind
+        assert by_pool["plain"] != by_pool["emu"]  # an emulated device is another kind

@@ -143,6 +143,22 @@ def test_max_idle_retires_the_longest_idle():
     assert not d.retire  # two go out: three stay idle
 
 
+@pytest.mark.parametrize("max_total", [4, None])
+def test_max_idle_retires_other_keys_before_the_pools_own_min_idle(max_total):
+    """A pool keeping 4 warm (max_idle 4) gets back a worker of another key (a job's that
+    started cold): that one goes, the pool's own four stay, and nothing starts. Was: its own
+    longest idle went (spared by the idle timeout, they are the longest idle), and the
+    refill was 0 at max_total (the pool ran short) or 1 without (retire one, start one)."""
+    ws = tuple(idle(i, since=float(i)) for i in range(1, 5))
+    p = policy(min_idle=4, max_idle=4, max_total=max_total)
+    d = p.decide(PoolObservation(100.0, ws, returned=(Returned(9, CPU2, "n"),)))
+    assert list(d.retired()) == [9] and d.start == 0, d
+    # own workers beyond min_idle go before its min_idle, the longest idle first
+    ws5 = ws + (idle(5, since=5.0), idle(6, CPU2, since=6.0))
+    d = policy(min_idle=3, max_idle=3).decide(PoolObservation(100.0, ws5))
+    assert sorted(d.retired()) == [1, 2, 6]
+
+
 def test_cold_workers_make_room_by_retiring_other_keys():
     ws = (idle(1, CPU2, since=1), idle(2, GPU1, since=0), idle(3, CPU1, since=2))
     # one warm (3), two cold; one bundle free: one other-key worker goes, the longest idle

@@ -8,7 +8,13 @@ from typing import Any
 
 import pytest
 
-from clusters.sched_policy import FifoStatic, ShortestRemaining, StarvationGuard
+from clusters.sched_policy import (
+    FifoStatic,
+    JobState,
+    Observation,
+    ShortestRemaining,
+    StarvationGuard,
+)
 from elastic.config import JobConfig
 from elastic.errors import ElasticError
 from elastic.sched_core import SchedulerCore, live_options
@@ -143,6 +149,23 @@ def test_fifo_static_never_resizes():
     s.advance(40)
     c.tick()
     assert state(c) == {"a": ("finished", 0), "b": ("running", 2)}
+    assert not [e for e in s.log if e[0] == "scale"]
+
+
+def test_fifo_static_runs_a_job_asking_for_more_than_the_capacity_within_it():
+    """A job asking for 8 workers (min 2, max 8) is accepted by a 4-worker scheduler (its
+    min fits): FIFO-static runs it at 4, and the job behind it starts when it ends. Was: it
+    was never admitted (8 never free) and blocked every job behind it on an empty cluster."""
+    big = JobState("big", 0.0, 100, live_options(1, 8, {}, 32, 1e-3, "dp"), 1, 8, 8)
+    assert FifoStatic().decide(Observation(0.0, 4, (big,))).of("big").workers == 4
+    c, s = core(FifoStatic())
+    c.submit(cfg("big", 40, n=8, lo=2, hi=8))
+    c.submit(cfg("next", 10, n=2))
+    c.tick()
+    assert state(c) == {"big": ("running", 4), "next": ("queued", 0)}
+    s.advance(10)  # big: 40 steps at 4 a second
+    c.tick()
+    assert state(c) == {"big": ("finished", 0), "next": ("running", 2)}
     assert not [e for e in s.log if e[0] == "scale"]
 
 

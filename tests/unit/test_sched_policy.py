@@ -72,6 +72,43 @@ def test_fifo_takes_the_next_size_that_fits_memory():
     assert sizes(d) == {"big": 2}
 
 
+def test_fifo_takes_a_request_beyond_the_capacity_within_it():
+    """A job asking for 8 workers (min 2, max 8) on 4 runs at 4, and the job behind it runs
+    when it ends; in the simulator too. Was: 8 never free, it was never admitted and (no
+    backfill) blocked the line: nothing ever started on an empty cluster."""
+    from clusters.job_trace import TraceJob
+
+    opts = linear(sizes=range(1, 9))
+    big = job("big", 100, options=opts, lo=2, hi=8, req=8)
+    d = FifoStatic().decide(Observation(0.0, 4, (big, job("next", 10, at=1))))
+    assert sizes(d) == {"big": 4, "next": 0} and "asked for" in d.of("big").reason
+    never = job("never", 10, options=linear(sizes=(8,)), lo=8, hi=8, req=8)
+    d = FifoStatic().decide(Observation(0.0, 4, (never, job("next", 10, at=1))))
+    assert sizes(d) == {"never": 0, "next": 1}  # a job that can never fit blocks nobody
+    assert "passes the capacity 4" in d.of("never").reason
+    trace = [TraceJob("big", 0.0, 8, 2, 8, 400.0, "m"), TraceJob("next", 1.0, 1, 1, 1, 100.0, "m")]
+    r = simulate_schedule(trace, 4, FifoStatic(), lambda j: opts,
+                          SchedSimConfig(round_s=60.0, start_s=0.0))
+    assert r.unfinished == 0, r
+
+
+def test_the_simulator_waits_for_no_job_whose_sizes_all_pass_the_capacity():
+    """Options at 1 and 8 workers, min_workers 2, on 4: no size the job may run at fits, so
+    the simulator holds no round for it (the policies' sizes decide, as for the others).
+    Was: an option up to the capacity (1, below its min) made it placeable: a round every
+    60 s while the other job ran."""
+    from clusters.job_trace import TraceJob
+
+    def options(j):
+        return (Option(1, "dp", 8.0), Option(8, "dp", 1.0)) if j.name == "B" else linear(
+            sizes=range(1, 5))
+
+    trace = [TraceJob("A", 0.0, 4, 4, 4, 6000.0, "m"), TraceJob("B", 5.0, 8, 2, 8, 100.0, "m")]
+    r = simulate_schedule(trace, 4, policy_named("srpt"), options,
+                          SchedSimConfig(round_s=60.0, start_s=0.0))
+    assert r.unfinished == 1 and r.decisions < 10, r.decisions
+
+
 # ------------------------------------------------------------------ shortest remaining
 
 
@@ -143,6 +180,43 @@ def test_starvation_guard_puts_a_long_waiting_job_first():
     assert sizes(late)["long"] == 4 and late.of("long").reason.startswith("starving")
     never = ShortestRemaining(starvation=StarvationGuard(None), resize_s=0)
     assert sizes(never.decide(Observation(700.0, 6, both)))["long"] == 0
+
+
+@pytest.mark.parametrize("pol", [ShortestRemaining(resize_s=0), Goodput(resize_s=0)],
+                         ids=["srpt", "goodput"])
+def test_a_starving_job_that_does_not_fit_holds_the_workers_it_waits_for(pol):
+    """``wide`` (4 workers, queued since 0) starves at 2000 s; ``a`` (running at 2, its
+    smallest 1) leaves it at most 3: nothing else is admitted and ``a`` does not grow, so
+    the workers free up for ``wide`` as jobs end. Was: ``b`` took a free worker and ``a``
+    grew into the rest."""
+    wide = job("wide", 600, lo=4, hi=4, req=4, at=0.0)
+    a = job("a", 10_000, lo=1, hi=4, workers=2, at=100.0)
+    b = job("b", 10, lo=1, hi=1, at=1500.0)
+    d = pol.decide(Observation(2000.0, 4, (wide, a, b)))
+    assert sizes(d) == {"wide": 0, "a": 2, "b": 0}
+    assert "held for it" in d.of("wide").reason
+    assert "held for starving wide" in d.of("b").reason
+    free = type(pol)(resize_s=0, starvation=StarvationGuard(None))
+    d = free.decide(Observation(2000.0, 4, (wide, a, b)))
+    assert d.of("b").workers == 1 and d.of("a").workers == 3  # no guard: no hold
+
+
+@pytest.mark.parametrize("pol", [ShortestRemaining(), Goodput()], ids=["srpt", "goodput"])
+def test_a_starving_wide_job_starts_beside_a_stream_of_narrow_ones(pol):
+    """4 workers; ``wide`` needs all 4 for 600 s, arriving at 0 with a stream of 60
+    one-worker 400 s jobs, one every 100 s: once its 1800 s guard runs out the running jobs
+    drain into it (at most one job's 400 s and a round). Was: 7020 s, when the stream
+    stopped."""
+    from clusters.job_trace import TraceJob
+
+    opts = linear(sizes=range(1, 5), step1=4.0)
+    trace = [TraceJob(f"s{i}", 100.0 * i, 1, 1, 1, 400.0, "m") for i in range(60)]
+    trace.append(TraceJob("wide", 0.0, 4, 4, 4, 600.0, "m"))  # (after s0: not admitted first)
+    r = simulate_schedule(trace, 4, pol, lambda j: opts,
+                          SchedSimConfig(round_s=60.0, start_s=0.0, resize_s=0.0))
+    wide = next(j for j in r.jobs if j.name == "wide")
+    assert wide.start_s <= 1800 + 400 + 60, wide
+    assert r.unfinished == 0
 
 
 def test_layouts_within_the_cost_models_error_do_not_switch():
