@@ -165,9 +165,13 @@ class Checkpointing:
         self._unhook_update: Any = None
 
     def due(self, step: int) -> bool:
-        """Whether a checkpoint is taken after ``step`` (every K steps, and after the last)."""
+        """Whether a checkpoint is taken after ``step``: every K steps, and after the last
+        whenever the job has checkpoints (a ``checkpoint_uri`` with ``checkpoint_every: 0``
+        too: 0 turns off only the periodic ones)."""
         every = self._config.checkpoint_every
-        return every > 0 and ((step + 1) % every == 0 or step + 1 == self._config.max_steps)
+        if step + 1 == self._config.max_steps:
+            return self.store is not None
+        return every > 0 and (step + 1) % every == 0
 
     @property
     def busy(self) -> bool:

@@ -79,3 +79,45 @@ def test_a_live_auto_job_names_a_straggler_and_re_cuts_its_share(ray_local, tmp_
     assert diff < TOL, (n, diff, [(e.data["from"], e.data["to"], e.step)
                                   for e in result.events if e.kind == "switch"])
 
+
+def test_a_live_pipeline_names_a_straggler_and_re_splits_its_stages(ray_local, tmp_path):
+    """A named pipeline (pp 2) whose rank 1 computes 6x slower from step 30 (the
+    ``slowdown`` fault): the loop names it against its stage's figure at the layout's start
+    (its first steps, whenever the first decision comes) and moves its blocks to rank 0 (the
+    stage split re-cut, the same layout otherwise); the parameters stay those of one
+    process. (Twice in a full suite, its steps fast on warm workers, the first decision came
+    after step 30 and took the slow steps for the footing: no straggler in 3000 steps.)"""
+    handle = elastic.submit(
+        model=wide_mlp, optimizer=adam, loss=mse, dataset=RegressionData(), global_batch_size=G,
+        max_steps=20_000, num_workers=2, view="none", run_dir=str(tmp_path / "run"),
+        strategy="pipeline", replan_every=10, rebalance_every=0,
+        faults=[{"rank": 1, "step": 30, "action": "slowdown", "factor": 6}])
+    ctl = handle.controller
+    t0 = time.time()
+
+    def resplit() -> list:
+        return [e for e in ctl.events if e.kind == "replan"
+                and e.data["decision"] == "RecutShares" and e.data.get("cut") == "stage split"]
+
+    def said() -> list:
+        return [(e.step, e.message) for e in ctl.events if e.kind in ("replan", "straggler")]
+
+    while not resplit():
+        assert not handle.done() and time.time() - t0 < 240, said()[-12:]
+        time.sleep(0.05)
+    ev = resplit()[0]
+    while ctl.spec.stage_split != tuple(ev.data["recut"]):  # at the next boundary
+        assert not handle.done() and time.time() - t0 < 270
+        time.sleep(0.05)
+    handle.stop()
+    result = handle.result(timeout=120)
+    strag = [e for e in result.events if e.kind == "straggler" and e.data["ranks"] == [1]]
+    assert strag and 30 < strag[0].step <= ev.step, [e.message for e in result.events
+                                                     if e.kind in ("replan", "straggler")]
+    assert "their stage's figure" in strag[0].message
+    old, new = ev.data["shares"], ev.data["recut"]
+    assert new[0] > old[0] and sum(new) == sum(old), (old, new)
+    assert all(h["strategy"] == "pipeline" for h in result.history)
+    n = len(result.history)
+    ref, _ = reference_train(wide_mlp, adam, mse, RegressionData(), G, n, seed=0)
+    assert max_diff(result.state_dict(), ref) < TOL
