@@ -24,7 +24,13 @@ from ..checkpoint import (
     commit,
     committed_steps,
 )
-from ..errors import CheckpointError, CheckpointOwnerError, ConfigError, StorageError
+from ..errors import (
+    CheckpointError,
+    CheckpointOwnerError,
+    ConfigError,
+    InfrastructureError,
+    StorageError,
+)
 
 __all__ = ["CheckpointTracker", "spec_dict", "read_detail"]
 
@@ -461,6 +467,24 @@ def _meta(cfg: Any, spec: StrategySpec, step: int) -> CheckpointMeta:
         rng={"seed": cfg.seed}, strategy=spec.name, owner=cfg.job_name,
         extra={"job": cfg.job_name, "global_batch_size": cfg.global_batch_size,
                "dataset_length": cfg.dataset_length})
+
+
+def last_checkpoint(tracker: CheckpointTracker, group: Any, stopped: StrategySpec | None,
+                    step: int, emit: Emit) -> None:
+    """At the end of a run whose final state is taken: wait for the checkpoint in flight (the
+    last step's), and for a job ``stopped`` early take one of the state it stopped at. A
+    worker lost meanwhile costs that checkpoint (``checkpoint_failed``), not the run. Was:
+    the state was taken after this wait, so a node lost in it sent a run that had completed
+    every step into a recovery, or failed it below min_workers (found by review, session 44)."""
+    try:
+        if stopped is not None:
+            tracker.final(group, stopped, step)
+        tracker.finish(group)
+    except InfrastructureError as e:
+        tracker.in_flight = None  # (nothing can commit it now)
+        emit("checkpoint_failed", f"the last checkpoint (step {step}) was not committed: "
+             f"{str(e).splitlines()[0][:300]}; the run's final state is kept",
+             data={"step": step}, step=step)
 
 
 def refuse_newer(store: CheckpointStore, step: int, field: str, bad: set[int]) -> None:

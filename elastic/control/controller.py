@@ -34,7 +34,7 @@ from ..preflight import check_layouts
 from ..trackers import with_trackers
 from ..view import View
 from .cadence import poll_interval, scale_interval
-from .checkpoints import CheckpointTracker
+from .checkpoints import CheckpointTracker, last_checkpoint
 from .evacuation import Evacuation
 from .hooks import StepHook
 from .interrupts import Interrupts
@@ -389,10 +389,9 @@ class Controller:
         return AtBoundary(self.step)
 
     def _finish(self, st: Finishing) -> State:
-        if self._stop_at is not None and self.spec is not None:  # stopped early: keep it
-            self.tracker.final(self.group, self.spec, self.step)
-        self.tracker.finish(self.group)
-        final = self.group.final_state()
+        final = self.group.final_state()  # first: a loss in the upload wait costs a checkpoint
+        last_checkpoint(self.tracker, self.group, self.spec if self._stop_at is not None
+                        else None, self.step, self._emit)  # (stopped early: that step's too)
         last = self.history[-1]["loss"] if self.history else float("nan")
         done = self.history[-1]["step"] + 1 if self.history else 0
         return Finished(FitResult(final, self.history, self.events, self.sink.log.run_dir

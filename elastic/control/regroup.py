@@ -166,18 +166,24 @@ class Regroup:
                 | {k for h in held for k in h if k.startswith("optim/")})  # rank holds all
         peers = peer_plan(progress, held, need)
         position = max((p["next_step"] for p in progress if p["has_state"]), default=0)
-        unlisted: StorageError | None = None
-        try:
-            steps = self.tracker.valid_steps()
-        except StorageError as e:  # peers or buddies need no storage: only they may go on
-            steps, unlisted = (), e
         copies = self._copies() if peers is None and cause == "failure" else []
         buddy = buddy_step(copies, required_keys(
             list(model.state_dict()), trainable,
             list(held) + [{k: None for k, _, _ in c} for st in copies
                           for c in st["steps"].values()]))
-        obs = RestoreObservation(position, peers[0] if peers else None, steps, cause, buddy)
+        # the checkpoints are listed only when peers do not do (a storage that did not
+        # answer held up every recovery, a resize's too)
+        obs = RestoreObservation(position, peers[0] if peers else None, (), cause, buddy)
         decision = self.restore_policy.decide(obs)
+        unlisted: StorageError | None = None
+        if decision.source != "peers":
+            try:
+                steps = self.tracker.valid_steps()
+            except StorageError as e:  # buddies need no storage: only they may go on
+                steps, unlisted = (), e
+            obs = dataclasses.replace(obs, checkpoints=steps)
+            decision = self.restore_policy.decide(obs)
+        steps = obs.checkpoints
         if decision.source == "peers" and peers is not None:
             outs = self.group.restore_from_peers(spec, peers[1], peers[0])
             return "peers", peers[0], f", {outs[0]['bytes'] / 1e6:.1f} MB from surviving replicas"

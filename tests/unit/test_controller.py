@@ -1367,3 +1367,66 @@ def test_a_step_an_earlier_run_commits_while_this_one_starts_is_not_passed_over(
                                           r"unit while this one started"):
         ctl.run()
     assert not fake.calls
+
+
+@pytest.mark.parametrize("how", ["poll error", "poll raises"])
+def test_a_node_lost_while_the_last_checkpoint_uploads_costs_that_checkpoint_not_the_run(
+        tmp_path, how):
+    """zero3 on 3 workers completes all its steps; while the last step's checkpoint uploads,
+    rank 1's node goes (its shard never comes: an upload error, or the group's call fails).
+    The run ends finished with its final state (taken before that wait) and a
+    ``checkpoint_failed``. Was: the state was taken after the wait, from a group missing a
+    rank: a recovery re-ran steps of a run that had completed every one (below min_workers
+    it failed) (found by review, session 44)."""
+    from elastic.control.states import ControllerState
+    from elastic.errors import WorkerLostError
+
+    ctl, fake = _controller(tmp_path, strategy="zero3", num_workers=3, min_workers=1,
+                            checkpoint_every=5, checkpoint_uri=str(tmp_path / "ck"))
+    fake.checkpoint_every = 5  # (the fake begins them itself, as the workers do)
+    dead: list[int] = []
+    real_poll, real_final = fake.checkpoint_poll, fake.final_state
+
+    def poll() -> list:
+        if fake._ckpt == STEPS and ctl.phase is not ControllerState.FINISHING:  # noqa: SLF001
+            return [None for _ in fake.workers]  # still uploading
+        if fake._ckpt == STEPS:  # noqa: SLF001
+            dead.append(1)
+            if how == "poll raises":
+                raise WorkerLostError("rank 1's node is gone")
+            return [{"error": "worker 1 did not answer"} if w.rank == 1 else None
+                    for w in fake.workers]
+        return real_poll()
+
+    def final() -> dict:
+        if dead:
+            raise WorkerLostError("rank 1's node is gone")
+        return real_final()
+
+    fake.checkpoint_poll, fake.final_state = poll, final
+    result = ctl.run()
+    assert dead and "recovered" not in _kinds(ctl)
+    assert result.history[-1]["step"] == STEPS - 1
+    failed = [e for e in ctl.events if e.kind == "checkpoint_failed"]
+    assert failed and failed[-1].data["step"] == STEPS, [e.message for e in failed]
+
+
+def test_a_recovery_from_peers_lists_no_checkpoint(tmp_path, monkeypatch):
+    """dp on 3 workers loses one: the survivors hold every entry, so the recovery lists no
+    checkpoint (a storage that does not answer, a hard-mounted NFS, would hold it up with
+    nothing to read). Was: listed first, at every recovery and resize (found by review,
+    session 44). A lost zero2 shard still lists them."""
+    listed: list[int] = []
+    ctl, fake = _controller(tmp_path, num_workers=3, min_workers=1,
+                            checkpoint_uri=str(tmp_path / "ck"))
+    monkeypatch.setattr(type(ctl.tracker), "valid_steps",
+                        lambda self: listed.append(1) or ())
+    fake.fail(step=4, rank=1, kind="lost")
+    ctl.run()
+    rec = next(e for e in ctl.events if e.kind == "recovered")
+    assert rec.data["source"] == "peers" and listed == []
+    ctl, fake = _controller(tmp_path, strategy="zero2", num_workers=2, min_workers=1,
+                            run_dir=str(tmp_path / "run2"))
+    fake.fail(step=4, rank=1, kind="lost")
+    ctl.run()
+    assert listed == [1]
