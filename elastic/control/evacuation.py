@@ -33,17 +33,16 @@ from typing import Any
 
 from clusters.policy import EvacuationObservation, EvacuationPolicy, GiveUp
 from strategies import StrategySpec
-from strategies.traits import spec_survives_loss
 
 from ..errors import CheckpointError, InfrastructureError, StateMoveError, SwitchError
 from .checkpoints import CheckpointTracker
 from .group import DrainNotice, WorkerRec
-from .layouts import Layouts
+from .layouts import Layouts, replicas_stay
 from .regroup import Regroup, Regrouped
 from .requests import Request
 from .states import Evacuating
 
-__all__ = ["Evacuation", "resolve_node"]
+__all__ = ["Evacuation", "resolve_node", "replicas_stay"]
 
 DEFAULT_BANDWIDTH = 100e6  # bytes/s until a hand-off or a switch measured one
 FIXED_S = 0.05  # a hand-off's fixed part: two small all_gathers and an agreement
@@ -332,17 +331,3 @@ class Evacuation:
             return float(last.data["seconds"])
         return 2.0  # none taken yet: a cautious guess
 
-
-def replicas_stay(spec: StrategySpec, leaving: set[int]) -> bool:
-    """Whether every entry keeps a holder among the ranks that stay when ``leaving`` go: dp
-    while one rank stays; a pipeline over dp while each stage keeps a replica (rank = stage x
-    dp degree + replica); another layout only for a single rank it survives the loss of."""
-    if not leaving or len(leaving) >= spec.world_size:
-        return not leaving
-    if spec.name == "dp":
-        return True
-    if spec.name == "pipeline" and spec.dp_mode == "dp":
-        d = spec.world_size // max(1, spec.pp_degree)
-        return all(any(s * d + j not in leaving for j in range(d))
-                   for s in range(spec.pp_degree))
-    return spec_survives_loss(spec) and len(leaving) == 1

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from clusters.measured import equal_within_noise
@@ -26,18 +26,45 @@ from ..data import even_shares
 from ..errors import ConfigError, InfrastructureError, SwitchError
 from .checkpoints import spec_dict
 
-__all__ = ["Layouts"]
+__all__ = ["Layouts", "replicas_stay", "unprotected"]
 
 _SHARE_BALANCED = DP_MODES  # layouts whose ranks each run a share of the batch
 
 
-def unprotected(spec: Any, cfg: Any) -> bool:
-    """Whether one lost node loses state no survivor holds (``spec``: zero1/2/3, a pipeline
-    stage without a replica) while ``cfg`` takes neither periodic checkpoints nor peer copies:
-    its recovery would start over from step 0 (or the checkpoint it resumed from)."""
-    return (spec.world_size > 1 and not spec_survives_loss(spec)
-            and getattr(cfg, "checkpoint_every", 0) <= 0
-            and getattr(cfg, "peer_copies_every", 0) <= 0)
+def unprotected(spec: Any, cfg: Any, nodes: Sequence[str] | None = None) -> bool:
+    """Whether one lost rank, or one lost node (``nodes``: each rank's node id, when known),
+    loses state no survivor holds (``spec``: zero1/2/3, a pipeline stage without a replica,
+    or whose replicas share a node) while ``cfg`` takes neither periodic checkpoints nor peer
+    copies: its recovery would start over from step 0 (or the checkpoint it resumed from).
+    A node hosting every rank is not counted: its loss is the whole job's, whatever the
+    layout."""
+    if (spec.world_size <= 1 or getattr(cfg, "checkpoint_every", 0) > 0
+            or getattr(cfg, "peer_copies_every", 0) > 0):
+        return False
+    if not spec_survives_loss(spec):
+        return True
+    if nodes is None or len(nodes) != spec.world_size:
+        return False
+    on: dict[str, set[int]] = {}
+    for r, node in enumerate(nodes):
+        on.setdefault(node or f"?{r}", set()).add(r)  # unknown: a node of its own
+    return any(len(ranks) < spec.world_size and not replicas_stay(spec, ranks)
+               for ranks in on.values())
+
+
+def replicas_stay(spec: Any, leaving: set[int]) -> bool:
+    """Whether every entry keeps a holder among the ranks that stay when ``leaving`` go: dp
+    while one rank stays; a pipeline over dp while each stage keeps a replica (rank = stage x
+    dp degree + replica); another layout only for a single rank it survives the loss of."""
+    if not leaving or len(leaving) >= spec.world_size:
+        return not leaving
+    if spec.name == "dp":
+        return True
+    if spec.name == "pipeline" and spec.dp_mode == "dp":
+        d = spec.world_size // max(1, spec.pp_degree)
+        return all(any(s * d + j not in leaving for j in range(d))
+                   for s in range(spec.pp_degree))
+    return spec_survives_loss(spec) and len(leaving) == 1
 
 
 def _phases(reports: list[Any]) -> dict[str, float]:
@@ -239,12 +266,12 @@ class Layouts:
             if spec is not first:
                 self._emit("replanned", f"{name} with pp_degree {spec.pp_degree} on {world} "
                            f"workers (pp_degree {first.pp_degree} does not fit)")
-            self._say_exposure(spec)  # a regroup lays it out: a loss may now be unrecoverable
+            self._say_exposure(spec, group)  # a regroup: a loss may now be unrecoverable
             return spec
         spec = self.make("auto", world, group)
         self._emit("replanned", f"{name} cannot run on {world} workers; the planner chose "
                    f"{spec.name}")
-        self._say_exposure(spec)
+        self._say_exposure(spec, group)
         return spec
 
     def survivor_plan(self, name: str, infos: list[dict[str, Any]]) -> tuple[bool, str, str]:
@@ -410,7 +437,7 @@ class Layouts:
             self._emit("layout", f"{spec.name} on {spec.world_size} workers, shares "
                        f"{list(spec.shares)} ({dt:.2f}s)",
                        data={"strategy": spec.name, "spec": spec_dict(spec)})
-            self._say_exposure(spec)
+            self._say_exposure(spec, group)
             return
         hashes = {(o["hash_before"], o["hash_after"]) for o in outs}
         same = all(b == a for b, a in hashes) and len({b for b, _ in hashes}) == 1
@@ -432,21 +459,21 @@ class Layouts:
         if not same:  # the workers kept (or went back to) the old layout
             raise SwitchError(f"state changed during the switch to {spec.name}: "
                               f"{problems[:3] or sorted(hashes)}; the job stays on {old.name}")
-        self._say_exposure(spec)
+        self._say_exposure(spec, group)
 
-    def _say_exposure(self, spec: StrategySpec) -> None:
-        """An ``unprotected`` event when the job enters a layout in which one lost node
-        loses state no survivor holds (zero1/2/3, a pipeline stage without a replica) while
-        it takes neither periodic checkpoints nor peer copies: the recovery then starts over
-        from step 0 (or the checkpoint it resumed from). Said once per such stretch."""
-        exposed = unprotected(spec, self.cfg)
+    def _say_exposure(self, spec: StrategySpec, group: Any) -> None:
+        """An ``unprotected`` event when the job enters a layout in which one lost rank or
+        node (of ``group``'s workers) loses state no survivor holds (``unprotected``): the
+        recovery then starts over from step 0. Said once per such stretch."""
+        exposed = unprotected(spec, self.cfg, [str(w.info.get("node_id", "")) for w in
+                                               group.workers])
         if exposed and not self._exposed:
             self._emit("unprotected", f"{spec.name} on {spec.world_size} workers keeps parts "
-                       "of the training state on one rank only, and this job takes no "
-                       "periodic checkpoint and no peer copy: a lost node would send it back "
-                       "to step 0 (or the checkpoint it resumed from). Fix: peer_copies_every: "
-                       "10 (each rank's shard also in a buddy's host memory; a loss then "
-                       "re-runs at most 10 steps) or checkpoint_every: N",
+                       "of the training state on one rank (or one node's ranks) only, and "
+                       "this job takes no periodic checkpoint and no peer copy: a lost node "
+                       "would send it back to step 0 (or the checkpoint it resumed from). "
+                       "Fix: peer_copies_every: 10 (each rank's shard also in a buddy's host "
+                       "memory; a loss then re-runs at most 10 steps) or checkpoint_every: N",
                        data={"strategy": spec.name})
         self._exposed = exposed
 

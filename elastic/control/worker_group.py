@@ -16,13 +16,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ..errors import (
-    ClusterError,
-    ElasticError,
-    InfrastructureError,
-    WorkerError,
-    WorkerLostError,
-)
+from ..errors import ClusterError, ElasticError, InfrastructureError, WorkerError, WorkerLostError
 from ..failures import Failure, classify
 from ..ray_connect import bundle_node, node_alive, pg_ready, wait_refs, worker_bundle
 from .calls import EVEN, PlacementCalls, WorkerCalls
@@ -261,10 +255,16 @@ class Placement:
         return placed
 
     def _revive(self) -> None:
-        """Bundles of a draining (or lost) node become free slots once Ray holds the node gone
-        (it then reserves them again where there is room)."""
+        """Free slots: a lost node's bundles once Ray holds it gone; a draining node's once it
+        is gone, or alive and drained no more (its drain refused, a notice not come true)."""
+        from ..ray_connect import draining_nodes
+        try:  # the GCS not answering: no bundle of a live node freed
+            drained = set(draining_nodes()) if self.draining else set()
+        except Exception:  # noqa: BLE001 - asked again at the next call
+            drained = {d[2] for d in self.draining}
         for name in ("draining", "lost"):
-            gone = [d for d in getattr(self, name) if not node_alive(d[2])]
+            gone = [d for d in getattr(self, name) if not node_alive(d[2])
+                    or (name == "draining" and d[2] not in drained)]
             setattr(self, name, [d for d in getattr(self, name) if d not in gone])
             self.free_slots += [(pg, i) for pg, i, _ in gone]
 
@@ -384,7 +384,7 @@ class WorkerGroup(PlacementCalls, WorkerCalls):
 
     def release(self, workers: Sequence[WorkerRec]) -> None:
         """Let workers of a draining node go (killed now); their bundles become free slots
-        only once the node is gone, so no spare starts there."""
+        only once the node is gone or drains no more (``Placement._revive``)."""
         for w in workers:
             _kill(w)
             self.placement.draining.append((w.pg, w.slot, str(w.info.get("node_id", ""))))
