@@ -449,8 +449,8 @@ class Worker:
             state, nbytes = self.held.from_peers(plan, self.layout.strategy,
                                                  self.membership.rank, self.device)
             self.layout.restart(spec, state, next_step)
-            self.copies.reset()
-            return {"seconds": time.perf_counter() - t0, "bytes": nbytes}
+            copied = self.copies.restored(self.layout.strategy, next_step)
+            return {"seconds": time.perf_counter() - t0, "bytes": nbytes, **copied}
         return self._guard(go)
 
     def restart_fresh(self, spec: StrategySpec, state: dict[str, torch.Tensor] | None,
@@ -460,8 +460,8 @@ class Worker:
         def go() -> dict[str, Any]:
             t0 = time.perf_counter()
             self.layout.restart(spec, state, next_step)
-            self.copies.reset()
-            return {"seconds": time.perf_counter() - t0}
+            copied = self.copies.restored(self.layout.strategy, next_step)
+            return {"seconds": time.perf_counter() - t0, **copied}
         return self._guard(go)
 
     # ------------------------------------------------------------------ evacuation, copies
@@ -482,8 +482,7 @@ class Worker:
         keeps; checked as a switch is (``StateMoveError``: nothing was loaded)."""
         def go() -> dict[str, Any]:
             out = self.layout.from_pieces(spec, self.held.pieces(None), next_step)
-            self.copies.reset()
-            return out
+            return {**out, **self.copies.restored(self.layout.strategy, next_step)}
         return self._guard(go)
 
     def copies_status(self) -> dict[str, Any]:
@@ -505,8 +504,8 @@ class Worker:
             if not self.membership.all_ranks(err is None):
                 raise err or StateMoveError("another rank's copy does not match its checksum")
             out = self.layout.from_pieces(spec, pieces, step)
-            self.copies.reset()
-            return out
+            del pieces  # (the old generation's buffers: freed before the new one is taken)
+            return {**out, **self.copies.restored(self.layout.strategy, step)}
         return self._guard(go)
 
     # ------------------------------------------------------------------ checkpoints
@@ -521,8 +520,7 @@ class Worker:
         job's), checksums verified. A ``CheckpointError`` reaches the controller as it is."""
         self.checkpoints.release_held("a restore")
         out = self._guard(self.checkpoints.restore, spec, step, store)
-        self.copies.reset()
-        return out
+        return {**out, **self._guard(self.copies.restored, self.layout.strategy, step)}
 
     def checkpoint_poll(self) -> dict[str, Any] | None:
         """The upload's outcome: None while uploading or idle, else {"info": ShardInfo dict}

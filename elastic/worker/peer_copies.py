@@ -11,7 +11,7 @@ match, a step some piece is missing at (a rank and its buddy lost together, a co
 flight) falls back to the checkpoint.
 
 How (``begin`` at the step boundary after every k-th step, and at the first one after a
-restore, on every rank alike):
+restore, on every rank alike; ``restored`` at the end of every restore):
 
 * once per layout and group, every rank says where it runs and which pieces it holds (one
   ``all_gather_object``); every rank derives the same buddy ring (``buddies``: the next rank
@@ -30,12 +30,27 @@ restore, on every rank alike):
   a complete one, and no rank starts another exchange (the decision is the same on every
   rank, since they read the same sums at the same step).
 
+After a restore (from buddies' copies, peers, pieces handed off, a checkpoint) the old
+ring's copies are dropped: the new group pairs its ranks anew on another layout (a
+replacement holds none; a lost rank's shard sat on one survivor only), and keeping them
+beside the new ring's would take a third generation's memory. ``restored``, the last part of
+every restore on every rank of the new group, takes the restored state's copies at once and
+commits them before the restore returns (one exchange of each rank's unique pieces, on the
+restoring thread): ``status`` holds the restored step before any step trains, so a second
+loss right after a recovery (a wave of reclaims) comes back to that step from the buddies.
+Before, the first copy after a restore began only after the first step's compute and was
+reported when its exchange ended (seconds for a large shard): a second loss in between found
+no copy and went back to the checkpoint, or to step 0 without one. The first step boundary
+still takes a copy in the background (``due``): a second loss a few steps later runs fewer
+steps again.
+
 Host memory per rank: its own snapshot plus its wards' copies, twice during an exchange.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -201,16 +216,17 @@ class PeerCopies:
     def due(self, next_step: int) -> bool:
         """Whether a copy is taken of the state at ``next_step``: after every k-th step, and
         at the first boundary after a restore (every rank of the new group was reset by the
-        same collective, so all agree). Until then a second loss would find no copy and go
-        back to the checkpoint."""
+        same collective, so all agree): the restore's own copy (``restored``) covers the
+        restored step; this one, in the background, the first step trained after it."""
         return self.every > 0 and next_step > 0 and (self._fresh or next_step % self.every == 0)
 
     # ------------------------------------------------------------------ taking copies
 
-    def begin(self, strategy: Any, next_step: int) -> None:
+    def begin(self, strategy: Any, next_step: int, wait: bool = False) -> None:
         """Collective over the default group (every rank at the same step): snapshot this
-        rank's state at ``next_step`` and start exchanging the copies in the background. A
-        previous exchange still in flight is let finish first."""
+        rank's state at ``next_step`` and start exchanging the copies in the background
+        (``wait``: on this thread, done when this returns). A previous exchange still in
+        flight is let finish first."""
         from strategies import layout_pieces
 
         self._fresh = False
@@ -235,9 +251,12 @@ class PeerCopies:
                 for w in lay.wards}
         gen.copies = {w: (lay.ward_metas[w], buf) for w, buf in recv.items()}
         self._pending = gen
-        pg = self._m.copies_group
-        threading.Thread(target=self._exchange, args=(gen, pg, payload, lay.buddy, recv),
-                         daemon=True, name="elastic-peer-copies").start()
+        args = (gen, self._m.copies_group, payload, lay.buddy, recv)
+        if wait:
+            self._exchange(*args)
+            return
+        threading.Thread(target=self._exchange, args=args, daemon=True,
+                         name="elastic-peer-copies").start()
 
     def _agree(self, strategy: Any, pieces: list[Piece]) -> _Layout:
         key = (id(strategy), self._m.generation)
@@ -357,10 +376,34 @@ class PeerCopies:
 
     def reset(self) -> None:
         """A new layout from a restore: copies of earlier ranks and steps mean nothing now;
-        the next step boundary takes fresh ones."""
+        the next step boundary takes fresh ones (``restored`` takes them at once)."""
         self._committed = self._pending = None
         self._layout = None
         self._fresh = True
+
+    def restored(self, strategy: Any, step: int) -> dict[str, Any]:
+        """Collective over the new group, the last part of every restore (every rank, the
+        same ``step``: the state's position): drop the old ring's copies (``reset``), then
+        take the restored state's, exchange them on this thread and commit them when every
+        rank's arrived sound (``all_ranks``), so ``status`` holds ``step`` before the
+        restore returns and a second loss before any step trains comes back to ``step``
+        from the buddies. A failed exchange is dropped on every rank (the first step
+        boundary's copy is then the first); a lost peer fails the restore as its other
+        collectives would. Nothing at step 0 (the seeded model: a loss there loses
+        nothing). Returns ``copies_s`` and ``copies_bytes`` (this rank's own snapshot and
+        its wards' copies), or nothing when copies are off."""
+        self.reset()
+        if self.every <= 0 or step <= 0 or strategy is None:
+            return {}
+        t0 = time.perf_counter()
+        self.begin(strategy, step, wait=True)
+        gen, self._pending = self._pending, None
+        self._fresh = True  # the first boundary takes one still (``due``)
+        if gen is None:  # off on every rank alike (one rank, nothing unique, memory limit)
+            return {}
+        if self._m.all_ranks(gen.error is None):
+            self._committed = gen
+        return {"copies_s": time.perf_counter() - t0, "copies_bytes": _gen_bytes(gen)}
 
 
 def _meta(p: Piece) -> PieceMeta:

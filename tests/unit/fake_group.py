@@ -50,6 +50,7 @@ class FakeWorker:
     world: int = 1
     alive: bool = True
     metrics: list[dict[str, Any]] = field(default_factory=list)
+    restored_at: int | None = None  # the step of its last restore (copies_status)
 
 
 class FakeGroup:
@@ -406,6 +407,7 @@ class FakeGroup:
         for w in self.workers:
             f = self.fw(w)
             f.has_state, f.strategy, f.next_step = True, spec.name, step
+            f.restored_at = step
 
     def checkpoint_poll(self) -> list[Any]:
         """Each rank's upload: done at once, naming the keys scripted as non-finite."""
@@ -468,8 +470,11 @@ class FakeGroup:
                 for _ in self.workers]
 
     def copies_status(self) -> list[dict[str, Any]]:
-        """Every survivor holds a whole copy of the state at the last multiple of k (the
-        real coverage rules are tested on ``buddy_step`` itself)."""
+        """Every survivor holds a whole copy of the state at its newest copy step (the real
+        coverage rules are tested on ``buddy_step`` itself). As on a worker, a restore drops
+        the old ring's copies and takes the restored step's before it returns
+        (``PeerCopies.restored``); then the first step boundary's (settled a step later)
+        and every multiple of k reached."""
         out = []
         for w in self.workers:
             f = self.fw(w)
@@ -477,6 +482,9 @@ class FakeGroup:
                 out.append({"steps": {}})
                 continue
             g = f.next_step // self.copies_every * self.copies_every
+            r = f.restored_at
+            if r is not None and g <= r:  # none since the restore but its own (and the next)
+                g = r + 1 if f.next_step >= r + 2 else r
             keys = self.model_keys + [f"optim/{p}/{e}" for p in self.params
                                       for e in _OPTIM_ENTRIES]
             out.append({"steps": {g: [(k, (1,), None) for k in keys]} if g > 0 else {}})
