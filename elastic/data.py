@@ -20,6 +20,7 @@ __all__ = [
     "fetch_batch",
     "ParquetDataset",
     "ColumnError",
+    "RowsChangedError",
 ]
 
 
@@ -30,6 +31,19 @@ class ColumnError(ValueError):
     def __init__(self, message: str, setting: str, column: str, have: list[str]) -> None:
         super().__init__(message)
         self.setting, self.column, self.have = setting, column, have
+
+
+class RowsChangedError(ValueError):
+    """A Parquet dataset at ``uri`` read ``now`` rows where ``counted`` were counted when it
+    was opened (files added, removed or rewritten in between): every row after the change
+    would be another sample than its index says."""
+
+    def __init__(self, uri: str, counted: int, now: int) -> None:
+        super().__init__(
+            f"Parquet dataset {uri} holds {now} rows now, where {counted} were counted when "
+            "it was opened: its files changed in between, so its rows are no longer the ones "
+            "their indices stand for (a file added before another shifts every row after it)")
+        self.uri, self.counted, self.now = uri, counted, now
 
 
 class StepSampler:
@@ -107,7 +121,10 @@ class ParquetDataset:
     """A Parquet dataset (file or directory, any pyarrow.fs URI) of (input, target) rows.
 
     ``input_column`` and ``target_column`` hold numbers or fixed-length lists of numbers.
-    The table is read once per process, lazily, on first use.
+    The table is read once per process, lazily, on first use; it must hold the rows
+    ``len()`` counted in that process (``RowsChangedError`` otherwise). A pickled copy
+    carries neither the table nor the count: each process counts the files it finds, so a
+    worker's count is its own and ``JobData`` compares it with the driver's.
     """
 
     by_columns = True  # read by column: errors name input_column/target_column
@@ -129,9 +146,9 @@ class ParquetDataset:
         self._y: torch.Tensor | None = None
         self._len: int | None = None
 
-    def __getstate__(self) -> dict[str, Any]:  # ship the URI, never the loaded table
-        d = dict(self.__dict__)
-        d["_x"] = d["_y"] = None
+    def __getstate__(self) -> dict[str, Any]:  # ship the URI, never the table or its count
+        d = dict(self.__dict__)  # (a count carried along would pass a worker's length check
+        d["_x"] = d["_y"] = d["_len"] = None  # vacuously, whatever the files are by then)
         return d
 
     def __len__(self) -> int:
@@ -156,8 +173,10 @@ class ParquetDataset:
         table = pads.dataset(self.uri, format="parquet").to_table(
             columns=[self.input_column, self.target_column]
         )
-        self._x, self._y = self._tensors(table)
-        self._len = len(self._x)
+        x, y = self._tensors(table)
+        if self._len is not None and len(x) != self._len:
+            raise RowsChangedError(self.uri, self._len, len(x))
+        self._x, self._y, self._len = x, y, len(x)
 
     def head(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first ``n`` rows, read as ``get_batch`` reads them (same dtypes and shapes),

@@ -26,14 +26,16 @@ __all__ = ["check_sample", "check_layouts", "check_switch_at"]
 _SKIP = "to skip this check (a model that runs only on an accelerator): check_sample: false"
 
 
-def check_sample(cfg: JobConfig, model: Any, dataset: Any) -> None:
+def check_sample(cfg: JobConfig, model: Any, dataset: Any, field: str = "dataset") -> None:
     """Run ``model`` (in eval mode, without gradients, under the job's precision) and the
-    job's loss on up to 3 samples of ``dataset`` (the object ``cfg.dataset_object()`` gave).
-    The model's training mode is restored; its parameters are not changed.
+    job's loss on up to 3 samples of ``dataset`` (the object ``cfg.dataset_object()`` gave,
+    or with ``field="eval_dataset"`` ``cfg.eval_dataset_object()``). The model's training
+    mode is restored; its parameters are not changed.
 
     Raises ``ConfigError`` naming ``input_column``/``target_column`` (Parquet) or
-    ``dataset`` when reading, the forward or the loss fails, or ``loss`` when it does not
-    return one number.
+    ``dataset`` when reading, the forward or the loss fails (``eval_dataset`` for the
+    evaluation set, which is read with the training set's settings: its data is at fault),
+    or ``loss`` when it does not return one number.
     """
     if not cfg.check_sample:
         return
@@ -48,9 +50,10 @@ def check_sample(cfg: JobConfig, model: Any, dataset: Any) -> None:
     except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001 - the user's data: say what it did
-        raise ConfigError("input_column" if parquet else "dataset",
-                          f"reading {n} sample(s) failed: {_first_line(e)}.",
-                          _read_fix(cfg, parquet)) from None
+        said = ConfigError("input_column" if parquet else "dataset",
+                           f"reading {n} sample(s) failed: {_first_line(e)}.",
+                           _read_fix(cfg, parquet))
+        raise _named(field, parquet, said) from None
     cast: Any = (torch.autocast("cpu", dtype=torch.bfloat16) if cfg.precision == "bf16"
                  else contextlib.nullcontext())
     loss_fn = cfg.loss_fn()
@@ -61,11 +64,11 @@ def check_sample(cfg: JobConfig, model: Any, dataset: Any) -> None:
             try:
                 out = model(x)
             except Exception as e:  # noqa: BLE001 - the user's model: say what it did
-                raise _forward_error(cfg, parquet, x, e) from None
+                raise _named(field, parquet, _forward_error(cfg, parquet, x, e, field)) from None
             try:
                 loss = loss_fn(out, y)
             except Exception as e:  # noqa: BLE001 - the user's loss: say what it did
-                raise _loss_error(cfg, parquet, out, y, e) from None
+                raise _named(field, parquet, _loss_error(cfg, parquet, out, y, e)) from None
     finally:
         model.train(was_training)
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
@@ -146,13 +149,27 @@ def _refusal(layouts: Any, name: str, world: int) -> str | None:
     return None
 
 
-def _forward_error(cfg: JobConfig, parquet: bool, x: Any, e: Exception) -> ConfigError:
+def _named(field: str, parquet: bool, e: ConfigError) -> ConfigError:
+    """``e`` said of ``field``: of ``eval_dataset`` the error names it, not the column and
+    dtype settings (they read the training set too, which passed this check)."""
+    if field == "dataset":
+        return e
+    how = (": it is read as the training set is, with the same input_column/target_column "
+           "and input_dtype/target_dtype" if parquet else ", (input, target) pairs the model "
+           "and the loss take")
+    return ConfigError(field, e.problem, f"give {field} samples like the training set's"
+                       f"{how}; {_SKIP}")
+
+
+def _forward_error(cfg: JobConfig, parquet: bool, x: Any, e: Exception,
+                   field: str = "dataset") -> ConfigError:
     got = f"inputs {_describe(x)}"
     if parquet:
         col = cfg.input_column
+        given = cfg.dataset if field == "dataset" else cfg.eval_dataset
         return ConfigError(
             "input_column",
-            f"the model's forward failed on a sample of dataset {cfg.redact(str(cfg.dataset))}"
+            f"the model's forward failed on a sample of {field} {cfg.redact(str(given))}"
             f": {_first_line(e)}. It received {got} (column {col!r}, read as {cfg.input_dtype}).",
             f"make column {col!r} hold what the model takes per sample, point input_column at "
             "the column that does, or set input_dtype to the dtype the model expects (int64 "

@@ -147,6 +147,7 @@ class JobConfig(JobCode):
         self._default_location: StorageLocation | None = None
         self.ray_blocks: dict[str, Any] = {}  # a running job's Ray datasets (elastic.ray_dataset)
         self.dataset_length: int | None = None  # what the driver read (preflight): workers agree
+        self.eval_dataset_length: int | None = None  # (the same, of eval_dataset)
         self._checked = False
         self.validate()
 
@@ -229,6 +230,8 @@ class JobConfig(JobCode):
         out.ray_blocks = dict(self.ray_blocks)
         if out.dataset is self.dataset:  # the length read of this dataset (another: read anew)
             out.dataset_length = self.dataset_length
+        if out.eval_dataset is self.eval_dataset:
+            out.eval_dataset_length = self.eval_dataset_length
         return out
 
     # ------------------------------------------------------------------ checks
@@ -391,7 +394,7 @@ class JobConfig(JobCode):
             peer_copies_every=self.peer_copies_every,
             peer_copies_memory_gb=self.peer_copies_memory_gb,
             faults=tuple(self.faults) if self.faults is not None else None,
-            dataset_length=self.dataset_length)
+            dataset_length=self.dataset_length, eval_dataset_length=self.eval_dataset_length)
 
     # ------------------------------------------------------------------ output
     @property

@@ -80,6 +80,7 @@ class WorkerConfig(JobCode):
     peer_copies_every: int = 0  # every N steps a buddy keeps a copy of what only I hold
     peer_copies_memory_gb: float | None = None  # host memory those copies may use per worker
     dataset_length: int | None = None  # the training set's length as the driver read it
+    eval_dataset_length: int | None = None  # ... and the evaluation set's
 
     precision = Setting[str]("training")
     seed = Setting[int]("training")

@@ -206,7 +206,8 @@ class Controller:
         else:
             self.tracker.check_fresh()  # no run's steps written over another's
         if self._group_factory is None:  # on Ray: attach, or start a local one
-            self._started_ray = _ray_connect(cfg, pre.model, self._emit, self._pool)
+            self._started_ray = _ray_connect(cfg, pre.model, self._emit, self._pool,
+                                             self._resume, self.tracker.store)
             self.interrupts.reclaim()
         self.inbox.mailbox = (self._mailbox_factory or _ray_mailbox)(cfg.job_name)  # the name
         self.tracker.claim(self._resume)  # and the checkpoint URI, before anything is written
@@ -489,17 +490,24 @@ def _error_step(e: BaseException) -> int | None:
     return e.step if isinstance(e, WorkerError) else None
 
 
-def _ray_connect(cfg: JobConfig, model: Any, emit: Callable[..., Any], pool: Any) -> bool:
+def _ray_connect(cfg: JobConfig, model: Any, emit: Callable[..., Any], pool: Any,
+                 resume: tuple[Any, int] | None = None, own: Any = None) -> bool:
     """Attach to (or start) Ray, then run the job's Ray datasets into blocks (checked);
-    ``pool``: the job's ``WorkerPool`` (else the default one), which gives a pipeline a CPU."""
+    ``pool``: the job's ``WorkerPool`` (else the default one), which gives a pipeline a CPU.
+    A Ray dataset's length is known only then: the planned ``resume`` (store, step; ``own``:
+    the job's store) is checked against it again (``recheck_length``)."""
     from ..ray_connect import connect
     from ..ray_dataset import prepare
     from .pool import default_pool
+    from .resume_checks import recheck_length
 
+    unknown = cfg.dataset_length is None
     started = connect(cfg.ray_address, cfg.max_world * float(cfg.resources_per_worker.get(
         "CPU", 1)), lambda m: emit("cluster", m))
     try:  # (blocks a sweep ran once for its trials come in cfg.ray_blocks)
         cfg.ray_blocks = prepare(cfg, model, emit, pool or default_pool())
+        if unknown and resume is not None:
+            recheck_length(resume, cfg, own, emit)
     except BaseException:
         _ray_release(cfg, started)
         raise

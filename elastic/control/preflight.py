@@ -114,12 +114,16 @@ def _check_datasets(cfg: JobConfig, model: Any) -> None:
 
 def check_dataset_object(cfg: JobConfig, model: Any, field: str, ds: Any) -> None:
     """``field``'s dataset object: its length (at least one global batch for ``dataset``; at
-    least one sample for ``eval_dataset``) and, for ``dataset``, the model and the loss on a
-    few samples read as workers read them."""
+    least one sample for ``eval_dataset``), recorded for the workers to agree with, and the
+    model and the loss on a few samples read as workers read them."""
     try:
         n = len(ds)
     except ColumnError as e:  # (was: "cannot read the dataset's length", naming dataset)
         near = did_you_mean(e.column, e.have)
+        if field == "eval_dataset":  # (the settings name a Parquet training set's too)
+            raise ConfigError(field, f"{e}.", f"give it columns {cfg.input_column!r} and "
+                              f"{cfg.target_column!r}, which input_column and target_column "
+                              "name (a Parquet training set's columns too)") from None
         raise ConfigError(e.setting, f"{e}.", f"did you mean {near}?" if near else
                           f"use one of {e.have}") from None
     except Exception as e:
@@ -128,6 +132,8 @@ def check_dataset_object(cfg: JobConfig, model: Any, field: str, ds: Any) -> Non
     if field == "eval_dataset":
         if n < 1:
             raise ConfigError("eval_dataset", "is empty.", "give it samples, or drop it")
+        cfg.eval_dataset_length = n  # every rank scores all of it together: workers agree
+        check_sample(cfg, model, ds, field)  # (was: at the first evaluation, or the run's end)
         return
     if n < cfg.global_batch_size:
         raise ConfigError(

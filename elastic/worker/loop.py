@@ -26,7 +26,7 @@ from clusters.policy import NonFiniteObservation, NonFinitePolicy, Rollback, Ski
 from clusters.sweep_policy import GateObservation, GatePolicy, Prune, PruneGate
 
 from ..config import JobConfig, WorkerConfig
-from ..data import even_shares, fetch_batch, share_bounds
+from ..data import even_shares, share_bounds
 from ..errors import NonFiniteError
 from .checkpointing import Checkpointing
 from .faults import Faults, nan_inputs
@@ -366,8 +366,7 @@ class StepLoop:
         of its batch, as in eval mode without batch statistics)."""
         spec = self._layout.spec
         assert spec is not None
-        ds = self._data.eval_dataset
-        n = len(ds)
+        n = len(self._data.eval_dataset)  # (the length the driver read: JobData checks it)
         pipeline = spec.name == "pipeline"
         e = spec.global_batch_size if pipeline else (
             self._config.eval_batch_size or self._config.global_batch_size)
@@ -375,25 +374,25 @@ class StepLoop:
         for start in range(0, n, e):
             idx = torch.arange(start, min(start + e, n))
             if not pipeline:
-                total += self._eval_part(ds, idx, even_shares(len(idx), self._membership.world))
+                total += self._eval_part(idx, even_shares(len(idx), self._membership.world))
                 continue
             pad = e - len(idx)
             if pad:
                 last = idx[-1:]
-                total += self._eval_part(ds, torch.cat([idx, last.repeat(pad)]), spec.shares)
-                total -= self._eval_part(ds, last.repeat(e), spec.shares) * (pad / e)
+                total += self._eval_part(torch.cat([idx, last.repeat(pad)]), spec.shares)
+                total -= self._eval_part(last.repeat(e), spec.shares) * (pad / e)
             else:
-                total += self._eval_part(ds, idx, spec.shares)
+                total += self._eval_part(idx, spec.shares)
         total = total.to(self._membership.device)
         dist.all_reduce(total)
         return float(total[0] / total[1])
 
-    def _eval_part(self, ds: Any, idx: torch.Tensor, shares: Sequence[int]) -> torch.Tensor:
+    def _eval_part(self, idx: torch.Tensor, shares: Sequence[int]) -> torch.Tensor:
         """This rank's ``(loss x samples, samples)`` of one evaluation batch."""
         lo, hi = share_bounds(shares, self._membership.rank)
         strategy = self._layout.strategy
         if hi > lo:
-            x, y = fetch_batch(ds, idx[lo:hi])
+            x, y = self._data.eval_batch(idx[lo:hi])
             return torch.tensor(strategy.eval_step(x, y), dtype=torch.float64)
-        x, y = fetch_batch(ds, idx[:1])  # an empty part: one sample, scored, not counted
+        x, y = self._data.eval_batch(idx[:1])  # an empty part: one sample, scored, not counted
         return torch.tensor(strategy.eval_empty(x, y), dtype=torch.float64)

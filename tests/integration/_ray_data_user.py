@@ -32,7 +32,7 @@ CALLS = [0]  # how many times make_dataset ran (in this process: the driver)
 
 
 def make_dataset(fail: bool = False, slow_first: bool = False, pad: int = 0,
-                 empty: bool = False) -> Any:
+                 empty: bool = False, n: int = N) -> Any:
     """``pad``: that many zeros per row in a third column (blocks over Ray's 100 KiB inline
     limit live in a node's object store, not in the driver's memory)."""
     import numpy as np
@@ -41,7 +41,7 @@ def make_dataset(fail: bool = False, slow_first: bool = False, pad: int = 0,
     CALLS[0] += 1
     d = RegressionData(N)
     rows = [{"x": d.x[i].numpy(), "y": d.y[i].numpy(), "i": i, "slow": slow_first,
-             **({"pad": np.zeros(pad, np.float32)} if pad else {})} for i in range(N)]
+             **({"pad": np.zeros(pad, np.float32)} if pad else {})} for i in range(n)]
     ds = ray.data.from_items(rows, override_num_blocks=BLOCKS)
     if empty:
         ds = ds.filter(lambda row: False)

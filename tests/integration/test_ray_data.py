@@ -114,6 +114,13 @@ def test_a_job_file_factory_resumed_under_zero2_reads_the_samples_one_run_would_
                          strategy="zero2", **common))
     assert r.history[0]["step"] == 6 and r.history[-1]["strategy"] == "zero2"
     assert max_diff(r.state_dict(), ref_state) < 1e-5
+    # a pipeline that now gives fewer rows: its length is known only once it ran, after the
+    # resume was planned; the resume is refused then (was: another sample order from step 12)
+    common["dataset"] = make_dataset(n=80)
+    with pytest.raises(ConfigError, match="has 80 samples, but checkpoint step 12 was "
+                                          "trained on 96"):
+        elastic.fit(_job(tmp_path, resume="latest", run_dir=str(tmp_path / "run3"),
+                         max_steps=16, **common))
 
 
 @pytest.mark.cold_workers  # the test's own pool, holding every CPU of the cluster

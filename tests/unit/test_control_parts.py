@@ -954,3 +954,35 @@ def test_closing_a_pool_waits_for_the_watch_round_in_progress(monkeypatch):
     t.join(10)
     c.join(10)
     assert order == ["ping", "ping done", "closed"] and rounds == [False]
+
+
+def test_a_planned_resume_is_checked_again_once_a_ray_datasets_length_is_known(tmp_path):
+    """A Ray dataset's length is known only after its pipeline ran, after the resume was
+    planned: the planned step is checked against it then, refused for the job's own URI
+    and said for a fork. Was: never checked, so a pipeline that now gave 300 rows for the
+    256 trained on drew another order from the resumed step (found by review, session
+    44)."""
+    import torch
+
+    from elastic.checkpoint import CheckpointMeta, CheckpointStore, commit, write_shard
+    from elastic.config import JobConfig
+    from elastic.control.resume_checks import recheck_length
+    from elastic.errors import ConfigError
+    from tests.helpers import RegressionData, adam, mlp, mse
+
+    store = CheckpointStore(str(tmp_path / "ck"))
+    commit(store, 4, [write_shard(store, 4, 0, {"model/w": torch.ones(2)})],
+           CheckpointMeta(extra={"dataset_length": 256, "global_batch_size": 8}))
+    said: list[tuple[str, str]] = []
+    cfg = JobConfig(model=mlp, optimizer=adam, loss=mse, dataset=RegressionData(),
+                    global_batch_size=8, max_steps=10)
+    cfg.dataset_length = 256
+    recheck_length((store, 4), cfg, store, lambda k, m, **_: said.append((k, m)))
+    cfg.dataset_length = 300
+    with pytest.raises(ConfigError, match="has 300 samples, but checkpoint step 4 was trained "
+                                          "on 256") as ei:
+        recheck_length((store, 4), cfg, store, lambda k, m, **_: said.append((k, m)))
+    assert ei.value.field == "dataset" and not said
+    recheck_length((store, 4), cfg, CheckpointStore(str(tmp_path / "own")),  # a fork
+                   lambda k, m, **_: said.append((k, m)))
+    assert [k for k, _ in said] == ["resume_sampling"]
