@@ -79,32 +79,41 @@ def check_sample(cfg: JobConfig, model: Any, dataset: Any, field: str = "dataset
 
 
 def _check_mean(loss_fn: Any, out: Any, y: Any, bf16: bool) -> None:
-    """The loss of two samples together lies between theirs apart, as any mean over the
-    batch does (over samples, tokens, elements; a penalty added to it too): the layouts
-    combine each rank's and micro-batch's loss weighted by its samples. A sum
-    (``reduction='sum'``) does not: its gradients would grow with the share (and change at
-    each resize); ``ConfigError`` naming ``loss``. Skipped where the outputs or targets are
-    not batch-first tensors, or a part of them cannot be scored alone."""
+    """A loss that sums over the batch (``reduction='sum'``) is refused: the layouts combine
+    each rank's and micro-batch's loss weighted by its samples, so a sum's gradients would
+    grow with the share (and change at each resize). Told by samples 0 and 1: together they
+    score what they score apart added up, clearly above either (a mean lies between them; a
+    loss over the batch's other samples, a contrastive one, scores neither way and passes).
+    Scored under one fixed random state (a loss that draws noise scores alike each time).
+    Skipped where the outputs or targets are not batch-first tensors, or a part of them
+    cannot be scored alone."""
     import torch
 
-    if not (isinstance(out, torch.Tensor) and isinstance(y, torch.Tensor)
-            and len(out) >= 2 and len(y) == len(out)):
-        return
     try:
-        both, *alone = (float(loss_fn(out[a:b], y[a:b])) for a, b in ((0, 2), (0, 1), (1, 2)))
+        if not (isinstance(out, torch.Tensor) and isinstance(y, torch.Tensor)
+                and out.dim() >= 1 and y.dim() >= 1 and len(out) >= 2 and len(y) == len(out)):
+            return
+        scores = []
+        for a, b in ((0, 2), (0, 1), (1, 2)):
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(0)
+                scores.append(float(loss_fn(out[a:b], y[a:b])))
     except Exception:  # noqa: BLE001 - a loss that needs more than one sample: not checked
         return
-    lo, hi = min(alone), max(alone)
-    slack = (1e-2 if bf16 else 1e-4) * max(abs(lo), abs(hi)) + 1e-6
-    if not all(map(torch.isfinite, torch.tensor([both, lo, hi]))) or \
-            lo - slack <= both <= hi + slack:
+    both, one, two = scores
+    rel = 1e-2 if bf16 else 1e-4
+    if not all(map(torch.isfinite, torch.tensor(scores))) or min(one, two) <= 0:
         return
-    raise ConfigError("loss", f"is not a mean over the batch: samples 0 and 1 together score "
-                      f"{both:.6g}, apart {alone[0]:.6g} and {alone[1]:.6g} (a sum? "
-                      "reduction='sum'). Each worker's loss is weighted by its share of the "
-                      "global batch, so a sum would scale the gradients with the share.",
+    summed = abs(both - (one + two)) <= rel * (one + two) + 1e-7
+    if not (summed and both > max(one, two) * (1 + 10 * rel) + 1e-7):
+        return
+    raise ConfigError("loss", f"sums over the batch: samples 0 and 1 together score "
+                      f"{both:.6g}, apart {one:.6g} and {two:.6g} (reduction='sum'?). Each "
+                      "worker's loss is weighted by its share of the global batch, so a sum "
+                      "would scale the gradients with the share.",
                       "return the mean over the batch (reduction='mean'); to weigh samples "
-                      "otherwise, scale inside the mean")
+                      "otherwise, scale inside the mean (a loss this check misreads: "
+                      "check_sample: false)")
 
 
 def check_layouts(cfg: JobConfig, layouts: Any) -> None:

@@ -13,7 +13,7 @@ from torch import nn
 
 from .data import StepSampler, fetch_batch
 
-__all__ = ["reference_train", "build_model"]
+__all__ = ["reference_train", "build_model", "seed_rank"]
 
 
 def build_model(model_factory: Callable[[], nn.Module], seed: int, rank: int = 0) -> nn.Module:
@@ -24,8 +24,15 @@ def build_model(model_factory: Callable[[], nn.Module], seed: int, rank: int = 0
     torch.manual_seed(seed)
     model = model_factory()
     if rank > 0:
-        torch.manual_seed((seed * 1_000_003 + rank) % 2**63)
+        seed_rank(seed, rank)
     return model
+
+
+def seed_rank(seed: int, rank: int, generation: int = 0) -> None:
+    """Seed this process's generators for ``rank`` of the job seeded ``seed`` (a rank that
+    joins later: also its ``generation``, so that it does not replay another rank's
+    stream)."""
+    torch.manual_seed((seed * 1_000_003 + rank + 7_919 * generation) % 2**63)
 
 
 def build_model_for_load(model_factory: Callable[[], nn.Module], seed: int) -> nn.Module:

@@ -155,9 +155,13 @@ def run_directory(cfg: JobConfig) -> str:
     sibling (``runs/<name>.2``), so two runs never interleave their logs; an explicit
     ``run_dir`` that holds one is refused with the fix."""
     path = cfg.run_path
+    fresh = False  # ``auto`` with no checkpoint to go on from in ./runs: a fresh start
     if cfg.resume in ("latest", "auto") and not cfg.run_dir and cfg.checkpoints.location is None:
-        return _newest_run(path)
-    if cfg.resume or not _holds_run(path):
+        newest = _newest_run(path)
+        if newest is not None or cfg.resume == "latest":
+            return newest or path  # (latest with none: refused by the resume's plan)
+        fresh = True
+    if (cfg.resume and not fresh) or not _holds_run(path):
         return path
     if cfg.run_dir:
         raise ConfigError(
@@ -170,10 +174,10 @@ def run_directory(cfg: JobConfig) -> str:
     return f"{path}.{i}"
 
 
-def _newest_run(path: str) -> str:
+def _newest_run(path: str) -> str | None:
     """Of a default run directory and its numbered siblings (``runs/<name>.2``, ...), the
     newest whose checkpoints (the default location) hold a committed step: what a resume of
-    the job goes on from. Was: always the first, so a second run's checkpoints were passed
+    the job goes on from (None: none has one). Was: always the first, so a second run's checkpoints were passed
     over for the first run's (found by review, session 44)."""
     from ..checkpoint import CheckpointStore, committed_steps
 
@@ -185,4 +189,4 @@ def _newest_run(path: str) -> str:
         ck = os.path.join(run, "checkpoints")
         if os.path.isdir(ck) and committed_steps(CheckpointStore(os.path.abspath(ck))):
             return run
-    return path
+    return None

@@ -1,13 +1,12 @@
 """The worker group: the controller's only Ray-aware code.
 
-``WorkerGroup`` owns the job's worker actors and their placement: it reserves bundles,
-starts workers (in the foreground, or as warm spares), forms each generation of the group,
-kills workers, watches Ray's draining nodes, and makes every call to them (named in
-``calls.py``). What Ray raises is turned into elastic's typed errors here, so the controller
-never sees a Ray exception and runs without Ray over ``tests/unit/fake_group.py``.
+``WorkerGroup`` owns the job's worker actors and their placement: it reserves bundles, starts
+workers (or warm spares), forms each generation of the group, kills workers, watches Ray's
+draining nodes, and makes every call to them (``calls.py``). What Ray raises becomes elastic's
+typed errors here: the controller runs without Ray over ``tests/unit/fake_group.py``.
 
-Not thread-safe except ``request_stop`` (the SDK's thread calls it while the controller's
-thread waits on a segment; its Ray calls go through ``teller.Teller``).
+Not thread-safe except ``request_stop`` (the SDK's thread, while the controller's waits on a
+segment; its Ray calls go through ``teller.Teller``).
 """
 
 from __future__ import annotations
@@ -66,6 +65,7 @@ class Placement:
         self._next_id = 0
         self.free_slots: list[tuple[Any, int]] = []  # reserved bundles without a worker
         self.draining: list[tuple[Any, int, str]] = []  # bundles of a draining node's workers
+        self._drained: set[str] = set()  # nodes Ray was seen draining (``_revive``)
         self.lost: list[tuple[Any, int, str]] = []  # of workers lost with a node Ray holds alive
         self._warming: list[tuple[WorkerRec, Any]] = []  # spares starting: (worker, info ref)
         self._bundle_res: dict[str, float] | None = None
@@ -232,10 +232,9 @@ class Placement:
             for pg, idxs in by_pg.values():
                 placed += self._collect(self._launch(pg, idxs, bundle),
                                         wait_s=max(0.5, deadline - time.monotonic()))
-            # a worker that failed to start because its bundle's node had died (a worker lost
-            # unannounced with its node, before Ray held the node dead) is started again in the
-            # same bundle, which Ray reserves again where there is room: a new placement group
-            # would wait behind that bundle for the same room until the timeout
+            # a worker that failed to start as its bundle's node had died (lost unannounced
+            # with it, before Ray held it dead) starts again in the same bundle, which Ray
+            # reserves again where there is room (a new group would wait behind it)
             reuse = [(pg, i) for pg, i in self.free_slots
                      if on.get((id(pg), i)) and not node_alive(on[(id(pg), i)])]
             if not reuse or time.monotonic() >= deadline:
@@ -255,16 +254,17 @@ class Placement:
         return placed
 
     def _revive(self) -> None:
-        """Free slots: a lost node's bundles once Ray holds it gone; a draining node's once it
-        is gone, or alive and drained no more (its drain refused, a notice not come true)."""
+        """Free slots: a lost node's bundles once it is gone; a draining node's once it is gone
+        or drains no more after Ray had it draining (a refused drain's stay held: no spare)."""
         from ..ray_connect import draining_nodes
         try:  # the GCS not answering: no bundle of a live node freed
-            drained = set(draining_nodes()) if self.draining else set()
+            now = set(draining_nodes()) if self.draining else set()
         except Exception:  # noqa: BLE001 - asked again at the next call
-            drained = {d[2] for d in self.draining}
+            now = {d[2] for d in self.draining}
+        self._drained |= now  # (a notice that did not come true: drained, then not)
         for name in ("draining", "lost"):
             gone = [d for d in getattr(self, name) if not node_alive(d[2])
-                    or (name == "draining" and d[2] not in drained)]
+                    or (name == "draining" and d[2] in self._drained - now)]
             setattr(self, name, [d for d in getattr(self, name) if d not in gone])
             self.free_slots += [(pg, i) for pg, i, _ in gone]
 

@@ -21,7 +21,7 @@ from strategies import get as get_strategy
 
 from ..config import JobConfig, WorkerConfig
 from ..errors import PeerReadError, StateMoveError, SwitchError
-from ..reference import build_model, build_model_for_load
+from ..reference import build_model, build_model_for_load, seed_rank
 from .held_state import HeldState
 from .inputs import JobData
 from .membership import Membership
@@ -101,6 +101,7 @@ class Layout:
         self.schedule = LrSchedule(config.lr_schedule_fn())
         self._optimizer_factory = self.schedule.wrap(config.optimizer_factory())
         self.strategy: Any = None
+        self._seeded = False  # this process's generators seeded for the job (dropout)
         self.spec: StrategySpec | None = None
         self.next_step = 0
         self.param_keys: set[str] = set()  # "model/<fqn>" of parameters (not buffers)
@@ -214,10 +215,15 @@ class Layout:
         self._data.load()
         cls = get_strategy(spec.name)
         seed = self._config.seed
+        m = self._membership
         if for_load:
             model = build_model_for_load(self._model_factory, seed)
+            if not self._seeded:  # a process new to the job (a spare, a replacement): a
+                seed_rank(seed, m.rank, m.generation)  # stream of its own (a checkpoint's
+                # saved one for its rank replaces it)
         else:
-            model = build_model(self._model_factory, seed, self._membership.rank)
+            model = build_model(self._model_factory, seed, m.rank)
+        self._seeded = True
         self.param_keys = {f"model/{n}" for n, _ in model.named_parameters()}
         # the job's settings every layout applies (the controller's specs carry them already)
         opts = spec.options.over(self._config.strategy_options())

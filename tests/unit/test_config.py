@@ -313,6 +313,19 @@ def _penalised_mse(out, y):  # a mean plus a term that does not depend on the ba
     return torch.nn.functional.mse_loss(out, y) + 0.5
 
 
+def _noisy_mse(out, y):  # a mean that draws noise: scored alike each time
+    return torch.nn.functional.mse_loss(out + 0.1 * torch.randn_like(out), y)
+
+
+def _contrastive(out, y):  # the batch's other samples as negatives: 0 for one sample alone
+    sim = out @ out.T
+    return torch.nn.functional.cross_entropy(sim, torch.arange(len(out)))
+
+
+def _centred(out, y):  # over the batch's mean: 0 for one sample alone
+    return ((out - out.mean(0)) ** 2).mean()
+
+
 def test_a_loss_that_sums_over_the_batch_is_refused_before_ray(no_ray):
     """Each worker's loss is weighted by its share of the global batch: a sum
     (``reduction='sum'``) would scale the gradients with the share and change at each
@@ -321,9 +334,9 @@ def test_a_loss_that_sums_over_the_batch_is_refused_before_ray(no_ray):
     job = _base(run_dir=str(no_ray / "r"))
     with pytest.raises(ConfigError) as ei:
         elastic.fit(**{**job, "loss": _sum_mse})
-    assert ei.value.field == "loss" and "not a mean over the batch" in str(ei.value)
+    assert ei.value.field == "loss" and "sums over the batch" in str(ei.value)
     assert "reduction='mean'" in ei.value.fix
-    for ok in (_penalised_mse, mse):
+    for ok in (_penalised_mse, mse, _noisy_mse, _contrastive, _centred):
         with pytest.raises(ReachedRay):
             elastic.fit(**{**job, "loss": ok})
 

@@ -1430,3 +1430,18 @@ def test_a_recovery_from_peers_lists_no_checkpoint(tmp_path, monkeypatch):
     fake.fail(step=4, rank=1, kind="lost")
     ctl.run()
     assert listed == [1]
+
+
+def test_resume_auto_with_no_checkpoint_in_runs_starts_fresh_in_a_run_dir_of_its_own(
+        tmp_path, monkeypatch):
+    """``resume: auto`` of job ``x`` whose earlier run in ``runs/x`` left no checkpoint: a
+    fresh start, in ``runs/x.2``. Was: in ``runs/x``, appending to the earlier run's
+    events and writing over its config (found by review, session 44)."""
+    monkeypatch.chdir(tmp_path)
+    os.makedirs(tmp_path / "runs" / "x")
+    (tmp_path / "runs" / "x" / "events.jsonl").write_text('{"kind": "start"}\n')
+    ctl, _ = _controller(tmp_path, name="x", resume="auto", run_dir=None)
+    ctl.run()
+    assert ctl.sink.log.run_dir == str(tmp_path / "runs" / "x.2")
+    assert "resumed" not in _kinds(ctl)
+    assert (tmp_path / "runs" / "x" / "events.jsonl").read_text() == '{"kind": "start"}\n'

@@ -66,15 +66,22 @@ def _placement(monkeypatch, alive: bool, draining: object) -> wg.Placement:
     return p
 
 
-def test_a_node_alive_and_no_longer_draining_gives_its_bundles_back(monkeypatch):
-    """A hand drain Ray refused (or a notice that did not come true): the node lives on and
-    drains no more, so the released workers' bundles become free slots and the job can grow
-    back into them (``room``). Was: held in ``draining`` until the node died, for the rest
-    of the run: on a full cluster the job never grew back."""
-    p = _placement(monkeypatch, alive=True, draining={})
+def test_a_notice_that_did_not_come_true_gives_its_bundles_back(monkeypatch):
+    """Ray had the node draining (a notice), then drains it no more while it lives on: the
+    released workers' bundles become free slots and the job can grow back into them
+    (``room``). Was: held in ``draining`` until the node died, for the rest of the run: on
+    a full cluster the job never grew back. A hand drain Ray refused was never draining: its
+    bundles stay held (a spare there would land on the node the user asked to empty)."""
+    drains = {"nodeA": 0}
+    p = _placement(monkeypatch, alive=True, draining=drains)
+    assert not p.room() and p.draining == [("pg", 0, "nodeA")]
+    drains.clear()  # the drain was cancelled
     assert p.room()
     assert p.free_slots == [("pg", 0)] and p.draining == []
     assert p.lost == [("pg", 1, "nodeB")]
+    refused = _placement(monkeypatch, alive=True, draining={})
+    refused._revive()  # noqa: SLF001
+    assert refused.free_slots == [] and refused.draining == [("pg", 0, "nodeA")]
 
 
 @pytest.mark.parametrize("draining", [{"nodeA": 0}, RuntimeError("GCS busy")])

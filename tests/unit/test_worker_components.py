@@ -424,6 +424,26 @@ def test_a_profile_mid_run_leaves_the_jobs_random_state_as_it_was(tmp_path, grou
     assert torch.equal(torch.get_rng_state(), before)
 
 
+def test_a_process_new_to_the_job_that_restores_draws_a_stream_of_its_own(tmp_path, group):
+    """A spare or a replacement builds its first layout to be loaded (peers', a checkpoint's
+    state): its generators are seeded for its rank and the group's generation, not left at
+    the process's (a fresh Ray process: torch's default seed, the same on every joiner; a
+    pooled one: reset to 0). A process that built before keeps its stream through later
+    builds (a switch). Was: every joiner drew the same dropout masks (found by review,
+    session 44)."""
+    from elastic.reference import seed_rank
+
+    p = _parts(_cfg(tmp_path), group)
+    torch.manual_seed(12345)  # whatever the process held
+    p.layout._new_strategy(_spec(), for_load=True)  # noqa: SLF001
+    got = torch.rand(3)
+    seed_rank(0, group.rank, group.generation)
+    assert torch.equal(got, torch.rand(3))
+    before = torch.get_rng_state()
+    p.layout._new_strategy(_spec(), for_load=True)  # noqa: SLF001
+    assert torch.equal(torch.get_rng_state(), before)
+
+
 def test_a_worker_that_reads_another_dataset_length_than_the_job_refuses_to_train(tmp_path):
     """The driver read 256 samples when the job started (preflight); a worker that joins
     later reads 300 (a Parquet prefix that gained a file, a factory reading "latest" data):
