@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ElasticError
+from ..errors import ElasticError, InfrastructureError
 
 __all__ = ["Request", "RequestError", "Inbox", "parse", "KINDS", "PUBLIC_KINDS"]
 
@@ -171,8 +171,16 @@ class Inbox:
 
     def fail_in_hand(self, err: BaseException, status: dict[str, Any] | None = None) -> None:
         """The request taken was not carried out (its handling raised): its asker hears why
-        now, not at a timeout (the SDK's 300 s, and the scheduler's tick with it)."""
-        self.answer(self.in_hand, err if isinstance(err, Exception) else RequestError(
+        now, not at a timeout (the SDK's 300 s, and the scheduler's tick with it). An
+        evacuation cut by a lost worker is said to follow the recovery (its notice is kept:
+        ``Evacuation.run``); was the bare error, for a drain then carried out."""
+        req = self.in_hand
+        if req is not None and req.kind == "evacuate" and isinstance(err, InfrastructureError):
+            err = RequestError(f"the evacuation was cut by {type(err).__name__}: "
+                               f"{str(err).splitlines()[0][:200] if str(err) else ''}; the "
+                               "job recovers first, then carries it out at the next step "
+                               "boundary if the node still hosts its workers")
+        self.answer(req, err if isinstance(err, Exception) else RequestError(
             f"the job was interrupted ({type(err).__name__}) before the request was done"),
             status)
 

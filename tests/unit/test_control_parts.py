@@ -986,3 +986,27 @@ def test_a_planned_resume_is_checked_again_once_a_ray_datasets_length_is_known(t
     recheck_length((store, 4), cfg, CheckpointStore(str(tmp_path / "own")),  # a fork
                    lambda k, m, **_: said.append((k, m)))
     assert [k for k, _ in said] == ["resume_sampling"]
+
+
+def test_an_evacuation_cut_by_a_lost_worker_is_said_to_follow_the_recovery():
+    """``elastic drain NODE`` whose hand-off a lost peer cuts: the job recovers, keeps the
+    node's notice and evacuates it at a later boundary, so its asker is told that, not only
+    the error (was: the bare error, for a drain then carried out: found by review, session
+    44). Another request cut so gets the error as it is."""
+    import queue as _queue
+
+    from elastic.errors import GroupError
+
+    inbox = Inbox(None, lambda *a, **k: None)
+    for kind, value in (("evacuate", {"node": "n1"}), ("switch", "zero2")):
+        req = Request(kind, value, "by hand")
+        req.reply = _queue.Queue()
+        inbox.post(req)
+        assert inbox.take() is req
+        inbox.fail_in_hand(GroupError("rank 2: the process group failed"))
+        got = req.reply.get_nowait()
+        if kind == "evacuate":
+            assert isinstance(got, RequestError) and "recovers first, then carries it out" \
+                in str(got) and "rank 2: the process group failed" in str(got)
+        else:
+            assert isinstance(got, GroupError)
