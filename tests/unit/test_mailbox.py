@@ -1,15 +1,10 @@
-"""The job's control actor's body (``elastic.control.mailbox.JobControl``) and the CLI's
-``ask``, without Ray: what an asker gets when the job ends before its request is handled."""
+"""The job's control actor's body (``elastic.control.mailbox.JobControl``), without Ray: what
+an asker gets when the job ends before its request is handled (the CLI's ``ask`` when the
+actor is gone: ``tests/integration/test_mailbox_gone.py``)."""
 
 from __future__ import annotations
 
-from typing import Any
-
-import pytest
-
-from elastic.control import mailbox
 from elastic.control.mailbox import JobControl
-from elastic.errors import ElasticError
 
 
 def test_a_request_posted_while_the_job_ends_is_answered_that_it_ended():
@@ -25,29 +20,3 @@ def test_a_request_posted_while_the_job_ends_is_answered_that_it_ended():
         assert box.get_reply(rid) == {"error": "job 'j' ended (finished) before the request "
                                                "was handled"}
     assert box.take() == [] and box.get_status()["state"] == "finished"
-
-
-class _Gone:
-    """A control actor's handle whose actor died after the post (the driver ended)."""
-
-    class _Call:
-        def __init__(self, fn: Any) -> None:
-            self.remote = fn
-
-    def __init__(self) -> None:
-        from ray.exceptions import ActorDiedError
-
-        def died(*_: Any) -> Any:
-            raise ActorDiedError()
-
-        self.post = self._Call(lambda *a: 1)
-        self.get_reply = self._Call(died)
-
-
-def test_ask_of_a_job_that_ended_before_answering_is_one_error(monkeypatch):
-    import ray
-
-    monkeypatch.setattr(mailbox, "lookup", lambda job: _Gone())
-    monkeypatch.setattr(ray, "get", lambda ref, **_: ref)
-    with pytest.raises(ElasticError, match=r"job 'j' ended before it answered"):
-        mailbox.ask("j", "stop")
