@@ -33,6 +33,18 @@ def _loop() -> tuple[Replanner, Any, list[tuple[str, str, dict[str, Any]]], list
     return Replanner(cfg, layouts, emit), mm, events, c
 
 
+def _group(n: int = 2) -> Any:
+    return SimpleNamespace(workers=[SimpleNamespace(worker_id=f"w{r}") for r in range(n)])
+
+
+def _dp(rp: Replanner, mm: Any) -> tuple[StrategySpec, float, Any]:
+    """dp on the loop's two ranks, the model's step for it, and their group."""
+    spec = StrategySpec("dp", world_size=2, shares=(32, 32))
+    step = mm.model.estimate(spec_plan(spec, rp.layouts.ids, None), rp.layouts.cluster,
+                             mm.profile).step_time
+    return spec, step, _group()
+
+
 def _feed(rp: Replanner, spec: StrategySpec, steps: range, step_s: float,
           rank_s_per_sample: list[float], frac: float) -> None:
     """Each rank's metric for each step, as the workers report them: the seconds inside the
@@ -50,10 +62,7 @@ def test_the_live_compute_reaches_the_policy_on_the_models_scale_and_a_later_str
     later shows 3x slower, its peer where it was, and is named."""
     rp, mm, events, c = _loop()
     frac = mm.spreads["forward_fraction"]
-    spec = StrategySpec("dp", world_size=2, shares=(32, 32))
-    step = mm.model.estimate(spec_plan(spec, rp.layouts.ids, None), rp.layouts.cluster,
-                             mm.profile).step_time
-    group = SimpleNamespace(workers=[SimpleNamespace(worker_id=f"w{r}") for r in range(2)])
+    spec, step, group = _dp(rp, mm)
     _feed(rp, spec, range(0, 30), step, [2.1 * t for t in c], frac)
     rp.decide(30, spec, group)
     (kind, _, data), = events
@@ -76,10 +85,7 @@ def test_a_decision_with_a_straggler_observes_once_and_counts_the_hosts_drift_on
 
     rp, mm, events, c = _loop()
     frac = mm.spreads["forward_fraction"]
-    spec = StrategySpec("dp", world_size=2, shares=(32, 32))
-    step = mm.model.estimate(spec_plan(spec, rp.layouts.ids, None), rp.layouts.cluster,
-                             mm.profile).step_time
-    group = SimpleNamespace(workers=[SimpleNamespace(worker_id=f"w{r}") for r in range(2)])
+    spec, step, group = _dp(rp, mm)
     seen: list[Any] = []
     real = clusters.refit.observe
     monkeypatch.setattr(clusters.refit, "observe", lambda **kw: seen.append(kw) or real(**kw))
@@ -101,7 +107,7 @@ def test_a_pipeline_rank_slowed_before_the_first_decision_is_named():
     frac = mm.spreads["forward_fraction"]
     spec = StrategySpec("pipeline", 2, (32, 32), pp_degree=2, micro_batches=4,
                         schedule="1f1b", stage_split=(2, 1))
-    group = SimpleNamespace(workers=[SimpleNamespace(worker_id=f"w{r}") for r in range(2)])
+    group = _group()
     _feed(rp, spec, range(0, 30), 0.01, [c[0] * 0.8, c[1] * 0.2], frac)
     _feed(rp, spec, range(30, 60), 0.02, [c[0] * 0.8, 6 * c[1] * 0.2], frac)
     rp.decide(60, spec, group)
@@ -121,7 +127,7 @@ def test_a_long_layout_keeps_a_bounded_window_and_its_first_steps():
     _feed(rp, spec, range(0, 100_000), 0.01, [c[0], c[1]], frac)
     assert len(rp._steps) < 600 and all(len(d) < 600 for d in rp._ranks.values())  # noqa: SLF001
     assert min(rp._steps) == 0 and max(rp._steps) == 99_999  # noqa: SLF001
-    group = SimpleNamespace(workers=[SimpleNamespace(worker_id=f"w{r}") for r in range(2)])
+    group = _group()
     rp.decide(100_000, spec, group)
     (kind, _, data), = events
     assert data["steps"] == 200 and data["rank_s_per_sample"] == pytest.approx(c, rel=1e-6)
