@@ -140,7 +140,9 @@ def _cmd_plan(a: argparse.Namespace) -> int:
     from .planning import model_profile, tokens_per_sample
 
     cfg = JobConfig.from_yaml(a.job)
-    model = _built_model(cfg)
+    from .control.preflight import built_model
+
+    model = built_model(cfg)
     if a.cluster == "live":
         import ray
 
@@ -168,21 +170,6 @@ def _cmd_plan(a: argparse.Namespace) -> int:
                   else a.global_batch)  # (0 is refused as the planner refuses -4)
     print(format_plan_table(result, cluster=cluster))
     return 0 if result.choice is not None else 1
-
-
-def _built_model(cfg: Any) -> Any:
-    """The job's model, built as ``control.preflight.preflight`` builds it (its wrapper,
-    repeated): a factory that raises is ``ConfigError("model", ...)`` (was: a traceback)."""
-    from .errors import ConfigError
-    from .reference import build_model
-
-    try:
-        return build_model(cfg.model_factory(), cfg.seed)
-    except ConfigError:
-        raise
-    except Exception as e:
-        raise ConfigError("model", f"the model factory raised {type(e).__name__}: {e}",
-                          "fix the factory; it must return an nn.Module") from e
 
 
 def _cmd_sweep(a: argparse.Namespace) -> int:

@@ -101,11 +101,7 @@ class ShardedUpdate:
         self.ranks = list(ranks) if ranks is not None else global_ranks(group)
         self.index = self.ranks.index(dist.get_rank())
         self.named = [(n, p) for n, p in named_params if p.requires_grad]
-        n = len(self.ranks)
-        if mode == "dp":
-            self.owner = [self.index] * len(self.named)
-        else:
-            self.owner = assign_owners([p.numel() for _, p in self.named], n)
+        self.owner = owners([p for _, p in self.named], mode, len(self.ranks), self.index)
         self.owned = {
             name: p for (name, p), o in zip(self.named, self.owner, strict=True) if o == self.index
         }
@@ -211,13 +207,21 @@ class ShardedUpdate:
         self.optimizer = None
 
 
+def owners(params: Sequence[nn.Parameter], mode: str, n: int, me: int) -> list[int]:
+    """Which of a ``ShardedUpdate`` group's ``n`` ranks updates each of ``params`` (the
+    trainable ones, in order): under ``dp`` every rank its own copy (``me``)."""
+    if mode == "dp":
+        return [me] * len(params)
+    return assign_owners([p.numel() for p in params], n)
+
+
 def update_subsets(params: Sequence[nn.Parameter], mode: str, n: int
                    ) -> list[list[nn.Parameter]]:
     """The parameters each of the ``n`` ranks of a ``ShardedUpdate`` group builds its
-    optimizer on (the same ownership; ``params``: the trainable ones, in order)."""
+    optimizer on (``owners``, as the group itself does)."""
     if mode == "dp":
         return [list(params)] * n
-    owner = assign_owners([p.numel() for p in params], n)
+    owner = owners(params, mode, n, 0)
     return [[p for p, o in zip(params, owner, strict=True) if o == r] for r in range(n)]
 
 

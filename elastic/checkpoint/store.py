@@ -242,8 +242,10 @@ class CheckpointStore:
             raise self.error(f"checkpoint storage {self.uri} is not writable", e) from None
         try:
             # a write-only probe passed on storage that cannot rename, then every commit
-            # failed (its manifest is a temporary file renamed into place)
-            self.write_atomic(probe, b"elastic probe, replaced\n")
+            # failed (its manifest is a temporary file renamed into place; an object store's
+            # is one write, which the probe's first did already)
+            if self.kind == "local":
+                self.write_atomic(probe, b"elastic probe, replaced\n")
         except (OSError, ValueError) as e:
             self._discard(probe)
             raise self.error(

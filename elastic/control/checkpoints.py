@@ -434,7 +434,7 @@ class CheckpointTracker:
         for step in steps:
             if step in self.bad_steps:
                 continue
-            source = origin_of(self._origin, step, self.store)
+            source = origin_of(self._origin, step)
             try:
                 outs = group.restore_checkpoint(spec, step, source)
             except StorageError:
@@ -488,10 +488,7 @@ def last_checkpoint(tracker: CheckpointTracker, group: Any, stopped: StrategySpe
              data={"step": step}, step=step)
 
 
-def origin_of(origin: tuple[CheckpointStore, int] | None, step: int,
-              own: CheckpointStore | None) -> CheckpointStore | None:
-    """The store ``step`` is restored from: a fork's source (``origin``) for its step while
-    the job's own URI does not hold that step, else the job's own (None)."""
-    if origin is None or step != origin[1]:
-        return None
-    return None if own is not None and step in committed_steps(own) else origin[0]
+def origin_of(origin: tuple[CheckpointStore, int] | None, step: int) -> CheckpointStore | None:
+    """The store ``step`` is restored from: a fork's source (``origin``) for its step (the
+    job's own steps all come after it: ``valid_steps``), else the job's own (None)."""
+    return origin[0] if origin is not None and step == origin[1] else None

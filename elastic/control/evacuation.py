@@ -42,7 +42,7 @@ from .regroup import Regroup, Regrouped
 from .requests import Request
 from .states import Evacuating
 
-__all__ = ["Evacuation", "resolve_node", "replicas_stay"]
+__all__ = ["Evacuation", "resolve_node"]
 
 DEFAULT_BANDWIDTH = 100e6  # bytes/s until a hand-off or a switch measured one
 FIXED_S = 0.05  # a hand-off's fixed part: two small all_gathers and an agreement

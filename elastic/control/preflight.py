@@ -21,7 +21,7 @@ from ..preflight import check_sample
 from ..reference import build_model
 from ..trackers import check_trackers_here
 
-__all__ = ["Preflight", "preflight", "run_directory", "check_dataset_object"]
+__all__ = ["Preflight", "preflight", "built_model", "run_directory", "check_dataset_object"]
 
 
 @dataclass
@@ -33,15 +33,21 @@ class Preflight:
     store: Any
 
 
-def preflight(cfg: JobConfig, emit: Callable[..., Any]) -> Preflight:
-    """Check the job; ``ConfigError`` naming the field and the fix for anything wrong."""
+def built_model(cfg: JobConfig) -> Any:
+    """The job's model as every worker builds it; a factory that raises is
+    ``ConfigError("model", ...)`` (``elastic plan`` builds it so too)."""
     try:
-        model = build_model(cfg.model_factory(), cfg.seed)
+        return build_model(cfg.model_factory(), cfg.seed)
     except ConfigError:
         raise
     except Exception as e:
         raise ConfigError("model", f"the model factory raised {type(e).__name__}: {e}",
                           "fix the factory; it must return an nn.Module") from e
+
+
+def preflight(cfg: JobConfig, emit: Callable[..., Any]) -> Preflight:
+    """Check the job; ``ConfigError`` naming the field and the fix for anything wrong."""
+    model = built_model(cfg)
     _check_datasets(cfg, model)
     if cfg.sample_prompt:  # the text generated after the run: tried now on one token
         from ..models import generate

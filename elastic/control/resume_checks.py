@@ -22,7 +22,7 @@ def refuse_newer(store: CheckpointStore, step: int, field: str, bad: set[int]) -
     checkpoints newer than it (and not in ``bad``) are committed (a rewind would write its
     steps over them; retention keeps the newest steps, theirs; a recovery or a later
     ``resume: latest`` would take them)."""
-    newer = [s for s in committed_steps(store) if s > step and s not in bad]
+    newer = _newer(store, step, bad)
     if not newer:
         return
     there = (f"steps {newer[0]} .. {newer[-1]}" if len(newer) > 1 else f"step {newer[0]}")
@@ -125,10 +125,15 @@ def check_claimed(store: CheckpointStore, planned: tuple[CheckpointStore, int] |
     retention, a recovery or the next resume took the other run's newer ones (found by
     review, session 44)."""
     at = planned[1] if planned is not None and planned[0].same_place(store) else -1
-    newer = [s for s in committed_steps(store) if s > at and s not in bad]
+    newer = _newer(store, at, bad)
     if newer:
         raise ConfigError(
             "resume" if at >= 0 else "checkpoint_uri",
             f"{store.uri}: step {newer[-1]} was committed by an earlier run of job {job} "
             "while this one started (it holds the URI no more: its later commits are "
             "refused).", f"start the job again: resume: latest goes on from step {newer[-1]}")
+
+
+def _newer(store: CheckpointStore, step: int, bad: set[int]) -> list[int]:
+    """Committed steps of ``store`` after ``step`` and not found corrupt, oldest first."""
+    return [s for s in committed_steps(store) if s > step and s not in bad]

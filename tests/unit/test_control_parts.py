@@ -885,7 +885,7 @@ def test_a_nodes_evacuation_moves_nothing_while_replicas_stay():
     while each stage keeps a replica. Was: a full state transfer at the default bandwidth
     for any node of more than one rank (24 s for a 100M-parameter Adam job), so the policy
     chose a checkpoint over a move that moves nothing."""
-    from elastic.control.evacuation import replicas_stay
+    from elastic.control.layouts import replicas_stay
     from strategies import StrategySpec
 
     dp = StrategySpec("dp", 4, (8, 8, 8, 8))
