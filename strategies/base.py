@@ -10,7 +10,8 @@ to export and import the training state in the canonical, layout-independent for
 Loss normalisation: each rank gets a *share* of the global batch of size G (shares may be
 unequal). ``train_step`` scales the local mean loss by ``share / G`` (times whatever factor
 the layout's gradient reduction divides by), so the reduced gradient is exactly the mean over
-the G samples, whatever the split.
+the G samples, whatever the split. A loss that averages over items of its own (tokens that
+are not padding) is weighted by its items instead (``strategies.items``).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from torch import nn
 from .blocks import checkpoint_blocks, checkpointable
 from .canonical import CanonicalState
 from .errors import StrategyError
+from .items import counts_items, item_count, part_weights
 from .running_stats import RunningStats, running_stats
 from .spec import StrategySpec, micro_batch_count
 
@@ -250,17 +252,18 @@ class Strategy(ABC):
                       count: int | None = None) -> float:
         """One step through a wrapper that reduces gradients over the world (DDP through
         dp's hook: a sum; FSDP2: an average): ``scale`` turns that into the mean over G. Each micro-batch's mean loss is
-        weighted by its part of the share, so the accumulated gradient is the same as one
-        pass over the whole share. Returns ``mean_loss * share / G``."""
+        weighted by its part of the share (a loss that counts items: by its items,
+        ``strategies.items``), so the accumulated gradient is the same as one pass over the
+        whole share. Returns this rank's part of the global mean loss."""
         dev = self.rt.device
         inputs, targets = inputs.to(dev, non_blocking=True), targets.to(dev, non_blocking=True)
         optimizer.zero_grad(set_to_none=True)
         self.running().hold()
-        n = len(inputs)
-        parts = self.chunks(n, count)
+        parts = self.chunks(len(inputs), count)
+        weights = part_weights(self.loss_fn, targets, parts, self.share,
+                               self.spec.global_batch_size, dev)
         total = 0.0
-        for i, (a, b) in enumerate(parts):
-            weight = (b - a) / n
+        for i, ((a, b), weight) in enumerate(zip(parts, weights, strict=True)):
             with contextlib.ExitStack() as stack:
                 if i < len(parts) - 1:
                     stack.enter_context(self.accumulate(module))
@@ -303,6 +306,9 @@ class Strategy(ABC):
                 loss = float(self.loss_fn(out, targets.to(dev))) if n else 0.0
         finally:
             module.train(was)
+        if n and counts_items(self.loss_fn):  # the mean over the evaluation set's items
+            k = float(item_count(self.loss_fn, targets))
+            return loss * k, int(k)
         return loss * n, n
 
     def running(self) -> RunningStats:

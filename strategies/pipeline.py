@@ -65,6 +65,7 @@ from .fsdp import (
     sharded_full_state,
     unshardable,
 )
+from .items import counts_items, global_items, item_count
 from .spec import StrategySpec
 from .traits import DP_MODES, SCHEDULES
 from .zero import ShardedUpdate, owned_needs, update_subsets
@@ -335,6 +336,10 @@ class Pipeline(Strategy):
         self._slices = [spec.shares[s * d + self.replica] for s in range(pp)]
         self._mb_scale = sum(self._slices) * fsdp_factor / (m * g)
         self._report = 1.0 / fsdp_factor
+        self._fsdp_factor = fsdp_factor
+        # a loss that counts items (``strategies.items``): each micro-batch's mean times its
+        # items times this (fsdp_factor over the global batch's items; 1 to score an eval)
+        self._per_item: torch.Tensor | None = None
         pstages = [
             _quiet_stage_class()(st, i, self.n_stages, rt.device, group=self.pp_group)
             for st, i in zip(self.stages, self.stage_ids, strict=True)
@@ -372,7 +377,20 @@ class Pipeline(Strategy):
 
     def _mb_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         with self.autocast():
-            return self.loss_fn(output, target) * self._mb_scale
+            loss = self.loss_fn(output, target)
+            if self._per_item is None:
+                return loss * self._mb_scale
+            return loss * (item_count(self.loss_fn, target) * self._per_item).to(loss.dtype)
+
+    def _items_scale(self, targets: torch.Tensor) -> None:
+        """A loss that counts items: the global batch's (the replica's targets, summed over
+        the replicas: one scalar all-reduce in the stage's dp group, every rank each step)."""
+        if not counts_items(self.loss_fn):
+            return
+        k = item_count(self.loss_fn, targets)
+        total = (global_items(k, self.rt.device, self.dp_group) if self.dp_group is not None
+                 else k.clamp(min=1.0))
+        self._per_item = self._fsdp_factor / total
 
     def _zero_grad(self) -> None:
         for st in self.stages:
@@ -398,6 +416,7 @@ class Pipeline(Strategy):
         self._zero_grad()
         self.running().hold()
         inputs, targets = self._replica_batch(inputs), self._replica_batch(targets)
+        self._items_scale(targets)
         args = (inputs,) if self.is_first else ()
         target = targets if self.is_last else None
         losses: list[torch.Tensor] = []
@@ -450,6 +469,9 @@ class Pipeline(Strategy):
         inputs, targets = self._replica_batch(inputs), self._replica_batch(targets)
         args = (inputs,) if self.is_first else ()
         losses: list[torch.Tensor] = []
+        items = counts_items(self.loss_fn)  # then each micro-batch's mean x its items
+        self._per_item = (torch.ones((), dtype=torch.float64, device=self.rt.device) if items
+                          else None)
         for st in self.stages:
             st.eval()
         try:
@@ -457,10 +479,13 @@ class Pipeline(Strategy):
                 self.schedule.eval(*args, target=targets if self.is_last else None,
                                    losses=losses if self.is_last else None)
         finally:
+            self._per_item = None
             for st in self.stages:
                 st.train()
         if not self.is_last:
             return 0.0, 0
+        if items:
+            return sum(float(x) for x in losses), int(item_count(self.loss_fn, targets))
         n = len(targets)
         per_mb = n / self.spec.micro_batches  # micro-batches are equal (validate)
         return sum(float(x) for x in losses) / self._mb_scale * per_mb, n

@@ -61,6 +61,7 @@ from .canonical import (
     optimizer_state_to_canonical,
 )
 from .factory_check import check_factory
+from .items import part_weights
 from .spec import StrategySpec, lockstep_micro_batches
 
 __all__ = ["ShardedUpdate", "Zero1", "Zero2", "UPDATE_MODES", "update_subsets"]
@@ -319,13 +320,15 @@ class _Zero(Strategy):
         # gradients stay about 1/N between micro-batches), hence the same count on every rank
         lockstep = self.spec.traits.lockstep_micro_batches
         parts = self.chunks(n, lockstep_micro_batches(self.spec) if lockstep else None)
+        weights = part_weights(self.loss_fn, targets, parts, self.share,
+                               self.spec.global_batch_size, dev)
         total = 0.0
-        for i, (a, b) in enumerate(parts):
+        for i, ((a, b), weight) in enumerate(zip(parts, weights, strict=True)):
             self.update.sync = self.mode == "zero2" or i == len(parts) - 1
             with self.autocast():
                 loss = self.loss_fn(self.model(inputs[a:b]), targets[a:b])
-            (loss * (self._scale * (b - a) / n)).backward()
-            total += float(loss.detach()) * (b - a) / n
+            (loss * (self._scale * weight)).backward()
+            total += float(loss.detach()) * weight
             if self.update.sync and i < len(parts) - 1:
                 self.update.wait()
         self.update.sync = True

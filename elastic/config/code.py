@@ -262,6 +262,18 @@ def _cross_entropy(outputs: Any, targets: Any) -> Any:
     return total / (targets != -100).sum().clamp(min=1)
 
 
+def _kept_targets(targets: Any) -> Any:
+    """The items ``_cross_entropy`` averages over: the targets not ignored (-100), or the
+    rows of class probabilities (``strategies.items``: every layout then weights a part's
+    mean by its items over the global batch's, as one process's mean over it does)."""
+    if targets.is_floating_point():
+        return targets.numel() // max(1, targets.size(-1)) if targets.dim() > 1 else len(targets)
+    return (targets != -100).sum()
+
+
+_cross_entropy.count_items = _kept_targets  # type: ignore[attr-defined]
+
+
 def _mse(outputs: Any, targets: Any) -> Any:
     import torch.nn.functional as F
 
