@@ -49,7 +49,8 @@ from .policy import ReplanObservation
 from .profile import ModelProfile
 from .topology import Cluster
 
-__all__ = ["Observed", "plan_key", "refit", "LiveScale", "StageBaseline", "rank_blocks",
+__all__ = ["Observed", "plan_key", "refit", "LiveScale", "StageBaseline", "peer_ratios",
+           "rank_blocks",
            "stage_fractions", "Prediction", "predictions", "Observation", "observe"]
 
 
@@ -201,21 +202,45 @@ class StageBaseline:
     at once); a rank that slows later reads slower than its peers, whatever the blocks'
     weights say. One per run of a layout: the caller makes a new one when the layout (or
     its world) changes, and a re-split starts anew (the straggler it answered is then part
-    of the split)."""
+    of the split).
+
+    ``known``: per rank, how much slower than its peers the last decision found it (its
+    ``peer_ratios``; 1 for the others): a rank already slow when the layout starts has its
+    footing taken as its first figure over that, so it reads as slow as it is (the re-split
+    follows the stages' measured times, ``observe``). The callers give none to the re-cut
+    that answered the straggler (its split holds it). Without it a job that switched to a pipeline after a rank
+    slowed (``auto`` found pp2 faster than dp with a 6x straggler) took the straggler's pace
+    for its stage's norm: never named, its blocks never moved (live auto jobs ran their
+    2800 steps so on a split of [2, 3] blocks whose stage times called for [4, 1])."""
 
     def __init__(self) -> None:
         self._base: tuple[float, ...] | None = None
 
     def __call__(self, plan: Plan, rank_s: Sequence[float],
-                 first: Sequence[float] = ()) -> tuple[float, ...]:
+                 first: Sequence[float] = (), known: Sequence[float] = ()
+                 ) -> tuple[float, ...]:
         if self._base is None:
             at = first if len(first) == len(rank_s) else rank_s
+            if len(known) == len(at):
+                at = [t / k if k > 0 else t for t, k in zip(at, known, strict=True)]
             self._base = tuple(statistics.median(t for r, t in enumerate(at)
                                                  if plan.coords(r)[0] == p)
                                for p in range(plan.pp_degree))
         base = self._base
         return tuple(t / base[plan.coords(r)[0]] if base[plan.coords(r)[0]] > 0 else t
                      for r, t in enumerate(rank_s))
+
+
+def peer_ratios(rank_s: Sequence[float], ranks: Sequence[int]) -> dict[int, float]:
+    """Each of ``ranks``' figure over its peers' median (``ReplanPolicy.slower``'s
+    reference): how much slower than its peers a named straggler runs."""
+    out = {}
+    for r in ranks:
+        peers = [t for i, t in enumerate(rank_s) if i != r]
+        ref = statistics.median(peers) if peers else 0.0
+        if ref > 0:
+            out[r] = rank_s[r] / ref
+    return out
 
 
 @dataclass(frozen=True)

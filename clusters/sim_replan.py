@@ -21,7 +21,7 @@ from .plan import Plan
 from .planner import plan as plan_fn
 from .policy import KeepPlan, LoopMemory, RecutShares, ReplanPolicy, SwitchPlan
 from .profile import ModelProfile
-from .refit import Observed, StageBaseline, observe, plan_key, rank_blocks
+from .refit import Observed, StageBaseline, observe, peer_ratios, plan_key, rank_blocks
 from .topology import Cluster, Device
 
 __all__ = ["LoopEvent", "LoopResult", "simulate_loop"]
@@ -95,6 +95,8 @@ def simulate_loop(cluster: Cluster, profile: ModelProfile, global_batch: int, *,
     since = 0
     memory = LoopMemory()  # what the next decision checks of the last (as live)
     named: set[str] = set()  # the devices named stragglers at the last decision
+    slow_by: dict[str, float] = {}  # how much slower than their peers, at the last decision
+    known: dict[str, float] = {}  # what of that the running layout started with (as live)
     level = 1.0
 
     def true_step(p: Plan) -> float:
@@ -131,9 +133,10 @@ def simulate_loop(cluster: Cluster, profile: ModelProfile, global_batch: int, *,
         memory.note_window(window, pol.min_steps, observed[key].step if key in observed else None,
                            recent=replan_every)
         raw = [s.median for s in spreads]
-        rank_s = stages(cur, raw) if cur.is_pipeline else raw
-        lagging = {cur.devices[r]
-                   for r in pol.slower(rank_s, [s.rel for s in spreads], cur.is_pipeline)}
+        rank_s = (stages(cur, raw, known=[known.get(d, 1.0) for d in cur.devices])
+                  if cur.is_pipeline else raw)
+        slow_ranks = pol.slower(rank_s, [s.rel for s in spreads], cur.is_pipeline)
+        lagging = {cur.devices[r] for r in slow_ranks}
         recent = max(replan_every, pol.min_steps)
         if lagging - named:  # a device newly slower: the other layouts' figures are from
             observed = {k: o for k, o in observed.items() if k == key}  # before it (as live)
@@ -150,6 +153,7 @@ def simulate_loop(cluster: Cluster, profile: ModelProfile, global_batch: int, *,
             **memory.observe_args(cur.label, cur.stage_split))
         decision = pol.decide(view.obs)
         memory.after(decision, cur.label, view.obs.shares, robust(window[-replan_every:]).median)
+        slow_by = {cur.devices[r]: k for r, k in peer_ratios(rank_s, slow_ranks).items()}
         events.append(LoopEvent(step + 1, type(decision).__name__, cur.label, decision.reason))
         if isinstance(decision, KeepPlan):
             window, ranks = window[-_WINDOW:], [xs[-_WINDOW:] for xs in ranks]
@@ -169,5 +173,6 @@ def simulate_loop(cluster: Cluster, profile: ModelProfile, global_batch: int, *,
         seconds += switch_s
         window, ranks, since = [], [], 0
         stages = StageBaseline()  # (a new layout: its first window is the ranks' footing)
+        known = {} if isinstance(decision, RecutShares) else dict(slow_by)  # (as live)
     return LoopResult(seconds, static_s, start, cur, tuple(events))
 

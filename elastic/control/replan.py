@@ -30,7 +30,7 @@ from clusters.policy import (
     ReplanPolicy,
     SwitchPlan,
 )
-from clusters.refit import LiveScale, StageBaseline, plan_key, stage_fractions
+from clusters.refit import LiveScale, StageBaseline, peer_ratios, plan_key, stage_fractions
 from strategies import StrategySpec
 from strategies.traits import DP_MODES
 
@@ -60,6 +60,11 @@ class Replanner:
         self.observed: dict[tuple[Any, ...], tuple[Plan, Spread]] = {}
         self.decisions: list[KeepPlan | SwitchPlan | RecutShares] = []
         self._named: tuple[int, ...] = ()  # the workers the last decision named stragglers
+        # how much slower than their peers the last decision found them, and what of that
+        # the running layout started with: a pipeline's footing (``StageBaseline``'s
+        # ``known``; none in the re-cut that answered them)
+        self._slow_by: dict[str, float] = {}
+        self._known: dict[str, float] = {}
         # what the next decision checks of the last one (as the simulator keeps it), kept
         # only while the layout running is the one that decision asked for (``_expect``)
         self.memory = LoopMemory()
@@ -167,9 +172,14 @@ class Replanner:
         """A new layout runs: keep the last one's median as a measured point, start a new
         window. One the last decision did not ask for (a user's switch, a node loss, a
         re-balance that took over) is no try and no re-cut of it."""
-        if self._expect is None or not _same(spec, self._expect):
+        asked = self._expect is not None and _same(spec, self._expect)
+        if not asked:
             self.memory.forget_last()
         self._expect = None
+        # the stragglers known, unless this is the re-cut that answered them (its split
+        # holds them: a re-split starts anew)
+        self._known = {} if asked and isinstance(self._last[0], RecutShares) else dict(
+            self._slow_by)
         if self._spec is not None and spec.world_size != self._spec.world_size:
             # another world (a node lost or joined): the figures were of other devices; the
             # host's drift is the host's
@@ -207,9 +217,10 @@ class Replanner:
         if len(times) < self.policy.min_steps:
             return None
         self._start = step  # the next decision after another replan_every steps
-        figs = self._figures(spec)
+        figs = self._figures(spec, group)
         slow = self.policy.slower(figs.rank_s, figs.rel, spec.name == "pipeline")
         ids = [group.workers[r].worker_id for r in slow]
+        ratios = peer_ratios(figs.rank_s, slow)
         if not set(ids) <= set(self._named):  # a worker newly slower: every other layout's
             self._forget_others(figs.current)  # figure is from before it slowed
         obs, plans, parts = self._observe(step, times, figs, group, recent=bool(ids))
@@ -222,6 +233,7 @@ class Replanner:
                           robust(times[-self.every:]).median)
         self.decisions.append(decision)
         self._last = (decision, obs.current)
+        self._slow_by = {group.workers[r].worker_id: k for r, k in ratios.items()}
         kind = type(decision).__name__
         data = {"decision": kind, "current": obs.current, "step_s": obs.step_s,
                 "step_sd": obs.step_sd, "steps": obs.steps, "remaining": obs.remaining,
@@ -251,7 +263,7 @@ class Replanner:
             return self._expect
         return None
 
-    def _figures(self, spec: StrategySpec) -> _Figures:
+    def _figures(self, spec: StrategySpec, group: Any) -> _Figures:
         """The running plan and each rank's compute per sample over the last steps: on the
         model's scale (``LiveScale``) where a model was planned; a pipeline's as each
         rank's ratio to its stage at the layout's start (``StageBaseline``), its stages'
@@ -286,7 +298,9 @@ class Replanner:
                                    mm.model)
             rank_s, first = tuple(t * k for t in rank_s), tuple(t * k for t in first)
         if current.is_pipeline and rank_s:
-            return _Figures(current, mm, self._stages(current, rank_s, first), rel, rank_s)
+            known = [self._known.get(w.worker_id, 1.0) for w in group.workers]
+            return _Figures(current, mm, self._stages(current, rank_s, first, known), rel,
+                            rank_s)
         return _Figures(current, mm, rank_s, rel, ())
 
     def _observe(self, step: int, times: list[float], figs: _Figures, group: Any,

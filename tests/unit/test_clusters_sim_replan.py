@@ -322,6 +322,21 @@ def test_stage_figures_compare_replicas_at_once_and_positions_from_their_start()
     assert StageBaseline()(plan, [1.0, 1.5, 3.0, 3.6])[1] == pytest.approx(1.2)  # anew
 
 
+def test_a_rank_known_slow_at_a_layouts_start_reads_as_slow_as_it_is():
+    """``known``: what the last decision found (``peer_ratios``, the straggler rule's
+    reference); a pipeline entered with it takes it out of the footing, live and here."""
+    from clusters.refit import StageBaseline, peer_ratios
+
+    plan = Plan(strategy="pipeline", world_size=2, shares=(64,), pp_degree=2,
+                micro_batches=4, schedule="1f1b", stage_split=(6, 6), devices=("a", "b"))
+    assert peer_ratios([1.0, 6.0, 1.2], [1]) == {1: pytest.approx(6.0 / 1.1)}
+    assert StageBaseline()(plan, [1.0, 6.0]) == pytest.approx((1.0, 1.0))  # was: the norm
+    base = StageBaseline()
+    assert base(plan, [1.0, 6.0], known=[1.0, 6.0]) == pytest.approx((1.0, 6.0))
+    assert base(plan, [1.0, 1.0])[1] == pytest.approx(1.0)  # recovered: its stage's norm
+    assert ReplanPolicy().slower((1.0, 6.0), relative=True) == (1,)
+
+
 def test_a_re_split_follows_the_positions_measured_speeds():
     from clusters.balance import resplit_stages
     from clusters.errors import BalanceError

@@ -131,3 +131,28 @@ def test_a_long_layout_keeps_a_bounded_window_and_its_first_steps():
     rp.decide(100_000, spec, group)
     (kind, _, data), = events
     assert data["steps"] == 200 and data["rank_s_per_sample"] == pytest.approx(c, rel=1e-6)
+
+
+def test_a_pipeline_entered_with_a_known_straggler_names_it_and_re_splits():
+    """Rank 1 computes 6x slower under dp (named there, its share re-cut), then the job
+    moves to a pp2 pipeline (a user's switch, or ``auto`` finding pp2 faster): the
+    pipeline's first steps are slow already. Its footing takes rank 1's known slowness out,
+    so rank 1 reads ~6x its stage's figure and the stage split is re-cut off it. Was: the
+    footing was the slow first steps, rank 1 read as its stage's norm, and a split with
+    more blocks on rank 1 than on rank 0 ran on (two live auto jobs in 28: 2800 steps)."""
+    rp, mm, events, c = _loop()
+    rp.layouts._block_costs = lambda group: [0.2, 0.6, 0.2]  # noqa: SLF001
+    frac = mm.spreads["forward_fraction"]
+    spec, step, group = _dp(rp, mm)
+    _feed(rp, spec, range(0, 30), step * 3, [c[0], 6 * c[1]], frac)
+    rp.decide(30, spec, group)
+    assert [d["ranks"] for k, _, d in events if k == "straggler"] == [[1]]
+    pipe = StrategySpec("pipeline", 2, (32, 32), pp_degree=2, micro_batches=4,
+                        schedule="1f1b", stage_split=(1, 2))
+    _feed(rp, pipe, range(30, 60), 0.05, [c[0] * 0.2, 6 * c[1] * 0.8], frac)
+    new = rp.decide(60, pipe, group)
+    replan = [d for k, _, d in events if k == "replan"][-1]
+    rel = replan["rank_s_per_sample"]
+    assert rel[1] == pytest.approx(6 * rel[0], rel=0.05), rel
+    assert replan["decision"] == "RecutShares" and replan["cut"] == "stage split", replan
+    assert new is not None and new.stage_split == (2, 1)
