@@ -353,6 +353,8 @@ def observe(*, model: CostModel | None, profile: ModelProfile | None, cluster: C
         stale = tuple(lab for lab, p in plans.items() if lab not in ran
                       and lab != current.label and _family(p) != _family(current)
                       and _family(p) in levels)
+    if recent is not None and (shared or piped):  # the ranks' span: the step now (a window
+        step = recent  # from before a rank slowed held a median the re-cut's saving passed)
     new: tuple[int, ...] = ()
     new_s = 0.0
     if recut and shared and rank_s:

@@ -156,3 +156,26 @@ def test_a_pipeline_entered_with_a_known_straggler_names_it_and_re_splits():
     assert rel[1] == pytest.approx(6 * rel[0], rel=0.05), rel
     assert replan["decision"] == "RecutShares" and replan["cut"] == "stage split", replan
     assert new is not None and new.stage_split == (2, 1)
+
+
+def test_a_re_cut_around_a_rank_that_just_slowed_predicts_from_the_step_now():
+    """Rank 1 slows 6x after 100 steps; the decision 20 steps later sees its compute over
+    those 20 and re-cuts its share. The step the re-cut saves from is the step over the
+    same 20 steps, not the window's median (mostly from before it slowed). Was: the saving
+    (on the slow steps) came off the fast median: "predicted -4.3 ms/step against 12.4 ms
+    measured" in a live job's event."""
+    import re
+
+    rp, mm, events, c = _loop()
+    frac = mm.spreads["forward_fraction"]
+    spec, step, group = _dp(rp, mm)
+    _feed(rp, spec, range(0, 100), step, [c[0], c[1]], frac)
+    slow_step = step + 31 * c[1] * 5  # rank 1's 32 samples, 6x: the step waits on them
+    _feed(rp, spec, range(100, 120), slow_step, [c[0], 6 * c[1]], frac)
+    rp.decide(120, spec, group)
+    replan = [(m, d) for k, m, d in events if k == "replan"][-1]
+    msg, data = replan
+    assert data["decision"] == "RecutShares", msg
+    assert data["step_s"] == pytest.approx(slow_step) and data["steps"] == 20
+    predicted = float(re.search(r"predicted (-?[\d.]+) ms/step", msg).group(1))
+    assert 0 < predicted < slow_step * 1e3, msg
