@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["counts_items", "item_count", "part_weights", "global_items"]
+__all__ = ["counts_items", "item_count", "part_weights", "global_items", "per_item"]
 
 
 def counts_items(loss_fn: Callable[..., Any]) -> bool:
@@ -61,3 +61,16 @@ def part_weights(loss_fn: Callable[..., Any], targets: torch.Tensor,
     if not share:
         return [0.0] * len(parts)
     return (counts.to(total.device) / total * (global_batch / share)).tolist()[:len(parts)]
+
+
+def per_item(loss_fn: Callable[..., Any], targets: torch.Tensor, device: torch.device | str,
+             group: Any, factor: float) -> torch.Tensor | None:
+    """A pipeline's weight per item of a micro-batch's mean: ``factor`` over the global
+    batch's items (``targets``: a replica's whole batch, summed over the replicas of
+    ``group``, one scalar all-reduce; None: one replica). None for a loss that does not
+    count items (its micro-batches are weighted by samples)."""
+    if not counts_items(loss_fn):
+        return None
+    k = item_count(loss_fn, targets)
+    total = global_items(k, device, group) if group is not None else k.clamp(min=1.0)
+    return factor / total

@@ -65,7 +65,7 @@ from .fsdp import (
     sharded_full_state,
     unshardable,
 )
-from .items import counts_items, global_items, item_count
+from .items import counts_items, item_count, per_item
 from .spec import StrategySpec
 from .traits import DP_MODES, SCHEDULES
 from .zero import ShardedUpdate, owned_needs, update_subsets
@@ -382,16 +382,6 @@ class Pipeline(Strategy):
                 return loss * self._mb_scale
             return loss * (item_count(self.loss_fn, target) * self._per_item).to(loss.dtype)
 
-    def _items_scale(self, targets: torch.Tensor) -> None:
-        """A loss that counts items: the global batch's (the replica's targets, summed over
-        the replicas: one scalar all-reduce in the stage's dp group, every rank each step)."""
-        if not counts_items(self.loss_fn):
-            return
-        k = item_count(self.loss_fn, targets)
-        total = (global_items(k, self.rt.device, self.dp_group) if self.dp_group is not None
-                 else k.clamp(min=1.0))
-        self._per_item = self._fsdp_factor / total
-
     def _zero_grad(self) -> None:
         for st in self.stages:
             for p in st.parameters():
@@ -416,7 +406,8 @@ class Pipeline(Strategy):
         self._zero_grad()
         self.running().hold()
         inputs, targets = self._replica_batch(inputs), self._replica_batch(targets)
-        self._items_scale(targets)
+        self._per_item = per_item(self.loss_fn, targets, self.rt.device, self.dp_group,
+                                  self._fsdp_factor)
         args = (inputs,) if self.is_first else ()
         target = targets if self.is_last else None
         losses: list[torch.Tensor] = []
