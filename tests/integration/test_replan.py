@@ -15,6 +15,41 @@ G = 64
 TOL = 1e-5
 
 
+def _slowed(tmp_path, strategy: str, step: int) -> elastic.JobHandle:
+    """A 20,000-step job of ``strategy`` whose rank 1 computes 6x slower from ``step``."""
+    return elastic.submit(
+        model=wide_mlp, optimizer=adam, loss=mse, dataset=RegressionData(), global_batch_size=G,
+        max_steps=20_000, num_workers=2, view="none", run_dir=str(tmp_path / "run"),
+        strategy=strategy, replan_every=10, rebalance_every=0,
+        faults=[{"rank": 1, "step": step, "action": "slowdown", "factor": 6}])
+
+
+def _said(ctl) -> list:
+    """What the loop said: its decisions, stragglers and switches (a failure's message)."""
+    return [(e.step, e.message) for e in ctl.events if e.kind in ("replan", "straggler",
+                                                                  "switch")]
+
+
+def _resplit_done(handle, t0: float, since: int = 0) -> tuple[object, object]:
+    """Wait for the loop's first stage re-split after event ``since`` and for its layout to
+    run; stop the job. Its event and the job's result."""
+    ctl = handle.controller
+
+    def resplit() -> list:
+        return [e for e in ctl.events[since:] if e.kind == "replan"
+                and e.data["decision"] == "RecutShares" and e.data["cut"] == "stage split"]
+
+    while not resplit():
+        assert not handle.done() and time.time() - t0 < 240, _said(ctl)[-12:]
+        time.sleep(0.05)
+    ev = resplit()[0]
+    while ctl.spec.stage_split != tuple(ev.data["recut"]):  # at the next boundary
+        assert not handle.done() and time.time() - t0 < 270
+        time.sleep(0.05)
+    handle.stop()
+    return ev, handle.result(timeout=120)
+
+
 def test_a_live_auto_job_names_a_straggler_and_re_cuts_its_share(ray_local, tmp_path):
     handle = elastic.submit(
         model=wide_mlp, optimizer=adam, loss=mse, dataset=RegressionData(), global_batch_size=G,
@@ -48,12 +83,8 @@ def test_a_live_auto_job_names_a_straggler_and_re_cuts_its_share(ray_local, tmp_
                 and e.data["decision"] == "RecutShares"
                 and e.data["recut"][1] < e.data["recut"][0]]
 
-    def said() -> list:
-        return [(e.step, e.message) for e in ctl.events if e.kind in ("replan", "straggler",
-                                                                      "switch")]
-
     while not recut():
-        assert not handle.done() and time.time() - t0 < 240, said()[-16:]
+        assert not handle.done() and time.time() - t0 < 240, _said(ctl)[-16:]
         time.sleep(0.05)
 
     def cut(spec) -> tuple:  # what the re-cut changes: the shares, or a pipeline's split
@@ -97,30 +128,10 @@ def test_a_live_pipeline_names_a_straggler_and_re_splits_its_stages(ray_local, t
     stage split re-cut, the same layout otherwise); the parameters stay those of one
     process. (Twice in a full suite, its steps fast on warm workers, the first decision came
     after step 30 and took the slow steps for the footing: no straggler in 3000 steps.)"""
-    handle = elastic.submit(
-        model=wide_mlp, optimizer=adam, loss=mse, dataset=RegressionData(), global_batch_size=G,
-        max_steps=20_000, num_workers=2, view="none", run_dir=str(tmp_path / "run"),
-        strategy="pipeline", replan_every=10, rebalance_every=0,
-        faults=[{"rank": 1, "step": 30, "action": "slowdown", "factor": 6}])
-    ctl = handle.controller
+    handle = _slowed(tmp_path, "pipeline", 30)
     t0 = time.time()
 
-    def resplit() -> list:
-        return [e for e in ctl.events if e.kind == "replan"
-                and e.data["decision"] == "RecutShares" and e.data.get("cut") == "stage split"]
-
-    def said() -> list:
-        return [(e.step, e.message) for e in ctl.events if e.kind in ("replan", "straggler")]
-
-    while not resplit():
-        assert not handle.done() and time.time() - t0 < 240, said()[-12:]
-        time.sleep(0.05)
-    ev = resplit()[0]
-    while ctl.spec.stage_split != tuple(ev.data["recut"]):  # at the next boundary
-        assert not handle.done() and time.time() - t0 < 270
-        time.sleep(0.05)
-    handle.stop()
-    result = handle.result(timeout=120)
+    ev, result = _resplit_done(handle, t0)
     strag = [e for e in result.events if e.kind == "straggler" and e.data["ranks"] == [1]]
     assert strag and 30 < strag[0].step <= ev.step, [e.message for e in result.events
                                                      if e.kind in ("replan", "straggler")]
@@ -140,37 +151,15 @@ def test_a_pipeline_entered_with_a_known_straggler_re_splits_its_stages(ray_loca
     Was: the footing was the slow first steps, rank 1 read as its stage's norm, and a split
     of [2, 3] blocks whose stage times called for [4, 1] ran on (an auto job that moved to
     pp2 after the straggler appeared ran 2800 steps so, twice in 28 runs)."""
-    handle = elastic.submit(
-        model=wide_mlp, optimizer=adam, loss=mse, dataset=RegressionData(), global_batch_size=G,
-        max_steps=20_000, num_workers=2, view="none", run_dir=str(tmp_path / "run"),
-        strategy="dp", replan_every=10, rebalance_every=0,
-        faults=[{"rank": 1, "step": 20, "action": "slowdown", "factor": 6}])
+    handle = _slowed(tmp_path, "dp", 20)
     ctl = handle.controller
     t0 = time.time()
 
-    def said() -> list:
-        return [(e.step, e.message) for e in ctl.events if e.kind in ("replan", "straggler",
-                                                                      "switch")]
-
     while not any(e.kind == "straggler" and e.data["ranks"] == [1] for e in ctl.events):
-        assert not handle.done() and time.time() - t0 < 120, said()[-12:]
+        assert not handle.done() and time.time() - t0 < 120, _said(ctl)[-12:]
         time.sleep(0.05)
     handle.switch("pipeline")
-    at = len(ctl.events)
-
-    def resplit() -> list:
-        return [e for e in ctl.events[at:] if e.kind == "replan"
-                and e.data["decision"] == "RecutShares" and e.data["cut"] == "stage split"]
-
-    while not resplit():
-        assert not handle.done() and time.time() - t0 < 240, said()[-12:]
-        time.sleep(0.05)
-    ev = resplit()[0]
-    while ctl.spec.stage_split != tuple(ev.data["recut"]):  # at the next boundary
-        assert not handle.done() and time.time() - t0 < 270
-        time.sleep(0.05)
-    handle.stop()
-    result = handle.result(timeout=120)
+    ev, result = _resplit_done(handle, t0, since=len(ctl.events))
     old, new = ev.data["shares"], ev.data["recut"]
     assert new[1] < old[1] and sum(new) == sum(old), (old, new)
     rel = ev.data["rank_s_per_sample"]
