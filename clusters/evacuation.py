@@ -12,7 +12,7 @@ __all__ = ["EVACUATION_PATHS", "EvacuationObservation", "Evacuate", "EvacuationP
 # --------------------------------------------------------------------------- evacuation
 
 
-EVACUATION_PATHS = ("move", "checkpoint", "recover")
+EVACUATION_PATHS = ("replace", "move", "checkpoint", "recover")
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,10 @@ class EvacuationObservation:
     store takes (measured from the job's uploads; None: the job has no store).
     ``survivors``: workers on the other nodes; ``fits``: the planner found a layout of the
     state that the survivors' memory holds. ``peer_copies``: buddies' copies cover the
-    draining ranks (recovering after letting them go reads no storage)."""
+    draining ranks (recovering after letting them go reads no storage).
+    ``replace_wait_s``: the longest the job may wait for replacements placed elsewhere
+    while the draining nodes still hold their state (0: none is asked for; the job's
+    ``replacement_timeout_s`` the first time, 0 once they were asked for)."""
 
     deadline_s: float | None
     move_s: float
@@ -36,6 +39,7 @@ class EvacuationObservation:
     min_workers: int
     fits: bool = True
     peer_copies: bool = False
+    replace_wait_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -44,10 +48,14 @@ class Evacuate:
     lost, no storage); ``"checkpoint"`` the state, release the draining workers, then recover
     from that checkpoint (no step lost; a storage write and read); ``"recover"``: release them
     now and recover as from a loss (peers' copies or the last checkpoint: steps may be run
-    again). ``reason`` says why, with the figures compared."""
+    again); ``"replace"``: the survivors alone are too few: place replacements first, for
+    up to ``wait_s``, taking them in while the draining ranks still hold their state, then
+    decide again (a move onto them, no step lost). ``reason`` says why, with the figures
+    compared."""
 
     path: str
     reason: str
+    wait_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -57,7 +65,15 @@ class EvacuationPolicy:
     ``margin`` times; else the fastest path that is still safe: a checkpoint when it ends
     in time (taken ``margin`` times too: nothing lost), else letting the node go now (the
     job recovers from peers' copies or the last checkpoint, rather than losing the node in
-    the middle of a step at the deadline)."""
+    the middle of a step at the deadline).
+
+    Survivors fewer than ``min_workers`` first ask for replacements (``replace``) while
+    there is time to wait for one and still either move onto it (two transfers: the
+    newcomers' state, then the hand-off) or checkpoint if none comes, each ``margin`` times,
+    with ``slack_s`` more to reach the step boundary when the wait ends.
+    Was: the node was let go at once and the job stopped, below ``min_workers``, until a
+    replacement came after the node had gone, or ended when none came within
+    ``min_workers_timeout_s``."""
 
     margin: float = 2.0
     slack_s: float = 1.0
@@ -67,6 +83,16 @@ class EvacuationPolicy:
         when = ("no deadline" if obs.deadline_s is None else
                 f"{obs.deadline_s:.1f}s left, {self.slack_s:.1f}s kept in reserve")
         move_t = obs.move_s * self.margin
+        if obs.survivors < max(1, obs.min_workers) and obs.replace_wait_s > 0:
+            reserve = max(2 * move_t, (obs.checkpoint_s or 0.0) * self.margin)
+            wait = min(obs.replace_wait_s, left - reserve - self.slack_s)
+            if wait > 0:
+                return Evacuate("replace", f"{obs.survivors} worker(s) would be left, fewer "
+                                f"than min_workers={obs.min_workers}: placing replacements "
+                                f"first, waiting up to {wait:.1f}s ({when}; "
+                                f"{reserve:.2f}s kept to move the state onto them, or to "
+                                f"checkpoint if none comes, and {self.slack_s:.1f}s to reach "
+                                "the step boundary)", wait_s=wait)
         if obs.survivors < max(1, obs.min_workers):
             why = (f"{obs.survivors} worker(s) would be left, fewer than min_workers="
                    f"{obs.min_workers}")

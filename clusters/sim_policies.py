@@ -218,7 +218,9 @@ class SimPolicy:
         ``recover``), or None (the notice is ignored and the node is lost at its deadline).
         ``move_s``: seconds the node is needed to hand over the state only it holds;
         ``checkpoint_s``: seconds to write a checkpoint; ``survivors``: devices left;
-        ``fits``: a plan for the survivors fits their memory."""
+        ``fits``: a plan for the survivors fits their memory. No wait for replacements is
+        offered (``replace_wait_s`` 0): a simulated cluster has no spare node to place one
+        on before the node goes (a node comes back only once repaired)."""
         if self.evacuation is not None:
             return self.evacuation.decide(EvacuationObservation(
                 deadline_s, move_s, checkpoint_s, survivors, self._min_workers(job), fits,

@@ -23,6 +23,16 @@ survivors can hold the state (the planner, under their memory):
   (the buddies' copies, or the last checkpoint).
 
 The ``evacuated`` event says which path, why, and what it cost.
+
+When the survivors alone would be fewer than ``min_workers``, the policy first says
+``replace``: at the notice, replacements start in the background where there is room (a node
+that joins meanwhile counts; Ray places nothing new on a draining node) and training goes
+on; at the boundary after they are up (or once the wait the policy gave is over) they are
+taken in as in a resize, their state from their peers, while the draining ranks still hold
+theirs; the policy then decides again, now a ``move`` onto them. None up in time: a
+``replacement_missing`` event and the paths above, with the time for a checkpoint kept. The
+job briefly runs with one group more than ``max_workers`` (the replacements beside the
+draining workers) until the move lets those go.
 """
 
 from __future__ import annotations
@@ -83,6 +93,10 @@ class Evacuation:
         self.done: dict[str, frozenset[int]] = {}
         self.bandwidth = DEFAULT_BANDWIDTH
         self._next_poll = 0.0
+        # survivors too few: replacements start at the notice and training goes on until
+        # they are up, or until this (monotonic) time (``_hold``); None: act at the boundary
+        self._until: float | None = None
+        self._need = 0
 
     # ------------------------------------------------------------------ notices
 
@@ -98,7 +112,17 @@ class Evacuation:
             if n.node_id not in self.pending and not self._hosts(n.node_id) <= self.done.get(
                     n.node_id, frozenset()):
                 self._take(n, self._steps_done())
-        return bool(self.pending)
+        if self._until is not None:  # where a node with room has joined since
+            self.group.start_spares(self._need - self.group.spares_starting())
+        return self._due()
+
+    def _due(self) -> bool:
+        """A notice waits for the boundary: none held, or its replacements are up, or the
+        time to wait for them is over."""
+        if not self.pending:
+            return False
+        return (self._until is None or time.monotonic() >= self._until
+                or self.group.spares_ready() >= self._need)
 
     def _hosts(self, node: str) -> frozenset[int]:
         """The ids of the job's workers on ``node`` now."""
@@ -114,6 +138,35 @@ class Evacuation:
                    data={"node": n.node_id, "ranks": list(n.ranks), "reason": n.reason,
                          "message": n.message, "deadline": n.deadline, "left_s": left},
                    step=step)
+        self._hold(left)
+
+    def _hold(self, left: float | None) -> None:
+        """Survivors fewer than ``min_workers``: where the policy says ``replace``, start the
+        replacements now, in the background, and go on training until they are up (or the
+        time it gives runs out); the boundary then takes them in and moves the state onto
+        them. Was: the node was let go at the next boundary and the job stopped, below
+        ``min_workers``, until a replacement came after the node had gone."""
+        stay = [w for w in self.group.workers
+                if str(w.info.get("node_id", "")) not in self.pending]
+        if len(stay) >= self.cfg.min_world or self._until is not None:
+            return
+        d = self.policy.decide(EvacuationObservation(
+            left, self._move_guess(), self._checkpoint_s(), len(stay), self.cfg.min_world,
+            True, self.cfg.peer_copies_every > 0, self.cfg.min_workers_timeout_s))
+        if d.path != "replace":
+            return
+        self._need = self._wanted(stay)
+        self.group.start_spares(self._need - self.group.spares_starting())
+        self._until = time.monotonic() + d.wait_s
+        self._emit("replacing", f"{self._need} replacement(s) asked for, training goes on "
+                   f"until they are up: {d.reason}",
+                   data={"need": self._need, "wait_s": d.wait_s,
+                         "starting": self.group.spares_starting()})
+
+    def _wanted(self, stay: list[WorkerRec]) -> int:
+        """Replacements for the draining workers: back to the size the job had (as after a
+        loss), at least to ``min_workers``."""
+        return max(self.cfg.min_world, self._replace_to(len(stay))) - len(stay)
 
     def request(self, req: Request) -> bool:
         """``job.evacuate(node)`` / ``elastic drain JOB NODE``: drain the node through Ray
@@ -152,6 +205,8 @@ class Evacuation:
         before the step boundary came); returned, and dropped."""
         hosts = {str(w.info.get("node_id", "")) for w in self.group.workers}
         gone = [n for node, n in self.pending.items() if node not in hosts]
+        if gone and len(gone) == len(self.pending):
+            self._until = None  # nothing held any more
         for n in gone:
             self.pending.pop(n.node_id, None)
             self.done[n.node_id] = frozenset()
@@ -169,8 +224,13 @@ class Evacuation:
         notices, self.pending = list(self.pending.values()), {}
         nodes = {n.node_id for n in notices}
         self.done.update((node, self._hosts(node)) for node in nodes)
+        # the time left to wait for replacements (once): what the notice's hold left, else
+        # (a drain by hand, acted on at once) the wait a loss below min_workers would get
+        until, self._until = self._until, None
+        wait_s = (self.cfg.min_workers_timeout_s if until is None
+                  else max(0.0, until - time.monotonic()))
         try:
-            return self._run(spec, step, strategy, notices, nodes)
+            return self._run(spec, step, strategy, notices, nodes, wait_s)
         except BaseException:
             # a failure on the way (a peer lost in the hand-off): the recovery keeps the
             # draining workers, which live; their notices wait for the next boundary again
@@ -182,28 +242,34 @@ class Evacuation:
             raise
 
     def _run(self, spec: StrategySpec, step: int, strategy: str, notices: list[DrainNotice],
-             nodes: set[str]) -> Regrouped | GiveUp | None:
+             nodes: set[str], wait_s: float) -> Regrouped | GiveUp | None:
         group = self.group
         leaving = [w for w in group.workers if str(w.info.get("node_id", "")) in nodes]
         if not leaving:
             return None
-        stay = [w for w in group.workers if w not in leaving]
         self.tracker.tick(group)  # an upload still in flight needs the draining workers:
         self.tracker.abandon(group)  # given up; the checkpoint path takes one
-        now = time.time()
-        lefts = [n.deadline - now for n in notices if n.deadline is not None]
-        left = min(lefts) if lefts else None
-        fits, target, why_plan = self._plan(stay, strategy)
-        decision = self.policy.decide(EvacuationObservation(
-            left, self._move_s(spec, leaving), self._checkpoint_s(), len(stay),
-            self.cfg.min_world, fits, self.cfg.peer_copies_every > 0))
-        ranks = [w.rank for w in leaving]
-        names = sorted(n[:8] for n in nodes)
-        self._emit("evacuating", f"node(s) {names} (rank(s) {ranks}): {decision.path}, "
-                   f"{decision.reason}{why_plan}",
-                   data={"nodes": sorted(nodes), "ranks": ranks, "path": decision.path,
-                         "reason": decision.reason, "left_s": left})
         t0 = time.time()
+        while True:
+            leaving = [w for w in group.workers if str(w.info.get("node_id", "")) in nodes]
+            stay = [w for w in group.workers if w not in leaving]
+            now = time.time()
+            lefts = [n.deadline - now for n in notices if n.deadline is not None]
+            left = min(lefts) if lefts else None
+            fits, target, why_plan = self._plan(stay, strategy)
+            decision = self.policy.decide(EvacuationObservation(
+                left, self._move_s(spec, leaving), self._checkpoint_s(), len(stay),
+                self.cfg.min_world, fits, self.cfg.peer_copies_every > 0, wait_s))
+            ranks = [w.rank for w in leaving]
+            names = sorted(n[:8] for n in nodes)
+            self._emit("evacuating", f"node(s) {names} (rank(s) {ranks}): {decision.path}, "
+                       f"{decision.reason}{why_plan}",
+                       data={"nodes": sorted(nodes), "ranks": ranks, "path": decision.path,
+                             "reason": decision.reason, "left_s": left})
+            if decision.path != "replace":
+                break
+            wait_s = 0.0
+            spec, step = self._replace(spec, step, strategy, stay, names, decision.wait_s)
         if decision.path == "move":
             try:
                 return self._move(spec, step, target, leaving, notices, left, t0)
@@ -213,6 +279,28 @@ class Evacuation:
         if decision.path == "checkpoint":
             return self._checkpoint(spec, step, target, leaving, notices, left, t0)
         return self._let_go(spec, step, target, leaving, notices, t0, "recover")
+
+    def _replace(self, spec: StrategySpec, step: int, strategy: str, stay: list[WorkerRec],
+                 names: list[str], wait_s: float) -> tuple[StrategySpec, int]:
+        """Grow by replacements (spares up, or placed within ``wait_s``: never on a draining
+        node, which Ray schedules nothing new on) while the draining ranks still hold their
+        state; they join as in a resize (state from their peers). The layout and step to
+        evacuate from next: the new group's, or the same when none came (said)."""
+        group = self.group
+        need = self._wanted(stay)
+        end = time.monotonic() + wait_s
+        while group.spares_ready() < need and time.monotonic() < end:
+            group.start_spares(need - group.spares_starting())  # where there is room
+            time.sleep(0.25)
+        ready = min(need, group.spares_ready())
+        got = (self.regroup.resize(len(group.workers) + ready, strategy, warm_only=True,
+                                   reason=f"replacing node(s) {names} before they go")
+               if ready else None)
+        if got is None:
+            self._emit("replacement_missing", f"no replacement for node(s) {names} was up "
+                       f"within {wait_s:.1f}s", data={"wait_s": wait_s})
+            return spec, step
+        return got.spec, got.step
 
     def _move(self, spec: StrategySpec, step: int, strategy: str, leaving: list[WorkerRec],
               notices: list[DrainNotice], left: float | None, t0: float
@@ -321,6 +409,13 @@ class Evacuation:
         elems = sum(c.get("params", 0) + c.get("optim", 0) for r, c in enumerate(counts)
                     if r in idx)
         return FIXED_S + 4.0 * elems / self.bandwidth
+
+    def _move_guess(self) -> float:
+        """A hand-off's cost guessed without asking the workers (they are training): the
+        whole model's parameters and Adam's two moments at the measured bandwidth."""
+        model = self.layouts.probe_model
+        n = sum(p.numel() for p in model.parameters()) if model is not None else 0
+        return FIXED_S + 12.0 * n / self.bandwidth
 
     def _checkpoint_s(self) -> float | None:
         """The last committed checkpoint's upload and commit time (None: no store)."""

@@ -151,25 +151,61 @@ def test_a_drain_with_too_short_a_deadline_falls_back_cleanly(ray_cluster, tmp_p
 
 
 @pytest.mark.warm_workers
+def test_a_drain_below_min_workers_takes_in_a_replacement_then_moves_the_state(
+        ray_cluster, tmp_path, reference):
+    """min_workers=3 on 3 nodes, a fourth joining as the notice comes: the survivors alone
+    would be too few, so the job places a replacement first (never on the draining node),
+    takes it in while the draining rank still holds its shards, then moves that rank's
+    state onto the others and lets it go: no step lost, no checkpoint, 3 workers, the
+    survivors' processes kept. Was: a checkpoint, the node let go, and a recovery that
+    waited below min_workers."""
+    cluster = ray_cluster(3)
+    handle = _submit(tmp_path, strategy="zero3", min_workers=3, max_workers=3,
+                     min_workers_timeout_s=90, checkpoint_every=100,
+                     checkpoint_uri=str(tmp_path / "ckpt"))
+    _wait_step(handle, 6)
+    ctl = handle.controller
+    node = ctl.workers[2].info["node_id"]
+    kept = {w.info["pid"] for w in ctl.workers if w.info["node_id"] != node}
+    deadline = _drain(node, 30.0)
+    cluster.add_node()  # room for the replacement
+    _remove_at(cluster, handle, node, deadline)
+    result = handle.result(timeout=240)
+    said = [f"{e.kind}: {e.message[:160]}" for e in result.events if e.kind != "state"]
+    paths = [e.data["path"] for e in result.events if e.kind == "evacuating"]
+    assert paths == ["replace", "move"], said
+    done = next(e for e in result.events if e.kind == "evacuated")
+    assert done.data["path"] == "move" and done.data["steps_lost"] == 0, said
+    assert done.data["world_size"] == 3 and kept <= set(done.data["pids"]), said
+    assert node not in {w.info["node_id"] for w in ctl.workers}
+    assert not {"recovered", "failure", "checkpoint"} & {e.kind for e in result.events}, said
+    assert max_diff(result.state_dict(), reference[0]) < TOL
+    _check_data_log(result.run_dir, result.history)
+
+
+@pytest.mark.warm_workers
 def test_a_drain_below_min_workers_checkpoints_then_recovers_on_a_new_node(
         ray_cluster, tmp_path, reference):
-    """min_workers=3 on 3 nodes: the survivors of a drain would be too few, so the job takes a
-    checkpoint at the boundary, lets the node go, and recovers from that checkpoint on a node
-    that joins: no step lost. The checkpoint is taken on the group whose upload in flight
-    the evacuation has just given up; an earlier change voided every report of that group's
-    checkpoints there, this one's too, and the recovery went back to step 0."""
+    """min_workers=3 on 3 nodes and no room for a replacement until the node has gone: the
+    job waits for one while it can still checkpoint in time, then takes a checkpoint at the
+    boundary, lets the node go, and recovers from that checkpoint on a node that joins: no
+    step lost. The checkpoint is taken on the group whose upload in flight the evacuation
+    has just given up; an earlier change voided every report of that group's checkpoints
+    there, this one's too, and the recovery went back to step 0."""
     cluster = ray_cluster(3)
     handle = _submit(tmp_path, strategy="zero3", min_workers=3, max_workers=3,
                      min_workers_timeout_s=90, checkpoint_every=100,
                      checkpoint_uri=str(tmp_path / "ckpt"))
     _wait_step(handle, 6)
     node = handle.controller.workers[2].info["node_id"]
-    deadline = _drain(node, 20.0)
-    cluster.add_node()  # the replacement the recovery waits for
+    deadline = _drain(node, 12.0)
     _remove_at(cluster, handle, node, deadline)
+    cluster.add_node()  # the replacement the recovery waits for
     result = handle.result(timeout=240)
     said = [f"{e.kind}: {e.message[:160]}" for e in result.events if e.kind != "state"]
-    ev = next(e for e in result.events if e.kind == "evacuating")
+    first, ev = [e for e in result.events if e.kind == "evacuating"]
+    assert first.data["path"] == "replace", said
+    assert any(e.kind == "replacement_missing" for e in result.events), said
     assert ev.data["path"] == "checkpoint" and "min_workers" in ev.message, said
     done = next(e for e in result.events if e.kind == "evacuated")
     ck = [e.data["step"] for e in result.events if e.kind == "checkpoint"]

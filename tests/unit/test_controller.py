@@ -1073,14 +1073,28 @@ def test_a_node_that_goes_before_the_boundary_is_a_loss_said_as_such(tmp_path):
     assert [h["step"] for h in result.history] == list(range(STEPS))
 
 
-def test_below_min_workers_the_evacuation_checkpoints_then_recovers(tmp_path, monkeypatch):
+@pytest.mark.parametrize("wait", [0.0, 0.3])
+def test_below_min_workers_the_evacuation_checkpoints_then_recovers(tmp_path, wait):
+    """No room for a replacement: with ``min_workers_timeout_s`` 0 the job checkpoints at
+    once; with 0.3 s it first waits that long for one (a drain by hand is acted on at the
+    boundary, the wait paid there), says none came, then checkpoints."""
     ctl, fake = _controller(tmp_path, strategy="zero2", num_workers=2, min_workers=2,
-                            drain_poll_s=1e-9, min_workers_timeout_s=0.01,
+                            drain_poll_s=1e-9, min_workers_timeout_s=wait,
                             checkpoint_every=100)
-    fake.announce_at[4] = (1, None)
+    asked: list[queue.Queue] = []
+
+    def on_step(entry):
+        if entry["step"] == 3 and not asked:
+            asked.append(_ask(ctl, "evacuate", {"node": "node1"}))
+
+    ctl.steps.on_step = on_step
     with pytest.raises(InfrastructureError, match="fewer than min_workers=2"):
         ctl.run()
-    ev = _events(ctl, "evacuating")[0]
+    *first, ev = _events(ctl, "evacuating")
+    if wait:  # replacements first, for up to min_workers_timeout_s: none came (no room)
+        assert [e.data["path"] for e in first] == ["replace"], first
+        missing = _events(ctl, "replacement_missing")
+        assert len(missing) == 1 and "within 0.3s" in missing[0].message
     assert ev.data["path"] == "checkpoint" and "fewer than min_workers=2" in ev.message
     assert ("checkpoint_now", 5) in fake.calls
     # and it is carried to its end (the fake's shards are not on disk: not committed). It was
@@ -1090,6 +1104,37 @@ def test_below_min_workers_the_evacuation_checkpoints_then_recovers(tmp_path, mo
                                                                       (5, False))]
     failed = _events(ctl, "checkpoint_failed")
     assert len(failed) == 1 and "step 5 not committed" in failed[0].message, failed
+
+
+@pytest.mark.parametrize("strategy", ["zero3", "dp"])
+def test_below_min_workers_a_notice_takes_in_replacements_and_moves_the_state(tmp_path,
+                                                                              strategy):
+    """min_workers = num_workers = 3, one node announces its end (60 s left) and there is
+    room for one more worker: the replacement starts at the notice while training goes on,
+    joins at the boundary (its state from its peers), and the draining rank's state moves
+    onto the survivors: no step lost, no checkpoint, 3 workers at the end. Was: the node was
+    let go at once (a checkpoint, then a recovery that waited below min_workers for a
+    replacement that came only after the node had gone)."""
+    ctl, fake = _controller(tmp_path, strategy=strategy, num_workers=3, min_workers=3,
+                            max_workers=3, drain_poll_s=1e-9)
+    fake.room_left = 1
+    fake.announce_at[6] = (2, 60.0)
+    result = ctl.run()
+    assert [h["step"] for h in result.history] == list(range(STEPS))
+    rep = _events(ctl, "replacing")
+    assert len(rep) == 1 and rep[0].data["need"] == 1 and ("start_spares", 1) in fake.calls
+    paths = [e.data["path"] for e in _events(ctl, "evacuating")]
+    assert paths == ["replace", "move"], paths
+    scaled = _events(ctl, "scaled")
+    assert scaled and scaled[0].data["from"] == 3 and scaled[0].data["to"] == 4
+    assert "before they go" in scaled[0].message and scaled[0].data["source"] == "peers"
+    done = _events(ctl, "evacuated")
+    assert len(done) == 1 and done[0].data["path"] == "move"
+    assert done[0].data["steps_lost"] == 0 and done[0].data["world_size"] == 3
+    assert not [c for c in fake.calls if c[0] in ("restore_checkpoint", "restart_fresh",
+                                                   "checkpoint_now")]
+    assert "recovered" not in _kinds(ctl) and "waiting" not in _kinds(ctl)
+    assert result.history[-1]["world_size"] == 3
 
 
 def test_an_unannounced_zero3_loss_restores_from_the_buddies_copies(tmp_path):

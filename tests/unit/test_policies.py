@@ -498,9 +498,9 @@ def test_replan_policy_numbers_in_its_reasons():
 
 
 def _ev(deadline_s, move_s=0.5, checkpoint_s=None, survivors=2, min_workers=1, fits=True,
-        peer_copies=False):
+        peer_copies=False, replace_wait_s=0.0):
     return EvacuationObservation(deadline_s, move_s, checkpoint_s, survivors, min_workers,
-                                 fits, peer_copies)
+                                 fits, peer_copies, replace_wait_s)
 
 
 @pytest.mark.parametrize(
@@ -525,12 +525,24 @@ def _ev(deadline_s, move_s=0.5, checkpoint_s=None, survivors=2, min_workers=1, f
         (_ev(None, survivors=0, min_workers=1), "recover", "0 worker(s) would be left"),
         (_ev(None, fits=False, checkpoint_s=3.0), "checkpoint", "memory cannot hold"),
         (_ev(5.0, fits=False, peer_copies=True), "recover", "buddies' copies"),
+        # too few survivors with a wait allowed: replacements first, the wait leaving time
+        # for two transfers (the newcomers' state, the hand-off) or the fallback checkpoint
+        (_ev(None, survivors=1, min_workers=2, replace_wait_s=60.0), "replace",
+         "waiting up to 60.0s (no deadline"),
+        (_ev(30.0, survivors=1, min_workers=2, checkpoint_s=3.0, replace_wait_s=60.0),
+         "replace", "waiting up to 22.0s"),  # 30 - 1 slack - 3 x 2 - 1 to the boundary
+        (_ev(30.0, move_s=4.0, survivors=1, min_workers=2, replace_wait_s=60.0), "replace",
+         "waiting up to 12.0s"),  # 30 - 1 - 2 x 4 x 2 - 1
+        (_ev(7.0, survivors=1, min_workers=2, checkpoint_s=3.0, replace_wait_s=60.0),
+         "checkpoint", "fewer than min_workers=2"),  # no time to wait: the checkpoint now
+        (_ev(30.0, survivors=2, min_workers=2, replace_wait_s=60.0), "move", "30.0s left"),
     ],
 )
 def test_evacuation_policy(obs, path, words):
     d = EvacuationPolicy().decide(obs)
     assert isinstance(d, Evacuate) and d.path == path, d
     assert words in d.reason, d.reason
+    assert (d.wait_s > 0) == (path == "replace")
 
 
 def test_evacuation_policy_margin_and_slack_are_settings():
