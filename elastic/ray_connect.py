@@ -25,7 +25,7 @@ __all__ = ["connect", "disconnect", "check_reachable", "host_port", "address_of"
            "bundle_node", "start_in_bundle", "new_bundle", "remove_bundle", "wait_refs",
            "get_ref", "actor_key", "free_by_node", "runtime_env_now", "ray_session",
            "table_sizes", "join_tables", "free_cpus", "running_here", "live_address",
-           "cluster_for", "attached_here"]
+           "cluster_for", "attached_here", "resources_free"]
 
 
 def address_of(explicit: str | None) -> str | None:
@@ -410,6 +410,14 @@ def node_alive(node_id: str) -> bool:
         return any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes())
     except Exception:  # noqa: BLE001 - the GCS busy: assume the node lives
         return True
+
+
+def resources_free(bundle: dict[str, float]) -> bool:
+    """Whether the cluster has the resources of one more ``bundle`` free now."""
+    import ray
+
+    free = ray.available_resources()
+    return all(free.get(k, 0.0) >= v for k, v in bundle.items() if v > 0)
 
 
 def pg_ready(pg: Any) -> bool:

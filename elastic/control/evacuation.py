@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from clusters.policy import EvacuationObservation, EvacuationPolicy, GiveUp
+from clusters.policy import Evacuate, EvacuationObservation, EvacuationPolicy, GiveUp
 from strategies import StrategySpec
 
 from ..errors import CheckpointError, InfrastructureError, StateMoveError, SwitchError
@@ -133,14 +133,21 @@ class Evacuation:
         self.pending[n.node_id] = n
         left = n.left_s(time.time())
         when = "no deadline" if left is None else f"{left:.1f}s left"
+        held = self._until is None and self._hold(left)
         self._emit("preemption_notice", f"node {n.node_id[:8]} ({n.reason}) hosting rank(s) "
-                   f"{list(n.ranks)} will go: {when}; evacuating at the next step boundary",
+                   f"{list(n.ranks)} will go: {when}; " + (
+                       "replacements first, training goes on (replacing)" if held else
+                       "evacuating at the next step boundary"),
                    data={"node": n.node_id, "ranks": list(n.ranks), "reason": n.reason,
                          "message": n.message, "deadline": n.deadline, "left_s": left},
                    step=step)
-        self._hold(left)
+        if held:
+            self._emit("replacing", f"{self._need} replacement(s) asked for, training goes "
+                       f"on until they are up: {held.reason}",
+                       data={"need": self._need, "wait_s": held.wait_s,
+                             "starting": self.group.spares_starting()}, step=step)
 
-    def _hold(self, left: float | None) -> None:
+    def _hold(self, left: float | None) -> Evacuate | None:
         """Survivors fewer than ``min_workers``: where the policy says ``replace``, start the
         replacements now, in the background, and go on training until they are up (or the
         time it gives runs out); the boundary then takes them in and moves the state onto
@@ -148,20 +155,17 @@ class Evacuation:
         ``min_workers``, until a replacement came after the node had gone."""
         stay = [w for w in self.group.workers
                 if str(w.info.get("node_id", "")) not in self.pending]
-        if len(stay) >= self.cfg.min_world or self._until is not None:
-            return
+        if len(stay) >= self.cfg.min_world:
+            return None
         d = self.policy.decide(EvacuationObservation(
             left, self._move_guess(), self._checkpoint_s(), len(stay), self.cfg.min_world,
             True, self.cfg.peer_copies_every > 0, self.cfg.min_workers_timeout_s))
         if d.path != "replace":
-            return
+            return None
         self._need = self._wanted(stay)
         self.group.start_spares(self._need - self.group.spares_starting())
         self._until = time.monotonic() + d.wait_s
-        self._emit("replacing", f"{self._need} replacement(s) asked for, training goes on "
-                   f"until they are up: {d.reason}",
-                   data={"need": self._need, "wait_s": d.wait_s,
-                         "starting": self.group.spares_starting()})
+        return d
 
     def _wanted(self, stay: list[WorkerRec]) -> int:
         """Replacements for the draining workers: back to the size the job had (as after a
@@ -229,6 +233,10 @@ class Evacuation:
         until, self._until = self._until, None
         wait_s = (self.cfg.min_workers_timeout_s if until is None
                   else max(0.0, until - time.monotonic()))
+        if until is not None and not wait_s and self.group.spares_ready() < self._need:
+            self._emit("replacement_missing", f"no replacement for node(s) "
+                       f"{sorted(n[:8] for n in nodes)} was up within the wait of the notice",
+                       data={"wait_s": 0.0})
         try:
             return self._run(spec, step, strategy, notices, nodes, wait_s)
         except BaseException:

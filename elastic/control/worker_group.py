@@ -17,7 +17,15 @@ from typing import Any
 
 from ..errors import ClusterError, ElasticError, InfrastructureError, WorkerError, WorkerLostError
 from ..failures import Failure, classify
-from ..ray_connect import bundle_node, node_alive, pg_ready, wait_refs, worker_bundle
+from ..ray_connect import (
+    bundle_node,
+    node_alive,
+    pg_ready,
+    remove_bundle,
+    resources_free,
+    wait_refs,
+    worker_bundle,
+)
 from .calls import EVEN, PlacementCalls, WorkerCalls
 from .drains import NodeDrains
 from .group import DrainNotice, Segment, SegmentPoll, WorkerRec, capacity
@@ -186,7 +194,7 @@ class Placement:
         for pg, i in ready_slots:
             self.free_slots.remove((pg, i))
             self._warming += self._launch(pg, [i], bundle)
-        if n > len(ready_slots) and not ready_slots and self._free_resources(bundle):
+        if n > len(ready_slots) and not ready_slots and resources_free(bundle):
             pg = placement_group([dict(bundle)])
             ok, _ = ray.wait([pg.ready()], timeout=1.0)
             if ok:
@@ -241,16 +249,22 @@ class Placement:
                 break
             self.free_slots = [s for s in self.free_slots if s not in reuse]
             time.sleep(0.1)
-        need = n - len(placed) - len(reuse)
-        if need > 0:
-            pgs = [placement_group([dict(bundle)]) for _ in range(need)]
-            ray.wait([pg.ready() for pg in pgs], num_returns=need,
-                     timeout=max(0.1, deadline - time.monotonic()))
-            for pg in pgs:
-                if pg_ready(pg):
-                    placed += self._collect(self._launch(pg, [0], bundle), wait_s=30)
-                else:
-                    ray.util.remove_placement_group(pg)
+        pgs = [placement_group([dict(bundle)]) for _ in range(n - len(placed) - len(reuse))]
+        while pgs and not all(map(pg_ready, pgs)) and time.monotonic() < deadline:
+            time.sleep(0.2)  # the job's own bundle that Ray re-reserved on a node that joined
+            self._revive()  # (a draining node's, once gone) holds the room a new group waits
+            for pg, i in [s for s in self.free_slots if pg_ready(s[0])]:  # for: taken instead
+                idle = next((g for g in pgs if not pg_ready(g)), None)
+                if idle is not None:
+                    pgs.remove(idle)
+                    ray.util.remove_placement_group(idle)
+                    self.free_slots.remove((pg, i))
+                    placed += self._collect(self._launch(pg, [i], bundle), wait_s=30)
+        for pg in pgs:
+            if pg_ready(pg):
+                placed += self._collect(self._launch(pg, [0], bundle), wait_s=30)
+            else:
+                ray.util.remove_placement_group(pg)
         return placed
 
     def _revive(self) -> None:
@@ -273,20 +287,12 @@ class Placement:
         self._revive()
         if self.free_slots:
             return any(pg_ready(pg) for pg, _ in self.free_slots)
-        return self._free_resources(self.bundle())
-
-    @staticmethod
-    def _free_resources(bundle: dict[str, float]) -> bool:
-        import ray
-
-        free = ray.available_resources()
-        return all(free.get(k, 0.0) >= v for k, v in bundle.items() if v > 0)
+        return resources_free(self.bundle())
 
     def vacate(self, gone: Sequence[WorkerRec], kept: Sequence[WorkerRec]) -> None:
         """Kill the workers a shrink removed; of their bundles, a placement group no kept worker or
         spare uses is removed (its resources go back to the cluster, for other jobs); a
         bundle of a shared one becomes a free slot (a later growth reuses it)."""
-        import ray
 
         used = {id(w.pg) for w in kept} | {id(w.pg) for w, _ in self._warming}
         dropped: set[int] = set()
@@ -298,16 +304,12 @@ class Placement:
                 self.free_slots.append((w.pg, w.slot))
                 continue
             dropped.add(id(w.pg))
-            try:
-                ray.util.remove_placement_group(w.pg)
-            except Exception:  # noqa: BLE001 - already removed
-                pass
+            remove_bundle(w.pg)
         self.free_slots = [(pg, i) for pg, i in self.free_slots if id(pg) not in dropped]
 
     def release(self, extra: Sequence[WorkerRec]) -> None:
         """Kill every spare and the job's workers ``extra``, and release every placement
         group."""
-        import ray
 
         warm = [w for w, _ in self._warming]
         self._warming = []
@@ -316,10 +318,7 @@ class Placement:
         pgs = ([w.pg for w in list(extra) + warm] + [pg for pg, _ in self.free_slots]
                + [pg for pg, _, _ in self.draining + self.lost])
         for pg in {id(pg): pg for pg in pgs if pg is not None}.values():
-            try:
-                ray.util.remove_placement_group(pg)
-            except Exception:  # noqa: BLE001 - already removed
-                pass
+            remove_bundle(pg)
         self.free_slots, self.draining, self.lost = [], [], []
 
 

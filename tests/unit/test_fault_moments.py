@@ -58,7 +58,7 @@ def _placement(monkeypatch, alive: bool, draining: object) -> wg.Placement:
     monkeypatch.setattr(wg, "node_alive", lambda node: alive)
     monkeypatch.setattr("elastic.ray_connect.draining_nodes", nodes)
     monkeypatch.setattr(wg, "pg_ready", lambda pg: True)
-    monkeypatch.setattr(wg.Placement, "_free_resources", staticmethod(lambda b: False))  # full
+    monkeypatch.setattr(wg, "resources_free", lambda b: False)  # full
     p = wg.Placement(SimpleNamespace(for_worker=lambda: None))
     p._bundle_res = {"CPU": 1.0}  # noqa: SLF001
     p.draining = [("pg", 0, "nodeA")]
