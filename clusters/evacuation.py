@@ -29,8 +29,10 @@ class EvacuationObservation:
     state that the survivors' memory holds. ``peer_copies``: buddies' copies cover the
     draining ranks (recovering after letting them go reads no storage).
     ``replace_wait_s``: the longest the job may wait for replacements placed elsewhere
-    while the draining nodes still hold their state (0: none is asked for; the job's
-    ``replacement_timeout_s`` the first time, 0 once they were asked for)."""
+    while the draining nodes still hold their state (the job's ``min_workers_timeout_s`` at
+    the notice; at the boundary what that wait has left; 0: none). ``replacements_ready``:
+    replacements up now. ``boundary_s``: how long reaching the next step boundary may take
+    once a wait ends (the live controller's drain poll)."""
 
     deadline_s: float | None
     move_s: float
@@ -40,6 +42,8 @@ class EvacuationObservation:
     fits: bool = True
     peer_copies: bool = False
     replace_wait_s: float = 0.0
+    replacements_ready: int = 0
+    boundary_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -83,16 +87,22 @@ class EvacuationPolicy:
         when = ("no deadline" if obs.deadline_s is None else
                 f"{obs.deadline_s:.1f}s left, {self.slack_s:.1f}s kept in reserve")
         move_t = obs.move_s * self.margin
-        if obs.survivors < max(1, obs.min_workers) and obs.replace_wait_s > 0:
-            reserve = max(2 * move_t, (obs.checkpoint_s or 0.0) * self.margin)
-            wait = min(obs.replace_wait_s, left - reserve - self.slack_s)
-            if wait > 0:
+        short = obs.survivors < max(1, obs.min_workers)
+        if short and (obs.replace_wait_s > 0 or obs.replacements_ready):
+            # the newcomers' state, then the hand-off, or (none came, or the move no longer
+            # fits once they joined) a checkpoint after it
+            reserve = move_t + max(move_t, (obs.checkpoint_s or 0.0) * self.margin)
+            spare = left - reserve - self.slack_s - obs.boundary_s
+            wait = max(0.0, min(obs.replace_wait_s, spare))
+            if spare >= 0 and (wait > 0 or obs.replacements_ready):
+                how = (f"taking the {obs.replacements_ready} up" if not wait else
+                       f"waiting up to {wait:.1f}s")
                 return Evacuate("replace", f"{obs.survivors} worker(s) would be left, fewer "
-                                f"than min_workers={obs.min_workers}: placing replacements "
-                                f"first, waiting up to {wait:.1f}s ({when}; "
-                                f"{reserve:.2f}s kept to move the state onto them, or to "
-                                f"checkpoint if none comes, and {self.slack_s:.1f}s to reach "
-                                "the step boundary)", wait_s=wait)
+                                f"than min_workers={obs.min_workers}: replacements first, "
+                                f"{how} ({when}; {reserve:.2f}s kept to move the state onto "
+                                f"them, or to checkpoint if none comes, and "
+                                f"{self.slack_s + obs.boundary_s:.1f}s to reach the step "
+                                "boundary)", wait_s=wait)
         if obs.survivors < max(1, obs.min_workers):
             why = (f"{obs.survivors} worker(s) would be left, fewer than min_workers="
                    f"{obs.min_workers}")

@@ -49,7 +49,7 @@ from .policy import ReplanObservation
 from .profile import ModelProfile
 from .topology import Cluster
 
-__all__ = ["Observed", "plan_key", "refit", "LiveScale", "StageBaseline", "peer_ratios",
+__all__ = ["Observed", "plan_key", "refit", "LiveScale", "StageBaseline", "peer_ratios", "slowness",
            "rank_blocks",
            "stage_fractions", "Prediction", "predictions", "Observation", "observe"]
 
@@ -243,6 +243,22 @@ def peer_ratios(rank_s: Sequence[float], ranks: Sequence[int]) -> dict[int, floa
     return out
 
 
+def slowness(rank_s: Sequence[float], slow: Collection[int], ids: Sequence[str],
+             unapplied: Mapping[str, float], bar: float) -> dict[str, float]:
+    """How much slower than its peers each straggler runs, by id: what the next layout's
+    footing takes out (``StageBaseline``'s ``known``). The ranks named (``slow``) at their
+    ``peer_ratios``; a rank whose footing held its known slowness (``unapplied``: the
+    re-split that answered it, where it reads as its stage's norm) at its ratio times that,
+    while above ``bar`` (was: forgotten there, and the next pipeline took it for the norm
+    again; a rank that recovers reads 1/k there, and is dropped)."""
+    out = {}
+    for r, k in peer_ratios(rank_s, range(len(rank_s))).items():
+        k *= unapplied.get(ids[r], 1.0)
+        if r in slow or (ids[r] in unapplied and k > bar):
+            out[ids[r]] = k
+    return out
+
+
 @dataclass(frozen=True)
 class Prediction:
     """A candidate plan, its predicted step (seconds) and whether that figure was measured
@@ -319,6 +335,8 @@ def observe(*, model: CostModel | None, profile: ModelProfile | None, cluster: C
     shared = current.strategy in SYNC_MODES and len(rank_s) == len(current.devices)
     piped = (current.is_pipeline and len(rank_s) == len(current.devices)
              and len(stage_s) == len(rank_s))
+    if recent is not None and (shared or piped):  # the ranks' span: the step now (a window
+        step = recent  # from before a rank slowed held a median the re-cut's saving passed)
     candidates: tuple[tuple[str, float], ...] = ()
     untried: tuple[str, ...] = ()
     ran: tuple[str, ...] = ()
@@ -353,8 +371,6 @@ def observe(*, model: CostModel | None, profile: ModelProfile | None, cluster: C
         stale = tuple(lab for lab, p in plans.items() if lab not in ran
                       and lab != current.label and _family(p) != _family(current)
                       and _family(p) in levels)
-    if recent is not None and (shared or piped):  # the ranks' span: the step now (a window
-        step = recent  # from before a rank slowed held a median the re-cut's saving passed)
     new: tuple[int, ...] = ()
     new_s = 0.0
     if recut and shared and rank_s:

@@ -21,7 +21,7 @@ from .plan import Plan
 from .planner import plan as plan_fn
 from .policy import KeepPlan, LoopMemory, RecutShares, ReplanPolicy, SwitchPlan
 from .profile import ModelProfile
-from .refit import Observed, StageBaseline, observe, peer_ratios, plan_key, rank_blocks
+from .refit import Observed, StageBaseline, observe, plan_key, rank_blocks, slowness
 from .topology import Cluster, Device
 
 __all__ = ["LoopEvent", "LoopResult", "simulate_loop"]
@@ -97,6 +97,7 @@ def simulate_loop(cluster: Cluster, profile: ModelProfile, global_batch: int, *,
     named: set[str] = set()  # the devices named stragglers at the last decision
     slow_by: dict[str, float] = {}  # how much slower than their peers, at the last decision
     known: dict[str, float] = {}  # what of that the running layout started with (as live)
+    unapplied: dict[str, float] = {}  # (``refit.slowness``)
     level = 1.0
 
     def true_step(p: Plan) -> float:
@@ -153,7 +154,7 @@ def simulate_loop(cluster: Cluster, profile: ModelProfile, global_batch: int, *,
             **memory.observe_args(cur.label, cur.stage_split))
         decision = pol.decide(view.obs)
         memory.after(decision, cur.label, view.obs.shares, robust(window[-replan_every:]).median)
-        slow_by = {cur.devices[r]: k for r, k in peer_ratios(rank_s, slow_ranks).items()}
+        slow_by = slowness(rank_s, slow_ranks, cur.devices, unapplied, 1 + pol.straggler)
         events.append(LoopEvent(step + 1, type(decision).__name__, cur.label, decision.reason))
         if isinstance(decision, KeepPlan):
             window, ranks = window[-_WINDOW:], [xs[-_WINDOW:] for xs in ranks]
@@ -173,6 +174,8 @@ def simulate_loop(cluster: Cluster, profile: ModelProfile, global_batch: int, *,
         seconds += switch_s
         window, ranks, since = [], [], 0
         stages = StageBaseline()  # (a new layout: its first window is the ranks' footing)
-        known = {} if isinstance(decision, RecutShares) else dict(slow_by)  # (as live)
+        answered = isinstance(decision, RecutShares)  # (as live)
+        known = {} if answered else dict(slow_by)
+        unapplied = dict(slow_by) if answered and cur.is_pipeline else {}
     return LoopResult(seconds, static_s, start, cur, tuple(events))
 

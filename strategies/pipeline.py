@@ -380,7 +380,7 @@ class Pipeline(Strategy):
             loss = self.loss_fn(output, target)
             if self._per_item is None:
                 return loss * self._mb_scale
-            return loss * (item_count(self.loss_fn, target) * self._per_item).to(loss.dtype)
+            return loss * (item_count(self.loss_fn, target) * self._per_item).float()
 
     def _zero_grad(self) -> None:
         for st in self.stages:

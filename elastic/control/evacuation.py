@@ -56,6 +56,7 @@ __all__ = ["Evacuation", "resolve_node"]
 
 DEFAULT_BANDWIDTH = 100e6  # bytes/s until a hand-off or a switch measured one
 FIXED_S = 0.05  # a hand-off's fixed part: two small all_gathers and an agreement
+RETRY_S = 5.0  # while replacements are waited for, how often more are asked for
 
 
 def resolve_node(wanted: str, nodes: list[str]) -> str:
@@ -97,6 +98,7 @@ class Evacuation:
         # they are up, or until this (monotonic) time (``_hold``); None: act at the boundary
         self._until: float | None = None
         self._need = 0
+        self._retry = 0.0  # when replacements are asked for again while held
 
     # ------------------------------------------------------------------ notices
 
@@ -106,13 +108,14 @@ class Evacuation:
         waiting for the next step boundary."""
         t = time.monotonic() if now is None else now
         if not self.cfg.watch_drains or t < self._next_poll:
-            return bool(self.pending)
+            return self._due()
         self._next_poll = t + self.cfg.drain_poll_s
         for n in self.group.notices():
             if n.node_id not in self.pending and not self._hosts(n.node_id) <= self.done.get(
                     n.node_id, frozenset()):
                 self._take(n, self._steps_done())
-        if self._until is not None:  # where a node with room has joined since
+        if self._until is not None and t >= self._retry:  # a node with room may have joined
+            self._retry = t + RETRY_S  # (not at every poll: a start may wait 1 s for room)
             self.group.start_spares(self._need - self.group.spares_starting())
         return self._due()
 
@@ -129,25 +132,27 @@ class Evacuation:
         return frozenset(w.worker_id for w in self.group.workers
                          if str(w.info.get("node_id", "")) == node)
 
-    def _take(self, n: DrainNotice, step: int | None = None) -> None:
+    def _take(self, n: DrainNotice, step: int | None = None, by_hand: bool = False) -> None:
         self.pending[n.node_id] = n
         left = n.left_s(time.time())
         when = "no deadline" if left is None else f"{left:.1f}s left"
-        held = self._until is None and self._hold(left)
+        held = self._hold()
         self._emit("preemption_notice", f"node {n.node_id[:8]} ({n.reason}) hosting rank(s) "
                    f"{list(n.ranks)} will go: {when}; " + (
-                       "replacements first, training goes on (replacing)" if held else
+                       ("replacements first (replacing)" if by_hand else
+                        "replacements first, training goes on (replacing)") if held else
                        "evacuating at the next step boundary"),
                    data={"node": n.node_id, "ranks": list(n.ranks), "reason": n.reason,
                          "message": n.message, "deadline": n.deadline, "left_s": left},
                    step=step)
         if held:
-            self._emit("replacing", f"{self._need} replacement(s) asked for, training goes "
-                       f"on until they are up: {held.reason}",
+            self._emit("replacing", f"{self._need} replacement(s) asked for, " + (
+                "waited for at the step boundary" if by_hand else
+                "training goes on until they are up") + f": {held.reason}",
                        data={"need": self._need, "wait_s": held.wait_s,
                              "starting": self.group.spares_starting()}, step=step)
 
-    def _hold(self, left: float | None) -> Evacuate | None:
+    def _hold(self) -> Evacuate | None:
         """Survivors fewer than ``min_workers``: where the policy says ``replace``, start the
         replacements now, in the background, and go on training until they are up (or the
         time it gives runs out); the boundary then takes them in and moves the state onto
@@ -157,14 +162,20 @@ class Evacuation:
                 if str(w.info.get("node_id", "")) not in self.pending]
         if len(stay) >= self.cfg.min_world:
             return None
+        now = time.time()  # every pending node counts: the first deadline, all their ranks
+        lefts = [n.deadline - now for n in self.pending.values() if n.deadline is not None]
         d = self.policy.decide(EvacuationObservation(
-            left, self._move_guess(), self._checkpoint_s(), len(stay), self.cfg.min_world,
-            True, self.cfg.peer_copies_every > 0, self.cfg.min_workers_timeout_s))
+            min(lefts) if lefts else None, self._move_guess(len(stay)), self._checkpoint_s(),
+            len(stay), self.cfg.min_world, True, self.cfg.peer_copies_every > 0,
+            self.cfg.min_workers_timeout_s, boundary_s=self.cfg.drain_poll_s))
         if d.path != "replace":
+            self._until = None  # no time to wait (for this notice, or with it): act now
             return None
+        until = time.monotonic() + d.wait_s
+        self._until = until if self._until is None else min(self._until, until)
         self._need = self._wanted(stay)
         self.group.start_spares(self._need - self.group.spares_starting())
-        self._until = time.monotonic() + d.wait_s
+        self._retry = time.monotonic() + RETRY_S
         return d
 
     def _wanted(self, stay: list[WorkerRec]) -> int:
@@ -188,7 +199,7 @@ class Evacuation:
         self.done.pop(node, None)
         self._take(DrainNotice(node, ranks, None if deadline_s is None else
                                time.time() + float(deadline_s), "maintenance", req.reason,
-                               time.time()))
+                               time.time()), by_hand=True)
         return True
 
     def state_for(self, req: Request, answer: Callable[[Request, Any], None]
@@ -230,9 +241,8 @@ class Evacuation:
         self.done.update((node, self._hosts(node)) for node in nodes)
         # the time left to wait for replacements (once): what the notice's hold left, else
         # (a drain by hand, acted on at once) the wait a loss below min_workers would get
-        until, self._until = self._until, None
-        wait_s = (self.cfg.min_workers_timeout_s if until is None
-                  else max(0.0, until - time.monotonic()))
+        until, self._until = self._until, None  # (none: no wait was given; a retry after
+        wait_s = 0.0 if until is None else max(0.0, until - time.monotonic())  # a failure)
         if until is not None and not wait_s and self.group.spares_ready() < self._need:
             self._emit("replacement_missing", f"no replacement for node(s) "
                        f"{sorted(n[:8] for n in nodes)} was up within the wait of the notice",
@@ -258,6 +268,7 @@ class Evacuation:
         self.tracker.tick(group)  # an upload still in flight needs the draining workers:
         self.tracker.abandon(group)  # given up; the checkpoint path takes one
         t0 = time.time()
+        ready = group.spares_ready()  # (once: replacements up now)
         while True:
             leaving = [w for w in group.workers if str(w.info.get("node_id", "")) in nodes]
             stay = [w for w in group.workers if w not in leaving]
@@ -267,7 +278,8 @@ class Evacuation:
             fits, target, why_plan = self._plan(stay, strategy)
             decision = self.policy.decide(EvacuationObservation(
                 left, self._move_s(spec, leaving), self._checkpoint_s(), len(stay),
-                self.cfg.min_world, fits, self.cfg.peer_copies_every > 0, wait_s))
+                self.cfg.min_world, fits, self.cfg.peer_copies_every > 0, wait_s, ready,
+                self.cfg.drain_poll_s))
             ranks = [w.rank for w in leaving]
             names = sorted(n[:8] for n in nodes)
             self._emit("evacuating", f"node(s) {names} (rank(s) {ranks}): {decision.path}, "
@@ -276,7 +288,7 @@ class Evacuation:
                              "reason": decision.reason, "left_s": left})
             if decision.path != "replace":
                 break
-            wait_s = 0.0
+            wait_s, ready = 0.0, 0
             spec, step = self._replace(spec, step, strategy, stay, names, decision.wait_s)
         if decision.path == "move":
             try:
@@ -296,17 +308,24 @@ class Evacuation:
         evacuate from next: the new group's, or the same when none came (said)."""
         group = self.group
         need = self._wanted(stay)
-        end = time.monotonic() + wait_s
+        end, retry = time.monotonic() + wait_s, 0.0
         while group.spares_ready() < need and time.monotonic() < end:
-            group.start_spares(need - group.spares_starting())  # where there is room
+            if time.monotonic() >= retry:  # where there is room (a start may wait 1 s)
+                retry = time.monotonic() + 2.0
+                group.start_spares(need - group.spares_starting())
             time.sleep(0.25)
-        ready = min(need, group.spares_ready())
+        # (the group beside the draining workers: each rank needs a sample of the batch)
+        room = self.cfg.global_batch_size - len(group.workers)
+        ready = min(need, group.spares_ready(), room)
         got = (self.regroup.resize(len(group.workers) + ready, strategy, warm_only=True,
                                    reason=f"replacing node(s) {names} before they go")
-               if ready else None)
+               if ready > 0 else None)
         if got is None:
-            self._emit("replacement_missing", f"no replacement for node(s) {names} was up "
-                       f"within {wait_s:.1f}s", data={"wait_s": wait_s})
+            why = (f"the global batch ({self.cfg.global_batch_size}) has no sample for a "
+                   f"worker beside the {len(group.workers)}" if room <= 0 else
+                   f"none was up within {wait_s:.1f}s")
+            self._emit("replacement_missing", f"no replacement for node(s) {names}: {why}",
+                       data={"wait_s": wait_s})
             return spec, step
         return got.spec, got.step
 
@@ -418,12 +437,14 @@ class Evacuation:
                     if r in idx)
         return FIXED_S + 4.0 * elems / self.bandwidth
 
-    def _move_guess(self) -> float:
+    def _move_guess(self, stay: int) -> float:
         """A hand-off's cost guessed without asking the workers (they are training): the
-        whole model's parameters and Adam's two moments at the measured bandwidth."""
+        draining ranks' share of the parameters and Adam's two moments, as a sharded layout
+        holds them, at the measured bandwidth."""
         model = self.layouts.probe_model
         n = sum(p.numel() for p in model.parameters()) if model is not None else 0
-        return FIXED_S + 12.0 * n / self.bandwidth
+        world = max(1, len(self.group.workers))
+        return FIXED_S + 12.0 * n * (world - stay) / world / self.bandwidth
 
     def _checkpoint_s(self) -> float | None:
         """The last committed checkpoint's upload and commit time (None: no store)."""

@@ -30,7 +30,7 @@ from clusters.policy import (
     ReplanPolicy,
     SwitchPlan,
 )
-from clusters.refit import LiveScale, StageBaseline, peer_ratios, plan_key, stage_fractions
+from clusters.refit import LiveScale, StageBaseline, plan_key, slowness, stage_fractions
 from strategies import StrategySpec
 from strategies.traits import DP_MODES
 
@@ -65,6 +65,7 @@ class Replanner:
         # ``known``; none in the re-cut that answered them)
         self._slow_by: dict[str, float] = {}
         self._known: dict[str, float] = {}
+        self._unapplied: dict[str, float] = {}  # (``clusters.refit.slowness``)
         # what the next decision checks of the last one (as the simulator keeps it), kept
         # only while the layout running is the one that decision asked for (``_expect``)
         self.memory = LoopMemory()
@@ -178,8 +179,9 @@ class Replanner:
         self._expect = None
         # the stragglers known, unless this is the re-cut that answered them (its split
         # holds them: a re-split starts anew)
-        self._known = {} if asked and isinstance(self._last[0], RecutShares) else dict(
-            self._slow_by)
+        answered = asked and isinstance(self._last[0], RecutShares)
+        self._known = {} if answered else dict(self._slow_by)
+        self._unapplied = dict(self._slow_by) if answered and spec.name == "pipeline" else {}
         if self._spec is not None and spec.world_size != self._spec.world_size:
             # another world (a node lost or joined): the figures were of other devices; the
             # host's drift is the host's
@@ -220,7 +222,6 @@ class Replanner:
         figs = self._figures(spec, group)
         slow = self.policy.slower(figs.rank_s, figs.rel, spec.name == "pipeline")
         ids = [group.workers[r].worker_id for r in slow]
-        ratios = peer_ratios(figs.rank_s, slow)
         if not set(ids) <= set(self._named):  # a worker newly slower: every other layout's
             self._forget_others(figs.current)  # figure is from before it slowed
         obs, plans, parts = self._observe(step, times, figs, group, recent=bool(ids))
@@ -233,7 +234,8 @@ class Replanner:
                           robust(times[-self.every:]).median)
         self.decisions.append(decision)
         self._last = (decision, obs.current)
-        self._slow_by = {group.workers[r].worker_id: k for r, k in ratios.items()}
+        self._slow_by = slowness(figs.rank_s, slow, [w.worker_id for w in group.workers],
+                                 self._unapplied, 1 + self.policy.straggler)
         kind = type(decision).__name__
         data = {"decision": kind, "current": obs.current, "step_s": obs.step_s,
                 "step_sd": obs.step_sd, "steps": obs.steps, "remaining": obs.remaining,

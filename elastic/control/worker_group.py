@@ -170,11 +170,12 @@ class Placement:
         return up
 
     def spares_ready(self) -> int:
-        """Warm spares that are up (their info answered)."""
+        """Warm spares that are up (their info answered; one that failed to start is not)."""
         import ray
 
         refs = [ref for _, ref in self._warming]
-        return len(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) if refs else 0
+        done = ray.wait(refs, num_returns=len(refs), timeout=0)[0] if refs else []
+        return sum(_error_of(r) is None for r in done)
 
     def spares_starting(self) -> int:
         return len(self._warming)
@@ -250,12 +251,14 @@ class Placement:
             self.free_slots = [s for s in self.free_slots if s not in reuse]
             time.sleep(0.1)
         pgs = [placement_group([dict(bundle)]) for _ in range(n - len(placed) - len(reuse))]
+        tried: set[tuple[int, int]] = set()
         while pgs and not all(map(pg_ready, pgs)) and time.monotonic() < deadline:
             time.sleep(0.2)  # the job's own bundle that Ray re-reserved on a node that joined
             self._revive()  # (a draining node's, once gone) holds the room a new group waits
-            for pg, i in [s for s in self.free_slots if pg_ready(s[0])]:  # for: taken instead
-                idle = next((g for g in pgs if not pg_ready(g)), None)
-                if idle is not None:
+            for pg, i in [s for s in self.free_slots if pg_ready(s[0])]:
+                idle = next((g for g in pgs if not pg_ready(g)), None)  # for: taken instead
+                if idle is not None and (id(pg), i) not in tried:  # (a failed start puts
+                    tried.add((id(pg), i))  # its slot back: not taken again here)
                     pgs.remove(idle)
                     ray.util.remove_placement_group(idle)
                     self.free_slots.remove((pg, i))
@@ -290,9 +293,8 @@ class Placement:
         return resources_free(self.bundle())
 
     def vacate(self, gone: Sequence[WorkerRec], kept: Sequence[WorkerRec]) -> None:
-        """Kill the workers a shrink removed; of their bundles, a placement group no kept worker or
-        spare uses is removed (its resources go back to the cluster, for other jobs); a
-        bundle of a shared one becomes a free slot (a later growth reuses it)."""
+        """Kill the workers a shrink removed; a placement group no kept worker or spare uses
+        is removed (back to the cluster), a bundle of a shared one becomes a free slot."""
 
         used = {id(w.pg) for w in kept} | {id(w.pg) for w, _ in self._warming}
         dropped: set[int] = set()
@@ -308,8 +310,7 @@ class Placement:
         self.free_slots = [(pg, i) for pg, i in self.free_slots if id(pg) not in dropped]
 
     def release(self, extra: Sequence[WorkerRec]) -> None:
-        """Kill every spare and the job's workers ``extra``, and release every placement
-        group."""
+        """Kill every spare and the job's workers ``extra``; release every placement group."""
 
         warm = [w for w, _ in self._warming]
         self._warming = []

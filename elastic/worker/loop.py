@@ -385,7 +385,8 @@ class StepLoop:
                 total += self._eval_part(idx, spec.shares)
         total = total.to(self._membership.device)
         dist.all_reduce(total)
-        return float(total[0] / total[1])
+        return float(total[0] / total[1]) if total[1] else 0.0  # (no kept token: 0, as a
+        # padding-only batch scores)
 
     def _eval_part(self, idx: torch.Tensor, shares: Sequence[int]) -> torch.Tensor:
         """This rank's ``(loss x samples, samples)`` of one evaluation batch."""

@@ -337,6 +337,18 @@ def test_a_rank_known_slow_at_a_layouts_start_reads_as_slow_as_it_is():
     assert ReplanPolicy().slower((1.0, 6.0), relative=True) == (1,)
 
 
+def test_a_straggler_is_remembered_through_the_re_split_that_answered_it():
+    """In the re-split that answered it, a straggler reads as its stage's norm (its footing
+    holds it); what the next layout takes out stays its slowness there (ratio x known), and
+    a rank that recovered there (ratio 1/k) is dropped."""
+    from clusters.refit import slowness
+
+    assert slowness([1.0, 6.0], (1,), ("a", "b"), {}, 1.1) == {"b": pytest.approx(6.0)}
+    assert slowness([1.0, 1.0], (), ("a", "b"), {"b": 6.0}, 1.1) == {"b": pytest.approx(6.0)}
+    assert slowness([1.0, 1 / 6], (), ("a", "b"), {"b": 6.0}, 1.1) == {}  # recovered
+    assert slowness([1.0, 1.0], (), ("a", "b"), {}, 1.1) == {}
+
+
 def test_a_re_split_follows_the_positions_measured_speeds():
     from clusters.balance import resplit_stages
     from clusters.errors import BalanceError

@@ -498,9 +498,9 @@ def test_replan_policy_numbers_in_its_reasons():
 
 
 def _ev(deadline_s, move_s=0.5, checkpoint_s=None, survivors=2, min_workers=1, fits=True,
-        peer_copies=False, replace_wait_s=0.0):
+        peer_copies=False, replace_wait_s=0.0, ready=0, boundary_s=0.0):
     return EvacuationObservation(deadline_s, move_s, checkpoint_s, survivors, min_workers,
-                                 fits, peer_copies, replace_wait_s)
+                                 fits, peer_copies, replace_wait_s, ready, boundary_s)
 
 
 @pytest.mark.parametrize(
@@ -529,12 +529,20 @@ def _ev(deadline_s, move_s=0.5, checkpoint_s=None, survivors=2, min_workers=1, f
         # for two transfers (the newcomers' state, the hand-off) or the fallback checkpoint
         (_ev(None, survivors=1, min_workers=2, replace_wait_s=60.0), "replace",
          "waiting up to 60.0s (no deadline"),
+        # 30 - 1 slack - (0.5 x 2 + 3 x 2) - 1 to the boundary
         (_ev(30.0, survivors=1, min_workers=2, checkpoint_s=3.0, replace_wait_s=60.0),
-         "replace", "waiting up to 22.0s"),  # 30 - 1 slack - 3 x 2 - 1 to the boundary
+         "replace", "waiting up to 21.0s"),
         (_ev(30.0, move_s=4.0, survivors=1, min_workers=2, replace_wait_s=60.0), "replace",
-         "waiting up to 12.0s"),  # 30 - 1 - 2 x 4 x 2 - 1
-        (_ev(7.0, survivors=1, min_workers=2, checkpoint_s=3.0, replace_wait_s=60.0),
+         "waiting up to 12.0s"),  # 30 - 1 - 2 x (4 x 2) - 1
+        (_ev(30.0, move_s=4.0, survivors=1, min_workers=2, replace_wait_s=60.0,
+             boundary_s=2.0), "replace", "waiting up to 10.0s"),  # a longer way to it
+        (_ev(8.0, survivors=1, min_workers=2, checkpoint_s=3.0, replace_wait_s=60.0),
          "checkpoint", "fewer than min_workers=2"),  # no time to wait: the checkpoint now
+        # the wait over (or none given) with a replacement up: take it, wait no more
+        (_ev(12.0, survivors=1, min_workers=2, checkpoint_s=3.0, ready=1), "replace",
+         "taking the 1 up"),
+        (_ev(8.0, survivors=1, min_workers=2, checkpoint_s=3.0, ready=1), "checkpoint",
+         "fewer than min_workers=2"),  # no time left to move onto it
         (_ev(30.0, survivors=2, min_workers=2, replace_wait_s=60.0), "move", "30.0s left"),
     ],
 )
@@ -542,7 +550,7 @@ def test_evacuation_policy(obs, path, words):
     d = EvacuationPolicy().decide(obs)
     assert isinstance(d, Evacuate) and d.path == path, d
     assert words in d.reason, d.reason
-    assert (d.wait_s > 0) == (path == "replace")
+    assert (d.wait_s > 0) == (path == "replace" and not obs.replacements_ready)
 
 
 def test_evacuation_policy_margin_and_slack_are_settings():

@@ -156,6 +156,11 @@ def test_a_pipeline_entered_with_a_known_straggler_names_it_and_re_splits():
     assert rel[1] == pytest.approx(6 * rel[0], rel=0.05), rel
     assert replan["decision"] == "RecutShares" and replan["cut"] == "stage split", replan
     assert new is not None and new.stage_split == (2, 1)
+    # the re-split runs (rank 1 now on the light block, its stage's norm there): still
+    # known 6x slower, for whatever pipeline comes next
+    _feed(rp, new, range(60, 90), 0.02, [c[0] * 0.8, 6 * c[1] * 0.2], frac)
+    rp.decide(90, new, group)
+    assert rp._slow_by["w1"] == pytest.approx(6, rel=0.05)  # noqa: SLF001
 
 
 def test_a_re_cut_around_a_rank_that_just_slowed_predicts_from_the_step_now():
