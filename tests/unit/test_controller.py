@@ -1137,6 +1137,24 @@ def test_below_min_workers_a_notice_takes_in_replacements_and_moves_the_state(tm
     assert result.history[-1]["world_size"] == 3
 
 
+def test_a_replacement_the_global_batch_has_no_sample_for_is_not_joined(tmp_path):
+    """Global batch 8 on 8 workers, min_workers 8, one node draining, room for one more:
+    a ninth worker beside the draining one would have no sample (found by review). The
+    join is not tried: ``replacement_missing`` says why, the checkpoint path follows, and
+    the recovery takes the spare in the draining worker's place."""
+    ctl, fake = _controller(tmp_path, strategy="dp", num_workers=8, min_workers=8,
+                            max_workers=8, drain_poll_s=1e-9, min_workers_timeout_s=0.3,
+                            checkpoint_every=100)
+    fake.room_left = 1
+    fake.announce_at[4] = (7, 60.0)
+    result = ctl.run()
+    missing = _events(ctl, "replacement_missing")
+    assert missing and "has no sample for a worker beside the 8" in missing[0].message
+    assert not _events(ctl, "scaled")
+    assert _events(ctl, "evacuating")[-1].data["path"] == "checkpoint"
+    assert result.history[-1]["world_size"] == 8
+
+
 def test_an_unannounced_zero3_loss_restores_from_the_buddies_copies(tmp_path):
     ctl, fake = _controller(tmp_path, strategy="zero3", num_workers=3, min_workers=1,
                             peer_copies_every=5)
