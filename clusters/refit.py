@@ -47,11 +47,12 @@ from .plan import Plan, more_work
 from .planner import plan as plan_fn
 from .policy import ReplanObservation
 from .profile import ModelProfile
+from .replan_policy import peer_median
 from .topology import Cluster
 
-__all__ = ["Observed", "plan_key", "refit", "LiveScale", "StageBaseline", "peer_ratios", "slowness",
-           "rank_blocks",
-           "stage_fractions", "Prediction", "predictions", "Observation", "observe"]
+__all__ = ["Observed", "plan_key", "refit", "LiveScale", "StageBaseline", "peer_ratios",
+           "slowness", "carried", "rank_blocks", "stage_fractions", "Prediction",
+           "predictions", "Observation", "observe"]
 
 
 @dataclass(frozen=True)
@@ -207,11 +208,12 @@ class StageBaseline:
     ``known``: per rank, how much slower than its peers the last decision found it (its
     ``peer_ratios``; 1 for the others): a rank already slow when the layout starts has its
     footing taken as its first figure over that, so it reads as slow as it is (the re-split
-    follows the stages' measured times, ``observe``). The callers give none to the re-cut
-    that answered the straggler (its split holds it). Without it a job that switched to a pipeline after a rank
-    slowed (``auto`` found pp2 faster than dp with a 6x straggler) took the straggler's pace
-    for its stage's norm: never named, its blocks never moved (live auto jobs ran their
-    2800 steps so on a split of [2, 3] blocks whose stage times called for [4, 1])."""
+    follows the stages' measured times, ``observe``); none in the re-cut that answered the
+    straggler (its split holds it: ``carried``). Without it a job that switched to a
+    pipeline after a rank slowed (``auto`` found pp2 faster than dp with a 6x straggler)
+    took the straggler's pace for its stage's norm: never named, its blocks never moved
+    (live auto jobs ran their 2800 steps so on a split of [2, 3] blocks whose stage times
+    called for [4, 1])."""
 
     def __init__(self) -> None:
         self._base: tuple[float, ...] | None = None
@@ -234,13 +236,8 @@ class StageBaseline:
 def peer_ratios(rank_s: Sequence[float], ranks: Sequence[int]) -> dict[int, float]:
     """Each of ``ranks``' figure over its peers' median (``ReplanPolicy.slower``'s
     reference): how much slower than its peers a named straggler runs."""
-    out = {}
-    for r in ranks:
-        peers = [t for i, t in enumerate(rank_s) if i != r]
-        ref = statistics.median(peers) if peers else 0.0
-        if ref > 0:
-            out[r] = rank_s[r] / ref
-    return out
+    refs = {r: peer_median(rank_s, r) for r in ranks}
+    return {r: rank_s[r] / ref for r, ref in refs.items() if ref > 0}
 
 
 def slowness(rank_s: Sequence[float], slow: Collection[int], ids: Sequence[str],
@@ -257,6 +254,15 @@ def slowness(rank_s: Sequence[float], slow: Collection[int], ids: Sequence[str],
         if r in slow or (ids[r] in unapplied and k > bar):
             out[ids[r]] = k
     return out
+
+
+def carried(slow_by: Mapping[str, float], answered: bool, pipeline: bool
+            ) -> tuple[dict[str, float], dict[str, float]]:
+    """What a new layout starts with of the last decision's ``slowness`` (``slow_by``): the
+    footing's ``known`` (none in the re-cut that ``answered`` it), and what that footing
+    then holds unapplied (``slowness``'s ``unapplied``: a pipeline's answering re-split)."""
+    return ({} if answered else dict(slow_by),
+            dict(slow_by) if answered and pipeline else {})
 
 
 @dataclass(frozen=True)
@@ -350,10 +356,10 @@ def observe(*, model: CostModel | None, profile: ModelProfile | None, cluster: C
         compute = ({current.devices[r]: Spread(t, 0.0, step.n) for r, t in enumerate(whole)}
                    if whole is not None else None)
         seen = {plan_key(o.plan): o for o in observed}
-        # the devices' compute is of the last steps (``recent``): the running layout's point
-        # is of the same span (a window from before a rank slowed drove every comm factor to
-        # 0: dp predicted at 6 ms against its 2900, a pp4 job taken there)
-        seen[plan_key(current)] = Observed(current, recent if recent and compute else step)
+        # the devices' compute is of the last steps: the running layout's point (``step``,
+        # ``recent`` above) is of the same span (a window from before a rank slowed drove
+        # every comm factor to 0: dp predicted at 6 ms against its 2900, a pp4 job taken there)
+        seen[plan_key(current)] = Observed(current, step)
         obs_all = list(seen.values())
         fitted = refit(model, profile, cluster, obs_all, compute, kinds if compute else None)
         preds = predictions(fitted, profile, cluster, global_batch, obs_all)

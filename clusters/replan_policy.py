@@ -118,6 +118,13 @@ class RecutShares:
     cut: str = "shares"
 
 
+def peer_median(rank_s: Sequence[float], r: int) -> float:
+    """The median of every rank's figure but ``r``'s (0 with no peer): what a straggler is
+    measured against (``ReplanPolicy.slower``, ``refit.peer_ratios``)."""
+    peers = [t for i, t in enumerate(rank_s) if i != r]
+    return statistics.median(peers) if peers else 0.0
+
+
 @dataclass(frozen=True)
 class ReplanPolicy:
     """Act only on what pays: a change of layout (a faster plan, or shares re-cut around a
@@ -169,9 +176,7 @@ class ReplanPolicy:
             return ()
         out = []
         for r, t in enumerate(rank_s):
-            peers = sorted(x for i, x in enumerate(rank_s) if i != r)
-            ref = peers[len(peers) // 2] if len(peers) % 2 else \
-                (peers[len(peers) // 2 - 1] + peers[len(peers) // 2]) / 2
+            ref = peer_median(rank_s, r)
             rel = rank_rel_sd[r] if r < len(rank_rel_sd) else 0.0
             bar = 1 + max(self.straggler, self.z * rel)
             if ref > 0 and t > ref * bar and (not relative or t > bar):

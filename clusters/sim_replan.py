@@ -21,7 +21,7 @@ from .plan import Plan
 from .planner import plan as plan_fn
 from .policy import KeepPlan, LoopMemory, RecutShares, ReplanPolicy, SwitchPlan
 from .profile import ModelProfile
-from .refit import Observed, StageBaseline, observe, plan_key, rank_blocks, slowness
+from .refit import Observed, StageBaseline, carried, observe, plan_key, rank_blocks, slowness
 from .topology import Cluster, Device
 
 __all__ = ["LoopEvent", "LoopResult", "simulate_loop"]
@@ -174,8 +174,6 @@ def simulate_loop(cluster: Cluster, profile: ModelProfile, global_batch: int, *,
         seconds += switch_s
         window, ranks, since = [], [], 0
         stages = StageBaseline()  # (a new layout: its first window is the ranks' footing)
-        answered = isinstance(decision, RecutShares)  # (as live)
-        known = {} if answered else dict(slow_by)
-        unapplied = dict(slow_by) if answered and cur.is_pipeline else {}
+        known, unapplied = carried(slow_by, isinstance(decision, RecutShares), cur.is_pipeline)
     return LoopResult(seconds, static_s, start, cur, tuple(events))
 

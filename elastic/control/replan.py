@@ -30,7 +30,14 @@ from clusters.policy import (
     ReplanPolicy,
     SwitchPlan,
 )
-from clusters.refit import LiveScale, StageBaseline, plan_key, slowness, stage_fractions
+from clusters.refit import (
+    LiveScale,
+    StageBaseline,
+    carried,
+    plan_key,
+    slowness,
+    stage_fractions,
+)
 from strategies import StrategySpec
 from strategies.traits import DP_MODES
 
@@ -177,11 +184,10 @@ class Replanner:
         if not asked:
             self.memory.forget_last()
         self._expect = None
-        # the stragglers known, unless this is the re-cut that answered them (its split
-        # holds them: a re-split starts anew)
-        answered = asked and isinstance(self._last[0], RecutShares)
-        self._known = {} if answered else dict(self._slow_by)
-        self._unapplied = dict(self._slow_by) if answered and spec.name == "pipeline" else {}
+        # the stragglers known (``refit.carried``)
+        self._known, self._unapplied = carried(
+            self._slow_by, asked and isinstance(self._last[0], RecutShares),
+            spec.name == "pipeline")
         if self._spec is not None and spec.world_size != self._spec.world_size:
             # another world (a node lost or joined): the figures were of other devices; the
             # host's drift is the host's
