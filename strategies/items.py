@@ -52,15 +52,10 @@ def part_weights(loss_fn: Callable[..., Any], targets: torch.Tensor,
     samples over the share's, or, for a loss that counts items, its items over the global
     batch's times ``G / share`` (collective: every rank calls it once a step), so that a
     layout's ``share / G`` scale turns either into the part's fraction of the global mean."""
-    n = len(targets)
     if not counts_items(loss_fn):
-        return [(b - a) / n if n else 0.0 for a, b in parts]
-    counts = torch.stack([item_count(loss_fn, targets[a:b]) for a, b in parts]) if parts \
-        else torch.zeros(1, dtype=torch.float64, device=targets.device)
-    total = global_items(counts.sum(), device)
-    if not share:
-        return [0.0] * len(parts)
-    return (counts.to(total.device) / total * (global_batch / share)).tolist()[:len(parts)]
+        return [(b - a) / len(targets) for a, b in parts]
+    counts = torch.stack([item_count(loss_fn, targets[a:b]) for a, b in parts])
+    return (counts / global_items(counts.sum(), device) * (global_batch / share)).tolist()
 
 
 def per_item(loss_fn: Callable[..., Any], targets: torch.Tensor, device: torch.device | str,

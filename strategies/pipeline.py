@@ -335,8 +335,7 @@ class Pipeline(Strategy):
         g, m = spec.global_batch_size, spec.micro_batches
         self._slices = [spec.shares[s * d + self.replica] for s in range(pp)]
         self._mb_scale = sum(self._slices) * fsdp_factor / (m * g)
-        self._report = 1.0 / fsdp_factor
-        self._fsdp_factor = fsdp_factor
+        self._fsdp_factor = fsdp_factor  # (the loss it returns: x 1 / this)
         # a loss that counts items (``strategies.items``): each micro-batch's mean times its
         # items times this (fsdp_factor over the global batch's items; 1 to score an eval)
         self._per_item: torch.Tensor | None = None
@@ -450,7 +449,7 @@ class Pipeline(Strategy):
         """What ``train_step`` returns: the replica's loss share on the last stage, else 0."""
         if not self.is_last:
             return 0.0
-        return float(sum(float(x.detach()) for x in losses)) * self._report
+        return float(sum(float(x.detach()) for x in losses)) / self._fsdp_factor
 
     def eval_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, int]:
         """Forward only through the schedule (``eval``), in eval mode and without gradients,
