@@ -137,18 +137,16 @@ class Evacuation:
         left = n.left_s(time.time())
         when = "no deadline" if left is None else f"{left:.1f}s left"
         held = self._hold()
+        then = ("evacuating at the next step boundary" if not held else
+                "replacements first, waited for at the step boundary" if by_hand else
+                "replacements first, training goes on until they are up")
         self._emit("preemption_notice", f"node {n.node_id[:8]} ({n.reason}) hosting rank(s) "
-                   f"{list(n.ranks)} will go: {when}; " + (
-                       ("replacements first (replacing)" if by_hand else
-                        "replacements first, training goes on (replacing)") if held else
-                       "evacuating at the next step boundary"),
+                   f"{list(n.ranks)} will go: {when}; {then}",
                    data={"node": n.node_id, "ranks": list(n.ranks), "reason": n.reason,
                          "message": n.message, "deadline": n.deadline, "left_s": left},
                    step=step)
         if held:
-            self._emit("replacing", f"{self._need} replacement(s) asked for, " + (
-                "waited for at the step boundary" if by_hand else
-                "training goes on until they are up") + f": {held.reason}",
+            self._emit("replacing", f"{self._need} replacement(s) asked for: {held.reason}",
                        data={"need": self._need, "wait_s": held.wait_s,
                              "starting": self.group.spares_starting()}, step=step)
 
@@ -239,14 +237,12 @@ class Evacuation:
         notices, self.pending = list(self.pending.values()), {}
         nodes = {n.node_id for n in notices}
         self.done.update((node, self._hosts(node)) for node in nodes)
-        # the time left to wait for replacements (once): what the notice's hold left, else
-        # (a drain by hand, acted on at once) the wait a loss below min_workers would get
-        until, self._until = self._until, None  # (none: no wait was given; a retry after
-        wait_s = 0.0 if until is None else max(0.0, until - time.monotonic())  # a failure)
+        # the time the notice's hold left to wait for replacements (once: none when it gave
+        # none, or on a retry after a failure)
+        until, self._until = self._until, None
+        wait_s = 0.0 if until is None else max(0.0, until - time.monotonic())
         if until is not None and not wait_s and self.group.spares_ready() < self._need:
-            self._emit("replacement_missing", f"no replacement for node(s) "
-                       f"{sorted(n[:8] for n in nodes)} was up within the wait of the notice",
-                       data={"wait_s": 0.0})
+            self._missing(nodes, "none was up within the wait of the notice", 0.0)
         try:
             return self._run(spec, step, strategy, notices, nodes, wait_s)
         except BaseException:
@@ -302,10 +298,11 @@ class Evacuation:
 
     def _replace(self, spec: StrategySpec, step: int, strategy: str, stay: list[WorkerRec],
                  names: list[str], wait_s: float) -> tuple[StrategySpec, int]:
-        """Grow by replacements (spares up, or placed within ``wait_s``: never on a draining
-        node, which Ray schedules nothing new on) while the draining ranks still hold their
-        state; they join as in a resize (state from their peers). The layout and step to
-        evacuate from next: the new group's, or the same when none came (said)."""
+        """Grow by replacements (spares up, or started where there is room and up within
+        ``wait_s``: never on a draining node, which Ray schedules nothing new on) while the
+        draining ranks still hold their state; they join as in a resize (state from their
+        peers). The layout and step to evacuate from next: the new group's, or the same when
+        none came (said)."""
         group = self.group
         need = self._wanted(stay)
         end, retry = time.monotonic() + wait_s, 0.0
@@ -321,13 +318,15 @@ class Evacuation:
                                    reason=f"replacing node(s) {names} before they go")
                if ready > 0 else None)
         if got is None:
-            why = (f"the global batch ({self.cfg.global_batch_size}) has no sample for a "
-                   f"worker beside the {len(group.workers)}" if room <= 0 else
-                   f"none was up within {wait_s:.1f}s")
-            self._emit("replacement_missing", f"no replacement for node(s) {names}: {why}",
-                       data={"wait_s": wait_s})
+            self._missing(names, f"the global batch ({self.cfg.global_batch_size}) has no "
+                          f"sample for a worker beside the {len(group.workers)}" if room <= 0
+                          else f"none was up within {wait_s:.1f}s", wait_s)
             return spec, step
         return got.spec, got.step
+
+    def _missing(self, nodes: Any, why: str, wait_s: float) -> None:
+        self._emit("replacement_missing", f"no replacement for node(s) "
+                   f"{sorted(n[:8] for n in nodes)}: {why}", data={"wait_s": wait_s})
 
     def _move(self, spec: StrategySpec, step: int, strategy: str, leaving: list[WorkerRec],
               notices: list[DrainNotice], left: float | None, t0: float

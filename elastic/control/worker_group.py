@@ -221,7 +221,6 @@ class Placement:
     def try_place(self, n: int, timeout_s: float) -> list[WorkerRec]:
         """Place up to ``n`` more workers within ``timeout_s``: the job's free slots first (Ray
         re-reserves a dead node's bundle where there is room), then new placement groups."""
-        import ray
         from ray.util.placement_group import placement_group
 
         if n <= 0 or timeout_s <= 0:
@@ -260,14 +259,14 @@ class Placement:
                 if idle is not None and (id(pg), i) not in tried:  # (a failed start puts
                     tried.add((id(pg), i))  # its slot back: not taken again here)
                     pgs.remove(idle)
-                    ray.util.remove_placement_group(idle)
+                    remove_bundle(idle)
                     self.free_slots.remove((pg, i))
                     placed += self._collect(self._launch(pg, [i], bundle), wait_s=30)
         for pg in pgs:
             if pg_ready(pg):
                 placed += self._collect(self._launch(pg, [0], bundle), wait_s=30)
             else:
-                ray.util.remove_placement_group(pg)
+                remove_bundle(pg)
         return placed
 
     def _revive(self) -> None:
@@ -295,7 +294,6 @@ class Placement:
     def vacate(self, gone: Sequence[WorkerRec], kept: Sequence[WorkerRec]) -> None:
         """Kill the workers a shrink removed; a placement group no kept worker or spare uses
         is removed (back to the cluster), a bundle of a shared one becomes a free slot."""
-
         used = {id(w.pg) for w in kept} | {id(w.pg) for w, _ in self._warming}
         dropped: set[int] = set()
         for w in gone:
@@ -311,7 +309,6 @@ class Placement:
 
     def release(self, extra: Sequence[WorkerRec]) -> None:
         """Kill every spare and the job's workers ``extra``; release every placement group."""
-
         warm = [w for w, _ in self._warming]
         self._warming = []
         for w in warm + list(extra):
