@@ -249,25 +249,30 @@ def loss_function(spec: Any) -> Callable[[Any, Any], Any]:
 
 
 def _cross_entropy(outputs: Any, targets: Any) -> Any:
-    """The mean over the targets that are not ignored (-100, as ``F.cross_entropy``); 0 when
-    none is (a rank's share or a micro-batch of padding only: was NaN, the step counted
-    non-finite while its update, of zero gradients there, was applied)."""
+    """``F.cross_entropy``'s mean, over the targets that are not ignored (-100); 0 when none
+    is (a rank's share or a micro-batch of padding only: was NaN, the step counted
+    non-finite while its update, of zero gradients there, was applied). Class indices of a
+    language model's shape (outputs ``(..., vocab)``, targets their shape less the last
+    dim) are scored per position; any other shape as ``F.cross_entropy`` takes it: the
+    class dim is 1 (``(N, C)``, a segmentation's ``(N, C, H, W)`` against ``(N, H, W)``,
+    and class probabilities of the outputs' shape)."""
     import torch.nn.functional as F
 
-    if outputs.dim() > 2:
-        outputs, targets = outputs.reshape(-1, outputs.size(-1)), targets.reshape(-1)
     if targets.is_floating_point():  # class probabilities: nothing is ignored
         return F.cross_entropy(outputs, targets)
+    if outputs.dim() > 2 and targets.shape == outputs.shape[:-1]:
+        outputs, targets = outputs.reshape(-1, outputs.size(-1)), targets.reshape(-1)
     total = F.cross_entropy(outputs, targets, reduction="sum")  # (no device sync)
     return total / (targets != -100).sum().clamp(min=1)
 
 
 def _kept_targets(targets: Any) -> Any:
     """The items ``_cross_entropy`` averages over: the targets not ignored (-100), or the
-    rows of class probabilities (``strategies.items``: every layout then weights a part's
-    mean by its items over the global batch's, as one process's mean over it does)."""
+    positions of class probabilities (all but the class dim, 1) (``strategies.items``:
+    every layout then weights a part's mean by its items over the global batch's, as one
+    process's mean over it does)."""
     if targets.is_floating_point():
-        return targets.numel() // max(1, targets.size(-1)) if targets.dim() > 1 else len(targets)
+        return targets.numel() // max(1, targets.size(1)) if targets.dim() > 1 else len(targets)
     return (targets != -100).sum()
 
 

@@ -360,6 +360,27 @@ def test_the_built_in_cross_entropy_of_padding_only_is_zero_not_nan():
     assert float(pad.detach()) == 0.0 and float(out.grad.abs().max()) == 0.0
 
 
+def test_the_built_in_cross_entropy_takes_every_shape_f_cross_entropy_takes():
+    """Besides a language model's ``(B, T, V)`` against ``(B, T)``: a segmentation's
+    ``(N, C, H, W)`` against ``(N, H, W)`` (ignored pixels left out) and class probabilities
+    of any rank score as ``F.cross_entropy`` (was: refused, "Expected input batch_size (24)
+    to match target batch_size (40)", as the last dim was taken for the classes); each
+    counts the items its mean is over (``count_items``: the kept pixels, the positions)."""
+    from elastic.config import loss_function
+
+    ce = loss_function("cross_entropy")
+    F = torch.nn.functional
+    torch.manual_seed(0)
+    seg_out, seg_y = torch.randn(2, 3, 4, 5), torch.randint(0, 3, (2, 4, 5))
+    seg_y[0, 0] = -100
+    soft = torch.softmax(torch.randn(2, 3, 4, 5), dim=1)
+    flat_soft = torch.softmax(torch.randn(6, 3), dim=1)
+    for out, y, items in [(seg_out, seg_y, 35), (seg_out, soft, 40),
+                          (seg_out[:, :, 0, 0], flat_soft[:2], 2)]:
+        assert torch.allclose(ce(out, y), F.cross_entropy(out, y), rtol=1e-6)
+        assert int(ce.count_items(y)) == items
+
+
 def test_the_sample_check_leaves_the_model_as_it_was():
     from elastic.preflight import check_sample
 
