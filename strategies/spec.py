@@ -25,6 +25,7 @@ __all__ = [
     "StrategySpec",
     "micro_batch_count",
     "lockstep_micro_batches",
+    "eval_passes",
     "pipeline_defaults",
 ]
 
@@ -239,6 +240,16 @@ def lockstep_micro_batches(spec: StrategySpec) -> int:
             f"is {min(spec.shares)} samples; raise micro_batch_size to at least "
             f"{-(-max(spec.shares) // min(spec.shares))}")
     return k
+
+
+def eval_passes(spec: StrategySpec, largest_part: int) -> int:
+    """How many forwards an evaluation runs a part of ``largest_part`` samples in (the
+    world's largest part; every rank runs as many, since a zero3 forward is a collective):
+    none holds more samples than the layout's largest training micro-batch, so evaluation
+    needs no more activation memory than a training step (``micro_batch_size`` and the
+    planner's accumulation bound it too; without gradients a forward keeps less)."""
+    biggest = max(-(-s // micro_batch_count(spec, s)) for s in spec.shares if s > 0)
+    return max(1, -(-largest_part // biggest))
 
 
 def pipeline_defaults(batches: Sequence[int], pp: int, micro_batches: int | None = None,

@@ -63,6 +63,25 @@ def bf16_mlp() -> nn.Module:
                          nn.Linear(16, 2))
 
 
+class EvalRowCap(nn.Module):
+    """Passes its input through; in eval mode it refuses a forward of more than ``cap`` rows
+    (an evaluation that would need more memory than training's micro-batches)."""
+
+    def __init__(self, cap: int) -> None:
+        super().__init__()
+        self.cap = cap
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training and len(x) > self.cap:
+            raise RuntimeError(f"an eval forward of {len(x)} rows, over {self.cap}")
+        return x
+
+
+def eval_capped_mlp() -> nn.Module:
+    """``mlp`` behind an ``EvalRowCap`` of 3 rows (the rows of the preflight's sample)."""
+    return nn.Sequential(EvalRowCap(3), *mlp())
+
+
 def adam(params) -> torch.optim.Optimizer:
     return torch.optim.Adam(params, lr=1e-2)
 

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from clusters.policy import NonFiniteObservation, NonFinitePolicy, Rollback, SkipStep
 from clusters.sweep_policy import GateObservation, GatePolicy, Prune, PruneGate
+from strategies.spec import eval_passes
 
 from ..config import JobConfig, WorkerConfig
 from ..data import even_shares, share_bounds
@@ -37,6 +38,12 @@ from .peer_copies import PeerCopies
 from .profiling import Profiler
 
 __all__ = ["StepLoop"]
+
+
+def _pieces(part: torch.Tensor, k: int) -> list[torch.Tensor]:
+    """``part`` in ``k`` contiguous, near-equal pieces (empty ones where it is shorter)."""
+    sizes = even_shares(len(part), k)
+    return [part[lo:hi] for lo, hi in (share_bounds(sizes, i) for i in range(k))]
 
 
 @dataclasses.dataclass
@@ -374,26 +381,37 @@ class StepLoop:
         for start in range(0, n, e):
             idx = torch.arange(start, min(start + e, n))
             if not pipeline:
-                total += self._eval_part(idx, even_shares(len(idx), self._membership.world))
+                parts = even_shares(len(idx), self._membership.world)
+                lo, hi = share_bounds(parts, self._membership.rank)
+                passes = eval_passes(spec, max(parts))  # (the same on every rank)
+                for piece in _pieces(idx[lo:hi], passes):
+                    total += self._eval_part(piece, idx)
                 continue
+            # (a schedule's micro-batches bound each forward, as in training)
             pad = e - len(idx)
             if pad:
                 last = idx[-1:]
-                total += self._eval_part(torch.cat([idx, last.repeat(pad)]), spec.shares)
-                total -= self._eval_part(last.repeat(e), spec.shares) * (pad / e)
+                total += self._eval_share(torch.cat([idx, last.repeat(pad)]), spec.shares)
+                total -= self._eval_share(last.repeat(e), spec.shares) * (pad / e)
             else:
-                total += self._eval_part(idx, spec.shares)
+                total += self._eval_share(idx, spec.shares)
         total = total.to(self._membership.device)
         dist.all_reduce(total)
         return float(total[0] / total[1]) if total[1] else 0.0  # (no kept token: 0, as a
         # padding-only batch scores)
 
-    def _eval_part(self, idx: torch.Tensor, shares: Sequence[int]) -> torch.Tensor:
-        """This rank's ``(loss x samples, samples)`` of one evaluation batch."""
+    def _eval_share(self, idx: torch.Tensor, shares: Sequence[int]) -> torch.Tensor:
+        """This rank's ``(loss x samples, samples)`` of one evaluation batch split by
+        ``shares``."""
         lo, hi = share_bounds(shares, self._membership.rank)
+        return self._eval_part(idx[lo:hi], idx)
+
+    def _eval_part(self, part: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
+        """``(loss x samples, samples)`` of one forward over ``part``; an empty part scores
+        one sample of ``batch`` and counts none (a collective forward cannot skip)."""
         strategy = self._layout.strategy
-        if hi > lo:
-            x, y = self._data.eval_batch(idx[lo:hi])
+        if len(part):
+            x, y = self._data.eval_batch(part)
             return torch.tensor(strategy.eval_step(x, y), dtype=torch.float64)
-        x, y = self._data.eval_batch(idx[:1])  # an empty part: one sample, scored, not counted
+        x, y = self._data.eval_batch(batch[:1])
         return torch.tensor(strategy.eval_empty(x, y), dtype=torch.float64)

@@ -261,6 +261,32 @@ def test_evaluation_scores_the_reference_models_under_every_layout(ray_local, tm
         assert scored[step][1] == pytest.approx(want, abs=TOL), step
 
 
+def test_evaluation_forwards_no_more_samples_than_a_training_micro_batch(ray_local, tmp_path):
+    """With ``micro_batch_size: 3`` an evaluation batch of 16 on 2 workers (8 samples a rank)
+    runs in forwards of at most 3 samples, under dp and zero3 (whose every forward is a
+    collective: a rank with an empty piece takes part), and scores as one process. Was: each
+    rank's part in one forward, more activation memory than any training step (found by
+    review, session 44)."""
+    import torch.nn.functional as F
+
+    from tests.helpers import eval_capped_mlp
+
+    evalset = RegressionData(n=33, seed=1)  # batches of 16, 16 and 1 (rank 1's part empty)
+    result = _fit(tmp_path, model=eval_capped_mlp, eval_dataset=evalset, eval_every=4,
+                  eval_batch_size=16, micro_batch_size=3, max_steps=8, switch_at={4: "zero3"})
+    scored = {h["step"]: h["eval_loss"] for h in result.history if "eval_loss" in h}
+    assert sorted(scored) == [3, 7]
+    for step in (3, 7):
+        ref, _ = reference_train(eval_capped_mlp, adam, mse, RegressionData(), G, step + 1,
+                                 seed=0)
+        model = eval_capped_mlp()
+        model.load_state_dict(ref)
+        model.train()  # (the cap refuses the whole set at once in eval mode)
+        with torch.no_grad():
+            want = float(F.mse_loss(model(evalset.x), evalset.y))
+        assert scored[step] == pytest.approx(want, abs=TOL), step
+
+
 def test_eval_settings_are_checked(tmp_path):
     from elastic.errors import ConfigError
     from elastic.sweep import SweepConfig

@@ -23,7 +23,7 @@ from strategies import (
     names,
 )
 from strategies.blocks import block_params, blocks_of
-from strategies.spec import pipeline_defaults
+from strategies.spec import eval_passes, pipeline_defaults
 from strategies.traits import BUCKET_BYTES, traits_of
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent.parent
@@ -106,6 +106,21 @@ def test_lockstep_trait_decides_the_micro_batch_check(name: str) -> None:
             spec.validate()
     else:
         spec.validate()
+
+
+@pytest.mark.parametrize(("shares", "options", "part", "want"), [
+    ((5, 5), {}, 5, 1),                                   # a part no larger than a share
+    ((5, 5), {}, 12, 3),                                  # an eval batch over G: 5+5+2
+    ((5, 5), {"micro_batch_size": 2}, 6, 3),              # training's micro-batches: 2, 2, 1
+    ((5, 5), {"accumulation_steps": 5}, 6, 6),            # the planner's: 1 sample each
+    ((7, 1), {"micro_batch_size": 3}, 9, 3),              # the largest share's micro-batch
+    ((5, 5), {"micro_batch_size": 100}, 4, 1),
+    ((5, 5), {}, 0, 1),                                   # an empty batch: one (empty) pass
+])
+def test_an_evaluation_forward_holds_no_more_samples_than_a_training_one(
+        shares, options, part, want) -> None:
+    spec = StrategySpec("dp", len(shares), shares, options=options)
+    assert eval_passes(spec, part) == want
 
 
 def test_unknown_strategy_names_the_known_ones() -> None:
