@@ -144,3 +144,52 @@ def test_weighted_by_samples_the_same_runs_differ(pool: _Pool, ref: Any, case: s
     name, world, kw = CASES[case]
     results = pool.run(_train, name, kw, per_sample_ce, world_size=world)
     assert max_param_diff(results[0]["state"], ref[0]) > 100 * ATOL
+
+
+class _Masked:
+    """``Padded``'s tokens with float targets, NaN where a target is padding."""
+
+    def __len__(self) -> int:
+        return len(DATA)
+
+    def get_batch(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = DATA.get_batch(idx)
+        return x, torch.where(y == -100, torch.nan, y.float() / V)
+
+
+def masked_mse(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """A user's loss: the mean squared error over the targets that are not NaN (0 for none)."""
+    kept = ~torch.isnan(targets)
+    err = (outputs[..., 0] - torch.nan_to_num(targets)) ** 2
+    return (err * kept).sum() / kept.sum().clamp(min=1)
+
+
+masked_mse.count_items = lambda targets: (~torch.isnan(targets)).sum()  # type: ignore[attr-defined]
+
+
+def _train_masked(name: str, spec_kw: dict[str, Any]) -> dict[str, Any]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    spec = StrategySpec(name=name, world_size=world, **spec_kw)
+    model = build_model(make_lm, SEED)
+    cls = registry.get(name)
+    cls.validate(spec, model)
+    strat = cls(spec, Runtime.current("cpu"), model, make_adam, masked_mse)
+    sampler, data = StepSampler(len(DATA), spec.global_batch_size, SEED), _Masked()
+    lo, hi = share_bounds(spec.shares, rank)
+    for s in range(STEPS):
+        x, y = fetch_batch(data, sampler.indices(s))
+        strat.train_step(x[lo:hi], y[lo:hi])
+    out = strat.full_state()
+    strat.close()
+    return {"state": out if rank == 0 else None}
+
+
+@pytest.mark.parametrize("case", ["dp-2", "zero3-2-micro", "pp2-gpipe"])
+def test_a_user_loss_that_counts_its_items_trains_what_one_process_trains(pool: _Pool,
+                                                                           case: str) -> None:
+    """A loss of the user's own with a ``count_items`` attribute (a masked regression) is
+    weighted by its items as the built-in one is."""
+    name, world, kw = CASES[case]
+    results = pool.run(_train_masked, name, kw, world_size=world)
+    want, _ = reference_train(make_lm, make_adam, masked_mse, _Masked(), 8, STEPS, SEED)
+    assert max_param_diff(results[0]["state"], want) < ATOL
