@@ -271,7 +271,8 @@ class WorkerPool:
     # ------------------------------------------------------------------ for placements
 
     def take(self, key: PoolKey, n: int, free_bundles: int = 0,
-             free: Mapping[str, Mapping[str, float]] | None = None) -> list[_Proc]:
+             free: Mapping[str, Mapping[str, float]] | None = None,
+             wait_s: float = 0.0) -> list[_Proc]:
         """Up to ``n`` idle workers of ``key``, each pinged first (a dead one is retired,
         never handed out); idle workers of other keys are retired when the cluster has no
         room for the ones that must start cold, and then, for what is still missing, those
@@ -279,7 +280,16 @@ class WorkerPool:
         resources, by node id (how many bundles fit and what the cold ones lack are counted
         from it), else ``free_bundles``: how many bundles of ``key`` fit. The
         caller says ``cold_placed`` for those once it has placed them (or given up): until
-        then the pool starts no refill."""
+        then the pool starts no refill. ``wait_s``: how long to wait for the pool's workers
+        of ``key`` still starting (refills) that the idle ones fall short by; they hold the
+        room a cold start would wait for (after a job whose every worker was retired, the
+        next one found none idle, and its cold workers waited out their placement timeout
+        for CPUs the refills held)."""
+        if wait_s > 0 and key == self.key:
+            with self._lock:
+                lack = n - sum(p.key == key for p in self._idle.values())
+                refs = [p.ref for p in self._starting.values()][:max(0, lack)]
+            wait_refs(refs, wait_s)
         with self._lock:
             self._settle()
             alive = self._ping(list(self._idle.values()))

@@ -17,6 +17,10 @@ from .worker_group import Placement
 
 __all__ = ["PooledPlacement"]
 
+# the most a placement waits for the pool's workers still starting (a worker's start: ~3-5 s
+# of importing torch and the job's code; its bundle is held meanwhile)
+STARTING_WAIT_S = 30.0
+
 
 class PooledPlacement(Placement):
     """A job's placement through a ``WorkerPool``: warm workers first, the rest started
@@ -44,14 +48,14 @@ class PooledPlacement(Placement):
         return (WorkerRec(handle, wid, info={"warm": warm}, pg=pg, slot=0),
                 handle.assign.remote(self._worker_cfg, wid, self._liveness))
 
-    def _warm(self, n: int) -> list[tuple[WorkerRec, Any]]:
-        """Up to ``n`` idle workers of this job's key, assigned to it (not waited for). The
-        ``n - len(result)`` left to start cold hold the pool's refill back until the
-        caller's ``cold_placed``."""
+    def _warm(self, n: int, wait_s: float = 0.0) -> list[tuple[WorkerRec, Any]]:
+        """Up to ``n`` idle workers of this job's key, assigned to it (not waited for; the
+        pool's still starting ones within ``wait_s``). The ``n - len(result)`` left to start
+        cold hold the pool's refill back until the caller's ``cold_placed``."""
         if n <= 0:
             return []
         bundle = self.bundle()
-        procs = self.pool.take(self._key(), n, free=free_by_node(bundle))
+        procs = self.pool.take(self._key(), n, free=free_by_node(bundle), wait_s=wait_s)
         try:
             return [self._assign(p.handle, p.pg, True) for p in procs]
         except BaseException:
@@ -112,7 +116,8 @@ class PooledPlacement(Placement):
     def _warm_first(self, n: int, wait_s: float | None) -> Iterator[list[WorkerRec]]:
         """Up to ``n`` warm workers that took the job (those that failed to are dropped);
         the pool's refill stays held back for the rest, which the block starts cold."""
-        launched = self._warm(n)
+        launched = self._warm(n, STARTING_WAIT_S if wait_s is None else min(wait_s,
+                                                                           STARTING_WAIT_S))
         pending = max(0, n - len(launched))
         try:
             warm = self._collect(launched, wait_s=wait_s)

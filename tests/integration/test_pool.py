@@ -140,6 +140,36 @@ def test_user_error_or_leaked_thread_retires_the_worker(pool, tmp_path, referenc
     assert not set(pids) & set(before)
 
 
+def test_a_job_right_after_one_that_failed_on_every_rank_takes_the_refills(pool, tmp_path,
+                                                                           reference):
+    """The pool holds the only room (the cluster's other CPUs are taken), and a job fails in
+    user code on both ranks: both workers are retired and two refills start in their place.
+    The next job, started at once, waits for them and takes them. Was: it found none idle,
+    its cold workers waited for CPUs the refills held, and it failed after its placement
+    timeout ("the cluster cannot host 2 workers", found by a new user's retry, session 46)."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from elastic.errors import WorkerError
+
+    others = placement_group([{"CPU": 1}, {"CPU": 1}])  # another tenant's two CPUs
+    ray.get(others.ready(), timeout=30)
+    try:
+        with pytest.raises(WorkerError):
+            _job(pool, tmp_path, "raises", faults=[{"rank": r, "step": 1, "action": "raise"}
+                                                   for r in (0, 1)])
+        assert pool.info()["starting"] == 2, pool.info()  # the refills, up in a few seconds
+        t0 = time.monotonic()
+        res, _, pids = _job(pool, tmp_path, "next", placement_timeout_s=20)
+        assert time.monotonic() - t0 < 20
+        assert max_diff(res.state_dict(), reference) < TOL
+        info = pool.info()
+        assert info["cold"] == 0 and info["handed_out"] == 4, info  # 2 to each job, warm
+        assert pids == sorted(info["idle_pids"]), info  # the refills, back in the pool
+    finally:
+        remove_placement_group(others)
+
+
 def test_code_that_does_not_import_on_warm_workers_fails_at_once_with_why(pool, tmp_path,
                                                                          reference):
     """The pool's workers cannot import the job's model: the job fails with that reason
