@@ -48,6 +48,7 @@ def built_model(cfg: JobConfig) -> Any:
 def preflight(cfg: JobConfig, emit: Callable[..., Any]) -> Preflight:
     """Check the job; ``ConfigError`` naming the field and the fix for anything wrong."""
     model = built_model(cfg)
+    _check_dense(model)
     _check_datasets(cfg, model)
     if cfg.sample_prompt:  # the text generated after the run: tried now on one token
         from ..models import generate
@@ -90,6 +91,22 @@ def preflight(cfg: JobConfig, emit: Callable[..., Any]) -> Preflight:
         store = job_store(cfg)
         store.check_writable()
     return Preflight(model, store)
+
+
+def _check_dense(model: Any) -> None:
+    """No layout reduces sparse gradients (dp's bucketed all-reduce, the ZeRO stages' flat
+    shards and FSDP2 take dense ones): an embedding with ``sparse=True`` is refused here,
+    by name (was: each layout failed in its first step, as "user code failed")."""
+    sparse = [(name, type(m).__name__) for name, m in model.named_modules()
+              if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse]
+    if sparse:
+        name, kind = sparse[0]
+        more = f" (and {len(sparse) - 1} more)" if len(sparse) > 1 else ""
+        raise ConfigError("model", f"{name or 'the model'} ({kind}){more} makes sparse "
+                          "gradients (sparse=True), and no layout reduces those (dp's bucketed "
+                          "all-reduce, ZeRO's flat shards and FSDP take dense ones).",
+                          "build it with sparse=False: its gradients are then dense, and any "
+                          "optimizer takes them (Adam for SparseAdam)")
 
 
 def _check_datasets(cfg: JobConfig, model: Any) -> None:

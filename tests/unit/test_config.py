@@ -229,6 +229,23 @@ def test_activation_checkpointing_on_a_model_without_blocks_names_its_own_settin
     assert "blocks '0' and '2' share a tensor (tied weights)" in str(ei.value), str(ei.value)
 
 
+def _sparse_recommender() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.EmbeddingBag(50, 8, mode="sum", sparse=True),
+                               torch.nn.Linear(8, 2))
+
+
+def test_a_sparse_embedding_is_refused_by_name_before_ray(no_ray):
+    """``sparse=True`` gradients: no layout reduces them. Was: every layout failed in its
+    first step ("user code failed ... reshape is not implemented for sparse tensors" under
+    dp, a missing data pointer under zero1, FSDP's chunk_cat under zero3), and on a pool the
+    workers were retired for it (found by a new user's recommendation model, session 46)."""
+    with pytest.raises(ConfigError) as ei:
+        elastic.fit(**_base(model=_sparse_recommender, run_dir=str(no_ray)))
+    assert ei.value.field == "model", str(ei.value)
+    assert "0 (EmbeddingBag) makes sparse gradients" in str(ei.value), str(ei.value)
+    assert "build it with sparse=False" in str(ei.value)
+
+
 def _tied_blocks() -> torch.nn.Module:
     a, b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
     b.weight = a.weight
