@@ -82,9 +82,10 @@ def plan_resume(resume: str, job: str, *, own: CheckpointStore | None,
             log.warning("%s", c.note)
         if not good:
             why = ("; ".join(c.note for c in skipped) if skipped else nothing_found(store))
-            raise CheckpointError(f"resume={store.redact(resume)!r}: no intact committed checkpoint under "
-                                  f"{store.uri}: {why}. Fix: check the URI, or drop resume to "
-                                  "start fresh")
+            fix = (", or drop resume to start fresh" if "Fix:" in why  # (one fix, said once)
+                   else ". Fix: check the URI, or drop resume to start fresh")
+            raise CheckpointError(f"resume={store.redact(resume)!r}: no intact committed "
+                                  f"checkpoint under {store.uri}: {why}{fix}")
         assert good[0].manifest is not None
         manifest = good[0].manifest
     verdict = check_resume(store, manifest, job, own=own)

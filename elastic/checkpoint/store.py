@@ -160,6 +160,10 @@ class CheckpointStore:
             )
         elif isinstance(exc, PermissionError):
             hint = f"permission denied under {self.root}. Fix: choose a writable directory"
+        elif isinstance(exc, (FileExistsError, NotADirectoryError)):
+            hint = (f"a file stands where a directory must be ({text}). Fix: point the "
+                    "checkpoint URI at a directory (new or holding checkpoints), or move "
+                    "the file")
         elif isinstance(exc, FileNotFoundError):
             hint = f"not found ({text})"
         else:

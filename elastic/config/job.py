@@ -201,18 +201,9 @@ class JobConfig(JobCode):
     @classmethod
     def from_yaml(cls, path: str, overrides: Mapping[str, Any] | None = None) -> JobConfig:
         """A config from a YAML job file, ``overrides`` (``--set``) winning."""
-        import yaml
+        from .yaml_file import load_mapping
 
-        try:
-            with open(path) as f:
-                data = yaml.safe_load(f)
-        except FileNotFoundError:
-            raise ConfigError("job file", f"{path} does not exist.", "check the path") from None
-        except yaml.YAMLError as e:
-            raise ConfigError("job file", f"{path} is not valid YAML: {e}", "fix the syntax") from None
-        if not isinstance(data, dict):
-            raise ConfigError("job file", f"{path} must hold a mapping of settings.", "see README")
-        return cls.from_dict(data, overrides)
+        return cls.from_dict(load_mapping(path, "job file", "see README"), overrides)
 
     @staticmethod
     def setting_names() -> list[str]:

@@ -187,8 +187,9 @@ class Controller:
             self._emit("state", f"{old.describe()} -> {new.describe()}",
                        data={"from": old.phase.value, "to": new.phase.value})
         if isinstance(new, Failed) and isinstance(new.error, ElasticError):
+            at = _error_step(new.error)
             self._emit("failed", str(new.error).splitlines()[0] if str(new.error) else
-                       type(new.error).__name__, step=_error_step(new.error))
+                       type(new.error).__name__, step=at, data={"in_step": at is not None})
         if isinstance(new, Finished):
             self._emit("finished", new.message)
 

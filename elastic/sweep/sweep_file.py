@@ -366,15 +366,6 @@ def child_uri(uri: str, name: str) -> str:
 
 def load_yaml(path: str, what: str) -> dict[str, Any]:
     """A YAML file's mapping; ``ConfigError`` naming ``what`` if it is missing or not one."""
-    import yaml
+    from ..config.yaml_file import load_mapping
 
-    try:
-        with open(path) as f:
-            data = yaml.safe_load(f)
-    except FileNotFoundError:
-        raise ConfigError(what, f"{path} does not exist.", "check the path") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(what, f"{path} is not valid YAML: {e}", "fix the syntax") from None
-    if not isinstance(data, dict):
-        raise ConfigError(what, f"{path} must hold a mapping.", "see docs/sweeps.md")
-    return data
+    return load_mapping(path, what, "see docs/sweeps.md")

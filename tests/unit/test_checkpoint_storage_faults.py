@@ -54,6 +54,17 @@ def test_probe_fails_where_storage_cannot_rename(tmp_path) -> None:
     assert os.listdir(tmp_path) == []  # neither the probe nor its temporary file is left
 
 
+def test_a_checkpoint_uri_that_is_a_file_says_so_with_the_fix(tmp_path) -> None:
+    """Was: "... is not writable: FileExistsError: [Errno 17] Cannot create directory ...:
+    non-directory entry exists", no fix (found by a new user, session 46)."""
+    (tmp_path / "ck").write_text("")
+    for uri in (tmp_path / "ck", tmp_path / "ck" / "below"):  # the file, or a parent of it
+        with pytest.raises(StorageError) as e:
+            CheckpointStore(str(uri)).check_writable()
+        assert "a file stands where a directory must be" in str(e.value), str(e.value)
+        assert "Fix: point the checkpoint URI at a directory" in str(e.value)
+
+
 def test_probe_passes_and_cleans_up_on_local_storage(tmp_path) -> None:
     CheckpointStore(str(tmp_path)).check_writable()
     assert os.listdir(tmp_path) == []
@@ -87,3 +98,17 @@ def test_owner_record_survives_a_failed_rewrite(tmp_path) -> None:
     assert held is not None and held.nonce == first.record.nonce
     assert claim(healthy, "job-a").record.job == "job-a"  # later claims still work
     assert sorted(os.listdir(tmp_path)) == [OWNER_NAME]  # no temporary file left
+
+
+def test_a_resume_with_nothing_to_resume_from_gives_one_fix(tmp_path) -> None:
+    """Was: "... holds no step-<12 digits> directory. Fix: check the path (...). Fix: check
+    the URI, or drop resume to start fresh" (found by a new user, session 46)."""
+    from elastic.checkpoint.resume import plan_resume
+    from elastic.errors import CheckpointError
+
+    (tmp_path / "empty").mkdir()
+    for where in ("empty", "missing"):
+        with pytest.raises(CheckpointError) as e:
+            plan_resume(str(tmp_path / where), "job-a", own=None)
+        assert str(e.value).count("Fix:") == 1, str(e.value)
+        assert str(e.value).endswith(", or drop resume to start fresh"), str(e.value)

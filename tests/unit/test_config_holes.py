@@ -242,3 +242,24 @@ def test_keep_every_must_be_a_multiple_of_the_checkpoint_interval():
     assert e.fix == "use a multiple of 100, e.g. keep_every: 200 or 300"
     assert JobConfig(**_base(checkpoint_every=100, keep_every=300)).checkpoints.keep_every == 300
     assert JobConfig(**_base(keep_every=250)).checkpoints.keep_every == 250  # (no interval)
+
+
+def test_a_key_given_twice_in_a_yaml_file_is_refused_with_both_lines(tmp_path):
+    """``max_steps: 6`` then ``max_steps: 4``: YAML keeps the last without a word, and the
+    job ran 6 steps (found by a new user, session 46); in a section too, and in a sweep
+    file. A merge (``<<: *base``) is not a repeat."""
+    from elastic.sweep.sweep_file import load_yaml
+
+    with pytest.raises(ConfigError) as ei:
+        _yaml_job(tmp_path, "max_steps: 4\n")
+    assert ei.value.field == "job file", str(ei.value)
+    assert "gives 'max_steps' twice (lines 6 and 7)" in str(ei.value), str(ei.value)
+    assert "Fix: give it once" in str(ei.value)
+    with pytest.raises(ConfigError, match="gives 'every' twice"):
+        _yaml_job(tmp_path, "checkpoints:\n  every: 5\n  every: 10\n")
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text("trials: 2\ntrials: 3\n")
+    with pytest.raises(ConfigError, match="gives 'trials' twice"):
+        load_yaml(str(sweep), "sweep file")
+    sweep.write_text("a: &x {p: 1}\nb:\n  <<: *x\n  <<: *x\n  q: 2\n")
+    assert load_yaml(str(sweep), "sweep file")["b"] == {"p": 1, "q": 2}

@@ -354,8 +354,8 @@ def test_a_pooled_placement_whose_cold_part_fails_gives_its_warm_workers_back(mo
     pp = pooled_mod.PooledPlacement(Pool(), cfg, None, None)
     warm = [WorkerRec(Handle(i), i, info={"warm": True}) for i in range(2)]
     pp._mine = {f"a{i}": (w.handle, None) for i, w in enumerate(warm)}
-    monkeypatch.setattr(pooled_mod.PooledPlacement, "_warm", lambda self, n: [(w, None)
-                                                                            for w in warm])
+    monkeypatch.setattr(pooled_mod.PooledPlacement, "_warm", lambda self, n, wait_s=0.0: [
+        (w, None) for w in warm])
     monkeypatch.setattr(pooled_mod.PooledPlacement, "_collect",
                         lambda self, launched, wait_s: [w for w, _ in launched])
 
@@ -397,7 +397,7 @@ def test_warm_workers_a_failed_assign_never_reached_go_back_to_the_pool(monkeypa
     class Pool:
         env: dict = {}
 
-        def take(self, key, n, free=None):
+        def take(self, key, n, free=None, wait_s=0.0):
             return [Proc(i) for i in range(n)]
 
         def cold_placed(self, n):

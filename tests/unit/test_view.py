@@ -135,7 +135,18 @@ def test_plain_view_says_a_failure_once_the_error_itself_is_raised():
 
     out = io.StringIO()
     PlainView(out=out).event(Event("failed", "strategy: pipeline cannot run here: ...", step=0))
+    # a check before the first step is no step's failure (was: "failed at step 0")
+    assert out.getvalue() == ("[elastic] failed before any step ran: its error is raised to "
+                              "the caller\n")
+    out = io.StringIO()  # user code that failed in the first step
+    PlainView(out=out).event(Event("failed", "user code failed ...", step=0,
+                                   data={"in_step": True}))
     assert out.getvalue() == "[elastic] failed at step 0: its error is raised to the caller\n"
+    out = io.StringIO()
+    view = PlainView(out=out, log_every=10)
+    view.step({"step": 4, "loss": 1.0, "samples_per_s": 1.0, "world_size": 1, "strategy": "dp"})
+    view.event(Event("failed", "checkpoint storage ...", step=5))
+    assert out.getvalue() == "[elastic] failed at step 5: its error is raised to the caller\n"
 
 
 def test_make_view_modes():
