@@ -62,18 +62,22 @@ class ClusterError(ElasticError):
 class WorkerError(ElasticError):
     """User code raised on a worker; carries the worker's rank, the step it was in (None:
     outside a step), ``during``: the part of that step's iteration when not the step itself
-    (``"the evaluation after it"``), and its traceback."""
+    (``"the evaluation after it"``), ``part``: the rank's part of the step, in words ("1
+    sample"), and its traceback."""
 
     def __init__(self, rank: int, node: str, message: str, traceback_text: str,
-                 step: int | None = None, during: str | None = None) -> None:
+                 step: int | None = None, during: str | None = None,
+                 part: str | None = None) -> None:
         self.rank = rank
         self.node = node
         self.message = message
         self.traceback_text = traceback_text
         self.step = step
         self.during = during
+        self.part = part
         at = f" at step {step}" if step is not None else ""
         at += f", in {during}" if step is not None and during else ""
+        at += f" (its part: {part})" if step is not None and part else ""
         super().__init__(
             f"user code failed on worker rank {rank} (node {node}){at}: {message}\n"
             f"--- worker traceback (rank {rank}) ---\n{traceback_text}"
@@ -81,7 +85,7 @@ class WorkerError(ElasticError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.rank, self.node, self.message, self.traceback_text,
-                             self.step, self.during))
+                             self.step, self.during, self.part))
 
 
 class InfrastructureError(ElasticError):

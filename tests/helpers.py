@@ -82,6 +82,11 @@ def eval_capped_mlp() -> nn.Module:
     return nn.Sequential(EvalRowCap(3), *mlp())
 
 
+def bn_mlp() -> nn.Module:
+    """``mlp`` with a batch norm: a forward in training mode needs 2 samples or more."""
+    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 2))
+
+
 def adam(params) -> torch.optim.Optimizer:
     return torch.optim.Adam(params, lr=1e-2)
 

@@ -347,7 +347,7 @@ class Worker:
             raise WorkerError(e.rank, e.node, e.message, e.traceback_text,
                               step=self.loop.at_step,
                               during="the evaluation after it" if self.loop.at_eval
-                              else None) from None
+                              else None, part=self.loop.part_said()) from None
 
     def request_stop(self, segment: int | None = None) -> None:
         """Ask segment ``segment`` to stop after the current step, whether or not it has

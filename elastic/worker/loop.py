@@ -24,7 +24,8 @@ import torch.distributed as dist
 
 from clusters.policy import NonFiniteObservation, NonFinitePolicy, Rollback, SkipStep
 from clusters.sweep_policy import GateObservation, GatePolicy, Prune, PruneGate
-from strategies.spec import eval_passes
+from strategies.spec import eval_passes, lockstep_micro_batches, micro_batch_count
+from strategies.traits import traits_of
 
 from ..config import JobConfig, WorkerConfig
 from ..data import even_shares, share_bounds
@@ -210,6 +211,23 @@ class StepLoop:
         while self._metrics:
             out.append(self._metrics.popleft())
         return out
+
+    def part_said(self) -> str | None:
+        """This rank's part of the step an error came from, in words ("1 sample", "6 samples
+        in 3 micro-batches"): a batch-size-dependent failure (a batch norm over one sample)
+        names what it got. None outside a step."""
+        spec = self._layout.spec
+        if spec is None or self.at_step is None or self.at_eval:
+            return None
+        n = spec.shares[self._membership.rank]
+        if spec.name == "pipeline":
+            k = spec.micro_batches
+        elif traits_of(spec.name).lockstep_micro_batches:
+            k = lockstep_micro_batches(spec)
+        else:
+            k = micro_batch_count(spec, n)
+        said = f"{n} sample{'' if n == 1 else 's'}"
+        return said if k <= 1 else f"{said} in {k} micro-batches"
 
     def run(self, start: int, end: int, segment: int | None = None) -> dict[str, Any]:
         """Train steps ``start..end-1`` as segment ``segment`` (None: the one after the last;

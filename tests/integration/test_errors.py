@@ -88,13 +88,31 @@ def test_user_error_mid_run_says_its_step_and_keeps_the_steps_before(ray_local, 
 
     with pytest.raises(WorkerError) as ei:
         elastic.fit(**_cfg(loss=ExplodingLoss(after=4), max_steps=8, run_dir=str(tmp_path)))
-    assert ei.value.step == 4 and "at step 4: ValueError: bad loss on purpose" in str(ei.value)
+    assert ei.value.step == 4 and ("at step 4 (its part: 4 samples): ValueError: bad loss on "
+                                   "purpose") in str(ei.value)
     with open(tmp_path / "metrics.jsonl") as f:
         assert [json.loads(x)["step"] for x in f] == [0, 1, 2]
     with open(tmp_path / "events.jsonl") as f:
         ends = [(e["kind"], e["step"]) for e in map(json.loads, f)
                 if e["kind"] in ("failure", "failed")]
     assert ends == [("failure", 4), ("failed", 4)], ends
+
+
+def test_a_batch_size_error_names_the_ranks_part(ray_local, tmp_path):
+    """A batch norm over one sample fails in torch; the error says that rank's part of the
+    step was 1 sample (3 on 2 workers: shares 2 and 1), so the cause is in sight (was: torch's
+    "Expected more than 1 value per channel" alone; found by a new user, session 46)."""
+    from tests.helpers import bn_mlp
+
+    with pytest.raises(WorkerError) as ei:
+        elastic.fit(**_cfg(model=bn_mlp, global_batch_size=3, run_dir=str(tmp_path)))
+    assert ei.value.rank == 1 and ei.value.part == "1 sample", str(ei.value)
+    assert "at step 0 (its part: 1 sample): ValueError: Expected more than 1 value" in str(
+        ei.value)
+    with pytest.raises(WorkerError) as ei:  # micro-batches of 1 under zero2 (lockstep: 2 each)
+        elastic.fit(**_cfg(model=bn_mlp, global_batch_size=4, strategy="zero2",
+                           micro_batch_size=1, run_dir=str(tmp_path / "z2")))
+    assert ei.value.part == "2 samples in 2 micro-batches", str(ei.value)
 
 
 def test_user_error_in_an_evaluation_says_its_step_and_that_it_was_the_evaluation(
