@@ -1,11 +1,11 @@
 """Connecting to Ray: attach to the cluster a job names, or start a private local one.
 
 The one place a driver calls ``ray.init``, and the driver side's named actors (the
-scheduler's: start, find, call, end) so that their modules stay free of Ray. Errors say what to do: an unreachable address
-names the fix, a cluster that refuses the driver for want of a token (seen in milliseconds
-from the GCS's gRPC status, where ``ray.init`` retries for ~20 s) names ``RAY_AUTH_TOKEN``,
-and a local cluster started for more workers than the machine has cores
-warns once (they would share the cores and every step would crawl).
+scheduler's: start, find, call, end) so that their modules stay free of Ray. Errors say
+what to do: an unreachable address names the fix, a cluster that refuses the driver for want
+of a token (seen in milliseconds from the GCS's gRPC status, where ``ray.init`` retries for
+~20 s) names ``RAY_AUTH_TOKEN``, and a local cluster started for more workers than the
+machine has cores warns once (they would share the cores and every step would crawl).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from .ray_address import check_reachable, host_port
 __all__ = ["connect", "disconnect", "check_reachable", "host_port", "address_of", "attach",
            "LocalNodes", "named_actors", "named_actor", "start_named", "call", "kill", "dumps",
            "loads", "draining_nodes", "node_infos", "request_drain", "node_alive", "pg_ready",
-           "bundle_node", "start_in_bundle", "new_bundle", "remove_bundle", "wait_refs",
+           "bundle_count", "bundle_node", "start_in_bundle", "new_bundle", "remove_bundle", "wait_refs",
            "get_ref", "actor_key", "free_by_node", "runtime_env_now", "ray_session",
            "table_sizes", "join_tables", "free_cpus", "running_here", "live_address",
            "cluster_for", "attached_here", "resources_free"]
@@ -431,6 +431,13 @@ def pg_ready(pg: Any) -> bool:
         return False
 
 
+def bundle_count(pg: Any) -> int:
+    try:
+        return int(pg.bundle_count)
+    except Exception:  # noqa: BLE001 - a removed group: 0
+        return 0
+
+
 def bundle_node(pg: Any, index: int) -> str:
     """The node bundle ``index`` of ``pg`` is reserved on now ('' when none or unknown)."""
     import ray
@@ -584,8 +591,7 @@ def free_by_node(bundle: dict[str, float]) -> dict[str, dict[str, float]]:
 
 
 def runtime_env_now() -> dict[str, Any]:
-    """The runtime environment this process's job runs in (what an actor it starts
-    inherits)."""
+    """The runtime environment of this process's job (what an actor it starts inherits)."""
     import ray
 
     try:

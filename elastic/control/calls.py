@@ -13,6 +13,7 @@ from typing import Any
 
 from strategies import StrategySpec
 
+from ..ray_connect import bundle_count, pg_ready, remove_bundle
 from .group import WorkerRec
 
 __all__ = ["WorkerCalls", "PlacementCalls", "EVEN"]
@@ -53,6 +54,29 @@ class PlacementCalls:
         new: list[WorkerRec] = self.placement.take_spares(n)
         self.workers += new
         return new
+
+    def trim_slots(self, keep: int) -> int:
+        """Give back the free reserved slots beyond ``keep`` (how many more workers the job
+        may take): a lost or drained worker's one-bundle group that Ray re-reserved elsewhere
+        held a device idle on a shared cluster, while the job ran at its size with a
+        replacement. Groups of several bundles stay (Ray frees no single bundle). Returns how
+        many were given back."""
+        pl = self.placement
+        if not (pl.free_slots or pl.draining or pl.lost):
+            return 0
+        pl.revive()  # (a draining node's bundles are free once it is gone)
+        if len(pl.free_slots) <= keep:
+            return 0
+        used = {id(w.pg) for w in self.workers} | {id(w.pg) for w in pl.warming()}
+        spare = [s for s in pl.free_slots if s[0] is not None and id(s[0]) not in used
+                 and bundle_count(s[0]) == 1]
+        spare.sort(key=lambda s: pg_ready(s[0]))  # those Ray could not re-reserve first
+        gone = spare[:len(pl.free_slots) - keep]
+        for pg, _ in gone:
+            remove_bundle(pg)
+        ids = {id(pg) for pg, _ in gone}
+        pl.free_slots = [s for s in pl.free_slots if id(s[0]) not in ids]
+        return len(gone)
 
     def try_place(self, n: int, timeout_s: float) -> list[WorkerRec]:
         """Place up to ``n`` more workers within ``timeout_s``; keep what could be placed."""

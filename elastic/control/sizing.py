@@ -50,6 +50,8 @@ class Sizing:
             "running", len(group.workers), self.target, self.cfg.min_world, self.cfg.max_world,
             spares_ready=group.spares_ready(), spares_starting=group.spares_starting(),
             room=len(group.workers) + group.spares_starting() < self.target and group.room()))
+        # reserved slots beyond what the job may still grow into are given back
+        group.trim_slots(max(0, self.target - len(group.workers) - group.spares_starting()))
         if isinstance(d, Resize):
             return None if self.inbox.has("grow") else Request("grow", reason=d.reason)
         if isinstance(d, StartSpares):

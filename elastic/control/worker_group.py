@@ -73,7 +73,7 @@ class Placement:
         self._next_id = 0
         self.free_slots: list[tuple[Any, int]] = []  # reserved bundles without a worker
         self.draining: list[tuple[Any, int, str]] = []  # bundles of a draining node's workers
-        self._drained: set[str] = set()  # nodes Ray was seen draining (``_revive``)
+        self._drained: set[str] = set()  # nodes Ray was seen draining (``revive``)
         self.lost: list[tuple[Any, int, str]] = []  # of workers lost with a node Ray holds alive
         self._warming: list[tuple[WorkerRec, Any]] = []  # spares starting: (worker, info ref)
         self._bundle_res: dict[str, float] | None = None
@@ -119,8 +119,7 @@ class Placement:
         return new
 
     def _launch(self, pg: Any, slots: list[int], bundle: dict[str, float]
-                ) -> list[tuple[WorkerRec, Any]]:
-        """Create worker actors in bundles ``slots`` of ``pg`` (non-blocking)."""
+                ) -> list[tuple[WorkerRec, Any]]:  # in bundles ``slots`` of ``pg``, not waited for
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -180,6 +179,9 @@ class Placement:
     def spares_starting(self) -> int:
         return len(self._warming)
 
+    def warming(self) -> list[WorkerRec]:
+        return [w for w, _ in self._warming]
+
     def start_spares(self, n: int) -> None:
         """Start up to ``n`` workers in the background where there is room (a free reserved
         slot that Ray re-reserved, or free resources for one more); they join at a step
@@ -190,7 +192,7 @@ class Placement:
         if n <= 0:
             return
         bundle = self.bundle()
-        self._revive()
+        self.revive()
         ready_slots = [(pg, i) for pg, i in self.free_slots if pg_ready(pg)][:n]
         for pg, i in ready_slots:
             self.free_slots.remove((pg, i))
@@ -228,7 +230,7 @@ class Placement:
         deadline = time.monotonic() + timeout_s
         while self.lost and time.monotonic() < deadline:  # until Ray, too, holds them dead
             time.sleep(0.05)
-            self._revive()
+            self.revive()
         bundle = self.bundle()
         placed: list[WorkerRec] = []
         reuse, self.free_slots = self.free_slots[:n], self.free_slots[n:]
@@ -253,7 +255,7 @@ class Placement:
         tried: set[tuple[int, int]] = set()
         while pgs and not all(map(pg_ready, pgs)) and time.monotonic() < deadline:
             time.sleep(0.2)  # the job's own bundle that Ray re-reserved on a node that joined
-            self._revive()  # (a draining node's, once gone) holds the room a new group waits
+            self.revive()  # (a draining node's, once gone) holds the room a new group waits
             for pg, i in [s for s in self.free_slots if pg_ready(s[0])]:
                 idle = next((g for g in pgs if not pg_ready(g)), None)  # for: taken instead
                 if idle is not None and (id(pg), i) not in tried:  # (a failed start puts
@@ -269,7 +271,7 @@ class Placement:
                 remove_bundle(pg)
         return placed
 
-    def _revive(self) -> None:
+    def revive(self) -> None:
         """Free slots: a lost node's bundles once it is gone; a draining node's once it is gone
         or drains no more after Ray had it draining (a refused drain's stay held: no spare)."""
         from ..ray_connect import draining_nodes
@@ -286,7 +288,7 @@ class Placement:
 
     def room(self) -> bool:
         """A free reserved slot that is placeable, or free resources for one more worker."""
-        self._revive()
+        self.revive()
         if self.free_slots:
             return any(pg_ready(pg) for pg, _ in self.free_slots)
         return resources_free(self.bundle())
@@ -381,7 +383,7 @@ class WorkerGroup(PlacementCalls, WorkerCalls):
 
     def release(self, workers: Sequence[WorkerRec]) -> None:
         """Let workers of a draining node go (killed now); their bundles become free slots
-        only once the node is gone or drains no more (``Placement._revive``)."""
+        only once the node is gone or drains no more (``Placement.revive``)."""
         for w in workers:
             _kill(w)
             self.placement.draining.append((w.pg, w.slot, str(w.info.get("node_id", ""))))

@@ -167,19 +167,31 @@ def test_a_drain_below_min_workers_takes_in_a_replacement_then_moves_the_state(
     takes it in while the draining rank still holds its shards, then moves that rank's
     state onto the others and lets it go: no step lost, no checkpoint, 3 workers, the
     survivors' processes kept. Was: a checkpoint, the node let go, and a recovery that
-    waited below min_workers."""
+    waited below min_workers. Each worker in a group of its own (``per_worker``): once the
+    node has gone, the drained worker's group, which Ray holds for re-reserving, is given
+    back (the job at its size cannot use it; was: held for the rest of the run)."""
+    import ray
+
     cluster = ray_cluster(3)
     handle = _submit(tmp_path, strategy="zero3", min_workers=3, max_workers=3,
                      min_workers_timeout_s=90, checkpoint_every=100, max_steps=LONG,
-                     checkpoint_uri=str(tmp_path / "ckpt"))
+                     checkpoint_uri=str(tmp_path / "ckpt"), placement="per_worker",
+                     scale_check_s=0.5)
     _wait_step(handle, 6)
     ctl = handle.controller
     node = ctl.workers[2].info["node_id"]
     kept = {w.info["pid"] for w in ctl.workers if w.info["node_id"] != node}
-    deadline = _drain(node, 30.0)
+    _drain(node, 30.0)
     cluster.add_node()  # room for the replacement
-    _remove_at(cluster, handle, node, deadline)
+    while not handle.done() and not any(e.kind == "evacuated" for e in list(ctl.events)):
+        time.sleep(0.05)
+    cluster.remove(node)  # taken early, as soon as nothing of the job is on it
+    held = None
+    while not handle.done() and held != 3:  # the groups the job holds: its workers' alone
+        held = sum(g["state"] != "REMOVED" for g in ray.util.placement_group_table().values())
+        time.sleep(0.1)
     result = handle.result(timeout=240)
+    assert held == 3, held
     said = [f"{e.step} {e.kind}: {e.message[:160]}" for e in result.events if e.kind != "state"]
     assert any(e.kind == "replacing" for e in result.events), said
     paths = [e.data["path"] for e in result.events if e.kind == "evacuating"]

@@ -152,6 +152,9 @@ class FakeGroup:
     def room(self) -> bool:
         return self.room_left > 0
 
+    def trim_slots(self, keep: int) -> int:
+        return 0
+
     def form(self) -> tuple[str, int, float]:
         self.generation += 1
         self._ck_seq = 0  # a new group counts its checkpoints from 1, as the workers do

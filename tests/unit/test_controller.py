@@ -487,11 +487,18 @@ def test_a_job_that_grows_only_when_asked_leaves_room_alone(tmp_path):
         def room(self) -> bool:
             return True
 
+        def trim_slots(self, keep: int) -> int:
+            self.kept = keep
+            return 0
+
     for grow, target, kind in ((True, 4, "grow"), (False, 2, None)):
         cfg = _cfg(tmp_path, min_workers=1, max_workers=4, grow_when_room=grow)
         sizing = Sizing(cfg, Inbox(None, lambda *a, **k: None))
-        req = sizing.check(Roomy())
+        group = Roomy()
+        req = sizing.check(group)
         assert sizing.target == target and (req.kind if req else None) == kind, grow
+        # the reserved slots it keeps: what it may still grow into (none at its target)
+        assert group.kept == target - 2, grow
 
 
 def test_a_recovery_replaces_workers_up_to_the_size_asked_for_not_past_it(tmp_path):

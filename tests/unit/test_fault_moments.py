@@ -80,15 +80,45 @@ def test_a_notice_that_did_not_come_true_gives_its_bundles_back(monkeypatch):
     assert p.free_slots == [("pg", 0)] and p.draining == []
     assert p.lost == [("pg", 1, "nodeB")]
     refused = _placement(monkeypatch, alive=True, draining={})
-    refused._revive()  # noqa: SLF001
+    refused.revive()
     assert refused.free_slots == [] and refused.draining == [("pg", 0, "nodeA")]
 
 
 @pytest.mark.parametrize("draining", [{"nodeA": 0}, RuntimeError("GCS busy")])
 def test_a_node_still_draining_keeps_its_bundles_until_it_goes(monkeypatch, draining):
     p = _placement(monkeypatch, alive=True, draining=draining)
-    p._revive()  # noqa: SLF001
+    p.revive()
     assert p.free_slots == [] and p.draining == [("pg", 0, "nodeA")]
     monkeypatch.setattr(wg, "node_alive", lambda node: False)  # the node went
-    p._revive()  # noqa: SLF001
+    p.revive()
     assert p.free_slots == [("pg", 0), ("pg", 1)] and p.draining == [] and p.lost == []
+
+
+def test_slots_beyond_what_the_job_may_grow_into_are_given_back(monkeypatch):
+    """A drained node's workers were replaced (a replace-then-move): once the node is gone
+    their one-bundle groups, which Ray re-reserves elsewhere where it can, are free slots
+    the job at its size cannot use; ``trim_slots(0)`` gives them back, those Ray could not
+    re-reserve first, and keeps a group a worker uses (a gang's). Was: held idle for the
+    rest of the run, a device no other job on the cluster could have."""
+    from elastic.control import calls
+    from elastic.control.group import WorkerRec
+
+    p = _placement(monkeypatch, alive=False, draining={})
+    p.draining = [("solo-ready", 0, "nodeA"), ("solo-pending", 0, "nodeA"),
+                  ("gang", 2, "nodeA")]
+    p.lost = []
+    sizes = {"solo-ready": 1, "solo-pending": 1, "gang": 3}
+    monkeypatch.setattr(calls, "bundle_count", lambda pg: sizes[pg])
+    monkeypatch.setattr(calls, "pg_ready", lambda pg: pg != "solo-pending")
+    removed: list[str] = []
+    monkeypatch.setattr(calls, "remove_bundle", removed.append)
+    group = calls.PlacementCalls()
+    group.placement = p
+    group.workers = [WorkerRec(None, 0, pg="gang", slot=0), WorkerRec(None, 1, pg="gang",
+                                                                      slot=1)]
+    assert group.trim_slots(2) == 1  # two kept for growth: the pending one goes first
+    assert removed == ["solo-pending"] and p.draining == []
+    assert p.free_slots == [("solo-ready", 0), ("gang", 2)]
+    assert group.trim_slots(0) == 1 and removed == ["solo-pending", "solo-ready"]
+    assert p.free_slots == [("gang", 2)]  # (Ray frees no single bundle of a group)
+    assert group.trim_slots(0) == 0
