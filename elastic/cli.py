@@ -260,7 +260,9 @@ def _cmd_checkpoints(a: argparse.Namespace) -> int:
     if a.action == "list":
         rows = list_checkpoints(store)
         print(format_list(rows, None if rows else nothing_found(store)))
-        return 0
+        # a directory with no checkpoint yet lists none; a path that is none fails (a script's
+        # misspelled path, as `ls`: was 0)
+        return 0 if rows or store.fs.get_file_info(store.root).type.name == "Directory" else 1
     if a.action == "inspect":
         info = inspect(store, _which(a.which or "latest"))
         print(json.dumps(info, indent=2, default=str) if a.json else format_inspect(info))

@@ -170,9 +170,38 @@ def _named(field: str, parquet: bool, e: ConfigError) -> ConfigError:
                        f"{how}; {_SKIP}")
 
 
+def _raised_at(e: BaseException) -> str | None:
+    """``file:line`` where the user's code itself raised (the innermost frame, outside torch);
+    None when torch raised (a layer or a torch loss refusing its input: the data's shape or
+    dtype is then the likely cause)."""
+    import os
+
+    import torch
+
+    tb = e.__traceback__
+    if tb is None:
+        return None
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    where = tb.tb_frame.f_code.co_filename
+    if where.startswith(os.path.dirname(torch.__file__) + os.sep):
+        return None
+    return f"{where}:{tb.tb_lineno}"
+
+
+def _own_error(what: str, got: str, e: Exception, at: str, data_fix: str) -> ConfigError:
+    """``what`` ("loss", "model") raised in its own code: said of it, not of the data."""
+    return ConfigError(what, f"raised in its own code ({at}) on {got} (one sample of the "
+                       f"dataset): {_first_line(e)}.",
+                       f"fix the {what} where it raised; if it refuses these inputs, "
+                       f"{data_fix}; {_SKIP}")
+
+
 def _forward_error(cfg: JobConfig, parquet: bool, x: Any, e: Exception,
                    field: str = "dataset") -> ConfigError:
     got = f"inputs {_describe(x)}"
+    if (at := _raised_at(e)) is not None:  # (was: said of the dataset, whatever raised)
+        return _own_error("model", got, e, at, f"make {field}'s inputs what the model takes")
     if parquet:
         col = cfg.input_column
         given = cfg.dataset if field == "dataset" else cfg.eval_dataset
@@ -192,6 +221,8 @@ def _forward_error(cfg: JobConfig, parquet: bool, x: Any, e: Exception,
 
 def _loss_error(cfg: JobConfig, parquet: bool, out: Any, y: Any, e: Exception) -> ConfigError:
     got = f"the model's output {_describe(out)} and targets {_describe(y)}"
+    if (at := _raised_at(e)) is not None:
+        return _own_error("loss", got, e, at, "make the dataset's targets what it takes")
     if parquet:
         col = cfg.target_column
         return ConfigError(

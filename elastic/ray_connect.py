@@ -177,7 +177,7 @@ def connect(address: str | None, local_cpus: float,
         return False
     addr, here = cluster_for(address)
     if addr is not None:
-        attach(addr)
+        attach("auto" if here else addr)  # (with the head's token auth, as ray.init())
         if here and say is not None:
             say(attached_here(addr))
         return False

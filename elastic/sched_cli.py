@@ -150,7 +150,14 @@ def _cancel(a: argparse.Namespace) -> int:
     from . import scheduler
 
     before = scheduler.ScheduledJob(a.name, a.job).cancel()
-    print(f"[elastic] cancelled {a.job!r} (was {before})")
+    if before == "queued":
+        print(f"[elastic] cancelled {a.job!r} (it was queued)")
+    elif before == "running":
+        print(f"[elastic] cancelling {a.job!r}: it stops at its next step boundary, with a "
+              "final checkpoint (`elastic queue list` shows it cancelled then)")
+    else:  # (was: "cancelled 'qa' (was finished)", rc 0, the job left as it was)
+        print(f"[elastic] {a.job!r} had already ended ({before}): nothing to cancel")
+        return 1
     return 0
 
 

@@ -262,7 +262,7 @@ class Controller:
                 return Recovering(root_cause(poll.failures), poll.noticed_by)
             self._drain()
             self._check_interrupt()
-            self.sizing.settle(len(self.workers))  # growth that waited too long is refused
+            self.sizing.settle(len(self.workers), self.status)  # growth that waited too long is refused
             self.inbox.poll_mailbox(self.status())
             self.tracker.tick(self.group)
             if self.evacuation and self.evacuation.watch() and not self.inbox.has("notice"):
@@ -287,7 +287,7 @@ class Controller:
     def _boundary(self, st: AtBoundary) -> State:
         """Scheduled switches, re-balancing, growth asked for, then requests one by one."""
         assert self.spec is not None and self.layouts is not None
-        self.sizing.settle(len(self.workers))
+        self.sizing.settle(len(self.workers), self.status)
         self._check_interrupt()
         if self.step >= self._end():
             return Finishing("stopped on request" if self._stop_at is not None else
@@ -348,7 +348,7 @@ class Controller:
         if out is not None:
             self.spec, self.step = out.spec, out.step
         self._answer(st.request, len(self.workers))
-        self.sizing.settle(len(self.workers))
+        self.sizing.settle(len(self.workers), self.status)
         return AtBoundary(self.step)
 
     def _recover(self, st: Recovering) -> State:

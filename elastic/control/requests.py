@@ -218,16 +218,17 @@ class Inbox:
             self.in_hand = None
         self.parked.append((req, deadline))
 
-    def settle_parked(self, workers: int, now: float, refuse: Callable[[int], Exception]
-                      ) -> bool:
+    def settle_parked(self, workers: int, now: float, refuse: Callable[[int], Exception],
+                      status: Callable[[], dict[str, Any]] = dict) -> bool:
         """Answer parked growth that ``workers`` meets; refuse (``refuse(n)``) what is past
-        its deadline. Returns whether any was refused."""
+        its deadline; each answer with the job's ``status()`` (was: an empty one). Returns
+        whether any was refused."""
         keep, refused = [], False
         for req, deadline in self.parked:
             if workers >= int(req.value):
-                self.answer(req, workers)
+                self.answer(req, workers, status())
             elif now > deadline:
-                self.answer(req, refuse(int(req.value)))
+                self.answer(req, refuse(int(req.value)), status())
                 refused = True
             else:
                 keep.append((req, deadline))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from clusters.policy import Proceed, Resize, ScalingObservation, ScalingPolicy, StartSpares
@@ -97,12 +97,13 @@ class Sizing:
         finally:
             self._before = None
 
-    def settle(self, workers: int) -> None:
+    def settle(self, workers: int, status: Callable[[], dict[str, Any]] = dict) -> None:
         """Answer parked growth the job reached; refuse what waited too long (the target
-        goes back to the size the job has)."""
+        goes back to the size the job has). ``status``: the job's, sent with the answers
+        (as with every other request's)."""
         def refuse(want: int) -> Exception:
             return SwitchError(f"cannot scale to {want} workers: the cluster had room for "
                                f"{workers} within {SCALE_WAIT_S:.0f}s; the job goes on with "
                                f"{workers}. Fix: add nodes or free resources, then ask again")
-        if self.inbox.settle_parked(workers, time.monotonic(), refuse):
+        if self.inbox.settle_parked(workers, time.monotonic(), refuse, status):
             self.target = workers

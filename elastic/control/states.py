@@ -139,6 +139,8 @@ class Resizing(State):
     request: Request | None = field(default=None, compare=False)
 
     def describe(self) -> str:
+        if self.warm_only:  # (as many as are up: "scaled 2 -> 3" may follow, not 4)
+            return f"resizing toward {self.n} workers with the spares up ({self.reason})"
         return f"resizing to {self.n} workers ({self.reason})"
 
 

@@ -70,7 +70,7 @@ def test_checkpoint_tools(ray_local, tmp_path):
                                   ("checkpoints", "list", nothing),
                                   ("checkpoints", "verify", nothing))  # a CI gate fails
     assert bad.returncode == 1 and "BAD" in bad.stdout
-    assert listed.returncode == 0 and "does not exist" in listed.stdout
+    assert listed.returncode == 1 and "does not exist" in listed.stdout
     assert verified.returncode == 1 and "does not exist" in verified.stderr
 
 

@@ -112,6 +112,16 @@ def test_ray_submit_and_ray_exec_run_elastic_on_the_launched_cluster(launched, t
     out = _ray(env, str(tmp_path), "exec", cfg, "elastic run job.yaml")
     assert out.returncode == 0, out.stdout + out.stderr
     assert said in out.stdout and "[elastic] done: 5 steps" in out.stdout, out.stdout
+    # a shell that has the token but never turned token authentication on (`ray start` turns
+    # it on by itself where ~/.ray/auth_token exists): the job attaches as ray.init() does.
+    # Was: "refused this driver ... Fix: export RAY_AUTH_MODE=token" (found by a new user)
+    with open(os.path.join(home, "job2.yaml"), "w") as f:
+        f.write(JOB + f"run_dir: {tmp_path / 'plain'}\n")
+    plain = {k: v for k, v in env.items() if k != "RAY_AUTH_MODE"}
+    out = subprocess.run([os.path.join(BIN, "elastic"), "run", "job2.yaml"], env=plain,
+                         cwd=home, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert said in out.stdout and "[elastic] done: 5 steps" in out.stdout, out.stdout
     # both ran on the launched cluster's node, not on a private cluster's
     ask = (f"import json, ray; ray.init(address={head!r}, logging_level='ERROR'); "
            "print(json.dumps([n['NodeID'] for n in ray.nodes() if n['Alive']]))")

@@ -112,3 +112,15 @@ def test_a_resume_with_nothing_to_resume_from_gives_one_fix(tmp_path) -> None:
             plan_resume(str(tmp_path / where), "job-a", own=None)
         assert str(e.value).count("Fix:") == 1, str(e.value)
         assert str(e.value).endswith(", or drop resume to start fresh"), str(e.value)
+
+
+def test_listing_checkpoints_of_a_path_that_is_none_fails(tmp_path, capsys) -> None:
+    """``elastic checkpoints list`` of a missing path exits 1, as ``ls`` does (a script's
+    misspelled path; was 0, found by a new user, session 46); of a directory with no
+    checkpoint yet, 0."""
+    from elastic import cli
+
+    (tmp_path / "empty").mkdir()
+    assert cli.main(["checkpoints", "list", str(tmp_path / "missing")]) == 1
+    assert "does not exist" in capsys.readouterr().out
+    assert cli.main(["checkpoints", "list", str(tmp_path / "empty")]) == 0

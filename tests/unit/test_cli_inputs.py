@@ -80,3 +80,29 @@ def test_good_scheduler_flags_reach_the_cluster(no_cluster, tmp_path):
                  ["scheduler", "start", "--gpus", "1", "--db", "none"]):
         with pytest.raises(Attached):
             cli.main(argv)
+
+
+@pytest.mark.parametrize(("before", "rc", "said"), [
+    ("queued", 0, "cancelled 'j' (it was queued)"),
+    ("running", 0, "cancelling 'j': it stops at its next step boundary"),
+    ("finished", 1, "'j' had already ended (finished): nothing to cancel"),
+    ("cancelled", 1, "'j' had already ended (cancelled): nothing to cancel"),
+])
+def test_queue_cancel_says_what_it_did(monkeypatch, capsys, before, rc, said):
+    """Was: "cancelled 'j' (was finished)" and exit 0 for a job that had ended, which went
+    on being listed finished (found by a new user, session 46)."""
+    import argparse
+
+    from elastic import scheduler
+    from elastic.sched_cli import _cancel
+
+    class Job:
+        def __init__(self, name: str, job: str) -> None:
+            pass
+
+        def cancel(self) -> str:
+            return before
+
+    monkeypatch.setattr(scheduler, "ScheduledJob", Job)
+    assert _cancel(argparse.Namespace(name="s", job="j")) == rc
+    assert said in capsys.readouterr().out

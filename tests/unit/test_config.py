@@ -398,6 +398,34 @@ def test_the_built_in_cross_entropy_takes_every_shape_f_cross_entropy_takes():
         assert int(ce.count_items(y)) == items
 
 
+def _loss_that_raises(out, y):
+    raise RuntimeError("boom from user loss")
+
+
+class _ForwardThatRaises(torch.nn.Module):
+    def forward(self, x):
+        raise ValueError("my forward refuses")
+
+
+def test_code_that_raises_in_itself_is_named_not_the_dataset(no_ray):
+    """A loss (or a forward) that raises in its own code, on data of the shapes it should
+    take: the error names it and where it raised. Was: "dataset: the loss failed on ... Fix:
+    make the dataset's targets what the loss takes", for shapes that were right (found by a
+    new user, session 46). A torch layer or loss refusing the data is still the data's."""
+    with pytest.raises(ConfigError) as ei:
+        elastic.fit(**_base(loss=_loss_that_raises, run_dir=str(no_ray)))
+    text = str(ei.value)
+    assert ei.value.field == "loss", text
+    assert "raised in its own code (" in text and "test_config.py:" in text, text
+    assert "RuntimeError: boom from user loss" in text and "Fix: fix the loss where" in text
+    with pytest.raises(ConfigError) as ei:
+        elastic.fit(**_base(model=_ForwardThatRaises, run_dir=str(no_ray)))
+    assert ei.value.field == "model" and "my forward refuses" in str(ei.value), str(ei.value)
+    with pytest.raises(ConfigError) as ei:  # torch's Linear refusing 8 features for 3
+        elastic.fit(**_base(model=lambda: torch.nn.Linear(3, 2), run_dir=str(no_ray)))
+    assert ei.value.field == "dataset", str(ei.value)
+
+
 def test_the_sample_check_leaves_the_model_as_it_was():
     from elastic.preflight import check_sample
 

@@ -1010,3 +1010,37 @@ def test_an_evacuation_cut_by_a_lost_worker_is_said_to_follow_the_recovery():
                 in str(got) and "rank 2: the process group failed" in str(got)
         else:
             assert isinstance(got, GroupError)
+
+
+def test_a_parked_growth_is_answered_with_the_jobs_status():
+    """``elastic scale job 2`` from 1 waits for room, then is answered with the job's status,
+    as every other request is (was: ``"status": {}``, found by a new user, session 46); a
+    refusal after the wait is an error."""
+    from elastic.control.requests import Inbox, Request
+
+    class Box:
+        def __init__(self) -> None:
+            self.replies: list[tuple[int, dict]] = []
+
+        def reply(self, rid: int, out: dict) -> None:
+            self.replies.append((rid, out))
+
+    box = Box()
+    inbox = Inbox(box, lambda *a, **k: None)
+    inbox.park(Request("scale", 2, remote_id=1), deadline=10.0)
+    inbox.park(Request("scale", 4, remote_id=2), deadline=10.0)
+    status = {"job": "j", "world_size": 2}
+    assert not inbox.settle_parked(2, 5.0, lambda n: RuntimeError(f"no {n}"), lambda: status)
+    assert box.replies == [(1, {"ok": True, "result": 2, "status": status})]
+    assert inbox.settle_parked(2, 11.0, lambda n: RuntimeError(f"no {n}"), lambda: status)
+    assert box.replies[1] == (2, {"error": "no 4"})
+
+
+def test_a_warm_only_resize_says_it_takes_the_spares_that_are_up():
+    """It takes as many as are up: "resizing to 4 workers" then "scaled 2 -> 3" read as a
+    failed resize (found by a new user, session 46)."""
+    from elastic.control.states import Resizing
+
+    assert Resizing(4, "a node with room joined", warm_only=True).describe() == (
+        "resizing toward 4 workers with the spares up (a node with room joined)")
+    assert Resizing(2, "asked").describe() == "resizing to 2 workers (asked)"
