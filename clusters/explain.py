@@ -67,7 +67,7 @@ def explain(
                     None) if trial_ran(p, seen) and keeps_state(p) else None
         close = (f"; too close for the model to order (within {trial_tolerance * 100:.0f} %), "
                  "the choice is what the profiler's trial steps ran")
-        used = (f"{choice.peak_fraction:.0%}" if choice.peak_fraction >= 0.005
+        used = (f"{choice.peak_fraction:.0%}" if round(choice.peak_fraction * 100) >= 1
                 else "under 1%")  # (a small model's: was "0% of usable")
         spare = f", with memory to spare ({used} of usable)"
         line = f"runner-up: {r.plan.label} ({r.subset}), {slower:+.1%} step time"

@@ -171,20 +171,21 @@ def _named(field: str, parquet: bool, e: ConfigError) -> ConfigError:
 
 
 def _raised_at(e: BaseException) -> str | None:
-    """``file:line`` where the user's code itself raised (the innermost frame, outside torch);
-    None when torch raised (a layer or a torch loss refusing its input: the data's shape or
-    dtype is then the likely cause)."""
+    """``file:line`` where the user's own code raised (the innermost frame); None when a
+    library raised: torch (a layer or a torch loss refusing its input), elastic's own models
+    and losses, an installed package: the data's shape or dtype is then the likely cause."""
     import os
-
-    import torch
+    import sysconfig
 
     tb = e.__traceback__
     if tb is None:
         return None
     while tb.tb_next is not None:
         tb = tb.tb_next
-    where = tb.tb_frame.f_code.co_filename
-    if where.startswith(os.path.dirname(torch.__file__) + os.sep):
+    where = os.path.abspath(tb.tb_frame.f_code.co_filename)
+    libraries = {sysconfig.get_paths()[k] for k in ("stdlib", "purelib", "platlib")}
+    libraries.add(os.path.dirname(os.path.abspath(__file__)))  # elastic's models and losses
+    if any(where.startswith(os.path.abspath(d) + os.sep) for d in libraries):
         return None
     return f"{where}:{tb.tb_lineno}"
 

@@ -278,11 +278,11 @@ class Strategy(ABC):
         return total * self.share / self.spec.global_batch_size
 
     def eval_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, int]:
-        """Forward only, in eval mode and without gradients, on this rank's part of an
-        evaluation batch: ``(mean loss x samples, samples)`` of what this rank scored (the
-        sums over the world give the mean over the batch). Collective where the layout's
-        forward is (every rank calls it once per evaluation batch, with 0 samples if its
-        part is empty). Default: the local module, no communication."""
+        """Forward only, in eval mode and without gradients, on one piece of this rank's
+        part of an evaluation batch: ``(mean loss x samples, samples)`` of what this rank
+        scored (the sums over the world give the mean over the batch). Collective where the
+        layout's forward is (every rank calls it as many times per evaluation batch,
+        ``eval_empty`` for an empty piece). Default: the local module, no communication."""
         n = len(inputs)
         if n == 0:
             return 0.0, 0

@@ -242,14 +242,19 @@ def lockstep_micro_batches(spec: StrategySpec) -> int:
     return k
 
 
-def eval_passes(spec: StrategySpec, largest_part: int) -> int:
-    """How many forwards an evaluation runs a part of ``largest_part`` samples in (the
-    world's largest part; every rank runs as many, since a zero3 forward is a collective):
-    none holds more samples than the layout's largest training micro-batch, so evaluation
-    needs no more activation memory than a training step (``micro_batch_size`` and the
-    planner's accumulation bound it too; without gradients a forward keeps less)."""
-    biggest = max(-(-s // micro_batch_count(spec, s)) for s in spec.shares if s > 0)
-    return max(1, -(-largest_part // biggest))
+def eval_passes(spec: StrategySpec, parts: Sequence[int]) -> int:
+    """How many forwards an evaluation runs each rank's part in (``parts``: every rank's
+    samples of the evaluation batch; every rank runs as many, since a zero3 forward is a
+    collective): no rank's forward holds more samples than its own training micro-batches
+    do, so evaluation needs no more activation memory than a training step on any device
+    (``micro_batch_size``, the planner's per-device accumulation; without gradients a
+    forward keeps less)."""
+    lock = (lockstep_micro_batches(spec) if spec.traits.lockstep_micro_batches else None)
+    need = 1
+    for part, share in zip(parts, spec.shares, strict=True):
+        k = lock if lock is not None else micro_batch_count(spec, share)
+        need = max(need, -(-part // -(-share // k)))
+    return need
 
 
 def pipeline_defaults(batches: Sequence[int], pp: int, micro_batches: int | None = None,

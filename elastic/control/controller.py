@@ -189,7 +189,7 @@ class Controller:
         if isinstance(new, Failed) and isinstance(new.error, ElasticError):
             at = _error_step(new.error)
             self._emit("failed", str(new.error).splitlines()[0] if str(new.error) else
-                       type(new.error).__name__, step=at, data={"in_step": at is not None})
+                       type(new.error).__name__, step=at, data={"in_step": _begun(old, at)})
         if isinstance(new, Finished):
             self._emit("finished", new.message)
 
@@ -483,6 +483,12 @@ def _placed(infos: list[dict[str, Any]]) -> tuple[str, dict[str, Any]]:
             + (f", {warm} warm from the pool" if warm else ""),
             {"warm": warm, "workers": [{"pid": i.get("pid"), "node_id": i.get("node_id"),
                                         "warm": bool(i.get("warm"))} for i in infos]})
+
+
+def _begun(old: State, at: int | None) -> bool:
+    """Whether a failure came from a step (a user's error names one) or later than the
+    start's placing and forming (no step ran before those in this run)."""
+    return at is not None or not isinstance(old, (Starting, Placing, Forming))
 
 
 def _error_step(e: BaseException) -> int | None:

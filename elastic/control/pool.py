@@ -61,6 +61,7 @@ from ..ray_connect import (
     get_ref,
     kill,
     new_bundle,
+    pg_ready,
     ray_session,
     remove_bundle,
     runtime_env_now,
@@ -78,6 +79,7 @@ __all__ = ["WorkerPool", "default_pool"]
 _DEFAULT: list[WorkerPool] = []  # the pool this process's jobs use when given none
 _LIVE: weakref.WeakSet[WorkerPool] = weakref.WeakSet()  # this process's open pools
 _LIVE_LOCK = threading.Lock()  # pools are made and closed from any thread
+PLACING_S = 5.0  # a refill's group not placed this long after its start waits for room
 
 
 def default_pool() -> WorkerPool | None:
@@ -101,7 +103,7 @@ class _Proc:
     node: str = ""
     pid: int = 0
     jobs: int = 0
-    idle_since: float = 0.0
+    idle_since: float = 0.0  # (while starting: when it was started)
     ref: Any = None  # while starting: its info call
 
 
@@ -285,11 +287,14 @@ class WorkerPool:
         room a cold start would wait for (after a job whose every worker was retired, the
         next one found none idle, and its cold workers waited out their placement timeout
         for CPUs the refills held)."""
-        if wait_s > 0 and key == self.key:
+        if wait_s > 0 and key == self.key:  # (placed, or just started: one whose group
+            # still waits for room would hold a job's boundary for the whole wait)
             with self._lock:
                 lack = n - sum(p.key == key for p in self._idle.values())
-                refs = [p.ref for p in self._starting.values()][:max(0, lack)]
-            wait_refs(refs, wait_s)
+                starting = list(self._starting.values())[:max(0, lack)]
+                now = self.clock()
+            wait_refs([p.ref for p in starting
+                       if now - p.idle_since < PLACING_S or pg_ready(p.pg)], wait_s)
         with self._lock:
             self._settle()
             alive = self._ping(list(self._idle.values()))
@@ -443,7 +448,8 @@ class WorkerPool:
         for _ in range(d.start):
             pg = new_bundle(self.bundle)
             h = self._start_blank(pg, 0)
-            self._starting[actor_key(h)] = _Proc(h, pg, self.key, ref=h.info.remote())
+            self._starting[actor_key(h)] = _Proc(h, pg, self.key, ref=h.info.remote(),
+                                                 idle_since=self.clock())
             self.stats.started += 1
 
     def _start_blank(self, pg: Any, slot: int, bundle: dict[str, float] | None = None,

@@ -219,14 +219,15 @@ class StepLoop:
         spec = self._layout.spec
         if spec is None or self.at_step is None or self.at_eval:
             return None
-        n = spec.shares[self._membership.rank]
-        if spec.name == "pipeline":
-            k = spec.micro_batches
-        elif traits_of(spec.name).lockstep_micro_batches:
-            k = lockstep_micro_batches(spec)
+        rank, whose = self._membership.rank, ""
+        if spec.name == "pipeline":  # a stage runs its replica's whole batch
+            d = spec.degrees.dp
+            n, k, whose = sum(spec.shares[rank % d::d]), spec.micro_batches, "its replica's "
         else:
-            k = micro_batch_count(spec, n)
-        said = f"{n} sample{'' if n == 1 else 's'}"
+            n = spec.shares[rank]
+            k = (lockstep_micro_batches(spec) if traits_of(spec.name).lockstep_micro_batches
+                 else micro_batch_count(spec, n))
+        said = f"{whose}{n} sample{'' if n == 1 else 's'}"
         return said if k <= 1 else f"{said} in {k} micro-batches"
 
     def run(self, start: int, end: int, segment: int | None = None) -> dict[str, Any]:
@@ -401,7 +402,7 @@ class StepLoop:
             if not pipeline:
                 parts = even_shares(len(idx), self._membership.world)
                 lo, hi = share_bounds(parts, self._membership.rank)
-                passes = eval_passes(spec, max(parts))  # (the same on every rank)
+                passes = eval_passes(spec, parts)  # (the same on every rank)
                 for piece in _pieces(idx[lo:hi], passes):
                     total += self._eval_part(piece, idx)
                 continue

@@ -113,6 +113,10 @@ def test_a_batch_size_error_names_the_ranks_part(ray_local, tmp_path):
         elastic.fit(**_cfg(model=bn_mlp, global_batch_size=4, strategy="zero2",
                            micro_batch_size=1, run_dir=str(tmp_path / "z2")))
     assert ei.value.part == "2 samples in 2 micro-batches", str(ei.value)
+    with pytest.raises(WorkerError) as ei:  # a pipeline's stage runs its replica's batch
+        elastic.fit(**_cfg(model=bn_mlp, global_batch_size=4, strategy="pipeline",
+                           micro_batches=4, run_dir=str(tmp_path / "pp")))
+    assert ei.value.part == "its replica's 4 samples in 4 micro-batches", str(ei.value)
 
 
 def test_user_error_in_an_evaluation_says_its_step_and_that_it_was_the_evaluation(

@@ -216,9 +216,13 @@ def _end_head(starter: subprocess.Popen, sid: int, tmp: str, what: str) -> None:
 
 
 def _workdir(tmp_path, name: str, extra: str = "") -> str:
+    """A working directory with ``JOB`` as its job file, the settings of ``extra`` in place
+    of its own (a key given twice is refused)."""
     wd = tmp_path / name
     wd.mkdir()
-    (wd / "job.yaml").write_text(JOB + extra)
+    given = {line.split(":")[0] for line in extra.splitlines()}
+    base = "".join(f"{line}\n" for line in JOB.splitlines() if line.split(":")[0] not in given)
+    (wd / "job.yaml").write_text(base + extra)
     return str(wd)
 
 

@@ -424,6 +424,22 @@ def test_code_that_raises_in_itself_is_named_not_the_dataset(no_ray):
     with pytest.raises(ConfigError) as ei:  # torch's Linear refusing 8 features for 3
         elastic.fit(**_base(model=lambda: torch.nn.Linear(3, 2), run_dir=str(no_ray)))
     assert ei.value.field == "dataset", str(ei.value)
+    from elastic.models import gpt  # elastic's own model refusing a too long window
+
+    with pytest.raises(ConfigError) as ei:
+        elastic.fit(**_base(model=lambda: gpt(16, block_size=4, n_layer=1, n_embd=8),
+                            dataset=_Windows(), loss="cross_entropy", run_dir=str(no_ray)))
+    assert ei.value.field == "dataset" and "block_size" in str(ei.value), str(ei.value)
+
+
+class _Windows:
+    """8-token windows of a 16-token vocabulary."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int):
+        return torch.arange(8) % 16, (torch.arange(8) + 1) % 16
 
 
 def test_the_sample_check_leaves_the_model_as_it_was():

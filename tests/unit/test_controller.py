@@ -626,6 +626,21 @@ def test_a_non_finite_step_stops_the_job_naming_step_and_rank(tmp_path):
         ctl.run()
     assert info.value.rank == 1 and info.value.step == 6
     assert "recovered" not in _kinds(ctl) and fake.closed
+    # a failure in a step, not a WorkerError, is no failure "before any step ran"
+    failed, = [e for e in ctl.events if e.kind == "failed"]
+    assert failed.data["in_step"] is True
+
+
+def test_a_failure_before_any_step_is_said_so(tmp_path):
+    """A check of the start (here a layout that cannot run) fails before any step; the
+    ``failed`` event says so (the plain view prints "failed before any step ran")."""
+    from elastic.errors import ElasticError
+
+    ctl, _ = _controller(tmp_path, strategy="pipeline", pp_degree=3)
+    with pytest.raises(ElasticError):
+        ctl.run()
+    failed, = [e for e in ctl.events if e.kind == "failed"]
+    assert failed.data["in_step"] is False
 
 
 def test_rollback_restores_the_newest_checkpoint_once_per_step(tmp_path, monkeypatch):

@@ -108,19 +108,21 @@ def test_lockstep_trait_decides_the_micro_batch_check(name: str) -> None:
         spec.validate()
 
 
-@pytest.mark.parametrize(("shares", "options", "part", "want"), [
-    ((5, 5), {}, 5, 1),                                   # a part no larger than a share
-    ((5, 5), {}, 12, 3),                                  # an eval batch over G: 5+5+2
-    ((5, 5), {"micro_batch_size": 2}, 6, 3),              # training's micro-batches: 2, 2, 1
-    ((5, 5), {"accumulation_steps": 5}, 6, 6),            # the planner's: 1 sample each
-    ((7, 1), {"micro_batch_size": 3}, 9, 3),              # the largest share's micro-batch
-    ((5, 5), {"micro_batch_size": 100}, 4, 1),
-    ((5, 5), {}, 0, 1),                                   # an empty batch: one (empty) pass
+@pytest.mark.parametrize(("name", "shares", "options", "parts", "want"), [
+    ("dp", (5, 5), {}, (5, 5), 1),                          # parts no larger than shares
+    ("dp", (5, 5), {}, (12, 12), 3),                        # an eval batch over G: 5+5+2
+    ("dp", (5, 5), {"micro_batch_size": 2}, (6, 6), 3),     # training's micro-batches: 2
+    ("dp", (5, 5), {"accumulation_steps": 5}, (6, 6), 6),   # the planner's: 1 sample each
+    ("dp", (7, 1), {"micro_batch_size": 3}, (9, 9), 9),     # the small share's 1 a forward
+    ("dp", (32, 8), {"micro_batch_size": 8}, (20, 20), 3),  # each rank by its own cap
+    ("zero2", (4, 3), {"micro_batch_size": 3}, (3, 3), 2),  # lockstep: 2 passes of 2, 2
+    ("dp", (5, 5), {"micro_batch_size": 100}, (4, 4), 1),
+    ("dp", (5, 5), {}, (0, 0), 1),                          # an empty batch: one (empty) pass
 ])
 def test_an_evaluation_forward_holds_no_more_samples_than_a_training_one(
-        shares, options, part, want) -> None:
-    spec = StrategySpec("dp", len(shares), shares, options=options)
-    assert eval_passes(spec, part) == want
+        name, shares, options, parts, want) -> None:
+    spec = StrategySpec(name, len(shares), shares, options=options)
+    assert eval_passes(spec, parts) == want
 
 
 def test_unknown_strategy_names_the_known_ones() -> None:
