@@ -5,11 +5,12 @@ one socket connection; no Ray."""
 
 from __future__ import annotations
 
+import os
 import socket
 
 from .errors import ClusterError
 
-__all__ = ["host_port", "check_reachable"]
+__all__ = ["host_port", "check_reachable", "token_source", "token", "auth_error"]
 
 
 def host_port(addr: str) -> tuple[str, int]:
@@ -67,3 +68,48 @@ def check_reachable(addr: str) -> None:
             f"cannot reach the Ray cluster at {addr} ({e}). Fix: start one with "
             "`ray start --head`, correct ray_address / RAY_ADDRESS, or unset it to run locally."
         ) from None
+
+
+# ---------------------------------------------------------------------------- its token
+
+
+def token_source() -> str | None:
+    """Where Ray would read this driver's token from (as its loader looks), or None."""
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return "RAY_AUTH_TOKEN"
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH")
+    if path:  # Ray reads only this file then: a missing one is no token
+        return f"RAY_AUTH_TOKEN_PATH ({path})" if os.path.isfile(path) else None
+    if os.path.exists(os.path.expanduser("~/.ray/auth_token")):
+        # written by `ray get-auth-token --generate` or by a local ray.init(); `ray start
+        # --head` turns token authentication on by itself when this file exists
+        return "~/.ray/auth_token"
+    return None
+
+
+def token() -> str | None:
+    """The token itself, from where ``token_source`` says."""
+    source = token_source()
+    if source is None or source == "RAY_AUTH_TOKEN":
+        return os.environ.get("RAY_AUTH_TOKEN")
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.expanduser("~/.ray/auth_token")
+    with open(path) as f:
+        return f.read().strip()
+
+
+def auth_error(addr: str, sent: bool = False) -> ClusterError:
+    """The refusal of a cluster that requires a token (``sent``: this driver sent one, as
+    attaching to the machine's own head does without RAY_AUTH_MODE)."""
+    source = token_source()
+    if source and (sent or os.environ.get("RAY_AUTH_MODE", "").lower() == "token"):
+        why = f"it rejected this driver's token (from {source})"
+        fix = "set RAY_AUTH_TOKEN to the cluster's token (the one its head was started with)"
+    elif source:
+        why = "it requires token authentication, which this driver has not turned on"
+        fix = f"export RAY_AUTH_MODE=token (this driver then sends the token in {source})"
+    else:
+        why = "it requires an authentication token"
+        fix = ("export RAY_AUTH_MODE=token and RAY_AUTH_TOKEN=<the cluster's token> (the one "
+               "its head was started with)")
+    return ClusterError(f"the Ray cluster at {addr} refused this driver: {why}. Fix: {fix}, "
+                        "then run the command again.")

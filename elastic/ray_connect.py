@@ -17,7 +17,9 @@ from collections.abc import Callable
 from typing import Any
 
 from .errors import ClusterError
-from .ray_address import check_reachable, host_port
+from .ray_address import auth_error, check_reachable, host_port, token
+
+_auth_error = auth_error  # (its old name)
 
 __all__ = ["connect", "disconnect", "check_reachable", "host_port", "address_of", "attach",
            "LocalNodes", "named_actors", "named_actor", "start_named", "call", "kill", "dumps",
@@ -74,23 +76,25 @@ def attached_here(addr: str) -> str:
             "`ray start`); ray_address: local runs the job on a private one instead")
 
 
-def _auth_metadata() -> tuple[tuple[str, str], ...]:
-    """The token header this driver's Ray calls would carry (none unless RAY_AUTH_MODE=token),
-    read by Ray's own loader (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token)."""
-    if os.environ.get("RAY_AUTH_MODE", "").lower() != "token":
+def _auth_metadata(send: bool = False) -> tuple[tuple[str, str], ...]:
+    """The token header this driver's Ray calls would carry (none unless RAY_AUTH_MODE=token,
+    or ``send``: attaching with ``auto``, which takes the head's token authentication), read
+    by Ray's own loader (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token)."""
+    if not send and os.environ.get("RAY_AUTH_MODE", "").lower() != "token":
         return ()
-    try:
-        from ray._private.authentication.grpc_authentication_client_interceptor import (
-            _get_authentication_metadata_tuple,
-        )
+    if not send:
+        try:
+            from ray._private.authentication.grpc_authentication_client_interceptor import (
+                _get_authentication_metadata_tuple,
+            )
 
-        return tuple(_get_authentication_metadata_tuple())
-    except Exception:  # noqa: BLE001 - Ray's private helper moved: the token from the env
-        token = os.environ.get("RAY_AUTH_TOKEN")
-        return (("authorization", f"Bearer {token}"),) if token else ()
+            return tuple(_get_authentication_metadata_tuple())
+        except Exception:  # noqa: BLE001 - Ray's private helper moved: as its loader reads
+            pass
+    return (("authorization", f"Bearer {t}"),) if (t := token()) else ()
 
 
-def _refuses(addr: str) -> bool:
+def _refuses(addr: str, send: bool = False) -> bool:
     """Whether the cluster's GCS at ``addr`` answers a call carrying this driver's credentials
     (none, or its token) with gRPC's UNAUTHENTICATED status: a typed answer, in milliseconds.
     ``ray.init`` would instead retry for ~20 s and then report that it could not connect."""
@@ -103,7 +107,7 @@ def _refuses(addr: str) -> bool:
         with grpc.insecure_channel(addr) as channel:
             stub = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel)
             stub.GetClusterId(gcs_service_pb2.GetClusterIdRequest(),  # type: ignore[attr-defined]
-                              timeout=3, metadata=_auth_metadata())
+                              timeout=3, metadata=_auth_metadata(send))
     except grpc.RpcError as e:
         return bool(e.code() == grpc.StatusCode.UNAUTHENTICATED)
     except Exception:  # noqa: BLE001 - anything else: let ray.init say what is wrong
@@ -111,45 +115,16 @@ def _refuses(addr: str) -> bool:
     return False
 
 
-def _token_source() -> str | None:
-    """Where Ray would read this driver's token from (as its loader looks), or None."""
-    if os.environ.get("RAY_AUTH_TOKEN"):
-        return "RAY_AUTH_TOKEN"
-    path = os.environ.get("RAY_AUTH_TOKEN_PATH")
-    if path:  # Ray reads only this file then: a missing one is no token
-        return f"RAY_AUTH_TOKEN_PATH ({path})" if os.path.isfile(path) else None
-    if os.path.exists(os.path.expanduser("~/.ray/auth_token")):
-        # written by `ray get-auth-token --generate` or by a local ray.init(); `ray start
-        # --head` turns token authentication on by itself when this file exists
-        return "~/.ray/auth_token"
-    return None
-
-
-def _auth_error(addr: str) -> ClusterError:
-    source = _token_source()
-    if source and os.environ.get("RAY_AUTH_MODE", "").lower() == "token":
-        why = f"it rejected this driver's token (from {source})"
-        fix = "set RAY_AUTH_TOKEN to the cluster's token (the one its head was started with)"
-    elif source:
-        why = "it requires token authentication, which this driver has not turned on"
-        fix = f"export RAY_AUTH_MODE=token (this driver then sends the token in {source})"
-    else:
-        why = "it requires an authentication token"
-        fix = ("export RAY_AUTH_MODE=token and RAY_AUTH_TOKEN=<the cluster's token> (the one "
-               "its head was started with)")
-    return ClusterError(f"the Ray cluster at {addr} refused this driver: {why}. Fix: {fix}, "
-                        "then run the command again.")
-
-
-def attach(addr: str, namespace: str | None = None) -> None:
-    """Attach this process to the running cluster at ``addr`` (``auto`` finds a local head)."""
+def attach(addr: str, namespace: str | None = None, shown: str | None = None) -> None:
+    """Attach this process to the running cluster at ``addr`` (``auto`` finds a local head;
+    ``shown``: the address its errors name, that head's)."""
     import ray
 
     gcs = addr if addr != "auto" and not addr.startswith("ray://") else None
-    if gcs is not None:
-        check_reachable(gcs)
-        if _refuses(gcs):
-            raise _auth_error(gcs)
+    if gcs is not None or shown is not None:  # (``auto``: its token, as ray.init sends it)
+        check_reachable(gcs or str(shown))
+        if _refuses(gcs or str(shown), send=gcs is None):
+            raise auth_error(gcs or str(shown), sent=gcs is None)
     try:
         ray.init(address=addr, logging_level=logging.ERROR, log_to_driver=False,
                  namespace=namespace)
@@ -157,10 +132,10 @@ def attach(addr: str, namespace: str | None = None) -> None:
         from ray.exceptions import AuthenticationError
 
         if isinstance(e, AuthenticationError) or (gcs and _refuses(gcs)):
-            raise _auth_error(addr) from None
+            raise auth_error(shown or addr, sent=gcs is None) from None
         raise ClusterError(
-            f"cannot connect to the Ray cluster at {addr}: {e}. Fix: check the address or start "
-            "a cluster with `ray start --head`, or unset RAY_ADDRESS for a local one."
+            f"cannot connect to the Ray cluster at {shown or addr}: {e}. Fix: check the address "
+            "or start a cluster with `ray start --head`, or unset RAY_ADDRESS for a local one."
         ) from e
 
 
@@ -177,7 +152,7 @@ def connect(address: str | None, local_cpus: float,
         return False
     addr, here = cluster_for(address)
     if addr is not None:
-        attach("auto" if here else addr)  # (with the head's token auth, as ray.init())
+        attach("auto" if here else addr, shown=addr)  # (the head's token auth, as ray.init())
         if here and say is not None:
             say(attached_here(addr))
         return False
@@ -593,7 +568,6 @@ def free_by_node(bundle: dict[str, float]) -> dict[str, dict[str, float]]:
 def runtime_env_now() -> dict[str, Any]:
     """The runtime environment of this process's job (what an actor it starts inherits)."""
     import ray
-
     try:
         return dict(ray.get_runtime_context().runtime_env or {})
     except Exception:  # noqa: BLE001 - not in a Ray job

@@ -122,6 +122,13 @@ def test_ray_submit_and_ray_exec_run_elastic_on_the_launched_cluster(launched, t
                          cwd=home, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stdout + out.stderr
     assert said in out.stdout and "[elastic] done: 5 steps" in out.stdout, out.stdout
+    wrong = dict(plain, RAY_AUTH_TOKEN=secrets.token_hex(32))  # refused: the head named
+    out = subprocess.run([os.path.join(BIN, "elastic"), "run", "job2.yaml", "--set",
+                          f"run_dir={tmp_path / 'wrong'}"], env=wrong, cwd=home,
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode != 0 and (f"the Ray cluster at {head} refused this driver: it "
+                                    "rejected this driver's token (from RAY_AUTH_TOKEN)"
+                                    ) in out.stderr, out.stdout + out.stderr
     # both ran on the launched cluster's node, not on a private cluster's
     ask = (f"import json, ray; ray.init(address={head!r}, logging_level='ERROR'); "
            "print(json.dumps([n['NodeID'] for n in ray.nodes() if n['Alive']]))")
