@@ -121,10 +121,11 @@ def attach(addr: str, namespace: str | None = None, shown: str | None = None) ->
     import ray
 
     gcs = addr if addr != "auto" and not addr.startswith("ray://") else None
-    if gcs is not None or shown is not None:  # (``auto``: its token, as ray.init sends it)
-        check_reachable(gcs or str(shown))
-        if _refuses(gcs or str(shown), send=gcs is None):
-            raise auth_error(gcs or str(shown), sent=gcs is None)
+    auto = shown if addr == "auto" else None  # (the head it finds: its token, as ray.init)
+    if gcs is not None or auto is not None:
+        check_reachable(gcs or str(auto))
+        if _refuses(gcs or str(auto), send=gcs is None):
+            raise auth_error(gcs or str(auto), sent=gcs is None)
     try:
         ray.init(address=addr, logging_level=logging.ERROR, log_to_driver=False,
                  namespace=namespace)
@@ -132,7 +133,7 @@ def attach(addr: str, namespace: str | None = None, shown: str | None = None) ->
         from ray.exceptions import AuthenticationError
 
         if isinstance(e, AuthenticationError) or (gcs and _refuses(gcs)):
-            raise auth_error(shown or addr, sent=gcs is None) from None
+            raise auth_error(shown or addr, sent=auto is not None) from None
         raise ClusterError(
             f"cannot connect to the Ray cluster at {shown or addr}: {e}. Fix: check the address "
             "or start a cluster with `ray start --head`, or unset RAY_ADDRESS for a local one."
