@@ -25,6 +25,7 @@ __all__ = [
     "StrategySpec",
     "micro_batch_count",
     "lockstep_micro_batches",
+    "rank_micro_batches",
     "eval_passes",
     "pipeline_defaults",
 ]
@@ -249,12 +250,18 @@ def eval_passes(spec: StrategySpec, parts: Sequence[int]) -> int:
     do, so evaluation needs no more activation memory than a training step on any device
     (``micro_batch_size``, the planner's per-device accumulation; without gradients a
     forward keeps less)."""
-    lock = (lockstep_micro_batches(spec) if spec.traits.lockstep_micro_batches else None)
     need = 1
     for part, share in zip(parts, spec.shares, strict=True):
-        k = lock if lock is not None else micro_batch_count(spec, share)
-        need = max(need, -(-part // -(-share // k)))
+        need = max(need, -(-part // -(-share // rank_micro_batches(spec, share))))
     return need
+
+
+def rank_micro_batches(spec: StrategySpec, share: int) -> int:
+    """The micro-batches a dp or ZeRO rank of ``share`` samples runs a step in: the lockstep
+    count where every micro-batch is a collective, else its own."""
+    if spec.traits.lockstep_micro_batches:
+        return lockstep_micro_batches(spec)
+    return micro_batch_count(spec, share)
 
 
 def pipeline_defaults(batches: Sequence[int], pp: int, micro_batches: int | None = None,

@@ -24,8 +24,7 @@ import torch.distributed as dist
 
 from clusters.policy import NonFiniteObservation, NonFinitePolicy, Rollback, SkipStep
 from clusters.sweep_policy import GateObservation, GatePolicy, Prune, PruneGate
-from strategies.spec import eval_passes, lockstep_micro_batches, micro_batch_count
-from strategies.traits import traits_of
+from strategies.spec import eval_passes, rank_micro_batches
 
 from ..config import JobConfig, WorkerConfig
 from ..data import even_shares, share_bounds
@@ -225,8 +224,7 @@ class StepLoop:
             n, k, whose = sum(spec.shares[rank % d::d]), spec.micro_batches, "its replica's "
         else:
             n = spec.shares[rank]
-            k = (lockstep_micro_batches(spec) if traits_of(spec.name).lockstep_micro_batches
-                 else micro_batch_count(spec, n))
+            k = rank_micro_batches(spec, n)
         said = f"{whose}{n} sample{'' if n == 1 else 's'}"
         return said if k <= 1 else f"{said} in {k} micro-batches"
 

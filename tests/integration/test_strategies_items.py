@@ -65,21 +65,21 @@ def per_sample_ce(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return CE(outputs, targets)
 
 
-def _train(name: str, spec_kw: dict[str, Any], loss: Any) -> dict[str, Any]:
+def _train(name: str, spec_kw: dict[str, Any], loss: Any, data: Any = DATA) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     spec = StrategySpec(name=name, world_size=world, **spec_kw)
     model = build_model(make_lm, SEED)
     cls = registry.get(name)
     cls.validate(spec, model)
     strat = cls(spec, Runtime.current("cpu"), model, make_adam, loss)
-    sampler = StepSampler(len(DATA), spec.global_batch_size, SEED)
+    sampler = StepSampler(len(data), spec.global_batch_size, SEED)
     lo, hi = share_bounds(spec.shares, rank)
     losses = []
     for s in range(STEPS):
-        x, y = fetch_batch(DATA, sampler.indices(s))
+        x, y = fetch_batch(data, sampler.indices(s))
         losses.append(strat.train_step(x[lo:hi], y[lo:hi]))
     # one evaluation batch (the step-0 batch), split as training splits it
-    x, y = fetch_batch(DATA, sampler.indices(0))
+    x, y = fetch_batch(data, sampler.indices(0))
     scored = strat.eval_step(x[lo:hi], y[lo:hi])
     out = strat.full_state()
     strat.close()
@@ -167,29 +167,12 @@ def masked_mse(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 masked_mse.count_items = lambda targets: (~torch.isnan(targets)).sum()  # type: ignore[attr-defined]
 
 
-def _train_masked(name: str, spec_kw: dict[str, Any]) -> dict[str, Any]:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    spec = StrategySpec(name=name, world_size=world, **spec_kw)
-    model = build_model(make_lm, SEED)
-    cls = registry.get(name)
-    cls.validate(spec, model)
-    strat = cls(spec, Runtime.current("cpu"), model, make_adam, masked_mse)
-    sampler, data = StepSampler(len(DATA), spec.global_batch_size, SEED), _Masked()
-    lo, hi = share_bounds(spec.shares, rank)
-    for s in range(STEPS):
-        x, y = fetch_batch(data, sampler.indices(s))
-        strat.train_step(x[lo:hi], y[lo:hi])
-    out = strat.full_state()
-    strat.close()
-    return {"state": out if rank == 0 else None}
-
-
 @pytest.mark.parametrize("case", ["dp-2", "zero3-2-micro", "pp2-gpipe"])
 def test_a_user_loss_that_counts_its_items_trains_what_one_process_trains(pool: _Pool,
                                                                            case: str) -> None:
     """A loss of the user's own with a ``count_items`` attribute (a masked regression) is
     weighted by its items as the built-in one is."""
     name, world, kw = CASES[case]
-    results = pool.run(_train_masked, name, kw, world_size=world)
+    results = pool.run(_train, name, kw, masked_mse, _Masked(), world_size=world)
     want, _ = reference_train(make_lm, make_adam, masked_mse, _Masked(), 8, STEPS, SEED)
     assert max_param_diff(results[0]["state"], want) < ATOL
