@@ -38,7 +38,6 @@ class PlainView(View):
         self.log_every = max(1, log_every)
         self.max_steps = 0
         self._shown: list[tuple[Any, ...]] = []
-        self._stepped = False  # a step completed in this run
 
     def _p(self, line: str) -> None:
         print(line, file=self.out, flush=True)
@@ -58,7 +57,6 @@ class PlainView(View):
                     f"node {str(i.get('node_id'))[:8]} device {i.get('device_name')}{emu}")
 
     def step(self, e: dict[str, Any]) -> None:
-        self._stepped = True
         s = e["step"] + 1
         if s % self.log_every == 0 or s == self.max_steps:
             self._p(f"[elastic] step {s}/{self.max_steps} loss {e['loss']:.4f} "
@@ -68,8 +66,8 @@ class PlainView(View):
     def event(self, ev: Event) -> None:
         at = f" at step {ev.step}" if ev.step is not None else ""
         if ev.kind == "failed":  # the error itself is raised (`elastic run` prints it as its
-            # one line); a check before the first step is no step's failure
-            where = at if self._stepped or ev.data.get("in_step") else " before any step ran"
+            # one line); the start's checks are no step's failure (the controller says which)
+            where = at if ev.data.get("in_step") else " before any step ran"
             self._p(f"[elastic] failed{where}: its error is raised to the caller")
             return
         self._p(f"[elastic] {ev.kind}{at}: {ev.message}")

@@ -145,7 +145,7 @@ def test_plain_view_says_a_failure_once_the_error_itself_is_raised():
     out = io.StringIO()
     view = PlainView(out=out, log_every=10)
     view.step({"step": 4, "loss": 1.0, "samples_per_s": 1.0, "world_size": 1, "strategy": "dp"})
-    view.event(Event("failed", "checkpoint storage ...", step=5))
+    view.event(Event("failed", "checkpoint storage ...", step=5, data={"in_step": True}))
     assert out.getvalue() == "[elastic] failed at step 5: its error is raised to the caller\n"
 
 
