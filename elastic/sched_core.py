@@ -31,7 +31,13 @@ from clusters.sched_policy import JobState, Observation, Option, SchedPolicy
 from .errors import ElasticError
 
 __all__ = ["Runner", "QueuedJob", "EndedRun", "SchedulerCore", "live_options", "FIXED_PART",
-           "SCHED_SCALE_CHECK_S"]
+           "SCHED_SCALE_CHECK_S", "HISTORY_KEPT"]
+
+# The steps of ended jobs' histories the scheduler keeps in all (~0.45 KB a step: ~90 MB):
+# past it, the oldest ended jobs' are let go but their last step (their run directories'
+# metrics.jsonl has every step). Was: every ended job's whole history for the scheduler's
+# life, in the process that runs the live jobs' controllers.
+HISTORY_KEPT = 200_000
 
 FIXED_PART = 0.1  # before two sizes are measured: a tenth of the step does not shrink with n
 SCHED_SCALE_CHECK_S = 1e9  # a scheduled job never looks for room at its size: it grows
@@ -76,6 +82,7 @@ class EndedRun:
     run_dir: str | None = None
     params: dict[str, Any] | None = None
     taken: bool = False  # its parameters were handed out (``take_params``)
+    dropped: int = 0  # steps of its history let go (``HISTORY_KEPT``); the last one is kept
 
     def take_params(self) -> dict[str, Any] | None:
         params, self.params = self.params, None
@@ -373,6 +380,24 @@ class SchedulerCore:
             if j.state == "running" and not j.busy and self.runner.done(j.handle):
                 self._end(j)  # a job mid-resize is reaped once its request is answered
 
+    def _bound_histories(self, newest: QueuedJob) -> None:
+        """Let go of the oldest ended jobs' histories (all but each one's last step) while
+        the ended jobs hold more than ``HISTORY_KEPT`` steps in all; ``newest``'s is kept
+        whole (its controller held it all until now)."""
+        ended = [j for j in self.jobs.values()
+                 if j.result is not None and j is not newest and len(j.result.history) > 1]
+        total = sum(len(j.result.history) for j in ended if j.result is not None)
+        if newest.result is not None:
+            total += len(newest.result.history)
+        for j in sorted(ended, key=lambda j: j.ended_s if j.ended_s is not None else 0.0):
+            if total <= HISTORY_KEPT:
+                break
+            res = j.result
+            assert res is not None
+            total -= len(res.history) - 1
+            res.dropped += len(res.history) - 1
+            res.history = res.history[-1:]
+
     def _end(self, j: QueuedJob) -> None:
         now = self.clock()
         t = self.runner.ended_at(j.handle)  # trusted only as a time this job ran
@@ -389,6 +414,7 @@ class SchedulerCore:
             j.state = "cancelled" if j.name in self._cancels else "finished"
             if j.result.history:  # its last step (a resumed job's history starts there)
                 j.step = int(j.result.history[-1]["step"]) + 1
+            self._bound_histories(j)
         if j.counted_s > end:  # counted past its end (a resize answered after it): undo
             j.worker_s -= j.workers * (j.counted_s - end)
             j.counted_s = end

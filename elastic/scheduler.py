@@ -26,7 +26,7 @@ from clusters.sched_policy import POLICIES, policy_named
 
 from .errors import ActorGoneError, ElasticError
 from .ray_connect import call, dumps, kill, loads, named_actor, named_actors, start_named
-from .sched_core import QueuedJob, SchedulerCore
+from .sched_core import HISTORY_KEPT, QueuedJob, SchedulerCore
 from .sched_runner import ControllerRunner
 from .sched_store import QueueStore, restore
 
@@ -147,11 +147,18 @@ class SchedulerActor:
                "steps": j.step if res is not None else 0,  # (a resumed job's: all its steps)
                "history": list(res.history) if res is not None else [],
                "state_dict": params, "run_dir": res.run_dir if res is not None else None,
-               "params_taken": taken}
+               "params_taken": taken, "history_dropped": res.dropped if res is not None else 0}
+        notes = []
         if taken:
-            out["note"] = ("the final parameters were handed out by an earlier result() call "
-                           "(the scheduler keeps no ended job's model); its checkpoints hold "
-                           "them")
+            notes.append("the final parameters were handed out by an earlier result() call "
+                         "(the scheduler keeps no ended job's model); its checkpoints hold them")
+        if res is not None and res.dropped:
+            where = f"{res.run_dir}/metrics.jsonl" if res.run_dir else "its run directory's metrics.jsonl"
+            notes.append(f"the history holds only the job's last step: the scheduler keeps "
+                         f"{HISTORY_KEPT} steps of ended jobs' histories in all, newest jobs "
+                         f"first; every step is in {where}")
+        if notes:
+            out["note"] = "; ".join(notes)
         return out
 
     def shutdown(self) -> None:

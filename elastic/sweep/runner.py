@@ -194,6 +194,9 @@ class TrialRunner:
             raise ElasticError(f"the scheduler's job {job.job_name!r} finished before its "
                                "scheduler restarted, which keeps no job's results: the "
                                "trial's value is lost (its run directory has its metrics)")
+        if out.get("history_dropped"):  # the scheduler let it go (``HISTORY_KEPT``)
+            raise ElasticError(f"the scheduler's job {job.job_name!r}: {out['note']}; the "
+                               "trial's value is not computed from one step")
         if out.get("params_taken"):  # read before (they are handed out once)
             raise ElasticError(f"the scheduler's job {job.job_name!r}: {out['note']}")
         final = {f"model/{k}": v for k, v in (out.get("state_dict") or {}).items()}

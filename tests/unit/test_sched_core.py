@@ -652,6 +652,46 @@ def test_an_ended_job_keeps_neither_its_controller_nor_its_model():
     assert "handed out by an earlier result() call" in again["note"]  # said, not just None
 
 
+def test_ended_jobs_histories_are_bounded_oldest_let_go_first(monkeypatch):
+    """The scheduler keeps ``HISTORY_KEPT`` steps of ended jobs' histories in all: past it,
+    the oldest ended jobs keep only their last step (and say where every step is), the job
+    that just ended keeps all of its. Was: every ended job's whole history for the
+    scheduler's life (~0.45 KB a step: a shared scheduler of a thousand 10k-step jobs held
+    4.5 GB in the process that runs the live jobs' controllers)."""
+    from types import SimpleNamespace
+
+    import elastic.sched_core as sc
+    from elastic.scheduler import SchedulerActor
+
+    monkeypatch.setattr(sc, "HISTORY_KEPT", 25)
+    c, s = core(FifoStatic(), capacity=1)
+    for name in ("a", "b", "c"):  # one at a time: a ends before b starts
+        c.submit(cfg(name, 10, n=1, hi=1))
+    for _ in range(3):
+        c.tick()
+        s.advance(20)
+        c.tick()
+    assert [state(c)[n][0] for n in "abc"] == ["finished"] * 3
+    hist = {n: c.jobs[n].result.history for n in "abc"}  # type: ignore[union-attr]
+    assert hist["a"] == [{"step": 9}] and len(hist["b"]) == 10 and len(hist["c"]) == 10
+    assert c.jobs["a"].result.dropped == 9  # type: ignore[union-attr]
+    assert c.jobs["a"].row()["step"] == 10  # its steps still said
+    actor = SimpleNamespace(core=c, name="t")
+    out = SchedulerActor.result(actor, "a")  # type: ignore[arg-type]
+    assert out is not None and out["steps"] == 10 and out["history"] == [{"step": 9}]
+    assert "metrics.jsonl" in out["note"] and "last step" in out["note"]
+    assert out["history_dropped"] == 9
+    kept = SchedulerActor.result(actor, "c")  # type: ignore[arg-type]
+    assert kept is not None and len(kept["history"]) == 10 and "note" not in kept
+    # one job longer than the bound alone: kept whole while it is the newest
+    c.submit(cfg("d", 40, n=1, hi=1))
+    c.tick()
+    s.advance(60)
+    c.tick()
+    assert len(c.jobs["d"].result.history) == 40  # type: ignore[union-attr]
+    assert all(len(c.jobs[n].result.history) == 1 for n in "abc")  # type: ignore[union-attr]
+
+
 class LateGrow(Script):
     """The first growth is not answered in time (the runner gives up), and the job grows
     anyway when the test says (its request was still in the controller's inbox)."""
