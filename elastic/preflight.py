@@ -67,6 +67,8 @@ def check_sample(cfg: JobConfig, model: Any, dataset: Any, field: str = "dataset
                 raise _named(field, parquet, _forward_error(cfg, parquet, x, e, field)) from None
             try:
                 loss = loss_fn(out, y)
+            except ConfigError:  # (the built-in loss's own refusal names its fix)
+                raise
             except Exception as e:  # noqa: BLE001 - the user's loss: say what it did
                 raise _named(field, parquet, _loss_error(cfg, parquet, out, y, e)) from None
     finally:

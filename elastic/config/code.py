@@ -255,15 +255,30 @@ def _cross_entropy(outputs: Any, targets: Any) -> Any:
     language model's shape (outputs ``(..., vocab)``, targets their shape less the last
     dim) are scored per position; any other shape as ``F.cross_entropy`` takes it: the
     class dim is 1 (``(N, C)``, a segmentation's ``(N, C, H, W)`` against ``(N, H, W)``,
-    and class probabilities of the outputs' shape)."""
+    and class probabilities of the outputs' shape). Shapes that fit both readings (a
+    sequence as long as the vocabulary) are refused, naming the fix (was: read as a
+    language model's, silently)."""
     import torch.nn.functional as F
 
     if targets.is_floating_point():  # class probabilities: nothing is ignored
         return F.cross_entropy(outputs, targets)
     if outputs.dim() > 2 and targets.shape == outputs.shape[:-1]:
+        if targets.shape == outputs.shape[:1] + outputs.shape[2:]:  # classes last or at 1
+            raise _ambiguous(outputs.shape, targets.shape)
         outputs, targets = outputs.reshape(-1, outputs.size(-1)), targets.reshape(-1)
     total = F.cross_entropy(outputs, targets, reduction="sum")  # (no device sync)
     return total / (targets != -100).sum().clamp(min=1)
+
+
+def _ambiguous(out: Any, y: Any) -> ConfigError:
+    return ConfigError(
+        "loss", f"cross_entropy cannot tell where the classes are: outputs {tuple(out)} "
+        f"against class indices {tuple(y)} read either with the classes last (a language "
+        f"model's, {out[-1]} classes) or at dim 1 (a segmentation's, {out[1]} classes), and "
+        "the two score differently",
+        "give a loss of your own that says which (`F.cross_entropy(out.flatten(0, -2), "
+        "y.flatten())` for classes last, `F.cross_entropy(out, y)` for classes at dim 1), or "
+        "make the sizes differ")
 
 
 def _kept_targets(targets: Any) -> Any:

@@ -398,6 +398,44 @@ def test_the_built_in_cross_entropy_takes_every_shape_f_cross_entropy_takes():
         assert int(ce.count_items(y)) == items
 
 
+def test_the_built_in_cross_entropy_refuses_shapes_it_cannot_read_one_way(no_ray):
+    """Outputs whose class dim could be the last or dim 1 (a sequence as long as the
+    vocabulary; a segmentation with C == H == W) score differently each way: refused before
+    any worker starts, naming the loss and the fix. Was: read as a language model's,
+    silently. Shapes of one reading still score as before."""
+    from elastic.config import loss_function
+
+    ce = loss_function("cross_entropy")
+    out, y = torch.randn(2, 6, 6), torch.randint(0, 6, (2, 6))
+    with pytest.raises(ConfigError) as ei:
+        ce(out, y)
+    assert ei.value.field == "loss" and "classes last" in str(ei.value)
+    assert "F.cross_entropy(out, y)" in ei.value.fix
+    lm = torch.randn(2, 5, 6)  # (B, T, V), T != V: one reading
+    assert torch.allclose(ce(lm, y[:, :5]), torch.nn.functional.cross_entropy(
+        lm.reshape(-1, 6), y[:, :5].reshape(-1)))
+
+    class Square(torch.nn.Module):  # (N, 4, 4) outputs against (N, 4) targets
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 16)
+
+        def forward(self, x):
+            return self.lin(x).view(-1, 4, 4)
+
+    class Tokens(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 64
+
+        def __getitem__(self, i):
+            return torch.randn(8), torch.randint(0, 4, (4,))
+
+    with pytest.raises(ConfigError) as ei:
+        elastic.fit(**_base(model=Square, loss="cross_entropy", dataset=Tokens(),
+                            run_dir=str(no_ray)))
+    assert ei.value.field == "loss" and "cannot tell where the classes are" in str(ei.value)
+
+
 def _loss_that_raises(out, y):
     raise RuntimeError("boom from user loss")
 
