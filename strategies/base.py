@@ -255,27 +255,38 @@ class Strategy(ABC):
         weighted by its part of the share (a loss that counts items: by its items,
         ``strategies.items``), so the accumulated gradient is the same as one pass over the
         whole share. Returns this rank's part of the global mean loss."""
+        optimizer.zero_grad(set_to_none=True)
+        total = self._micro_batches(
+            module, inputs, targets, scale, count,
+            lambda last: contextlib.nullcontext() if last else self.accumulate(module))
+        self.sync_running_stats()
+        if self.update_allowed():
+            before_update()
+            optimizer.step()
+        return total * self.share / self.spec.global_batch_size
+
+    def _micro_batches(self, module: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
+                       scale: float, count: int | None,
+                       around: Callable[[bool], contextlib.AbstractContextManager[Any]]
+                       ) -> float:
+        """The forwards and backwards of a step's micro-batches of this rank's share
+        (``chunks``), each loss scaled by ``scale`` times its weight (``part_weights``), each
+        pass inside ``around(last)``: how the layout reduces (or holds back) its gradients.
+        Returns the sum of the weighted mean losses."""
         dev = self.rt.device
         inputs, targets = inputs.to(dev, non_blocking=True), targets.to(dev, non_blocking=True)
-        optimizer.zero_grad(set_to_none=True)
         self.running().hold()
         parts = self.chunks(len(inputs), count)
         weights = part_weights(self.loss_fn, targets, parts, self.share,
                                self.spec.global_batch_size, dev)
         total = 0.0
         for i, ((a, b), weight) in enumerate(zip(parts, weights, strict=True)):
-            with contextlib.ExitStack() as stack:
-                if i < len(parts) - 1:
-                    stack.enter_context(self.accumulate(module))
+            with around(i == len(parts) - 1):
                 with self.autocast():
                     loss = self.loss_fn(module(inputs[a:b]), targets[a:b])
                 (loss * (scale * weight)).backward()
             total += float(loss.detach()) * weight
-        self.sync_running_stats()
-        if self.update_allowed():
-            before_update()
-            optimizer.step()
-        return total * self.share / self.spec.global_batch_size
+        return total
 
     def eval_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, int]:
         """Forward only, in eval mode and without gradients, on one piece of this rank's

@@ -44,7 +44,8 @@ their owners (``full_state`` is a collective on the default group).
 
 from __future__ import annotations
 
-from collections.abc import Container, Mapping, Sequence
+import contextlib
+from collections.abc import Container, Iterator, Mapping, Sequence
 from typing import ClassVar
 
 import torch
@@ -61,7 +62,6 @@ from .canonical import (
     optimizer_state_to_canonical,
 )
 from .factory_check import check_factory
-from .items import part_weights
 from .spec import StrategySpec, lockstep_micro_batches
 
 __all__ = ["ShardedUpdate", "Zero1", "Zero2", "UPDATE_MODES", "update_subsets"]
@@ -310,33 +310,29 @@ class _Zero(Strategy):
         self._scale = self.share / spec.global_batch_size
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
-        dev = self.rt.device
-        inputs, targets = inputs.to(dev, non_blocking=True), targets.to(dev, non_blocking=True)
         self.update.zero_grad()
-        self.running().hold()
-        n = len(inputs)
         # micro-batches: ZeRO-1 reduces after the last one only; ZeRO-2 reduces each to the
         # owners (whose gradients accumulate the sums; the others drop theirs each time, so
         # gradients stay about 1/N between micro-batches), hence the same count on every rank
         lockstep = self.spec.traits.lockstep_micro_batches
-        parts = self.chunks(n, lockstep_micro_batches(self.spec) if lockstep else None)
-        weights = part_weights(self.loss_fn, targets, parts, self.share,
-                               self.spec.global_batch_size, dev)
-        total = 0.0
-        for i, ((a, b), weight) in enumerate(zip(parts, weights, strict=True)):
-            self.update.sync = self.mode == "zero2" or i == len(parts) - 1
-            with self.autocast():
-                loss = self.loss_fn(self.model(inputs[a:b]), targets[a:b])
-            (loss * (self._scale * weight)).backward()
-            total += float(loss.detach()) * weight
-            if self.update.sync and i < len(parts) - 1:
-                self.update.wait()
+        total = self._micro_batches(self.model, inputs, targets, self._scale,
+                                    lockstep_micro_batches(self.spec) if lockstep else None,
+                                    self._reduced)
         self.update.sync = True
         self.update.wait()
         self.sync_running_stats()
         if self.update_allowed():  # the global norm, every step (no message: clip_grads)
             self.update.step()
         return total * self._scale
+
+    @contextlib.contextmanager
+    def _reduced(self, last: bool) -> Iterator[None]:
+        """A micro-batch's pass: its gradients reduced to the owners under ZeRO-2 (waited
+        for before the next pass), held back to the last pass under ZeRO-1."""
+        self.update.sync = self.mode == "zero2" or last
+        yield
+        if self.update.sync and not last:
+            self.update.wait()
 
     def clip_grads(self) -> None:
         """Each owner's part of the squared norm, summed over the world (one scalar)."""
