@@ -30,7 +30,7 @@ from clusters.sched_policy import JobState, Observation, Option, SchedPolicy
 
 from .errors import ElasticError
 
-__all__ = ["Runner", "QueuedJob", "EndedRun", "SchedulerCore", "live_options", "FIXED_PART",
+__all__ = ["Runner", "QueuedJob", "EndedRun", "EndedConfig", "SchedulerCore", "live_options", "FIXED_PART",
            "SCHED_SCALE_CHECK_S", "HISTORY_KEPT"]
 
 # The steps of ended jobs' histories the scheduler keeps in all (~0.45 KB a step: ~90 MB):
@@ -90,6 +90,27 @@ class EndedRun:
         return params
 
 
+@dataclass(frozen=True)
+class EndedConfig:
+    """What the scheduler keeps of an ended job's config: the numbers its row and the
+    prior of new jobs' speed read. Was: the whole config for the scheduler's life (an SDK
+    job's in-memory dataset and code with it)."""
+
+    max_steps: int
+    min_world: int
+    max_world: int
+    num_workers: int
+    global_batch_size: int
+    strategy: Any = None
+
+    @classmethod
+    def of(cls, cfg: Any) -> EndedConfig | None:
+        if cfg is None or isinstance(cfg, EndedConfig):
+            return cfg
+        return cls(cfg.max_steps, cfg.min_world, cfg.max_world, cfg.num_workers,
+                   cfg.global_batch_size, str(getattr(cfg, "strategy", None) or "dp"))
+
+
 @dataclass
 class QueuedJob:
     """A job the scheduler holds. ``state``: queued | running | finished | failed |
@@ -116,6 +137,10 @@ class QueuedJob:
     counted_s: float = 0.0
     busy: bool = False  # a resize is under way (its workers are reserved)
     phase: str | None = None  # a running job's controller phase (its status()["state"])
+
+    def let_go(self) -> None:
+        """An ended job: keep only the numbers of its config (``EndedConfig``)."""
+        self.cfg = EndedConfig.of(self.cfg)
 
     def hold(self, now: float) -> None:
         """Count the workers held since the last count (utilisation)."""
@@ -220,6 +245,7 @@ class SchedulerCore:
             before = job.state
             if job.state == "queued":
                 job.state, job.ended_s, job.reason = "cancelled", self.clock(), "cancelled"
+                job.let_go()
             elif job.state == "running":
                 self._cancels.add(name)
         if before == "queued":
@@ -337,6 +363,7 @@ class SchedulerCore:
             j.handle = self.runner.start(j.name, cfg, n)
         except Exception as e:  # noqa: BLE001 - a job that cannot start fails alone
             j.state, j.error, j.ended_s = "failed", f"{type(e).__name__}: {e}", self.clock()
+            j.let_go()
             return
         with self._lock:  # a cancel while it started (the answer said "was queued"):
             if j.state == "cancelled":  # it is stopped at once, as a running one is
@@ -423,6 +450,7 @@ class SchedulerCore:
         j.workers = 0
         j.reason = j.error or j.state
         j.handle = None  # (its controller, history and final state: not kept)
+        j.let_go()
         self._cancels.discard(j.name)
         self._stopping.discard(j.name)
         self._changed(j)

@@ -140,5 +140,6 @@ def restore(core: SchedulerCore, store: QueueStore, loads: Callable[[bytes], Any
             j = QueuedJob(name, cfg, submitted, state=state, reason=row.get("reason") or state,
                           error=row.get("error"), step=step,
                           resizes=int(row.get("resizes") or 0))
+            j.let_go()
         core.jobs[name] = j
     return queued

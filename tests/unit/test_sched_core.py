@@ -692,6 +692,46 @@ def test_ended_jobs_histories_are_bounded_oldest_let_go_first(monkeypatch):
     assert all(len(c.jobs[n].result.history) == 1 for n in "abc")  # type: ignore[union-attr]
 
 
+def test_an_ended_job_keeps_its_configs_numbers_not_its_dataset():
+    """A job's config (an SDK job's: its in-memory dataset and code) goes when the job ends,
+    whether it finished, failed to start or was cancelled queued; its row and the speed prior
+    new jobs get keep reading its numbers. Was: every config for the scheduler's life."""
+    import gc
+    import weakref
+
+    class Data(RegressionData):
+        pass
+
+    c, s = core(FifoStatic(), capacity=1)
+    s.refuse_start.add("b")
+    refs = []
+    for name in ("a", "b", "c", "d"):
+        data = Data()
+        refs.append(weakref.ref(data))
+        conf = cfg(name, 10, n=1, hi=1).replace(dataset=data)
+        del data
+        c.submit(conf)
+        del conf
+    c.tick()  # a starts
+    s.advance(5)
+    c.tick()  # a measured
+    assert c.cancel("d") == "queued"
+    s.advance(20)
+    for _ in range(3):
+        c.tick()
+    c.cancel("c")
+    c.tick()
+    s.advance(20)
+    c.tick()
+    assert [state(c)[n][0] for n in "abcd"] == ["finished", "failed", "cancelled", "cancelled"]
+    s.jobs.clear()  # (the scripted runner's own references)
+    gc.collect()
+    assert [r() for r in refs] == [None] * 4, "an ended job's dataset is kept"
+    row = c.jobs["a"].row()
+    assert row["max_steps"] == 10 and row["min_workers"] == 1 and row["max_workers"] == 1
+    assert c._prior_s_per_sample() > 0  # (a's measured speed, read with its batch size)
+
+
 class LateGrow(Script):
     """The first growth is not answered in time (the runner gives up), and the job grows
     anyway when the test says (its request was still in the controller's inbox)."""
