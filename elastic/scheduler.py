@@ -118,6 +118,8 @@ class SchedulerActor:
 
     def cancel(self, job: str) -> str:
         before = self.core.cancel(job)
+        if before == "queued":  # its hook (a trial's pruner, its study opened) is not needed
+            self.hooks.pop(job, None)
         self._wake.set()
         return before
 

@@ -730,6 +730,18 @@ def test_an_ended_job_keeps_its_configs_numbers_not_its_dataset():
     row = c.jobs["a"].row()
     assert row["max_steps"] == 10 and row["min_workers"] == 1 and row["max_workers"] == 1
     assert c._prior_s_per_sample() > 0  # (a's measured speed, read with its batch size)
+    # the scheduler's hook of a job cancelled queued (a trial's pruner) goes too
+    import threading
+    from types import SimpleNamespace
+
+    from elastic.scheduler import SchedulerActor
+
+    c.submit(cfg("e", 10, n=1, hi=1))
+    c.submit(cfg("f", 10, n=1, hi=1))
+    c.tick()  # e runs, f waits
+    actor = SimpleNamespace(core=c, hooks={"f": object()}, _wake=threading.Event())
+    assert SchedulerActor.cancel(actor, "f") == "queued"  # type: ignore[arg-type]
+    assert actor.hooks == {}
 
 
 class LateGrow(Script):
