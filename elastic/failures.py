@@ -24,6 +24,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 
+from strategies.errors import StrategyError
+
 from .errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -172,9 +174,15 @@ def worker_error(exc: BaseException, rank: int, group_failed: str | None = None
     an exception raised inside torch.distributed's or DDP's own code, or ``group_failed``
     (what the layout's collectives recorded, ``strategies.health.failed()``: DDP's reducer
     raises a gloo failure from the autograd engine, where its frames cannot tell it from a
-    user's). Anything else is user code: ``WorkerError`` with the traceback."""
+    user's). A layout's refusal that a setting mends (``StrategyError.setting``) is a
+    ``ConfigError`` naming it. Anything else is user code: ``WorkerError`` with the
+    traceback."""
     if isinstance(exc, ElasticError):
         return exc
+    setting = getattr(exc, "setting", None)
+    if isinstance(exc, StrategyError) and setting and group_failed is None:
+        problem, _, fix = str(exc).partition(" Fix: ")  # a layout's refusal a setting mends
+        return ConfigError(setting, problem, fix)
     dist_error: type[BaseException] | None = None
     try:
         import torch.distributed as dist

@@ -26,7 +26,8 @@ __all__ = ["check_sample", "check_layouts", "check_switch_at"]
 _SKIP = "to skip this check (a model that runs only on an accelerator): check_sample: false"
 
 
-def check_sample(cfg: JobConfig, model: Any, dataset: Any, field: str = "dataset") -> None:
+def check_sample(cfg: JobConfig, model: Any, dataset: Any, field: str = "dataset"
+                 ) -> list[str]:
     """Run ``model`` (in eval mode, without gradients, under the job's precision) and the
     job's loss on up to 3 samples of ``dataset`` (the object ``cfg.dataset_object()`` gave,
     or with ``field="eval_dataset"`` ``cfg.eval_dataset_object()``). The model's training
@@ -36,9 +37,13 @@ def check_sample(cfg: JobConfig, model: Any, dataset: Any, field: str = "dataset
     ``dataset`` when reading, the forward or the loss fails (``eval_dataset`` for the
     evaluation set, which is read with the training set's settings: its data is at fault),
     or ``loss`` when it does not return one number.
-    """
+
+    Returns, for the training set with ``find_unused_parameters`` left out, the trainable
+    parameters a training pass on the samples leaves without a gradient
+    (``left_out_parameters``), and turns ``find_unused_parameters`` on where there are any;
+    else []. A check not made (``check_sample: false``) returns []."""
     if not cfg.check_sample:
-        return
+        return []
     import torch
 
     from .data import fetch_batch
@@ -78,6 +83,45 @@ def check_sample(cfg: JobConfig, model: Any, dataset: Any, field: str = "dataset
                           "return a scalar tensor (e.g. the mean over the batch)")
     with torch.no_grad(), cast:
         _check_mean(loss_fn, out, y, bf16=cfg.precision == "bf16")
+    if field == "dataset" and cfg.find_unused_parameters is None:
+        left = left_out_parameters(model, loss_fn, x, y, cast)
+        if left:  # dp's DDP would otherwise fail (strategies/dp.py ``check_reduced``)
+            cfg.find_unused_parameters = True
+        return left
+    return []
+
+
+def left_out_parameters(model: Any, loss_fn: Any, x: Any, y: Any, cast: Any) -> list[str]:
+    """The trainable parameters that one training pass (train mode, forward, loss, backward)
+    on ``x`` leaves without a gradient: a head the loss never reads, a branch the forward
+    skips. The model's parameters, gradients, buffers, training mode and the random stream
+    are as before. A pass that raises (the checks without gradients passed): none said."""
+    import torch
+
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if not params:
+        return []
+    grads = [p.grad for _, p in params]
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    was = model.training
+    try:
+        for _, p in params:
+            p.grad = None
+        model.train()
+        with torch.random.fork_rng(devices=[]):
+            with cast:
+                loss = loss_fn(model(x), y)
+            loss.backward()
+        return [n for n, p in params if p.grad is None]
+    except Exception:  # noqa: BLE001 - said by the workers, where it is the step's
+        return []
+    finally:
+        for (_, p), g in zip(params, grads, strict=True):
+            p.grad = g
+        with torch.no_grad():
+            for n, b in model.named_buffers():
+                b.copy_(buffers[n])
+        model.train(was)
 
 
 def _check_mean(loss_fn: Any, out: Any, y: Any, bf16: bool) -> None:

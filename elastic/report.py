@@ -63,8 +63,8 @@ OTHER_EVENT_COLOR = "#c000c0"  # kinds not listed above and not routine
 # evacuating: the decision an "evacuated" (or a failure) follows; replan: a switch follows
 # when it changes anything
 ROUTINE_EVENTS = frozenset({"start", "placed", "group", "layout", "finished", "profiled",
-                            "state", "unprotected", "settings_unused", "claimed", "evacuating",
-                            "replan", "tracker"})
+                            "state", "unprotected", "settings_unused", "parameters_left_out",
+                            "claimed", "evacuating", "replan", "tracker"})
 # drawn, but named by the legend only: every few steps, their labels ran into one band
 UNLABELLED_EVENTS = frozenset({"checkpoint"})
 

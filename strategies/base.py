@@ -242,6 +242,12 @@ class Strategy(ABC):
             at += size
         return out
 
+    def check_reduced(self) -> None:
+        """After a step's last backward: raise ``StrategyError`` where the wrapper did not
+        reduce every gradient (it would fail, or pair collectives wrongly, later). Default:
+        nothing to check."""
+        return
+
     def accumulate(self, module: nn.Module) -> contextlib.AbstractContextManager[Any]:
         """The context of a micro-batch's backward that is not the step's last: gradients
         accumulate locally and are not reduced. Default: nothing (the layout reduces each)."""
@@ -259,6 +265,7 @@ class Strategy(ABC):
         total = self._micro_batches(
             module, inputs, targets, scale, count,
             lambda last: contextlib.nullcontext() if last else self.accumulate(module))
+        self.check_reduced()
         self.sync_running_stats()
         if self.update_allowed():
             before_update()

@@ -33,6 +33,7 @@ from .canonical import (
     optimizer_state_from_canonical,
     optimizer_state_to_canonical,
 )
+from .errors import StrategyError
 from .health import record
 from .spec import StrategySpec
 
@@ -150,7 +151,8 @@ class DataParallel(Strategy):
         # benchmark's model on one CPU thread; also one gradient copy less in memory).
         self.ddp = DDP(self.model, device_ids=ids, **no_forward_buffer_sync(),
                        init_sync=spec.options.init_sync,
-                       gradient_as_bucket_view=spec.options.bucket_view)
+                       gradient_as_bucket_view=spec.options.bucket_view,
+                       find_unused_parameters=spec.options.find_unused_parameters)
         self.norms = (BucketNorms(sum(p.numel() for p in self.model.parameters()
                                       if p.requires_grad))
                       if rt.device.type == "cpu" else None)
@@ -165,6 +167,29 @@ class DataParallel(Strategy):
         if self.norms is not None:
             self.norms.clear()  # what a failed step left
         return self._wrapped_step(self.ddp, self.optimizer, inputs, targets, self._scale)
+
+    def check_reduced(self) -> None:
+        """DDP's reducer reduced every bucket (``_check_reducer_finalized``, which DDP offers
+        for a call after ``backward``): a trainable parameter the forward left out keeps its
+        bucket from being reduced. Was: the step's update applied unreduced gradients there,
+        and the next step's forward raised DDP's error inside DDP (read as the group failing:
+        recoveries, then "the same failure came back"), or, where a peer's forward used the
+        parameter, its bucket's all-reduce paired with another collective."""
+        if self.spec.options.find_unused_parameters:
+            return
+        try:
+            self.ddp._check_reducer_finalized()  # noqa: SLF001
+        except RuntimeError:
+            left = [n for n, p in self.model.named_parameters()
+                    if p.requires_grad and p.grad is None]
+            said = f" ({', '.join(left[:4])}{', ...' if len(left) > 4 else ''})" if left else ""
+            raise StrategyError(
+                f"dp: this step's forward on rank {self.rt.rank} left trainable parameters out"
+                f"{said}, and DDP reduces only what the forward used. Fix: set "
+                "find_unused_parameters: true (DDP's: each step looks for them; the default "
+                "turns it on by itself where a training pass on a few samples leaves any out), "
+                "or use zero1 or zero2, which take such a model as it is",
+                setting="find_unused_parameters") from None
 
     def accumulate(self, module: nn.Module) -> contextlib.AbstractContextManager[Any]:
         return self.ddp.no_sync()  # the last micro-batch's backward all-reduces the sum

@@ -339,6 +339,13 @@ class FullyShardedDataParallel(Strategy):
             units=[m for _, m in blocks],
             reshard_after_forward=spec.options.reshard_after_forward,
         )
+        # a parameter some ranks' forwards leave out: FSDP2 reduce-scatters a zero gradient
+        # for it there (else the ranks' reduce-scatters differ in size: gloo aborts the
+        # process); ``check_reduced`` then drops the gradients no rank made
+        self._unused = spec.options.find_unused_parameters and hasattr(
+            self.model, "set_reduce_scatter_unused_params")
+        if self._unused:
+            self.model.set_reduce_scatter_unused_params(True)  # type: ignore[operator]
         self.optimizer = optimizer_factory(list(self.model.parameters()))  # (a factory may
         # go over its parameters twice: weight decay for matrices only, say)
         self._index: ShardMap | None = None  # built on the first needs()
@@ -361,6 +368,24 @@ class FullyShardedDataParallel(Strategy):
         code may not take 0 rows (``x.view(x.size(0), -1)`` cannot)."""
         self._scored(self.model, inputs, targets)
         return 0.0, 0
+
+    def check_reduced(self) -> None:
+        """With ``find_unused_parameters``: a gradient that is zero on every rank's shard is
+        dropped (None), so the optimizer skips the parameter as one process skips one no
+        sample of the step used (AdamW's decay and Adam's momentum would move it). One
+        all-reduce of a flag per parameter. A used parameter whose whole gradient is exactly
+        zero is skipped too (one process would step it with zeros)."""
+        if not self._unused:
+            return
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        made = torch.stack([
+            (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).abs().sum() > 0
+            if p.grad is not None else torch.zeros((), dtype=torch.bool, device=self.rt.device)
+            for p in params]).to(torch.int32)
+        dist.all_reduce(made, op=dist.ReduceOp.MAX)
+        for p, m in zip(params, made.tolist(), strict=True):
+            if not m:
+                p.grad = None
 
     def clip_grads(self) -> None:
         """Each rank holds dim-0 shards of every gradient: sum their squares over the world."""

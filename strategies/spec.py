@@ -33,7 +33,8 @@ __all__ = [
 PRECISIONS = ("fp32", "bf16")
 
 _POSITIVE_INTS = ("micro_batch_size", "accumulation_steps", "virtual_stages", "dp_degree")
-_FLAGS = ("activation_checkpointing", "init_sync", "bucket_view", "reshard_after_forward")
+_FLAGS = ("activation_checkpointing", "init_sync", "bucket_view", "reshard_after_forward",
+          "find_unused_parameters")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,6 +50,8 @@ class StrategyOptions:
     backward. ``init_sync``: DDP broadcasts the parameters at construction (False when a full
     state is loaded right after). ``bucket_view``: DDP's ``gradient_as_bucket_view``.
     ``reshard_after_forward``: FSDP frees gathered parameters after each unit's forward.
+    ``find_unused_parameters``: DDP's (dp): each step looks for parameters the forward left
+    out (a model whose forward skips some; the other layouts take such models as they are).
     ``virtual_stages``: stages per rank of an interleaved pipeline (the planner's; the schedule
     runs 2). ``dp_degree``: a data-parallel degree the caller expects (checked against the
     world size by ``Degrees.of``; None: derived).
@@ -65,6 +68,7 @@ class StrategyOptions:
     init_sync: bool = True
     bucket_view: bool = True
     reshard_after_forward: bool = True
+    find_unused_parameters: bool = False
     virtual_stages: int = 1
     dp_degree: int | None = None
 

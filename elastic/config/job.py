@@ -67,6 +67,7 @@ class JobConfig(JobCode):
     precision = Setting[str]("training")
     micro_batch_size = Setting[int | None]("training")
     activation_checkpointing = Setting[bool]("training")
+    find_unused_parameters = Setting[bool | None]("training")
     # data
     dataset = Setting[Any]("data")
     global_batch_size = Setting[int]("data")

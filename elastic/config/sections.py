@@ -111,6 +111,9 @@ class Training(Section):
     micro_batch_size: int | None = None
     # recompute each block's activations in backward (the model must name its blocks)
     activation_checkpointing: bool = False
+    # dp: DDP's find_unused_parameters (None: on where a training pass on a few samples
+    # leaves a trainable parameter without a gradient, elastic/preflight.py)
+    find_unused_parameters: bool | None = None
 
     def __post_init__(self) -> None:
         check_model(self.model)
@@ -132,6 +135,9 @@ class Training(Section):
                                 fix="e.g. micro_batch_size: 8, or leave it out (one pass per "
                                     "share)")
         flag(self.activation_checkpointing, "activation_checkpointing")
+        optional_flag(self.find_unused_parameters, "find_unused_parameters",
+                      "the default (on where a training pass on a few samples leaves a "
+                      "trainable parameter out)")
 
     def model_factory(self) -> Callable[[], Any]:
         """The model factory (imported now); what it builds is checked to be an nn.Module."""
@@ -176,6 +182,8 @@ class Training(Section):
             out["micro_batch_size"] = self.micro_batch_size
         if self.activation_checkpointing:
             out["activation_checkpointing"] = True
+        if self.find_unused_parameters:
+            out["find_unused_parameters"] = True
         return out
 
 

@@ -49,7 +49,12 @@ def preflight(cfg: JobConfig, emit: Callable[..., Any]) -> Preflight:
     """Check the job; ``ConfigError`` naming the field and the fix for anything wrong."""
     model = built_model(cfg)
     _check_dense(model)
-    _check_datasets(cfg, model)
+    if left := _check_datasets(cfg, model):
+        more = f" and {len(left) - 3} more" if len(left) > 3 else ""
+        emit("parameters_left_out",
+             f"a training pass on a few samples left {', '.join(left[:3])}{more} without a "
+             "gradient: dp looks for unused parameters each step (find_unused_parameters "
+             "on; false turns it off)", {"parameters": left[:20], "count": len(left)})
     if cfg.sample_prompt:  # the text generated after the run: tried now on one token
         from ..models import generate
 
@@ -109,12 +114,13 @@ def _check_dense(model: Any) -> None:
                           "optimizer takes them (Adam for SparseAdam)")
 
 
-def _check_datasets(cfg: JobConfig, model: Any) -> None:
+def _check_datasets(cfg: JobConfig, model: Any) -> list[str]:
     """Enough samples, and the model and loss on a few of them. A Ray dataset (or, with
     ``dataset_format: ray``, any factory) is left to ``elastic.ray_dataset.prepare``, which
     runs it once Ray is up and then checks it here (``check_dataset_object``)."""
     if cfg.dataset_format == "ray":
-        return
+        return []
+    left: list[str] = []
     for field, given in (("dataset", cfg.dataset), ("eval_dataset", cfg.eval_dataset)):
         if given is None:
             continue
@@ -132,13 +138,15 @@ def _check_datasets(cfg: JobConfig, model: Any) -> None:
                     "set dataset_format: ray (the factory is then called once Ray is up, and "
                     "its pipeline runs once, on the cluster), or pass the dataset itself")
             continue
-        check_dataset_object(cfg, model, field, ds)
+        left += check_dataset_object(cfg, model, field, ds)
+    return left
 
 
-def check_dataset_object(cfg: JobConfig, model: Any, field: str, ds: Any) -> None:
+def check_dataset_object(cfg: JobConfig, model: Any, field: str, ds: Any) -> list[str]:
     """``field``'s dataset object: its length (at least one global batch for ``dataset``; at
     least one sample for ``eval_dataset``), recorded for the workers to agree with, and the
-    model and the loss on a few samples read as workers read them."""
+    model and the loss on a few samples read as workers read them. Returns the parameters
+    a training pass left without a gradient (``check_sample``)."""
     try:
         n = len(ds)
     except ColumnError as e:  # (was: "cannot read the dataset's length", naming dataset)
@@ -157,14 +165,15 @@ def check_dataset_object(cfg: JobConfig, model: Any, field: str, ds: Any) -> Non
             raise ConfigError("eval_dataset", "is empty.", "give it samples, or drop it")
         cfg.eval_dataset_length = n  # every rank scores all of it together: workers agree
         check_sample(cfg, model, ds, field)  # (was: at the first evaluation, or the run's end)
-        return
+        return []
     if n < cfg.global_batch_size:
         raise ConfigError(
             "dataset", f"has {n} samples, fewer than one global batch "
             f"({cfg.global_batch_size}).",
             f"use global_batch_size <= {n} or a larger dataset")
     cfg.dataset_length = n  # the sample order is a permutation of n: every worker must agree
-    check_sample(cfg, model, ds)  # the model and the loss on a few samples, as workers read
+    return check_sample(cfg, model, ds)  # the model and the loss on a few samples, as workers
+    # read (and the parameters a training pass leaves out: ``find_unused_parameters``)
 
 
 def _holds_run(path: str) -> bool:

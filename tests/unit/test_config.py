@@ -8,6 +8,7 @@ guard: the error must come from the preflight, before any worker (or Ray) starts
 from __future__ import annotations
 
 import ast
+import contextlib
 import os
 import pickle
 
@@ -434,6 +435,62 @@ def test_the_built_in_cross_entropy_refuses_shapes_it_cannot_read_one_way(no_ray
         elastic.fit(**_base(model=Square, loss="cross_entropy", dataset=Tokens(),
                             run_dir=str(no_ray)))
     assert ei.value.field == "loss" and "cannot tell where the classes are" in str(ei.value)
+
+
+class _Heads(torch.nn.Module):
+    """A trunk, a head the loss reads and one it never does (``aux``), a BatchNorm and
+    dropout (their state and the random stream must come out of the check unchanged)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8),
+                                         torch.nn.Dropout(0.5))
+        self.head, self.aux = torch.nn.Linear(8, 2), torch.nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(self.trunk(x))
+
+
+def test_a_model_whose_training_pass_leaves_parameters_out_turns_on_find_unused(tmp_path):
+    """Preflight runs one training pass (forward, loss, backward) on a few samples: a
+    trainable parameter left without a gradient turns ``find_unused_parameters`` on (dp's
+    DDP needs it) and is said in an event; the model's parameters, gradients, buffers, mode
+    and the random stream are as before. Given explicitly (true or false), it is left as
+    given. Was: dp's first steps failed, read as the group failing (found by a new user,
+    session 47)."""
+    from elastic.control.preflight import preflight
+    from elastic.preflight import left_out_parameters
+
+    said = []
+    cfg = JobConfig(**_base(model=_Heads, run_dir=str(tmp_path / "r")))
+    preflight(cfg, lambda kind, msg, data=None: said.append((kind, msg, data)))
+    assert cfg.find_unused_parameters is True
+    assert cfg.strategy_options()["find_unused_parameters"] is True
+    kinds = {k: (m, d) for k, m, d in said}
+    assert kinds["parameters_left_out"][1] == {"parameters": ["aux.weight", "aux.bias"],
+                                               "count": 2}
+    assert "aux.weight, aux.bias without a gradient" in kinds["parameters_left_out"][0]
+    for given in (True, False):
+        cfg = JobConfig(**_base(model=_Heads, find_unused_parameters=given,
+                                run_dir=str(tmp_path / f"g{given}")))
+        said.clear()
+        preflight(cfg, lambda kind, msg, data=None: said.append(kind))
+        assert cfg.find_unused_parameters is given and "parameters_left_out" not in said
+    cfg = JobConfig(**_base(run_dir=str(tmp_path / "m")))  # every parameter used: left out
+    preflight(cfg, lambda *a, **k: None)
+    assert cfg.find_unused_parameters is None and "find_unused_parameters" not in (
+        cfg.strategy_options())
+    # the check leaves the model and the random stream as they were
+    torch.manual_seed(5)
+    model = _Heads().eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x, y = torch.randn(3, 8), torch.randn(3, 2)
+    rng = torch.get_rng_state()
+    assert left_out_parameters(model, mse, x, y, contextlib.nullcontext()) == ["aux.weight",
+                                                                               "aux.bias"]
+    assert not model.training and torch.equal(torch.get_rng_state(), rng)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
 
 
 def _loss_that_raises(out, y):
