@@ -341,11 +341,12 @@ class FullyShardedDataParallel(Strategy):
         )
         # a parameter some ranks' forwards leave out: FSDP2 reduce-scatters a zero gradient
         # for it there (else the ranks' reduce-scatters differ in size: gloo aborts the
-        # process); ``check_reduced`` then drops the gradients no rank made
-        self._unused = spec.options.find_unused_parameters and hasattr(
-            self.model, "set_reduce_scatter_unused_params")
-        if self._unused:
-            self.model.set_reduce_scatter_unused_params(True)  # type: ignore[operator]
+        # process; nothing changes where every rank's forward uses every parameter); with
+        # find_unused_parameters, ``check_reduced`` then drops the gradients no rank made
+        zeros = getattr(self.model, "set_reduce_scatter_unused_params", None)  # (torch >= 2.12)
+        if zeros is not None:
+            zeros(True)
+        self._unused = spec.options.find_unused_parameters and zeros is not None
         self.optimizer = optimizer_factory(list(self.model.parameters()))  # (a factory may
         # go over its parameters twice: weight decay for matrices only, say)
         self._index: ShardMap | None = None  # built on the first needs()
