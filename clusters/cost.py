@@ -221,8 +221,9 @@ class CostModel:
             return self.optimizer_time(device, total, profile, len(tensors))
         if mode == "zero3":
             return self.optimizer_time(device, total / n, profile, len(tensors), sharded=True)
-        return max(self.optimizer_time(device, e, profile, t)
-                   for t, e in owner_loads(tensors, n))
+        return max((self.optimizer_time(device, e, profile, t)
+                    for t, e in owner_loads(tensors, n)), default=0.0)  # (nothing to
+        # update: a stage of parameter-free or frozen blocks)
 
     def device_key(self, device: Device, profile: ModelProfile) -> object:
         """Devices with equal keys have equal ``sample_time`` (used to memoize big clusters)."""

@@ -632,3 +632,21 @@ def test_zero2_counts_a_bucket_as_large_as_its_largest_tensor():
     r = plan(c, prof, 64, strategies=("pipeline",), dp_modes=("zero2",), subsets=False)
     est = r.ranked[0].estimate
     assert est is not None and max(x.buffers for x in est.memory) >= 2 * emb * 2
+
+
+def test_a_stage_of_parameter_free_or_frozen_blocks_costs_no_optimizer_time():
+    """A pipeline stage whose blocks hold no trainable parameter (an nn.Sequential's ReLUs, a
+    frozen backbone) under zero1/zero2: its optimizer step is 0, every plan is ranked. Was:
+    ``max()`` of no owners raised, and ``elastic plan`` printed a traceback (found by a new
+    user, session 47)."""
+    four = load_cluster({"name": "t", "pools": [{"name": "a", "device": "A100-80GB",
+                                                 "nodes": 1, "devices_per_node": 4}]})
+    frozen = ModelProfile(block_params=(0, 0, 0, 1000), block_flops=(1e9, 1e9, 1e9, 1e6))
+    relus = ModelProfile(block_params=(65_536, 0, 1_048_576, 0, 1_048_576, 0, 10_240),
+                         block_flops=(4e5, 1e3, 6e6, 1e3, 6e6, 1e3, 6e4))
+    for cluster, prof in ((four, frozen), (load_cluster(example_path("a100-t4")), relus)):
+        r = plan(cluster, prof, 256)
+        assert r.choice is not None
+        assert any(x.plan.is_pipeline and x.plan.dp_mode in ("zero1", "zero2")
+                   for x in r.ranked)
+        assert all(math.isfinite(x.estimate.step_time) for x in r.ranked)
