@@ -127,6 +127,7 @@ def data_parallel_candidate(
         biggest_block=max(prof.block_params),
         units=prof.units,
         biggest_tensor=prof.biggest_tensor(),
+        frozen_params=prof.frozen(),
     )
     fixed = fixed_parts.total
     worst = min(devs, key=ctx.usable)

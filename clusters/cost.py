@@ -336,6 +336,7 @@ class CostModel:
                 biggest_block=max(profile.block_params),
                 units=profile.units,
                 biggest_tensor=profile.biggest_tensor(),
+                frozen_params=profile.frozen(),
                 activations=math.ceil(s / m) * act_per_sample,
             )
             for s in set(plan.shares)

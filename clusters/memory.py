@@ -51,6 +51,7 @@ def layout_memory(
     activations: float = 0.0,
     units: int | None = None,
     biggest_tensor: float = 0.0,
+    frozen_params: float = 0.0,
 ) -> MemoryBreakdown:
     """Per-device bytes of ``n_params`` parameters laid out by ``strategy`` over ``n`` ranks.
 
@@ -61,7 +62,9 @@ def layout_memory(
     the largest tensor where it passes it: a bucket of its own); zero3 two gathered blocks
     (prefetch) plus one block of unsharded gradients, one gathered where ``units`` is 1 (a
     model without blocks, wrapped whole).
-    ``activations`` is passed through. Raises ``PlanError`` for an unknown strategy.
+    ``activations`` is passed through. ``frozen_params``: weights held as the layout holds
+    weights (sharded under zero3), with no gradient or optimizer state. Raises ``PlanError``
+    for an unknown strategy.
     """
     from strategies.traits import TRAITS  # torch-free: what each layout shards, once
 
@@ -72,7 +75,11 @@ def layout_memory(
                        optimizer_bytes=optimizer_bytes)
     buffers = t.buffer_bytes(biggest_block, param_bytes=bytes_per_param, grad_bytes=grad_bytes,
                              units=units, tensor_params=biggest_tensor)
-    return MemoryBreakdown(st.params, st.grads, st.optimizer, activations, buffers)
+    held = st.params
+    if frozen_params:
+        held += t.state_bytes(frozen_params, n, param_bytes=bytes_per_param, grad_bytes=0,
+                              optimizer_bytes=0).params
+    return MemoryBreakdown(held, st.grads, st.optimizer, activations, buffers)
 
 
 def model_state_bytes(

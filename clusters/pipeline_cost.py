@@ -356,6 +356,7 @@ def estimate_pipeline(
                 biggest_block=pos_big[j],
                 units=len(profile.unit_params(pos_blocks[j])),
                 biggest_tensor=profile.biggest_tensor(pos_blocks[j]),
+                frozen_params=profile.frozen(pos_blocks[j]),
                 activations=_in_flight(plan.schedule, m, p, v, j) * (s // m) * stored[j],
             )
             for s in sizes

@@ -45,7 +45,9 @@ class ModelProfile:
     ``optimizer_bytes_per_param``: the ZeRO paper's K (Adam with mixed precision: 12).
     ``block_tensors``: each block's parameter tensors (their element counts, in the model's
     order), which the layouts' message counts and ZeRO's ownership follow; without it a block
-    counts as one tensor. Raises ``ProfileError`` on inconsistent input.
+    counts as one tensor. ``frozen_params``: parameters per block that are not trained
+    (held as weights only: no gradient, no optimizer state). Raises ``ProfileError`` on
+    inconsistent input.
     """
 
     name: str = "model"
@@ -59,6 +61,7 @@ class ModelProfile:
     optimizer_bytes_per_param: int = 12
     precision: str = "bf16"
     block_tensors: tuple[tuple[int, ...], ...] | None = None
+    frozen_params: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.block_params)
@@ -66,7 +69,7 @@ class ModelProfile:
             raise ProfileError("block_params is empty; a model has at least one block")
         if any(p < 0 for p in self.block_params):
             raise ProfileError("block_params must be >= 0")
-        for name in ("block_flops", "boundary_bytes", "activation_bytes"):
+        for name in ("block_flops", "boundary_bytes", "activation_bytes", "frozen_params"):
             v = getattr(self, name)
             if v is not None and len(v) != n:
                 raise ProfileError(f"{name} has {len(v)} entries, block_params has {n}")
@@ -104,6 +107,13 @@ class ModelProfile:
     @property
     def n_params(self) -> int:
         return sum(self.block_params)
+
+    def frozen(self, blocks: Sequence[int] | None = None) -> int:
+        """Frozen parameters of ``blocks`` (default all)."""
+        if self.frozen_params is None:
+            return 0
+        idx = range(self.n_blocks) if blocks is None else blocks
+        return sum(self.frozen_params[i] for i in idx)
 
     @property
     def grad_bytes(self) -> int:

@@ -140,9 +140,7 @@ def _cmd_plan(a: argparse.Namespace) -> int:
     from .planning import model_profile, tokens_per_sample
 
     cfg = JobConfig.from_yaml(a.job)
-    from .control.preflight import built_model
-
-    model = built_model(cfg)
+    model, meta = _plan_model(cfg)
     if a.cluster == "live":
         import ray
 
@@ -159,17 +157,63 @@ def _cmd_plan(a: argparse.Namespace) -> int:
         cluster = load_cluster(path)
     if a.prices:
         cluster = with_prices(cluster, parse_prices(a.prices))
-    tokens = 1
+    tokens, sample = 1, None
     if cfg.dataset_format == "ray":  # a Ray pipeline is not run to plan
         print("elastic plan: dataset_format: ray: the pipeline is not run to plan, so a sample "
-              "counts as one token (sequence models' compute is under-counted)", file=sys.stderr)
+              "counts as one token (sequence models' compute is under-counted) and "
+              "activations are not counted", file=sys.stderr)
     else:
-        tokens = tokens_per_sample(cfg.dataset_object())
-    profile = model_profile(model, cfg.optimizer, tokens, precision=cfg.precision)
+        ds = cfg.dataset_object()
+        tokens, sample = tokens_per_sample(ds), _plan_sample(ds, meta)
+    profile = model_profile(model, cfg.optimizer, tokens, precision=cfg.precision,
+                            sample=sample)
+    if sample is not None and profile.activation_bytes is None:
+        print("elastic plan: the model's forward could not be counted on a sample (on the "
+              "meta device: data-dependent control flow?): compute is estimated as 6 x "
+              "parameters x tokens per sample, and activations are not counted",
+              file=sys.stderr)
     result = plan(cluster, profile, cfg.global_batch_size if a.global_batch is None
                   else a.global_batch)  # (0 is refused as the planner refuses -4)
     print(format_plan_table(result, cluster=cluster))
     return 0 if result.choice is not None else 1
+
+
+def _plan_model(cfg: Any) -> tuple[Any, bool]:
+    """The job's model to plan with: on the meta device (shapes, no memory: a 7B model
+    would not fit this host's RAM), where its factory builds there; else as every worker
+    builds it. Returns it and whether it is on meta."""
+    import torch
+
+    from .control.preflight import built_model
+    from .reference import build_model
+
+    rng = torch.get_rng_state()
+    try:
+        with torch.device("meta"):
+            model = build_model(cfg.model_factory(), cfg.seed)
+        if all(t.is_meta for t in (*model.parameters(), *model.buffers())):
+            return model, True
+    except Exception:  # noqa: BLE001 - a factory that needs real tensors: built as workers do
+        pass
+    finally:
+        torch.set_rng_state(rng)
+    return built_model(cfg), False
+
+
+def _plan_sample(dataset: Any, meta: bool) -> Any:
+    """Inputs of the dataset's first two samples, as workers read them (on meta for a meta
+    model); None where they cannot be read."""
+    import torch
+
+    from .data import fetch_batch
+
+    try:
+        n = min(2, len(dataset))
+        x, _ = (dataset.head(n) if getattr(dataset, "by_columns", False)
+                else fetch_batch(dataset, torch.arange(n)))
+        return x.to("meta") if meta and isinstance(x, torch.Tensor) else x
+    except Exception:  # noqa: BLE001 - preflight says what is wrong with the data
+        return None
 
 
 def _cmd_sweep(a: argparse.Namespace) -> int:
