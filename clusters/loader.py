@@ -28,6 +28,7 @@ the fix; unknown keys are errors (with a did-you-mean), so typos never pass sile
 from __future__ import annotations
 
 import difflib
+import math
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -120,6 +121,8 @@ def _number(
     if isinstance(v, bool) or not ok_type:
         kind = "an integer" if integer else "a number"
         raise ClusterFileError(f"{where}{key}", f"must be {kind}, got {v!r}.")
+    if not math.isfinite(v):  # YAML's .inf and .nan (was: a traceback, or a $nan price)
+        raise ClusterFileError(f"{where}{key}", f"must be a finite number, got {v!r}.")
     if v < minimum or (strict and v == minimum):
         op = ">" if strict else ">="
         raise ClusterFileError(f"{where}{key}", f"must be {op} {minimum:g}, got {v!r}.")

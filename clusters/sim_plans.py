@@ -82,7 +82,9 @@ class PlanCache:
             gone = dead()
             alive = self.cluster.without_nodes(gone) if gone else self.cluster
             t0 = time.perf_counter()
-            st, plan = self._evaluate(alive)
+            # no node left (a whole-cluster outage): no plan, down until one comes back (was:
+            # the planner asked to plan zero devices raised)
+            st, plan = self._evaluate(alive) if alive.nodes else (0.0, None)
             self.seconds += time.perf_counter() - t0
             self.calls += 1
             hit = self._cache[key] = CompositionPlan(

@@ -179,6 +179,11 @@ def _good() -> dict:
         ),
         (lambda d: d["pools"][0].update(nodes=0), "pools", "hold no devices"),
         (lambda d: d.update(colour="red"), "colour", "unknown key"),
+        # YAML's .inf / .nan (was: a traceback, or a price printed as $nan; session 47)
+        (lambda d: d["pools"][0].update(memory_gb=float("inf")), "pools[0].memory_gb",
+         "must be a finite number"),
+        (lambda d: d["pools"][0].update(price_per_device_hour=float("nan")),
+         "pools[0].price_per_device_hour", "must be a finite number"),
     ],
 )
 def test_cluster_file_errors_name_the_field(mutate, field, text):

@@ -455,3 +455,22 @@ def test_scaling_policy_gives_up_below_min_workers():
                     trace=[FailureEvent(100.0, "p-0")])
     assert "fewer than min_workers" in r.ended
     _exact(r)
+
+
+def test_a_whole_cluster_outage_is_downtime_until_the_nodes_are_back():
+    """Every node lost at once (found by a new user, session 47): restart-all is down until
+    the nodes are repaired, then goes on from its last checkpoint; elastic's scaling policy
+    gives up below min_workers after its timeout, saying so (the live job's rule). Was: the
+    planner asked to plan zero devices raised, for every policy."""
+    cl = load_cluster({"name": "s4", "pools": [{"name": "a", "device": "A100-80GB",
+                                                "nodes": 4, "devices_per_node": 8,
+                                                "network": "ib-hdr", "nics": 8}]})
+    prof = transformer_profile(layers=24, d_model=2048, n_heads=16, seq_len=2048, vocab=50257)
+    cfg = SimConfig(duration_s=86400.0)
+    trace = [FailureEvent(3601.3, f"a-{i}") for i in range(4)]
+    by = {r.policy: r for r in simulate(cl, prof, 256, config=cfg, trace=trace)}
+    r = by["restart-all"]
+    assert r.failures == 4 and r.rollbacks == 1 and not r.ended, r
+    assert cfg.repair_s <= r.downtime_s < cfg.repair_s + 600, r  # the repair, a restart
+    assert r.steps > 0.9 * r.ideal_steps, r
+    assert "fewer than min_workers" in by["elastic"].ended
