@@ -50,7 +50,14 @@ def explain(
             f"{len(rejected)} rejected:"
         )
         lines += [f"  - {c.rejection}" for c in rejected[:12]]
-        lines.append("fix: add devices or memory, shrink the batch, or use a smaller model")
+        fewest = min((len(c.plan.devices) for c in rejected if c.plan.devices), default=1)
+        if global_batch < fewest:  # every plan gives each device at least one sample
+            lines.append(f"fix: a global batch of at least {fewest} (each device needs a "
+                         f"sample, and the smallest set of devices planned here has {fewest}), "
+                         "or a cluster file of fewer devices")
+        else:
+            lines.append("fix: add devices or memory, shrink the batch, or use a smaller "
+                         "model")
         return "\n".join(lines)
     e, p = choice.estimate, choice.plan
     peak = max(e.memory, key=lambda m: m.total)

@@ -650,3 +650,15 @@ def test_a_stage_of_parameter_free_or_frozen_blocks_costs_no_optimizer_time():
         assert any(x.plan.is_pipeline and x.plan.dp_mode in ("zero1", "zero2")
                    for x in r.ranked)
         assert all(math.isfinite(x.estimate.step_time) for x in r.ranked)
+
+
+def test_a_global_batch_below_every_device_set_says_to_raise_it():
+    """Nothing fits because the global batch is smaller than the fewest devices planned:
+    the fix says so (was: "add devices or memory, shrink the batch", which makes it worse;
+    found by a new user, session 47)."""
+    cluster = load_cluster(example_path("a100-t4"))
+    prof = ModelProfile(block_params=(1000, 1000), block_flops=(1e6, 1e6))
+    r = plan(cluster, prof, 1)
+    assert r.choice is None
+    assert "fix: a global batch of at least 8" in r.explanation, r.explanation
+    assert "shrink the batch" not in r.explanation
