@@ -82,10 +82,24 @@ class SimConfig:
             if any(not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0)
                    for v in getattr(self, name).values()):
                 raise bad(name, "a mapping of pool name to a finite number >= 0")
+        if any(isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0
+               or math.isnan(v) for v in self.node_mtbf_s.values()):
+            raise bad("node_mtbf_s", "a mapping of pool name to seconds > 0 (math.inf: never)")
         if self.target_steps is not None and (isinstance(self.target_steps, bool) or not
                                               isinstance(self.target_steps, int)
                                               or self.target_steps < 1):
             raise bad("target_steps", "None or an integer >= 1 (steps)")
+
+    def check_pools(self, pools: Sequence[str]) -> None:
+        """Every pool-keyed setting names a pool of the cluster (or ``"*"``). Raises
+        ``SimulationError`` naming the key and the pools (was: a typo such as ``"A"`` for pool
+        ``a`` silently meant no failures, no spares)."""
+        for name in ("spare_nodes", "node_mtbf_s", "preemption_per_h", "notice_s"):
+            for key in getattr(self, name):
+                if key != "*" and key not in pools:
+                    raise SimulationError(
+                        f"SimConfig.{name} names pool {key!r}, which the cluster does not "
+                        f"have. Fix: use one of {', '.join(map(repr, pools))} or '*'")
 
     def spares(self, pool: str) -> int:
         """Spare nodes of ``pool`` (its own entry, else ``"*"``, else 0)."""

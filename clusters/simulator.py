@@ -127,6 +127,7 @@ def simulate(
     when no plan fits the whole cluster (the message has the planner's reasons).
     """
     config = config or SimConfig()
+    config.check_pools([p.name for p in cluster.pools])
     policies = (RestartAll(), ElasticInPlace()) if policies is None else tuple(policies)
     events = validate_trace(trace if trace is not None else failure_trace(cluster, config),
                             cluster, "trace")

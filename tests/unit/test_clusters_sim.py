@@ -474,3 +474,18 @@ def test_a_whole_cluster_outage_is_downtime_until_the_nodes_are_back():
     assert cfg.repair_s <= r.downtime_s < cfg.repair_s + 600, r  # the repair, a restart
     assert r.steps > 0.9 * r.ideal_steps, r
     assert "fewer than min_workers" in by["elastic"].ended
+
+
+def test_pool_keyed_settings_must_name_a_pool_of_the_cluster():
+    """A typo in a pool name (``"A"`` for pool ``a``) is refused naming the key and the
+    pools, as is a non-positive MTBF (found by a new user, session 47). Was: no failures and
+    100 % goodput, spares ignored, or an error about a trace the user never wrote."""
+    cl = load_cluster({"name": "s", "pools": [{"name": "a", "device": "A100-80GB", "nodes": 2,
+                                               "devices_per_node": 8}]})
+    prof = ModelProfile(block_params=(1000, 1000), block_flops=(1e9, 1e9))
+    for bad in ({"node_mtbf_s": {"A": 3600.0}}, {"spare_nodes": {"gpu": 2}},
+                {"preemption_per_h": {"spot": 0.1}}):
+        with pytest.raises(SimulationError, match=r"names pool .*Fix: use one of 'a' or '\*'"):
+            simulate(cl, prof, 64, config=SimConfig(duration_s=3600.0, **bad))
+    with pytest.raises(SimulationError, match="node_mtbf_s must be"):
+        SimConfig(node_mtbf_s={"a": -5.0})
