@@ -357,11 +357,14 @@ def run_policy(policy: SimPolicy, setup: SimSetup) -> PolicyResult:
                 continue
             node, what = nodes.waiting[pool].popleft(), "back"
         if what == "back":
+            idle = not plans.uses(nodes.plan(), nodes.dead, node)  # (the plan before it)
             nodes.back(node)
             joining = nodes.size[node]
             job.set_step_time(nodes.plan().step_time)
             if job.ended or job.t < job.down_until:
                 continue  # a join during a recovery rides along with it
+            if idle and not plans.uses(nodes.plan(), nodes.dead, node):
+                continue  # a node the plan leaves out (another pool's): nothing to join
             rec = policy.on_join(job.view(nodes.workers - joining, nodes.target), joining,
                                  setup.restore)
             if rec is None:
@@ -388,10 +391,11 @@ def run_policy(policy: SimPolicy, setup: SimSetup) -> PolicyResult:
         if node in nodes.dead:
             continue  # a node that is down cannot fail again
         survive = plans.survives(nodes.plan(), nodes.dead, node)
+        idle = not plans.uses(nodes.plan(), nodes.dead, node)
         nodes.lose(node, kind, repair, job.t, job.t)
         job.set_step_time(nodes.plan().step_time)
-        if job.ended:
-            continue
+        if job.ended or idle:  # a node the plan leaves out: no worker of the job was there
+            continue  # (was: a failure, a restart-all rollback)
         job.failures += 1
         job.preemptions += kind == "preempted"
         decision = policy.on_failure(kind, job.view(nodes.workers, nodes.target), survive,

@@ -37,6 +37,8 @@ class CompositionPlan:
     plan: Plan | None
     seen: Cluster
     fatal: dict[str, frozenset[int]]
+    used: dict[str, frozenset[int]] | None = None  # positions of the nodes the plan runs
+    # on, per pool (None: every node, under an evaluator that gives no plan)
 
 
 class PlanCache:
@@ -88,15 +90,42 @@ class PlanCache:
             self.seconds += time.perf_counter() - t0
             self.calls += 1
             hit = self._cache[key] = CompositionPlan(
-                st if st > 0 else math.inf, plan, alive, _fatal_positions(plan, alive))
+                st if st > 0 else math.inf, plan, alive, _fatal_positions(plan, alive),
+                _used_positions(plan, alive))
         return hit
 
     def survives(self, entry: CompositionPlan, dead: Set[str], node: str) -> bool:
         """Does the job on ``entry``'s plan, with ``dead`` down, keep every entry of its state
         when ``node`` (alive) is lost too?"""
-        pool, i = self._where[node]
-        pos = i - sum(1 for d in dead if self._where[d][0] == pool and self._where[d][1] < i)
+        pool, pos = self._position(dead, node)
         return pos not in entry.fatal.get(pool, frozenset())
+
+    def uses(self, entry: CompositionPlan, dead: Set[str], node: str) -> bool:
+        """Does ``entry``'s plan, with ``dead`` down, run on ``node`` (alive)? A plan of some
+        pools only (the A100s of an A100 + T4 cluster) leaves the others' nodes idle."""
+        if entry.used is None:
+            return True
+        pool, pos = self._position(dead, node)
+        return pos in entry.used.get(pool, frozenset())
+
+    def _position(self, dead: Set[str], node: str) -> tuple[str, int]:
+        """``node``'s pool and its position among that pool's nodes not in ``dead``."""
+        pool, i = self._where[node]
+        return pool, i - sum(1 for d in dead if self._where[d][0] == pool
+                             and self._where[d][1] < i)
+
+
+def _used_positions(plan: Plan | None, alive: Cluster) -> dict[str, frozenset[int]] | None:
+    if plan is None or not plan.devices:
+        return None
+    on = {alive.device(d).node for d in plan.devices}
+    seen: Counter[str] = Counter()
+    out: dict[str, set[int]] = {}
+    for n in alive.nodes:
+        if n.id in on:
+            out.setdefault(n.pool, set()).add(seen[n.pool])
+        seen[n.pool] += 1
+    return {p: frozenset(s) for p, s in out.items()}
 
 
 def _fatal_positions(plan: Plan | None, alive: Cluster) -> dict[str, frozenset[int]]:

@@ -21,6 +21,7 @@ from clusters import (
     SimulationError,
     TraceError,
     daly_interval_s,
+    example_path,
     llama3_trace,
     load_cluster,
     load_trace,
@@ -489,3 +490,23 @@ def test_pool_keyed_settings_must_name_a_pool_of_the_cluster():
             simulate(cl, prof, 64, config=SimConfig(duration_s=3600.0, **bad))
     with pytest.raises(SimulationError, match="node_mtbf_s must be"):
         SimConfig(node_mtbf_s={"a": -5.0})
+
+
+def test_losing_a_node_the_plan_leaves_out_is_no_failure_of_the_job():
+    """The plan runs on the A100 node alone: a T4 node's loss (or its process's) costs the
+    job nothing, and its return is no join (found by a new user, session 47). Was: counted
+    as a failure, restart-all rolled back and was down ~1 h."""
+    cl = load_cluster(example_path("a100-t4"))
+    prof = transformer_profile(layers=24, d_model=2048, n_heads=16, seq_len=2048, vocab=50257)
+    plans = plan_cache(cl, prof, 512)
+    on = {cl.device(d).node for d in plans.entry(frozenset()).plan.devices}
+    assert on == {"a100-0"}  # (the case: the T4 nodes idle)
+    for kind in ("node_lost", "process_lost"):
+        for r in simulate(cl, prof, 512, plans=plans, trace=[FailureEvent(3601.3, "t4-0",
+                                                                         kind=kind)],
+                          config=SimConfig(duration_s=86400.0, checkpoint_every=100)):
+            assert (r.failures, r.rollbacks, r.downtime_s) == (0, 0, 0.0), r
+            assert r.steps == pytest.approx(r.ideal_steps), r
+    for r in simulate(cl, prof, 512, plans=plans, trace=[FailureEvent(3601.3, "a100-0")],
+                      config=SimConfig(duration_s=86400.0, checkpoint_every=100)):
+        assert r.failures == 1, r  # the node it runs on: a failure as before
