@@ -301,6 +301,10 @@ def unshardable(model: nn.Module) -> str | None:
     process group failing, and a job would retry it until its failure budget ran out."""
     scalar = [n for n, p in model.named_parameters() if p.dim() == 0]
     strided = [n for n, p in model.named_parameters() if p.dim() and not p.is_contiguous()]
+    mixed = _mixed_dtypes(model)
+    if mixed:  # (FSDP2 asserts one dtype per unit, from its own code: read as the group)
+        return (f"zero3 (FSDP2) needs one dtype among the parameters it shards together, and "
+                f"{mixed}; give them one dtype (model.float()), or choose dp, zero1 or zero2")
     if not scalar and not strided:
         return None
     what = (f"0-dim parameters {scalar[:5]}" if scalar else
@@ -308,6 +312,25 @@ def unshardable(model: nn.Module) -> str | None:
     return (f"zero3 (FSDP2) shards every parameter along dim 0 and cannot shard {what}; "
             "make them 1-element tensors (torch.ones(1), not torch.ones(())) and contiguous, "
             "or choose dp, zero1 or zero2")
+
+
+def _mixed_dtypes(model: nn.Module) -> str | None:
+    """Where one of zero3's FSDP units (each block; the rest of the model) holds parameters
+    of more than one dtype, what they are; else None."""
+    blocks = pipeline_blocks_or_none(model) or []
+    in_block = {id(p) for _, b in blocks for p in b.parameters()}
+    units = [(name, list(b.named_parameters())) for name, b in blocks]
+    units.append(("the model", [(n, p) for n, p in model.named_parameters()
+                                if id(p) not in in_block]))
+    for name, params in units:
+        kinds: dict[torch.dtype, str] = {}
+        for n, p in params:
+            kinds.setdefault(p.dtype, n)
+        if len(kinds) > 1:
+            said = " and ".join(f"{n} ({str(d).replace('torch.', '')})"
+                                for d, n in kinds.items())
+            return f"{name} holds {said}"
+    return None
 
 
 class FullyShardedDataParallel(Strategy):

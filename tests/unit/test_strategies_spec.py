@@ -391,6 +391,15 @@ def test_zero3_refuses_parameters_fsdp2_cannot_shard_before_it_is_built():
         registry.get("zero3").validate(StrategySpec("zero3", 2, (2, 2)), strided)
     for name in ("dp", "zero1", "zero2"):  # they take it as it is
         registry.get(name).validate(StrategySpec(name, 2, (2, 2)), Scaled())
+    # one FSDP unit of two dtypes (was: FSDP2's AssertionError read as the group failing: the
+    # job recovered from scratch until its budget ran out, for ever with max_failures -1;
+    # found by a new user, session 47); blocks of one dtype each are fine
+    mixed = nn.Linear(4, 4)
+    mixed.scale = nn.Parameter(torch.ones(4, dtype=torch.float64))
+    with pytest.raises(StrategyError, match=r"one dtype.*weight \(float32\) and scale \(float64\)"):
+        registry.get("zero3").validate(StrategySpec("zero3", 2, (2, 2)), mixed)
+    per_block = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4).double())
+    registry.get("zero3").validate(StrategySpec("zero3", 2, (2, 2)), per_block)
 
 
 @pytest.mark.parametrize("group", [{}, {"capturable": True}])
