@@ -8,6 +8,7 @@ Emulation (a test and demo aid, labelled as such everywhere it shows): a worker 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -33,11 +34,28 @@ from clusters.pipeline_cost import SharedCores
 from strategies import StrategyOptions, StrategySpec
 from strategies.blocks import block_params, blocks_of
 
-__all__ = ["live_cluster", "model_profile", "optimizer_bytes", "sample_costs", "auto_spec", "auto_plan", "plan_spec", "param_costs",
+__all__ = ["live_cluster", "model_profile", "not_chained", "chained", "optimizer_bytes", "sample_costs", "auto_spec", "auto_plan", "plan_spec", "param_costs",
            "balanced_shares", "block_params", "comm_config", "device_hosts", "device_kinds",
            "shared_cores", "measured_model", "block_stage_split", "spec_plan"]
 
 _OPT_BYTES = {"adam": 8, "adamw": 8, "sgd": 0, "rmsprop": 4, "adagrad": 4}
+_UNCHAINED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def not_chained(model: nn.Module) -> None:
+    """``model``'s forward is not its blocks applied one after the other (preflight saw
+    them differ): it is planned as one block, so no pipeline, which would run the blocks
+    chained, is planned for it."""
+    _UNCHAINED.add(model)
+
+
+def chained(model: nn.Module) -> bool:
+    """False once ``not_chained(model)`` was said."""
+    return model not in _UNCHAINED
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    return [model] if model in _UNCHAINED else blocks_of(model)
 
 
 def model_profile(model: nn.Module, optimizer: Any, tokens_per_sample: int = 1,
@@ -54,7 +72,7 @@ def model_profile(model: nn.Module, optimizer: Any, tokens_per_sample: int = 1,
     optimizer (``optimizer_bytes``)."""
     opt = optimizer.get("name", "adam") if isinstance(optimizer, dict) else str(optimizer)
     opt_bytes = _OPT_BYTES.get(str(opt).lower(), 8)
-    blocks = blocks_of(model)
+    blocks = _blocks(model)
     tensors = tuple(tuple(p.numel() for p in b.parameters() if p.requires_grad)
                     for b in blocks)
     params = tuple(sum(t) for t in tensors)

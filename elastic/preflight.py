@@ -70,6 +70,10 @@ def check_sample(cfg: JobConfig, model: Any, dataset: Any, field: str = "dataset
                 out = model(x)
             except Exception as e:  # noqa: BLE001 - the user's model: say what it did
                 raise _named(field, parquet, _forward_error(cfg, parquet, x, e, field)) from None
+            if field == "dataset" and _chain_differs(model, x, out):
+                from .planning import not_chained
+
+                not_chained(model)  # (no pipeline is planned for it; one named is refused)
             try:
                 loss = loss_fn(out, y)
             except ConfigError:  # (the built-in loss's own refusal names its fix)
@@ -89,6 +93,28 @@ def check_sample(cfg: JobConfig, model: Any, dataset: Any, field: str = "dataset
             cfg.find_unused_parameters = True
         return left
     return []
+
+
+def _chain_differs(model: Any, x: Any, out: Any) -> bool:
+    """Whether ``model``'s blocks (``pipeline_blocks``, an ``nn.Sequential``'s children)
+    applied one after the other to ``x`` give other outputs than its forward did (``out``):
+    a pipeline runs them so, and would train another function. False for a model without
+    blocks, or blocks that cannot run alone on ``x``."""
+    import torch
+
+    from strategies.blocks import pipeline_blocks_or_none
+
+    try:
+        blocks = pipeline_blocks_or_none(model)
+        if not blocks or not isinstance(out, torch.Tensor):
+            return False
+        h = x
+        for _, block in blocks:
+            h = block(h)
+    except Exception:  # noqa: BLE001 - said by the pipeline's own checks where it runs
+        return False
+    return not (isinstance(h, torch.Tensor) and h.shape == out.shape
+                and torch.allclose(h.float(), out.float(), rtol=1e-3, atol=1e-5))
 
 
 def left_out_parameters(model: Any, loss_fn: Any, x: Any, y: Any, cast: Any) -> list[str]:

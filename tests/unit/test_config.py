@@ -493,6 +493,45 @@ def test_a_model_whose_training_pass_leaves_parameters_out_turns_on_find_unused(
     assert all(p.grad is None for p in model.parameters())
 
 
+class _Halved(torch.nn.Module):
+    """Blocks ``a``, ``b``; forward ``0.5 * b(a(x))``: not the blocks applied in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)
+
+    def pipeline_blocks(self):
+        return [("a", self.a), ("b", self.b)]
+
+    def forward(self, x):
+        return 0.5 * self.b(self.a(x))
+
+
+def test_a_pipeline_of_a_model_whose_forward_is_not_its_blocks_chained_is_refused(tmp_path):
+    """A pipeline runs the blocks one after the other: for a model whose forward differs
+    (a factor, a block applied twice), a pipeline named to start or in ``switch_at`` is
+    refused before any worker starts, and ``auto`` plans the model as one block (no
+    pipeline). Was: the pipeline trained another function, silently (found by a new user,
+    session 47)."""
+    from elastic.control.preflight import preflight
+    from elastic.planning import chained, model_profile
+
+    for kw, field in (({"strategy": "pipeline"}, "strategy"),
+                      ({"switch_at": {3: "pipeline"}}, "switch_at[3]")):
+        cfg = JobConfig(**_base(model=_Halved, run_dir=str(tmp_path / field), **kw))
+        with pytest.raises(ConfigError) as ei:
+            preflight(cfg, lambda *a, **k: None)
+        assert ei.value.field == field and "forward(x) the blocks applied" in ei.value.fix
+    cfg = JobConfig(**_base(model=_Halved, strategy="zero2", run_dir=str(tmp_path / "z")))
+    pre = preflight(cfg, lambda *a, **k: None)  # the layouts that run forward as it is
+    assert not chained(pre.model) and model_profile(pre.model, "adam").n_blocks == 1
+    seq = JobConfig(**_base(model=lambda: torch.nn.Sequential(torch.nn.Linear(8, 8),
+                                                              torch.nn.Linear(8, 2)),
+                            strategy="pipeline", run_dir=str(tmp_path / "s")))
+    pre = preflight(seq, lambda *a, **k: None)  # its forward is the chain
+    assert chained(pre.model) and model_profile(pre.model, "adam").n_blocks == 2
+
+
 def _loss_that_raises(out, y):
     raise RuntimeError("boom from user loss")
 
