@@ -216,8 +216,18 @@ def run_directory(cfg: JobConfig) -> str:
         if newest is not None or cfg.resume == "latest":
             return newest or path  # (latest with none: refused by the resume's plan)
         fresh = True
-    if (cfg.resume and not fresh) or not _holds_run(path):
+    if not _holds_run(path):
         return path
+    owner = _run_owner(path)
+    if cfg.resume and not fresh and owner in (None, cfg.job_name):
+        return path
+    if cfg.run_dir and owner not in (None, cfg.job_name):  # (was: continued whatever the
+        # resume: another job's config.json overwritten, two jobs' metrics in one file)
+        raise ConfigError(
+            "run_dir", f"{path} holds a run of job {owner!r}, not of this job "
+            f"({cfg.job_name!r}).",
+            f"give this job a run_dir of its own, or resume that job under its name "
+            f"(name: {owner})")
     if cfg.run_dir:
         raise ConfigError(
             "run_dir", f"{path} holds an earlier run (its events.jsonl).",
@@ -227,6 +237,19 @@ def run_directory(cfg: JobConfig) -> str:
     while _holds_run(f"{path}.{i}"):
         i += 1
     return f"{path}.{i}"
+
+
+def _run_owner(path: str) -> str | None:
+    """The name of the job whose run ``path`` holds (its ``config.json``), None where it
+    does not say."""
+    import json
+
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            name = json.load(f).get("name")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return name if isinstance(name, str) and name else None
 
 
 def _newest_run(path: str) -> str | None:

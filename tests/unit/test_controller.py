@@ -13,7 +13,7 @@ from elastic.config import JobConfig
 from elastic.control import Controller, Request
 from elastic.control import sizing as sizing_mod
 from elastic.control.hooks import StepHook
-from elastic.errors import InfrastructureError, SwitchError, WorkerError
+from elastic.errors import ConfigError, InfrastructureError, SwitchError, WorkerError
 from tests.helpers import RegressionData, adam, mlp, mse
 from tests.unit.fake_group import FakeGroup
 
@@ -1530,3 +1530,31 @@ def test_resume_auto_with_no_checkpoint_in_runs_starts_fresh_in_a_run_dir_of_its
     assert ctl.sink.log.run_dir == str(tmp_path / "runs" / "x.2")
     assert "resumed" not in _kinds(ctl)
     assert (tmp_path / "runs" / "x" / "events.jsonl").read_text() == '{"kind": "start"}\n'
+
+
+def test_a_run_dir_of_another_jobs_run_is_refused_whatever_the_resume(tmp_path, monkeypatch):
+    """A job given ``run_dir`` of another job's run (its config.json names that job) is
+    refused before anything is written there, with ``resume: auto``/``latest``, a fork or
+    none; the job that owns it resumes it as before. Was: a resume of any kind continued in
+    it: the owner's config.json overwritten, both jobs' metrics in one file, the owner's
+    TensorBoard curve purged (found by a new user, session 47)."""
+    import json
+
+    from elastic.control.preflight import run_directory
+
+    monkeypatch.chdir(tmp_path)
+    owned = tmp_path / "runs" / "trk"
+    os.makedirs(owned)
+    (owned / "events.jsonl").write_text('{"kind": "start"}\n')
+    (owned / "config.json").write_text(json.dumps({"name": "trk"}))
+    for resume in ("auto", "latest", None):
+        cfg = _cfg(tmp_path, name="trkB", run_dir=str(owned), resume=resume,
+                   checkpoint_uri=str(tmp_path / "ckB"))
+        with pytest.raises(ConfigError) as ei:
+            run_directory(cfg)
+        assert ei.value.field == "run_dir"
+        assert "holds a run of job 'trk'" in str(ei.value) and "name: trk" in ei.value.fix
+    mine = _cfg(tmp_path, name="trk", run_dir=str(owned), resume="latest",
+                checkpoint_uri=str(tmp_path / "ck"))
+    assert run_directory(mine) == str(owned)
+    assert json.loads((owned / "config.json").read_text()) == {"name": "trk"}
