@@ -46,7 +46,26 @@ def _cmd_run(a: argparse.Namespace) -> int:
         from .demo import sample_text
 
         print("\nsample:\n" + sample_text(cfg, result.state_dict(), cfg.sample_prompt))
+    if result.unsaved:  # the final state is all that holds the last steps: kept on disk
+        return _kept_final(result)
     return 0
+
+
+def _kept_final(result: Any) -> int:
+    """A run whose last checkpoint was not committed: its final state written to the run
+    directory (``final_state.pt``, the canonical entries: ``model/...`` and ``optim/...``),
+    said on stderr; exit 1. Was: "done", exit 0, and the steps since the newest committed
+    checkpoint lost with the driver (found by a new user, session 47)."""
+    import torch
+
+    path = os.path.join(result.run_dir, "final_state.pt")
+    try:
+        torch.save(result.final_state, path)
+        kept = f"the final state is in {path} (torch.load it; model/* are the parameters)"
+    except Exception as e:  # noqa: BLE001 - said: nothing else holds it
+        kept = f"writing the final state to {path} failed too ({type(e).__name__}: {e})"
+    print(f"elastic: warning: {result.unsaved}; {kept}", file=sys.stderr)
+    return 1
 
 
 def _cmd_demo(a: argparse.Namespace) -> int:

@@ -12,7 +12,7 @@ with an event naming it.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from strategies import StrategySpec
@@ -468,6 +468,19 @@ def _meta(cfg: Any, spec: StrategySpec, step: int) -> CheckpointMeta:
         rng={"seed": cfg.seed}, strategy=spec.name, owner=cfg.job_name,
         extra={"job": cfg.job_name, "global_batch_size": cfg.global_batch_size,
                "dataset_length": cfg.dataset_length})
+
+
+def unsaved(events: Sequence[Any]) -> str | None:
+    """What of a finished run no checkpoint holds: where a checkpoint failed after the
+    newest committed one (its storage gone at the end of the run), which; else None."""
+    newest = max((e.data.get("step", 0) for e in events if e.kind == "checkpoint"), default=0)
+    failed = [e.data.get("step", 0) for e in events if e.kind == "checkpoint_failed"
+              and not e.data.get("released") and e.data.get("step", 0) > newest]
+    if not failed:
+        return None
+    kept = f"step {newest}" if newest else "none"
+    return (f"the checkpoint of step {max(failed)} was not committed: the newest committed "
+            f"checkpoint is {kept}")
 
 
 def last_checkpoint(tracker: CheckpointTracker, group: Any, stopped: StrategySpec | None,

@@ -35,6 +35,7 @@ from ..trackers import with_trackers
 from ..view import View
 from .cadence import poll_interval, scale_interval
 from .checkpoints import CheckpointTracker, last_checkpoint
+from .checkpoints import unsaved as unsaved_steps
 from .evacuation import Evacuation
 from .hooks import StepHook
 from .interrupts import Interrupts
@@ -396,9 +397,11 @@ class Controller:
                         else None, self.step, self._emit)  # (stopped early: that step's too)
         last = self.history[-1]["loss"] if self.history else float("nan")
         done = self.history[-1]["step"] + 1 if self.history else 0
+        unsaved = unsaved_steps(self.events)
         return Finished(FitResult(final, self.history, self.events, self.sink.log.run_dir
-                                  if self.sink.log else self.cfg.run_path),
-                        f"{done} steps ({st.reason}), final loss {last:.4f}")
+                                  if self.sink.log else self.cfg.run_path, unsaved=unsaved),
+                        f"{done} steps ({st.reason}), final loss {last:.4f}"
+                        + (f"; {unsaved}" if unsaved else ""))
 
     # ------------------------------------------------------------------ helpers
 

@@ -187,6 +187,9 @@ class FitResult:
     events: list[Event]
     run_dir: str
     status: str = "finished"
+    # a job whose checkpoints failed after its newest committed one (the last one's storage
+    # gone): what is not in any checkpoint (its final state holds it), else None
+    unsaved: str | None = None
 
     def state_dict(self) -> dict[str, Any]:
         """The final model parameters and buffers: FQN -> CPU tensor (plain PyTorch)."""

@@ -1044,3 +1044,22 @@ def test_a_warm_only_resize_says_it_takes_the_spares_that_are_up():
     assert Resizing(4, "a node with room joined", warm_only=True).describe() == (
         "resizing toward 4 workers with the spares up (a node with room joined)")
     assert Resizing(2, "asked").describe() == "resizing to 2 workers (asked)"
+
+
+def test_what_no_checkpoint_of_a_finished_run_holds():
+    """``unsaved``: a checkpoint that failed after the newest committed one is said (its
+    step and the newest committed); one a later commit covers, or an orphan released, is
+    not."""
+    from elastic.control.checkpoints import unsaved
+    from elastic.events import Event
+
+    def ev(kind: str, step: int, **data: Any) -> Event:
+        return Event(kind, "", step=step, data={"step": step, **data})
+
+    assert unsaved([]) is None
+    assert unsaved([ev("checkpoint", 10), ev("checkpoint_failed", 20)]) == (
+        "the checkpoint of step 20 was not committed: the newest committed checkpoint is "
+        "step 10")
+    assert unsaved([ev("checkpoint_failed", 10), ev("checkpoint", 20)]) is None
+    assert unsaved([ev("checkpoint", 10), ev("checkpoint_failed", 20, released=True)]) is None
+    assert "is none" in str(unsaved([ev("checkpoint_failed", 5)]))

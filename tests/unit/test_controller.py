@@ -1494,6 +1494,18 @@ def test_a_node_lost_while_the_last_checkpoint_uploads_costs_that_checkpoint_not
     assert result.history[-1]["step"] == STEPS - 1
     failed = [e for e in ctl.events if e.kind == "checkpoint_failed"]
     assert failed and failed[-1].data["step"] == STEPS, [e.message for e in failed]
+    # said in the result (and by `elastic run`, which keeps the final state on disk; was:
+    # "done", exit 0, the steps since the newest committed checkpoint lost; session 47)
+    newest = max((e.data["step"] for e in ctl.events if e.kind == "checkpoint"), default=0)
+    assert newest < STEPS and result.unsaved == (
+        f"the checkpoint of step {STEPS} was not committed: the newest committed checkpoint "
+        f"is {f'step {newest}' if newest else 'none'}")
+    from elastic import cli
+
+    assert cli._kept_final(result) == 1  # noqa: SLF001
+    import torch
+
+    assert torch.load(os.path.join(result.run_dir, "final_state.pt")) == result.final_state
 
 
 def test_a_recovery_from_peers_lists_no_checkpoint(tmp_path, monkeypatch):
