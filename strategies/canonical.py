@@ -77,6 +77,17 @@ def optimizer_state_from_canonical(
         fqn, _, k = key[len("optim/"):].rpartition("/")
         if fqn in params_by_fqn and params_by_fqn[fqn].requires_grad:
             by_param.setdefault(fqn, {})[k] = t
+    # another optimizer's state (a resume under a new factory): only what this one keeps,
+    # and a parameter missing any of it starts fresh (was: Adam's moments carried along
+    # under SGD for good, or RMSprop's step failing on a missing square_avg)
+    for fqn in list(by_param):
+        keeps = state_keys(optimizer, params_by_fqn[fqn].dim())
+        if keeps is None:
+            continue
+        if keeps <= set(by_param[fqn]):
+            by_param[fqn] = {k: t for k, t in by_param[fqn].items() if k in keeps}
+        else:
+            del by_param[fqn]
     on_device = {id(q) for g in optimizer.param_groups if g.get("fused") or g.get("capturable")
                  for q in g["params"]}
     for fqn, entries in by_param.items():
@@ -94,6 +105,32 @@ def optimizer_state_from_canonical(
                 else:
                     st[k] = (slicer(fqn, t, p) if slicer else t).clone().to(p.device)
         optimizer.state[p] = st
+
+
+_KEYS: dict[tuple[type, str, int], frozenset[str] | None] = {}
+
+
+def state_keys(optimizer: torch.optim.Optimizer, ndim: int = 1) -> frozenset[str] | None:
+    """The per-parameter state entries ``optimizer`` keeps, once it has stepped, for a
+    parameter of ``ndim`` dims (Adam: ``step``, ``exp_avg``, ``exp_avg_sq``; SGD with
+    momentum: ``momentum_buffer``; Adafactor's factored ones for a matrix): one of its type
+    and first group's settings stepped on a stand-in parameter. None where that cannot be
+    built (every entry is then loaded)."""
+    group = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"} if (
+        optimizer.param_groups) else {}
+    key = (type(optimizer), repr(sorted((k, v) for k, v in group.items()
+                                        if k not in ("lr", "initial_lr"))), ndim)
+    if key not in _KEYS:
+        try:
+            p = nn.Parameter(torch.zeros((2,) * ndim))
+            kind: Any = type(optimizer)
+            probe = kind([{"params": [p], **group}])
+            p.grad = torch.ones_like(p)
+            probe.step()
+            _KEYS[key] = frozenset(probe.state[p])
+        except Exception:  # noqa: BLE001 - an optimizer that needs more: load what is there
+            _KEYS[key] = None
+    return _KEYS[key]
 
 
 def state_hash(state: CanonicalState) -> str:

@@ -418,6 +418,7 @@ def test_a_loaded_optimizer_state_follows_torchs_device_rule(group):
     opt = torch.optim.Adam([s, w], lr=1e-3, **group)
     optimizer_state_from_canonical(opt, {"s": s, "w": w}, {
         "optim/s/exp_avg": torch.tensor(0.5), "optim/s/step": torch.tensor(3.0),
+        "optim/s/exp_avg_sq": torch.tensor(0.25), "optim/w/exp_avg_sq": torch.ones(3),
         "optim/w/exp_avg": torch.ones(3), "optim/w/step": torch.tensor(3.0)})
     step_on = "meta" if group else "cpu"
     assert opt.state[s]["exp_avg"].device.type == "meta"
@@ -443,3 +444,45 @@ def test_auto_plans_without_zero3_for_a_model_it_refuses():
     assert "zero3" not in opts["strategies"] and "zero1" in opts["strategies"]
     assert "pipeline" in opts["strategies"] and opts["dp_modes"] and "zero3" not in opts["dp_modes"]
     assert _shardable_only(nn.Linear(4, 4)) == {}
+
+
+def test_a_state_of_another_optimizer_loads_only_what_this_one_keeps():
+    """A resume (or switch) under another optimizer than the checkpoint's: each parameter
+    gets the entries this optimizer keeps, or none where any is missing (it starts fresh).
+    Was: every entry loaded: Adam's moments carried along under SGD in every later
+    checkpoint (and picked up by a later resume under Adam), and RMSprop's first step
+    failed on a missing ``square_avg`` (found by a new user, session 47). The same
+    optimizer, Adafactor's factored matrices included, loads as before."""
+    import torch
+
+    from strategies.canonical import (
+        optimizer_state_from_canonical,
+        optimizer_state_to_canonical,
+    )
+
+    def state_of(make):
+        torch.manual_seed(0)
+        m = nn.Linear(3, 2)
+        opt = make(m.parameters())
+        m(torch.randn(4, 3)).sum().backward()
+        opt.step()
+        return m, optimizer_state_to_canonical(opt, {id(p): n for n, p in m.named_parameters()})
+
+    m, adam = state_of(lambda ps: torch.optim.Adam(ps, lr=0.1))
+    params = dict(m.named_parameters())
+    for make, want in ((lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), set()),
+                       (lambda ps: torch.optim.RMSprop(ps, lr=0.1), set()),
+                       (lambda ps: torch.optim.Adam(ps, lr=0.01),
+                        {"step", "exp_avg", "exp_avg_sq"})):
+        opt = make(m.parameters())
+        optimizer_state_from_canonical(opt, params, adam)
+        assert all(set(st) == want for st in opt.state.values()) and len(opt.state) in (0, 2)
+        m(torch.randn(4, 3)).sum().backward()
+        opt.step()  # (RMSprop's raised KeyError: 'square_avg')
+        again = optimizer_state_to_canonical(opt, {id(p): n for n, p in params.items()})
+        assert not any(k.endswith(("/exp_avg", "/exp_avg_sq")) for k in again) or want
+    m, fact = state_of(lambda ps: torch.optim.Adafactor(ps, lr=0.01))
+    opt = torch.optim.Adafactor(m.parameters(), lr=0.01)
+    optimizer_state_from_canonical(opt, dict(m.named_parameters()), fact)
+    assert sorted(map(sorted, opt.state.values())) == [["col_var", "row_var", "step"],
+                                                      ["step", "variance"]]
