@@ -147,6 +147,7 @@ class CheckpointStore:
                 "access_denied",
                 "accessdenied",
                 "invalidaccesskeyid",
+                "invalid_access_key_id",  # (pyarrow's spelling of S3's InvalidAccessKeyId)
                 "signaturedoesnotmatch",
                 "forbidden",
                 "invalid_credentials",

@@ -91,6 +91,7 @@ def preflight(cfg: JobConfig, emit: Callable[..., Any]) -> Preflight:
     if unused := cfg.unused_settings():  # (said, not refused: a hand switch reads them)
         emit("settings_unused", unused)
     cfg.run_dir = run_directory(cfg)  # the workers' default checkpoint root follows it
+    _check_writable_dir(cfg.run_dir)
     store = None
     if cfg.checkpoint_every > 0 or cfg.checkpoint_uri:
         from ..checkpoint_io import job_store
@@ -237,6 +238,22 @@ def run_directory(cfg: JobConfig) -> str:
     while _holds_run(f"{path}.{i}"):
         i += 1
     return f"{path}.{i}"
+
+
+def _check_writable_dir(path: str) -> None:
+    """The run directory can be made and written, before Ray starts or a checkpoint URI is
+    claimed. Was: a traceback from the run log's first write, after both (a path under a
+    file, a read-only filesystem; found by a new user, session 47)."""
+    probe = os.path.join(path, f".elastic-write-{os.getpid()}")
+    try:
+        os.makedirs(path, exist_ok=True)
+        with open(probe, "w") as f:
+            f.write("")
+        os.remove(probe)
+    except OSError as e:
+        raise ConfigError("run_dir", f"{path} cannot be written: {e.strerror or e}.",
+                          "give a run_dir in a directory you can write (the default is "
+                          "./runs/<name> under the directory the job starts in)") from None
 
 
 def _run_owner(path: str) -> str | None:

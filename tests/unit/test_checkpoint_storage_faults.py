@@ -124,3 +124,13 @@ def test_listing_checkpoints_of_a_path_that_is_none_fails(tmp_path, capsys) -> N
     assert cli.main(["checkpoints", "list", str(tmp_path / "missing")]) == 1
     assert "does not exist" in capsys.readouterr().out
     assert cli.main(["checkpoints", "list", str(tmp_path / "empty")]) == 0
+
+
+def test_an_unknown_access_key_in_pyarrows_spelling_is_access_denied(tmp_path) -> None:
+    """pyarrow writes S3's InvalidAccessKeyId as ``INVALID_ACCESS_KEY_ID``: said as access
+    denied with the fix. Was: pyarrow's raw text, no fix (found by a new user, session 47)."""
+    store = CheckpointStore(str(tmp_path / "ck"))
+    said = store.explain(OSError("When listing objects under key 'x' in bucket 'b': AWS "
+                                 "Error INVALID_ACCESS_KEY_ID during ListObjectsV2 operation: "
+                                 "The AWS Access Key Id you provided does not exist"))
+    assert "access denied. Fix: check the credentials" in said, said

@@ -1570,3 +1570,16 @@ def test_a_run_dir_of_another_jobs_run_is_refused_whatever_the_resume(tmp_path, 
                 checkpoint_uri=str(tmp_path / "ck"))
     assert run_directory(mine) == str(owned)
     assert json.loads((owned / "config.json").read_text()) == {"name": "trk"}
+
+
+def test_a_run_dir_that_cannot_be_written_is_refused_before_ray(tmp_path):
+    """A run_dir under a file (or on a read-only filesystem): one ConfigError naming
+    run_dir, before Ray starts or the checkpoint URI is claimed. Was: a traceback from the
+    run log's first write, after both (found by a new user, session 47)."""
+    from elastic.control.preflight import preflight
+
+    (tmp_path / "afile").write_text("x")
+    cfg = _cfg(tmp_path, run_dir=str(tmp_path / "afile" / "run"))
+    with pytest.raises(ConfigError) as ei:
+        preflight(cfg, lambda *a, **k: None)
+    assert ei.value.field == "run_dir" and "cannot be written" in str(ei.value)
