@@ -299,9 +299,12 @@ def _check_out(dest: str | None) -> None:
         out = local_path(dest)
     except ValueError as e:  # file://model.pt names the host "model.pt"
         raise ConfigError("--out", *e.args) from None
-    if os.path.isdir(out):
-        raise SystemExit(f"elastic: --out {dest} is a directory. Fix: give the file to write, "
-                         f"e.g. {os.path.join(out, 'model.safetensors')}")
+    from .checkpoint.tools import check_local_dest
+
+    try:
+        check_local_dest(dest, os.path.abspath(out))
+    except ConfigError as e:
+        raise ConfigError("--out", e.problem, e.fix) from None
 
 
 def _cmd_checkpoints(a: argparse.Namespace) -> int:

@@ -238,6 +238,8 @@ def export(
     except ValueError as e:  # (a ConfigError is a ValueError too, as before)
         raise ConfigError("dest", *e.args) from None
     shown = out.uri if out is not None else path
+    if out is None:
+        check_local_dest(dest, path)
     try:
         existed = (out.fs.get_file_info(out.root).type != pafs.FileType.NotFound
                    if out is not None else os.path.lexists(path))
@@ -290,6 +292,22 @@ def export(
         if os.path.exists(tmp):  # a failed export leaves nothing behind
             os.remove(tmp)
     return ExportResult(shown, step, len(state), nbytes, fmt)
+
+
+def check_local_dest(dest: str, path: str) -> None:
+    """A local export's destination (``path``: ``dest`` made absolute) is a file that can be
+    made: ``ConfigError("dest")`` for a directory (``newdir/`` too, not there yet) or a path
+    under a file. Was: a file named ``newdir`` written and reported done; a FileExistsError
+    traceback (found by a new user, session 47)."""
+    if dest.endswith(("/", os.sep)) or os.path.isdir(path):
+        raise ConfigError("dest", f"{dest} is a directory.",
+                          f"give a file in it, e.g. {os.path.join(dest, 'model.pt')}")
+    parent = os.path.dirname(path)
+    while parent and not os.path.exists(parent) and os.path.dirname(parent) != parent:
+        parent = os.path.dirname(parent)
+    if parent and os.path.exists(parent) and not os.path.isdir(parent):
+        raise ConfigError("dest", f"{parent} is a file, so {dest} cannot be made under it.",
+                          "give a path whose directories are directories")
 
 
 S3_COPY_MAX = 5 * 2**30  # S3's CopyObject (pyarrow's move) takes objects up to this

@@ -106,3 +106,19 @@ def test_queue_cancel_says_what_it_did(monkeypatch, capsys, before, rc, said):
     monkeypatch.setattr(scheduler, "ScheduledJob", Job)
     assert _cancel(argparse.Namespace(name="s", job="j")) == rc
     assert said in capsys.readouterr().out
+
+
+def test_export_to_a_directory_or_under_a_file_names_out(tmp_path, capsys):
+    """``--out newdir/`` (not there yet), an existing directory, or a path under a file: one
+    line naming --out, exit 2, before the checkpoint is read. Was: a file named ``newdir``
+    written and reported done; a FileExistsError traceback (found by a new user, session
+    47)."""
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "adir").mkdir()
+    for out, said in ((f"{tmp_path}/newdir/", "is a directory"),
+                      (str(tmp_path / "adir"), "is a directory"),
+                      (str(tmp_path / "afile" / "x.pt"), "is a file, so")):
+        rc = cli.main(["checkpoints", "export", str(tmp_path / "ck"), "--out", out])
+        assert rc == 2
+        _one_line(capsys, "elastic: error: --out: ", said)
+    assert not (tmp_path / "newdir").exists()
