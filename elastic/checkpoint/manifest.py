@@ -359,7 +359,9 @@ def commit(
                     f"cannot commit step {step}: another run of job {m.owner!r} took "
                     f"{store.uri} over (claimed {held.created} from host {held.host}, pid "
                     f"{held.pid}); this run is an earlier one and must not write there. "
-                    "Fix: stop this run; the newer one goes on"
+                    "Fix: stop this run; the newer one goes on (where it stopped at its "
+                    "start, as this run committed while it started: start the job again "
+                    "with resume: latest once this run has ended)"
                 ),
                 owner=held.job,
             )

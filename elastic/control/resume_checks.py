@@ -131,7 +131,8 @@ def check_claimed(store: CheckpointStore, planned: tuple[CheckpointStore, int] |
             "resume" if at >= 0 else "checkpoint_uri",
             f"{store.uri}: step {newer[-1]} was committed by an earlier run of job {job} "
             "while this one started (it holds the URI no more: its later commits are "
-            "refused).", f"start the job again: resume: latest goes on from step {newer[-1]}")
+            "refused).", f"start the job again once that run has ended: resume: latest goes "
+            f"on from step {newer[-1]}")
 
 
 def _newer(store: CheckpointStore, step: int, bad: set[int]) -> list[int]:

@@ -1449,9 +1449,11 @@ def test_a_step_an_earlier_run_commits_while_this_one_starts_is_not_passed_over(
                      group_factory=lambda cfg: fake,
                      mailbox_factory=lambda job: _source(uri, 12))  # (between plan and claim)
     with pytest.raises(ConfigError, match=r"step 12 was committed by an earlier run of job "
-                                          r"unit while this one started"):
+                                          r"unit while this one started") as ei:
         ctl.run()
     assert not fake.calls
+    assert ei.value.fix.startswith("start the job again once that run has ended")  # (it
+    # is refused its next commit and told so: both stop; session 47)
 
 
 @pytest.mark.parametrize("how", ["poll error", "poll raises"])
