@@ -43,19 +43,8 @@ from .datasets import DTYPES, check_dataset, dataset_object, is_parquet
 from .schedule_check import schedule_values
 from .trackers import check_trackers
 
-__all__ = [
-    "Section",
-    "Training",
-    "Data",
-    "Evaluation",
-    "Scaling",
-    "Parallelism",
-    "Failures",
-    "Preemption",
-    "Output",
-    "SWITCH_CHECKS",
-    "SWITCH_MOVES",
-]
+__all__ = ["Section", "Training", "Data", "Evaluation", "Scaling", "Parallelism", "Failures",
+           "Preemption", "Output", "SWITCH_CHECKS", "SWITCH_MOVES"]
 
 SWITCH_CHECKS = ("pieces", "rehash", "off")
 SWITCH_MOVES = ("reshard", "gather")
@@ -111,8 +100,7 @@ class Training(Section):
     micro_batch_size: int | None = None
     # recompute each block's activations in backward (the model must name its blocks)
     activation_checkpointing: bool = False
-    # dp: DDP's find_unused_parameters (None: on where a training pass on a few samples
-    # leaves a trainable parameter without a gradient, elastic/preflight.py)
+    # DDP's (None: on where preflight's training pass leaves a parameter out)
     find_unused_parameters: bool | None = None
 
     def __post_init__(self) -> None:
@@ -135,9 +123,8 @@ class Training(Section):
                                 fix="e.g. micro_batch_size: 8, or leave it out (one pass per "
                                     "share)")
         flag(self.activation_checkpointing, "activation_checkpointing")
-        optional_flag(self.find_unused_parameters, "find_unused_parameters",
-                      "the default (on where a training pass on a few samples leaves a "
-                      "trainable parameter out)")
+        optional_flag(self.find_unused_parameters, "find_unused_parameters", "the default "
+                      "(on where a training pass on a few samples leaves a parameter out)")
 
     def model_factory(self) -> Callable[[], Any]:
         """The model factory (imported now); what it builds is checked to be an nn.Module."""

@@ -395,12 +395,10 @@ class Controller:
         final = self.group.final_state()  # first: a loss in the upload wait costs a checkpoint
         last_checkpoint(self.tracker, self.group, self.spec if self._stop_at is not None
                         else None, self.step, self._emit)  # (stopped early: that step's too)
-        last = self.history[-1]["loss"] if self.history else float("nan")
-        done = self.history[-1]["step"] + 1 if self.history else 0
-        unsaved = unsaved_steps(self.events)
-        return Finished(FitResult(final, self.history, self.events, self.sink.log.run_dir
-                                  if self.sink.log else self.cfg.run_path, unsaved=unsaved),
-                        f"{done} steps ({st.reason}), final loss {last:.4f}"
+        done, unsaved = self.steps.next_step, unsaved_steps(self.events)  # (resumed: all)
+        res = FitResult(final, self.history, self.events, self.sink.log.run_dir
+                        if self.sink.log else self.cfg.run_path, unsaved=unsaved)
+        return Finished(res, f"{done} steps ({st.reason}), final loss {res.final_loss:.4f}"
                         + (f"; {unsaved}" if unsaved else ""))
 
     # ------------------------------------------------------------------ helpers
