@@ -41,6 +41,21 @@ class TiedMlp(nn.Module):
         return self.out(torch.tanh(self.again(x)))
 
 
+class CountingMlp(nn.Module):
+    """``mlp``'s shape whose output grows with the training forwards it has run: a
+    non-persistent buffer (in no state dict) counts them (a step counter, a warm-up)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(8, 16), nn.Linear(16, 2)
+        self.register_buffer("seen", torch.zeros(()), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.seen += 1
+        return self.out(torch.tanh(self.inp(x))) * (1 + 0.05 * self.seen)
+
+
 def wide_mlp() -> nn.Module:
     """``mlp``'s shape at width 256: enough compute per sample that a slower rank shows."""
     return nn.Sequential(nn.Linear(8, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(),

@@ -245,9 +245,11 @@ class Layout:
         assert old_spec is not None
         state = self.strategy.full_state()
         before = state_hash(state)
+        kept = transient_buffers(self.strategy.local_model())
         self.drop()
         try:
             self.build_fresh(spec, state)
+            put_buffers(self.strategy.local_model(), kept)
         except Exception:
             # a failed switch leaves the job in its old layout, with the same state; when the
             # group broke (a peer lost), that fails too: the state is held for the recovery
@@ -300,6 +302,7 @@ class Layout:
             new.close()
             after = f"differs: {res.problems[0]}"
         else:
+            put_buffers(new.local_model(), transient_buffers(old.local_model()))
             old.close()
             self._held.clear()
             self.strategy, self.spec = new, spec
@@ -309,3 +312,24 @@ class Layout:
                 "hash_after": after, "verified": check != "off", "check": check,
                 "move": "reshard", "problems": res.problems[:10], "bytes_sent": res.bytes_sent,
                 "bytes_kept": res.bytes_kept}
+
+
+def transient_buffers(model: Any) -> dict[str, torch.Tensor]:
+    """Copies of ``model``'s non-persistent buffers (``persistent=False``: in no state dict,
+    so no canonical state or checkpoint carries them), by name."""
+    if model is None:
+        return {}
+    saved = set(model.state_dict().keys())
+    return {n: b.detach().clone() for n, b in model.named_buffers() if n not in saved}
+
+
+def put_buffers(model: Any, kept: dict[str, torch.Tensor]) -> None:
+    """A live switch's new model takes the old one's non-persistent buffers this rank held
+    (same name and shape). Was: back at their initial values after every switch, where a
+    forward updates one (found by a new user, session 47)."""
+    if model is None or not kept:
+        return
+    with torch.no_grad():
+        for n, b in model.named_buffers():
+            if n in kept and kept[n].shape == b.shape:
+                b.copy_(kept[n])
