@@ -82,9 +82,10 @@ class SimConfig:
             if any(not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0)
                    for v in getattr(self, name).values()):
                 raise bad(name, "a mapping of pool name to a finite number >= 0")
-        if any(isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0
-               or math.isnan(v) for v in self.node_mtbf_s.values()):
-            raise bad("node_mtbf_s", "a mapping of pool name to seconds > 0 (math.inf: never)")
+        if any(isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0
+               for v in self.node_mtbf_s.values()):  # (NaN fails v >= 0 too)
+            raise bad("node_mtbf_s", "a mapping of pool name to seconds >= 0 (0 or math.inf: "
+                      "never fails)")
         if self.target_steps is not None and (isinstance(self.target_steps, bool) or not
                                               isinstance(self.target_steps, int)
                                               or self.target_steps < 1):

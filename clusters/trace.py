@@ -128,7 +128,7 @@ def poisson_trace(
     out = []
     for node in cluster.nodes:
         mtbf = node_mtbf_s.get(node.pool, node_mtbf_s.get("*"))
-        if not mtbf:
+        if not mtbf or math.isinf(mtbf):  # (0 or inf: this pool never fails)
             continue
         t = rng.expovariate(1.0 / mtbf)
         while t < duration_s:

@@ -83,6 +83,7 @@ class EndedRun:
     params: dict[str, Any] | None = None
     taken: bool = False  # its parameters were handed out (``take_params``)
     dropped: int = 0  # steps of its history let go (``HISTORY_KEPT``); the last one is kept
+    read: bool = False  # its result was read (``SchedulerActor.result``): let go first
 
     def take_params(self) -> dict[str, Any] | None:
         params, self.params = self.params, None
@@ -416,7 +417,9 @@ class SchedulerCore:
         total = sum(len(j.result.history) for j in ended if j.result is not None)
         if newest.result is not None:
             total += len(newest.result.history)
-        for j in sorted(ended, key=lambda j: j.ended_s if j.ended_s is not None else 0.0):
+        # those whose result was read first (a sweep reads its trial's at once), oldest first
+        for j in sorted(ended, key=lambda j: (not (j.result is not None and j.result.read),
+                                              j.ended_s if j.ended_s is not None else 0.0)):
             if total <= HISTORY_KEPT:
                 break
             res = j.result

@@ -143,6 +143,8 @@ class SchedulerActor:
         if j.state in ("queued", "running"):
             return None
         res = j.result
+        if res is not None:
+            res.read = True
         taken = res is not None and res.taken
         params = res.take_params() if res is not None else None
         out = {"state": j.state, "error": j.error, "row": j.row(),

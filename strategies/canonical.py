@@ -80,8 +80,10 @@ def optimizer_state_from_canonical(
     # another optimizer's state (a resume under a new factory): only what this one keeps,
     # and a parameter missing any of it starts fresh (was: Adam's moments carried along
     # under SGD for good, or RMSprop's step failing on a missing square_avg)
+    group_of = {id(q): g for g in optimizer.param_groups for q in g["params"]}
     for fqn in list(by_param):
-        keeps = state_keys(optimizer, params_by_fqn[fqn].dim())
+        p = params_by_fqn[fqn]
+        keeps = state_keys(optimizer, tuple(p.shape), group_of.get(id(p)))
         if keeps is None:
             continue
         if keeps <= set(by_param[fqn]):
@@ -107,27 +109,32 @@ def optimizer_state_from_canonical(
         optimizer.state[p] = st
 
 
-_KEYS: dict[tuple[type, str, int], frozenset[str] | None] = {}
+_KEYS: dict[tuple[type, str, tuple[int, ...]], frozenset[str] | None] = {}
 
 
-def state_keys(optimizer: torch.optim.Optimizer, ndim: int = 1) -> frozenset[str] | None:
+def state_keys(optimizer: torch.optim.Optimizer, shape: tuple[int, ...] = (2,),
+               group: dict[str, Any] | None = None) -> frozenset[str] | None:
     """The per-parameter state entries ``optimizer`` keeps, once it has stepped, for a
-    parameter of ``ndim`` dims (Adam: ``step``, ``exp_avg``, ``exp_avg_sq``; SGD with
-    momentum: ``momentum_buffer``; Adafactor's factored ones for a matrix): one of its type
-    and first group's settings stepped on a stand-in parameter. None where that cannot be
-    built (every entry is then loaded)."""
-    group = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"} if (
-        optimizer.param_groups) else {}
-    key = (type(optimizer), repr(sorted((k, v) for k, v in group.items()
-                                        if k not in ("lr", "initial_lr"))), ndim)
+    parameter of ``shape`` in ``group`` (default its first; Adam: ``step``, ``exp_avg``,
+    ``exp_avg_sq``, and ``max_exp_avg_sq`` with amsgrad; SGD with momentum:
+    ``momentum_buffer``; Adafactor's factored ones for a matrix): one of its type and the
+    group's settings stepped on a stand-in of that shape, each dim capped at 64 (a factored
+    optimizer's size rule sees what it would). None where that cannot be built (every entry
+    is then loaded)."""
+    if group is None:
+        group = optimizer.param_groups[0] if optimizer.param_groups else {}
+    settings = {k: v for k, v in group.items() if k != "params"}
+    probe_shape = tuple(min(int(d), 64) for d in shape)
+    key = (type(optimizer), repr(sorted((k, v) for k, v in settings.items()
+                                        if k not in ("lr", "initial_lr"))), probe_shape)
     if key not in _KEYS:
         try:
-            p = nn.Parameter(torch.zeros((2,) * ndim))
+            q = nn.Parameter(torch.zeros(probe_shape))
             kind: Any = type(optimizer)
-            probe = kind([{"params": [p], **group}])
-            p.grad = torch.ones_like(p)
+            probe = kind([{"params": [q], **settings}])
+            q.grad = torch.ones_like(q)
             probe.step()
-            _KEYS[key] = frozenset(probe.state[p])
+            _KEYS[key] = frozenset(probe.state[q])
         except Exception:  # noqa: BLE001 - an optimizer that needs more: load what is there
             _KEYS[key] = None
     return _KEYS[key]

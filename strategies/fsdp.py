@@ -319,9 +319,11 @@ def _mixed_dtypes(model: nn.Module) -> str | None:
     of more than one dtype, what they are; else None."""
     blocks = pipeline_blocks_or_none(model) or []
     in_block = {id(p) for _, b in blocks for p in b.parameters()}
-    units = [(name, list(b.named_parameters())) for name, b in blocks]
+    units = [(name, [(n, p) for n, p in b.named_parameters() if p.requires_grad])
+             for name, b in blocks]  # (FSDP2 checks the trainable ones: frozen bf16 weights
+    # beside fp32 adapters, LoRA's, shard as they are)
     units.append(("the model", [(n, p) for n, p in model.named_parameters()
-                                if id(p) not in in_block]))
+                                if id(p) not in in_block and p.requires_grad]))
     for name, params in units:
         kinds: dict[torch.dtype, str] = {}
         for n, p in params:
@@ -402,8 +404,8 @@ class FullyShardedDataParallel(Strategy):
         if not self._unused:
             return
         params = [p for p in self.model.parameters() if p.requires_grad]
-        made = torch.stack([
-            (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).abs().sum() > 0
+        made = torch.stack([  # (a NaN counts as made: the non-finite check must see it)
+            ((p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad) != 0).any()
             if p.grad is not None else torch.zeros((), dtype=torch.bool, device=self.rt.device)
             for p in params]).to(torch.int32)
         dist.all_reduce(made, op=dist.ReduceOp.MAX)

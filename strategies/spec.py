@@ -51,7 +51,9 @@ class StrategyOptions:
     state is loaded right after). ``bucket_view``: DDP's ``gradient_as_bucket_view``.
     ``reshard_after_forward``: FSDP frees gathered parameters after each unit's forward.
     ``find_unused_parameters``: DDP's (dp): each step looks for parameters the forward left
-    out (a model whose forward skips some; the other layouts take such models as they are).
+    out (a model whose forward skips some); zero3 then drops the gradients no rank made (it
+    reduce-scatters zeros where a rank left a parameter out whatever the option); zero1 and
+    zero2 take such models as they are.
     ``virtual_stages``: stages per rank of an interleaved pipeline (the planner's; the schedule
     runs 2). ``dp_degree``: a data-parallel degree the caller expects (checked against the
     world size by ``Degrees.of``; None: derived).

@@ -473,12 +473,16 @@ def _meta(cfg: Any, spec: StrategySpec, step: int) -> CheckpointMeta:
 def unsaved(events: Sequence[Any]) -> str | None:
     """What of a finished run no checkpoint holds: where a checkpoint failed after the
     newest committed one (its storage gone at the end of the run), which; else None."""
-    newest = max((e.data.get("step", 0) for e in events if e.kind == "checkpoint"), default=0)
+    held = [e for e in events if e.kind in ("checkpoint", "resumed")]  # (a resume's step
+    # is committed too: found by review, session 47)
+    last = max(held, key=lambda e: e.data.get("step", 0), default=None)
+    newest = last.data.get("step", 0) if last is not None else 0
     failed = [e.data.get("step", 0) for e in events if e.kind == "checkpoint_failed"
               and not e.data.get("released") and e.data.get("step", 0) > newest]
     if not failed:
         return None
-    kept = f"step {newest}" if newest else "none"
+    where = f" at {last.data['uri']}" if last is not None and last.data.get("uri") else ""
+    kept = f"step {newest}{where}" if newest else "none"
     return (f"the checkpoint of step {max(failed)} was not committed: the newest committed "
             f"checkpoint is {kept}")
 

@@ -507,6 +507,7 @@ def _ray_connect(cfg: JobConfig, model: Any, emit: Callable[..., Any], pool: Any
     from ..ray_connect import connect
     from ..ray_dataset import prepare
     from .pool import default_pool
+    from .preflight import check_chained
     from .resume_checks import recheck_length
 
     unknown = cfg.dataset_length is None
@@ -514,6 +515,8 @@ def _ray_connect(cfg: JobConfig, model: Any, emit: Callable[..., Any], pool: Any
         "CPU", 1)), lambda m: emit("cluster", m))
     try:  # (blocks a sweep ran once for its trials come in cfg.ray_blocks)
         cfg.ray_blocks = prepare(cfg, model, emit, pool or default_pool())
+        if cfg.dataset_format == "ray" and model is not None:  # its sample was checked only
+            check_chained(cfg, model)  # now (was: a pipeline of it went unrefused)
         if unknown and resume is not None:
             recheck_length(resume, cfg, own, emit)
     except BaseException:

@@ -21,7 +21,8 @@ from ..preflight import check_sample
 from ..reference import build_model
 from ..trackers import check_trackers_here
 
-__all__ = ["Preflight", "preflight", "built_model", "run_directory", "check_dataset_object"]
+__all__ = ["Preflight", "preflight", "built_model", "run_directory", "check_dataset_object",
+           "check_chained"]
 
 
 @dataclass
@@ -50,13 +51,14 @@ def preflight(cfg: JobConfig, emit: Callable[..., Any]) -> Preflight:
     model = built_model(cfg)
     _check_dense(model)
     left = _check_datasets(cfg, model)
-    _check_chained(cfg, model)
+    check_chained(cfg, model)
     if left:
         more = f" and {len(left) - 3} more" if len(left) > 3 else ""
         emit("parameters_left_out",
              f"a training pass on a few samples left {', '.join(left[:3])}{more} without a "
-             "gradient: dp looks for unused parameters each step (find_unused_parameters "
-             "on; false turns it off)", {"parameters": left[:20], "count": len(left)})
+             "gradient: dp looks for unused parameters each step and zero3 drops gradients "
+             "no rank made (find_unused_parameters on; false turns it off)",
+             {"parameters": left[:20], "count": len(left)})
     if cfg.sample_prompt:  # the text generated after the run: tried now on one token
         from ..models import generate
 
@@ -101,7 +103,7 @@ def preflight(cfg: JobConfig, emit: Callable[..., Any]) -> Preflight:
     return Preflight(model, store)
 
 
-def _check_chained(cfg: JobConfig, model: Any) -> None:
+def check_chained(cfg: JobConfig, model: Any) -> None:
     """A model whose forward is not its blocks applied one after the other (the sample
     check saw them differ: ``0.5 * b(a(x))``, a block applied twice) cannot be a pipeline,
     which runs the blocks so: a pipeline named to start or in ``switch_at`` is refused

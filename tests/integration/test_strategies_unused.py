@@ -150,3 +150,31 @@ def test_dp_without_find_unused_parameters_names_the_setting(pool):
         said = worker_error(e, r)
         assert isinstance(said, ConfigError) and said.field == "find_unused_parameters"
         assert said.fix.startswith("set find_unused_parameters: true"), said.fix
+
+
+def _nan_step() -> bool:
+    """Runs on every rank: zero3 with find_unused_parameters, a step whose inputs are NaN:
+    whether every trainable parameter still has its (non-finite) gradient for the step's
+    non-finite check."""
+    from strategies import Runtime, StrategySpec, registry
+    from strategies.spec import StrategyOptions
+
+    torch.manual_seed(0)
+    model = Branchy(1e9)
+    spec = StrategySpec(name="zero3", world_size=dist.get_world_size(), shares=SHARES,
+                        options=StrategyOptions(find_unused_parameters=True))
+    strat = registry.get("zero3")(spec, Runtime.current("cpu"), model, _adamw, F.mse_loss)
+    x, y = _batch(0)
+    x = torch.full_like(x, float("nan"))
+    strat.train_step(x[:4], y[:4])
+    used = [p for n, p in model.named_parameters() if not n.startswith(("aux", "extra"))]
+    kept = all(p.grad is not None for p in used)
+    strat.close()
+    return kept
+
+
+def test_zero3_keeps_a_nan_gradient_for_the_non_finite_check(pool):
+    """A NaN gradient is not taken for one no rank made (NaN != 0): the step's non-finite
+    check still sees it (found by review, session 47: ``abs().sum() > 0`` is False for NaN,
+    so the gradients were dropped and the step not marked skipped)."""
+    assert pool.run(_nan_step, world_size=2, timeout_s=300) == [True, True]

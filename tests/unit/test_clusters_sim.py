@@ -490,6 +490,10 @@ def test_pool_keyed_settings_must_name_a_pool_of_the_cluster():
             simulate(cl, prof, 64, config=SimConfig(duration_s=3600.0, **bad))
     with pytest.raises(SimulationError, match="node_mtbf_s must be"):
         SimConfig(node_mtbf_s={"a": -5.0})
+    for never in (0.0, math.inf):  # what the message offers: no failure of that pool
+        (r,) = simulate(cl, prof, 64, policies=[RestartAll()],
+                        config=SimConfig(duration_s=3600.0, node_mtbf_s={"a": never}))
+        assert r.failures == 0
 
 
 def test_losing_a_node_the_plan_leaves_out_is_no_failure_of_the_job():

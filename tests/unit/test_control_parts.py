@@ -1063,3 +1063,5 @@ def test_what_no_checkpoint_of_a_finished_run_holds():
     assert unsaved([ev("checkpoint_failed", 10), ev("checkpoint", 20)]) is None
     assert unsaved([ev("checkpoint", 10), ev("checkpoint_failed", 20, released=True)]) is None
     assert "is none" in str(unsaved([ev("checkpoint_failed", 5)]))
+    resumed = unsaved([ev("resumed", 1000, uri="/ck"), ev("checkpoint_failed", 1050)])
+    assert str(resumed).endswith("the newest committed checkpoint is step 1000 at /ck")

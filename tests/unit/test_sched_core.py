@@ -683,6 +683,13 @@ def test_ended_jobs_histories_are_bounded_oldest_let_go_first(monkeypatch):
     assert out["history_dropped"] == 9
     kept = SchedulerActor.result(actor, "c")  # type: ignore[arg-type]
     assert kept is not None and len(kept["history"]) == 10 and "note" not in kept
+    # a job whose result was read goes before an older unread one (a sweep's late reader)
+    c.submit(cfg("e", 10, n=1, hi=1))
+    c.tick()
+    s.advance(20)
+    c.tick()  # e ended: b (unread) or c (read above) must go; c goes
+    assert len(c.jobs["b"].result.history) == 10  # type: ignore[union-attr]
+    assert c.jobs["c"].result.history == [{"step": 9}]  # type: ignore[union-attr]
     # one job longer than the bound alone: kept whole while it is the newest
     c.submit(cfg("d", 40, n=1, hi=1))
     c.tick()

@@ -400,6 +400,9 @@ def test_zero3_refuses_parameters_fsdp2_cannot_shard_before_it_is_built():
         registry.get("zero3").validate(StrategySpec("zero3", 2, (2, 2)), mixed)
     per_block = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4).double())
     registry.get("zero3").validate(StrategySpec("zero3", 2, (2, 2)), per_block)
+    lora = nn.Linear(4, 4).to(torch.bfloat16).requires_grad_(False)  # frozen bf16 weights,
+    lora.adapter = nn.Parameter(torch.zeros(4))  # a trainable fp32 adapter: FSDP2 takes it
+    registry.get("zero3").validate(StrategySpec("zero3", 2, (2, 2)), lora)
 
 
 @pytest.mark.parametrize("group", [{}, {"capturable": True}])
@@ -481,6 +484,18 @@ def test_a_state_of_another_optimizer_loads_only_what_this_one_keeps():
         opt.step()  # (RMSprop's raised KeyError: 'square_avg')
         again = optimizer_state_to_canonical(opt, {id(p): n for n, p in params.items()})
         assert not any(k.endswith(("/exp_avg", "/exp_avg_sq")) for k in again) or want
+    # each parameter as its own group keeps (found by review, session 47: the first
+    # group's rule for every parameter dropped amsgrad's max_exp_avg_sq of the second)
+    def two_groups(ps):
+        ps = list(ps)
+        return torch.optim.Adam([{"params": ps[:1]}, {"params": ps[1:], "amsgrad": True}])
+
+    m, mixed = state_of(two_groups)
+    opt = two_groups(m.parameters())
+    optimizer_state_from_canonical(opt, dict(m.named_parameters()), mixed)
+    assert "max_exp_avg_sq" in opt.state[m.bias] and "max_exp_avg_sq" not in opt.state[m.weight]
+    m(torch.randn(4, 3)).sum().backward()
+    opt.step()
     m, fact = state_of(lambda ps: torch.optim.Adafactor(ps, lr=0.01))
     opt = torch.optim.Adafactor(m.parameters(), lr=0.01)
     optimizer_state_from_canonical(opt, dict(m.named_parameters()), fact)
