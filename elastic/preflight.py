@@ -117,6 +117,9 @@ def _chain_differs(model: Any, x: Any, out: Any) -> bool:
                 and torch.allclose(h.float(), out.float(), rtol=1e-3, atol=1e-5))
 
 
+PASS_MAX_BYTES = 4 * 2**30  # trainable bytes above which the training pass is not run
+
+
 def left_out_parameters(model: Any, loss_fn: Any, x: Any, y: Any, cast: Any) -> list[str]:
     """The trainable parameters that one training pass (train mode, forward, loss, backward)
     on ``x`` leaves without a gradient: a head the loss never reads, a branch the forward
@@ -125,8 +128,8 @@ def left_out_parameters(model: Any, loss_fn: Any, x: Any, y: Any, cast: Any) -> 
     import torch
 
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    if not params:
-        return []
+    if not params or sum(p.numel() * p.element_size() for _, p in params) > PASS_MAX_BYTES:
+        return []  # (its gradients would take the model's size again in the driver's memory)
     grads = [p.grad for _, p in params]
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
     was = model.training

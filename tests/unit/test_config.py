@@ -489,6 +489,13 @@ def test_a_model_whose_training_pass_leaves_parameters_out_turns_on_find_unused(
     assert left_out_parameters(model, mse, x, y, contextlib.nullcontext()) == ["aux.weight",
                                                                                "aux.bias"]
     assert not model.training and torch.equal(torch.get_rng_state(), rng)
+    import elastic.preflight as pf  # a model past the bound: no pass (its gradients would
+    # double it in the driver's memory), none said
+    old, pf.PASS_MAX_BYTES = pf.PASS_MAX_BYTES, 100
+    try:
+        assert left_out_parameters(model, mse, x, y, contextlib.nullcontext()) == []
+    finally:
+        pf.PASS_MAX_BYTES = old
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     assert all(p.grad is None for p in model.parameters())
 
