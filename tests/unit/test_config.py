@@ -876,3 +876,15 @@ def test_a_copy_keeps_the_dataset_length_read_only_for_the_same_dataset():
     cfg.dataset_length = 64
     assert cfg.replace(num_workers=2).dataset_length == 64
     assert cfg.replace(dataset=RegressionData(80)).dataset_length is None
+
+
+def test_a_misspelled_resume_word_is_refused_with_the_word():
+    """``resume: lastest`` (no such path) is refused naming ``latest``. Was: read as the path
+    ./lastest: "no intact committed checkpoint under .../lastest" (found by a new user,
+    session 47). A path, existing or not, is taken as before."""
+    for typo, word in (("lastest", "latest"), ("Latest", "latest"), ("atuo", "auto")):
+        with pytest.raises(ConfigError) as ei:
+            JobConfig(**_base(resume=typo, name="j"))
+        assert ei.value.field == "resume" and ei.value.fix == f"did you mean {word!r}?"
+    JobConfig(**_base(resume="/ck/step-000000000010", name="j"))
+    JobConfig(**_base(resume="mystep", name="j"))
