@@ -34,8 +34,8 @@ from clusters.pipeline_cost import SharedCores
 from strategies import StrategyOptions, StrategySpec
 from strategies.blocks import block_params, blocks_of
 
-__all__ = ["live_cluster", "model_profile", "not_chained", "chained", "optimizer_bytes", "sample_costs", "auto_spec", "auto_plan", "plan_spec", "param_costs",
-           "balanced_shares", "block_params", "comm_config", "device_hosts", "device_kinds",
+__all__ = ["live_cluster", "model_profile", "not_chained", "chained", "optimizer_bytes",
+           "sample_costs", "auto_spec", "auto_plan", "plan_spec", "param_costs", "balanced_shares", "block_params", "comm_config", "device_hosts", "device_kinds",
            "shared_cores", "measured_model", "block_stage_split", "spec_plan"]
 
 _OPT_BYTES = {"adam": 8, "adamw": 8, "sgd": 0, "rmsprop": 4, "adagrad": 4}

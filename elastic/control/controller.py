@@ -208,7 +208,7 @@ class Controller:
         else:
             self.tracker.check_fresh()  # no run's steps written over another's
         if self._group_factory is None:  # on Ray: attach, or start a local one
-            self._started_ray = _ray_connect(cfg, pre.model, self._emit, self._pool,
+            self._started_ray = _ray_connect(cfg, self.layouts, self._emit, self._pool,
                                              self._resume, self.tracker.store)
             self.interrupts.reclaim()
         self.inbox.mailbox = (self._mailbox_factory or _ray_mailbox)(cfg.job_name)  # the name
@@ -498,25 +498,25 @@ def _error_step(e: BaseException) -> int | None:
     return e.step if isinstance(e, WorkerError) else None
 
 
-def _ray_connect(cfg: JobConfig, model: Any, emit: Callable[..., Any], pool: Any,
+def _ray_connect(cfg: JobConfig, layouts: Layouts, emit: Callable[..., Any], pool: Any,
                  resume: tuple[Any, int] | None = None, own: Any = None) -> bool:
-    """Attach to (or start) Ray, then run the job's Ray datasets into blocks (checked);
+    """Attach to (or start) Ray, then run the job's Ray datasets into blocks (checked; the
+    layouts checked again, as the sample's forward ran only now: ``check_layouts``);
     ``pool``: the job's ``WorkerPool`` (else the default one), which gives a pipeline a CPU.
     A Ray dataset's length is known only then: the planned ``resume`` (store, step; ``own``:
     the job's store) is checked against it again (``recheck_length``)."""
     from ..ray_connect import connect
     from ..ray_dataset import prepare
     from .pool import default_pool
-    from .preflight import check_chained
     from .resume_checks import recheck_length
 
     unknown = cfg.dataset_length is None
     started = connect(cfg.ray_address, cfg.max_world * float(cfg.resources_per_worker.get(
         "CPU", 1)), lambda m: emit("cluster", m))
     try:  # (blocks a sweep ran once for its trials come in cfg.ray_blocks)
-        cfg.ray_blocks = prepare(cfg, model, emit, pool or default_pool())
-        if cfg.dataset_format == "ray" and model is not None:  # its sample was checked only
-            check_chained(cfg, model)  # now (was: a pipeline of it went unrefused)
+        cfg.ray_blocks = prepare(cfg, layouts.probe_model, emit, pool or default_pool())
+        if cfg.dataset_format == "ray":
+            check_layouts(cfg, layouts)
         if unknown and resume is not None:
             recheck_length(resume, cfg, own, emit)
     except BaseException:

@@ -237,16 +237,16 @@ class Layouts:
         return min(ends)
 
     def check(self, spec: StrategySpec) -> None:
-        """``StrategyError`` if ``spec`` cannot run on the job's model."""
+        """``StrategyError`` if ``spec`` cannot run on the job's model (``_unchained`` too)."""
         get_strategy(spec.name).validate(spec, self.probe_model)
+        _unchained(spec, self.probe_model)
 
     def validate(self, spec: StrategySpec, field_name: str) -> None:
         """``ConfigError`` naming ``field_name`` if ``spec`` cannot run."""
         try:
             self.check(spec)
         except StrategyError as e:
-            raise ConfigError(field_name, f"{spec.name} cannot run here: {e}",
-                              "change what it names, or choose another strategy") from None
+            raise ConfigError(field_name, f"{spec.name} cannot run here: {e}", _OTHER) from None
 
     def fit(self, name: str, world: int, group: Any) -> StrategySpec:
         """A valid layout for ``name`` on ``world`` workers after a membership change: the
@@ -476,6 +476,24 @@ class Layouts:
                        "memory; a loss then re-runs at most 10 steps) or checkpoint_every: N",
                        data={"strategy": spec.name})
         self._exposed = exposed
+
+
+_OTHER = "change what it names, or choose another strategy"
+
+
+def _unchained(spec: StrategySpec, model: Any) -> None:
+    """A pipeline runs the blocks one after the other: refused (at the start, a
+    ``switch_at``, a hand switch, a resize: every layout is ``Layouts.check``ed) for a model
+    whose forward the sample check saw differ from that (``planning.chained``). Was: it
+    trained another function, silently (found by a new user, session 47)."""
+    from ..planning import chained
+
+    if spec.traits.pipeline and not chained(model):
+        raise StrategyError(
+            "a pipeline runs the model's blocks one after the other, and this model's forward "
+            "gives other outputs than that on a sample (a factor, a block applied twice, a "
+            "skip around blocks?); make forward(x) the blocks applied in order "
+            "(pipeline_blocks), or choose dp, zero1, zero2 or zero3, which run forward as it is")
 
 
 def _shardable_only(model: Any) -> dict[str, Any]:

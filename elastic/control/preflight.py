@@ -21,8 +21,7 @@ from ..preflight import check_sample
 from ..reference import build_model
 from ..trackers import check_trackers_here
 
-__all__ = ["Preflight", "preflight", "built_model", "run_directory", "check_dataset_object",
-           "check_chained"]
+__all__ = ["Preflight", "preflight", "built_model", "run_directory", "check_dataset_object"]
 
 
 @dataclass
@@ -51,7 +50,6 @@ def preflight(cfg: JobConfig, emit: Callable[..., Any]) -> Preflight:
     model = built_model(cfg)
     _check_dense(model)
     left = _check_datasets(cfg, model)
-    check_chained(cfg, model)
     if left:
         more = f" and {len(left) - 3} more" if len(left) > 3 else ""
         emit("parameters_left_out",
@@ -101,27 +99,6 @@ def preflight(cfg: JobConfig, emit: Callable[..., Any]) -> Preflight:
         store = job_store(cfg)
         store.check_writable()
     return Preflight(model, store)
-
-
-def check_chained(cfg: JobConfig, model: Any) -> None:
-    """A model whose forward is not its blocks applied one after the other (the sample
-    check saw them differ: ``0.5 * b(a(x))``, a block applied twice) cannot be a pipeline,
-    which runs the blocks so: a pipeline named to start or in ``switch_at`` is refused
-    (``auto`` plans it as one block, so picks none). Was: the pipeline trained another
-    function, silently (found by a new user, session 47)."""
-    from ..planning import chained
-
-    if chained(model):
-        return
-    named = [f for f, s in (("strategy", cfg.strategy),
-                            *((f"switch_at[{k}]", v) for k, v in cfg.switch_at.items()))
-             if s == "pipeline"]
-    if named:
-        raise ConfigError(named[0], "a pipeline runs the model's blocks one after the other, "
-                          "and this model's forward gives other outputs than that on a sample "
-                          "(a factor, a block applied twice, a skip around blocks?).",
-                          "make forward(x) the blocks applied in order (pipeline_blocks), or "
-                          "choose dp, zero1, zero2 or zero3, which run forward as it is")
 
 
 def _check_dense(model: Any) -> None:

@@ -516,26 +516,40 @@ class _Halved(torch.nn.Module):
 
 def test_a_pipeline_of_a_model_whose_forward_is_not_its_blocks_chained_is_refused(tmp_path):
     """A pipeline runs the blocks one after the other: for a model whose forward differs
-    (a factor, a block applied twice), a pipeline named to start or in ``switch_at`` is
-    refused before any worker starts, and ``auto`` plans the model as one block (no
-    pipeline). Was: the pipeline trained another function, silently (found by a new user,
-    session 47)."""
+    (a factor, a block applied twice), every pipeline layout is refused where every layout
+    is checked (``Layouts.check``): the start and ``switch_at`` before any worker starts, a
+    hand switch when asked; ``auto`` plans the model as one block (no pipeline). Was: the
+    pipeline trained another function, silently (found by a new user, session 47)."""
+    from elastic.control.layouts import Layouts
     from elastic.control.preflight import preflight
     from elastic.planning import chained, model_profile
+    from elastic.preflight import check_layouts
+    from strategies import StrategyError
+
+    def layouts_of(cfg):
+        pre = preflight(cfg, lambda *a, **k: None)
+        return pre, Layouts(cfg, pre.model, lambda *a, **k: None)
 
     for kw, field in (({"strategy": "pipeline"}, "strategy"),
                       ({"switch_at": {3: "pipeline"}}, "switch_at[3]")):
-        cfg = JobConfig(**_base(model=_Halved, run_dir=str(tmp_path / field), **kw))
+        cfg = JobConfig(**_base(model=_Halved, num_workers=2, run_dir=str(tmp_path / field),
+                                **kw))
+        _, layouts = layouts_of(cfg)
         with pytest.raises(ConfigError) as ei:
-            preflight(cfg, lambda *a, **k: None)
-        assert ei.value.field == field and "forward(x) the blocks applied" in ei.value.fix
-    cfg = JobConfig(**_base(model=_Halved, strategy="zero2", run_dir=str(tmp_path / "z")))
-    pre = preflight(cfg, lambda *a, **k: None)  # the layouts that run forward as it is
+            check_layouts(cfg, layouts)
+        assert ei.value.field == field and "forward(x) the blocks applied" in str(ei.value)
+    cfg = JobConfig(**_base(model=_Halved, strategy="zero2", num_workers=2,
+                            run_dir=str(tmp_path / "z")))
+    pre, layouts = layouts_of(cfg)
+    check_layouts(cfg, layouts)  # the layouts that run forward as it is
+    with pytest.raises(StrategyError, match="forward gives other outputs"):  # a hand switch
+        layouts.check(layouts.make("pipeline", 2))
     assert not chained(pre.model) and model_profile(pre.model, "adam").n_blocks == 1
     seq = JobConfig(**_base(model=lambda: torch.nn.Sequential(torch.nn.Linear(8, 8),
                                                               torch.nn.Linear(8, 2)),
-                            strategy="pipeline", run_dir=str(tmp_path / "s")))
-    pre = preflight(seq, lambda *a, **k: None)  # its forward is the chain
+                            strategy="pipeline", num_workers=2, run_dir=str(tmp_path / "s")))
+    pre, layouts = layouts_of(seq)
+    check_layouts(seq, layouts)  # its forward is the chain
     assert chained(pre.model) and model_profile(pre.model, "adam").n_blocks == 2
 
 
