@@ -118,26 +118,21 @@ class PlanCache:
 def _used_positions(plan: Plan | None, alive: Cluster) -> dict[str, frozenset[int]] | None:
     if plan is None or not plan.devices:
         return None
-    on = {alive.device(d).node for d in plan.devices}
-    seen: Counter[str] = Counter()
-    out: dict[str, set[int]] = {}
-    for n in alive.nodes:
-        if n.id in on:
-            out.setdefault(n.pool, set()).add(seen[n.pool])
-        seen[n.pool] += 1
-    return {p: frozenset(s) for p, s in out.items()}
+    return _by_position({alive.device(d).node for d in plan.devices}, alive)
 
 
 def _fatal_positions(plan: Plan | None, alive: Cluster) -> dict[str, frozenset[int]]:
     if plan is None:
         return {}
-    where: dict[str, tuple[str, int]] = {}
+    return _by_position(set(fatal_nodes(plan, lambda d: alive.device(d).node)), alive)
+
+
+def _by_position(nodes: Set[str], alive: Cluster) -> dict[str, frozenset[int]]:
+    """Per pool, the positions (in that pool's alive-node order) of ``nodes``."""
     seen: Counter[str] = Counter()
-    for n in alive.nodes:
-        where[n.id] = (n.pool, seen[n.pool])
-        seen[n.pool] += 1
     out: dict[str, set[int]] = {}
-    for node in fatal_nodes(plan, lambda d: alive.device(d).node):
-        pool, i = where[node]
-        out.setdefault(pool, set()).add(i)
+    for n in alive.nodes:
+        if n.id in nodes:
+            out.setdefault(n.pool, set()).add(seen[n.pool])
+        seen[n.pool] += 1
     return {p: frozenset(s) for p, s in out.items()}
