@@ -46,7 +46,9 @@ from clusters.topology import Cluster  # noqa: E402
 DAY = 86400.0
 
 
-def _cluster(nodes: int | None) -> Cluster:
+def _cluster(nodes: int | None, name: str | None = None) -> Cluster:
+    if name is not None:
+        return load_cluster(name if os.path.exists(name) else example_path(name))
     if nodes is None:
         return load_cluster(example_path("a100-10k"))
     return load_cluster({"name": f"a100-{nodes * 8}", "pools": [{
@@ -57,6 +59,8 @@ def _cluster(nodes: int | None) -> Cluster:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nodes", type=int, default=None, help="8-GPU nodes (default: a100-10k)")
+    ap.add_argument("--cluster", default=None,
+                    help="a cluster file or example name instead (e.g. mixed-10k)")
     ap.add_argument("--days", type=float, default=30.0, help="simulated days (default 30)")
     ap.add_argument("--batch", type=int, default=20480, help="global batch (sequences)")
     ap.add_argument("--mttf-h", type=float, default=1.8,
@@ -70,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="also sweep restart-all's checkpoint interval (blocking checkpoints)")
     args = ap.parse_args(argv)
 
-    cluster = _cluster(args.nodes)
+    cluster = _cluster(args.nodes, args.cluster)
     profile = transformer_profile(layers=32, d_model=4096, n_heads=32, seq_len=2048,
                                   vocab=32000, name="llama-7b-like")
     duration = args.days * DAY

@@ -29,8 +29,8 @@ from strategies.traits import DP_MODES
 
 __all__ = ["collective_time", "sync_collectives_time", "SYNC_MODES", "KINDS", "Messages",
            "CommConfig", "bucket_sizes", "assign_owners", "owner_loads", "layout_messages",
-           "messages_time", "sync_points", "burst_points", "BROADCAST_BURST", "FALLBACK_KIND",
-           "latency_hops", "volume_factor"]
+           "messages_time", "per_micro_batch", "sync_points", "burst_points", "BROADCAST_BURST",
+           "FALLBACK_KIND", "latency_hops", "volume_factor"]
 
 SYNC_MODES = DP_MODES  # layouts whose step ends in a data-parallel gradient sync
 # one broadcast of a burst in which every rank broadcasts its chunk at once (ZeRO-1/2's
@@ -264,9 +264,19 @@ def layout_messages(
     message, per owner for zero2, until the strategies bucket; zero3's FSDP units still
     gather per micro-batch). Raises ``KeyError`` for an unknown mode.
     """
+    m = max(1, micro_batches) if per_micro_batch(mode, hooks) else 1
     return _layout_messages(mode, n, tuple(float(b) for b in tensor_bytes),
-                            tuple(float(b) for b in unit_bytes), max(1, micro_batches),
+                            tuple(float(b) for b in unit_bytes), m,
                             comm or CommConfig(), hooks)
+
+
+def per_micro_batch(mode: str, hooks: bool = True) -> bool:
+    """Whether ``mode``'s messages grow with the micro-batches: zero3's gathers and
+    reduce-scatters, zero2's reductions from the hooks. dp and zero1 reduce once a step, and
+    a pipeline stage's reduction after its schedule (``hooks`` False) once but for zero3;
+    ``layout_messages`` passes the count on only where this is True (``sync_points`` reads
+    it only there)."""
+    return mode == "zero3" or (mode == "zero2" and hooks)
 
 
 def sync_points(mode: str, n: int, units: int = 1, micro_batches: int = 1,

@@ -24,13 +24,14 @@ This module does not import ``cost``: it states what it needs from a cost model 
 
 from __future__ import annotations
 
+import itertools
 import operator
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
-from .collectives import collective_time
+from .collectives import collective_time, per_micro_batch
 from .errors import PlanError
 from .estimate import Estimate
 from .memory import MemoryBreakdown, layout_memory
@@ -137,6 +138,19 @@ def stage_blocks(plan: Plan) -> list[range]:
     return out
 
 
+@dataclass
+class _Memo:
+    """``MeshLayout.memo``: keyed by stage split (and dp_mode, micro-batches where read)."""
+
+    refs: tuple[object, object]  # the model and profile, kept alive so their ids stay theirs
+    sample: dict[tuple[object, int, int], float] = field(default_factory=dict)
+    replica: dict[tuple[object, ...], tuple[list[float], list[float]]] = field(
+        default_factory=dict)
+    positions: dict[tuple[int, ...], list[_Position]] = field(default_factory=dict)
+    sync: dict[tuple[object, ...], tuple[float, float, str]] = field(default_factory=dict)
+    optimizer: dict[tuple[str, tuple[int, ...]], float] = field(default_factory=dict)
+
+
 @dataclass(frozen=True)
 class MeshLayout:
     """Devices of a (pp, dp) mesh, rank = stage * dp + replica, with replicas grouped into
@@ -157,9 +171,47 @@ class MeshLayout:
     links: tuple[tuple[Path, ...], ...]
     group_paths: tuple[Path | None, ...]
     position_devices: tuple[tuple[Device, ...], ...]
+    _kinds: dict[tuple[int, ...], tuple[tuple[tuple[int, int, int], ...],
+                                        tuple[tuple[int, int], ...]]] = field(
+        default_factory=dict, init=False, repr=False, compare=False)
+    _memo: dict[tuple[int, int], _Memo] = field(default_factory=dict, init=False,
+                                                repr=False, compare=False)
 
     def matches(self, plan: Plan) -> bool:
         return self.pp == plan.pp_degree and (self.ids is plan.devices or self.ids == plan.devices)
+
+    def memo(self, model: object, profile: object) -> _Memo:
+        """Figures of this layout under ``model`` and ``profile`` that the planner's tries
+        (each m, schedule and dp_mode on it) share; one memo, replaced under others."""
+        key = (id(model), id(profile))
+        hit = self._memo.get(key)
+        if hit is None or hit.refs[0] is not model or hit.refs[1] is not profile:
+            self._memo.clear()
+            hit = self._memo[key] = _Memo((model, profile))
+        return hit
+
+    def share_kinds(self, shares: tuple[int, ...]) -> tuple[tuple[int, int, int], ...]:
+        """Each distinct (replica class, share) under ``shares`` with its first replica, as
+        (class, share, replica) in replica order."""
+        return self._shares(shares)[0]
+
+    def share_runs(self, shares: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+        """``shares`` as (share, how many in a row) runs."""
+        return self._shares(shares)[1]
+
+    def _shares(self, shares: tuple[int, ...]) -> tuple[tuple[tuple[int, int, int], ...],
+                                                         tuple[tuple[int, int], ...]]:
+        """O(dp) once per shares (the planner tries each on several schedules and dp
+        modes), then a lookup."""
+        hit = self._kinds.get(shares)
+        if hit is None:
+            pairs = list(zip(self.replica_class, shares, strict=True))
+            # earlier duplicates overwrite later ones when built from the reversed pairs
+            first = dict(zip(reversed(pairs), range(self.dp - 1, -1, -1), strict=True))
+            kinds = tuple((c, s, r) for (c, s), r in sorted(first.items(), key=lambda kv: kv[1]))
+            runs = tuple((s, len(list(g))) for s, g in itertools.groupby(shares))
+            hit = self._kinds[shares] = (kinds, runs)
+        return hit
 
 
 @dataclass(frozen=True)
@@ -269,6 +321,89 @@ def _step_messages(model: PartCosts, plan: Plan, layout: MeshLayout) -> float:
     return (t + 2 * model.sync_wait_s) * model.pipe_msg_scale
 
 
+@dataclass(frozen=True)
+class _Position:
+    """What a pipeline position holds under one stage split: its blocks (every chunk's),
+    their parameters, its biggest block, FSDP units, biggest tensor, frozen parameters and
+    stored activations per sample."""
+
+    blocks: tuple[int, ...]
+    params: int
+    biggest_block: int
+    units: int
+    biggest_tensor: int
+    frozen: int
+    stored: float
+
+
+def _positions(profile: ModelProfile, stages: list[range],
+               chunks: list[list[int]]) -> list[_Position]:
+    out = []
+    for chunk in chunks:
+        blocks = tuple(i for k in chunk for i in stages[k])
+        out.append(_Position(
+            blocks=blocks,
+            params=sum(profile.block_params[i] for i in blocks),
+            biggest_block=max(profile.block_params[i] for i in blocks),
+            units=len(profile.unit_params(blocks)),
+            biggest_tensor=profile.biggest_tensor(blocks),
+            frozen=profile.frozen(blocks),
+            stored=sum(profile.stored(i) for i in blocks),
+        ))
+    return out
+
+
+def _sync(model: PartCosts, profile: ModelProfile, layout: MeshLayout, mode: str,
+          pos: list[_Position], m: int) -> tuple[float, float, str]:
+    """The slowest position's data-parallel reduction after the schedule: its seconds, of
+    them what follows the optimizer's update, and its link's name."""
+    comm, after, link = 0.0, 0.0, "-"
+    if layout.dp > 1:
+        for at, path in zip(pos, layout.group_paths, strict=True):
+            t_sync, t_after = model.sync_over(mode, at.blocks, layout.dp, path, profile, m,
+                                              hooks=False)
+            if t_sync >= comm:
+                comm, after, link = t_sync, t_after, path.name if path else "-"
+    return comm, after, link
+
+
+def _replica_times(
+    model: PartCosts, profile: ModelProfile, layout: MeshLayout, stages: list[range],
+    chunks: list[list[int]], b: int, c: int, clamp: bool,
+    memo: dict[tuple[object, int, int], float],
+) -> tuple[list[float], list[float]]:
+    """Per position of a replica of class ``c`` running micro-batches of ``b`` samples: its
+    time per micro-batch with its messages, and its compute alone."""
+    p, n_st = layout.pp, len(stages)
+    row, links = layout.rows[c], layout.links[c]
+    t, work = [], []
+    for j in range(p):
+        key = model.device_key(row[j], profile)
+        tj = 0.0
+        for k in chunks[j]:
+            at = (key, stages[k].start, stages[k].stop)
+            if at not in memo:
+                memo[at] = model.sample_time(row[j], profile, stages[k])
+            tj += b * memo[at]
+            tj += len(stages[k]) * model.pass_overhead_s * row[j].slowdown
+        # the schedule's own work per action: the host's too; below 0, what the messages
+        # cost less than their profiled figure, never a stage below its compute, and only
+        # for the schedule the trial ran (1F1B, one chunk per rank; ``clamp`` False): an
+        # interleaved schedule made cheaper by it was picked at 1.29-1.35x dp on 2 CPU ranks
+        # (mlp, dlrm), and GPipe's schedule measured 8-51 % above 1F1B's there
+        act = len(chunks[j]) * model.pipe_action_s
+        if clamp:
+            act = max(0.0, act)
+        work.append(tj + max(0.0, act))
+        for k in chunks[j]:
+            if k < n_st - 1:
+                a, beta = model.alpha_beta(links[k % p], "p2p")
+                nbytes = b * profile.boundary(stages[k][-1])
+                tj += 2 * collective_time("p2p", nbytes, 2, a, beta)
+        t.append(max(tj + act, work[-1]))
+    return t, work
+
+
 def estimate_pipeline(
     model: PartCosts, plan: Plan, profile: ModelProfile, layout: MeshLayout
 ) -> Estimate:
@@ -280,37 +415,21 @@ def estimate_pipeline(
 
     # One replica time per distinct (micro-batch size, class): replicas run in parallel.
     # ``times``: each position's compute alone (no messages), the work a crowded host shares.
-    st_memo: dict[tuple[object, int], float] = {}
+    memo = layout.memo(model, profile)
+    # the schedule's own work per action counts below 0 (what the messages cost less than
+    # their profiled figure) only for the schedule the trial ran: see ``_replica_times``
+    clamp = v > 1 or plan.schedule != model.pipe_fit_schedule
     compute = 0.0
     shared = model.shared_cores
     times: dict[tuple[int, int], list[float]] = {}
-    kinds = set(zip(plan.shares, layout.replica_class, strict=True))
-    for b, c in {(s // m, c) for s, c in kinds}:
-        row, links = layout.rows[c], layout.links[c]
-        t, work = [], []
-        for j in range(p):
-            key = model.device_key(row[j], profile)
-            tj = 0.0
-            for k in chunks[j]:
-                if (key, k) not in st_memo:
-                    st_memo[key, k] = model.sample_time(row[j], profile, stages[k])
-                tj += b * st_memo[key, k]
-                tj += len(stages[k]) * model.pass_overhead_s * row[j].slowdown
-            # the schedule's own work per action: the host's too; below 0, what the messages
-            # cost less than their profiled figure, never a stage below its compute, and only
-            # for the schedule the trial ran (1F1B, one chunk per rank): an interleaved
-            # schedule made cheaper by it was picked at 1.29-1.35x dp on 2 CPU ranks (mlp,
-            # dlrm), and GPipe's schedule measured 8-51 % above 1F1B's there
-            act = len(chunks[j]) * model.pipe_action_s
-            if v > 1 or plan.schedule != model.pipe_fit_schedule:
-                act = max(0.0, act)
-            work.append(tj + max(0.0, act))
-            for k in chunks[j]:
-                if k < n_st - 1:
-                    a, beta = model.alpha_beta(links[k % p], "p2p")
-                    nbytes = b * profile.boundary(stages[k][-1])
-                    tj += 2 * collective_time("p2p", nbytes, 2, a, beta)
-            t.append(max(tj + act, work[-1]))
+    kinds = layout.share_kinds(plan.shares)
+    for b, c in {(s // m, c) for c, s, _ in kinds}:
+        row = layout.rows[c]
+        key = (c, b, plan.stage_split, clamp)
+        if key not in memo.replica:
+            memo.replica[key] = _replica_times(model, profile, layout, stages, chunks, b, c,
+                                               clamp, memo.sample)
+        t, work = memo.replica[key]
         times[b, c] = work
         if shared:  # on its own a rank of a crowded host is faster than profiled
             t = [tj * (shared[d.id].alone if d.id in shared else 1.0)
@@ -326,60 +445,55 @@ def estimate_pipeline(
                     busy[sc.host] = busy.get(sc.host, 0.0) + m * times[s // m, c][j] * sc.weight
         compute = max(compute, *busy.values()) if busy else compute
 
-    pos_blocks = [[i for k in chunks[j] for i in stages[k]] for j in range(p)]
-    pos_params = [sum(profile.block_params[i] for i in pos_blocks[j]) for j in range(p)]
-    pos_big = [max(profile.block_params[i] for k in chunks[j] for i in stages[k]) for j in range(p)]
-    comm, after, link = 0.0, 0.0, "-"
-    if dp > 1:
-        for j in range(p):
-            path = layout.group_paths[j]
-            # a stage reduces once after its schedule; zero3's units gather per micro-batch
-            t_sync, t_after = model.sync_over(plan.dp_mode, pos_blocks[j], dp, path, profile,
-                                              m, hooks=False)
-            if t_sync >= comm:
-                comm, after, link = t_sync, t_after, path.name if path else "-"
+    pos = memo.positions.get(plan.stage_split)
+    if pos is None:
+        pos = memo.positions[plan.stage_split] = _positions(profile, stages, chunks)
+    mode = plan.dp_mode
+    # a stage reduces once after its schedule; only what grows per micro-batch reads m
+    sync_key = (mode, plan.stage_split, m if per_micro_batch(mode, hooks=False) else 1)
+    if sync_key not in memo.sync:
+        memo.sync[sync_key] = _sync(model, profile, layout, mode, pos, m)
+    comm, after, link = memo.sync[sync_key]
     exposed = max(0.0, comm - after - model.overlap * (2 / 3) * compute) + after
 
-    stored = [sum(profile.stored(i) for k in chunks[j] for i in stages[k]) for j in range(p)]
     sizes = sorted(set(plan.shares))
     mem: list[MemoryBreakdown] = []
     per_pos: list[dict[int, MemoryBreakdown]] = []
-    for j in range(p):
+    for j, at in enumerate(pos):
         by_share = {
             s: layout_memory(
-                plan.dp_mode,
-                pos_params[j],
+                mode,
+                at.params,
                 dp,
                 bytes_per_param=profile.bytes_per_param,
                 grad_bytes=profile.grad_bytes,
                 optimizer_bytes=profile.optimizer_bytes_per_param,
-                biggest_block=pos_big[j],
-                units=len(profile.unit_params(pos_blocks[j])),
-                biggest_tensor=profile.biggest_tensor(pos_blocks[j]),
-                frozen_params=profile.frozen(pos_blocks[j]),
-                activations=_in_flight(plan.schedule, m, p, v, j) * (s // m) * stored[j],
+                biggest_block=at.biggest_block,
+                units=at.units,
+                biggest_tensor=at.biggest_tensor,
+                frozen_params=at.frozen,
+                activations=_in_flight(plan.schedule, m, p, v, j) * (s // m) * at.stored,
             )
             for s in sizes
         }
         per_pos.append(by_share)
-        mem.extend(map(by_share.__getitem__, plan.shares))
+        for s, n in layout.share_runs(plan.shares):
+            mem.extend([by_share[s]] * n)
 
-    # The first rank (stage-major) of each distinct (class, share): later duplicates are
-    # overwritten by earlier ones when the dict is built from the reversed pairs.
-    pairs = list(zip(layout.replica_class, plan.shares, strict=True))
-    first = dict(zip(reversed(pairs), range(dp - 1, -1, -1), strict=True))
+    # the first rank (stage-major) of each distinct (class, share)
     use, tight = -1.0, 0
     for j in range(p):
-        for (c, s), r in sorted(first.items(), key=lambda kv: kv[1]):
+        for c, s, r in kinds:
             ratio = per_pos[j][s].total / model.usable_bytes(layout.rows[c][j])
             if ratio > use:
                 use, tight = ratio, j * dp + r
 
-    opt = 0.0
-    for j in range(p):
-        for d in layout.position_devices[j]:
-            opt = max(opt, model.layout_optimizer_time(plan.dp_mode, d, pos_blocks[j], dp,
-                                                       profile))
+    opt_key = (mode, plan.stage_split)
+    if opt_key not in memo.optimizer:
+        memo.optimizer[opt_key] = max([0.0] + [
+            model.layout_optimizer_time(mode, d, at.blocks, dp, profile)
+            for at, devs in zip(pos, layout.position_devices, strict=True) for d in devs])
+    opt = memo.optimizer[opt_key]
 
     opt *= model.pipe_update_scale
     fixed = model.step_overhead if model.pipe_step_overhead is None else model.pipe_step_overhead

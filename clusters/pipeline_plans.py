@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .balance import proportional_shares, stage_split
 from .candidates import Candidate, PlanContext, memory_rejection
@@ -41,6 +41,16 @@ class _Arrangement:
     layout: MeshLayout
     ref: Device
     pos_t: tuple[float, ...]
+
+
+@dataclass
+class _Memo:
+    """Per pp, what the (schedule, dp_mode) pairs share: per (arrangement, chunks per rank)
+    the stage split and each replica class's speed, and per m too the shares."""
+
+    splits: dict[tuple[str, int], tuple[tuple[int, ...], list[float]]] = field(
+        default_factory=dict)
+    shares: dict[tuple[str, int, int], tuple[int, ...]] = field(default_factory=dict)
 
 
 def _arrangements(
@@ -72,32 +82,27 @@ def _pipeline_plan(
     schedule: str,
     mode: str,
     m: int,
-    splits: dict[tuple[str, int], tuple[int, ...]],
+    memo: _Memo,
     subset: str,
 ) -> Plan:
-    prof, lay = ctx.profile, arr.layout
-    pp = lay.pp
+    """The plan of ``arr`` at ``m``. Its split, replica speeds and shares depend on the
+    arrangement, the chunks per rank and ``m`` only, not on the schedule or dp_mode: they are
+    kept in ``memo`` (one per pp) and shared by the (schedule, dp_mode) pairs tried."""
+    lay = arr.layout
     v = 2 if schedule == "interleaved" else 1
     key = (arr.name, v)
-    if key not in splits:
-        costs = [ctx.model.sample_time(arr.ref, prof, [i]) for i in range(prof.n_blocks)]
-        speeds = [ctx.t(arr.ref) / arr.pos_t[k % pp] for k in range(pp * v)]
-        splits[key] = stage_split(costs, speeds)
-    split = splits[key]
-    starts = [sum(split[:k]) for k in range(len(split))]
-    class_speed = []
-    for row in lay.rows:
-        per_pos = [0.0] * pp
-        for k, b in enumerate(split):
-            per_pos[k % pp] += ctx.model.sample_time(row[k % pp], prof,
-                                                     range(starts[k], starts[k] + b))
-        class_speed.append(1.0 / max(per_pos))
-    units = proportional_shares(ctx.g // m, list(map(class_speed.__getitem__, lay.replica_class)))
+    if key not in memo.splits:
+        memo.splits[key] = _split_speeds(ctx, arr, v)
+    split, class_speed = memo.splits[key]
+    at = (arr.name, v, m)
+    if at not in memo.shares:  # a BalanceError propagates (and is raised again next time)
+        memo.shares[at] = tuple(map(m.__mul__, proportional_shares(
+            ctx.g // m, list(map(class_speed.__getitem__, lay.replica_class)))))
     return Plan(
         strategy="pipeline",
         world_size=len(lay.ids),
-        shares=tuple(map(m.__mul__, units)),
-        pp_degree=pp,
+        shares=memo.shares[at],
+        pp_degree=lay.pp,
         dp_mode=mode,
         micro_batches=m,
         schedule=schedule,
@@ -106,6 +111,26 @@ def _pipeline_plan(
         devices=lay.ids,
         reason=f"{subset}: {arr.name}, split by block cost and stage speed",
     )
+
+
+def _split_speeds(ctx: PlanContext, arr: _Arrangement,
+                  v: int) -> tuple[tuple[int, ...], list[float]]:
+    """``arr``'s stage split for ``v`` chunks per rank (by the fastest device's per-block
+    costs and each position's speed) and each replica class's speed under it."""
+    prof, lay = ctx.profile, arr.layout
+    pp = lay.pp
+    costs = [ctx.model.sample_time(arr.ref, prof, [i]) for i in range(prof.n_blocks)]
+    speeds = [ctx.t(arr.ref) / arr.pos_t[k % pp] for k in range(pp * v)]
+    split = stage_split(costs, speeds)
+    starts = [sum(split[:k]) for k in range(len(split))]
+    class_speed = []
+    for row in lay.rows:
+        per_pos = [0.0] * pp
+        for k, b in enumerate(split):
+            per_pos[k % pp] += ctx.model.sample_time(row[k % pp], prof,
+                                                     range(starts[k], starts[k] + b))
+        class_speed.append(1.0 / max(per_pos))
+    return split, class_speed
 
 
 def pipeline_candidates(
@@ -129,12 +154,13 @@ def pipeline_candidates(
                "block: strategies/blocks.py; a pipeline job says which)" if nb < 2 else
                f"{', '.join(f'pp{pp}' for pp in deep)}: more stages than the model's {nb} blocks")
         out.append(Candidate(stub, None, f"pipeline: {why}", subset))
+    g_divs = [m for m in range(1, min(ctx.g, ctx.max_m) + 1) if ctx.g % m == 0]
     for pp in _divisors(n):
         if pp < 2 or pp > nb or (max_pp is not None and pp > max_pp):
             continue
         dp = n // pp
         arrs: list[_Arrangement] | None = None
-        splits: dict[tuple[str, int], tuple[int, ...]] = {}
+        memo = _Memo()
         for schedule in schedules:
             v = 2 if schedule == "interleaved" else 1
             # m < pp only adds bubble and (1F1B) memory, so it is never considered; nor, when
@@ -144,7 +170,7 @@ def pipeline_candidates(
             # where no count within reach divides G, the whole range as before
             ms = [
                 m
-                for m in _divisors(ctx.g)
+                for m in g_divs
                 if pp <= m <= ctx.max_m and ctx.g // m >= dp and (v == 1 or m % pp == 0)
             ]
             reach = ctx.model.pipe_fit_reach * pp
@@ -174,7 +200,7 @@ def pipeline_candidates(
                     continue
                 if arrs is None:
                     arrs = _arrangements(ctx, devs, by_speed, pp, classes)
-                out.append(_best(ctx, arrs, stub, schedule, mode, ms, splits, subset))
+                out.append(_best(ctx, arrs, stub, schedule, mode, ms, memo, subset))
     return out
 
 
@@ -185,7 +211,7 @@ def _best(
     schedule: str,
     mode: str,
     ms: list[int],
-    splits: dict[tuple[str, int], tuple[int, ...]],
+    memo: _Memo,
     subset: str,
 ) -> Candidate:
     """The fastest fitting (arrangement, m), else the rejection of the attempt closest to
@@ -195,7 +221,7 @@ def _best(
     for arr in arrs:
         for m in ms:
             try:
-                p = _pipeline_plan(ctx, arr, schedule, mode, m, splits, subset)
+                p = _pipeline_plan(ctx, arr, schedule, mode, m, memo, subset)
             except BalanceError as e:
                 first_reject = first_reject or (math.inf, f"{stub.label}: {e}")
                 continue

@@ -345,3 +345,44 @@ def test_calibrate_compute_only_and_bad_input():
         calibrate([])
     with pytest.raises(Exception, match="bad measurement"):
         calibrate([Measurement(device="x", samples=1, step_time=0.0)])
+
+
+def test_a_reused_pipeline_layout_gives_each_model_its_own_estimate():
+    """The planner reuses one mesh layout (and its memo of per-replica times, syncs and
+    optimizer steps) for every m, schedule and dp_mode tried; the memo must answer each
+    model and profile with their own figures, as a fresh layout does."""
+    from clusters.pipeline_cost import mesh_layout
+
+    prof = ModelProfile.uniform(n_params=4e8, n_blocks=8, flops_per_sample=8e12,
+                                activation_bytes=1e6)
+    fat = ModelProfile.uniform(n_params=8e8, n_blocks=8, flops_per_sample=4e13,
+                               activation_bytes=1e6)
+    c = _cluster(nodes=2)
+    devs = list(c.devices)
+    plans = [Plan(strategy="pipeline", world_size=16, shares=(8,) * 4, pp_degree=4,
+                  micro_batches=m, schedule=s, dp_mode=mode, stage_split=(2,) * 4,
+                  devices=tuple(d.id for d in devs))
+             for m in (4, 8) for s in ("gpipe", "1f1b") for mode in ("dp", "zero1", "zero3")]
+    models = [CostModel(), CostModel(pass_overhead_s=0.01, sync_wait_s=0.002)]
+    shared = mesh_layout(models[0], c, prof, devs, 4)
+    for model in models + models[::-1]:
+        for pr in (prof, fat, prof):
+            for p in plans:
+                fresh = model.estimate(p, c, pr, layout=mesh_layout(model, c, pr, devs, 4))
+                assert model.estimate(p, c, pr, layout=shared) == fresh, (p.label, pr.n_params)
+
+
+@pytest.mark.parametrize("mode", ["dp", "zero1", "zero2", "zero3"])
+@pytest.mark.parametrize("hooks", [True, False])
+def test_per_micro_batch_says_which_messages_read_the_micro_batch_count(mode, hooks):
+    """The pipeline estimate keys its sync memo by m only where ``per_micro_batch``: the
+    messages and meeting points of the other modes must not change with m."""
+    from clusters.collectives import CommConfig, _layout_messages, per_micro_batch, sync_points
+
+    tensors, units = (4e6, 1e6, 8e6, 2e6), (5e6, 10e6)
+    # the messages as built, before layout_messages drops m where it is not read
+    one = (_layout_messages(mode, 4, tensors, units, 1, CommConfig(), hooks),
+           sync_points(mode, 4, len(units), 1, hooks))
+    four = (_layout_messages(mode, 4, tensors, units, 4, CommConfig(), hooks),
+            sync_points(mode, 4, len(units), 4, hooks))
+    assert (one != four) == per_micro_batch(mode, hooks)
