@@ -149,6 +149,10 @@ class _Memo:
     positions: dict[tuple[int, ...], list[_Position]] = field(default_factory=dict)
     sync: dict[tuple[object, ...], tuple[float, float, str]] = field(default_factory=dict)
     optimizer: dict[tuple[str, tuple[int, ...]], float] = field(default_factory=dict)
+    states: dict[tuple[str, tuple[int, ...]], list[MemoryBreakdown]] = field(
+        default_factory=dict)
+    usable: dict[tuple[tuple[int, int, int], ...], list[list[float]]] = field(
+        default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -456,35 +460,37 @@ def estimate_pipeline(
     comm, after, link = memo.sync[sync_key]
     exposed = max(0.0, comm - after - model.overlap * (2 / 3) * compute) + after
 
+    states = memo.states.get((mode, plan.stage_split))
+    if states is None:  # model states and buffers per position, without activations
+        states = memo.states[mode, plan.stage_split] = [layout_memory(
+            mode,
+            at.params,
+            dp,
+            bytes_per_param=profile.bytes_per_param,
+            grad_bytes=profile.grad_bytes,
+            optimizer_bytes=profile.optimizer_bytes_per_param,
+            biggest_block=at.biggest_block,
+            units=at.units,
+            biggest_tensor=at.biggest_tensor,
+            frozen_params=at.frozen,
+        ) for at in pos]
     sizes = sorted(set(plan.shares))
     mem: list[MemoryBreakdown] = []
-    per_pos: list[dict[int, MemoryBreakdown]] = []
-    for j, at in enumerate(pos):
-        by_share = {
-            s: layout_memory(
-                mode,
-                at.params,
-                dp,
-                bytes_per_param=profile.bytes_per_param,
-                grad_bytes=profile.grad_bytes,
-                optimizer_bytes=profile.optimizer_bytes_per_param,
-                biggest_block=at.biggest_block,
-                units=at.units,
-                biggest_tensor=at.biggest_tensor,
-                frozen_params=at.frozen,
-                activations=_in_flight(plan.schedule, m, p, v, j) * (s // m) * at.stored,
-            )
-            for s in sizes
-        }
-        per_pos.append(by_share)
+    use, tight = -1.0, 0
+    usable = memo.usable.get(kinds)
+    if usable is None:  # per position, each kind's first replica's usable bytes
+        usable = memo.usable[kinds] = [
+            [model.usable_bytes(layout.rows[c][j]) for c, _, _ in kinds] for j in range(p)]
+    for j, (at, st) in enumerate(zip(pos, states, strict=True)):
+        held = _in_flight(plan.schedule, m, p, v, j)
+        by_share = {s: MemoryBreakdown(st.params, st.grads, st.optimizer,
+                                       held * (s // m) * at.stored, st.buffers) for s in sizes}
         for s, n in layout.share_runs(plan.shares):
             mem.extend([by_share[s]] * n)
-
-    # the first rank (stage-major) of each distinct (class, share)
-    use, tight = -1.0, 0
-    for j in range(p):
-        for c, s, r in kinds:
-            ratio = per_pos[j][s].total / model.usable_bytes(layout.rows[c][j])
+        # the first rank (stage-major) of each distinct (class, share)
+        totals = {s: b.total for s, b in by_share.items()}
+        for (_, s, r), cap in zip(kinds, usable[j], strict=True):
+            ratio = totals[s] / cap
             if ratio > use:
                 use, tight = ratio, j * dp + r
 
