@@ -70,6 +70,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--trace", help="a failure-trace file (.csv or .jsonl) instead of llama3")
     ap.add_argument("--save-trace", help="write the trace used to this file")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--replan", choices=("best", "keep"), default="best",
+                    help="plan_cache's replan: the best plan per composition (default) or the "
+                         "whole cluster's layout family on the survivors")
     ap.add_argument("--sweep", action="store_true",
                     help="also sweep restart-all's checkpoint interval (blocking checkpoints)")
     args = ap.parse_args(argv)
@@ -91,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{len(trace)} failures ({duration / max(1, len(trace)) / 3600:.2f} h apart), "
           f"{spares} spare nodes")
 
-    plans = plan_cache(cluster, profile, args.batch)
+    plans = plan_cache(cluster, profile, args.batch, replan=args.replan)
     w0, c0 = time.perf_counter(), time.process_time()
     results = simulate(cluster, profile, args.batch, config=config, trace=trace, plans=plans,
                        policies=(RestartAll(), RestartAll(name="restart-shrink", shrink=True),

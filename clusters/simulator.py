@@ -70,7 +70,7 @@ def plan_cache(
     ``replan``: ``"best"``, the planner's best plan for every composition; ``"keep"``, as the
     live controller re-plans for survivors (``elastic.control.layouts``): the whole
     cluster's layout family (strategy, dp mode, schedule, pipeline degree) on the nodes
-    alive, the planner's best only where that family does not fit. The planner then looks
+    alive of the pools it runs on, the planner's best only where that family does not fit. The planner then looks
     at a handful of candidates per composition, not hundreds (0.09 s instead of 2 s at
     10,000 GPUs). Raises ``PlanError`` for another ``replan``."""
     if replan not in ("best", "keep"):
@@ -79,22 +79,27 @@ def plan_cache(
         from .planner import plan
 
         first: list[Plan] = []
+        pools: set[str] = set()  # the pools the whole cluster's plan runs on
 
         def evaluate(alive: Cluster) -> tuple[float, Plan | None]:
             ch = None
-            if first and replan == "keep":
+            # the family on the survivors of its own pools (a job of the H100s alone does not
+            # grow into the idle A100s when an H100 node goes: was planned on every node)
+            ours = alive.without_nodes(n.id for n in alive.nodes if n.pool not in pools)
+            if first and replan == "keep" and ours.nodes:
                 p = first[0]
                 kw = {**plan_kwargs, "strategies": (p.strategy,), "dp_modes": (p.dp_mode,),
                       "schedules": (p.schedule,), "subsets": False}
                 if p.is_pipeline:
                     kw["max_pp"] = p.pp_degree
-                ch = plan(alive, profile, global_batch, **kw).choice  # type: ignore[arg-type]
+                ch = plan(ours, profile, global_batch, **kw).choice  # type: ignore[arg-type]
             if ch is None or ch.estimate is None:
                 ch = plan(alive, profile, global_batch, **plan_kwargs).choice  # type: ignore[arg-type]
             if ch is None or ch.estimate is None:
                 return math.inf, None
             if not first:
                 first.append(ch.plan)
+                pools.update(alive.device(d).pool for d in ch.plan.devices)
             return ch.estimate.step_time, ch.plan
 
         def explain(alive: Cluster) -> str:

@@ -571,6 +571,23 @@ def test_keep_replans_the_whole_clusters_layout_family_on_the_survivors():
         plan_cache(c, prof, 256, replan="fastest")
 
 
+def test_keep_replans_on_the_pools_the_job_runs_on():
+    """A job planned on the A100s alone (the T4s would slow it) keeps to the A100s that
+    survive under ``replan="keep"``, as a live job does (was: re-planned on every node, T4s
+    too, with the subset search off), and to the planner's best once no A100 is left."""
+    c = load_cluster({"name": "k", "pools": [
+        {"name": "a", "device": "A100-80GB", "nodes": 3, "devices_per_node": 4},
+        {"name": "t", "device": "T4", "nodes": 3, "devices_per_node": 4}]})
+    prof = transformer_profile(layers=8, d_model=1024, n_heads=16, seq_len=512, vocab=8000)
+    keep = plan_cache(c, prof, 240, replan="keep")
+    whole = keep.entry(frozenset()).plan
+    assert whole is not None and {c.device(d).pool for d in whole.devices} == {"a"}
+    p = keep.entry({"a-0"}).plan
+    assert p is not None and len(p.devices) == 8
+    assert {c.device(d).pool for d in p.devices} == {"a"}
+    assert keep.entry({"a-0", "a-1", "a-2"}).plan is not None  # the T4s, by the planner
+
+
 def test_an_event_costs_o_pools_not_o_nodes_down(monkeypatch):
     """The pool counts and the current plan are kept with the nodes: the O(nodes down) lookup
     (``PlanCache.entry``) runs once, for the whole cluster, however many preemptions."""
