@@ -18,7 +18,7 @@ from .balance import proportional_shares
 from .cost import CostModel
 from .errors import BalanceError
 from .estimate import Estimate
-from .memory import describe_memory, format_bytes, layout_memory
+from .memory import MemoryBreakdown, describe_memory, format_bytes, layout_memory
 from .plan import Plan
 from .profile import ModelProfile
 from .topology import Cluster, Device
@@ -84,7 +84,11 @@ def memory_rejection(
     """Why ``est`` does not fit (its tightest device, every counted part named), or None."""
     if est.memory_use <= 1.0:
         return None
-    m, d = est.memory[est.tightest_rank], devs[est.tightest_rank]
+    return too_big(ctx, label, est.memory[est.tightest_rank], devs[est.tightest_rank])
+
+
+def too_big(ctx: PlanContext, label: str, m: MemoryBreakdown, d: Device) -> str:
+    """``memory_rejection``'s text for ``m`` on its device ``d``."""
     return (
         f"{label}: needs {format_bytes(m.total)} per device = {describe_memory(m)}; "
         f"{d.short} has {format_capacity(d)} ({format_bytes(ctx.usable(d))} usable)"

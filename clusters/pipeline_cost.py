@@ -153,6 +153,8 @@ class _Memo:
         default_factory=dict)
     usable: dict[tuple[tuple[int, int, int], ...], list[list[float]]] = field(
         default_factory=dict)
+    timing: dict[int, tuple[Plan, tuple[float, float, float, float, str]]] = field(
+        default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -408,18 +410,34 @@ def _replica_times(
     return t, work
 
 
-def estimate_pipeline(
+def pipeline_step_time(
     model: PartCosts, plan: Plan, profile: ModelProfile, layout: MeshLayout
-) -> Estimate:
-    """Predict the pipeline ``plan`` laid out as ``layout`` (which must match its devices)."""
+) -> float:
+    """``estimate_pipeline(...).step_time`` without the memory: what the planner rules a try
+    out by before its per-rank memory is worked out."""
+    return _timing(model, plan, profile, layout)[0]
+
+
+def _stages(plan: Plan) -> tuple[list[range], list[list[int]]]:
+    """``plan``'s stages' blocks and each position's stages (its chunks)."""
+    p, stages = plan.pp_degree, stage_blocks(plan)
+    return stages, [[k for k in range(len(stages)) if k % p == j] for j in range(p)]
+
+
+def _timing(
+    model: PartCosts, plan: Plan, profile: ModelProfile, layout: MeshLayout
+) -> tuple[float, float, float, float, str]:
+    """The step time of ``plan`` on ``layout`` and its parts: compute, exposed
+    communication, the optimizer's update, and the reduction's link."""
+    memo = layout.memo(model, profile)
+    hit = memo.timing.get(id(plan))
+    if hit is not None and hit[0] is plan:  # pipeline_step_time's, before the estimate
+        return hit[1]
     p, dp, m, v = plan.pp_degree, plan.dp_degree, plan.micro_batches, plan.virtual_stages
-    stages = stage_blocks(plan)
-    n_st = len(stages)
-    chunks = [[k for k in range(n_st) if k % p == j] for j in range(p)]
+    stages, chunks = _stages(plan)
 
     # One replica time per distinct (micro-batch size, class): replicas run in parallel.
     # ``times``: each position's compute alone (no messages), the work a crowded host shares.
-    memo = layout.memo(model, profile)
     # the schedule's own work per action counts below 0 (what the messages cost less than
     # their profiled figure) only for the schedule the trial ran: see ``_replica_times``
     clamp = v > 1 or plan.schedule != model.pipe_fit_schedule
@@ -460,6 +478,45 @@ def estimate_pipeline(
     comm, after, link = memo.sync[sync_key]
     exposed = max(0.0, comm - after - model.overlap * (2 / 3) * compute) + after
 
+    opt_key = (mode, plan.stage_split)
+    if opt_key not in memo.optimizer:
+        memo.optimizer[opt_key] = max([0.0] + [
+            model.layout_optimizer_time(mode, d, at.blocks, dp, profile)
+            for at, devs in zip(pos, layout.position_devices, strict=True) for d in devs])
+    opt = memo.optimizer[opt_key]
+
+    opt *= model.pipe_update_scale
+    fixed = model.step_overhead if model.pipe_step_overhead is None else model.pipe_step_overhead
+    step = compute + exposed + opt + fixed + _step_messages(model, plan, layout)
+
+    opt *= model.pipe_update_scale
+    fixed = model.step_overhead if model.pipe_step_overhead is None else model.pipe_step_overhead
+    step = compute + exposed + opt + fixed + _step_messages(model, plan, layout)
+    memo.timing[id(plan)] = (plan, (step, compute, exposed, opt, link))  # plan kept: its id
+    return step, compute, exposed, opt, link
+
+
+def pipeline_memory_use(
+    model: PartCosts, plan: Plan, profile: ModelProfile, layout: MeshLayout
+) -> tuple[float, int, MemoryBreakdown]:
+    """``estimate_pipeline``'s ``memory_use`` and ``tightest_rank``, and that rank's memory,
+    without every rank's: what the planner rejects a try by."""
+    use, tight, per_pos, _ = _memory(model, plan, profile, layout, every_rank=False)
+    return use, tight, per_pos[tight // layout.dp][plan.shares[tight % layout.dp]]
+
+
+def _memory(
+    model: PartCosts, plan: Plan, profile: ModelProfile, layout: MeshLayout, every_rank: bool
+) -> tuple[float, int, list[dict[int, MemoryBreakdown]], tuple[MemoryBreakdown, ...]]:
+    """The largest share of usable memory any rank needs and the first rank (stage-major)
+    needing it, each position's memory per share, and (``every_rank``) every rank's."""
+    p, dp, m, v = plan.pp_degree, plan.dp_degree, plan.micro_batches, plan.virtual_stages
+    memo = layout.memo(model, profile)
+    pos = memo.positions.get(plan.stage_split)
+    if pos is None:
+        pos = memo.positions[plan.stage_split] = _positions(profile, *_stages(plan))
+    kinds = layout.share_kinds(plan.shares)
+    mode = plan.dp_mode
     states = memo.states.get((mode, plan.stage_split))
     if states is None:  # model states and buffers per position, without activations
         states = memo.states[mode, plan.stage_split] = [layout_memory(
@@ -474,35 +531,37 @@ def estimate_pipeline(
             biggest_tensor=at.biggest_tensor,
             frozen_params=at.frozen,
         ) for at in pos]
-    sizes = sorted(set(plan.shares))
+    sizes = sorted({s for _, s, _ in kinds})
     mem: list[MemoryBreakdown] = []
     use, tight = -1.0, 0
     usable = memo.usable.get(kinds)
     if usable is None:  # per position, each kind's first replica's usable bytes
         usable = memo.usable[kinds] = [
             [model.usable_bytes(layout.rows[c][j]) for c, _, _ in kinds] for j in range(p)]
+    per_pos: list[dict[int, MemoryBreakdown]] = []
     for j, (at, st) in enumerate(zip(pos, states, strict=True)):
         held = _in_flight(plan.schedule, m, p, v, j)
         by_share = {s: MemoryBreakdown(st.params, st.grads, st.optimizer,
                                        held * (s // m) * at.stored, st.buffers) for s in sizes}
-        for s, n in layout.share_runs(plan.shares):
-            mem.extend([by_share[s]] * n)
+        per_pos.append(by_share)
+        if every_rank:
+            for s, n in layout.share_runs(plan.shares):
+                mem.extend([by_share[s]] * n)
         # the first rank (stage-major) of each distinct (class, share)
         totals = {s: b.total for s, b in by_share.items()}
         for (_, s, r), cap in zip(kinds, usable[j], strict=True):
             ratio = totals[s] / cap
             if ratio > use:
                 use, tight = ratio, j * dp + r
+    return use, tight, per_pos, tuple(mem)
 
-    opt_key = (mode, plan.stage_split)
-    if opt_key not in memo.optimizer:
-        memo.optimizer[opt_key] = max([0.0] + [
-            model.layout_optimizer_time(mode, d, at.blocks, dp, profile)
-            for at, devs in zip(pos, layout.position_devices, strict=True) for d in devs])
-    opt = memo.optimizer[opt_key]
 
-    opt *= model.pipe_update_scale
-    fixed = model.step_overhead if model.pipe_step_overhead is None else model.pipe_step_overhead
-    step = compute + exposed + opt + fixed + _step_messages(model, plan, layout)
+def estimate_pipeline(
+    model: PartCosts, plan: Plan, profile: ModelProfile, layout: MeshLayout
+) -> Estimate:
+    """Predict the pipeline ``plan`` laid out as ``layout`` (which must match its devices)."""
+    p, m, v = plan.pp_degree, plan.micro_batches, plan.virtual_stages
+    step, compute, exposed, opt, link = _timing(model, plan, profile, layout)
+    use, tight, _, mem = _memory(model, plan, profile, layout, every_rank=True)
     return Estimate(step, compute, exposed, opt, bubble_fraction(p, m, plan.schedule, v),
-                            tuple(mem), link, use, tight)
+                    mem, link, use, tight)

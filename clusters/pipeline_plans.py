@@ -19,9 +19,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .balance import proportional_shares, stage_split
-from .candidates import Candidate, PlanContext, memory_rejection
+from .candidates import Candidate, PlanContext, too_big
 from .errors import BalanceError
-from .pipeline_cost import DeviceClasses, MeshLayout, device_classes, mesh_layout
+from .pipeline_cost import (
+    DeviceClasses,
+    MeshLayout,
+    device_classes,
+    mesh_layout,
+    pipeline_memory_use,
+    pipeline_step_time,
+)
 from .plan import Plan
 from .topology import Device
 
@@ -215,24 +222,34 @@ def _best(
     subset: str,
 ) -> Candidate:
     """The fastest fitting (arrangement, m), else the rejection of the attempt closest to
-    fitting (a balance failure counts as farthest)."""
-    best: Candidate | None = None
-    first_reject: tuple[float, str] | None = None
+    fitting (a balance failure counts as farthest). The tries are timed first and estimated
+    fastest first (ties in the order tried): the first that fits is the best, and the
+    slower tries' per-rank memory is never worked out."""
+    tries: dict[int, tuple[_Arrangement, Plan]] = {}  # by the order tried
+    failed: dict[int, str] = {}  # balance failures, by the order tried
     for arr in arrs:
         for m in ms:
+            i = len(tries) + len(failed)
             try:
-                p = _pipeline_plan(ctx, arr, schedule, mode, m, memo, subset)
+                tries[i] = (arr, _pipeline_plan(ctx, arr, schedule, mode, m, memo, subset))
             except BalanceError as e:
-                first_reject = first_reject or (math.inf, f"{stub.label}: {e}")
-                continue
+                failed[i] = f"{stub.label}: {e}"
+    timed = sorted((pipeline_step_time(ctx.model, p, ctx.profile, arr.layout), i)
+                   for i, (arr, p) in tries.items())
+    rejected: dict[int, tuple[float, str]] = {}
+    for _, i in timed:  # what memory_rejection says of the estimate, from its tightest rank
+        arr, p = tries[i]
+        use, tight, at = pipeline_memory_use(ctx.model, p, ctx.profile, arr.layout)
+        if use <= 1.0:
             est = ctx.model.estimate(p, ctx.cluster, ctx.profile, layout=arr.layout)
-            mem_why = memory_rejection(ctx, p.label, est, arr.layout.devices)
-            if mem_why is None:
-                if best is None or est.step_time < best.step_time:
-                    best = Candidate(p, est, None, subset)
-            elif first_reject is None or est.memory_use < first_reject[0]:
-                first_reject = (est.memory_use, mem_why)
-    if best is not None:
-        return best
-    assert first_reject is not None
+            return Candidate(p, est, None, subset)
+        rejected[i] = (use, too_big(ctx, p.label, at, arr.layout.devices[tight]))
+    # nothing fits: the attempt closest to fitting, the first in the order tried
+    first_reject: tuple[float, str] | None = None
+    for i in range(len(tries) + len(failed)):
+        if i in failed:
+            first_reject = first_reject or (math.inf, failed[i])
+        elif first_reject is None or rejected[i][0] < first_reject[0]:
+            first_reject = rejected[i]
+    assert first_reject is not None  # ms is never empty
     return Candidate(stub, None, first_reject[1], subset)
