@@ -488,10 +488,6 @@ def _timing(
     opt *= model.pipe_update_scale
     fixed = model.step_overhead if model.pipe_step_overhead is None else model.pipe_step_overhead
     step = compute + exposed + opt + fixed + _step_messages(model, plan, layout)
-
-    opt *= model.pipe_update_scale
-    fixed = model.step_overhead if model.pipe_step_overhead is None else model.pipe_step_overhead
-    step = compute + exposed + opt + fixed + _step_messages(model, plan, layout)
     memo.timing[id(plan)] = (plan, (step, compute, exposed, opt, link))  # plan kept: its id
     return step, compute, exposed, opt, link
 
