@@ -100,16 +100,15 @@ def optimizer_bytes(optimizer: Any, default: int) -> int:
     cannot be built so."""
     import torch
 
+    from strategies.canonical import probe_state
+
     from .config.code import optimizer_factory
 
     try:
         factory = optimizer if callable(optimizer) else optimizer_factory(optimizer)
-        p = torch.nn.Parameter(torch.zeros(64))
-        opt = factory([p])
-        p.grad = torch.ones(64)
-        opt.step()
-        held = sum(t.numel() * t.element_size() for st in opt.state.values()
-                   for t in st.values() if isinstance(t, torch.Tensor) and t.numel() > 1)
+        state = probe_state(factory, (64,))
+        held = sum(t.numel() * t.element_size() for t in state.values()
+                   if isinstance(t, torch.Tensor) and t.numel() > 1)
         return round(held / 64)
     except Exception:  # noqa: BLE001 - a factory that needs more: its name's figure
         return default

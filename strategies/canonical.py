@@ -23,7 +23,9 @@ __all__ = [
     "model_state_to_canonical",
     "optimizer_state_to_canonical",
     "optimizer_state_from_canonical",
+    "probe_state",
     "state_hash",
+    "state_keys",
 ]
 
 CanonicalState = dict[str, torch.Tensor]
@@ -128,16 +130,25 @@ def state_keys(optimizer: torch.optim.Optimizer, shape: tuple[int, ...] = (2,),
     key = (type(optimizer), repr(sorted((k, v) for k, v in settings.items()
                                         if k not in ("lr", "initial_lr"))), probe_shape)
     if key not in _KEYS:
+        kind: Any = type(optimizer)
         try:
-            q = nn.Parameter(torch.zeros(probe_shape))
-            kind: Any = type(optimizer)
-            probe = kind([{"params": [q], **settings}])
-            q.grad = torch.ones_like(q)
-            probe.step()
-            _KEYS[key] = frozenset(probe.state[q])
+            _KEYS[key] = frozenset(probe_state(
+                lambda ps: kind([{"params": ps, **settings}]), probe_shape))
         except Exception:  # noqa: BLE001 - an optimizer that needs more: load what is there
             _KEYS[key] = None
     return _KEYS[key]
+
+
+def probe_state(build: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+                shape: tuple[int, ...]) -> dict[str, Any]:
+    """The state the optimizer ``build([param])`` keeps for a stand-in parameter of
+    ``shape`` (zeros) after one step with a gradient of ones. Raises what building or
+    stepping it raises."""
+    q = nn.Parameter(torch.zeros(shape))
+    opt = build([q])
+    q.grad = torch.ones_like(q)
+    opt.step()
+    return dict(opt.state[q])
 
 
 def state_hash(state: CanonicalState) -> str:
