@@ -155,15 +155,28 @@ def first_cause(errors: Sequence[BaseException]) -> BaseException:
 _GROUP_MODULES = ("torch.distributed", "torch.nn.parallel.distributed")
 
 
+# torch's op dispatch: an error an op raises surfaces in its frames, whatever called the op
+_DISPATCH_MODULES = ("torch._ops", "torch._library")
+
+
 def _raised_in_group_code(tb: TracebackType | None) -> bool:
-    last = None
+    """Whether the innermost frame, past torch's op dispatch, is torch.distributed's or
+    DDP's. Past the dispatch: a functional collective's failure (a DTensor's
+    ``full_tensor()`` as zero3 gathers the final state; gloo's "Connection reset by peer")
+    is raised in ``torch._ops`` and ``torch._library``, called from
+    ``torch.distributed._functional_collectives``
+    (was: read as the user's code, a lost worker then failed a finished job); a user's own
+    ``torch.ops`` call stays the user's."""
+    mods = []
     while tb is not None:
-        last = tb
+        mods.append(str(tb.tb_frame.f_globals.get("__name__", "")))
         tb = tb.tb_next
-    if last is None:
+    while mods and any(mods[-1] == m or mods[-1].startswith(m + ".")
+                       for m in _DISPATCH_MODULES):
+        mods.pop()
+    if not mods:
         return False
-    mod = str(last.tb_frame.f_globals.get("__name__", ""))
-    return any(mod == m or mod.startswith(m + ".") for m in _GROUP_MODULES)
+    return any(mods[-1] == m or mods[-1].startswith(m + ".") for m in _GROUP_MODULES)
 
 
 def worker_error(exc: BaseException, rank: int, group_failed: str | None = None

@@ -436,7 +436,7 @@ def _switch_at(value: Any, known: list[str]) -> dict[int, str]:
 
 FAULT_ACTIONS = ("exit", "pause", "pause_silent", "hang", "raise", "nan",  # worker/faults.py
                  "pause_upload", "corrupt_copy", "slow", "slow_upload",
-                 "hang_restore", "slowdown")
+                 "hang_restore", "slowdown", "exit_final")
 
 
 def _faults(faults: Any) -> None:

@@ -364,6 +364,7 @@ class Worker:
     def full_state(self, want: bool = True) -> dict[str, torch.Tensor] | None:
         """Collective: every rank must call. Returns the canonical state if ``want``."""
         assert self.layout.strategy is not None
+        self.faults.in_final(self.membership.rank, self.layout.next_step)
         st = self._guard(self.layout.strategy.full_state)
         return st if want else None
 

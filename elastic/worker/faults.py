@@ -33,7 +33,9 @@ fire it again. Actions:
   begun (slow storage), while training goes on;
 * ``hang_restore``: this rank blocks forever when it begins to read checkpoint ``step`` in a
   restore (a storage read that never returns, as on a hung network mount), outside any
-  training step: its peers time out in the restore's agreement.
+  training step: its peers time out in the restore's agreement;
+* ``exit_final``: the process dies as the job's final state is gathered after ``step``
+  steps (its peers inside that gather), outside any training step.
 """
 
 from __future__ import annotations
@@ -57,7 +59,8 @@ class FaultInjected(RuntimeError):
     """The ``raise`` fault: what user code raising looks like to elastic."""
 
 
-_ELSEWHERE = ("pause_upload", "slow_upload", "hang_restore")  # not at a step's start
+_ELSEWHERE = ("pause_upload", "slow_upload", "hang_restore", "exit_final")  # not at a
+# step's start
 
 
 def _block_forever() -> None:
@@ -147,6 +150,14 @@ class Faults:
             if f["action"] == "hang_restore" and self._claim(
                     f.get("dir") or self._default_dir, rank, step, f["action"]):
                 self._block()
+
+    def in_final(self, rank: int, step: int) -> None:
+        """As ``rank`` begins to give its part of the final state after ``step`` steps: a due
+        ``exit_final`` ends the process."""
+        for f in self._at.get((rank, step), ()):
+            if f["action"] == "exit_final" and self._claim(
+                    f.get("dir") or self._default_dir, rank, step, f["action"]):
+                self._exit(1)
 
     @staticmethod
     def _claim(where: str, rank: int, step: int, action: str) -> bool:

@@ -157,6 +157,23 @@ def test_worker_process_exits_and_the_job_recovers(ray_cluster, tmp_path, refere
     _check_data_log(result.run_dir, result.history)
 
 
+@pytest.mark.warm_workers
+def test_a_worker_lost_as_the_final_state_is_gathered_leaves_the_job_finished(
+        ray_cluster, tmp_path, reference):
+    """Rank 2's process dies as zero3's final state is gathered after the last step; its
+    peers' all-gathers fail inside torch's op dispatch. The group's failure: a recovery, then
+    the state of the uninterrupted run. Was: 'user code failed' and no result for a job
+    whose every step ran (found by a new user, session 48)."""
+    ray_cluster(3)
+    handle = _submit(tmp_path, strategy="zero3",
+                     faults=[{"rank": 2, "step": STEPS, "action": "exit_final"}])
+    result = handle.result(timeout=180)
+    assert os.path.exists(os.path.join(result.run_dir, "faults", f"fired-rank2-step{STEPS}"))
+    assert [e.kind for e in result.events if e.kind in ("failure", "recovered")] == [
+        "failure", "recovered"], [(e.kind, e.message[:120]) for e in result.events]
+    assert max_diff(result.state_dict(), reference[0]) < TOL
+
+
 def test_rank0_node_lost_then_replacement_node_taken_in(ray_cluster, tmp_path, reference):
     """Rank 0 (the group's store) pauses at step 8 and its node goes, unannounced (the worker
     does not say its node went, as on a machine that vanishes: the controller finds it gone

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import pickle
 import queue
 from typing import Any
@@ -130,6 +131,37 @@ def test_the_worker_boundary_types_errors_by_where_they_were_raised():
         raise TimeoutError("no answer")
     except TimeoutError as e:
         assert worker_error(e, 0).transport is True  # type: ignore[attr-defined]
+
+
+def _raise_in(*modules: str) -> BaseException:
+    """gloo's error raised through frames of ``modules`` (outermost first), the innermost
+    raising it, as torch's C++ does below its last Python frame."""
+    inner = None
+    for i, mod in enumerate(reversed(modules)):
+        body = ("raise RuntimeError('[gloo/transport/tcp/pair.cc:534] Connection reset by "
+                "peer')") if i == 0 else "return inner()"
+        ns: dict = {"__name__": mod}
+        exec(compile(f"def call(inner):\n    {body}\n", mod.replace(".", "/") + ".py",
+                     "exec"), ns)  # noqa: S102
+        inner = functools.partial(ns["call"], inner)  # no frame of its own
+    try:
+        inner()
+    except RuntimeError as e:
+        return e
+    raise AssertionError("nothing raised")
+
+
+def test_a_functional_collectives_failure_past_torchs_dispatch_is_the_groups():
+    """zero3's final state: a DTensor's full_tensor() fails inside torch._ops, called from
+    torch.distributed's functional collectives (a worker lost then). The group's failure,
+    not the user's code (was: a finished job failed as 'user code failed'); a user's own
+    torch.ops call failing is still the user's."""
+    funcol = _raise_in("mymodel", "torch.distributed._functional_collectives", "torch._ops",
+                       "torch._library.autograd", "torch._ops")
+    assert isinstance(worker_error(funcol, 0), GroupError)
+    users = _raise_in("torch.distributed.tensor._api", "mymodel", "torch._ops")
+    assert isinstance(worker_error(users, 0), WorkerError)
+    assert isinstance(worker_error(_raise_in("mymodel", "torch._ops"), 0), WorkerError)
 
 
 def test_run_logs_are_strict_json(tmp_path):
