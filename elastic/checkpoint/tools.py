@@ -272,11 +272,13 @@ def export(
 
         def write(f: Any) -> None:
             torch.save(obj, f)
-    if out is None:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
     where = os.path.dirname(path) if out is None else None
-    fd, tmp = tempfile.mkstemp(prefix=f"{os.path.basename(path) or 'export'}.tmp-", dir=where)
+    tmp = ""
     try:
+        if where is not None:
+            os.makedirs(where, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f"{os.path.basename(path) or 'export'}.tmp-",
+                                   dir=where)
         with os.fdopen(fd, "wb") as f:
             if out is None:  # as open() makes it (mkstemp's: the owner's only), or the old one's
                 os.fchmod(f.fileno(), os.stat(path).st_mode & 0o7777 if os.path.exists(path)
@@ -288,8 +290,15 @@ def export(
             os.replace(tmp, path)
         else:
             _upload(out, tmp, existed, f"exporting step {step} to {shown} failed")
+    except OSError as e:  # a read-only or full file system (was: a traceback)
+        if out is not None:
+            raise  # (a remote export's own failures are StorageErrors: this is its scratch)
+        raise CheckpointError(
+            f"exporting step {step} to {shown} failed: {e.strerror or e}. Fix: give a "
+            f"destination on a writable file system with room for {nbytes / 1e6:.1f} MB "
+            "(elastic checkpoints export --out; export(store, dest))") from None
     finally:
-        if os.path.exists(tmp):  # a failed export leaves nothing behind
+        if tmp and os.path.exists(tmp):  # a failed export leaves nothing behind
             os.remove(tmp)
     return ExportResult(shown, step, len(state), nbytes, fmt)
 

@@ -667,6 +667,38 @@ def test_an_export_never_harms_the_file_it_would_replace(tmp_path, where, reques
         assert os.stat(base + "/model.safetensors").st_mode & 0o777 == 0o666 & ~mask
 
 
+@pytest.mark.parametrize("errno_, where", [(30, "mkstemp"), (28, "fsync")])
+def test_an_export_to_a_read_only_or_full_file_system_is_one_line(tmp_path, monkeypatch,
+                                                                  capsys, errno_, where):
+    """The file system refuses (read-only: EROFS as the file is made; full: ENOSPC as it is
+    flushed): one line with the fix, exit 2, nothing left behind. Was: the OSError's
+    traceback (found by a new user, session 48; a real read-only or full mount needs root
+    here, so the call that meets it raises what it raises there)."""
+    import elastic.checkpoint.tools as tools
+    from elastic import cli
+
+    store = CheckpointStore(str(tmp_path / "ckpt"))
+    save(store, 7, make_state())
+    out = tmp_path / "out"
+    out.mkdir()
+
+    def refuse(*a, **k):
+        raise OSError(errno_, os.strerror(errno_))
+
+    if where == "mkstemp":
+        monkeypatch.setattr(tools.tempfile, "mkstemp", refuse)
+    else:
+        monkeypatch.setattr(tools.os, "fsync", refuse)
+    rc = cli.main(["checkpoints", "export", str(tmp_path / "ckpt"), "--out",
+                   str(out / "model.pt")])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert os.strerror(errno_) in err and "Fix: give a destination on a writable" in err, err
+    assert os.listdir(out) == []
+    with pytest.raises(CheckpointError, match="writable file system"):
+        export(store, str(out / "model.pt"))
+
+
 def test_the_cli_exports_a_local_checkpoint_to_s3_and_never_prints_its_credentials(
         s3_server, tmp_path, capsys) -> None:
     """``elastic checkpoints export LOCAL --out s3://KEY:SECRET@bucket/m.pt --endpoint URL``:
