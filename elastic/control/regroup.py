@@ -249,6 +249,14 @@ class Regroup:
 
     # ------------------------------------------------------------------ recovery
 
+    def _drain_kept(self) -> None:
+        """The steps the ranks finished before a failure, into the history (were lost: no
+        history, no metrics.jsonl, and the failure said where the controller last heard)."""
+        try:
+            self._drain()
+        except Exception:  # noqa: BLE001 - the failure is handled whatever this did
+            pass
+
     def recover(self, failure: Failure, failures: int, segment: Any, spec: StrategySpec,
                 strategy: str, target: int, noticed_by: str = "") -> Regrouped | GiveUp:
         """Survive the loss of workers (``failures``: the job's count, this one included):
@@ -257,10 +265,7 @@ class Regroup:
         group = self.group
         t_fail = time.time()
         if not failure.recoverable:  # user code, bad numbers, ...: the same again would fail
-            try:  # the steps the ranks finished before it (were lost: no history, no
-                self._drain()  # metrics.jsonl, and the failure said step 0)
-            except Exception:  # noqa: BLE001 - the job fails on ``failure`` whatever this did
-                pass
+            self._drain_kept()
             self._emit("failure", f"{failure.kind.value} on rank {failure.rank}: "
                        f"{failure.message[:300]}", data={"kind": failure.kind.value,
                                                          "rank": failure.rank},
@@ -276,6 +281,7 @@ class Regroup:
                               rank=hung[0].rank, error=HangError("a rank hung in its step"))
         survivors, dead = group.survivors(exclude=hung)
         t_detect = time.time()
+        self._drain_kept()  # the steps done before it, so the event says where it came
         lost_nodes = sorted({str(w.info.get("node_id", ""))[:8] for w in dead})
         self._emit("failure", f"{len(dead)} worker(s) lost (ranks {[w.rank for w in dead]}, "
                    f"node(s) {lost_nodes}); {len(survivors)} survive: {failure.message[:200]}",

@@ -233,6 +233,28 @@ def test_a_user_code_error_keeps_the_steps_done_before_it_and_says_where(tmp_pat
         ("failure", 5), ("failed", 5)]
 
 
+def test_a_lost_workers_failure_keeps_the_steps_done_before_it_and_says_where(tmp_path):
+    """Rank 2 is lost at step 5 while the controller last heard from the workers before step
+    0; then, under max_failures 1, rank 1 at step 9. Each failure event says where the job
+    was (5; 9), the recovery counts the steps run again from there, and the steps trained
+    before the give-up are kept. Was: 'failure' at step 0 and 'failed' at step 5, steps 5-8
+    missing from the history (found by a new user, session 48)."""
+    seen: list[int] = []
+    fake = FakeGroup(mlp())
+    ctl = Controller(_cfg(tmp_path, num_workers=3, min_workers=1, max_failures=1),
+                     group_factory=lambda cfg: fake, mailbox_factory=lambda job: None,
+                     on_step=lambda h: seen.append(h["step"]))
+    fake.steps_per_poll = 10
+    fake.fail(step=5, rank=2)
+    fake.fail(step=9, rank=1)
+    with pytest.raises(InfrastructureError, match="giving up after 2 failures"):
+        ctl.run()
+    assert [h["step"] for h in ctl.history] == seen == list(range(9))
+    assert [(e.kind, e.step) for e in ctl.events if e.kind in ("failure", "failed")] == [
+        ("failure", 5), ("failure", 9), ("failed", 9)], [
+        (e.kind, e.step, e.message[:80]) for e in ctl.events]
+
+
 def test_failure_budget_gives_up_with_the_fix(tmp_path):
     ctl, fake = _controller(tmp_path, num_workers=3, min_workers=1, max_failures=1)
     fake.fail(step=3, rank=2)
