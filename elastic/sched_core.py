@@ -354,13 +354,14 @@ class SchedulerCore:
             j.measured[world] = t if old is None else 0.5 * old + 0.5 * t
 
     def _start(self, j: QueuedJob, n: int) -> None:
-        cfg = j.cfg.replace(num_workers=n, min_workers=j.cfg.min_world,
-                            max_workers=j.cfg.max_world, scale_check_s=SCHED_SCALE_CHECK_S,
-                            grow_when_room=False, placement="per_worker")
         with self._lock:
             if j.state != "queued":  # cancelled since the tick looked
                 return
-        try:
+        try:  # (the config's own check too: code the scheduler cannot import fails this job
+            # alone; was raised out of every tick, every queued job held behind it)
+            cfg = j.cfg.replace(num_workers=n, min_workers=j.cfg.min_world,
+                                max_workers=j.cfg.max_world, scale_check_s=SCHED_SCALE_CHECK_S,
+                                grow_when_room=False, placement="per_worker")
             j.handle = self.runner.start(j.name, cfg, n)
         except Exception as e:  # noqa: BLE001 - a job that cannot start fails alone
             j.state, j.error, j.ended_s = "failed", f"{type(e).__name__}: {e}", self.clock()

@@ -135,7 +135,22 @@ class SweepConfig:
 
     @property
     def storage_url(self) -> str:
-        return self.storage or "sqlite:///" + os.path.join(self.run_path, "study.db")
+        """``storage`` (a SQLite file's relative path made absolute: a scheduler's process
+        opens it from its own directory; was: every scheduled trial failed with "unable to
+        open database file"), or the run directory's ``study.db``."""
+        if not self.storage:
+            return "sqlite:///" + os.path.join(self.run_path, "study.db")
+        from sqlalchemy.engine import make_url
+
+        try:
+            url = make_url(self.storage)
+        except Exception:  # noqa: BLE001 - said where it is checked (validate)
+            return self.storage
+        db = url.database
+        if url.get_backend_name() != "sqlite" or not db or db == ":memory:" or \
+                db.startswith("file:") or os.path.isabs(db):
+            return self.storage
+        return url.set(database=os.path.abspath(db)).render_as_string(hide_password=False)
 
     @property
     def storage_shown(self) -> str:

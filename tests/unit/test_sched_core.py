@@ -254,6 +254,29 @@ def test_refusals_and_a_failing_job_does_not_disturb_the_others():
     assert state(c)["a2"] == ("running", 2)
 
 
+def test_a_job_whose_config_the_scheduler_cannot_rebuild_fails_alone(monkeypatch):
+    """A job submitted from a directory whose model module the scheduler's process cannot
+    import: its config's check at the start raises. That job fails with the reason; the
+    others start. Was: the error left every tick, and every queued job stayed queued behind
+    it with workers free (found by a new user, session 48)."""
+    from elastic.errors import ConfigError
+
+    real = JobConfig.replace
+
+    def replace(self: JobConfig, **kw: Any) -> JobConfig:
+        if self.name == "bad":
+            raise ConfigError("model", "cannot import 'mymod_b:slow'", "run from its directory")
+        return real(self, **kw)
+
+    monkeypatch.setattr(JobConfig, "replace", replace)
+    c, s = core(FifoStatic(backfill=True), capacity=4)
+    c.submit(cfg("bad", 10))
+    c.submit(cfg("good", 10, n=2))
+    c.tick()
+    assert state(c) == {"bad": ("failed", 0), "good": ("running", 2)}
+    assert "cannot import 'mymod_b:slow'" in (c.jobs["bad"].error or "")
+
+
 class SlowGrow(Script):
     """Growth is answered only when the test says so (new workers starting), or refused."""
 

@@ -93,6 +93,24 @@ def raising_objective(result: FitResult) -> float:
     raise KeyError("eval_loss")
 
 
+def test_a_relative_sqlite_storage_is_opened_where_the_sweep_runs(tmp_path, monkeypatch):
+    """``storage: sqlite:///runs/sweep.db`` (the docs' form) names a file from where the
+    sweep runs; a scheduler's process, which opens the study for the pruner's hook, runs
+    elsewhere. The URL is made absolute. Was: every scheduled trial failed with 'unable to
+    open database file' (found by a new user, session 48)."""
+    monkeypatch.chdir(tmp_path)
+    for given, want in (("sqlite:///runs/sweep.db", f"sqlite:///{tmp_path}/runs/sweep.db"),
+                        (f"sqlite:///{tmp_path}/a.db", f"sqlite:///{tmp_path}/a.db"),
+                        ("sqlite:///:memory:", "sqlite:///:memory:"),
+                        ("postgresql://u:pw@h/db", "postgresql://u:pw@h/db")):
+        data = _sweep(tmp_path)
+        data["study"]["storage"] = given
+        cfg = load_sweep(data)
+        assert cfg.storage_url == want, given
+    monkeypatch.chdir("/")  # elsewhere, as the scheduler's process is
+    assert load_sweep(_sweep(tmp_path)).storage_url == f"sqlite:///{tmp_path}/study.db"
+
+
 def _run_trials(tmp_path, monkeypatch, objective: Any) -> list[optuna.trial.FrozenTrial]:
     """Two trials as ``run_sweep`` runs them (``catch=(ElasticError,)``), each job's result
     given without Ray."""
