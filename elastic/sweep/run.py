@@ -16,11 +16,10 @@ from typing import Any, TextIO
 import optuna
 
 from ..config import JobConfig
-from ..errors import ElasticError
 from .cluster import concurrency, connect, disconnect
 from .factories import check_factories
 from .report import format_summary
-from .runner import TrialRunner
+from .runner import TrialRunner, optimize_trials
 from .study import FINISHED, make_pruner, make_sampler, open_study, trial_counts
 from .sweep_file import SweepConfig
 
@@ -95,9 +94,9 @@ def run_sweep(config: SweepConfig | dict[str, Any] | str, *, n_trials: int | Non
                  f"up to {n_jobs} queued at a time in scheduler {cfg.scheduler!r}")
         runner.say(f"study {cfg.study_name} in {cfg.storage_shown}: {done} finished, "
                    f"running {remaining} more, {where}; trial runs under {cfg.run_path}")
-        study.optimize(
-            runner.objective, n_trials=remaining, n_jobs=n_jobs, timeout=cfg.timeout_s,
-            catch=(ElasticError,), gc_after_trial=False, show_progress_bar=False,
+        optimize_trials(
+            study, runner, n_trials=remaining, n_jobs=n_jobs, timeout=cfg.timeout_s,
+            gc_after_trial=False, show_progress_bar=False,
             callbacks=[optuna.study.MaxTrialsCallback(cfg.n_trials, states=FINISHED),
                        runner.after_trial])
     finally:

@@ -25,7 +25,7 @@ import optuna
 from clusters.sweep_policy import PromotionPolicy
 
 from ..config import JobConfig
-from ..errors import ElasticError
+from ..errors import ElasticError, InterruptedJobError
 from .pruning import PruneSteps, prune_lag
 from .report import trial_line
 from .sweep_file import SweepConfig
@@ -34,11 +34,32 @@ from .trial_steps import ScheduledHook, TrialSteps
 if TYPE_CHECKING:
     from ..control import FitResult
 
-__all__ = ["TrialRunner"]
+__all__ = ["TrialRunner", "SweepInterrupted", "optimize_trials"]
 
 
 # what a trial's run says of its outcome (a retry starts without the stale trial's)
 _OUTCOME = ("pruned_at_step", "pruned_at_time", "prune_lag", "error")
+
+
+class SweepInterrupted(Exception):
+    """A trial's job stopped by a signal (Ctrl-C, SIGTERM): not a failure of that trial that
+    the sweep goes on from (Optuna's ``catch`` takes every ``ElasticError``), but the sweep's
+    end; ``error`` is the job's ``InterruptedJobError``."""
+
+    def __init__(self, error: InterruptedJobError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def optimize_trials(study: optuna.Study, runner: TrialRunner, **kw: Any) -> None:
+    """``study.optimize`` over ``runner.objective``: a trial's ``ElasticError`` fails that
+    trial only; a signal ends the sweep with the job's ``InterruptedJobError`` (its exit
+    code). Was: that trial failed and the next ones ran to the end, exit 0 (found by a new
+    user, session 48)."""
+    try:
+        study.optimize(runner.objective, catch=(ElasticError,), **kw)
+    except SweepInterrupted as e:
+        raise e.error from None
 
 
 class TrialRunner:
@@ -82,6 +103,9 @@ class TrialRunner:
             job = JobConfig.from_dict(fields)
             result = (self._scheduled(trial, job) if cfg.scheduler is not None
                       else self._run(trial, job))
+        except InterruptedJobError as e:
+            self._failed(trial, e, t0)
+            raise SweepInterrupted(e) from e
         except ElasticError as e:
             self._failed(trial, e, t0)
             raise

@@ -123,6 +123,31 @@ def _run_trials(tmp_path, monkeypatch, objective: Any) -> list[optuna.trial.Froz
     return study.get_trials()
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_signal_to_a_trials_job_ends_the_sweep_with_its_exit_code(tmp_path, monkeypatch):
+    """Ctrl-C (SIGTERM) stops the running trial's job (InterruptedJobError): the trial is
+    failed and the sweep ends with the job's error, not the next trial. Was: that trial
+    failed and the others ran to the end, exit 0 (found by a new user, session 48)."""
+    import signal
+
+    from elastic.errors import InterruptedJobError
+    from elastic.sweep.runner import optimize_trials
+
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    cfg = SweepConfig.from_dict(_sweep(tmp_path))
+    runner = TrialRunner(cfg, None)
+
+    def stopped(trial, job):
+        raise InterruptedJobError(signal.SIGTERM)
+
+    monkeypatch.setattr(runner, "_run", stopped)
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    with pytest.raises(InterruptedJobError) as e:
+        optimize_trials(study, runner, n_trials=4)
+    assert e.value.exit_code == 128 + signal.SIGTERM
+    assert [t.state for t in study.get_trials()] == [TrialState.FAIL]
+
+
 @pytest.mark.filterwarnings("ignore::UserWarning")  # Optuna's "Trial 0 failed because of..."
 def test_an_objective_that_raises_fails_its_trial_only(tmp_path, monkeypatch):
     optuna.logging.set_verbosity(optuna.logging.ERROR)
