@@ -310,10 +310,13 @@ class JobConfig(JobCode):
         if name:  # a driver may run several jobs: the second unnamed one is <id>-2, ...
             n = next(_SUBMITTED)  # (one C call: atomic under the GIL)
             name = name if n == 1 else f"{name}-{n}"
-        if not name:
-            import time
+        if not name:  # the process's n-th unnamed job: -n after the first (was: two in one
+            import time  # second shared one name: one refused as already running, or both
 
-            name = f"job-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid() % 10000:04d}"
+            # in one run directory; found by a new user, session 48)
+            n = next(_UNNAMED)
+            name = f"job-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid() % 10000:04d}" + (
+                f"-{n}" if n > 1 else "")
         self._s["output"] = self.output.set("name", name)  # no rule between sections reads it
         return name
 
@@ -446,8 +449,8 @@ _DEFAULTS = {cls.flat_name(f.name): f.default for cls in SECTIONS.values()
              if f.init and f.default is not dataclasses.MISSING}
 
 
-# counts the unnamed jobs this driver names after its Ray submission id
-_SUBMITTED = itertools.count(1)
+_UNNAMED = itertools.count(1)  # the unnamed jobs this process names by the time
+_SUBMITTED = itertools.count(1)  # those this driver names after its Ray submission id
 
 
 def _ray_submission_id() -> str | None:

@@ -808,6 +808,20 @@ def test_unnamed_jobs_of_one_submitted_driver_get_names_of_their_own(monkeypatch
     assert JobConfig(**_base(name="mine")).job_name == "mine"
 
 
+def test_unnamed_jobs_named_in_one_second_get_names_of_their_own(monkeypatch):
+    """Two unnamed jobs of one process in the same second (``elastic.submit`` twice, a
+    scheduler's queue): the second is ``job-<time>-<pid>-2``. Was: the same name, so one was
+    refused as already running, or both wrote one run directory (found by a new user,
+    session 48)."""
+    import time
+
+    monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR", raising=False)
+    monkeypatch.setattr(time, "strftime", lambda fmt, *a: "20261207-134410")
+    a, b = JobConfig(**_base()), JobConfig(**_base())
+    assert a.job_name != b.job_name and b.job_name.startswith(a.job_name + "-")
+    assert a.run_path != b.run_path and a.job_name == a.job_name  # chosen once, then kept
+
+
 @pytest.mark.parametrize("optimizer, words", [
     ({"name": "adam", "lr": -0.1}, "Invalid learning rate"),
     ({"name": "adam", "betas": [0.9, 1.5]}, "beta"),
