@@ -124,9 +124,10 @@ def _submit(a: argparse.Namespace) -> int:
     from . import scheduler
     from .config import JobConfig
 
-    cfg = JobConfig.from_yaml(a.job, _HOOKS["parse_sets"](a.set or []))
+    cfg = scheduler.placed(JobConfig.from_yaml(a.job, _HOOKS["parse_sets"](a.set or [])))
     job = scheduler.submit_to(a.name, cfg)
-    print(f"[elastic] queued {job.job!r} in scheduler {a.name!r}")
+    print(f"[elastic] queued {job.job!r} in scheduler {a.name!r} (run directory "
+          f"{cfg.run_path})")
     return 0
 
 

@@ -31,7 +31,7 @@ from clusters.sched_policy import JobState, Observation, Option, SchedPolicy
 from .errors import ElasticError
 
 __all__ = ["Runner", "QueuedJob", "EndedRun", "EndedConfig", "SchedulerCore", "live_options", "FIXED_PART",
-           "SCHED_SCALE_CHECK_S", "HISTORY_KEPT"]
+           "SCHED_SCALE_CHECK_S", "HISTORY_KEPT", "placed"]
 
 # The steps of ended jobs' histories the scheduler keeps in all (~0.45 KB a step: ~90 MB):
 # past it, the oldest ended jobs' are let go but their last step (their run directories'
@@ -480,3 +480,15 @@ class SchedulerCore:
     def _changed(self, j: QueuedJob) -> None:
         if self.on_change is not None:
             self.on_change(j)
+
+
+def placed(cfg: Any) -> Any:
+    """``cfg`` with its run directory (``./runs/<name>`` by default, or a relative
+    ``run_dir``) made absolute where it is submitted: the scheduler's process runs its
+    controller from its own working directory (was: ``ray start``'s, found by a new user,
+    session 48)."""
+    import os
+
+    if cfg.run_dir and os.path.isabs(cfg.run_dir):
+        return cfg
+    return cfg.replace(name=cfg.job_name, run_dir=os.path.abspath(cfg.run_path))

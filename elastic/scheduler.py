@@ -26,12 +26,12 @@ from clusters.sched_policy import POLICIES, policy_named
 
 from .errors import ActorGoneError, ElasticError
 from .ray_connect import call, dumps, kill, loads, named_actor, named_actors, start_named
-from .sched_core import HISTORY_KEPT, QueuedJob, SchedulerCore
+from .sched_core import HISTORY_KEPT, QueuedJob, SchedulerCore, placed
 from .sched_runner import ControllerRunner
 from .sched_store import QueueStore, restore
 
 __all__ = ["NAMESPACE", "SchedulerActor", "ScheduledJob", "start", "lookup", "shutdown",
-           "submit_to", "list_schedulers", "info", "rows"]
+           "submit_to", "placed", "list_schedulers", "info", "rows"]
 
 NAMESPACE = "elastic"
 _PREFIX = "elastic-scheduler:"
@@ -307,4 +307,5 @@ def submit_to(scheduler: str, cfg: Any, hook: Any = None) -> ScheduledJob:
     """Queue ``cfg`` (a ``JobConfig``) in the running scheduler ``scheduler``; ``hook``: a
     picklable ``elastic.control.hooks.StepHook`` its controller gets (a sweep trial's pruner:
     ``elastic.sweep.trial_steps.ScheduledHook``)."""
-    return ScheduledJob(scheduler, str(call(lookup(scheduler).submit, cfg, hook)))
+    return ScheduledJob(scheduler, str(call(lookup(scheduler).submit, placed(cfg), hook)))
+

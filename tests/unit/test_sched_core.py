@@ -277,6 +277,29 @@ def test_a_job_whose_config_the_scheduler_cannot_rebuild_fails_alone(monkeypatch
     assert "cannot import 'mymod_b:slow'" in (c.jobs["bad"].error or "")
 
 
+def test_a_queued_jobs_run_directory_is_where_it_was_submitted(tmp_path, monkeypatch):
+    """``elastic queue submit`` from one directory to a scheduler started in another: the
+    default ``./runs/<name>`` and a relative ``run_dir`` are made absolute where submitted
+    (the CLI says where). Was: under the scheduler's (``ray start``'s) directory, found by a
+    new user, session 48."""
+    from elastic.sched_core import placed
+
+    monkeypatch.chdir(tmp_path)
+    default = placed(cfg("jdef", 5))
+    assert default.run_dir == str(tmp_path / "runs" / "jdef") and default.job_name == "jdef"
+    rel = placed(cfg("jrel", 5).replace(run_dir="myrun"))
+    assert rel.run_dir == str(tmp_path / "myrun")
+    unnamed = JobConfig(model=mlp, optimizer=adam, loss=mse, dataset=RegressionData(),
+                        global_batch_size=8, max_steps=5, view="none")
+    got = placed(unnamed)
+    assert got.job_name == unnamed.job_name and got.run_dir == str(
+        tmp_path / "runs" / unnamed.job_name)
+    monkeypatch.chdir("/")  # the scheduler's process, elsewhere
+    assert got.run_path == str(tmp_path / "runs" / unnamed.job_name)
+    fixed = cfg("jabs", 5).replace(run_dir=str(tmp_path / "abs"))
+    assert placed(fixed) is fixed
+
+
 class SlowGrow(Script):
     """Growth is answered only when the test says so (new workers starting), or refused."""
 
