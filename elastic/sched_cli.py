@@ -68,10 +68,9 @@ def _check_flags(a: argparse.Namespace) -> None:
         if v is not None and v < 1:
             raise ConfigError(f"--{flag}", f"must be 1 or more, got {v}.",
                               f"give the number of workers the scheduler owns, e.g. --{flag} 4")
-    number("--round-s", a.round_s, above=True, fix="e.g. --round-s 2 (seconds)")
-    number("--resize-s", a.resize_s, above=False, fix="e.g. --resize-s 10 (seconds)")
-    number("--max-wait-s", a.max_wait_s, above=False, fix="e.g. --max-wait-s 1800 (seconds)")
-    number("--warm", a.warm, above=False, fix="e.g. --warm 2, or 0 for no warm workers")
+    from .sched_core import check_start
+
+    check_start(None, a.round_s, a.resize_s, a.max_wait_s, a.warm, cli=True)
     if a.db not in (None, "none"):
         path = os.path.abspath(os.path.expanduser(a.db))
         if os.path.isdir(path) or not os.path.isdir(os.path.dirname(path)):

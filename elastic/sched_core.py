@@ -31,7 +31,7 @@ from clusters.sched_policy import JobState, Observation, Option, SchedPolicy
 from .errors import ElasticError
 
 __all__ = ["Runner", "QueuedJob", "EndedRun", "EndedConfig", "SchedulerCore", "live_options", "FIXED_PART",
-           "SCHED_SCALE_CHECK_S", "HISTORY_KEPT", "placed"]
+           "SCHED_SCALE_CHECK_S", "HISTORY_KEPT", "placed", "check_start"]
 
 # The steps of ended jobs' histories the scheduler keeps in all (~0.45 KB a step: ~90 MB):
 # past it, the oldest ended jobs' are let go but their last step (their run directories'
@@ -492,3 +492,31 @@ def placed(cfg: Any) -> Any:
     if cfg.run_dir and os.path.isabs(cfg.run_dir):
         return cfg
     return cfg.replace(name=cfg.job_name, run_dir=os.path.abspath(cfg.run_path))
+
+
+def check_start(workers: Any, round_s: Any, resize_s: Any, max_wait_s: Any, warm: Any,
+                cli: bool = False) -> None:
+    """A scheduler's start settings, before its actor starts: ``ConfigError`` naming the
+    setting (``--round-s`` for the CLI, ``round_s`` for ``elastic.scheduler.start``). Was,
+    in the SDK: ``workers=0`` an actor's death and a stack dump, ``round_s=-1`` a scheduler
+    spinning a core (found by a new user, session 48)."""
+    import math
+
+    from .errors import ConfigError
+
+    def name(f: str) -> str:
+        return "--" + f.replace("_", "-") if cli else f
+
+    def number(f: str, v: Any, *, above: bool, fix: str) -> None:
+        if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v)
+                                  and (v > 0 if above else v >= 0)):
+            raise ConfigError(name(f), f"must be {'>' if above else '>='} 0, got {v}.", fix)
+
+    if workers is not None and not (isinstance(workers, int) and workers >= 1):
+        raise ConfigError(name("workers"), f"must be 1 or more, got {workers}.",
+                          "give the number of workers the scheduler owns, e.g. "
+                          f"{name('workers')}{' ' if cli else '='}4")
+    number("round_s", round_s, above=True, fix="e.g. 2 (seconds between decisions)")
+    number("resize_s", resize_s, above=False, fix="e.g. 10 (seconds)")
+    number("max_wait_s", max_wait_s, above=False, fix="e.g. 1800 (seconds)")
+    number("warm", warm, above=False, fix="e.g. 2, or 0 for no warm workers")

@@ -26,7 +26,7 @@ from clusters.sched_policy import POLICIES, policy_named
 
 from .errors import ActorGoneError, ElasticError
 from .ray_connect import call, dumps, kill, loads, named_actor, named_actors, start_named
-from .sched_core import HISTORY_KEPT, QueuedJob, SchedulerCore, placed
+from .sched_core import HISTORY_KEPT, QueuedJob, SchedulerCore, check_start, placed
 from .sched_runner import ControllerRunner
 from .sched_store import QueueStore, restore
 
@@ -219,6 +219,7 @@ def start(name: str = "default", *, workers: int, policy: str = "srpt", round_s:
     up between its jobs (``elastic.control.pool.WorkerPool``, owned by the scheduler's
     process, at most ``workers`` of them): a job admitted while one is free reaches its
     first step without starting a process."""
+    check_start(workers, round_s, resize_s, max_wait_s, warm)
     if policy not in POLICIES:
         raise ElasticError(f"unknown scheduling policy {policy!r}. Fix: use one of "
                            f"{', '.join(POLICIES)}")

@@ -42,6 +42,18 @@ def _wait(sched, cond, what: str, timeout: float = 180.0) -> dict:
         time.sleep(0.25)
 
 
+def test_the_sdks_scheduler_start_refuses_bad_settings_before_ray():
+    """No cluster, no actor: the SDK's start refuses workers=0 and round_s=-1 with the
+    setting named (was: an actor's death and a stack dump; a core spinning)."""
+    from elastic import scheduler
+    from elastic.errors import ConfigError
+
+    for kw, field in (({"workers": 0}, "workers"), ({"workers": 2, "round_s": -1}, "round_s")):
+        with pytest.raises(ConfigError) as e:
+            scheduler.start("never", **kw)  # type: ignore[arg-type]
+        assert e.value.field == field
+
+
 def test_admission_shrink_to_make_room_grow_when_a_job_ends(ray_cluster, tmp_path):
     import ray
 

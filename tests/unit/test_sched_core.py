@@ -300,6 +300,29 @@ def test_a_queued_jobs_run_directory_is_where_it_was_submitted(tmp_path, monkeyp
     assert placed(fixed) is fixed
 
 
+@pytest.mark.parametrize("kw, field", [
+    ({"workers": 0}, "workers"), ({"workers": -2}, "workers"), ({"workers": 1.5}, "workers"),
+    ({"round_s": -1}, "round_s"), ({"round_s": 0}, "round_s"),
+    ({"round_s": float("nan")}, "round_s"), ({"resize_s": -1}, "resize_s"),
+    ({"max_wait_s": float("inf")}, "max_wait_s"), ({"warm": -1}, "warm"),
+])
+def test_a_schedulers_start_settings_are_checked_before_its_actor(kw, field):
+    """``elastic.scheduler.start`` checks what the CLI checks (it calls ``check_start``
+    first). Was: ``workers=0`` an actor's death with a stack dump, ``round_s=-1`` a
+    scheduler spinning a core (found by a new user, session 48)."""
+    from elastic.errors import ConfigError
+    from elastic.sched_core import check_start
+
+    args = {"workers": 2, "round_s": 2.0, "resize_s": 10.0, "max_wait_s": 1800.0, "warm": 0}
+    check_start(**args)
+    with pytest.raises(ConfigError) as e:
+        check_start(**{**args, **kw})
+    assert e.value.field == field and e.value.fix
+    with pytest.raises(ConfigError) as e:
+        check_start(**{**args, **kw}, cli=True)
+    assert e.value.field == "--" + field.replace("_", "-")
+
+
 class SlowGrow(Script):
     """Growth is answered only when the test says so (new workers starting), or refused."""
 
