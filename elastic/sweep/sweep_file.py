@@ -226,6 +226,14 @@ class SweepConfig:
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise ConfigError(key, f"must be a positive integer, got {v!r}.",
                                   "set it to 1 or more, or leave it out")
+        if self.grace_period is not None and self.grace_period < 2 * self.heartbeat_interval:
+            # (was: a live trial taken for dead and run again, then the sweep crashed with
+            # Optuna's "Cannot tell a FAIL trial"; found by a new user, session 48)
+            raise ConfigError("study.grace_period", f"{self.grace_period} s is less than twice "
+                              f"heartbeat_interval ({self.heartbeat_interval} s): a live trial "
+                              "between two heartbeats would be taken for a dead one.",
+                              f"set grace_period to {2 * self.heartbeat_interval} or more, or "
+                              f"leave it out ({6 * self.heartbeat_interval}: 6 x the interval)")
         if not isinstance(self.max_retry, int) or self.max_retry < 0:
             raise ConfigError("study.max_retry", f"must be >= 0, got {self.max_retry!r}.",
                               "0 disables retries of trials left by a dead sweep")

@@ -111,6 +111,21 @@ def test_a_relative_sqlite_storage_is_opened_where_the_sweep_runs(tmp_path, monk
     assert load_sweep(_sweep(tmp_path)).storage_url == f"sqlite:///{tmp_path}/study.db"
 
 
+@pytest.mark.parametrize("grace, ok", [(1, False), (9, False), (10, True), (60, True)])
+def test_a_grace_period_shorter_than_two_heartbeats_is_refused(tmp_path, grace, ok):
+    """grace_period 1 against heartbeat_interval 5: a live trial was failed as stale, run
+    again, and the sweep crashed ("Cannot tell a FAIL trial"; found by a new user, session
+    48). Refused before any trial, naming the setting."""
+    data = _sweep(tmp_path)
+    data["study"].update(heartbeat_interval=5, grace_period=grace)
+    if ok:
+        load_sweep(data)
+        return
+    with pytest.raises(ConfigError) as e:
+        load_sweep(data)
+    assert e.value.field == "study.grace_period" and "10 or more" in e.value.fix
+
+
 def _run_trials(tmp_path, monkeypatch, objective: Any) -> list[optuna.trial.FrozenTrial]:
     """Two trials as ``run_sweep`` runs them (``catch=(ElasticError,)``), each job's result
     given without Ray."""
