@@ -101,11 +101,12 @@ class WorkerCalls:
     def _tell(self, method: str, *args: Any) -> None:
         raise NotImplementedError
 
-    def request_stop(self) -> None:
+    def request_stop(self, urgent: bool = False) -> None:
         """Ask every worker to stop the last segment started at its next step boundary
         (thread-safe, fire and forget; it holds even where the worker has not begun that
-        segment yet)."""
-        self._tell("request_stop", self.segment_id)
+        segment yet). ``urgent`` (a preemption notice): a due checkpoint does not wait for
+        a slow upload's commit first."""
+        self._tell("request_stop", self.segment_id, urgent)
 
     def send_gate(self, gate: Any) -> None:
         """Hand every worker a sweep pruner's gate (fire and forget, like a stop)."""

@@ -255,7 +255,7 @@ class Controller:
         seg = self._segment = self.group.start_segment(st.start, st.end)
         stop_sent = self.inbox.waiting()
         if stop_sent:  # queued meanwhile: the segment ends after one step
-            self.group.request_stop()
+            self.group.request_stop(urgent=self.inbox.has("notice"))
         next_check = time.monotonic() + self._scale_interval()
         while True:
             poll = self.group.poll_segment(seg, self._poll_interval())
@@ -276,7 +276,7 @@ class Controller:
                 next_check = time.monotonic() + self._scale_interval()
                 self._scale_check()
             if not stop_sent and self.inbox.waiting():
-                self.group.request_stop()
+                self.group.request_stop(urgent=self.inbox.has("notice"))
                 stop_sent = True
         self._segment = None
         self._drain()
@@ -453,7 +453,7 @@ class Controller:
         answered at once with its error), and ask the workers to stop there now rather than
         at the controller's next poll."""
         if self.inbox.post(req) and self.phase is ControllerState.RUNNING and self.group:
-            self.group.request_stop()
+            self.group.request_stop(urgent=req.kind == "notice")
 
     def _answer(self, req: Request | None, result: Any) -> None:
         self.inbox.answer(req, result, self.status())

@@ -349,10 +349,11 @@ class Worker:
                               during="the evaluation after it" if self.loop.at_eval
                               else None, part=self.loop.part_said()) from None
 
-    def request_stop(self, segment: int | None = None) -> None:
+    def request_stop(self, segment: int | None = None, urgent: bool = False) -> None:
         """Ask segment ``segment`` to stop after the current step, whether or not it has
-        started here yet (all ranks agree on the same step)."""
-        self.loop.request_stop(segment)
+        started here yet (all ranks agree on the same step); ``urgent``: without waiting for
+        a slow upload's commit at a due checkpoint (which is then skipped)."""
+        self.loop.request_stop(segment, urgent)
 
     def set_gate(self, gate: Any) -> None:
         """A sweep pruner's decision handed ahead (``clusters.sweep_policy.PruneGate``)."""

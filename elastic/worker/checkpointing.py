@@ -179,16 +179,18 @@ class Checkpointing:
         return self._writer is not None and self._writer.state != "idle"
 
     def after_step(self, step: int, busy_anywhere: bool,
-                   while_waiting: Callable[[], None] | None = None) -> dict[str, Any]:
+                   while_waiting: Callable[[], None] | None = None,
+                   give_up: Callable[[], bool] | None = None) -> dict[str, Any]:
         """Collective at the boundary after ``step`` (every rank, the same arguments: what
         the control all-reduce agreed): take a due checkpoint, or skip it on every rank if
         a previous one is still not committed anywhere. ``while_waiting`` runs now and then
         while this waits for that commit (the step loop answers the controller's requests
-        that need a boundary: the controller commits only after they are answered). Returns
-        the metrics to record."""
+        that need a boundary: the controller commits only after they are answered);
+        ``give_up()`` True ends that wait, the checkpoint skipped (the controller needs the
+        boundary at once: a preemption notice). Returns the metrics to record."""
         out: dict[str, Any] = {}
         if self.due(step):
-            if busy_anywhere and not self._wait_idle(while_waiting):
+            if busy_anywhere and not self._wait_idle(while_waiting, give_up):
                 out = {"checkpoint_skipped": step + 1, **self._held()}
             else:
                 out = {"checkpoint_begun": step + 1,
@@ -248,12 +250,15 @@ class Checkpointing:
         if self._writer is not None:
             self._staged_wait_s += self._writer.staged()
 
-    def _wait_idle(self, while_waiting: Callable[[], None] | None = None) -> bool:
-        """Collective: wait (bounded by ``checkpoint_wait_s``) until this rank's previous
-        checkpoint is committed or abandoned; True on every rank iff all are ready."""
+    def _wait_idle(self, while_waiting: Callable[[], None] | None = None,
+                   give_up: Callable[[], bool] | None = None) -> bool:
+        """Collective: wait (bounded by ``checkpoint_wait_s``, and by ``give_up()``) until
+        this rank's previous checkpoint is committed or abandoned; True on every rank iff all
+        are ready. Was: a preemption notice waited out ``checkpoint_wait_s`` here, its node
+        lost at its deadline (found by a new user, session 48)."""
         deadline = time.monotonic() + self._config.checkpoint_wait_s
         while self.busy:
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline or (give_up is not None and give_up()):
                 break
             if while_waiting is not None:
                 while_waiting()

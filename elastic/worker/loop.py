@@ -92,6 +92,7 @@ class StepLoop:
         self._metrics: deque[dict[str, Any]] = deque()
         self._segment = 0  # the segment run() runs (or ran last)
         self._stops: set[int] = set()  # the segments asked to stop (this one's, or later)
+        self._urgent: set[int] = set()  # of those, the ones asked at once (a notice)
         self._stop_lock = threading.Lock()
         self._nonfinite_run = 0  # non-finite steps in a row (agreed by every rank)
         self.at_step: int | None = None  # the step whose iteration runs (an error's step)
@@ -178,16 +179,21 @@ class StepLoop:
         self._running.release()
         return True
 
-    def request_stop(self, segment: int | None = None) -> None:
+    def request_stop(self, segment: int | None = None, urgent: bool = False) -> None:
         """Ask segment ``segment`` (None: the one running, or the last one) to stop after its
         current step; all ranks agree on the same step. A stop for a segment that has not
         started yet holds when it starts; one for a segment that ended never reaches
         another."""
         with self._stop_lock:
             self._stops.add(self._segment if segment is None else segment)
+            if urgent:  # a boundary not to wait for a slow upload's commit for
+                self._urgent.add(self._segment if segment is None else segment)
 
     def _stop_asked(self) -> bool:
         return self._segment in self._stops
+
+    def _urgent_stop(self) -> bool:
+        return self._segment in self._urgent
 
     def set_gate(self, gate: PruneGate | None) -> None:
         """A sweep pruner's decision at ``gate.step``, to apply to the loss the ranks agree
@@ -237,6 +243,7 @@ class StepLoop:
             with self._stop_lock:
                 self._segment = self._segment + 1 if segment is None else segment
                 self._stops = {k for k in self._stops if k >= self._segment}
+                self._urgent = {k for k in self._urgent if k >= self._segment}
             return self._run(start, end)
 
     def _run(self, start: int, end: int) -> dict[str, Any]:
@@ -325,7 +332,8 @@ class StepLoop:
         memory = self._first_counts(strategy)
         # (a request that needs a boundary is answered while this waits for a commit)
         ckpt = self._checkpoints.after_step(p.step, busy > 0,
-                                            lambda: self._answer_counts(strategy))
+                                            lambda: self._answer_counts(strategy),
+                                            self._urgent_stop)
         dt = p.t_end - p.t0
         self._metrics.append({
             "step": p.step, "rank": self._membership.rank, "loss": loss, "step_time": dt,

@@ -270,8 +270,9 @@ class FakeGroup:
         hung, self.hung = self.hung, []
         return hung
 
-    def request_stop(self) -> None:
+    def request_stop(self, urgent: bool = False) -> None:
         self.stops.add(self.segment_id)
+        self.calls.append(("request_stop", urgent))
 
     def send_gate(self, gate: Any) -> None:
         self.gates.append(gate)

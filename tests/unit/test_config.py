@@ -813,8 +813,12 @@ def test_unnamed_jobs_named_in_one_second_get_names_of_their_own(monkeypatch):
     scheduler's queue): the second is ``job-<time>-<pid>-2``. Was: the same name, so one was
     refused as already running, or both wrote one run directory (found by a new user,
     session 48)."""
+    import itertools
     import time
 
+    import elastic.config.job as job_mod
+
+    monkeypatch.setattr(job_mod, "_UNNAMED", itertools.count(1))  # this process's first
     monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR", raising=False)
     monkeypatch.setattr(time, "strftime", lambda fmt, *a: "20261207-134410")
     a, b = JobConfig(**_base()), JobConfig(**_base())

@@ -962,6 +962,9 @@ def test_a_preemption_notice_moves_the_state_at_the_next_boundary(tmp_path, stra
     assert ("restore_from_pieces", at) in fake.calls
     assert not [c for c in fake.calls if c[0] in ("restore_checkpoint", "restart_fresh")]
     assert "recovered" not in _kinds(ctl) and ctl.failures == 0
+    # the workers are asked for the boundary at once: a due checkpoint waiting for a slow
+    # upload's commit gives up its wait (test_worker_components)
+    assert ("request_stop", True) in fake.calls[:i]
     moves = [(e.data["from"], e.data["to"]) for e in ctl.events if e.kind == "state"]
     assert ("at_boundary", "evacuating") in moves and ("evacuating", "at_boundary") in moves
     assert result.history[-1]["world_size"] == 2

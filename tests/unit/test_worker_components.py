@@ -676,6 +676,49 @@ def test_memory_counts_are_answered_while_a_due_checkpoint_waits_for_the_last_co
         gc.unfreeze()
 
 
+def test_an_urgent_stop_ends_a_due_checkpoints_wait_for_the_last_commit(tmp_path):
+    """A due checkpoint waits (up to checkpoint_wait_s, 60 s here) for the previous one's
+    commit. A plain stop (a resize, a switch) waits on, and the checkpoint is taken once the
+    commit comes; an urgent one (a preemption notice) ends the wait at once, the checkpoint
+    skipped, the segment stopped. Was: the notice waited out checkpoint_wait_s and its node
+    was lost at its deadline (found by a new user, session 48)."""
+    import gc
+    import threading
+
+    from elastic.worker import Worker
+
+    w = Worker(_cfg(tmp_path, checkpoint_every=2, checkpoint_uri=str(tmp_path / "ck"),
+                    checkpoint_wait_s=60), 0, False, 1)
+    try:
+        w.join("127.0.0.1", free_port(), 0, 1, 1, 30.0)
+        w.restart_fresh(_spec("dp"), None, 0)
+        waiting = threading.Event()
+        wait_idle = w.checkpoints._wait_idle
+
+        def recorded_wait(*a: Any) -> bool:
+            waiting.set()
+            return wait_idle(*a)
+
+        w.checkpoints._wait_idle = recorded_wait  # type: ignore[method-assign]
+        out: dict[str, Any] = {}
+        t = threading.Thread(target=lambda: out.update(w.run(0, 100)))
+        t.start()
+        assert waiting.wait(30), "no checkpoint waited for the previous one's commit"
+        w.request_stop()  # a plain stop: the wait goes on
+        t.join(1.0)
+        assert t.is_alive()
+        t0 = time.monotonic()
+        w.request_stop(urgent=True)  # no commit is ever said
+        t.join(30)
+        assert not t.is_alive() and time.monotonic() - t0 < 5.0
+        assert out["status"] == "stopped" and out["next_step"] < 100
+        assert any("checkpoint_skipped" in mt for mt in w.drain())
+    finally:
+        w.leave()
+        health.reset()
+        gc.unfreeze()
+
+
 def test_a_checkpoint_is_ended_only_by_a_word_naming_it_and_a_new_group_releases_it(tmp_path):
     """The controller's word on a checkpoint (commit, give up) is not waited for, and step
     numbers repeat after a restore: a late word about another step, another group's
