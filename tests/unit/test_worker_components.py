@@ -4,11 +4,13 @@ port by ``Membership.join`` and left after each test)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import sys
 import time
+from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -631,20 +633,18 @@ def test_memory_counts_never_read_the_live_state_beside_a_step(tmp_path):
         gc.unfreeze()
 
 
-def test_memory_counts_are_answered_while_a_due_checkpoint_waits_for_the_last_commit(tmp_path):
-    """A due checkpoint waits at its boundary for the previous one's commit; the controller
-    asks for the memory counts (the view's column) before it polls and commits. The loop,
-    not at a step boundary it answers at, let that read time out (2 s), and only then was
-    the commit made: every checkpoint of a job whose uploads outlast its checkpoint interval
-    took 2 s more, with training held meanwhile (found in the suite's slowest chaos test:
-    2.03 s per checkpoint of 0 MB)."""
+@contextlib.contextmanager
+def _waiting_worker(tmp_path, steps: int, **kw: Any) -> Iterator[Any]:
+    """A worker of one rank checkpointing every 2 steps, running ``steps`` on a thread,
+    yielded once a due checkpoint waits for the previous one's commit (none is said);
+    left after."""
     import gc
     import threading
 
     from elastic.worker import Worker
 
-    w = Worker(_cfg(tmp_path, checkpoint_every=2, checkpoint_uri=str(tmp_path / "ck")), 0,
-               False, 1)
+    w = Worker(_cfg(tmp_path, checkpoint_every=2, checkpoint_uri=str(tmp_path / "ck"), **kw),
+               0, False, 1)
     try:
         w.join("127.0.0.1", free_port(), 0, 1, 1, 30.0)
         w.restart_fresh(_spec("dp"), None, 0)
@@ -657,9 +657,24 @@ def test_memory_counts_are_answered_while_a_due_checkpoint_waits_for_the_last_co
 
         w.checkpoints._wait_idle = recorded_wait  # type: ignore[method-assign]
         out: dict[str, Any] = {}
-        t = threading.Thread(target=lambda: out.update(w.run(0, 6)))
+        t = threading.Thread(target=lambda: out.update(w.run(0, steps)))
         t.start()
         assert waiting.wait(30), "no checkpoint waited for the previous one's commit"
+        yield w, t, out
+    finally:
+        w.leave()
+        health.reset()
+        gc.unfreeze()
+
+
+def test_memory_counts_are_answered_while_a_due_checkpoint_waits_for_the_last_commit(tmp_path):
+    """A due checkpoint waits at its boundary for the previous one's commit; the controller
+    asks for the memory counts (the view's column) before it polls and commits. The loop,
+    not at a step boundary it answers at, let that read time out (2 s), and only then was
+    the commit made: every checkpoint of a job whose uploads outlast its checkpoint interval
+    took 2 s more, with training held meanwhile (found in the suite's slowest chaos test:
+    2.03 s per checkpoint of 0 MB)."""
+    with _waiting_worker(tmp_path, 6) as (w, t, out):
         t0 = time.monotonic()
         counts = w.memory_counts()  # as the controller does before it commits
         assert time.monotonic() - t0 < 1.0 and counts["params"] > 0
@@ -670,10 +685,6 @@ def test_memory_counts_are_answered_while_a_due_checkpoint_waits_for_the_last_co
             time.sleep(0.005)
         t.join(30)
         assert out == {"status": "done", "next_step": 6}
-    finally:
-        w.leave()
-        health.reset()
-        gc.unfreeze()
 
 
 def test_an_urgent_stop_ends_a_due_checkpoints_wait_for_the_last_commit(tmp_path):
@@ -682,28 +693,7 @@ def test_an_urgent_stop_ends_a_due_checkpoints_wait_for_the_last_commit(tmp_path
     commit comes; an urgent one (a preemption notice) ends the wait at once, the checkpoint
     skipped, the segment stopped. Was: the notice waited out checkpoint_wait_s and its node
     was lost at its deadline (found by a new user, session 48)."""
-    import gc
-    import threading
-
-    from elastic.worker import Worker
-
-    w = Worker(_cfg(tmp_path, checkpoint_every=2, checkpoint_uri=str(tmp_path / "ck"),
-                    checkpoint_wait_s=60), 0, False, 1)
-    try:
-        w.join("127.0.0.1", free_port(), 0, 1, 1, 30.0)
-        w.restart_fresh(_spec("dp"), None, 0)
-        waiting = threading.Event()
-        wait_idle = w.checkpoints._wait_idle
-
-        def recorded_wait(*a: Any) -> bool:
-            waiting.set()
-            return wait_idle(*a)
-
-        w.checkpoints._wait_idle = recorded_wait  # type: ignore[method-assign]
-        out: dict[str, Any] = {}
-        t = threading.Thread(target=lambda: out.update(w.run(0, 100)))
-        t.start()
-        assert waiting.wait(30), "no checkpoint waited for the previous one's commit"
+    with _waiting_worker(tmp_path, 100, checkpoint_wait_s=60) as (w, t, out):
         w.request_stop()  # a plain stop: the wait goes on
         t.join(1.0)
         assert t.is_alive()
@@ -713,10 +703,6 @@ def test_an_urgent_stop_ends_a_due_checkpoints_wait_for_the_last_commit(tmp_path
         assert not t.is_alive() and time.monotonic() - t0 < 5.0
         assert out["status"] == "stopped" and out["next_step"] < 100
         assert any("checkpoint_skipped" in mt for mt in w.drain())
-    finally:
-        w.leave()
-        health.reset()
-        gc.unfreeze()
 
 
 def test_a_checkpoint_is_ended_only_by_a_word_naming_it_and_a_new_group_releases_it(tmp_path):
