@@ -255,7 +255,13 @@ class ScheduledJob:
         self.job = job
 
     def status(self) -> dict[str, Any]:
-        return next(r for r in rows(self.scheduler) if r["job"] == self.job)
+        """The job's row in ``elastic queue list``; ``ElasticError`` for a job the scheduler
+        does not hold (was: a bare ``StopIteration``, found by a new user, session 48)."""
+        for r in rows(self.scheduler):
+            if r["job"] == self.job:
+                return r
+        raise ElasticError(f"scheduler {self.scheduler!r} holds no job {self.job!r}. Fix: "
+                           "check the name (elastic queue list)")
 
     def cancel(self) -> str:
         """Cancel the job (queued: at once; running: stopped at a step boundary). Returns

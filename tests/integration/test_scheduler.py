@@ -64,6 +64,8 @@ def test_admission_shrink_to_make_room_grow_when_a_job_ends(ray_cluster, tmp_pat
                             detached=False, warm=4)
     with pytest.raises(ElasticError, match="already running"):
         scheduler.start("t", workers=4)
+    with pytest.raises(ElasticError, match="holds no job 'nope'"):  # (was: StopIteration)
+        scheduler.ScheduledJob("t", "nope").status()
     try:
         long = elastic.submit(_job("long", 100_000, tmp_path, num_workers=2, min_workers=1,
                                    max_workers=4), scheduler="t")
