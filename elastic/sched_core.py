@@ -63,6 +63,11 @@ class Runner(Protocol):
         reaps it once it has ended)."""
         ...
 
+    def partial(self, handle: Any) -> tuple[list[dict[str, Any]], str | None]:
+        """A job that failed: the history of the steps it completed and its run directory
+        (None: it made none)."""
+        ...
+
     def ended_at(self, handle: Any) -> float | None:
         """When the job ended, on the scheduler's clock (None: not known; the core then
         takes the time it noticed, up to a round later)."""
@@ -438,6 +443,13 @@ class SchedulerCore:
             res = self.runner.result(j.handle)
         except Exception as e:  # noqa: BLE001 - a job's failure is its own
             j.state, j.error = "failed", f"{type(e).__name__}: {e}"
+            # what it trained before (was: steps 0, no history, no run directory; found by
+            # a new user, session 48)
+            history, run_dir = self.runner.partial(j.handle)
+            j.result = EndedRun(list(history), run_dir)
+            if j.result.history:
+                j.step = int(j.result.history[-1]["step"]) + 1
+            self._bound_histories(j)
         else:
             state_dict = getattr(res, "state_dict", None)
             j.result = EndedRun(list(getattr(res, "history", ())), getattr(res, "run_dir", None),

@@ -95,6 +95,11 @@ class ControllerRunner:
     def ended_at(self, handle: RunningJob) -> float | None:
         return handle.ended_at
 
+    def partial(self, handle: RunningJob) -> tuple[list[dict[str, Any]], str | None]:
+        ctl = handle.controller
+        log = ctl.sink.log  # (None: it failed before its run directory was made)
+        return list(ctl.history), log.run_dir if log is not None else None
+
     def stop(self, handle: RunningJob) -> None:
         """Posted, not waited for: the scheduler's loop reaps the job once it has ended. Was:
         the tick waited for the answer (a job still placing held every job's tick up to

@@ -121,6 +121,7 @@ def test_a_failing_job_leaves_the_others_alone_and_the_queue_survives_a_restart(
         waits = elastic.submit(_job("waits", 30, tmp_path, num_workers=2), scheduler="r")
         out = bad.result(timeout=180)
         assert out["state"] == "failed" and out["error"], out
+        assert out["steps"] == 0 and out["history"] == [], out  # (what it trained: none)
         _wait(sched, lambda r: r["good"]["state"] == "running" and r["good"]["step"] >= 2,
               "good running")
         # the scheduler goes away: its process ran the jobs' controllers

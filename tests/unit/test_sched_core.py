@@ -90,6 +90,9 @@ class Script:
     def ended_at(self, h: Job) -> float | None:
         return h.ended_at
 
+    def partial(self, h: Job) -> tuple[list[dict[str, Any]], str | None]:
+        return [{"step": i} for i in range(int(h.step))], f"/runs/{h.name}"
+
 
 def core(policy: Any, capacity: int = 4) -> tuple[SchedulerCore, Script]:
     s = Script()
@@ -244,10 +247,14 @@ def test_refusals_and_a_failing_job_does_not_disturb_the_others():
     c.submit(cfg("c", 100, n=1))
     c.tick()
     assert state(c) == {"a": ("running", 2), "bad": ("failed", 0), "c": ("running", 1)}
+    s.advance(1)  # one step trained, then it fails
     s.jobs["c"].fail = True
-    s.advance(1)
     c.tick()
     assert state(c)["c"] == ("failed", 0) and "boom" in (c.jobs["c"].error or "")
+    # what it trained before it failed is kept (was: steps 0, no history, no run directory)
+    res = c.jobs["c"].result
+    assert res is not None and len(res.history) == 1 and res.run_dir == "/runs/c"
+    assert c.jobs["c"].step == 1
     assert state(c)["a"] == ("running", 2)
     c.submit(cfg("a2", 10, n=2))
     c.tick()
