@@ -558,6 +558,7 @@ def estimate_pipeline(
     """Predict the pipeline ``plan`` laid out as ``layout`` (which must match its devices)."""
     p, m, v = plan.pp_degree, plan.micro_batches, plan.virtual_stages
     step, compute, exposed, opt, link = _timing(model, plan, profile, layout)
+    layout.memo(model, profile).timing.pop(id(plan), None)  # (estimated: not asked again)
     use, tight, _, mem = _memory(model, plan, profile, layout, every_rank=True)
     return Estimate(step, compute, exposed, opt, bubble_fraction(p, m, plan.schedule, v),
                     mem, link, use, tight)

@@ -63,14 +63,14 @@ def _check_flags(a: argparse.Namespace) -> None:
         number("--interval", a.interval, above=True, fix="e.g. --interval 1 (seconds)")
     if a.action != "start":
         return
-    for flag in ("workers", "cpus", "gpus"):
+    from .sched_core import check_start
+
+    check_start(a.workers, a.round_s, a.resize_s, a.max_wait_s, a.warm, cli=True)
+    for flag in ("cpus", "gpus"):  # (what --workers counts, by another name)
         v = getattr(a, flag)
         if v is not None and v < 1:
             raise ConfigError(f"--{flag}", f"must be 1 or more, got {v}.",
                               f"give the number of workers the scheduler owns, e.g. --{flag} 4")
-    from .sched_core import check_start
-
-    check_start(None, a.round_s, a.resize_s, a.max_wait_s, a.warm, cli=True)
     if a.db not in (None, "none"):
         path = os.path.abspath(os.path.expanduser(a.db))
         if os.path.isdir(path) or not os.path.isdir(os.path.dirname(path)):

@@ -527,7 +527,7 @@ def check_start(workers: Any, round_s: Any, resize_s: Any, max_wait_s: Any, warm
     if workers is not None and not (isinstance(workers, int) and workers >= 1):
         raise ConfigError(name("workers"), f"must be 1 or more, got {workers}.",
                           "give the number of workers the scheduler owns, e.g. "
-                          f"{name('workers')}{' ' if cli else '='}4")
+                          f"{name('workers')}{' ' if cli else '='}4")  # (CLI: --cpus, --gpus too)
     number("round_s", round_s, above=True, fix="e.g. 2 (seconds between decisions)")
     number("resize_s", resize_s, above=False, fix="e.g. 10 (seconds)")
     number("max_wait_s", max_wait_s, above=False, fix="e.g. 1800 (seconds)")

@@ -146,18 +146,20 @@ class Faults:
 
     def in_restore(self, rank: int, step: int) -> None:
         """As ``rank`` begins to read checkpoint ``step``: a due ``hang_restore`` blocks."""
-        for f in self._at.get((rank, step), ()):
-            if f["action"] == "hang_restore" and self._claim(
-                    f.get("dir") or self._default_dir, rank, step, f["action"]):
-                self._block()
+        if self._due(rank, step, "hang_restore"):
+            self._block()
 
     def in_final(self, rank: int, step: int) -> None:
         """As ``rank`` begins to give its part of the final state after ``step`` steps: a due
         ``exit_final`` ends the process."""
-        for f in self._at.get((rank, step), ()):
-            if f["action"] == "exit_final" and self._claim(
-                    f.get("dir") or self._default_dir, rank, step, f["action"]):
-                self._exit(1)
+        if self._due(rank, step, "exit_final"):
+            self._exit(1)
+
+    def _due(self, rank: int, step: int, action: str) -> bool:
+        """Whether an ``action`` entry at (``rank``, ``step``) fires now (once per job)."""
+        return any(f["action"] == action and self._claim(
+            f.get("dir") or self._default_dir, rank, step, action)
+            for f in self._at.get((rank, step), ()))
 
     @staticmethod
     def _claim(where: str, rank: int, step: int, action: str) -> bool:
