@@ -8,7 +8,6 @@ proxy's password) are collected here for ``JobConfig.redact``.
 
 from __future__ import annotations
 
-import difflib
 import math
 import os
 from dataclasses import dataclass, field
@@ -23,7 +22,7 @@ from elastic.checkpoint.location import (
 )
 from elastic.errors import ConfigError
 
-from .checks import integer, mapping, number, text
+from .checks import did_you_mean, integer, mapping, number, text
 from .sections import Section
 
 __all__ = ["Checkpoints"]
@@ -105,12 +104,13 @@ class Checkpoints(Section):
                     fix="use resume: latest (or auto: latest if there is one, else fresh), or "
                         "the URI of a checkpoint root or step directory")
         r = self.resume
-        if isinstance(r, str) and r not in OWN_RESUMES and "/" not in r and "\\" not in r \
-                and not os.path.exists(r):  # (was: read as the path ./lastest, "no intact
-            close = difflib.get_close_matches(r, OWN_RESUMES, n=1, cutoff=0.6)  # checkpoint
-            if close:  # under .../lastest"; found by a new user, session 47)
-                raise ConfigError("resume", f"{r!r} is neither a checkpoint path that exists "
-                                  "nor a resume word.", f"did you mean {close[0]!r}?")
+        close = (did_you_mean(r, OWN_RESUMES) if isinstance(r, str) and r not in OWN_RESUMES
+                 and "/" not in r and "\\" not in r else None)
+        # a near word that is no path (was: read as the path ./lastest, "no intact checkpoint
+        # under .../lastest"; found by a new user, session 47); the disk is asked only then
+        if close and isinstance(r, str) and not os.path.exists(r):
+            raise ConfigError("resume", f"{r!r} is neither a checkpoint path that exists "
+                              "nor a resume word.", f"did you mean {close!r}?")
         # options for a fork from an object store with local checkpoints of its own: the
         # resume's (was: refused, with fixes that broke the resume or moved the checkpoints)
         remote = isinstance(self.resume, str) and self.resume not in OWN_RESUMES \

@@ -30,6 +30,7 @@ from ..errors import (
 )
 from ..events import Event, RunLog
 from ..failures import classify, root_cause
+from ..planning import chained
 from ..preflight import check_layouts
 from ..trackers import with_trackers
 from ..view import View
@@ -515,8 +516,8 @@ def _ray_connect(cfg: JobConfig, layouts: Layouts, emit: Callable[..., Any], poo
         "CPU", 1)), lambda m: emit("cluster", m))
     try:  # (blocks a sweep ran once for its trials come in cfg.ray_blocks)
         cfg.ray_blocks = prepare(cfg, layouts.probe_model, emit, pool or default_pool())
-        if cfg.dataset_format == "ray":
-            check_layouts(cfg, layouts)
+        if cfg.dataset_format == "ray" and not chained(layouts.probe_model):
+            check_layouts(cfg, layouts)  # (the sample just found its forward unchained)
         if unknown and resume is not None:
             recheck_length(resume, cfg, own, emit)
     except BaseException:
