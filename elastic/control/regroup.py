@@ -271,6 +271,8 @@ class Regroup:
                                                          "rank": failure.rank},
                        step=failure.step)
             return GiveUp(f"{failure.kind.value.replace('_', ' ')}: {failure.message}")
+        if segment:  # a rank waiting for a slow upload's commit at a due checkpoint gives
+            group.request_stop(urgent=True)  # it up (was: waited it out, its peers with it)
         hung = (group.wind_down(segment, self.steps.hang_wait_s(self.cfg.hang_timeout_s))
                 if segment else [])
         if hung:

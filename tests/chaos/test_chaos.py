@@ -295,6 +295,37 @@ def test_two_losses_in_a_row_and_one_during_a_checkpoint_upload(ray_cluster, tmp
     _check_data_log(result.run_dir, result.history)
 
 
+def test_a_node_lost_while_a_checkpoint_waits_for_an_upload_is_seen_at_once(
+        ray_cluster, tmp_path, reference):
+    """Rank 0's upload of checkpoint 5 takes 60 s (``slow_upload``), so at checkpoint 10
+    every rank waits for it to commit (``checkpoint_wait_s`` 60). Rank 2's node goes during
+    that wait. The controller asks every rank to give the wait up (the urgent stop a
+    preemption notice uses), so the survivors recover at once and the run ends on the
+    reference. Was: rank 0 waited out its upload (~55 s after the loss), its peers with it
+    (found by a new user, session 48)."""
+    cluster = ray_cluster(3)
+    handle = _submit(tmp_path, loss=_slow_mse, checkpoint_every=5, checkpoint_wait_s=60,
+                     checkpoint_uri=str(tmp_path / "ckpt"),
+                     faults=[{"rank": 0, "step": 5, "action": "slow_upload", "seconds": 60}])
+    _wait_step(handle, 8)
+    t0, last = time.time(), handle.status()["step"]
+    while time.time() - t0 < 2:  # the steps (>= 50 ms) stopped: the ranks wait at the boundary
+        if handle.status()["step"] != last:
+            t0, last = time.time(), handle.status()["step"]
+        assert not handle.done() and last < 12, handle.status()
+        time.sleep(0.05)
+    node = handle.controller.group.workers[2].info["node_id"]
+    t_lost = time.time()
+    cluster.remove(node)
+    result = handle.result(timeout=180)
+    rec = [e for e in result.events if e.kind == "recovered"]
+    said = "\n".join(f"{e.time - t_lost:.1f} s {e.kind}: {e.message[:160]}"
+                     for e in result.events)
+    assert rec and rec[0].time - t_lost < 20, said
+    assert max_diff(result.state_dict(), reference[0]) < TOL
+    _check_data_log(result.run_dir, result.history)
+
+
 @pytest.mark.warm_workers
 def test_hung_worker_is_cut_off_by_the_watchdog(ray_cluster, tmp_path, reference):
     """Rank 1 stops answering inside step 5 (the ``hang`` fault: once per run)."""
