@@ -222,9 +222,10 @@ def _best(
     subset: str,
 ) -> Candidate:
     """The fastest fitting (arrangement, m), else the rejection of the attempt closest to
-    fitting (a balance failure counts as farthest). The tries are timed first and estimated
-    fastest first (ties in the order tried): the first that fits is the best, and the
-    slower tries' per-rank memory is never worked out."""
+    fitting (a balance failure counts as farthest; ties to the first tried). Each try's
+    memory is worked out first and only those that fit are timed (on a cluster whose small
+    devices hold none of a large model's tries, timing them all was most of a plan's time);
+    the rejection's text is written for the one rejection given."""
     tries: dict[int, tuple[_Arrangement, Plan]] = {}  # by the order tried
     failed: dict[int, str] = {}  # balance failures, by the order tried
     for arr in arrs:
@@ -234,22 +235,27 @@ def _best(
                 tries[i] = (arr, _pipeline_plan(ctx, arr, schedule, mode, m, memo, subset))
             except BalanceError as e:
                 failed[i] = f"{stub.label}: {e}"
-    timed = sorted((pipeline_step_time(ctx.model, p, ctx.profile, arr.layout), i)
-                   for i, (arr, p) in tries.items())
-    rejected: dict[int, tuple[float, str]] = {}
-    for _, i in timed:  # what memory_rejection says of the estimate, from its tightest rank
+    uses = {i: pipeline_memory_use(ctx.model, p, ctx.profile, arr.layout)
+            for i, (arr, p) in tries.items()}
+    fits = [i for i, u in uses.items() if u[0] <= 1.0]
+    if fits:
+        _, i = min((pipeline_step_time(ctx.model, tries[i][1], ctx.profile,
+                                       tries[i][0].layout), i) for i in fits)
         arr, p = tries[i]
-        use, tight, at = pipeline_memory_use(ctx.model, p, ctx.profile, arr.layout)
-        if use <= 1.0:
-            est = ctx.model.estimate(p, ctx.cluster, ctx.profile, layout=arr.layout)
-            return Candidate(p, est, None, subset)
-        rejected[i] = (use, too_big(ctx, p.label, at, arr.layout.devices[tight]))
+        est = ctx.model.estimate(p, ctx.cluster, ctx.profile, layout=arr.layout)
+        return Candidate(p, est, None, subset)
     # nothing fits: the attempt closest to fitting, the first in the order tried
-    first_reject: tuple[float, str] | None = None
+    pick: int | None = None
     for i in range(len(tries) + len(failed)):
         if i in failed:
-            first_reject = first_reject or (math.inf, failed[i])
-        elif first_reject is None or rejected[i][0] < first_reject[0]:
-            first_reject = rejected[i]
-    assert first_reject is not None  # ms is never empty
-    return Candidate(stub, None, first_reject[1], subset)
+            if pick is None:
+                pick = i
+        elif pick is None or (pick not in failed and uses[i][0] < uses[pick][0]) or (
+                pick in failed and uses[i][0] < math.inf):
+            pick = i
+    assert pick is not None  # ms is never empty
+    if pick in failed:
+        return Candidate(stub, None, failed[pick], subset)
+    arr, p = tries[pick]
+    _, tight, at = uses[pick]
+    return Candidate(stub, None, too_big(ctx, p.label, at, arr.layout.devices[tight]), subset)
