@@ -64,6 +64,7 @@ OTHER_EVENT_COLOR = "#c000c0"  # kinds not listed above and not routine
 # when it changes anything
 ROUTINE_EVENTS = frozenset({"start", "placed", "group", "layout", "finished", "profiled",
                             "state", "unprotected", "settings_unused", "parameters_left_out",
+                            "batch_dependent",
                             "claimed", "evacuating", "replan", "tracker"})
 # drawn, but named by the legend only: every few steps, their labels ran into one band
 UNLABELLED_EVENTS = frozenset({"checkpoint"})

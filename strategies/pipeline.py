@@ -504,6 +504,7 @@ class Pipeline(Strategy):
             return False
         self.update.step()  # mode "dp": a local optimizer step, no collective
         self.pending_update = False
+        self.running().redo()  # the step's statistics with it (``step_failed`` took them back)
         return True
 
     def full_state(self) -> CanonicalState:

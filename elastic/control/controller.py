@@ -41,7 +41,7 @@ from .evacuation import Evacuation
 from .hooks import StepHook
 from .interrupts import Interrupts
 from .layouts import Layouts
-from .preflight import preflight, run_directory
+from .preflight import check_sync_norms, preflight, run_directory
 from .regroup import Regroup
 from .replan import Replanner
 from .requests import Inbox, Request
@@ -241,6 +241,7 @@ class Controller:
         self._emit("group", f"generation {self.group.generation}: {len(self.workers)} ranks "
                    f"via {addr}:{port} in {secs:.2f}s")
         self.view.workers([w.info for w in self.workers])
+        check_sync_norms(self.layouts.probe_model, [w.info for w in self.workers])
         spec = self.layouts.make(self.cfg.strategy, len(self.workers), self.group)
         self.layouts.apply(self.group, spec, None, reason="start")
         self.spec = spec
@@ -425,8 +426,7 @@ class Controller:
             self.post(req)
 
     def _drain(self) -> None:
-        """Take the workers' metrics into the step log (each completed step once), the
-        checkpoint tracker and the view."""
+        """The workers' metrics into the step log (each step once), the tracker and the view."""
         assert self.spec is not None or not self.history
         stop = self.steps.ingest(self.workers, self.group.drain(), self.spec, self.generation,
                                  self.tracker.on_metric, self.replanner.on_metric)

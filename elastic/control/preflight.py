@@ -21,7 +21,8 @@ from ..preflight import check_sample
 from ..reference import build_model
 from ..trackers import check_trackers_here
 
-__all__ = ["Preflight", "preflight", "built_model", "run_directory", "check_dataset_object"]
+__all__ = ["Preflight", "preflight", "built_model", "run_directory", "check_dataset_object",
+           "check_sync_norms"]
 
 
 @dataclass
@@ -57,6 +58,7 @@ def preflight(cfg: JobConfig, emit: Callable[..., Any]) -> Preflight:
              "gradient: dp looks for unused parameters each step and zero3 drops gradients "
              "no rank made (find_unused_parameters on; false turns it off)",
              {"parameters": left[:20], "count": len(left)})
+    _say_batch_norms(model, cfg, emit)
     if cfg.sample_prompt:  # the text generated after the run: tried now on one token
         from ..models import generate
 
@@ -99,6 +101,44 @@ def preflight(cfg: JobConfig, emit: Callable[..., Any]) -> Preflight:
         store = job_store(cfg)
         store.check_writable()
     return Preflight(model, store)
+
+
+def _batch_norms(model: Any) -> list[tuple[str, Any]]:
+    return [(n, m) for n, m in model.named_modules()
+            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+
+
+def _say_batch_norms(model: Any, cfg: JobConfig, emit: Callable[..., Any]) -> None:
+    """A model with BatchNorm trains a model that depends on the world size, the shares and
+    the micro-batches (each replica normalises by its own samples, each micro-batch updates
+    the running statistics): said once, at the start (``batch_dependent``). A SyncBatchNorm
+    on CPU workers (``use_gpu: false``) is refused by name (``check_sync_norms``)."""
+    norms = _batch_norms(model)
+    if not norms:
+        return
+    if cfg.use_gpu is False:
+        check_sync_norms(model, [{"device": "cpu"}])
+    names = [n for n, _ in norms]
+    more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+    emit("batch_dependent",
+         f"the model's BatchNorm layers ({', '.join(names[:3])}{more}) normalise by each "
+         "replica's own samples, as under DDP, and each micro-batch updates their running "
+         "statistics: what it trains depends on the world size, the shares and the "
+         "micro-batches, not one process's (elastic averages the running statistics over the "
+         "replicas every step; a resize, a pipeline or a resume on another world changes it)",
+         {"layers": names[:20], "count": len(names)})
+
+
+def check_sync_norms(model: Any, infos: list[dict[str, Any]]) -> None:
+    """``ConfigError`` when the model has an ``nn.SyncBatchNorm`` and a worker is a CPU
+    (torch runs it on CUDA devices only). Was: its first step failed, read as the process
+    group failing (found by a new user, session 49)."""
+    sync = [n for n, m in _batch_norms(model) if isinstance(m, torch.nn.SyncBatchNorm)]
+    if sync and any(str(i.get("device", "cpu")).startswith("cpu") for i in infos):
+        raise ConfigError("model", f"{sync[0] or 'the model'} is an nn.SyncBatchNorm, which "
+                          "torch runs on CUDA devices only, and this job's workers are CPUs.",
+                          "use nn.BatchNorm (each replica normalises by its own samples; "
+                          "elastic averages the running statistics), or run on GPUs")
 
 
 def _check_dense(model: Any) -> None:

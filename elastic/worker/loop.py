@@ -264,12 +264,16 @@ class StepLoop:
             x, y = self._data.batch(step, lo, hi)
             lr = layout.schedule.apply(step)
             self._profiler.take_compute()
-            if nan:
-                x, poisoned = nan_inputs(x, lambda: compute_blocks(strategy))
-                with poisoned:
+            try:
+                if nan:
+                    x, poisoned = nan_inputs(x, lambda: compute_blocks(strategy))
+                    with poisoned:
+                        local = strategy.train_step(x, y)
+                else:
                     local = strategy.train_step(x, y)
-            else:
-                local = strategy.train_step(x, y)
+            except BaseException:
+                strategy.step_failed()  # its state is the step's start again
+                raise
             compute_s = self._profiler.take_compute()
             norm = strategy.last_grad_norm
             layout.next_step = step + 1

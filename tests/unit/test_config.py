@@ -451,6 +451,41 @@ class _Heads(torch.nn.Module):
         return self.head(self.trunk(x))
 
 
+def _sync_bn() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.SyncBatchNorm(8),
+                               torch.nn.Linear(8, 2))
+
+
+def test_a_batch_norm_model_is_told_its_results_depend_on_the_world_and_a_sync_one_on_cpu_is_refused(
+        tmp_path):
+    """A model with BatchNorm trains what depends on the world size, shares and
+    micro-batches: said once at the start (``batch_dependent``, naming the layers; was:
+    nothing, and README promised one process's result). An ``nn.SyncBatchNorm`` with
+    ``use_gpu: false``, or placed on CPU workers, is refused naming the model and the fix
+    (was: its first step failed, read as the process group failing; found by a new user,
+    session 49)."""
+    from elastic.control.preflight import check_sync_norms, preflight
+
+    said = []
+    cfg = JobConfig(**_base(model=_Heads, run_dir=str(tmp_path / "r")))
+    preflight(cfg, lambda kind, msg, data=None: said.append((kind, msg, data)))
+    kinds = {k: (m, d) for k, m, d in said}
+    assert kinds["batch_dependent"][1] == {"layers": ["trunk.1"], "count": 1}
+    assert "world size" in kinds["batch_dependent"][0]
+    said.clear()
+    preflight(JobConfig(**_base(run_dir=str(tmp_path / "m"))),
+              lambda kind, msg, data=None: said.append(kind))
+    assert "batch_dependent" not in said
+    with pytest.raises(ConfigError, match=r"^model: 1 is an nn.SyncBatchNorm.*use nn.BatchNorm"):
+        preflight(JobConfig(**_base(model=_sync_bn, use_gpu=False,
+                                    run_dir=str(tmp_path / "s"))), lambda *a, **k: None)
+    model = _sync_bn()
+    with pytest.raises(ConfigError, match="CUDA devices only"):
+        check_sync_norms(model, [{"device": "cuda:0"}, {"device": "cpu"}])
+    check_sync_norms(model, [{"device": "cuda:0"}])  # GPUs: let through
+    check_sync_norms(_Heads(), [{"device": "cpu"}])  # a plain BatchNorm: let through
+
+
 def test_a_model_whose_training_pass_leaves_parameters_out_turns_on_find_unused(tmp_path):
     """Preflight runs one training pass (forward, loss, backward) on a few samples: a
     trainable parameter left without a gradient turns ``find_unused_parameters`` on (dp's

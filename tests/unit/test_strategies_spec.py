@@ -364,6 +364,42 @@ def test_activation_checkpointing_updates_batch_norm_statistics_once():
         assert torch.allclose(a.grad, b.grad, atol=1e-6), name
 
 
+def test_a_step_that_raised_or_was_skipped_leaves_the_statistics_and_counters_of_its_start():
+    """A step that raised (a peer lost inside it: the survivors run it again from the state
+    before it) puts the BatchNorm's running statistics and ``num_batches_tracked`` back to
+    the step's start, and a pipeline's pending update puts the step's back (``redo``); a
+    skipped step (non-finite) keeps its start's counter. Was: a survivor kept what the
+    failed step's forward folded in (statistics off by 4e-3, one batch counted twice after
+    a recovery), and a skipped step counted its batch."""
+    import torch
+
+    from strategies.running_stats import RunningStats, batch_counters, running_stats
+
+    torch.manual_seed(0)
+    bn = nn.BatchNorm1d(4)
+    rs = RunningStats(running_stats([bn]), batch_counters([bn]))
+    rs.hold()
+    bn(torch.randn(8, 4))
+    rs.average(1.0)  # one rank: the finite check only
+    before = {k: v.clone() for k, v in bn.state_dict().items()}
+    rs.hold()
+    bn(torch.randn(8, 4) + 3)  # the step's forward, then it raises
+    after = {k: v.clone() for k, v in bn.state_dict().items()}
+    rs.rewind()
+    for k, v in bn.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    rs.redo()
+    for k, v in bn.state_dict().items():
+        assert torch.equal(v, after[k]), k
+    rs.rewind()
+    rs.hold()  # the step again, now with a NaN: skipped
+    bn(torch.full((8, 4), float("nan")))
+    rs.average(1.0)
+    for k, v in bn.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert int(bn.num_batches_tracked) == 1
+
+
 def test_zero3_refuses_parameters_fsdp2_cannot_shard_before_it_is_built():
     """A 0-dim parameter (a CLIP-style learnable ``logit_scale``) or a non-contiguous one:
     zero3 and a pipeline with ``dp_mode: zero3`` refuse the model in ``validate``, naming the
