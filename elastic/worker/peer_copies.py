@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -210,6 +211,9 @@ class PeerCopies:
         self._layout: _Layout | None = None
         self._committed: _Gen | None = None
         self._pending: _Gen | None = None
+        # the generation each step's word was about (``flag``), in step order: the control
+        # all-reduce is settled a step later, when another generation may be pending
+        self._flagged: deque[_Gen | None] = deque()
         self._fresh = False  # a restore reset the copies: the next boundary takes one
         self.note: str | None = None  # said once in the step metrics (copies turned off)
 
@@ -306,6 +310,7 @@ class PeerCopies:
         when it is done and sound (or none is in flight), 0 while in flight, a large
         negative number when it failed."""
         p = self._pending
+        self._flagged.append(p)
         if p is None or (p.done.is_set() and p.error is None):
             return 1.0
         return FAILED if p.done.is_set() else 0.0
@@ -313,8 +318,14 @@ class PeerCopies:
     def settle(self, total: float, world: int) -> None:
         """Every rank's word, summed (the same on every rank at the same step): all done,
         the pending generation replaces the committed one; any failed, it is dropped (its
-        own snapshot stays usable until then). Otherwise it is still in flight."""
-        if self._pending is None:
+        own snapshot stays usable until then). Otherwise it is still in flight. Only for the
+        generation the words were about (the all-reduce is read a step after ``flag``):
+        was, the words "done" said of one generation committed the next one, begun since
+        and in flight, in place of the last complete one; a loss then found no complete
+        generation and the job restarted from its checkpoint, or from step 0 (8 of 13 runs
+        of zero1/zero2 with ``peer_copies_every: 1``, found by a new user, session 49)."""
+        flagged = self._flagged.popleft() if self._flagged else None
+        if self._pending is None or flagged is not self._pending:
             return
         if total >= world - 0.5:
             self._committed, self._pending = self._pending, None
@@ -328,7 +339,7 @@ class PeerCopies:
         (its own snapshot, and its wards' copies whose checksum matched): the controller
         finds a step at which the survivors hold every entry."""
         out: dict[int, list[tuple[str, tuple[int, ...], tuple[int, int] | None]]] = {}
-        for gen in (self._committed, self._pending):
+        for gen in (self._pending, self._committed):  # (a committed one wins its step)
             if gen is None or not gen.done.is_set():
                 continue
             have = [(k, s, r) for k, s, r, _ in gen.own]
@@ -345,7 +356,7 @@ class PeerCopies:
         when it holds nothing at that step (a replacement or a spare that joined: the
         pieces the others hold must cover the state, which the restore checks).
         ``StateMoveError`` when bytes changed since they were taken."""
-        gen = next((g for g in (self._pending, self._committed)
+        gen = next((g for g in (self._committed, self._pending)
                     if g is not None and g.done.is_set() and g.step == step), None)
         if gen is None:
             return []
@@ -378,6 +389,7 @@ class PeerCopies:
         """A new layout from a restore: copies of earlier ranks and steps mean nothing now;
         the next step boundary takes fresh ones (``restored`` takes them at once)."""
         self._committed = self._pending = None
+        self._flagged.clear()
         self._layout = None
         self._fresh = True
 

@@ -95,6 +95,41 @@ def test_copies_settle_only_on_every_ranks_word():
     assert FAILED < -3
 
 
+def test_a_ranks_word_settles_the_generation_it_was_about_not_the_next_one():
+    """The step loop sums the ranks' words on their exchange in the step's control
+    all-reduce and reads the sum a step later: by then the generation the words were about
+    may be committed and a new one begun. Was: the words "done" of the committed one
+    committed the new one, still in flight, in place of the last complete generation; a loss
+    then found none and the job restarted from step 0 (zero1/zero2 with
+    ``peer_copies_every: 1``, 8 of 13 runs; found by a new user, session 49)."""
+    from elastic.worker.peer_copies import _Gen
+
+    class _M:
+        rank, world, generation = 0, 2, 1
+
+    def gen(step: int, done: bool) -> _Gen:
+        g = _Gen(step, [("model/w", (6, 2), None, torch.zeros(6, 2))])
+        if done:
+            g.done.set()
+        return g
+
+    c = PeerCopies(1, None, _M(), lambda: "a")  # type: ignore[arg-type]
+    g11 = gen(11, True)
+    c._pending = g11
+    words = [c.flag()]  # step 10: g11's exchange done here; the sum is read at step 11
+    words.append(c.flag())  # step 11 (g11 still pending: no new one begun)
+    c.settle(2 * words.pop(0), 2)  # step 10's sum: g11 committed
+    assert c._committed is g11 and c._pending is None
+    c._pending = gen(13, False)  # step 12 begins g13, in flight
+    words.append(c.flag())
+    assert words == [1.0, 0.0]
+    c.settle(2 * 1.0, 2)  # step 11's sum, about g11: g13 is not committed by it
+    assert c._committed is g11 and c._pending is not None
+    assert list(c.status()["steps"]) == [11]
+    c.settle(2 * words.pop(), 2)  # step 12's: g13 still in flight
+    assert c._committed is g11
+
+
 def test_copies_memory_counts_own_snapshot_and_wards_and_obeys_the_limit():
     from elastic.worker.peer_copies import copies_memory
 
