@@ -434,7 +434,7 @@ class Layouts:
         dt = time.perf_counter() - t0
         self.apply_s.append(dt)
         if old is None:
-            self._emit("layout", f"{spec.name} on {spec.world_size} workers, shares "
+            self._emit("layout", f"{_described(spec)} on {spec.world_size} workers, shares "
                        f"{list(spec.shares)} ({dt:.2f}s)",
                        data={"strategy": spec.name, "spec": spec_dict(spec)})
             self._say_exposure(spec, group)
@@ -507,6 +507,16 @@ def _shardable_only(model: Any) -> dict[str, Any]:
         return {}
     return {"strategies": [s for s in STRATEGIES if s != "zero3"],
             "dp_modes": [m for m in DP_MODES if m != "zero3"]}
+
+
+def _described(spec: StrategySpec) -> str:
+    """A layout as the ``layout`` event names it: a pipeline with its degree, schedule,
+    micro-batches (they change a BatchNorm's figures), stage split and dp mode."""
+    if spec.name != "pipeline":
+        return spec.name
+    split = list(spec.stage_split) if spec.stage_split else "even"
+    return (f"pipeline (pp{spec.pp_degree} {spec.schedule} m={spec.micro_batches}, stage "
+            f"split {split}, dp {spec.dp_mode})")
 
 
 def block_weights(layouts: Layouts, group: Any) -> list[float]:
