@@ -43,13 +43,20 @@ def spec_dict(spec: StrategySpec) -> dict[str, Any]:
     return spec.to_dict()
 
 
+def megabytes(n_bytes: float) -> str:
+    """``n_bytes`` in MB for an event: one decimal from 1 MB up, three digits below (a small
+    model's was "0.0 MB" moved, read, committed)."""
+    v = n_bytes / 1e6
+    return f"{v:.1f}" if v >= 1 else f"{v:.3g}"
+
+
 def read_detail(outs: list[dict[str, Any]]) -> str:
     """What each worker read of a checkpoint: only its new shard's part of the state."""
     if not outs:
         return ""
-    mb = [o["bytes"] / 1e6 for o in outs]
-    total = outs[0]["total_bytes"] / 1e6
-    return f" (each worker read {min(mb):.1f}-{max(mb):.1f} of {total:.1f} MB)"
+    got = [o["bytes"] for o in outs]
+    return (f" (each worker read {megabytes(min(got))}-{megabytes(max(got))} of "
+            f"{megabytes(outs[0]['total_bytes'])} MB)")
 
 
 class CheckpointTracker:
@@ -200,7 +207,7 @@ class CheckpointTracker:
         up = time.time() - ck["t0"]
         self._last_id = name
         self.last_event = self._emit(
-            "checkpoint", f"step {step} committed: {size / 1e6:.1f} MB in "
+            "checkpoint", f"step {step} committed: {megabytes(size)} MB in "
             f"{len(manifest.shards)} shards, training blocked {ck['blocked_s'] * 1e3:.0f} ms, "
             f"upload+commit {up:.2f}s", data={"step": step, "bytes": size,
                                               "blocked_s": ck["blocked_s"], "seconds": up,

@@ -24,7 +24,7 @@ from strategies.traits import DP_MODES, TRAITS, spec_survives_loss, traits_of
 
 from ..data import even_shares
 from ..errors import ConfigError, InfrastructureError, SwitchError
-from .checkpoints import spec_dict
+from .checkpoints import megabytes, spec_dict
 
 __all__ = ["Layouts", "replicas_stay", "unprotected"]
 
@@ -449,7 +449,7 @@ class Layouts:
         problems = sorted({p for o in outs for p in o.get("problems", [])})
         move = outs[0].get("move", "gather")
         sent = sum(int(o.get("bytes_sent", 0)) for o in outs)
-        moved = (f", {sent / 1e6:.1f} MB moved between ranks" if move == "reshard"
+        moved = (f", {megabytes(sent)} MB moved between ranks" if move == "reshard"
                  else ", full state gathered on every rank")
         self._emit("switch", f"{old.name} -> {spec.name} ({reason}) in {dt:.2f}s{moved}, "
                    f"state digest {sorted(hashes)[0][0]} {check}",

@@ -37,7 +37,7 @@ from strategies import StrategySpec
 
 from ..errors import HangError, InfrastructureError, StateMoveError, StorageError
 from ..failures import Failure, FailureKind
-from .checkpoints import CheckpointTracker
+from .checkpoints import CheckpointTracker, megabytes
 from .layouts import Layouts
 from .steps import StepLog
 
@@ -186,13 +186,13 @@ class Regroup:
         steps = obs.checkpoints
         if decision.source == "peers" and peers is not None:
             outs = self.group.restore_from_peers(spec, peers[1], peers[0])
-            return "peers", peers[0], f", {outs[0]['bytes'] / 1e6:.1f} MB from surviving replicas"
+            return "peers", peers[0], f", {megabytes(outs[0]['bytes'])} MB from surviving replicas"
         if decision.source == "buddies":
             try:
                 outs = self.group.restore_from_copies(spec, decision.step)
-                mb = sum(o.get("bytes_sent", 0) for o in outs) / 1e6
+                mb = megabytes(sum(o.get("bytes_sent", 0) for o in outs))
                 return "buddies", decision.step, (f", the buddies' copies of step "
-                                                  f"{decision.step} ({mb:.1f} MB moved)")
+                                                  f"{decision.step} ({mb} MB moved)")
             except StateMoveError as e:  # a corrupt copy: storage, as without copies
                 self._emit("peer_copies_refused", f"{e}; restoring from storage instead",
                            data={"step": decision.step})

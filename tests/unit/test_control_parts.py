@@ -1097,3 +1097,15 @@ def test_what_no_checkpoint_of_a_finished_run_holds():
     assert "is none" in str(unsaved([ev("checkpoint_failed", 5)]))
     resumed = unsaved([ev("resumed", 1000, uri="/ck"), ev("checkpoint_failed", 1050)])
     assert str(resumed).endswith("the newest committed checkpoint is step 1000 at /ck")
+
+
+def test_sizes_in_events_do_not_round_a_small_model_to_nothing():
+    """A small model's restore, copy or checkpoint said "0.0 MB" (23,532 bytes moved; found
+    by a new user): three digits below 1 MB, one decimal above."""
+    from elastic.control.checkpoints import megabytes, read_detail
+
+    assert megabytes(23_532) == "0.0235" and megabytes(0) == "0"
+    assert megabytes(2_345_678) == "2.3" and megabytes(1.5e9) == "1500.0"
+    assert read_detail([{"bytes": 11_766, "total_bytes": 23_532},
+                        {"bytes": 11_766, "total_bytes": 23_532}]) == (
+        " (each worker read 0.0118-0.0118 of 0.0235 MB)")
