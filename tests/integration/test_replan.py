@@ -8,7 +8,8 @@ from __future__ import annotations
 import time
 
 import elastic
-from elastic.reference import reference_train
+from elastic.data import StepSampler, fetch_batch
+from elastic.reference import build_model, reference_train
 from tests.helpers import RegressionData, adam, max_diff, mse, wide_mlp
 
 G = 64
@@ -55,6 +56,33 @@ def _resplit_done(handle, t0: float, since: int = 0) -> tuple[object, object]:
         time.sleep(0.05)
     handle.stop()
     return ev, handle.result(timeout=120)
+
+
+def _matches_one_process(result) -> None:
+    """The job's parameters against one process's after as many steps: within ``TOL``, or
+    within 10x what the order of float additions alone moves one process by then (the same
+    steps with each gradient summed from two halves of the batch, as two ranks' all-reduce
+    sums it). Adam amplifies that order's ~1e-7 over a long run: 3.6e-7 after 200 steps of
+    this model, 4.2e-6 after 600, 3.2e-3 after 1215 (one process against itself), and these
+    jobs run as many steps as the loop takes to decide (one failed at 1215 steps with 2.6e-3,
+    four layouts run, in CI, 2026-12-07)."""
+    n = len(result.history)
+    ref, _ = reference_train(wide_mlp, adam, mse, RegressionData(), G, n, seed=0)
+    diff = max_diff(result.state_dict(), ref)
+    if diff < TOL:
+        return
+    model = build_model(wide_mlp, 0)
+    opt, data = adam(model.parameters()), RegressionData()
+    sampler = StepSampler(len(data), G, 0)
+    for s in range(n):
+        x, y = fetch_batch(data, sampler.indices(s))
+        opt.zero_grad()
+        for lo, hi in ((0, G // 2), (G // 2, G)):
+            (mse(model(x[lo:hi]), y[lo:hi]) * 0.5).backward()
+        opt.step()
+    floor = max_diff(dict(model.state_dict()), ref)
+    assert diff < 10 * floor, (n, diff, floor, [(e.data["from"], e.data["to"], e.step)
+                                                for e in result.events if e.kind == "switch"])
 
 
 def test_a_live_auto_job_names_a_straggler_and_re_cuts_its_share(ray_local, tmp_path):
@@ -119,13 +147,7 @@ def test_a_live_auto_job_names_a_straggler_and_re_cuts_its_share(ray_local, tmp_
     assert sw.data["from"] == sw.data["to"] and cut(ctl.spec) == tuple(ev.data["recut"])
     assert picked in [e.data["from"] for e in result.events if e.kind == "switch"] + [sw.data["to"]]
     assert result.history[-1]["strategy"] == sw.data["to"]
-    n = len(result.history)
-    ref, _ = reference_train(wide_mlp, adam, mse, RegressionData(), G, n, seed=0)
-    # (one failure in ~20 runs, under extra load: 1.5e-5 after an unknown number of steps,
-    # against 3.6e-7 after 195 quiet ones; the message says how many, and the layouts run)
-    diff = max_diff(result.state_dict(), ref)
-    assert diff < TOL, (n, diff, [(e.data["from"], e.data["to"], e.step)
-                                  for e in result.events if e.kind == "switch"])
+    _matches_one_process(result)
 
 
 def test_a_live_pipeline_names_a_straggler_and_re_splits_its_stages(ray_local, tmp_path):
@@ -146,9 +168,7 @@ def test_a_live_pipeline_names_a_straggler_and_re_splits_its_stages(ray_local, t
     old, new = ev.data["shares"], ev.data["recut"]
     assert new[0] > old[0] and sum(new) == sum(old), (old, new)
     assert all(h["strategy"] == "pipeline" for h in result.history)
-    n = len(result.history)
-    ref, _ = reference_train(wide_mlp, adam, mse, RegressionData(), G, n, seed=0)
-    assert max_diff(result.state_dict(), ref) < TOL
+    _matches_one_process(result)
 
 
 def test_a_pipeline_entered_with_a_known_straggler_re_splits_its_stages(ray_local, tmp_path):
@@ -171,6 +191,4 @@ def test_a_pipeline_entered_with_a_known_straggler_re_splits_its_stages(ray_loca
     assert new[1] < old[1] and sum(new) == sum(old), (old, new)
     rel = ev.data["rank_s_per_sample"]
     assert rel[1] > 2 * rel[0] and "rank 1 slower than its peers" in ev.message
-    n = len(result.history)
-    ref, _ = reference_train(wide_mlp, adam, mse, RegressionData(), G, n, seed=0)
-    assert max_diff(result.state_dict(), ref) < TOL
+    _matches_one_process(result)
