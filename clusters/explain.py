@@ -62,10 +62,11 @@ def explain(
     e, p = choice.estimate, choice.plan
     peak = max(e.memory, key=lambda m: m.total)
     # what the parts leave of the step: the fixed per-step overhead the profiler measured
-    # (the step loop, the control all-reduce) and a pipeline's stage-to-stage messages
-    # (was: not said, and the parts summed to half the step; found by a new user)
+    # (the step loop, the control all-reduce) and a pipeline's step-wide messages (the
+    # batch's all-gather, the norm and commit all-reduces; was: not said, and the parts
+    # summed to half the step; found by a new user)
     rest = e.step_time - e.compute - e.comm - e.optimizer
-    what = "overhead and stage messages" if p.is_pipeline else "overhead"
+    what = "overhead and messages" if p.is_pipeline else "overhead"
     lines.append(
         f"chose {p.label} on {_devices_summary(cluster, p.devices)} ({choice.subset}): "
         f"predicted {e.step_time:.4g} s/step (compute {e.compute:.3g}, comm {e.comm:.3g} on "

@@ -413,8 +413,8 @@ def _replica_times(
 def pipeline_step_time(
     model: PartCosts, plan: Plan, profile: ModelProfile, layout: MeshLayout
 ) -> float:
-    """``estimate_pipeline(...).step_time`` without the memory: what the planner rules a try
-    out by before its per-rank memory is worked out."""
+    """``estimate_pipeline(...).step_time`` without the memory: what the planner orders the
+    tries that fit by (``pipeline_memory_use`` first)."""
     return _timing(model, plan, profile, layout)[0]
 
 

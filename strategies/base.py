@@ -345,6 +345,11 @@ class Strategy(ABC):
         counted twice, found by a new user)."""
         self.running().rewind()
 
+    def step_done(self) -> None:
+        """After ``train_step`` returned: nothing of it is to be rewound."""
+        if self._stats is not None:
+            self._stats.finished()
+
     def _stats_modules(self) -> list[nn.Module]:
         return [self.local_model()]
 

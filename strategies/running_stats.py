@@ -81,6 +81,11 @@ class RunningStats:
             if bool(torch.isfinite(flat).all()):
                 self._good = flat
 
+    def finished(self) -> None:
+        """The step completed: its start's values are nothing to go back to (a later step
+        that raises before its ``hold`` has none)."""
+        self._start = self._undone = None
+
     def rewind(self) -> None:
         """After a step that raised: the statistics and counters as they were at its start
         (its forwards had moved them; the state it is run again from has not)."""

@@ -47,7 +47,7 @@ def megabytes(n_bytes: float) -> str:
     """``n_bytes`` in MB for an event: one decimal from 1 MB up, three digits below (a small
     model's was "0.0 MB" moved, read, committed)."""
     v = n_bytes / 1e6
-    return f"{v:.1f}" if v >= 1 else f"{v:.3g}"
+    return f"{v:.1f}" if v >= 1 else f"{v:.3g}" if v >= 1e-3 or v == 0 else "<0.001"
 
 
 def read_detail(outs: list[dict[str, Any]]) -> str:

@@ -516,7 +516,7 @@ def _described(spec: StrategySpec) -> str:
         return spec.name
     split = list(spec.stage_split) if spec.stage_split else "even"
     return (f"pipeline (pp{spec.pp_degree} {spec.schedule} m={spec.micro_batches}, stage "
-            f"split {split}, dp {spec.dp_mode})")
+            f"split {split}, dp_mode {spec.dp_mode})")
 
 
 def block_weights(layouts: Layouts, group: Any) -> list[float]:

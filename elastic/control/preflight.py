@@ -122,10 +122,11 @@ def _say_batch_norms(model: Any, cfg: JobConfig, emit: Callable[..., Any]) -> No
     more = f" and {len(names) - 3} more" if len(names) > 3 else ""
     emit("batch_dependent",
          f"the model's BatchNorm layers ({', '.join(names[:3])}{more}) normalise by each "
-         "replica's own samples, as under DDP, and each micro-batch updates their running "
-         "statistics: what it trains depends on the world size, the shares and the "
-         "micro-batches, not one process's (elastic averages the running statistics over the "
-         "replicas every step; a resize, a pipeline or a resume on another world changes it)",
+         "replica's own samples, as under DDP (an nn.SyncBatchNorm on GPUs: by its group's), "
+         "and a tracked running statistic takes each micro-batch in: what it trains depends "
+         "on the world size, the shares and the micro-batches, not one process's (elastic "
+         "averages the running statistics over the replicas every step; a resize, a pipeline "
+         "or a resume on another world changes it)",
          {"layers": names[:20], "count": len(names)})
 
 
@@ -135,7 +136,8 @@ def check_sync_norms(model: Any, infos: list[dict[str, Any]]) -> None:
     group failing (found by a new user, session 49)."""
     sync = [n for n, m in _batch_norms(model) if isinstance(m, torch.nn.SyncBatchNorm)]
     if sync and any(str(i.get("device", "cpu")).startswith("cpu") for i in infos):
-        raise ConfigError("model", f"{sync[0] or 'the model'} is an nn.SyncBatchNorm, which "
+        raise ConfigError("model", f"its layer {sync[0] or '(the model)'!r} is an "
+                          "nn.SyncBatchNorm, which "
                           "torch runs on CUDA devices only, and this job's workers are CPUs.",
                           "use nn.BatchNorm (each replica normalises by its own samples; "
                           "elastic averages the running statistics), or run on GPUs")

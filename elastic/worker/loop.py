@@ -272,8 +272,12 @@ class StepLoop:
                 else:
                     local = strategy.train_step(x, y)
             except BaseException:
-                strategy.step_failed()  # its state is the step's start again
+                try:
+                    strategy.step_failed()  # its state is the step's start again
+                except Exception:  # noqa: BLE001 - the step's own error is what counts
+                    pass
                 raise
+            strategy.step_done()
             compute_s = self._profiler.take_compute()
             norm = strategy.last_grad_norm
             layout.next_step = step + 1

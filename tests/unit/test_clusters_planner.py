@@ -667,14 +667,14 @@ def test_a_global_batch_below_every_device_set_says_to_raise_it():
 @pytest.mark.parametrize("strategies", [("dp", "zero1", "zero2", "zero3"), ("pipeline",)])
 def test_the_choice_says_every_part_of_its_predicted_step(strategies):
     """The chosen plan's line names what its parts leave of the predicted step: the fixed
-    per-step overhead (and a pipeline's stage messages). Was: compute, comm and optimizer
+    per-step overhead (and a pipeline's step-wide messages). Was: compute, comm and optimizer
     only, which summed to half of the step an auto job was told (found by a new user)."""
     prof = transformer_profile(layers=12, d_model=768, n_heads=12, seq_len=1024, vocab=50257)
     r = plan(load_cluster(example_path("a100-t4")), prof, 64,
              model=CostModel(step_overhead=0.05), strategies=strategies)
     line = next(x for x in r.explanation.splitlines() if x.startswith("chose"))
     got = re.search(r"predicted ([\d.e-]+) s/step \(compute ([\d.e-]+), comm ([\d.e-]+) on "
-                    r"\S+, optimizer ([\d.e-]+), per-step overhead(?: and stage messages)? "
+                    r"\S+, optimizer ([\d.e-]+), per-step overhead(?: and messages)? "
                     r"([\d.e-]+)\)", line)
     assert got, line
     step, *parts = map(float, got.groups())

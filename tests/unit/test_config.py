@@ -476,7 +476,7 @@ def test_a_batch_norm_model_is_told_its_results_depend_on_the_world_and_a_sync_o
     preflight(JobConfig(**_base(run_dir=str(tmp_path / "m"))),
               lambda kind, msg, data=None: said.append(kind))
     assert "batch_dependent" not in said
-    with pytest.raises(ConfigError, match=r"^model: 1 is an nn.SyncBatchNorm.*use nn.BatchNorm"):
+    with pytest.raises(ConfigError, match=r"^model: its layer '1' is an nn.SyncBatchNorm.*use nn.BatchNorm"):
         preflight(JobConfig(**_base(model=_sync_bn, use_gpu=False,
                                     run_dir=str(tmp_path / "s"))), lambda *a, **k: None)
     model = _sync_bn()

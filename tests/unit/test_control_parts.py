@@ -1104,7 +1104,7 @@ def test_sizes_in_events_do_not_round_a_small_model_to_nothing():
     by a new user): three digits below 1 MB, one decimal above."""
     from elastic.control.checkpoints import megabytes, read_detail
 
-    assert megabytes(23_532) == "0.0235" and megabytes(0) == "0"
+    assert megabytes(23_532) == "0.0235" and megabytes(0) == "0" and megabytes(8) == "<0.001"
     assert megabytes(2_345_678) == "2.3" and megabytes(1.5e9) == "1500.0"
     assert read_detail([{"bytes": 11_766, "total_bytes": 23_532},
                         {"bytes": 11_766, "total_bytes": 23_532}]) == (

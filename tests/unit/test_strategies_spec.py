@@ -398,6 +398,12 @@ def test_a_step_that_raised_or_was_skipped_leaves_the_statistics_and_counters_of
     for k, v in bn.state_dict().items():
         assert torch.equal(v, before[k]), k
     assert int(bn.num_batches_tracked) == 1
+    rs.finished()  # the step completed: a later step raising before its hold rewinds nothing
+    bn(torch.randn(8, 4))
+    moved = {k: v.clone() for k, v in bn.state_dict().items()}
+    rs.rewind()
+    for k, v in bn.state_dict().items():
+        assert torch.equal(v, moved[k]), k
 
 
 def test_zero3_refuses_parameters_fsdp2_cannot_shard_before_it_is_built():
