@@ -52,8 +52,9 @@ class Sizing:
             room=len(group.workers) + group.spares_starting() < self.target and group.room()))
         # reserved slots beyond what the job may still grow into are given back
         group.trim_slots(max(0, self.target - len(group.workers) - group.spares_starting()))
-        if isinstance(d, Resize):
-            return None if self.inbox.has("grow") else Request("grow", reason=d.reason)
+        if isinstance(d, Resize):  # (for a scale asked for and parked: that scale's reason)
+            why = next((r.reason for r, _ in self.inbox.parked if r.kind == "scale"), d.reason)
+            return None if self.inbox.has("grow") else Request("grow", reason=why)
         if isinstance(d, StartSpares):
             group.start_spares(d.n)
         else:
