@@ -110,6 +110,7 @@ def reference_train(
     grad_norms: list[float] | None = None,
     precision: str = "fp32",
     skip_steps: Collection[int] = (),
+    parts: int = 1,
 ) -> tuple[dict[str, torch.Tensor], list[float]]:
     """Train ``steps`` steps in one process; return (model state_dict, per-step losses).
 
@@ -120,7 +121,10 @@ def reference_train(
     under ``torch.autocast(dtype=torch.bfloat16)``, weights and optimizer in fp32.
     ``skip_steps``: steps whose batch is drawn and whose loss is recorded but whose update
     is skipped (no optimizer step: what the layouts do with a non-finite gradient); the lr
-    schedule still follows the step number, as the job's does."""
+    schedule still follows the step number, as the job's does. ``parts``: each step's
+    gradient summed from that many contiguous pieces of the batch, each loss weighted by its
+    piece's size (as ranks' all-reduce sums it): the same run but for the order of float
+    additions, which Adam amplifies over a long run (tests/integration/test_replan.py)."""
     model = build_model(model_factory, seed)
     opt = optimizer_factory(list(model.parameters()))  # as every layout gives it
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_schedule) if lr_schedule else None
@@ -129,9 +133,15 @@ def reference_train(
     for step in range(steps):
         x, y = fetch_batch(dataset, sampler.indices(step))
         opt.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
-            loss = loss_fn(model(x), y)
-        loss.backward()
+        loss = torch.zeros(())
+        for i in range(parts):
+            lo, hi = len(x) * i // parts, len(x) * (i + 1) // parts
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+                part = loss_fn(model(x[lo:hi]), y[lo:hi])
+            if parts > 1:
+                part = part * ((hi - lo) / len(x))
+            part.backward()
+            loss = loss + part.detach() if parts > 1 else part
         if max_grad_norm is not None or grad_norms is not None:
             norm = torch.nn.utils.clip_grad_norm_(
                 model.parameters(), max_grad_norm if max_grad_norm is not None else float("inf"))

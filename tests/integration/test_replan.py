@@ -8,8 +8,7 @@ from __future__ import annotations
 import time
 
 import elastic
-from elastic.data import StepSampler, fetch_batch
-from elastic.reference import build_model, reference_train
+from elastic.reference import reference_train
 from tests.helpers import RegressionData, adam, max_diff, mse, wide_mlp
 
 G = 64
@@ -72,21 +71,8 @@ def _matches_one_process(result) -> None:
     n = len(result.history)
     ref, ref_losses = reference_train(wide_mlp, adam, mse, RegressionData(), G, n, seed=0)
     diff = max_diff(result.state_dict(), ref)
-    model = build_model(wide_mlp, 0)
-    opt, data = adam(model.parameters()), RegressionData()
-    sampler = StepSampler(len(data), G, 0)
-    halves = []
-    for s in range(n):
-        x, y = fetch_batch(data, sampler.indices(s))
-        opt.zero_grad()
-        loss = 0.0
-        for lo, hi in ((0, G // 2), (G // 2, G)):
-            part = mse(model(x[lo:hi]), y[lo:hi]) * 0.5
-            part.backward()
-            loss += float(part)
-        halves.append(loss)
-        opt.step()
-    floor = max_diff(dict(model.state_dict()), ref)
+    two, halves = reference_train(wide_mlp, adam, mse, RegressionData(), G, n, seed=0, parts=2)
+    floor = max_diff(two, ref)
     close = next((s for s in range(n) if abs(halves[s] - ref_losses[s]) > 1e-5), n)
     job = [h["loss"] for h in result.history]
     off = [(s, job[s], ref_losses[s]) for s in range(close) if abs(job[s] - ref_losses[s]) > 1e-4]

@@ -1242,3 +1242,16 @@ def test_a_roll_forward_while_a_leave_parks_the_state_applies_the_step_once():
     leaving.join()
     assert w.held.snapshot["model/w"].eq(1).all() and not w.held.pending(None)
     assert w.finish_pending_step() == 8  # once
+
+
+def test_the_reference_split_in_parts_is_one_process_but_for_the_order_of_additions():
+    """``reference_train(parts=2)``: each gradient summed from two halves of the batch, as
+    two ranks' all-reduce sums it; its losses are the whole batch's mean. Within float noise
+    of one pass over the whole batch after a few steps (tests/integration/test_replan.py
+    measures how Adam amplifies that noise over a long run)."""
+    from tests.helpers import RegressionData, adam, mse, wide_mlp
+
+    one, l1 = reference_train(wide_mlp, adam, mse, RegressionData(), 64, 5, seed=0)
+    two, l2 = reference_train(wide_mlp, adam, mse, RegressionData(), 64, 5, seed=0, parts=2)
+    assert max(abs(a - b) for a, b in zip(l1, l2, strict=True)) < 1e-6
+    assert max(float((one[k] - two[k]).abs().max()) for k in one) < 1e-6
