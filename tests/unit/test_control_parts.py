@@ -1109,36 +1109,3 @@ def test_sizes_in_events_do_not_round_a_small_model_to_nothing():
     assert read_detail([{"bytes": 11_766, "total_bytes": 23_532},
                         {"bytes": 11_766, "total_bytes": 23_532}]) == (
         " (each worker read 0.0118-0.0118 of 0.0235 MB)")
-
-
-def test_a_growth_that_carries_out_a_scale_asked_for_says_so():
-    """A scale up asked through the SDK is parked until its spares are up; the growth that
-    then takes them in carries the scale's reason. Was: "(a node with room joined)" in the
-    ``scaled`` event, naming no request (found by a new user, session 48)."""
-    from types import SimpleNamespace
-
-    from elastic.control.sizing import Sizing
-
-    class _Group:
-        workers = [object(), object()]
-
-        def spares_ready(self) -> int:
-            return 1
-
-        def spares_starting(self) -> int:
-            return 0
-
-        def room(self) -> bool:
-            return False
-
-        def trim_slots(self, n: int) -> int:
-            return 0
-
-    cfg = SimpleNamespace(max_workers=3, grow_when_room=False, num_workers=2, min_world=1,
-                          max_world=3)
-    inbox = Inbox(None, lambda *a, **k: None)
-    sizing = Sizing(cfg, inbox)
-    sizing.target = 3
-    assert sizing.check(_Group()).reason == "a node with room joined"  # nothing asked
-    inbox.park(Request("scale", 3, reason="requested by the SDK"), 1e18)
-    assert sizing.check(_Group()).reason == "requested by the SDK"

@@ -489,6 +489,28 @@ def test_a_resize_lets_the_checkpoint_in_flight_end_and_one_that_gives_up_keeps_
         assert result.history[-1]["world_size"] == (2 if spare_dies else 3)
 
 
+class _Roomy:
+    """A worker group of 2 for ``Sizing.check``: ``spares`` ready, ``room`` to start more."""
+
+    workers = [0, 1]
+
+    def __init__(self, spares: int = 2, room: bool = True) -> None:
+        self.spares, self.roomy, self.kept = spares, room, -1
+
+    def spares_ready(self) -> int:
+        return self.spares
+
+    def spares_starting(self) -> int:
+        return 0
+
+    def room(self) -> bool:
+        return self.roomy
+
+    def trim_slots(self, keep: int) -> int:
+        self.kept = keep
+        return 0
+
+
 def test_a_job_that_grows_only_when_asked_leaves_room_alone(tmp_path):
     """``grow_when_room: false`` (an elastic scheduler's jobs): its target is ``num_workers``,
     so room and ready spares do not grow it; by default a job grows toward ``max_workers``.
@@ -497,30 +519,28 @@ def test_a_job_that_grows_only_when_asked_leaves_room_alone(tmp_path):
     from elastic.control.requests import Inbox
     from elastic.control.sizing import Sizing
 
-    class Roomy:
-        workers = [0, 1]
-
-        def spares_ready(self) -> int:
-            return 2
-
-        def spares_starting(self) -> int:
-            return 0
-
-        def room(self) -> bool:
-            return True
-
-        def trim_slots(self, keep: int) -> int:
-            self.kept = keep
-            return 0
-
     for grow, target, kind in ((True, 4, "grow"), (False, 2, None)):
         cfg = _cfg(tmp_path, min_workers=1, max_workers=4, grow_when_room=grow)
         sizing = Sizing(cfg, Inbox(None, lambda *a, **k: None))
-        group = Roomy()
+        group = _Roomy()
         req = sizing.check(group)
         assert sizing.target == target and (req.kind if req else None) == kind, grow
         # the reserved slots it keeps: what it may still grow into (none at its target)
         assert group.kept == target - 2, grow
+
+
+def test_a_growth_that_carries_out_a_scale_asked_for_says_so(tmp_path):
+    """A scale up asked through the SDK is parked until its spares are up; the growth that
+    then takes them in carries the scale's reason. Was: "(a node with room joined)" in the
+    ``scaled`` event, naming no request (found by new users, sessions 48 and 49)."""
+    from elastic.control.requests import Inbox, Request
+    from elastic.control.sizing import Sizing
+
+    inbox = Inbox(None, lambda *a, **k: None)
+    sizing = Sizing(_cfg(tmp_path, min_workers=1, max_workers=3), inbox)
+    assert sizing.check(_Roomy(1, False)).reason == "a node with room joined"  # none asked
+    inbox.park(Request("scale", 3, reason="requested by the SDK"), 1e18)
+    assert sizing.check(_Roomy(1, False)).reason == "requested by the SDK"
 
 
 def test_a_recovery_replaces_workers_up_to_the_size_asked_for_not_past_it(tmp_path):
