@@ -153,7 +153,11 @@ def test_a_drain_with_too_short_a_deadline_falls_back_cleanly(ray_cluster, tmp_p
     if ev.kind == "evacuating":  # the boundary came before the deadline
         assert ev.data["path"] == "recover" and "buddies' copies" in ev.message
         done = next(e for e in result.events if e.kind == "evacuated")
-        assert done.data["source"] == "buddies" and done.data["steps_lost"] <= 2
+        said = [f"{e.step} {e.kind}: {e.message[:300]}" for e in result.events]
+        # copies every 2 steps; the newest is missing while its exchange, or the agreement
+        # on the one before (read a step after it), is still out: one step more (a loaded
+        # host: the boundary at 25, copies of 22)
+        assert done.data["source"] == "buddies" and done.data["steps_lost"] <= 3, said
     else:  # the node went first: a loss, recovered the same way
         rec = next(e for e in result.events if e.kind == "recovered")
         assert rec.data["source"] == "buddies"
