@@ -349,6 +349,11 @@ def observe(*, model: CostModel | None, profile: ModelProfile | None, cluster: C
     stale: tuple[str, ...] = ()
     plans: dict[str, Plan] = {}
     fitted = None
+    new: tuple[int, ...] = ()
+    new_s = 0.0
+    if recut and shared and rank_s:
+        new, gain = recut_shares(current.shares, rank_s)
+        new_s = step.median - gain
     if replan and model is not None and profile is not None and cluster is not None:
         whole = (rank_s if shared else
                  [t / f for t, f in zip(stage_s, stage_fractions(current, profile, cluster),
@@ -363,8 +368,9 @@ def observe(*, model: CostModel | None, profile: ModelProfile | None, cluster: C
         obs_all = list(seen.values())
         fitted = refit(model, profile, cluster, obs_all, compute, kinds if compute else None)
         preds = predictions(fitted, profile, cluster, global_batch, obs_all)
-        if current.strategy in SYNC_MODES:
-            preds = _at_running_shares(preds, current, fitted, profile, cluster)
+        if current.strategy in SYNC_MODES:  # (at the re-cut while a straggler is named)
+            at = new if recent is not None and new else current.shares
+            preds = _at_running_shares(preds, current, fitted, profile, cluster, at)
         levels = _levels(fitted, profile, cluster, obs_all, current)
         best, plans = _figures(preds, levels)
         best[current.label] = step.median
@@ -377,12 +383,7 @@ def observe(*, model: CostModel | None, profile: ModelProfile | None, cluster: C
         stale = tuple(lab for lab, p in plans.items() if lab not in ran
                       and lab != current.label and _family(p) != _family(current)
                       and _family(p) in levels)
-    new: tuple[int, ...] = ()
-    new_s = 0.0
-    if recut and shared and rank_s:
-        new, gain = recut_shares(current.shares, rank_s)
-        new_s = step.median - gain
-    elif recut and piped and block_weights:
+    if recut and piped and block_weights:
         new, new_s = _resplit(current, stage_s, block_weights, step.median)
     obs = ReplanObservation(
         current=current.label, step_s=step.median, step_sd=step.sd, steps=step.n,
@@ -415,20 +416,24 @@ def _resplit(current: Plan, stage_s: Sequence[float], weights: Sequence[float],
 
 
 def _at_running_shares(preds: Sequence[Prediction], current: Plan, model: CostModel,
-                       profile: ModelProfile, cluster: Cluster) -> tuple[Prediction, ...]:
-    """The share-balanced candidates that never ran, at the running layout's shares (where
-    they fit there): another strategy is judged on the same batch cut, and the shares are
-    re-cut only on a straggler's evidence (``RecutShares``). Re-fitted to 3 ranks sharing 2
-    cores, whose compute the OS shares unevenly from window to window, the planner cut
-    every other strategy's shares anew, and zero2 was "predicted 85.7 ms" against zero1's
-    100.9 measured on the running shares (mixer; gpt and mlp alike)."""
+                       profile: ModelProfile, cluster: Cluster, shares: Sequence[int]
+                       ) -> tuple[Prediction, ...]:
+    """The share-balanced candidates that never ran, at ``shares`` (where they fit there):
+    the running layout's, or while a straggler is named their re-cut around it. Another
+    strategy is judged on the same batch cut, and the shares are re-cut only on a
+    straggler's evidence: re-fitted to 3 ranks sharing 2 cores, whose compute the OS shares
+    unevenly from window to window, the planner cut every other strategy's shares anew, and
+    zero2 was "predicted 85.7 ms" against zero1's 100.9 measured on the running shares
+    (mixer; gpt and mlp alike). With a straggler, a switch carries the re-cut (was: dp at
+    the running [32, 32] taken over zero1's re-cut to [60, 4], the straggler's share left
+    whole; CI, 2026-12-07)."""
     out = []
     for p in preds:
-        if (p.measured or p.plan.strategy not in SYNC_MODES or p.plan.shares == current.shares
+        if (p.measured or p.plan.strategy not in SYNC_MODES or p.plan.shares == tuple(shares)
                 or p.plan.devices != current.devices):
             out.append(p)
             continue
-        q = replace(p.plan, shares=current.shares)
+        q = replace(p.plan, shares=tuple(shares))
         try:
             est = model.estimate(q, cluster, profile)
         except ClustersError:

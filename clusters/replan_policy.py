@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 from .spread import Spread, moved, phase_drift, robust
@@ -262,7 +262,7 @@ class ReplanPolicy:
             return max(options, key=lambda o: o.gain_s)
         tried = None if undecided else self._to_try(obs)  # one try at a time
         if tried is not None:
-            return tried
+            return replace(tried, reason=tried.reason + named)
         if best is None or best[0] == obs.current:
             why = f"{obs.current} is the fastest plan ({obs.step_s * 1e3:.1f} ms/step measured)"
         else:

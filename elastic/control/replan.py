@@ -248,7 +248,14 @@ class Replanner:
                 "switch_s": obs.switch_s, "candidates": [list(c) for c in obs.candidates[:8]],
                 "rank_s_per_sample": list(obs.rank_s), "shares": list(obs.shares),
                 "recut": list(obs.recut), "cut": obs.cut, **parts}
-        self._emit("replan", f"{kind}: {decision.reason}", data=data, step=step)
+        said = f"{kind}: {decision.reason}"
+        if isinstance(decision, SwitchPlan):  # where it goes: its shares, or its split
+            to = plans[decision.target]
+            data["to"] = {"label": decision.target, "shares": list(to.shares),
+                          "stage_split": list(to.stage_split)}
+            if not to.is_pipeline and to.shares != tuple(obs.shares):
+                said += f" (at shares {list(to.shares)})"
+        self._emit("replan", said, data=data, step=step)
         named, self._named = self._named, tuple(ids)
         if slow and tuple(ids) != named:  # named once while it stays one (by worker: a rank
             # number may be another worker's after a change)

@@ -239,6 +239,29 @@ def test_another_strategy_is_judged_at_the_running_shares():
     assert cands["zero1"] / cands["dp"] == pytest.approx(ratio, rel=0.05)
 
 
+def test_with_a_straggler_named_another_strategy_is_judged_at_the_re_cut():
+    """Rank 2 computes 6x slower (a straggler named: the loop hands its span, ``recent``):
+    a strategy that never ran is judged at the shares re-cut around it, so a switch carries
+    the re-cut. Was: dp at the running shares beat zero1's re-cut on its overhead alone and
+    the switch left the straggler's share whole (CI, 2026-12-07)."""
+    from clusters.measured import Spread
+    from clusters.refit import observe
+
+    cluster, ids = _cluster(3)
+    profiled, _ = _near_tie(ids)
+    cur = Plan(strategy="zero1", world_size=3, shares=(22, 21, 21), devices=tuple(ids))
+    step = Spread(0.030, 1e-4, 50)
+    args = dict(model=profiled, profile=PROFILE, cluster=cluster, global_batch=64,
+                current=cur, step=step, observed=[], remaining=3000, switch_s=0.2,
+                rank_s=(1e-4, 1e-4, 6e-4), rank_rel_sd=(0.01,) * 3)
+    named = observe(**args, recent=step)
+    assert named.obs.recut[2] < named.obs.recut[0]
+    for lab in ("dp", "zero2", "zero3"):
+        assert named.plans[lab].shares == named.obs.recut, lab
+    # no straggler named (an unequal window alone): the running shares
+    assert observe(**args).plans["dp"].shares == (22, 21, 21)
+
+
 def test_the_loop_does_not_switch_on_the_hosts_phases():
     """dp and zero1 3 % apart on a host whose steps all take 1.3x for 130 steps, then 1.0x
     for 130: a figure measured in one phase against one of the other looked like a 10-30 %

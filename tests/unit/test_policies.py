@@ -360,6 +360,10 @@ _NEAR = (("dp", 0.100), ("zero1", 0.104))  # zero1 predicted 4 % slower than dp 
         # the nearest of two untried ones
         (_rp(candidates=_NEAR + (("pp2 1f1b m=4", 0.102),), untried=("zero1", "pp2 1f1b m=4")),
          {}, TryPlan, "pp2 1f1b m=4 never ran"),
+        # a try while a straggler is named says so (its re-cut within the noise here)
+        (_rp(candidates=_NEAR, untried=("zero1",), rank_s=(1e-3, 2e-3),
+             rank_rel_sd=(0.01, 0.01), shares=(32, 32), recut=(43, 21), recut_step_s=0.099),
+         {}, TryPlan, "zero1 never ran here"),
         # a switch that pays comes first
         (_rp(candidates=(("zero2", 0.08),) + _NEAR, untried=("zero1", "zero2")), {},
          SwitchPlan, "zero2 predicted 80.0 ms/step"),
@@ -389,6 +393,7 @@ def test_replan_policy_tries_a_plan_the_model_cannot_order(obs, policy, want, wh
     assert why in d.reason, d.reason
     if want is TryPlan:
         assert d.target == why.split(" never")[0] and "trying it" in d.reason
+        assert d.reason.endswith("; rank 1 slower than its peers") == bool(obs.rank_s)
     if "the try of" in why:
         assert d.target == "dp" and d.gain_s == pytest.approx(0.004)
     if want is KeepPlan:  # undecided: slower than the one it left, within the noise
