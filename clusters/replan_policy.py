@@ -151,7 +151,10 @@ class ReplanPolicy:
     100 steps before) -> dp measured 138 -> zero1, each time comparing two phases of the
     host, not two layouts. The way back after a try, and to the layout the last switch
     left, is exempt: the two figures are adjacent. Every candidate is weighed against its
-    own bar; the largest gain that clears it is taken."""
+    own bar; the largest gain that clears it is taken. A switch beside a re-cut that pays
+    must beat the re-cut by the same bar: the re-cut keeps the layout, and while a straggler
+    is named the candidates are judged at its shares (``refit.observe``), so a switch 3 %
+    faster than the re-cut is noise, not a reason to change strategy."""
 
     min_steps: int = 10
     min_gain: float = 0.05
@@ -258,8 +261,13 @@ class ReplanPolicy:
                     f"measured, {gain * 1e3:.1f} ms x {obs.remaining} steps = "
                     f"{gain * obs.remaining:.1f} s > re-layout {obs.switch_s:.2f} s",
                     cut=obs.cut))
+        if len(options) == 2:  # a switch beside a re-cut that pays: it must beat the re-cut
+            switch, recut = options  # (in that order) by the same bar: the re-cut keeps
+            extra = switch.gain_s - recut.gain_s  # the layout; candidates are at its shares
+            return switch if (extra > noise and extra >= self.min_gain * obs.recut_step_s
+                              and extra * obs.remaining > cost) else recut
         if options:
-            return max(options, key=lambda o: o.gain_s)
+            return options[0]
         tried = None if undecided else self._to_try(obs)  # one try at a time
         if tried is not None:
             return replace(tried, reason=tried.reason + named)

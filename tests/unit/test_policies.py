@@ -312,6 +312,10 @@ _FAST = (("zero2", 0.080), ("dp", 0.100))  # a plan 20 ms/step faster than the r
         # both pay: the larger gain wins
         (_rp(candidates=_FAST, rank_s=(1e-3, 2e-3), rank_rel_sd=(0.01, 0.01),
               shares=(32, 32), recut=(43, 21), recut_step_s=0.075), RecutShares, "-> [43, 21]"),
+        # a switch that beats the re-cut by less than the bar (2 ms < 5 % of 75): the re-cut
+        (_rp(candidates=(("zero2", 0.073), ("dp", 0.1)), rank_s=(1e-3, 2e-3),
+             rank_rel_sd=(0.01, 0.01), shares=(32, 32), recut=(43, 21), recut_step_s=0.075),
+         RecutShares, "-> [43, 21]"),
         (_rp(candidates=(("zero2", 0.050), ("dp", 0.1)), rank_s=(1e-3, 2e-3),
               rank_rel_sd=(0.01, 0.01), shares=(32, 32), recut=(43, 21), recut_step_s=0.075),
          SwitchPlan, "rank 1 slower"),
