@@ -7,8 +7,11 @@ does nothing itself: the controller decides when to apply it (at a step boundary
 
 from __future__ import annotations
 
+import functools
+import heapq
+import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from .errors import BalanceError
@@ -62,6 +65,20 @@ def proportional_shares(
         # without its O(n log n) Python work: the first total % n get one more.
         base, extra = divmod(total, n)
         return (base + 1,) * extra + (base,) * (n - extra)
+    if n >= _GROUPED_FROM:
+        grouped = _grouped_shares(total, speeds, cap, min_share)
+        if grouped is not None:
+            return grouped
+    return _each_shares(total, speeds, cap, min_share)
+
+
+_GROUPED_FROM = 64  # devices from which the shares are worked out per (speed, cap) first
+
+
+def _each_shares(total: int, speeds: Sequence[float], cap: Sequence[float],
+                 min_share: int) -> tuple[int, ...]:
+    """``proportional_shares``' general path, device by device (the checks done)."""
+    n = len(speeds)
     quota = _clamped_quotas(total, speeds, min_share, cap)
     shares = [max(min_share, int(math.floor(q + 1e-9))) for q in quota]
     while sum(shares) > total:  # float slack in the quotas: take back from the
@@ -84,30 +101,75 @@ def proportional_shares(
     return tuple(shares)
 
 
+def _grouped_shares(total: int, speeds: Sequence[float], cap: Sequence[float],
+                    min_share: int) -> tuple[int, ...] | None:
+    """``_each_shares``' result worked out once per (speed, cap) value, for devices that take
+    few (a cluster of a few pools, a pipeline's replicas of a few classes: 5,000 of them,
+    thousands of calls per planner call): the quotas over the values weighted by their
+    counts, and the samples left over one each to the devices in the same order (by time
+    with one more, ties to the lower index). None where that path's rarer steps are needed
+    (rounding slack over the total, a second round of samples left over) or the values are
+    many: the caller goes device by device."""
+    n = len(speeds)
+    keys = list(dict.fromkeys(zip(speeds, cap, strict=True)))  # (C-level passes: n is large)
+    if len(keys) * 8 > n:
+        return None
+    index = {k: c for c, k in enumerate(keys)}
+    cls = list(map(index.__getitem__, zip(speeds, cap, strict=True)))
+    counts = [cls.count(c) for c in range(len(keys))]
+
+    def members(c: int) -> Iterator[int]:
+        return itertools.compress(range(n), map(c.__eq__, cls))
+
+    quota = _clamped_quotas(total, [k[0] for k in keys], min_share, [k[1] for k in keys],
+                            counts)
+    share = [max(min_share, int(math.floor(q + 1e-9))) for q in quota]
+    left = total - sum(s * k for s, k in zip(share, counts, strict=True))
+    if left < 0:
+        return None
+    out = [share[c] for c in cls]
+    if not left:
+        return tuple(out)
+    time = [(share[c] + 1) / keys[c][0] for c in range(len(keys))]
+    by_time = sorted(range(len(keys)), key=time.__getitem__)
+    for _, same in itertools.groupby(by_time, key=time.__getitem__):
+        group = list(same)
+        for i in (members(group[0]) if len(group) == 1
+                  else heapq.merge(*(members(c) for c in group))):
+            if out[i] < cap[i]:
+                out[i] += 1
+                left -= 1
+                if not left:
+                    return tuple(out)
+    return None
+
+
 def _clamped_quotas(total: int, speeds: Sequence[float], floor: int,
-                    cap: Sequence[float]) -> list[float]:
+                    cap: Sequence[float], counts: Sequence[int] | None = None) -> list[float]:
     """``clamp(lam * speed_i, floor, cap_i)`` with the ``lam`` that makes them sum to
     ``total`` (feasible: ``n * floor <= total <= sum(cap)``, checked by the caller). Their sum
     is piecewise linear in ``lam``: device i is at the floor below ``floor / speed_i``, at its
     cap above ``cap_i / speed_i``, ``lam * speed_i`` between; one pass over those breakpoints
     in order finds ``lam`` exactly, O(n log n). (Fixing devices at a bound one after another
     does not: a fast device fixed at its cap, then the others lifted to the floor, summed
-    past the total, [8, 4, 4] for 14.)"""
+    past the total, [8, 4, 4] for 14.) ``counts``: how many devices each entry stands for
+    (1 each by default)."""
+    k = [1] * len(speeds) if counts is None else counts
     events = sorted([(floor / v, 0, i) for i, v in enumerate(speeds)]
                     + [(c / v, 1, i) for i, (c, v) in enumerate(zip(cap, speeds, strict=True))
                        if math.isfinite(c)])
-    const, slope = float(floor * len(speeds)), 0.0  # the sum is const + slope * lam
+    const, slope = float(floor * sum(k)), 0.0  # the sum is const + slope * lam
     lam = 0.0
     for at, kind, i in events:
         if const + slope * at >= total:
             lam = (total - const) / slope if slope > 0 else at
             break
         if kind == 0:  # off the floor from here
-            const -= floor
-            slope += speeds[i]
+            const -= floor * k[i]
+            slope += speeds[i] * k[i]
         else:  # at its cap from here
-            const += cap[i]
-            slope -= speeds[i]
+            const += cap[i] * k[i]
+            slope -= speeds[i] * k[i]
     else:
         lam = (total - const) / slope if slope > 0 else 0.0
     return [min(c, max(floor, lam * v)) for v, c in zip(speeds, cap, strict=True)]
@@ -125,7 +187,24 @@ def stage_split(
     Stage s takes ``sum(cost of its blocks) / stage_speeds[s]``. With ``block_memory`` and
     ``stage_memory`` a stage may hold only blocks whose memory sums to its budget. Every stage
     gets >= 1 block. O(stages x blocks^2). Raises ``BalanceError`` if no split is feasible.
+    Without memory, remembered by its figures (the planner asks the same split again on each
+    failure's composition of a big cluster).
     """
+    if block_memory is None and stage_memory is None:
+        return _split_by_cost(tuple(block_costs), tuple(stage_speeds))
+    return _split(block_costs, stage_speeds, block_memory, stage_memory)
+
+
+@functools.lru_cache(maxsize=4096)
+def _split_by_cost(block_costs: tuple[float, ...], stage_speeds: tuple[float, ...]
+                   ) -> tuple[int, ...]:
+    return _split(block_costs, stage_speeds, None, None)
+
+
+def _split(block_costs: Sequence[float], stage_speeds: Sequence[float],
+           block_memory: Sequence[float] | None, stage_memory: Sequence[float] | None
+           ) -> tuple[int, ...]:
+    """``stage_split``'s dynamic programme."""
     nb, ns = len(block_costs), len(stage_speeds)
     if ns == 0 or nb < ns:
         raise BalanceError(f"{nb} blocks cannot fill {ns} stages (each needs >= 1 block)")

@@ -9,6 +9,7 @@ choice in ``planner``.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -61,6 +62,17 @@ class PlanContext:
         self.model = model
         self.max_m = max_m
         self._t: dict[str, float] = {}
+        self._u: dict[str, float] = {}
+        self._per: dict[int, tuple[Sequence[Device], list[float], list[float]]] = {}
+
+    def per_device(self, devs: Sequence[Device]) -> tuple[list[float], list[float]]:
+        """Each of ``devs``' speed (samples per second) and usable bytes, worked out once per
+        list (the data-parallel strategies share a subset's: 10,000 devices each)."""
+        hit = self._per.get(id(devs))
+        if hit is None or hit[0] is not devs:
+            hit = self._per[id(devs)] = (devs, [1.0 / self.t(d) for d in devs],
+                                         list(map(self.usable, devs)))
+        return hit[1], hit[2]
 
     def t(self, d: Device) -> float:
         """Whole-model seconds per sample on ``d`` (memoized by device id)."""
@@ -69,7 +81,11 @@ class PlanContext:
         return self._t[d.id]
 
     def usable(self, d: Device) -> float:
-        return self.model.usable_bytes(d)
+        """Usable bytes on ``d`` (memoized by device id)."""
+        u = self._u.get(d.id)
+        if u is None:
+            u = self._u[d.id] = self.model.usable_bytes(d)
+        return u
 
 
 def format_capacity(d: Device) -> str:
@@ -117,7 +133,7 @@ def data_parallel_candidate(
     """``strategy`` (dp, zero1-3) on ``devs``: shares by speed, capped by the samples each
     device's free memory holds, with m = 1, 2, 4, ... accumulation steps until they fit."""
     n, prof, g = len(devs), ctx.profile, ctx.g
-    ids = tuple(d.id for d in devs)
+    ids = tuple(map(operator.attrgetter("id"), devs))
     stub = Plan(strategy=strategy, world_size=n, shares=(1,) * n, devices=ids)
     if g < n:
         return Candidate(stub, None, f"{strategy}: global batch {g} < {n} devices", subset)
@@ -134,7 +150,8 @@ def data_parallel_candidate(
         frozen_params=prof.frozen(),
     )
     fixed = fixed_parts.total
-    worst = min(devs, key=ctx.usable)
+    speeds, usable = ctx.per_device(devs)
+    worst = devs[usable.index(min(usable))]
     if fixed > ctx.usable(worst):
         return Candidate(
             stub,
@@ -145,8 +162,7 @@ def data_parallel_candidate(
             subset,
         )
     act = sum(prof.stored(i) for i in range(prof.n_blocks))
-    speeds = [1.0 / ctx.t(d) for d in devs]
-    per_pass = None if act <= 0 else [int((ctx.usable(d) - fixed) // act) for d in devs]
+    per_pass = None if act <= 0 else [int((u - fixed) // act) for u in usable]
     # Gradient accumulation: m passes of ceil(share / m) samples; try m = 1, 2, 4, ...
     m, tried, shares, err = 1, 1, None, ""
     while m <= ctx.max_m:

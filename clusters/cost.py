@@ -188,7 +188,9 @@ class CostModel:
             return sum(profile.block_seconds[tname][i] for i in idx) * device.slowdown
         if profile.block_flops is not None:
             rate = device.type.peak_flops(profile.precision) * self.compute_efficiency
-            return sum(profile.block_flops[i] for i in idx) / rate * device.slowdown
+            flops = profile.block_flops  # (the whole model's summed in C, in the same order)
+            work = sum(flops) if blocks is None else sum(flops[i] for i in idx)
+            return work / rate * device.slowdown
         raise ProfileError(
             f"cannot time {device.label} ({device.id}): the profile has no block_flops and no "
             "measured seconds for it; pass block_flops or calibrate from measurements"

@@ -27,7 +27,7 @@ from __future__ import annotations
 import itertools
 import operator
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -262,7 +262,7 @@ def mesh_layout(
     """
     dp = len(devices) // pp
     devs = tuple(devices)
-    ids = tuple(d.id for d in devs)
+    ids = tuple(map(operator.attrgetter("id"), devs))
     if len(set(ids)) != len(ids) or dp * pp != len(ids):
         raise PlanError(f"a pp={pp} layout needs distinct devices, a multiple of {pp} of them")
     classes = classes or device_classes(model, profile, devs)
@@ -497,15 +497,17 @@ def pipeline_memory_use(
 ) -> tuple[float, int, MemoryBreakdown]:
     """``estimate_pipeline``'s ``memory_use`` and ``tightest_rank``, and that rank's memory,
     without every rank's: what the planner rejects a try by."""
-    use, tight, per_pos, _ = _memory(model, plan, profile, layout, every_rank=False)
-    return use, tight, per_pos[tight // layout.dp][plan.shares[tight % layout.dp]]
+    use, tight, at_share, _ = _memory(model, plan, profile, layout, every_rank=False)
+    return use, tight, at_share(tight // layout.dp, plan.shares[tight % layout.dp])
 
 
 def _memory(
     model: PartCosts, plan: Plan, profile: ModelProfile, layout: MeshLayout, every_rank: bool
-) -> tuple[float, int, list[dict[int, MemoryBreakdown]], tuple[MemoryBreakdown, ...]]:
+) -> tuple[float, int, Callable[[int, int], MemoryBreakdown], tuple[MemoryBreakdown, ...]]:
     """The largest share of usable memory any rank needs and the first rank (stage-major)
-    needing it, each position's memory per share, and (``every_rank``) every rank's."""
+    needing it, a position's memory at a share (position, share -> breakdown), and
+    (``every_rank``) every rank's. Each (position, share)'s total is summed as
+    ``MemoryBreakdown.total`` sums it, without building one (thousands of tries a call)."""
     p, dp, m, v = plan.pp_degree, plan.dp_degree, plan.micro_batches, plan.virtual_stages
     memo = layout.memo(model, profile)
     pos = memo.positions.get(plan.stage_split)
@@ -534,22 +536,26 @@ def _memory(
     if usable is None:  # per position, each kind's first replica's usable bytes
         usable = memo.usable[kinds] = [
             [model.usable_bytes(layout.rows[c][j]) for c, _, _ in kinds] for j in range(p)]
-    per_pos: list[dict[int, MemoryBreakdown]] = []
+    held = [_in_flight(plan.schedule, m, p, v, j) for j in range(p)]
+
+    def at_share(j: int, s: int) -> MemoryBreakdown:
+        st = states[j]
+        return MemoryBreakdown(st.params, st.grads, st.optimizer,
+                               held[j] * (s // m) * pos[j].stored, st.buffers)
+
     for j, (at, st) in enumerate(zip(pos, states, strict=True)):
-        held = _in_flight(plan.schedule, m, p, v, j)
-        by_share = {s: MemoryBreakdown(st.params, st.grads, st.optimizer,
-                                       held * (s // m) * at.stored, st.buffers) for s in sizes}
-        per_pos.append(by_share)
         if every_rank:
+            by_share = {s: at_share(j, s) for s in sizes}
             for s, n in layout.share_runs(plan.shares):
                 mem.extend([by_share[s]] * n)
         # the first rank (stage-major) of each distinct (class, share)
-        totals = {s: b.total for s, b in by_share.items()}
+        states_b, buf, h, stored = st.model_states, st.buffers, held[j], at.stored
+        totals = {s: states_b + h * (s // m) * stored + buf for s in sizes}
         for (_, s, r), cap in zip(kinds, usable[j], strict=True):
             ratio = totals[s] / cap
             if ratio > use:
                 use, tight = ratio, j * dp + r
-    return use, tight, per_pos, tuple(mem)
+    return use, tight, at_share, tuple(mem)
 
 
 def estimate_pipeline(

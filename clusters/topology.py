@@ -139,6 +139,9 @@ class Path:
     name: str
 
 
+_Links = tuple[tuple[float, float, str], ...]  # (bandwidth, latency, name) of links
+
+
 @dataclass(frozen=True)
 class Cluster:
     """Pools and nodes. ``inter_pool_link`` (optional) caps traffic between different pools."""
@@ -177,6 +180,21 @@ class Cluster:
         """The device with that id; ``KeyError`` if there is none."""
         return self._device_index[device_id]
 
+    @functools.cached_property
+    def _node_pool(self) -> dict[str, str]:
+        return {n.id: n.pool for n in self.nodes}
+
+    @functools.cached_property
+    def _path_sigs(self) -> dict[str, tuple[_Links, _Links]]:
+        """Per node id what ``path_over`` weighs of it, alone in the group and with more
+        than one member there: its network; and its intra-node link."""
+        out: dict[str, tuple[_Links, _Links]] = {}
+        for n in self.nodes:
+            net = (n.network.bandwidth * n.nics, n.network.latency, f"{n.network.name}x{n.nics}")
+            lk = n.intra_link
+            out[n.id] = ((net,), (net, (lk.bandwidth, lk.latency, lk.name)))
+        return out
+
     def node(self, node_id: str) -> Node:
         """The node with that id; ``KeyError`` if there is none."""
         return self._node_index[node_id]
@@ -206,28 +224,20 @@ class Cluster:
         """``path`` of a group given as members per node id (``{"a100-0": 8, ...}``)."""
         if sum(per_node.values()) < 2:
             return None
-        nodes = [self.node(n) for n in per_node]
-        if len(nodes) == 1:
-            lk = nodes[0].intra_link
+        if len(per_node) == 1:
+            lk = self.node(next(iter(per_node))).intra_link
             return Path(lk.bandwidth, lk.latency, lk.name)
         bw, lat, name = float("inf"), 0.0, ""
-        seen: set[tuple[object, ...]] = set()
-        for n in nodes:
-            # alike nodes (a pool's) add nothing after the first: skip them (big clusters)
-            sig = (n.network.name, n.nics, n.intra_link.name if per_node[n.id] > 1 else "")
-            if sig in seen:
-                continue
-            seen.add(sig)
-            cands = [
-                (n.network.bandwidth * n.nics, n.network.latency, f"{n.network.name}x{n.nics}")
-            ]
-            if per_node[n.id] > 1:
-                cands.append((n.intra_link.bandwidth, n.intra_link.latency, n.intra_link.name))
+        sig = self._path_sigs
+        # alike nodes (a pool's) add nothing after the first: each signature once, in the
+        # order first met (big clusters)
+        for cands in dict.fromkeys(sig[n][c > 1] for n, c in per_node.items()):
             for b, lt, nm in cands:
                 if b < bw:
                     bw, name = b, nm
                 lat = max(lat, lt)
-        if self.inter_pool_link is not None and len({n.pool for n in nodes}) > 1:
+        if (self.inter_pool_link is not None
+                and len(set(map(self._node_pool.__getitem__, per_node))) > 1):
             lk = self.inter_pool_link
             if lk.bandwidth < bw:
                 bw, name = lk.bandwidth, lk.name

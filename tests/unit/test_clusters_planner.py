@@ -94,6 +94,39 @@ def test_shares_sum_exactly_when_caps_and_a_floor_both_bind():
         assert all(c is None or x <= c for x, c in zip(s, caps, strict=True))
 
 
+def test_shares_of_many_devices_of_few_kinds_are_those_of_the_device_by_device_path():
+    """Thousands of devices (or a pipeline's replicas) of a few kinds: the shares worked out
+    per (speed, cap) are the device-by-device path's, exactly (ties by index across kinds,
+    caps, a floor, samples left over); the rarer steps fall back to it."""
+    from clusters.balance import _each_shares, _grouped_shares
+
+    rng = random.Random(5)
+    grouped = 0
+    for case in range(400):
+        kinds = rng.randint(2, 6)
+        kind_speed = [rng.choice([1.0, 2.0, 0.5, rng.uniform(0.1, 10)]) for _ in range(kinds)]
+        kind_cap = [rng.choice([None, None, rng.randint(2, 60)]) for _ in range(kinds)]
+        n = rng.randint(64, 600)
+        kind = [rng.randrange(kinds) for _ in range(n)]
+        speeds = [kind_speed[k] for k in kind]
+        caps = [math.inf if kind_cap[k] is None else kind_cap[k] for k in kind]
+        m = rng.choice([1, 1, 2])
+        if min(caps) < m:
+            continue
+        room = sum(40 * m if math.isinf(c) else c for c in caps)
+        total = rng.randint(n * m, max(n * m, room))
+        if sum(caps) < total:
+            continue
+        got = _grouped_shares(total, speeds, caps, m)
+        want = _each_shares(total, speeds, caps, m)
+        if got is not None:
+            grouped += 1
+            assert got == want, case
+        assert proportional_shares(total, speeds, [None if math.isinf(c) else int(c)
+                                                   for c in caps], min_share=m) == want
+    assert grouped > 300  # (the fallback is rare)
+
+
 def test_share_errors_say_what_to_do():
     with pytest.raises(BalanceError, match="fewer devices or a larger batch"):
         proportional_shares(2, [1, 1, 1])
