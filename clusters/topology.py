@@ -181,6 +181,12 @@ class Cluster:
         return self._device_index[device_id]
 
     @functools.cached_property
+    def _path_sig(self) -> tuple[dict[str, _Links], dict[str, _Links]]:
+        """``_path_sigs`` as two maps: alone in the group, with more than one member."""
+        sig = self._path_sigs
+        return {n: s[0] for n, s in sig.items()}, {n: s[1] for n, s in sig.items()}
+
+    @functools.cached_property
     def _node_pool(self) -> dict[str, str]:
         return {n.id: n.pool for n in self.nodes}
 
@@ -230,8 +236,15 @@ class Cluster:
         bw, lat, name = float("inf"), 0.0, ""
         sig = self._path_sigs
         # alike nodes (a pool's) add nothing after the first: each signature once, in the
-        # order first met (big clusters)
-        for cands in dict.fromkeys(sig[n][c > 1] for n, c in per_node.items()):
+        # order first met (big clusters; where every node holds one member, or every node
+        # more than one, in a C-level pass)
+        counts = set(per_node.values())
+        alone = max(counts) == 1
+        if alone or min(counts) > 1:
+            seen = dict.fromkeys(map(self._path_sig[not alone].__getitem__, per_node))
+        else:
+            seen = dict.fromkeys(sig[n][c > 1] for n, c in per_node.items())
+        for cands in seen:
             for b, lt, nm in cands:
                 if b < bw:
                     bw, name = b, nm
