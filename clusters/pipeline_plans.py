@@ -62,13 +62,14 @@ class _Memo:
 
 def _arrangements(
     ctx: PlanContext, devs: list[Device], by_speed: list[Device], pp: int,
-    classes: DeviceClasses,
+    classes: DeviceClasses, rank_order: bool = False,
 ) -> list[_Arrangement]:
-    """Layouts for "stages by speed" and (when it differs) "replicas by node"."""
+    """Layouts for "stages by speed" and (when it differs) "replicas by node"; with
+    ``rank_order`` the devices' own order only (``planner.plan``)."""
     dp = len(devs) // pp
     by_node = [devs[r * pp + j] for j in range(pp) for r in range(dp)]
-    orders = [("stages by speed", by_speed)]
-    if any(a is not b for a, b in zip(by_node, by_speed, strict=True)):
+    orders = [("rank order", devs) if rank_order else ("stages by speed", by_speed)]
+    if not rank_order and any(a is not b for a, b in zip(by_node, by_speed, strict=True)):
         orders.append(("replicas by node", by_node))
     out = []
     for name, ranks in orders:
@@ -147,8 +148,10 @@ def pipeline_candidates(
     schedules: Sequence[str],
     dp_modes: Sequence[str],
     max_pp: int | None,
+    rank_order: bool = False,
 ) -> list[Candidate]:
-    """One candidate (or rejection) per (pp, schedule, dp_mode) on ``devs``."""
+    """One candidate (or rejection) per (pp, schedule, dp_mode) on ``devs`` (``rank_order``:
+    ``planner.plan``'s)."""
     out: list[Candidate] = []
     n, nb = len(devs), ctx.profile.n_blocks
     by_speed = sorted(devs, key=ctx.t)  # stable: node order among equals; stage 0 fastest
@@ -206,7 +209,7 @@ def pipeline_candidates(
                     out.append(Candidate(stub, None, f"{label}: {why}", subset))
                     continue
                 if arrs is None:
-                    arrs = _arrangements(ctx, devs, by_speed, pp, classes)
+                    arrs = _arrangements(ctx, devs, by_speed, pp, classes, rank_order)
                 out.append(_best(ctx, arrs, stub, schedule, mode, ms, memo, subset))
     return out
 

@@ -64,6 +64,7 @@ def plan(
     tie_tolerance: float = 0.01,
     comfortable: float = 0.5,
     trial_tolerance: float = 0.05,
+    rank_order: bool = False,
 ) -> PlanResult:
     """Choose a plan for training ``profile`` with global batch ``global_batch`` on ``cluster``.
 
@@ -78,6 +79,12 @@ def plan(
     beside zero1 with memory to spare). A plan a trial ran with comfortable memory is also
     chosen over faster ones predicted within ``trial_tolerance`` that no trial ran, and of
     those, one that keeps every rank's state on a peer (dp) first.
+    ``rank_order``: each device's place in ``cluster.devices`` is its rank, which the plan
+    keeps (the live workers: a spec cannot reorder them): a pipeline's stages go to the
+    devices in that order, stage-major, the split following their speeds; without it the
+    planner also arranges the stages by speed and the replicas by node, which a live spec
+    would have applied to the workers in their own order (the slow one given the fast
+    stage's blocks).
     Never raises for "nothing fits": ``choice`` is then ``None`` and ``explanation`` says why.
     """
     if global_batch < 1:
@@ -97,7 +104,8 @@ def plan(
             if s != "pipeline":
                 cands.append(data_parallel_candidate(ctx, s, devs, label))
         if "pipeline" in strategies:
-            cands.extend(pipeline_candidates(ctx, devs, label, schedules, dp_modes, max_pp))
+            cands.extend(pipeline_candidates(ctx, devs, label, schedules, dp_modes, max_pp,
+                                             rank_order))
     fitting = [replace(c, peak_fraction=_peak_fraction(c)) for c in cands if c.fits]
     ranked = sorted(fitting, key=lambda c: (c.step_time, c.peak_fraction))
     rejected = tuple(c for c in cands if not c.fits)

@@ -276,12 +276,14 @@ class Prediction:
 
 
 def predictions(model: CostModel, profile: ModelProfile, cluster: Cluster, global_batch: int,
-                observed: Sequence[Observed] = ()) -> tuple[Prediction, ...]:
+                observed: Sequence[Observed] = (), rank_order: bool = False
+                ) -> tuple[Prediction, ...]:
     """Every fitting plan the planner ranks for the whole cluster, fastest first, each with
-    its measured median if the job ran it, else the model's prediction."""
+    its measured median if the job ran it, else the model's prediction (``rank_order``:
+    ``planner.plan``'s)."""
     seen = {plan_key(o.plan): o.step.median for o in observed}
     result = plan_fn(cluster, profile, global_batch, model=model, subsets=False,
-                     tie_tolerance=0.0)
+                     tie_tolerance=0.0, rank_order=rank_order)
     out = []
     for c in result.ranked:
         k = plan_key(c.plan)
@@ -319,7 +321,7 @@ def observe(*, model: CostModel | None, profile: ModelProfile | None, cluster: C
             recut: bool = True, own_split: bool = False, tried_from: str = "",
             recut_from: tuple[tuple[int, ...], float] | None = None,
             tried: Collection[str] = (), drift: float = 0.0,
-            switched_from: str = "") -> Observation:
+            switched_from: str = "", rank_order: bool = False) -> Observation:
     """The closed loop's view of the running layout ``current`` (devices set), measured at
     ``step`` over its window, with the layouts run before it (``observed``).
 
@@ -337,7 +339,8 @@ def observe(*, model: CostModel | None, profile: ModelProfile | None, cluster: C
     it left and their measured step. ``tried``: labels a ``TryPlan`` named before (never
     offered again, as when its switch failed). ``drift``: how far the host's phases move a
     layout's figure (``LoopMemory.drift``); ``switched_from``: the layout the last switch
-    left (``LoopMemory``)."""
+    left (``LoopMemory``). ``rank_order``: the devices' order is their ranks' (live;
+    ``planner.plan``)."""
     shared = current.strategy in SYNC_MODES and len(rank_s) == len(current.devices)
     piped = (current.is_pipeline and len(rank_s) == len(current.devices)
              and len(stage_s) == len(rank_s))
@@ -367,7 +370,7 @@ def observe(*, model: CostModel | None, profile: ModelProfile | None, cluster: C
         seen[plan_key(current)] = Observed(current, step)
         obs_all = list(seen.values())
         fitted = refit(model, profile, cluster, obs_all, compute, kinds if compute else None)
-        preds = predictions(fitted, profile, cluster, global_batch, obs_all)
+        preds = predictions(fitted, profile, cluster, global_batch, obs_all, rank_order)
         if current.strategy in SYNC_MODES:  # (at the re-cut while a straggler is named)
             at = new if recent is not None and new else current.shares
             preds = _at_running_shares(preds, current, fitted, profile, cluster, at)

@@ -151,10 +151,12 @@ class ReplanPolicy:
     100 steps before) -> dp measured 138 -> zero1, each time comparing two phases of the
     host, not two layouts. The way back after a try, and to the layout the last switch
     left, is exempt: the two figures are adjacent. Every candidate is weighed against its
-    own bar; the largest gain that clears it is taken. A switch beside a re-cut that pays
-    must beat the re-cut by the same bar: the re-cut keeps the layout, and while a straggler
-    is named the candidates are judged at its shares (``refit.observe``), so a switch 3 %
-    faster than the re-cut is noise, not a reason to change strategy."""
+    own bar; the largest gain that clears it is taken, save that a switch must beat the
+    re-cut on offer (paying or not) by the same bar, and a try be near the re-cut's step:
+    the re-cut keeps the layout, and while a straggler is named the share-balanced
+    candidates are judged at its shares (``refit.observe``), so their gain is mostly the
+    re-cut's, and a switch 3 % faster than the re-cut is noise, not a reason to change
+    strategy."""
 
     min_steps: int = 10
     min_gain: float = 0.05
@@ -251,8 +253,9 @@ class ReplanPolicy:
         # misled them; a split: blocks' weights measured off misled it), but a split the loop
         # re-cut follows its stages' times (a straggler that recovered leaves no rank slower
         # than its peers, and the split must come back)
+        recut_gain = 0.0  # what the re-cut on offer saves, paying or not
         if obs.recut and obs.recut != obs.shares and (slow or obs.own_split):
-            gain = obs.step_s - obs.recut_step_s
+            gain = recut_gain = obs.step_s - obs.recut_step_s
             if pays(gain):
                 options.append(RecutShares(
                     obs.recut, slow, gain, obs.switch_s,
@@ -261,17 +264,31 @@ class ReplanPolicy:
                     f"measured, {gain * 1e3:.1f} ms x {obs.remaining} steps = "
                     f"{gain * obs.remaining:.1f} s > re-layout {obs.switch_s:.2f} s",
                     cut=obs.cut))
-        if len(options) == 2:  # a switch beside a re-cut that pays: it must beat the re-cut
-            switch, recut = options  # (in that order) by the same bar: the re-cut keeps
-            extra = switch.gain_s - recut.gain_s  # the layout; candidates are at its shares
-            return switch if (extra > noise and extra >= self.min_gain * obs.recut_step_s
-                              and extra * obs.remaining > cost) else recut
+        # a switch must beat the re-cut on offer (paying or not) by the same bar: the re-cut
+        # keeps the layout, and while a straggler is named the share-balanced candidates are
+        # judged at its shares (``refit.observe``), their gain mostly the re-cut's
+        beaten: SwitchPlan | None = None
+        first = options[0] if options else None
+        if isinstance(first, SwitchPlan) and recut_gain > 0:
+            extra = first.gain_s - recut_gain
+            if not (extra > noise and extra >= self.min_gain * obs.recut_step_s
+                    and extra * obs.remaining > cost):
+                beaten = first
+                options.remove(first)
         if options:
-            return options[0]
-        tried = None if undecided else self._to_try(obs)  # one try at a time
+            return max(options, key=lambda o: o.gain_s)
+        tried = None if undecided or beaten else self._to_try(  # one try at a time, near
+            obs, min(obs.step_s, obs.step_s - recut_gain))  # the re-cut's step if offered
         if tried is not None:
             return replace(tried, reason=tried.reason + named)
-        if best is None or best[0] == obs.current:
+        if beaten is not None:
+            why = (f"{beaten.target} predicted {beaten.gain_s * 1e3:.1f} ms/step under "
+                   f"{obs.current}'s measured {obs.step_s * 1e3:.1f} ms, of which the "
+                   f"{obs.cut} re-cut to {list(obs.recut)} is {recut_gain * 1e3:.1f} ms: "
+                   f"the rest is under the bar (noise {noise * 1e3:.1f} ms, "
+                   f"{self.min_gain:.0%} of the re-cut's step), and the re-cut alone does not "
+                   "pay")
+        elif best is None or best[0] == obs.current:
             why = f"{obs.current} is the fastest plan ({obs.step_s * 1e3:.1f} ms/step measured)"
         else:
             gain, bar = obs.step_s - best[1], stale(best[0])
@@ -290,11 +307,12 @@ class ReplanPolicy:
                     f"({noise * 1e3:.1f} ms): checked again at the next decision")
         return KeepPlan(why + named, slow, checking=undecided)
 
-    def _to_try(self, obs: ReplanObservation) -> TryPlan | None:
-        """The untried candidate predicted fastest, if it is within ``explore`` of the
-        running step and a plan ``min_gain`` faster would pay for trying it."""
+    def _to_try(self, obs: ReplanObservation, base: float) -> TryPlan | None:
+        """The untried candidate predicted fastest, if it is within ``explore`` of ``base``
+        (the running step, or the re-cut's on offer) and a plan ``min_gain`` faster would pay
+        for trying it."""
         near = [c for c in obs.candidates if c[0] in obs.untried and c[0] != obs.current
-                and c[1] <= obs.step_s * (1 + self.explore)]
+                and c[1] <= base * (1 + self.explore)]
         if not near or self.explore <= 0:
             return None
         label, pred = min(near, key=lambda c: c[1])

@@ -316,7 +316,7 @@ def auto_plan(cluster: Cluster, measured: MeasuredModel, global_batch: int,
     """The planner on the live workers with what they measured, every worker used;
     ``options``: the planner's others (``clusters.planner.plan``: ``trial_tolerance``...)."""
     return plan(cluster, measured.profile, global_batch, model=measured.model, subsets=False,
-                **options)
+                rank_order=True, **options)
 
 
 def auto_spec(model: nn.Module, optimizer: Any, infos: Sequence[dict[str, Any]],
@@ -332,7 +332,8 @@ def auto_spec(model: nn.Module, optimizer: Any, infos: Sequence[dict[str, Any]],
                else model_profile(model, optimizer, precision=precision))
     cost = link_model(links, len(infos)) if links else None
     result = plan(cluster, profile, global_batch, model=cost,
-                  speeds={ids[r]: s for r, s in enumerate(speeds)}, subsets=False)
+                  speeds={ids[r]: s for r, s in enumerate(speeds)}, subsets=False,
+                  rank_order=True)
     return plan_spec(result.plan), result.explanation
 
 

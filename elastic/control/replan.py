@@ -254,7 +254,10 @@ class Replanner:
             data["to"] = {"label": decision.target, "shares": list(to.shares),
                           "stage_split": list(to.stage_split)}
             if not to.is_pipeline and to.shares != tuple(obs.shares):
-                said += f" (at shares {list(to.shares)})"
+                at = f"{decision.target} (at shares {list(to.shares)}) "
+                said = (f"{kind}: {at}{decision.reason[len(decision.target) + 1:]}"
+                        if decision.reason.startswith(f"{decision.target} ")
+                        else f"{said} (to {decision.target} at shares {list(to.shares)})")
         self._emit("replan", said, data=data, step=step)
         named, self._named = self._named, tuple(ids)
         if slow and tuple(ids) != named:  # named once while it stays one (by worker: a rank
@@ -344,6 +347,7 @@ class Replanner:
             rank_s=figs.rank_s, rank_rel_sd=figs.rel,
             kinds=dict(zip(current.devices, lay.kinds, strict=False)),
             replan=self.cfg.strategy == "auto" and mm is not None, stage_s=figs.stage_s,
+            rank_order=True,
             block_weights=block_weights(lay, group) if figs.stage_s else (),
             recent=robust(times[-self._recent():]) if recent else None, **mem)
         parts: dict[str, Any] = {}

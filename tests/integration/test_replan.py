@@ -131,7 +131,12 @@ def test_a_live_auto_job_names_a_straggler_and_re_cuts_its_share(ray_local, tmp_
             how = "stage split" if d["to"]["stage_split"] else "shares"
         else:
             return None
-        return (tuple(new), how) if new[1] < new[0] else None
+        # rank 1's blocks (or samples) against rank 0's, and at most a third of the whole: a
+        # cut that follows a rank 2x slower or more, not a layout's near-even split
+        # (ranks keep their order in every live plan: stage-major, rank r on position r)
+        pp = 2 if how == "stage split" else len(new)
+        held = [sum(new[j::pp]) for j in range(pp)]
+        return (tuple(new), how) if held[1] < held[0] and 3 * held[1] <= sum(new) else None
 
     def recut() -> list:
         # around rank 1 (on a loaded 2-core machine rank 0 can be named for a while too)

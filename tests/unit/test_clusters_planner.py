@@ -125,6 +125,14 @@ def test_shares_of_many_devices_of_few_kinds_are_those_of_the_device_by_device_p
         assert proportional_shares(total, speeds, [None if math.isinf(c) else int(c)
                                                    for c in caps], min_share=m) == want
     assert grouped > 300  # (the fallback is rare)
+    # 10,000 devices whose quotas are exact integers in the thousands: the quotas' float
+    # sums differ in the last bits between the two paths (weighted, one by one); the shares
+    # do not
+    for kinds in ([1.0, 2.0, 3.0], [0.5, 1.5, 0.7, 1.3, 2.0]):
+        speeds = [kinds[i % len(kinds)] for i in range(10_000)]
+        total = round(sum(speeds) * 2560)
+        inf = [math.inf] * len(speeds)
+        assert _grouped_shares(total, speeds, inf, 1) == _each_shares(total, speeds, inf, 1)
 
 
 def test_share_errors_say_what_to_do():
@@ -712,3 +720,29 @@ def test_the_choice_says_every_part_of_its_predicted_step(strategies):
     assert got, line
     step, *parts = map(float, got.groups())
     assert sum(parts) == pytest.approx(step, rel=5e-3)
+
+
+def test_a_live_plan_keeps_the_workers_order_and_splits_by_their_speeds():
+    """The live workers' ranks are their order (a spec cannot reorder them): with
+    ``rank_order`` every pipeline plan keeps it, stage-major, and its split follows their
+    speeds. Without it the planner also arranges stages by speed and replicas by node, and a
+    live spec applied such a plan to the workers in their own order: the slow worker given
+    the fast stage's blocks."""
+    pools = [{"name": f"rank{r}", "nodes": 1, "devices_per_node": 1, "network": "loopback",
+              "device": "A100-80GB", **({"emulation": {"slowdown": 6}} if r == 0 else {})}
+             for r in range(4)]
+    prof = transformer_profile(layers=6, d_model=256, n_heads=4, seq_len=128, vocab=1000,
+                               name="t")
+    for n in (2, 4):
+        cluster = load_cluster({"name": "live", "pools": pools[:n]})
+        ids = tuple(d.id for d in cluster.devices)
+        res = plan(cluster, prof, 64, subsets=False, strategies=("pipeline",),
+                   rank_order=True)
+        assert res.ranked and all(c.plan.devices == ids for c in res.ranked), n
+        for c in res.ranked:  # rank 0 (slow) holds position 0: no more blocks than any
+            p, pp = c.plan, c.plan.pp_degree  # other position, fewer where chunks are whole
+            held = [sum(p.stage_split[j::pp]) for j in range(pp)]
+            assert held[0] <= min(held[1:]), (p.label, p.stage_split)
+            assert p.virtual_stages > 1 or held[0] < min(held[1:]), (p.label, p.stage_split)
+    free = plan(cluster, prof, 64, subsets=False, strategies=("pipeline",))
+    assert any(c.plan.devices != ids for c in free.ranked)  # (what a live spec cannot keep)

@@ -309,9 +309,14 @@ _FAST = (("zero2", 0.080), ("dp", 0.100))  # a plan 20 ms/step faster than the r
         # a straggler within its own noise is not one
         (_rp(rank_s=(1e-3, 1.3e-3), rank_rel_sd=(0.01, 0.2), shares=(32, 32),
               recut=(36, 28), recut_step_s=0.09), KeepPlan, "fastest plan"),
-        # both pay: the larger gain wins
+        # both pay: the larger gain wins (a switch's, beyond the re-cut's by the bar)
         (_rp(candidates=_FAST, rank_s=(1e-3, 2e-3), rank_rel_sd=(0.01, 0.01),
               shares=(32, 32), recut=(43, 21), recut_step_s=0.075), RecutShares, "-> [43, 21]"),
+        # ...and where the re-cut on offer does not pay alone (3 ms < 5 %), a switch whose
+        # gain is mostly its (candidates are judged at its shares) is kept from too
+        (_rp(candidates=(("zero2", 0.094), ("dp", 0.1)), rank_s=(1e-3, 2e-3),
+             rank_rel_sd=(0.01, 0.01), shares=(32, 32), recut=(43, 21), recut_step_s=0.097),
+         KeepPlan, "the rest is under the bar"),
         # a switch that beats the re-cut by less than the bar (2 ms < 5 % of 75): the re-cut
         (_rp(candidates=(("zero2", 0.073), ("dp", 0.1)), rank_s=(1e-3, 2e-3),
              rank_rel_sd=(0.01, 0.01), shares=(32, 32), recut=(43, 21), recut_step_s=0.075),
@@ -368,6 +373,12 @@ _NEAR = (("dp", 0.100), ("zero1", 0.104))  # zero1 predicted 4 % slower than dp 
         (_rp(candidates=_NEAR, untried=("zero1",), rank_s=(1e-3, 2e-3),
              rank_rel_sd=(0.01, 0.01), shares=(32, 32), recut=(43, 21), recut_step_s=0.099),
          {}, TryPlan, "zero1 never ran here"),
+        # with a re-cut on offer (97 ms), near its step: 108 ms is not (106.7 at most)
+        (_rp(candidates=(("dp", 0.1), ("zero1", 0.108)), untried=("zero1",),
+             rank_s=(1e-3, 2e-3), rank_rel_sd=(0.01, 0.01), shares=(32, 32), recut=(43, 21),
+             recut_step_s=0.097), {}, KeepPlan, "fastest plan"),
+        (_rp(candidates=(("dp", 0.1), ("zero1", 0.108)), untried=("zero1",)), {}, TryPlan,
+         "zero1 never ran here"),
         # a switch that pays comes first
         (_rp(candidates=(("zero2", 0.08),) + _NEAR, untried=("zero1", "zero2")), {},
          SwitchPlan, "zero2 predicted 80.0 ms/step"),
