@@ -281,26 +281,36 @@ class ReplanPolicy:
             obs, min(obs.step_s, obs.step_s - recut_gain))  # the re-cut's step if offered
         if tried is not None:
             return replace(tried, reason=tried.reason + named)
+        def short(gain: float, bar: float = 0.0) -> str:  # why a gain is not taken
+            why = [f"{gain * obs.remaining:.1f} s over {obs.remaining} steps does not pay for "
+                   f"a re-layout of {obs.switch_s:.2f} s"] if gain * obs.remaining <= cost else []
+            if gain <= noise + bar:
+                why.append(f"within the noise ({noise * 1e3:.1f} ms" + (
+                    f" and the {obs.drift:.1%} the host's phases moved a measured figure: "
+                    f"{(noise + bar) * 1e3:.1f} ms" if bar else "") + ")")
+            if gain < self.min_gain * obs.step_s:
+                why.append(f"under {self.min_gain:.0%} of the step")
+            return ", ".join(why) or "not taken"
+
         if beaten is not None:
-            why = (f"{beaten.target} predicted {beaten.gain_s * 1e3:.1f} ms/step under "
-                   f"{obs.current}'s measured {obs.step_s * 1e3:.1f} ms, of which the "
-                   f"{obs.cut} re-cut to {list(obs.recut)} is {recut_gain * 1e3:.1f} ms: "
-                   f"the rest is under the bar (noise {noise * 1e3:.1f} ms, "
-                   f"{self.min_gain:.0%} of the re-cut's step), and the re-cut alone does not "
-                   "pay")
+            extra = beaten.gain_s - recut_gain
+            why = (f"{beaten.target} predicted {(obs.step_s - beaten.gain_s) * 1e3:.1f} ms/step "
+                   f"against {obs.current}'s measured {obs.step_s * 1e3:.1f} ms, a gain of "
+                   f"{beaten.gain_s * 1e3:.1f} ms of which the {obs.cut} re-cut to "
+                   f"{list(obs.recut)} is {recut_gain * 1e3:.1f} ms: the {extra * 1e3:.1f} ms "
+                   f"beyond it is under the bar (noise {noise * 1e3:.1f} ms, "
+                   f"{self.min_gain:.0%} of the re-cut's step)")
         elif best is None or best[0] == obs.current:
             why = f"{obs.current} is the fastest plan ({obs.step_s * 1e3:.1f} ms/step measured)"
         else:
-            gain, bar = obs.step_s - best[1], stale(best[0])
+            gain = obs.step_s - best[1]
             how = "measured earlier" if best[0] in obs.ran else "predicted"
             why = (f"{best[0]} {how} {best[1] * 1e3:.1f} ms/step against {obs.current}'s "
-                   f"{obs.step_s * 1e3:.1f} ms: a gain of {gain * 1e3:.1f} ms x "
-                   f"{obs.remaining} steps = {gain * obs.remaining:.1f} s does not pay for a "
-                   f"switch of {obs.switch_s:.2f} s, or is within the noise "
-                   f"({noise * 1e3:.1f} ms"
-                   + (f" and the {obs.drift:.1%} the host's phases moved a measured figure: "
-                      f"{(noise + bar) * 1e3:.1f} ms" if bar else "")
-                   + f") or under {self.min_gain:.0%}")
+                   f"{obs.step_s * 1e3:.1f} ms: a gain of {gain * 1e3:.1f} ms, "
+                   + short(gain, stale(best[0])))
+        if recut_gain and slow and not any(isinstance(o, RecutShares) for o in options):
+            why += (f"; the {obs.cut} re-cut to {list(obs.recut)} predicted "
+                    f"{obs.recut_step_s * 1e3:.1f} ms/step: " + short(recut_gain))
         if undecided:
             why += (f"; the try of {obs.current} measured {obs.step_s * 1e3:.1f} ms/step "
                     f"against {undecided}'s {back_s * 1e3:.1f} ms, within the noise "

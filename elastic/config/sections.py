@@ -453,6 +453,11 @@ def _faults(faults: Any) -> None:
                                                 "factor"} or \
                 not {"rank", "step", "action"} <= set(f):
             raise ConfigError(key, f"{f!r} is not a fault.", fix)
+        if f["action"] not in FAULT_ACTIONS:  # first: a misspelt action is not a "slowdown"
+            near = did_you_mean(str(f["action"]), list(FAULT_ACTIONS))
+            raise ConfigError(key, f"unknown action {f['action']!r}.",
+                              (f"did you mean {near}? " if near else "")
+                              + f"use one of: {', '.join(FAULT_ACTIONS)}")
         if (f.get("action") in ("slow", "slow_upload")) != ("seconds" in f):
             raise ConfigError(key, "seconds goes with actions slow and slow_upload, and they "
                               "need it.", fix)
@@ -466,9 +471,6 @@ def _faults(faults: Any) -> None:
             v = f[k]
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ConfigError(key, f"{k} must be an integer >= 0, got {v!r}.", fix)
-        if f["action"] not in FAULT_ACTIONS:
-            raise ConfigError(key, f"unknown action {f['action']!r}.",
-                              f"use one of: {', '.join(FAULT_ACTIONS)}")
         if f.get("dir") is not None and not isinstance(f["dir"], str):
             raise ConfigError(key, f"dir must be a path, got {f['dir']!r}.", fix)
 

@@ -143,7 +143,10 @@ def test_faults_are_validated_naming_the_entry(tmp_path):
                        ({"rank": 0, "step": 1, "action": "slow"}, "they need it"),
                        ({"rank": 0, "step": 1, "action": "slow_upload"}, "they need it"),
                        ({"rank": 0, "step": 1, "action": "exit", "seconds": 1}, "goes with"),
-                       ({"rank": 0, "step": 1, "action": "slow", "seconds": 0}, "seconds")]:
+                       ({"rank": 0, "step": 1, "action": "slow", "seconds": 0}, "seconds"),
+                       # a misspelt action is said so, not "factor goes with slowdown"
+                       ({"rank": 0, "step": 1, "action": "slow_down", "factor": 6},
+                        "unknown action 'slow_down'")]:
         with pytest.raises(ConfigError) as ei:
             _cfg(tmp_path, faults=[ok, bad])
         assert ei.value.field.startswith("faults[1]") and words in str(ei.value), str(ei.value)
