@@ -253,6 +253,11 @@ class JobConfig(JobCode):
                 f"{top} is more than global_batch_size={d.global_batch_size}: the job could be "
                 "grown to workers that get no sample.",
                 f"use max_workers <= {d.global_batch_size}, or a larger global_batch_size")
+        for i, f in enumerate(self.failures.faults or ()):  # (one no rank reaches never
+            if f["rank"] >= top:  # fires, and said nothing: a new user, session 50)
+                raise ConfigError(f"faults[{i}].rank", f"rank {f['rank']} is outside this job's "
+                                  f"ranks 0..{top - 1}, so the fault would never fire.",
+                                  f"use a rank below {top}, or more workers")
         for k in p.switch_at:
             if not 0 < k < d.max_steps:
                 raise ConfigError(f"switch_at[{k}]", f"step {k} is outside 1..{d.max_steps - 1}.",

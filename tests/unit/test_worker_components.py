@@ -40,7 +40,7 @@ TOL = 1e-6
 
 def _cfg(tmp_path: Any, **kw: Any) -> JobConfig:
     base: dict[str, Any] = dict(model=mlp, optimizer=adam, loss=mse, dataset=RegressionData(),
-                                global_batch_size=G, max_steps=100, num_workers=1,
+                                global_batch_size=G, max_steps=100, num_workers=1, max_workers=4,
                                 run_dir=str(tmp_path / "run"))
     base.update(kw)
     cfg = JobConfig(**base)
@@ -146,7 +146,9 @@ def test_faults_are_validated_naming_the_entry(tmp_path):
                        ({"rank": 0, "step": 1, "action": "slow", "seconds": 0}, "seconds"),
                        # a misspelt action is said so, not "factor goes with slowdown"
                        ({"rank": 0, "step": 1, "action": "slow_down", "factor": 6},
-                        "unknown action 'slow_down'")]:
+                        "unknown action 'slow_down'"),
+                       # a rank the job never has (up to max_workers 4): it would never fire
+                       ({"rank": 4, "step": 1, "action": "exit"}, "would never fire")]:
         with pytest.raises(ConfigError) as ei:
             _cfg(tmp_path, faults=[ok, bad])
         assert ei.value.field.startswith("faults[1]") and words in str(ei.value), str(ei.value)
