@@ -373,9 +373,8 @@ class Layouts:
         return [self.speed[w.worker_id] for w in group.workers]
 
     def rebalanced(self, spec: StrategySpec, step: int, group: Any) -> StrategySpec | None:
-        """Every ``rebalance_every`` steps while balancing dp/ZeRO shares: measure the speeds
-        again; a spec with re-cut shares if they drifted (``clusters.rebalance_decision``),
-        else None."""
+        """Every ``rebalance_every`` steps while balancing dp/ZeRO shares: the speeds again,
+        and a spec with re-cut shares if they drifted (``rebalance_decision``), else None."""
         from clusters import rebalance_decision
 
         every = self.cfg.rebalance_every
@@ -452,8 +451,9 @@ class Layouts:
         moved = (f", {megabytes(sent)} MB moved between ranks" if move == "reshard"
                  else ", full state gathered on every rank")
         self._emit("switch", f"{old.name} -> {spec.name} ({reason}) in {dt:.2f}s{moved}, "
-                   f"state digest {sorted(hashes)[0][0]} {check}",
+                   f"state digest {sorted(hashes)[0][0]} {check}{_within(old, spec)}",
                    data={"from": old.name, "to": spec.name, "reason": reason, "seconds": dt,
+                         "shares": list(spec.shares), "stage_split": list(spec.stage_split or ()),
                          "hashes": sorted(hashes), "state_preserved": same, "check": mode,
                          "move": move, "bytes_moved": sent, "problems": problems[:10]})
         if not same:  # the workers kept (or went back to) the old layout
@@ -507,6 +507,14 @@ def _shardable_only(model: Any) -> dict[str, Any]:
         return {}
     return {"strategies": [s for s in STRATEGIES if s != "zero3"],
             "dp_modes": [m for m in DP_MODES if m != "zero3"]}
+
+
+def _within(old: StrategySpec, spec: StrategySpec) -> str:
+    """A switch within one strategy: what it changed (a new user read "dp -> dp")."""
+    if old.name != spec.name:
+        return ""
+    return f"; now {_described(spec)}" + (f", shares {list(spec.shares)}"
+                                          if spec.name != "pipeline" else "")
 
 
 def _described(spec: StrategySpec) -> str:

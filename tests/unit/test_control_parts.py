@@ -1109,3 +1109,20 @@ def test_sizes_in_events_do_not_round_a_small_model_to_nothing():
     assert read_detail([{"bytes": 11_766, "total_bytes": 23_532},
                         {"bytes": 11_766, "total_bytes": 23_532}]) == (
         " (each worker read 0.0118-0.0118 of 0.0235 MB)")
+
+
+def test_a_switch_within_one_strategy_says_what_it_changed():
+    """A re-cut or re-split is a switch from a strategy to itself: its event says the new
+    shares or split (a new user read "switch dp -> dp" and "pipeline -> pipeline" with
+    nothing else, session 50)."""
+    from elastic.control.layouts import _within
+    from strategies import StrategySpec
+
+    dp = StrategySpec("dp", world_size=2, shares=(32, 32))
+    assert _within(dp, StrategySpec("dp", world_size=2, shares=(60, 4))) == (
+        "; now dp, shares [60, 4]")
+    pipe = StrategySpec("pipeline", world_size=2, shares=(64, 64), pp_degree=2,
+                        micro_batches=2, schedule="1f1b", stage_split=(4, 1))
+    assert _within(pipe, pipe) == ("; now pipeline (pp2 1f1b m=2, stage split [4, 1], "
+                                   "dp_mode dp)")
+    assert _within(dp, StrategySpec("zero1", world_size=2, shares=(32, 32))) == ""
