@@ -250,8 +250,10 @@ class Replanner:
                 "recut": list(obs.recut), "cut": obs.cut, **parts}
         said = f"{kind}: {decision.reason}"
         if isinstance(decision, SwitchPlan):  # where it goes: its shares, or its split
-            to = plans[decision.target]
-            data["to"] = {"label": decision.target, "shares": list(to.shares),
+            from ..planning import plan_spec
+
+            to = plans[decision.target]  # its shares per rank, as its spec and switch say
+            data["to"] = {"label": decision.target, "shares": list(plan_spec(to).shares),
                           "stage_split": list(to.stage_split)}
             if not to.is_pipeline and to.shares != tuple(obs.shares):
                 at = f"{decision.target} (at shares {list(to.shares)}) "
