@@ -182,24 +182,19 @@ class Cluster:
 
     @functools.cached_property
     def _path_sig(self) -> tuple[dict[str, _Links], dict[str, _Links]]:
-        """``_path_sigs`` as two maps: alone in the group, with more than one member."""
-        sig = self._path_sigs
-        return {n: s[0] for n, s in sig.items()}, {n: s[1] for n, s in sig.items()}
+        """Per node id what ``path_over`` weighs of it: alone in the group (its network),
+        and with more than one member there (its network and its intra-node link)."""
+        alone: dict[str, _Links] = {}
+        more: dict[str, _Links] = {}
+        for n in self.nodes:
+            net = (n.network.bandwidth * n.nics, n.network.latency, f"{n.network.name}x{n.nics}")
+            lk = n.intra_link
+            alone[n.id], more[n.id] = (net,), (net, (lk.bandwidth, lk.latency, lk.name))
+        return alone, more
 
     @functools.cached_property
     def _node_pool(self) -> dict[str, str]:
         return {n.id: n.pool for n in self.nodes}
-
-    @functools.cached_property
-    def _path_sigs(self) -> dict[str, tuple[_Links, _Links]]:
-        """Per node id what ``path_over`` weighs of it, alone in the group and with more
-        than one member there: its network; and its intra-node link."""
-        out: dict[str, tuple[_Links, _Links]] = {}
-        for n in self.nodes:
-            net = (n.network.bandwidth * n.nics, n.network.latency, f"{n.network.name}x{n.nics}")
-            lk = n.intra_link
-            out[n.id] = ((net,), (net, (lk.bandwidth, lk.latency, lk.name)))
-        return out
 
     def node(self, node_id: str) -> Node:
         """The node with that id; ``KeyError`` if there is none."""
@@ -234,16 +229,16 @@ class Cluster:
             lk = self.node(next(iter(per_node))).intra_link
             return Path(lk.bandwidth, lk.latency, lk.name)
         bw, lat, name = float("inf"), 0.0, ""
-        sig = self._path_sigs
+        sig = self._path_sig
         # alike nodes (a pool's) add nothing after the first: each signature once, in the
         # order first met (big clusters; where every node holds one member, or every node
         # more than one, in a C-level pass)
         counts = set(per_node.values())
         alone = max(counts) == 1
         if alone or min(counts) > 1:
-            seen = dict.fromkeys(map(self._path_sig[not alone].__getitem__, per_node))
+            seen = dict.fromkeys(map(sig[not alone].__getitem__, per_node))
         else:
-            seen = dict.fromkeys(sig[n][c > 1] for n, c in per_node.items())
+            seen = dict.fromkeys(sig[c > 1][n] for n, c in per_node.items())
         for cands in seen:
             for b, lt, nm in cands:
                 if b < bw:
