@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from .errors import BalanceError
 
 __all__ = ["proportional_shares", "stage_split", "RebalanceDecision", "rebalance_decision",
-           "recut_shares", "position_blocks", "position_work", "resplit_stages"]
+           "recut_shares", "affine_shares", "position_blocks", "position_work", "resplit_stages"]
 
 
 def proportional_shares(
@@ -304,19 +304,64 @@ def rebalance_decision(
     )
 
 
-def recut_shares(shares: Sequence[int], seconds_per_sample: Sequence[float]
-                 ) -> tuple[tuple[int, ...], float]:
+def recut_shares(shares: Sequence[int], seconds_per_sample: Sequence[float],
+                 fixed: Sequence[float] = ()) -> tuple[tuple[int, ...], float]:
     """Shares that follow measured compute seconds per sample of each rank, and the seconds
-    per step they save: the slowest rank's compute (max share x seconds per sample) before
-    minus after. Raises ``BalanceError`` on bad input."""
+    per step they save: the slowest rank's compute before minus after. ``fixed``: the part
+    of each rank's figure that is fixed per step (passes, launches) spread over its share
+    now, as a fraction of it; a rank's compute at ``n`` samples is then that part of its
+    step plus ``n`` times the rest (``affine_shares``; none: ``n`` times its figure). Raises
+    ``BalanceError`` on bad input."""
     if len(shares) != len(seconds_per_sample) or not shares:
         raise BalanceError("one seconds-per-sample figure per share is needed")
     if any(not (c > 0 and math.isfinite(c)) for c in seconds_per_sample):
         raise BalanceError(f"seconds per sample must be positive, got {list(seconds_per_sample)}")
-    new = proportional_shares(sum(shares), [1.0 / c for c in seconds_per_sample])
-    before = max(s * c for s, c in zip(shares, seconds_per_sample, strict=True))
-    after = max(s * c for s, c in zip(new, seconds_per_sample, strict=True))
+    phi = list(fixed) if len(fixed) == len(shares) else [0.0] * len(shares)
+    if any(not 0.0 <= f < 1.0 for f in phi):
+        raise BalanceError(f"fixed fractions must be in [0, 1), got {phi}")
+    a = [f * c * n for f, c, n in zip(phi, seconds_per_sample, shares, strict=True)]
+    b = [(1.0 - f) * c for f, c in zip(phi, seconds_per_sample, strict=True)]
+    new = (affine_shares(sum(shares), a, b) if any(phi)
+           else proportional_shares(sum(shares), [1.0 / c for c in seconds_per_sample]))
+    before = max(x + y * n for x, y, n in zip(a, b, shares, strict=True))
+    after = max(x + y * n for x, y, n in zip(a, b, new, strict=True))
     return new, before - after
+
+
+def affine_shares(total: int, fixed: Sequence[float], per_sample: Sequence[float],
+                  min_share: int = 1) -> tuple[int, ...]:
+    """Integer shares summing to ``total`` (each at least ``min_share``) that make the
+    slowest device's time least, device ``i`` taking ``fixed[i] + n * per_sample[i]`` for
+    ``n`` samples: the level where the continuous shares meet ``total`` (bisection), each
+    rounded down, the samples left one each to the devices whose time with one more is
+    shortest (ties to the lower index), as ``proportional_shares`` rounds."""
+    n = len(per_sample)
+    if n == 0 or len(fixed) != n:
+        raise BalanceError("one fixed and one per-sample figure per device are needed")
+    if total < n * min_share:
+        raise BalanceError(f"global batch {total} < {n} devices x {min_share} sample(s) each")
+
+    def quota(t: float) -> list[float]:
+        return [max(float(min_share), (t - a) / b) for a, b in zip(fixed, per_sample, strict=True)]
+
+    lo = min(a + b * min_share for a, b in zip(fixed, per_sample, strict=True))
+    hi = max(a + b * total for a, b in zip(fixed, per_sample, strict=True))
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        if sum(quota(mid)) < total:
+            lo = mid
+        else:
+            hi = mid
+        if hi - lo <= 1e-12 * hi:
+            break
+    shares = [int(math.floor(q + 1e-9)) for q in quota(lo)]
+    while sum(shares) > total:  # (float slack)
+        i = max(range(n), key=lambda j: (shares[j] > min_share, fixed[j] + per_sample[j] * shares[j]))
+        shares[i] -= 1
+    while sum(shares) < total:
+        i = min(range(n), key=lambda j: (fixed[j] + per_sample[j] * (shares[j] + 1), j))
+        shares[i] += 1
+    return tuple(shares)
 
 
 def position_blocks(split: Sequence[int], pp: int) -> list[list[int]]:

@@ -76,6 +76,8 @@ class CostModel:
     which go after the update (``sync_over``).
     ``pass_overhead_s``: fixed seconds per block per forward+backward pass (kernel launches,
     Python), paid once per micro-batch: what makes very small micro-batches a bad deal.
+    ``pass_scale``: a factor on it by device id (the closed loop's re-fit: a device that
+    runs k times slower than profiled is so in its fixed costs too, ``clusters.refit``).
     ``step_overhead``: fixed seconds per step beyond its terms (the step loop, the control
     all-reduce, waiting for the slowest rank's jitter); measured by the profiler's trial steps.
     ``sync_wait_s``: what a collective that meets peers right after their compute waits for
@@ -138,6 +140,7 @@ class CostModel:
     overlap: float = 0.0
     usable_memory_fraction: float = 0.9
     pass_overhead_s: float = 5e-5
+    pass_scale: Mapping[str, float] = field(default_factory=dict)
     comm: CommConfig = field(default_factory=CommConfig)
     comm_scale: Mapping[str, float] = field(default_factory=dict)
     shared_cores: Mapping[str, SharedCores] = field(default_factory=dict)
@@ -195,6 +198,11 @@ class CostModel:
             f"cannot time {device.label} ({device.id}): the profile has no block_flops and no "
             "measured seconds for it; pass block_flops or calibrate from measurements"
         )
+
+    def pass_time(self, device: Device) -> float:
+        """Fixed seconds per block per pass on ``device`` (``pass_overhead_s``, its
+        emulated slowdown and its ``pass_scale``)."""
+        return self.pass_overhead_s * device.slowdown * self.pass_scale.get(device.id, 1.0)
 
     def optimizer_time(self, device: Device, n_params: float, profile: ModelProfile,
                        tensors: int = 0, sharded: bool = False) -> float:
@@ -310,9 +318,9 @@ class CostModel:
             key = self.device_key(d, profile)
             if key not in memo:
                 memo[key] = self.sample_time(d, profile)
-        passes = m * profile.n_blocks * self.pass_overhead_s
+        passes = m * profile.n_blocks
         comp = [
-            s * memo[self.device_key(d, profile)] + passes * d.slowdown
+            s * memo[self.device_key(d, profile)] + passes * self.pass_time(d)
             for s, d in zip(plan.shares, devs, strict=True)
         ]
         path = cluster.path(devs)

@@ -71,8 +71,7 @@ class SharedCores:
 class PartCosts(Protocol):
     """What a pipeline estimate asks of a cost model (``cost.CostModel`` is one)."""
 
-    @property
-    def pass_overhead_s(self) -> float: ...
+    def pass_time(self, device: Device) -> float: ...
 
     @property
     def overlap(self) -> float: ...
@@ -391,7 +390,7 @@ def _replica_times(
             if at not in memo:
                 memo[at] = model.sample_time(row[j], profile, stages[k])
             tj += b * memo[at]
-            tj += len(stages[k]) * model.pass_overhead_s * row[j].slowdown
+            tj += len(stages[k]) * model.pass_time(row[j])
         # the schedule's own work per action: the host's too; below 0, what the messages
         # cost less than their profiled figure, never a stage below its compute, and only
         # for the schedule the trial ran (1F1B, one chunk per rank; ``clamp`` False): an

@@ -6,7 +6,11 @@ over its steps) and each rank its own compute time per sample (the seconds insid
 
 1. each rank's seconds per sample become its measured compute (ranks of one kind whose figures
    agree within the noise made equal, as at profiling). The live controller takes its
-   figures to the model's scale first (``LiveScale``);
+   figures to the model's scale first (``LiveScale``). A figure per sample holds the rank's
+   fixed costs per pass (launches, Python) spread over its share: its figure over the
+   model's is how much slower it runs in both, or, where it ran at several shares, in each
+   apart (``rank_compute.fit_compute``), so a share re-cut to a few samples is predicted as
+   it runs;
 2. what each observed layout took beyond the model's terms, re-predicted with those speeds, is
    put on its messages of the kinds the profiler's trial steps did not send
    (``CostModel.trial_kinds``: dp's all-reduce, whose cost a real step validated): a factor
@@ -36,21 +40,38 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
-from .balance import position_blocks, recut_shares, resplit_stages
+from .balance import recut_shares, resplit_stages
 from .collectives import KINDS, SYNC_MODES
-from .cost import CostModel, _work_fraction
+from .cost import CostModel
 from .errors import BalanceError, ClustersError
-from .measured import Spread, equal_within_noise
+from .measured import Spread
 from .plan import Plan, more_work
 from .planner import plan as plan_fn
 from .policy import ReplanObservation
 from .profile import ModelProfile
-from .replan_policy import peer_median
+from .rank_compute import (
+    LiveScale,
+    RankPoint,
+    StageBaseline,
+    carried,
+    fit_compute,
+    fixed_fractions,
+    fixed_per_sample,
+    peer_ratios,
+    rank_blocks,
+    rank_points,
+    slowdowns,
+    slowness,
+    stage_fractions,
+)
 from .topology import Cluster
 
-__all__ = ["Observed", "plan_key", "refit", "LiveScale", "StageBaseline", "peer_ratios",
+# (the ranks' figures live in ``rank_compute``; named here too, where the loop's callers
+# have always found them)
+__all__ = ["Observed", "plan_key", "refit", "fit_compute", "RankPoint", "rank_points",
+           "slowdowns", "fixed_per_sample", "LiveScale", "StageBaseline", "peer_ratios",
            "slowness", "carried", "rank_blocks", "stage_fractions", "Prediction",
            "predictions", "Observation", "observe"]
 
@@ -65,22 +86,14 @@ class Observed:
 
 def refit(model: CostModel, profile: ModelProfile, cluster: Cluster,
           observed: Sequence[Observed], compute: Mapping[str, Spread] | None = None,
-          kinds: Mapping[str, object] | None = None) -> CostModel:
+          kinds: Mapping[str, object] | None = None,
+          fixed: Mapping[str, float] | None = None,
+          points: Mapping[str, Sequence[RankPoint]] | None = None) -> CostModel:
     """``model`` re-fitted to ``observed`` segments and per-device ``compute`` (seconds per
-    sample of the whole model, by device id; see the module docstring)."""
-    out = model
-    if compute:
-        ids = sorted(compute)
-        spreads = [Spread(1.0 / compute[i].median, compute[i].sd / compute[i].median ** 2,
-                          compute[i].n) for i in ids]
-        speeds = equal_within_noise([1.0 / compute[i].median for i in ids], spreads,
-                                    [kinds.get(i) for i in ids] if kinds else None)
-        sps = dict(model.seconds_per_sample)
-        sps.update({i: 1.0 / v for i, v in zip(ids, speeds, strict=True)})
-        out = replace(out, seconds_per_sample=sps)
-    if observed:
-        out = _fit_comm(out, profile, cluster, observed)
-    return out
+    sample of the whole model, by device id; see the module docstring). ``fixed`` and
+    ``points``: ``fit_compute``'s."""
+    out = fit_compute(model, profile, cluster, compute, kinds, fixed, points)
+    return _fit_comm(out, profile, cluster, observed) if observed else out
 
 
 def _fit_comm(model: CostModel, profile: ModelProfile, cluster: Cluster,
@@ -141,130 +154,6 @@ def _fit_comm(model: CostModel, profile: ModelProfile, cluster: Cluster,
                    pipe_step_overhead=None if pipe is None else max(floor, pipe + drift))
 
 
-class LiveScale:
-    """What takes a layout's live per-rank compute to the model's scale, fixed at the first
-    window of each layout on each set of devices (``key``): the model's seconds per sample
-    summed over those devices over the window's. The live figure (the seconds inside a
-    rank's blocks' forwards over the profile's forward fraction, timed with autograd on and
-    the loss outside) is not on the model's scale, whose compute was fitted to the trial
-    steps: on a small GPT on 3 CPU ranks it came out 2.1x the model's on every rank, and the
-    re-fit's overhead went to -27 ms to meet the step (every layout's compute doubled, every
-    step 27 ms shorter). Fixed once, not per window, so that a rank that slows later (a
-    straggler) or a host that slows as a whole still shows in the compute as it is; the
-    window it is fixed at stands for the profile, which ran just before the job's first
-    layout (a layout switched to later is taken at its own first window: zero3's forwards
-    hold its gathers, dp's do not). 1 where the model has no per-device figure (profiled by
-    device type, as the simulator's clusters are) or a window has none."""
-
-    def __init__(self) -> None:
-        self._factor: dict[object, float] = {}
-
-    def __call__(self, key: object, rank_s: Sequence[float], ids: Sequence[str],
-                 model: CostModel) -> tuple[float, ...]:
-        return tuple(t * self.factor(key, rank_s, ids, model) for t in rank_s)
-
-    def factor(self, key: object, rank_s: Sequence[float], ids: Sequence[str],
-               model: CostModel) -> float:
-        """The factor itself (``rank_s``: whole-model figures; a pipeline's per ``stage_fractions``)."""
-        if key not in self._factor:
-            have = [model.seconds_per_sample.get(i, 0.0) for i in ids]
-            live = sum(rank_s)
-            ok = len(have) == len(rank_s) > 0 and all(h > 0 for h in have) and live > 0
-            self._factor[key] = sum(have) / live if ok else 1.0
-        return self._factor[key]
-
-
-def rank_blocks(plan: Plan, rank: int) -> list[int] | None:
-    """The blocks ``rank`` computes: a pipeline's stages on its position
-    (``balance.position_blocks``), else all (None)."""
-    if not plan.is_pipeline:
-        return None
-    return position_blocks(plan.stage_split, plan.pp_degree)[plan.coords(rank)[0]]
-
-
-def stage_fractions(plan: Plan, profile: ModelProfile, cluster: Cluster) -> tuple[float, ...]:
-    """Each rank's share of the whole model's work, as the cost model splits a device's
-    seconds per sample (1.0 for a layout whose ranks each run the whole model): a
-    pipeline rank's compute per sample over it is that device's whole-model figure."""
-    out = []
-    for r, dev in enumerate(plan.devices):
-        idx = rank_blocks(plan, r)
-        out.append(1.0 if idx is None else
-                   _work_fraction(profile, idx, cluster.device(dev)))
-    return tuple(out)
-
-
-class StageBaseline:
-    """What puts a pipeline's ranks on one footing for the straggler rule: its stages do
-    different work, so a rank's compute per sample is taken as a ratio to its stage's at
-    the layout's start (the median of that stage's replicas then: ``first``, the ranks'
-    figures over the layout's first steps, else those of the first call). There the
-    stages read alike and the replicas of one stage compare directly (a slow replica shows
-    at once); a rank that slows later reads slower than its peers, whatever the blocks'
-    weights say. One per run of a layout: the caller makes a new one when the layout (or
-    its world) changes, and a re-split starts anew (the straggler it answered is then part
-    of the split).
-
-    ``known``: per rank, how much slower than its peers the last decision found it (its
-    ``peer_ratios``; 1 for the others): a rank already slow when the layout starts has its
-    footing taken as its first figure over that, so it reads as slow as it is (the re-split
-    follows the stages' measured times, ``observe``); none in the re-cut that answered the
-    straggler (its split holds it: ``carried``). Without it a job that switched to a
-    pipeline after a rank slowed (``auto`` found pp2 faster than dp with a 6x straggler)
-    took the straggler's pace for its stage's norm: never named, its blocks never moved
-    (live auto jobs ran their 2800 steps so on a split of [2, 3] blocks whose stage times
-    called for [4, 1])."""
-
-    def __init__(self) -> None:
-        self._base: tuple[float, ...] | None = None
-
-    def __call__(self, plan: Plan, rank_s: Sequence[float],
-                 first: Sequence[float] = (), known: Sequence[float] = ()
-                 ) -> tuple[float, ...]:
-        if self._base is None:
-            at = first if len(first) == len(rank_s) else rank_s
-            if len(known) == len(at):
-                at = [t / k if k > 0 else t for t, k in zip(at, known, strict=True)]
-            self._base = tuple(statistics.median(t for r, t in enumerate(at)
-                                                 if plan.coords(r)[0] == p)
-                               for p in range(plan.pp_degree))
-        base = self._base
-        return tuple(t / base[plan.coords(r)[0]] if base[plan.coords(r)[0]] > 0 else t
-                     for r, t in enumerate(rank_s))
-
-
-def peer_ratios(rank_s: Sequence[float], ranks: Sequence[int]) -> dict[int, float]:
-    """Each of ``ranks``' figure over its peers' median (``ReplanPolicy.slower``'s
-    reference): how much slower than its peers a named straggler runs."""
-    refs = {r: peer_median(rank_s, r) for r in ranks}
-    return {r: rank_s[r] / ref for r, ref in refs.items() if ref > 0}
-
-
-def slowness(rank_s: Sequence[float], slow: Collection[int], ids: Sequence[str],
-             unapplied: Mapping[str, float], bar: float) -> dict[str, float]:
-    """How much slower than its peers each straggler runs, by id: what the next layout's
-    footing takes out (``StageBaseline``'s ``known``). The ranks named (``slow``) at their
-    ``peer_ratios``; a rank whose footing held its known slowness (``unapplied``: the
-    re-split that answered it, where it reads as its stage's norm) at its ratio times that,
-    while above ``bar`` (was: forgotten there, and the next pipeline took it for the norm
-    again; a rank that recovers reads 1/k there, and is dropped)."""
-    out = {}
-    for r, k in peer_ratios(rank_s, range(len(rank_s))).items():
-        k *= unapplied.get(ids[r], 1.0)
-        if r in slow or (ids[r] in unapplied and k > bar):
-            out[ids[r]] = k
-    return out
-
-
-def carried(slow_by: Mapping[str, float], answered: bool, pipeline: bool
-            ) -> tuple[dict[str, float], dict[str, float]]:
-    """What a new layout starts with of the last decision's ``slowness`` (``slow_by``): the
-    footing's ``known`` (none in the re-cut that ``answered`` it), and what that footing
-    then holds unapplied (``slowness``'s ``unapplied``: a pipeline's answering re-split)."""
-    return ({} if answered else dict(slow_by),
-            dict(slow_by) if answered and pipeline else {})
-
-
 @dataclass(frozen=True)
 class Prediction:
     """A candidate plan, its predicted step (seconds) and whether that figure was measured
@@ -304,11 +193,14 @@ def plan_key(p: Plan) -> tuple[object, ...]:
 @dataclass(frozen=True)
 class Observation:
     """What ``observe`` made of a window: the policy's input, the candidate plans by label
-    (what a ``SwitchPlan`` names), and the re-fitted model (None when not re-planning)."""
+    (what a ``SwitchPlan`` names), the re-fitted model (None when not re-planning), and each
+    device's ``RankPoint`` of this window (what the caller keeps for ``observe``'s
+    ``points``; none without a model or the ranks' figures)."""
 
     obs: ReplanObservation
     plans: Mapping[str, Plan]
     model: CostModel | None
+    points: Mapping[str, RankPoint] = field(default_factory=dict)
 
 
 def observe(*, model: CostModel | None, profile: ModelProfile | None, cluster: Cluster | None,
@@ -321,7 +213,8 @@ def observe(*, model: CostModel | None, profile: ModelProfile | None, cluster: C
             recut: bool = True, own_split: bool = False, tried_from: str = "",
             recut_from: tuple[tuple[int, ...], float] | None = None,
             tried: Collection[str] = (), drift: float = 0.0,
-            switched_from: str = "", rank_order: bool = False) -> Observation:
+            switched_from: str = "", rank_order: bool = False,
+            points: Mapping[str, Sequence[RankPoint]] | None = None) -> Observation:
     """The closed loop's view of the running layout ``current`` (devices set), measured at
     ``step`` over its window, with the layouts run before it (``observed``).
 
@@ -340,7 +233,9 @@ def observe(*, model: CostModel | None, profile: ModelProfile | None, cluster: C
     offered again, as when its switch failed). ``drift``: how far the host's phases move a
     layout's figure (``LoopMemory.drift``); ``switched_from``: the layout the last switch
     left (``LoopMemory``). ``rank_order``: the devices' order is their ranks' (live;
-    ``planner.plan``)."""
+    ``planner.plan``). ``points``: each device's ``RankPoint`` of earlier windows (the
+    ``points`` of their observations), for its fixed costs and its work apart
+    (``fit_compute``); the re-cut follows them too."""
     shared = current.strategy in SYNC_MODES and len(rank_s) == len(current.devices)
     piped = (current.is_pipeline and len(rank_s) == len(current.devices)
              and len(stage_s) == len(rank_s))
@@ -354,22 +249,37 @@ def observe(*, model: CostModel | None, profile: ModelProfile | None, cluster: C
     fitted = None
     new: tuple[int, ...] = ()
     new_s = 0.0
+    ready = model is not None and profile is not None and cluster is not None
+    whole = (rank_s if shared else
+             [t / f for t, f in zip(stage_s, stage_fractions(current, profile, cluster),
+                                    strict=True)]
+             if piped and profile is not None and cluster is not None else None)
+    compute = ({current.devices[r]: Spread(t, 0.0, step.n) for r, t in enumerate(whole)}
+               if whole is not None else None)
+    here: dict[str, RankPoint] = {}
+    computed = model
+    if ready and whole is not None:
+        assert model is not None and profile is not None and cluster is not None
+        here = rank_points(current, model, profile, cluster, whole)
+        fixed = fixed_per_sample(current, model, profile, cluster)
+        computed = fit_compute(
+            model, profile, cluster, compute, kinds, dict(zip(current.devices, fixed,
+                                                              strict=True)),
+            {d: [*(points or {}).get(d, ()), pt] for d, pt in here.items()})
     if recut and shared and rank_s:
-        new, gain = recut_shares(current.shares, rank_s)
+        new, gain = recut_shares(current.shares, rank_s,
+                                 fixed_fractions(current, computed, profile, cluster))
         new_s = step.median - gain
-    if replan and model is not None and profile is not None and cluster is not None:
-        whole = (rank_s if shared else
-                 [t / f for t, f in zip(stage_s, stage_fractions(current, profile, cluster),
-                                        strict=True)] if piped else None)
-        compute = ({current.devices[r]: Spread(t, 0.0, step.n) for r, t in enumerate(whole)}
-                   if whole is not None else None)
+    if replan and ready:
+        assert model is not None and profile is not None and cluster is not None
         seen = {plan_key(o.plan): o for o in observed}
         # the devices' compute is of the last steps: the running layout's point (``step``,
         # ``recent`` above) is of the same span (a window from before a rank slowed drove
         # every comm factor to 0: dp predicted at 6 ms against its 2900, a pp4 job taken there)
         seen[plan_key(current)] = Observed(current, step)
         obs_all = list(seen.values())
-        fitted = refit(model, profile, cluster, obs_all, compute, kinds if compute else None)
+        assert computed is not None
+        fitted = _fit_comm(computed, profile, cluster, obs_all)
         preds = predictions(fitted, profile, cluster, global_batch, obs_all, rank_order)
         if current.strategy in SYNC_MODES:  # (at the re-cut while a straggler is named)
             at = new if recent is not None and new else current.shares
@@ -399,7 +309,7 @@ def observe(*, model: CostModel | None, profile: ModelProfile | None, cluster: C
         tried_from=tried_from, recut_from=recut_from[0] if recut_from else (),
         recut_from_s=recut_from[1] if recut_from else 0.0, ran=ran, stale=stale,
         switched_from=switched_from, drift=drift)
-    return Observation(obs, plans, fitted)
+    return Observation(obs, plans, fitted, here)
 
 
 def _resplit(current: Plan, stage_s: Sequence[float], weights: Sequence[float],

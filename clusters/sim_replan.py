@@ -21,7 +21,18 @@ from .plan import Plan
 from .planner import plan as plan_fn
 from .policy import KeepPlan, LoopMemory, RecutShares, ReplanPolicy, SwitchPlan
 from .profile import ModelProfile
-from .refit import Observed, StageBaseline, carried, observe, plan_key, rank_blocks, slowness
+from .refit import (
+    Observed,
+    RankPoint,
+    StageBaseline,
+    carried,
+    fixed_per_sample,
+    observe,
+    plan_key,
+    rank_blocks,
+    slowness,
+    stage_fractions,
+)
 from .topology import Cluster, Device
 
 __all__ = ["LoopEvent", "LoopResult", "simulate_loop"]
@@ -89,8 +100,10 @@ def simulate_loop(cluster: Cluster, profile: ModelProfile, global_batch: int, *,
     window: list[float] = []
     ranks: list[list[float]] = []
     observed: dict[tuple[object, ...], Observed] = {}  # by plan_key, as live
+    points: dict[str, dict[tuple[object, ...], RankPoint]] = {}  # each device's, as live
     events: list[LoopEvent] = []
     cache: dict[tuple[object, ...], float] = {}
+    fixed: dict[tuple[object, ...], list[float]] = {}
     seconds = static_s = 0.0
     since = 0
     memory = LoopMemory()  # what the next decision checks of the last (as live)
@@ -107,12 +120,14 @@ def simulate_loop(cluster: Cluster, profile: ModelProfile, global_batch: int, *,
         return cache[key]
 
     for step in range(steps):
-        if step in slow:
-            sps = dict(true_model.seconds_per_sample)
+        if step in slow:  # slower at everything: its work and its fixed costs per pass
+            sps, passes = dict(true_model.seconds_per_sample), dict(true_model.pass_scale)
             for dev, k in slow[step].items():
                 sps[dev] = true_model.sample_time(cluster.device(dev), profile) * k
-            true_model = replace(true_model, seconds_per_sample=sps)
+                passes[dev] = passes.get(dev, 1.0) * k
+            true_model = replace(true_model, seconds_per_sample=sps, pass_scale=passes)
             cache.clear()
+            fixed.clear()
         level = (phases or {}).get(step, level)
         t = true_step(cur) * level * max(0.0, 1.0 + rng.gauss(0.0, noise))
         seconds += t
@@ -121,7 +136,12 @@ def simulate_loop(cluster: Cluster, profile: ModelProfile, global_batch: int, *,
         if since <= warmup:
             continue
         window.append(t)
-        per = [true_model.sample_time(cluster.device(d), profile, rank_blocks(cur, r))
+        if plan_key(cur) not in fixed:  # each rank's fixed costs per pass over its samples
+            fixed[plan_key(cur)] = [f * x for f, x in zip(  # (on its stage's scale)
+                fixed_per_sample(cur, true_model, profile, cluster),
+                stage_fractions(cur, profile, cluster), strict=True)]
+        per = [(true_model.sample_time(cluster.device(d), profile, rank_blocks(cur, r))
+                + fixed[plan_key(cur)][r])
                * level * max(1e-9, 1.0 + rng.gauss(0.0, noise))  # a host phase slows all
                for r, d in enumerate(cur.devices)]
         ranks = ranks or [[] for _ in per]
@@ -141,6 +161,7 @@ def simulate_loop(cluster: Cluster, profile: ModelProfile, global_batch: int, *,
         recent = max(replan_every, pol.min_steps)
         if lagging - named:  # a device newly slower: the other layouts' figures are from
             observed = {k: o for k, o in observed.items() if k == key}  # before it (as live)
+            points = {d: {k: p for k, p in by.items() if k == key} for d, by in points.items()}
             memory.forget_last()
         named = lagging
         view = observe(  # while a straggler is named, the re-fit's point of this layout is
@@ -151,7 +172,10 @@ def simulate_loop(cluster: Cluster, profile: ModelProfile, global_batch: int, *,
             rank_rel_sd=[s.rel for s in spreads], stage_s=raw if cur.is_pipeline else (),
             kinds={d: _kind(cluster.device(d)) for d in cur.devices},  # as live: by device id
             block_weights=weights, recent=robust(window[-recent:]) if lagging else None,
+            points={d: [p for k, p in by.items() if k != key] for d, by in points.items()},
             **memory.observe_args(cur.label, cur.stage_split))
+        for d, pt in view.points.items():  # (as live)
+            points.setdefault(d, {})[key] = pt
         decision = pol.decide(view.obs)
         memory.after(decision, cur.label, view.obs.shares, robust(window[-replan_every:]).median)
         slow_by = slowness(rank_s, slow_ranks, cur.devices, unapplied, 1 + pol.straggler)

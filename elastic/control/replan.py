@@ -32,8 +32,10 @@ from clusters.policy import (
 )
 from clusters.refit import (
     LiveScale,
+    RankPoint,
     StageBaseline,
     carried,
+    fixed_per_sample,
     plan_key,
     slowness,
     stage_fractions,
@@ -65,6 +67,9 @@ class Replanner:
         self._steps: dict[int, float] = {}  # step -> rank 0's step time, current layout
         self._ranks: dict[int, dict[int, float]] = {}  # rank -> step -> compute s per sample
         self.observed: dict[tuple[Any, ...], tuple[Plan, Spread]] = {}
+        # each device's compute at the layouts since (``clusters.refit.RankPoint``): its
+        # fixed costs and its work told apart where it ran at several shares
+        self._points: dict[str, dict[tuple[Any, ...], RankPoint]] = {}
         self.decisions: list[KeepPlan | SwitchPlan | RecutShares] = []
         self._named: tuple[int, ...] = ()  # the workers the last decision named stragglers
         # how much slower than their peers the last decision found them, and what of that
@@ -192,6 +197,7 @@ class Replanner:
             # another world (a node lost or joined): the figures were of other devices; the
             # host's drift is the host's
             self.observed.clear()
+            self._points.clear()
             self.memory = self.memory.new_world()
         elif self._spec is not None and self.layouts.ids:
             self._remember(self._spec)
@@ -315,7 +321,8 @@ class Replanner:
             fr = (stage_fractions(current, mm.profile, lay.cluster) if current.is_pipeline
                   else (1.0,) * len(first))
             k = self._scale.factor(key, [t / f for t, f in zip(first, fr, strict=True)], ids,
-                                   mm.model)
+                                   mm.model, fixed_per_sample(current, mm.model, mm.profile,
+                                                              lay.cluster))
             rank_s, first = tuple(t * k for t in rank_s), tuple(t * k for t in first)
         if current.is_pipeline and rank_s:
             known = [self._known.get(w.worker_id, 1.0) for w in group.workers]
@@ -339,6 +346,7 @@ class Replanner:
         self.memory.note_window(times, self.policy.min_steps, earlier[1] if earlier else None,
                                 recent=self.every)
         mem = self.memory.observe_args(current.label, current.stage_split)
+        key = plan_key(current)
         mem["recut"] = mem["recut"] and self.cfg.balance != "off"
         view = observe(  # without a planned model: the window and the ranks' compute only
             model=mm.model if mm else None, profile=mm.profile if mm else None,
@@ -351,7 +359,11 @@ class Replanner:
             replan=self.cfg.strategy == "auto" and mm is not None, stage_s=figs.stage_s,
             rank_order=True,
             block_weights=block_weights(lay, group) if figs.stage_s else (),
-            recent=robust(times[-self._recent():]) if recent else None, **mem)
+            recent=robust(times[-self._recent():]) if recent else None,
+            points={d: [p for k, p in by.items() if k != key]
+                    for d, by in self._points.items()}, **mem)
+        for d, pt in view.points.items():  # this window's, in place of the layout's last
+            self._points.setdefault(d, {})[key] = pt
         parts: dict[str, Any] = {}
         if view.model is not None:
             parts = {"step_overhead_s": view.model.step_overhead,
@@ -363,6 +375,8 @@ class Replanner:
         """Drop the figures of the layouts that ran before ``current`` (and what the last
         decision would check against them)."""
         self.observed = {k: v for k, v in self.observed.items() if k == plan_key(current)}
+        self._points = {d: {k: p for k, p in by.items() if k == plan_key(current)}
+                        for d, by in self._points.items()}
         self.memory.forget_last()
 
     def _recent(self) -> int:

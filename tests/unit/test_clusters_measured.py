@@ -3,13 +3,14 @@ devices treated as equal, per-block timings in stage splits, the closed loop's r
 
 from __future__ import annotations
 
+import itertools
 import random
 from dataclasses import replace
 
 import pytest
 
 from clusters import CostModel, ModelProfile, Plan, load_cluster, plan
-from clusters.balance import recut_shares
+from clusters.balance import affine_shares, recut_shares
 from clusters.collectives import (
     BROADCAST_BURST as BURST,
 )
@@ -33,7 +34,7 @@ from clusters.measured import (
     robust,
     terms_model,
 )
-from clusters.refit import LiveScale, Observed, predictions, refit
+from clusters.refit import LiveScale, Observed, fixed_per_sample, observe, predictions, refit
 
 MIB = 1 << 20
 
@@ -408,6 +409,15 @@ def test_the_live_compute_is_taken_to_the_models_scale_once_per_layout():
     # another layout's forwards hold other work (zero3's gathers): its own first window
     z3 = scale(("zero3", tuple(ids)), [4 * t for t in c], ids, mm.model)
     assert z3 == pytest.approx(tuple(c))
+    # a rank already slow in the layout's first window (it slowed inside it, or before a
+    # switch to this layout): the factor is its peers' (was over both: a live conv net's
+    # healthy rank taken at 0.57x its compute, and dp predicted at 1.5 ms against its 16)
+    assert LiveScale().factor(dp, [2.1 * c[0], 5 * 2.1 * c[1]], ids, mm.model) == (
+        pytest.approx(1 / 2.1))
+    # the live figures hold the fixed costs per pass over the share: so does the model's
+    f = [1e-4, 4e-4]
+    assert LiveScale().factor(dp, [2.1 * (t + x) for t, x in zip(c, f, strict=True)], ids,
+                              mm.model, f) == pytest.approx(1 / 2.1)
     # a model profiled per device type (the simulator's clusters): the figures as they are
     typed = replace(mm.model, seconds_per_sample={"CPU": c[0]})
     assert LiveScale()(dp, [1e-3, 3e-3], ids, typed) == (1e-3, 3e-3)
@@ -416,6 +426,108 @@ def test_the_live_compute_is_taken_to_the_models_scale_once_per_layout():
 def test_recut_shares():
     assert recut_shares((32, 32), (1e-3, 3e-3)) == ((48, 16), pytest.approx(0.048))
     assert recut_shares((32, 32), (1e-3, 1e-3))[1] == 0.0
+    # a rank with fixed costs per step (10 ms/sample at 9 samples, 36 of its 90 ms fixed):
+    # what a sample taken off saves is its work's, not its whole figure's (6 ms, not 10)
+    new, gain = recut_shares((55, 9), (60e-3 / 55, 10e-3), (5 / 60, 36 / 90))
+    assert new == (60, 4) and gain == pytest.approx(90e-3 - 65e-3)
+
+
+def test_a_straggler_seen_at_two_shares_has_its_fixed_costs_and_its_work_apart():
+    """Rank 1 runs 10x its model in its fixed costs and 6x in its work (an emulated 6x
+    straggler measured 10.7x and 6.2x: its sleeps' own cost is fixed per pass). Seen at one
+    share, one factor for both is all there is; seen again at the re-cut, its two windows
+    tell them apart (``slowdowns``), and the next re-cut lands on the truth's best shares,
+    predicted as the truth runs them."""
+    from clusters.refit import slowdowns
+
+    cluster, ids = _live()
+    mm = terms_model(_reports(), ids, _base(), cluster=cluster)
+    model = replace(mm.model, pass_overhead_s=5e-3 / 3)
+    truth = replace(model, seconds_per_sample={ids[0]: 1e-3, ids[1]: 6e-3},
+                    pass_scale={ids[1]: 10.0})
+
+    def window(shares, points=None):
+        cur = Plan(strategy="zero1", world_size=2, shares=shares, devices=tuple(ids))
+        fixed = fixed_per_sample(cur, truth, mm.profile, cluster)
+        rank_s = [truth.sample_time(cluster.device(i), mm.profile) + f
+                  for i, f in zip(ids, fixed, strict=True)]
+        step = truth.estimate(cur, cluster, mm.profile).step_time
+        return cur, observe(model=model, profile=mm.profile, cluster=cluster, global_batch=64,
+                            current=cur, step=Spread(step, 0.0, 20), observed=[],
+                            remaining=10_000, switch_s=0.1, rank_s=rank_s,
+                            recent=Spread(step, 0.0, 20), points=points)
+
+    cur, first = window((32, 32))
+    assert first.obs.recut == (60, 4)  # (one factor for both: its fixed costs taken 6.5x)
+    assert first.model.pass_scale[ids[1]] == pytest.approx(
+        first.model.seconds_per_sample[ids[1]] / 1e-3)  # one factor for both
+    cur2, second = window(first.obs.recut, {d: [p] for d, p in first.points.items()})
+    assert second.obs.recut_step_s > 0
+    assert slowdowns([first.points[ids[1]], second.points[ids[1]]]) == pytest.approx((10, 6))
+    assert second.model.pass_scale[ids[1]] == pytest.approx(10)
+    assert second.model.seconds_per_sample[ids[1]] == pytest.approx(6e-3)
+    best = affine_shares(64, [5e-3, 50e-3], [1e-3, 6e-3])
+    assert second.obs.recut == best == (62, 2)
+    runs = truth.estimate(replace(cur2, shares=best), cluster, mm.profile).step_time
+    assert second.obs.recut_step_s == pytest.approx(runs, rel=0.02)
+    # alike devices, or one share seen: no fit apart
+    assert slowdowns([first.points[ids[1]]]) is None
+    assert slowdowns([first.points[ids[1]]] * 2) is None
+
+
+def test_affine_shares_make_the_slowest_device_least_slow():
+    """Against every integer split (small cases, seeded): no split has a shorter slowest
+    device than ``affine_shares``' (each device ``fixed + n x per_sample``)."""
+    rng = random.Random(1)
+    for _ in range(300):
+        n = rng.choice((2, 3))
+        total = rng.randint(n, 14)
+        a = [rng.choice((0.0, rng.uniform(0, 5))) for _ in range(n)]
+        b = [rng.uniform(0.1, 3) for _ in range(n)]
+        got = affine_shares(total, a, b)
+        assert sum(got) == total and min(got) >= 1
+
+        def worst(sh, a=a, b=b):
+            return max(x + y * k for x, y, k in zip(a, b, sh, strict=True))
+
+        best = min(worst(sh) for sh in itertools.product(range(1, total + 1), repeat=n)
+                   if sum(sh) == total)
+        assert worst(got) == pytest.approx(best), (total, a, b, got)
+
+
+def test_a_rank_slower_at_everything_is_predicted_so_at_other_shares():
+    """Rank 1 computes 6x slower than profiled, in its work and in its fixed costs per pass
+    (kernel launches, Python: a slower device is slower at both). Measured per sample at 9
+    samples of 64, its figure holds its fixed costs over 9 samples: the re-fit takes each
+    device's figure over the model's (work and fixed costs at its share) as its slowdown in
+    both, so the re-cut and every other layout at the re-cut shares are predicted as they
+    run. Was: the figure was taken as work per sample (a live conv net: dp "predicted 15.2
+    ms/step" at [60, 4], measured 22.0; the re-cut to [55, 9] "30.9", measured 26.6)."""
+    cluster, ids = _live()
+    mm = terms_model(_reports(), ids, _base(), cluster=cluster)
+    model = replace(mm.model, pass_overhead_s=5e-3 / 3)  # 5 ms per step beside 1 ms/sample
+    truth = replace(model, seconds_per_sample={ids[0]: 1e-3, ids[1]: 6e-3},
+                    pass_scale={ids[1]: 6.0})
+    cur = Plan(strategy="zero1", world_size=2, shares=(55, 9), devices=tuple(ids))
+    fixed = fixed_per_sample(cur, truth, mm.profile, cluster)
+    rank_s = [truth.sample_time(cluster.device(i), mm.profile) + f
+              for i, f in zip(ids, fixed, strict=True)]  # (what the live figures read)
+    assert rank_s[1] == pytest.approx((6 * 5e-3 + 6 * 9e-3) / 9)
+    step = truth.estimate(cur, cluster, mm.profile).step_time
+    view = observe(model=model, profile=mm.profile, cluster=cluster, global_batch=64,
+                   current=cur, step=Spread(step, 0.0, 20), observed=[], remaining=10_000,
+                   switch_s=0.1, rank_s=rank_s, recent=Spread(step, 0.0, 20))
+    new = view.obs.recut
+    assert new == (59, 5)
+    true_new = truth.estimate(replace(cur, shares=new), cluster, mm.profile).step_time
+    assert view.obs.recut_step_s == pytest.approx(true_new, rel=0.02)
+    dp = dict(view.obs.candidates)["dp"]  # another layout at the re-cut shares
+    assert view.plans["dp"].shares == new
+    true_dp = truth.estimate(replace(view.plans["dp"], shares=new), cluster,
+                             mm.profile).step_time
+    assert dp == pytest.approx(true_dp, rel=0.05)
+    assert view.model.pass_scale[ids[1]] == pytest.approx(6.0)
+    assert view.model.seconds_per_sample[ids[1]] == pytest.approx(6e-3)
 
 
 def test_a_message_waits_on_compute_once_per_meeting_point_not_per_message():

@@ -445,3 +445,29 @@ def test_the_loop_observes_the_device_kinds_as_live(monkeypatch):
             by_pool.setdefault(cluster.device(d).pool, set()).add(k)
         assert all(len(ks) == 1 for ks in by_pool.values()), by_pool  # one type: one kind
         assert by_pool["plain"] != by_pool["emu"]  # an emulated device is another kind
+
+
+def test_a_straggler_slower_in_its_fixed_costs_too_is_re_cut_as_it_then_runs():
+    """Each rank pays 2.4 ms a step of fixed costs (0.2 ms per block per pass: launches,
+    Python) beside 3.2 ms of work at 32 samples, and rank 1 slows 6x at everything. Its
+    figure per sample holds its fixed costs over its share: the re-cut is predicted as the
+    truth then runs it, at the shares that make the truth's slowest rank least slow. Was:
+    the figure taken as work per sample, the re-cut went to [55, 9] "predicted 9.2 ms/step"
+    (live, a conv net: [55, 9] predicted 30.9 ms, measured 26.6; dp at [60, 4] 15.2, 22.0)."""
+    from clusters.balance import affine_shares
+
+    cluster, ids = _cluster()
+    m = replace(_model(ids), pass_overhead_s=2e-4)
+    res = simulate_loop(cluster, PROFILE, 64, truth=m, profiled=m, steps=1500, replan_every=50,
+                        slowdowns={300: {ids[1]: 6.0}}, noise=0.01)
+    truth = replace(m, seconds_per_sample={ids[0]: 1e-4, ids[1]: 6e-4}, pass_scale={ids[1]: 6.0})
+    recut = [e for e in res.changes if e.decision == "RecutShares"]
+    assert recut and recut[0].step > 300, res.events
+    import re
+
+    new = tuple(int(x) for x in re.search(r"-> \[(\d+), (\d+)\]", recut[0].reason).groups())
+    said = float(re.search(r"predicted ([\d.]+) ms/step", recut[0].reason).group(1)) * 1e-3
+    runs = truth.estimate(replace(res.start, shares=new), cluster, PROFILE).step_time
+    assert said == pytest.approx(runs, rel=0.1), recut[0].reason
+    best = affine_shares(64, [12 * 2e-4, 6 * 12 * 2e-4], [32e-4 / 32, 6 * 32e-4 / 32])
+    assert new == best == res.final.shares
