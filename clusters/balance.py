@@ -340,6 +340,9 @@ def affine_shares(total: int, fixed: Sequence[float], per_sample: Sequence[float
         raise BalanceError("one fixed and one per-sample figure per device are needed")
     if total < n * min_share:
         raise BalanceError(f"global batch {total} < {n} devices x {min_share} sample(s) each")
+    if len(set(zip(fixed, per_sample, strict=True))) == 1:  # alike: the first total % n one more
+        base, extra = divmod(total, n)
+        return (base + 1,) * extra + (base,) * (n - extra)
 
     def quota(t: float) -> list[float]:
         return [max(float(min_share), (t - a) / b) for a, b in zip(fixed, per_sample, strict=True)]
@@ -355,12 +358,20 @@ def affine_shares(total: int, fixed: Sequence[float], per_sample: Sequence[float
         if hi - lo <= 1e-12 * hi:
             break
     shares = [int(math.floor(q + 1e-9)) for q in quota(lo)]
-    while sum(shares) > total:  # (float slack)
-        i = max(range(n), key=lambda j: (shares[j] > min_share, fixed[j] + per_sample[j] * shares[j]))
-        shares[i] -= 1
-    while sum(shares) < total:
-        i = min(range(n), key=lambda j: (fixed[j] + per_sample[j] * (shares[j] + 1), j))
-        shares[i] += 1
+    over = sum(shares) - total
+    if over > 0:  # (float slack) back from the slowest that can give
+        order = sorted((j for j in range(n) if shares[j] > min_share),
+                       key=lambda j: (-(fixed[j] + per_sample[j] * shares[j]), j))
+        for j in order[:over]:
+            shares[j] -= 1
+    # the samples left (fewer than the devices: each quota lost under 1) one each to the
+    # devices whose time with one more is shortest
+    left = total - sum(shares)
+    while left > 0:
+        order = sorted(range(n), key=lambda j: (fixed[j] + per_sample[j] * (shares[j] + 1), j))
+        for j in order[:left]:
+            shares[j] += 1
+        left = total - sum(shares)
     return tuple(shares)
 
 

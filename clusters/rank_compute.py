@@ -12,6 +12,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from .balance import position_blocks
+from .collectives import SYNC_MODES
 from .cost import CostModel, _work_fraction
 from .measured import Spread, equal_within_noise
 from .plan import Plan
@@ -19,7 +20,7 @@ from .profile import ModelProfile
 from .replan_policy import peer_median
 from .topology import Cluster
 
-__all__ = ["RankPoint", "rank_points", "slowdowns", "fit_compute", "LiveScale",
+__all__ = ["RankPoint", "rank_points", "whole_figures", "moved", "slowdowns", "fit_compute", "LiveScale",
            "fixed_per_sample", "fixed_fractions", "rank_blocks", "stage_fractions",
            "StageBaseline", "peer_ratios", "slowness", "carried"]
 
@@ -49,14 +50,42 @@ def rank_points(plan: Plan, model: CostModel, profile: ModelProfile, cluster: Cl
     return out
 
 
-def slowdowns(points: Sequence[RankPoint], rel: float = 0.1) -> tuple[float, float] | None:
+def whole_figures(plan: Plan, profile: ModelProfile, cluster: Cluster,
+                  rank_s: Sequence[float], stage_s: Sequence[float] = ()
+                  ) -> list[float] | None:
+    """Each rank's measured seconds per sample on the whole model's scale: a share-balanced
+    layout's ``rank_s``, a pipeline's ``stage_s`` (its stages' blocks) over its
+    ``stage_fractions``; None where the window has no figure for every rank."""
+    n = len(plan.devices)
+    if plan.is_pipeline:
+        if len(stage_s) != n or len(rank_s) != n:
+            return None
+        return [t / f for t, f in zip(stage_s, stage_fractions(plan, profile, cluster),
+                                      strict=True)]
+    return list(rank_s) if plan.strategy in SYNC_MODES and len(rank_s) == n else None
+
+
+def moved(before: RankPoint | None, now: RankPoint | None, bar: float = 0.2) -> bool:
+    """Whether a device's compute at one layout moved by more than ``bar`` (relative)
+    between two of its windows there: it changed (a straggler that slowed further or
+    recovered), and what was measured before it is of another device."""
+    if before is None or now is None or before.measured_s <= 0:
+        return False
+    return abs(now.measured_s / before.measured_s - 1.0) > bar
+
+
+def slowdowns(points: Sequence[RankPoint], spread: float = 0.15, fits: float = 0.1
+              ) -> tuple[float, float] | None:
     """How many times its model a device runs in its fixed costs and in its work, fitted to
-    ``points`` whose mixes of the two differ (least squares on relative errors; at least two
-    whose fixed-to-work ratios are ``rel`` apart); None where they cannot tell the two
-    apart, or the fit leaves either at or below 0."""
+    ``points`` (least squares on relative errors). None where they cannot tell the two
+    apart: fewer than two points, or their fixed costs' parts of the model's figure less
+    than ``spread`` apart (a fixed part of 5 ms beside 32-61 ms of work, 1 % noise, gave a
+    factor of 0.66-1.36 on it), or a fit at or below 0 on either, or one that misses a point
+    by more than ``fits`` (relative, twice a window median's spread on a shared host: the
+    device changed between them)."""
     pts = [p for p in points if p.measured_s > 0 and p.work_s > 0 and p.fixed_s > 0]
-    ratios = sorted(p.fixed_s / p.work_s for p in pts)
-    if len(pts) < 2 or ratios[-1] < ratios[0] * (1 + rel):
+    parts = [p.fixed_s / (p.fixed_s + p.work_s) for p in pts]
+    if len(pts) < 2 or max(parts) - min(parts) < spread:
         return None
     sff = sfw = sww = sfm = swm = 0.0
     for p in pts:
@@ -66,43 +95,54 @@ def slowdowns(points: Sequence[RankPoint], rel: float = 0.1) -> tuple[float, flo
     if det <= 1e-12 * sff * sww:
         return None
     ka, kb = (sww * sfm - sfw * swm) / det, (sff * swm - sfw * sfm) / det
-    return (ka, kb) if ka > 0 and kb > 0 else None
+    if ka <= 0 or kb <= 0 or any(abs(ka * p.fixed_s + kb * p.work_s - p.measured_s)
+                                 > fits * p.measured_s for p in pts):
+        return None
+    return ka, kb
+
 
 def fit_compute(model: CostModel, profile: ModelProfile, cluster: Cluster,
                 compute: Mapping[str, Spread] | None, kinds: Mapping[str, object] | None = None,
                 fixed: Mapping[str, float] | None = None,
-                points: Mapping[str, Sequence[RankPoint]] | None = None) -> CostModel:
+                points: Mapping[str, Sequence[RankPoint]] | None = None,
+                apart: Collection[str] = ()) -> CostModel:
     """``model`` with each device's compute (``compute``: its seconds per sample now) as
-    measured. ``fixed``: what of a device's figure the model holds fixed per pass
-    (``fixed_per_sample``): its figure over the model's (that and its work per sample) is
-    how much slower it runs than profiled, in both (a rank 6x slower given 1 sample of 64
-    measured 10 ms/sample, given 32 0.9: taken as work per sample, the re-cut's step was
-    predicted 7 ms short). ``points``: a device's windows at other shares (``RankPoint``,
-    this one's last), from which a device that stands apart from its kind gets its fixed
-    costs and its work slowed apart (``slowdowns``: an emulated 6x straggler measured 6.2x
-    in its work and 10.7x in its fixed costs); devices that agree with their kind within
-    the noise keep one figure for both."""
+    measured. ``fixed``: what of each device's figure the model holds fixed per pass
+    (``fixed_per_sample``; without it a figure is taken as work per sample): its figure
+    over the model's (that and its work per sample) is how much slower it runs than
+    profiled, in both (a rank 6x slower given 1 sample of 64 measured 10 ms/sample, given
+    32 0.9: taken as work per sample, the re-cut's step was predicted 7 ms short). Those
+    factors, not the figures (which hold the fixed costs over unequal shares), are made
+    equal within the noise for devices of one kind. ``apart``: the devices (stragglers) whose
+    ``points`` (their windows at the layouts since, this one's last) may tell their fixed
+    costs' and their work's slowdowns apart (``slowdowns``: an emulated 6x straggler
+    measured 6.2x in its work and 10.7x in its fixed costs)."""
     if not compute:
         return model
     ids = sorted(compute)
-    raw = [1.0 / compute[i].median for i in ids]
-    spreads = [Spread(1.0 / compute[i].median, compute[i].sd / compute[i].median ** 2,
-                      compute[i].n) for i in ids]
-    speeds = equal_within_noise(raw, spreads, [kinds.get(i) for i in ids] if kinds else None)
     sps = dict(model.seconds_per_sample)
+    if not fixed:  # the figures as work per sample
+        raw = [1.0 / compute[i].median for i in ids]
+        spreads = [Spread(r, compute[i].sd * r * r, compute[i].n) for i, r in zip(ids, raw,
+                                                                                   strict=True)]
+        speeds = equal_within_noise(raw, spreads, [kinds.get(i) for i in ids] if kinds else None)
+        sps.update({i: 1.0 / v for i, v in zip(ids, speeds, strict=True)})
+        return replace(model, seconds_per_sample=sps)
+    own = {i: model.sample_time(cluster.device(i), profile) for i in ids}
+    have = {i: own[i] + fixed.get(i, 0.0) for i in ids}
+    inv = [have[i] / compute[i].median for i in ids]  # 1 / each device's slowdown
+    spreads = [Spread(v, compute[i].sd * v / compute[i].median, compute[i].n)
+               for i, v in zip(ids, inv, strict=True)]
+    ks = [1.0 / v for v in equal_within_noise(inv, spreads, [kinds.get(i) for i in ids]
+                                              if kinds else None)]
     scale = dict(model.pass_scale)
-    for i, v, r in zip(ids, speeds, raw, strict=True):
-        f = (fixed or {}).get(i, 0.0)
-        own = model.sample_time(cluster.device(i), profile) if f > 0 else 0.0
-        if own <= 0:
-            sps[i] = 1.0 / v
-            continue
-        k = 1.0 / v / (own + f)
-        apart = slowdowns((points or {}).get(i, ())) if v == r else None
-        ka, kb = apart if apart is not None else (k, k)
-        sps[i] = kb * own
+    for i, k in zip(ids, ks, strict=True):
+        both = slowdowns((points or {}).get(i, ())) if i in apart else None
+        ka, kb = both if both is not None else (k, k)
+        sps[i] = kb * own[i]
         scale[i] = ka * model.pass_scale.get(i, 1.0)
     return replace(model, seconds_per_sample=sps, pass_scale=scale)
+
 
 class LiveScale:
     """What takes a layout's live per-rank compute to the model's scale, fixed at the first
@@ -123,28 +163,38 @@ class LiveScale:
         self._factor: dict[object, float] = {}
 
     def __call__(self, key: object, rank_s: Sequence[float], ids: Sequence[str],
-                 model: CostModel, fixed: Sequence[float] = ()) -> tuple[float, ...]:
-        return tuple(t * self.factor(key, rank_s, ids, model, fixed) for t in rank_s)
+                 model: CostModel, fixed: Sequence[float] = (),
+                 groups: Sequence[object] = ()) -> tuple[float, ...]:
+        return tuple(t * self.factor(key, rank_s, ids, model, fixed, groups) for t in rank_s)
 
     def factor(self, key: object, rank_s: Sequence[float], ids: Sequence[str],
-               model: CostModel, fixed: Sequence[float] = ()) -> float:
+               model: CostModel, fixed: Sequence[float] = (),
+               groups: Sequence[object] = ()) -> float:
         """The factor itself (``rank_s``: whole-model figures; a pipeline's per
         ``stage_fractions``), onto the model's figure per sample at the layout: its work and
         its ``fixed`` costs per sample (``fixed_per_sample``; none: 0). A rank that reads
-        more than 10 % slower against the model than its peers' median does not count: a
-        straggler (a layout switched to after a rank slowed, or whose first window saw it
-        slow: its peers' compute was taken 0.57x, and dp was predicted at 1.5 ms against its
-        16 ms)."""
+        more than 10 % slower against the model than the median of its peers (the ranks of
+        its ``groups`` entry: a pipeline's replicas of one stage, whose blocks are the same;
+        none: every rank) does not count: a straggler (a layout switched to after a rank
+        slowed, or whose first window saw it slow: its peers' compute was taken 0.57x, and
+        dp was predicted at 1.5 ms against its 16 ms). Ranks of different stages are not
+        compared: their figures over the model's differ by the blocks' weights' errors."""
         if key not in self._factor:
-            f = list(fixed) if len(fixed) == len(ids) else [0.0] * len(ids)
+            n = len(ids)
+            f = list(fixed) if len(fixed) == n else [0.0] * n
+            g = list(groups) if len(groups) == n else [0] * n
             have = [model.seconds_per_sample.get(i, 0.0) for i in ids]
             ok = len(have) == len(rank_s) > 0 and all(h > 0 for h in have) and sum(rank_s) > 0
             if ok:
                 have = [h + x for h, x in zip(have, f, strict=True)]
                 q = [t / h for t, h in zip(rank_s, have, strict=True)]
-                keep = [r for r in range(len(q))
-                        if q[r] > 0 and (len(q) < 2 or q[r] <= 1.1 * peer_median(q, r))]
-                keep = keep or [r for r in range(len(q)) if q[r] > 0]
+
+                def fast(r: int) -> bool:
+                    peers = [q[j] for j in range(n) if j != r and g[j] == g[r]]
+                    return not peers or q[r] <= 1.1 * statistics.median(peers)
+
+                keep = [r for r in range(n) if q[r] > 0 and fast(r)]
+                keep = keep or [r for r in range(n) if q[r] > 0]
                 self._factor[key] = (sum(have[r] for r in keep)
                                      / sum(rank_s[r] for r in keep))
             else:

@@ -65,6 +65,7 @@ from .rank_compute import (
     slowdowns,
     slowness,
     stage_fractions,
+    whole_figures,
 )
 from .topology import Cluster
 
@@ -88,11 +89,12 @@ def refit(model: CostModel, profile: ModelProfile, cluster: Cluster,
           observed: Sequence[Observed], compute: Mapping[str, Spread] | None = None,
           kinds: Mapping[str, object] | None = None,
           fixed: Mapping[str, float] | None = None,
-          points: Mapping[str, Sequence[RankPoint]] | None = None) -> CostModel:
+          points: Mapping[str, Sequence[RankPoint]] | None = None,
+          apart: Collection[str] = ()) -> CostModel:
     """``model`` re-fitted to ``observed`` segments and per-device ``compute`` (seconds per
-    sample of the whole model, by device id; see the module docstring). ``fixed`` and
-    ``points``: ``fit_compute``'s."""
-    out = fit_compute(model, profile, cluster, compute, kinds, fixed, points)
+    sample of the whole model, by device id; see the module docstring). ``fixed``,
+    ``points`` and ``apart``: ``fit_compute``'s."""
+    out = fit_compute(model, profile, cluster, compute, kinds, fixed, points, apart)
     return _fit_comm(out, profile, cluster, observed) if observed else out
 
 
@@ -214,7 +216,8 @@ def observe(*, model: CostModel | None, profile: ModelProfile | None, cluster: C
             recut_from: tuple[tuple[int, ...], float] | None = None,
             tried: Collection[str] = (), drift: float = 0.0,
             switched_from: str = "", rank_order: bool = False,
-            points: Mapping[str, Sequence[RankPoint]] | None = None) -> Observation:
+            points: Mapping[str, Sequence[RankPoint]] | None = None,
+            stragglers: Collection[str] = ()) -> Observation:
     """The closed loop's view of the running layout ``current`` (devices set), measured at
     ``step`` over its window, with the layouts run before it (``observed``).
 
@@ -234,8 +237,9 @@ def observe(*, model: CostModel | None, profile: ModelProfile | None, cluster: C
     layout's figure (``LoopMemory.drift``); ``switched_from``: the layout the last switch
     left (``LoopMemory``). ``rank_order``: the devices' order is their ranks' (live;
     ``planner.plan``). ``points``: each device's ``RankPoint`` of earlier windows (the
-    ``points`` of their observations), for its fixed costs and its work apart
-    (``fit_compute``); the re-cut follows them too."""
+    ``points`` of their observations), from which the devices named ``stragglers`` get
+    their fixed costs and their work slowed apart (``fit_compute``); the re-cut follows
+    them too."""
     shared = current.strategy in SYNC_MODES and len(rank_s) == len(current.devices)
     piped = (current.is_pipeline and len(rank_s) == len(current.devices)
              and len(stage_s) == len(rank_s))
@@ -250,10 +254,8 @@ def observe(*, model: CostModel | None, profile: ModelProfile | None, cluster: C
     new: tuple[int, ...] = ()
     new_s = 0.0
     ready = model is not None and profile is not None and cluster is not None
-    whole = (rank_s if shared else
-             [t / f for t, f in zip(stage_s, stage_fractions(current, profile, cluster),
-                                    strict=True)]
-             if piped and profile is not None and cluster is not None else None)
+    whole = (whole_figures(current, profile, cluster, rank_s, stage_s)
+             if profile is not None and cluster is not None and (shared or piped) else None)
     compute = ({current.devices[r]: Spread(t, 0.0, step.n) for r, t in enumerate(whole)}
                if whole is not None else None)
     here: dict[str, RankPoint] = {}
@@ -265,7 +267,7 @@ def observe(*, model: CostModel | None, profile: ModelProfile | None, cluster: C
         computed = fit_compute(
             model, profile, cluster, compute, kinds, dict(zip(current.devices, fixed,
                                                               strict=True)),
-            {d: [*(points or {}).get(d, ()), pt] for d, pt in here.items()})
+            {d: [*(points or {}).get(d, ()), pt] for d, pt in here.items()}, stragglers)
     if recut and shared and rank_s:
         new, gain = recut_shares(current.shares, rank_s,
                                  fixed_fractions(current, computed, profile, cluster))
@@ -308,7 +310,10 @@ def observe(*, model: CostModel | None, profile: ModelProfile | None, cluster: C
         recut=new, recut_step_s=new_s, untried=untried,
         tried_from=tried_from, recut_from=recut_from[0] if recut_from else (),
         recut_from_s=recut_from[1] if recut_from else 0.0, ran=ran, stale=stale,
-        switched_from=switched_from, drift=drift)
+        switched_from=switched_from, drift=drift,
+        notes=tuple((lab, f"at shares {list(p.shares)}") for lab, p in plans.items()
+                    if not p.is_pipeline and lab != current.label
+                    and p.shares != current.shares))
     return Observation(obs, plans, fitted, here)
 
 

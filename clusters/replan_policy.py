@@ -44,7 +44,9 @@ class ReplanObservation:
     another family's layouts that ran); ``switched_from``: the layout the last ``SwitchPlan``
     left (its figure is adjacent to the running one's); ``drift``: how far the job has seen
     a figure move without a change of layout (``LoopMemory.drift``, relative): what a figure
-    measured in another phase may be off by."""
+    measured in another phase may be off by. ``notes``: (label, what its plan is beyond its
+    label: "at shares [63, 1]") for candidates whose label leaves out what they would run
+    (``name``)."""
 
     current: str
     step_s: float
@@ -68,6 +70,12 @@ class ReplanObservation:
     stale: tuple[str, ...] = ()
     switched_from: str = ""
     drift: float = 0.0
+    notes: tuple[tuple[str, str], ...] = ()
+
+    def name(self, label: str) -> str:
+        """``label`` with its note, as decisions name a candidate: "dp (at shares [63, 1])"."""
+        note = dict(self.notes).get(label)
+        return f"{label} ({note})" if note else label
 
 
 @dataclass(frozen=True)
@@ -245,7 +253,7 @@ class ReplanPolicy:
             past = f", beyond the host's {obs.drift:.1%} drift" if stale(lab) else ""
             options.append(SwitchPlan(
                 lab, gain, obs.switch_s, measured=lab in obs.ran, reason=(
-                f"{lab} {how} {t * 1e3:.1f} ms/step against {obs.current}'s "
+                f"{obs.name(lab)} {how} {t * 1e3:.1f} ms/step against {obs.current}'s "
                 f"measured {obs.step_s * 1e3:.1f} ms (sd {obs.step_sd * 1e3:.1f} ms, "
                 f"{obs.steps} steps{past}): {gain * 1e3:.1f} ms x {obs.remaining} steps = "
                 f"{gain * obs.remaining:.1f} s > switch {obs.switch_s:.2f} s{named}")))
@@ -294,7 +302,8 @@ class ReplanPolicy:
 
         if beaten is not None:
             extra = beaten.gain_s - recut_gain
-            why = (f"{beaten.target} predicted {(obs.step_s - beaten.gain_s) * 1e3:.1f} ms/step "
+            why = (f"{obs.name(beaten.target)} predicted "
+                   f"{(obs.step_s - beaten.gain_s) * 1e3:.1f} ms/step "
                    f"against {obs.current}'s measured {obs.step_s * 1e3:.1f} ms, a gain of "
                    f"{beaten.gain_s * 1e3:.1f} ms of which the {obs.cut} re-cut to "
                    f"{list(obs.recut)} is {recut_gain * 1e3:.1f} ms: the {extra * 1e3:.1f} ms "
@@ -305,7 +314,8 @@ class ReplanPolicy:
         else:
             gain = obs.step_s - best[1]
             how = "measured earlier" if best[0] in obs.ran else "predicted"
-            why = (f"{best[0]} {how} {best[1] * 1e3:.1f} ms/step against {obs.current}'s "
+            why = (f"{obs.name(best[0])} {how} {best[1] * 1e3:.1f} ms/step against "
+                   f"{obs.current}'s "
                    f"{obs.step_s * 1e3:.1f} ms: a gain of {gain * 1e3:.1f} ms, "
                    + short(gain, stale(best[0])))
         if recut_gain and slow and not any(isinstance(o, RecutShares) for o in options):
@@ -331,7 +341,8 @@ class ReplanPolicy:
         if found <= cost:
             return None
         return TryPlan(label, obs.step_s - pred, obs.switch_s,
-                       f"{label} never ran here and is predicted {pred * 1e3:.1f} ms/step "
+                       f"{obs.name(label)} never ran here and is predicted {pred * 1e3:.1f} "
+                       "ms/step "
                        f"against {obs.current}'s measured {obs.step_s * 1e3:.1f} ms (within "
                        f"{self.explore:.0%}, closer than the model can order them): trying it; "
                        f"a plan {self.min_gain:.0%} faster would save "

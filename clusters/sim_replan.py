@@ -21,6 +21,7 @@ from .plan import Plan
 from .planner import plan as plan_fn
 from .policy import KeepPlan, LoopMemory, RecutShares, ReplanPolicy, SwitchPlan
 from .profile import ModelProfile
+from .rank_compute import moved, rank_points, whole_figures
 from .refit import (
     Observed,
     RankPoint,
@@ -76,14 +77,16 @@ def _kind(d: Device) -> tuple[object, ...]:
 def simulate_loop(cluster: Cluster, profile: ModelProfile, global_batch: int, *,
                   truth: CostModel, profiled: CostModel, steps: int, replan_every: int = 50,
                   switch_s: float = 2.0, noise: float = 0.02, seed: int = 0,
-                  slowdowns: Mapping[int, Mapping[str, float]] | None = None,
+                  slowdowns: Mapping[int, Mapping[str, float | tuple[float, float]]] | None
+                  = None,
                   phases: Mapping[int, float] | None = None,
                   policy: ReplanPolicy | None = None, warmup: int = 2,
                   start: Plan | None = None) -> LoopResult:
     """Run ``steps`` steps of a job on ``cluster`` that starts on the plan ``profiled``
     picks. ``truth``: what steps really take (each step's time and each rank's compute get a
     relative Gaussian ``noise``); ``slowdowns[step][device id]``: from that step on the
-    device's true compute is that many times slower; ``phases[step]``: from that step on,
+    device's true compute is that many times slower, in its work and its fixed costs per
+    pass alike, or (work, fixed costs) times apart; ``phases[step]``: from that step on,
     every step of every layout, and every rank's compute, takes that many times its true time
     (a shared host's phase).
     The first ``warmup`` steps of every layout are left out of its window, as live.
@@ -123,8 +126,9 @@ def simulate_loop(cluster: Cluster, profile: ModelProfile, global_batch: int, *,
         if step in slow:  # slower at everything: its work and its fixed costs per pass
             sps, passes = dict(true_model.seconds_per_sample), dict(true_model.pass_scale)
             for dev, k in slow[step].items():
-                sps[dev] = true_model.sample_time(cluster.device(dev), profile) * k
-                passes[dev] = passes.get(dev, 1.0) * k
+                work, fixed_k = (k, k) if isinstance(k, (int, float)) else k
+                sps[dev] = true_model.sample_time(cluster.device(dev), profile) * work
+                passes[dev] = passes.get(dev, 1.0) * fixed_k
             true_model = replace(true_model, seconds_per_sample=sps, pass_scale=passes)
             cache.clear()
             fixed.clear()
@@ -159,7 +163,11 @@ def simulate_loop(cluster: Cluster, profile: ModelProfile, global_batch: int, *,
         slow_ranks = pol.slower(rank_s, [s.rel for s in spreads], cur.is_pipeline)
         lagging = {cur.devices[r] for r in slow_ranks}
         recent = max(replan_every, pol.min_steps)
-        if lagging - named:  # a device newly slower: the other layouts' figures are from
+        whole = whole_figures(cur, profile, cluster, rank_s, raw if cur.is_pipeline else ())
+        now = rank_points(cur, profiled, profile, cluster, whole) if whole else {}
+        if lagging - named or any(moved(points.get(d, {}).get(key), now.get(d))
+                                  for d in lagging):  # a device newly slower, or a
+            # straggler that moved where it ran before: the other layouts' figures are from
             observed = {k: o for k, o in observed.items() if k == key}  # before it (as live)
             points = {d: {k: p for k, p in by.items() if k == key} for d, by in points.items()}
             memory.forget_last()
@@ -173,6 +181,7 @@ def simulate_loop(cluster: Cluster, profile: ModelProfile, global_batch: int, *,
             kinds={d: _kind(cluster.device(d)) for d in cur.devices},  # as live: by device id
             block_weights=weights, recent=robust(window[-recent:]) if lagging else None,
             points={d: [p for k, p in by.items() if k != key] for d, by in points.items()},
+            stragglers=sorted(lagging),
             **memory.observe_args(cur.label, cur.stage_split))
         for d, pt in view.points.items():  # (as live)
             points.setdefault(d, {})[key] = pt

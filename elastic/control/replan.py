@@ -30,6 +30,7 @@ from clusters.policy import (
     ReplanPolicy,
     SwitchPlan,
 )
+from clusters.rank_compute import moved, rank_points, whole_figures
 from clusters.refit import (
     LiveScale,
     RankPoint,
@@ -234,9 +235,10 @@ class Replanner:
         figs = self._figures(spec, group)
         slow = self.policy.slower(figs.rank_s, figs.rel, spec.name == "pipeline")
         ids = [group.workers[r].worker_id for r in slow]
-        if not set(ids) <= set(self._named):  # a worker newly slower: every other layout's
-            self._forget_others(figs.current)  # figure is from before it slowed
-        obs, plans, parts = self._observe(step, times, figs, group, recent=bool(ids))
+        if not set(ids) <= set(self._named) or self._moved(figs, slow):  # a worker newly
+            self._forget_others(figs.current)  # slower, or a straggler that slowed further
+            # (or recovered) where it ran before: every other layout's figure is of before
+        obs, plans, parts = self._observe(step, times, figs, group, slow)
         if self._refused:  # plans the strategy refused to lay out: never decided again
             obs = dataclasses.replace(obs, candidates=tuple(
                 c for c in obs.candidates if c[0] not in self._refused or c[0] == obs.current),
@@ -261,11 +263,6 @@ class Replanner:
             to = plans[decision.target]  # its shares per rank, as its spec and switch say
             data["to"] = {"label": decision.target, "shares": list(plan_spec(to).shares),
                           "stage_split": list(to.stage_split)}
-            if not to.is_pipeline and to.shares != tuple(obs.shares):
-                at = f"{decision.target} (at shares {list(to.shares)}) "
-                said = (f"{kind}: {at}{decision.reason[len(decision.target) + 1:]}"
-                        if decision.reason.startswith(f"{decision.target} ")
-                        else f"{said} (to {decision.target} at shares {list(to.shares)})")
         self._emit("replan", said, data=data, step=step)
         named, self._named = self._named, tuple(ids)
         if slow and tuple(ids) != named:  # named once while it stays one (by worker: a rank
@@ -320,9 +317,10 @@ class Replanner:
             # (``stage_fractions``), its factor kept across re-splits
             fr = (stage_fractions(current, mm.profile, lay.cluster) if current.is_pipeline
                   else (1.0,) * len(first))
-            k = self._scale.factor(key, [t / f for t, f in zip(first, fr, strict=True)], ids,
-                                   mm.model, fixed_per_sample(current, mm.model, mm.profile,
-                                                              lay.cluster))
+            k = self._scale.factor(  # (a pipeline's ranks compared within a stage)
+                key, [t / f for t, f in zip(first, fr, strict=True)], ids, mm.model,
+                fixed_per_sample(current, mm.model, mm.profile, lay.cluster),
+                [current.coords(r)[0] for r in range(len(ids))])
             rank_s, first = tuple(t * k for t in rank_s), tuple(t * k for t in first)
         if current.is_pipeline and rank_s:
             known = [self._known.get(w.worker_id, 1.0) for w in group.workers]
@@ -331,11 +329,12 @@ class Replanner:
         return _Figures(current, mm, rank_s, rel, ())
 
     def _observe(self, step: int, times: list[float], figs: _Figures, group: Any,
-                 recent: bool) -> tuple[ReplanObservation, dict[str, Plan], dict[str, Any]]:
+                 slow: tuple[int, ...]
+                 ) -> tuple[ReplanObservation, dict[str, Plan], dict[str, Any]]:
         """The observation for the policy (``clusters.refit.observe``, as the simulator
         builds it), the candidate plans by label, and the re-fit's figures for the event.
-        ``recent``: a straggler is named, so the re-fit's point of this layout is the span
-        the ranks' figures cover."""
+        ``slow``: the ranks named stragglers (then the re-fit's point of this layout is the
+        span the ranks' figures cover, and their fixed costs and work may be fitted apart)."""
         from clusters.refit import Observed, observe
 
         from .layouts import block_weights
@@ -359,7 +358,8 @@ class Replanner:
             replan=self.cfg.strategy == "auto" and mm is not None, stage_s=figs.stage_s,
             rank_order=True,
             block_weights=block_weights(lay, group) if figs.stage_s else (),
-            recent=robust(times[-self._recent():]) if recent else None,
+            recent=robust(times[-self._recent():]) if slow else None,
+            stragglers=[current.devices[r] for r in slow],
             points={d: [p for k, p in by.items() if k != key]
                     for d, by in self._points.items()}, **mem)
         for d, pt in view.points.items():  # this window's, in place of the layout's last
@@ -370,6 +370,22 @@ class Replanner:
                      "observed": sorted({p.label for p, _ in self.observed.values()}
                                         | {current.label})}
         return view.obs, dict(view.plans), parts
+
+    def _moved(self, figs: _Figures, slow: tuple[int, ...]) -> bool:
+        """Whether a straggler's compute moved (``rank_compute.moved``) since its last window
+        at this layout (was: a rank that slowed 2x, was re-cut, then slowed 5x more, kept the
+        layouts' figures of before: dp at [32, 32, 32] "measured earlier 12.7 ms/step" was
+        switched to, and ran at 44.8)."""
+        mm, cur = figs.mm, figs.current
+        if mm is None or not slow:
+            return False
+        whole = whole_figures(cur, mm.profile, self.layouts.cluster, figs.rank_s, figs.stage_s)
+        if whole is None:
+            return False
+        now = rank_points(cur, mm.model, mm.profile, self.layouts.cluster, whole)
+        key = plan_key(cur)
+        return any(moved(self._points.get(cur.devices[r], {}).get(key),
+                         now.get(cur.devices[r])) for r in slow)
 
     def _forget_others(self, current: Plan) -> None:
         """Drop the figures of the layouts that ran before ``current`` (and what the last

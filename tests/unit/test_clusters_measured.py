@@ -34,7 +34,15 @@ from clusters.measured import (
     robust,
     terms_model,
 )
-from clusters.refit import LiveScale, Observed, fixed_per_sample, observe, predictions, refit
+from clusters.refit import (
+    LiveScale,
+    Observed,
+    RankPoint,
+    fixed_per_sample,
+    observe,
+    predictions,
+    refit,
+)
 
 MIB = 1 << 20
 
@@ -418,6 +426,10 @@ def test_the_live_compute_is_taken_to_the_models_scale_once_per_layout():
     f = [1e-4, 4e-4]
     assert LiveScale().factor(dp, [2.1 * (t + x) for t, x in zip(c, f, strict=True)], ids,
                               mm.model, f) == pytest.approx(1 / 2.1)
+    # a pipeline's ranks run other blocks: one reading 1.2x the model (its blocks' weights
+    # measured off) is compared only with its own stage's replicas, and counts
+    assert LiveScale().factor(dp, [2.1 * c[0], 1.2 * 2.1 * c[1]], ids, mm.model,
+                              groups=[0, 1]) == pytest.approx(2 / (2.1 * 2.2))
     # a model profiled per device type (the simulator's clusters): the figures as they are
     typed = replace(mm.model, seconds_per_sample={"CPU": c[0]})
     assert LiveScale()(dp, [1e-3, 3e-3], ids, typed) == (1e-3, 3e-3)
@@ -455,7 +467,8 @@ def test_a_straggler_seen_at_two_shares_has_its_fixed_costs_and_its_work_apart()
         return cur, observe(model=model, profile=mm.profile, cluster=cluster, global_batch=64,
                             current=cur, step=Spread(step, 0.0, 20), observed=[],
                             remaining=10_000, switch_s=0.1, rank_s=rank_s,
-                            recent=Spread(step, 0.0, 20), points=points)
+                            recent=Spread(step, 0.0, 20), points=points,
+                            stragglers=[ids[1]])
 
     cur, first = window((32, 32))
     assert first.obs.recut == (60, 4)  # (one factor for both: its fixed costs taken 6.5x)
@@ -473,6 +486,39 @@ def test_a_straggler_seen_at_two_shares_has_its_fixed_costs_and_its_work_apart()
     # alike devices, or one share seen: no fit apart
     assert slowdowns([first.points[ids[1]]]) is None
     assert slowdowns([first.points[ids[1]]] * 2) is None
+
+
+def test_alike_devices_at_unequal_shares_are_equal_and_only_a_straggler_is_fitted_apart():
+    """Three alike healthy ranks at shares [20, 20, 24]: their figures per sample differ
+    (the fixed costs over 20 or 24 samples), their slowdowns do not. Grouped by their figures,
+    the rank at 24 came out 1.048x slow in both; grouped by their slowdowns, all are 1. And a
+    healthy rank seen at two shares with 1 % noise is not fitted apart (only a named
+    straggler is), nor is a straggler whose two windows disagree with any one pair of
+    factors, or whose fixed part barely moved between them."""
+    from clusters.refit import fit_compute, slowdowns
+
+    cluster, ids = _live(3)
+    mm = terms_model(_reports(3, c=(1e-3,) * 3), ids, _base(), cluster=cluster)
+    model = replace(mm.model, pass_overhead_s=5e-3 / 3)
+    cur = Plan(strategy="dp", world_size=3, shares=(20, 20, 24), devices=tuple(ids))
+    fixed = fixed_per_sample(cur, model, mm.profile, cluster)
+    live = {i: Spread(model.seconds_per_sample[i] + f, 0.0, 20)
+            for i, f in zip(ids, fixed, strict=True)}
+    fitted = fit_compute(model, mm.profile, cluster, live, dict.fromkeys(ids, "cpu"),
+                         dict(zip(ids, fixed, strict=True)))
+    for i in ids:
+        assert fitted.seconds_per_sample[i] == pytest.approx(model.seconds_per_sample[i])
+        assert fitted.pass_scale[i] == pytest.approx(1.0)
+    pts = [RankPoint(5e-3, 32e-3, 37e-3 * 1.01), RankPoint(5e-3, 61e-3, 66e-3 * 0.99)]
+    assert slowdowns(pts) is None  # its fixed part: 13.5 % then 7.6 % of the figure
+    healthy = fit_compute(model, mm.profile, cluster, live, None, dict(zip(ids, fixed,
+                                                                           strict=True)),
+                          {ids[2]: [RankPoint(5e-3, 3e-3, 8e-3 * 1.3), RankPoint(
+                              fixed[2] * 24, 24e-3, fixed[2] * 24 + 24e-3)]})
+    assert healthy.pass_scale[ids[2]] == pytest.approx(1.0)  # not named: one factor
+    changed = [RankPoint(5e-3, 32e-3, 6 * 37e-3), RankPoint(5e-3, 3e-3, 9 * 8e-3),
+               RankPoint(5e-3, 9e-3, 6 * 14e-3)]
+    assert slowdowns(changed) is None  # 6x, then 9x, then 6x: no pair of factors meets all
 
 
 def test_affine_shares_make_the_slowest_device_least_slow():
@@ -523,6 +569,7 @@ def test_a_rank_slower_at_everything_is_predicted_so_at_other_shares():
     assert view.obs.recut_step_s == pytest.approx(true_new, rel=0.02)
     dp = dict(view.obs.candidates)["dp"]  # another layout at the re-cut shares
     assert view.plans["dp"].shares == new
+    assert view.obs.name("dp") == "dp (at shares [59, 5])"  # (how decisions name it)
     true_dp = truth.estimate(replace(view.plans["dp"], shares=new), cluster,
                              mm.profile).step_time
     assert dp == pytest.approx(true_dp, rel=0.05)

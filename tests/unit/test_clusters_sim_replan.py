@@ -471,3 +471,29 @@ def test_a_straggler_slower_in_its_fixed_costs_too_is_re_cut_as_it_then_runs():
     assert said == pytest.approx(runs, rel=0.1), recut[0].reason
     best = affine_shares(64, [12 * 2e-4, 6 * 12 * 2e-4], [32e-4 / 32, 6 * 32e-4 / 32])
     assert new == best == res.final.shares
+
+
+def test_a_straggler_that_slows_further_is_re_cut_again_not_switched_on_old_figures():
+    """Three ranks with fixed costs; rank 1 slows 2x (re-cut), the host goes through a 1.2x
+    phase, then rank 1 slows again, 3x in its work and 5x in its fixed costs. The layouts'
+    figures from before the second slowdown are dropped like a new straggler's, and the loop
+    re-cuts again, to the shares that make the truth's slowest rank least slow. Was: dp at
+    [32, 32, 32] "measured earlier 12.7 ms/step" (before the second slowdown) was switched
+    to and ran at 44.8, after a switch to zero2; four changes in all."""
+    from clusters.balance import affine_shares
+
+    cluster, ids = _cluster(3)
+    m = replace(_model(ids), pass_overhead_s=2e-4)
+    res = simulate_loop(cluster, PROFILE, 96, truth=m, profiled=m, steps=2500, replan_every=50,
+                        slowdowns={300: {ids[1]: 2.0}, 1200: {ids[1]: (3.0, 5.0)}},
+                        phases={700: 1.2, 1000: 1.0}, noise=0.02)
+    assert [e.decision for e in res.changes] == ["RecutShares"] * 2, res.changes
+    assert 1200 < res.changes[1].step <= 1310
+    truth = replace(m, seconds_per_sample={ids[0]: 1e-4, ids[1]: 6e-4, ids[2]: 1e-4},
+                    pass_scale={ids[1]: 10.0})
+    best = affine_shares(96, [2.4e-3, 24e-3, 2.4e-3], [1e-4, 6e-4, 1e-4])
+
+    def step(shares):
+        return truth.estimate(replace(res.final, shares=shares), cluster, PROFILE).step_time
+
+    assert step(res.final.shares) == pytest.approx(step(best), rel=1e-6)

@@ -515,6 +515,15 @@ def test_replan_policy_numbers_in_its_reasons():
         d.reason
     strict = ReplanPolicy(margin=30.0).decide(_rp(candidates=_FAST))
     assert isinstance(strict, KeepPlan)
+    # a candidate whose label leaves out what it would run is named with its note, in a
+    # switch, a try and a plan kept (was: the live loop rewrote the policy's text after it)
+    at = (("zero2", "at shares [63, 1]"),)
+    d = ReplanPolicy().decide(_rp(candidates=_FAST, notes=at))
+    assert d.reason.startswith("zero2 (at shares [63, 1]) predicted 80.0 ms/step"), d.reason
+    t = ReplanPolicy().decide(_rp(candidates=(("zero2", 0.099),), untried=("zero2",), notes=at))
+    assert isinstance(t, TryPlan) and t.reason.startswith("zero2 (at shares [63, 1]) never ran")
+    k = ReplanPolicy().decide(_rp(candidates=(("zero2", 0.097),), notes=at))
+    assert isinstance(k, KeepPlan) and k.reason.startswith("zero2 (at shares [63, 1]) predicted")
 # ------------------------------------------------------------------ evacuation
 
 

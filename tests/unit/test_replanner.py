@@ -198,3 +198,24 @@ def test_a_re_cut_around_a_rank_that_just_slowed_predicts_from_the_step_now():
     assert data["step_s"] == pytest.approx(slow_step) and data["steps"] == 20
     predicted = float(re.search(r"predicted (-?[\d.]+) ms/step", msg).group(1))
     assert 0 < predicted < slow_step * 1e3, msg
+
+
+def test_a_straggler_that_slows_further_drops_the_figures_of_before(monkeypatch):
+    """Rank 1, named at 2x, slows to 6x at the same layout: its compute there moved, so the
+    other layouts' figures (of before) are dropped as for a newly named straggler (was:
+    kept, and a layout measured before was switched to on them: the simulator's test)."""
+    rp, mm, events, c = _loop()
+    frac = mm.spreads["forward_fraction"]
+    spec, step, group = _dp(rp, mm)
+    forgot: list[Any] = []
+    real = rp._forget_others  # noqa: SLF001
+    monkeypatch.setattr(rp, "_forget_others", lambda cur: forgot.append(cur) or real(cur))
+    _feed(rp, spec, range(0, 30), step * 2, [c[0], 2 * c[1]], frac)
+    rp.decide(30, spec, group)
+    assert len(forgot) == 1  # newly named
+    _feed(rp, spec, range(30, 60), step * 2, [c[0], 2.1 * c[1]], frac)
+    rp.decide(60, spec, group)
+    assert len(forgot) == 1  # the same straggler, within the noise
+    _feed(rp, spec, range(60, 90), step * 6, [c[0], 6 * c[1]], frac)
+    rp.decide(90, spec, group)
+    assert len(forgot) == 2  # it moved: 6x where it read 2x
