@@ -305,13 +305,15 @@ def rebalance_decision(
 
 
 def recut_shares(shares: Sequence[int], seconds_per_sample: Sequence[float],
-                 fixed: Sequence[float] = ()) -> tuple[tuple[int, ...], float]:
+                 fixed: Sequence[float] = (), caps: Sequence[int | None] | None = None
+                 ) -> tuple[tuple[int, ...], float]:
     """Shares that follow measured compute seconds per sample of each rank, and the seconds
     per step they save: the slowest rank's compute before minus after. ``fixed``: the part
     of each rank's figure that is fixed per step (passes, launches) spread over its share
     now, as a fraction of it; a rank's compute at ``n`` samples is then that part of its
-    step plus ``n`` times the rest (``affine_shares``; none: ``n`` times its figure). Raises
-    ``BalanceError`` on bad input."""
+    step plus ``n`` times the rest (``affine_shares``; none: ``n`` times its figure).
+    ``caps``: the most samples each rank holds (its free memory). Raises ``BalanceError``
+    on bad input, or caps that cannot hold the batch."""
     if len(shares) != len(seconds_per_sample) or not shares:
         raise BalanceError("one seconds-per-sample figure per share is needed")
     if any(not (c > 0 and math.isfinite(c)) for c in seconds_per_sample):
@@ -321,31 +323,39 @@ def recut_shares(shares: Sequence[int], seconds_per_sample: Sequence[float],
         raise BalanceError(f"fixed fractions must be in [0, 1), got {phi}")
     a = [f * c * n for f, c, n in zip(phi, seconds_per_sample, shares, strict=True)]
     b = [(1.0 - f) * c for f, c in zip(phi, seconds_per_sample, strict=True)]
-    new = (affine_shares(sum(shares), a, b) if any(phi)
-           else proportional_shares(sum(shares), [1.0 / c for c in seconds_per_sample]))
+    new = (affine_shares(sum(shares), a, b, caps=caps) if any(phi)
+           else proportional_shares(sum(shares), [1.0 / c for c in seconds_per_sample], caps))
     before = max(x + y * n for x, y, n in zip(a, b, shares, strict=True))
     after = max(x + y * n for x, y, n in zip(a, b, new, strict=True))
     return new, before - after
 
 
 def affine_shares(total: int, fixed: Sequence[float], per_sample: Sequence[float],
-                  min_share: int = 1) -> tuple[int, ...]:
-    """Integer shares summing to ``total`` (each at least ``min_share``) that make the
+                  min_share: int = 1, caps: Sequence[int | None] | None = None
+                  ) -> tuple[int, ...]:
+    """Integer shares summing to ``total`` (each at least ``min_share`` and at most its cap:
+    ``caps[i]``, the most samples device ``i`` holds, None for no cap) that make the
     slowest device's time least, device ``i`` taking ``fixed[i] + n * per_sample[i]`` for
     ``n`` samples: the level where the continuous shares meet ``total`` (bisection), each
     rounded down, the samples left one each to the devices whose time with one more is
-    shortest (ties to the lower index), as ``proportional_shares`` rounds."""
+    shortest (ties to the lower index), as ``proportional_shares`` rounds. Raises
+    ``BalanceError`` when the caps cannot hold ``total``."""
     n = len(per_sample)
     if n == 0 or len(fixed) != n:
         raise BalanceError("one fixed and one per-sample figure per device are needed")
     if total < n * min_share:
         raise BalanceError(f"global batch {total} < {n} devices x {min_share} sample(s) each")
-    if len(set(zip(fixed, per_sample, strict=True))) == 1:  # alike: the first total % n one more
-        base, extra = divmod(total, n)
+    cap = [math.inf if c is None else c for c in (caps or [None] * n)]
+    if min(cap) < min_share or sum(cap) < total:
+        raise BalanceError(f"the devices hold at most {sum(cap):g} samples together "
+                           f"({min(cap):g} the least), the batch is {total}")
+    if len(set(zip(fixed, per_sample, cap, strict=True))) == 1:  # alike: the first total % n
+        base, extra = divmod(total, n)  # one more
         return (base + 1,) * extra + (base,) * (n - extra)
 
     def quota(t: float) -> list[float]:
-        return [max(float(min_share), (t - a) / b) for a, b in zip(fixed, per_sample, strict=True)]
+        return [min(c, max(float(min_share), (t - a) / b))
+                for a, b, c in zip(fixed, per_sample, cap, strict=True)]
 
     lo = min(a + b * min_share for a, b in zip(fixed, per_sample, strict=True))
     hi = max(a + b * total for a, b in zip(fixed, per_sample, strict=True))
@@ -364,14 +374,17 @@ def affine_shares(total: int, fixed: Sequence[float], per_sample: Sequence[float
                        key=lambda j: (-(fixed[j] + per_sample[j] * shares[j]), j))
         for j in order[:over]:
             shares[j] -= 1
-    # the samples left (fewer than the devices: each quota lost under 1) one each to the
-    # devices whose time with one more is shortest
-    left = total - sum(shares)
-    while left > 0:
-        order = sorted(range(n), key=lambda j: (fixed[j] + per_sample[j] * (shares[j] + 1), j))
-        for j in order[:left]:
-            shares[j] += 1
-        left = total - sum(shares)
+    # the samples left (fewer than the devices: each quota lost under 1) one at a time to
+    # the device with room whose time with one more is shortest (one each is not enough: a
+    # device of small per-sample time may take two before another takes one)
+    heap = [(fixed[j] + per_sample[j] * (shares[j] + 1), j) for j in range(n)
+            if shares[j] < cap[j]]
+    heapq.heapify(heap)
+    for _ in range(total - sum(shares)):
+        _, j = heapq.heappop(heap)
+        shares[j] += 1
+        if shares[j] < cap[j]:
+            heapq.heappush(heap, (fixed[j] + per_sample[j] * (shares[j] + 1), j))
     return tuple(shares)
 
 

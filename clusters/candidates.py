@@ -127,17 +127,10 @@ def device_subsets(ctx: PlanContext) -> list[tuple[str, list[Device]]]:
     return out
 
 
-def data_parallel_candidate(
-    ctx: PlanContext, strategy: str, devs: list[Device], subset: str
-) -> Candidate:
-    """``strategy`` (dp, zero1-3) on ``devs``: shares by speed, capped by the samples each
-    device's free memory holds, with m = 1, 2, 4, ... accumulation steps until they fit."""
-    n, prof, g = len(devs), ctx.profile, ctx.g
-    ids = tuple(map(operator.attrgetter("id"), devs))
-    stub = Plan(strategy=strategy, world_size=n, shares=(1,) * n, devices=ids)
-    if g < n:
-        return Candidate(stub, None, f"{strategy}: global batch {g} < {n} devices", subset)
-    fixed_parts = layout_memory(
+def model_states(strategy: str, n: int, prof: ModelProfile) -> MemoryBreakdown:
+    """What each of ``n`` ranks holds of the model under ``strategy`` before any activation
+    (``memory.layout_memory``)."""
+    return layout_memory(
         strategy,
         prof.n_params,
         n,
@@ -149,6 +142,26 @@ def data_parallel_candidate(
         biggest_tensor=prof.biggest_tensor(),
         frozen_params=prof.frozen(),
     )
+
+
+def pass_caps(prof: ModelProfile, states: float, usable: Sequence[float]) -> list[int] | None:
+    """The most samples each device's pass holds: its ``usable`` bytes less the model's
+    ``states`` over the activations one sample stores (None where a sample stores none)."""
+    act = sum(prof.stored(i) for i in range(prof.n_blocks))
+    return None if act <= 0 else [int((u - states) // act) for u in usable]
+
+
+def data_parallel_candidate(
+    ctx: PlanContext, strategy: str, devs: list[Device], subset: str
+) -> Candidate:
+    """``strategy`` (dp, zero1-3) on ``devs``: shares by speed, capped by the samples each
+    device's free memory holds, with m = 1, 2, 4, ... accumulation steps until they fit."""
+    n, prof, g = len(devs), ctx.profile, ctx.g
+    ids = tuple(map(operator.attrgetter("id"), devs))
+    stub = Plan(strategy=strategy, world_size=n, shares=(1,) * n, devices=ids)
+    if g < n:
+        return Candidate(stub, None, f"{strategy}: global batch {g} < {n} devices", subset)
+    fixed_parts = model_states(strategy, n, prof)
     fixed = fixed_parts.total
     speeds, usable = ctx.per_device(devs)
     worst = devs[usable.index(min(usable))]
@@ -161,8 +174,7 @@ def data_parallel_candidate(
             f"({format_bytes(ctx.usable(worst))} usable)",
             subset,
         )
-    act = sum(prof.stored(i) for i in range(prof.n_blocks))
-    per_pass = None if act <= 0 else [int((u - fixed) // act) for u in usable]
+    per_pass = pass_caps(prof, fixed, usable)
     # Gradient accumulation: m passes of ceil(share / m) samples; try m = 1, 2, 4, ...
     m, tried, shares, err = 1, 1, None, ""
     while m <= ctx.max_m:

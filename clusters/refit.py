@@ -44,6 +44,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from .balance import recut_shares, resplit_stages
+from .candidates import model_states, pass_caps
 from .collectives import KINDS, SYNC_MODES
 from .cost import CostModel
 from .errors import BalanceError, ClustersError
@@ -273,9 +274,13 @@ def observe(*, model: CostModel | None, profile: ModelProfile | None, cluster: C
                                                               strict=True)),
             {d: [*(points or {}).get(d, ()), pt] for d, pt in here.items()}, stragglers)
     if recut and shared and rank_s:
-        new, gain = recut_shares(current.shares, rank_s,
-                                 fixed_fractions(current, computed, profile, cluster))
-        new_s = step.median - gain
+        try:  # (within what each rank's memory holds, where a model says it)
+            new, gain = recut_shares(current.shares, rank_s,
+                                     fixed_fractions(current, computed, profile, cluster),
+                                     _caps(current, model, profile, cluster))
+            new_s = step.median - gain
+        except BalanceError:
+            new = ()
     if replan and ready:
         assert model is not None and profile is not None and cluster is not None
         seen = {plan_key(o.plan): o for o in observed}
@@ -322,6 +327,19 @@ def observe(*, model: CostModel | None, profile: ModelProfile | None, cluster: C
                     if not p.is_pipeline and lab != current.label
                     and p.shares != current.shares))
     return Observation(obs, plans, fitted, here)
+
+
+def _caps(plan: Plan, model: CostModel | None, profile: ModelProfile | None,
+          cluster: Cluster | None) -> list[int | None] | None:
+    """The most samples each rank of share-balanced ``plan`` holds (its usable memory less
+    the model's states, over a sample's activations, times its micro-batches); None without
+    a model. A re-cut that gave one GPU 63 of 64 samples would have run out of its memory."""
+    if model is None or profile is None or cluster is None:
+        return None
+    states = model_states(plan.strategy, plan.world_size, profile).total
+    per = pass_caps(profile, states, [model.usable_bytes(cluster.device(d))
+                                      for d in plan.devices])
+    return None if per is None else [max(0, c) * plan.micro_batches for c in per]
 
 
 def _on_footing(step_s: float, current: Plan, other: Plan, model: CostModel | None,

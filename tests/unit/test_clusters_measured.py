@@ -23,6 +23,7 @@ from clusters.collectives import (
     messages_time,
     sync_points,
 )
+from clusters.errors import BalanceError
 from clusters.measured import (
     Spread,
     equal_within_noise,
@@ -568,15 +569,22 @@ def test_affine_shares_make_the_slowest_device_least_slow():
         total = rng.randint(n, 14)
         a = [rng.choice((0.0, rng.uniform(0, 5))) for _ in range(n)]
         b = [rng.uniform(0.1, 3) for _ in range(n)]
-        got = affine_shares(total, a, b)
+        caps = [rng.choice((None, rng.randint(1, total))) for _ in range(n)]
+        if sum(total if c is None else c for c in caps) < total:
+            with pytest.raises(BalanceError):
+                affine_shares(total, a, b, caps=caps)
+            continue
+        got = affine_shares(total, a, b, caps=caps)
         assert sum(got) == total and min(got) >= 1
+        assert all(c is None or k <= c for k, c in zip(got, caps, strict=True))
 
         def worst(sh, a=a, b=b):
             return max(x + y * k for x, y, k in zip(a, b, sh, strict=True))
 
         best = min(worst(sh) for sh in itertools.product(range(1, total + 1), repeat=n)
-                   if sum(sh) == total)
-        assert worst(got) == pytest.approx(best), (total, a, b, got)
+                   if sum(sh) == total and all(c is None or k <= c
+                                               for k, c in zip(sh, caps, strict=True)))
+        assert worst(got) == pytest.approx(best), (total, a, b, caps, got)
 
 
 def test_a_rank_slower_at_everything_is_predicted_so_at_other_shares():
@@ -613,6 +621,13 @@ def test_a_rank_slower_at_everything_is_predicted_so_at_other_shares():
     assert dp == pytest.approx(true_dp, rel=0.05)
     assert view.model.pass_scale[ids[1]] == pytest.approx(6.0)
     assert view.model.seconds_per_sample[ids[1]] == pytest.approx(6e-3)
+    # where a rank's memory holds 50 samples (its states, 64.6 KB, and 136 bytes a sample),
+    # the re-cut gives it no more: 63 of 64 samples on one GPU would have run out of memory
+    small = replace(model, usable_memory_fraction=(64640 + 50.5 * 136) / 4e9)
+    capped = observe(model=small, profile=mm.profile, cluster=cluster, global_batch=64,
+                     current=cur, step=Spread(step, 0.0, 20), observed=[], remaining=10_000,
+                     switch_s=0.1, rank_s=rank_s, recent=Spread(step, 0.0, 20))
+    assert capped.obs.recut == (50, 14)
 
 
 def test_a_message_waits_on_compute_once_per_meeting_point_not_per_message():
