@@ -222,7 +222,7 @@ def observe(*, model: CostModel | None, profile: ModelProfile | None, cluster: C
             tried: Collection[str] = (), drift: float = 0.0,
             switched_from: str = "", rank_order: bool = False,
             points: Mapping[str, Sequence[RankPoint]] | None = None,
-            stragglers: Collection[str] = ()) -> Observation:
+            stragglers: Collection[str] = (), least_gain: float = 0.05) -> Observation:
     """The closed loop's view of the running layout ``current`` (devices set), measured at
     ``step`` over its window, with the layouts run before it (``observed``).
 
@@ -244,7 +244,9 @@ def observe(*, model: CostModel | None, profile: ModelProfile | None, cluster: C
     ``planner.plan``). ``points``: each device's ``RankPoint`` of earlier windows (the
     ``points`` of their observations), from which the devices named ``stragglers`` get
     their fixed costs and their work slowed apart (``fit_compute``); the re-cut follows
-    them too."""
+    them too. ``least_gain``: how much faster than the running step (relative) the re-cut
+    must be for the other share-balanced candidates to be judged at its shares (the
+    policy's ``min_gain``)."""
     shared = current.strategy in SYNC_MODES and len(rank_s) == len(current.devices)
     piped = (current.is_pipeline and len(rank_s) == len(current.devices)
              and len(stage_s) == len(rank_s))
@@ -283,7 +285,8 @@ def observe(*, model: CostModel | None, profile: ModelProfile | None, cluster: C
             new = ()
     if replan and ready:
         assert model is not None and profile is not None and cluster is not None
-        seen = {plan_key(o.plan): o for o in observed}
+        seen = {plan_key(o.plan): o for o in observed  # (the running one is its label's last)
+                if o.plan.label != current.label}
         # the devices' compute is of the last steps: the running layout's point (``step``,
         # ``recent`` above) is of the same span (a window from before a rank slowed drove
         # every comm factor to 0: dp predicted at 6 ms against its 2900, a pp4 job taken there)
@@ -291,9 +294,15 @@ def observe(*, model: CostModel | None, profile: ModelProfile | None, cluster: C
         obs_all = list(seen.values())
         assert computed is not None
         fitted = _fit_comm(computed, profile, cluster, obs_all)
+        if new and shared:  # on the running layout's footing, as the candidates
+            new_s = _on_footing(step.median, current, replace(current, shares=new), fitted,
+                                profile, cluster, new_s)
         preds = predictions(fitted, profile, cluster, global_batch, obs_all, rank_order)
-        if current.strategy in SYNC_MODES:  # (at the re-cut while a straggler is named)
-            at = new if recent is not None and new else current.shares
+        if current.strategy in SYNC_MODES:  # at the re-cut while a straggler is named, where
+            # it is ``least_gain`` faster (a re-cut of [63, 1] to [61, 3] is noise: dp was
+            # tried at [61, 3] beside zero1 at [63, 1], the strategy and the shares at once)
+            at = (new if recent is not None and new
+                  and new_s <= step.median * (1 - least_gain) else current.shares)
             preds = _at_running_shares(preds, current, fitted, profile, cluster, at)
         levels = _levels(fitted, profile, cluster, obs_all, current)
         best, plans = _figures(preds, levels)
@@ -307,9 +316,9 @@ def observe(*, model: CostModel | None, profile: ModelProfile | None, cluster: C
         stale = tuple(lab for lab, p in plans.items() if lab not in ran
                       and lab != current.label and _family(p) != _family(current)
                       and _family(p) in levels)
-    if new and ready and shared:  # on the running layout's footing, as the candidates
-        new_s = _on_footing(step.median, current, replace(current, shares=new),
-                            fitted or computed, profile, cluster, new_s)
+    if new and ready and shared and fitted is None:  # (the same, without a re-plan)
+        new_s = _on_footing(step.median, current, replace(current, shares=new), computed,
+                            profile, cluster, new_s)
     if recut and piped and block_weights:
         new, new_s = _resplit(current, stage_s, block_weights, step.median)
     obs = ReplanObservation(
@@ -323,9 +332,9 @@ def observe(*, model: CostModel | None, profile: ModelProfile | None, cluster: C
         tried_from=tried_from, recut_from=recut_from[0] if recut_from else (),
         recut_from_s=recut_from[1] if recut_from else 0.0, ran=ran, stale=stale,
         switched_from=switched_from, drift=drift,
-        notes=tuple((lab, f"at shares {list(p.shares)}") for lab, p in plans.items()
-                    if not p.is_pipeline and lab != current.label
-                    and p.shares != current.shares))
+        notes=tuple((lab, f"split {list(p.stage_split)}" if p.is_pipeline
+                     else f"at shares {list(p.shares)}") for lab, p in plans.items()
+                    if lab != current.label and (p.is_pipeline or p.shares != current.shares)))
     return Observation(obs, plans, fitted, here)
 
 

@@ -181,7 +181,7 @@ def simulate_loop(cluster: Cluster, profile: ModelProfile, global_batch: int, *,
             kinds={d: _kind(cluster.device(d)) for d in cur.devices},  # as live: by device id
             block_weights=weights, recent=robust(window[-recent:]) if lagging else None,
             points={d: [p for k, p in by.items() if k != key] for d, by in points.items()},
-            stragglers=sorted(lagging),
+            stragglers=sorted(lagging), least_gain=pol.min_gain,
             **memory.observe_args(cur.label, cur.stage_split))
         for d, pt in view.points.items():  # (as live)
             points.setdefault(d, {})[key] = pt
@@ -197,7 +197,8 @@ def simulate_loop(cluster: Cluster, profile: ModelProfile, global_batch: int, *,
         # whole window holds steps from before the rank slowed, as live)
         kept = robust(window[-recent:] if lagging else window)
         memory.kept(observed[key].step if key in observed else None, kept)
-        observed[key] = Observed(cur, kept)
+        observed[key] = Observed(cur, kept)  # one per label, the last it ran (as live)
+        observed = {k: o for k, o in observed.items() if o.plan.label != cur.label or k == key}
         if isinstance(decision, SwitchPlan):
             cur = view.plans[decision.target]
         elif isinstance(decision, RecutShares) and decision.cut == "stage split":

@@ -222,6 +222,11 @@ class Replanner:
             earlier = self.observed.get(plan_key(p))
             self.observed[plan_key(p)] = (p, robust(times))
             self.memory.kept(earlier[1] if earlier else None, self.observed[plan_key(p)][1])
+            # one figure per label, the last it ran (a re-cut supersedes the shares it left:
+            # the way back from a try went to dp's old [32, 32, 32], the straggler's share
+            # whole, on the figure of them taken right after it slowed)
+            self.observed = {k: v for k, v in self.observed.items()
+                             if v[0].label != p.label or k == plan_key(p)}
 
     # ------------------------------------------------------------------ deciding
 
@@ -359,7 +364,7 @@ class Replanner:
             rank_order=True,
             block_weights=block_weights(lay, group) if figs.stage_s else (),
             recent=robust(times[-self._recent():]) if slow else None,
-            stragglers=[current.devices[r] for r in slow],
+            stragglers=[current.devices[r] for r in slow], least_gain=self.policy.min_gain,
             points={d: [p for k, p in by.items() if k != key]
                     for d, by in self._points.items()}, **mem)
         for d, pt in view.points.items():  # this window's, in place of the layout's last

@@ -628,6 +628,20 @@ def test_a_rank_slower_at_everything_is_predicted_so_at_other_shares():
                      current=cur, step=Spread(step, 0.0, 20), observed=[], remaining=10_000,
                      switch_s=0.1, rank_s=rank_s, recent=Spread(step, 0.0, 20))
     assert capped.obs.recut == (50, 14)
+    # at the re-cut's shares, its ranks read 10 % apart (noise): a re-cut is on offer but
+    # under the policy's least gain, and the other layouts are judged at the running
+    # shares (was: dp tried at [61, 3] beside zero1 at [63, 1], strategy and shares at once)
+    cur2 = replace(cur, shares=new)
+    fixed2 = fixed_per_sample(cur2, truth, mm.profile, cluster)
+    rank2 = [(truth.sample_time(cluster.device(i), mm.profile) + f) * k
+             for i, f, k in zip(ids, fixed2, (1.0, 1.1), strict=True)]
+    step2 = truth.estimate(cur2, cluster, mm.profile).step_time
+    near = observe(model=model, profile=mm.profile, cluster=cluster, global_batch=64,
+                   current=cur2, step=Spread(step2, 0.0, 20), observed=[], remaining=10_000,
+                   switch_s=0.1, rank_s=rank2, recent=Spread(step2, 0.0, 20))
+    assert near.obs.recut and near.obs.recut != new, near.obs.recut
+    assert near.obs.recut_step_s > 0.95 * step2
+    assert near.plans["dp"].shares == new
 
 
 def test_a_message_waits_on_compute_once_per_meeting_point_not_per_message():

@@ -219,3 +219,21 @@ def test_a_straggler_that_slows_further_drops_the_figures_of_before(monkeypatch)
     _feed(rp, spec, range(60, 90), step * 6, [c[0], 6 * c[1]], frac)
     rp.decide(90, spec, group)
     assert len(forgot) == 2  # it moved: 6x where it read 2x
+
+
+def test_a_label_keeps_the_figure_of_the_shares_it_ran_last():
+    """dp ran at [32, 32] (its straggler just slowed), then at the re-cut [60, 4], then the
+    loop tried zero1: dp's figure, and the plan the way back goes to, are the re-cut's.
+    Was: both kept, and the way back took the lower figure's plan, [32, 32] measured right
+    after the slowdown (a new user's 3-rank click model: "back ... against dp's 16.2 ms",
+    then dp at [32, 32, 32] to the end, the straggler's share whole)."""
+    rp, mm, events, c = _loop()
+    frac = mm.spreads["forward_fraction"]
+    spec, step, group = _dp(rp, mm)
+    _feed(rp, spec, range(0, 30), step, [c[0], 6 * c[1]], frac)
+    recut = StrategySpec("dp", world_size=2, shares=(60, 4))
+    _feed(rp, recut, range(30, 60), step * 1.1, [c[0], 6 * c[1]], frac)
+    zero1 = StrategySpec("zero1", world_size=2, shares=(60, 4))
+    _feed(rp, zero1, range(60, 61), step, [c[0], 6 * c[1]], frac)
+    dps = [p for p, _ in rp.observed.values() if p.label == "dp"]
+    assert [p.shares for p in dps] == [(60, 4)]
