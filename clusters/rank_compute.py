@@ -161,6 +161,14 @@ class LiveScale:
 
     def __init__(self) -> None:
         self._factor: dict[object, float] = {}
+        self._apart: dict[object, dict[int, float]] = {}
+
+    def apart(self, key: object) -> dict[int, float]:
+        """The ranks the factor of ``key`` left out, each with its figure against the model
+        over the others' median (how much slower it already ran): given once, at the
+        layout's first decision (a pipeline's footing takes it out, ``StageBaseline``'s
+        ``known``: a rank already slow at a pipeline's start read as its stage's norm)."""
+        return self._apart.pop(key, {})
 
     def __call__(self, key: object, rank_s: Sequence[float], ids: Sequence[str],
                  model: CostModel, fixed: Sequence[float] = (),
@@ -199,6 +207,9 @@ class LiveScale:
 
                 keep = [r for r in range(n) if q[r] > 0 and fast(r)]
                 keep = keep or [r for r in range(n) if q[r] > 0]
+                mid = statistics.median(q[r] for r in keep)
+                self._apart[key] = {r: q[r] / mid for r in range(n)
+                                    if r not in keep and q[r] > 0 and mid > 0}
                 self._factor[key] = (sum(have[r] for r in keep)
                                      / sum(rank_s[r] for r in keep))
             else:

@@ -327,8 +327,11 @@ class Replanner:
                 fixed_per_sample(current, mm.model, mm.profile, lay.cluster),
                 [current.coords(r)[0] for r in range(len(ids))])
             rank_s, first = tuple(t * k for t in rank_s), tuple(t * k for t in first)
-        if current.is_pipeline and rank_s:
-            known = [self._known.get(w.worker_id, 1.0) for w in group.workers]
+        if current.is_pipeline and rank_s:  # the stragglers known, and the ranks already
+            # slow against the model in the layout's first window (none named before it)
+            apart = self._scale.apart(key)
+            known = [max(self._known.get(w.worker_id, 1.0), apart.get(r, 1.0))
+                     for r, w in enumerate(group.workers)]
             return _Figures(current, mm, self._stages(current, rank_s, first, known), rel,
                             rank_s)
         return _Figures(current, mm, rank_s, rel, ())

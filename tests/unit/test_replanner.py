@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from clusters.measured import terms_model
-from clusters.refit import fixed_per_sample
+from clusters.refit import fixed_per_sample, stage_fractions
 from elastic.control.replan import Replanner
 from elastic.planning import spec_plan
 from strategies import StrategySpec
@@ -237,3 +237,27 @@ def test_a_label_keeps_the_figure_of_the_shares_it_ran_last():
     _feed(rp, zero1, range(60, 61), step, [c[0], 6 * c[1]], frac)
     dps = [p for p, _ in rp.observed.values() if p.label == "dp"]
     assert [p.shares for p in dps] == [(60, 4)]
+
+
+def test_a_pipeline_whose_rank_is_slow_from_its_first_steps_names_it_and_re_splits():
+    """A pp2 pipeline whose rank 1 runs 6x slower than the model from its first steps, no
+    straggler named before it: its footing (the first steps) would take that pace for its
+    stage's norm. The live scale leaves the rank out (more than 50 % slower against the
+    model than the other stage), and the footing takes that slowness out, as a known
+    straggler's: rank 1 reads ~6x its stage and the split is cut off it. Was: never named,
+    never re-split (a new user's run entered pp2 with an unnamed straggler)."""
+    rp, mm, events, c = _loop()
+    rp.layouts._block_costs = lambda group: [0.2, 0.6, 0.2]  # noqa: SLF001
+    frac = mm.spreads["forward_fraction"]
+    group = _group()
+    pipe = StrategySpec("pipeline", 2, (32, 32), pp_degree=2, micro_batches=4,
+                        schedule="1f1b", stage_split=(1, 2))
+    plan = spec_plan(pipe, rp.layouts.ids, None)
+    have = [h * f for h, f in zip(_at_layout(rp, mm, pipe), stage_fractions(
+        plan, mm.profile, rp.layouts.cluster), strict=True)]  # each stage's model figure
+    _feed(rp, pipe, range(0, 30), 0.05, [have[0], 6 * have[1]], frac)
+    rp.decide(30, pipe, group)
+    replan = [d for k, _, d in events if k == "replan"][-1]
+    assert [d["ranks"] for k, _, d in events if k == "straggler"] == [[1]], events
+    assert replan["rank_s_per_sample"][1] == pytest.approx(6, rel=0.05), replan
+    assert replan["cut"] == "stage split" and replan["recut"] == [2, 1], replan
