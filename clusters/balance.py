@@ -305,15 +305,16 @@ def rebalance_decision(
 
 
 def recut_shares(shares: Sequence[int], seconds_per_sample: Sequence[float],
-                 fixed: Sequence[float] = (), caps: Sequence[int | None] | None = None
-                 ) -> tuple[tuple[int, ...], float]:
+                 fixed: Sequence[float] = (), caps: Sequence[int | None] | None = None,
+                 min_share: int = 1) -> tuple[tuple[int, ...], float]:
     """Shares that follow measured compute seconds per sample of each rank, and the seconds
     per step they save: the slowest rank's compute before minus after. ``fixed``: the part
     of each rank's figure that is fixed per step (passes, launches) spread over its share
     now, as a fraction of it; a rank's compute at ``n`` samples is then that part of its
     step plus ``n`` times the rest (``affine_shares``; none: ``n`` times its figure).
-    ``caps``: the most samples each rank holds (its free memory). Raises ``BalanceError``
-    on bad input, or caps that cannot hold the batch."""
+    ``caps``: the most samples each rank holds (its free memory); ``min_share``: the
+    fewest (a lockstep strategy's micro-batches). Raises ``BalanceError`` on bad input, or
+    caps that cannot hold the batch."""
     if len(shares) != len(seconds_per_sample) or not shares:
         raise BalanceError("one seconds-per-sample figure per share is needed")
     if any(not (c > 0 and math.isfinite(c)) for c in seconds_per_sample):
@@ -323,8 +324,9 @@ def recut_shares(shares: Sequence[int], seconds_per_sample: Sequence[float],
         raise BalanceError(f"fixed fractions must be in [0, 1), got {phi}")
     a = [f * c * n for f, c, n in zip(phi, seconds_per_sample, shares, strict=True)]
     b = [(1.0 - f) * c for f, c in zip(phi, seconds_per_sample, strict=True)]
-    new = (affine_shares(sum(shares), a, b, caps=caps) if any(phi)
-           else proportional_shares(sum(shares), [1.0 / c for c in seconds_per_sample], caps))
+    new = (affine_shares(sum(shares), a, b, min_share, caps) if any(phi)
+           else proportional_shares(sum(shares), [1.0 / c for c in seconds_per_sample], caps,
+                                    min_share))
     before = max(x + y * n for x, y, n in zip(a, b, shares, strict=True))
     after = max(x + y * n for x, y, n in zip(a, b, new, strict=True))
     return new, before - after

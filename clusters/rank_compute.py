@@ -208,8 +208,9 @@ class LiveScale:
                 keep = [r for r in range(n) if q[r] > 0 and fast(r)]
                 keep = keep or [r for r in range(n) if q[r] > 0]
                 mid = statistics.median(q[r] for r in keep)
-                self._apart[key] = {r: q[r] / mid for r in range(n)
-                                    if r not in keep and q[r] > 0 and mid > 0}
+                if len(set(g)) > 1:  # (a pipeline's: what its footing takes out)
+                    self._apart[key] = {r: q[r] / mid for r in range(n)
+                                        if r not in keep and q[r] > 0 and mid > 0}
                 self._factor[key] = (sum(have[r] for r in keep)
                                      / sum(rank_s[r] for r in keep))
             else:

@@ -43,6 +43,8 @@ import statistics
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
+from strategies.traits import TRAITS
+
 from .balance import recut_shares, resplit_stages
 from .candidates import model_states, pass_caps
 from .collectives import KINDS, SYNC_MODES
@@ -277,9 +279,11 @@ def observe(*, model: CostModel | None, profile: ModelProfile | None, cluster: C
             {d: [*(points or {}).get(d, ()), pt] for d, pt in here.items()}, stragglers)
     if recut and shared and rank_s:
         try:  # (within what each rank's memory holds, where a model says it)
-            new, gain = recut_shares(current.shares, rank_s,
-                                     fixed_fractions(current, computed, profile, cluster),
-                                     _caps(current, model, profile, cluster))
+            new, gain = recut_shares(
+                current.shares, rank_s, fixed_fractions(current, computed, profile, cluster),
+                _caps(current, model, profile, cluster),
+                current.micro_batches if TRAITS[current.strategy].lockstep_micro_batches
+                else 1)  # (zero3's micro-batches run on every rank: each share fills them)
             new_s = step.median - gain
         except BalanceError:
             new = ()
@@ -348,7 +352,12 @@ def _caps(plan: Plan, model: CostModel | None, profile: ModelProfile | None,
     states = model_states(plan.strategy, plan.world_size, profile).total
     per = pass_caps(profile, states, [model.usable_bytes(cluster.device(d))
                                       for d in plan.devices])
-    return None if per is None else [max(0, c) * plan.micro_batches for c in per]
+    caps: list[int | None] | None = (None if per is None else
+                                     [max(0, c) * plan.micro_batches for c in per])
+    # where the running shares pass them, the model does not say how this layout runs (a
+    # rank's micro_batch_size splits its share into more passes than the plan counts)
+    return None if caps is None or any(c is not None and s > c for s, c in zip(
+        plan.shares, caps, strict=True)) else caps
 
 
 def _on_footing(step_s: float, current: Plan, other: Plan, model: CostModel | None,

@@ -316,7 +316,7 @@ class Replanner:
         ids = lay.ids if planned else [str(r) for r in range(spec.world_size)]
         current = spec_plan(spec, ids, lay.probe_model)
         mm = lay.measured if planned else None
-        key = (spec.name, spec.dp_mode, tuple(ids))
+        key = (spec.name, spec.pp_degree, spec.dp_mode, tuple(ids))  # (kept across re-splits)
         if mm is not None and rank_s:  # on the model's scale, fixed at a layout's first
             # steps; a pipeline's stages on that of the devices' whole-model figures
             # (``stage_fractions``), its factor kept across re-splits
