@@ -38,10 +38,11 @@ class RankPoint:
 
 
 def rank_points(plan: Plan, model: CostModel, profile: ModelProfile, cluster: Cluster,
-                whole: Sequence[float]) -> dict[str, RankPoint]:
+                whole: Sequence[float], fixed: Sequence[float] = ()) -> dict[str, RankPoint]:
     """Each device's ``RankPoint`` at ``plan`` from its measured whole-model seconds per
-    sample (``whole``, on the model's scale)."""
-    fixed = fixed_per_sample(plan, model, profile, cluster)
+    sample (``whole``, on the model's scale); ``fixed``: ``fixed_per_sample``'s, where the
+    caller has them."""
+    fixed = fixed or fixed_per_sample(plan, model, profile, cluster)
     out = {}
     for r, dev in enumerate(plan.devices):
         n = plan.samples(r)
@@ -105,7 +106,7 @@ def fit_compute(model: CostModel, profile: ModelProfile, cluster: Cluster,
                 compute: Mapping[str, Spread] | None, kinds: Mapping[str, object] | None = None,
                 fixed: Mapping[str, float] | None = None,
                 points: Mapping[str, Sequence[RankPoint]] | None = None,
-                apart: Collection[str] = ()) -> CostModel:
+                stragglers: Collection[str] = ()) -> CostModel:
     """``model`` with each device's compute (``compute``: its seconds per sample now) as
     measured. ``fixed``: what of each device's figure the model holds fixed per pass
     (``fixed_per_sample``; without it a figure is taken as work per sample): its figure
@@ -113,7 +114,7 @@ def fit_compute(model: CostModel, profile: ModelProfile, cluster: Cluster,
     profiled, in both (a rank 6x slower given 1 sample of 64 measured 10 ms/sample, given
     32 0.9: taken as work per sample, the re-cut's step was predicted 7 ms short). Those
     factors, not the figures (which hold the fixed costs over unequal shares), are made
-    equal within the noise for devices of one kind. ``apart``: the devices (stragglers) whose
+    equal within the noise for devices of one kind. ``stragglers``: the devices whose
     ``points`` (their windows at the layouts since, this one's last) may tell their fixed
     costs' and their work's slowdowns apart (``slowdowns``: an emulated 6x straggler
     measured 6.2x in its work and 10.7x in its fixed costs)."""
@@ -137,7 +138,7 @@ def fit_compute(model: CostModel, profile: ModelProfile, cluster: Cluster,
                                               if kinds else None)]
     scale = dict(model.pass_scale)
     for i, k in zip(ids, ks, strict=True):
-        both = slowdowns((points or {}).get(i, ())) if i in apart else None
+        both = slowdowns((points or {}).get(i, ())) if i in stragglers else None
         ka, kb = both if both is not None else (k, k)
         sps[i] = kb * own[i]
         scale[i] = ka * model.pass_scale.get(i, 1.0)

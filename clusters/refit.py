@@ -94,11 +94,11 @@ def refit(model: CostModel, profile: ModelProfile, cluster: Cluster,
           kinds: Mapping[str, object] | None = None,
           fixed: Mapping[str, float] | None = None,
           points: Mapping[str, Sequence[RankPoint]] | None = None,
-          apart: Collection[str] = ()) -> CostModel:
+          stragglers: Collection[str] = ()) -> CostModel:
     """``model`` re-fitted to ``observed`` segments and per-device ``compute`` (seconds per
     sample of the whole model, by device id; see the module docstring). ``fixed``,
-    ``points`` and ``apart``: ``fit_compute``'s."""
-    out = fit_compute(model, profile, cluster, compute, kinds, fixed, points, apart)
+    ``points`` and ``stragglers``: ``fit_compute``'s."""
+    out = fit_compute(model, profile, cluster, compute, kinds, fixed, points, stragglers)
     return _fit_comm(out, profile, cluster, observed) if observed else out
 
 
@@ -271,8 +271,8 @@ def observe(*, model: CostModel | None, profile: ModelProfile | None, cluster: C
     computed = model
     if ready and whole is not None:
         assert model is not None and profile is not None and cluster is not None
-        here = rank_points(current, model, profile, cluster, whole)
         fixed = fixed_per_sample(current, model, profile, cluster)
+        here = rank_points(current, model, profile, cluster, whole, fixed)
         computed = fit_compute(
             model, profile, cluster, compute, kinds, dict(zip(current.devices, fixed,
                                                               strict=True)),

@@ -1312,3 +1312,23 @@ def test_a_pipelines_own_work_per_action_is_a_crowded_hosts_work_too():
     # messages cheaper than profiled: never below the stages' compute
     cheap = replace(mm.model, pipe_action_s=-1.0)
     assert compute(cheap, 4) == pytest.approx(compute(free, 4))
+
+
+def test_the_running_layouts_label_is_re_fitted_on_its_running_shares_only():
+    """A figure of the running label at other shares (dp at [32, 32], before a re-cut) is
+    not fitted beside the running one: it is of a layout the re-cut replaced (the callers
+    keep one figure per label; ``observe`` drops the running label's others too)."""
+    cluster, ids = _live()
+    mm = terms_model(_reports(), ids, _base(), cluster=cluster)
+    cur = Plan(strategy="dp", world_size=2, shares=(60, 4), devices=tuple(ids))
+    old = Plan(strategy="dp", world_size=2, shares=(32, 32), devices=tuple(ids))
+    step = mm.model.estimate(cur, cluster, mm.profile).step_time + 5e-3
+
+    def view(observed):
+        return observe(model=mm.model, profile=mm.profile, cluster=cluster, global_batch=64,
+                       current=cur, step=Spread(step, 0.0, 20), observed=observed,
+                       remaining=1000, switch_s=0.1).model
+
+    alone = view([])
+    with_old = view([Observed(old, Spread(0.5 * step, 0.0, 20))])
+    assert with_old.step_overhead == pytest.approx(alone.step_overhead)
